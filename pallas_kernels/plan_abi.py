@@ -54,3 +54,21 @@ STEP_COLS = 5
 # sentinel U * tile_q for a row no unit owns. Backends gather
 #   out[b, i, h] = concat(out_units.reshape(B, U * tile_q, D), zeros)[b, row_index[h, i]]
 # (and likewise lse with -inf as the sentinel value).
+
+
+def gather_rows(out_units, lse_units, row_index):
+    """Unit-major kernel outputs -> out [B, Lq, Hq, D] and lse [B, Hq, Lq] (float32).
+
+    out_units: [B, U, tile_q, D]; lse_units: [B, U, tile_q] float32; row_index: int32 [Hq, Lq].
+    Rows no unit owns get 0 and -inf.
+    """
+    import jax.numpy as jnp  # local: keeps this module importable without jax for docs
+
+    B, U, T, D = out_units.shape
+    flat = out_units.reshape(B, U * T, D)
+    flat = jnp.concatenate([flat, jnp.zeros((B, 1, D), flat.dtype)], axis=1)
+    lflat = lse_units.reshape(B, U * T).astype(jnp.float32)
+    lflat = jnp.concatenate([lflat, jnp.full((B, 1), -jnp.inf, jnp.float32)], axis=1)
+    out = jnp.take(flat, row_index.T, axis=1)            # [B, Lq, Hq, D]
+    lse = jnp.take(lflat, row_index, axis=1)              # [B, Hq, Lq]
+    return out, lse
