@@ -1,0 +1,132 @@
+"""Registry of kernel templates: the compiled shapes a plan can target, with their constraints.
+
+A template fixes what a kernel is compiled for (tile shape, pipeline depth) and says what it can
+take (head dims, dtypes, alignment of tile starts). The planner reads ``tile_q``, ``tile_kv``,
+``q_align`` and ``kv_align`` to build plans a template can run; the ranking chooses among the
+templates that ``supports`` a call. Backends add their entries with ``register``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["Template", "register", "get", "all_templates", "for_backend", "supporting"]
+
+BACKENDS = ("mosaic_gpu", "triton", "xla")
+_DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """One compiled kernel configuration.
+
+    name:        unique key, e.g. "mgpu_q128_kv128_s2"
+    backend:     "mosaic_gpu" | "triton" | "xla"
+    tile_q:      query rows of one work unit (the plan's tile_q)
+    tile_kv:     keys of one step (the plan's tile_kv)
+    stages:      K/V pipeline depth (SMEM ring slots for Mosaic GPU, num_stages for Triton)
+    head_dims:   head dims the kernel is compiled for
+    dtypes:      input dtype names ("bfloat16", "float16", "float32")
+    q_align:     every unit's q_start must be a multiple of this
+    kv_align:    every step's kv_start must be a multiple of this
+    min_compute_capability: lowest (major, minor) GPU it runs on; (0, 0) for any
+    options:     backend-specific extras as (key, value) pairs (hashable)
+    """
+
+    name: str
+    backend: str
+    tile_q: int
+    tile_kv: int
+    stages: int
+    head_dims: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    q_align: int = 1
+    kv_align: int = 1
+    min_compute_capability: tuple[int, int] = (0, 0)
+    options: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty str, got {self.name!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        for field in ("tile_q", "tile_kv", "stages", "q_align", "kv_align"):
+            val = getattr(self, field)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{field} must be a positive int, got {val!r}")
+        if not self.head_dims or any(not isinstance(d, int) or d < 1 for d in self.head_dims):
+            raise ValueError(f"head_dims must be a non-empty tuple of positive ints, "
+                             f"got {self.head_dims!r}")
+        if not self.dtypes or any(d not in _DTYPE_NAMES for d in self.dtypes):
+            raise ValueError(f"dtypes must be a non-empty tuple of {_DTYPE_NAMES}, "
+                             f"got {self.dtypes!r}")
+
+    def option(self, key, default=None):
+        return dict(self.options).get(key, default)
+
+    def supports(self, head_dim: int, dtype) -> bool:
+        """Whether this template can run a call with this head dim and dtype."""
+        return int(head_dim) in self.head_dims and _dtype_name(dtype) in self.dtypes
+
+
+def _dtype_name(dtype) -> str:
+    try:
+        import jax.numpy as jnp  # bfloat16 lives in ml_dtypes; jnp.dtype knows it
+        return jnp.dtype(dtype).name
+    except Exception:  # pragma: no cover
+        return np.dtype(dtype).name
+
+
+_REGISTRY: dict[str, Template] = {}
+
+
+def register(template: Template) -> Template:
+    """Adds a template; re-registering the same name with a different template is an error."""
+    if not isinstance(template, Template):
+        raise TypeError(f"template must be a Template, got {type(template).__name__}")
+    old = _REGISTRY.get(template.name)
+    if old is not None and old != template:
+        raise ValueError(f"a different template named {template.name!r} is already registered")
+    _REGISTRY[template.name] = template
+    return template
+
+
+def get(name: str) -> Template:
+    """The registered template of this name (``ValueError`` naming the known ones otherwise)."""
+    if isinstance(name, Template):
+        return name
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown template {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def all_templates() -> tuple[Template, ...]:
+    return tuple(_REGISTRY.values())
+
+
+def for_backend(backend: str) -> tuple[Template, ...]:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return tuple(t for t in _REGISTRY.values() if t.backend == backend)
+
+
+def supporting(head_dim: int, dtype, backend: str | None = None) -> tuple[Template, ...]:
+    """Templates (of one backend, or all) that can run this head dim and dtype."""
+    pool = _REGISTRY.values() if backend is None else for_backend(backend)
+    return tuple(t for t in pool if t.supports(head_dim, dtype))
+
+
+# --- Mosaic GPU (Hopper, sm_90a): pallas_kernels.mosaic_fwd --------------------------------
+# tile_q is always 128: two consumer warpgroups of 64 rows each. SMEM per CTA is
+# 2*64*D*2 (Q/O) + stages * 2 * tile_kv * D * 2 (K, V ring): at D=128, tile_kv=128 three
+# stages take 224 KiB of the 227 KiB available, four don't fit.
+_MGPU_COMMON = dict(backend="mosaic_gpu", tile_q=128, head_dims=(64, 128),
+                    dtypes=("bfloat16", "float16"), q_align=1, kv_align=1,
+                    min_compute_capability=(9, 0))
+for _kv, _stages in ((128, 2), (128, 3), (64, 2), (64, 3), (64, 4)):
+    register(Template(name=f"mgpu_q128_kv{_kv}_s{_stages}", tile_kv=_kv, stages=_stages,
+                      **_MGPU_COMMON))
+del _kv, _stages
