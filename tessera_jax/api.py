@@ -1,0 +1,68 @@
+"""Public entry points: plan(...) and sparse_attention(...)."""
+
+from __future__ import annotations
+
+from . import backends
+from .mask import BlockMask
+from .planner import Plan, build_plan
+from .validation import check_bool, check_mask, check_qkv, check_scale, check_shapes
+
+
+def _choose_template(mask: BlockMask, shape, backend: str) -> tuple[str, str]:
+    """(template, policy) for a request; the ranking tables refine this when present."""
+    try:
+        from .selection import select  # offline-profiled ranking (optional)
+    except ImportError:
+        select = None
+    if select is not None:
+        choice = select(mask, shape, backend)
+        if choice is not None:
+            return choice
+    supported = backends.supported_templates(backend, shape)
+    default = backends.DEFAULT_TEMPLATE.get(backend)
+    names = [t.name for t in supported]
+    return (default if default in names else names[0]), "merge"
+
+
+def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
+         policy: str | None = None, backend: str | None = None) -> Plan:
+    """The plan ``sparse_attention`` would run for these shapes (cached by mask digest)."""
+    shape = check_shapes(q_shape, kv_shape, dtype)
+    check_mask(mask, shape)
+    if template is None:
+        be = backends.resolve(backend, shape)
+        template, default_policy = _choose_template(mask, shape, be)
+        policy = policy or default_policy
+    t = backends.get_template(template)
+    why = t.unsupported(shape)
+    if why:
+        raise ValueError(f"template {template!r} can't take this call: {why}")
+    return build_plan(mask, q_shape, kv_shape, dtype, tile_q=t.tile_q, tile_kv=t.tile_kv,
+                      policy=policy or "merge", q_align=t.q_align, kv_align=t.kv_align,
+                      template=t.name)
+
+
+def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, backend=None,
+                     template: str | None = None, policy: str | None = None):
+    """Attention restricted to the mask's selected blocks.
+
+    q: [B, Lq, Hq, D]; k, v: [B, Lkv, Hkv, D] with Hq % Hkv == 0. Returns out [B, Lq, Hq, D] in
+    q.dtype, and lse [B, Hq, Lq] (float32, natural log) when ``return_lse``. A query with no
+    selected key gives 0 and lse -inf. ``backend`` is "mosaic_gpu", "triton", "xla" or None (the
+    best available here). Planning is host NumPy at trace time, so under ``jax.jit`` the mask
+    must be a static (closure or static-argument) value.
+    """
+    shape = check_qkv(q, k, v)
+    check_mask(mask, shape)
+    scale = check_scale(scale, shape.head_dim)
+    return_lse = check_bool("return_lse", return_lse)
+    if template is not None:
+        t = backends.get_template(template)
+        if backend is not None and backend != t.backend:
+            raise ValueError(f"template {template!r} belongs to backend {t.backend!r}, "
+                             f"not {backend!r}")
+        backends.resolve(t.backend, shape)
+    else:
+        backend = backends.resolve(backend, shape)
+    p = plan(mask, q.shape, k.shape, q.dtype, template=template, policy=policy, backend=backend)
+    return backends.run(p, q, k, v, scale, return_lse)

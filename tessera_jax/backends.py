@@ -1,0 +1,149 @@
+"""Backends and their templates: which executors exist here and how a plan is run on each.
+
+A *template* is a kernel configuration the planner can target (tile shape, alignment, kernel
+parameters). Kernel modules register their templates here; the planner only reads tile shapes
+and alignments, the kernels only read ABI arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Callable
+
+import jax
+
+from .validation import AttnShape
+
+BACKENDS = ("mosaic_gpu", "triton", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """One precompilable kernel configuration."""
+
+    name: str
+    backend: str
+    tile_q: int
+    tile_kv: int
+    q_align: int = 1
+    kv_align: int = 1
+    head_dims: tuple[int, ...] | None = None   # None: any
+    dtypes: tuple[str, ...] | None = None      # None: float32, bfloat16, float16
+    params: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        for f in ("tile_q", "tile_kv", "q_align", "kv_align"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be positive")
+
+    def unsupported(self, shape: AttnShape) -> str | None:
+        """Why this template can't take the call, or None."""
+        if self.head_dims is not None and shape.head_dim not in self.head_dims:
+            return f"head_dim {shape.head_dim} not in {self.head_dims}"
+        if self.dtypes is not None and str(shape.dtype) not in self.dtypes:
+            return f"dtype {shape.dtype} not in {self.dtypes}"
+        return None
+
+
+_TEMPLATES: dict[str, Template] = {}
+_RUNNERS: dict[str, Callable] = {}
+_AVAILABLE: dict[str, Callable[[], bool]] = {}
+
+
+def register_template(t: Template) -> Template:
+    _TEMPLATES[t.name] = t
+    return t
+
+
+def register_backend(name: str, runner: Callable, available: Callable[[], bool]) -> None:
+    """runner(plan, template, q, k, v, scale, return_lse) -> out or (out, lse)."""
+    _RUNNERS[name] = runner
+    _AVAILABLE[name] = available
+
+
+def templates(backend: str | None = None) -> list[Template]:
+    _load_kernel_backends()
+    return [t for t in _TEMPLATES.values() if backend is None or t.backend == backend]
+
+
+def get_template(name: str) -> Template:
+    _load_kernel_backends()
+    if not isinstance(name, str):
+        raise TypeError(f"template must be a template name (str), got {type(name).__name__}")
+    if name not in _TEMPLATES:
+        raise ValueError(f"unknown template {name!r}; known: {sorted(_TEMPLATES)}")
+    return _TEMPLATES[name]
+
+
+def is_available(backend: str) -> bool:
+    _load_kernel_backends()
+    return backend in _AVAILABLE and _AVAILABLE[backend]()
+
+
+def supported_templates(backend: str, shape: AttnShape) -> list[Template]:
+    return [t for t in templates(backend) if t.unsupported(shape) is None]
+
+
+_warned: set = set()
+
+
+def resolve(backend: str | None, shape: AttnShape) -> str:
+    """The backend to run: an explicit one must exist here and take the call."""
+    if backend is not None:
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+        if not is_available(backend):
+            raise ValueError(f"backend {backend!r} is not available on this machine "
+                             f"({jax.default_backend()})")
+        if not supported_templates(backend, shape):
+            reasons = {t.name: t.unsupported(shape) for t in templates(backend)}
+            raise ValueError(f"backend {backend!r} can't take this call: {reasons}")
+        return backend
+    for name in BACKENDS:
+        if not is_available(name):
+            continue
+        if supported_templates(name, shape):
+            return name
+        key = (name, shape.head_dim, str(shape.dtype))
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(f"tessera_jax: backend {name!r} can't take head_dim={shape.head_dim}, "
+                          f"dtype={shape.dtype}; falling back to the next backend", stacklevel=3)
+    raise ValueError("no backend can take this call")  # unreachable: xla takes everything
+
+
+def run(plan, q, k, v, scale, return_lse):
+    t = get_template(plan.template)
+    return _RUNNERS[t.backend](plan, t, q, k, v, scale, return_lse)
+
+
+@functools.cache
+def _load_kernel_backends() -> None:
+    """Imports the optional kernel backends (they register themselves)."""
+    import importlib
+    for mod in ("tessera_jax.kernel_backends",):
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            pass
+
+
+# --- the XLA backend --------------------------------------------------------------------
+def _run_xla(plan, template, q, k, v, scale, return_lse):
+    from . import xla_backend
+    return xla_backend.execute(
+        q, k, v, plan.units, plan.steps, plan.row_index, tile_q=plan.tile_q,
+        tile_kv=plan.tile_kv, q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
+        max_steps=plan.max_steps, scale=scale, return_lse=return_lse)
+
+
+register_backend("xla", _run_xla, lambda: True)
+for _tq, _tk in ((64, 64), (128, 128), (64, 128), (128, 64)):
+    register_template(Template(f"xla_{_tq}x{_tk}", "xla", _tq, _tk))
+DEFAULT_TEMPLATE = {"xla": "xla_64x64"}
