@@ -27,7 +27,7 @@ class Template:
     tile_q:      query rows of one work unit (the plan's tile_q)
     tile_kv:     keys of one step (the plan's tile_kv)
     stages:      K/V pipeline depth (SMEM ring slots for Mosaic GPU, num_stages for Triton)
-    head_dims:   head dims the kernel is compiled for
+    head_dims:   head dims the kernel is compiled for (empty: any)
     dtypes:      input dtype names ("bfloat16", "float16", "float32")
     q_align:     every unit's q_start must be a multiple of this
     kv_align:    every step's kv_start must be a multiple of this
@@ -56,8 +56,8 @@ class Template:
             val = getattr(self, field)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{field} must be a positive int, got {val!r}")
-        if not self.head_dims or any(not isinstance(d, int) or d < 1 for d in self.head_dims):
-            raise ValueError(f"head_dims must be a non-empty tuple of positive ints, "
+        if any(not isinstance(d, int) or d < 1 for d in self.head_dims):
+            raise ValueError(f"head_dims must be a tuple of positive ints (empty: any), "
                              f"got {self.head_dims!r}")
         if not self.dtypes or any(d not in _DTYPE_NAMES for d in self.dtypes):
             raise ValueError(f"dtypes must be a non-empty tuple of {_DTYPE_NAMES}, "
@@ -68,7 +68,8 @@ class Template:
 
     def supports(self, head_dim: int, dtype) -> bool:
         """Whether this template can run a call with this head dim and dtype."""
-        return int(head_dim) in self.head_dims and _dtype_name(dtype) in self.dtypes
+        return ((not self.head_dims or int(head_dim) in self.head_dims)
+                and _dtype_name(dtype) in self.dtypes)
 
 
 def _dtype_name(dtype) -> str:

@@ -34,7 +34,7 @@ def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
         template, default_policy = _choose_template(mask, shape, be)
         policy = policy or default_policy
     t = backends.get_template(template)
-    why = t.unsupported(shape)
+    why = backends.unsupported(t, shape)
     if why:
         raise ValueError(f"template {template!r} can't take this call: {why}")
     return build_plan(mask, q_shape, kv_shape, dtype, tile_q=t.tile_q, tile_kv=t.tile_kv,

@@ -7,56 +7,20 @@ and alignments, the kernels only read ABI arrays.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from typing import Callable
 
 import jax
 
+from pallas_kernels import templates as _tpl
+from pallas_kernels.templates import BACKENDS, Template
+
 from .validation import AttnShape
 
-BACKENDS = ("mosaic_gpu", "triton", "xla")
 
-
-@dataclasses.dataclass(frozen=True)
-class Template:
-    """One precompilable kernel configuration."""
-
-    name: str
-    backend: str
-    tile_q: int
-    tile_kv: int
-    q_align: int = 1
-    kv_align: int = 1
-    head_dims: tuple[int, ...] | None = None   # None: any
-    dtypes: tuple[str, ...] | None = None      # None: float32, bfloat16, float16
-    params: tuple[tuple[str, object], ...] = ()
-
-    def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        for f in ("tile_q", "tile_kv", "q_align", "kv_align"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"{f} must be positive")
-
-    def unsupported(self, shape: AttnShape) -> str | None:
-        """Why this template can't take the call, or None."""
-        if self.head_dims is not None and shape.head_dim not in self.head_dims:
-            return f"head_dim {shape.head_dim} not in {self.head_dims}"
-        if self.dtypes is not None and str(shape.dtype) not in self.dtypes:
-            return f"dtype {shape.dtype} not in {self.dtypes}"
-        return None
-
-
-_TEMPLATES: dict[str, Template] = {}
 _RUNNERS: dict[str, Callable] = {}
 _AVAILABLE: dict[str, Callable[[], bool]] = {}
-
-
-def register_template(t: Template) -> Template:
-    _TEMPLATES[t.name] = t
-    return t
 
 
 def register_backend(name: str, runner: Callable, available: Callable[[], bool]) -> None:
@@ -67,16 +31,22 @@ def register_backend(name: str, runner: Callable, available: Callable[[], bool])
 
 def templates(backend: str | None = None) -> list[Template]:
     _load_kernel_backends()
-    return [t for t in _TEMPLATES.values() if backend is None or t.backend == backend]
+    return list(_tpl.all_templates() if backend is None else _tpl.for_backend(backend))
 
 
 def get_template(name: str) -> Template:
     _load_kernel_backends()
     if not isinstance(name, str):
         raise TypeError(f"template must be a template name (str), got {type(name).__name__}")
-    if name not in _TEMPLATES:
-        raise ValueError(f"unknown template {name!r}; known: {sorted(_TEMPLATES)}")
-    return _TEMPLATES[name]
+    return _tpl.get(name)
+
+
+def unsupported(t: Template, shape: AttnShape) -> str | None:
+    """Why template ``t`` can't take the call, or None."""
+    if not t.supports(shape.head_dim, shape.dtype):
+        return (f"{t.name} takes head_dim in {t.head_dims or 'any'} and dtypes {t.dtypes}, "
+                f"not head_dim={shape.head_dim}, dtype={shape.dtype}")
+    return None
 
 
 def is_available(backend: str) -> bool:
@@ -85,7 +55,7 @@ def is_available(backend: str) -> bool:
 
 
 def supported_templates(backend: str, shape: AttnShape) -> list[Template]:
-    return [t for t in templates(backend) if t.unsupported(shape) is None]
+    return [t for t in templates(backend) if unsupported(t, shape) is None]
 
 
 _warned: set = set()
@@ -102,7 +72,7 @@ def resolve(backend: str | None, shape: AttnShape) -> str:
             raise ValueError(f"backend {backend!r} is not available on this machine "
                              f"({jax.default_backend()})")
         if not supported_templates(backend, shape):
-            reasons = {t.name: t.unsupported(shape) for t in templates(backend)}
+            reasons = {t.name: unsupported(t, shape) for t in templates(backend)}
             raise ValueError(f"backend {backend!r} can't take this call: {reasons}")
         return backend
     for name in BACKENDS:
@@ -145,5 +115,6 @@ def _run_xla(plan, template, q, k, v, scale, return_lse):
 
 register_backend("xla", _run_xla, lambda: True)
 for _tq, _tk in ((64, 64), (128, 128), (64, 128), (128, 64)):
-    register_template(Template(f"xla_{_tq}x{_tk}", "xla", _tq, _tk))
+    _tpl.register(Template(f"xla_{_tq}x{_tk}", "xla", _tq, _tk, stages=1, head_dims=(),
+                           dtypes=("float32", "bfloat16", "float16")))
 DEFAULT_TEMPLATE = {"xla": "xla_64x64"}
