@@ -1,0 +1,185 @@
+"""sparse_attention (XLA backend) against the dense reference, and its input checks."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import tessera_jax as tj
+from strategies import attn_problem, random_qkv
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    den = np.linalg.norm(b)
+    return np.linalg.norm(a - b) / (den if den > 0 else 1.0)
+
+
+def check_against_reference(q, k, v, mask, tol, **kw):
+    out, lse = tj.sparse_attention(q, k, v, mask, return_lse=True, backend="xla", **kw)
+    ref, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
+    chex.assert_shape(out, q.shape)
+    chex.assert_type(out, q.dtype)
+    chex.assert_shape(lse, (q.shape[0], q.shape[2], q.shape[1]))
+    chex.assert_type(lse, jnp.float32)
+    assert not np.isnan(np.asarray(out, np.float32)).any() and not np.isnan(lse).any()
+    assert rel_err(out, ref) <= tol, rel_err(out, ref)
+    fin = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin],
+                               rtol=tol, atol=tol * 10)
+    empty = ~fin  # [B, Hq, Lq]: rows with no selected key are exactly 0
+    out_bhq = np.moveaxis(np.asarray(out, np.float32), 2, 1)  # [B, Hq, Lq, D]
+    assert np.all(out_bhq[empty] == 0)
+
+
+@given(attn_problem(dtypes=("float32",)), st.sampled_from(["keep", "merge"]),
+       st.sampled_from(["xla_64x64", "xla_128x128", "xla_64x128"]))
+def test_matches_reference_f32(problem, policy, template):
+    B, Lq, Lkv, Hq, Hkv, D, dtype, mask, seed = problem
+    q, k, v = random_qkv(B, Lq, Lkv, Hq, Hkv, D, dtype, seed)
+    check_against_reference(q, k, v, mask, 1e-5, policy=policy, template=template)
+
+
+@settings(max_examples=10)
+@given(attn_problem(dtypes=("bfloat16", "float16")))
+def test_matches_reference_half(problem):
+    B, Lq, Lkv, Hq, Hkv, D, dtype, mask, seed = problem
+    q, k, v = random_qkv(B, Lq, Lkv, Hq, Hkv, D, dtype, seed)
+    check_against_reference(q, k, v, mask, 2e-2)
+
+
+def test_empty_mask_and_scale():
+    rng = np.random.default_rng(1)
+    q, k, v = random_qkv(1, 50, 70, 2, 1, 16, "float32", 3)
+    empty = tj.BlockMask([0, 20, 50], [0, 70], np.zeros((1, 2, 1), bool))
+    out, lse = tj.sparse_attention(q, k, v, empty, return_lse=True)
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(lse))
+    full = tj.BlockMask([0, 50], [0, 70], np.ones((1, 1, 1), bool))
+    out = tj.sparse_attention(q, k, v, full, scale=0.3)
+    dense = jax.nn.dot_product_attention(q, k, v, scale=0.3)
+    assert rel_err(out, dense) < 1e-5
+    del rng
+
+
+def test_gradients_match_reference():
+    q, k, v = random_qkv(1, 40, 56, 4, 2, 8, "float32", 7)
+    rng = np.random.default_rng(2)
+    mask = tj.BlockMask([0, 3, 20, 40], [0, 1, 30, 56], rng.random((4, 3, 3)) < 0.6)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v, mask) * jnp.cos(jnp.arange(8.0)))
+
+    g = jax.grad(loss(lambda *a: tj.sparse_attention(*a, backend="xla")), argnums=(0, 1, 2))(q, k, v)
+    gr = jax.grad(loss(tj.reference_attention), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g, gr):
+        assert not np.isnan(a).any()
+        assert rel_err(a, b) < 1e-4
+
+
+def test_jit_no_retrace_same_mask():
+    q, k, v = random_qkv(1, 64, 64, 2, 2, 16, "float32", 0)
+    mask = tj.BlockMask.uniform(64, 64, 16, 16, np.random.default_rng(0).random((2, 4, 4)) < .5)
+    traces = []
+
+    @jax.jit
+    def f(q, k, v):
+        traces.append(1)
+        return tj.sparse_attention(q, k, v, mask)
+
+    a = f(q, k, v)
+    b = f(q + 1, k, v)
+    assert len(traces) == 1
+    g = jax.jit(tj.sparse_attention, static_argnames=("mask",))
+    g(q, k, v, mask=mask)
+    g(q, k, v, mask=tj.BlockMask(mask.q_bounds, mask.kv_bounds, mask.blocks.copy()))
+    assert g._cache_size() == 1
+    del a, b
+
+
+def test_new_mask_same_bucket_does_not_recompile():
+    from tessera_jax import xla_backend
+    q, k, v = random_qkv(1, 128, 128, 2, 2, 16, "float32", 0)
+    rng = np.random.default_rng(5)
+    before = xla_backend._execute._cache_size()
+    seen = set()
+    for i in range(6):
+        b = np.zeros((2, 8, 8), bool)
+        b[:, :, :4] = rng.random((2, 8, 4)) < 0.9
+        b[:, :, 0] = True
+        m = tj.BlockMask.uniform(128, 128, 16, 16, b)
+        tj.sparse_attention(q, k, v, m, template="xla_64x64", policy="keep")
+        seen.add(tj.plan(m, q.shape, k.shape, q.dtype, template="xla_64x64",
+                         policy="keep").capacities)
+    assert xla_backend._execute._cache_size() - before == len(seen) < 6
+
+
+# --- bad input --------------------------------------------------------------------------
+def _ok():
+    q, k, v = random_qkv(1, 32, 32, 4, 2, 8, "float32", 0)
+    return q, k, v, tj.BlockMask.uniform(32, 32, 16, 16, np.ones((1, 2, 2), bool))
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda q, k, v, m: (q[0], k, v, m), ValueError, "q must have rank 4"),
+    (lambda q, k, v, m: (q, k[0], v, m), ValueError, "k must have rank 4"),
+    (lambda q, k, v, m: (q, k, v[:, :16], m), ValueError, "v must have the shape of k"),
+    (lambda q, k, v, m: (q[..., :4], k, v, m), ValueError, "head dim"),
+    (lambda q, k, v, m: (q, k[:, :16], v[:, :16], m), ValueError, "mask covers Lkv=32"),
+    (lambda q, k, v, m: (q[:, :16], k, v, m), ValueError, "mask covers Lq=32"),
+    (lambda q, k, v, m: (q[:, :, :3], k, v, m), ValueError, "multiple of the number"),
+    (lambda q, k, v, m: (jnp.concatenate([q, q]), k, v, m), ValueError, "batch"),
+    (lambda q, k, v, m: (q.astype(jnp.bfloat16), k, v, m), TypeError, "k has dtype float32"),
+    (lambda q, k, v, m: (q, k, v.astype(jnp.float16), m), TypeError, "v has dtype float16"),
+    (lambda q, k, v, m: (q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32), m),
+     TypeError, "q has dtype int32"),
+    (lambda q, k, v, m: (q, k, v, m.blocks), TypeError, "mask must be a tessera_jax.BlockMask"),
+    (lambda q, k, v, m: (q, k, v, tj.BlockMask.uniform(32, 32, 16, 16, np.ones((2, 2, 2), bool))),
+     ValueError, "mask has 2 heads"),
+    (lambda q, k, v, m: ("q", k, v, m), TypeError, "q must be an array"),
+])
+def test_bad_inputs(mutate, exc, match):
+    args = mutate(*_ok())
+    with pytest.raises(exc, match=match):
+        tj.sparse_attention(*args)
+    if not isinstance(args[0], str):
+        with pytest.raises(exc, match=match):
+            tj.reference_attention(*args)
+
+
+@pytest.mark.parametrize("scale, exc, match", [
+    (0.0, ValueError, "finite and positive"), (-1.0, ValueError, "finite and positive"),
+    (float("nan"), ValueError, "finite and positive"), (float("inf"), ValueError, "finite"),
+    ("1", TypeError, "scale must be"), (True, TypeError, "scale must be"),
+])
+def test_bad_scale(scale, exc, match):
+    q, k, v, m = _ok()
+    with pytest.raises(exc, match=match):
+        tj.sparse_attention(q, k, v, m, scale=scale)
+
+
+def test_bad_backend_and_flags():
+    q, k, v, m = _ok()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        tj.sparse_attention(q, k, v, m, backend="cuda")
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        tj.sparse_attention(q, k, v, m, return_lse=1)
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="not available"):
+            tj.sparse_attention(q, k, v, m, backend="mosaic_gpu")
+    with pytest.raises(ValueError, match="unknown template"):
+        tj.sparse_attention(q, k, v, m, template="nope")
+
+
+def test_plan_contract():
+    q, k, v, m = _ok()
+    p = tj.plan(m, q.shape, k.shape, q.dtype)
+    s = p.stats()
+    for key in ("template", "tile_q", "tile_kv", "tiles", "selected_interactions",
+                "computed_interactions", "kept", "merged", "split"):
+        assert key in s
+    assert s["selected_interactions"] == 32 * 32 * 4
+    assert isinstance(p.describe(), str)
+    assert tj.plan(m, q.shape, k.shape, q.dtype) is p  # cached by mask digest

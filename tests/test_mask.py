@@ -1,0 +1,115 @@
+import pickle
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given
+
+import tessera_jax as tj
+from strategies import bounds, masks
+
+
+def test_uniform_partial_last_block():
+    m = tj.BlockMask.uniform(100, 70, 32, 64, np.ones((1, 4, 2), bool))
+    np.testing.assert_array_equal(m.q_bounds, [0, 32, 64, 96, 100])
+    np.testing.assert_array_equal(m.kv_bounds, [0, 64, 70])
+    assert m.selected_interactions() == 100 * 70
+    assert m.density == 1.0
+
+
+def test_immutable_and_hash_by_content():
+    b = np.zeros((2, 3, 3), bool)
+    b[0, 1, 2] = True
+    m1 = tj.BlockMask([0, 1, 5, 9], [0, 3, 4, 9], b)
+    b[0, 0, 0] = True  # the mask copied its input
+    m2 = tj.BlockMask([0, 1, 5, 9], [0, 3, 4, 9], b)
+    m3 = tj.BlockMask([0, 1, 5, 9], [0, 3, 4, 9], m1.blocks.copy())
+    assert m1 == m3 and hash(m1) == hash(m3) and m1 != m2
+    with pytest.raises(AttributeError):
+        m1.blocks = b
+    with pytest.raises(ValueError):
+        m1.blocks[0, 0, 0] = True
+    assert pickle.loads(pickle.dumps(m1)) == m1
+    assert {m1: 1}[m3] == 1
+
+
+def test_usable_as_static_argument_and_closure_constant():
+    m = tj.BlockMask.uniform(8, 8, 4, 4, np.eye(2, dtype=bool))
+    f = jax.jit(lambda x, mask: x * mask.density, static_argnums=1)
+    assert float(f(2.0, m)) == pytest.approx(1.0)
+    g = jax.jit(lambda x: x + m.selected_interactions())
+    assert float(g(0.0)) == 32
+
+
+@given(masks(num_q_heads=3))
+def test_token_mask_roundtrip(m):
+    tm = m.token_mask()
+    assert tm.shape == (m.num_heads, m.Lq, m.Lkv)
+    assert int(tm.sum()) == m.selected_per_head().sum()
+    back = tj.BlockMask.from_token_mask(tm, m.q_bounds, m.kv_bounds)
+    assert back == m
+
+
+def test_from_token_mask_rejects_mixed_block_unless_inexact():
+    tm = np.zeros((6, 6), bool)
+    tm[0, 0] = True
+    with pytest.raises(ValueError, match="not constant on block"):
+        tj.BlockMask.from_token_mask(tm, [0, 3, 6], [0, 3, 6])
+    m = tj.BlockMask.from_token_mask(tm, [0, 3, 6], [0, 3, 6], exact=False)
+    assert m.blocks[0, 0, 0] and m.blocks.sum() == 1
+
+
+def test_stack_per_head():
+    a = tj.BlockMask.uniform(8, 8, 4, 4, np.eye(2, dtype=bool))
+    b = tj.BlockMask.uniform(8, 8, 4, 4, ~np.eye(2, dtype=bool))
+    s = tj.BlockMask.stack([a, b, a])
+    assert s.num_heads == 3
+    np.testing.assert_array_equal(s.blocks[1], b.blocks[0])
+    c = tj.BlockMask.uniform(8, 8, 2, 4, np.ones((4, 2), bool))
+    with pytest.raises(ValueError, match="other bounds"):
+        tj.BlockMask.stack([a, c])
+    with pytest.raises(TypeError, match=r"masks\[1\]"):
+        tj.BlockMask.stack([a, "x"])
+    with pytest.raises(ValueError, match="at least one"):
+        tj.BlockMask.stack([])
+
+
+@pytest.mark.parametrize("qb, match", [
+    ([0, 5, 5, 9], "strictly increasing"),
+    ([0, 6, 5, 9], "strictly increasing"),
+    ([1, 5, 9], "start at 0"),
+    ([0], "at least 2"),
+    ([[0, 9]], "1-D"),
+])
+def test_bad_bounds(qb, match):
+    with pytest.raises(ValueError, match=match):
+        tj.BlockMask(qb, [0, 9], np.ones((1, max(len(np.ravel(qb)) - 1, 1), 1), bool))
+
+
+def test_bad_bounds_types():
+    with pytest.raises(TypeError, match="q_bounds must hold integers"):
+        tj.BlockMask([0.0, 4.0], [0, 4], np.ones((1, 1, 1), bool))
+    with pytest.raises(TypeError, match="kv_bounds"):
+        tj.BlockMask([0, 4], [False, True], np.ones((1, 1, 1), bool))
+
+
+def test_bad_blocks():
+    with pytest.raises(TypeError, match="blocks must have dtype bool"):
+        tj.BlockMask([0, 4], [0, 4], np.ones((1, 1, 1), np.int32))
+    with pytest.raises(ValueError, match=r"expected \[Hm, 2, 1\]"):
+        tj.BlockMask([0, 2, 4], [0, 4], np.ones((1, 1, 1), bool))
+    with pytest.raises(ValueError, match="blocks must be"):
+        tj.BlockMask([0, 4], [0, 4], np.ones((1, 1, 1, 1), bool))
+
+
+def test_uniform_bad_args():
+    with pytest.raises(ValueError, match="block size of q"):
+        tj.BlockMask.uniform(8, 8, 0, 4, np.ones((1, 2, 2), bool))
+    with pytest.raises(TypeError, match="length of kv"):
+        tj.BlockMask.uniform(8, 8.0, 4, 4, np.ones((1, 2, 2), bool))
+
+
+@given(bounds())
+def test_bounds_strategy_valid(b):
+    m = tj.BlockMask(b, b, np.ones((1, len(b) - 1, len(b) - 1), bool))
+    assert m.Lq == b[-1]

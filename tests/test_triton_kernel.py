@@ -1,0 +1,271 @@
+"""The Triton-lowering forward kernel (interpret mode on CPU) against the dense reference."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from pallas_kernels import plan_abi, triton_fwd
+from tessera_jax.mask import BlockMask
+from tessera_jax.reference import reference_attention
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
+
+
+# --- temporary: a tiny plan builder until tessera_jax.planner lands -------------------------
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def make_plan(mask: BlockMask, q_shape, kv_shape, *, tile_q: int, tile_kv: int):
+    """One unit per (head, tile_q rows); one step per (selected logical block, kv tile) piece."""
+    _, Lq, Hq, _ = q_shape
+    Lkv = kv_shape[1]
+    hb, qb, kb = mask.head_blocks(Hq), mask.q_bounds, mask.kv_bounds
+    units, steps = [], []
+    row_index = np.full((Hq, Lq), -1, np.int64)
+    for h in range(Hq):
+        for qs in range(0, Lq, tile_q):
+            u, ptr = len(units), len(steps)
+            for bi in range(len(qb) - 1):
+                r0, r1 = max(qb[bi], qs), min(qb[bi + 1], qs + tile_q)
+                if r0 >= r1:
+                    continue
+                for bj in np.nonzero(hb[h, bi])[0]:
+                    for ks in range(kb[bj] // tile_kv * tile_kv, kb[bj + 1], tile_kv):
+                        c0, c1 = max(kb[bj], ks), min(kb[bj + 1], ks + tile_kv)
+                        steps.append([ks, r0 - qs, r1 - qs, c0 - ks, c1 - ks])
+            n = min(tile_q, Lq - qs)
+            units.append([h, qs, 0, n, ptr, len(steps) - ptr])
+            row_index[h, qs:qs + n] = u * tile_q + np.arange(n)
+    n_units, n_steps = len(units), len(steps)
+    U, S = _pow2_at_least(n_units), _pow2_at_least(max(n_steps, 1))
+    units += [[0, 0, 0, 0, n_steps, 0]] * (U - n_units)
+    steps += [[0, 0, 0, 0, 0]] * (S - n_steps)
+    row_index[row_index < 0] = U * tile_q
+    return types.SimpleNamespace(
+        units=np.asarray(units, np.int32), steps=np.asarray(steps, np.int32),
+        row_index=row_index.astype(np.int32), tile_q=tile_q, tile_kv=tile_kv,
+        q_len_padded=-(-Lq // tile_q) * tile_q, kv_len_padded=-(-Lkv // tile_kv) * tile_kv)
+# ---------------------------------------------------------------------------------------------
+
+
+def _inputs(seed, B, Lq, Lkv, Hq, Hkv, D, dtype):
+    rng = np.random.default_rng(seed)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), dtype)
+    return mk(B, Lq, Hq, D), mk(B, Lkv, Hkv, D), mk(B, Lkv, Hkv, D)
+
+
+def _run(q, k, v, plan, **kw):
+    return triton_fwd.attention(
+        q, k, v, plan.units, plan.steps, plan.row_index, tile_q=plan.tile_q,
+        tile_kv=plan.tile_kv, q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
+        **kw)
+
+
+def _check(q, k, v, mask, plan, scale=None, **kw):
+    out, lse = _run(q, k, v, plan, scale=scale, return_lse=True, **kw)
+    ref, ref_lse = reference_attention(q, k, v, mask, scale=scale, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == jnp.float32
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    tol = TOL[q.dtype.type]
+    err = np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)
+    assert err <= tol, f"relative output error {err:.3g} > {tol}"
+    empty = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty)
+    np.testing.assert_array_equal(out.transpose(0, 2, 1, 3)[empty], 0.0)
+    if (~empty).any():
+        lerr = np.abs(lse - ref_lse)[~empty].max() / max(np.abs(ref_lse[~empty]).max(), 1.0)
+        assert lerr <= tol, f"relative lse error {lerr:.3g} > {tol}"
+    return out, lse
+
+
+@st.composite
+def _cases(draw, dtypes=(jnp.float32,)):
+    """Random shapes and a random block mask (variable blocks, per-head or shared, empty rows)."""
+    B = draw(st.integers(1, 2))
+    Hkv = draw(st.integers(1, 2))
+    Hq = Hkv * draw(st.sampled_from([1, 2]))
+    D = draw(st.sampled_from([16, 32, 24]))
+    Lq, Lkv = draw(st.integers(1, 80)), draw(st.integers(1, 80))
+
+    def bounds(L):
+        cuts = draw(st.lists(st.integers(1, max(L - 1, 1)), max_size=5)) if L > 1 else []
+        return np.unique(np.array([0, *cuts, L]))
+
+    qb, kb = bounds(Lq), bounds(Lkv)
+    Hm = draw(st.sampled_from([1, Hq]))
+    density = draw(st.sampled_from([0.2, 0.5, 1.0]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    blocks = rng.random((Hm, len(qb) - 1, len(kb) - 1)) < density
+    if draw(st.booleans()):                       # force an empty query block (rows with no key)
+        blocks[:, rng.integers(len(qb) - 1)] = False
+    return dict(B=B, Hq=Hq, Hkv=Hkv, D=D, Lq=Lq, Lkv=Lkv, mask=BlockMask(qb, kb, blocks),
+                tile_q=draw(st.sampled_from([16, 32])), tile_kv=draw(st.sampled_from([16, 32])),
+                dtype=draw(st.sampled_from(dtypes)), seed=seed)
+
+
+_SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+@settings(max_examples=10, **_SETTINGS)
+@given(_cases())
+def test_random_masks_f32(case):
+    q, k, v = _inputs(case["seed"], case["B"], case["Lq"], case["Lkv"], case["Hq"], case["Hkv"],
+                      case["D"], case["dtype"])
+    plan = make_plan(case["mask"], q.shape, k.shape, tile_q=case["tile_q"], tile_kv=case["tile_kv"])
+    _check(q, k, v, case["mask"], plan)
+
+
+@settings(max_examples=4, **_SETTINGS)
+@given(_cases(dtypes=(jnp.bfloat16, jnp.float16)))
+def test_random_masks_half(case):
+    q, k, v = _inputs(case["seed"], case["B"], case["Lq"], case["Lkv"], case["Hq"], case["Hkv"],
+                      case["D"], case["dtype"])
+    plan = make_plan(case["mask"], q.shape, k.shape, tile_q=case["tile_q"], tile_kv=case["tile_kv"])
+    _check(q, k, v, case["mask"], plan)
+
+
+@pytest.mark.parametrize("branch_full", [True, False])
+def test_full_and_partial_steps_gqa_per_head(branch_full):
+    """Per-head mask over 32-aligned and odd blocks: full steps and partial ones, GQA 4:2."""
+    B, Lq, Lkv, Hq, Hkv, D = 2, 96, 100, 4, 2, 32
+    rng = np.random.default_rng(1)
+    mask = BlockMask([0, 32, 64, 96], [0, 32, 64, 77, 100], rng.random((Hq, 3, 4)) < 0.6)
+    q, k, v = _inputs(2, B, Lq, Lkv, Hq, Hkv, D, jnp.float32)
+    plan = make_plan(mask, q.shape, k.shape, tile_q=32, tile_kv=32)
+    steps = plan.steps[plan.steps[:, plan_abi.STEP_Q_HI] > plan.steps[:, plan_abi.STEP_Q_LO]]
+    full = ((steps[:, 1] == 0) & (steps[:, 2] == 32) & (steps[:, 3] == 0) & (steps[:, 4] == 32))
+    assert full.any() and (~full).any()
+    _check(q, k, v, mask, plan, scale=0.3, branch_full=branch_full, num_warps=4, num_stages=3)
+
+
+def test_hand_written_plan_overlapping_tiles_and_padding():
+    """ABI corners: unaligned kv_start, two steps on overlapping K/V tiles with disjoint
+    rectangles, a padding step (q_lo == q_hi) inside a unit, a padding unit, unowned rows."""
+    Lq, Lkv, Hq, D, T = 20, 40, 1, 16, 16
+    q, k, v = _inputs(3, 1, Lq, Lkv, Hq, 1, D, jnp.float32)
+    units = np.array([[0, 0, 0, 16, 0, 3],      # rows 0..15
+                      [0, 4, 12, 16, 3, 1],     # tile starts at row 4; owns rows 16..19
+                      [0, 0, 0, 0, 4, 0],       # padding unit
+                      [0, 0, 0, 0, 4, 0]], np.int32)
+    steps = np.array([[5, 0, 8, 0, 16],         # rows 0..7 x keys 5..20
+                      [0, 0, 0, 0, 16],         # padding step
+                      [13, 8, 16, 2, 9],        # rows 8..15 x keys 15..21
+                      [24, 12, 16, 0, 16],      # rows 16..19 x keys 24..39
+                      [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]],
+                     np.int32)
+    row_index = np.concatenate([np.arange(16), 16 + np.arange(12, 16)]).astype(np.int32)[None]
+    token = np.zeros((Lq, Lkv), bool)
+    token[0:8, 5:21] = token[8:16, 15:22] = token[16:20, 24:40] = True
+    mask = BlockMask.from_token_mask(token, np.arange(Lq + 1), np.arange(Lkv + 1))
+    plan = types.SimpleNamespace(units=units, steps=steps, row_index=row_index, tile_q=T,
+                                 tile_kv=T, q_len_padded=32, kv_len_padded=48)
+    _check(q, k, v, mask, plan)
+    # A row no unit owns (sentinel U * tile_q) reads back 0 / -inf.
+    plan.row_index = row_index.copy()
+    plan.row_index[0, 3] = units.shape[0] * T
+    out, lse = _run(q, k, v, plan, return_lse=True)
+    assert np.isneginf(lse[0, 0, 3]) and not np.asarray(out[0, 3]).any()
+
+
+def test_odd_head_dim_f16_and_default_scale():
+    """D=40 is padded to 64 inside; f16; scale defaults to D ** -0.5."""
+    mask = BlockMask.uniform(50, 70, 16, 24, np.random.default_rng(4).random((1, 4, 3)) < 0.7)
+    q, k, v = _inputs(5, 1, 50, 70, 2, 1, 40, jnp.float16)
+    _check(q, k, v, mask, make_plan(mask, q.shape, k.shape, tile_q=16, tile_kv=32))
+
+
+def test_all_empty_mask_gives_zeros_and_neg_inf():
+    mask = BlockMask.uniform(33, 17, 8, 8, np.zeros((1, 5, 3), bool))
+    q, k, v = _inputs(6, 2, 33, 17, 2, 2, 16, jnp.float32)
+    out, lse = _check(q, k, v, mask, make_plan(mask, q.shape, k.shape, tile_q=16, tile_kv=16))
+    assert not out.any() and np.isneginf(lse).all()
+
+
+def test_new_plan_same_capacity_does_not_recompile():
+    """Plans are operands: a new mask with the same capacities reuses the executable."""
+    rng = np.random.default_rng(7)
+    q, k, v = _inputs(8, 1, 64, 64, 2, 2, 16, jnp.float32)
+    m1 = BlockMask.uniform(64, 64, 16, 16, rng.random((2, 4, 4)) < 0.5)
+    m2 = BlockMask.uniform(64, 64, 16, 16, ~m1.blocks)
+    p1 = make_plan(m1, q.shape, k.shape, tile_q=16, tile_kv=16)
+    p2 = make_plan(m2, q.shape, k.shape, tile_q=16, tile_kv=16)
+    if p2.steps.shape != p1.steps.shape:   # equalise the step capacity
+        S = max(p1.steps.shape[0], p2.steps.shape[0])
+        for p in (p1, p2):
+            p.steps = np.concatenate([p.steps, np.zeros((S - p.steps.shape[0], 5), np.int32)])
+    _check(q, k, v, m1, p1)
+    before = triton_fwd._attention._cache_size()
+    _check(q, k, v, m2, p2)
+    assert triton_fwd._attention._cache_size() == before
+
+
+def test_jit_with_traced_plan_arrays():
+    mask = BlockMask.uniform(40, 40, 8, 8, np.random.default_rng(9).random((1, 5, 5)) < 0.5)
+    q, k, v = _inputs(10, 1, 40, 40, 1, 1, 16, jnp.float32)
+    plan = make_plan(mask, q.shape, k.shape, tile_q=16, tile_kv=16)
+    f = jax.jit(lambda q, k, v, u, s, r: triton_fwd.attention(
+        q, k, v, u, s, r, tile_q=16, tile_kv=16, q_len_padded=plan.q_len_padded,
+        kv_len_padded=plan.kv_len_padded, scale=None))
+    out = f(q, k, v, plan.units, plan.steps, plan.row_index)
+    np.testing.assert_allclose(out, reference_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_interpret_default_on_cpu():
+    assert triton_fwd.default_interpret() == (jax.default_backend() != "gpu")
+
+
+def test_config_and_argument_errors():
+    with pytest.raises(ValueError, match="tile_q"):
+        triton_fwd.TritonConfig(tile_q=48, tile_kv=32)
+    with pytest.raises(ValueError, match="tile_kv"):
+        triton_fwd.TritonConfig(tile_q=32, tile_kv=8)
+    with pytest.raises(TypeError, match="tile_q"):
+        triton_fwd.TritonConfig(tile_q=32.0, tile_kv=32)
+    with pytest.raises(ValueError, match="num_warps"):
+        triton_fwd.TritonConfig(tile_q=32, tile_kv=32, num_warps=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        triton_fwd.TritonConfig(tile_q=32, tile_kv=32, num_stages=0)
+
+    mask = BlockMask.uniform(32, 32, 16, 16, np.ones((1, 2, 2), bool))
+    q, k, v = _inputs(11, 1, 32, 32, 2, 1, 16, jnp.float32)
+    plan = make_plan(mask, q.shape, k.shape, tile_q=16, tile_kv=16)
+    with pytest.raises(TypeError, match="dtype"):
+        _run(q.astype(jnp.int32), k, v, plan)
+    with pytest.raises(TypeError, match="k has dtype"):
+        _run(q, k.astype(jnp.bfloat16), v, plan)
+    with pytest.raises(ValueError, match="head_dim"):
+        _run(*_inputs(11, 1, 32, 32, 2, 1, 300, jnp.float32), plan)
+    with pytest.raises(ValueError, match="units"):
+        triton_fwd.attention(q, k, v, plan.units[:, :5], plan.steps, plan.row_index, tile_q=16,
+                             tile_kv=16, q_len_padded=32, kv_len_padded=32)
+    with pytest.raises(TypeError, match="steps"):
+        triton_fwd.attention(q, k, v, plan.units, plan.steps.astype(np.int64), plan.row_index,
+                             tile_q=16, tile_kv=16, q_len_padded=32, kv_len_padded=32)
+    with pytest.raises(ValueError, match="row_index"):
+        triton_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index[:1], tile_q=16,
+                             tile_kv=16, q_len_padded=32, kv_len_padded=32)
+    with pytest.raises(ValueError, match="q_len_padded"):
+        triton_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index, tile_q=16,
+                             tile_kv=16, q_len_padded=16, kv_len_padded=32)
+    with pytest.raises(ValueError, match="Hq"):
+        _run(*_inputs(11, 1, 32, 32, 3, 2, 16, jnp.float32), plan)
+    with pytest.raises(ValueError, match="scale"):
+        _run(q, k, v, plan, scale=-1.0)
+
+
+def test_supports():
+    assert triton_fwd.supports(128, jnp.bfloat16) is None
+    assert triton_fwd.supports(96, jnp.float32) is None
+    assert "head_dim" in triton_fwd.supports(512, jnp.bfloat16)
+    assert "dtype" in triton_fwd.supports(64, jnp.int8)
