@@ -124,8 +124,11 @@ def supporting(head_dim: int, dtype, backend: str | None = None) -> tuple[Templa
 # tile_q is always 128: two consumer warpgroups of 64 rows each. SMEM per CTA is
 # 2*64*D*2 (Q/O) + stages * 2 * tile_kv * D * 2 (K, V ring): at D=128, tile_kv=128 three
 # stages take 224 KiB of the 227 KiB available, four don't fit.
+# q_align = kv_align = 8: TMA writes the (8, 64)-tiled, 128B-swizzled SMEM layout that wgmma
+# reads by viewing GMEM as [L/8, D/64, 8, 64] tiles; a start that is not a multiple of 8 would
+# reach past a tile's 8 rows and read zeros (the interpreter, which ignores layouts, can't see it).
 _MGPU_COMMON = dict(backend="mosaic_gpu", tile_q=128, head_dims=(64, 128),
-                    dtypes=("bfloat16", "float16"), q_align=1, kv_align=1,
+                    dtypes=("bfloat16", "float16"), q_align=8, kv_align=8,
                     min_compute_capability=(9, 0))
 for _kv, _stages in ((128, 2), (128, 3), (64, 2), (64, 3), (64, 4)):
     register(Template(name=f"mgpu_q128_kv{_kv}_s{_stages}", tile_kv=_kv, stages=_stages,

@@ -1,0 +1,381 @@
+"""Hopper (sm_90a) Mosaic GPU forward kernel that executes a plan (see ``plan_abi``).
+
+Modelled on jax's ``ops/gpu/attention_mgpu.py`` (FlashAttention-3 style): one CTA per work unit,
+two consumer warpgroups of 64 query rows each (tile_q = 128) and a producer warpgroup that
+streams the unit's K/V tiles by TMA through a ``stages``-deep shared-memory ring. The consumers
+run wgmma and an online softmax in base 2, ping-ponged by a schedule barrier so one
+warpgroup's softmax overlaps the other's matrix products. What differs from the dense kernel:
+the K/V tiles a unit visits, and how many, come from the plan's ``steps`` (read from GMEM at
+run time), and the rectangle mask is applied only on partial steps (a ``lax.cond`` skips it
+on full ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from . import plan_abi
+from . import templates as _templates
+
+__all__ = ["KernelConfig", "attention", "config_from_template"]
+
+_COMPUTE_WGS = 2
+_WG_ROWS = 64                      # rows per consumer warpgroup (one wgmma M tile)
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static shape of one compiled kernel: tile_kv keys per step, ``stages`` ring slots."""
+
+    tile_kv: int
+    stages: int
+    tile_q: int = _COMPUTE_WGS * _WG_ROWS
+    use_schedule_barrier: bool = True
+
+    def __post_init__(self):
+        if self.tile_q != _COMPUTE_WGS * _WG_ROWS:
+            raise ValueError(f"tile_q must be {_COMPUTE_WGS * _WG_ROWS} (two warpgroups of "
+                             f"{_WG_ROWS} rows), got {self.tile_q}")
+        if self.tile_kv % 64 or self.tile_kv <= 0:
+            raise ValueError(f"tile_kv must be a positive multiple of 64, got {self.tile_kv}")
+        if self.stages < 2:
+            raise ValueError(f"stages must be at least 2, got {self.stages}")
+
+
+def config_from_template(template) -> KernelConfig:
+    """The kernel config of a registered ``mosaic_gpu`` template (name or Template)."""
+    t = _templates.get(template)
+    if t.backend != "mosaic_gpu":
+        raise ValueError(f"template {t.name!r} is for backend {t.backend!r}, not mosaic_gpu")
+    return KernelConfig(tile_kv=t.tile_kv, stages=t.stages, tile_q=t.tile_q,
+                        use_schedule_barrier=bool(t.option("schedule_barrier", True)))
+
+
+def _smem_bytes(cfg: KernelConfig, head_dim: int) -> int:
+    return 2 * (_COMPUTE_WGS * _WG_ROWS * head_dim + 2 * cfg.stages * cfg.tile_kv * head_dim) \
+        + 4 * _COMPUTE_WGS * _WG_ROWS
+
+
+def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret=False):
+    """Runs the kernel: q [B, Lqp, Hq, D], k/v [B, Lkvp, Hkv, D] (already padded) ->
+    out_units [B, U, tile_q, D] (q.dtype) and lse_units [B, U, tile_q] (float32, natural log)."""
+    B, _, Hq, D = q.shape
+    _, _, Hkv, _ = k.shape
+    group = Hq // Hkv
+    U = units.shape[0]
+    dtype = q.dtype
+    tile_kv, stages, tile_q = cfg.tile_kv, cfg.stages, cfg.tile_q
+    qk_scale = float(scale) * _LOG2E       # scores kept in base-2 units: s * scale * log2(e)
+
+    def kernel(q_ref, k_ref, v_ref, units_ref, steps_ref, out_ref, lse_ref, scoped):
+        b = lax.axis_index("batch")
+        u = lax.axis_index("unit")
+        wg = lax.axis_index("wg")
+        (qo_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), \
+            (k_consumed, v_consumed), schedule_barrier = scoped
+        head = units_ref[u, plan_abi.UNIT_HEAD]
+        q_start = units_ref[u, plan_abi.UNIT_Q_START]
+        ptr = units_ref[u, plan_abi.UNIT_STEP_PTR]
+        cnt = units_ref[u, plan_abi.UNIT_STEP_CNT]
+
+        def schedule():
+            if cfg.use_schedule_barrier:
+                plgpu.barrier_arrive(schedule_barrier)
+                plgpu.barrier_wait(schedule_barrier)
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem = qo_smem2.at[wg]
+            lse_smem = lse_smem2.at[wg]
+            row0 = wg * _WG_ROWS
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start + row0, _WG_ROWS), head],
+                                    qo_smem, q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            m_i = plgpu.layout_cast(jnp.full((_WG_ROWS,), -jnp.inf, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((_WG_ROWS,), 0, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((_WG_ROWS, D), 0, jnp.float32),
+                                    plgpu.Layout.WGMMA)
+
+            @pl.when(cnt > 0)
+            def _():
+                plgpu.barrier_wait(k_bar.at[0])
+
+            pl.when(wg == 1)(schedule)
+
+            def body(i, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(i, jnp.array(stages, i.dtype))
+                s = ptr + i
+                # Rectangle of this step, relative to this warpgroup's 64 rows.
+                q_lo = steps_ref[s, plan_abi.STEP_Q_LO] - row0
+                q_hi = steps_ref[s, plan_abi.STEP_Q_HI] - row0
+                kv_lo = steps_ref[s, plan_abi.STEP_KV_LO]
+                kv_hi = steps_ref[s, plan_abi.STEP_KV_HI]
+
+                def compute_qk(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    schedule()
+                    return acc_ref[...]
+
+                qk = pl.run_scoped(compute_qk, plgpu.ACC((_WG_ROWS, tile_kv), jnp.float32))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+
+                full = (q_lo <= 0) & (q_hi >= _WG_ROWS) & (kv_lo == 0) & (kv_hi == tile_kv)
+
+                def mask(x):
+                    r = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
+                    c = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
+                    keep = (r >= q_lo) & (r < q_hi) & (c >= kv_lo) & (c < kv_hi)
+                    return jnp.where(keep, x, -jnp.inf)
+
+                qk = lax.cond(full, lambda x: x, mask, qk)
+
+                # Online softmax in base 2. A row may have seen only masked entries so far
+                # (m == -inf): subtract 0 then, so that exp2 gives 0, never NaN.
+                m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+                m_sub = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
+                alpha = jnp.exp2(m_i - m_sub)
+                m_i = m_ij
+                p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_sub, qk.shape, [0]))
+                acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i *= alpha
+                p16 = p.astype(dtype)
+
+                def end_softmax_barriers():
+                    if cfg.use_schedule_barrier:
+                        plgpu.barrier_arrive(schedule_barrier)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    if cfg.use_schedule_barrier:
+                        plgpu.barrier_wait(schedule_barrier)
+
+                if D <= 128:
+                    l_i += p.sum(axis=1)
+                    acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+                    end_softmax_barriers()
+                else:
+                    end_softmax_barriers()
+                    l_i += p.sum(axis=1)
+
+                def compute_pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    nxt = i + 1
+                    nxt_slot = lax.rem(nxt, jnp.array(stages, i.dtype))
+
+                    @pl.when(nxt < cnt)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[nxt_slot])
+
+                if interpret:
+                    # The Mosaic GPU interpreter has neither a rule for run_state nor wgmma
+                    # with a register A operand: do PV as a plain dot on the SMEM tile there.
+                    acc = acc + jnp.dot(p16, v_smem.at[slot][...],
+                                        preferred_element_type=jnp.float32)
+                    nxt = i + 1
+
+                    @pl.when(nxt < cnt)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.array(stages, i.dtype))])
+                else:
+                    acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_i, l_i
+
+            acc, m_i, l_i = lax.fori_loop(0, cnt, body, (acc, m_i, l_i))
+            pl.when(wg == 0)(schedule)
+
+            empty = l_i == 0.0
+            l_safe = jnp.where(empty, 1.0, l_i)
+            acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, u, pl.ds(row0, _WG_ROWS)])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, u, pl.ds(row0, _WG_ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(head, jnp.array(group, head.dtype))
+
+            @pl.loop(0, cnt)
+            def _(i):
+                slot = lax.rem(i, jnp.array(stages, i.dtype))
+                kv_start = steps_ref[ptr + i, plan_abi.STEP_KV_START]
+                src = (b, pl.ds(kv_start, tile_kv), kv_head)
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(k_consumed.at[slot])
+
+                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(v_consumed.at[slot])
+
+                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+
+            # Observe the consumption of the last tiles too, so every barrier phase is
+            # waited for before the barriers go away (a persistent loop needs this, and the
+            # interpreter checks it).
+            @pl.loop(jnp.maximum(cnt - stages, 0), cnt)
+            def _(i):
+                slot = lax.rem(i, jnp.array(stages, i.dtype))
+                plgpu.barrier_wait(k_consumed.at[slot])
+                plgpu.barrier_wait(v_consumed.at[slot])
+
+    def entry(q_ref, k_ref, v_ref, units_ref, steps_ref, out_ref, lse_ref):
+        tiling = plgpu.TilingTransform((8, 64))
+        swizzle = plgpu.SwizzleTransform(128)
+        qo = plgpu.SMEM((_COMPUTE_WGS, _WG_ROWS, D), dtype, transforms=(tiling, swizzle))
+        kbuf = plgpu.SMEM((stages, tile_kv, D), dtype, transforms=(tiling, swizzle))
+        vbuf = plgpu.SMEM((stages, tile_kv, D), dtype, transforms=(tiling, swizzle))
+        lse = plgpu.SMEM((_COMPUTE_WGS, _WG_ROWS), jnp.float32)
+        pl.run_scoped(
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, units_ref, steps_ref, out_ref, lse_ref,
+                                   scoped),
+            (qo, kbuf, vbuf, lse),
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=_COMPUTE_WGS)),
+            (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+            collective_axes="wg",
+        )
+
+    out_type = (jax.ShapeDtypeStruct((B, U, tile_q, D), dtype),
+                jax.ShapeDtypeStruct((B, U, tile_q), jnp.float32))
+    kwargs = {}
+    if interpret:
+        kwargs["interpret"] = interpret
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(U, B),
+        grid_names=("unit", "batch"),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **kwargs,
+    )(q, k, v, units, steps)
+
+
+def _check(q, k, v, units, steps, row_index, t, q_len_padded, kv_len_padded, scale):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or len(x.shape) != 4:
+            raise ValueError(f"{name} must be a rank-4 array [B, L, H, D], got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+    B, Lq, Hq, D = q.shape
+    Bk, Lkv, Hkv, Dk = k.shape
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if Bk != B or Dk != D:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch/head dim")
+    if Hq % Hkv:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not t.supports(D, q.dtype):
+        raise ValueError(f"template {t.name!r} supports head dims {t.head_dims} and dtypes "
+                         f"{t.dtypes}; got head_dim={D}, dtype={jnp.dtype(q.dtype).name}")
+    if units.ndim != 2 or units.shape[1] != plan_abi.UNIT_COLS or units.dtype != jnp.int32:
+        raise ValueError(f"units must be int32 [U, {plan_abi.UNIT_COLS}], got "
+                         f"{units.dtype}{tuple(units.shape)}")
+    if steps.ndim != 2 or steps.shape[1] != plan_abi.STEP_COLS or steps.dtype != jnp.int32:
+        raise ValueError(f"steps must be int32 [S, {plan_abi.STEP_COLS}], got "
+                         f"{steps.dtype}{tuple(steps.shape)}")
+    if tuple(row_index.shape) != (Hq, Lq) or row_index.dtype != jnp.int32:
+        raise ValueError(f"row_index must be int32 [Hq, Lq] = [{Hq}, {Lq}], got "
+                         f"{row_index.dtype}{tuple(row_index.shape)}")
+    for name, val, low, unit, align in (("q_len_padded", q_len_padded, Lq, t.tile_q, t.q_align),
+                                        ("kv_len_padded", kv_len_padded, Lkv, t.tile_kv,
+                                         t.kv_align)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
+            raise TypeError(f"{name} must be a static int, got {type(val).__name__}")
+        if val < max(low, unit) or val % align:
+            raise ValueError(f"{name}={val} must be >= the sequence length {low} and the tile "
+                             f"{unit}, and a multiple of {align}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0 \
+            or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite positive float, got {scale!r}")
+
+
+def _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded):
+    """Host-side checks of a NumPy plan: alignment and bounds the kernel relies on."""
+    if units.ndim != 2 or units.shape[1] != plan_abi.UNIT_COLS:
+        return  # _check reports the shape
+    if steps.ndim != 2 or steps.shape[1] != plan_abi.STEP_COLS:
+        return
+    real = units[:, plan_abi.UNIT_STEP_CNT] > 0
+    qs = units[real, plan_abi.UNIT_Q_START].astype(np.int64)
+    if np.any(qs % t.q_align) or np.any(qs < 0) or np.any(qs + t.tile_q > q_len_padded):
+        raise ValueError(f"units: every q_start must be a multiple of q_align={t.q_align} with "
+                         f"q_start + {t.tile_q} <= q_len_padded={q_len_padded} "
+                         f"(template {t.name!r}); plan for this template")
+    ptr = units[real, plan_abi.UNIT_STEP_PTR].astype(np.int64)
+    cnt = units[real, plan_abi.UNIT_STEP_CNT].astype(np.int64)
+    if np.any(ptr < 0) or np.any(ptr + cnt > steps.shape[0]):
+        raise ValueError("units: step ranges [ptr, ptr + cnt) must lie inside steps")
+    idx = np.repeat(ptr, cnt) + (np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+    ks = steps[idx, plan_abi.STEP_KV_START].astype(np.int64)
+    if np.any(ks % t.kv_align) or np.any(ks < 0) or np.any(ks + t.tile_kv > kv_len_padded):
+        raise ValueError(f"steps: every kv_start must be a multiple of kv_align={t.kv_align} "
+                         f"with kv_start + {t.tile_kv} <= kv_len_padded={kv_len_padded} "
+                         f"(template {t.name!r}); plan for this template")
+
+
+def _pad_len(x, length):
+    if x.shape[1] == length:
+        return x
+    return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
+
+
+@functools.partial(jax.jit, static_argnames=("template", "q_len_padded", "kv_len_padded",
+                                             "scale", "return_lse", "interpret"))
+def _attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_len_padded,
+               scale, return_lse, interpret):
+    cfg = config_from_template(template)
+    qp = _pad_len(q, q_len_padded)
+    kp = _pad_len(k, kv_len_padded)
+    vp = _pad_len(v, kv_len_padded)
+    out_u, lse_u = _plan_forward(qp, kp, vp, units, steps, cfg=cfg, scale=scale,
+                                 interpret=interpret)
+    out, lse = plan_abi.gather_rows(out_u, lse_u, row_index)
+    return (out, lse) if return_lse else out
+
+
+def attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_len_padded,
+              scale=None, return_lse=False, interpret=False):
+    """Block-sparse attention executing a plan on Hopper with Mosaic GPU.
+
+    q [B, Lq, Hq, D]; k, v [B, Lkv, Hkv, D] (bf16 or f16, D in the template's head dims);
+    units, steps, row_index: the plan's int32 arrays (``plan_abi``), built for this
+    template's tile_q / tile_kv and the given padded lengths. Returns out [B, Lq, Hq, D]
+    (q.dtype) and, with ``return_lse``, lse [B, Hq, Lq] (float32, natural log; -inf and
+    output 0 for a row with no selected key). ``interpret``: a Mosaic GPU interpreter params
+    object (``jax._src.pallas.mosaic_gpu.interpret``) to run on CPU, for tests.
+    """
+    t = _templates.get(template)
+    if isinstance(units, np.ndarray) and isinstance(steps, np.ndarray):
+        _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded)
+    units, steps, row_index = (jnp.asarray(a) for a in (units, steps, row_index))
+    if scale is None:
+        scale = float(q.shape[-1]) ** -0.5 if hasattr(q, "shape") and len(q.shape) == 4 else 1.0
+    _check(q, k, v, units, steps, row_index, t, q_len_padded, kv_len_padded, scale)
+    return _attention(q, k, v, units, steps, row_index, template=t.name,
+                      q_len_padded=int(q_len_padded), kv_len_padded=int(kv_len_padded),
+                      scale=float(scale), return_lse=bool(return_lse), interpret=interpret)

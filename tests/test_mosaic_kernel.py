@@ -1,0 +1,206 @@
+"""The Mosaic GPU plan kernel (pallas_kernels.mosaic_fwd) against the dense reference.
+
+On CPU the kernel runs under the Mosaic GPU interpreter (jax._src.pallas.mosaic_gpu.interpret),
+which simulates warpgroups, barriers, TMA and wgmma. It has no rule for ``run_state`` nor for
+wgmma with a register A operand, so in interpret mode the kernel does its P @ V product as a
+plain dot on the SMEM tile; everything else (plan walking, the TMA ring and its barriers, QK
+wgmma, masking of partial steps, the online softmax, the LSE and the unit-major stores) is the
+code that runs on the GPU. The interpreter ignores SMEM layouts, so TMA alignment (templates'
+q_align / kv_align = 8) is checked on the GPU by benchmarks/kernels.py, not here.
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import tessera_jax as tj
+from tessera_jax.planner import build_plan
+from pallas_kernels import mosaic_fwd, plan_abi, templates
+
+from strategies import random_qkv
+
+try:
+    from jax._src.pallas.mosaic_gpu.interpret import params as _interp
+    INTERPRET = _interp.InterpretGPUParams()
+except Exception as e:  # pragma: no cover
+    INTERPRET = None
+    _INTERP_ERR = repr(e)
+
+pytestmark = pytest.mark.skipif(INTERPRET is None,
+                                reason="Mosaic GPU interpreter not importable in this jax")
+
+
+def _tol(dtype):
+    return 2e-2 if jnp.dtype(dtype) == jnp.bfloat16 else 4e-3
+
+
+def _check(out, lse, ref_out, ref_lse, dtype):
+    out = np.asarray(out, np.float32)
+    lse = np.asarray(lse)
+    ref_out = np.asarray(ref_out, np.float32)
+    ref_lse = np.asarray(ref_lse)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=_tol(dtype), rtol=0)
+    err = np.linalg.norm(out - ref_out) / max(np.linalg.norm(ref_out), 1e-6)
+    assert err < _tol(dtype), err
+    # Rows with no selected key are exactly 0.
+    empty = np.isneginf(ref_lse)                                    # [B, Hq, Lq]
+    assert np.all(out.transpose(0, 2, 1, 3)[empty] == 0)
+
+
+def _run_planned(mask, B, Lq, Lkv, Hq, Hkv, D, dtype, template, seed, policy="merge"):
+    t = templates.get(template)
+    q, k, v = random_qkv(B, Lq, Lkv, Hq, Hkv, D, dtype, seed)
+    plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=t.tile_q, tile_kv=t.tile_kv,
+                      policy=policy, q_align=t.q_align, kv_align=t.kv_align, template=t.name)
+    out, lse = mosaic_fwd.attention(
+        q, k, v, plan.units, plan.steps, plan.row_index, template=t.name,
+        q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, return_lse=True,
+        interpret=INTERPRET)
+    ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
+    _check(out, lse, ref_out, ref_lse, dtype)
+    return plan
+
+
+def _variable_mask(rng, Lq, Lkv, Hm, nq, nkv, density, empty_row=True):
+    qb = np.unique(np.r_[0, np.sort(rng.choice(np.arange(1, Lq), nq - 1, replace=False)), Lq])
+    kb = np.unique(np.r_[0, np.sort(rng.choice(np.arange(1, Lkv), nkv - 1, replace=False)), Lkv])
+    blocks = rng.random((Hm, len(qb) - 1, len(kb) - 1)) < density
+    if empty_row:
+        blocks[:, rng.integers(len(qb) - 1)] = False
+    return tj.BlockMask(qb, kb, blocks)
+
+
+@pytest.mark.parametrize("template,dtype,D,Hq,Hkv,per_head", [
+    ("mgpu_q128_kv64_s2", jnp.bfloat16, 64, 4, 2, True),     # GQA, per-head, variable blocks
+    ("mgpu_q128_kv128_s3", jnp.float16, 128, 2, 1, False),   # MQA, shared mask
+])
+def test_planned_variable_blocks(template, dtype, D, Hq, Hkv, per_head):
+    rng = np.random.default_rng(hash((template, D)) % 2**32)
+    Lq, Lkv = 200, 330
+    mask = _variable_mask(rng, Lq, Lkv, Hq if per_head else 1, 7, 9, 0.45)
+    plan = _run_planned(mask, 1, Lq, Lkv, Hq, Hkv, D, dtype, template, seed=int(rng.integers(1e9)))
+    st = plan.stats()
+    assert st["partial_tiles"] > 0            # the masked path ran
+
+
+def test_full_and_partial_steps_aligned():
+    """128 x 64 blocks give full steps (no masking) next to partial ones; batch 2."""
+    rng = np.random.default_rng(7)
+    Lq, Lkv = 256, 300                     # the last key block has 44 keys: partial steps
+    blocks = rng.random((2, 2, 5)) < 0.6
+    blocks[:, :, 0] = blocks[:, :, 4] = True
+    mask = tj.BlockMask.uniform(Lq, Lkv, 128, 64, blocks)
+    plan = _run_planned(mask, 2, Lq, Lkv, 2, 2, 64, jnp.bfloat16, "mgpu_q128_kv64_s3", seed=3)
+    st = plan.stats()
+    assert st["full_tiles"] > 0 and st["partial_tiles"] > 0
+
+
+def _hand_plan(token_mask, Hq, tile_q, tile_kv, seed):
+    """Exact plan with several rectangles per K/V tile and steps in shuffled order."""
+    Hm, Lq, Lkv = token_mask.shape
+    qlp, klp = -(-Lq // tile_q) * tile_q, -(-Lkv // tile_kv) * tile_kv
+    rng = np.random.default_rng(seed)
+    units, steps = [], []
+    row_index = np.zeros((Hq, Lq), np.int32)
+    for h in range(Hq):
+        tm = np.zeros((qlp, klp), bool)
+        tm[:Lq, :Lkv] = token_mask[h if Hm > 1 else 0]
+        for qs in range(0, Lq, tile_q):
+            mine = []
+            for ks in range(0, klp, tile_kv):
+                t = tm[qs:qs + tile_q, ks:ks + tile_kv]
+                r = 0
+                while r < tile_q:
+                    r2 = r + 1
+                    while r2 < tile_q and np.array_equal(t[r2], t[r]):
+                        r2 += 1
+                    cols = np.flatnonzero(np.diff(np.r_[0, t[r].astype(np.int8), 0]))
+                    for c0, c1 in zip(cols[::2], cols[1::2]):
+                        mine.append((ks, r, r2, c0, c1))
+                    r = r2
+            rng.shuffle(mine)
+            own = min(tile_q, Lq - qs)
+            row_index[h, qs:qs + own] = len(units) * tile_q + np.arange(own)
+            units.append((h, qs, 0, own, len(steps), len(mine)))
+            steps += mine
+    U = len(units) + 3                        # padding units at the end
+    ua = np.zeros((U, plan_abi.UNIT_COLS), np.int32)
+    ua[:len(units)] = units
+    sa = np.zeros((len(steps) + 5, plan_abi.STEP_COLS), np.int32)
+    sa[:len(steps)] = steps
+    perm = rng.permutation(len(units))        # any unit order is valid
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(len(units))
+    ua[:len(units)] = ua[perm]
+    flat = row_index.astype(np.int64)
+    row_index = (inv[flat // tile_q] * tile_q + flat % tile_q).astype(np.int32)
+    return ua, sa, row_index, qlp, klp
+
+
+def test_hand_plan_shuffled_rectangles():
+    rng = np.random.default_rng(11)
+    Lq, Lkv, Hq, Hkv, D, dtype = 256, 192, 2, 1, 64, jnp.float16
+    mask = _variable_mask(rng, Lq, Lkv, Hq, 9, 8, 0.5)
+    units, steps, row_index, qlp, klp = _hand_plan(mask.token_mask(), Hq, 128, 64, seed=5)
+    assert len(steps) > 2 * units.shape[0]
+    q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, dtype, seed=21)
+    out, lse = mosaic_fwd.attention(q, k, v, units, steps, row_index,
+                                    template="mgpu_q128_kv64_s4", q_len_padded=qlp,
+                                    kv_len_padded=klp, scale=0.3, return_lse=True,
+                                    interpret=INTERPRET)
+    ref_out, ref_lse = tj.reference_attention(q, k, v, mask, scale=0.3, return_lse=True)
+    _check(out, lse, ref_out, ref_lse, dtype)
+
+
+def test_empty_mask_gives_zero_and_neg_inf():
+    mask = tj.BlockMask.uniform(130, 70, 64, 64, np.zeros((1, 3, 2), bool))
+    q, k, v = random_qkv(1, 130, 70, 1, 1, 64, jnp.bfloat16, seed=1)
+    plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=128, tile_kv=64, q_align=8,
+                      kv_align=8)
+    out, lse = mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                    template="mgpu_q128_kv64_s2",
+                                    q_len_padded=plan.q_len_padded,
+                                    kv_len_padded=plan.kv_len_padded, return_lse=True,
+                                    interpret=INTERPRET)
+    assert np.all(np.asarray(out, np.float32) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_bad_input_raises():
+    q, k, v = random_qkv(1, 128, 128, 1, 1, 64, jnp.bfloat16, seed=2)
+    mask = tj.BlockMask.uniform(128, 128, 64, 64, np.ones((1, 2, 2), bool))
+    plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=128, tile_kv=64, q_align=8,
+                      kv_align=8)
+    args = (plan.units, plan.steps, plan.row_index)
+    kw = dict(template="mgpu_q128_kv64_s2", q_len_padded=128, kv_len_padded=128)
+    with pytest.raises(ValueError, match="head_dim"):
+        q96 = jnp.zeros((1, 128, 1, 96), jnp.bfloat16)
+        mosaic_fwd.attention(q96, q96, q96, *args, **kw)
+    with pytest.raises(ValueError, match="dtypes"):
+        mosaic_fwd.attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                             v.astype(jnp.float32), *args, **kw)
+    with pytest.raises(TypeError, match="share one dtype"):
+        mosaic_fwd.attention(q, k.astype(jnp.float16), v, *args, **kw)
+    with pytest.raises(ValueError, match="unknown template"):
+        mosaic_fwd.attention(q, k, v, *args, **{**kw, "template": "nope"})
+    with pytest.raises(ValueError, match="kv_len_padded"):
+        mosaic_fwd.attention(q, k, v, *args, **{**kw, "kv_len_padded": 100})
+    bad = np.array(plan.steps)
+    bad[0, plan_abi.STEP_KV_START] = 3          # not a multiple of kv_align
+    with pytest.raises(ValueError, match="kv_align"):
+        mosaic_fwd.attention(q, k, v, plan.units, bad, plan.row_index, **kw)
+    with pytest.raises(ValueError, match="units"):
+        mosaic_fwd.attention(q, k, v, plan.units[:, :5], plan.steps, plan.row_index, **kw)
+
+
+def test_templates_registered():
+    names = {t.name for t in templates.for_backend("mosaic_gpu")}
+    assert {"mgpu_q128_kv128_s2", "mgpu_q128_kv64_s2"} <= names
+    for t in templates.for_backend("mosaic_gpu"):
+        cfg = mosaic_fwd.config_from_template(t)
+        assert cfg.tile_q == 128 and cfg.tile_kv == t.tile_kv and cfg.stages == t.stages
+        assert mosaic_fwd._smem_bytes(cfg, 128) <= 227 * 1024
