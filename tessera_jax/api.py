@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
+
 from . import backends
 from .mask import BlockMask
 from .planner import Plan, build_plan
 from .validation import check_bool, check_mask, check_qkv, check_scale, check_shapes
 
 
+@functools.cache
+def _selector():
+    """The offline-profiled ranking's ``select`` if that module exists, else None."""
+    try:
+        from .selection import select
+    except ImportError:
+        return None
+    return select
+
+
 def _choose_template(mask: BlockMask, shape, backend: str) -> tuple[str, str]:
     """(template, policy) for a request; the ranking tables refine this when present."""
-    try:
-        from .selection import select  # offline-profiled ranking (optional)
-    except ImportError:
-        select = None
+    select = _selector()
     if select is not None:
         choice = select(mask, shape, backend)
         if choice is not None:
@@ -27,6 +38,28 @@ def _choose_template(mask: BlockMask, shape, backend: str) -> tuple[str, str]:
 def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
          policy: str | None = None, backend: str | None = None) -> Plan:
     """The plan ``sparse_attention`` would run for these shapes (cached by mask digest)."""
+    try:
+        key = (mask, tuple(q_shape), tuple(kv_shape), np.dtype(dtype), template, policy, backend)
+        hash(key)
+    except TypeError:
+        key = None  # unhashable input: let the checks below say what is wrong
+    if key is not None and key in _PLANS:
+        return _PLANS[key]
+    p = _plan(mask, q_shape, kv_shape, dtype, template, policy, backend)
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = p
+    return p
+
+
+# Front cache of finished plans, keyed by mask digest and call: a hit skips every check
+# (they passed when the entry was made) and costs a dict look-up.
+_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+def _plan(mask, q_shape, kv_shape, dtype, template, policy, backend) -> Plan:
     shape = check_shapes(q_shape, kv_shape, dtype)
     check_mask(mask, shape)
     if template is None:
