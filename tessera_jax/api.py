@@ -99,3 +99,44 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
         backend = backends.resolve(backend, shape)
     p = plan(mask, q.shape, k.shape, q.dtype, template=template, policy=policy, backend=backend)
     return backends.run(p, q, k, v, scale, return_lse)
+
+
+def enable_compilation_cache(path: str, min_compile_time_secs: float = 0.0) -> None:
+    """Turns on jax's persistent compilation cache at ``path`` (executables survive restarts)."""
+    import jax
+    if not isinstance(path, str) or not path:
+        raise TypeError(f"path must be a non-empty str, got {path!r}")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_secs))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=False,
+               scale=None) -> list[Plan]:
+    """Plans every mask and compiles the executables they need, off the request path.
+
+    One executable per distinct (template, capacity bucket); with
+    ``enable_compilation_cache`` they are also stored on disk for later processes. Returns the
+    plans.
+    """
+    import jax
+    import jax.numpy as jnp
+    if isinstance(masks, BlockMask):
+        masks = [masks]
+    masks = list(masks)
+    for i, m in enumerate(masks):
+        if not isinstance(m, BlockMask):
+            raise TypeError(f"masks[{i}] must be a BlockMask, got {type(m).__name__}")
+    shape = check_shapes(q_shape, kv_shape, dtype)
+    q = jnp.zeros(tuple(q_shape), shape.dtype)
+    k = jnp.zeros(tuple(kv_shape), shape.dtype)
+    plans, seen = [], set()
+    for m in masks:
+        p = plan(m, q_shape, kv_shape, dtype, backend=backend)
+        plans.append(p)
+        key = (p.template, p.capacities)
+        if key not in seen:
+            seen.add(key)
+            jax.block_until_ready(sparse_attention(q, k, k, m, backend=backend, scale=scale,
+                                                   return_lse=return_lse))
+    return plans

@@ -183,3 +183,24 @@ def test_plan_contract():
     assert s["selected_interactions"] == 32 * 32 * 4
     assert isinstance(p.describe(), str)
     assert tj.plan(m, q.shape, k.shape, q.dtype) is p  # cached by mask digest
+
+
+def test_precompile_and_persistent_cache(tmp_path):
+    from tessera_jax import xla_backend
+    rng = np.random.default_rng(3)
+    ms = [tj.BlockMask.uniform(96, 96, 32, 32, rng.random((2, 3, 3)) < 0.7) for _ in range(3)]
+    ms = [m for m in ms if m.blocks.any()] or ms
+    tj.enable_compilation_cache(str(tmp_path))
+    try:
+        plans = tj.precompile(ms, (1, 96, 2, 8), (1, 96, 2, 8), jnp.float32, backend="xla")
+        assert len(plans) == len(ms)
+        n = xla_backend._execute._cache_size()
+        q, k, v = random_qkv(1, 96, 96, 2, 2, 8, "float32", 1)
+        for m in ms:
+            tj.sparse_attention(q, k, v, m, backend="xla")
+        assert xla_backend._execute._cache_size() == n  # nothing new compiled
+        assert any(tmp_path.iterdir())                   # executables written to disk
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+    with pytest.raises(TypeError, match=r"masks\[0\]"):
+        tj.precompile(["m"], (1, 96, 2, 8), (1, 96, 2, 8), jnp.float32)
