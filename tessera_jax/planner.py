@@ -1,32 +1,62 @@
 """Planner: logical blocks -> physical tiles -> work units, as the int32 arrays of the plan ABI.
 
 Pure NumPy on the host, run at trace time; knows nothing of Pallas. The output format is
-documented in ``pallas_kernels/plan_abi.py``. Policies:
+documented in ``pallas_kernels/plan_abi.py``: a *work unit* is one query tile
+[q_start, q_start + tile_q) of one query head plus the list of K/V tiles (*steps*) it visits;
+each step selects exactly one rectangle of its tile (rows x keys), everything else in the tile
+is masked. The rectangles of all steps cover the mask's selected (query, key) pairs exactly
+once, whatever the policy: policies only change *how* the selected set is cut into tiles.
 
-* ``keep``:  each selected logical block is its own K/V interval (split into tiles of ``tile_kv``
-  when larger; a smaller block leaves the rest of its tile masked); every query block is its own
-  row group.
-* ``merge``: along keys, runs of adjacent selected blocks form one interval, tiled as a whole
-  (loaded K/V reused, fewer partial tiles); along queries, adjacent query blocks with identical
-  key lists share one row group, so taller work units stream K/V once.
+Policies (the tile shape is fixed by the template; ``q_align``/``kv_align`` are honoured by
+rounding tile starts down to a multiple, and tiles that would cross the padded length are
+shifted back inside it):
 
-Intervals longer than a tile are *split* into several tiles in both policies.
+* ``keep``  - one logical block, one set of tiles. Every non-empty query block is its own row
+  group, and each selected key block its own key interval. Tiles start at the block's start; a
+  block smaller than the tile leaves the rest of the tile masked, a block larger than the tile
+  is cut into consecutive tiles (counted as *split* tiles, which is unavoidable).
+* ``merge`` - along keys, each run of adjacent selected key blocks is one interval, tiled from
+  its start (K/V loaded once for the run, fewer partial tiles); along queries, adjacent query
+  blocks with identical key lists form one taller row group, whose rows are cut into units of
+  ``tile_q`` rows that all stream the same K/V tiles.
+* ``split`` - cut everything at the fixed global tile grid: units are the query tiles
+  [k * tile_q, (k + 1) * tile_q) and steps the key tiles [c * tile_kv, (c + 1) * tile_kv); a
+  block that crosses a grid line is split into the tiles on each side, and the small blocks
+  inside one grid cell share its tile. In a cell, each query block's selected key runs become
+  rectangles, and rectangles of adjacent query blocks with the same key range are merged
+  vertically; a cell whose selected area is not one rectangle costs several steps (the same K/V
+  tile, several rectangles). Best when blocks are much smaller or much larger than the tile.
+* ``auto``  - per mask head (so per query head for per-head masks, globally for a shared mask),
+  the policy among the three above with the least estimated total cost
+  (``tessera_jax.schedule``); units of one head always come from one policy.
+
+Every tile (step, counted once per unit that visits it) is classified for ``stats()``: it is
+*split* if its rectangle covers only part of a logical block it touches (along queries or
+keys), otherwise *merged* if it covers several logical blocks whole, otherwise *kept* (it
+covers exactly one logical block, whole). ``kept + merged + split == tiles``.
+
+Units are ordered by ``tessera_jax.schedule.order_units`` (heaviest estimated cost first, heads
+interleaved). The int32 arrays are padded to capacity buckets (``bucket``) so that masks of
+similar size reuse one compiled executable. ``build_plan`` is cached by (mask digest, shape,
+tile shape, policy, alignment, template): a repeated mask costs a dictionary lookup.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import numpy as np
 
 from pallas_kernels import plan_abi as abi
 
+from . import schedule as _sched
 from .mask import BlockMask
 from .validation import AttnShape, check_shapes
 
-POLICIES = ("keep", "merge")
+POLICIES = ("keep", "merge", "split", "auto")
+_BASE_POLICIES = ("keep", "merge", "split")
+_U64 = np.dtype("<u8")
 
 
 def bucket(n: int) -> int:
@@ -58,13 +88,17 @@ class Plan:
     q_len_padded: int
     kv_len_padded: int
     units: np.ndarray        # int32 [U_cap, UNIT_COLS], schedule order
-    steps: np.ndarray        # int32 [S_cap, STEP_COLS]
+    steps: np.ndarray        # int32 [S_cap, STEP_COLS]; units may share steps (shared masks)
     row_index: np.ndarray    # int32 [Hq, Lq]
     num_units: int           # real units (the rest is padding)
-    num_steps: int           # real steps
+    num_steps: int           # real rows of ``steps``
     max_steps: int           # capacity >= the longest unit
     mask_digest: str
     selected_interactions: int  # summed over query heads, one batch element
+    mask: BlockMask | None = None
+    head_policies: tuple[str, ...] = ()   # policy used for each mask head
+    unit_cost: np.ndarray | None = None   # estimated ns of each real unit, schedule order
+    cost_model: _sched.CostModel = _sched.DEFAULT_COST_MODEL
 
     @property
     def capacities(self) -> tuple[int, int, int]:
@@ -73,19 +107,87 @@ class Plan:
     def step_counts(self) -> np.ndarray:
         return self.units[: self.num_units, abi.UNIT_STEP_CNT]
 
+    def tile_rects(self) -> dict:
+        """Every computed tile in absolute coordinates, one row per (unit, step) visit.
+
+        Returns int64 arrays: ``unit``, ``head``, ``q0``/``q1`` (the tile's rows),
+        ``k0``/``k1`` (its keys), ``r0``/``r1`` and ``c0``/``c1`` (the selected rectangle:
+        rows [r0, r1) x keys [c0, c1)), ``step`` (index into ``steps``).
+        """
+        return _tile_rects(self)
+
     def stats(self) -> dict:
+        return dict(self._stats)
+
+    @functools.cached_property
+    def _stats(self) -> dict:
         return _stats(self)
 
     def describe(self) -> str:
         s = self.stats()
+        pol = self.policy
+        if self.policy == "auto":
+            pol += " -> " + ", ".join(f"{k}:{v}" for k, v in s["head_policies"].items() if v)
         return (
-            f"plan {self.template} ({self.policy}): tiles {self.tile_q}x{self.tile_kv}, "
+            f"plan {self.template} ({pol}): tiles {self.tile_q}x{self.tile_kv}, "
             f"{s['units']} work units, {s['tiles']} tiles "
-            f"(kept {s['kept']}, merged {s['merged']}, split {s['split']}); "
+            f"(kept {s['kept']}, merged {s['merged']}, split {s['split']}; "
+            f"{s['partial_tiles']} partial); "
             f"selected {s['selected_interactions']:,} interactions, computed "
             f"{s['computed_interactions']:,} (waste {s['waste_fraction']:.1%}); "
-            f"K/V bytes {s['kv_bytes'] / 2**20:.1f} MiB; capacities U={self.capacities[0]} "
-            f"S={self.capacities[1]} M={self.capacities[2]}")
+            f"K/V bytes {s['kv_bytes'] / 2**20:.1f} MiB; est. {s['est_time_us']:.1f} us on "
+            f"{self.cost_model.num_sms} SMs (balance {s['balance']:.2f}); capacities "
+            f"U={self.capacities[0]} S={self.capacities[1]} M={self.capacities[2]}")
+
+
+# --- bit helpers ------------------------------------------------------------------------
+def _pack(rows: np.ndarray) -> np.ndarray:
+    """bool [..., n] -> little-endian uint64 words [..., ceil(n / 64)]; bit j%64 of word j//64."""
+    pk = np.packbits(rows, axis=-1, bitorder="little")
+    nb = pk.shape[-1]
+    W = -(-nb // 8)
+    if nb != 8 * W:
+        pk = np.pad(pk, [(0, 0)] * (pk.ndim - 1) + [(0, 8 * W - nb)])
+    return np.ascontiguousarray(pk).view(_U64)
+
+
+def _bit_positions(words: np.ndarray):
+    """(row, bit) of every set bit of ``words`` [R, W], sorted by (row, bit)."""
+    R, W = words.shape
+    flat = words.reshape(-1)
+    nz = np.flatnonzero(flat)
+    vals = flat[nz]
+    cnt = np.bitwise_count(vals).astype(np.int64)
+    total = int(cnt.sum())
+    ptr = np.cumsum(cnt) - cnt
+    base = (nz % W) * 64
+    out = np.empty(total, np.int64)
+    rows = np.repeat(nz // W, cnt)
+    idx = np.arange(nz.size)
+    t = 0
+    while vals.size:
+        low = vals & (~vals + np.uint64(1))
+        pos = np.frexp(low.astype(np.float64))[1].astype(np.int64) - 1
+        out[ptr[idx] + t] = base[idx] + pos
+        vals = vals & (vals - np.uint64(1))
+        keep = vals != 0
+        vals, idx = vals[keep], idx[keep]
+        t += 1
+    return rows, out
+
+
+def _runs(words: np.ndarray):
+    """(row, first, end) of each run of set bits of ``words`` [R, W] (end exclusive)."""
+    one = np.uint64(1)
+    carry = np.zeros_like(words)
+    carry[:, 1:] = words[:, :-1] >> np.uint64(63)
+    starts = words & ~((words << one) | carry)
+    nxt = np.zeros_like(words)
+    nxt[:, :-1] = (words[:, 1:] & one) << np.uint64(63)
+    ends = words & ~((words >> one) | nxt)
+    r, s = _bit_positions(starts)
+    _, e = _bit_positions(ends)
+    return r, s, e + 1
 
 
 def _chunk(starts, ends, tile, align, limit):
@@ -94,6 +196,7 @@ def _chunk(starts, ends, tile, align, limit):
     Returns (owner, tile_start, lo, hi): the interval each tile came from, its first token and
     the selected sub-range [lo, hi) relative to the tile. Tiles that would cross ``limit`` are
     shifted back (their lo/hi shift with them), so kernels never read past the padded length.
+    Tiles come in interval order, and in token order within an interval.
     """
     starts = np.asarray(starts, np.int64)
     ends = np.asarray(ends, np.int64)
@@ -109,39 +212,144 @@ def _chunk(starts, ends, tile, align, limit):
     return owner, ts - shift, lo + shift, hi + shift
 
 
-def _row_groups(blocks: np.ndarray, policy: str):
+@dataclasses.dataclass
+class _Raw:
+    """Units of one policy before scheduling; steps are laid out in unit order."""
+
+    head: np.ndarray   # mask head of each unit
+    qs: np.ndarray     # q_start
+    lo: np.ndarray     # owned rows [lo, hi) relative to q_start
+    hi: np.ndarray
+    cnt: np.ndarray    # steps per unit
+    kvs: np.ndarray    # per step: kv_start, rows [ql, qh), keys [kl, kh)
+    ql: np.ndarray
+    qh: np.ndarray
+    kl: np.ndarray
+    kh: np.ndarray
+
+    def select_heads(self, keep_head: np.ndarray) -> "_Raw":
+        ku = keep_head[self.head]
+        ks = np.repeat(ku, self.cnt)
+        return _Raw(self.head[ku], self.qs[ku], self.lo[ku], self.hi[ku], self.cnt[ku],
+                    self.kvs[ks], self.ql[ks], self.qh[ks], self.kl[ks], self.kh[ks])
+
+    @staticmethod
+    def concat(parts) -> "_Raw":
+        return _Raw(*(np.concatenate([getattr(p, f.name) for p in parts])
+                      for f in dataclasses.fields(_Raw)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    qb: np.ndarray
+    kb: np.ndarray
+    words: np.ndarray      # packed blocks [Hm, nq, W]
+    tile_q: int
+    tile_kv: int
+    q_align: int
+    kv_align: int
+    qp: int
+    kvp: int
+
+
+def _row_groups(ctx: _Ctx, merge: bool):
     """(head, first q block, end q block) of each non-empty row group."""
-    Hm, nq, _ = blocks.shape
-    if policy == "merge":
-        new = np.ones((Hm, nq), bool)
-        new[:, 1:] = np.any(blocks[:, 1:] != blocks[:, :-1], axis=-1)
-    else:
-        new = np.ones((Hm, nq), bool)
+    w = ctx.words
+    Hm, nq, _ = w.shape
+    nonempty = w.any(axis=-1)
+    new = np.ones((Hm, nq), bool)
+    if merge:
+        new[:, 1:] = np.any(w[:, 1:] != w[:, :-1], axis=-1)
     gh, gi = np.nonzero(new)
     flat = gh * nq + gi
     end_flat = np.append(flat[1:], Hm * nq)
-    # A group ends at the next group's start, or at the end of its head's rows.
-    ge = np.minimum(end_flat - gh * nq, nq)
-    keep = blocks[gh, gi].any(axis=-1)
+    ge = np.minimum(end_flat - gh * nq, nq)  # a group ends at the next start or its head's end
+    keep = nonempty[gh, gi]
     return gh[keep], gi[keep], ge[keep]
 
 
-def _kv_intervals(rows: np.ndarray, policy: str):
-    """(group, first kv block, last kv block) of each selected interval of each row."""
-    if policy == "merge":
-        pad = np.zeros((rows.shape[0], 1), bool)
-        prev = np.concatenate([pad, rows[:, :-1]], axis=1)
-        nxt = np.concatenate([rows[:, 1:], pad], axis=1)
-        g, js = np.nonzero(rows & ~prev)
-        _, je = np.nonzero(rows & ~nxt)
-        return g, js, je
-    g, j = np.nonzero(rows)
-    return g, j, j
+def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
+    """keep / merge: one row group per unit, the group's K/V tiles anchored at interval starts."""
+    gh, gi, ge = _row_groups(ctx, merge)
+    gw = ctx.words[gh, gi]
+    if merge:
+        ig, js, je = _runs(gw)
+    else:
+        ig, js = _bit_positions(gw)
+        je = js + 1
+    own, kvs, klo, khi = _chunk(ctx.kb[js], ctx.kb[je], ctx.tile_kv, ctx.kv_align, ctx.kvp)
+    G = len(gh)
+    g_n = np.bincount(ig[own], minlength=G)           # tiles per group (tiles in group order)
+    g_first = np.cumsum(g_n) - g_n
+    ug, qs, qlo, qhi = _chunk(ctx.qb[gi], ctx.qb[ge], ctx.tile_q, ctx.q_align, ctx.qp)
+    cnt = g_n[ug]
+    S = int(cnt.sum())
+    su = np.repeat(np.arange(len(ug)), cnt)
+    tix = np.repeat(g_first[ug] - (np.cumsum(cnt) - cnt), cnt) + np.arange(S)
+    return _Raw(gh[ug], qs, qlo, qhi, cnt, kvs[tix], qlo[su], qhi[su], klo[tix], khi[tix])
+
+
+def _plan_grid(ctx: _Ctx) -> _Raw:
+    """split: units and K/V tiles on the global tile grid; rectangles merged vertically."""
+    Hm, nq, W = ctx.words.shape
+    tq, tk = ctx.tile_q, ctx.tile_kv
+    r, js, je = _runs(ctx.words.reshape(Hm * nq, W))
+    h, i = r // nq, r % nq
+    # Key pieces: each run cut at the key grid.
+    own_k, kvs, klo, khi = _chunk(ctx.kb[js], ctx.kb[je], tk, tk, ctx.kvp)
+    # Query pieces: each query block cut at the query grid (the same for every head).
+    own_q, qcell, qlo, qhi = _chunk(ctx.qb[:-1], ctx.qb[1:], tq, tq, ctx.qp)
+    nqp = np.bincount(own_q, minlength=nq)
+    qfirst = np.cumsum(nqp) - nqp
+    bi = i[own_k]
+    rep = nqp[bi]
+    pk = np.repeat(np.arange(len(own_k)), rep)
+    first = np.cumsum(rep) - rep
+    pq = np.repeat(qfirst[bi] - first, rep) + np.arange(int(rep.sum()))
+    ukey = h[own_k][pk] * ctx.qp + qcell[pq]
+    kvs, klo, khi = kvs[pk], klo[pk], khi[pk]
+    qlo, qhi = qlo[pq], qhi[pq]
+    order = np.lexsort((qlo, khi, klo, kvs, ukey))
+    ukey, kvs, klo, khi, qlo, qhi = (x[order] for x in (ukey, kvs, klo, khi, qlo, qhi))
+    # Vertical merge: same unit, tile and key range, rows touching.
+    same = ((ukey[1:] == ukey[:-1]) & (kvs[1:] == kvs[:-1]) & (klo[1:] == klo[:-1])
+            & (khi[1:] == khi[:-1]) & (qlo[1:] == qhi[:-1]))
+    head = np.ones(len(ukey), bool)
+    head[1:] = ~same
+    starts = np.flatnonzero(head)
+    last = np.append(starts[1:], len(ukey)) - 1
+    ukey, kvs, klo, khi, ql = (x[starts] for x in (ukey, kvs, klo, khi, qlo))
+    qh = qhi[last]
+    # Units: one per (head, grid row) with steps, owning the span of its rectangles.
+    unew = np.ones(len(ukey), bool)
+    unew[1:] = ukey[1:] != ukey[:-1]
+    ustart = np.flatnonzero(unew)
+    cnt = np.diff(np.append(ustart, len(ukey)))
+    uk = ukey[ustart]
+    lo = np.minimum.reduceat(ql, ustart) if len(ustart) else ql[:0]
+    hi = np.maximum.reduceat(qh, ustart) if len(ustart) else qh[:0]
+    return _Raw(uk // ctx.qp, uk % ctx.qp, lo, hi, cnt, kvs, ql, qh, klo, khi)
+
+
+def _raw_costs(raw: _Raw, ctx: _Ctx, shape: AttnShape, model) -> np.ndarray:
+    full = ((raw.ql == 0) & (raw.qh == ctx.tile_q) & (raw.kl == 0) & (raw.kh == ctx.tile_kv))
+    nfull = np.bincount(np.repeat(np.arange(len(raw.cnt)), raw.cnt), weights=full,
+                        minlength=len(raw.cnt))
+    return _sched.unit_costs(raw.cnt, raw.cnt - nfull, tile_q=ctx.tile_q, tile_kv=ctx.tile_kv,
+                             head_dim=shape.head_dim, itemsize=np.dtype(shape.dtype).itemsize,
+                             model=model)
+
+
+def _plan_policy(ctx: _Ctx, policy: str) -> _Raw:
+    if policy == "split":
+        return _plan_grid(ctx)
+    return _plan_rowgroups(ctx, merge=(policy == "merge"))
 
 
 def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_kv: int,
                policy: str = "merge", q_align: int = 1, kv_align: int = 1,
-               template: str | None = None) -> Plan:
+               template: str | None = None,
+               cost_model: _sched.CostModel | None = None) -> Plan:
     """Plans ``mask`` for q [B, Lq, Hq, D] / k, v [B, Lkv, Hkv, D] with the given tile shape."""
     shape = check_shapes(q_shape, kv_shape, dtype)
     if not isinstance(mask, BlockMask):
@@ -150,114 +358,147 @@ def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_k
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     for name, val in (("tile_q", tile_q), ("tile_kv", tile_kv), ("q_align", q_align),
                       ("kv_align", kv_align)):
-        if not isinstance(val, int) or val <= 0:
+        if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
-    if tile_q % q_align or tile_kv % kv_align:
-        raise ValueError("tile_q and tile_kv must be multiples of q_align and kv_align")
+    if tile_q % q_align:
+        raise ValueError(f"tile_q={tile_q} must be a multiple of q_align={q_align}")
+    if tile_kv % kv_align:
+        raise ValueError(f"tile_kv={tile_kv} must be a multiple of kv_align={kv_align}")
+    if cost_model is None:
+        cost_model = _sched.DEFAULT_COST_MODEL
+    elif not isinstance(cost_model, _sched.CostModel):
+        raise TypeError(f"cost_model must be a schedule.CostModel, got "
+                        f"{type(cost_model).__name__}")
     return _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align,
-                         template or f"xla_{tile_q}x{tile_kv}")
+                         template or f"xla_{tile_q}x{tile_kv}", cost_model)
 
 
 @functools.lru_cache(maxsize=64)
-def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, template) -> Plan:
+def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, template,
+                  cost_model) -> Plan:
     from .validation import check_mask
     check_mask(mask, shape)
     Hq = shape.num_q_heads
-    qb, kb = mask.q_bounds, mask.kv_bounds
+    group = Hq // shape.num_kv_heads
     qp = _round_up(max(shape.q_len, tile_q), q_align)
     kvp = _round_up(max(shape.kv_len, tile_kv), kv_align)
+    ctx = _Ctx(mask.q_bounds, mask.kv_bounds, _pack(mask.blocks), tile_q, tile_kv, q_align,
+               kv_align, qp, kvp)
+    Hm = mask.num_heads
 
-    blocks = mask.blocks
-    gh, gi, ge = _row_groups(blocks, policy)
-    ig, js, je = _kv_intervals(blocks[gh, gi], policy)
-    # K/V tiles of each row group (identical for all units of the group).
-    own, kvs, klo, khi = _chunk(kb[js], kb[je + 1], tile_kv, kv_align, kvp)
-    tile_group = ig[own]
-    order = np.argsort(tile_group, kind="stable")
-    tile_group, kvs, klo, khi = tile_group[order], kvs[order], klo[order], khi[order]
-    G = len(gh)
-    g_nsteps = np.bincount(tile_group, minlength=G)
-    g_first = np.cumsum(g_nsteps) - g_nsteps
+    if policy == "auto":
+        raws = [_plan_policy(ctx, p) for p in _BASE_POLICIES]
+        costs = [_raw_costs(r, ctx, shape, cost_model) for r in raws]
+        per_head = np.stack([np.bincount(r.head, weights=c, minlength=Hm)
+                             for r, c in zip(raws, costs)])
+        choice = np.argmin(per_head, axis=0)            # ties -> the earlier policy
+        raw = _Raw.concat([r.select_heads(choice == k) for k, r in enumerate(raws)])
+        head_policies = tuple(_BASE_POLICIES[k] for k in choice)
+    else:
+        raw = _plan_policy(ctx, policy)
+        head_policies = (policy,) * Hm
+    cost = _raw_costs(raw, ctx, shape, cost_model)
+    first = np.cumsum(raw.cnt) - raw.cnt
 
-    # Units: each row group's query rows cut into tiles of tile_q.
-    ug, qs, qlo, qhi = _chunk(qb[gi], qb[ge], tile_q, q_align, qp)
-    uh = gh[ug]
-    if mask.num_heads == 1 and Hq > 1:
-        n1 = len(ug)
+    uh, qs, lo, hi, cnt = raw.head, raw.qs, raw.lo, raw.hi, raw.cnt
+    if Hm == 1 and Hq > 1:       # a shared mask: every query head runs the same units and steps
+        n1 = len(uh)
         uh = np.repeat(np.arange(Hq), n1)
-        ug, qs, qlo, qhi = (np.tile(x, Hq) for x in (ug, qs, qlo, qhi))
-    cnt = g_nsteps[ug]
+        qs, lo, hi, cnt, first, cost = (np.tile(x, Hq) for x in (qs, lo, hi, cnt, first, cost))
 
-    # Schedule: heaviest units first (cost ~ steps), heads interleaved among equals.
-    sched = np.lexsort((uh, qs, -cnt))
-    ug, uh, qs, qlo, qhi, cnt = (x[sched] for x in (ug, uh, qs, qlo, qhi, cnt))
-    U = len(ug)
-
-    # Steps: a unit's steps are its group's tiles with the unit's own rows. Units of a shared
-    # group share nothing in memory (rows differ), so steps are laid out per unit.
-    S = int(cnt.sum())
-    ptr = np.cumsum(cnt) - cnt
-    su = np.repeat(np.arange(U), cnt)
-    tix = g_first[ug][su] + (np.arange(S) - ptr[su])
+    order = _sched.order_units(cost, qs, uh // group, uh)
+    uh, qs, lo, hi, cnt, first, cost = (x[order] for x in (uh, qs, lo, hi, cnt, first, cost))
+    U, S = len(uh), len(raw.kvs)
     U_cap, S_cap = bucket(U), bucket(S)
-    max_cnt = int(cnt.max()) if U else 0
-    M = bucket(max_cnt)
+    M = bucket(int(cnt.max()) if U else 0)
 
     units = np.zeros((U_cap, abi.UNIT_COLS), np.int32)
-    units[:U, abi.UNIT_HEAD] = uh
-    units[:U, abi.UNIT_Q_START] = qs
-    units[:U, abi.UNIT_OWN_LO] = qlo
-    units[:U, abi.UNIT_OWN_HI] = qhi
-    units[:U, abi.UNIT_STEP_PTR] = ptr
-    units[:U, abi.UNIT_STEP_CNT] = cnt
+    units[:U] = np.stack([uh, qs, lo, hi, first, cnt], axis=1)
     steps = np.zeros((S_cap, abi.STEP_COLS), np.int32)
-    steps[:S, abi.STEP_KV_START] = kvs[tix]
-    steps[:S, abi.STEP_Q_LO] = qlo[su]
-    steps[:S, abi.STEP_Q_HI] = qhi[su]
-    steps[:S, abi.STEP_KV_LO] = klo[tix]
-    steps[:S, abi.STEP_KV_HI] = khi[tix]
+    steps[:S] = np.stack([raw.kvs, raw.ql, raw.qh, raw.kl, raw.kh], axis=1)
 
     row_index = np.full((Hq, shape.q_len), U_cap * tile_q, np.int32)
-    nrows = qhi - qlo
+    nrows = hi - lo
     ru = np.repeat(np.arange(U), nrows)
-    r = np.arange(int(nrows.sum())) - np.repeat(np.cumsum(nrows) - nrows, nrows) + qlo[ru]
+    r = np.arange(int(nrows.sum())) - np.repeat(np.cumsum(nrows) - nrows - lo, nrows)
     row_index[uh[ru], qs[ru] + r] = ru * tile_q + r
-    for a in (units, steps, row_index):
+    for a in (units, steps, row_index, cost):
         a.setflags(write=False)
     return Plan(template=template, policy=policy, tile_q=tile_q, tile_kv=tile_kv, shape=shape,
                 q_len_padded=qp, kv_len_padded=kvp, units=units, steps=steps,
                 row_index=row_index, num_units=U, num_steps=S, max_steps=M,
-                mask_digest=mask.digest,
-                selected_interactions=mask.selected_interactions(Hq))
+                mask_digest=mask.digest, selected_interactions=mask.selected_interactions(Hq),
+                mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model)
+
+
+def _tile_rects(plan: Plan) -> dict:
+    u = plan.units[: plan.num_units].astype(np.int64)
+    cnt = u[:, abi.UNIT_STEP_CNT]
+    T = int(cnt.sum())
+    unit = np.repeat(np.arange(plan.num_units), cnt)
+    step = np.repeat(u[:, abi.UNIT_STEP_PTR] - (np.cumsum(cnt) - cnt), cnt) + np.arange(T)
+    st = plan.steps.astype(np.int64)[step]
+    q0 = u[unit, abi.UNIT_Q_START]
+    k0 = st[:, abi.STEP_KV_START]
+    return {"unit": unit, "step": step, "head": u[unit, abi.UNIT_HEAD],
+            "q0": q0, "q1": q0 + plan.tile_q, "k0": k0, "k1": k0 + plan.tile_kv,
+            "r0": q0 + st[:, abi.STEP_Q_LO], "r1": q0 + st[:, abi.STEP_Q_HI],
+            "c0": k0 + st[:, abi.STEP_KV_LO], "c1": k0 + st[:, abi.STEP_KV_HI]}
+
+
+def tile_kinds(plan: Plan, rects: dict | None = None) -> np.ndarray:
+    """Kind of each computed tile (as in ``tile_rects``): 0 kept, 1 merged, 2 split."""
+    t = rects if rects is not None else _tile_rects(plan)
+    qb, kb = plan.mask.q_bounds, plan.mask.kv_bounds
+
+    def span(b, a0, a1):
+        f = np.searchsorted(b, a0, side="right") - 1
+        l = np.searchsorted(b, a1 - 1, side="right") - 1
+        return (b[f] < a0) | (b[l + 1] > a1), l > f
+
+    cut_q, many_q = span(qb, t["r0"], t["r1"])
+    cut_k, many_k = span(kb, t["c0"], t["c1"])
+    kind = np.where(many_q | many_k, 1, 0)
+    return np.where(cut_q | cut_k, 2, kind).astype(np.int8)
 
 
 def _stats(plan: Plan) -> dict:
-    U, S = plan.num_units, plan.num_steps
-    st = plan.steps[:S].astype(np.int64)
-    tiles = S
+    U = plan.num_units
+    cnt = plan.step_counts().astype(np.int64)
+    tiles = int(cnt.sum())
     computed = tiles * plan.tile_q * plan.tile_kv
     sel = plan.selected_interactions
-    full = ((st[:, abi.STEP_Q_LO] == 0) & (st[:, abi.STEP_Q_HI] == plan.tile_q)
-            & (st[:, abi.STEP_KV_LO] == 0) & (st[:, abi.STEP_KV_HI] == plan.tile_kv))
     itemsize = np.dtype(plan.shape.dtype).itemsize
-    kv_bytes = tiles * plan.tile_kv * plan.shape.head_dim * itemsize * 2
-    cnt = plan.step_counts().astype(np.int64)
-    cost = cnt * (plan.tile_q * plan.tile_kv) + 1  # interactions per unit (+1: never zero)
+    if plan.mask is not None:
+        rects = _tile_rects(plan)
+        kinds = np.bincount(tile_kinds(plan, rects), minlength=3)
+        full = ((rects["r0"] == rects["q0"]) & (rects["r1"] == rects["q1"])
+                & (rects["c0"] == rects["k0"]) & (rects["c1"] == rects["k1"]))
+        nfull = int(full.sum())
+    else:  # pragma: no cover - plans are always built with their mask
+        kinds, nfull = np.zeros(3, np.int64), 0
+    cost = plan.unit_cost if plan.unit_cost is not None else np.zeros(U)
+    nsm = plan.cost_model.num_sms
+    hp = {p: plan.head_policies.count(p) for p in _BASE_POLICIES}
     return {
         "template": plan.template,
         "policy": plan.policy,
+        "head_policies": hp,
         "tile_q": plan.tile_q,
         "tile_kv": plan.tile_kv,
         "units": U,
         "tiles": tiles,
-        "full_tiles": int(full.sum()),
-        "partial_tiles": int(tiles - full.sum()),
+        "full_tiles": nfull,
+        "partial_tiles": tiles - nfull,
         "selected_interactions": int(sel),
         "computed_interactions": int(computed),
         "waste_fraction": float(1.0 - sel / computed) if computed else 0.0,
-        "kv_bytes": int(kv_bytes),
-        "max_unit_cost": int(cost.max()) if U else 0,
-        "balance": float(cost.mean() / cost.max()) if U else 1.0,
-        "kept": 0, "merged": 0, "split": 0,
+        "kv_bytes": int(tiles * 2 * plan.tile_kv * plan.shape.head_dim * itemsize),
+        "kept": int(kinds[0]),
+        "merged": int(kinds[1]),
+        "split": int(kinds[2]),
+        "max_unit_cost": float(cost.max()) if U else 0.0,
+        "est_time_us": _sched.makespan(cost, nsm) / 1e3,
+        "balance": _sched.balance(cost, nsm),
         "capacities": plan.capacities,
     }
