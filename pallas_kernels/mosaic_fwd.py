@@ -42,6 +42,7 @@ class KernelConfig:
     stages: int
     tile_q: int = _COMPUTE_WGS * _WG_ROWS
     use_schedule_barrier: bool = True
+    mask_mode: str = "cond"      # "cond": mask partial steps only; "always": mask every step
 
     def __post_init__(self):
         if self.tile_q != _COMPUTE_WGS * _WG_ROWS:
@@ -51,6 +52,8 @@ class KernelConfig:
             raise ValueError(f"tile_kv must be a positive multiple of 64, got {self.tile_kv}")
         if self.stages < 2:
             raise ValueError(f"stages must be at least 2, got {self.stages}")
+        if self.mask_mode not in ("cond", "always"):
+            raise ValueError(f"mask_mode must be 'cond' or 'always', got {self.mask_mode!r}")
 
 
 def config_from_template(template) -> KernelConfig:
@@ -59,7 +62,8 @@ def config_from_template(template) -> KernelConfig:
     if t.backend != "mosaic_gpu":
         raise ValueError(f"template {t.name!r} is for backend {t.backend!r}, not mosaic_gpu")
     return KernelConfig(tile_kv=t.tile_kv, stages=t.stages, tile_q=t.tile_q,
-                        use_schedule_barrier=bool(t.option("schedule_barrier", True)))
+                        use_schedule_barrier=bool(t.option("schedule_barrier", True)),
+                        mask_mode=str(t.option("mask_mode", "cond")))
 
 
 def _smem_bytes(cfg: KernelConfig, head_dim: int) -> int:
@@ -142,7 +146,10 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
                     keep = (r >= q_lo) & (r < q_hi) & (c >= kv_lo) & (c < kv_hi)
                     return jnp.where(keep, x, -jnp.inf)
 
-                qk = lax.cond(full, lambda x: x, mask, qk)
+                if cfg.mask_mode == "cond":
+                    qk = lax.cond(full, lambda x: x, mask, qk)
+                else:
+                    qk = mask(qk)
 
                 # Online softmax in base 2. A row may have seen only masked entries so far
                 # (m == -inf): subtract 0 then, so that exp2 gives 0, never NaN.
@@ -201,7 +208,7 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
             l_safe = jnp.where(empty, 1.0, l_i)
             acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
             qo_smem[...] = acc.astype(dtype)
-            lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
+            lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * _LN2 + jnp.log(l_safe))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, u, pl.ds(row0, _WG_ROWS)])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, u, pl.ds(row0, _WG_ROWS)])
@@ -376,6 +383,6 @@ def attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_le
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5 if hasattr(q, "shape") and len(q.shape) == 4 else 1.0
     _check(q, k, v, units, steps, row_index, t, q_len_padded, kv_len_padded, scale)
-    return _attention(q, k, v, units, steps, row_index, template=t.name,
+    return _attention(q, k, v, units, steps, row_index, template=t,
                       q_len_padded=int(q_len_padded), kv_len_padded=int(kv_len_padded),
                       scale=float(scale), return_lse=bool(return_lse), interpret=interpret)
