@@ -18,7 +18,7 @@ Candidates are (template x policy): every template of the ``mosaic_gpu`` backend
 (what ``sparse_attention`` runs), its ABI arrays padded to power-of-two capacities (so masks
 of one grid share compiled executables: compiling per mask would cost more GPU time than the
 timing itself; padding units select nothing and return at once), run on random inputs (B=1,
-bf16, head_dim 128 by default), warmed up, and timed ``--iters`` times: CUPTI kernel time on
+bf16, head_dim 128 by default), warmed up, and timed ``--iters`` (20) times: CUPTI kernel time on
 GPU when available (``jax.experimental.mosaic.gpu.profiler``), else wall clock around
 ``block_until_ready``; the median is kept.
 
@@ -412,13 +412,18 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--compilation-cache", help="jax persistent compilation cache directory "
+                    "(executables survive between runs on one machine)")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
     from . import backends
+    if a.compilation_cache:
+        from .api import enable_compilation_cache
+        enable_compilation_cache(a.compilation_cache)
     dev = device_info(a.gpu)
     gpu = dev["name"]
     out = pathlib.Path(a.out or _selection.table_dir() / f"{gpu}.json")
@@ -446,7 +451,9 @@ def main(argv=None) -> dict:
         "sampling": sampling, "dtype": a.dtype, "head_dim": a.head_dim, "batch": 1,
         "timing": {"warmup": a.warmup, "iters": a.iters, "statistic": "median",
                    "timer": "cupti kernel time on GPU when available, else wall clock",
-                   "padding": "ABI capacities rounded up to powers of two"},
+                   "padding": "ABI capacities rounded up to powers of two",
+                   "inputs": "one random normal q, k, v per call shape (not rotated: at corpus "
+                             "sizes they exceed L2)"},
         "command": "python -m tessera_jax.profile " + " ".join(sys.argv[1:] if argv is None
                                                                 else argv),
         "device": dev,
@@ -469,6 +476,11 @@ def _measure(a, specs, cands, raw_path, heads):
     import jax.numpy as jnp
     t_start = time.monotonic()
     masks_done, times_done = read_raw(raw_path)
+    if raw_path.is_file() and raw_path.stat().st_size:
+        with open(raw_path, "rb+") as f:        # a line cut by a killed run: end it
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
     todo = [(s, c) for s in specs for c in cands if (s["id"], cand_key(*c)) not in times_done]
     log(f"{len(specs)} masks x {len(cands)} candidates; {len(todo)} timings to do "
         f"({len(specs) * len(cands) - len(todo)} already in {raw_path})")

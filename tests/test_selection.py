@@ -346,7 +346,8 @@ def test_select_bad_input():
 # --- cost ---------------------------------------------------------------------------------
 def _wan720_random():
     rng = np.random.default_rng(0)
-    return tj.BlockMask.uniform(75600, 75600, 64, 64, rng.random((40, 1182, 1182)) < 0.1)
+    return tj.BlockMask.uniform(75600, 75600, 64, 64,
+                                rng.integers(0, 256, (40, 1182, 1182), dtype=np.uint8) < 26)
 
 
 def test_selection_cost_wan720():

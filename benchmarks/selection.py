@@ -1,0 +1,304 @@
+#!/usr/bin/env python3
+"""Selection benchmark (issue 5, item 4): the ranking table's choice against every candidate.
+
+Over the corpus TEST split (never used for fitting; sampled per family with ``--max-masks``,
+the first ceil(N / families) specs of each family in spec-id order, on the first ``--heads``
+heads, as the profiler does), for each mask: every candidate (template x policy) of the
+table that the backend ``sparse_attention`` would use can run is timed exactly as the profiler
+times it (``tessera_jax.profile.time_candidate``: plan, power-of-two ABI capacities, warm-up,
+median of ``--iters``; CUPTI kernel time on GPU when available); ``selection.select`` picks one
+(no timing); regret = chosen time / best candidate time. The best fixed single plan is the
+candidate with the least geometric-mean time over all benchmarked masks (chosen in hindsight,
+on the test masks themselves: the strongest fixed baseline); gain = geomean(fixed / chosen).
+
+Selection cost is measured on full Wan 720p masks (40 heads, no head subset): per-head test
+masks of the corpus (one per family, ``--sel-masks``) and a random 64-token-block mask
+[40, 1182, 1182]; per mask the median of ``--sel-repeats`` calls of ``select`` in three states:
+``cold`` (every cache cleared: features, bounds tables, choices), ``new_mask`` (features and
+choices cleared, block-bounds tables kept: a new mask of a known layout) and ``cached`` (the
+same mask again). ``summary.selection_ms_wan720`` is the worst mask's cold median.
+
+    python benchmarks/selection.py --table plan_tables/h200.json \\
+        --out benchmarks/results/h200-selection.json --max-masks 120 --heads 4 --time-budget 500
+    python benchmarks/selection.py --tiny --table /tmp/cpu.json --out /tmp/sel.json   # CPU
+
+Results are saved after every mask; a rerun skips masks already complete (``--no-resume`` to
+start over), so the benchmark can be spread over several shorter GPU runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from tessera_jax import features as F  # noqa: E402
+from tessera_jax import profile as P  # noqa: E402
+from tessera_jax import selection as S  # noqa: E402
+
+DEFAULT_OUT = os.path.join("benchmarks", "results", "h200-selection.json")
+SEL_FAMILIES = ("vsa", "sparge", "xattn", "svg2", "jenga", "ssta", "moba", "sta")
+
+
+def log(msg):
+    print(f"[selection {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def geomean(x):
+    x = np.asarray(x, np.float64)
+    return float(np.exp(np.log(x).mean())) if x.size else float("nan")
+
+
+# --- selection cost -------------------------------------------------------------------------
+def _time_select(mask, shape, backend, table, repeats, state):
+    ts = []
+    choice = None
+    for i in range(repeats + 1):
+        if state == "cold":
+            F.clear_cache()
+            S._CHOICES.clear()
+        elif state == "new_mask":
+            F._CACHE.clear()
+            S._CHOICES.clear()
+        t0 = time.perf_counter()
+        choice = S.select(mask, shape, backend, table=table)
+        dt = (time.perf_counter() - t0) * 1e3
+        if i or state == "cached":   # the first cached call fills the caches: not counted
+            ts.append(dt)
+    return float(np.median(ts)), float(np.min(ts)), choice
+
+
+def selection_cost(table, backend, *, tiny: bool, n_masks: int, repeats: int, dtype, head_dim):
+    """Selection milliseconds on full Wan 720p masks (see the module docstring)."""
+    from tessera_jax.mask import BlockMask
+    masks = []
+    rng = np.random.default_rng(0)
+    L = 21 * 45 * 80
+    masks.append(("random-64-blocks-10pct",
+                  BlockMask.uniform(L, L, 64, 64, rng.integers(0, 256, (40, 1182, 1182),
+                                                               dtype=np.uint8) < 26)))
+    if not tiny and n_masks > 0:
+        from tessera_jax.masks import build, corpus
+        test = [s for s in corpus("test") if s["grid"] == "wan720" and s["heads"] == 40]
+        for fam in SEL_FAMILIES:
+            cand = sorted((s for s in test if s["family"] == fam), key=lambda s: s["id"])
+            if cand and len(masks) < n_masks + 1:
+                t0 = time.perf_counter()
+                m = build(cand[0])
+                log(f"selection-cost mask {fam} {cand[0]['id']} {m.shape} built in "
+                    f"{time.perf_counter() - t0:.1f} s")
+                masks.append((f"{fam}:{cand[0]['id']}", m))
+    rows = []
+    for name, m in masks:
+        shape = P.call_shape(m, dtype, head_dim)
+        shape = shape._replace(num_q_heads=40, num_kv_heads=40) if m.num_heads == 1 else shape
+        row = {"mask": name, "blocks": list(m.shape)}
+        for state in ("cold", "new_mask", "cached"):
+            med, mn, choice = _time_select(m, shape, backend, table, repeats, state)
+            row[f"{state}_ms_median"] = round(med, 4)
+            row[f"{state}_ms_min"] = round(mn, 4)
+        row["choice"] = list(choice) if choice else None
+        rows.append(row)
+        log(f"select {name}: cold {row['cold_ms_median']:.3f} ms, new mask "
+            f"{row['new_mask_ms_median']:.3f} ms, cached {row['cached_ms_median']:.4f} ms")
+    return rows
+
+
+# --- main -----------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--table", help="plan table (default: plan_tables/<gpu>.json)")
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--max-masks", type=int, help="sample at most ~N test masks (per family)")
+    ap.add_argument("--heads", type=int, default=4, help="first K heads (0: all)")
+    ap.add_argument("--families", nargs="+")
+    ap.add_argument("--time-budget", type=float, help="stop timing after S seconds (resumable)")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke mode (tiny masks, XLA)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--compilation-cache", help="jax persistent compilation cache directory")
+    ap.add_argument("--sel-masks", type=int, default=4, help="corpus Wan 720p masks for the "
+                    "selection cost (plus one random mask)")
+    ap.add_argument("--sel-repeats", type=int, default=20)
+    ap.add_argument("--no-resume", action="store_true")
+    return ap.parse_args(argv)
+
+
+def _load_prev(path, resume):
+    if resume and os.path.isfile(path):
+        try:
+            with open(path) as f:
+                prev = json.load(f)
+            return {r["id"]: r for r in prev.get("masks", []) if r.get("complete")}
+        except (OSError, ValueError):
+            log(f"{path} is unreadable; starting over")
+    return {}
+
+
+def summarize(rows, cands):
+    """Regret, best fixed plan and gain over the complete masks."""
+    keys = [P.cand_key(*c) for c in cands]
+    ok = [r for r in rows if r.get("complete") and r.get("chosen_ms")]
+    if not ok:
+        return {"masks": 0}
+    T = np.array([[r["times_ms"].get(k) if r["times_ms"].get(k) is not None else np.nan
+                   for k in keys] for r in ok], np.float64)
+    viable = np.isfinite(T).all(axis=0)
+    gm = np.full(len(keys), np.inf)
+    gm[viable] = np.exp(np.log(T[:, viable]).mean(axis=0))
+    fixed = int(np.argmin(gm)) if viable.any() else None
+    chosen = np.array([r["chosen_ms"] for r in ok])
+    best = np.array([r["best_ms"] for r in ok])
+    regret = chosen / best
+    out = {
+        "masks": len(ok),
+        "regret_median": float(np.median(regret)),
+        "regret_p90": float(np.quantile(regret, 0.9)),
+        "regret_max": float(regret.max()),
+        "best_fixed": keys[fixed] if fixed is not None else None,
+        "best_fixed_regret_median": (float(np.median(T[:, fixed] / best))
+                                     if fixed is not None else None),
+        "gain_vs_best_fixed_geomean": (geomean(T[:, fixed] / chosen)
+                                       if fixed is not None else None),
+    }
+    heur = [r["heuristic_ms"] / r["best_ms"] for r in ok if r.get("heuristic_ms")]
+    if heur:
+        out["heuristic_regret_median"] = float(np.median(heur))
+        out["heuristic_regret_p90"] = float(np.quantile(heur, 0.9))
+    per_fam = {}
+    for r, g in zip(ok, regret):
+        per_fam.setdefault(r["family"], []).append(g)
+    out["regret_median_by_family"] = {f: float(np.median(v)) for f, v in sorted(per_fam.items())}
+    return out
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    import jax.numpy as jnp
+    if a.compilation_cache:
+        from tessera_jax import enable_compilation_cache
+        enable_compilation_cache(a.compilation_cache)
+
+    from tessera_jax import backends
+    dev = P.device_info(None)
+    table_path = a.table or str(S.table_dir() / f"{dev['name']}.json")
+    table = S.load_table(table_path)
+    heads = a.heads or None
+    specs, sampling = P.select_specs("test", tiny=a.tiny, families=a.families,
+                                     max_masks=a.max_masks)
+    sampling["heads"] = "all" if heads is None else f"first {heads} (shared masks stay shared)"
+    prev = _load_prev(a.out, not a.no_resume)
+    inputs = P.Inputs(jnp.dtype(a.dtype), a.head_dim)
+    t_start = time.monotonic()
+    rows = []
+    cands_all = table.candidates
+    backend = None
+    stopped = False
+    res = {}
+
+    def save(summary_only=False):
+        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(tmp, a.out)
+
+    res.update({
+        "benchmark": "selection",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python benchmarks/selection.py " + " ".join(sys.argv[1:] if argv is None
+                                                                 else argv),
+        "device": dev, "versions": P.versions(),
+        "table": {"path": table_path, "gpu": table.gpu, "k": table.k,
+                  "training_masks": len(table.points),
+                  "provenance_created": table.data["provenance"].get("created"),
+                  "corpus_digest": table.data["provenance"].get("corpus_digest")},
+        "corpus_digest": P.corpus_digest(a.tiny), "split": "test", "sampling": sampling,
+        "dtype": a.dtype, "head_dim": a.head_dim, "batch": 1,
+        "timing": {"warmup": a.warmup, "iters": a.iters, "statistic": "median",
+                   "padding": "ABI capacities rounded up to powers of two (as profiled)"},
+        "masks": rows,
+    })
+    for n, spec in enumerate(specs):
+        if spec["id"] in prev:
+            rows.append(prev[spec["id"]])
+            continue
+        if a.time_budget is not None and time.monotonic() - t_start > a.time_budget:
+            stopped = True
+            break
+        mask = P.build_mask(spec, heads)
+        shape = P.call_shape(mask, a.dtype, a.head_dim)
+        backend = backends.resolve(None, shape)
+        cands = [c for c in cands_all if S._supports(c[0], backend, shape)]
+        res["backend"] = backend
+        res["candidates"] = [P.cand_key(*c) for c in cands]
+        F.clear_cache()
+        S._CHOICES.clear()
+        t0 = time.perf_counter()
+        choice = S.select(mask, shape, backend, table=table)
+        sel_ms = (time.perf_counter() - t0) * 1e3
+        heur = S.heuristic(mask, shape, backend)
+        row = {"id": spec["id"], "family": spec["family"], "grid": spec["grid"],
+               "heads_profiled": mask.num_heads, "blocks": list(mask.shape),
+               "density": mask.density, "selection_ms": round(sel_ms, 4),
+               "chosen": P.cand_key(*choice) if choice else None,
+               "heuristic": P.cand_key(*heur) if heur else None,
+               "features": {k: round(float(v), 5) for k, v in F.mask_features(mask, shape).items()},
+               "times_ms": {}, "errors": {}}
+        for template, policy in cands:
+            k = P.cand_key(template, policy)
+            try:
+                r = P.time_candidate(mask, template, policy, inputs, warmup=a.warmup,
+                                     iters=a.iters)
+                row["times_ms"][k] = r["ms"]
+                row.setdefault("timer", r["timer"])
+            except Exception as e:  # noqa: BLE001 - a failing candidate is data
+                row["times_ms"][k] = None
+                row["errors"][k] = f"{type(e).__name__}: {str(e)[:300]}"
+        good = {k: v for k, v in row["times_ms"].items() if v is not None}
+        if good:
+            row["best"] = min(good, key=good.get)
+            row["best_ms"] = good[row["best"]]
+            row["chosen_ms"] = good.get(row["chosen"])
+            row["heuristic_ms"] = good.get(row["heuristic"])
+            row["regret"] = (row["chosen_ms"] / row["best_ms"]) if row["chosen_ms"] else None
+        row["complete"] = True
+        rows.append(row)
+        log(f"[{n + 1}/{len(specs)}] {spec['family']:12s} {spec['id']} chosen {row['chosen']} "
+            f"regret {row.get('regret') or float('nan'):.3f} (best {row.get('best')})")
+        res["summary"] = summarize(rows, cands)
+        save()
+    if stopped:
+        log(f"time budget reached after {len(rows)} masks; rerun to continue")
+    if backend is None:
+        backend = "xla" if a.tiny else "mosaic_gpu"
+    cands = [c for c in cands_all if P.cand_key(*c) in set(res.get("candidates", []))] or cands_all
+    summary = summarize(rows, cands)
+    sel = selection_cost(table, backend, tiny=a.tiny, n_masks=a.sel_masks,
+                         repeats=a.sel_repeats, dtype=a.dtype, head_dim=a.head_dim)
+    summary["selection_ms_wan720"] = max(r["cold_ms_median"] for r in sel)
+    summary["selection_ms_wan720_new_mask_known_layout"] = max(r["new_mask_ms_median"]
+                                                               for r in sel)
+    summary["selection_ms_wan720_cached"] = max(r["cached_ms_median"] for r in sel)
+    summary["complete"] = not stopped and len(rows) == len(specs)
+    res["selection_cost"] = sel
+    res["summary"] = summary
+    save()
+    log("summary: " + json.dumps({k: v for k, v in summary.items()
+                                  if k != "regret_median_by_family"}))
+    return res
+
+
+if __name__ == "__main__":
+    main()

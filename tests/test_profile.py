@@ -1,0 +1,164 @@
+"""The offline profiler (tiny CPU mode: XLA templates), its resume, refit, and the selection
+benchmark's tiny mode."""
+
+import importlib.util
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from tessera_jax import profile as P
+from tessera_jax import selection as S
+
+ARGS = ["--tiny", "--iters", "2", "--warmup", "1", "--dtype", "float32", "--head-dim", "16"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One tiny profile run: 2 tiny train masks x 2 candidates."""
+    d = tmp_path_factory.mktemp("prof")
+    table = P.main(ARGS + ["--out", str(d / "cpu.json"), "--raw", str(d / "raw")])
+    return d, table
+
+
+def _lines(path):
+    return [json.loads(x) for x in pathlib.Path(path).read_text().splitlines() if x.strip()]
+
+
+def test_tiny_profile_writes_raw_and_table(run):
+    d, table = run
+    recs = _lines(d / "raw" / "cpu.jsonl")
+    masks = [r for r in recs if r["kind"] == "mask"]
+    times = [r for r in recs if r["kind"] == "time"]
+    assert {m["id"] for m in masks} == {"tiny-sta", "tiny-vsa"}       # train split only
+    assert len(times) == 4 and all(r["status"] == "ok" and r["ms"] > 0 for r in times)
+    assert {r["candidate"] for r in times} == {"xla_64x64/merge", "xla_128x128/merge"}
+    assert all(len(r["samples"]) == 2 and r["timer"] == "wall" for r in times)
+    t = S.load_table(d / "cpu.json")
+    assert t.candidates == [("xla_64x64", "merge"), ("xla_128x128", "merge")]
+    prov = table["provenance"]
+    assert prov["split"] == "train" and prov["sampling"]["masks"] == 2
+    assert prov["corpus_digest"].startswith("tiny:") and prov["versions"]["jax"]
+    assert table["gpu"]["name"] == "cpu" and prov["fit"]["masks_used"] == 2
+    # the table's stored relative times are the raw medians
+    for i, mid in enumerate(m["id"] for m in masks):
+        ms = {r["candidate"]: r["ms"] for r in times if r["id"] == mid}
+        best = min(ms.values())
+        row = table["model"]["rel_log_time"][i]
+        assert row == pytest.approx([np.log(ms["xla_64x64/merge"] / best),
+                                     np.log(ms["xla_128x128/merge"] / best)], abs=1e-4)
+
+
+def test_resume_skips_done_pairs(run, tmp_path, monkeypatch):
+    d, _ = run
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    lines = (d / "raw" / "cpu.jsonl").read_text().splitlines()
+    # drop one timing and cut the last line in half, as a killed run would leave it
+    kept = [x for x in lines if '"xla_128x128/merge"' not in x or '"tiny-sta"' not in x]
+    assert len(kept) == len(lines) - 1
+    (raw / "cpu.jsonl").write_text("\n".join(kept[:-1]) + "\n" + kept[-1][:40])
+    calls = []
+    real = P.time_candidate
+
+    def spy(mask, template, policy, *a, **k):
+        calls.append((mask.digest, template, policy))
+        return real(mask, template, policy, *a, **k)
+    monkeypatch.setattr(P, "time_candidate", spy)
+    P.main(ARGS + ["--out", str(tmp_path / "cpu.json"), "--raw", str(raw)])
+    assert sorted((t, p) for _, t, p in calls) == [("xla_128x128", "merge"),
+                                                   ("xla_128x128", "merge")]
+    calls.clear()
+    P.main(ARGS + ["--out", str(tmp_path / "cpu.json"), "--raw", str(raw)])
+    assert calls == []                                        # everything is there now
+    assert S.load_table(tmp_path / "cpu.json").data["provenance"]["fit"]["masks_used"] == 2
+
+
+def test_fit_only_and_time_budget_do_not_time(run, tmp_path, monkeypatch):
+    d, table = run
+    def boom(*a, **k):
+        raise AssertionError("timed in --fit-only mode")
+    monkeypatch.setattr(P, "time_candidate", boom)
+    out = P.main(ARGS + ["--out", str(tmp_path / "a.json"), "--raw", str(d / "raw"),
+                         "--fit-only"])
+    assert out["model"]["rel_log_time"] == table["model"]["rel_log_time"]
+    empty = tmp_path / "empty"
+    P.main(ARGS + ["--out", str(tmp_path / "b.json"), "--raw", str(empty),
+                   "--time-budget", "0"])
+    t = S.load_table(tmp_path / "b.json")                     # an empty, valid table
+    assert len(t.points) == 0 and t.order(np.zeros(30)) == t.default_order
+
+
+def test_failing_candidate_is_recorded_not_fatal(tmp_path, monkeypatch):
+    real = P.time_candidate
+
+    def flaky(mask, template, policy, *a, **k):
+        if template == "xla_128x128":
+            raise RuntimeError("out of shared memory")
+        return real(mask, template, policy, *a, **k)
+    monkeypatch.setattr(P, "time_candidate", flaky)
+    table = P.main(ARGS + ["--out", str(tmp_path / "c.json"), "--raw", str(tmp_path / "raw")])
+    errs = [r for r in _lines(tmp_path / "raw" / "cpu.jsonl") if r.get("status") == "error"]
+    assert len(errs) == 2 and "shared memory" in errs[0]["error"]
+    assert all(row[1] is None for row in table["model"]["rel_log_time"])
+    assert table["default_order"][0] == 0
+
+
+def test_spec_sampling_is_per_family_and_train_only():
+    specs, sampling = P.select_specs("train", max_masks=26)
+    fams = {s["family"] for s in specs}
+    assert len(fams) == 13 and all(s["split"] == "train" for s in specs)
+    assert len(specs) == 26 and sampling["per_family"]["vsa"]["sampled"] == 2
+    again, _ = P.select_specs("train", max_masks=26)
+    assert [s["id"] for s in again] == [s["id"] for s in specs]
+    with pytest.raises(ValueError, match="split"):
+        P.select_specs("validation")
+
+
+def test_padded_arrays_keep_the_result():
+    """Power-of-two capacities (padding units/steps select nothing) give the same output."""
+    import jax
+    import tessera_jax as tj
+    rng = np.random.default_rng(0)
+    m = tj.BlockMask([0, 40, 100, 230], [0, 70, 90, 200, 260], rng.random((2, 3, 4)) < 0.6)
+    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (1, 230 if i == 0 else 260, 2, 16))
+               for i in range(3))
+    p = tj.plan(m, q.shape, k.shape, q.dtype, template="xla_64x64", policy="split")
+    units, steps, ri, mcap = P.padded_arrays(p)
+    assert units.shape[0] & (units.shape[0] - 1) == 0 and units.shape[0] >= p.units.shape[0]
+    fn = P._executor(p.template, p.tile_q, p.tile_kv, p.q_len_padded, p.kv_len_padded, mcap,
+                     16 ** -0.5)
+    out = fn(q, k, v, units, steps, ri)
+    ref = tj.reference_attention(q, k, v, m)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def _bench_module():
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "selection.py"
+    spec = importlib.util.spec_from_file_location("bench_selection", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_selection_benchmark_tiny(run, tmp_path):
+    d, _ = run
+    bench = _bench_module()
+    out = tmp_path / "sel.json"
+    args = ["--tiny", "--table", str(d / "cpu.json"), "--out", str(out), "--iters", "2",
+            "--warmup", "1", "--dtype", "float32", "--head-dim", "16", "--sel-repeats", "3"]
+    res = bench.main(args)
+    data = json.loads(out.read_text())
+    s = data["summary"]
+    for key in ("regret_median", "regret_p90", "gain_vs_best_fixed_geomean",
+                "selection_ms_wan720"):
+        assert isinstance(s[key], float) and s[key] > 0, key
+    assert s["regret_median"] >= 1.0 and s["masks"] == 2 and s["complete"]
+    assert {r["id"] for r in data["masks"]} == {"tiny-ditfa", "tiny-natten"}   # test split
+    for r in data["masks"]:
+        assert r["chosen"] in r["times_ms"] and r["best_ms"] == min(r["times_ms"].values())
+    assert data["selection_cost"][0]["blocks"] == [40, 1182, 1182]
+    # resume: a rerun re-times nothing
+    res2 = bench.main(args)
+    assert [r["times_ms"] for r in res2["masks"]] == [r["times_ms"] for r in res["masks"]]
