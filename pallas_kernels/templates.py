@@ -134,3 +134,16 @@ for _kv, _stages in ((128, 2), (128, 3), (64, 2), (64, 3), (64, 4)):
     register(Template(name=f"mgpu_q128_kv{_kv}_s{_stages}", tile_kv=_kv, stages=_stages,
                       **_MGPU_COMMON))
 del _kv, _stages
+
+
+# --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton_fwd -------------------
+# Pointer loads at any row offset, so no alignment; the head dim is padded to a power of two
+# (>= 16) inside the kernel, up to 256. The first entry is jax's ops/gpu/attention.py dense
+# configuration (128x64, 8 warps, 2 stages), measured at 433 TFLOP/s dense on the H200.
+_TRITON_COMMON = dict(backend="triton", head_dims=tuple(range(1, 257)),
+                      dtypes=("bfloat16", "float16", "float32"), min_compute_capability=(8, 0))
+for _tq, _tk, _w, _s in ((128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2),
+                         (64, 64, 4, 3), (64, 128, 4, 2)):
+    register(Template(name=f"triton_q{_tq}_kv{_tk}_w{_w}_s{_s}", tile_q=_tq, tile_kv=_tk,
+                      stages=_s, options=(("num_warps", _w),), **_TRITON_COMMON))
+del _tq, _tk, _w, _s
