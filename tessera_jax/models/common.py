@@ -81,14 +81,14 @@ def rope_3d(grid: Sequence[int], dims: Sequence[int], theta: float = 10000.0):
         raise ValueError(f"dims must be even, got {dims}")
     angles = []
     for n, d, axis in zip((gt, gh, gw), dims, range(3)):
-        freqs = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)       # [d/2]
-        pos = np.arange(n, dtype=np.float64)
-        ang = pos[:, None] * freqs[None]                                      # [n, d/2]
+        # Computed in the graph (not a [L, D/2] host constant baked into the executable).
+        freqs = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)      # [d/2]
+        ang = jnp.arange(n, dtype=jnp.float32)[:, None] * freqs[None]        # [n, d/2]
         shape = [1, 1, 1, d // 2]
         shape[axis] = n
-        angles.append(np.broadcast_to(ang.reshape(shape), (gt, gh, gw, d // 2)))
-    ang = np.concatenate(angles, axis=-1).reshape(gt * gh * gw, -1)
-    return jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
+        angles.append(jnp.broadcast_to(ang.reshape(shape), (gt, gh, gw, d // 2)))
+    ang = jnp.concatenate(angles, axis=-1).reshape(gt * gh * gw, -1)
+    return jnp.cos(ang), jnp.sin(ang)
 
 
 def apply_rope(x, cos, sin):

@@ -1,0 +1,207 @@
+"""Video DiTs (Wan2.1, HunyuanVideo-1.5; tiny configs), the compiled Euler loop and bench_loop --tiny."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import flax.nnx as nnx
+
+import tessera_jax as tj
+from tessera_jax.flax import AttentionOptions, MaskSchedule
+from tessera_jax.models import (HUNYUAN15, WAN21_14B, WAN21_1_3B, HunyuanModel, WanModel,
+                                extend_with_text, flow_sigmas, make_forward, make_sampler,
+                                patchify, rope_3d, unpatchify)
+from tessera_jax.models.common import apply_rope
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+WAN_TINY = WAN21_1_3B.replace(num_layers=2, num_heads=2, head_dim=16, ffn_dim=64, text_dim=32,
+                              text_len=8, in_channels=4, out_channels=4, freq_dim=32)
+HY_TINY = HUNYUAN15.replace(num_layers=2, num_heads=2, head_dim=16, mlp_dim=64, text_dim=32,
+                            text_len=8, in_channels=4, out_channels=4, freq_dim=32,
+                            rope_dims=(4, 6, 6))
+
+
+def _rand(seed, shape):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def wan():
+    # latent (3, 8, 8, 4), patch (1, 2, 2) -> token grid (3, 4, 4) = 48 video tokens
+    return WanModel(WAN_TINY, rngs=nnx.Rngs(0)), _rand(1, (1, 3, 8, 8, 4)), _rand(2, (1, 8, 32))
+
+
+@pytest.fixture(scope="module")
+def hunyuan():
+    # latent (3, 4, 4, 4), patch 1 -> 48 video tokens + 8 joint text tokens
+    return HunyuanModel(HY_TINY, rngs=nnx.Rngs(0)), _rand(3, (1, 3, 4, 4, 4)), _rand(4, (1, 8, 32))
+
+
+def _full(L, bounds):
+    n = len(bounds) - 1
+    return tj.BlockMask(bounds, bounds, np.ones((2, n, n), bool))   # per-head, all selected
+
+
+def _window(L, block, widths):
+    n = -(-L // block)
+    i = np.arange(n)
+    w = np.asarray(widths)
+    return tj.BlockMask.uniform(L, L, block, block,
+                                np.abs(i[None, :, None] - i[None, None, :]) <= w[:, None, None])
+
+
+def _ref_fn(q, k, v, mask, scale=None):
+    return tj.reference_attention(q, k, v, mask, scale=scale)
+
+
+REF = AttentionOptions(sparse_fn=_ref_fn)
+
+
+# --- pieces -----------------------------------------------------------------------------------
+def test_configs_match_published_shapes():
+    assert (WAN21_1_3B.num_layers, WAN21_1_3B.num_heads, WAN21_1_3B.dim, WAN21_1_3B.ffn_dim) == (30, 12, 1536, 8960)
+    assert (WAN21_14B.num_layers, WAN21_14B.num_heads, WAN21_14B.dim, WAN21_14B.ffn_dim) == (40, 40, 5120, 13824)
+    assert (HUNYUAN15.num_layers, HUNYUAN15.num_heads, HUNYUAN15.dim, HUNYUAN15.mlp_dim) == (54, 16, 2048, 8192)
+    assert WAN21_1_3B.token_grid(81, 480, 832) == (21, 30, 52)
+    assert WAN21_14B.token_grid(81, 720, 1280) == (21, 45, 80)
+    assert HUNYUAN15.token_grid(121, 720, 1280) == (31, 45, 80)
+    with pytest.raises(ValueError, match="rope_dims"):
+        HUNYUAN15.replace(rope_dims=(16, 56, 54))
+
+
+def test_patchify_roundtrip_and_rope():
+    x = _rand(0, (2, 4, 6, 8, 3))
+    tok, grid = patchify(x, (2, 3, 2))
+    assert tok.shape == (2, 2 * 2 * 4, 36) and grid == (2, 2, 4)
+    np.testing.assert_array_equal(unpatchify(tok, grid, (2, 3, 2), 3), x)
+    with pytest.raises(ValueError, match="patch"):
+        patchify(x, (3, 3, 2))
+    # RoPE: a rotation (norm kept) whose q.k depends only on the position difference.
+    cos, sin = rope_3d((3, 4, 5), (4, 6, 6))
+    q = jnp.broadcast_to(_rand(1, (1, 1, 1, 16)), (1, 60, 1, 16))
+    k = jnp.broadcast_to(_rand(2, (1, 1, 1, 16)), (1, 60, 1, 16))
+    rq, rk = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    np.testing.assert_allclose(jnp.linalg.norm(rq, axis=-1), jnp.linalg.norm(q, axis=-1), rtol=1e-5)
+    idx = lambda t, h, w: (t * 4 + h) * 5 + w
+    a = jnp.vdot(rq[0, idx(0, 1, 1), 0], rk[0, idx(1, 2, 3), 0])
+    b = jnp.vdot(rq[0, idx(1, 2, 2), 0], rk[0, idx(2, 3, 4), 0])
+    np.testing.assert_allclose(a, b, rtol=1e-4)
+
+
+def test_extend_with_text():
+    m = _window(48, 16, [0, 1])
+    j = extend_with_text(m, 8)
+    tok = j.token_mask()
+    assert j.Lq == 56 and tok[:, :48, :48].tolist() == m.token_mask().tolist()
+    assert tok[:, 48:].all() and tok[:, :, 48:].all()
+    assert extend_with_text(None, 8) is None
+
+
+def test_flow_sigmas():
+    s = flow_sigmas(50, 5.0)
+    assert s.shape == (51,) and s[0] == 1.0 and s[-1] == 0.0 and np.all(np.diff(s) < 0)
+    np.testing.assert_allclose(flow_sigmas(4, 1.0), [1, .75, .5, .25, 0])
+    with pytest.raises(ValueError, match="num_steps"):
+        flow_sigmas(0)
+
+
+# --- the loop: all-selected masks match dense attention ---------------------------------------
+def test_wan_loop_all_selected_matches_dense(wan):
+    model, x, ctx = wan
+    full = _full(48, [0, 5, 16, 40, 48])
+    dense = make_sampler(model, MaskSchedule.dense(2, 2))(x, ctx)
+    sparse = make_sampler(model, MaskSchedule.warmup(full, 2, 2, dense_steps=1))
+    out = sparse(x, ctx)
+    assert sparse.traced_forwards == 2          # one forward per variant (dense, sparse)
+    np.testing.assert_allclose(out, dense, **TOL)
+    assert float(jnp.max(jnp.abs(out - x))) > 0.1   # the loop moved the latent
+
+
+def test_hunyuan_loop_all_selected_matches_dense(hunyuan):
+    model, x, ctx = hunyuan
+    video_only = _full(48, [0, 16, 32, 48])          # layer 0: text appended as dense blocks
+    joint = _full(56, [0, 20, 48, 56])               # layer 1: over [video, text]
+    dense = make_sampler(model, MaskSchedule.dense(2, 2))(x, ctx)
+    out = make_sampler(model, MaskSchedule([[video_only, joint]] * 2))(x, ctx)
+    np.testing.assert_allclose(out, dense, **TOL)
+
+
+def test_forward_sparse_mask_uses_the_mask(wan):
+    """A real mask through sparse_attention matches the same model with reference attention,
+    and differs from dense."""
+    model, x, ctx = wan
+    masks = (_window(48, 8, [0, 1]), _window(48, 16, [1, 0]))
+    t = jnp.full((1,), 700.0)
+    state = nnx.state(model)
+    out = make_forward(model, masks)(state, x, t, ctx)
+    ref = make_forward(model, masks, options=REF)(state, x, t, ctx)
+    dense = make_forward(model, None)(state, x, t, ctx)
+    np.testing.assert_allclose(out, ref, **TOL)
+    assert float(jnp.max(jnp.abs(out - dense))) > 1e-3
+
+
+def test_loop_modes_agree_and_do_not_retrace(wan):
+    model, x, ctx = wan
+    m = _window(48, 8, [1, 2])
+    sched = MaskSchedule.from_fn(lambda l, s: None if s == 1 else m, 2, 3)   # sparse, dense, sparse
+    auto = make_sampler(model, sched, options=REF)                           # -> switch
+    unrolled = make_sampler(model, sched, mode="unroll", options=REF)
+    a = auto(x, ctx)
+    assert auto.traced_forwards == 2                      # 2 variants, 3 steps
+    np.testing.assert_allclose(a, unrolled(x, ctx), **TOL)
+    assert unrolled.traced_forwards == 3
+    b = auto(x + 0.5, ctx)
+    assert auto.trace_count == 1 and not np.allclose(a, b)
+    with pytest.raises(ValueError, match="layers"):
+        make_sampler(model, MaskSchedule.dense(3, 2))
+    with pytest.raises(ValueError, match="mode"):
+        make_sampler(model, sched, mode="scan")
+
+
+def test_token_order_is_exact_and_guidance(wan):
+    model, x, ctx = wan
+    order = np.random.default_rng(0).permutation(48)
+    t = jnp.full((1,), 1000.0)
+    state = nnx.state(model)
+    plain = make_forward(model)(state, x, t, ctx)
+    permuted = make_forward(model, token_order=order)(state, x, t, ctx)
+    np.testing.assert_allclose(permuted, plain, **TOL)
+    with pytest.raises(ValueError, match="token_order"):
+        make_forward(model, token_order=np.zeros(48, int))(state, x, t, ctx)
+    # One Euler step with guidance 1 is the conditional step x + (sigma_1 - 1) * v.
+    neg = _rand(9, ctx.shape)
+    cfg = make_sampler(model, MaskSchedule.dense(2, 1), shift=3.0, guidance_scale=1.0)(x, ctx, neg)
+    np.testing.assert_allclose(cfg, x + (flow_sigmas(1, 3.0)[1] - 1.0) * plain, **TOL)
+    with pytest.raises(ValueError, match="negative_context"):
+        make_sampler(model, MaskSchedule.dense(2, 1), guidance_scale=5.0)(x, ctx)
+
+
+def test_model_input_checks(wan, hunyuan):
+    model, x, ctx = wan
+    with pytest.raises(ValueError, match="masks has 1"):
+        model(x, jnp.ones(1), ctx, masks=[None])
+    with pytest.raises(ValueError, match="context"):
+        model(x, jnp.ones(1), ctx[..., :16])
+    hmodel, hx, hctx = hunyuan
+    with pytest.raises(ValueError, match="joint sequence"):
+        hmodel(hx, jnp.ones(1), hctx, masks=[_window(40, 8, [0, 0])] * 2)
+
+
+# --- the benchmark's CPU mode ---------------------------------------------------------------
+def test_bench_loop_tiny(tmp_path):
+    from tessera_jax import bench_loop
+    out = tmp_path / "loop.json"
+    doc = bench_loop.main(["--tiny", "--models", "wan14b_720p", "--steps", "2",
+                           "--attn-repeats", "1", "--step-repeats", "1", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    s = saved["summary"]
+    for key in ("speedup_vs_fixed_plan", "overhead_outside_attention"):
+        assert np.isfinite(s[key])
+    assert s["wan13b_480p_speedup_vs_dense"] is None      # that case did not run
+    case = saved["cases"]["wan14b_720p"]
+    assert case["extrapolated"] and case["layers_run"] < case["layers_total"]
+    assert all(case["loops"][v]["finite"] for v in ("dense", "tessera", "fixed"))
+    assert case["environment"]["tiny"] and doc["summary"] == s
