@@ -1,0 +1,20 @@
+"""Deterministic generators of video sparse-attention masks and the mask corpus (issue 5).
+
+``families``: one generator per family (``FAMILIES[name](grid, heads=, seed=, step=, text=,
+**params) -> BlockMask``); ``grids``: token grids and block layouts; ``scores``: the synthetic
+scores of dynamic families; ``corpus``: the 2,315 specs, their split, and ``build(spec)``.
+See docs/masks.md.
+"""
+
+from .corpus import (CORPUS_SIZE, DENSITY_RANGES, DYNAMIC_FAMILIES, build, corpus,
+                     corpus_digest, group_key, spec_key, test_specs, train_specs)
+from .families import (FAMILIES, dense, ditfastattn, jenga, moba, natten, radial, sparge, ssta,
+                       sta, svg, svg2, vsa, xattn)
+from .grids import CORPUS_GRIDS, GRIDS, Grid, Layout, get_grid
+
+__all__ = [
+    "CORPUS_SIZE", "DENSITY_RANGES", "DYNAMIC_FAMILIES", "build", "corpus", "corpus_digest",
+    "group_key", "spec_key", "test_specs", "train_specs", "FAMILIES", "dense", "ditfastattn",
+    "jenga", "moba", "natten", "radial", "sparge", "ssta", "sta", "svg", "svg2", "vsa", "xattn",
+    "CORPUS_GRIDS", "GRIDS", "Grid", "Layout", "get_grid",
+]
