@@ -397,8 +397,11 @@ def flex_setup(mask, L, H, D):
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    kw = {}
+    if "_compile" in inspect.signature(create_block_mask).parameters:
+        kw["_compile"] = True    # else per-head masks materialise [H, L, L] indices (OOM)
     bm = create_block_mask(mask_mod, B=None, H=None if shared else H, Q_LEN=L, KV_LEN=L,
-                           device=dev, BLOCK_SIZE=128)
+                           device=dev, BLOCK_SIZE=128, **kw)
     torch.cuda.synchronize()
     build_ms = (time.perf_counter() - t0) * 1e3
     fa = _compiled_flex()

@@ -30,6 +30,7 @@ __all__ = ["KernelConfig", "attention", "config_from_template"]
 
 _COMPUTE_WGS = 2
 _WG_ROWS = 64                      # rows per consumer warpgroup (one wgmma M tile)
+_ALIGN = 8                         # q_start / kv_start alignment (rows of one SMEM tile)
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -67,8 +68,13 @@ def config_from_template(template) -> KernelConfig:
 
 
 def _smem_bytes(cfg: KernelConfig, head_dim: int) -> int:
+    """Shared memory of one CTA: Q/O tiles, the K/V ring, LSE, plus ~2.7 KB of barriers and
+    alignment (232,568 bytes measured for tile_kv=128, 3 stages, D=128)."""
     return 2 * (_COMPUTE_WGS * _WG_ROWS * head_dim + 2 * cfg.stages * cfg.tile_kv * head_dim) \
-        + 4 * _COMPUTE_WGS * _WG_ROWS
+        + 4 * _COMPUTE_WGS * _WG_ROWS + 2680
+
+
+_MAX_SMEM = 232448                 # bytes per CTA on sm_90 (the limit Mosaic GPU reports)
 
 
 def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret=False):
@@ -103,8 +109,11 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
             plgpu.set_max_registers(232, action="increase")
             qo_smem = qo_smem2.at[wg]
             lse_smem = lse_smem2.at[wg]
-            row0 = wg * _WG_ROWS
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start + row0, _WG_ROWS), head],
+            row0 = pl.multiple_of(wg * _WG_ROWS, _WG_ROWS)
+            # Plan starts are multiples of 8 (templates' q_align/kv_align): tell the layout
+            # inference, which must prove TMA starts divisible by the 8-row SMEM tiling.
+            q_row = pl.multiple_of(q_start + row0, _ALIGN)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_row, _WG_ROWS), head],
                                     qo_smem, q_bar.at[wg])
             plgpu.barrier_wait(q_bar.at[wg])
             m_i = plgpu.layout_cast(jnp.full((_WG_ROWS,), -jnp.inf, jnp.float32),
@@ -222,7 +231,7 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
             @pl.loop(0, cnt)
             def _(i):
                 slot = lax.rem(i, jnp.array(stages, i.dtype))
-                kv_start = steps_ref[ptr + i, plan_abi.STEP_KV_START]
+                kv_start = pl.multiple_of(steps_ref[ptr + i, plan_abi.STEP_KV_START], _ALIGN)
                 src = (b, pl.ds(kv_start, tile_kv), kv_head)
 
                 @pl.when(i >= stages)

@@ -203,4 +203,6 @@ def test_templates_registered():
     for t in templates.for_backend("mosaic_gpu"):
         cfg = mosaic_fwd.config_from_template(t)
         assert cfg.tile_q == 128 and cfg.tile_kv == t.tile_kv and cfg.stages == t.stages
-        assert mosaic_fwd._smem_bytes(cfg, 128) <= 227 * 1024
+        for d in t.head_dims:
+            assert mosaic_fwd._smem_bytes(cfg, d) <= mosaic_fwd._MAX_SMEM, (t.name, d)
+    assert mosaic_fwd._smem_bytes(mosaic_fwd.KernelConfig(128, 3), 128) > mosaic_fwd._MAX_SMEM
