@@ -157,8 +157,13 @@ def _bit_positions(words: np.ndarray):
     flat = words.reshape(-1)
     nz = np.flatnonzero(flat)
     vals = flat[nz]
-    cnt = np.bitwise_count(vals).astype(np.int64)
-    total = int(cnt.sum())
+    cnt = np.bitwise_count(vals)
+    total = int(cnt.sum(dtype=np.int64))
+    if total > 4 * nz.size:          # dense words: unpacking is cheaper than bit extraction
+        bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
+        pos = np.flatnonzero(bits)
+        return pos // (64 * W), pos % (64 * W)
+    cnt = cnt.astype(np.int64)
     ptr = np.cumsum(cnt) - cnt
     base = (nz % W) * 64
     out = np.empty(total, np.int64)
@@ -333,8 +338,8 @@ def _plan_grid(ctx: _Ctx) -> _Raw:
 
 def _raw_costs(raw: _Raw, ctx: _Ctx, shape: AttnShape, model) -> np.ndarray:
     full = ((raw.ql == 0) & (raw.qh == ctx.tile_q) & (raw.kl == 0) & (raw.kh == ctx.tile_kv))
-    nfull = np.bincount(np.repeat(np.arange(len(raw.cnt)), raw.cnt), weights=full,
-                        minlength=len(raw.cnt))
+    first = np.cumsum(raw.cnt) - raw.cnt
+    nfull = np.add.reduceat(full.astype(np.int64), first) if len(first) else first
     return _sched.unit_costs(raw.cnt, raw.cnt - nfull, tile_q=ctx.tile_q, tile_kv=ctx.tile_kv,
                              head_dim=shape.head_dim, itemsize=np.dtype(shape.dtype).itemsize,
                              model=model)
@@ -373,6 +378,32 @@ def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_k
                          template or f"xla_{tile_q}x{tile_kv}", cost_model)
 
 
+def _dedupe_heads(words: np.ndarray):
+    """(distinct head words, map head -> distinct index): heads with identical masks share
+    their units' steps (a shared mask is the case of a single head)."""
+    Hm = words.shape[0]
+    if Hm == 1:
+        return words, np.zeros(1, np.int64)
+    flat = words.reshape(Hm, -1)
+    sample = flat[:, :: max(1, flat.shape[1] // 256)]     # a cheap key; checked exactly below
+    fp = [row.tobytes() for row in sample]
+    rep: dict = {}
+    hmap = np.empty(Hm, np.int64)
+    distinct: list[int] = []
+    for h in range(Hm):
+        for k in rep.get(fp[h], ()):
+            if np.array_equal(flat[distinct[k]], flat[h]):
+                hmap[h] = k
+                break
+        else:
+            rep.setdefault(fp[h], []).append(len(distinct))
+            hmap[h] = len(distinct)
+            distinct.append(h)
+    if len(distinct) == Hm:
+        return words, np.arange(Hm)
+    return words[distinct], hmap
+
+
 @functools.lru_cache(maxsize=64)
 def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, template,
                   cost_model) -> Plan:
@@ -382,29 +413,42 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     group = Hq // shape.num_kv_heads
     qp = _round_up(max(shape.q_len, tile_q), q_align)
     kvp = _round_up(max(shape.kv_len, tile_kv), kv_align)
-    ctx = _Ctx(mask.q_bounds, mask.kv_bounds, _pack(mask.blocks), tile_q, tile_kv, q_align,
-               kv_align, qp, kvp)
-    Hm = mask.num_heads
+    words, hmap = _dedupe_heads(_pack(mask.blocks))
+    ctx = _Ctx(mask.q_bounds, mask.kv_bounds, words, tile_q, tile_kv, q_align, kv_align,
+               qp, kvp)
+    Hd = words.shape[0]
 
     if policy == "auto":
         raws = [_plan_policy(ctx, p) for p in _BASE_POLICIES]
         costs = [_raw_costs(r, ctx, shape, cost_model) for r in raws]
-        per_head = np.stack([np.bincount(r.head, weights=c, minlength=Hm)
+        per_head = np.stack([np.bincount(r.head, weights=c, minlength=Hd)
                              for r, c in zip(raws, costs)])
         choice = np.argmin(per_head, axis=0)            # ties -> the earlier policy
         raw = _Raw.concat([r.select_heads(choice == k) for k, r in enumerate(raws)])
-        head_policies = tuple(_BASE_POLICIES[k] for k in choice)
+        head_policies = tuple(_BASE_POLICIES[choice[k]] for k in hmap)
     else:
         raw = _plan_policy(ctx, policy)
-        head_policies = (policy,) * Hm
-    cost = _raw_costs(raw, ctx, shape, cost_model)
+        head_policies = (policy,) * mask.num_heads
     first = np.cumsum(raw.cnt) - raw.cnt
+    cost = _raw_costs(raw, ctx, shape, cost_model)
+    # Selected interactions per unit, from its rectangles (each is computed exactly once).
+    area = (raw.qh - raw.ql).astype(np.int64) * (raw.kh - raw.kl)
+    uarea = np.add.reduceat(area, first) if len(first) else area[:0]
+    per_unit = [raw.head, raw.qs, raw.lo, raw.hi, raw.cnt, first, cost, uarea]
+    if policy == "auto":                  # units of a distinct head must be contiguous
+        srt = np.argsort(raw.head, kind="stable")
+        per_unit = [x[srt] for x in per_unit]
+    rh = per_unit[0]
 
-    uh, qs, lo, hi, cnt = raw.head, raw.qs, raw.lo, raw.hi, raw.cnt
-    if Hm == 1 and Hq > 1:       # a shared mask: every query head runs the same units and steps
-        n1 = len(uh)
-        uh = np.repeat(np.arange(Hq), n1)
-        qs, lo, hi, cnt, first, cost = (np.tile(x, Hq) for x in (qs, lo, hi, cnt, first, cost))
+    # Expand distinct heads to query heads (units of equal heads share their steps).
+    qmap = np.zeros(Hq, np.int64) if mask.num_heads == 1 else hmap
+    n_d = np.bincount(rh, minlength=Hd)
+    start_d = np.cumsum(n_d) - n_d
+    n_q = n_d[qmap]
+    take = np.repeat(start_d[qmap] - (np.cumsum(n_q) - n_q), n_q) + np.arange(int(n_q.sum()))
+    uh = np.repeat(np.arange(Hq), n_q)
+    qs, lo, hi, cnt, first, cost, uarea = (x[take] for x in per_unit[1:])
+    selected = int(uarea.sum())
 
     order = _sched.order_units(cost, qs, uh // group, uh)
     uh, qs, lo, hi, cnt, first, cost = (x[order] for x in (uh, qs, lo, hi, cnt, first, cost))
@@ -413,22 +457,48 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     M = bucket(int(cnt.max()) if U else 0)
 
     units = np.zeros((U_cap, abi.UNIT_COLS), np.int32)
-    units[:U] = np.stack([uh, qs, lo, hi, first, cnt], axis=1)
+    for col, x in ((abi.UNIT_HEAD, uh), (abi.UNIT_Q_START, qs), (abi.UNIT_OWN_LO, lo),
+                   (abi.UNIT_OWN_HI, hi), (abi.UNIT_STEP_PTR, first), (abi.UNIT_STEP_CNT, cnt)):
+        units[:U, col] = x
     steps = np.zeros((S_cap, abi.STEP_COLS), np.int32)
-    steps[:S] = np.stack([raw.kvs, raw.ql, raw.qh, raw.kl, raw.kh], axis=1)
+    for col, x in ((abi.STEP_KV_START, raw.kvs), (abi.STEP_Q_LO, raw.ql),
+                   (abi.STEP_Q_HI, raw.qh), (abi.STEP_KV_LO, raw.kl), (abi.STEP_KV_HI, raw.kh)):
+        steps[:S, col] = x
+    row_index = _row_index(uh, qs, lo, hi, Hq, shape.q_len, tile_q, U_cap * tile_q)
 
-    row_index = np.full((Hq, shape.q_len), U_cap * tile_q, np.int32)
-    nrows = hi - lo
-    ru = np.repeat(np.arange(U), nrows)
-    r = np.arange(int(nrows.sum())) - np.repeat(np.cumsum(nrows) - nrows - lo, nrows)
-    row_index[uh[ru], qs[ru] + r] = ru * tile_q + r
     for a in (units, steps, row_index, cost):
         a.setflags(write=False)
     return Plan(template=template, policy=policy, tile_q=tile_q, tile_kv=tile_kv, shape=shape,
                 q_len_padded=qp, kv_len_padded=kvp, units=units, steps=steps,
                 row_index=row_index, num_units=U, num_steps=S, max_steps=M,
-                mask_digest=mask.digest, selected_interactions=mask.selected_interactions(Hq),
+                mask_digest=mask.digest, selected_interactions=selected,
                 mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model)
+
+
+def _row_index(uh, qs, lo, hi, Hq, Lq, tile_q, sentinel):
+    """row_index [Hq, Lq]: u * tile_q + r for the row r of unit u that owns it, else sentinel."""
+    U = len(uh)
+    f0 = uh.astype(np.int64) * Lq + qs + lo            # flat first owned position
+    srt = np.argsort(f0, kind="stable")
+    f0 = f0[srt]
+    n = (hi - lo)[srt]
+    # value such that row_index = flat position + value on owned rows
+    val = (srt * tile_q + lo[srt]) - f0
+    gaps = f0 - np.concatenate([[0], (f0 + n)[:-1]])
+    tail = Hq * Lq - (int(f0[-1] + n[-1]) if U else 0)
+    lengths = np.empty(2 * U + 1, np.int64)
+    lengths[0:-1:2] = gaps
+    lengths[1::2] = n
+    lengths[-1] = tail
+    vals = np.empty(2 * U + 1, np.int64)
+    vals[0::2] = np.iinfo(np.int32).min
+    vals[1::2] = val
+    N = Hq * Lq
+    dt = np.int32 if N + tile_q * (U + 1) < 2**31 else np.int64
+    out = np.repeat(vals.astype(dt), lengths)
+    out += np.arange(N, dtype=dt)
+    out[out < 0] = sentinel
+    return out.astype(np.int32, copy=False).reshape(Hq, Lq)
 
 
 def _tile_rects(plan: Plan) -> dict:
