@@ -220,7 +220,7 @@ def run_case(case: Case, args, progress) -> dict:
 
     key = jax.random.key(args.seed)
     k1, k2, k3, k4 = jax.random.split(key, 4)
-    noise = jax.random.normal(k1, (1, *latent, cfg.in_channels), dtype)
+    noise = jax.random.normal(k1, (1, *latent, cfg.in_channels), jnp.float32)  # f32 latents
     tl = case.text_len if case.model == "hunyuan" else cfg.text_len
     context = jax.random.normal(k2, (1, tl, cfg.text_dim), dtype)
 
@@ -280,7 +280,7 @@ def run_case(case: Case, args, progress) -> dict:
 
     # -- one dense forward (step time) -> attention's share.
     progress.set_postfix_str(f"{case.name}: step")
-    fwd = make_forward(model, None, options=variants["dense"][1], token_order=order)
+    fwd = make_forward(model, None, options=variants["dense"][1])
     state = nnx.state(model)
     t = jnp.full((1,), 500.0, jnp.float32)
     step_ts = time_calls(lambda x: fwd(state, x, t, context), [(noise,)], args.step_repeats)
@@ -337,14 +337,19 @@ def run_case(case: Case, args, progress) -> dict:
 
 
 def _default_template(backend, H, D, dtype, L) -> str:
-    """The template the 'fixed' baseline uses: the backend's default (or first supported) one."""
+    """The 'fixed' baseline's template: the backend's default, else its 128x128 one, else the
+    first registered template that takes the call (FlexAttention-like fixed 128 tiles)."""
     from tessera_jax import backends
     from tessera_jax.validation import check_shapes
     shape = check_shapes((1, L, H, D), (1, L, H, D), dtype)
     be = backends.resolve(backend, shape)
-    names = [t.name for t in backends.supported_templates(be, shape)]
+    supported = backends.supported_templates(be, shape)
+    names = [t.name for t in supported]
     default = backends.DEFAULT_TEMPLATE.get(be)
-    return default if default in names else names[0]
+    if default in names:
+        return default
+    square = [t.name for t in supported if (t.tile_q, t.tile_kv) == (128, 128)]
+    return (square or names)[0]
 
 
 def _plan_stats(mask, L, H, D, dtype, opts: AttentionOptions) -> dict | None:
@@ -362,6 +367,8 @@ def _plan_stats(mask, L, H, D, dtype, opts: AttentionOptions) -> dict | None:
 # --- summary and output -----------------------------------------------------------------------
 def summarize(cases: dict) -> dict:
     """The issue's summary over the cases present (geometric mean over cases where aggregated)."""
+    if not cases:
+        return {}
     def gmean(xs):
         return float(math.exp(sum(math.log(x) for x in xs) / len(xs))) if xs else None
 
@@ -418,6 +425,12 @@ def parse_args(argv):
     p.add_argument("--loop-repeats", type=int, default=1, help="timed runs of each compiled loop")
     p.add_argument("--shift", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--family", default=None,
+                   help="override the mask family of the selected cases (tessera_jax.masks.families)")
+    p.add_argument("--family-params", default=None, help='JSON dict, e.g. \'{"window": [3, 3, 3]}\'')
+    p.add_argument("--dense-steps", type=int, default=None, help="override the dense warm-up steps")
+    p.add_argument("--mask-seeds", type=int, default=None,
+                   help="distinct per-layer masks (layer l uses seed l %% N; 0: one per layer)")
     p.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT}; merges cases)")
     args = p.parse_args(argv)
     if args.dense_implementation == "xla":
@@ -438,6 +451,18 @@ def parse_args(argv):
             c = dataclasses.replace(c, steps=args.steps, dense_steps=min(c.dense_steps, args.steps))
         if args.layers and c.layers_run < c.layers_total:
             c = dataclasses.replace(c, layers_run=min(args.layers, c.layers_total))
+        if args.family:
+            c = dataclasses.replace(c, family=args.family, family_params=())
+        if args.family_params:
+            params = json.loads(args.family_params)
+            if not isinstance(params, dict):
+                p.error("--family-params must be a JSON object")
+            c = dataclasses.replace(c, family_params=tuple(
+                (k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
+        if args.dense_steps is not None:
+            c = dataclasses.replace(c, dense_steps=min(args.dense_steps, c.steps))
+        if args.mask_seeds is not None:
+            c = dataclasses.replace(c, mask_seeds=args.mask_seeds)
         cases.append(c)
     args.cases = cases
     return args
@@ -462,8 +487,20 @@ def main(argv=None) -> dict:
     env = _environment(args, argv)
     bar = tqdm(args.cases, desc="bench_loop", unit="case", file=sys.stderr)
     for case in bar:
-        res = run_case(case, args, bar)
+        try:
+            res = run_case(case, args, bar)
+        except Exception as e:  # keep the other cases' results; record what failed
+            if args.tiny:
+                raise
+            import traceback
+            doc.setdefault("errors", {})[case.name] = dict(error=repr(e), environment=env,
+                                                           traceback=traceback.format_exc()[-4000:])
+            _write(args.out, doc)
+            print(f"bench_loop: case {case.name} failed: {e!r}", file=sys.stderr)
+            continue
         res["environment"] = env
+        res["family"], res["family_params"] = case.family, dict(case.family_params)
+        doc.get("errors", {}).pop(case.name, None)
         doc["cases"][case.name] = res
         doc["environment"] = env
         doc["summary"] = summarize(doc["cases"])

@@ -101,9 +101,6 @@ def attention(q, k, v, mask: BlockMask | None, *, scale: float | None = None,
 
 
 # --- mask schedules ----------------------------------------------------------------------------
-MaskLike = "BlockMask | None"
-
-
 def _check_mask_entry(name: str, m):
     if m is not None and not isinstance(m, BlockMask):
         raise TypeError(f"{name} must be a BlockMask or None (dense), got {type(m).__name__}")
@@ -282,7 +279,7 @@ class MaskSchedule:
     def is_uniform_in_steps(self) -> bool:
         return len(self._variants) == 1
 
-    def density(self, num_q_heads: int | None = None) -> np.ndarray:
+    def density(self) -> np.ndarray:
         """float [num_steps, num_layers]: selected fraction (1.0 for dense entries)."""
         out = np.ones((self.num_steps, self.num_layers))
         for s, row in enumerate(self.table):
@@ -311,7 +308,10 @@ _STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar("tessera_jax_
 def at_step(step: int):
     """Layers that take a ``MaskSchedule`` use the masks of ``step`` inside this block.
 
-    ``step`` is a Python int, read while tracing; use it around the traced model call of a step.
+    ``step`` is a Python int read while *tracing*. Enter it inside the jitted function (with the
+    step a static argument, or a loop over variants as in ``tessera_jax.models.loop``): a context
+    entered around a call of an already-compiled function is not part of jit's cache key, so a
+    cache hit would silently reuse the masks it was traced with.
     """
     if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
         raise TypeError(f"step must be a Python int (static at trace time), got {type(step).__name__}")
