@@ -188,6 +188,20 @@ def test_model_input_checks(wan, hunyuan):
     hmodel, hx, hctx = hunyuan
     with pytest.raises(ValueError, match="joint sequence"):
         hmodel(hx, jnp.ones(1), hctx, masks=[_window(40, 8, [0, 0])] * 2)
+    with pytest.raises(ValueError, match="cond"):
+        hmodel(hx, jnp.ones(1), hctx, cond=hx)
+
+
+def test_hunyuan_i2v_cond_channels_enter_the_input(hunyuan):
+    _, x, ctx = hunyuan
+    model = HunyuanModel(HY_TINY.replace(num_layers=1, cond_channels=5), rngs=nnx.Rngs(1))
+    f = make_forward(model, (_full(48, [0, 24, 48]),))
+    state, t = nnx.state(model), jnp.full((1,), 900.0)
+    cond = _rand(5, x.shape[:-1] + (5,))
+    a, b = f(state, x, t, ctx, cond), f(state, x, t, ctx, cond + 1.0)
+    assert a.shape == x.shape and bool(jnp.all(jnp.isfinite(a))) and not np.allclose(a, b)
+    with pytest.raises(ValueError, match="cond must be"):
+        f(state, x, t, ctx)
 
 
 # --- the benchmark's CPU mode ---------------------------------------------------------------
