@@ -25,6 +25,7 @@ tiles they load from L2 ("heads interleaved").
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import numpy as np
 
@@ -87,20 +88,18 @@ def order_units(cost, q_start, kv_head, q_head) -> np.ndarray:
 
 
 def makespan(cost_in_order, num_sms: int) -> float:
-    """Finish time of a persistent kernel that gives each unit, in order, to the first free SM.
-
-    Simulated in rounds of ``num_sms`` units (each round's units go, heaviest first, to the
-    least-loaded SMs), which equals list scheduling when units come sorted by cost.
-    """
+    """Finish time of a persistent kernel that gives each unit, in order, to the first free SM
+    (list scheduling, simulated exactly)."""
     c = np.asarray(cost_in_order, np.float64)
     if c.size == 0:
         return 0.0
-    load = np.zeros(num_sms)
-    for i in range(0, c.size, num_sms):
-        chunk = np.sort(c[i:i + num_sms])[::-1]
-        idx = np.argsort(load, kind="stable")[: chunk.size]
-        load[idx] += chunk
-    return float(load.max())
+    if c.size <= num_sms:
+        return float(c.max())
+    heap = [float(x) for x in c[:num_sms]]
+    heapq.heapify(heap)
+    for x in c[num_sms:].tolist():
+        heapq.heapreplace(heap, heap[0] + x)
+    return float(max(heap))
 
 
 def balance(cost_in_order, num_sms: int) -> float:
