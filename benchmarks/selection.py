@@ -99,8 +99,7 @@ def selection_cost(table, backend, *, tiny: bool, n_masks: int, repeats: int, dt
                 masks.append((f"{fam}:{cand[0]['id']}", m))
     rows = []
     for name, m in masks:
-        shape = P.call_shape(m, dtype, head_dim)
-        shape = shape._replace(num_q_heads=40, num_kv_heads=40) if m.num_heads == 1 else shape
+        shape = P.call_shape(m, dtype, head_dim, 40)
         row = {"mask": name, "blocks": list(m.shape)}
         for state in ("cold", "new_mask", "cached"):
             med, mn, choice = _time_select(m, shape, backend, table, repeats, state)
@@ -238,7 +237,8 @@ def main(argv=None):
             stopped = True
             break
         mask = P.build_mask(spec, heads)
-        shape = P.call_shape(mask, a.dtype, a.head_dim)
+        hq = P.call_heads(spec, heads)
+        shape = P.call_shape(mask, a.dtype, a.head_dim, hq)
         backend = backends.resolve(None, shape)
         cands = [c for c in cands_all if S._supports(c[0], backend, shape)]
         res["backend"] = backend
@@ -250,7 +250,7 @@ def main(argv=None):
         sel_ms = (time.perf_counter() - t0) * 1e3
         heur = S.heuristic(mask, shape, backend)
         row = {"id": spec["id"], "family": spec["family"], "grid": spec["grid"],
-               "heads_profiled": mask.num_heads, "blocks": list(mask.shape),
+               "call_heads": hq, "blocks": list(mask.shape),
                "density": mask.density, "selection_ms": round(sel_ms, 4),
                "chosen": P.cand_key(*choice) if choice else None,
                "heuristic": P.cand_key(*heur) if heur else None,
@@ -260,7 +260,7 @@ def main(argv=None):
             k = P.cand_key(template, policy)
             try:
                 r = P.time_candidate(mask, template, policy, inputs, warmup=a.warmup,
-                                     iters=a.iters)
+                                     iters=a.iters, num_heads=hq)
                 row["times_ms"][k] = r["ms"]
                 row.setdefault("timer", r["timer"])
             except Exception as e:  # noqa: BLE001 - a failing candidate is data

@@ -3,11 +3,13 @@
 The ranking tables (``tessera_jax.selection``) map these features to an ordered list of
 candidate plans, so they must be cheap (selection, features included, runs per request: the
 budget is <= 1 ms at Wan 720p, 40 heads x 1182 x 1182 blocks, i.e. 56 M booleans, more than
-one pass over the mask costs). They are computed on packed bits of a *deterministic row
-sample* of the mask: at most ``MAX_SAMPLE_HEADS`` mask heads (evenly spaced) and, per head,
-pairs of adjacent query-block rows (evenly spaced, staggered between heads) so that at most
-``SAMPLE_BITS`` block bits are read. A mask under that size is read whole and its features are
-exact. Results are cached by (mask digest, call shape).
+one pass over the mask costs). Row statistics are averages over query *tokens* (a block row
+counts with its height). They are computed on packed bits: of the whole mask when it has at
+most ``SAMPLE_BITS`` block bits (exact), else of a deterministic sample: at most
+``MAX_SAMPLE_HEADS`` mask heads (evenly spaced) and, per head, block rows at query tokens
+evenly spaced along Lq (staggered between heads; a row is drawn in proportion to its tokens),
+each with the row after it for the adjacency statistic. The mask part is cached by digest;
+the call-shape part costs microseconds.
 
 Features (``FEATURE_NAMES``; all scale-free or log2):
 
@@ -16,21 +18,21 @@ Features (``FEATURE_NAMES``; all scale-free or log2):
   it stops mattering, and the cap lets tables profiled on head subsets serve full calls);
   ``log2_kv_len``: log2 Lkv; ``head_dim``: D / 128.
 * ``density`` (selected token pairs / all), ``block_density`` (selected blocks / all).
-* ``row_cv``, ``row_max_mean``: spread of selected keys (tokens) per non-empty query-block row.
-* ``empty_rows``: fraction of query-block rows with no selected key.
+* ``row_cv``, ``row_max_mean``: spread of selected keys (tokens) per query of a non-empty row.
+* ``empty_rows``: fraction of queries with no selected key.
 * ``runs_per_row``: runs of adjacent selected key blocks per non-empty row; ``log2_run_tokens``:
   log2 of their mean length in tokens; ``contiguity``: fraction of selected key blocks whose
   right neighbour is selected too (merging along keys pays when high).
-* ``same_rows``: fraction of adjacent query-block rows with identical key lists (merging along
-  queries pays when high).
+* ``same_rows``: fraction of query-block rows whose next row has the identical key list
+  (merging along queries pays when high).
 * ``log2_q_block``, ``log2_kv_block``: log2 median logical block size; ``q_mult64``,
   ``q_mult128``, ``kv_mult64``, ``kv_mult128``: fraction of blocks whose size is a multiple of
   64 / 128 tokens (blocks that tile exactly).
 * ``kv_partial64``, ``kv_partial128``: fraction of selected key blocks whose size is not a
   multiple of the tile (their last tile is partial under ``keep``); ``run_offgrid64``,
   ``run_offgrid128``: fraction of run edges (starts and ends) off the 64 / 128 token grid
-  (partial tiles under ``merge`` and ``split``); ``q_partial128``: fraction of non-empty query
-  rows' tokens in blocks whose size is not a multiple of 128.
+  (partial tiles under ``merge`` and ``split``); ``q_partial128``: fraction of the queries of
+  non-empty rows that sit in a block whose size is not a multiple of 128.
 * ``head_density_cv``: std / mean of per-head densities (0 for a shared mask).
 """
 
@@ -58,7 +60,7 @@ FEATURE_NAMES = (
 #: Most block bits read per mask (beyond it, rows are sampled); 2^19 bits = 64 KiB packed.
 SAMPLE_BITS = 1 << 19
 #: Most mask heads read per mask.
-MAX_SAMPLE_HEADS = 8
+MAX_SAMPLE_HEADS = 64
 _MIN_PAIRS = 4
 #: ``log2_q_tiles`` saturates here (4096 query tiles of 128 rows).
 Q_TILES_CAP = 4096
@@ -137,39 +139,41 @@ def _median(a: np.ndarray) -> float:
     return 0.5 * float(p[(n - 1) // 2] + p[n // 2])
 
 
-def _sample(mask: BlockMask) -> tuple[np.ndarray, np.ndarray, int]:
-    """(blocks [Hs, 2P, nkv] as rows i_0..i_{P-1} then i_0+1..i_{P-1}+1, query rows, pairs)."""
+def _sample(mask: BlockMask):
+    """(blocks [Hs, R, nkv], query-block row of each, row weights [Hs, R], pair weights
+    [Hs, R // 2] or [Hs, R - 1], paired) for the feature estimates.
+
+    Whole mask (exact): every row, weighted by its query tokens; adjacent pairs (i, i+1).
+    Sampled: up to ``MAX_SAMPLE_HEADS`` heads (evenly spaced) and per head ``P`` query *tokens*
+    evenly spaced along Lq (staggered between heads), each standing for its block row: rows
+    are drawn in proportion to their tokens, so every sampled row has weight 1. The rows come
+    as [r_0..r_{P-1}, r_0+1..r_{P-1}+1] so the second half pairs with the first.
+    """
     Hm, nq, nkv = mask.blocks.shape
-    if nq < 2:
-        return mask.blocks, np.zeros((Hm, 1), np.int64), 0
-    if Hm * nq * nkv <= SAMPLE_BITS:
-        b = mask.blocks
-        rows = np.arange(nq)
-        pairs = nq - 1
-        # All rows, and the same rows shifted by one for the adjacency comparison.
-        return b, np.broadcast_to(rows, (Hm, nq)), pairs
+    qs = np.diff(mask.q_bounds).astype(np.float64)
+    if Hm * nq * nkv <= SAMPLE_BITS or nq < 2:
+        rows = np.broadcast_to(np.arange(nq), (Hm, nq))
+        w = np.broadcast_to(qs, (Hm, nq))
+        return mask.blocks, rows, w, w[:, :-1], False
     hs = np.unique(np.linspace(0, Hm - 1, min(Hm, MAX_SAMPLE_HEADS)).round().astype(np.int64))
-    P = max(_MIN_PAIRS, min(nq - 1, SAMPLE_BITS // (2 * len(hs) * nkv)))
-    stride = (nq - 1) / P
-    base = np.arange(P) * stride
-    offs = (np.arange(len(hs)) / len(hs)) * stride
-    rows = np.minimum(np.floor(base[None, :] + offs[:, None]).astype(np.int64), nq - 2)
+    Hs = len(hs)
+    P = max(_MIN_PAIRS, SAMPLE_BITS // (2 * Hs * nkv))
+    Lq = mask.Lq
+    pos = (np.arange(P)[None, :] + (np.arange(Hs)[:, None] + 0.5) / Hs) * (Lq / P)
+    rows = np.searchsorted(mask.q_bounds, pos.astype(np.int64), side="right") - 1
+    rows = np.minimum(rows, nq - 2)
     rows = np.concatenate([rows, rows + 1], axis=1)                      # [Hs, 2P]
-    return mask.blocks[hs[:, None], rows], rows, P
+    w = np.ones((Hs, 2 * P))
+    w[:, P:] = 0.0                     # the paired rows only serve the same-rows comparison
+    return mask.blocks[hs[:, None], rows], rows, w, np.ones((Hs, P)), True
 
 
 def _mask_part(mask: BlockMask) -> dict:
     """Features that depend only on the mask (cached by digest)."""
     info = _bounds_info(mask.kv_bounds, mask.q_bounds)
-    Hm, nq, nkv = mask.blocks.shape
+    nkv = mask.blocks.shape[2]
     Lkv = mask.Lkv
-    if Hm * nq * nkv <= SAMPLE_BITS:
-        S = mask.blocks
-        rows = np.broadcast_to(np.arange(nq), (Hm, nq))
-        exact = True
-    else:
-        S, rows, _ = _sample(mask)
-        exact = False
+    S, rows, w, pw, paired = _sample(mask)
     Hs, R, _ = S.shape
     by = np.packbits(S, axis=-1, bitorder="little")                   # [Hs, R, nbytes]
     W = info["W"]
@@ -200,51 +204,52 @@ def _mask_part(mask: BlockMask) -> dict:
     nxt[..., :-1] = (words[..., 1:] & one) << top
     follow = (words >> one) | nxt                 # bit j set iff block j+1 is selected
     ends = words & ~follow
-    runs = np.bitwise_count(starts).sum(-1, dtype=np.int64)
-    adjacent = int(np.bitwise_count(words & follow).sum(dtype=np.int64))
-
-    def popc(a, m):
-        return int(np.bitwise_count(a & m).sum(dtype=np.int64))
-
     cm = info["colmasks"]
-    qs = info["qs"][rows]                                               # [Hs, R] row heights
-    nonempty = cnt > 0
-    total_blocks = int(cnt.sum())
-    total_runs = int(runs.sum())
-    tok_ne = tok[nonempty]
-    mean_tok = float(tok_ne.mean()) if tok_ne.size else 0.0
-    head_dens = (qs * tok).sum(-1) / np.maximum(qs.sum(-1) * Lkv, 1)
+
+    def popc(a, m=None):                          # per row
+        return np.bitwise_count(a if m is None else a & m).sum(-1, dtype=np.int64)
+
+    runs = popc(starts)
+    sw = w.sum()
+    ne = (cnt > 0) * w                            # weights of non-empty rows
+    swn = ne.sum()
+    sel = (w * cnt).sum()
+    nruns = (w * runs).sum()
+
+    def wfrac(num, den):
+        return float(num / den) if den > 0 else 0.0
+
+    mean_tok = wfrac((ne * tok).sum(), swn)
+    var_tok = wfrac((ne * (tok - mean_tok) ** 2).sum(), swn)
+    tok_max = float(tok[ne > 0].max()) if swn > 0 else 0.0
+    head_dens = (w * tok).sum(-1) / np.maximum(w.sum(-1) * Lkv, 1e-300)
     hmean = float(head_dens.mean())
-    density = hmean
-    block_density = total_blocks / (Hs * R * nkv)
-    # Identical adjacent rows: exact over all adjacent pairs, or over the sampled pairs.
-    if exact:
-        same = (words[:, 1:] == words[:, :-1]).all(-1) if nq > 1 else np.ones((Hs, 0), bool)
-    else:
+    if paired:
         P = R // 2
         same = (words[:, :P] == words[:, P:]).all(-1)
-    q_off = info["q_off128"][rows]
+    else:
+        same = (words[:, 1:] == words[:, :-1]).all(-1)
+    qoff = info["q_off128"][rows]
     f = dict(info["static"])
     f.update({
-        "density": density,
-        "block_density": block_density,
-        "row_cv": float(tok_ne.std() / mean_tok) if mean_tok > 0 else 0.0,
-        "row_max_mean": float(tok_ne.max() / mean_tok) if mean_tok > 0 else 0.0,
-        "empty_rows": float(1.0 - nonempty.mean()),
-        "runs_per_row": float(total_runs / max(int(nonempty.sum()), 1)),
-        "log2_run_tokens": math.log2(float(tok.sum()) / total_runs) if total_runs else 0.0,
-        "contiguity": adjacent / total_blocks if total_blocks else 0.0,
-        "same_rows": float(same.mean()) if same.size else 1.0,
-        "kv_partial64": popc(words, cm[0]) / total_blocks if total_blocks else 0.0,
-        "kv_partial128": popc(words, cm[1]) / total_blocks if total_blocks else 0.0,
-        "run_offgrid64": ((popc(starts, cm[2]) + popc(ends, cm[4]))
-                          / (2 * total_runs) if total_runs else 0.0),
-        "run_offgrid128": ((popc(starts, cm[3]) + popc(ends, cm[5]))
-                           / (2 * total_runs) if total_runs else 0.0),
-        "q_partial128": (float((qs * q_off * nonempty).sum() / max((qs * nonempty).sum(), 1))),
+        "density": hmean,
+        "block_density": wfrac(sel, sw * nkv),
+        "row_cv": math.sqrt(var_tok) / mean_tok if mean_tok > 0 else 0.0,
+        "row_max_mean": tok_max / mean_tok if mean_tok > 0 else 0.0,
+        "empty_rows": 1.0 - wfrac(swn, sw),
+        "runs_per_row": wfrac(nruns, swn),
+        "log2_run_tokens": math.log2((w * tok).sum() / nruns) if nruns > 0 else 0.0,
+        "contiguity": wfrac((w * popc(words, follow)).sum(), sel),
+        "same_rows": wfrac((pw * same).sum(), pw.sum()) if same.size else 1.0,
+        "kv_partial64": wfrac((w * popc(words, cm[0])).sum(), sel),
+        "kv_partial128": wfrac((w * popc(words, cm[1])).sum(), sel),
+        "run_offgrid64": wfrac((w * (popc(starts, cm[2]) + popc(ends, cm[4]))).sum(), 2 * nruns),
+        "run_offgrid128": wfrac((w * (popc(starts, cm[3]) + popc(ends, cm[5]))).sum(),
+                                2 * nruns),
+        "q_partial128": wfrac((ne * qoff).sum(), swn),
         "head_density_cv": (float(head_dens.std() / hmean) if (Hs > 1 and hmean > 0) else 0.0),
     })
-    f["_exact"] = exact
+    f["_exact"] = not paired
     return f
 
 

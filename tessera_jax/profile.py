@@ -9,7 +9,8 @@ Masks come from the corpus TRAIN split only (``tessera_jax.masks.corpus("train")
 split is never read here). With ``--max-masks N`` each family contributes its first
 ceil(N / families) specs in spec-id order (ids are SHA-256 prefixes, so this is a fixed,
 seeded-free pseudo-random sample); ``--heads K`` profiles the first K heads of each mask
-(``masks.build(spec, heads=K)``; shared masks stay shared, the call has K query heads). The
+(``masks.build(spec, heads=K)``; shared masks stay shared and are broadcast to the call's K
+query heads). The
 sampling is written into the table's provenance.
 
 Candidates are (template x policy): every template of the ``mosaic_gpu`` backend (and of
@@ -223,12 +224,13 @@ class Inputs:
 
 
 def time_candidate(mask, template: str, policy: str, inputs: Inputs, *, warmup: int,
-                   iters: int) -> dict:
-    """Plans and times one candidate on one mask; a dict for the raw file."""
+                   iters: int, num_heads: int | None = None) -> dict:
+    """Plans and times one candidate on one mask (``num_heads`` query heads, default the
+    mask's); a dict for the raw file."""
     import jax
 
     from .api import plan as make_plan
-    q, k, v = inputs.get(mask.Lq, mask.Lkv, _num_heads(mask))
+    q, k, v = inputs.get(mask.Lq, mask.Lkv, num_heads or mask.num_heads)
     t0 = time.perf_counter()
     p = make_plan(mask, q.shape, k.shape, q.dtype, template=template, policy=policy)
     plan_ms = (time.perf_counter() - t0) * 1e3
@@ -246,13 +248,15 @@ def time_candidate(mask, template: str, policy: str, inputs: Inputs, *, warmup: 
             "capacities": [int(units.shape[0]), int(steps.shape[0]), int(ms_cap)]}
 
 
-def _num_heads(mask) -> int:
-    return mask.num_heads
+def call_heads(spec: dict, heads: int | None) -> int:
+    """Query heads of the profiled call: the first ``heads`` of the spec's (all if None); a
+    shared mask is broadcast to them."""
+    return int(spec["heads"]) if heads is None else min(int(heads), int(spec["heads"]))
 
 
-def call_shape(mask, dtype, head_dim):
+def call_shape(mask, dtype, head_dim, num_heads: int | None = None):
     from .validation import check_shapes
-    H = _num_heads(mask)
+    H = num_heads or mask.num_heads
     return check_shapes((1, mask.Lq, H, head_dim), (1, mask.Lkv, H, head_dim), dtype)
 
 
@@ -346,7 +350,9 @@ def fit_from_raw(raw_path, candidates=None, *, gpu: dict, provenance: dict) -> d
             x = m["features"]
         else:   # features changed since the run: recompute from the spec
             mask = build_mask(m["spec"], m.get("heads"))
-            x = list(_features.feature_vector(mask, call_shape(mask, m["dtype"], m["head_dim"])))
+            shape = call_shape(mask, m["dtype"], m["head_dim"],
+                               m.get("call_heads") or call_heads(m["spec"], m.get("heads")))
+            x = list(_features.feature_vector(mask, shape))
         X.append(x)
         T.append([r["ms"] if r.get("status") == "ok" else np.nan for r in recs])
         G.append(m.get("group", mid))
@@ -495,12 +501,14 @@ def _measure(a, specs, cands, raw_path, heads):
         if spec["id"] != cur_id:
             cur_id = spec["id"]
             mask = build_mask(spec, heads)
+            hq = call_heads(spec, heads)
             if cur_id not in masks_done:
-                shape = call_shape(mask, a.dtype, a.head_dim)
+                shape = call_shape(mask, a.dtype, a.head_dim, hq)
                 _append(raw_path, {
                     "kind": "mask", "id": cur_id, "family": spec["family"],
                     "grid": spec["grid"], "group": spec_group(spec) if not a.tiny else cur_id,
-                    "heads": heads, "spec": spec, "dtype": a.dtype, "head_dim": a.head_dim,
+                    "heads": heads, "call_heads": hq, "spec": spec, "dtype": a.dtype,
+                    "head_dim": a.head_dim,
                     "shape": list(mask.shape), "Lq": mask.Lq, "Lkv": mask.Lkv,
                     "density": mask.density,
                     "feature_names": list(_features.FEATURE_NAMES),
@@ -510,7 +518,7 @@ def _measure(a, specs, cands, raw_path, heads):
                "template": template, "policy": policy}
         try:
             rec.update(time_candidate(mask, template, policy, inputs, warmup=a.warmup,
-                                      iters=a.iters))
+                                      iters=a.iters, num_heads=hq))
             rec["status"] = "ok"
         except Exception as e:  # noqa: BLE001 - a failing candidate is data, not a crash
             rec.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")

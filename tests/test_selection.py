@@ -87,35 +87,48 @@ def test_features_variable_blocks_and_heads():
 
 
 def _naive(m):
-    """Exact features by plain Python loops (the definitions in features.py)."""
-    kb, qb = m.kv_bounds, m.q_bounds
-    ks, qs = np.diff(kb), np.diff(qb)
+    """Exact features by plain Python loops (the definitions in features.py: row statistics
+    weighted by the query tokens of each block row)."""
+    kb = m.kv_bounds
+    ks, qs = np.diff(kb), np.diff(m.q_bounds)
     B = m.blocks
-    rows_tok, runs, run_tok, adj, sel = [], 0, 0, 0, 0
-    nonempty = 0
-    for h in range(B.shape[0]):
-        for i in range(B.shape[1]):
-            r = B[h, i]
+    H, nq, nkv = B.shape
+    toks, wts = [], []
+    acc = dict(w=0.0, ne=0.0, sel=0.0, runs=0.0, run_tok=0.0, adj=0.0, same=0.0, pairs=0.0)
+    dens = []
+    for h in range(H):
+        hd = 0.0
+        for i in range(nq):
+            r, w = B[h, i], float(qs[i])
+            acc["w"] += w
+            acc["sel"] += w * r.sum()
+            hd += w * ks[r].sum()
             if r.any():
-                nonempty += 1
-                rows_tok.append(float(ks[r].sum()))
-            sel += int(r.sum())
-            for j in range(len(r)):
+                acc["ne"] += w
+                toks.append(float(ks[r].sum()))
+                wts.append(w)
+            for j in range(nkv):
                 if r[j] and (j == 0 or not r[j - 1]):
-                    runs += 1
-                if r[j] and j + 1 < len(r) and r[j + 1]:
-                    adj += 1
-            run_tok += ks[r].sum()
-    same = [np.array_equal(B[h, i], B[h, i + 1]) for h in range(B.shape[0])
-            for i in range(B.shape[1] - 1)]
-    rt = np.array(rows_tok)
-    return {"density": m.density, "block_density": sel / B.size,
-            "runs_per_row": runs / max(nonempty, 1),
-            "contiguity": adj / sel if sel else 0.0,
-            "same_rows": float(np.mean(same)) if same else 1.0,
-            "row_cv": float(rt.std() / rt.mean()) if rt.size else 0.0,
-            "log2_run_tokens": math.log2(run_tok / runs) if runs else 0.0,
-            "empty_rows": 1 - nonempty / (B.shape[0] * B.shape[1])}
+                    acc["runs"] += w
+                if r[j] and j + 1 < nkv and r[j + 1]:
+                    acc["adj"] += w
+            acc["run_tok"] += w * ks[r].sum()
+            if i + 1 < nq:
+                acc["pairs"] += w
+                acc["same"] += w * np.array_equal(r, B[h, i + 1])
+        dens.append(hd / (m.Lq * m.Lkv))
+    t, wt = np.array(toks), np.array(wts)
+    mean = (t * wt).sum() / wt.sum() if t.size else 0.0
+    cv = np.sqrt(((t - mean) ** 2 * wt).sum() / wt.sum()) / mean if t.size else 0.0
+    return {"density": m.density, "block_density": acc["sel"] / (acc["w"] * nkv),
+            "runs_per_row": acc["runs"] / acc["ne"] if acc["ne"] else 0.0,
+            "contiguity": acc["adj"] / acc["sel"] if acc["sel"] else 0.0,
+            "same_rows": acc["same"] / acc["pairs"] if acc["pairs"] else 1.0,
+            "row_cv": cv, "row_max_mean": t.max() / mean if t.size else 0.0,
+            "log2_run_tokens": math.log2(acc["run_tok"] / acc["runs"]) if acc["runs"] else 0.0,
+            "empty_rows": 1 - acc["ne"] / acc["w"],
+            "head_density_cv": (np.std(dens) / np.mean(dens)) if H > 1 and np.mean(dens) > 0
+            else 0.0}
 
 
 @settings(max_examples=30, deadline=None)
