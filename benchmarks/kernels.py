@@ -176,7 +176,8 @@ def bench_masks(grid, H, L, seed=0):
 
 def resolve_template(name):
     """A registered template, or a variant of one: "NAME+always" masks every step (no cond),
-    "NAME+nosched" drops the schedule barrier (for measuring what each buys)."""
+    "NAME+nosched" drops the schedule barrier, "NAME+persistent" runs one CTA per SM looping
+    over the units (for measuring what each buys)."""
     import dataclasses
     from pallas_kernels import templates
     base, *mods = name.split("+")
@@ -187,6 +188,8 @@ def resolve_template(name):
             opts["mask_mode"] = "always"
         elif m == "nosched":
             opts["schedule_barrier"] = False
+        elif m == "persistent":
+            opts["persistent"] = True
         else:
             raise ValueError(f"unknown template variant {m!r}")
     return dataclasses.replace(t, name=name, options=tuple(sorted(opts.items())))
@@ -333,7 +336,7 @@ def correctness(res, deadline, grid=(6, 18, 36)):
     key = jax.random.key(1)
     rows = []
     tmpls = list(templates.for_backend("mosaic_gpu"))
-    tmpls.append(resolve_template(tmpls[0].name + "+always"))
+    tmpls.append(resolve_template("mgpu_q128_kv128_s2+always"))
     kernels = [("mosaic_gpu", t) for t in tmpls]
     if triton_available():
         kernels += [("triton", t) for t in triton_templates()[:2]]
@@ -562,9 +565,15 @@ def summarize(res, tag="wan480"):
 
     def best(r, backend):
         c = [(v["ms"], n) for n, v in r["kernels"].items()
-             if "ms" in v and v.get("backend") == backend and "+" not in n]
+             if "ms" in v and v.get("backend") == backend and "+" not in n
+             and "excluded" not in v]
         return min(c) if c else (None, None)
 
+    # A template that failed any correctness check does not count.
+    failed = {r["template"] for r in res.get("correctness", []) if r.get("ok") is False}
+    for r in rows:
+        for n in failed & set(r["kernels"]):
+            r["kernels"][n]["excluded"] = "failed correctness"
     eff_al, eff_ir, sp_al, sp_ir, tr_al = [], [], [], [], []
     table = []
     for r in rows:
@@ -593,7 +602,8 @@ def summarize(res, tag="wan480"):
     s["speedup_vs_flex_irregular_geomean"] = gm(sp_ir)
     s["triton_vs_flex_geomean"] = gm(tr_al)
     am = dense.get("attention_mgpu_f16", {}).get("ms")
-    ours_full = [v["ms"] for k, v in dense.items() if k.startswith("ours_full_") and "ms" in v]
+    ours_full = [v["ms"] for k, v in dense.items() if k.startswith("ours_full_") and "ms" in v
+                 and k[len("ours_full_"):] not in failed]
     s["dense_vs_attention_mgpu"] = (am / min(ours_full)) if am and ours_full else None
     s["notes"] = ("efficiency = best Mosaic template's effective TFLOP/s / cuDNN dense TFLOP/s "
                   "(bf16, same L, H, D); aligned min over density >= 0.1; speedups are "

@@ -44,6 +44,8 @@ class KernelConfig:
     tile_q: int = _COMPUTE_WGS * _WG_ROWS
     use_schedule_barrier: bool = True
     mask_mode: str = "cond"      # "cond": mask partial steps only; "always": mask every step
+    persistent: bool = False     # one CTA per SM looping over the units, or one CTA per unit
+    num_ctas: int = 0            # persistent CTAs; 0: one per multiprocessor
 
     def __post_init__(self):
         if self.tile_q != _COMPUTE_WGS * _WG_ROWS:
@@ -64,7 +66,19 @@ def config_from_template(template) -> KernelConfig:
         raise ValueError(f"template {t.name!r} is for backend {t.backend!r}, not mosaic_gpu")
     return KernelConfig(tile_kv=t.tile_kv, stages=t.stages, tile_q=t.tile_q,
                         use_schedule_barrier=bool(t.option("schedule_barrier", True)),
-                        mask_mode=str(t.option("mask_mode", "cond")))
+                        mask_mode=str(t.option("mask_mode", "cond")),
+                        persistent=bool(t.option("persistent", False)),
+                        num_ctas=int(t.option("num_ctas", 0)))
+
+
+def _num_sms() -> int:
+    """Multiprocessors of the default GPU (132 on an H100/H200 SXM when it can't be read)."""
+    try:
+        dev = jax.devices()[0]
+        n = int(getattr(dev, "core_count", 0) or 0)
+        return n if dev.platform == "gpu" and n > 0 else 132
+    except Exception:  # noqa: BLE001
+        return 132
 
 
 def _smem_bytes(cfg: KernelConfig, head_dim: int) -> int:
@@ -88,16 +102,33 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
     tile_kv, stages, tile_q = cfg.tile_kv, cfg.stages, cfg.tile_q
     qk_scale = float(scale) * _LOG2E       # scores kept in base-2 units: s * scale * log2(e)
 
+    work = U * B                           # work items (unit u, batch b), u-major
+    if cfg.persistent:
+        num_ctas = min(work, cfg.num_ctas or _num_sms())
+
     def kernel(q_ref, k_ref, v_ref, units_ref, steps_ref, out_ref, lse_ref, scoped):
-        b = lax.axis_index("batch")
-        u = lax.axis_index("unit")
         wg = lax.axis_index("wg")
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), \
             (k_consumed, v_consumed), schedule_barrier = scoped
-        head = units_ref[u, plan_abi.UNIT_HEAD]
-        q_start = units_ref[u, plan_abi.UNIT_Q_START]
-        ptr = units_ref[u, plan_abi.UNIT_STEP_PTR]
-        cnt = units_ref[u, plan_abi.UNIT_STEP_CNT]
+        if cfg.persistent:
+            # Each CTA takes work items cta, cta + P, ... in the plan's schedule order. Ring
+            # slots follow a step counter that runs on across units, so the producer fills
+            # the next unit's K/V while the consumers finish the current one.
+            cta = lax.axis_index("cta")
+            n_items = lax.div(work - cta + num_ctas - 1, num_ctas)
+            item = lambda j: cta + j * num_ctas
+        else:
+            n_items = 1
+            item = lambda j: lax.axis_index("unit") * B + lax.axis_index("batch")
+
+        def unit_of(j):
+            w = item(j)
+            u, b = lax.div(w, B), lax.rem(w, B)
+            return (u, b, units_ref[u, plan_abi.UNIT_HEAD], units_ref[u, plan_abi.UNIT_Q_START],
+                    units_ref[u, plan_abi.UNIT_STEP_PTR], units_ref[u, plan_abi.UNIT_STEP_CNT])
+
+        def slot_of(g):
+            return lax.rem(g, jnp.array(stages, g.dtype))
 
         def schedule():
             if cfg.use_schedule_barrier:
@@ -110,150 +141,161 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
             qo_smem = qo_smem2.at[wg]
             lse_smem = lse_smem2.at[wg]
             row0 = pl.multiple_of(wg * _WG_ROWS, _WG_ROWS)
-            # Plan starts are multiples of 8 (templates' q_align/kv_align): tell the layout
-            # inference, which must prove TMA starts divisible by the 8-row SMEM tiling.
-            q_row = pl.multiple_of(q_start + row0, _ALIGN)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_row, _WG_ROWS), head],
-                                    qo_smem, q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
-            m_i = plgpu.layout_cast(jnp.full((_WG_ROWS,), -jnp.inf, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((_WG_ROWS,), 0, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((_WG_ROWS, D), 0, jnp.float32),
-                                    plgpu.Layout.WGMMA)
 
-            @pl.when(cnt > 0)
-            def _():
-                plgpu.barrier_wait(k_bar.at[0])
+            def do_unit(j, base):
+                u, b, head, q_start, ptr, cnt = unit_of(j)
+                # Plan starts are multiples of 8 (templates' q_align/kv_align): tell the layout
+                # inference, which must prove TMA starts divisible by the 8-row SMEM tiling.
+                q_row = pl.multiple_of(q_start + row0, _ALIGN)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_row, _WG_ROWS), head],
+                                        qo_smem, q_bar.at[wg])
+                plgpu.barrier_wait(q_bar.at[wg])
+                m_i = plgpu.layout_cast(jnp.full((_WG_ROWS,), -jnp.inf, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+                l_i = plgpu.layout_cast(jnp.full((_WG_ROWS,), 0, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+                acc = plgpu.layout_cast(jnp.full((_WG_ROWS, D), 0, jnp.float32),
+                                        plgpu.Layout.WGMMA)
 
-            pl.when(wg == 1)(schedule)
+                @pl.when(cnt > 0)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[slot_of(base)])
 
-            def body(i, carry):
-                acc, m_i, l_i = carry
-                slot = lax.rem(i, jnp.array(stages, i.dtype))
-                s = ptr + i
-                # Rectangle of this step, relative to this warpgroup's 64 rows.
-                q_lo = steps_ref[s, plan_abi.STEP_Q_LO] - row0
-                q_hi = steps_ref[s, plan_abi.STEP_Q_HI] - row0
-                kv_lo = steps_ref[s, plan_abi.STEP_KV_LO]
-                kv_hi = steps_ref[s, plan_abi.STEP_KV_HI]
+                pl.when(wg == 1)(schedule)
 
-                def compute_qk(acc_ref):
-                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                    schedule()
-                    return acc_ref[...]
+                def body(i, carry):
+                    acc, m_i, l_i = carry
+                    slot = slot_of(base + i)
+                    s = ptr + i
+                    # Rectangle of this step, relative to this warpgroup's 64 rows.
+                    q_lo = steps_ref[s, plan_abi.STEP_Q_LO] - row0
+                    q_hi = steps_ref[s, plan_abi.STEP_Q_HI] - row0
+                    kv_lo = steps_ref[s, plan_abi.STEP_KV_LO]
+                    kv_hi = steps_ref[s, plan_abi.STEP_KV_HI]
 
-                qk = pl.run_scoped(compute_qk, plgpu.ACC((_WG_ROWS, tile_kv), jnp.float32))
-                plgpu.barrier_arrive(k_consumed.at[slot])
+                    def compute_qk(acc_ref):
+                        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                        schedule()
+                        return acc_ref[...]
 
-                full = (q_lo <= 0) & (q_hi >= _WG_ROWS) & (kv_lo == 0) & (kv_hi == tile_kv)
+                    qk = pl.run_scoped(compute_qk, plgpu.ACC((_WG_ROWS, tile_kv), jnp.float32))
+                    plgpu.barrier_arrive(k_consumed.at[slot])
 
-                def mask(x):
-                    r = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
-                    c = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
-                    keep = (r >= q_lo) & (r < q_hi) & (c >= kv_lo) & (c < kv_hi)
-                    return jnp.where(keep, x, -jnp.inf)
+                    full = (q_lo <= 0) & (q_hi >= _WG_ROWS) & (kv_lo == 0) & (kv_hi == tile_kv)
 
-                if cfg.mask_mode == "cond":
-                    qk = lax.cond(full, lambda x: x, mask, qk)
-                else:
-                    qk = mask(qk)
+                    def mask(x):
+                        r = plgpu.broadcasted_iota(jnp.int32, x.shape, 0,
+                                                   layout=plgpu.Layout.WGMMA)
+                        c = plgpu.broadcasted_iota(jnp.int32, x.shape, 1,
+                                                   layout=plgpu.Layout.WGMMA)
+                        keep = (r >= q_lo) & (r < q_hi) & (c >= kv_lo) & (c < kv_hi)
+                        return jnp.where(keep, x, -jnp.inf)
 
-                # Online softmax in base 2. A row may have seen only masked entries so far
-                # (m == -inf): subtract 0 then, so that exp2 gives 0, never NaN.
-                m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
-                m_sub = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
-                alpha = jnp.exp2(m_i - m_sub)
-                m_i = m_ij
-                p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_sub, qk.shape, [0]))
-                acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i *= alpha
-                p16 = p.astype(dtype)
+                    if cfg.mask_mode == "cond":
+                        qk = lax.cond(full, lambda x: x, mask, qk)
+                    else:
+                        qk = mask(qk)
 
-                def end_softmax_barriers():
-                    if cfg.use_schedule_barrier:
-                        plgpu.barrier_arrive(schedule_barrier)
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    if cfg.use_schedule_barrier:
-                        plgpu.barrier_wait(schedule_barrier)
+                    # Online softmax in base 2. A row may have seen only masked entries so far
+                    # (m == -inf): subtract 0 then, so that exp2 gives 0, never NaN.
+                    m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+                    m_sub = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
+                    alpha = jnp.exp2(m_i - m_sub)
+                    m_i = m_ij
+                    p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_sub, qk.shape, [0]))
+                    acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    l_i *= alpha
+                    p16 = p.astype(dtype)
 
-                if D <= 128:
-                    l_i += p.sum(axis=1)
-                    acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
-                    end_softmax_barriers()
-                else:
-                    end_softmax_barriers()
-                    l_i += p.sum(axis=1)
+                    def end_softmax_barriers():
+                        if cfg.use_schedule_barrier:
+                            plgpu.barrier_arrive(schedule_barrier)
+                        plgpu.barrier_wait(v_bar.at[slot])
+                        if cfg.use_schedule_barrier:
+                            plgpu.barrier_wait(schedule_barrier)
 
-                def compute_pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    nxt = i + 1
-                    nxt_slot = lax.rem(nxt, jnp.array(stages, i.dtype))
+                    if D <= 128:
+                        l_i += p.sum(axis=1)
+                        acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+                        end_softmax_barriers()
+                    else:
+                        end_softmax_barriers()
+                        l_i += p.sum(axis=1)
 
-                    @pl.when(nxt < cnt)
-                    def _():
-                        plgpu.barrier_wait(k_bar.at[nxt_slot])
+                    def wait_next_k():
+                        @pl.when(i + 1 < cnt)
+                        def _():
+                            plgpu.barrier_wait(k_bar.at[slot_of(base + i + 1)])
 
-                if interpret:
-                    # The Mosaic GPU interpreter has neither a rule for run_state nor wgmma
-                    # with a register A operand: do PV as a plain dot on the SMEM tile there.
-                    acc = acc + jnp.dot(p16, v_smem.at[slot][...],
-                                        preferred_element_type=jnp.float32)
-                    nxt = i + 1
+                    if interpret:
+                        # The Mosaic GPU interpreter has neither a rule for run_state nor
+                        # wgmma with a register A operand: PV is a plain dot on the SMEM tile.
+                        acc = acc + jnp.dot(p16, v_smem.at[slot][...],
+                                            preferred_element_type=jnp.float32)
+                        wait_next_k()
+                    else:
+                        def compute_pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                            wait_next_k()
 
-                    @pl.when(nxt < cnt)
-                    def _():
-                        plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.array(stages, i.dtype))])
-                else:
-                    acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_consumed.at[slot])
-                return acc, m_i, l_i
+                        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(v_consumed.at[slot])
+                    return acc, m_i, l_i
 
-            acc, m_i, l_i = lax.fori_loop(0, cnt, body, (acc, m_i, l_i))
-            pl.when(wg == 0)(schedule)
+                acc, m_i, l_i = lax.fori_loop(0, cnt, body, (acc, m_i, l_i))
+                pl.when(wg == 0)(schedule)
 
-            empty = l_i == 0.0
-            l_safe = jnp.where(empty, 1.0, l_i)
-            acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
-            qo_smem[...] = acc.astype(dtype)
-            lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * _LN2 + jnp.log(l_safe))
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, u, pl.ds(row0, _WG_ROWS)])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, u, pl.ds(row0, _WG_ROWS)])
-            plgpu.wait_smem_to_gmem(0)
+                empty = l_i == 0.0
+                l_safe = jnp.where(empty, 1.0, l_i)
+                acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
+                qo_smem[...] = acc.astype(dtype)
+                lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * _LN2 + jnp.log(l_safe))
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, u, pl.ds(row0, _WG_ROWS)])
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, u, pl.ds(row0, _WG_ROWS)])
+                plgpu.wait_smem_to_gmem(0)     # Q/O and LSE buffers are reused next unit
+                return base + cnt
+
+            lax.fori_loop(0, n_items, do_unit, jnp.int32(0))
 
         @pl.when(wg == _COMPUTE_WGS)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            kv_head = lax.div(head, jnp.array(group, head.dtype))
 
-            @pl.loop(0, cnt)
-            def _(i):
-                slot = lax.rem(i, jnp.array(stages, i.dtype))
-                kv_start = pl.multiple_of(steps_ref[ptr + i, plan_abi.STEP_KV_START], _ALIGN)
-                src = (b, pl.ds(kv_start, tile_kv), kv_head)
+            def do_unit(j, base):
+                u, b, head, _, ptr, cnt = unit_of(j)
+                kv_head = lax.div(head, jnp.array(group, head.dtype))
 
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(k_consumed.at[slot])
+                @pl.loop(0, cnt)
+                def _(i):
+                    g = base + i
+                    slot = slot_of(g)
+                    kv_start = pl.multiple_of(steps_ref[ptr + i, plan_abi.STEP_KV_START],
+                                              _ALIGN)
+                    src = (b, pl.ds(kv_start, tile_kv), kv_head)
 
-                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+                    @pl.when(g >= stages)
+                    def _():
+                        plgpu.barrier_wait(k_consumed.at[slot])
 
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(v_consumed.at[slot])
+                    plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
 
-                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+                    @pl.when(g >= stages)
+                    def _():
+                        plgpu.barrier_wait(v_consumed.at[slot])
+
+                    plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+
+                return base + cnt
+
+            total = lax.fori_loop(0, n_items, do_unit, jnp.int32(0))
 
             # Observe the consumption of the last tiles too, so every barrier phase is
-            # waited for before the barriers go away (a persistent loop needs this, and the
-            # interpreter checks it).
-            @pl.loop(jnp.maximum(cnt - stages, 0), cnt)
-            def _(i):
-                slot = lax.rem(i, jnp.array(stages, i.dtype))
-                plgpu.barrier_wait(k_consumed.at[slot])
-                plgpu.barrier_wait(v_consumed.at[slot])
+            # waited for before the barriers go away (the interpreter checks this).
+            @pl.loop(jnp.maximum(total - stages, 0), total)
+            def _(g):
+                plgpu.barrier_wait(k_consumed.at[slot_of(g)])
+                plgpu.barrier_wait(v_consumed.at[slot_of(g)])
 
     def entry(q_ref, k_ref, v_ref, units_ref, steps_ref, out_ref, lse_ref):
         tiling = plgpu.TilingTransform((8, 64))
@@ -278,11 +320,15 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
     kwargs = {}
     if interpret:
         kwargs["interpret"] = interpret
+    if cfg.persistent:
+        grid, grid_names = (num_ctas,), ("cta",)
+    else:
+        grid, grid_names = (U, B), ("unit", "batch")
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(U, B),
-        grid_names=("unit", "batch"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

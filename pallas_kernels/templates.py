@@ -138,6 +138,11 @@ for _kv, _stages in ((128, 2), (128, 3), (64, 2), (64, 3), (64, 4)):
         # against 232,448 available, so D=64 only.
         _t = dataclasses.replace(_t, head_dims=(64,))
     register(_t)
+# Persistent variants: one CTA per multiprocessor walks the units in schedule order, and the
+# producer streams the next unit's K/V while the consumers finish the current one.
+for _kv in (128, 64):
+    register(Template(name=f"mgpu_q128_kv{_kv}_s2_persist", tile_kv=_kv, stages=2,
+                      options=(("persistent", True),), **_MGPU_COMMON))
 del _kv, _stages, _t
 
 
