@@ -595,6 +595,8 @@ def summarize(res, tag="wan480"):
         if tms and fms and r["family"] == "aligned":
             tr_al.append(fms / tms)
         table.append((r["mask"], r["density"], name, ms, cud_eff, fms, tms))
+        if cud_eff is not None:
+            s.setdefault("mosaic_efficiency_by_mask", {})[r["mask"]] = round(cud_eff, 3)
     gm = lambda x: float(np.exp(np.mean(np.log(x)))) if x else None
     s["mosaic_efficiency_aligned_min"] = min(eff_al) if eff_al else None
     s["mosaic_efficiency_irregular_min"] = min(eff_ir) if eff_ir else None
@@ -692,6 +694,14 @@ def _finish(res, args, save):
         f = lambda x, p=".3f": format(x, p) if isinstance(x, float) else "-"
         print(f"{m:18s} {d:6.3f}  {str(n):22s} {f(ms):>8s} {f(eff, '.2f'):>5s} {f(fms):>8s} "
               f"{f(tms):>8s}")
+    rows = [r for r in res.get("sparse", {}).get("wan480", []) if "kernels" in r]
+    names = sorted({n for r in rows for n, v in r["kernels"].items() if "ms" in v})
+    if names:
+        print("\nms per template (wan480):")
+        print(" " * 18 + " ".join(f"{n.replace('mgpu_q128_', '')[:14]:>14s}" for n in names))
+        for r in rows:
+            print(f"{r['mask']:18s}" + " ".join(
+                f"{r['kernels'].get(n, {}).get('ms', float('nan')):14.3f}" for n in names))
     corr = res.get("correctness", [])
     bad = [r for r in corr if r.get("ok") is False]
     print(f"correctness: {res['summary']['correctness_pass']} ok;",
