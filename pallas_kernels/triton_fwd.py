@@ -198,7 +198,6 @@ def _attention_forward(q, k, v, units, steps, *, config: TritonConfig, scale: fl
 def _attention(q, k, v, units, steps, row_index, *, config, q_len_padded, kv_len_padded,
                scale, return_lse, interpret):
     B, Lq, Hq, D = q.shape
-    Lkv = k.shape[1]
     d_pad = padded_head_dim(D)
     pad_d = d_pad - D
 
