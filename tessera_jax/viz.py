@@ -86,9 +86,13 @@ def plot_plan(plan: Plan, head: int = 0, ax=None, *, show_blocks: bool = True,
     ax.set_xlabel("key")
     ax.set_ylabel("query")
     if title is None:
-        s = plan.stats()
-        title = (f"{plan.policy} | {plan.tile_q}x{plan.tile_kv} | head {head}\n"
-                 f"{int(sel.sum())} tiles (head), waste {s['waste_fraction']:.0%}")
+        n = int(sel.sum())
+        chosen = (f" ({plan.head_policies[head if mask.num_heads > 1 else 0]})"
+                  if plan.policy == "auto" else "")
+        done = float(((t["r1"] - t["r0"]) * (t["c1"] - t["c0"])).sum())
+        waste = 1.0 - done / (n * plan.tile_q * plan.tile_kv) if n else 0.0
+        title = (f"{plan.policy}{chosen} | {plan.tile_q}x{plan.tile_kv} | head {head}\n"
+                 f"{n} tiles, waste {waste:.0%}")
     ax.set_title(title, fontsize=9)
     if legend:
         handles = [Patch(facecolor="#d9d9d9", label="selected block")]
