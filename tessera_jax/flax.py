@@ -354,7 +354,9 @@ class SparseAttentionFn:
     """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention``; build it with ``make_attention_fn``.
 
     Called as ``fn(query, key, value, **flax_kwargs)`` with query [batch..., Lq, Hq, D] and
-    key/value [batch..., Lkv, Hkv, D]. Hashable (a static attribute of the nnx graph).
+    key/value [batch..., Lkv, Hkv, D]. Hashable (a static attribute of the nnx graph). ``dtype``
+    casts q, k, v; ``precision`` and ``promote_dtype`` are accepted and not used (the kernels
+    accumulate in float32). Dense masks, bias, causal flags, dropout and sown weights raise.
     """
 
     source: BlockMask | MaskSchedule | None

@@ -80,15 +80,21 @@ def test_patchify_roundtrip_and_rope():
     with pytest.raises(ValueError, match="patch"):
         patchify(x, (3, 3, 2))
     # RoPE: a rotation (norm kept) whose q.k depends only on the position difference.
-    cos, sin = rope_3d((3, 4, 5), (4, 6, 6))
-    q = jnp.broadcast_to(_rand(1, (1, 1, 1, 16)), (1, 60, 1, 16))
-    k = jnp.broadcast_to(_rand(2, (1, 1, 1, 16)), (1, 60, 1, 16))
-    rq, rk = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    np.testing.assert_allclose(jnp.linalg.norm(rq, axis=-1), jnp.linalg.norm(q, axis=-1), rtol=1e-5)
-    idx = lambda t, h, w: (t * 4 + h) * 5 + w
-    a = jnp.vdot(rq[0, idx(0, 1, 1), 0], rk[0, idx(1, 2, 3), 0])
-    b = jnp.vdot(rq[0, idx(1, 2, 2), 0], rk[0, idx(2, 3, 4), 0])
+    @jax.jit
+    def rope_checks(q, k):
+        cos, sin = rope_3d((3, 4, 5), (4, 6, 6))
+        q, k = (jnp.broadcast_to(a, (1, 60, 1, 16)) for a in (q, k))
+        rq, rk = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        idx = lambda t, h, w: (t * 4 + h) * 5 + w
+        return (jnp.linalg.norm(rq, axis=-1) - jnp.linalg.norm(q, axis=-1),
+                jnp.vdot(rq[0, idx(0, 1, 1), 0], rk[0, idx(1, 2, 3), 0]),
+                jnp.vdot(rq[0, idx(1, 2, 2), 0], rk[0, idx(2, 3, 4), 0]),
+                jnp.vdot(rq[0, idx(1, 2, 2), 0], rk[0, idx(2, 3, 3), 0]))
+
+    dnorm, a, b, c = rope_checks(_rand(1, (16,)), _rand(2, (16,)))
+    np.testing.assert_allclose(dnorm, 0.0, atol=1e-5)
     np.testing.assert_allclose(a, b, rtol=1e-4)
+    assert abs(float(a - c)) > 1e-3        # a different offset gives a different score
 
 
 def test_extend_with_text():

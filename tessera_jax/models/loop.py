@@ -56,7 +56,7 @@ def _model_layers(model) -> int:
     return n
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Sampler:
     """A compiled denoising loop: ``sampler(noise, context) -> latent`` after all steps.
 
