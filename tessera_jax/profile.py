@@ -7,8 +7,8 @@
 
 Masks come from the corpus TRAIN split only (``tessera_jax.masks.corpus("train")``; the test
 split is never read here). With ``--max-masks N`` each family contributes its first
-ceil(N / families) specs in spec-id order (ids are SHA-256 prefixes, so this is a fixed,
-seeded-free pseudo-random sample); ``--heads K`` profiles the first K heads of each mask
+ceil(N / families) specs in spec-id order (ids are SHA-256 prefixes: a fixed pseudo-random
+sample), measured round-robin over families so that a run cut short stays balanced; ``--heads K`` profiles the first K heads of each mask
 (``masks.build(spec, heads=K)``; shared masks stay shared and are broadcast to the call's K
 query heads). The
 sampling is written into the table's provenance.
@@ -104,15 +104,18 @@ def select_specs(split: str, *, tiny: bool = False, families=None, max_masks=Non
         if max_masks < 1:
             raise ValueError(f"max_masks must be >= 1, got {max_masks}")
         quota = math.ceil(max_masks / max(len(by_fam), 1))
-    chosen, per_family = [], {}
+    takes, per_family = {}, {}
     for fam in sorted(by_fam):
-        take = by_fam[fam] if quota is None else by_fam[fam][:quota]
-        chosen += take
-        per_family[fam] = {"sampled": len(take), "available": len(by_fam[fam])}
+        takes[fam] = by_fam[fam] if quota is None else by_fam[fam][:quota]
+        per_family[fam] = {"sampled": len(takes[fam]), "available": len(by_fam[fam])}
+    # Round-robin over families, so that a run cut short by its time budget is balanced.
+    chosen = [t[i] for i in range(max((len(t) for t in takes.values()), default=0))
+              for t in takes.values() if i < len(t)]
     sampling = {
         "source": source, "split": split, "max_masks": max_masks,
         "rule": ("all specs" if quota is None else
-                 f"per family, the first {quota} specs in spec-id (SHA-256) order"),
+                 f"per family, the first {quota} specs in spec-id (SHA-256) order")
+                + "; measured round-robin over families",
         "per_family": per_family, "masks": len(chosen),
     }
     return chosen, sampling
