@@ -13,9 +13,11 @@ sample), measured round-robin over families so that a run cut short stays balanc
 query heads). The
 sampling is written into the table's provenance.
 
-Candidates are (template x policy): every template of the ``mosaic_gpu`` backend (and of
-``triton`` when it is available) x ``--policies`` (default keep, merge, split, auto); on CPU
-(``--tiny``) the given XLA templates. Each (mask, candidate) is planned with ``tessera_jax.plan``
+Candidates are (template x policy): every template of the GPU backend ``sparse_attention``
+resolves to here (``mosaic_gpu`` on Hopper, else ``triton``; ``--backends mosaic_gpu triton``
+adds the other: ``select`` ranks within the backend of the call, so Triton candidates only
+matter to calls that ask for that backend) x ``--policies`` (default keep, merge, split, auto);
+on CPU (``--tiny``) the given XLA templates. Each (mask, candidate) is planned with ``tessera_jax.plan``
 (what ``sparse_attention`` runs), its ABI arrays padded to power-of-two capacities (so masks
 of one grid share compiled executables: compiling per mask would cost more GPU time than the
 timing itself; padding units select nothing and return at once), run on random inputs (B=1,
@@ -415,7 +417,8 @@ def parse_args(argv=None):
     ap.add_argument("--fit-only", action="store_true", help="refit the table from the raw file")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny masks, XLA templates")
     ap.add_argument("--backends", nargs="+", help="backends whose templates are candidates "
-                    "(default: mosaic_gpu, plus triton when available)")
+                    "(default: the first available of mosaic_gpu, triton; e.g. "
+                    "--backends mosaic_gpu triton for both)")
     ap.add_argument("--templates", nargs="+", help="explicit template names (overrides --backends)")
     ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
     ap.add_argument("--dtype", default="bfloat16")
@@ -447,7 +450,8 @@ def main(argv=None) -> dict:
     elif a.templates:
         cands = candidate_list(templates=a.templates, policies=a.policies)
     else:
-        bes = a.backends or [b for b in ("mosaic_gpu", "triton") if backends.is_available(b)]
+        # Default: the backend sparse_attention resolves to here (selection ranks within it).
+        bes = a.backends or [b for b in ("mosaic_gpu", "triton") if backends.is_available(b)][:1]
         cands = candidate_list(backends_=bes, policies=a.policies) if bes else []
         if not cands and not a.fit_only:
             raise SystemExit("no GPU backend available here; use --tiny on CPU or --templates")
