@@ -27,10 +27,11 @@ GPU when available (``jax.experimental.mosaic.gpu.profiler``), else wall clock a
 
 Raw timings go to ``<raw>/<gpu>.jsonl`` (one JSON object per line: ``"kind": "mask"`` records
 with features and spec, ``"kind": "time"`` records per (mask, candidate)), appended as they are
-measured; a rerun skips the (mask, candidate) pairs already there, so the profile can be spread
-over several shorter GPU runs. At the end (or with ``--fit-only``) the ranking is fitted on
-every mask whose candidates were all attempted (``selection.fit_table``) and written to
-``--out``.
+measured; a rerun skips the (mask, candidate) pairs already there (``--retry-errors``: except
+failed ones), so the profile can be spread over several shorter GPU runs. A run stops after
+``MAX_ERROR_STREAK`` failures in a row (a broken device would otherwise fail every pair). At
+the end (or with ``--fit-only``) the ranking is fitted on every mask whose candidates were all
+attempted (``selection.fit_table``) and written to ``--out``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ from . import selection as _selection
 
 DEFAULT_POLICIES = ("keep", "merge", "split", "auto")
 TINY_TEMPLATES = ("xla_64x64", "xla_128x128")
+#: Consecutive failed timings after which a run stops (a broken device fails everything).
+MAX_ERROR_STREAK = 8
 
 #: Tiny masks for CPU runs and tests (not corpus masks): 240-token grid, 2 heads.
 TINY_SPECS = (
@@ -415,6 +418,8 @@ def parse_args(argv=None):
     ap.add_argument("--families", nargs="+", help="only these mask families")
     ap.add_argument("--time-budget", type=float, help="stop measuring after S seconds, then fit")
     ap.add_argument("--fit-only", action="store_true", help="refit the table from the raw file")
+    ap.add_argument("--retry-errors", action="store_true", help="measure again the (mask, "
+                    "candidate) pairs whose raw record is an error")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny masks, XLA templates")
     ap.add_argument("--backends", nargs="+", help="backends whose templates are candidates "
                     "(default: the first available of mosaic_gpu, triton; e.g. "
@@ -494,13 +499,17 @@ def _measure(a, specs, cands, raw_path, heads):
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 f.write(b"\n")
-    todo = [(s, c) for s in specs for c in cands if (s["id"], cand_key(*c)) not in times_done]
+    def done(key):
+        r = times_done.get(key)
+        return r is not None and (r.get("status") == "ok" or not a.retry_errors)
+    todo = [(s, c) for s in specs for c in cands if not done((s["id"], cand_key(*c)))]
     log(f"{len(specs)} masks x {len(cands)} candidates; {len(todo)} timings to do "
         f"({len(specs) * len(cands) - len(todo)} already in {raw_path})")
     inputs = Inputs(jnp.dtype(a.dtype), a.head_dim)
     bar = _progress(len(todo), "profile")
     cur_id, mask = None, None
     stopped = False
+    streak = 0
     for spec, (template, policy) in todo:
         if a.time_budget is not None and time.monotonic() - t_start > a.time_budget:
             stopped = True
@@ -527,16 +536,23 @@ def _measure(a, specs, cands, raw_path, heads):
             rec.update(time_candidate(mask, template, policy, inputs, warmup=a.warmup,
                                       iters=a.iters, num_heads=hq))
             rec["status"] = "ok"
+            streak = 0
         except Exception as e:  # noqa: BLE001 - a failing candidate is data, not a crash
             rec.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
             log(f"{cur_id} {rec['candidate']}: {rec['error']}")
+            streak += 1
         _append(raw_path, rec)
+        if streak >= MAX_ERROR_STREAK:
+            log(f"{streak} failures in a row: the device may be in a bad state; stopping "
+                f"(rerun with --retry-errors to measure the failed pairs again)")
+            stopped = True
+            break
         bar.update(1)
         bar.set_postfix_str(f"{spec['family']} {rec['candidate']} "
                             f"{rec.get('ms', float('nan')):.3f} ms")
     bar.close()
     if stopped:
-        log(f"time budget {a.time_budget:.0f} s reached; rerun to continue (resumable)")
+        log("stopped early; rerun to continue (resumable)")
 
 
 if __name__ == "__main__":

@@ -162,3 +162,24 @@ def test_selection_benchmark_tiny(run, tmp_path):
     # resume: a rerun re-times nothing
     res2 = bench.main(args)
     assert [r["times_ms"] for r in res2["masks"]] == [r["times_ms"] for r in res["masks"]]
+
+
+def test_error_streak_stops_and_retry_errors_remeasures(tmp_path, monkeypatch):
+    real = P.time_candidate
+    monkeypatch.setattr(P, "MAX_ERROR_STREAK", 2)
+
+    def broken(*a, **k):
+        raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
+    monkeypatch.setattr(P, "time_candidate", broken)
+    out = ARGS + ["--out", str(tmp_path / "d.json"), "--raw", str(tmp_path / "raw")]
+    P.main(out)
+    recs = [r for r in _lines(tmp_path / "raw" / "cpu.jsonl") if r["kind"] == "time"]
+    assert len(recs) == 2 and all(r["status"] == "error" for r in recs)     # stopped early
+    monkeypatch.setattr(P, "time_candidate", real)
+    P.main(out)                                        # the failed pairs are kept ...
+    recs = [r for r in _lines(tmp_path / "raw" / "cpu.jsonl") if r["kind"] == "time"]
+    assert len(recs) == 4 and sum(r["status"] == "ok" for r in recs) == 2
+    table = P.main(out + ["--retry-errors"])           # ... until asked to measure them again
+    _, times = P.read_raw(tmp_path / "raw" / "cpu.jsonl")
+    assert len(times) == 4 and all(r["status"] == "ok" for r in times.values())
+    assert all(v is not None for row in table["model"]["rel_log_time"] for v in row)
