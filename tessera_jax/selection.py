@@ -16,10 +16,14 @@ matching table ``select`` returns None and the API uses its default template.
 
 Heuristic (``heuristic``): key tile 128 when selected key runs average >= 128 tokens and most
 run edges sit on the 128-token grid, else 64; a 2-stage ring for 128-key tiles (the H200
-feasibility run: 2 stages beat 3 at every density) and 3 stages for 64-key tiles; policy
-``merge`` when runs are contiguous or adjacent rows repeat (contiguity or same_rows >= 0.3),
-``split`` when logical blocks are much smaller than the tile (median key block <= tile / 4),
-else ``keep``. The template of the backend closest to that (key tile, stages) is returned.
+feasibility run: 2 stages beat 3 at every density) and 3 stages for 64-key tiles; the
+backend's template closest to that (key tile, stages). Policy: ``merge`` when adjacent rows
+mostly repeat (same_rows >= 0.5: merged row groups fill tall tiles); else ``split`` when
+logical blocks are much smaller than the tile (median query block <= tile_q / 2 or median key
+block <= tile_kv / 4: the global grid packs several into one tile, where ``keep`` and
+``merge`` would leave tiles half empty); else ``merge`` when key runs are contiguous
+(contiguity >= 0.3); else ``keep``. Checked against the planner's cost model (no GPU data) on
+104 training masks: regret median 1.02, 90th percentile 1.07 versus that model's best plan.
 """
 
 from __future__ import annotations
@@ -366,10 +370,13 @@ def heuristic(mask: BlockMask, shape, backend: str):
     stages = 2 if tile_kv == 128 else 3
     t = min(supported, key=lambda t: (abs(math.log2(t.tile_kv / tile_kv)), abs(t.stages - stages),
                                       t.name))
-    if f["contiguity"] >= 0.3 or f["same_rows"] >= 0.3:
+    if f["same_rows"] >= 0.5:
         policy = "merge"
-    elif 2.0 ** f["log2_kv_block"] <= t.tile_kv / 4:
+    elif (2.0 ** f["log2_q_block"] <= t.tile_q / 2
+          or 2.0 ** f["log2_kv_block"] <= t.tile_kv / 4):
         policy = "split"
+    elif f["contiguity"] >= 0.3:
+        policy = "merge"
     else:
         policy = "keep"
     return t.name, policy

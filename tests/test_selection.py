@@ -349,6 +349,13 @@ def test_heuristic_rules():
     m = tj.BlockMask.uniform(1024, 1024, 16, 16, blocks)
     t, pol = S.heuristic(m, _shape(m), "mosaic_gpu")
     assert t == "mgpu_q128_kv64_s3" and pol == "split"
+    # a band over 64-token blocks: rows never repeat, 64-row blocks would half-fill 128-row
+    # tiles under keep/merge -> split (the grid packs two blocks per tile)
+    m = tj.BlockMask.uniform(32 * 64, 32 * 64, 64, 64, band)
+    assert S.heuristic(m, _shape(m), "mosaic_gpu")[1] == "split"
+    # repeated rows (dense, 64-token blocks) -> merge
+    m = tj.BlockMask.uniform(32 * 64, 32 * 64, 64, 64, np.ones((1, 32, 32), bool))
+    assert S.heuristic(m, _shape(m), "mosaic_gpu") == ("mgpu_q128_kv128_s2", "merge")
 
 
 def test_select_bad_input():
