@@ -13,9 +13,11 @@ the call-shape part costs microseconds.
 
 Features (``FEATURE_NAMES``; all scale-free or log2):
 
-* ``log2_q_tiles``: log2 of query heads x Lq / 128, capped at ``Q_TILES_CAP`` (work units of
-  a 128-row tile: the parallelism available against the SM count; beyond ~30 waves on 132 SMs
-  it stops mattering, and the cap lets tables profiled on head subsets serve full calls);
+* ``log2_q_tiles``: log2 of query heads x Lq / 128, capped at ``Q_TILES_CAP`` = 1024 (work
+  units of a 128-row tile: the parallelism available against the SM count; beyond ~8 waves on
+  132 SMs it hardly matters, and the cap makes a table profiled on a head subset -- 4 heads of
+  a 32K-token video already reach it -- see full calls as the same size, instead of as larger
+  than every training mask);
   ``log2_kv_len``: log2 Lkv; ``head_dim``: D / 128.
 * ``density`` (selected token pairs / all), ``block_density`` (selected blocks / all).
 * ``row_cv``, ``row_max_mean``: spread of selected keys (tokens) per query of a non-empty row.
@@ -62,8 +64,8 @@ SAMPLE_BITS = 1 << 19
 #: Most mask heads read per mask.
 MAX_SAMPLE_HEADS = 64
 _MIN_PAIRS = 4
-#: ``log2_q_tiles`` saturates here (4096 query tiles of 128 rows).
-Q_TILES_CAP = 4096
+#: ``log2_q_tiles`` saturates here (1024 query tiles of 128 rows).
+Q_TILES_CAP = 1024
 
 _U64 = np.dtype("<u8")
 _CACHE: collections.OrderedDict = collections.OrderedDict()

@@ -402,3 +402,11 @@ def test_selection_cost_wan720():
     assert res["new_mask"][0] <= 1.0, res
     assert res["cold"][0] <= 1.0, res
     assert res["cached"][0] <= 0.05, res
+
+
+def test_q_tiles_feature_saturates_for_head_subsets():
+    """A table profiled on 4 heads of a 32K-token video sees the full call as the same size."""
+    m = tj.BlockMask.uniform(32760, 32760, 128, 128, np.eye(256, dtype=bool)[None])
+    f4, f40 = (F.mask_features(m, _shape(m, H=h)) for h in (4, 40))
+    assert f4["log2_q_tiles"] == pytest.approx(f40["log2_q_tiles"], abs=1e-3)
+    assert F.mask_features(m, _shape(m, H=1))["log2_q_tiles"] < f4["log2_q_tiles"] - 1
