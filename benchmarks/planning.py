@@ -140,7 +140,7 @@ def main(argv=None):
     runs = []
     configs = [("mgpu_q128_kv128_s2", "merge")]
     if not args.quick:
-        configs += [("mgpu_q128_kv128_s2", p) for p in ("keep", "split", "auto")]
+        configs += [("mgpu_q128_kv128_s2", p) for p in ("keep", "split", "pack", "auto")]
         configs += [("xla_64x64", "merge")]
     for name, (m, t_blocks, t_mask) in masks.items():
         for template, policy in configs:

@@ -26,8 +26,15 @@ shifted back inside it):
   rectangles, and rectangles of adjacent query blocks with the same key range are merged
   vertically; a cell whose selected area is not one rectangle costs several steps (the same K/V
   tile, several rectangles). Best when blocks are much smaller or much larger than the tile.
+* ``pack``  - ``merge`` plus packing along queries: consecutive row groups (identical rows
+  merged as in ``merge``) share one unit while their rows fit in ``tile_q`` (greedy, per head),
+  so query blocks shorter than the tile no longer leave most of the Q tile masked. The unit's
+  K/V tiles are anchored at the runs of the *union* of its groups' key sets; inside, the keys
+  are cut into segments where the set of selecting groups is constant, and each vertical run of
+  adjacent selecting groups is one rectangle. A tile holding several rectangles (an L shape, say)
+  costs one step per rectangle, as the ABI allows one rectangle per step.
 * ``auto``  - per mask head (so per query head for per-head masks, globally for a shared mask),
-  the policy among the three above with the least estimated total cost
+  the policy among the four above with the least estimated total cost
   (``tessera_jax.schedule``); units of one head always come from one policy.
 
 Every tile (step, counted once per unit that visits it) is classified for ``stats()``: it is
@@ -54,8 +61,8 @@ from . import schedule as _sched
 from .mask import BlockMask
 from .validation import AttnShape, check_shapes
 
-POLICIES = ("keep", "merge", "split", "auto")
-_BASE_POLICIES = ("keep", "merge", "split")
+POLICIES = ("keep", "merge", "split", "pack", "auto")
+_BASE_POLICIES = ("keep", "merge", "split", "pack")
 _U64 = np.dtype("<u8")
 
 
@@ -336,6 +343,100 @@ def _plan_grid(ctx: _Ctx) -> _Raw:
     return _Raw(uk // ctx.qp, uk % ctx.qp, lo, hi, cnt, kvs, ql, qh, klo, khi)
 
 
+def _plan_pack(ctx: _Ctx) -> _Raw:
+    """pack: consecutive row groups share one unit while they fit in tile_q rows; each unit's
+    K/V tiles are anchored at the runs of the union of its groups' key sets."""
+    qb, kb, tq, tk = ctx.qb, ctx.kb, ctx.tile_q, ctx.tile_kv
+    gh, gi, ge = _row_groups(ctx, merge=True)
+    G = len(gh)
+    r0, r1 = qb[gi], qb[ge]
+    a = (r0 // ctx.q_align) * ctx.q_align
+    # Greedy packing per head: a unit starting at group g takes the following groups of its
+    # head while their rows end within a[g] + tile_q. Chains are followed for all heads at once.
+    big = ctx.qp + tq + 1
+    nxt = np.searchsorted(gh * big + r1, gh * big + a + tq, side="right")
+    nxt = np.maximum(nxt, np.arange(1, G + 1))
+    is_start = np.zeros(G, bool)
+    cur = np.flatnonzero(np.r_[True, gh[1:] != gh[:-1]]) if G else np.zeros(0, np.int64)
+    while cur.size:
+        is_start[cur] = True
+        nx = nxt[cur]
+        ok = nx < G
+        ok[ok] = gh[nx[ok]] == gh[cur[ok]]
+        cur = nx[ok]
+    ustart = np.flatnonzero(is_start)
+    uend = np.append(ustart[1:], G)
+    Ul = len(ustart)
+    if Ul == 0:
+        z = np.zeros(0, np.int64)
+        return _Raw(z, z, z, z, z, z, z, z, z, z)
+    gw = ctx.words[gh, gi]
+    gw = np.concatenate([gw, np.zeros((G, 1), _U64)], axis=1)   # room for an end at nkv
+    one, top = np.uint64(1), np.uint64(63)
+    carry = np.zeros_like(gw)
+    carry[:, 1:] = gw[:, :-1] >> top
+    starts = gw & ~((gw << one) | carry)
+    nxtb = np.zeros_like(gw)
+    nxtb[:, :-1] = (gw[:, 1:] & one) << top
+    ends = gw & ~((gw >> one) | nxtb)                # last block of each run
+    ecarry = np.zeros_like(gw)
+    ecarry[:, 1:] = ends[:, :-1] >> top
+    bounds = starts | (ends << one) | ecarry         # run starts and exclusive run ends
+    union = np.bitwise_or.reduceat(gw, ustart, axis=0)
+    su, pos = _bit_positions(np.bitwise_or.reduceat(bounds, ustart, axis=0))
+    # Segments [pos_k, pos_k+1) of constant group pattern, inside the union's runs.
+    last = np.r_[su[1:] != su[:-1], True]
+    inside = ((union[su, pos >> 6] >> (pos & 63).astype(np.uint64)) & one).astype(bool) & ~last
+    seg = np.flatnonzero(inside)
+    sg_u, j0, j1 = su[seg], pos[seg], pos[seg + 1]
+    # Groups of each segment's unit that select it; vertical runs of adjacent rows -> rects.
+    p = (uend - ustart)[sg_u]
+    n = int(p.sum())
+    es = np.repeat(np.arange(len(seg)), p)
+    eg = np.repeat(ustart[sg_u] - (np.cumsum(p) - p), p) + np.arange(n)
+    ej = j0[es]
+    sel = ((gw[eg, ej >> 6] >> (ej & 63).astype(np.uint64)) & one).astype(bool)
+    cont = np.zeros(n, bool)                         # continues the rect of the group above
+    cont[1:] = (sel[1:] & sel[:-1] & (es[1:] == es[:-1]) & (r0[eg[1:]] == r1[eg[:-1]]))
+    rs = np.flatnonzero(sel & ~cont)
+    re = np.flatnonzero(sel & ~np.r_[cont[1:], False])
+    rseg = es[rs]
+    ra, rb = r0[eg[rs]], r1[eg[re]]
+    ru = sg_u[rseg]
+    c0, c1 = kb[j0[rseg]], kb[j1[rseg]]
+    # Tiles: anchored at the start of the union run holding the segment.
+    uu, us_, _ = _runs(union)
+    nk = len(kb)
+    run = np.searchsorted(uu * nk + us_, ru * nk + j0[rseg], side="right") - 1
+    anchor = (kb[us_[run]] // ctx.kv_align) * ctx.kv_align
+    k0 = (c0 - anchor) // tk
+    nt = (c1 - 1 - anchor) // tk - k0 + 1
+    pr = np.repeat(np.arange(len(rs)), nt)
+    tix = np.repeat(k0 - (np.cumsum(nt) - nt), nt) + np.arange(int(nt.sum()))
+    ts = anchor[pr] + tix * tk
+    klo = np.maximum(c0[pr] - ts, 0)
+    khi = np.minimum(c1[pr] - ts, tk)
+    shift = np.maximum(ts + tk - ctx.kvp, 0)
+    ts, klo, khi = ts - shift, klo + shift, khi + shift
+    pu, pa, pb = ru[pr], ra[pr], rb[pr]               # pieces, in unit order
+    # Units: each packed unit's rows in tiles of tile_q (several only for one tall group).
+    cu, qs, qlo, qhi = _chunk(r0[ustart], r1[uend - 1], tq, ctx.q_align, ctx.qp)
+    npc = np.bincount(pu, minlength=Ul)
+    pfirst = np.cumsum(npc) - npc
+    m = npc[cu]
+    x = np.repeat(pfirst[cu] - (np.cumsum(m) - m), m) + np.arange(int(m.sum()))
+    xc = np.repeat(np.arange(len(cu)), m)
+    ql = np.maximum(pa[x] - qs[xc], qlo[xc])
+    qh = np.minimum(pb[x] - qs[xc], qhi[xc])
+    keep = ql < qh
+    if not keep.all():
+        x, xc, ql, qh = x[keep], xc[keep], ql[keep], qh[keep]
+    cnt = np.bincount(xc, minlength=len(cu))
+    has = cnt > 0
+    return _Raw(gh[ustart[cu]][has], qs[has], qlo[has], qhi[has], cnt[has], ts[x], ql, qh,
+                klo[x], khi[x])
+
+
 def _raw_costs(raw: _Raw, ctx: _Ctx, shape: AttnShape, model) -> np.ndarray:
     full = ((raw.ql == 0) & (raw.qh == ctx.tile_q) & (raw.kl == 0) & (raw.kh == ctx.tile_kv))
     first = np.cumsum(raw.cnt) - raw.cnt
@@ -348,6 +449,8 @@ def _raw_costs(raw: _Raw, ctx: _Ctx, shape: AttnShape, model) -> np.ndarray:
 def _plan_policy(ctx: _Ctx, policy: str) -> _Raw:
     if policy == "split":
         return _plan_grid(ctx)
+    if policy == "pack":
+        return _plan_pack(ctx)
     return _plan_rowgroups(ctx, merge=(policy == "merge"))
 
 

@@ -220,9 +220,24 @@ def test_policies_differ_as_documented():
         assert s["selected_interactions"] == 4 * 3 * 32 * 32 + 2 * 32 * 32
 
 
+def test_pack_shares_units_between_short_query_blocks():
+    # 64-token query blocks, windows of 3 key blocks shifted by one per row: merge gives one
+    # 128-row unit per 64-row block; pack puts two blocks in one unit, with an L-shaped cover.
+    n = 8
+    blocks = np.zeros((n, n), bool)
+    for i in range(n):
+        blocks[i, max(0, i - 1): i + 2] = True
+    m = tj.BlockMask.uniform(64 * n, 64 * n, 64, 64, blocks)
+    merge = _plan(m, 1, 1, 128, 128, "merge").stats()
+    pack = _plan(m, 1, 1, 128, 128, "pack").stats()
+    assert merge["units"] == n and pack["units"] == n // 2
+    assert pack["computed_interactions"] < merge["computed_interactions"]
+    assert pack["selected_interactions"] == merge["selected_interactions"]
+
+
 def test_large_block_is_split_into_tiles():
     m = tj.BlockMask(np.array([0, 300]), np.array([0, 1, 500]), np.array([[[False, True]]]))
-    for policy in ("keep", "merge", "split"):
+    for policy in ("keep", "merge", "split", "pack"):
         s = _plan(m, 1, 1, 128, 128, policy).stats()
         assert s["tiles"] >= 3 * 4 and s["split"] == s["tiles"], (policy, s)
 
@@ -233,14 +248,14 @@ def test_auto_picks_the_cheapest_policy_per_head():
     blocks = rng.random((3, 12, 12)) < np.array([0.05, 0.5, 1.0])[:, None, None]
     m = tj.BlockMask(qb, qb, blocks)
     costs = {}
-    for p in ("keep", "merge", "split", "auto"):
+    for p in POLICIES:
         plan = _plan(m, 3, 1, 64, 128, p)
         costs[p] = np.bincount(plan.units[: plan.num_units, abi.UNIT_HEAD],
                                weights=plan.unit_cost, minlength=3)
-    best = np.min([costs[p] for p in ("keep", "merge", "split")], axis=0)
+    best = np.min([costs[p] for p in POLICIES if p != "auto"], axis=0)
     np.testing.assert_allclose(costs["auto"], best)
     auto = _plan(m, 3, 1, 64, 128, "auto")
-    assert set(auto.head_policies) <= {"keep", "merge", "split"}
+    assert set(auto.head_policies) <= set(POLICIES) - {"auto"}
     assert "auto" in auto.describe()
 
 
