@@ -166,7 +166,7 @@ def _bit_positions(words: np.ndarray):
     vals = flat[nz]
     cnt = np.bitwise_count(vals)
     total = int(cnt.sum(dtype=np.int64))
-    if total > 4 * nz.size:          # dense words: unpacking is cheaper than bit extraction
+    if total * 16 > words.size * 64:  # dense bits: unpacking beats extracting bit by bit
         bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
         pos = np.flatnonzero(bits)
         return pos // (64 * W), pos % (64 * W)
@@ -190,16 +190,23 @@ def _bit_positions(words: np.ndarray):
 
 def _runs(words: np.ndarray):
     """(row, first, end) of each run of set bits of ``words`` [R, W] (end exclusive)."""
-    one = np.uint64(1)
-    carry = np.zeros_like(words)
-    carry[:, 1:] = words[:, :-1] >> np.uint64(63)
-    starts = words & ~((words << one) | carry)
-    nxt = np.zeros_like(words)
-    nxt[:, :-1] = (words[:, 1:] & one) << np.uint64(63)
-    ends = words & ~((words >> one) | nxt)
-    r, s = _bit_positions(starts)
-    _, e = _bit_positions(ends)
-    return r, s, e + 1
+    one, top = np.uint64(1), np.uint64(63)
+    R, W = words.shape
+    w = np.zeros((R, W + 1), _U64)           # one spare word: a run may end at bit 64 * W
+    w[:, :W] = words
+    carry = np.zeros_like(w)
+    carry[:, 1:] = w[:, :-1] >> top
+    starts = w & ~((w << one) | carry)       # first bit of each run
+    # exclusive ends: the 0 bit after each run = starts of the complement, shifted
+    nw = ~w
+    ncarry = np.zeros_like(w)
+    ncarry[:, 1:] = nw[:, :-1] >> top
+    ncarry[:, 0] = one                       # bit -1 of the complement counts as set
+    ends = nw & ~((nw << one) | ncarry)
+    ends[:, -1] &= one                       # only bit 64 * W of the spare word is real
+    both = starts | ends
+    r, pos = _bit_positions(both)            # per row: start, end, start, end, ...
+    return r[0::2], pos[0::2], pos[1::2]
 
 
 def _chunk(starts, ends, tile, align, limit):
@@ -214,14 +221,24 @@ def _chunk(starts, ends, tile, align, limit):
     ends = np.asarray(ends, np.int64)
     a0 = (starts // align) * align
     n = -(-(ends - a0) // tile)
-    owner = np.repeat(np.arange(len(starts)), n)
+    total = int(n.sum())
     first = np.cumsum(n) - n
-    c = np.arange(int(n.sum())) - np.repeat(first, n)
-    ts = a0[owner] + c * tile
-    lo = np.maximum(starts[owner] - ts, 0)
-    hi = np.minimum(ends[owner] - ts, tile)
-    shift = np.maximum(ts + tile - limit, 0)
-    return owner, ts - shift, lo + shift, hi + shift
+    owner = np.repeat(np.arange(len(starts)), n)
+    ts = np.repeat(a0 - first * tile, n) + np.arange(0, total * tile, tile, dtype=np.int64)
+    # Only an interval's first tile can start late, only its last can end early or cross limit.
+    lo = np.zeros(total, np.int64)
+    lo[first] = starts - a0
+    hi = np.full(total, tile, np.int64)
+    last = first + n - 1
+    hi[last] = ends - ts[last]
+    over = np.flatnonzero(ts[last] + tile > limit)
+    if over.size:
+        t = last[over]
+        shift = ts[t] + tile - limit
+        ts[t] -= shift
+        hi[t] += shift
+        lo[t] += shift
+    return owner, ts, lo, hi
 
 
 @dataclasses.dataclass
@@ -295,6 +312,9 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
     g_first = np.cumsum(g_n) - g_n
     ug, qs, qlo, qhi = _chunk(ctx.qb[gi], ctx.qb[ge], ctx.tile_q, ctx.q_align, ctx.qp)
     cnt = g_n[ug]
+    if len(ug) == G:          # one unit per group: the steps are the group tiles, in order
+        return _Raw(gh, qs, qlo, qhi, cnt, kvs, np.repeat(qlo, cnt), np.repeat(qhi, cnt),
+                    klo, khi)
     S = int(cnt.sum())
     su = np.repeat(np.arange(len(ug)), cnt)
     tix = np.repeat(g_first[ug] - (np.cumsum(cnt) - cnt), cnt) + np.arange(S)
@@ -600,7 +620,7 @@ def _row_index(uh, qs, lo, hi, Hq, Lq, tile_q, sentinel):
     dt = np.int32 if N + tile_q * (U + 1) < 2**31 else np.int64
     out = np.repeat(vals.astype(dt), lengths)
     out += np.arange(N, dtype=dt)
-    out[out < 0] = sentinel
+    out = np.where(out < 0, dt(sentinel), out)
     return out.astype(np.int32, copy=False).reshape(Hq, Lq)
 
 
