@@ -250,7 +250,7 @@ def load_table(path) -> Table:
 _lock = threading.Lock()
 _TABLES: dict = {}          # (path, mtime) -> Table | TableError
 _RESOLVED: dict = {}        # (directory, gpu name, quiet) -> Table | None
-_CHOICES: dict = {}         # (digest, shape, backend, table id) -> choice
+_CHOICES: dict = {}         # (digest, shape, backend, table) -> choice
 _MAX_CHOICES = 4096
 _warned: set = set()
 
@@ -341,7 +341,7 @@ def select(mask: BlockMask, shape, backend: str, *, table: Table | None = None):
             with _lock:
                 table = _RESOLVED[key] = _resolve_table(name, cc, quiet)
     if table is not None:
-        ckey = (mask.digest, tuple(shape), backend, id(table))
+        ckey = (mask.digest, tuple(shape), backend, table)   # holds the table: no id reuse
         hit = _CHOICES.get(ckey)
         if hit is not None:
             return hit
