@@ -1,0 +1,99 @@
+"""GPU timing helpers for the peers benchmark: torch CUDA events, JAX CUPTI, host wall clock.
+
+Kernel-only times are device times: CUDA events around one call for torch (the L2 is flushed
+before each call), CUPTI kernel time of every launch in the call for JAX. Request latencies are
+host wall-clock from the start of mask conversion to the result being ready on the device.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+_L2 = None
+
+
+def _flush_l2():
+    """Overwrites a 256 MiB buffer (the H200's L2 is 60 MiB) so no call starts with a warm L2."""
+    global _L2
+    import torch
+    if _L2 is None:
+        _L2 = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    _L2.zero_()
+
+
+def torch_kernel_ms(fn, iters: int = 20, warmup: int = 3) -> list[float]:
+    """Per-call device milliseconds (CUDA events), after ``warmup`` calls."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        _flush_l2()
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(float(a.elapsed_time(b)))
+    return out
+
+
+_CUPTI_OK: bool | None = None
+
+
+def jax_kernel_ms(fn, args, iters: int = 20, warmup: int = 2) -> tuple[list[float], str]:
+    """Per-call kernel milliseconds of a jittable ``fn(*args)`` (CUPTI, else wall clock)."""
+    global _CUPTI_OK
+    import jax
+    jitted = jax.jit(fn)
+    for _ in range(warmup):
+        jax.block_until_ready(jitted(*args))
+    if _CUPTI_OK is not False:
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+            _, ts = profiler.measure(jitted, iterations=iters)(*args)
+            _CUPTI_OK = True
+            return [float(t) for t in np.atleast_1d(ts)], "cupti"
+        except Exception as e:  # noqa: BLE001
+            print("CUPTI timing unavailable, using wall clock:", repr(e)[:200], flush=True)
+            _CUPTI_OK = False
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(jitted(*args))
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out, "wall"
+
+
+def wall_ms(fn, iters: int = 5, warmup: int = 1, sync=None, before=None) -> list[float]:
+    """Host wall-clock milliseconds of ``fn()`` until ``sync()`` returns (device done).
+
+    ``before()`` runs untimed before each call (e.g. clearing a plan cache so planning is paid).
+    """
+    for _ in range(warmup):
+        if before:
+            before()
+        fn()
+        if sync:
+            sync()
+    out = []
+    for _ in range(iters):
+        if before:
+            before()
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def med(xs) -> float | None:
+    xs = [x for x in (xs or []) if x is not None]
+    return float(np.median(xs)) if xs else None

@@ -1,0 +1,331 @@
+"""CPU checks of the peers benchmark (issue 7): exact mask conversions to FlashInfer's and
+FlexAttention's inputs, the check subset, sampling, the summary/figure, the --dry-run mode, and
+the FlashInfer trimming helpers (no network, no GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tessera_jax as tj
+from tessera_jax.mask import BlockMask
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+from peers_lib import convert as C  # noqa: E402
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+peers = _load("peers")
+fetch = _load("fetch_flashinfer")
+
+
+def _per_q_head(mask, Hq):
+    return np.broadcast_to(mask.token_mask(), (Hq, mask.Lq, mask.Lkv))
+
+
+@st.composite
+def masks(draw):
+    """Random masks: uniform or variable bounds (short edges), shared or per head, GQA, empty rows."""
+    Hkv = draw(st.integers(1, 2))
+    g = draw(st.integers(1, 3))
+    Hq = Hkv * g
+
+    def bounds(L):
+        if draw(st.booleans()):
+            b = draw(st.integers(1, max(1, L)))
+            return np.append(np.arange(0, L, b), L)
+        cuts = draw(st.lists(st.integers(1, L - 1), max_size=6, unique=True)) if L > 1 else []
+        return np.array([0, *sorted(cuts), L])
+
+    Lq = draw(st.integers(1, 150))
+    Lkv = draw(st.integers(1, 150))
+    qb, kb = bounds(Lq), bounds(Lkv)
+    Hm = draw(st.sampled_from([1, Hq]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    p = draw(st.floats(0.0, 1.0))
+    blocks = np.random.default_rng(seed).random((Hm, qb.size - 1, kb.size - 1)) < p
+    if Hm > 1 and draw(st.booleans()):
+        blocks[:] = blocks[:1]                      # per-head form, identical heads
+    return BlockMask(qb, kb, blocks), Hq, Hkv
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(masks())
+def test_flashinfer_conversions_are_exact(case):
+    mask, Hq, Hkv = case
+    want = _per_q_head(mask, Hq)
+    v = C.fi_var(mask, Hq, Hkv)
+    assert v.block_mask_map.shape == (v.num_kv_heads, *mask.blocks.shape[1:])
+    assert v.num_qo_heads == Hq and Hq % v.num_kv_heads == 0
+    assert np.array_equal(C.fi_var_token_mask(v), want)
+    b = C.fi_bsr(mask)
+    if isinstance(b, str):
+        assert b                                    # says why
+    else:
+        t = C.fi_bsr_token_mask(b)
+        assert t.shape == (mask.Lq, b.N) and b.N % b.C == 0 and b.N >= mask.Lkv
+        assert not t[:, mask.Lkv:].any()            # padded keys are never selected
+        assert np.array_equal(np.broadcast_to(t[:, :mask.Lkv], want.shape), want)
+        assert b.indptr[-1] == b.indices.size and b.indices.dtype == np.int32
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(masks(), st.sampled_from([(16, 16), (32, 16), (16, 48), (64, 64)]),
+       st.sampled_from([None, 192]))
+def test_flex_conversion_is_exact(case, block, pad_to):
+    mask, Hq, _ = case
+    fb = C.flex_blocks(mask, block, pad_to=pad_to)
+    assert fb.Lq_pad % (pad_to or block[0]) == 0 and fb.Lq_pad >= mask.Lq
+    t = C.flex_token_mask(fb)
+    assert not t[:, :mask.Lq, mask.Lkv:].any()     # padded keys never attended by real rows
+    got = np.broadcast_to(t[:, :mask.Lq, :mask.Lkv], (Hq, mask.Lq, mask.Lkv)) if t.shape[0] == 1 \
+        else t[:, :mask.Lq, :mask.Lkv]
+    assert np.array_equal(got, _per_q_head(mask, Hq))
+    # full tiles are entirely selected; partial tiles have a selected and an unselected token
+    Bq, Bkv = block
+    tm = np.zeros((mask.num_heads, fb.Lq_pad, fb.Lkv_pad), bool)
+    tm[:, :mask.Lq, :mask.Lkv] = mask.token_mask()
+    tiles = tm.reshape(mask.num_heads, fb.Lq_pad // Bq, Bq, fb.Lkv_pad // Bkv, Bkv).sum((2, 4))
+    for h in range(mask.num_heads):
+        for a in range(tiles.shape[1]):
+            full = set(fb.full_kv_indices[h, a, :fb.full_kv_num_blocks[h, a]].tolist())
+            part = set(fb.kv_indices[h, a, :fb.kv_num_blocks[h, a]].tolist())
+            assert full == set(np.nonzero(tiles[h, a] == Bq * Bkv)[0].tolist())
+            assert part == set(np.nonzero((tiles[h, a] > 0) & (tiles[h, a] < Bq * Bkv))[0].tolist())
+
+
+def test_checks_catch_a_wrong_conversion():
+    """The token-mask comparison the tests rely on sees one dropped block."""
+    rng = np.random.default_rng(3)
+    blocks = rng.random((1, 6, 5)) < 0.5
+    blocks[0, 2, 1] = True
+    mask = BlockMask.uniform(96, 80, 16, 16, blocks)
+    b = C.fi_bsr(mask)
+    bad = C.FIBsr(indptr=np.maximum(b.indptr - (np.arange(b.indptr.size) > 2), 0).astype(np.int32),
+                  indices=np.delete(b.indices, b.indptr[2]), M=b.M, N=b.N, R=b.R, C=b.C, Lkv=b.Lkv)
+    assert not np.array_equal(C.fi_bsr_token_mask(bad), mask.token_mask()[0])
+    fb = C.flex_blocks(mask, (32, 32))
+    assert fb.num_full + fb.num_partial > 0
+    h, a = np.argwhere(fb.full_kv_num_blocks + fb.kv_num_blocks > 0)[0]
+    kv_num = fb.kv_num_blocks.copy()
+    full_num = fb.full_kv_num_blocks.copy()
+    if full_num[h, a]:
+        full_num[h, a] -= 1
+    else:
+        kv_num[h, a] -= 1
+    import dataclasses
+    bad_fb = dataclasses.replace(fb, kv_num_blocks=kv_num, full_kv_num_blocks=full_num)
+    assert not np.array_equal(C.flex_token_mask(bad_fb)[:, :96, :80], mask.token_mask())
+
+
+def test_fi_bsr_choices():
+    rng = np.random.default_rng(0)
+    shared = rng.random((1, 4, 3)) < 0.6
+    # short last KV block, unselected: BSR with zero-padded K/V
+    s = shared.copy()
+    s[:, :, -1] = False
+    b = C.fi_bsr(BlockMask.uniform(100, 90, 32, 32, s))
+    assert not isinstance(b, str) and (b.R, b.C, b.N, b.M) == (32, 32, 96, 100)
+    # ... selected: refused with the reason
+    s[0, 0, -1] = True
+    why = C.fi_bsr(BlockMask.uniform(100, 90, 32, 32, s))
+    assert isinstance(why, str) and "short last KV block" in why
+    per_head = BlockMask.uniform(64, 64, 32, 32, rng.random((2, 2, 2)) < 0.5)
+    if not np.array_equal(per_head.blocks[0], per_head.blocks[1]):
+        assert "per-head" in C.fi_bsr(per_head)
+    variable = BlockMask([0, 10, 64], [0, 32, 64], np.ones((1, 2, 2), bool))
+    assert "variable" in C.fi_bsr(variable)
+
+
+def test_fi_var_gqa_semantics():
+    rng = np.random.default_rng(1)
+    b = rng.random((4, 3, 3)) < 0.5
+    b[1] = ~b[0]                                    # group 0 (heads 0,1) differs
+    m = BlockMask.uniform(48, 48, 16, 16, b)
+    v = C.fi_var(m, 4, 2)
+    assert v.kv_repeat == 2 and v.num_kv_heads == 4
+    same = b.copy()
+    same[1], same[3] = same[0], same[2]
+    v2 = C.fi_var(BlockMask.uniform(48, 48, 16, 16, same), 4, 2)
+    assert v2.kv_repeat == 1 and v2.num_kv_heads == 2
+    assert np.array_equal(v2.block_mask_map, same[::2])
+    with pytest.raises(ValueError, match="num_q_heads"):
+        C.fi_var(m, 4, 3)
+    with pytest.raises(ValueError, match="heads"):
+        C.fi_var(m, 8, 2)
+    with pytest.raises(TypeError, match="BlockMask"):
+        C.fi_var(b, 4, 2)
+
+
+def test_flex_best_block_prefers_aligned_tiles():
+    rng = np.random.default_rng(2)
+    m = BlockMask.uniform(512, 512, 64, 128, rng.random((1, 8, 4)) < 0.5)
+    fb = C.flex_best_block(m)
+    assert fb.block == (64, 128) and not fb.needs_mask_mod
+    odd = BlockMask([0, 100, 300, 512], [0, 200, 512], rng.random((1, 3, 2)) < 0.7)
+    fb2 = C.flex_best_block(odd)
+    assert fb2.block == (128, 128)
+    with pytest.raises(ValueError, match="block"):
+        C.flex_blocks(m, (24, 128))
+    with pytest.raises(ValueError, match="pad_to"):
+        C.flex_blocks(m, (128, 128), pad_to=192)
+
+
+def test_row_subset_reference_matches_full_reference():
+    import jax.numpy as jnp
+    rng = np.random.default_rng(4)
+    qb, kb = np.array([0, 7, 20, 33, 40]), np.array([0, 5, 25, 36])
+    blocks = rng.random((4, 4, 3)) < 0.5
+    blocks[1, 2] = False                           # an empty row block in head 1
+    m = BlockMask(qb, kb, blocks)
+    q = rng.standard_normal((1, 40, 4, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 36, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((1, 36, 2, 8)).astype(np.float32)
+    full = np.asarray(tj.reference_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), m))
+    rows = C.check_rows(40, qb, 20, seed=0)
+    assert np.all(np.diff(rows) > 0) and rows.min() >= 0 and rows.max() < 40
+    assert set(qb[:-1]) <= set(rows.tolist())       # every block start is checked
+    kvh, qh = np.array([1]), np.array([2, 3])
+    sub = C.row_subset_mask(m, rows, qh)
+    got = np.asarray(tj.reference_attention(jnp.asarray(q[:, rows][:, :, qh]), jnp.asarray(k[:, :, kvh]),
+                                            jnp.asarray(v[:, :, kvh]), sub))
+    np.testing.assert_allclose(got, full[:, rows][:, :, qh], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="rows"):
+        C.row_subset_mask(m, np.array([40]))
+
+
+def _row(fam, tess, fi_var=None, fi_bsr=None, flex=None, dense=None, status=None):
+    def p(t, st="ok"):
+        return {"status": st, "request_ms": t, "kernel_ms": None if t is None else t / 2}
+    r = {"family": fam, "peers": {"tessera": p(tess)}}
+    for name, t in (("flashinfer_var", fi_var), ("flashinfer_bsr", fi_bsr), ("flex", flex),
+                    ("dense", dense)):
+        if t is not None:
+            r["peers"][name] = p(t, (status or {}).get(name, "ok"))
+    return r
+
+
+def test_summary_speedups():
+    rows = [_row("sta", 1.0, fi_var=4.0, fi_bsr=3.0, flex=5.0, dense=6.0),
+            _row("sta", 2.0, fi_var=4.0, flex=10.0, dense=3.0),
+            _row("vsa", 1.0, fi_var=1.5, flex=2.0, dense=1.2, status={"dense": "wrong"}),
+            _row("vsa", 1.0, fi_var=0.5, fi_bsr=0.1, flex=2.0, status={"flashinfer_bsr": "failed"})]
+    s = peers.summarize(rows)
+    # best alternatives: 3.0/1, 3.0/2, 1.5/1, 0.5/1
+    assert s["min_speedup_vs_best_alternative"] == pytest.approx(0.5)
+    assert s["median_speedup_vs_flashinfer"] == pytest.approx(np.median([3.0, 2.0, 1.5, 0.5]))
+    assert s["median_speedup_vs_flex"] == pytest.approx(np.median([5.0, 5.0, 2.0, 2.0]))
+    assert s["per_family_medians"]["vsa"]["dense"] is None
+    assert s["per_family_medians"]["sta"]["best_alternative"] == pytest.approx(2.25)
+    assert s["kernel"]["overall"]["flashinfer"]["n"] == 4
+    assert "wrong" in " ".join(s["peer_not_ok"]["dense"])
+    # a row where tessera itself failed gives no speedups
+    assert peers.speedups(_row("x", 1.0, fi_var=2.0, status=None) | {"peers": {
+        "tessera": {"status": "wrong", "request_ms": 1.0}}}) == {}
+
+
+def test_figure_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [_row("sta", 1.0, fi_var=4.0, flex=5.0, dense=6.0),
+            _row("vsa", 2.0, fi_var=4.0, flex=10.0, dense=3.0)]
+    out = peers.figure(rows, str(tmp_path / "f.png"))
+    assert out and (tmp_path / "f.png").stat().st_size > 1000
+
+
+def test_sampling_is_stratified_and_test_only():
+    specs, avail = peers.sample_specs(2, seed=0)
+    fams = [s["family"] for s in specs]
+    assert all(s["split"] == "test" for s in specs)
+    assert set(fams) == set(avail)
+    for f in avail:
+        assert fams.count(f) == min(2, avail[f])
+    k = len(avail)
+    assert len(set(fams[:k])) == k                   # round-robin: every family once first
+    again, _ = peers.sample_specs(2, seed=0)
+    assert [s["id"] for s in again] == [s["id"] for s in specs]
+
+
+def test_dry_run(tmp_path):
+    out = tmp_path / "dry.json"
+    assert peers.main(["--dry-run", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["inexact_conversions"] == 0
+    fams = {r["family"] for r in doc["rows"]}
+    from tessera_jax.masks import FAMILIES
+    assert set(FAMILIES) <= fams
+    assert any(r["exact"]["fi_bsr"] for r in doc["rows"])
+    assert any(r["fi_var_kv_repeat"] > 1 for r in doc["rows"])
+    assert any(r["flex"]["mask_mod"] for r in doc["rows"]) and \
+        any(not r["flex"]["mask_mod"] for r in doc["rows"])
+
+
+def test_bad_arguments():
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--per-family", "0"])
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--flex-pad", "100"])
+
+
+# --- fetch_flashinfer helpers (no network) --------------------------------------------------
+def test_ninja_flags_and_representatives(tmp_path):
+    nj = tmp_path / "build.ninja"
+    nj.write_text("cuda_home = /usr/local\ncommon_cflags = -DA=1 $\n    -I/x/include $\n"
+                  "    -isystem $cuda_home/include\ncuda_cflags = $common_cflags $\n"
+                  "    -gencode=arch=compute_90a,code=sm_90a $\n    --compress-mode=size $\n    -O3\n")
+    flags = fetch._ninja_flags(nj)
+    assert flags[:3] == ["-DA=1", "-I/x/include", "-isystem"]
+    assert "/usr/local/include" in flags and "-gencode=arch=compute_90a,code=sm_90a" in flags
+    assert not any(f.startswith("--compress-mode") for f in flags)
+    reps = fetch._representative_sources({"sources": ["a/k_mask_0.cu", "a/k_mask_1.cu", "a/b.cu"]})
+    assert [p.name for p in reps] == ["k_mask_0.cu", "b.cu"]
+
+
+def test_include_closure(tmp_path):
+    pkg = tmp_path / "site" / "flashinfer"
+    inc = pkg / "data" / "include" / "flashinfer"
+    inc.mkdir(parents=True)
+    (pkg / "data" / "cutlass" / "include" / "cute").mkdir(parents=True)
+    (inc / "a.cuh").write_text('#pragma once\n#include "b.cuh"\n#if 0\n#include <cute/x.hpp>\n#endif\n')
+    (inc / "b.cuh").write_text("#include <cuda_runtime.h>\n")
+    (inc / "unused.cuh").write_text("")
+    (pkg / "data" / "cutlass" / "include" / "cute" / "x.hpp").write_text("")
+    src = tmp_path / "gen.cu"
+    src.write_text('#include <flashinfer/a.cuh>\n#include "config.inc"\n')
+    kept, unresolved = fetch.include_closure(tmp_path / "site", [src])
+    names = {p.name for p in kept}
+    assert names == {"a.cuh", "b.cuh", "x.hpp"}     # conservative: the #if 0 include is kept
+    assert unresolved == {"cuda_runtime.h", "config.inc"}
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(masks(), st.sampled_from([(16, 16), (32, 16), (64, 64)]), st.sampled_from([None, 192]))
+def test_flex_torch_conversion_matches_numpy(case, block, pad_to):
+    """The torch conversion (timed on the GPU) equals the NumPy one tested above."""
+    pytest.importorskip("torch")
+    mask, _, _ = case
+    a = C.flex_blocks(mask, block, pad_to=pad_to)
+    b = C.flex_blocks_torch(mask, block, pad_to=pad_to, device="cpu")
+    assert (b["Lq_pad"], b["Lkv_pad"]) == (a.Lq_pad, a.Lkv_pad)
+    for k, n in (("kv_indices", "kv_num_blocks"), ("full_kv_indices", "full_kv_num_blocks")):
+        num = b[n][0].numpy()
+        assert np.array_equal(num, getattr(a, n))
+        valid = np.arange(a.kv_indices.shape[-1]) < num[..., None]
+        assert np.array_equal(b[k][0].numpy()[valid], getattr(a, k)[valid])
+    for k in ("q_block_id", "kv_block_id", "blocks_padded"):
+        assert np.array_equal(b[k].numpy(), getattr(a, k))
