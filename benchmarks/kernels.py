@@ -190,6 +190,8 @@ def resolve_template(name):
             opts["schedule_barrier"] = False
         elif m == "persistent":
             opts["persistent"] = True
+        elif m == "noprefetch":
+            opts["prefetch_rect"] = False
         else:
             raise ValueError(f"unknown template variant {m!r}")
     return dataclasses.replace(t, name=name, options=tuple(sorted(opts.items())))
@@ -318,33 +320,39 @@ def check_against_reference(out, lse, ref_out, ref_lse):
 # Sections
 # ----------------------------------------------------------------------------------------------
 
-def correctness(res, deadline, grid=(6, 18, 36)):
+def correctness(res, deadline, grid=(6, 18, 36), core=(), extra_variants=()):
+    """Every registered template (plus ``extra_variants``) on two cases, ``core`` templates on
+    all five; the Triton-lowering kernel's first two templates on all."""
     import jax
     import jax.numpy as jnp
     from pallas_kernels import templates
     tj = _tj()
     # (6, 18, 36): 3,888 tokens, cubes with partial edges on two axes.
     L = int(np.prod(grid))
-    cases = [  # (mask name, mask fn, Hq, Hkv, D, dtype, B)
+    cases = [  # (mask name, mask fn, Hq, Hkv, D, dtype, B, every template?)
         ("rand128_empty", lambda H: mask_rand128(L, H, 0.3, 11, empty_rows=True), 4, 2, 128,
-         jnp.bfloat16, 1),
-        ("cubes64_topk", lambda H: mask_cubes_topk(grid, H, 0.15, 12), 4, 2, 128, jnp.bfloat16, 1),
-        ("radial_frames", lambda H: mask_radial(grid, chunk=100), 4, 4, 128, jnp.float16, 2),
-        ("clusters_var", lambda H: mask_clusters(L, H, 0.2, 13), 6, 2, 64, jnp.float16, 1),
-        ("sta_cubes", lambda H: mask_sta(grid), 2, 1, 64, jnp.bfloat16, 1),
+         jnp.bfloat16, 1, True),
+        ("clusters_var", lambda H: mask_clusters(L, H, 0.2, 13), 6, 2, 64, jnp.float16, 1, True),
+        ("cubes64_topk", lambda H: mask_cubes_topk(grid, H, 0.15, 12), 4, 2, 128, jnp.bfloat16, 1,
+         False),
+        ("radial_frames", lambda H: mask_radial(grid, chunk=100), 4, 4, 128, jnp.float16, 2,
+         False),
+        ("sta_cubes", lambda H: mask_sta(grid), 2, 1, 64, jnp.bfloat16, 1, False),
     ]
     key = jax.random.key(1)
     rows = []
-    tmpls = list(templates.for_backend("mosaic_gpu"))
-    tmpls.append(resolve_template("mgpu_q128_kv128_s2+always"))
+    tmpls = list(templates.for_backend("mosaic_gpu")) + [
+        resolve_template(n) for n in extra_variants]
     kernels = [("mosaic_gpu", t) for t in tmpls]
     if triton_available():
         kernels += [("triton", t) for t in triton_templates()[:2]]
-    for ci, (mname, mfn, Hq, Hkv, D, dtype, B) in enumerate(cases):
+    for ci, (mname, mfn, Hq, Hkv, D, dtype, B, every) in enumerate(cases):
         mask = mfn(Hq)
         q, k, v = rand_qkv(jax.random.fold_in(key, ci), B, L, L, Hq, Hkv, D, dtype)[0]
         ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
         for backend, t in kernels:
+            if not every and t.name not in core and backend == "mosaic_gpu":
+                continue
             if time.time() > deadline:
                 rows.append(dict(mask=mname, template=t.name, skipped="time"))
                 continue
@@ -382,16 +390,42 @@ def correctness(res, deadline, grid=(6, 18, 36)):
     res["correctness"] = rows
 
 
+def flex_tiles(mask, L, H, tile=128):
+    """Per-head 128x128 tile classes of the mask for FlexAttention, from block-level overlaps
+    (no [H, L, L] token mask): full (all selected), partial (some), empty. Tiles cut by the
+    sequence end are never full, so mask_mod runs there."""
+    tb = np.minimum(np.arange(-(-L // tile) + 1) * tile, L)
+
+    def overlap(bounds):                                   # [tiles, blocks] shared tokens
+        lo = np.maximum(tb[:-1, None], bounds[None, :-1])
+        hi = np.minimum(tb[1:, None], bounds[None, 1:])
+        return np.maximum(hi - lo, 0).astype(np.float64)
+
+    oq, ok = overlap(mask.q_bounds), overlap(mask.kv_bounds)
+    size = np.outer(np.diff(tb), np.diff(tb))
+    cnt = np.stack([oq @ mask.blocks[h].astype(np.float64) @ ok.T
+                    for h in range(mask.blocks.shape[0])])
+    full = (cnt == size) & (size == tile * tile)
+    partial = (cnt > 0) & ~full
+    return full, partial
+
+
 def flex_setup(mask, L, H, D):
-    """Compiled torch FlexAttention over the same mask (exact through mask_mod), 128 blocks."""
+    """Compiled torch FlexAttention over the same mask, 128 blocks: the block mask is built
+    from our block-level tile classes (BlockMask.from_kv_blocks) and mask_mod makes partial
+    tiles exact. Falls back to create_block_mask if that API is missing."""
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention import flex_attention as fa_mod
     dev = "cuda"
-    qb = torch.as_tensor(np.repeat(np.arange(len(mask.q_bounds) - 1), np.diff(mask.q_bounds)),
-                         device=dev, dtype=torch.int32)
-    kb = torch.as_tensor(np.repeat(np.arange(len(mask.kv_bounds) - 1), np.diff(mask.kv_bounds)),
-                         device=dev, dtype=torch.int32)
-    blocks = torch.as_tensor(mask.blocks, device=dev)
+    nt = -(-L // 128)
+
+    def ids(bounds):                                       # token -> block id, padded
+        x = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+        return torch.as_tensor(np.r_[x, np.full(nt * 128 - L, x[-1])], device=dev,
+                               dtype=torch.int32)
+
+    qb, kb = ids(mask.q_bounds), ids(mask.kv_bounds)
+    blocks = torch.as_tensor(np.array(mask.blocks), device=dev)
     shared = blocks.shape[0] == 1
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -400,15 +434,31 @@ def flex_setup(mask, L, H, D):
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    kw = {}
-    if "_compile" in inspect.signature(create_block_mask).parameters:
-        kw["_compile"] = True    # else per-head masks materialise [H, L, L] indices (OOM)
-    bm = create_block_mask(mask_mod, B=None, H=None if shared else H, Q_LEN=L, KV_LEN=L,
-                           device=dev, BLOCK_SIZE=128, **kw)
+    how = "from_kv_blocks"
+    try:
+        full, partial = flex_tiles(mask, L, H)
+
+        def as_idx(sel):
+            num = sel.sum(-1).astype(np.int32)[None]                       # [1, Hm, nt]
+            idx = np.argsort(~sel, axis=-1, kind="stable").astype(np.int32)[None]
+            return (torch.as_tensor(num, device=dev), torch.as_tensor(idx, device=dev))
+
+        kn, ki = as_idx(partial)
+        fn_, fi = as_idx(full)
+        bm = fa_mod.BlockMask.from_kv_blocks(kn, ki, fn_, fi, BLOCK_SIZE=128,
+                                             mask_mod=mask_mod, seq_lengths=(L, L))
+    except Exception as e:  # noqa: BLE001
+        log("from_kv_blocks failed, create_block_mask instead:", repr(e)[:200])
+        how = "create_block_mask"
+        kw = {}
+        if "_compile" in inspect.signature(fa_mod.create_block_mask).parameters:
+            kw["_compile"] = True    # else per-head masks materialise [H, L, L] indices
+        bm = fa_mod.create_block_mask(mask_mod, B=None, H=None if shared else H, Q_LEN=L,
+                                      KV_LEN=L, device=dev, BLOCK_SIZE=128, **kw)
     torch.cuda.synchronize()
     build_ms = (time.perf_counter() - t0) * 1e3
     fa = _compiled_flex()
-    return (lambda q, k, v: fa(q, k, v, block_mask=bm)), build_ms
+    return (lambda q, k, v: fa(q, k, v, block_mask=bm)), build_ms, how
 
 
 _FLEX = None
@@ -429,7 +479,7 @@ def time_torch(fn, args):
                                          return_mode="median"))
 
 
-def dense_baselines(res, L, H, D, deadline, tag):
+def dense_baselines(res, L, H, D, deadline, tag, dense_templates):
     """cuDNN dense (bf16, L) and, at L rounded to 128, attention_mgpu vs our all-selected plan."""
     import jax
     import jax.numpy as jnp
@@ -469,9 +519,11 @@ def dense_baselines(res, L, H, D, deadline, tag):
     except Exception as e:  # noqa: BLE001
         out["cudnn_f16_L128"] = dict(error=repr(e)[:500])
     full = tj.BlockMask.uniform(L2, L2, 128, 128, np.ones((1, L2 // 128, L2 // 128), bool))
-    for t in templates.for_backend("mosaic_gpu"):
+    for t in [resolve_template(n) for n in dense_templates]:
         if time.time() > deadline:
             break
+        if not t.supports(D, jnp.float16):
+            continue
         try:
             plan, _ = plan_for(full, sets16[0][0].shape, sets16[0][1].shape, jnp.float16, t)
             ms, samples, _ = time_jax(ours_fn(t, plan), sets16)
@@ -508,7 +560,7 @@ def sparse_timings(res, grid, L, H, D, deadline, tag, template_names, with_flex=
         flops = 4.0 * D * sel
         row["selected_flops"] = flops
         row["kernels"] = {}
-        ref_head = None
+        ref_head = ours_h0 = None
         for t in tmpls + trit[:1]:
             if time.time() > deadline:
                 row["kernels"][t.name] = dict(skipped="time")
@@ -523,13 +575,16 @@ def sparse_timings(res, grid, L, H, D, deadline, tag, template_names, with_flex=
                 fn = (ours_fn if t.backend == "mosaic_gpu" else triton_fn)(t, plan)
                 ms, samples, how = time_jax(fn, sets)
                 rec.update(ms=ms, tflops=flops / ms / 1e9, timer=how, samples=samples)
-                if spot_check and ref_head is None:
-                    # Head 0 at full size against the reference (one head keeps it in memory).
-                    q, k, v = sets[0]
-                    out = fn(q, k, v)
-                    m0 = tj.BlockMask(mask.q_bounds, mask.kv_bounds, mask.blocks[:1])
-                    ref_head = tj.reference_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], m0)
-                    rec["head0_rel_err"] = rel_err(out[:, :, :1], ref_head)
+                if t.backend == "mosaic_gpu" and ours_h0 is None:
+                    out = fn(*sets[0])
+                    ours_h0 = np.asarray(out[0, :, 0], np.float32)
+                    if spot_check:
+                        # Head 0 at full size against the reference (one head fits in memory).
+                        q, k, v = sets[0]
+                        m0 = tj.BlockMask(mask.q_bounds, mask.kv_bounds, mask.blocks[:1])
+                        ref_head = tj.reference_attention(q[:, :, :1], k[:, :, :1],
+                                                          v[:, :, :1], m0)
+                        rec["head0_rel_err"] = rel_err(out[:, :, :1], ref_head)
                     del out
                 log(tag, mname, t.name, f"{ms:.3f} ms", f"{flops / ms / 1e9:.0f} TFLOP/s",
                     f"tiles={st['tiles']} waste={st['waste_fraction']:.2f}",
@@ -541,15 +596,24 @@ def sparse_timings(res, grid, L, H, D, deadline, tag, template_names, with_flex=
         if with_flex and time.time() < deadline:
             try:
                 import torch
-                fn, build_ms = flex_setup(mask, L, H, D)
-                g = torch.Generator(device="cuda").manual_seed(0)
-                tq = [torch.randn(1, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                      for _ in range(3)]
-                ms = time_torch(fn, tq)
-                row["flex"] = dict(ms=ms, tflops=flops / ms / 1e9, block_mask_ms=build_ms)
-                log(tag, mname, "flex", f"{ms:.3f} ms", f"{flops / ms / 1e9:.0f} TFLOP/s",
-                    f"mask {build_ms:.0f} ms")
-                del tq
+                fn, build_ms, how = flex_setup(mask, L, H, D)
+                # The same inputs as ours, as [B, H, L, D] torch tensors.
+                tsets = [[torch.from_dlpack(x).permute(0, 2, 1, 3).contiguous() for x in a]
+                         for a in sets]
+                ms = time_torch(fn, tsets[0])
+                ms2 = time_torch(fn, tsets[1])
+                row["flex"] = dict(ms=float(np.median([ms, ms2])), ms_sets=[ms, ms2],
+                                   tflops=flops / ms / 1e9, block_mask_ms=build_ms,
+                                   block_mask_via=how)
+                if ours_h0 is not None:
+                    fo = fn(*tsets[0])[0, 0].float().cpu().numpy()
+                    row["flex"]["head0_rel_diff_vs_ours"] = float(
+                        np.linalg.norm(fo - ours_h0) / max(np.linalg.norm(ours_h0), 1e-6))
+                log(tag, mname, "flex", f"{row['flex']['ms']:.3f} ms",
+                    f"{flops / row['flex']['ms'] / 1e9:.0f} TFLOP/s",
+                    f"mask {build_ms:.0f} ms ({how})",
+                    f"vs ours {row['flex'].get('head0_rel_diff_vs_ours', float('nan')):.1e}")
+                del tsets
             except Exception as e:  # noqa: BLE001
                 row["flex"] = dict(error=repr(e)[:800])
                 traceback.print_exc()
@@ -658,22 +722,25 @@ def main():
     names = ([t.name for t in templates.for_backend("mosaic_gpu")] if args.templates == "all"
              else args.templates.split(","))
     try:
+        core = names[:3]
+        extra = [n for n in names if "+" in n]
         if args.smoke:
-            correctness(res, deadline, grid=(2, 6, 12))
+            correctness(res, deadline, grid=(2, 6, 12), core=core, extra_variants=extra)
             sparse_timings(res, (2, 6, 12), 144, 2, 64, deadline, "wan480",
                            names[:1], with_flex=True, spot_check=True)
             raise SystemExit(_finish(res, args, save))
+        B = args.budget_s
         if not args.skip_correctness:
-            correctness(res, T0 + 0.35 * args.budget_s)
+            correctness(res, T0 + 0.22 * B, core=core, extra_variants=extra)
             save()
-        dense_baselines(res, 32760, 12, 128, T0 + 0.5 * args.budget_s, "wan480")
+        dense_baselines(res, 32760, 12, 128, T0 + 0.3 * B, "wan480", names[:3])
         save()
-        sparse_timings(res, (21, 30, 52), 32760, 12, 128, T0 + 0.88 * args.budget_s, "wan480",
-                       names)
+        sparse_timings(res, (21, 30, 52), 32760, 12, 128, T0 + 0.8 * B, "wan480", names)
         save()
-        if time.time() < deadline - 60 and args.wan720_heads > 0:
+        if time.time() < deadline - 45 and args.wan720_heads > 0:
             H7 = args.wan720_heads
-            dense_baselines(res, 75600, H7, 128, deadline - 40, "wan720")
+            dense_baselines(res, 75600, H7, 128, deadline - 35, "wan720", names[:1])
+            save()
             sparse_timings(res, (21, 45, 80), 75600, H7, 128, deadline, "wan720", names[:2],
                            spot_check=False)
     except Exception:  # noqa: BLE001
@@ -683,6 +750,9 @@ def main():
 
 
 def _finish(res, args, save):
+    if res.get("sparse", {}).get("wan720"):
+        summarize(res, "wan720")
+        res["summary_wan720"] = res.pop("summary")
     table = summarize(res, "wan480")
     res["elapsed_s"] = time.time() - T0
     save()

@@ -46,6 +46,7 @@ class KernelConfig:
     mask_mode: str = "cond"      # "cond": mask partial steps only; "always": mask every step
     persistent: bool = False     # one CTA per SM looping over the units, or one CTA per unit
     num_ctas: int = 0            # persistent CTAs; 0: one per multiprocessor
+    prefetch_rect: bool = True   # read step i+1's rectangle from GMEM during step i
 
     def __post_init__(self):
         if self.tile_q != _COMPUTE_WGS * _WG_ROWS:
@@ -68,7 +69,8 @@ def config_from_template(template) -> KernelConfig:
                         use_schedule_barrier=bool(t.option("schedule_barrier", True)),
                         mask_mode=str(t.option("mask_mode", "cond")),
                         persistent=bool(t.option("persistent", False)),
-                        num_ctas=int(t.option("num_ctas", 0)))
+                        num_ctas=int(t.option("num_ctas", 0)),
+                        prefetch_rect=bool(t.option("prefetch_rect", True)))
 
 
 def _num_sms() -> int:
@@ -102,6 +104,7 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
     tile_kv, stages, tile_q = cfg.tile_kv, cfg.stages, cfg.tile_q
     qk_scale = float(scale) * _LOG2E       # scores kept in base-2 units: s * scale * log2(e)
 
+    num_steps = steps.shape[0]
     work = U * B                           # work items (unit u, batch b), u-major
     if cfg.persistent:
         num_ctas = min(work, cfg.num_ctas or _num_sms())
@@ -163,15 +166,25 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
 
                 pl.when(wg == 1)(schedule)
 
+                def rect(i):
+                    # Rectangle of step i, rows relative to this warpgroup's 64 rows. The
+                    # index is clamped so a unit with no steps never reads past ``steps``.
+                    s = jnp.minimum(ptr + i, num_steps - 1)
+                    return (steps_ref[s, plan_abi.STEP_Q_LO] - row0,
+                            steps_ref[s, plan_abi.STEP_Q_HI] - row0,
+                            steps_ref[s, plan_abi.STEP_KV_LO], steps_ref[s, plan_abi.STEP_KV_HI])
+
                 def body(i, carry):
-                    acc, m_i, l_i = carry
+                    acc, m_i, l_i, cur = carry
                     slot = slot_of(base + i)
-                    s = ptr + i
-                    # Rectangle of this step, relative to this warpgroup's 64 rows.
-                    q_lo = steps_ref[s, plan_abi.STEP_Q_LO] - row0
-                    q_hi = steps_ref[s, plan_abi.STEP_Q_HI] - row0
-                    kv_lo = steps_ref[s, plan_abi.STEP_KV_LO]
-                    kv_hi = steps_ref[s, plan_abi.STEP_KV_HI]
+                    if cfg.prefetch_rect:
+                        # Step i's rectangle came with the carry; read step i+1's now, so the
+                        # GMEM latency hides behind this step's matrix products.
+                        q_lo, q_hi, kv_lo, kv_hi = cur
+                        nxt = rect(jnp.minimum(i + 1, cnt - 1))
+                    else:
+                        q_lo, q_hi, kv_lo, kv_hi = rect(i)
+                        nxt = cur
 
                     def compute_qk(acc_ref):
                         plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -240,9 +253,9 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
 
                         acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
                     plgpu.barrier_arrive(v_consumed.at[slot])
-                    return acc, m_i, l_i
+                    return acc, m_i, l_i, nxt
 
-                acc, m_i, l_i = lax.fori_loop(0, cnt, body, (acc, m_i, l_i))
+                acc, m_i, l_i, _ = lax.fori_loop(0, cnt, body, (acc, m_i, l_i, rect(0)))
                 pl.when(wg == 0)(schedule)
 
                 empty = l_i == 0.0
