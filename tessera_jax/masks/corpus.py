@@ -40,18 +40,18 @@ TEST_FRACTION = 0.2
 #: these closed ranges (measured over the whole corpus; see docs/masks.md).
 DENSITY_RANGES: dict[str, tuple[float, float]] = {
     "dense": (1.0, 1.0),
-    "sta": (0.05, 0.40),
-    "ssta": (0.08, 0.70),
-    "moba": (0.03, 0.65),
-    "vsa": (0.04, 0.30),
-    "radial": (0.15, 0.65),
-    "svg": (0.10, 0.60),
-    "svg2": (0.10, 0.45),
-    "sparge": (0.03, 0.70),
-    "xattn": (0.03, 0.50),
+    "sta": (0.06, 0.47),
+    "ssta": (0.10, 0.66),
+    "moba": (0.05, 0.60),
+    "vsa": (0.05, 0.32),
+    "radial": (0.15, 0.58),
+    "svg": (0.14, 0.52),
+    "svg2": (0.19, 0.36),
+    "sparge": (0.035, 0.58),
+    "xattn": (0.07, 0.54),
     "jenga": (0.10, 0.40),
-    "natten": (0.02, 0.40),
-    "ditfastattn": (0.02, 0.35),
+    "natten": (0.025, 0.30),
+    "ditfastattn": (0.03, 0.30),
 }
 
 _STA_WINDOWS = ((3, 3, 3), (5, 3, 3), (1, 6, 10), (3, 3, 5), (5, 1, 10), (5, 6, 1))

@@ -12,6 +12,8 @@ depends only on (seed, step, params, i), never on ``heads``.
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -132,6 +134,23 @@ def _top_p(s: np.ndarray, p: float, min_count: int = 1) -> np.ndarray:
     return s >= thr
 
 
+def _each_head(heads: int, one: Callable[[int], np.ndarray], out: np.ndarray) -> np.ndarray:
+    """``out[h] = one(h)`` for every head, on a few threads (NumPy's sorts and partitions release
+    the GIL). Each head depends only on its index, so the result does not depend on scheduling."""
+    workers = min(heads, os.cpu_count() or 1, 8)
+    if workers <= 1:
+        for h in range(heads):
+            out[h] = one(h)
+        return out
+
+    def run(h):
+        out[h] = one(h)
+
+    with ThreadPoolExecutor(workers) as ex:
+        list(ex.map(run, range(heads)))
+    return out
+
+
 def _window_1d(n: int, w: int) -> np.ndarray:
     """[n, n]: query i keeps [start, start + w), start = clip(i - w//2, 0, n - w)."""
     w = min(w, n)
@@ -222,7 +241,8 @@ def _tile_topk(name, grid, heads, seed, step, tile, topk, lam, window):
     base = _sta_tiles(grid, tile, window) if window is not None else None
     field = ScoreField(f, f, seed, name, step)
     out = np.empty((heads, n, n), dtype=bool)
-    for h in range(heads):
+
+    def one(h):
         s = field.head(head_params(grid, seed, name, h, step), h)
         if lam is not None:
             # lam * (1 + cos)/2 - (1 - lam) * redundancy, with a squashed logit as the cosine.
@@ -230,12 +250,11 @@ def _tile_topk(name, grid, heads, seed, step, tile, topk, lam, window):
             red = sim.mean(axis=0)
             s = lam * sim - (1.0 - lam) * red[None, :]
         else:
-            s = s.copy()
             np.fill_diagonal(s, np.inf)   # MoBA: the own tile is always among the top k
-        out[h] = _top_k(s, topk)
-        if base is not None:
-            out[h] |= base
-    return lay, out
+        m = _top_k(s, topk)
+        return m if base is None else m | base
+
+    return lay, _each_head(heads, one, out)
 
 
 def ssta(grid, *, heads=None, seed=0, step=0, text=0, topk=32, lam=0.7, tile=(6, 8, 8),
@@ -274,9 +293,8 @@ def vsa(grid, *, heads=None, seed=0, step=0, text=0, sparsity=0.9, cube=(4, 4, 4
     k = math.ceil((1.0 - sparsity) * n - 1e-9)
     field = ScoreField(f, f, seed, "vsa", step)
     out = np.empty((heads, n, n), dtype=bool)
-    for h in range(heads):
-        s = field.head(head_params(grid, seed, "vsa", h, step), h)
-        out[h] = _top_k(s, k)
+    _each_head(heads, lambda h: _top_k(field.head(head_params(grid, seed, "vsa", h, step), h), k),
+               out)
     return _assemble(lay.bounds, lay.bounds, out, text, 64)
 
 
@@ -398,10 +416,14 @@ def svg2(grid, *, heads=None, seed=0, step=0, text=0, q_clusters=300, kv_cluster
     kmin = math.ceil(min_frac * len(ks))
     field = ScoreField(fq, fk, seed, "svg2", step)
     out = np.empty((heads, len(qs), len(ks)), dtype=bool)
-    for h in range(heads):
+
+    def one(h):
         s = field.head(head_params(grid, seed, "svg2", h, step), h)
         s *= np.float32(_SVG2_SHARPNESS)
-        out[h] = _top_p(s + logsize, top_p, kmin)
+        s += logsize
+        return _top_p(s, top_p, kmin)
+
+    _each_head(heads, one, out)
     return _assemble(qb, kb, out, text, None)
 
 
@@ -421,13 +443,15 @@ def sparge(grid, *, heads=None, seed=0, step=0, text=0, tau=0.9, nonsim_frac=0.0
     nq, nk = len(lq.bounds) - 1, len(lk.bounds) - 1
     field = ScoreField(fq, fk, seed, "sparge", step)
     out = np.empty((heads, nq, nk), dtype=bool)
-    for h in range(heads):
-        s = field.head(head_params(grid, seed, "sparge", h, step), h)
-        m = _top_p(s, tau)
+
+    def one(h):
+        m = _top_p(field.head(head_params(grid, seed, "sparge", h, step), h), tau)
         r = rng_for(seed, "sparge", "nonsim", h)
         m[r.random(nq) < nonsim_frac, :] = True
         m[:, r.random(nk) < nonsim_frac] = True
-        out[h] = m
+        return m
+
+    _each_head(heads, one, out)
     return _assemble(lq.bounds, lk.bounds, out, text, block_q, block_kv)
 
 
@@ -446,12 +470,14 @@ def xattn(grid, *, heads=None, seed=0, step=0, text=0, tau=0.9, stride=8, block=
     field = ScoreField(f, f, seed, "xattn", step)
     out = np.empty((heads, n, n), dtype=bool)
     est = 0.25 * math.sqrt(stride / 8.0)
-    for h in range(heads):
-        s = field.head(head_params(grid, seed, "xattn", h, step), h, extra_sigma=est)
-        m = _top_p(s, tau)
+
+    def one(h):
+        m = _top_p(field.head(head_params(grid, seed, "xattn", h, step), h, extra_sigma=est), tau)
         np.fill_diagonal(m, True)
         m[:, 0] = True
-        out[h] = m
+        return m
+
+    _each_head(heads, one, out)
     return _assemble(lay.bounds, lay.bounds, out, text, block)
 
 
@@ -475,9 +501,8 @@ def jenga(grid, *, heads=None, seed=0, step=0, text=0, drop=0.7, p=0.3, block=12
     kmin = math.ceil((1.0 - drop) * n - 1e-9)
     field = ScoreField(f, f, seed, "jenga", step)
     out = np.empty((heads, n, n), dtype=bool)
-    for h in range(heads):
-        s = field.head(head_params(grid, seed, "jenga", h, step), h)
-        out[h] = _top_p(s, p, kmin) | adj
+    _each_head(heads, lambda h: _top_p(field.head(head_params(grid, seed, "jenga", h, step), h),
+                                       p, kmin) | adj, out)
     return _assemble(lay.bounds, lay.bounds, out, text, block)
 
 

@@ -2,13 +2,14 @@
 
 Per head ``h``, the block-pooled logit of query block ``i`` and key block ``j`` is
 
-    S = -min(sum_a ((c_i,a - c_j,a) / l_h,a)^2, CLIP) + alpha_h * <e_i, e_j> + beta_h * sink_j
-        + sigma_h * noise
+    S = scale_h * (-min(sum_a ((c_i,a - c_j,a) / l_h,a)^2, CLIP) + alpha_h * <e_i, e_j>
+                   + beta_h * sink_j + sigma_h * noise)
 
 where ``c`` are block centroids in token units (t, h, w), ``l_h`` the head's length scales
 (spatial heads: short in t; temporal heads: short in h and w; global heads: long everywhere),
 ``e`` the block-mean membership in a few moving semantic blobs (objects), ``sink`` the fraction of
-a key block in frame 0, and noise i.i.d. normal. Each family then applies its own selection
+a key block in frame 0, noise centred uniform with unit variance, and ``scale_h`` a softmax
+temperature. Each family then applies its own selection
 rule (top-k, top-p, ...) to S. Head parameters depend only on (seed, family, head), so the
 first ``k`` heads of a mask do not depend on how many heads it has; ``step`` drifts the blobs,
 the length scales and the noise slowly (drifting step sequences).
@@ -48,7 +49,7 @@ class HeadParams:
     alpha: float           # semantic weight (logits)
     beta: float            # frame-0 sink weight (logits)
     sigma: float           # noise std (logits)
-    u: float               # a uniform draw families use for per-head choices
+    u: float               # a spare uniform draw (unused by the current families)
     scale: float           # logit scale (softmax temperature) of the head
 
 
@@ -140,8 +141,6 @@ class ScoreField:
             a = min(0.15 * step, np.pi / 2)
             self.pool *= np.float32(np.cos(a))
             self.pool += np.float32(np.sin(a)) * self._pool(rng_for(seed, family, "noise", step))
-        self.buf = np.empty((self.nq, self.nk), np.float32)
-        self.tmp = np.empty((self.nq, self.nk), np.float32)
 
     def _pool(self, rng):
         u = rng.random((2 * self.nq, self.nk), dtype=np.float32)
@@ -150,8 +149,9 @@ class ScoreField:
         return u
 
     def head(self, hp: HeadParams, head: int, extra_sigma: float = 0.0) -> np.ndarray:
-        """Logits ``[nq, nk]`` float32 of one head (a buffer reused by the next call)."""
-        s, tmp = self.buf, self.tmp
+        """Logits ``[nq, nk]`` float32 of one head (a fresh array; thread-safe)."""
+        s = np.empty((self.nq, self.nk), np.float32)
+        tmp = np.empty((self.nq, self.nk), np.float32)
         inv = (1.0 / np.square(hp.ell)).astype(np.float32)
         np.multiply(self.d2[0], inv[0], out=s)
         for a in (1, 2):
