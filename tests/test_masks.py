@@ -374,6 +374,8 @@ def test_corpus_build_head_subset_and_variable_blocks(specs):
     assert sub.num_heads == 2 and sub.Lq == 49_290 + hy["text"]
     sizes = set(np.diff(sub.q_bounds).tolist())
     assert {384, 240}.issubset(sizes) and len(sizes) >= 4      # padded tiles, text remainder
+    tb = np.diff(sub.q_bounds[sub.q_bounds >= 49_290])
+    assert tb.sum() == hy["text"] and (tb[:-1] == 384).all() and 0 < tb[-1] <= 384
     rad = [s for s in specs if s["family"] == "radial" and s["grid"] == "wan720"
            and s["params"]["layout"] == "frame" and s["params"]["block"] == 128][0]
     m = M.build(rad)
@@ -410,3 +412,18 @@ def test_radial_is_cover_of_token_rule(layout, block, decay, sink):
     ref = BlockMask.from_token_mask(tok, m.q_bounds, m.kv_bounds, exact=False)
     assert np.array_equal(m.blocks, ref.blocks)
     assert not m.blocks.all()
+
+
+def test_every_family_builds_on_every_corpus_grid(specs):
+    """One spec per (family, grid), first head only (cheap): shapes and text on real grids."""
+    seen = set()
+    for s in specs:
+        key = (s["family"], s["grid"])
+        if key in seen:
+            continue
+        seen.add(key)
+        m = M.build(s, heads=1)
+        g = G.GRIDS[s["grid"]]
+        assert m.Lq == g.video_tokens + s["text"], key
+        assert m.blocks.any(axis=2).all(), key
+    assert len(seen) == len(ALL) * len(G.CORPUS_GRIDS)

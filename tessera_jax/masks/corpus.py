@@ -14,7 +14,6 @@ import copy
 import functools
 import hashlib
 import json
-import math
 import zlib
 from typing import Any
 
@@ -22,7 +21,7 @@ import numpy as np
 
 from ..mask import BlockMask
 from .families import FAMILIES
-from .grids import CORPUS_GRIDS, GRIDS, get_grid
+from .grids import GRIDS, get_grid
 
 __all__ = ["CORPUS_SIZE", "MAIN_GRIDS", "VARIANT_GRIDS", "DYNAMIC_FAMILIES", "DENSITY_RANGES",
            "TEST_FRACTION", "corpus", "train_specs", "test_specs", "build", "spec_key",
