@@ -527,7 +527,7 @@ def _dedupe_heads(words: np.ndarray):
     return words[distinct], hmap
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=32)
 def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, template,
                   cost_model) -> Plan:
     from .validation import check_mask

@@ -127,7 +127,7 @@ def plot_policies(mask, q_shape, kv_shape, dtype, *, template: str | None = None
 
 
 def policy_table(mask, q_shape, kv_shape, dtype, *, template: str | None = None,
-                 policies=("keep", "merge", "split", "auto")) -> list[dict]:
+                 policies=("keep", "merge", "split", "pack", "auto")) -> list[dict]:
     """One row per policy: tiles, kinds, waste, K/V bytes, estimated time and balance."""
     from .api import plan as make_plan
 

@@ -28,7 +28,7 @@ def test_viz_module_imports_without_matplotlib_work():
     assert hasattr(viz, "plot_plan")
 
 
-@pytest.mark.parametrize("policy", ["keep", "merge", "split", "auto"])
+@pytest.mark.parametrize("policy", ["keep", "merge", "split", "pack", "auto"])
 def test_plot_plan_draws_every_tile(policy):
     import matplotlib.pyplot as plt
     from matplotlib.collections import PolyCollection
@@ -63,7 +63,7 @@ def test_plot_policies_and_table():
     fig.canvas.draw()
     plt.close(fig)
     rows = viz.policy_table(*args, template="xla_64x64")
-    assert [r["policy"] for r in rows] == ["keep", "merge", "split", "auto"]
+    assert [r["policy"] for r in rows] == ["keep", "merge", "split", "pack", "auto"]
     for r in rows:
         assert r["kept"] + r["merged"] + r["split"] == r["tiles"]
 
