@@ -25,7 +25,7 @@ shifted back inside it):
   inside one grid cell share its tile. In a cell, each query block's selected key runs become
   rectangles, and rectangles of adjacent query blocks with the same key range are merged
   vertically; a cell whose selected area is not one rectangle costs several steps (the same K/V
-  tile, several rectangles). Best when blocks are much smaller or much larger than the tile.
+  tile, several rectangles).
 * ``pack``  - ``merge`` plus packing along queries: consecutive row groups (identical rows
   merged as in ``merge``) share one unit while their rows fit in ``tile_q`` (greedy, per head),
   so query blocks shorter than the tile no longer leave most of the Q tile masked. The unit's
@@ -42,10 +42,17 @@ Every tile (step, counted once per unit that visits it) is classified for ``stat
 keys), otherwise *merged* if it covers several logical blocks whole, otherwise *kept* (it
 covers exactly one logical block, whole). ``kept + merged + split == tiles``.
 
-Units are ordered by ``tessera_jax.schedule.order_units`` (heaviest estimated cost first, heads
-interleaved). The int32 arrays are padded to capacity buckets (``bucket``) so that masks of
-similar size reuse one compiled executable. ``build_plan`` is cached by (mask digest, shape,
-tile shape, policy, alignment, template): a repeated mask costs a dictionary lookup.
+Mask heads with identical blocks are planned once and their units share one step list (a
+shared mask is the case of a single distinct head), so ``steps`` grows with the distinct head
+masks, not with Hq. Units are ordered by ``tessera_jax.schedule.order_units`` (heaviest
+estimated cost first, heads interleaved). The int32 arrays are padded to capacity buckets
+(``bucket``) so that masks of similar size reuse one compiled executable.
+
+Host cost: everything is vectorised NumPy over packed bits (64 key blocks per word) and over
+runs, never over dense [H, nq, nkv] temporaries other than the one ``packbits`` pass; the
+time grows with the number of runs and tiles the plan holds (``benchmarks/planning.py``).
+``build_plan`` is cached by (mask digest, shape, tile shape, policy, alignment, template,
+cost model): a repeated mask costs a dictionary lookup.
 """
 
 from __future__ import annotations

@@ -90,11 +90,14 @@ def _check_abi(plan, mask, q_align=1, kv_align=1):
     assert U == 0 or plan.max_steps >= cnt.max()
     t = plan.tile_rects()
     ks = t["k0"]
-    assert (ks >= 0).all() and (ks + tk <= plan.kv_len_padded).all() and (ks % kv_align == 0).all()
+    assert (ks >= 0).all() and (ks + tk <= plan.kv_len_padded).all()
+    assert (ks % kv_align == 0).all()
     st_ = s[t["step"]]
-    assert (0 <= st_[:, abi.STEP_KV_LO]).all() and (st_[:, abi.STEP_KV_LO] < st_[:, abi.STEP_KV_HI]).all()
+    assert (0 <= st_[:, abi.STEP_KV_LO]).all()
+    assert (st_[:, abi.STEP_KV_LO] < st_[:, abi.STEP_KV_HI]).all()
     assert (st_[:, abi.STEP_KV_HI] <= tk).all()
-    assert (st_[:, abi.STEP_Q_LO] >= lo[t["unit"]]).all() and (st_[:, abi.STEP_Q_HI] <= hi[t["unit"]]).all()
+    assert (st_[:, abi.STEP_Q_LO] >= lo[t["unit"]]).all()
+    assert (st_[:, abi.STEP_Q_HI] <= hi[t["unit"]]).all()
     assert (st_[:, abi.STEP_Q_LO] < st_[:, abi.STEP_Q_HI]).all()
     # Units of a head own disjoint rows; row_index points at the owner, or the sentinel.
     expect = np.full((Hq, Lq), plan.units.shape[0] * tq, np.int64)
