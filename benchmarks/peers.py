@@ -72,6 +72,7 @@ PEERS = ("tessera", "flashinfer_bsr", "flashinfer_var", "flex", "dense")
 GROUPS = {"flashinfer": ("flashinfer_bsr", "flashinfer_var"), "flex": ("flex",),
           "dense": ("dense",)}
 OK_STATES = ("ok", "ok_empty_rows_differ")
+TORCH_TIMER = "cuda_events"     # "wall" in --smoke (CPU)
 RTOL = 2e-2          # relative Frobenius error of bf16 outputs vs the float32 reference
 ATOL = 0.1           # max abs error on rows that select keys
 
@@ -239,6 +240,25 @@ def figure(rows: list[dict], path: str, title: str = "") -> str | None:
 # ----------------------------------------------------------------------------------------------
 # GPU side
 # ----------------------------------------------------------------------------------------------
+def _fi_curand_fallback() -> str | None:
+    """FlashInfer's sm90 prefill build includes <curand_kernel.h> (through CUTLASS); if the CUDA
+    toolkit lacks it, point nvcc at the copy in torch's nvidia-curand wheel."""
+    import importlib.util
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    if Path(home, "include", "curand_kernel.h").is_file():
+        return None
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        for sub in ("cu13/include", "curand/include"):
+            inc = Path(base, sub)
+            if (inc / "curand_kernel.h").is_file():
+                flag = f"-isystem {inc}"
+                os.environ["FLASHINFER_EXTRA_CUDAFLAGS"] = \
+                    (os.environ.get("FLASHINFER_EXTRA_CUDAFLAGS", "") + " " + flag).strip()
+                return flag
+    return "curand_kernel.h not found (toolkit or nvidia wheels): the JIT build may fail"
+
+
 class Ctx:
     """Process-wide GPU state: imports, FlashInfer wrappers, compiled Flex, dense cache."""
 
@@ -247,10 +267,11 @@ class Ctx:
         import torch
         self.args = args
         self.jax, self.torch = jax, torch
-        self.dev = torch.device("cuda")
+        self.dev = torch.device("cpu" if args.smoke else "cuda")
         self.fi = None
         self.fi_error = None
         self.fi_ws = None
+        self.fi_env = None
         self.fi_wrappers = {}
         self.flex = None
         self.flex_error = None
@@ -258,8 +279,11 @@ class Ctx:
 
     # -- FlashInfer
     def flashinfer(self):
+        if self.args.smoke:
+            self.fi_error = "--smoke (CPU): FlashInfer needs the GPU"
         if self.fi is None and self.fi_error is None:
             try:
+                self.fi_env = _fi_curand_fallback()
                 import flashinfer
                 self.fi = flashinfer
                 self.fi_ws = self.torch.empty(256 << 20, dtype=self.torch.uint8, device=self.dev)
@@ -285,7 +309,9 @@ class Ctx:
                              "accumulated_recompile_limit"):
                     if hasattr(cfg, name):
                         setattr(cfg, name, max(getattr(cfg, name), 1024))
-                self.flex = self.torch.compile(flex_attention, dynamic=False)
+                # --smoke (CPU): eager (the unfused reference path; compiling on CPU is slow)
+                self.flex = flex_attention if self.args.smoke else \
+                    self.torch.compile(flex_attention, dynamic=False)
             except Exception as e:  # noqa: BLE001
                 self.flex_error = "FlexAttention unavailable: " + _tail(e)
         return self.flex
@@ -302,13 +328,14 @@ class Case:
         self.Hkv = Hkv
         self.g = self.Hq // Hkv
         self.D = args.head_dim
-        gen = torch.Generator(device="cuda").manual_seed(
+        dev = ctx.dev
+        gen = torch.Generator(device=dev).manual_seed(
             int(args.seed) * 1000003 + zlib.crc32(spec["id"].encode()) % 1000003)
         bf = torch.bfloat16
-        self.q = torch.randn(1, self.Lq, self.Hq, self.D, generator=gen, device="cuda", dtype=bf)
-        self.k = torch.randn(1, self.Lkv, self.Hkv, self.D, generator=gen, device="cuda", dtype=bf)
-        self.v = torch.randn(1, self.Lkv, self.Hkv, self.D, generator=gen, device="cuda", dtype=bf)
-        torch.cuda.synchronize()
+        self.q = torch.randn(1, self.Lq, self.Hq, self.D, generator=gen, device=dev, dtype=bf)
+        self.k = torch.randn(1, self.Lkv, self.Hkv, self.D, generator=gen, device=dev, dtype=bf)
+        self.v = torch.randn(1, self.Lkv, self.Hkv, self.D, generator=gen, device=dev, dtype=bf)
+        _sync()
         dl = jax.dlpack.from_dlpack
         self.qj, self.kj, self.vj = dl(self.q), dl(self.k), dl(self.v)
         # check subset: rows x (KV heads and their query heads)
@@ -318,6 +345,9 @@ class Case:
         self.qh = (self.kvh[:, None] * self.g + np.arange(self.g)[None]).ravel()
         self._ref = {}
 
+    def idx(self, a):
+        return self.ctx.torch.as_tensor(np.asarray(a), device=self.ctx.dev)
+
     def reference(self, dense: bool = False):
         """(out [rows, qh, D] float32, empty [rows, qh] bool) of the reference on the subset."""
         if dense in self._ref:
@@ -325,9 +355,7 @@ class Case:
         import tessera_jax as tj
         from tessera_jax.mask import BlockMask
         torch, jax = self.ctx.torch, self.ctx.jax
-        rows_t = torch.as_tensor(self.rows, device="cuda")
-        qh_t = torch.as_tensor(self.qh, device="cuda")
-        kvh_t = torch.as_tensor(self.kvh, device="cuda")
+        rows_t, qh_t, kvh_t = self.idx(self.rows), self.idx(self.qh), self.idx(self.kvh)
         qs = self.q[0].index_select(0, rows_t).index_select(1, qh_t).float().contiguous()[None]
         ks = self.k[0].index_select(1, kvh_t).float().contiguous()[None]
         vs = self.v[0].index_select(1, kvh_t).float().contiguous()[None]
@@ -377,7 +405,8 @@ class Case:
 
 def _sync():
     import torch
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def run_tessera(case: Case, args) -> dict:
@@ -447,8 +476,7 @@ def run_fi_bsr(case: Case, args, ctx: Ctx) -> dict:
     res = {"first_call_s": time.perf_counter() - t, "R": b.R, "C": b.C, "nnz_blocks": b.nnz,
            "kv_padded_to": b.N, "backend": getattr(w, "_backend", None),
            "tensor_cores": getattr(w, "_use_tensor_cores", None)}
-    res.update(case.check(out[torch.as_tensor(case.rows, device="cuda")][:, torch.as_tensor(
-        case.qh, device="cuda")].float().cpu().numpy()))
+    res.update(case.check(out[case.idx(case.rows)][:, case.idx(case.qh)].float().cpu().numpy()))
     del out
     if res["status"] not in OK_STATES:
         return res
@@ -457,7 +485,7 @@ def run_fi_bsr(case: Case, args, ctx: Ctx) -> dict:
     res["request_ms"], res["request_samples"] = med(req), req
     convert_and_plan()
     ks = torch_kernel_ms(run, iters=args.iters)
-    res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, "cuda_events"
+    res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, TORCH_TIMER
     return res
 
 
@@ -492,8 +520,7 @@ def run_fi_var(case: Case, args, ctx: Ctx) -> dict:
     res = {"first_call_s": time.perf_counter() - t, "fi_kv_heads": vv.num_kv_heads,
            "kv_repeat": vv.kv_repeat, "backend": getattr(w, "_backend", None),
            "layout_note": "q/k/v given in HND (transposed once, outside the timings)"}
-    sub = out.index_select(0, torch.as_tensor(case.qh, device="cuda")).index_select(
-        1, torch.as_tensor(case.rows, device="cuda")).transpose(0, 1)
+    sub = out.index_select(0, case.idx(case.qh)).index_select(1, case.idx(case.rows)).transpose(0, 1)
     res.update(case.check(sub.float().cpu().numpy()))
     del out, sub
     if res["status"] not in OK_STATES:
@@ -503,7 +530,7 @@ def run_fi_var(case: Case, args, ctx: Ctx) -> dict:
     res["request_ms"], res["request_samples"] = med(req), req
     convert_and_plan()
     ks = torch_kernel_ms(run, iters=args.iters)
-    res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, "cuda_events"
+    res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, TORCH_TIMER
     return res
 
 
@@ -593,8 +620,8 @@ def run_flex(case: Case, args, ctx: Ctx) -> dict:
                    "mask_mod": fb.needs_mask_mod, "partial_tiles": fb.num_partial,
                    "full_tiles": fb.num_full, "padded_to": [fb.Lq_pad, fb.Lkv_pad],
                    "kernel_options": ko, "block_fallback_errors": errors or None}
-            sub = out[0].index_select(0, torch.as_tensor(case.qh, device="cuda")).index_select(
-                1, torch.as_tensor(case.rows, device="cuda")).transpose(0, 1)
+            sub = out[0].index_select(0, case.idx(case.qh)).index_select(
+                1, case.idx(case.rows)).transpose(0, 1)
             res.update(case.check(sub.float().cpu().numpy()))
             del out, sub
         except Exception as e:  # noqa: BLE001
@@ -607,7 +634,7 @@ def run_flex(case: Case, args, ctx: Ctx) -> dict:
         res["request_ms"], res["request_samples"] = med(req), req
         bm = convert()
         ks = torch_kernel_ms(lambda: call(bm), iters=args.iters)
-        res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, "cuda_events"
+        res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, TORCH_TIMER
         return res
     return {"status": "failed", "why": " || ".join(errors)}
 
@@ -616,7 +643,8 @@ def run_dense(case: Case, args, ctx: Ctx) -> dict:
     import jax
     from peers_lib.timing import jax_kernel_ms, wall_ms
     key = (case.Lq, case.Lkv, case.Hq, case.Hkv, case.D)
-    fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")  # noqa: E731
+    impl = None if args.smoke else "cudnn"
+    fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=impl)  # noqa: E731
     jitted = jax.jit(fn)
     out = jax.block_until_ready(jitted(case.qj, case.kj, case.vj))
     res = {"computes": "all interactions (dense), checked against the dense reference"}
@@ -636,6 +664,40 @@ def run_dense(case: Case, args, ctx: Ctx) -> dict:
     ctx.dense_cache[key] = t
     res.update(t)
     return res
+
+
+def fi_warmup(ctx: Ctx, args) -> dict:
+    """First plan()+run() of both wrappers on a tiny mask: FlashInfer JIT-builds its prefill
+    module here (minutes on a fresh machine), so no mask's row carries the build time."""
+    if ctx.flashinfer() is None:
+        return {"error": ctx.fi_error}
+    torch = ctx.torch
+    bf, dev, H, L, D = torch.bfloat16, ctx.dev, 2, 512, args.head_dim
+    q, k, v = (torch.randn(L, H, D, dtype=bf, device=dev) for _ in range(3))
+    out = {}
+    try:
+        t = time.perf_counter()
+        w = ctx.fi_wrapper("bsr")
+        w.plan(torch.arange(5, dtype=torch.int32), torch.arange(4, dtype=torch.int32), L, L, 128,
+               128, H, H, D, q_data_type=bf, kv_data_type=bf, o_data_type=bf)
+        w.run(q, k, v)
+        _sync()
+        out.update(bsr_first_call_s=time.perf_counter() - t, bsr_backend=getattr(w, "_backend", None))
+    except Exception as e:  # noqa: BLE001
+        out["bsr_error"] = _tail(e)
+    try:
+        t = time.perf_counter()
+        w = ctx.fi_wrapper("var")
+        eye = torch.eye(4, dtype=torch.bool, device=dev)[None].expand(H, 4, 4).contiguous()
+        sz = torch.full((H, 4), 128, dtype=torch.int32, device=dev)
+        w.plan(eye, sz, sz.clone(), H, H, D, q_data_type=bf, kv_data_type=bf)
+        w.run(q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(),
+              v.transpose(0, 1).contiguous())
+        _sync()
+        out.update(var_first_call_s=time.perf_counter() - t, var_backend=getattr(w, "_backend", None))
+    except Exception as e:  # noqa: BLE001
+        out["var_error"] = _tail(e)
+    return out
 
 
 RUNNERS = {"tessera": lambda c, a, x: run_tessera(c, a), "flashinfer_bsr": run_fi_bsr,
@@ -693,8 +755,19 @@ def versions(ctx: Ctx | None) -> dict:
 
 def gpu_main(args) -> int:
     from tessera_jax.masks import build
+    global TORCH_TIMER
     ctx = Ctx(args)
-    specs, avail = sample_specs(args.per_family, args.families, args.grids, args.seed)
+    if args.smoke:
+        TORCH_TIMER = "wall"
+        smoke = {f"smoke-{i}": m for i, (_, _, m, _) in enumerate(dry_masks(args.seed))}
+        specs = [{"id": f"smoke-{i}", "family": fam, "grid": grid, "heads": m.num_heads
+                  if m.num_heads > 1 else 4, "seed": args.seed, "params": {}}
+                 for i, (fam, grid, m, _) in enumerate(dry_masks(args.seed))
+                 if not args.families or fam in args.families][: args.per_family * 100]
+        avail = dict(collections.Counter(s["family"] for s in specs))
+        build = lambda spec, heads=None: smoke[spec["id"]]  # noqa: E731
+    else:
+        specs, avail = sample_specs(args.per_family, args.families, args.grids, args.seed)
     peers = [p for p in args.peers.split(",") if p]
     for p in peers:
         if p not in RUNNERS:
@@ -709,6 +782,11 @@ def gpu_main(args) -> int:
                                 "(--heads) runs the first heads of each mask on every peer alike"},
            "rows": [], "notes": []}
     log("versions:", json.dumps(doc["versions"]))
+    if not args.smoke and any(p.startswith("flashinfer") for p in peers):
+        log("FlashInfer warm-up (JIT build of its prefill module on first use) ...")
+        doc["flashinfer_warmup"] = fi_warmup(ctx, args)
+        doc["flashinfer_warmup"]["curand_include_fallback"] = ctx.fi_env
+        log("FlashInfer warm-up:", json.dumps(doc["flashinfer_warmup"], default=str)[:600])
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -759,14 +837,17 @@ def gpu_main(args) -> int:
                 case.free()
             del case
             gc.collect()
-            ctx.torch.cuda.empty_cache()
+            if not args.smoke:
+                ctx.torch.cuda.empty_cache()
         doc["rows"].append(row)
         doc["summary"] = summarize([r for r in doc["rows"] if "peers" in r])
         out_path.write_text(json.dumps(doc, indent=1, default=str))   # partial results survive
     doc["summary"] = summarize([r for r in doc["rows"] if "peers" in r])
     doc["elapsed_s"] = time.time() - T0
     png = args.figure or str(out_path.with_suffix(".png"))
-    doc["figure"] = figure([r for r in doc["rows"] if "peers" in r], png)
+    dev = doc["versions"].get("gpu") or "CPU smoke"
+    doc["figure"] = figure([r for r in doc["rows"] if "peers" in r], png,
+                           title=f"tessera_jax vs peers per mask family ({dev}; request latency)")
     out_path.write_text(json.dumps(doc, indent=1, default=str))
     s = doc["summary"]
     log(f"wrote {out_path} and {png}: masks={s['masks']} min_vs_best_alt="
@@ -928,6 +1009,9 @@ def parse_args(argv=None):
                     help="FlexAttention sequences padded to a multiple of this (compile reuse)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny masks, conversions only")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, needs torch: the whole GPU pipeline on tiny masks (no FlashInfer, "
+                         "eager Flex, XLA dense) to check the plumbing, not to time anything")
     a = ap.parse_args(argv)
     if a.per_family < 1 or a.iters < 1 or a.request_iters < 1 or a.gqa < 1:
         ap.error("--per-family, --iters, --request-iters and --gqa must be >= 1")
@@ -950,7 +1034,7 @@ def main(argv=None) -> int:
             Path(args.out).write_text(json.dumps(doc, indent=1, default=str))
         return 1 if doc["inexact_conversions"] else 0
     if args.out is None:
-        args.out = str(HERE / "results" / "h200-peers.json")
+        args.out = "/tmp/peers-smoke.json" if args.smoke else str(HERE / "results" / "h200-peers.json")
     return gpu_main(args)
 
 

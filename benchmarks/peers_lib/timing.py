@@ -24,8 +24,10 @@ def _flush_l2():
 
 
 def torch_kernel_ms(fn, iters: int = 20, warmup: int = 3) -> list[float]:
-    """Per-call device milliseconds (CUDA events), after ``warmup`` calls."""
+    """Per-call device milliseconds (CUDA events), after ``warmup`` calls (wall clock on CPU)."""
     import torch
+    if not torch.cuda.is_available():
+        return wall_ms(fn, iters=iters, warmup=warmup)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
