@@ -47,11 +47,41 @@ def torch_kernel_ms(fn, iters: int = 20, warmup: int = 3) -> list[float]:
 _CUPTI_OK: bool | None = None
 
 
-def jax_kernel_ms(fn, args, iters: int = 20, warmup: int = 2) -> tuple[list[float], str]:
-    """Per-call kernel milliseconds of a jittable ``fn(*args)`` (CUPTI, else wall clock)."""
+def _cupti_eager(fn, iters: int) -> list[float]:
+    """CUPTI kernel time per call of an arbitrary (not jitted) ``fn()``: the same collection
+    as ``jax.experimental.mosaic.gpu.profiler.measure`` (which jits its argument), so an eager
+    call that reuses cached executables is timed without compiling a new one."""
+    import jax
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    jax.block_until_ready(fn())
+    ext._cupti_init()
+    try:
+        outs = [fn() for _ in range(iters)]
+        for o in outs:
+            jax.block_until_ready(o)
+    finally:
+        timings = ext._cupti_get_timings(True)
+    if not timings or len(timings) % iters:
+        raise RuntimeError(f"{len(timings or [])} kernel launches for {iters} calls")
+    per = len(timings) // iters
+    return [float(sum(t for _, t in timings[i * per:(i + 1) * per])) for i in range(iters)]
+
+
+def jax_kernel_ms(fn, args, iters: int = 20, warmup: int = 2,
+                  eager: bool = False) -> tuple[list[float], str]:
+    """Per-call kernel milliseconds of ``fn(*args)`` (CUPTI, else wall clock). ``eager``: call
+    ``fn`` as is (no new jit: for calls whose executables are already compiled and cached)."""
     global _CUPTI_OK
     import jax
-    jitted = jax.jit(fn)
+    if eager and _CUPTI_OK is not False:
+        try:
+            out = _cupti_eager(lambda: fn(*args), iters)
+            _CUPTI_OK = True
+            return out, "cupti_eager"
+        except Exception as e:  # noqa: BLE001
+            print("eager CUPTI timing failed, jitting instead:", repr(e)[:200], flush=True)
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)      # already jitted: reuse its cache
     for _ in range(warmup):
         jax.block_until_ready(jitted(*args))
     if _CUPTI_OK is not False:
