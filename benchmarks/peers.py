@@ -797,6 +797,9 @@ def gpu_main(args) -> int:
         log("FlashInfer warm-up:", json.dumps(doc["flashinfer_warmup"], default=str)[:600])
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    png = args.figure or str(out_path.with_suffix(".png"))
+    title = (f"tessera_jax vs peers per mask family "
+             f"({doc['versions'].get('gpu') or 'CPU smoke'}; request latency)")
     try:
         from tqdm import tqdm
         it = tqdm(specs, desc="masks", mininterval=5)
@@ -850,12 +853,13 @@ def gpu_main(args) -> int:
         doc["rows"].append(row)
         doc["summary"] = summarize([r for r in doc["rows"] if "peers" in r])
         out_path.write_text(json.dumps(doc, indent=1, default=str))   # partial results survive
+        try:
+            figure([r for r in doc["rows"] if "peers" in r], png, title=title)
+        except Exception as e:  # noqa: BLE001
+            log("figure failed:", _tail(e, 200))
     doc["summary"] = summarize([r for r in doc["rows"] if "peers" in r])
     doc["elapsed_s"] = time.time() - T0
-    png = args.figure or str(out_path.with_suffix(".png"))
-    dev = doc["versions"].get("gpu") or "CPU smoke"
-    doc["figure"] = figure([r for r in doc["rows"] if "peers" in r], png,
-                           title=f"tessera_jax vs peers per mask family ({dev}; request latency)")
+    doc["figure"] = figure([r for r in doc["rows"] if "peers" in r], png, title=title)
     out_path.write_text(json.dumps(doc, indent=1, default=str))
     s = doc["summary"]
     log(f"wrote {out_path} and {png}: masks={s['masks']} min_vs_best_alt="
