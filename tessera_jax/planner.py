@@ -34,8 +34,10 @@ shifted back inside it):
   adjacent selecting groups is one rectangle. A tile holding several rectangles (an L shape, say)
   costs one step per rectangle, as the ABI allows one rectangle per step.
 * ``auto``  - per mask head (so per query head for per-head masks, globally for a shared mask),
-  the policy among the four above with the least estimated total cost
-  (``tessera_jax.schedule``); units of one head always come from one policy.
+  the policy among ``merge``, ``split`` and ``pack`` with the least estimated total cost
+  (``tessera_jax.schedule``); units of one head always come from one policy. ``keep`` is not
+  a candidate: ``merge`` never has more units or more steps than ``keep`` (a run tiled as a
+  whole needs at most the tiles of its blocks tiled one by one, and likewise for rows).
 
 Every tile (step, counted once per unit that visits it) is classified for ``stats()``: it is
 *split* if its rectangle covers only part of a logical block it touches (along queries or
@@ -70,6 +72,7 @@ from .validation import AttnShape, check_shapes
 
 POLICIES = ("keep", "merge", "split", "pack", "auto")
 _BASE_POLICIES = ("keep", "merge", "split", "pack")
+_AUTO_CANDIDATES = ("merge", "split", "pack")
 _U64 = np.dtype("<u8")
 
 
@@ -328,76 +331,16 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
     return _Raw(gh[ug], qs, qlo, qhi, cnt, kvs[tix], qlo[su], qhi[su], klo[tix], khi[tix])
 
 
-def _plan_grid(ctx: _Ctx) -> _Raw:
-    """split: units and K/V tiles on the global tile grid; rectangles merged vertically."""
-    Hm, nq, W = ctx.words.shape
-    tq, tk = ctx.tile_q, ctx.tile_kv
-    r, js, je = _runs(ctx.words.reshape(Hm * nq, W))
-    h, i = r // nq, r % nq
-    # Key pieces: each run cut at the key grid.
-    own_k, kvs, klo, khi = _chunk(ctx.kb[js], ctx.kb[je], tk, tk, ctx.kvp)
-    # Query pieces: each query block cut at the query grid (the same for every head).
-    own_q, qcell, qlo, qhi = _chunk(ctx.qb[:-1], ctx.qb[1:], tq, tq, ctx.qp)
-    nqp = np.bincount(own_q, minlength=nq)
-    qfirst = np.cumsum(nqp) - nqp
-    bi = i[own_k]
-    rep = nqp[bi]
-    pk = np.repeat(np.arange(len(own_k)), rep)
-    first = np.cumsum(rep) - rep
-    pq = np.repeat(qfirst[bi] - first, rep) + np.arange(int(rep.sum()))
-    ukey = h[own_k][pk] * ctx.qp + qcell[pq]
-    kvs, klo, khi = kvs[pk], klo[pk], khi[pk]
-    qlo, qhi = qlo[pq], qhi[pq]
-    order = np.lexsort((qlo, khi, klo, kvs, ukey))
-    ukey, kvs, klo, khi, qlo, qhi = (x[order] for x in (ukey, kvs, klo, khi, qlo, qhi))
-    # Vertical merge: same unit, tile and key range, rows touching.
-    same = ((ukey[1:] == ukey[:-1]) & (kvs[1:] == kvs[:-1]) & (klo[1:] == klo[:-1])
-            & (khi[1:] == khi[:-1]) & (qlo[1:] == qhi[:-1]))
-    head = np.ones(len(ukey), bool)
-    head[1:] = ~same
-    starts = np.flatnonzero(head)
-    last = np.append(starts[1:], len(ukey)).astype(np.int64) - 1
-    ukey, kvs, klo, khi, ql = (x[starts] for x in (ukey, kvs, klo, khi, qlo))
-    qh = qhi[last[: len(starts)]]
-    # Units: one per (head, grid row) with steps, owning the span of its rectangles.
-    unew = np.ones(len(ukey), bool)
-    unew[1:] = ukey[1:] != ukey[:-1]
-    ustart = np.flatnonzero(unew)
-    cnt = np.diff(np.append(ustart, len(ukey)))
-    uk = ukey[ustart]
-    lo = np.minimum.reduceat(ql, ustart) if len(ustart) else ql[:0]
-    hi = np.maximum.reduceat(qh, ustart) if len(ustart) else qh[:0]
-    return _Raw(uk // ctx.qp, uk % ctx.qp, lo, hi, cnt, kvs, ql, qh, klo, khi)
+def _unit_rects(gw, r0, r1, ustart, uend, kb):
+    """Exact rectangles of units made of consecutive row groups.
 
-
-def _plan_pack(ctx: _Ctx) -> _Raw:
-    """pack: consecutive row groups share one unit while they fit in tile_q rows; each unit's
-    K/V tiles are anchored at the runs of the union of its groups' key sets."""
-    qb, kb, tq, tk = ctx.qb, ctx.kb, ctx.tile_q, ctx.tile_kv
-    gh, gi, ge = _row_groups(ctx, merge=True)
-    G = len(gh)
-    r0, r1 = qb[gi], qb[ge]
-    a = (r0 // ctx.q_align) * ctx.q_align
-    # Greedy packing per head: a unit starting at group g takes the following groups of its
-    # head while their rows end within a[g] + tile_q. Chains are followed for all heads at once.
-    big = ctx.qp + tq + 1
-    nxt = np.searchsorted(gh * big + r1, gh * big + a + tq, side="right")
-    nxt = np.maximum(nxt, np.arange(1, G + 1))
-    is_start = np.zeros(G, bool)
-    cur = np.flatnonzero(np.r_[True, gh[1:] != gh[:-1]]) if G else np.zeros(0, np.int64)
-    while cur.size:
-        is_start[cur] = True
-        nx = nxt[cur]
-        ok = nx < G
-        ok[ok] = gh[nx[ok]] == gh[cur[ok]]
-        cur = nx[ok]
-    ustart = np.flatnonzero(is_start)
-    uend = np.append(ustart[1:], G)
-    Ul = len(ustart)
-    if Ul == 0:
-        z = np.zeros(0, np.int64)
-        return _Raw(z, z, z, z, z, z, z, z, z, z)
-    gw = ctx.words[gh, gi]
+    gw [G, W]: packed key blocks of each group; rows [r0, r1) of each group; unit u holds the
+    groups [ustart[u], uend[u]). The keys of a unit are cut into segments where the set of
+    selecting groups is constant; each vertical run of adjacent selecting groups (rows
+    touching) in a segment is one rectangle. Returns (unit, row0, row1, key block j0, key
+    block j1, union words [U, W]) in unit order, then key order.
+    """
+    G = gw.shape[0]
     gw = np.concatenate([gw, np.zeros((G, 1), _U64)], axis=1)   # room for an end at nkv
     one, top = np.uint64(1), np.uint64(63)
     carry = np.zeros_like(gw)
@@ -428,23 +371,90 @@ def _plan_pack(ctx: _Ctx) -> _Raw:
     rs = np.flatnonzero(sel & ~cont)
     re = np.flatnonzero(sel & ~np.r_[cont[1:], False])
     rseg = es[rs]
-    ra, rb = r0[eg[rs]], r1[eg[re]]
-    ru = sg_u[rseg]
-    c0, c1 = kb[j0[rseg]], kb[j1[rseg]]
-    # Tiles: anchored at the start of the union run holding the segment.
-    uu, us_, _ = _runs(union)
-    nk = len(kb)
-    run = np.searchsorted(uu * nk + us_, ru * nk + j0[rseg], side="right") - 1
-    anchor = (kb[us_[run]] // ctx.kv_align) * ctx.kv_align
+    return sg_u[rseg], r0[eg[rs]], r1[eg[re]], j0[rseg], j1[rseg], union[:, :-1]
+
+
+def _cut_keys(c0, c1, anchor, tk, kvp):
+    """Cuts key ranges [c0, c1) at anchor + k * tk: (owner, tile start, lo, hi), shifted
+    back inside kvp like ``_chunk``."""
     k0 = (c0 - anchor) // tk
     nt = (c1 - 1 - anchor) // tk - k0 + 1
-    pr = np.repeat(np.arange(len(rs)), nt)
+    pr = np.repeat(np.arange(len(c0)), nt)
     tix = np.repeat(k0 - (np.cumsum(nt) - nt), nt) + np.arange(int(nt.sum()))
     ts = anchor[pr] + tix * tk
     klo = np.maximum(c0[pr] - ts, 0)
     khi = np.minimum(c1[pr] - ts, tk)
-    shift = np.maximum(ts + tk - ctx.kvp, 0)
-    ts, klo, khi = ts - shift, klo + shift, khi + shift
+    shift = np.maximum(ts + tk - kvp, 0)
+    return pr, ts - shift, klo + shift, khi + shift
+
+
+def _empty_raw() -> _Raw:
+    z = np.zeros(0, np.int64)
+    return _Raw(z, z, z, z, z, z, z, z, z, z)
+
+
+def _plan_grid(ctx: _Ctx) -> _Raw:
+    """split: units are the query grid cells, K/V tiles the key grid cells."""
+    Hm, nq, W = ctx.words.shape
+    tq, tk = ctx.tile_q, ctx.tile_kv
+    nonempty = ctx.words.any(axis=-1)                          # [Hm, nq]
+    # Query pieces: each query block cut at the query grid (the same for every head).
+    own_q, cell, plo, phi = _chunk(ctx.qb[:-1], ctx.qb[1:], tq, tq, ctx.qp)
+    keep = nonempty[:, own_q]                                  # [Hm, pieces]
+    gh, gp = np.nonzero(keep)
+    if len(gh) == 0:
+        return _empty_raw()
+    gcell, gi = cell[gp], own_q[gp]
+    r0, r1 = gcell + plo[gp], gcell + phi[gp]
+    gw = ctx.words[gh, gi]
+    new = np.r_[True, (gh[1:] != gh[:-1]) | (gcell[1:] != gcell[:-1])]
+    ustart = np.flatnonzero(new)
+    uend = np.append(ustart[1:], len(gh))
+    ru, ra, rb, j0, j1, _ = _unit_rects(gw, r0, r1, ustart, uend, ctx.kb)
+    c0, c1 = ctx.kb[j0], ctx.kb[j1]
+    pr, ts, klo, khi = _cut_keys(c0, c1, np.zeros_like(c0), tk, ctx.kvp)
+    uq = gcell[ustart]
+    pu = ru[pr]
+    cnt = np.bincount(pu, minlength=len(ustart))
+    lo = np.minimum.reduceat(r0, ustart) - uq
+    hi = np.maximum.reduceat(r1, ustart) - uq
+    return _Raw(gh[ustart], uq, lo, hi, cnt, ts, ra[pr] - uq[pu], rb[pr] - uq[pu], klo, khi)
+
+
+def _plan_pack(ctx: _Ctx) -> _Raw:
+    """pack: consecutive row groups share one unit while they fit in tile_q rows; each unit's
+    K/V tiles are anchored at the runs of the union of its groups' key sets."""
+    qb, kb, tq, tk = ctx.qb, ctx.kb, ctx.tile_q, ctx.tile_kv
+    gh, gi, ge = _row_groups(ctx, merge=True)
+    G = len(gh)
+    if G == 0:
+        return _empty_raw()
+    r0, r1 = qb[gi], qb[ge]
+    a = (r0 // ctx.q_align) * ctx.q_align
+    # Greedy packing per head: a unit starting at group g takes the following groups of its
+    # head while their rows end within a[g] + tile_q. Chains are followed for all heads at once.
+    big = ctx.qp + tq + 1
+    nxt = np.searchsorted(gh * big + r1, gh * big + a + tq, side="right")
+    nxt = np.maximum(nxt, np.arange(1, G + 1))
+    is_start = np.zeros(G, bool)
+    cur = np.flatnonzero(np.r_[True, gh[1:] != gh[:-1]])
+    while cur.size:
+        is_start[cur] = True
+        nx = nxt[cur]
+        ok = nx < G
+        ok[ok] = gh[nx[ok]] == gh[cur[ok]]
+        cur = nx[ok]
+    ustart = np.flatnonzero(is_start)
+    uend = np.append(ustart[1:], G)
+    Ul = len(ustart)
+    ru, ra, rb, j0, j1, union = _unit_rects(ctx.words[gh, gi], r0, r1, ustart, uend, kb)
+    c0, c1 = kb[j0], kb[j1]
+    # Tiles: anchored at the start of the union run holding the rectangle.
+    uu, us_, _ = _runs(union)
+    nk = len(kb)
+    run = np.searchsorted(uu * nk + us_, ru * nk + j0, side="right") - 1
+    anchor = (kb[us_[run]] // ctx.kv_align) * ctx.kv_align
+    pr, ts, klo, khi = _cut_keys(c0, c1, anchor, tk, ctx.kvp)
     pu, pa, pb = ru[pr], ra[pr], rb[pr]               # pieces, in unit order
     # Units: each packed unit's rows in tiles of tile_q (several only for one tall group).
     cu, qs, qlo, qhi = _chunk(r0[ustart], r1[uend - 1], tq, ctx.q_align, ctx.qp)
@@ -549,13 +559,13 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     Hd = words.shape[0]
 
     if policy == "auto":
-        raws = [_plan_policy(ctx, p) for p in _BASE_POLICIES]
+        raws = [_plan_policy(ctx, p) for p in _AUTO_CANDIDATES]
         costs = [_raw_costs(r, ctx, shape, cost_model) for r in raws]
         per_head = np.stack([np.bincount(r.head, weights=c, minlength=Hd)
                              for r, c in zip(raws, costs)])
         choice = np.argmin(per_head, axis=0)            # ties -> the earlier policy
         raw = _Raw.concat([r.select_heads(choice == k) for k, r in enumerate(raws)])
-        head_policies = tuple(_BASE_POLICIES[choice[k]] for k in hmap)
+        head_policies = tuple(_AUTO_CANDIDATES[choice[k]] for k in hmap)
     else:
         raw = _plan_policy(ctx, policy)
         head_policies = (policy,) * mask.num_heads

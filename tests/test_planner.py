@@ -258,8 +258,19 @@ def test_auto_picks_the_cheapest_policy_per_head():
     best = np.min([costs[p] for p in POLICIES if p != "auto"], axis=0)
     np.testing.assert_allclose(costs["auto"], best)
     auto = _plan(m, 3, 1, 64, 128, "auto")
-    assert set(auto.head_policies) <= set(POLICIES) - {"auto"}
+    assert set(auto.head_policies) <= {"merge", "split", "pack"}
     assert "auto" in auto.describe()
+
+
+@given(plan_masks(), st.sampled_from(TILES), st.sampled_from([1, 8]))
+@settings(max_examples=30)
+def test_merge_never_has_more_units_or_steps_than_keep(mt, tile, align):
+    mask, Hq, Hkv = mt
+    k = _plan(mask, Hq, Hkv, *tile, "keep", align, align)
+    m = _plan(mask, Hq, Hkv, *tile, "merge", align, align)
+    assert m.num_units <= k.num_units
+    assert m.stats()["tiles"] <= k.stats()["tiles"]
+    assert m.unit_cost.sum() <= k.unit_cost.sum() + 1e-6
 
 
 def test_schedule_heaviest_first_heads_interleaved():
