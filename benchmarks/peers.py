@@ -15,11 +15,15 @@ Peers: tessera_jax (``tj.sparse_attention``, default selection); FlashInfer
 ``BlockSparseAttentionWrapper`` (uniform blocks shared by all heads) and
 ``VariableBlockSparseAttentionWrapper`` (any mask; one pattern per *KV* head, so a per-head mask
 whose heads differ inside a GQA group runs with K/V repeated to Hq heads), each ``plan()`` +
-``run()``; torch FlexAttention (``torch.compile``d, ``BlockMask`` from the same logical mask at
-the largest tile that needs no ``mask_mod``, else 128x128 tiles with an exact token-level
-``mask_mod``; sequences padded to ``--flex-pad`` so compiled kernels are reused); cuDNN dense
-attention (``jax.nn.dot_product_attention(implementation="cudnn")``, all interactions: the
-reference point). Conversions are in ``peers_lib/convert.py`` (exactness tested on CPU).
+``run()`` (the first plan() JIT-builds FlashInfer's module: done once up front, reported apart);
+torch FlexAttention (``torch.compile``d; ``BlockMask`` built on the GPU from the same logical mask
+at the largest tile of ``--flex-blocks`` that needs no token-level masking, else 128x128 tiles
+whose partially selected tiles use the exact ``mask_mod`` ``blocks[h, qblock[q], kvblock[kv]]``;
+sequences padded to ``--flex-pad`` so compiled kernels are reused); cuDNN dense attention
+(``jax.nn.dot_product_attention(implementation="cudnn")``, all interactions: the reference
+point). Conversions are in ``peers_lib/convert.py`` (exactness tested on CPU). Inputs: B=1,
+bf16, head_dim 128, one random q/k/v per mask shared by all peers (torch tensors, seen by JAX
+through DLPack).
 
 Before timing, every peer's output is checked against ``tessera_jax.reference_attention`` (float32)
 on ``--check-rows`` query rows (both ends of blocks + random) x ``--check-kv-heads`` KV heads
@@ -31,7 +35,9 @@ GPU run (see fetch_flashinfer.py for the FlashInfer carry; ~8 min on an H200):
 
     python3 benchmarks/peers.py --out $OUT/h200-peers.json --time-budget 480 --per-family 2 --heads 8
 
-CPU check (tiny masks; conversions + their exactness, torch-CPU pieces if torch is importable):
+CPU checks: ``--dry-run`` (tiny masks; conversions and their exactness; with torch, also
+FlexAttention eager on CPU vs the reference), ``--smoke`` (needs torch: the whole pipeline above
+on tiny masks, FlashInfer skipped, eager Flex, XLA dense; checks the plumbing, times nothing):
 
     python benchmarks/peers.py --dry-run
 """
