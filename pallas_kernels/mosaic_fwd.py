@@ -7,7 +7,12 @@ run wgmma and an online softmax in base 2, ping-ponged by a schedule barrier so 
 warpgroup's softmax overlaps the other's matrix products. What differs from the dense kernel:
 the K/V tiles a unit visits, and how many, come from the plan's ``steps`` (read from GMEM at
 run time), and the rectangle mask is applied only on partial steps (a ``lax.cond`` skips it
-on full ones).
+on full ones). Plan starts must be multiples of 8 (TMA fills the 8-row tiled, swizzled SMEM
+layout); templates declare it as q_align / kv_align. Variants (template options): a persistent
+loop (one CTA per SM walking the units, the ring continuing across units) and masking on
+every step; measurements in ``benchmarks/NOTES.md``. On CPU, ``interpret=`` runs it under the
+Mosaic GPU interpreter, with P @ V as a plain dot (the interpreter lacks run_state and wgmma
+with a register operand).
 """
 
 from __future__ import annotations
