@@ -316,15 +316,18 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
     else:
         ig, js = _bit_positions(gw)
         je = js + 1
-    own, kvs, klo, khi = _chunk(ctx.kb[js], ctx.kb[je], ctx.tile_kv, ctx.kv_align, ctx.kvp)
+    ks, ke = ctx.kb[js], ctx.kb[je]
+    _, kvs, klo, khi = _chunk(ks, ke, ctx.tile_kv, ctx.kv_align, ctx.kvp)
     G = len(gh)
-    g_n = np.bincount(ig[own], minlength=G)           # tiles per group (tiles in group order)
+    a0 = (ks // ctx.kv_align) * ctx.kv_align
+    n_tiles = -(-(ke - a0) // ctx.tile_kv)            # as in _chunk, per interval
+    g_n = np.bincount(ig, weights=n_tiles, minlength=G).astype(np.int64)   # tiles per group
     g_first = np.cumsum(g_n) - g_n
     ug, qs, qlo, qhi = _chunk(ctx.qb[gi], ctx.qb[ge], ctx.tile_q, ctx.q_align, ctx.qp)
     cnt = g_n[ug]
     if len(ug) == G:          # one unit per group: the steps are the group tiles, in order
-        return _Raw(gh, qs, qlo, qhi, cnt, kvs, np.repeat(qlo, cnt), np.repeat(qhi, cnt),
-                    klo, khi)
+        return _Raw(gh, qs, qlo, qhi, cnt, kvs, np.repeat(qlo.astype(np.int32), cnt),
+                    np.repeat(qhi.astype(np.int32), cnt), klo, khi)
     S = int(cnt.sum())
     su = np.repeat(np.arange(len(ug)), cnt)
     tix = np.repeat(g_first[ug] - (np.cumsum(cnt) - cnt), cnt) + np.arange(S)
