@@ -457,9 +457,21 @@ def run_tessera(case: Case, args) -> dict:
     return res
 
 
+
+def _time_request(res: dict, convert_and_plan, run, args) -> dict:
+    """Adds plan-only, request (convert + plan + run) and kernel-only timings to ``res``."""
+    from peers_lib.timing import torch_kernel_ms, wall_ms
+    res["plan_ms"] = med(wall_ms(convert_and_plan, iters=args.request_iters, sync=_sync))
+    req = wall_ms(lambda: (convert_and_plan(), run()), iters=args.request_iters, sync=_sync)
+    res["request_ms"], res["request_samples"] = med(req), req
+    convert_and_plan()
+    ks = torch_kernel_ms(run, iters=args.iters)
+    res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, TORCH_TIMER
+    return res
+
+
 def run_fi_bsr(case: Case, args, ctx: Ctx) -> dict:
     torch = ctx.torch
-    from peers_lib.timing import torch_kernel_ms, wall_ms
     b = C.fi_bsr(case.mask)
     if isinstance(b, str):
         return {"status": "skipped", "why": b}
@@ -489,18 +501,11 @@ def run_fi_bsr(case: Case, args, ctx: Ctx) -> dict:
     del out
     if res["status"] not in OK_STATES:
         return res
-    res["plan_ms"] = med(wall_ms(convert_and_plan, iters=args.request_iters, sync=_sync))
-    req = wall_ms(lambda: (convert_and_plan(), run()), iters=args.request_iters, sync=_sync)
-    res["request_ms"], res["request_samples"] = med(req), req
-    convert_and_plan()
-    ks = torch_kernel_ms(run, iters=args.iters)
-    res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, TORCH_TIMER
-    return res
+    return _time_request(res, convert_and_plan, run, args)
 
 
 def run_fi_var(case: Case, args, ctx: Ctx) -> dict:
     torch = ctx.torch
-    from peers_lib.timing import torch_kernel_ms, wall_ms
     if ctx.flashinfer() is None:
         return {"status": "failed", "why": ctx.fi_error}
     w = ctx.fi_wrapper("var")
@@ -534,13 +539,7 @@ def run_fi_var(case: Case, args, ctx: Ctx) -> dict:
     del out, sub
     if res["status"] not in OK_STATES:
         return res
-    res["plan_ms"] = med(wall_ms(convert_and_plan, iters=args.request_iters, sync=_sync))
-    req = wall_ms(lambda: (convert_and_plan(), run()), iters=args.request_iters, sync=_sync)
-    res["request_ms"], res["request_samples"] = med(req), req
-    convert_and_plan()
-    ks = torch_kernel_ms(run, iters=args.iters)
-    res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, TORCH_TIMER
-    return res
+    return _time_request(res, convert_and_plan, run, args)
 
 
 def _cap(n: int) -> int:

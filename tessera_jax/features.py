@@ -46,6 +46,7 @@ import math
 import numpy as np
 
 from .mask import BlockMask
+from .planner import _pack  # bool rows -> uint64 words, shared with the planner
 
 __all__ = ["FEATURE_NAMES", "mask_features", "feature_vector", "clear_cache", "SAMPLE_BITS",
            "MAX_SAMPLE_HEADS", "Q_TILES_CAP"]
@@ -78,14 +79,6 @@ def clear_cache() -> None:
     _BOUNDS.clear()
 
 
-def _pack(bits: np.ndarray) -> np.ndarray:
-    """bool [..., n] -> little-endian uint64 words [..., ceil(n / 64)] (bit j%64 of word j//64)."""
-    pk = np.packbits(bits, axis=-1, bitorder="little")
-    nb = pk.shape[-1]
-    W = -(-nb // 8)
-    if nb != 8 * W:
-        pk = np.pad(pk, [(0, 0)] * (pk.ndim - 1) + [(0, 8 * W - nb)])
-    return np.ascontiguousarray(pk).view(_U64)
 
 
 _BOUNDS: collections.OrderedDict = collections.OrderedDict()
