@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import numpy as np
@@ -43,20 +44,39 @@ def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
         hash(key)
     except TypeError:
         key = None  # unhashable input: let the checks below say what is wrong
-    if key is not None and key in _PLANS:
-        return _PLANS[key]
+    if key is not None:
+        hit = _PLANS.get(key)
+        if hit is not None:
+            _PLANS.move_to_end(key)
+            return hit
     p = _plan(mask, q_shape, kv_shape, dtype, template, policy, backend)
     if key is not None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = p
+        _remember(key, p)
     return p
 
 
 # Front cache of finished plans, keyed by mask digest and call: a hit skips every check
-# (they passed when the entry was made) and costs a dict look-up.
-_PLANS: dict = {}
+# (they passed when the entry was made) and costs a dict look-up. Least recently used plans
+# are dropped past _MAX_PLANS entries or _MAX_PLAN_BYTES of plan arrays (a 40-head Wan 720p
+# plan can hold tens of MB).
+_PLANS: collections.OrderedDict = collections.OrderedDict()
 _MAX_PLANS = 256
+_MAX_PLAN_BYTES = 1 << 30
+
+
+def _plan_bytes(p: Plan) -> int:
+    """Host bytes a cached plan keeps alive: its arrays and the mask it holds."""
+    mask = getattr(p, "mask", None)
+    return int(p.units.nbytes + p.steps.nbytes + p.row_index.nbytes
+               + (mask.blocks.nbytes if mask is not None else 0))
+
+
+def _remember(key, p: Plan) -> None:
+    _PLANS[key] = p
+    total = sum(_plan_bytes(x) for x in _PLANS.values())
+    while len(_PLANS) > 1 and (len(_PLANS) > _MAX_PLANS or total > _MAX_PLAN_BYTES):
+        _, old = _PLANS.popitem(last=False)
+        total -= _plan_bytes(old)
 
 
 def _plan(mask, q_shape, kv_shape, dtype, template, policy, backend) -> Plan:

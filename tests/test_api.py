@@ -204,3 +204,22 @@ def test_precompile_and_persistent_cache(tmp_path):
         jax.config.update("jax_compilation_cache_dir", None)
     with pytest.raises(TypeError, match=r"masks\[0\]"):
         tj.precompile(["m"], (1, 96, 2, 8), (1, 96, 2, 8), jnp.float32)
+
+
+def test_plan_cache_is_bounded_lru(monkeypatch):
+    from tessera_jax import api
+    monkeypatch.setattr(api, "_PLANS", api.collections.OrderedDict())
+    monkeypatch.setattr(api, "_MAX_PLANS", 3)
+    rng = np.random.default_rng(9)
+    ms = [tj.BlockMask.uniform(64, 64, 16, 16, rng.random((1, 4, 4)) < 0.5) for _ in range(5)]
+    shape = (1, 64, 2, 8)
+    first = tj.plan(ms[0], shape, shape, jnp.float32)
+    for m in ms[1:3]:
+        tj.plan(m, shape, shape, jnp.float32)
+    assert tj.plan(ms[0], shape, shape, jnp.float32) is first   # a hit refreshes ms[0]
+    tj.plan(ms[3], shape, shape, jnp.float32)                    # evicts ms[1], not ms[0]
+    assert len(api._PLANS) == 3
+    assert [k[0] for k in api._PLANS] == [ms[2], ms[0], ms[3]]
+    monkeypatch.setattr(api, "_MAX_PLAN_BYTES", 1)               # bytes bound: keep only the newest
+    tj.plan(ms[4], shape, shape, jnp.float32)
+    assert [k[0] for k in api._PLANS] == [ms[4]]
