@@ -55,7 +55,8 @@ import numpy as np
 from . import features as _features
 from . import selection as _selection
 
-DEFAULT_POLICIES = ("keep", "merge", "split", "auto")
+# keep is left out: merge never has more units or steps than keep (tests/test_planner.py).
+DEFAULT_POLICIES = ("merge", "split", "pack", "auto")
 TINY_TEMPLATES = ("xla_64x64", "xla_128x128")
 #: Consecutive failed timings after which a run stops (a broken device fails everything).
 MAX_ERROR_STREAK = 8
