@@ -71,61 +71,33 @@ Q_TILES_CAP = 1024
 _U64 = np.dtype("<u8")
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 1024
+_LAYOUTS: collections.OrderedDict = collections.OrderedDict()
+_LAYOUT_CACHE_SIZE = 32
+#: Most distinct key-block sizes counted by bit masks; beyond, a byte look-up table sums tokens.
+_MAX_SIZE_GROUPS = 8
+# Indices into FEATURE_NAMES of the call-shape features (filled per call).
+_I_QT, _I_KV, _I_HD = (FEATURE_NAMES.index(n) for n in ("log2_q_tiles", "log2_kv_len",
+                                                         "head_dim"))
+_ONE, _TOP = np.uint64(1), np.uint64(63)
+# [8, 256] float32: bit b of byte value v.
+_BYTE_BITS = ((np.arange(256)[None, :] >> np.arange(8)[:, None]) & 1).astype(np.float32)
+_NOT_BIT0, _NOT_BIT63 = ~np.uint64(1), ~(np.uint64(1) << _TOP)
 
 
 def clear_cache() -> None:
-    """Forgets cached features (tests and timing of the uncached path)."""
+    """Forgets cached features and layouts (tests and timing of the uncached path)."""
     _CACHE.clear()
-    _BOUNDS.clear()
+    _LAYOUTS.clear()
 
 
+class _Layout:
+    """What depends only on (mask heads, block bounds): the rows read and their weights, the
+    key-block bit masks and the bounds-only features. Cached per layout (a new mask of a known
+    layout only reads its rows)."""
 
-
-_BOUNDS: collections.OrderedDict = collections.OrderedDict()
-
-
-def _bounds_info(kv_bounds: np.ndarray, q_bounds: np.ndarray) -> dict:
-    """Per-column masks and look-up tables that depend only on the block bounds (cached)."""
-    key = (kv_bounds.tobytes(), q_bounds.tobytes())
-    hit = _BOUNDS.get(key)
-    if hit is not None:
-        return hit
-    ks = np.diff(kv_bounds)
-    qs = np.diff(q_bounds)
-    nkv = ks.size
-    nbytes = -(-nkv // 8)
-    uniform = nkv == 1 or bool(np.all(ks[:-1] == ks[0]))
-    lut = None
-    if not uniform:
-        # Byte look-up table: tokens of the set bits of byte value v at byte position p.
-        padded = np.zeros(nbytes * 8, np.float64)
-        padded[:nkv] = ks
-        bits = ((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1).astype(np.float64)
-        lut = (padded.reshape(nbytes, 8) @ bits.T).astype(np.float32).reshape(-1)
-    W = -(-nbytes // 8)
-    info = {
-        "ks": ks, "qs": qs, "nkv": nkv, "nbytes": nbytes, "W": W,
-        "lut": lut, "lut_base": (np.arange(nbytes, dtype=np.int32) * 256)[None, :],
-        # (size, last size) when every key block but the last has one size: no table needed
-        "uniform": (int(ks[0]), int(ks[-1])) if uniform else None,
-        # bit masks over key blocks: [size off the 64 / 128 grid, start off it, end off it]
-        "colmasks": _pack(np.stack([ks % 64 != 0, ks % 128 != 0,
-                                    kv_bounds[:-1] % 64 != 0, kv_bounds[:-1] % 128 != 0,
-                                    kv_bounds[1:] % 64 != 0, kv_bounds[1:] % 128 != 0])),
-        "static": {
-            "log2_q_block": math.log2(_median(qs)),
-            "log2_kv_block": math.log2(_median(ks)),
-            "q_mult64": float(np.mean(qs % 64 == 0)),
-            "q_mult128": float(np.mean(qs % 128 == 0)),
-            "kv_mult64": float(np.mean(ks % 64 == 0)),
-            "kv_mult128": float(np.mean(ks % 128 == 0)),
-        },
-        "q_off128": (qs % 128 != 0),
-    }
-    if len(_BOUNDS) >= 64:
-        _BOUNDS.popitem(last=False)
-    _BOUNDS[key] = info
-    return info
+    __slots__ = ("exact", "nkv", "W", "n64", "H", "R", "idx", "view_rows", "tail", "valid",
+                 "plan", "K", "coef", "lut", "lut_base", "nbytes", "w", "w_sum", "w_head",
+                 "wq", "pw", "pw_sum", "static", "fix", "need_ends", "ones_w", "ones_b")
 
 
 def _median(a: np.ndarray) -> float:
@@ -134,123 +106,286 @@ def _median(a: np.ndarray) -> float:
     return 0.5 * float(p[(n - 1) // 2] + p[n // 2])
 
 
-def _sample(mask: BlockMask):
-    """(blocks [Hs, R, nkv], query-block row of each, row weights [Hs, R], pair weights
-    [Hs, R // 2] or [Hs, R - 1], paired) for the feature estimates.
+def _sizes(a: np.ndarray):
+    """Block sizes as (first size, the sizes that differ from it, median, fraction of
+    multiples of 64, of 128); layouts mostly repeat one size, so the rest is short."""
+    n = a.size
+    base = int(a[0])
+    rest = a[a != base]
+    nb = n - rest.size
+    med = float(base) if 2 * nb > n else _median(a)   # a value in over half the slots
+    m64 = (nb if base % 64 == 0 else 0) + (np.count_nonzero((rest & 63) == 0) if rest.size else 0)
+    m128 = (nb if base % 128 == 0 else 0) + (np.count_nonzero((rest & 127) == 0)
+                                             if rest.size else 0)
+    return base, rest, med, m64 / n, m128 / n
 
-    Whole mask (exact): every row, weighted by its query tokens; adjacent pairs (i, i+1).
-    Sampled: up to ``MAX_SAMPLE_HEADS`` heads (evenly spaced) and per head ``P`` query *tokens*
-    evenly spaced along Lq (staggered between heads), each standing for its block row: rows
-    are drawn in proportion to their tokens, so every sampled row has weight 1. The rows come
-    as [r_0..r_{P-1}, r_0+1..r_{P-1}+1] so the second half pairs with the first.
-    """
+
+def _layout(mask: BlockMask) -> _Layout:
+    """The mask's layout (cached: looked up by shape, then compared bound by bound, which is
+    cheaper than hashing the bounds)."""
+    qb, kb = mask.q_bounds, mask.kv_bounds
     Hm, nq, nkv = mask.blocks.shape
-    qs = np.diff(mask.q_bounds).astype(np.float64)
-    if Hm * nq * nkv <= SAMPLE_BITS or nq < 2:
-        rows = np.broadcast_to(np.arange(nq), (Hm, nq))
-        w = np.broadcast_to(qs, (Hm, nq))
-        return mask.blocks, rows, w, w[:, :-1], False
-    hs = np.unique(np.linspace(0, Hm - 1, min(Hm, MAX_SAMPLE_HEADS)).round().astype(np.int64))
-    Hs = len(hs)
-    P = max(_MIN_PAIRS, SAMPLE_BITS // (2 * Hs * nkv))
-    Lq = mask.Lq
-    pos = (np.arange(P)[None, :] + (np.arange(Hs)[:, None] + 0.5) / Hs) * (Lq / P)
-    rows = np.searchsorted(mask.q_bounds, pos.astype(np.int64), side="right") - 1
-    rows = np.minimum(rows, nq - 2)
-    rows = np.concatenate([rows, rows + 1], axis=1)                      # [Hs, 2P]
-    w = np.ones((Hs, 2 * P))
-    w[:, P:] = 0.0                     # the paired rows only serve the same-rows comparison
-    return mask.blocks[hs[:, None], rows], rows, w, np.ones((Hs, P)), True
+    key = (Hm, nq, nkv, int(qb[-1]), int(kb[-1]))
+    entries = _LAYOUTS.get(key)
+    if entries is None:
+        entries = _LAYOUTS[key] = []
+        if len(_LAYOUTS) > _LAYOUT_CACHE_SIZE:
+            _LAYOUTS.popitem(last=False)
+    for q2, k2, lay in entries:
+        if (q2 is qb or np.array_equal(q2, qb)) and (k2 is kb or np.array_equal(k2, kb)):
+            return lay
+    lay = _make_layout(mask, Hm, nq, nkv)
+    if len(entries) >= 4:
+        entries.pop(0)
+    entries.append((qb, kb, lay))
+    return lay
+
+
+def _make_layout(mask: BlockMask, Hm: int, nq: int, nkv: int) -> _Layout:
+    kb, qb = mask.kv_bounds, mask.q_bounds
+    ks, qs = np.diff(kb), np.diff(qb)
+    lay = _Layout()
+    W = -(-nkv // 64)
+    lay.nkv, lay.W, lay.n64 = nkv, W, 64 * W
+    _, _, q_med, q64, q128 = _sizes(qs)
+    base, rest, k_med, k64, k128 = _sizes(ks)
+    lay.static = {"log2_q_block": math.log2(q_med), "log2_kv_block": math.log2(k_med),
+                  "q_mult64": q64, "q_mult128": q128, "kv_mult64": k64, "kv_mult128": k128}
+    q_off = (qs & 127) != 0
+    lay.exact = Hm * nq * nkv <= SAMPLE_BITS or nq < 2
+    if lay.exact:
+        # Whole mask: every row, weighted by its query tokens; adjacent pairs (i, i + 1).
+        H, R = Hm, nq
+        w = np.broadcast_to(qs.astype(np.float64), (Hm, nq))
+        lay.w, lay.w_sum, lay.w_head = w.reshape(-1), float(w.sum()), w.sum(-1)
+        lay.wq = (w * q_off).reshape(-1)
+        pw = np.array(w)
+        pw[:, -1] = 0.0                   # the last row of a head has no pair
+        lay.pw, lay.pw_sum = pw.reshape(-1), float(pw.sum())
+        lay.idx = None
+    else:
+        # Sampled: up to MAX_SAMPLE_HEADS heads (evenly spaced) and per head P query *tokens*
+        # evenly spaced along Lq (staggered between heads), each standing for its block row
+        # (rows drawn in proportion to their tokens: weight 1), plus the row after each.
+        if Hm <= MAX_SAMPLE_HEADS:
+            hs = np.arange(Hm)    # what the spacing below gives: linspace(0, Hm - 1, Hm)
+        else:
+            hs = np.unique(np.linspace(0, Hm - 1, MAX_SAMPLE_HEADS).round().astype(np.int64))
+        Hs = len(hs)
+        P = max(_MIN_PAIRS, SAMPLE_BITS // (2 * Hs * nkv))
+        pos = (np.arange(P)[None, :] + (np.arange(Hs)[:, None] + 0.5) / Hs) * (mask.Lq / P)
+        r = np.searchsorted(qb, pos.astype(np.int64), side="right") - 1
+        r = np.minimum(r, nq - 2)                                        # [Hs, P]
+        flat = (hs[:, None] * nq + r).reshape(-1)
+        lay.idx = np.concatenate([flat, flat + 1])                      # [2 Hs P]
+        H, R = Hs, P
+        lay.w, lay.w_sum, lay.w_head = None, float(Hs * P), float(P)
+        lay.wq = q_off[r].reshape(-1).astype(np.float64)
+        lay.pw, lay.pw_sum = None, float(Hs * P)
+        # Rows are read as n64 bytes from their start (bytes past nkv belong to the next row and
+        # are masked off after packing); the rows too close to the end are copied separately.
+        lay.view_rows = (Hm * nq * nkv - lay.n64) // nkv + 1
+        lay.tail = (np.flatnonzero(lay.idx >= lay.view_rows)
+                    if int(lay.idx.max()) >= lay.view_rows else None)
+    lay.H, lay.R = H, R
+    M = H * R
+    lay.fix = lay.n64 == nkv    # the top bit of a row's last word is a block: no carry across
+    # Rows of the popcount stack: (source, key-block mask or None). Sources: 0 words, 1 run
+    # starts, 2 run ends, 3 words ^ the paired row. Tokens per row = sum over key-block size
+    # groups of size x popcount, when there are few distinct sizes, else a byte look-up table;
+    # every total is a coefficient vector over the stack's row totals.
+    if rest.size > 4 * _MAX_SIZE_GROUPS and len(set(rest[:64].tolist())) > _MAX_SIZE_GROUPS:
+        vals = None                                   # many sizes: the look-up table
+    else:
+        vals = sorted(set(rest.tolist()))
+        if len(vals) > _MAX_SIZE_GROUPS:
+            vals = None
+    use_lut = vals is None
+    # coef rows: tokens, selected blocks off the 64 / 128 grid, runs, run edges off the
+    # 64 / 128 grid, rows unlike their pair; columns: the stack's rows.
+    plan, coef = [(0, None)], [[float(base), float(base % 64 != 0), float(base % 128 != 0),
+                                0.0, 0.0, 0.0, 0.0]]
+
+    def add(src, m, j, c):
+        """Counts popcount(source & m) with coefficient c in coef row j (m None: all)."""
+        if m is not None:
+            if not m.any():
+                return None
+            # a run ends at the last block iff it is selected, starts at the first iff selected
+            if (src == 2 and not m[:-1].any()) or (src == 1 and not m[1:].any()):
+                src = 0
+        for i, (s2, m2) in enumerate(plan):
+            if s2 == src and (m2 is m or (m is not None and m2 is not None
+                                          and np.array_equal(m2, m))):
+                break
+        else:
+            plan.append((src, m))
+            coef.append([0.0] * 7)
+            i = len(plan) - 1
+        coef[i][j] += c
+        return i
+
+    if use_lut:
+        coef[0][1:3] = [0.0, 0.0]
+        add(0, (ks & 63) != 0, 1, 1.0)
+        add(0, (ks & 127) != 0, 2, 1.0)
+    else:
+        for v in vals:
+            m = ks == v
+            add(0, m, 0, float(v - base))
+            add(0, m, 1, float(v % 64 != 0) - float(base % 64 != 0))
+            add(0, m, 2, float(v % 128 != 0) - float(base % 128 != 0))
+    add(1, None, 3, 1.0)
+    k63, k127 = (kb & 63) != 0, (kb & 127) != 0
+    add(1, k63[:-1], 4, 1.0)
+    add(1, k127[:-1], 5, 1.0)
+    add(2, k63[1:], 4, 1.0)
+    add(2, k127[1:], 5, 1.0)
+    add(3, None, 6, 1.0)
+    K = len(plan)
+    lay.need_ends = any(s == 2 for s, _ in plan)
+    rows = np.zeros((K, lay.n64), bool)
+    rows[0, :nkv] = True
+    for i, (_, m) in enumerate(plan):
+        if m is not None:
+            rows[i, :nkv] = m
+    masks = np.packbits(rows.reshape(-1), bitorder="little").view(_U64).reshape(K, W)
+    lay.valid = masks[0]
+    lay.plan = [(s, None if m is None else np.repeat(masks[i][None], M, 0))
+                for i, (s, m) in enumerate(plan)]
+    lay.coef, lay.K = np.array(coef).T.copy(), K
+    lay.lut = None
+    lay.nbytes = -(-nkv // 8)
+    if use_lut:
+        # Byte look-up table: tokens of the set bits of byte value v at byte position p.
+        padded = np.zeros(lay.nbytes * 8, np.float32)   # sums of <= 8 sizes: exact
+        padded[:nkv] = ks
+        lay.lut = (padded.reshape(lay.nbytes, 8) @ _BYTE_BITS).reshape(-1)
+        lay.lut_base = np.arange(lay.nbytes, dtype=np.intp) * 256
+        lay.ones_b = np.ones(lay.nbytes, np.float32)   # row sums < 2^24: exact in float32
+    lay.ones_w = np.ones(W, np.float32)
+    return lay
+
+
+def _words(mask: BlockMask, lay: _Layout) -> np.ndarray:
+    """Packed uint64 words of the rows the layout reads: [H R, W] (exact) or [2, Hs P, W]
+    (sampled: the rows, then the row after each)."""
+    b = mask.blocks
+    if lay.exact:
+        return _pack(b).reshape(-1, lay.W)
+    nkv, n64 = lay.nkv, lay.n64
+    view = np.lib.stride_tricks.as_strided(b.reshape(-1), shape=(lay.view_rows, n64),
+                                           strides=(nkv, 1), writeable=False)
+    idx = lay.idx
+    if lay.tail is None:
+        g = view[idx]                        # fancy indexing: np.take would copy the view
+    else:
+        g = view[np.minimum(idx, lay.view_rows - 1)]
+        g[lay.tail, :nkv] = b.reshape(-1, nkv)[idx[lay.tail]]
+        g[lay.tail, nkv:] = False
+    words = np.packbits(g.reshape(-1), bitorder="little").view(_U64).reshape(2, -1, lay.W)
+    if n64 != nkv:
+        words &= lay.valid
+    return words
 
 
 def _mask_part(mask: BlockMask) -> dict:
     """Features that depend only on the mask (cached by digest)."""
-    info = _bounds_info(mask.kv_bounds, mask.q_bounds)
-    nkv = mask.blocks.shape[2]
-    Lkv = mask.Lkv
-    S, rows, w, pw, paired = _sample(mask)
-    Hs, R, _ = S.shape
-    by = np.packbits(S, axis=-1, bitorder="little")                   # [Hs, R, nbytes]
-    W = info["W"]
-    if by.shape[-1] != 8 * W:
-        by8 = np.zeros(by.shape[:-1] + (8 * W,), np.uint8)
-        by8[..., : by.shape[-1]] = by
+    lay = _layout(mask)
+    words = _words(mask, lay)
+    A = words if lay.exact else words[0]                                # [M, W]
+    M, W = A.shape
+    a = A.reshape(-1)
+    # Run starts: selected, left neighbour not (bit j of sh: block j - 1 selected).
+    sh = a << _ONE
+    sh[1:] |= a[:-1] >> _TOP
+    if lay.fix:
+        sh.reshape(M, W)[:, 0] &= _NOT_BIT0
+    starts = np.bitwise_and(a, np.invert(sh, out=sh), out=sh).reshape(M, W)
+    if lay.need_ends:                     # run ends: selected, right neighbour not
+        fo = a >> _ONE
+        fo[:-1] |= a[1:] << _TOP
+        if lay.fix:
+            fo.reshape(M, W)[:, -1] &= _NOT_BIT63
+        ends = np.bitwise_and(a, np.invert(fo, out=fo), out=fo).reshape(M, W)
+    Z = np.empty((lay.K, M, W), _U64)
+    for k, (src, m) in enumerate(lay.plan):
+        if src == 3:                                                    # row vs its pair
+            if lay.exact:
+                np.bitwise_xor(A[:-1], A[1:], out=Z[k, :-1])
+                Z[k, -1] = 0
+            else:
+                np.bitwise_xor(A, words[1], out=Z[k])
+            continue
+        x = A if src == 0 else starts if src == 1 else ends
+        if m is None:
+            Z[k] = x
+        else:
+            np.bitwise_and(x, m, out=Z[k])
+    if W == 1:
+        C = np.bitwise_count(Z).reshape(lay.K, M).astype(np.float64)
     else:
-        by8 = np.ascontiguousarray(by)
-    words = by8.view(_U64)                                              # [Hs, R, W]
-    cnt = np.bitwise_count(words).sum(-1, dtype=np.int64)               # blocks per row
-    # Selected tokens per row: block count x the common size when key blocks are uniform (the
-    # last may be partial), else a byte look-up table (tokens of the set bits of each byte).
-    if info["uniform"] is not None:
-        size, last = info["uniform"]
-        tok = cnt * size
-        if last != size:
-            tok = tok - S[..., -1] * (size - last)
-        tok = tok.astype(np.float64)
+        C = (np.bitwise_count(Z).astype(np.float32) @ lay.ones_w).astype(np.float64)  # [K, M]
+    cnt = C[0]
+    if lay.lut is None:
+        tok = lay.coef[0] @ C                                           # tokens per row
     else:
-        idx = by.astype(np.int32)
-        idx += info["lut_base"]
-        tok = np.take(info["lut"], idx).sum(-1, dtype=np.float64)
-    one, top = np.uint64(1), np.uint64(63)
-    carry = np.zeros_like(words)
-    carry[..., 1:] = words[..., :-1] >> top
-    starts = words & ~((words << one) | carry)
-    nxt = np.zeros_like(words)
-    nxt[..., :-1] = (words[..., 1:] & one) << top
-    follow = (words >> one) | nxt                 # bit j set iff block j+1 is selected
-    ends = words & ~follow
-    cm = info["colmasks"]
-
-    def popc(a, m=None):                          # per row
-        return np.bitwise_count(a if m is None else a & m).sum(-1, dtype=np.int64)
-
-    runs = popc(starts)
-    sw = w.sum()
-    ne = (cnt > 0) * w                            # weights of non-empty rows
+        by = A.view(np.uint8)[:, : lay.nbytes].astype(np.intp)
+        by += lay.lut_base
+        tok = (np.take(lay.lut, by, mode="clip") @ lay.ones_b).astype(np.float64)
+    w = lay.w
+    nonempty = cnt > 0
+    diff = C[-1] == 0                   # same as its pair (the xor row is the stack's last)
+    if w is None:                                                       # sampled: weights 1
+        tot = C.sum(1)
+        ne = nonempty.astype(np.float64)
+        wtok = tok
+        same = float(np.count_nonzero(diff))
+    else:
+        tot = C @ w
+        ne = nonempty * w
+        wtok = w * tok
+        same = (lay.pw * diff).sum()
+    t = lay.coef @ tot
+    tsum, p64, p128, nruns, off64, off128 = t[:6]
+    sel = tot[0]
+    sw = lay.w_sum
     swn = ne.sum()
-    sel = (w * cnt).sum()
-    nruns = (w * runs).sum()
 
     def wfrac(num, den):
         return float(num / den) if den > 0 else 0.0
 
-    mean_tok = wfrac((ne * tok).sum(), swn)
+    stok = wtok.sum()
+    mean_tok = wfrac(stok, swn)
     var_tok = wfrac((ne * (tok - mean_tok) ** 2).sum(), swn)
-    tok_max = float(tok[ne > 0].max()) if swn > 0 else 0.0
-    head_dens = (w * tok).sum(-1) / np.maximum(w.sum(-1) * Lkv, 1e-300)
+    tok_max = float(tok.max()) if swn > 0 else 0.0
+    head_dens = wtok.reshape(lay.H, lay.R).sum(-1) / np.maximum(lay.w_head * mask.Lkv, 1e-300)
     hmean = float(head_dens.mean())
-    if paired:
-        P = R // 2
-        same = (words[:, :P] == words[:, P:]).all(-1)
-    else:
-        same = (words[:, 1:] == words[:, :-1]).all(-1)
-    qoff = info["q_off128"][rows]
-    f = dict(info["static"])
+    f = dict(lay.static)
     f.update({
         "density": hmean,
-        "block_density": wfrac(sel, sw * nkv),
+        "block_density": wfrac(sel, sw * lay.nkv),
         "row_cv": math.sqrt(var_tok) / mean_tok if mean_tok > 0 else 0.0,
         "row_max_mean": tok_max / mean_tok if mean_tok > 0 else 0.0,
         "empty_rows": 1.0 - wfrac(swn, sw),
         "runs_per_row": wfrac(nruns, swn),
-        "log2_run_tokens": math.log2((w * tok).sum() / nruns) if nruns > 0 else 0.0,
-        "contiguity": wfrac((w * popc(words, follow)).sum(), sel),
-        "same_rows": wfrac((pw * same).sum(), pw.sum()) if same.size else 1.0,
-        "kv_partial64": wfrac((w * popc(words, cm[0])).sum(), sel),
-        "kv_partial128": wfrac((w * popc(words, cm[1])).sum(), sel),
-        "run_offgrid64": wfrac((w * (popc(starts, cm[2]) + popc(ends, cm[4]))).sum(), 2 * nruns),
-        "run_offgrid128": wfrac((w * (popc(starts, cm[3]) + popc(ends, cm[5]))).sum(),
-                                2 * nruns),
-        "q_partial128": wfrac((ne * qoff).sum(), swn),
-        "head_density_cv": (float(head_dens.std() / hmean) if (Hs > 1 and hmean > 0) else 0.0),
+        "log2_run_tokens": math.log2(stok / nruns) if nruns > 0 else 0.0,
+        "contiguity": wfrac(sel - nruns, sel),     # adjacent pairs: each run has one end
+        "same_rows": wfrac(same, lay.pw_sum) if lay.pw_sum > 0 else 1.0,
+        "kv_partial64": wfrac(p64, sel),
+        "kv_partial128": wfrac(p128, sel),
+        "run_offgrid64": wfrac(off64, 2 * nruns),
+        "run_offgrid128": wfrac(off128, 2 * nruns),
+        "q_partial128": wfrac((nonempty * lay.wq).sum(), swn),
+        "head_density_cv": (float(head_dens.std() / hmean) if (lay.H > 1 and hmean > 0)
+                            else 0.0),
     })
-    f["_exact"] = not paired
+    f["_exact"] = lay.exact
+    f["_vec"] = np.array([f.get(n, 0.0) for n in FEATURE_NAMES], np.float64)
     return f
 
 
-def mask_features(mask: BlockMask, shape=None) -> dict:
-    """Features of ``mask`` (``FEATURE_NAMES``) for a call of ``shape`` (an ``AttnShape`` or
-    None: one query head per mask head, head_dim 128). Cached by mask digest."""
+def _part(mask: BlockMask) -> dict:
     if not isinstance(mask, BlockMask):
         raise TypeError(f"mask must be a BlockMask, got {type(mask).__name__}")
     key = mask.digest
@@ -260,18 +395,29 @@ def mask_features(mask: BlockMask, shape=None) -> dict:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.popitem(last=False)
         _CACHE[key] = part
+    return part
+
+
+def _shape_features(mask: BlockMask, shape) -> tuple[float, float, float]:
     hq = mask.num_heads if shape is None else int(shape.num_q_heads)
     lq = mask.Lq if shape is None else int(shape.q_len)
     lkv = mask.Lkv if shape is None else int(shape.kv_len)
     d = 128 if shape is None else int(shape.head_dim)
+    return (math.log2(min(max(hq * lq / 128.0, 1.0), Q_TILES_CAP)), math.log2(max(lkv, 1)),
+            d / 128.0)
+
+
+def mask_features(mask: BlockMask, shape=None) -> dict:
+    """Features of ``mask`` (``FEATURE_NAMES``) for a call of ``shape`` (an ``AttnShape`` or
+    None: one query head per mask head, head_dim 128). Cached by mask digest."""
+    part = _part(mask)
     out = {k: v for k, v in part.items() if not k.startswith("_")}
-    out["log2_q_tiles"] = math.log2(min(max(hq * lq / 128.0, 1.0), Q_TILES_CAP))
-    out["log2_kv_len"] = math.log2(max(lkv, 1))
-    out["head_dim"] = d / 128.0
+    out["log2_q_tiles"], out["log2_kv_len"], out["head_dim"] = _shape_features(mask, shape)
     return out
 
 
 def feature_vector(mask: BlockMask, shape=None) -> np.ndarray:
     """``mask_features`` as float64 [len(FEATURE_NAMES)] in ``FEATURE_NAMES`` order."""
-    f = mask_features(mask, shape)
-    return np.array([f[n] for n in FEATURE_NAMES], np.float64)
+    v = _part(mask)["_vec"].copy()
+    v[_I_QT], v[_I_KV], v[_I_HD] = _shape_features(mask, shape)
+    return v

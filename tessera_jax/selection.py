@@ -175,19 +175,28 @@ class Table:
         if missing:
             raise TableError(f"table uses features this version does not compute: {missing}")
         self._idx = np.array([_features.FEATURE_NAMES.index(n) for n in self.feature_names])
+        # Precomputed for ``order`` (it runs per request): tie-break ranks, and whether the
+        # table's features are FEATURE_NAMES in order (then no gather).
+        self._tie = np.empty(len(self.candidates))
+        self._tie[self.default_order] = np.arange(len(self.default_order))
+        self._all = np.array_equal(self._idx, np.arange(len(_features.FEATURE_NAMES)))
 
     def order(self, fvec: np.ndarray) -> list[int]:
         """Candidate indices, best first, for a feature vector in ``FEATURE_NAMES`` order."""
-        if len(self.points) == 0:
+        n = len(self.points)
+        if n == 0:
             return list(self.default_order)
-        x = (fvec[self._idx] - self.mean) / self.scale
-        d = np.einsum("nf,nf->n", self.points - x, self.points - x)
-        k = min(self.k, len(d))
-        nn = np.argpartition(d, k - 1)[:k] if k < len(d) else np.arange(len(d))
-        score = self.rel[nn].mean(axis=0)
-        tie = np.empty(len(self.candidates))
-        tie[self.default_order] = np.arange(len(self.default_order))
-        return [int(i) for i in np.lexsort((tie, np.round(score, 9)))]
+        x = ((fvec if self._all else fvec[self._idx]) - self.mean) / self.scale
+        diff = self.points - x
+        d = np.einsum("nf,nf->n", diff, diff)
+        k = self.k
+        if k == 1:
+            score = self.rel[np.argpartition(d, 0)[0]]    # the mean of one row is the row
+        elif k < n:
+            score = self.rel[np.argpartition(d, k - 1)[:k]].mean(axis=0)
+        else:
+            score = self.rel.mean(axis=0)
+        return np.lexsort((self._tie, np.round(score, 9))).tolist()
 
 
 def validate_table(data) -> None:
