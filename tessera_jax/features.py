@@ -97,7 +97,8 @@ class _Layout:
 
     __slots__ = ("exact", "nkv", "W", "n64", "H", "R", "idx", "view_rows", "tail", "valid",
                  "plan", "K", "coef", "lut", "lut_base", "nbytes", "w", "w_sum", "w_head",
-                 "wq", "pw", "pw_sum", "static", "fix", "need_ends", "ones_w", "ones_b")
+                 "wq", "pw", "pw_sum", "static", "fix", "need_ends", "ones_w", "ones_b",
+                 "head_den")
 
 
 def _median(a: np.ndarray) -> float:
@@ -184,10 +185,11 @@ def _make_layout(mask: BlockMask, Hm: int, nq: int, nkv: int) -> _Layout:
         lay.pw, lay.pw_sum = None, float(Hs * P)
         # Rows are read as n64 bytes from their start (bytes past nkv belong to the next row and
         # are masked off after packing); the rows too close to the end are copied separately.
-        lay.view_rows = (Hm * nq * nkv - lay.n64) // nkv + 1
+        lay.view_rows = max((Hm * nq * nkv - lay.n64) // nkv + 1, 0)
         lay.tail = (np.flatnonzero(lay.idx >= lay.view_rows)
                     if int(lay.idx.max()) >= lay.view_rows else None)
     lay.H, lay.R = H, R
+    lay.head_den = np.maximum(np.asarray(lay.w_head, np.float64) * mask.Lkv, 1e-300)
     M = H * R
     lay.fix = lay.n64 == nkv    # the top bit of a row's last word is a block: no carry across
     # Rows of the popcount stack: (source, key-block mask or None). Sources: 0 words, 1 run
@@ -274,18 +276,24 @@ def _words(mask: BlockMask, lay: _Layout) -> np.ndarray:
     if lay.exact:
         return _pack(b).reshape(-1, lay.W)
     nkv, n64 = lay.nkv, lay.n64
-    view = np.lib.stride_tricks.as_strided(b.reshape(-1), shape=(lay.view_rows, n64),
-                                           strides=(nkv, 1), writeable=False)
+    if not b.flags.c_contiguous:                      # (BlockMask makes it contiguous)
+        b = np.ascontiguousarray(b)
     idx = lay.idx
-    if lay.tail is None:
-        g = view[idx]                        # fancy indexing: np.take would copy the view
+    if lay.view_rows == 0:                            # a tiny mask: copy the rows
+        g = np.zeros((idx.size, n64), np.bool_)
+        g[:, :nkv] = b.reshape(-1, nkv)[idx]
     else:
-        g = view[np.minimum(idx, lay.view_rows - 1)]
-        g[lay.tail, :nkv] = b.reshape(-1, nkv)[idx[lay.tail]]
-        g[lay.tail, nkv:] = False
+        # rows of n64 bytes, one every nkv bytes (b is C-contiguous and read-only: so is the
+        # view); fancy indexing, as np.take would first copy the whole view
+        view = np.ndarray((lay.view_rows, n64), np.bool_, b, 0, (nkv, 1))
+        if lay.tail is None:
+            g = view[idx]
+        else:
+            g = view[np.minimum(idx, lay.view_rows - 1)]
+            g[lay.tail, :nkv] = b.reshape(-1, nkv)[idx[lay.tail]]
     words = np.packbits(g.reshape(-1), bitorder="little").view(_U64).reshape(2, -1, lay.W)
     if n64 != nkv:
-        words &= lay.valid
+        words[..., -1] &= lay.valid[-1]
     return words
 
 
@@ -330,8 +338,7 @@ def _mask_part(mask: BlockMask) -> dict:
     if lay.lut is None:
         tok = lay.coef[0] @ C                                           # tokens per row
     else:
-        by = A.view(np.uint8)[:, : lay.nbytes].astype(np.intp)
-        by += lay.lut_base
+        by = np.add(A.view(np.uint8)[:, : lay.nbytes], lay.lut_base, dtype=np.intp)
         tok = (np.take(lay.lut, by, mode="clip") @ lay.ones_b).astype(np.float64)
     w = lay.w
     nonempty = cnt > 0
@@ -346,21 +353,28 @@ def _mask_part(mask: BlockMask) -> dict:
         ne = nonempty * w
         wtok = w * tok
         same = (lay.pw * diff).sum()
-    t = lay.coef @ tot
-    tsum, p64, p128, nruns, off64, off128 = t[:6]
-    sel = tot[0]
+    # Python floats from here (the same float64 values; cheaper scalar arithmetic).
+    _, p64, p128, nruns, off64, off128, _ = (lay.coef @ tot).tolist()
+    sel = float(tot[0])
     sw = lay.w_sum
-    swn = ne.sum()
+    swn = float(ne.sum())
 
     def wfrac(num, den):
-        return float(num / den) if den > 0 else 0.0
+        return num / den if den > 0 else 0.0
 
-    stok = wtok.sum()
+    stok = float(wtok.sum())
     mean_tok = wfrac(stok, swn)
-    var_tok = wfrac((ne * (tok - mean_tok) ** 2).sum(), swn)
+    var_tok = wfrac(float((ne * (tok - mean_tok) ** 2).sum()), swn)
     tok_max = float(tok.max()) if swn > 0 else 0.0
-    head_dens = wtok.reshape(lay.H, lay.R).sum(-1) / np.maximum(lay.w_head * mask.Lkv, 1e-300)
-    hmean = float(head_dens.mean())
+    head_dens = wtok.reshape(lay.H, lay.R).sum(-1) / lay.head_den
+    # mean and std as np.mean / np.std compute them (same values, less overhead)
+    hm = np.add.reduce(head_dens) / lay.H
+    hmean = float(hm)
+    if lay.H > 1 and hmean > 0:
+        x = head_dens - hm
+        hcv = math.sqrt(float(np.add.reduce(x * x) / lay.H)) / hmean
+    else:
+        hcv = 0.0
     f = dict(lay.static)
     f.update({
         "density": hmean,
@@ -371,14 +385,13 @@ def _mask_part(mask: BlockMask) -> dict:
         "runs_per_row": wfrac(nruns, swn),
         "log2_run_tokens": math.log2(stok / nruns) if nruns > 0 else 0.0,
         "contiguity": wfrac(sel - nruns, sel),     # adjacent pairs: each run has one end
-        "same_rows": wfrac(same, lay.pw_sum) if lay.pw_sum > 0 else 1.0,
+        "same_rows": wfrac(float(same), lay.pw_sum) if lay.pw_sum > 0 else 1.0,
         "kv_partial64": wfrac(p64, sel),
         "kv_partial128": wfrac(p128, sel),
         "run_offgrid64": wfrac(off64, 2 * nruns),
         "run_offgrid128": wfrac(off128, 2 * nruns),
-        "q_partial128": wfrac((nonempty * lay.wq).sum(), swn),
-        "head_density_cv": (float(head_dens.std() / hmean) if (lay.H > 1 and hmean > 0)
-                            else 0.0),
+        "q_partial128": wfrac(float((nonempty * lay.wq).sum()), swn),
+        "head_density_cv": hcv,
     })
     f["_exact"] = lay.exact
     f["_vec"] = np.array([f.get(n, 0.0) for n in FEATURE_NAMES], np.float64)

@@ -175,8 +175,9 @@ class Table:
         if missing:
             raise TableError(f"table uses features this version does not compute: {missing}")
         self._idx = np.array([_features.FEATURE_NAMES.index(n) for n in self.feature_names])
-        # Precomputed for ``order`` (it runs per request): tie-break ranks, and whether the
-        # table's features are FEATURE_NAMES in order (then no gather).
+        # Precomputed for ``order`` (it runs per request): squared norms of the points,
+        # tie-break ranks, and whether the table's features are FEATURE_NAMES in order.
+        self._sq = np.einsum("nf,nf->n", self.points, self.points)
         self._tie = np.empty(len(self.candidates))
         self._tie[self.default_order] = np.arange(len(self.default_order))
         self._all = np.array_equal(self._idx, np.arange(len(_features.FEATURE_NAMES)))
@@ -187,11 +188,11 @@ class Table:
         if n == 0:
             return list(self.default_order)
         x = ((fvec if self._all else fvec[self._idx]) - self.mean) / self.scale
-        diff = self.points - x
-        d = np.einsum("nf,nf->n", diff, diff)
+        # squared distances to the training masks, less |x|^2 (the same for all: ranks kept)
+        d = self._sq - 2.0 * (self.points @ x)
         k = self.k
         if k == 1:
-            score = self.rel[np.argpartition(d, 0)[0]]    # the mean of one row is the row
+            score = self.rel[int(d.argmin())]           # ties: the first training mask
         elif k < n:
             score = self.rel[np.argpartition(d, k - 1)[:k]].mean(axis=0)
         else:

@@ -131,19 +131,110 @@ def _naive(m):
             else 0.0}
 
 
+def _bounds(rng, n, kind):
+    """Block bounds of ``n`` blocks: "uniform" (one size, a shorter last block), "few" (at
+    most 4 sizes: counted by bit masks) or "many" (random sizes: the byte look-up table)."""
+    if kind == "uniform":
+        sizes = np.full(n, rng.choice([16, 64, 128]))
+        sizes[-1] = rng.integers(1, sizes[0] + 1)
+    elif kind == "few":
+        sizes = rng.choice(rng.integers(1, 300, 4), n)
+    else:
+        sizes = rng.integers(1, 200, n)
+    return np.concatenate([[0], np.cumsum(sizes)])
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.data())
 def test_features_exact_on_small_masks(data):
     """On masks under the sample size, features equal their definitions exactly."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
     H = data.draw(st.integers(1, 3))
-    nq, nkv = data.draw(st.integers(1, 12)), data.draw(st.integers(1, 150))
-    qb = np.concatenate([[0], np.cumsum(rng.integers(1, 200, nq))])
-    kb = np.concatenate([[0], np.cumsum(rng.integers(1, 200, nkv))])
+    nq, nkv = data.draw(st.integers(1, 12)), data.draw(st.sampled_from([1, 2, 63, 64, 150]))
+    kinds = ("uniform", "few", "many")
+    qb = _bounds(rng, nq, data.draw(st.sampled_from(kinds)))
+    kb = _bounds(rng, nkv, data.draw(st.sampled_from(kinds)))
     p = data.draw(st.sampled_from([0.05, 0.3, 0.7, 1.0]))
     m = tj.BlockMask(qb, kb, rng.random((H, nq, nkv)) < p)
     f = F.mask_features(m)
     for k, v in _naive(m).items():
+        assert f[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+
+
+def _sampled_reference(m):
+    """The documented sample's features, computed plainly on bool rows: heads evenly spaced
+    (at most MAX_SAMPLE_HEADS), per head P query tokens evenly spaced and staggered, each
+    standing for its block row (weight 1), paired with the next row for same_rows."""
+    Hm, nq, nkv = m.blocks.shape
+    kb, qs = m.kv_bounds, np.diff(m.q_bounds)
+    ks = np.diff(kb)
+    hs = np.unique(np.linspace(0, Hm - 1, min(Hm, F.MAX_SAMPLE_HEADS)).round().astype(int))
+    Hs = len(hs)
+    P = max(F._MIN_PAIRS, F.SAMPLE_BITS // (2 * Hs * nkv))
+    pos = (np.arange(P)[None, :] + (np.arange(Hs)[:, None] + 0.5) / Hs) * (m.Lq / P)
+    rows = np.minimum(np.searchsorted(m.q_bounds, pos.astype(np.int64), side="right") - 1,
+                      nq - 2)
+    S, nxt_row = m.blocks[hs[:, None], rows], m.blocks[hs[:, None], rows + 1]
+    pad = np.zeros_like(S[..., :1])
+    left, right = (np.concatenate([pad, S[..., :-1]], -1),
+                   np.concatenate([S[..., 1:], pad], -1))
+    starts, ends = S & ~left, S & ~right
+    tok = (S * ks).sum(-1).astype(np.float64)
+    ne = S.any(-1)
+    sel, runs = S.sum(), starts.sum()
+    mean = tok[ne].mean() if ne.any() else 0.0
+    dens = tok.sum(-1) / (P * m.Lkv)
+
+    def off(a, b, g):
+        return (a & (b % g != 0)).sum()
+
+    return {
+        "density": dens.mean(), "block_density": sel / S.size,
+        "row_cv": tok[ne].std() / mean if mean else 0.0,
+        "row_max_mean": tok.max() / mean if mean else 0.0,
+        "empty_rows": 1 - ne.mean(), "runs_per_row": runs / ne.sum() if ne.any() else 0.0,
+        "log2_run_tokens": math.log2(tok.sum() / runs) if runs else 0.0,
+        "contiguity": (S & right).sum() / sel if sel else 0.0,
+        "same_rows": (S == nxt_row).all(-1).mean(),
+        "kv_partial64": off(S, ks, 64) / sel if sel else 0.0,
+        "kv_partial128": off(S, ks, 128) / sel if sel else 0.0,
+        "run_offgrid64": ((off(starts, kb[:-1], 64) + off(ends, kb[1:], 64)) / (2 * runs)
+                          if runs else 0.0),
+        "run_offgrid128": ((off(starts, kb[:-1], 128) + off(ends, kb[1:], 128)) / (2 * runs)
+                           if runs else 0.0),
+        "q_partial128": (ne & (qs[rows] % 128 != 0)).sum() / ne.sum() if ne.any() else 0.0,
+        "head_density_cv": dens.std() / dens.mean() if Hs > 1 and dens.mean() > 0 else 0.0,
+    }
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_features_sampled_match_definition(data):
+    """Above the sample size, features equal the sample's plain definition (bit-packed rows,
+    strided row reads, per-layout caches, few-size and look-up-table token counts)."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    H = data.draw(st.integers(1, 6))
+    nq, nkv = data.draw(st.integers(2, 40)), data.draw(st.sampled_from([1, 5, 63, 64, 128, 200]))
+    kinds = ("uniform", "few", "many")
+    qb = _bounds(rng, nq, data.draw(st.sampled_from(kinds)))
+    kb = _bounds(rng, nkv, data.draw(st.sampled_from(kinds)))
+    p = data.draw(st.sampled_from([0.0, 0.05, 0.3, 0.9, 1.0]))
+    blocks = rng.random((H, nq, nkv)) < p
+    if data.draw(st.booleans()):
+        blocks[:, 1::2] = blocks[:, ::2][:, : nq // 2]     # repeated rows
+    m = tj.BlockMask(qb, kb, blocks)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(F, "SAMPLE_BITS", data.draw(st.sampled_from([16, 256, 2048])))
+        mp.setattr(F, "MAX_SAMPLE_HEADS", data.draw(st.sampled_from([3, 64])))
+        F.clear_cache()
+        if H * nq * nkv <= F.SAMPLE_BITS:
+            return
+        f = F.mask_features(m)
+        F._CACHE.clear()                   # a new mask of a known layout: same features
+        assert F.mask_features(tj.BlockMask(qb, kb, blocks.copy())) == f
+        ref = _sampled_reference(m)
+    F.clear_cache()
+    for k, v in ref.items():
         assert f[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
 
 
@@ -370,8 +461,19 @@ def _wan720_random():
                                 rng.integers(0, 256, (40, 1182, 1182), dtype=np.uint8) < 26)
 
 
-def test_selection_cost_wan720():
-    """Selection (features + table look-up) <= 1 ms at Wan 720p, 40 heads, on a feature miss.
+def _wan720_varied():
+    """40 heads x 400 x 1000 blocks of random sizes (like svg2's clusters): token counts by
+    the byte look-up table."""
+    rng = np.random.default_rng(1)
+    qb, kb = (np.concatenate([[0], np.cumsum(rng.integers(2, 376, n))]) for n in (400, 1000))
+    return tj.BlockMask(qb, kb, rng.integers(0, 256, (40, 400, 1000), dtype=np.uint8) < 28)
+
+
+@pytest.mark.parametrize("make", [_wan720_random, _wan720_varied])
+def test_selection_cost_wan720(make):
+    """Selection (features + table look-up) at Wan 720p, 40 heads, on a feature miss: <= 0.5 ms
+    for a new mask of a known layout and <= 0.75 ms cold (a new layout too) here, so that the
+    1 ms budget holds on the H200 host, whose CPU measured ~2.2x slower on this path.
 
     A realistic table: 1,500 training masks x 20 candidates. Timed as the minimum over
     repeats (this 2-core CI machine is shared; the median is printed too).
@@ -382,7 +484,7 @@ def test_selection_cost_wan720():
     T = 1.0 + rng.random((1500, len(cands)))
     table = S.Table(S.fit_table(X, T, cands, gpu={"name": "h200", "arch": "hopper"},
                                 provenance={}, ks=(5,)))
-    m = _wan720_random()
+    m = make()
     shape = _shape(m)
     res = {}
     for state in ("cold", "new_mask", "cached"):
@@ -399,8 +501,8 @@ def test_selection_cost_wan720():
         res[state] = (min(ts), float(np.median(ts)))
         assert choice in cands
     print("selection ms at Wan 720p (min, median):", res)
-    assert res["new_mask"][0] <= 1.0, res
-    assert res["cold"][0] <= 1.0, res
+    assert res["new_mask"][0] <= 0.5, res
+    assert res["cold"][0] <= 0.75, res
     assert res["cached"][0] <= 0.05, res
 
 
@@ -410,3 +512,16 @@ def test_q_tiles_feature_saturates_for_head_subsets():
     f4, f40 = (F.mask_features(m, _shape(m, H=h)) for h in (4, 40))
     assert f4["log2_q_tiles"] == pytest.approx(f40["log2_q_tiles"], abs=1e-3)
     assert F.mask_features(m, _shape(m, H=1))["log2_q_tiles"] < f4["log2_q_tiles"] - 1
+
+
+@pytest.mark.parametrize("H,nq,nkv", [(1, 40, 1), (2, 30, 1), (70, 9, 64), (3, 50, 70)])
+def test_features_sampled_edge_layouts(monkeypatch, H, nq, nkv):
+    """Sampled path on layouts where rows end near the buffer's end (fewer bytes than a padded
+    row), key-block counts of one word exactly, and more heads than MAX_SAMPLE_HEADS."""
+    monkeypatch.setattr(F, "SAMPLE_BITS", 16)
+    rng = np.random.default_rng(H * nq + nkv)
+    m = tj.BlockMask(_bounds(rng, nq, "few"), _bounds(rng, nkv, "many"),
+                     rng.random((H, nq, nkv)) < 0.4)
+    f = F.mask_features(m)
+    for k, v in _sampled_reference(m).items():
+        assert f[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
