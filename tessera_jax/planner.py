@@ -53,6 +53,9 @@ estimated cost first, heads interleaved). The int32 arrays are padded to capacit
 Host cost: everything is vectorised NumPy over packed bits (64 key blocks per word) and over
 runs, never over dense [H, nq, nkv] temporaries other than the one ``packbits`` pass; the
 time grows with the number of runs and tiles the plan holds (``benchmarks/planning.py``).
+``keep``/``merge`` work per key interval in int32 and write the step rows once, in
+cache-sized chunks (``np.repeat`` of one template row per (unit, interval)); unit costs and
+areas come from interval sums, and ``stats()`` is computed on first call, not at build time.
 ``build_plan`` is cached by (mask digest, shape, tile shape, policy, alignment, template,
 cost model): a repeated mask costs a dictionary lookup.
 """
@@ -74,6 +77,7 @@ POLICIES = ("keep", "merge", "split", "pack", "auto")
 _BASE_POLICIES = ("keep", "merge", "split", "pack")
 _AUTO_CANDIDATES = ("merge", "split", "pack")
 _U64 = np.dtype("<u8")
+_CHUNK = 1 << 16        # step rows expanded at a time (about 1.3 MB, cache-sized)
 
 
 def bucket(n: int) -> int:
@@ -164,59 +168,72 @@ def _pack(rows: np.ndarray) -> np.ndarray:
     nb = pk.shape[-1]
     W = -(-nb // 8)
     if nb != 8 * W:
-        pk = np.pad(pk, [(0, 0)] * (pk.ndim - 1) + [(0, 8 * W - nb)])
+        out = np.empty(pk.shape[:-1] + (8 * W,), np.uint8)
+        out[..., :nb] = pk
+        out[..., nb:] = 0
+        pk = out
     return np.ascontiguousarray(pk).view(_U64)
 
 
-def _bit_positions(words: np.ndarray):
-    """(row, bit) of every set bit of ``words`` [R, W], sorted by (row, bit)."""
-    R, W = words.shape
+def _set_bits(words: np.ndarray):
+    """(k, e, nzw) for the set bits of ``words`` [R, W] in (row, bit) order: ``nzw`` the flat
+    indices of the non-zero words, ``k`` the index into ``nzw`` of each bit's word and ``e``
+    its index in the unpacked non-zero words (bit within the word = e - 64 k)."""
     flat = words.reshape(-1)
-    nz = np.flatnonzero(flat)
-    vals = flat[nz]
-    cnt = np.bitwise_count(vals)
-    total = int(cnt.sum(dtype=np.int64))
-    if total * 16 > words.size * 64:  # dense bits: unpacking beats extracting bit by bit
-        bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
-        pos = np.flatnonzero(bits)
-        return pos // (64 * W), pos % (64 * W)
-    cnt = cnt.astype(np.int64)
-    ptr = np.cumsum(cnt) - cnt
-    base = (nz % W) * 64
-    out = np.empty(total, np.int64)
-    rows = np.repeat(nz // W, cnt)
-    idx = np.arange(nz.size)
-    t = 0
-    while vals.size:
-        low = vals & (~vals + np.uint64(1))
-        pos = np.frexp(low.astype(np.float64))[1].astype(np.int64) - 1
-        out[ptr[idx] + t] = base[idx] + pos
-        vals = vals & (vals - np.uint64(1))
-        keep = vals != 0
-        vals, idx = vals[keep], idx[keep]
-        t += 1
-    return rows, out
+    nzw = np.flatnonzero(flat)
+    unpacked = np.unpackbits(flat[nzw].view(np.uint8), bitorder="little")
+    e = np.flatnonzero(unpacked.view(np.bool_))
+    return e >> 6, e, nzw
 
 
-def _runs(words: np.ndarray):
+def _bit_positions(words: np.ndarray):
+    """(row, bit) of every set bit of ``words`` [R, W], sorted by (row, bit).
+
+    Only the non-zero words are unpacked (one byte per bit), so the work grows with the
+    non-zero words and the set bits, with no pass per bit rank.
+    """
+    W = words.shape[1]
+    k, e, nzw = _set_bits(words)
+    rw = nzw // W
+    pos = ((nzw - rw * W - np.arange(len(nzw))) * 64)[k]
+    pos += e
+    return rw[k], pos
+
+
+def _runs(words: np.ndarray, nbits: int | None = None):
     """(row, first, end) of each run of set bits of ``words`` [R, W] (end exclusive)."""
-    one, top = np.uint64(1), np.uint64(63)
+    per_row, first, end = _run_bounds(words, nbits)
+    return np.repeat(np.arange(len(per_row)), per_row), first, end
+
+
+def _run_bounds(words: np.ndarray, nbits: int | None = None):
+    """(runs per row, first, end) of the runs of set bits of ``words`` [R, W], in row order.
+
+    Run boundaries (first bits and exclusive ends) are the bits that differ from the bit
+    before them: ``w ^ (w << 1)`` with the carry from the previous word. Rows are processed
+    as one flat word array: bits at or past ``nbits`` (default 64 W) must be zero, so a row's
+    last word carries 0 into the next row and a run can end at bit ``nbits`` only if
+    ``nbits < 64 W``; otherwise a spare zero word is appended.
+    """
     R, W = words.shape
-    w = np.zeros((R, W + 1), _U64)           # one spare word: a run may end at bit 64 * W
-    w[:, :W] = words
-    carry = np.zeros_like(w)
-    carry[:, 1:] = w[:, :-1] >> top
-    starts = w & ~((w << one) | carry)       # first bit of each run
-    # exclusive ends: the 0 bit after each run = starts of the complement, shifted
-    nw = ~w
-    ncarry = np.zeros_like(w)
-    ncarry[:, 1:] = nw[:, :-1] >> top
-    ncarry[:, 0] = one                       # bit -1 of the complement counts as set
-    ends = nw & ~((nw << one) | ncarry)
-    ends[:, -1] &= one                       # only bit 64 * W of the spare word is real
-    both = starts | ends
-    r, pos = _bit_positions(both)            # per row: start, end, start, end, ...
-    return r[0::2], pos[0::2], pos[1::2]
+    if nbits is None or nbits >= 64 * W:
+        w = np.zeros((R, W + 1), _U64)
+        w[:, :W] = words
+        words, W = w, W + 1
+    f = words.reshape(-1)
+    both = f << np.uint64(1)
+    if f.size:
+        both[1:] |= f[:-1] >> np.uint64(63)
+    both ^= f
+    nzw = np.flatnonzero(both)
+    vals = both[nzw]
+    e = np.flatnonzero(np.unpackbits(vals.view(np.uint8), bitorder="little").view(np.bool_))
+    cw = np.bitwise_count(vals)                 # boundaries per non-zero word
+    rw = nzw // W
+    pos = np.repeat((nzw - rw * W - np.arange(len(nzw))) * 64, cw)
+    pos += e                                     # per row: start, end, start, end, ...
+    per_row = np.bincount(rw, weights=cw, minlength=R).astype(np.int64) >> 1
+    return per_row, pos[0::2], pos[1::2]
 
 
 def _chunk(starts, ends, tile, align, limit):
@@ -260,22 +277,45 @@ class _Raw:
     lo: np.ndarray     # owned rows [lo, hi) relative to q_start
     hi: np.ndarray
     cnt: np.ndarray    # steps per unit
-    kvs: np.ndarray    # per step: kv_start, rows [ql, qh), keys [kl, kh)
-    ql: np.ndarray
-    qh: np.ndarray
-    kl: np.ndarray
-    kh: np.ndarray
+    steps: np.ndarray  # int32 [>= S, STEP_COLS] ABI step rows (the first S are real, rest 0)
+    nfull: np.ndarray  # full steps per unit
+    area: np.ndarray   # selected interactions per unit
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.cnt.sum())
 
     def select_heads(self, keep_head: np.ndarray) -> "_Raw":
         ku = keep_head[self.head]
         ks = np.repeat(ku, self.cnt)
         return _Raw(self.head[ku], self.qs[ku], self.lo[ku], self.hi[ku], self.cnt[ku],
-                    self.kvs[ks], self.ql[ks], self.qh[ks], self.kl[ks], self.kh[ks])
+                    self.steps[: len(ks)][ks], self.nfull[ku], self.area[ku])
 
     @staticmethod
     def concat(parts) -> "_Raw":
-        return _Raw(*(np.concatenate([getattr(p, f.name) for p in parts])
-                      for f in dataclasses.fields(_Raw)))
+        cat = {f.name: np.concatenate([getattr(p, f.name) for p in parts])
+               for f in dataclasses.fields(_Raw) if f.name != "steps"}
+        S = int(cat["cnt"].sum())
+        steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+        np.concatenate([p.steps[: p.num_steps] for p in parts], out=steps[:S])
+        return _Raw(steps=steps, **cat)
+
+
+def _raw_from_columns(ctx: "_Ctx", head, qs, lo, hi, cnt, kvs, ql, qh, kl, kh) -> _Raw:
+    """A _Raw from per-step columns (split / pack): step rows, full steps and areas per unit."""
+    S = len(kvs)
+    steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+    for col, x in ((abi.STEP_KV_START, kvs), (abi.STEP_Q_LO, ql), (abi.STEP_Q_HI, qh),
+                   (abi.STEP_KV_LO, kl), (abi.STEP_KV_HI, kh)):
+        steps[:S, col] = x
+    first = np.cumsum(cnt) - cnt
+    if len(first):
+        full = (ql == 0) & (qh == ctx.tile_q) & (kl == 0) & (kh == ctx.tile_kv)
+        nfull = np.add.reduceat(full.astype(np.int64), first)
+        area = np.add.reduceat((qh - ql).astype(np.int64) * (kh - kl), first)
+    else:
+        nfull = area = np.zeros(0, np.int64)
+    return _Raw(head, qs, lo, hi, cnt, steps, nfull, area)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,11 +334,25 @@ class _Ctx:
 def _row_groups(ctx: _Ctx, merge: bool):
     """(head, first q block, end q block) of each non-empty row group."""
     w = ctx.words
-    Hm, nq, _ = w.shape
-    nonempty = w.any(axis=-1)
+    Hm, nq, W = w.shape
+    # "any word differs" per row: the per-word booleans padded to whole 8-byte words and
+    # or-ed as uint64 (a short last-axis reduction is slow in NumPy)
+    x = np.zeros((Hm, nq, -(-W // 8) * 8), bool)
+    y = x.view(np.uint64)
+
+    def any_set() -> np.ndarray:
+        acc = y[..., 0].copy()
+        for j in range(1, y.shape[-1]):
+            acc |= y[..., j]
+        return acc != 0
+
+    np.not_equal(w, 0, out=x[..., :W])
+    nonempty = any_set()
     new = np.ones((Hm, nq), bool)
-    if merge:
-        new[:, 1:] = np.any(w[:, 1:] != w[:, :-1], axis=-1)
+    if merge and nq > 1:
+        x[:, 0] = False
+        np.not_equal(w[:, 1:], w[:, :-1], out=x[:, 1:, :W])
+        new[:, 1:] = any_set()[:, 1:]
     gh, gi = np.nonzero(new)
     flat = gh * nq + gi
     end_flat = np.append(flat[1:], Hm * nq)
@@ -308,30 +362,143 @@ def _row_groups(ctx: _Ctx, merge: bool):
 
 
 def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
-    """keep / merge: one row group per unit, the group's K/V tiles anchored at interval starts."""
+    """keep / merge: one row group per unit, the group's K/V tiles anchored at interval starts.
+
+    Built from per-interval values (int32): each (unit, key interval) pair contributes one
+    template step row that ``np.repeat`` expands into the interval's tiles, in cache-sized
+    chunks of units: the K/V starts then advance by one tile per row and the last tiles get
+    their hi before the chunk is copied into ``steps``; late first tiles and shifted last tiles
+    are patched at the end. Full tiles and selected areas per unit come from interval sums.
+    """
+    tq, tk, al, kvp = ctx.tile_q, ctx.tile_kv, ctx.kv_align, ctx.kvp
     gh, gi, ge = _row_groups(ctx, merge)
+    G = len(gh)
+    if G == 0:
+        return _empty_raw()
     gw = ctx.words[gh, gi]
+    kb = ctx.kb.astype(np.int32)                      # bounds are checked to fit int32
     if merge:
-        ig, js, je = _runs(gw)
+        n_int, js, je = _run_bounds(gw, len(kb) - 1)
+        ks, ke = kb[js], kb[je]
     else:
         ig, js = _bit_positions(gw)
-        je = js + 1
-    ks, ke = ctx.kb[js], ctx.kb[je]
-    _, kvs, klo, khi = _chunk(ks, ke, ctx.tile_kv, ctx.kv_align, ctx.kvp)
-    G = len(gh)
-    a0 = (ks // ctx.kv_align) * ctx.kv_align
-    n_tiles = -(-(ke - a0) // ctx.tile_kv)            # as in _chunk, per interval
-    g_n = np.bincount(ig, weights=n_tiles, minlength=G).astype(np.int64)   # tiles per group
-    g_first = np.cumsum(g_n) - g_n
-    ug, qs, qlo, qhi = _chunk(ctx.qb[gi], ctx.qb[ge], ctx.tile_q, ctx.q_align, ctx.qp)
+        ks, ke = kb[js], kb[js + 1]
+        n_int = np.bincount(ig, minlength=G)
+    # Per interval: tiles of tk from a0 (aligned); the last may be shifted back inside kvp.
+    if al == 1:
+        a0 = ks
+    elif al & (al - 1) == 0:
+        a0 = ks & np.int32(-al)
+    else:
+        a0 = ks - ks % np.int32(al)
+    n = ke - a0
+    n += tk - 1
+    if tk & (tk - 1) == 0:
+        n >>= tk.bit_length() - 1
+    else:
+        n //= tk
+    tl = n - 1                                        # last tile's start before the shift
+    tl *= tk
+    tl += a0
+    kl0 = ks - a0                                     # first tile's lo
+    khl = ke - tl                                     # last tile's hi
+    part = (kl0 != 0).astype(np.int32)                # partial tiles per interval
+    part += khl != tk
+    part -= (part == 2) & (n == 1)                    # a single tile counts once
+    sh = np.flatnonzero(tl > kvp - tk)                # tiles shifted back inside kvp
+    shift = tl[sh] + (tk - kvp)
+    if sh.size:
+        one = n[sh] == 1
+        kl0[sh[one]] += shift[one]
+        khl[sh] += shift
+        part[sh] = np.where(one, 1, (kl0[sh] != 0) + 1)
+    # Per group: intervals, tiles, full tiles, selected keys.
+    i_first = np.cumsum(n_int) - n_int
+    g_n = np.add.reduceat(n, i_first, dtype=np.int32).astype(np.int64)
+    g_full = g_n - np.add.reduceat(part, i_first, dtype=np.int32)
+    ke -= ks
+    g_keys = np.add.reduceat(ke, i_first, dtype=np.int32).astype(np.int64)
+    ug, qs, qlo, qhi = _chunk(ctx.qb[gi], ctx.qb[ge], tq, ctx.q_align, ctx.qp)
+    U = len(ug)
     cnt = g_n[ug]
-    if len(ug) == G:          # one unit per group: the steps are the group tiles, in order
-        return _Raw(gh, qs, qlo, qhi, cnt, kvs, np.repeat(qlo.astype(np.int32), cnt),
-                    np.repeat(qhi.astype(np.int32), cnt), klo, khi)
+    nfull = np.where((qlo == 0) & (qhi == tq), g_full[ug], 0)
+    area = (qhi - qlo) * g_keys[ug]
     S = int(cnt.sum())
-    su = np.repeat(np.arange(len(ug)), cnt)
-    tix = np.repeat(g_first[ug] - (np.cumsum(cnt) - cnt), cnt) + np.arange(S)
-    return _Raw(gh[ug], qs, qlo, qhi, cnt, kvs[tix], qlo[su], qhi[su], klo[tix], khi[tix])
+    # Instances: (unit, interval of the unit's group), in unit order.
+    m = n_int[ug]
+    if U == G:
+        src = None
+    else:
+        src = np.repeat(i_first[ug] - (np.cumsum(m) - m), m) + np.arange(int(m.sum()))
+        n = n[src]
+    f = np.cumsum(n, dtype=np.int32)
+    f -= n                                            # first step of each instance
+    last = f + n
+    last -= 1
+    # Chunks of whole units, about _CHUNK steps each.
+    u_inst = np.concatenate([[0], np.cumsum(m)])
+    u_step = np.concatenate([[0], np.cumsum(cnt)])
+    cuts = np.unique(np.searchsorted(u_step, np.arange(0, S, _CHUNK), side="right") - 1)
+    cuts = np.append(cuts, U).tolist()
+    qlo32, qhi32 = qlo.astype(np.int32), qhi.astype(np.int32)
+    # Mostly single-tile intervals: the template is the exact single tile (lo and hi), and the
+    # rows of longer intervals are fixed; otherwise the template is a middle tile and the
+    # first (lo, sparse) and last (hi) tiles are patched.
+    single = 2 * (S - len(n)) < len(n)
+    steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+    for u0, u1 in zip(cuts[:-1], cuts[1:]):
+        i0, i1 = int(u_inst[u0]), int(u_inst[u1])
+        s0, s1 = int(u_step[u0]), int(u_step[u1])
+        iv = slice(i0, i1) if src is None else src[i0:i1]
+        # kv_start = a0 + (s - f) * tk: the template holds a0 - (f - s0) * tk and the rows
+        # get (s - s0) * tk added after the repeat (chunk-relative: no int32 overflow).
+        tm = np.empty((i1 - i0, abi.STEP_COLS), np.int32)
+        col = np.subtract(f[i0:i1], s0, out=tm[:, abi.STEP_KV_START])
+        col *= tk
+        np.subtract(a0[iv], col, out=col)
+        tm[:, abi.STEP_Q_LO] = np.repeat(qlo32[u0:u1], m[u0:u1])
+        tm[:, abi.STEP_Q_HI] = np.repeat(qhi32[u0:u1], m[u0:u1])
+        nn = n[i0:i1]
+        if single:
+            tm[:, abi.STEP_KV_LO] = kl0[iv]
+            tm[:, abi.STEP_KV_HI] = khl[iv]
+        else:
+            tm[:, abi.STEP_KV_LO] = 0
+            tm[:, abi.STEP_KV_HI] = tk
+        t = np.repeat(tm, nn, axis=0)
+        t[:, abi.STEP_KV_START] += np.arange(0, (s1 - s0) * tk, tk, dtype=np.int32)
+        if single:
+            mi = np.flatnonzero(nn > 1)
+            if mi.size:
+                c = nn[mi] - 1
+                r = np.repeat(f[i0:i1][mi] - s0 - (np.cumsum(c) - c), c)
+                r += np.arange(len(r))
+                t[r, abi.STEP_KV_HI] = tk              # not last
+                t[r + 1, abi.STEP_KV_LO] = 0           # not first
+        else:
+            t[last[i0:i1] - s0, abi.STEP_KV_HI] = khl[iv]
+        steps[s0:s1] = t
+    # Sparse patches: first tiles that start late, shifted last tiles.
+    def instances(iv):
+        """(instance, interval) pairs of intervals ``iv``: one per unit of their group."""
+        if src is None:
+            return iv, iv
+        g = np.searchsorted(i_first, iv, side="right") - 1        # group of each interval
+        lo_u, hi_u = np.searchsorted(ug, g), np.searchsorted(ug, g, side="right")
+        k = hi_u - lo_u
+        rep = np.repeat(np.arange(len(iv)), k)
+        u = np.repeat(lo_u - (np.cumsum(k) - k), k) + np.arange(int(k.sum()))
+        return u_inst[u] + (iv - i_first[g])[rep], iv[rep]
+    if not single:
+        inst, iv = instances(np.flatnonzero(kl0))
+        steps[f[inst], abi.STEP_KV_LO] = kl0[iv]
+    if sh.size:
+        inst, iv = instances(sh)
+        j = np.searchsorted(sh, iv)
+        steps[last[inst], abi.STEP_KV_START] -= shift[j]
+        more = ~one[j]
+        steps[last[inst[more]], abi.STEP_KV_LO] = shift[j[more]]
+    return _Raw(gh[ug], qs, qlo, qhi, cnt, steps, nfull, area)
 
 
 def _unit_rects(gw, r0, r1, ustart, uend, kb):
@@ -393,7 +560,7 @@ def _cut_keys(c0, c1, anchor, tk, kvp):
 
 def _empty_raw() -> _Raw:
     z = np.zeros(0, np.int64)
-    return _Raw(z, z, z, z, z, z, z, z, z, z)
+    return _Raw(z, z, z, z, z, np.zeros((1, abi.STEP_COLS), np.int32), z, z)
 
 
 def _plan_grid(ctx: _Ctx) -> _Raw:
@@ -421,7 +588,8 @@ def _plan_grid(ctx: _Ctx) -> _Raw:
     cnt = np.bincount(pu, minlength=len(ustart))
     lo = np.minimum.reduceat(r0, ustart) - uq
     hi = np.maximum.reduceat(r1, ustart) - uq
-    return _Raw(gh[ustart], uq, lo, hi, cnt, ts, ra[pr] - uq[pu], rb[pr] - uq[pu], klo, khi)
+    return _raw_from_columns(ctx, gh[ustart], uq, lo, hi, cnt, ts, ra[pr] - uq[pu],
+                             rb[pr] - uq[pu], klo, khi)
 
 
 def _plan_pack(ctx: _Ctx) -> _Raw:
@@ -453,7 +621,7 @@ def _plan_pack(ctx: _Ctx) -> _Raw:
     ru, ra, rb, j0, j1, union = _unit_rects(ctx.words[gh, gi], r0, r1, ustart, uend, kb)
     c0, c1 = kb[j0], kb[j1]
     # Tiles: anchored at the start of the union run holding the rectangle.
-    uu, us_, _ = _runs(union)
+    uu, us_, _ = _runs(union, len(kb) - 1)
     nk = len(kb)
     run = np.searchsorted(uu * nk + us_, ru * nk + j0, side="right") - 1
     anchor = (kb[us_[run]] // ctx.kv_align) * ctx.kv_align
@@ -473,17 +641,14 @@ def _plan_pack(ctx: _Ctx) -> _Raw:
         x, xc, ql, qh = x[keep], xc[keep], ql[keep], qh[keep]
     cnt = np.bincount(xc, minlength=len(cu))
     has = cnt > 0
-    return _Raw(gh[ustart[cu]][has], qs[has], qlo[has], qhi[has], cnt[has], ts[x], ql, qh,
-                klo[x], khi[x])
+    return _raw_from_columns(ctx, gh[ustart[cu]][has], qs[has], qlo[has], qhi[has], cnt[has],
+                             ts[x], ql, qh, klo[x], khi[x])
 
 
 def _raw_costs(raw: _Raw, ctx: _Ctx, shape: AttnShape, model) -> np.ndarray:
-    full = ((raw.ql == 0) & (raw.qh == ctx.tile_q) & (raw.kl == 0) & (raw.kh == ctx.tile_kv))
-    first = np.cumsum(raw.cnt) - raw.cnt
-    nfull = np.add.reduceat(full.astype(np.int64), first) if len(first) else first
-    return _sched.unit_costs(raw.cnt, raw.cnt - nfull, tile_q=ctx.tile_q, tile_kv=ctx.tile_kv,
-                             head_dim=shape.head_dim, itemsize=np.dtype(shape.dtype).itemsize,
-                             model=model)
+    return _sched.unit_costs(raw.cnt, raw.cnt - raw.nfull, tile_q=ctx.tile_q,
+                             tile_kv=ctx.tile_kv, head_dim=shape.head_dim,
+                             itemsize=np.dtype(shape.dtype).itemsize, model=model)
 
 
 def _plan_policy(ctx: _Ctx, policy: str) -> _Raw:
@@ -575,9 +740,7 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     first = np.cumsum(raw.cnt) - raw.cnt
     cost = _raw_costs(raw, ctx, shape, cost_model)
     # Selected interactions per unit, from its rectangles (each is computed exactly once).
-    area = (raw.qh - raw.ql).astype(np.int64) * (raw.kh - raw.kl)
-    uarea = np.add.reduceat(area, first) if len(first) else area[:0]
-    per_unit = [raw.head, raw.qs, raw.lo, raw.hi, raw.cnt, first, cost, uarea]
+    per_unit = [raw.head, raw.qs, raw.lo, raw.hi, raw.cnt, first, cost, raw.area]
     if policy == "auto":                  # units of a distinct head must be contiguous
         srt = np.argsort(raw.head, kind="stable")
         per_unit = [x[srt] for x in per_unit]
@@ -594,20 +757,25 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     selected = int(uarea.sum())
 
     order = _sched.order_units(cost, qs, uh // group, uh)
+    uh_pre, qs_pre, lo_pre = uh, qs, lo
     uh, qs, lo, hi, cnt, first, cost = (x[order] for x in (uh, qs, lo, hi, cnt, first, cost))
-    U, S = len(uh), len(raw.kvs)
-    U_cap, S_cap = bucket(U), bucket(S)
+    U, S = len(uh), raw.num_steps
+    U_cap = bucket(U)
     M = bucket(int(cnt.max()) if U else 0)
 
     units = np.zeros((U_cap, abi.UNIT_COLS), np.int32)
     for col, x in ((abi.UNIT_HEAD, uh), (abi.UNIT_Q_START, qs), (abi.UNIT_OWN_LO, lo),
                    (abi.UNIT_OWN_HI, hi), (abi.UNIT_STEP_PTR, first), (abi.UNIT_STEP_CNT, cnt)):
         units[:U, col] = x
-    steps = np.zeros((S_cap, abi.STEP_COLS), np.int32)
-    for col, x in ((abi.STEP_KV_START, raw.kvs), (abi.STEP_Q_LO, raw.ql),
-                   (abi.STEP_Q_HI, raw.qh), (abi.STEP_KV_LO, raw.kl), (abi.STEP_KV_HI, raw.kh)):
-        steps[:S, col] = x
-    row_index = _row_index(uh, qs, lo, hi, Hq, shape.q_len, tile_q, U_cap * tile_q)
+    steps = raw.steps                   # padded to bucket(S) by the policy
+    # Before scheduling, units are in (head, q) order; when their owned rows increase in that
+    # order, the inverse schedule permutation sorts them for row_index (no argsort).
+    f_pre = uh_pre * shape.q_len + qs_pre + lo_pre
+    inv = None
+    if U and np.all(f_pre[1:] > f_pre[:-1]):
+        inv = np.empty(U, np.int64)
+        inv[order] = np.arange(U)
+    row_index = _row_index(uh, qs, lo, hi, Hq, shape.q_len, tile_q, U_cap * tile_q, inv)
 
     for a in (units, steps, row_index, cost):
         a.setflags(write=False)
@@ -618,30 +786,34 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
                 mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model)
 
 
-def _row_index(uh, qs, lo, hi, Hq, Lq, tile_q, sentinel):
-    """row_index [Hq, Lq]: u * tile_q + r for the row r of unit u that owns it, else sentinel."""
+def _row_index(uh, qs, lo, hi, Hq, Lq, tile_q, sentinel, presorted=None):
+    """row_index [Hq, Lq]: u * tile_q + r for the row r of unit u that owns it, else sentinel.
+
+    One np.repeat of per-segment values (u * tile_q - q_start on owned rows, sentinel on
+    gaps), plus the row number of each position (broadcast) and a clip to the sentinel.
+    """
     U = len(uh)
     f0 = uh.astype(np.int64) * Lq + qs + lo            # flat first owned position
-    srt = np.argsort(f0, kind="stable")
+    if presorted is None:
+        srt = np.argsort(f0, kind="stable")
+    else:                                              # f0[presorted] is increasing
+        srt = presorted
     f0 = f0[srt]
     n = (hi - lo)[srt]
-    # value such that row_index = flat position + value on owned rows
-    val = (srt * tile_q + lo[srt]) - f0
     gaps = f0 - np.concatenate([[0], (f0 + n)[:-1]])
     tail = Hq * Lq - (int(f0[-1] + n[-1]) if U else 0)
     lengths = np.empty(2 * U + 1, np.int64)
     lengths[0:-1:2] = gaps
     lengths[1::2] = n
     lengths[-1] = tail
-    vals = np.empty(2 * U + 1, np.int64)
-    vals[0::2] = np.iinfo(np.int32).min
-    vals[1::2] = val
-    N = Hq * Lq
-    dt = np.int32 if N + tile_q * (U + 1) < 2**31 else np.int64
-    out = np.repeat(vals.astype(dt), lengths)
-    out += np.arange(N, dtype=dt)
-    out = np.where(out < 0, dt(sentinel), out)
-    return out.astype(np.int32, copy=False).reshape(Hq, Lq)
+    dt = np.int32 if sentinel + Lq < 2**31 else np.int64
+    vals = np.empty(2 * U + 1, dt)
+    vals[0::2] = sentinel                              # + r >= sentinel: clipped below
+    vals[1::2] = srt * tile_q - qs[srt]
+    out = np.repeat(vals, lengths).reshape(Hq, Lq)
+    out += np.arange(Lq, dtype=dt)
+    np.minimum(out, sentinel, out=out)
+    return out.astype(np.int32, copy=False)
 
 
 def _tile_rects(plan: Plan) -> dict:
