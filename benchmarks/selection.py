@@ -23,6 +23,10 @@ same mask again). ``summary.selection_ms_wan720`` is the worst mask's cold media
     python benchmarks/selection.py --table plan_tables/h200.json \\
         --out benchmarks/results/h200-selection.json --max-masks 120 --heads 4 --time-budget 500
     python benchmarks/selection.py --tiny --table /tmp/cpu.json --out /tmp/sel.json   # CPU
+    python benchmarks/selection.py --cost-only --table plan_tables/h200.json   # cost only
+
+``--cost-only`` times nothing on the device: it measures the selection cost alone (seconds,
+any host) and prints it; it writes a file only when ``--out`` is given.
 
 Results are saved after every mask; a rerun skips masks already complete (``--no-resume`` to
 start over), so the benchmark can be spread over several shorter GPU runs.
@@ -118,7 +122,7 @@ def selection_cost(table, backend, *, tiny: bool, n_masks: int, repeats: int, dt
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--table", help="plan table (default: plan_tables/<gpu>.json)")
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--out", help=f"results file (default {DEFAULT_OUT}; with --cost-only: none)")
     ap.add_argument("--max-masks", type=int, help="sample at most ~N test masks (per family)")
     ap.add_argument("--heads", type=int, default=4, help="first K heads (0: all)")
     ap.add_argument("--families", nargs="+")
@@ -133,7 +137,33 @@ def parse_args(argv=None):
                     "selection cost (plus one random mask)")
     ap.add_argument("--sel-repeats", type=int, default=20)
     ap.add_argument("--no-resume", action="store_true")
+    ap.add_argument("--cost-only", action="store_true", help="only the selection cost (Wan 720p "
+                    "masks, no kernel timing); the backend is mosaic_gpu (xla with --tiny)")
     return ap.parse_args(argv)
+
+
+def cost_only(a, table, table_path):
+    """``--cost-only``: the selection-cost section and its summary figures, printed."""
+    dev = P.device_info(None)
+    backend = "xla" if a.tiny else "mosaic_gpu"
+    sel = selection_cost(table, backend, tiny=a.tiny, n_masks=a.sel_masks,
+                         repeats=a.sel_repeats, dtype=a.dtype, head_dim=a.head_dim)
+    res = {"benchmark": "selection_cost",
+           "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": "python benchmarks/selection.py " + " ".join(sys.argv[1:]),
+           "device": dev, "versions": P.versions(), "backend": backend,
+           "table": {"path": table_path, "gpu": table.gpu, "training_masks": len(table.points)},
+           "selection_cost": sel,
+           "summary": {"selection_ms_wan720": max(r["cold_ms_median"] for r in sel),
+                       "selection_ms_wan720_new_mask_known_layout":
+                           max(r["new_mask_ms_median"] for r in sel),
+                       "selection_ms_wan720_cached": max(r["cached_ms_median"] for r in sel)}}
+    print(json.dumps(res["summary"]))
+    if a.out:
+        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
 
 
 def _load_prev(path, resume):
@@ -200,6 +230,9 @@ def main(argv=None):
     dev = P.device_info(None)
     table_path = a.table or str(S.table_dir() / f"{dev['name']}.json")
     table = S.load_table(table_path)
+    if a.cost_only:
+        return cost_only(a, table, table_path)
+    a.out = a.out or DEFAULT_OUT
     heads = a.heads or None
     specs, sampling = P.select_specs("test", tiny=a.tiny, families=a.families,
                                      max_masks=a.max_masks)
