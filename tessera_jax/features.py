@@ -89,7 +89,7 @@ _I_QT, _I_KV, _I_HD = (FEATURE_NAMES.index(n) for n in ("log2_q_tiles", "log2_kv
 _ONE, _TOP = np.uint64(1), np.uint64(63)
 # [8, 256] float32: bit b of byte value v.
 _BYTE_BITS = ((np.arange(256)[None, :] >> np.arange(8)[:, None]) & 1).astype(np.float32)
-_NOT_BIT0, _NOT_BIT63 = ~np.uint64(1), ~(np.uint64(1) << _TOP)
+_NOT_BIT0 = ~np.uint64(1)
 
 
 def clear_cache() -> None:
@@ -104,8 +104,8 @@ class _Layout:
     layout only reads its rows)."""
 
     __slots__ = ("exact", "nkv", "W", "n64", "H", "R", "idx", "view_rows", "tail", "valid",
-                 "plan", "K", "coef", "lut", "lut_base", "nbytes", "w", "w_sum", "w_head",
-                 "wq", "pw", "pw_sum", "static", "fix", "need_ends", "ones_w", "ones_b",
+                 "plan", "K", "coef", "lut", "lut_base", "w", "w_sum", "w_head",
+                 "wq", "pw", "pw_sum", "static", "fix", "ones_w", "ones_b",
                  "head_den")
 
 
@@ -200,10 +200,13 @@ def _make_layout(mask: BlockMask, Hm: int, nq: int, nkv: int) -> _Layout:
     lay.head_den = np.maximum(np.asarray(lay.w_head, np.float64) * mask.Lkv, 1e-300)
     M = H * R
     lay.fix = lay.n64 == nkv    # the top bit of a row's last word is a block: no carry across
-    # Rows of the popcount stack: (source, key-block mask or None). Sources: 0 words, 1 run
-    # starts, 2 run ends, 3 words ^ the paired row. Tokens per row = sum over key-block size
+    # Rows of the popcount stack: (source, key-block mask or None: all). Sources: 0 words,
+    # 1 run edges (bit j: block j differs from block j - 1, i.e. a run starts at j or one
+    # ended at j - 1), 3 words ^ the paired row. Tokens per row = sum over key-block size
     # groups of size x popcount, when there are few distinct sizes, else a byte look-up table;
-    # every total is a coefficient vector over the stack's row totals.
+    # every total is a coefficient vector over the stack's row totals. With L the rows whose
+    # last block is selected (a run ends there, off the grid iff Lkv is) and E the edges
+    # before it: runs = (E + L) / 2, run edges off the grid = E & off-grid bounds + L [Lkv off].
     if rest.size > 4 * _MAX_SIZE_GROUPS and len(set(rest[:64].tolist())) > _MAX_SIZE_GROUPS:
         vals = None                                   # many sizes: the look-up table
     else:
@@ -221,9 +224,6 @@ def _make_layout(mask: BlockMask, Hm: int, nq: int, nkv: int) -> _Layout:
         if m is not None:
             if not m.any():
                 return None
-            # a run ends at the last block iff it is selected, starts at the first iff selected
-            if (src == 2 and not m[:-1].any()) or (src == 1 and not m[1:].any()):
-                src = 0
         for i, (s2, m2) in enumerate(plan):
             if s2 == src and (m2 is m or (m is not None and m2 is not None
                                           and np.array_equal(m2, m))):
@@ -245,15 +245,16 @@ def _make_layout(mask: BlockMask, Hm: int, nq: int, nkv: int) -> _Layout:
             add(0, m, 0, float(v - base))
             add(0, m, 1, float(v % 64 != 0) - float(base % 64 != 0))
             add(0, m, 2, float(v % 128 != 0) - float(base % 128 != 0))
-    add(1, None, 3, 1.0)
-    k63, k127 = (kb & 63) != 0, (kb & 127) != 0
-    add(1, k63[:-1], 4, 1.0)
-    add(1, k127[:-1], 5, 1.0)
-    add(2, k63[1:], 4, 1.0)
-    add(2, k127[1:], 5, 1.0)
+    lastm = np.zeros(nkv, bool)
+    lastm[-1] = True
+    add(0, lastm, 3, 0.5)
+    add(0, lastm, 4, float(kb[-1] % 64 != 0))
+    add(0, lastm, 5, float(kb[-1] % 128 != 0))
+    add(1, np.ones(nkv, bool), 3, 0.5)
+    add(1, (kb[:-1] & 63) != 0, 4, 1.0)
+    add(1, (kb[:-1] & 127) != 0, 5, 1.0)
     add(3, None, 6, 1.0)
     K = len(plan)
-    lay.need_ends = any(s == 2 for s, _ in plan)
     rows = np.zeros((K, lay.n64), bool)
     rows[0, :nkv] = True
     for i, (_, m) in enumerate(plan):
@@ -265,14 +266,15 @@ def _make_layout(mask: BlockMask, Hm: int, nq: int, nkv: int) -> _Layout:
                 for i, (s, m) in enumerate(plan)]
     lay.coef, lay.K = np.array(coef).T.copy(), K
     lay.lut = None
-    lay.nbytes = -(-nkv // 8)
     if use_lut:
         # Byte look-up table: tokens of the set bits of byte value v at byte position p.
-        padded = np.zeros(lay.nbytes * 8, np.float32)   # sums of <= 8 sizes: exact
+        # All 8 W bytes of a row (the padding bytes are 0: no tokens), so that the indices
+        # come from contiguous arrays: byte value + 256 x position (tiled over the rows).
+        padded = np.zeros(lay.n64, np.float32)           # sums of <= 8 sizes: exact
         padded[:nkv] = ks
-        lay.lut = (padded.reshape(lay.nbytes, 8) @ _BYTE_BITS).reshape(-1)
-        lay.lut_base = np.arange(lay.nbytes, dtype=np.intp) * 256
-        lay.ones_b = np.ones(lay.nbytes, np.float32)   # row sums < 2^24: exact in float32
+        lay.lut = (padded.reshape(8 * W, 8) @ _BYTE_BITS).reshape(-1)
+        lay.lut_base = np.repeat((np.arange(8 * W, dtype=np.intp) * 256)[None], M, 0)
+        lay.ones_b = np.ones(8 * W, np.float32)          # row sums < 2^24: exact in float32
     lay.ones_w = np.ones(W, np.float32)
     return lay
 
@@ -312,18 +314,13 @@ def _mask_part(mask: BlockMask) -> dict:
     A = words if lay.exact else words[0]                                # [M, W]
     M, W = A.shape
     a = A.reshape(-1)
-    # Run starts: selected, left neighbour not (bit j of sh: block j - 1 selected).
+    # Run edges: block j differs from block j - 1 (bit j of sh: block j - 1 selected; no
+    # carry from the row before).
     sh = a << _ONE
     sh[1:] |= a[:-1] >> _TOP
     if lay.fix:
         sh.reshape(M, W)[:, 0] &= _NOT_BIT0
-    starts = np.bitwise_and(a, np.invert(sh, out=sh), out=sh).reshape(M, W)
-    if lay.need_ends:                     # run ends: selected, right neighbour not
-        fo = a >> _ONE
-        fo[:-1] |= a[1:] << _TOP
-        if lay.fix:
-            fo.reshape(M, W)[:, -1] &= _NOT_BIT63
-        ends = np.bitwise_and(a, np.invert(fo, out=fo), out=fo).reshape(M, W)
+    edges = np.bitwise_xor(a, sh, out=sh).reshape(M, W)
     Z = np.empty((lay.K, M, W), _U64)
     for k, (src, m) in enumerate(lay.plan):
         if src == 3:                                                    # row vs its pair
@@ -333,7 +330,7 @@ def _mask_part(mask: BlockMask) -> dict:
             else:
                 np.bitwise_xor(A, words[1], out=Z[k])
             continue
-        x = A if src == 0 else starts if src == 1 else ends
+        x = A if src == 0 else edges
         if m is None:
             Z[k] = x
         else:
@@ -346,8 +343,9 @@ def _mask_part(mask: BlockMask) -> dict:
     if lay.lut is None:
         tok = lay.coef[0] @ C                                           # tokens per row
     else:
-        by = np.add(A.view(np.uint8)[:, : lay.nbytes], lay.lut_base, dtype=np.intp)
-        tok = (np.take(lay.lut, by, mode="clip") @ lay.ones_b).astype(np.float64)
+        by = A.view(np.uint8).astype(np.intp)
+        by += lay.lut_base
+        tok = (np.take(lay.lut, by, mode="wrap") @ lay.ones_b).astype(np.float64)
     w = lay.w
     nonempty = cnt > 0
     diff = C[-1] == 0                   # same as its pair (the xor row is the stack's last)
