@@ -219,21 +219,20 @@ def _make_layout(mask: BlockMask, Hm: int, nq: int, nkv: int) -> _Layout:
     plan, coef = [(0, None)], [[float(base), float(base % 64 != 0), float(base % 128 != 0),
                                 0.0, 0.0, 0.0, 0.0]]
 
+    index = {(0, None): 0}
+
     def add(src, m, j, c):
-        """Counts popcount(source & m) with coefficient c in coef row j (m None: all)."""
-        if m is not None:
-            if not m.any():
-                return None
-        for i, (s2, m2) in enumerate(plan):
-            if s2 == src and (m2 is m or (m is not None and m2 is not None
-                                          and np.array_equal(m2, m))):
-                break
-        else:
+        """Counts popcount(source & m) with coefficient c in coef row j (m None: all); equal
+        rows are counted once."""
+        key = (src, None if m is None else m.tobytes())
+        i = index.get(key)
+        if i is None:
+            if m is not None and not m.any():
+                return
+            i = index[key] = len(plan)
             plan.append((src, m))
             coef.append([0.0] * 7)
-            i = len(plan) - 1
         coef[i][j] += c
-        return i
 
     if use_lut:
         coef[0][1:3] = [0.0, 0.0]
