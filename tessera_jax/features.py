@@ -15,9 +15,10 @@ Cost: what depends only on the layout (mask heads and block bounds: the sampled 
 weights, key-block bit masks, bounds-only features) is cached per layout, so a new mask of a
 known layout costs one strided read of its sampled rows, one packing, and a fixed handful of
 whole-array operations on the packed words (one popcount stack whose row totals give every
-count). Selection on Wan 720p 40-head corpus masks, on a 2-core AMD EPYC host: 0.14-0.20 ms
-for a new mask of a known layout, 0.26-0.36 ms for a new layout (was 0.47-0.61 and 0.59-0.77
-ms), ~0.4 us cached (``benchmarks/selection.py --cost-only``).
+count). Selection on Wan 720p 40-head masks (four corpus families and a random one), on a
+2-core AMD EPYC host: 0.12-0.18 ms for a new mask of a known layout, 0.23-0.34 ms for a new
+layout (was 0.46-0.62 and 0.58-0.77 ms), ~0.4 us cached (``benchmarks/selection.py
+--cost-only``; ``benchmarks/results/cpu-selection-cost.json``).
 
 Features (``FEATURE_NAMES``; all scale-free or log2):
 

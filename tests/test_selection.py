@@ -207,7 +207,7 @@ def _sampled_reference(m):
     }
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.data())
 def test_features_sampled_match_definition(data):
     """Above the sample size, features equal the sample's plain definition (bit-packed rows,
