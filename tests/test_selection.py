@@ -525,3 +525,27 @@ def test_features_sampled_edge_layouts(monkeypatch, H, nq, nkv):
     f = F.mask_features(m)
     for k, v in _sampled_reference(m).items():
         assert f[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+
+
+def test_selection_benchmark_cost_only(tmp_path, capsys):
+    """``benchmarks/selection.py --cost-only``: the selection cost alone, no kernel timing."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "selection.py"
+    spec = importlib.util.spec_from_file_location("bench_selection_cost", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cands = [("xla_128x64", "split"), ("xla_64x128", "keep")]
+    data, _ = _synthetic_table(cands, gpu={"name": "cpu", "arch": "cpu"})
+    P.write_table(tmp_path / "cpu.json", data)
+    out = tmp_path / "cost.json"
+    res = bench.main(["--cost-only", "--tiny", "--table", str(tmp_path / "cpu.json"),
+                      "--sel-repeats", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+    assert "masks" not in res and [r["mask"] for r in res["selection_cost"]] == [
+        "random-64-blocks-10pct"]
+    assert tuple(res["selection_cost"][0]["choice"]) in cands
+    for key in ("selection_ms_wan720", "selection_ms_wan720_new_mask_known_layout",
+                "selection_ms_wan720_cached"):
+        assert isinstance(res["summary"][key], float) and res["summary"][key] > 0, key
+    assert "selection_ms_wan720" in capsys.readouterr().out
