@@ -78,6 +78,7 @@ _BASE_POLICIES = ("keep", "merge", "split", "pack")
 _AUTO_CANDIDATES = ("merge", "split", "pack")
 _U64 = np.dtype("<u8")
 _CHUNK = 1 << 16        # step rows expanded at a time (about 1.3 MB, cache-sized)
+_WORD_CHUNK = 1 << 14   # words unpacked at a time (1 MB of bytes)
 
 
 def bucket(n: int) -> int:
@@ -227,11 +228,20 @@ def _run_bounds(words: np.ndarray, nbits: int | None = None):
     both ^= f
     nzw = np.flatnonzero(both)
     vals = both[nzw]
-    e = np.flatnonzero(np.unpackbits(vals.view(np.uint8), bitorder="little").view(np.bool_))
     cw = np.bitwise_count(vals)                 # boundaries per non-zero word
     rw = nzw // W
-    pos = np.repeat((nzw - rw * W - np.arange(len(nzw))) * 64, cw)
-    pos += e                                     # per row: start, end, start, end, ...
+    off = (nzw - rw * W) * 64                   # first bit of each non-zero word in its row
+    ends = np.cumsum(cw, dtype=np.int64)
+    pos = np.empty(int(ends[-1]) if len(ends) else 0, np.int32)
+    # Unpack the non-zero words a chunk at a time (one byte per bit, in cache): the bit
+    # positions are written once, as int32, in row order: start, end, start, end, ...
+    for a in range(0, len(nzw), _WORD_CHUNK):
+        b = min(a + _WORD_CHUNK, len(nzw))
+        bits = np.unpackbits(vals[a:b].view(np.uint8), bitorder="little").view(np.bool_)
+        e = np.flatnonzero(bits)
+        p = np.repeat(off[a:b] - 64 * np.arange(b - a), cw[a:b])
+        p += e
+        pos[int(ends[a] - cw[a]): int(ends[b - 1])] = p
     per_row = np.bincount(rw, weights=cw, minlength=R).astype(np.int64) >> 1
     return per_row, pos[0::2], pos[1::2]
 
