@@ -176,29 +176,36 @@ def _pack(rows: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(pk).view(_U64)
 
 
-def _set_bits(words: np.ndarray):
-    """(k, e, nzw) for the set bits of ``words`` [R, W] in (row, bit) order: ``nzw`` the flat
-    indices of the non-zero words, ``k`` the index into ``nzw`` of each bit's word and ``e``
-    its index in the unpacked non-zero words (bit within the word = e - 64 k)."""
+def _set_bits(words: np.ndarray, dtype=np.int64):
+    """(bits per row, bit positions) of the set bits of ``words`` [R, W], in (row, bit) order.
+
+    Only the non-zero words are unpacked (one byte per bit), a cache-sized chunk at a time,
+    and each position is written once: the work grows with the non-zero words and the set
+    bits, with no pass per bit rank and no large int64 temporaries.
+    """
+    R, W = words.shape
     flat = words.reshape(-1)
     nzw = np.flatnonzero(flat)
-    unpacked = np.unpackbits(flat[nzw].view(np.uint8), bitorder="little")
-    e = np.flatnonzero(unpacked.view(np.bool_))
-    return e >> 6, e, nzw
+    vals = flat[nzw]
+    cw = np.bitwise_count(vals)                 # set bits per non-zero word
+    rw = nzw // W
+    off = (nzw - rw * W) * 64                   # first bit of each non-zero word in its row
+    ends = np.cumsum(cw, dtype=np.int64)
+    pos = np.empty(int(ends[-1]) if len(ends) else 0, dtype)
+    for a in range(0, len(nzw), _WORD_CHUNK):
+        b = min(a + _WORD_CHUNK, len(nzw))
+        bits = np.unpackbits(vals[a:b].view(np.uint8), bitorder="little").view(np.bool_)
+        p = np.repeat(off[a:b] - 64 * np.arange(b - a), cw[a:b])
+        p += np.flatnonzero(bits)
+        pos[int(ends[a] - cw[a]): int(ends[b - 1])] = p
+    per_row = np.bincount(rw, weights=cw, minlength=R).astype(np.int64)
+    return per_row, pos
 
 
 def _bit_positions(words: np.ndarray):
-    """(row, bit) of every set bit of ``words`` [R, W], sorted by (row, bit).
-
-    Only the non-zero words are unpacked (one byte per bit), so the work grows with the
-    non-zero words and the set bits, with no pass per bit rank.
-    """
-    W = words.shape[1]
-    k, e, nzw = _set_bits(words)
-    rw = nzw // W
-    pos = ((nzw - rw * W - np.arange(len(nzw))) * 64)[k]
-    pos += e
-    return rw[k], pos
+    """(row, bit) of every set bit of ``words`` [R, W], sorted by (row, bit)."""
+    per_row, pos = _set_bits(words)
+    return np.repeat(np.arange(len(per_row)), per_row), pos
 
 
 def _runs(words: np.ndarray, nbits: int | None = None):
@@ -208,7 +215,8 @@ def _runs(words: np.ndarray, nbits: int | None = None):
 
 
 def _run_bounds(words: np.ndarray, nbits: int | None = None):
-    """(runs per row, first, end) of the runs of set bits of ``words`` [R, W], in row order.
+    """(runs per row, first, end) of the runs of set bits of ``words`` [R, W], in row order
+    (int32 positions).
 
     Run boundaries (first bits and exclusive ends) are the bits that differ from the bit
     before them: ``w ^ (w << 1)`` with the carry from the previous word. Rows are processed
@@ -226,24 +234,8 @@ def _run_bounds(words: np.ndarray, nbits: int | None = None):
     if f.size:
         both[1:] |= f[:-1] >> np.uint64(63)
     both ^= f
-    nzw = np.flatnonzero(both)
-    vals = both[nzw]
-    cw = np.bitwise_count(vals)                 # boundaries per non-zero word
-    rw = nzw // W
-    off = (nzw - rw * W) * 64                   # first bit of each non-zero word in its row
-    ends = np.cumsum(cw, dtype=np.int64)
-    pos = np.empty(int(ends[-1]) if len(ends) else 0, np.int32)
-    # Unpack the non-zero words a chunk at a time (one byte per bit, in cache): the bit
-    # positions are written once, as int32, in row order: start, end, start, end, ...
-    for a in range(0, len(nzw), _WORD_CHUNK):
-        b = min(a + _WORD_CHUNK, len(nzw))
-        bits = np.unpackbits(vals[a:b].view(np.uint8), bitorder="little").view(np.bool_)
-        e = np.flatnonzero(bits)
-        p = np.repeat(off[a:b] - 64 * np.arange(b - a), cw[a:b])
-        p += e
-        pos[int(ends[a] - cw[a]): int(ends[b - 1])] = p
-    per_row = np.bincount(rw, weights=cw, minlength=R).astype(np.int64) >> 1
-    return per_row, pos[0::2], pos[1::2]
+    per_row, pos = _set_bits(both.reshape(R, W), np.int32)   # start, end, start, end, ...
+    return per_row >> 1, pos[0::2], pos[1::2]
 
 
 def _chunk(starts, ends, tile, align, limit):
