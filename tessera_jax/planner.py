@@ -366,11 +366,11 @@ def _row_groups(ctx: _Ctx, merge: bool):
 def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
     """keep / merge: one row group per unit, the group's K/V tiles anchored at interval starts.
 
-    Built from per-interval values (int32): each (unit, key interval) pair contributes one
-    template step row that ``np.repeat`` expands into the interval's tiles, in cache-sized
-    chunks of units: the K/V starts then advance by one tile per row and the last tiles get
-    their hi before the chunk is copied into ``steps``; late first tiles and shifted last tiles
-    are patched at the end. Full tiles and selected areas per unit come from interval sums.
+    Built from per-interval values (int32): unit costs and areas from interval sums per group,
+    and the step rows in cache-sized chunks of units, where each (unit, key interval) pair
+    contributes one template row that ``np.repeat`` expands into the interval's tiles; the K/V
+    starts then advance by one tile per row, the first, last and shifted tiles are patched, and
+    the chunk is copied once into ``steps``.
     """
     tq, tk, al, kvp = ctx.tile_q, ctx.tile_kv, ctx.kv_align, ctx.kvp
     gh, gi, ge = _row_groups(ctx, merge)
@@ -426,18 +426,9 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
     nfull = np.where((qlo == 0) & (qhi == tq), g_full[ug], 0)
     area = (qhi - qlo) * g_keys[ug]
     S = int(cnt.sum())
-    # Instances: (unit, interval of the unit's group), in unit order.
+    # Instances: (unit, interval of the unit's group), in unit order, expanded in chunks of
+    # whole units (about _CHUNK steps each) so that every pass below runs in cache.
     m = n_int[ug]
-    if U == G:
-        src = None
-    else:
-        src = np.repeat(i_first[ug] - (np.cumsum(m) - m), m) + np.arange(int(m.sum()))
-        n = n[src]
-    f = np.cumsum(n, dtype=np.int32)
-    f -= n                                            # first step of each instance
-    last = f + n
-    last -= 1
-    # Chunks of whole units, about _CHUNK steps each.
     u_inst = np.concatenate([[0], np.cumsum(m)])
     u_step = np.concatenate([[0], np.cumsum(cnt)])
     cuts = np.unique(np.searchsorted(u_step, np.arange(0, S, _CHUNK), side="right") - 1)
@@ -445,22 +436,32 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
     qlo32, qhi32 = qlo.astype(np.int32), qhi.astype(np.int32)
     # Mostly single-tile intervals: the template is the exact single tile (lo and hi), and the
     # rows of longer intervals are fixed; otherwise the template is a middle tile and the
-    # first (lo, sparse) and last (hi) tiles are patched.
-    single = 2 * (S - len(n)) < len(n)
+    # first (lo, where late) and last (hi) tiles are patched.
+    single = 2 * (S - int(u_inst[-1])) < int(u_inst[-1])
+    shift_at = None
+    if sh.size:
+        shift_at = np.zeros(len(ks), np.int32)
+        shift_at[sh] = shift
     steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
     for u0, u1 in zip(cuts[:-1], cuts[1:]):
         i0, i1 = int(u_inst[u0]), int(u_inst[u1])
         s0, s1 = int(u_step[u0]), int(u_step[u1])
-        iv = slice(i0, i1) if src is None else src[i0:i1]
-        # kv_start = a0 + (s - f) * tk: the template holds a0 - (f - s0) * tk and the rows
-        # get (s - s0) * tk added after the repeat (chunk-relative: no int32 overflow).
+        mm = m[u0:u1]
+        if U == G:
+            iv = slice(i0, i1)
+        else:
+            iv = np.repeat(i_first[ug[u0:u1]] - (np.cumsum(mm) - mm), mm)
+            iv += np.arange(i1 - i0)
+        nn = n[iv]
+        fc = np.cumsum(nn, dtype=np.int32)
+        fc -= nn                                      # first row of each instance (chunk)
+        # kv_start = a0 + (row - fc) * tk: the template holds a0 - fc * tk, then every row
+        # gets row * tk added after the repeat.
         tm = np.empty((i1 - i0, abi.STEP_COLS), np.int32)
-        col = np.subtract(f[i0:i1], s0, out=tm[:, abi.STEP_KV_START])
-        col *= tk
+        col = np.multiply(fc, tk, out=tm[:, abi.STEP_KV_START])
         np.subtract(a0[iv], col, out=col)
-        tm[:, abi.STEP_Q_LO] = np.repeat(qlo32[u0:u1], m[u0:u1])
-        tm[:, abi.STEP_Q_HI] = np.repeat(qhi32[u0:u1], m[u0:u1])
-        nn = n[i0:i1]
+        tm[:, abi.STEP_Q_LO] = np.repeat(qlo32[u0:u1], mm)
+        tm[:, abi.STEP_Q_HI] = np.repeat(qhi32[u0:u1], mm)
         if single:
             tm[:, abi.STEP_KV_LO] = kl0[iv]
             tm[:, abi.STEP_KV_HI] = khl[iv]
@@ -469,37 +470,29 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
             tm[:, abi.STEP_KV_HI] = tk
         t = np.repeat(tm, nn, axis=0)
         t[:, abi.STEP_KV_START] += np.arange(0, (s1 - s0) * tk, tk, dtype=np.int32)
+        lc = fc + nn
+        lc -= 1                                       # last row of each instance
         if single:
             mi = np.flatnonzero(nn > 1)
             if mi.size:
                 c = nn[mi] - 1
-                r = np.repeat(f[i0:i1][mi] - s0 - (np.cumsum(c) - c), c)
+                r = np.repeat(fc[mi] - (np.cumsum(c) - c), c)
                 r += np.arange(len(r))
-                t[r, abi.STEP_KV_HI] = tk              # not last
-                t[r + 1, abi.STEP_KV_LO] = 0           # not first
+                t[r, abi.STEP_KV_HI] = tk             # not last
+                t[r + 1, abi.STEP_KV_LO] = 0          # not first
         else:
-            t[last[i0:i1] - s0, abi.STEP_KV_HI] = khl[iv]
+            t[lc, abi.STEP_KV_HI] = khl[iv]
+            lo_c = kl0[iv]
+            k = np.flatnonzero(lo_c)
+            t[fc[k], abi.STEP_KV_LO] = lo_c[k]
+        if shift_at is not None:                      # last tiles shifted back inside kvp
+            sc = shift_at[iv]
+            k = np.flatnonzero(sc)
+            if k.size:
+                t[lc[k], abi.STEP_KV_START] -= sc[k]
+                k = k[nn[k] > 1]                      # a single tile has the shift in its lo
+                t[lc[k], abi.STEP_KV_LO] = sc[k]
         steps[s0:s1] = t
-    # Sparse patches: first tiles that start late, shifted last tiles.
-    def instances(iv):
-        """(instance, interval) pairs of intervals ``iv``: one per unit of their group."""
-        if src is None:
-            return iv, iv
-        g = np.searchsorted(i_first, iv, side="right") - 1        # group of each interval
-        lo_u, hi_u = np.searchsorted(ug, g), np.searchsorted(ug, g, side="right")
-        k = hi_u - lo_u
-        rep = np.repeat(np.arange(len(iv)), k)
-        u = np.repeat(lo_u - (np.cumsum(k) - k), k) + np.arange(int(k.sum()))
-        return u_inst[u] + (iv - i_first[g])[rep], iv[rep]
-    if not single:
-        inst, iv = instances(np.flatnonzero(kl0))
-        steps[f[inst], abi.STEP_KV_LO] = kl0[iv]
-    if sh.size:
-        inst, iv = instances(sh)
-        j = np.searchsorted(sh, iv)
-        steps[last[inst], abi.STEP_KV_START] -= shift[j]
-        more = ~one[j]
-        steps[last[inst[more]], abi.STEP_KV_LO] = shift[j[more]]
     return _Raw(gh[ug], qs, qlo, qhi, cnt, steps, nfull, area)
 
 
