@@ -438,8 +438,11 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
     # rows of longer intervals are fixed; otherwise the template is a middle tile and the
     # first (lo, where late) and last (hi) tiles are patched.
     single = 2 * (S - int(u_inst[-1])) < int(u_inst[-1])
-    shift_at = None
+    late = None if single else kl0 != 0               # first tiles that start late
+    shifted = None
     if sh.size:
+        shifted = np.zeros(len(ks), bool)
+        shifted[sh] = True
         shift_at = np.zeros(len(ks), np.int32)
         shift_at[sh] = shift
     steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
@@ -482,16 +485,15 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
                 t[r + 1, abi.STEP_KV_LO] = 0          # not first
         else:
             t[lc, abi.STEP_KV_HI] = khl[iv]
-            lo_c = kl0[iv]
-            k = np.flatnonzero(lo_c)
-            t[fc[k], abi.STEP_KV_LO] = lo_c[k]
-        if shift_at is not None:                      # last tiles shifted back inside kvp
-            sc = shift_at[iv]
-            k = np.flatnonzero(sc)
+            k = np.flatnonzero(late[iv])
+            t[fc[k], abi.STEP_KV_LO] = kl0[k + i0 if U == G else iv[k]]
+        if shifted is not None:                       # last tiles shifted back inside kvp
+            k = np.flatnonzero(shifted[iv])
             if k.size:
-                t[lc[k], abi.STEP_KV_START] -= sc[k]
-                k = k[nn[k] > 1]                      # a single tile has the shift in its lo
-                t[lc[k], abi.STEP_KV_LO] = sc[k]
+                sc = shift_at[k + i0 if U == G else iv[k]]
+                t[lc[k], abi.STEP_KV_START] -= sc
+                more = nn[k] > 1                      # a single tile has the shift in its lo
+                t[lc[k[more]], abi.STEP_KV_LO] = sc[more]
         steps[s0:s1] = t
     return _Raw(gh[ug], qs, qlo, qhi, cnt, steps, nfull, area)
 
