@@ -7,6 +7,8 @@ from ``tessera_jax.masks`` must be built over the same order (or the caller perm
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from typing import Sequence
 
@@ -180,3 +182,35 @@ def check_order(order, num_tokens: int):
     inv = np.empty_like(arr)
     inv[arr] = np.arange(num_tokens)
     return arr.astype(np.int32), inv.astype(np.int32)
+
+
+class VideoConfigMixin:
+    """Shared geometry of a video DiT config: width, VAE latent shape and token grid.
+
+    Subclasses (frozen dataclasses with ``num_heads``, ``head_dim`` and ``patch``) set
+    ``VAE_SPATIAL`` (8 for Wan2.1, 16 for HunyuanVideo-1.5) and ``DEFAULT_VIDEO`` (frames,
+    height, width).
+    """
+
+    VAE_SPATIAL = 8
+    DEFAULT_VIDEO = (81, 480, 832)
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+    def latent_shape(self, frames=None, height=None, width=None):
+        """Latent (T, H, W): VAE 4x in time (causal first frame), VAE_SPATIAL x in space."""
+        f0, h0, w0 = self.DEFAULT_VIDEO
+        frames, height, width = (frames or f0), (height or h0), (width or w0)
+        if (frames - 1) % 4 or height % 16 or width % 16:
+            raise ValueError("frames must be 4k+1 and height/width multiples of 16")
+        s = self.VAE_SPATIAL
+        return ((frames - 1) // 4 + 1, height // s, width // s)
+
+    def token_grid(self, frames=None, height=None, width=None):
+        t, h, w = self.latent_shape(frames, height, width)
+        return (t // self.patch[0], h // self.patch[1], w // self.patch[2])

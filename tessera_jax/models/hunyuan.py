@@ -22,15 +22,17 @@ import flax.nnx as nnx
 from tessera_jax.flax import DEFAULT_OPTIONS, AttentionOptions, attention
 from tessera_jax.mask import BlockMask
 
-from .common import (MLP, apply_rope, check_order, extend_with_text, layer_masks, patchify, rope_3d,
-                     timestep_embedding, unpatchify)
+from .common import (MLP, VideoConfigMixin, apply_rope, check_order, extend_with_text,
+                     layer_masks, patchify, rope_3d, timestep_embedding, unpatchify)
 
 __all__ = ["HUNYUAN15", "HUNYUAN15_I2V", "HunyuanConfig", "HunyuanModel"]
 
 
 @dataclasses.dataclass(frozen=True)
-class HunyuanConfig:
+class HunyuanConfig(VideoConfigMixin):
     """Shape of a HunyuanVideo-1.5 DiT. ``num_layers`` may be a subset of 54 (for timing)."""
+    VAE_SPATIAL = 16
+    DEFAULT_VIDEO = (121, 720, 1280)
 
     num_layers: int = 54
     num_heads: int = 16
@@ -62,23 +64,6 @@ class HunyuanConfig:
                              f"head_dim={self.head_dim}")
         for f in ("dtype", "param_dtype"):
             jnp.dtype(getattr(self, f))
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    def replace(self, **kw) -> "HunyuanConfig":
-        return dataclasses.replace(self, **kw)
-
-    def latent_shape(self, frames: int = 121, height: int = 720, width: int = 1280):
-        """Latent (T, H, W): VAE 4x in time (causal first frame), 16x in space."""
-        if (frames - 1) % 4 or height % 16 or width % 16:
-            raise ValueError("frames must be 4k+1 and height/width multiples of 16")
-        return ((frames - 1) // 4 + 1, height // 16, width // 16)
-
-    def token_grid(self, frames: int = 121, height: int = 720, width: int = 1280):
-        t, h, w = self.latent_shape(frames, height, width)
-        return (t // self.patch[0], h // self.patch[1], w // self.patch[2])
 
 
 HUNYUAN15 = HunyuanConfig()

@@ -19,7 +19,8 @@ import flax.nnx as nnx
 from tessera_jax.flax import DEFAULT_OPTIONS, AttentionOptions, attention
 from tessera_jax.mask import BlockMask
 
-from .common import MLP, apply_rope, check_order, layer_masks, patchify, rope_3d, rope_split, timestep_embedding, unpatchify
+from .common import (MLP, VideoConfigMixin, apply_rope, check_order, layer_masks, patchify,
+                     rope_3d, rope_split, timestep_embedding, unpatchify)
 
 __all__ = ["WAN21_1_3B", "WAN21_14B", "WanConfig", "WanModel"]
 
@@ -30,8 +31,10 @@ def _pos(name, val):
 
 
 @dataclasses.dataclass(frozen=True)
-class WanConfig:
+class WanConfig(VideoConfigMixin):
     """Shape of a Wan2.1 DiT. ``num_layers`` may be a subset of the real depth (for timing)."""
+    VAE_SPATIAL = 8
+    DEFAULT_VIDEO = (81, 480, 832)
 
     num_layers: int = 30
     num_heads: int = 12
@@ -59,23 +62,6 @@ class WanConfig:
         rope_split(self.head_dim)
         for f in ("dtype", "param_dtype"):
             jnp.dtype(getattr(self, f))
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    def replace(self, **kw) -> "WanConfig":
-        return dataclasses.replace(self, **kw)
-
-    def latent_shape(self, frames: int = 81, height: int = 480, width: int = 832):
-        """Latent (T, H, W) of a video: VAE 4x in time (causal first frame), 8x in space."""
-        if (frames - 1) % 4 or height % 16 or width % 16:
-            raise ValueError("frames must be 4k+1 and height/width multiples of 16")
-        return ((frames - 1) // 4 + 1, height // 8, width // 8)
-
-    def token_grid(self, frames: int = 81, height: int = 480, width: int = 832):
-        t, h, w = self.latent_shape(frames, height, width)
-        return (t // self.patch[0], h // self.patch[1], w // self.patch[2])
 
 
 WAN21_1_3B = WanConfig(num_layers=30, num_heads=12, head_dim=128, ffn_dim=8960)
