@@ -19,18 +19,11 @@ from pallas_kernels import plan_abi as abi
 _CHUNK_ELEMS = 1 << 22
 
 
+@functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "q_len_padded",
+                                             "kv_len_padded", "max_steps", "scale", "return_lse"))
 def execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
             max_steps, scale, return_lse=False):
     """out [B, Lq, Hq, D] (and lse [B, Hq, Lq]) for the plan given by the ABI arrays."""
-    return _execute(q, k, v, units, steps, row_index, tile_q=tile_q, tile_kv=tile_kv,
-                    q_len_padded=q_len_padded, kv_len_padded=kv_len_padded,
-                    max_steps=max_steps, scale=scale, return_lse=return_lse)
-
-
-@functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "q_len_padded",
-                                             "kv_len_padded", "max_steps", "scale", "return_lse"))
-def _execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
-             max_steps, scale, return_lse):
     B, Lq, Hq, D = q.shape
     Lkv, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -73,7 +66,7 @@ def _execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded,
         m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
         p = jnp.exp(s - m)
         l = jnp.sum(p, axis=(-2, -1))                                        # [B, C, T]
-        o = jnp.einsum("bctmk,bcmkd->bctd", p.astype(v.dtype) if v.dtype != jnp.float32 else p,
+        o = jnp.einsum("bctmk,bcmkd->bctd", p.astype(v.dtype),
                        vt, preferred_element_type=acc_t, precision=lax.Precision.HIGHEST)
         o = o / jnp.where(l > 0, l, 1.0)[..., None]
         lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + m[..., 0, 0], -jnp.inf)
