@@ -1,18 +1,22 @@
 """Hopper (sm_90a) Mosaic GPU forward kernel that executes a plan (see ``plan_abi``).
 
 Modelled on jax's ``ops/gpu/attention_mgpu.py`` (FlashAttention-3 style): one CTA per work unit,
-two consumer warpgroups of 64 query rows each (tile_q = 128) and a producer warpgroup that
-streams the unit's K/V tiles by TMA through a ``stages``-deep shared-memory ring. The consumers
-run wgmma and an online softmax in base 2, ping-ponged by a schedule barrier so one
-warpgroup's softmax overlaps the other's matrix products. What differs from the dense kernel:
-the K/V tiles a unit visits, and how many, come from the plan's ``steps`` (read from GMEM at
-run time), and the rectangle mask is applied only on partial steps (a ``lax.cond`` skips it
-on full ones). Plan starts must be multiples of 8 (TMA fills the 8-row tiled, swizzled SMEM
-layout); templates declare it as q_align / kv_align. Variants (template options): a persistent
-loop (one CTA per SM walking the units, the ring continuing across units) and masking on
-every step; measurements in ``benchmarks/NOTES.md``. On CPU, ``interpret=`` runs it under the
-Mosaic GPU interpreter, with P @ V as a plain dot (the interpreter lacks run_state and wgmma
-with a register operand).
+consumer warpgroups of 64 query rows each and a producer warpgroup that streams the unit's K/V
+tiles by TMA through a ``stages``-deep shared-memory ring. The consumers run wgmma and an
+online softmax in base 2. With tile_q = 128 two consumers are ping-ponged by a schedule barrier
+so one warpgroup's softmax overlaps the other's matrix products; with tile_q = 64 there is one
+consumer, no ping-pong, and the overlap comes from two CTAs per SM (small SMEM, no register
+split). What differs from the dense kernel: the K/V tiles a unit visits, and how many, come
+from the plan's ``steps`` (read from GMEM at run time), and the rectangle mask is applied only
+on partial steps (a ``lax.cond`` skips it on full ones; mask mode "none", picked from a
+concrete plan whose steps are all full, drops the cond and the -inf guard). Plan starts must
+be multiples of 8 (TMA fills the 8-row tiled, swizzled SMEM layout); templates declare it as
+q_align / kv_align. Variants (template options): a persistent loop (one CTA per SM walking the
+units, the ring continuing across units), masking on every step, and ``wg_skip`` (a consumer
+warpgroup skips the matrix products and softmax of steps whose rows miss its 64 rows, for
+plans that pack two 64-row query blocks into one unit); measurements in
+``benchmarks/NOTES.md``. On CPU, ``interpret=`` runs it under the Mosaic GPU interpreter,
+with P @ V as a plain dot (the interpreter lacks run_state and wgmma with a register operand).
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from . import templates as _templates
 
 __all__ = ["KernelConfig", "attention", "config_from_template"]
 
-_COMPUTE_WGS = 2
 _WG_ROWS = 64                      # rows per consumer warpgroup (one wgmma M tile)
 _ALIGN = 8                         # q_start / kv_start alignment (rows of one SMEM tile)
 _LOG2E = math.log2(math.e)
@@ -42,40 +45,62 @@ _LN2 = math.log(2.0)
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Static shape of one compiled kernel: tile_kv keys per step, ``stages`` ring slots."""
+    """Static shape of one compiled kernel: tile_q query rows (one consumer warpgroup per 64),
+    tile_kv keys per step, ``stages`` ring slots, and the variant switches."""
 
     tile_kv: int
     stages: int
-    tile_q: int = _COMPUTE_WGS * _WG_ROWS
-    use_schedule_barrier: bool = True
-    mask_mode: str = "cond"      # "cond": mask partial steps only; "always": mask every step
+    tile_q: int = 2 * _WG_ROWS
+    use_schedule_barrier: bool = True  # ping-pong of the two consumer WGs (ignored with one)
+    mask_mode: str = "cond"      # "cond": mask partial steps only; "always": every step;
+    #                              "none": never (plans whose steps are all full)
     persistent: bool = False     # one CTA per SM looping over the units, or one CTA per unit
     num_ctas: int = 0            # persistent CTAs; 0: one per multiprocessor
-    prefetch_rect: bool = True   # read step i+1's rectangle from GMEM during step i
+    prefetch_rect: bool = False  # read step i+1's rectangle from GMEM during step i
+    wg_skip: bool = False        # a consumer WG skips steps whose rows miss its 64 rows
 
     def __post_init__(self):
-        if self.tile_q != _COMPUTE_WGS * _WG_ROWS:
-            raise ValueError(f"tile_q must be {_COMPUTE_WGS * _WG_ROWS} (two warpgroups of "
-                             f"{_WG_ROWS} rows), got {self.tile_q}")
+        if self.tile_q not in (_WG_ROWS, 2 * _WG_ROWS):
+            raise ValueError(f"tile_q must be {_WG_ROWS} (one consumer warpgroup) or "
+                             f"{2 * _WG_ROWS} (two warpgroups of {_WG_ROWS} rows), "
+                             f"got {self.tile_q}")
         if self.tile_kv % 64 or self.tile_kv <= 0:
             raise ValueError(f"tile_kv must be a positive multiple of 64, got {self.tile_kv}")
         if self.stages < 2:
             raise ValueError(f"stages must be at least 2, got {self.stages}")
-        if self.mask_mode not in ("cond", "always"):
-            raise ValueError(f"mask_mode must be 'cond' or 'always', got {self.mask_mode!r}")
+        if self.mask_mode not in _MASK_MODES:
+            raise ValueError(f"mask_mode must be one of {_MASK_MODES}, got {self.mask_mode!r}")
+        if self.wg_skip and self.compute_wgs == 1:
+            raise ValueError("wg_skip needs two consumer warpgroups (tile_q=128): with "
+                             "tile_q=64 every step's rows are the warpgroup's rows")
+
+    @property
+    def compute_wgs(self) -> int:
+        """Consumer warpgroups (64 query rows each)."""
+        return self.tile_q // _WG_ROWS
+
+    @property
+    def schedule_barrier(self) -> bool:
+        """Whether the two consumer warpgroups ping-pong (never with a single one)."""
+        return self.use_schedule_barrier and self.compute_wgs == 2
 
 
-def config_from_template(template) -> KernelConfig:
-    """The kernel config of a registered ``mosaic_gpu`` template (name or Template)."""
+_MASK_MODES = ("cond", "always", "none")
+
+
+def config_from_template(template, mask_mode: str | None = None) -> KernelConfig:
+    """The kernel config of a registered ``mosaic_gpu`` template (name or Template);
+    ``mask_mode`` overrides the template's (the wrapper picks "none" for all-full plans)."""
     t = _templates.get(template)
     if t.backend != "mosaic_gpu":
         raise ValueError(f"template {t.name!r} is for backend {t.backend!r}, not mosaic_gpu")
     return KernelConfig(tile_kv=t.tile_kv, stages=t.stages, tile_q=t.tile_q,
                         use_schedule_barrier=bool(t.option("schedule_barrier", True)),
-                        mask_mode=str(t.option("mask_mode", "cond")),
+                        mask_mode=str(mask_mode or t.option("mask_mode", "cond")),
                         persistent=bool(t.option("persistent", False)),
                         num_ctas=int(t.option("num_ctas", 0)),
-                        prefetch_rect=bool(t.option("prefetch_rect", True)))
+                        prefetch_rect=bool(t.option("prefetch_rect", False)),
+                        wg_skip=bool(t.option("wg_skip", False)))
 
 
 def _num_sms() -> int:
@@ -90,12 +115,19 @@ def _num_sms() -> int:
 
 def _smem_bytes(cfg: KernelConfig, head_dim: int) -> int:
     """Shared memory of one CTA: Q/O tiles, the K/V ring, LSE, plus ~2.7 KB of barriers and
-    alignment (232,568 bytes measured for tile_kv=128, 3 stages, D=128)."""
-    return 2 * (_COMPUTE_WGS * _WG_ROWS * head_dim + 2 * cfg.stages * cfg.tile_kv * head_dim) \
-        + 4 * _COMPUTE_WGS * _WG_ROWS + 2680
+    alignment (232,568 bytes measured for tile_kv=128, 3 stages, D=128; the reduction scratch
+    and barriers take 2.6-2.9 KB in the cross-lowered kernels)."""
+    return 2 * (cfg.tile_q * head_dim + 2 * cfg.stages * cfg.tile_kv * head_dim) \
+        + 4 * cfg.tile_q + 2900
 
 
 _MAX_SMEM = 232448                 # bytes per CTA on sm_90 (the limit Mosaic GPU reports)
+_SM_SMEM = 233472                  # bytes per multiprocessor (228 KiB), 1 KiB reserved per CTA
+
+
+def _ctas_per_sm(cfg: KernelConfig, head_dim: int) -> int:
+    """CTAs that fit on one multiprocessor by shared memory (registers permitting)."""
+    return _SM_SMEM // (_smem_bytes(cfg, head_dim) + 1024)
 
 
 def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret=False):
@@ -107,6 +139,8 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
     U = units.shape[0]
     dtype = q.dtype
     tile_kv, stages, tile_q = cfg.tile_kv, cfg.stages, cfg.tile_q
+    nwg = cfg.compute_wgs                  # consumer warpgroups; the producer is warpgroup nwg
+    sched_on = cfg.schedule_barrier
     qk_scale = float(scale) * _LOG2E       # scores kept in base-2 units: s * scale * log2(e)
 
     num_steps = steps.shape[0]
@@ -139,13 +173,16 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
             return lax.rem(g, jnp.array(stages, g.dtype))
 
         def schedule():
-            if cfg.use_schedule_barrier:
+            if sched_on:
                 plgpu.barrier_arrive(schedule_barrier)
                 plgpu.barrier_wait(schedule_barrier)
 
-        @pl.when(wg < _COMPUTE_WGS)
+        @pl.when(wg < nwg)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            if nwg == 2:
+                # With one consumer WG the CTA stays small enough (registers, SMEM) for two
+                # CTAs per SM; the register split only pays with two consumers.
+                plgpu.set_max_registers(232, action="increase")
             qo_smem = qo_smem2.at[wg]
             lse_smem = lse_smem2.at[wg]
             row0 = pl.multiple_of(wg * _WG_ROWS, _WG_ROWS)
@@ -187,80 +224,111 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
                         # GMEM latency hides behind this step's matrix products.
                         q_lo, q_hi, kv_lo, kv_hi = cur
                         nxt = rect(jnp.minimum(i + 1, cnt - 1))
+                    elif cfg.mask_mode == "none" and not cfg.wg_skip:
+                        q_lo = q_hi = kv_lo = kv_hi = None     # never read: every step is full
+                        nxt = cur
                     else:
                         q_lo, q_hi, kv_lo, kv_hi = rect(i)
                         nxt = cur
 
-                    def compute_qk(acc_ref):
-                        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                        schedule()
-                        return acc_ref[...]
-
-                    qk = pl.run_scoped(compute_qk, plgpu.ACC((_WG_ROWS, tile_kv), jnp.float32))
-                    plgpu.barrier_arrive(k_consumed.at[slot])
-
-                    full = (q_lo <= 0) & (q_hi >= _WG_ROWS) & (kv_lo == 0) & (kv_hi == tile_kv)
-
-                    def mask(x):
-                        r = plgpu.broadcasted_iota(jnp.int32, x.shape, 0,
-                                                   layout=plgpu.Layout.WGMMA)
-                        c = plgpu.broadcasted_iota(jnp.int32, x.shape, 1,
-                                                   layout=plgpu.Layout.WGMMA)
-                        keep = (r >= q_lo) & (r < q_hi) & (c >= kv_lo) & (c < kv_hi)
-                        return jnp.where(keep, x, -jnp.inf)
-
-                    if cfg.mask_mode == "cond":
-                        qk = lax.cond(full, lambda x: x, mask, qk)
-                    else:
-                        qk = mask(qk)
-
-                    # Online softmax in base 2. A row may have seen only masked entries so far
-                    # (m == -inf): subtract 0 then, so that exp2 gives 0, never NaN.
-                    m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
-                    m_sub = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
-                    alpha = jnp.exp2(m_i - m_sub)
-                    m_i = m_ij
-                    p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_sub, qk.shape, [0]))
-                    acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    l_i *= alpha
-                    p16 = p.astype(dtype)
-
                     def end_softmax_barriers():
-                        if cfg.use_schedule_barrier:
+                        if sched_on:
                             plgpu.barrier_arrive(schedule_barrier)
                         plgpu.barrier_wait(v_bar.at[slot])
-                        if cfg.use_schedule_barrier:
+                        if sched_on:
                             plgpu.barrier_wait(schedule_barrier)
-
-                    if D <= 128:
-                        l_i += p.sum(axis=1)
-                        acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
-                        end_softmax_barriers()
-                    else:
-                        end_softmax_barriers()
-                        l_i += p.sum(axis=1)
 
                     def wait_next_k():
                         @pl.when(i + 1 < cnt)
                         def _():
                             plgpu.barrier_wait(k_bar.at[slot_of(base + i + 1)])
 
-                    if interpret:
-                        # The Mosaic GPU interpreter has neither a rule for run_state nor
-                        # wgmma with a register A operand: PV is a plain dot on the SMEM tile.
-                        acc = acc + jnp.dot(p16, v_smem.at[slot][...],
-                                            preferred_element_type=jnp.float32)
-                        wait_next_k()
-                    else:
-                        def compute_pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    def compute(state):
+                        acc, m_i, l_i = state
+
+                        def compute_qk(acc_ref):
+                            plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                            schedule()
+                            return acc_ref[...]
+
+                        qk = pl.run_scoped(compute_qk,
+                                           plgpu.ACC((_WG_ROWS, tile_kv), jnp.float32))
+                        plgpu.barrier_arrive(k_consumed.at[slot])
+
+                        def mask(x):
+                            r = plgpu.broadcasted_iota(jnp.int32, x.shape, 0,
+                                                       layout=plgpu.Layout.WGMMA)
+                            c = plgpu.broadcasted_iota(jnp.int32, x.shape, 1,
+                                                       layout=plgpu.Layout.WGMMA)
+                            keep = (r >= q_lo) & (r < q_hi) & (c >= kv_lo) & (c < kv_hi)
+                            return jnp.where(keep, x, -jnp.inf)
+
+                        if cfg.mask_mode == "cond":
+                            full = ((q_lo <= 0) & (q_hi >= _WG_ROWS) & (kv_lo == 0)
+                                    & (kv_hi == tile_kv))
+                            qk = lax.cond(full, lambda x: x, mask, qk)
+                        elif cfg.mask_mode == "always":
+                            qk = mask(qk)
+
+                        # Online softmax in base 2. A row may have seen only masked entries so
+                        # far (m == -inf): subtract 0 then, so that exp2 gives 0, never NaN.
+                        # Without masking (all steps full) every score is finite: no guard.
+                        m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+                        if cfg.mask_mode == "none":
+                            m_sub = m_ij
+                        else:
+                            m_sub = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
+                        alpha = jnp.exp2(m_i - m_sub)
+                        m_i = m_ij
+                        p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_sub, qk.shape, [0]))
+                        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        l_i *= alpha
+                        p16 = p.astype(dtype)
+
+                        if D <= 128:
+                            l_i += p.sum(axis=1)
+                            acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+                            end_softmax_barriers()
+                        else:
+                            end_softmax_barriers()
+                            l_i += p.sum(axis=1)
+
+                        if interpret:
+                            # The Mosaic GPU interpreter has neither a rule for run_state nor
+                            # wgmma with a register A operand: PV is a plain dot on the tile.
+                            acc = acc + jnp.dot(p16, v_smem.at[slot][...],
+                                                preferred_element_type=jnp.float32)
                             wait_next_k()
+                        else:
+                            def compute_pv(acc_ref):
+                                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                                wait_next_k()
 
-                        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-                    plgpu.barrier_arrive(v_consumed.at[slot])
-                    return acc, m_i, l_i, nxt
+                            acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+                        plgpu.barrier_arrive(v_consumed.at[slot])
+                        return acc, m_i, l_i
 
-                acc, m_i, l_i, _ = lax.fori_loop(0, cnt, body, (acc, m_i, l_i, rect(0)))
+                    def skip(state):
+                        # The step's rows miss this warpgroup's: no matrix products and no
+                        # softmax, but the same barrier traffic (ring slot release, the data
+                        # barriers' phases, both ping-pong arrivals) as a computed step.
+                        plgpu.barrier_arrive(k_consumed.at[slot])
+                        schedule()
+                        end_softmax_barriers()
+                        wait_next_k()
+                        plgpu.barrier_arrive(v_consumed.at[slot])
+                        return state
+
+                    state = (acc, m_i, l_i)
+                    if cfg.wg_skip:
+                        active = (q_lo < _WG_ROWS) & (q_hi > 0) & (q_lo < q_hi)
+                        state = lax.cond(active, compute, skip, state)
+                    else:
+                        state = compute(state)
+                    return (*state, nxt)
+
+                first = rect(0) if cfg.prefetch_rect else (jnp.int32(0),) * 4
+                acc, m_i, l_i, _ = lax.fori_loop(0, cnt, body, (acc, m_i, l_i, first))
                 pl.when(wg == 0)(schedule)
 
                 empty = l_i == 0.0
@@ -276,9 +344,10 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
 
             lax.fori_loop(0, n_items, do_unit, jnp.int32(0))
 
-        @pl.when(wg == _COMPUTE_WGS)
+        @pl.when(wg == nwg)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            if nwg == 2:
+                plgpu.set_max_registers(40, action="decrease")
 
             def do_unit(j, base):
                 u, b, head, _, ptr, cnt = unit_of(j)
@@ -318,18 +387,18 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
     def entry(q_ref, k_ref, v_ref, units_ref, steps_ref, out_ref, lse_ref):
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
-        qo = plgpu.SMEM((_COMPUTE_WGS, _WG_ROWS, D), dtype, transforms=(tiling, swizzle))
+        qo = plgpu.SMEM((nwg, _WG_ROWS, D), dtype, transforms=(tiling, swizzle))
         kbuf = plgpu.SMEM((stages, tile_kv, D), dtype, transforms=(tiling, swizzle))
         vbuf = plgpu.SMEM((stages, tile_kv, D), dtype, transforms=(tiling, swizzle))
-        lse = plgpu.SMEM((_COMPUTE_WGS, _WG_ROWS), jnp.float32)
+        lse = plgpu.SMEM((nwg, _WG_ROWS), jnp.float32)
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, v_ref, units_ref, steps_ref, out_ref, lse_ref,
                                    scoped),
             (qo, kbuf, vbuf, lse),
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=_COMPUTE_WGS)),
-            (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),) * 2,
-            plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+             plgpu.Barrier(num_barriers=nwg)),
+            (plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=nwg),
             collective_axes="wg",
         )
 
@@ -347,7 +416,7 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
         out_type=out_type,
         grid=grid,
         grid_names=grid_names,
-        num_threads=_COMPUTE_WGS + 1,
+        num_threads=nwg + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
@@ -394,12 +463,13 @@ def _check(q, k, v, units, steps, row_index, t, q_len_padded, kv_len_padded, sca
         raise ValueError(f"scale must be a finite positive float, got {scale!r}")
 
 
-def _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded):
-    """Host-side checks of a NumPy plan: alignment and bounds the kernel relies on."""
+def _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded) -> bool:
+    """Host-side checks of a NumPy plan: alignment and bounds the kernel relies on. Returns
+    whether every step a unit visits is full (the whole tile_q x tile_kv tile)."""
     if units.ndim != 2 or units.shape[1] != plan_abi.UNIT_COLS:
-        return  # _check reports the shape
+        return False  # _check reports the shape
     if steps.ndim != 2 or steps.shape[1] != plan_abi.STEP_COLS:
-        return
+        return False
     real = units[:, plan_abi.UNIT_STEP_CNT] > 0
     qs = units[real, plan_abi.UNIT_Q_START].astype(np.int64)
     if np.any(qs % t.q_align) or np.any(qs < 0) or np.any(qs + t.tile_q > q_len_padded):
@@ -416,6 +486,25 @@ def _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded):
         raise ValueError(f"steps: every kv_start must be a multiple of kv_align={t.kv_align} "
                          f"with kv_start + {t.tile_kv} <= kv_len_padded={kv_len_padded} "
                          f"(template {t.name!r}); plan for this template")
+    vis = steps[idx]
+    return bool(np.all((vis[:, plan_abi.STEP_Q_LO] == 0) & (vis[:, plan_abi.STEP_Q_HI] == t.tile_q)
+                       & (vis[:, plan_abi.STEP_KV_LO] == 0)
+                       & (vis[:, plan_abi.STEP_KV_HI] == t.tile_kv)))
+
+
+def plan_mask_mode(units, steps, template, q_len_padded, kv_len_padded) -> str:
+    """The mask mode a concrete (NumPy) plan runs with: "none" (no cond, no -inf guard) when
+    the template masks partial steps by cond and every visited step is full, else the
+    template's own mode. Checks the plan like ``attention`` does."""
+    t = _templates.get(template)
+    all_full = _check_concrete_plan(np.asarray(units), np.asarray(steps), t, q_len_padded,
+                                    kv_len_padded)
+    return _auto_mask_mode(t, all_full)
+
+
+def _auto_mask_mode(t, all_full: bool) -> str:
+    mode = str(t.option("mask_mode", "cond"))
+    return "none" if mode == "cond" and all_full else mode
 
 
 def _pad_len(x, length):
@@ -425,10 +514,10 @@ def _pad_len(x, length):
 
 
 @functools.partial(jax.jit, static_argnames=("template", "q_len_padded", "kv_len_padded",
-                                             "scale", "return_lse", "interpret"))
+                                             "scale", "return_lse", "interpret", "mask_mode"))
 def _attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_len_padded,
-               scale, return_lse, interpret):
-    cfg = config_from_template(template)
+               scale, return_lse, interpret, mask_mode=None):
+    cfg = config_from_template(template, mask_mode)
     qp = _pad_len(q, q_len_padded)
     kp = _pad_len(k, kv_len_padded)
     vp = _pad_len(v, kv_len_padded)
@@ -439,7 +528,7 @@ def _attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_l
 
 
 def attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_len_padded,
-              scale=None, return_lse=False, interpret=False):
+              scale=None, return_lse=False, interpret=False, mask_mode=None):
     """Block-sparse attention executing a plan on Hopper with Mosaic GPU.
 
     q [B, Lq, Hq, D]; k, v [B, Lkv, Hkv, D] (bf16 or f16, D in the template's head dims);
@@ -448,14 +537,24 @@ def attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_le
     (q.dtype) and, with ``return_lse``, lse [B, Hq, Lq] (float32, natural log; -inf and
     output 0 for a row with no selected key). ``interpret``: a Mosaic GPU interpreter params
     object (``jax._src.pallas.mosaic_gpu.interpret``) to run on CPU, for tests.
+    ``mask_mode``: None picks it from a concrete NumPy plan (``plan_mask_mode``: "none" when
+    every step is full) or takes the template's for traced plan arrays; "none" on a plan with
+    partial steps would be wrong, so a concrete plan is checked.
     """
     t = _templates.get(template)
+    if mask_mode is not None and mask_mode not in _MASK_MODES:
+        raise ValueError(f"mask_mode must be None or one of {_MASK_MODES}, got {mask_mode!r}")
     if isinstance(units, np.ndarray) and isinstance(steps, np.ndarray):
-        _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded)
+        all_full = _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded)
+        if mask_mode == "none" and not all_full:
+            raise ValueError("mask_mode='none' needs a plan whose steps are all full; this "
+                             "plan has partial steps")
+        mask_mode = mask_mode or _auto_mask_mode(t, all_full)
     units, steps, row_index = (jnp.asarray(a) for a in (units, steps, row_index))
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5 if hasattr(q, "shape") and len(q.shape) == 4 else 1.0
     _check(q, k, v, units, steps, row_index, t, q_len_padded, kv_len_padded, scale)
     return _attention(q, k, v, units, steps, row_index, template=t,
                       q_len_padded=int(q_len_padded), kv_len_padded=int(kv_len_padded),
-                      scale=float(scale), return_lse=bool(return_lse), interpret=interpret)
+                      scale=float(scale), return_lse=bool(return_lse), interpret=interpret,
+                      mask_mode=mask_mode)

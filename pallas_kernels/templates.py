@@ -121,17 +121,21 @@ def supporting(head_dim: int, dtype, backend: str | None = None) -> tuple[Templa
 
 
 # --- Mosaic GPU (Hopper, sm_90a): pallas_kernels.mosaic_fwd --------------------------------
-# tile_q is always 128: two consumer warpgroups of 64 rows each. SMEM per CTA is
-# 2*64*D*2 (Q/O) + stages * 2 * tile_kv * D * 2 (K, V ring): at D=128, tile_kv=128 three
+# tile_q 128: two consumer warpgroups of 64 rows each (FA3 ping-pong). SMEM per CTA is
+# 2*tile_q*D (Q/O) + stages * 2 * tile_kv * D * 2 (K, V ring): at D=128, tile_kv=128 three
 # stages take 224 KiB of the 227 KiB available, four don't fit.
 # q_align = kv_align = 8: TMA writes the (8, 64)-tiled, 128B-swizzled SMEM layout that wgmma
 # reads by viewing GMEM as [L/8, D/64, 8, 64] tiles; a start that is not a multiple of 8 would
 # reach past a tile's 8 rows and read zeros (the interpreter, which ignores layouts, can't see it).
-_MGPU_COMMON = dict(backend="mosaic_gpu", tile_q=128, head_dims=(64, 128),
+# Options (mosaic_fwd.config_from_template): prefetch_rect (default off: run 3 measured it at
+# 0 to -5%), schedule_barrier, mask_mode, persistent, num_ctas, wg_skip; unit_order is read
+# by the planner ("interleaved" by default), policy by benchmarks/kernels.py (the plan policy
+# a template is meant for; "merge" when absent).
+_MGPU_COMMON = dict(backend="mosaic_gpu", head_dims=(64, 128),
                     dtypes=("bfloat16", "float16"), q_align=8, kv_align=8,
                     min_compute_capability=(9, 0))
 for _kv, _stages in ((128, 2), (128, 3), (64, 2), (64, 3), (64, 4)):
-    _t = Template(name=f"mgpu_q128_kv{_kv}_s{_stages}", tile_kv=_kv, stages=_stages,
+    _t = Template(name=f"mgpu_q128_kv{_kv}_s{_stages}", tile_q=128, tile_kv=_kv, stages=_stages,
                   **_MGPU_COMMON)
     if (_kv, _stages) == (128, 3):
         # Measured on the H200: 232,568 bytes of SMEM at D=128 (ring, Q/O, LSE, barriers)
@@ -141,9 +145,32 @@ for _kv, _stages in ((128, 2), (128, 3), (64, 2), (64, 3), (64, 4)):
 # Persistent variants: one CTA per multiprocessor walks the units in schedule order, and the
 # producer streams the next unit's K/V while the consumers finish the current one.
 for _kv in (128, 64):
-    register(Template(name=f"mgpu_q128_kv{_kv}_s2_persist", tile_kv=_kv, stages=2,
+    register(Template(name=f"mgpu_q128_kv{_kv}_s2_persist", tile_q=128, tile_kv=_kv, stages=2,
                       options=(("persistent", True),), **_MGPU_COMMON))
-del _kv, _stages, _t
+# tile_q 64: one consumer warpgroup (64 rows, so 64-token query blocks fill a unit) plus the
+# TMA producer, no ping-pong: the overlap of one CTA's softmax with another's matrix products
+# comes from two CTAs per SM, so SMEM must fit twice in the SM's 228 KiB. At D=128 only
+# kv64 with 2 stages does (~84 KB); kv64 s3 (~117 KB) and kv128 s2 (~150 KB) only at D=64.
+_Q64 = {(64, 2): (64, 128), (64, 3): (64,), (128, 2): (64,)}
+for (_kv, _stages), _dims in _Q64.items():
+    register(Template(name=f"mgpu_q64_kv{_kv}_s{_stages}", tile_q=64, tile_kv=_kv,
+                      stages=_stages, **{**_MGPU_COMMON, "head_dims": _dims}))
+# Warpgroup step skipping: a consumer warpgroup whose 64 rows miss a step's rectangle skips
+# its matrix products and softmax, so ``pack``/``split`` plans (two 64-row query blocks in one
+# 128-row unit, one rectangle per step) compute only the selected half. No ping-pong by
+# default: the two warpgroups may then drift up to ``stages`` steps apart, so one computes
+# while the other skips (benchmarks/kernels.py's "+sched" turns the barrier back on).
+for _kv, _stages in ((64, 2), (64, 3), (128, 2)):
+    register(Template(name=f"mgpu_q128_kv{_kv}_s{_stages}_skip", tile_q=128, tile_kv=_kv,
+                      stages=_stages,
+                      options=(("policy", "pack"), ("schedule_barrier", False),
+                               ("wg_skip", True)), **_MGPU_COMMON))
+# Head-major unit order (the planner keeps each head's units together, like attention_mgpu's
+# grid), to measure L2 reuse of K/V against the default interleaved order.
+for _kv in (128, 64):
+    register(Template(name=f"mgpu_q128_kv{_kv}_s2_hm", tile_q=128, tile_kv=_kv, stages=2,
+                      options=(("unit_order", "head_major"),), **_MGPU_COMMON))
+del _kv, _stages, _t, _dims
 
 
 # --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton_fwd -------------------

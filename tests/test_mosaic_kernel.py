@@ -9,6 +9,8 @@ code that runs on the GPU. The interpreter ignores SMEM layouts, so TMA alignmen
 q_align / kv_align = 8) is checked on the GPU by benchmarks/kernels.py, not here.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -192,6 +194,113 @@ def test_empty_mask_gives_zero_and_neg_inf():
     assert np.all(np.asarray(out, np.float32) == 0) and np.all(np.isneginf(np.asarray(lse)))
 
 
+def _cube_mask(rng, Lq, Lkv, Hm, density, block=64):
+    """64-token query/key blocks (VSA-like cubes) with a partial last block, per-head top-k
+    style rows of random key blocks."""
+    nq, nk = -(-Lq // block), -(-Lkv // block)
+    blocks = rng.random((Hm, nq, nk)) < density
+    blocks[:, :, 0] |= ~blocks.any(axis=2)             # no empty rows but one
+    blocks[:, rng.integers(nq)] = False
+    return tj.BlockMask.uniform(Lq, Lkv, block, block, blocks)
+
+
+@pytest.mark.parametrize("template,dtype,Hq,Hkv", [
+    ("mgpu_q64_kv64_s2", jnp.bfloat16, 4, 2),        # GQA, per-head 64-token blocks
+    ("mgpu_q64_kv128_s2", jnp.float16, 2, 1),        # kv128 steps over 64-token key blocks
+])
+def test_q64_one_warpgroup(template, dtype, Hq, Hkv):
+    """tile_q=64 (one consumer warpgroup): units of 64 rows fit 64-token query blocks, so the
+    plan computes less than with 128-row units, and the kernel matches the reference."""
+    rng = np.random.default_rng(hash(template) % 2**32)
+    Lq, Lkv, D = 232, 264, 64
+    mask = _cube_mask(rng, Lq, Lkv, Hq, 0.4)
+    plan = _run_planned(mask, 1, Lq, Lkv, Hq, Hkv, D, dtype, template, seed=int(rng.integers(1e9)))
+    assert plan.tile_q == 64
+    t = templates.get(template)
+    p128 = build_plan(mask, (1, Lq, Hq, D), (1, Lkv, Hkv, D), dtype, tile_q=128,
+                      tile_kv=t.tile_kv, q_align=8, kv_align=8)
+    assert plan.stats()["computed_interactions"] < p128.stats()["computed_interactions"]
+
+
+def _pack_plan(mask, Hq, Hkv, D, dtype, template):
+    t = templates.get(template)
+    plan = build_plan(mask, (1, mask.Lq, Hq, D), (1, mask.Lkv, Hkv, D), dtype,
+                      tile_q=t.tile_q, tile_kv=t.tile_kv, policy="pack", q_align=8, kv_align=8)
+    real = plan.units[:plan.num_units]
+    idx = np.concatenate([np.arange(p, p + c) for p, c in real[:, 4:6]])
+    st = plan.steps[idx]
+    lo, hi = st[:, plan_abi.STEP_Q_LO], st[:, plan_abi.STEP_Q_HI]
+    return plan, (hi <= 64) | (lo >= 64)
+
+
+@pytest.mark.parametrize("sched", [False, True])
+def test_wg_skip_on_packed_halves(sched):
+    """Pack plans on 64-row blocks put two query blocks in one 128-row unit, one rectangle per
+    step: with wg_skip the warpgroup whose half a step misses skips it (with and without the
+    ping-pong barrier, which must not deadlock), and the result matches the reference."""
+    rng = np.random.default_rng(23 + sched)
+    Lq, Lkv, Hq, Hkv, D, dtype = 256, 256, 2, 1, 64, jnp.bfloat16
+    mask = _cube_mask(rng, Lq, Lkv, Hq, 0.35)
+    t = templates.get("mgpu_q128_kv64_s2_skip")
+    if sched:
+        t = dataclasses.replace(t, name="skip_sched_test",
+                                options=tuple((k, True if k == "schedule_barrier" else v)
+                                              for k, v in t.options))
+    assert mosaic_fwd.config_from_template(t).schedule_barrier == sched
+    plan, one_half = _pack_plan(mask, Hq, Hkv, D, dtype, t)
+    assert one_half.mean() > 0.5                    # most steps cover only one warpgroup
+    q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, dtype, seed=31 + sched)
+    out, lse = mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                    template=t, q_len_padded=plan.q_len_padded,
+                                    kv_len_padded=plan.kv_len_padded, return_lse=True,
+                                    interpret=INTERPRET)
+    ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
+    _check(out, lse, ref_out, ref_lse, dtype)
+
+
+def test_mask_mode_none_for_all_full_plans(monkeypatch):
+    """A plan whose steps are all full runs without masking ("none", chosen from the concrete
+    plan); one with partial steps keeps the cond. Both match the reference."""
+    seen = []
+    real_cfg = mosaic_fwd.config_from_template
+
+    def spy(template, mask_mode=None):
+        cfg = real_cfg(template, mask_mode)
+        seen.append(cfg.mask_mode)
+        return cfg
+
+    monkeypatch.setattr(mosaic_fwd, "config_from_template", spy)
+    rng = np.random.default_rng(3)
+    Hq, Hkv, D, dtype = 2, 1, 64, jnp.float16
+    template = "mgpu_q128_kv64_s2"
+    for Lkv, want in ((192, "none"), (200, "cond")):       # 200: a partial last key tile
+        blocks = rng.random((Hq, 2, -(-Lkv // 64))) < 0.6
+        blocks[:, :, -1] = True
+        mask = tj.BlockMask.uniform(256, Lkv, 128, 64, blocks)
+        q, k, v = random_qkv(1, 256, Lkv, Hq, Hkv, D, dtype, seed=int(rng.integers(1e9)))
+        plan = build_plan(mask, q.shape, k.shape, dtype, tile_q=128, tile_kv=64, q_align=8,
+                          kv_align=8)
+        assert mosaic_fwd.plan_mask_mode(plan.units, plan.steps, template, plan.q_len_padded,
+                                         plan.kv_len_padded) == want
+        seen.clear()
+        out, lse = mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                        template=template, q_len_padded=plan.q_len_padded,
+                                        kv_len_padded=plan.kv_len_padded, return_lse=True,
+                                        interpret=INTERPRET)
+        assert seen == [want]
+        ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
+        _check(out, lse, ref_out, ref_lse, dtype)
+        if want == "cond":
+            with pytest.raises(ValueError, match="all full"):
+                mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                     template=template, q_len_padded=plan.q_len_padded,
+                                     kv_len_padded=plan.kv_len_padded, mask_mode="none")
+    # "+always"-style templates keep their mode even on an all-full plan.
+    assert mosaic_fwd._auto_mask_mode(
+        dataclasses.replace(templates.get(template), options=(("mask_mode", "always"),)),
+        True) == "always"
+
+
 def test_bad_input_raises():
     q, k, v = random_qkv(1, 128, 128, 1, 1, 64, jnp.bfloat16, seed=2)
     mask = tj.BlockMask.uniform(128, 128, 64, 64, np.ones((1, 2, 2), bool))
@@ -219,24 +328,34 @@ def test_bad_input_raises():
         mosaic_fwd.attention(q, k, v, plan.units[:, :5], plan.steps, plan.row_index, **kw)
 
 
-@pytest.mark.parametrize("options", [(), (("persistent", True),), (("mask_mode", "always"),)])
-def test_lowers_for_cuda(options):
+@pytest.mark.parametrize("base,options,mask_mode", [
+    ("mgpu_q128_kv64_s2", (), None),
+    ("mgpu_q128_kv64_s2", (("persistent", True),), None),
+    ("mgpu_q128_kv64_s2", (("mask_mode", "always"),), None),
+    ("mgpu_q128_kv64_s2", (("prefetch_rect", True),), None),
+    ("mgpu_q128_kv64_s2", (), "none"),
+    ("mgpu_q128_kv64_s2", (("wg_skip", True),), None),                    # skip + ping-pong
+    ("mgpu_q128_kv64_s2", (("wg_skip", True), ("schedule_barrier", False)), None),
+    ("mgpu_q64_kv64_s2", (), None),
+    ("mgpu_q64_kv64_s2", (), "none"),
+    ("mgpu_q64_kv64_s2", (("persistent", True),), None),
+])
+def test_lowers_for_cuda(base, options, mask_mode):
     """The real (non-interpreted) kernel passes Mosaic GPU lowering and layout inference
     (cross-lowered for CUDA on this CPU machine; compiling to a cubin needs a GPU)."""
     import dataclasses
-    t = dataclasses.replace(templates.get("mgpu_q128_kv64_s2"), name="lower_test",
-                            options=options)
+    t = dataclasses.replace(templates.get(base), name="lower_test", options=options)
     L, Hq, Hkv, D = 512, 2, 1, 128
     mask = tj.BlockMask.uniform(L, L, 96, 96, np.random.default_rng(0).random((Hq, 6, 6)) < 0.5)
-    plan = build_plan(mask, (1, L, Hq, D), (1, L, Hkv, D), jnp.bfloat16, tile_q=128, tile_kv=64,
-                      q_align=8, kv_align=8)
+    plan = build_plan(mask, (1, L, Hq, D), (1, L, Hkv, D), jnp.bfloat16, tile_q=t.tile_q,
+                      tile_kv=t.tile_kv, q_align=8, kv_align=8)
     sds = jax.ShapeDtypeStruct
     args = (sds((1, L, Hq, D), jnp.bfloat16), sds((1, L, Hkv, D), jnp.bfloat16),
             sds((1, L, Hkv, D), jnp.bfloat16), sds(plan.units.shape, jnp.int32),
             sds(plan.steps.shape, jnp.int32), sds(plan.row_index.shape, jnp.int32))
     f = lambda *a: mosaic_fwd._attention(
         *a, template=t, q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
-        scale=0.1, return_lse=True, interpret=False)
+        scale=0.1, return_lse=True, interpret=False, mask_mode=mask_mode)
     try:
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     except Exception as e:  # pragma: no cover - depends on the installed jaxlib
@@ -248,10 +367,23 @@ def test_lowers_for_cuda(options):
 
 def test_templates_registered():
     names = {t.name for t in templates.for_backend("mosaic_gpu")}
-    assert {"mgpu_q128_kv128_s2", "mgpu_q128_kv64_s2"} <= names
+    assert {"mgpu_q128_kv128_s2", "mgpu_q128_kv64_s2", "mgpu_q64_kv64_s2", "mgpu_q64_kv64_s3",
+            "mgpu_q64_kv128_s2", "mgpu_q128_kv64_s2_skip", "mgpu_q128_kv128_s2_hm"} <= names
     for t in templates.for_backend("mosaic_gpu"):
         cfg = mosaic_fwd.config_from_template(t)
-        assert cfg.tile_q == 128 and cfg.tile_kv == t.tile_kv and cfg.stages == t.stages
+        assert cfg.tile_q == t.tile_q and cfg.tile_kv == t.tile_kv and cfg.stages == t.stages
+        assert not cfg.prefetch_rect                     # run 3: prefetching did not pay
+        assert cfg.wg_skip == t.name.endswith("_skip")
         for d in t.head_dims:
             assert mosaic_fwd._smem_bytes(cfg, d) <= mosaic_fwd._MAX_SMEM, (t.name, d)
+            if t.tile_q == 64:            # the point of one consumer WG: two CTAs per SM
+                assert mosaic_fwd._ctas_per_sm(cfg, d) >= 2, (t.name, d)
     assert mosaic_fwd._smem_bytes(mosaic_fwd.KernelConfig(128, 3), 128) > mosaic_fwd._MAX_SMEM
+    assert mosaic_fwd._ctas_per_sm(mosaic_fwd.KernelConfig(64, 3, tile_q=64), 128) == 1
+    assert templates.get("mgpu_q128_kv128_s2_hm").option("unit_order") == "head_major"
+    with pytest.raises(ValueError, match="tile_q"):
+        mosaic_fwd.KernelConfig(64, 2, tile_q=96)
+    with pytest.raises(ValueError, match="wg_skip"):
+        mosaic_fwd.KernelConfig(64, 2, tile_q=64, wg_skip=True)
+    with pytest.raises(ValueError, match="mask_mode"):
+        mosaic_fwd.KernelConfig(64, 2, mask_mode="sometimes")
