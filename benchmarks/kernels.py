@@ -176,8 +176,10 @@ def bench_masks(grid, H, L, seed=0):
 
 def resolve_template(name):
     """A registered template, or a variant of one: "NAME+always" masks every step (no cond),
-    "NAME+nosched" drops the schedule barrier, "NAME+persistent" runs one CTA per SM looping
-    over the units (for measuring what each buys)."""
+    "NAME+nosched" drops the schedule barrier and "NAME+sched" keeps it, "NAME+persistent"
+    runs one CTA per SM looping over the units, "NAME+prefetch" / "NAME+noprefetch" read the
+    next step's rectangle early or not, "NAME+merge|pack|split|auto" plans with that policy
+    instead of the template's (for measuring what each buys)."""
     import dataclasses
     from pallas_kernels import templates
     base, *mods = name.split("+")
@@ -188,21 +190,29 @@ def resolve_template(name):
             opts["mask_mode"] = "always"
         elif m == "nosched":
             opts["schedule_barrier"] = False
+        elif m == "sched":
+            opts["schedule_barrier"] = True
         elif m == "persistent":
             opts["persistent"] = True
         elif m == "noprefetch":
             opts["prefetch_rect"] = False
+        elif m == "prefetch":
+            opts["prefetch_rect"] = True
+        elif m in ("keep", "merge", "pack", "split", "auto"):
+            opts["policy"] = m
         else:
             raise ValueError(f"unknown template variant {m!r}")
     return dataclasses.replace(t, name=name, options=tuple(sorted(opts.items())))
 
 
 def plan_for(mask, q_shape, kv_shape, dtype, template):
+    """The plan of ``template`` (its ``policy`` option, "merge" by default) for this mask."""
     from tessera_jax.planner import build_plan
     t0 = time.perf_counter()
     p = build_plan(mask, q_shape, kv_shape, dtype, tile_q=template.tile_q,
-                   tile_kv=template.tile_kv, policy="merge", q_align=template.q_align,
-                   kv_align=template.kv_align, template=template.name)
+                   tile_kv=template.tile_kv, policy=template.option("policy", "merge"),
+                   q_align=template.q_align, kv_align=template.kv_align,
+                   template=template.name.split("+")[0])
     return p, (time.perf_counter() - t0) * 1e3
 
 
@@ -214,8 +224,10 @@ def ours_fn(template, plan, return_lse=False):
               kv_len_padded=plan.kv_len_padded, return_lse=return_lse)
     if INTERPRET is not None:
         kw["interpret"] = INTERPRET
-    mosaic_fwd._check_concrete_plan(plan.units, plan.steps, template, plan.q_len_padded,
-                                    plan.kv_len_padded)
+    # Checks the NumPy plan and picks mask mode "none" when every step is full (the device
+    # arrays passed below would leave the template's mode).
+    kw["mask_mode"] = mosaic_fwd.plan_mask_mode(plan.units, plan.steps, template,
+                                                plan.q_len_padded, plan.kv_len_padded)
     return lambda q, k, v: mosaic_fwd.attention(q, k, v, units, steps, ri, **kw)
 
 
@@ -569,7 +581,7 @@ def sparse_timings(res, grid, L, H, D, deadline, tag, template_names, with_flex=
             try:
                 plan, plan_ms = plan_for(mask, sets[0][0].shape, sets[0][1].shape, jnp.bfloat16, t)
                 st = plan.stats()
-                rec.update(plan_ms=plan_ms, units=st["units"], tiles=st["tiles"],
+                rec.update(plan_ms=plan_ms, policy=plan.policy, units=st["units"], tiles=st["tiles"],
                            full_tiles=st["full_tiles"], waste=st["waste_fraction"],
                            balance=st["balance"])
                 fn = (ours_fn if t.backend == "mosaic_gpu" else triton_fn)(t, plan)

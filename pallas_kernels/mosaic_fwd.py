@@ -58,6 +58,7 @@ class KernelConfig:
     num_ctas: int = 0            # persistent CTAs; 0: one per multiprocessor
     prefetch_rect: bool = False  # read step i+1's rectangle from GMEM during step i
     wg_skip: bool = False        # a consumer WG skips steps whose rows miss its 64 rows
+    paired: bool = False         # tile_q=64: two consumer WGs, each on its own unit and ring
 
     def __post_init__(self):
         if self.tile_q not in (_WG_ROWS, 2 * _WG_ROWS):
@@ -70,19 +71,28 @@ class KernelConfig:
             raise ValueError(f"stages must be at least 2, got {self.stages}")
         if self.mask_mode not in _MASK_MODES:
             raise ValueError(f"mask_mode must be one of {_MASK_MODES}, got {self.mask_mode!r}")
-        if self.wg_skip and self.compute_wgs == 1:
-            raise ValueError("wg_skip needs two consumer warpgroups (tile_q=128): with "
-                             "tile_q=64 every step's rows are the warpgroup's rows")
+        if self.wg_skip and self.tile_q == _WG_ROWS:
+            raise ValueError("wg_skip needs two consumer warpgroups on one unit (tile_q=128): "
+                             "with tile_q=64 every step's rows are the warpgroup's rows")
+        if self.paired and (self.tile_q != _WG_ROWS or self.persistent):
+            raise ValueError("paired (two 64-row units per CTA) needs tile_q=64 and a grid "
+                             "kernel (persistent=False)")
 
     @property
     def compute_wgs(self) -> int:
         """Consumer warpgroups (64 query rows each)."""
-        return self.tile_q // _WG_ROWS
+        return 2 if self.paired else self.tile_q // _WG_ROWS
+
+    @property
+    def rings(self) -> int:
+        """K/V rings: one per unit the CTA runs at once."""
+        return 2 if self.paired else 1
 
     @property
     def schedule_barrier(self) -> bool:
-        """Whether the two consumer warpgroups ping-pong (never with a single one)."""
-        return self.use_schedule_barrier and self.compute_wgs == 2
+        """Whether two consumer warpgroups on one unit ping-pong (never with one, nor with
+        paired units, whose step counts differ)."""
+        return self.use_schedule_barrier and self.tile_q == 2 * _WG_ROWS
 
 
 _MASK_MODES = ("cond", "always", "none")
@@ -100,7 +110,8 @@ def config_from_template(template, mask_mode: str | None = None) -> KernelConfig
                         persistent=bool(t.option("persistent", False)),
                         num_ctas=int(t.option("num_ctas", 0)),
                         prefetch_rect=bool(t.option("prefetch_rect", False)),
-                        wg_skip=bool(t.option("wg_skip", False)))
+                        wg_skip=bool(t.option("wg_skip", False)),
+                        paired=bool(t.option("paired", False)))
 
 
 def _num_sms() -> int:
@@ -117,8 +128,9 @@ def _smem_bytes(cfg: KernelConfig, head_dim: int) -> int:
     """Shared memory of one CTA: Q/O tiles, the K/V ring, LSE, plus ~2.7 KB of barriers and
     alignment (232,568 bytes measured for tile_kv=128, 3 stages, D=128; the reduction scratch
     and barriers take 2.6-2.9 KB in the cross-lowered kernels)."""
-    return 2 * (cfg.tile_q * head_dim + 2 * cfg.stages * cfg.tile_kv * head_dim) \
-        + 4 * cfg.tile_q + 2900
+    rows = cfg.compute_wgs * _WG_ROWS
+    return 2 * (rows * head_dim + 2 * cfg.rings * cfg.stages * cfg.tile_kv * head_dim) \
+        + 4 * rows + 2900
 
 
 _MAX_SMEM = 232448                 # bytes per CTA on sm_90 (the limit Mosaic GPU reports)
@@ -140,6 +152,7 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
     dtype = q.dtype
     tile_kv, stages, tile_q = cfg.tile_kv, cfg.stages, cfg.tile_q
     nwg = cfg.compute_wgs                  # consumer warpgroups; the producer is warpgroup nwg
+    paired = cfg.paired                    # consumer WG w runs unit 2 * cta + w, ring w
     sched_on = cfg.schedule_barrier
     qk_scale = float(scale) * _LOG2E       # scores kept in base-2 units: s * scale * log2(e)
 
@@ -163,14 +176,26 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
             n_items = 1
             item = lambda j: lax.axis_index("unit") * B + lax.axis_index("batch")
 
-        def unit_of(j):
-            w = item(j)
-            u, b = lax.div(w, B), lax.rem(w, B)
+        def unit_of(j, ring=0):
+            if paired:
+                # Units 2c and 2c + 1 (neighbours in the schedule, so of similar cost); the
+                # second one may lie past the last unit when U is odd: no steps, no store.
+                u = lax.axis_index("unit") * 2 + ring
+                b = lax.axis_index("batch")
+                valid = u < U
+                u = jnp.minimum(u, U - 1)
+            else:
+                w = item(j)
+                u, b = lax.div(w, B), lax.rem(w, B)
+                valid = True
+            cnt = units_ref[u, plan_abi.UNIT_STEP_CNT]
+            if paired:
+                cnt = jnp.where(valid, cnt, 0)
             return (u, b, units_ref[u, plan_abi.UNIT_HEAD], units_ref[u, plan_abi.UNIT_Q_START],
-                    units_ref[u, plan_abi.UNIT_STEP_PTR], units_ref[u, plan_abi.UNIT_STEP_CNT])
+                    units_ref[u, plan_abi.UNIT_STEP_PTR], cnt, valid)
 
-        def slot_of(g):
-            return lax.rem(g, jnp.array(stages, g.dtype))
+        def slot_of(g, ring=0):
+            return lax.rem(g, jnp.array(stages, g.dtype)) + ring * stages
 
         def schedule():
             if sched_on:
@@ -181,14 +206,18 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
         def _consumer():
             if nwg == 2:
                 # With one consumer WG the CTA stays small enough (registers, SMEM) for two
-                # CTAs per SM; the register split only pays with two consumers.
+                # CTAs per SM; the register split only pays with two consumers (also when
+                # paired: three warpgroups like the tile_q=128 kernel).
                 plgpu.set_max_registers(232, action="increase")
             qo_smem = qo_smem2.at[wg]
             lse_smem = lse_smem2.at[wg]
-            row0 = pl.multiple_of(wg * _WG_ROWS, _WG_ROWS)
+            # This warpgroup's rows of the unit's tile, and its ring (paired: a unit of its own).
+            ring = wg if paired else 0
+            row0 = 0 if paired else pl.multiple_of(wg * _WG_ROWS, _WG_ROWS)
 
             def do_unit(j, base):
-                u, b, head, q_start, ptr, cnt = unit_of(j)
+                u, b, head, q_start, ptr, cnt, valid = unit_of(j, ring)
+                slot_of_ = lambda g: slot_of(g, ring)
                 # Plan starts are multiples of 8 (templates' q_align/kv_align): tell the layout
                 # inference, which must prove TMA starts divisible by the 8-row SMEM tiling.
                 q_row = pl.multiple_of(q_start + row0, _ALIGN)
@@ -204,7 +233,7 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
 
                 @pl.when(cnt > 0)
                 def _():
-                    plgpu.barrier_wait(k_bar.at[slot_of(base)])
+                    plgpu.barrier_wait(k_bar.at[slot_of_(base)])
 
                 pl.when(wg == 1)(schedule)
 
@@ -218,7 +247,7 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
 
                 def body(i, carry):
                     acc, m_i, l_i, cur = carry
-                    slot = slot_of(base + i)
+                    slot = slot_of_(base + i)
                     if cfg.prefetch_rect:
                         # Step i's rectangle came with the carry; read step i+1's now, so the
                         # GMEM latency hides behind this step's matrix products.
@@ -241,7 +270,7 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
                     def wait_next_k():
                         @pl.when(i + 1 < cnt)
                         def _():
-                            plgpu.barrier_wait(k_bar.at[slot_of(base + i + 1)])
+                            plgpu.barrier_wait(k_bar.at[slot_of_(base + i + 1)])
 
                     def compute(state):
                         acc, m_i, l_i = state
@@ -337,9 +366,16 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
                 qo_smem[...] = acc.astype(dtype)
                 lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * _LN2 + jnp.log(l_safe))
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, u, pl.ds(row0, _WG_ROWS)])
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, u, pl.ds(row0, _WG_ROWS)])
-                plgpu.wait_smem_to_gmem(0)     # Q/O and LSE buffers are reused next unit
+
+                def store():
+                    plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, u, pl.ds(row0, _WG_ROWS)])
+                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, u, pl.ds(row0, _WG_ROWS)])
+                    plgpu.wait_smem_to_gmem(0)  # Q/O and LSE buffers are reused next unit
+
+                if paired:
+                    pl.when(valid)(store)      # an odd unit count leaves the last WG idle
+                else:
+                    store()
                 return base + cnt
 
             lax.fori_loop(0, n_items, do_unit, jnp.int32(0))
@@ -349,55 +385,75 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
             if nwg == 2:
                 plgpu.set_max_registers(40, action="decrease")
 
+            def load(ring, b, kv_head, ptr, i, g):
+                slot = slot_of(g, ring)
+                kv_start = pl.multiple_of(steps_ref[ptr + i, plan_abi.STEP_KV_START], _ALIGN)
+                src = (b, pl.ds(kv_start, tile_kv), kv_head)
+
+                @pl.when(g >= stages)
+                def _():
+                    plgpu.barrier_wait(k_consumed.at[slot])
+
+                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+
+                @pl.when(g >= stages)
+                def _():
+                    plgpu.barrier_wait(v_consumed.at[slot])
+
+                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+
+            def drain(ring, total):
+                # Observe the consumption of the last tiles too, so every barrier phase is
+                # waited for before the barriers go away (the interpreter checks this).
+                @pl.loop(jnp.maximum(total - stages, 0), total)
+                def _(g):
+                    plgpu.barrier_wait(k_consumed.at[slot_of(g, ring)])
+                    plgpu.barrier_wait(v_consumed.at[slot_of(g, ring)])
+
+            if paired:
+                # Both units' tiles in step order, one of each in turn, each in its own ring.
+                streams = []
+                for ring in range(2):
+                    _, b, head, _, ptr, cnt, _ = unit_of(0, ring)
+                    streams.append((b, lax.div(head, jnp.array(group, head.dtype)), ptr, cnt))
+
+                @pl.loop(0, jnp.maximum(streams[0][3], streams[1][3]))
+                def _(i):
+                    for ring, (b, kv_head, ptr, cnt) in enumerate(streams):
+                        pl.when(i < cnt)(lambda: load(ring, b, kv_head, ptr, i, i))
+
+                for ring, (_, _, _, cnt) in enumerate(streams):
+                    drain(ring, cnt)
+                return
+
             def do_unit(j, base):
-                u, b, head, _, ptr, cnt = unit_of(j)
+                _, b, head, _, ptr, cnt, _ = unit_of(j)
                 kv_head = lax.div(head, jnp.array(group, head.dtype))
 
                 @pl.loop(0, cnt)
                 def _(i):
-                    g = base + i
-                    slot = slot_of(g)
-                    kv_start = pl.multiple_of(steps_ref[ptr + i, plan_abi.STEP_KV_START],
-                                              _ALIGN)
-                    src = (b, pl.ds(kv_start, tile_kv), kv_head)
-
-                    @pl.when(g >= stages)
-                    def _():
-                        plgpu.barrier_wait(k_consumed.at[slot])
-
-                    plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
-
-                    @pl.when(g >= stages)
-                    def _():
-                        plgpu.barrier_wait(v_consumed.at[slot])
-
-                    plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+                    load(0, b, kv_head, ptr, i, base + i)
 
                 return base + cnt
 
-            total = lax.fori_loop(0, n_items, do_unit, jnp.int32(0))
-
-            # Observe the consumption of the last tiles too, so every barrier phase is
-            # waited for before the barriers go away (the interpreter checks this).
-            @pl.loop(jnp.maximum(total - stages, 0), total)
-            def _(g):
-                plgpu.barrier_wait(k_consumed.at[slot_of(g)])
-                plgpu.barrier_wait(v_consumed.at[slot_of(g)])
+            drain(0, lax.fori_loop(0, n_items, do_unit, jnp.int32(0)))
 
     def entry(q_ref, k_ref, v_ref, units_ref, steps_ref, out_ref, lse_ref):
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
+        slots = cfg.rings * stages
         qo = plgpu.SMEM((nwg, _WG_ROWS, D), dtype, transforms=(tiling, swizzle))
-        kbuf = plgpu.SMEM((stages, tile_kv, D), dtype, transforms=(tiling, swizzle))
-        vbuf = plgpu.SMEM((stages, tile_kv, D), dtype, transforms=(tiling, swizzle))
+        kbuf = plgpu.SMEM((slots, tile_kv, D), dtype, transforms=(tiling, swizzle))
+        vbuf = plgpu.SMEM((slots, tile_kv, D), dtype, transforms=(tiling, swizzle))
         lse = plgpu.SMEM((nwg, _WG_ROWS), jnp.float32)
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, v_ref, units_ref, steps_ref, out_ref, lse_ref,
                                    scoped),
             (qo, kbuf, vbuf, lse),
-            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+            (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots),
              plgpu.Barrier(num_barriers=nwg)),
-            (plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),) * 2,
+            # A slot is free once every warpgroup that reads it is done with it.
+            (plgpu.Barrier(num_arrivals=1 if paired else nwg, num_barriers=slots),) * 2,
             plgpu.Barrier(num_arrivals=nwg),
             collective_axes="wg",
         )
@@ -410,7 +466,7 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
     if cfg.persistent:
         grid, grid_names = (num_ctas,), ("cta",)
     else:
-        grid, grid_names = (U, B), ("unit", "batch")
+        grid, grid_names = (-(-U // 2) if paired else U, B), ("unit", "batch")
     return plgpu.kernel(
         entry,
         out_type=out_type,

@@ -155,6 +155,13 @@ _Q64 = {(64, 2): (64, 128), (64, 3): (64,), (128, 2): (64,)}
 for (_kv, _stages), _dims in _Q64.items():
     register(Template(name=f"mgpu_q64_kv{_kv}_s{_stages}", tile_q=64, tile_kv=_kv,
                       stages=_stages, **{**_MGPU_COMMON, "head_dims": _dims}))
+# Paired tile_q 64: one CTA of the tile_q=128 shape (two consumer WGs, register split) runs
+# two neighbouring 64-row units at once, each warpgroup its own unit with its own K/V ring;
+# the overlap of softmax and matrix products then needs no second CTA per SM (no reliance on
+# the compiler keeping registers at <= 128 per thread). Two rings: kv64 s2 at D=128 (~164 KB).
+for _kv, _dims in ((64, (64, 128)), (128, (64,))):
+    register(Template(name=f"mgpu_q64x2_kv{_kv}_s2", tile_q=64, tile_kv=_kv, stages=2,
+                      options=(("paired", True),), **{**_MGPU_COMMON, "head_dims": _dims}))
 # Warpgroup step skipping: a consumer warpgroup whose 64 rows miss a step's rectangle skips
 # its matrix products and softmax, so ``pack``/``split`` plans (two 64-row query blocks in one
 # 128-row unit, one rectangle per step) compute only the selected half. No ping-pong by

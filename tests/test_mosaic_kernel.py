@@ -207,6 +207,7 @@ def _cube_mask(rng, Lq, Lkv, Hm, density, block=64):
 @pytest.mark.parametrize("template,dtype,Hq,Hkv", [
     ("mgpu_q64_kv64_s2", jnp.bfloat16, 4, 2),        # GQA, per-head 64-token blocks
     ("mgpu_q64_kv128_s2", jnp.float16, 2, 1),        # kv128 steps over 64-token key blocks
+    ("mgpu_q64x2_kv64_s2", jnp.bfloat16, 2, 1),      # two 64-row units per CTA
 ])
 def test_q64_one_warpgroup(template, dtype, Hq, Hkv):
     """tile_q=64 (one consumer warpgroup): units of 64 rows fit 64-token query blocks, so the
@@ -220,6 +221,26 @@ def test_q64_one_warpgroup(template, dtype, Hq, Hkv):
     p128 = build_plan(mask, (1, Lq, Hq, D), (1, Lkv, Hkv, D), dtype, tile_q=128,
                       tile_kv=t.tile_kv, q_align=8, kv_align=8)
     assert plan.stats()["computed_interactions"] < p128.stats()["computed_interactions"]
+
+
+def test_paired_units_odd_count_and_uneven_steps():
+    """Paired tile_q=64 kernel on a hand plan: neighbouring units with different step counts
+    (several rectangles per K/V tile, shuffled), an odd unit count (the last CTA's second
+    warpgroup has no unit) and padding units."""
+    rng = np.random.default_rng(19)
+    Lq, Lkv, Hq, Hkv, D, dtype = 256, 200, 1, 1, 64, jnp.float16
+    mask = _variable_mask(rng, Lq, Lkv, Hq, 9, 7, 0.5)
+    units, steps, row_index, qlp, klp = _hand_plan(mask.token_mask(), Hq, 64, 64, seed=4)
+    assert units.shape[0] % 2 == 1
+    cnt = units[:, plan_abi.UNIT_STEP_CNT]
+    assert len(set(cnt[:-3].tolist())) > 1
+    q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, dtype, seed=41)
+    out, lse = mosaic_fwd.attention(q, k, v, units, steps, row_index,
+                                    template="mgpu_q64x2_kv64_s2", q_len_padded=qlp,
+                                    kv_len_padded=klp, scale=0.2, return_lse=True,
+                                    interpret=INTERPRET)
+    ref_out, ref_lse = tj.reference_attention(q, k, v, mask, scale=0.2, return_lse=True)
+    _check(out, lse, ref_out, ref_lse, dtype)
 
 
 def _pack_plan(mask, Hq, Hkv, D, dtype, template):
@@ -339,6 +360,7 @@ def test_bad_input_raises():
     ("mgpu_q64_kv64_s2", (), None),
     ("mgpu_q64_kv64_s2", (), "none"),
     ("mgpu_q64_kv64_s2", (("persistent", True),), None),
+    ("mgpu_q64x2_kv64_s2", (("paired", True),), None),
 ])
 def test_lowers_for_cuda(base, options, mask_mode):
     """The real (non-interpreted) kernel passes Mosaic GPU lowering and layout inference
@@ -368,7 +390,8 @@ def test_lowers_for_cuda(base, options, mask_mode):
 def test_templates_registered():
     names = {t.name for t in templates.for_backend("mosaic_gpu")}
     assert {"mgpu_q128_kv128_s2", "mgpu_q128_kv64_s2", "mgpu_q64_kv64_s2", "mgpu_q64_kv64_s3",
-            "mgpu_q64_kv128_s2", "mgpu_q128_kv64_s2_skip", "mgpu_q128_kv128_s2_hm"} <= names
+            "mgpu_q64_kv128_s2", "mgpu_q64x2_kv64_s2", "mgpu_q128_kv64_s2_skip",
+            "mgpu_q128_kv128_s2_hm"} <= names
     for t in templates.for_backend("mosaic_gpu"):
         cfg = mosaic_fwd.config_from_template(t)
         assert cfg.tile_q == t.tile_q and cfg.tile_kv == t.tile_kv and cfg.stages == t.stages
@@ -376,7 +399,7 @@ def test_templates_registered():
         assert cfg.wg_skip == t.name.endswith("_skip")
         for d in t.head_dims:
             assert mosaic_fwd._smem_bytes(cfg, d) <= mosaic_fwd._MAX_SMEM, (t.name, d)
-            if t.tile_q == 64:            # the point of one consumer WG: two CTAs per SM
+            if t.tile_q == 64 and not cfg.paired:   # one consumer WG: two CTAs per SM
                 assert mosaic_fwd._ctas_per_sm(cfg, d) >= 2, (t.name, d)
     assert mosaic_fwd._smem_bytes(mosaic_fwd.KernelConfig(128, 3), 128) > mosaic_fwd._MAX_SMEM
     assert mosaic_fwd._ctas_per_sm(mosaic_fwd.KernelConfig(64, 3, tile_q=64), 128) == 1
@@ -385,5 +408,8 @@ def test_templates_registered():
         mosaic_fwd.KernelConfig(64, 2, tile_q=96)
     with pytest.raises(ValueError, match="wg_skip"):
         mosaic_fwd.KernelConfig(64, 2, tile_q=64, wg_skip=True)
+    with pytest.raises(ValueError, match="paired"):
+        mosaic_fwd.KernelConfig(64, 2, tile_q=128, paired=True)
+    assert mosaic_fwd.config_from_template("mgpu_q64x2_kv64_s2").compute_wgs == 2
     with pytest.raises(ValueError, match="mask_mode"):
         mosaic_fwd.KernelConfig(64, 2, mask_mode="sometimes")
