@@ -12,9 +12,16 @@ families at ~10% block density:
 * ``topk``: per head and query cube, the 144 key cubes with the highest random score (VSA-like
   top-k with no locality: the worst case for merging).
 
-Cold = a fresh ``tj.plan`` (planner cache cleared) on a mask whose digest is already computed;
-cached = ``tj.plan`` on a digest already planned. Mask construction (blocks + digest) is timed
-separately: it is not planning.
+Cold = a fresh ``tj.plan`` (planner cache cleared) on a mask whose digest is already computed,
+in a process that has planned before (the planner's compiled loops are loaded): the cost of a
+new mask. cached = ``tj.plan`` on a digest already planned. Mask construction (blocks + digest)
+is timed separately: it is not planning. keep/merge run compiled (numba) on
+``planner.PLAN_THREADS`` threads (2 on this host); the default policy is also timed on 1 thread.
+
+First plan = the first ``tj.plan`` of a fresh process (``sta``, default template and policy),
+which also imports numba and compiles the planner's loops, or loads them from numba's on-disk
+cache: timed in two subprocesses sharing an empty cache directory (the first compiles and
+writes the cache, the second loads it).
 
     .venv/bin/python benchmarks/planning.py [--repeats 5] [--out benchmarks/results/cpu-planning.json]
 """
@@ -25,7 +32,9 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -95,7 +104,18 @@ def build_masks(heads=HEADS, seed=0):
             "sta40": (m_sta40, t_sta_blocks, t_sta40_mask), "topk": (m_topk, t_topk_blocks, t_topk_mask)}
 
 
-def time_plan(mask, q_shape, kv_shape, dtype, template, policy, repeats, cached_calls=2000):
+def time_plan(mask, q_shape, kv_shape, dtype, template, policy, repeats, cached_calls=2000,
+              threads=None):
+    default_threads = planner.PLAN_THREADS
+    if threads is not None:
+        planner.PLAN_THREADS = threads
+    try:
+        return _time_plan(mask, q_shape, kv_shape, dtype, template, policy, repeats, cached_calls)
+    finally:
+        planner.PLAN_THREADS = default_threads
+
+
+def _time_plan(mask, q_shape, kv_shape, dtype, template, policy, repeats, cached_calls):
     cold, cold_cpu = [], []
     for _ in range(repeats):
         planner._build_cached.cache_clear()
@@ -114,7 +134,7 @@ def time_plan(mask, q_shape, kv_shape, dtype, template, policy, repeats, cached_
     s = p.stats()
     keep = ("units", "tiles", "full_tiles", "kept", "merged", "split", "waste_fraction",
             "kv_bytes", "max_unit_cost", "est_time_us", "balance", "capacities")
-    return {"template": template, "policy": policy,
+    return {"template": template, "policy": policy, "threads": planner.PLAN_THREADS,
             "cold_ms": [round(x * 1e3, 3) for x in cold],
             "cold_ms_median": round(float(np.median(cold)) * 1e3, 3),
             "cold_ms_min": round(float(np.min(cold)) * 1e3, 3),
@@ -125,32 +145,74 @@ def time_plan(mask, q_shape, kv_shape, dtype, template, policy, repeats, cached_
             "stats": {k: (list(s[k]) if isinstance(s[k], tuple) else s[k]) for k in keep}}
 
 
+def first_plan() -> dict:
+    """The first ``tj.plan`` of this process (run in a fresh subprocess by ``main``)."""
+    bounds, cgrid = cube_layout()
+    sta = np.stack([sta_blocks(cgrid, WINDOWS[h % len(WINDOWS)]) for h in range(HEADS)])
+    m = tj.BlockMask(bounds, bounds, sta)
+    m.digest
+    shape = (1, m.Lq, HEADS, HEAD_DIM)
+    t0 = time.perf_counter()
+    tj.plan(m, shape, shape, jnp.bfloat16, template="mgpu_q128_kv128_s2", policy="merge")
+    first = time.perf_counter() - t0
+    planner._build_cached.cache_clear()
+    api._PLANS.clear()
+    t0 = time.perf_counter()
+    tj.plan(m, shape, shape, jnp.bfloat16, template="mgpu_q128_kv128_s2", policy="merge")
+    again = time.perf_counter() - t0
+    return {"first_plan_ms": round(first * 1e3, 1),
+            "same_mask_again_cold_ms": round(again * 1e3, 1)}
+
+
+def time_first_plans() -> dict:
+    """First plans of two fresh processes sharing an empty numba cache: compile, then load."""
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        for key in ("compile", "cache_load"):
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--first-plan"],
+                               env=env, capture_output=True, text=True, check=True)
+            out[key] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="default policy and template only")
+    ap.add_argument("--first-plan", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.first_plan:
+        print(json.dumps(first_plan()))
+        return None
     load0 = list(os.getloadavg())
+    firsts = time_first_plans()
+    print(f"first plan of a process: {firsts['compile']['first_plan_ms']:.0f} ms compiling, "
+          f"{firsts['cache_load']['first_plan_ms']:.0f} ms loading numba's cache", flush=True)
+    t0 = time.perf_counter()
+    planner.warm_up()
+    warm_up_ms = (time.perf_counter() - t0) * 1e3
     masks = build_masks()
     L = masks["sta"][0].Lq
     q_shape = (1, L, HEADS, HEAD_DIM)
     kv_shape = (1, L, HEADS, HEAD_DIM)
     dtype = jnp.bfloat16
     runs = []
-    configs = [("mgpu_q128_kv128_s2", "merge")]
+    configs = [("mgpu_q128_kv128_s2", "merge", None), ("mgpu_q128_kv128_s2", "merge", 1)]
     if not args.quick:
-        configs += [("mgpu_q128_kv128_s2", p) for p in ("keep", "split", "pack", "auto")]
-        configs += [("xla_64x64", "merge")]
+        configs += [("mgpu_q128_kv128_s2", p, None) for p in ("keep", "split", "pack", "auto")]
+        configs += [("xla_64x64", "merge", None)]
     for name, (m, t_blocks, t_mask) in masks.items():
-        for template, policy in configs:
-            r = time_plan(m, q_shape, kv_shape, dtype, template, policy, args.repeats)
+        for template, policy, threads in configs:
+            r = time_plan(m, q_shape, kv_shape, dtype, template, policy, args.repeats,
+                          threads=threads)
             r.update(mask=name, density=round(m.density, 4),
                      selected_blocks=int(m.blocks.sum()),
                      mask_blocks_ms=round(t_blocks * 1e3, 2),
                      mask_construct_digest_ms=round(t_mask * 1e3, 2))
             runs.append(r)
-            print(f"{name:5s} {template:20s} {policy:6s} cold {r['cold_ms_median']:8.1f} ms "
+            print(f"{name:5s} {template:20s} {policy:6s} x{r['threads']} cold {r['cold_ms_median']:8.1f} ms "
                   f"(min {r['cold_ms_min']:.1f}, cpu {r['cold_cpu_ms_median']:.1f})  "
                   f"cached {r['cached_us_median']:6.2f} us  tiles {r['stats']['tiles']:>9,}  "
                   f"waste {r['stats']['waste_fraction']:.3f}  est {r['stats']['est_time_us']:.0f} us",
@@ -160,8 +222,13 @@ def main(argv=None):
         "what": "host planning cost, Wan2.1 720p grid (21,45,80)=75,600 tokens, 4x4x4-cube "
                 "logical blocks (<=64 tokens, 1,440 blocks), 40 per-head masks at ~10% density",
         "load_average_before_after": [load0, list(os.getloadavg())],
-        "note": "cold_ms is wall time; cold_cpu_ms is this process's CPU time (the host is "
-                "shared with other jobs, so wall time includes waiting for a core)",
+        "note": "cold_ms is wall time of a new mask's plan in a process that has planned "
+                "before; cold_cpu_ms is this process's CPU time, summed over threads (the "
+                "host is shared with other jobs, so wall time includes waiting for a core); "
+                "threads: planner.PLAN_THREADS, the threads of the compiled keep/merge loops "
+                "(split and pack are NumPy, single-threaded)",
+        "first_plan": firsts,
+        "warm_up_ms": round(warm_up_ms, 1),
         "host": {"machine": platform.machine(), "processor": platform.processor(),
                  "cpus": os.cpu_count(), "python": platform.python_version(),
                  "numpy": np.__version__, "jax": jax.__version__},

@@ -1,11 +1,12 @@
 """Planner: logical blocks -> physical tiles -> work units, as the int32 arrays of the plan ABI.
 
-Pure NumPy on the host, run at trace time; knows nothing of Pallas. The output format is
-documented in ``pallas_kernels/plan_abi.py``: a *work unit* is one query tile
-[q_start, q_start + tile_q) of one query head plus the list of K/V tiles (*steps*) it visits;
-each step selects exactly one rectangle of its tile (rows x keys), everything else in the tile
-is masked. The rectangles of all steps cover the mask's selected (query, key) pairs exactly
-once, whatever the policy: policies only change *how* the selected set is cut into tiles.
+NumPy (and numba-compiled loops for keep/merge) on the host, run at trace time; knows nothing
+of Pallas. The output format is documented in ``pallas_kernels/plan_abi.py``: a *work unit* is
+one query tile [q_start, q_start + tile_q) of one query head plus the list of K/V tiles
+(*steps*) it visits; each step selects exactly one rectangle of its tile (rows x keys),
+everything else in the tile is masked. The rectangles of all steps cover the mask's selected
+(query, key) pairs exactly once, whatever the policy: policies only change *how* the selected
+set is cut into tiles.
 
 Policies (the tile shape is fixed by the template; ``q_align``/``kv_align`` are honoured by
 rounding tile starts down to a multiple, and tiles that would cross the padded length are
@@ -50,12 +51,14 @@ masks, not with Hq. Units are ordered by ``tessera_jax.schedule.order_units`` (h
 estimated cost first, heads interleaved). The int32 arrays are padded to capacity buckets
 (``bucket``) so that masks of similar size reuse one compiled executable.
 
-Host cost: everything is vectorised NumPy over packed bits (64 key blocks per word) and over
-runs, never over dense [H, nq, nkv] temporaries other than the one ``packbits`` pass; the
-time grows with the number of runs and tiles the plan holds (``benchmarks/planning.py``).
-``keep``/``merge`` work per key interval in int32 and write the step rows once, in
-cache-sized chunks (``np.repeat`` of one template row per (unit, interval)); unit costs and
-areas come from interval sums, and ``stats()`` is computed on first call, not at build time.
+Host cost: the work grows with the number of runs and tiles the plan holds, never with dense
+[H, nq, nkv] temporaries other than the one ``packbits`` pass (``benchmarks/planning.py``).
+``keep``/``merge`` (the default policy) run as numba-compiled loops that decode each unit's
+key intervals from the packed bits and write its step rows straight into the preallocated
+int32 ``steps``, on ``PLAN_THREADS`` (2) threads; the first keep/merge plan of a process
+imports numba and compiles the loops or loads them from numba's on-disk cache (``warm_up()``
+does it ahead of time). ``split``/``pack`` are vectorised NumPy over packed bits (64 key
+blocks per word) and over runs. ``stats()`` is computed on first call, not at build time.
 ``build_plan`` is cached by (mask digest, shape, tile shape, policy, alignment, template,
 cost model): a repeated mask costs a dictionary lookup.
 """
@@ -64,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import numpy as np
 
@@ -363,8 +367,10 @@ def _row_groups(ctx: _Ctx, merge: bool):
     return gh[keep], gi[keep], ge[keep]
 
 
-def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
-    """keep / merge: one row group per unit, the group's K/V tiles anchored at interval starts.
+def _plan_rowgroups_numpy(ctx: _Ctx, merge: bool) -> _Raw:
+    """keep / merge in vectorised NumPy: the test oracle of the compiled ``_plan_rowgroups``.
+
+    One row group per unit, the group's K/V tiles anchored at interval starts.
 
     Built from per-interval values (int32): unit costs and areas from interval sums per group,
     and the step rows in cache-sized chunks of units, where each (unit, key interval) pair
@@ -496,6 +502,298 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
                 t[lc[k[more]], abi.STEP_KV_LO] = sc[more]
         steps[s0:s1] = t
     return _Raw(gh[ug], qs, qlo, qhi, cnt, steps, nfull, area)
+
+
+# --- compiled keep / merge (numba) -------------------------------------------------------
+# keep/merge run as numba-compiled loops (nogil) that decode each unit's key intervals from
+# the packed words (merge: run boundaries w ^ (w << 1); keep: set bits) and write its step
+# rows straight into the preallocated int32 ``steps``. The exact step count is not known
+# before writing, so ``steps`` is allocated (zeroed lazily by the OS) for an upper bound:
+# an interval of blocks J needs at most sum_J ceil((size_j + kv_align - 1) / tile_kv) tiles,
+# so a group needs at most popcount * cmax rows (cmax: that bound's largest term). With
+# PLAN_THREADS == 2 the units are split in two halves of about equal bound; the second half is
+# written from the first half's bound on a worker thread and moved down after. When the bound
+# is too large to reserve, the step counts are computed exactly in a first pass instead.
+# numba is imported and the loops compiled (or loaded from numba's on-disk cache) on the
+# first keep/merge plan of a process, not at import; ``warm_up()`` does it ahead of time.
+PLAN_THREADS = min(2, os.cpu_count() or 1)   # threads of the compiled keep/merge loops
+_PAR_MIN_ROWS = 1 << 16        # below this bound on step rows, one thread
+_MAX_BOUND_BYTES = 1 << 30     # reserve at most this much for the step-row bound
+_POOL = None
+
+
+def _nb_popcount(x):
+    x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    x = ((x & np.uint64(0x3333333333333333))
+         + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333)))
+    x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return np.int64((x * np.uint64(0x0101010101010101)) >> np.uint64(56))
+
+
+def _nb_groups(words, merge):
+    """(head, first q block, end q block) of each non-empty row group, as ``_row_groups``,
+    and the selected key blocks of each."""
+    Hm, nq, W = words.shape
+    gh = np.empty(Hm * nq, np.int64)
+    gi = np.empty(Hm * nq, np.int64)
+    ge = np.empty(Hm * nq, np.int64)
+    pc = np.empty(Hm * nq, np.int64)
+    G = 0
+    for h in range(Hm):
+        i = 0
+        while i < nq:
+            e = i + 1
+            if merge:
+                while e < nq:
+                    same = True
+                    for k in range(W):
+                        if words[h, e, k] != words[h, i, k]:
+                            same = False
+                            break
+                    if not same:
+                        break
+                    e += 1
+            c = 0
+            for k in range(W):
+                c += _nb_popcount(words[h, i, k])
+            if c:
+                gh[G] = h
+                gi[G] = i
+                ge[G] = e
+                pc[G] = c
+                G += 1
+            i = e
+    return gh[:G], gi[:G], ge[:G], pc[:G]
+
+
+def _nb_tiles(js, je, kb, ka, tk, ltk):
+    """Tiles of the key interval of blocks [js, je), anchored at its aligned start."""
+    x = kb[je] - ka[js] + tk - 1
+    return x >> ltk if ltk >= 0 else x // tk
+
+
+def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim, steps,
+             cnt, upart, ukeys):
+    """Step rows of units [lo, hi), written from steps[row0]; returns the end row.
+
+    Each unit's key intervals are decoded from its group's words (merge: run boundaries
+    w ^ (w << 1), with a zero word appended so that a run reaching the last key block ends;
+    keep: set bits), and each interval's tiles are written as they come.
+    """
+    W = words.shape[2]
+    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    s = row0
+    for u in range(lo, hi):
+        h, i = ugh[u], ugi[u]
+        ql, qh = qlo[u], qhi[u]
+        s0 = s
+        part = 0
+        keys = 0
+        carry = zero
+        js = -1
+        for k in range(W + 1):
+            w = words[h, i, k] if k < W else zero
+            if merge:
+                b = w ^ ((w << one) | carry)
+                carry = w >> top
+            else:
+                b = w
+            while b:
+                j = k * 64 + np.int64(_nb_ctz(b))
+                b &= b - one
+                if not merge:
+                    js, je = j, j + 1
+                elif js < 0:
+                    js = j
+                    continue
+                else:
+                    je = j
+                # The interval of key blocks [js, je): keys [ks, ke), tiles from a0.
+                a0 = ka[js]
+                ks = kb[js]
+                ke = kb[je]
+                keys += ke - ks
+                kl0 = ks - a0                  # the first tile's lo
+                khl = ke - a0                  # the last tile's hi, if the first is the last
+                if khl <= tk and a0 <= lim:    # one tile, inside the padded length
+                    steps[s, 0] = a0
+                    steps[s, 1] = ql
+                    steps[s, 2] = qh
+                    steps[s, 3] = kl0
+                    steps[s, 4] = khl
+                    part += (kl0 != 0) | (khl != tk)
+                    s += 1
+                else:
+                    n = _nb_tiles(js, je, kb, ka, tk, ltk)
+                    tl = a0 + (n - 1) * tk     # the last tile's start, before any shift
+                    khl = ke - tl
+                    sh = tl - lim              # > 0: the last tile is shifted back inside kvp
+                    if n > 1:
+                        steps[s, 0] = a0
+                        steps[s, 1] = ql
+                        steps[s, 2] = qh
+                        steps[s, 3] = kl0
+                        steps[s, 4] = tk
+                        for r in range(1, n - 1):
+                            steps[s + r, 0] = a0 + r * tk
+                            steps[s + r, 1] = ql
+                            steps[s + r, 2] = qh
+                            steps[s + r, 3] = 0
+                            steps[s + r, 4] = tk
+                        s += n - 1
+                        part += kl0 != 0
+                        kl0 = 0
+                    steps[s, 1] = ql
+                    steps[s, 2] = qh
+                    if sh > 0:
+                        steps[s, 0] = tl - sh
+                        steps[s, 3] = kl0 + sh
+                        steps[s, 4] = khl + sh
+                        part += 1
+                    else:
+                        steps[s, 0] = tl
+                        steps[s, 3] = kl0
+                        steps[s, 4] = khl
+                        part += khl != tk
+                    s += 1
+                js = -1
+        cnt[u] = s - s0
+        upart[u] = part
+        ukeys[u] = keys
+    return s
+
+
+def _nb_count(lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, cnt):
+    """Exact step rows of units [lo, hi) (when the bound is too large to reserve)."""
+    W = words.shape[2]
+    nkv = len(kb) - 1
+    one, top = np.uint64(1), np.uint64(63)
+    for u in range(lo, hi):
+        h, i = ugh[u], ugi[u]
+        n = 0
+        carry = np.uint64(0)
+        start = -1
+        for k in range(W):
+            w = words[h, i, k]
+            b = w ^ ((w << one) | carry) if merge else w
+            carry = w >> top
+            while b:
+                j = k * 64 + np.int64(_nb_ctz(b))
+                b &= b - one
+                if not merge:
+                    n += _nb_tiles(j, j + 1, kb, ka, tk, ltk)
+                elif start < 0:
+                    start = j
+                else:
+                    n += _nb_tiles(start, j, kb, ka, tk, ltk)
+                    start = -1
+        if merge and start >= 0:
+            n += _nb_tiles(start, nkv, kb, ka, tk, ltk)
+        cnt[u] = n
+
+
+def _nb_move(steps, src, dst, n):
+    """steps[dst:dst + n] = steps[src:src + n] for dst <= src (forward copy)."""
+    for r in range(n):
+        for c in range(steps.shape[1]):
+            steps[dst + r, c] = steps[src + r, c]
+
+
+_NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_move")
+_NB_INLINE = ("_nb_popcount", "_nb_tiles")   # inlined into their callers (numba IR)
+
+
+@functools.cache
+def _compiled():
+    """Imports numba and jit-wraps the ``_nb_*`` functions (cached on disk), once per process.
+
+    The wrapped functions replace the plain ones in this module's namespace, which is where
+    numba resolves the names that the kernels call.
+    """
+    import numba
+    from numba.cpython.unsafe.numbers import trailing_zeros
+    g = globals()
+    for name in _NB_KERNELS:
+        inline = "always" if name in _NB_INLINE else "never"
+        g[name] = numba.njit(cache=True, nogil=True, inline=inline)(g[name])
+    g["_nb_ctz"] = trailing_zeros
+    return True
+
+
+def warm_up() -> None:
+    """Compiles (or loads from numba's cache) the planner's hot loops now, so that the first
+    real plan of the process does not pay for it."""
+    words = _pack(np.ones((1, 2, 2), bool))
+    b = np.array([0, 1, 2])
+    for merge in (False, True):
+        _plan_rowgroups(_Ctx(b, b, words, 8, 8, 1, 1, 8, 8), merge)
+
+
+def _on_worker(fn, *args):
+    """Starts fn(*args) on the planner's worker thread; returns its future."""
+    global _POOL
+    if _POOL is None:
+        import concurrent.futures
+        _POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tessera-plan")
+    return _POOL.submit(fn, *args)
+
+
+def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
+    """keep / merge: one row group per unit, the group's K/V tiles anchored at interval starts
+    (compiled; the arrays equal ``_plan_rowgroups_numpy``'s)."""
+    _compiled()
+    tq, tk, al = ctx.tile_q, ctx.tile_kv, ctx.kv_align
+    words = ctx.words
+    gh, gi, ge, pc = _nb_groups(words, merge)
+    if len(gh) == 0:
+        return _empty_raw()
+    kb = np.ascontiguousarray(ctx.kb, np.int64)
+    ka = kb - kb % al                               # aligned start of each key block
+    ltk = tk.bit_length() - 1 if tk & (tk - 1) == 0 else -1
+    lim = ctx.kvp - tk                              # a tile starting past lim is shifted
+    ug, qs, qlo, qhi = _chunk(ctx.qb[gi], ctx.qb[ge], tq, ctx.q_align, ctx.qp)
+    U = len(ug)
+    ugh, ugi = gh[ug], gi[ug]
+    cmax = int(((kb[1:] - ka[:-1] + tk - 1) // tk).max())
+    bound = np.zeros(U + 1, np.int64)              # cumulative bound on step rows
+    np.cumsum(pc[ug] * cmax, out=bound[1:])
+    cnt = np.empty(U, np.int64)
+    upart = np.empty(U, np.int64)
+    ukeys = np.empty(U, np.int64)
+    B = int(bound[-1])
+    two = PLAN_THREADS >= 2 and U >= 2 and B >= _PAR_MIN_ROWS
+    mid = min(max(int(np.searchsorted(bound, B // 2)), 1), U - 1) if two else U
+    common = (words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim)
+    if bucket(B) * abi.STEP_COLS * 4 <= _MAX_BOUND_BYTES:
+        steps = np.zeros((bucket(B), abi.STEP_COLS), np.int32)
+        r1 = int(bound[mid])
+        out = (steps, cnt, upart, ukeys)
+        fut = _on_worker(_nb_fill, mid, U, r1, *common, *out) if two else None
+        e0 = _nb_fill(0, mid, 0, *common, *out)
+        S = e0
+        if fut is not None:
+            e1 = fut.result()
+            S = e0 + e1 - r1
+            if r1 > e0:                         # move the second half down, zero the rest
+                _nb_move(steps, r1, e0, e1 - r1)
+                steps[S:e1] = 0
+        steps = steps[: bucket(S)]     # a view; the OS never backs the bound's untouched rows
+    else:
+        cargs = (words, ugh, ugi, merge, kb, ka, tk, ltk, cnt)
+        fut = _on_worker(_nb_count, mid, U, *cargs) if two else None
+        _nb_count(0, mid, *cargs)
+        if fut is not None:
+            fut.result()
+        S = int(cnt.sum())
+        r1 = int(cnt[:mid].sum())
+        steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+        out = (steps, cnt, upart, ukeys)
+        fut = _on_worker(_nb_fill, mid, U, r1, *common, *out) if two else None
+        _nb_fill(0, mid, 0, *common, *out)
+        if fut is not None:
+            fut.result()
+    nfull = np.where((qlo == 0) & (qhi == tq), cnt - upart, 0)
+    return _Raw(ugh, qs, qlo, qhi, cnt, steps, nfull, (qhi - qlo) * ukeys)
 
 
 def _unit_rects(gw, r0, r1, ustart, uend, kb):

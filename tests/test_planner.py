@@ -388,3 +388,60 @@ def test_bit_helpers_match_numpy():
         np.testing.assert_array_equal(rr, sr)
         np.testing.assert_array_equal(s, ss)
         np.testing.assert_array_equal(e, ee)
+
+
+def _ctx(mask, tq, tk, q_align, kv_align, kv_len=None):
+    kv_len = mask.Lkv if kv_len is None else kv_len
+    qp = planner._round_up(max(mask.Lq, tq), q_align)
+    kvp = planner._round_up(max(kv_len, tk), kv_align)
+    words, _ = planner._dedupe_heads(planner._pack(mask.blocks))
+    return planner._Ctx(mask.q_bounds, mask.kv_bounds, words, tq, tk, q_align, kv_align, qp, kvp)
+
+
+@given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (128, 128), (64, 256)]),
+       st.sampled_from([(1, 1), (8, 8), (16, 32)]), st.sampled_from(["one", "two", "exact"]))
+@settings(max_examples=40, deadline=None)
+def test_compiled_keep_merge_equal_numpy_oracle(mt, tile, align, mode):
+    """The compiled keep/merge loops give exactly the NumPy oracle's arrays: one thread, two
+    threads (second half written past the bound and moved down), and the exact-count path."""
+    mask = mt[0]
+    tq, tk = tile
+    qal, kal = align
+    if tk % kal:
+        kal = 1
+    ctx = _ctx(mask, tq, tk, qal, kal)
+    for merge in (False, True):
+        want = planner._plan_rowgroups_numpy(ctx, merge)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(planner, "PLAN_THREADS", 1 if mode == "one" else 2)
+            mp.setattr(planner, "_PAR_MIN_ROWS", 0)
+            if mode == "exact":
+                mp.setattr(planner, "_MAX_BOUND_BYTES", 0)
+            got = planner._plan_rowgroups(ctx, merge)
+        for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+        assert got.steps.shape == want.steps.shape and got.steps.dtype == np.int32
+        np.testing.assert_array_equal(got.steps, want.steps)
+
+
+def test_compiled_keep_merge_edge_intervals():
+    """Intervals longer than a tile, tiles shifted back inside the padded keys (alone and as
+    the last of several), a run reaching the last key block, 64 and 128 key blocks, a
+    non-power-of-two tile."""
+    rng = np.random.default_rng(7)
+    for nkv, kv_size in ((64, 7), (128, 3), (130, 5), (9, 100)):
+        kb = np.arange(nkv + 1) * kv_size
+        qb = np.array([0, 40, 200, 333])
+        blocks = rng.random((2, 3, nkv)) < 0.6
+        blocks[:, :, -1] = True
+        blocks[0, 0] = True
+        m = tj.BlockMask(qb, kb, blocks)
+        for tk, kal in ((64, 8), (96, 32), (128, 1), (256, 64)):
+            ctx = _ctx(m, 64, tk, 8, kal)
+            for merge in (False, True):
+                want = planner._plan_rowgroups_numpy(ctx, merge)
+                got = planner._plan_rowgroups(ctx, merge)
+                np.testing.assert_array_equal(got.steps, want.steps)
+                np.testing.assert_array_equal(got.cnt, want.cnt)
+                np.testing.assert_array_equal(got.nfull, want.nfull)
+                np.testing.assert_array_equal(got.area, want.area)
