@@ -168,7 +168,19 @@ class Plan:
 
 # --- bit helpers ------------------------------------------------------------------------
 def _pack(rows: np.ndarray) -> np.ndarray:
-    """bool [..., n] -> little-endian uint64 words [..., ceil(n / 64)]; bit j%64 of word j//64."""
+    """bool [..., n] -> little-endian uint64 words [..., ceil(n / 64)]; bit j%64 of word j//64.
+
+    Large C-contiguous masks with n % 8 == 0 are packed by the compiled loop (8 flags at a
+    time, on PLAN_THREADS threads); the rest by ``np.packbits``.
+    """
+    n = rows.shape[-1]
+    if (rows.size >= _PACK_MIN_BYTES and n % 8 == 0 and rows.dtype == np.bool_
+            and rows.flags.c_contiguous):
+        _compiled()
+        b8 = rows.reshape(-1, n).view(np.uint64)
+        out = np.empty((b8.shape[0], -(-n // 64)), _U64)
+        _run_split(_nb_pack, b8.shape[0], b8.shape[0] * n, b8, out)
+        return out.reshape(rows.shape[:-1] + (out.shape[1],))
     pk = np.packbits(rows, axis=-1, bitorder="little")
     nb = pk.shape[-1]
     W = -(-nb // 8)
@@ -517,7 +529,8 @@ def _plan_rowgroups_numpy(ctx: _Ctx, merge: bool) -> _Raw:
 # numba is imported and the loops compiled (or loaded from numba's on-disk cache) on the
 # first keep/merge plan of a process, not at import; ``warm_up()`` does it ahead of time.
 PLAN_THREADS = min(2, os.cpu_count() or 1)   # threads of the compiled keep/merge loops
-_PAR_MIN_ROWS = 1 << 16        # below this bound on step rows, one thread
+_PAR_MIN_ROWS = 1 << 16        # below this bound on step rows (or this many bytes), one thread
+_PACK_MIN_BYTES = 1 << 16      # masks from this many flags up are packed by the compiled loop
 _MAX_BOUND_BYTES = 1 << 30     # reserve at most this much for the step-row bound
 _POOL = None
 
@@ -699,7 +712,34 @@ def _nb_move(steps, src, dst, n):
             steps[dst + r, c] = steps[src + r, c]
 
 
-_NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_move")
+def _nb_pack(lo, hi, b8, out):
+    """Rows [lo, hi) of bool rows seen as uint64 (8 flags per word) -> packed words."""
+    n8 = b8.shape[1]
+    low, magic = np.uint64(0x0101010101010101), np.uint64(0x0102040810204080)
+    for r in range(lo, hi):
+        for k in range(out.shape[1]):
+            acc = np.uint64(0)
+            for t in range(min(8, n8 - 8 * k)):
+                byte = ((b8[r, 8 * k + t] & low) * magic) >> np.uint64(56)
+                acc |= byte << np.uint64(8 * t)
+            out[r, k] = acc
+
+
+def _nb_row_index(lo, hi, uh, qs, own_lo, own_hi, tile_q, sentinel, out):
+    """row_index rows of query heads [lo, hi): the owning unit row, else the sentinel."""
+    for h in range(lo, hi):
+        for i in range(out.shape[1]):
+            out[h, i] = sentinel
+    for u in range(len(uh)):
+        h = uh[u]
+        if lo <= h < hi:
+            base = u * tile_q
+            for r in range(own_lo[u], own_hi[u]):
+                out[h, qs[u] + r] = base + r
+
+
+_NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_move",
+               "_nb_pack", "_nb_row_index")
 _NB_INLINE = ("_nb_popcount", "_nb_tiles")   # inlined into their callers (numba IR)
 
 
@@ -721,12 +761,21 @@ def _compiled():
 
 
 def warm_up() -> None:
-    """Compiles (or loads from numba's cache) the planner's hot loops now, so that the first
-    real plan of the process does not pay for it."""
-    words = _pack(np.ones((1, 2, 2), bool))
+    """Compiles (or loads from numba's cache) the planner's compiled loops now, so that the
+    first real plan of the process does not pay for it."""
+    _compiled()
+    z64 = np.zeros(1, np.int64)
+    flags = np.zeros((1, 1), _U64)
+    flags.setflags(write=False)                     # as a mask's blocks
+    _nb_pack(0, 1, flags, np.empty((1, 1), _U64))
+    _nb_row_index(0, 1, z64, z64, z64, z64 + 1, 8, 8, np.empty((1, 1), np.int32))
+    _nb_move(np.zeros((2, abi.STEP_COLS), np.int32), 1, 0, 1)
     b = np.array([0, 1, 2])
+    words = _pack(np.ones((1, 2, 2), bool))
+    ctx = _Ctx(b, b, words, 8, 8, 1, 1, 8, 8)
     for merge in (False, True):
-        _plan_rowgroups(_Ctx(b, b, words, 8, 8, 1, 1, 8, 8), merge)
+        _plan_rowgroups(ctx, merge)
+        _nb_count(0, 1, words, z64, z64, merge, b, b, 8, 3, z64.copy())
 
 
 def _on_worker(fn, *args):
@@ -738,6 +787,17 @@ def _on_worker(fn, *args):
     return _POOL.submit(fn, *args)
 
 
+def _run_split(fn, n, work, *args):
+    """fn(lo, hi, *args) over [0, n): in two halves on two threads when PLAN_THREADS >= 2 and
+    the work (a size, for equal items) is large enough to pay for the hand-off."""
+    if PLAN_THREADS < 2 or n < 2 or work < _PAR_MIN_ROWS:
+        fn(0, n, *args)
+        return
+    fut = _on_worker(fn, n // 2, n, *args)
+    fn(0, n // 2, *args)
+    fut.result()
+
+
 def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
     """keep / merge: one row group per unit, the group's K/V tiles anchored at interval starts
     (compiled; the arrays equal ``_plan_rowgroups_numpy``'s)."""
@@ -747,7 +807,7 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
     gh, gi, ge, pc = _nb_groups(words, merge)
     if len(gh) == 0:
         return _empty_raw()
-    kb = np.ascontiguousarray(ctx.kb, np.int64)
+    kb = np.array(ctx.kb, np.int64)                # writable: one compiled specialisation
     ka = kb - kb % al                               # aligned start of each key block
     ltk = tk.bit_length() - 1 if tk & (tk - 1) == 0 else -1
     lim = ctx.kvp - tk                              # a tile starting past lim is shifted
@@ -1052,7 +1112,6 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     selected = int(uarea.sum())
 
     order = _sched.order_units(cost, qs, uh // group, uh)
-    uh_pre, qs_pre, lo_pre = uh, qs, lo
     uh, qs, lo, hi, cnt, first, cost = (x[order] for x in (uh, qs, lo, hi, cnt, first, cost))
     U, S = len(uh), raw.num_steps
     U_cap = bucket(U)
@@ -1063,14 +1122,7 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
                    (abi.UNIT_OWN_HI, hi), (abi.UNIT_STEP_PTR, first), (abi.UNIT_STEP_CNT, cnt)):
         units[:U, col] = x
     steps = raw.steps                   # padded to bucket(S) by the policy
-    # Before scheduling, units are in (head, q) order; when their owned rows increase in that
-    # order, the inverse schedule permutation sorts them for row_index (no argsort).
-    f_pre = uh_pre * shape.q_len + qs_pre + lo_pre
-    inv = None
-    if U and np.all(f_pre[1:] > f_pre[:-1]):
-        inv = np.empty(U, np.int64)
-        inv[order] = np.arange(U)
-    row_index = _row_index(uh, qs, lo, hi, Hq, shape.q_len, tile_q, U_cap * tile_q, inv)
+    row_index = _row_index(uh, qs, lo, hi, Hq, shape.q_len, tile_q, U_cap * tile_q)
 
     for a in (units, steps, row_index, cost):
         a.setflags(write=False)
@@ -1081,34 +1133,13 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
                 mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model)
 
 
-def _row_index(uh, qs, lo, hi, Hq, Lq, tile_q, sentinel, presorted=None):
-    """row_index [Hq, Lq]: u * tile_q + r for the row r of unit u that owns it, else sentinel.
-
-    One np.repeat of per-segment values (u * tile_q - q_start on owned rows, sentinel on
-    gaps), plus the row number of each position (broadcast) and a clip to the sentinel.
-    """
-    U = len(uh)
-    f0 = uh.astype(np.int64) * Lq + qs + lo            # flat first owned position
-    if presorted is None:
-        srt = np.argsort(f0, kind="stable")
-    else:                                              # f0[presorted] is increasing
-        srt = presorted
-    f0 = f0[srt]
-    n = (hi - lo)[srt]
-    gaps = f0 - np.concatenate([[0], (f0 + n)[:-1]])
-    tail = Hq * Lq - (int(f0[-1] + n[-1]) if U else 0)
-    lengths = np.empty(2 * U + 1, np.int64)
-    lengths[0:-1:2] = gaps
-    lengths[1::2] = n
-    lengths[-1] = tail
-    dt = np.int32 if sentinel + Lq < 2**31 else np.int64
-    vals = np.empty(2 * U + 1, dt)
-    vals[0::2] = sentinel                              # + r >= sentinel: clipped below
-    vals[1::2] = srt * tile_q - qs[srt]
-    out = np.repeat(vals, lengths).reshape(Hq, Lq)
-    out += np.arange(Lq, dtype=dt)
-    np.minimum(out, sentinel, out=out)
-    return out.astype(np.int32, copy=False)
+def _row_index(uh, qs, lo, hi, Hq, Lq, tile_q, sentinel):
+    """row_index [Hq, Lq]: u * tile_q + r for the row r of unit u that owns it, else sentinel
+    (compiled; the query heads split over PLAN_THREADS threads)."""
+    _compiled()
+    out = np.empty((Hq, Lq), np.int32)
+    _run_split(_nb_row_index, Hq, Hq * Lq, uh, qs, lo, hi, tile_q, sentinel, out)
+    return out
 
 
 def _tile_rects(plan: Plan) -> dict:

@@ -445,3 +445,17 @@ def test_compiled_keep_merge_edge_intervals():
                 np.testing.assert_array_equal(got.cnt, want.cnt)
                 np.testing.assert_array_equal(got.nfull, want.nfull)
                 np.testing.assert_array_equal(got.area, want.area)
+
+
+def test_compiled_pack_matches_packbits(monkeypatch):
+    monkeypatch.setattr(planner, "_PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(planner, "_PAR_MIN_ROWS", 0)
+    rng = np.random.default_rng(5)
+    for shape, dens in (((3, 5, 8), 0.5), ((2, 7, 64), 0.3), ((4, 3, 136), 0.9),
+                        ((1, 9, 1440), 0.1)):
+        rows = rng.random(shape) < dens
+        words = planner._pack(rows)
+        pk = np.packbits(rows, axis=-1, bitorder="little")
+        want = np.zeros(shape[:-1] + (8 * words.shape[-1],), np.uint8)
+        want[..., : pk.shape[-1]] = pk
+        np.testing.assert_array_equal(words, want.view(np.uint64))
