@@ -48,7 +48,8 @@ covers exactly one logical block, whole). ``kept + merged + split == tiles``.
 Mask heads with identical blocks are planned once and their units share one step list (a
 shared mask is the case of a single distinct head), so ``steps`` grows with the distinct head
 masks, not with Hq. Units are ordered by ``tessera_jax.schedule.order_units`` (heaviest
-estimated cost first, heads interleaved). The int32 arrays are padded to capacity buckets
+estimated cost first, then heads interleaved, or head-major where the template's
+``unit_order`` option asks for it). The int32 arrays are padded to capacity buckets
 (``bucket``) so that masks of similar size reuse one compiled executable.
 
 Host cost: the work grows with the number of runs and tiles the plan holds, never with dense
@@ -125,6 +126,7 @@ class Plan:
     head_policies: tuple[str, ...] = ()   # policy used for each mask head
     unit_cost: np.ndarray | None = None   # estimated ns of each real unit, schedule order
     cost_model: _sched.CostModel = _sched.DEFAULT_COST_MODEL
+    unit_order: str = "interleaved"       # schedule.order_units order
 
     @property
     def capacities(self) -> tuple[int, int, int]:
@@ -1017,8 +1019,13 @@ def _plan_policy(ctx: _Ctx, policy: str) -> _Raw:
 def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_kv: int,
                policy: str = "merge", q_align: int = 1, kv_align: int = 1,
                template: str | None = None,
-               cost_model: _sched.CostModel | None = None) -> Plan:
-    """Plans ``mask`` for q [B, Lq, Hq, D] / k, v [B, Lkv, Hkv, D] with the given tile shape."""
+               cost_model: _sched.CostModel | None = None,
+               unit_order: str | None = None) -> Plan:
+    """Plans ``mask`` for q [B, Lq, Hq, D] / k, v [B, Lkv, Hkv, D] with the given tile shape.
+
+    ``unit_order`` ("interleaved" or "head_major", see ``schedule.order_units``) defaults to the
+    registered template's ``unit_order`` option, else "interleaved".
+    """
     shape = check_shapes(q_shape, kv_shape, dtype)
     if not isinstance(mask, BlockMask):
         raise TypeError(f"mask must be a BlockMask, got {type(mask).__name__}")
@@ -1037,8 +1044,23 @@ def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_k
     elif not isinstance(cost_model, _sched.CostModel):
         raise TypeError(f"cost_model must be a schedule.CostModel, got "
                         f"{type(cost_model).__name__}")
-    return _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align,
-                         template or f"xla_{tile_q}x{tile_kv}", cost_model)
+    template = template or f"xla_{tile_q}x{tile_kv}"
+    if unit_order is None:
+        unit_order = _template_unit_order(template)
+    if unit_order not in _sched.UNIT_ORDERS:
+        raise ValueError(f"unit_order must be one of {_sched.UNIT_ORDERS}, got {unit_order!r}")
+    return _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, template,
+                         cost_model, unit_order)
+
+
+def _template_unit_order(name: str) -> str:
+    """The ``unit_order`` option of the registered template ``name`` ("interleaved" if none)."""
+    from pallas_kernels import templates
+    try:
+        t = templates.get(name)
+    except ValueError:
+        return "interleaved"
+    return t.option("unit_order", "interleaved")
 
 
 def _dedupe_heads(words: np.ndarray):
@@ -1069,7 +1091,7 @@ def _dedupe_heads(words: np.ndarray):
 
 @functools.lru_cache(maxsize=32)
 def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, template,
-                  cost_model) -> Plan:
+                  cost_model, unit_order="interleaved") -> Plan:
     from .validation import check_mask
     check_mask(mask, shape)
     Hq = shape.num_q_heads
@@ -1111,7 +1133,7 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     qs, lo, hi, cnt, first, cost, uarea = (x[take] for x in per_unit[1:])
     selected = int(uarea.sum())
 
-    order = _sched.order_units(cost, qs, uh // group, uh)
+    order = _sched.order_units(cost, qs, uh // group, uh, unit_order)
     uh, qs, lo, hi, cnt, first, cost = (x[order] for x in (uh, qs, lo, hi, cnt, first, cost))
     U, S = len(uh), raw.num_steps
     U_cap = bucket(U)
@@ -1130,7 +1152,8 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
                 q_len_padded=qp, kv_len_padded=kvp, units=units, steps=steps,
                 row_index=row_index, num_units=U, num_steps=S, max_steps=M,
                 mask_digest=mask.digest, selected_interactions=selected,
-                mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model)
+                mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model,
+                unit_order=unit_order)
 
 
 def _row_index(uh, qs, lo, hi, Hq, Lq, tile_q, sentinel):
@@ -1212,4 +1235,5 @@ def _stats(plan: Plan) -> dict:
         "est_time_us": _sched.makespan(cost, nsm) / 1e3,
         "balance": _sched.balance(cost, nsm),
         "capacities": plan.capacities,
+        "unit_order": plan.unit_order,
     }

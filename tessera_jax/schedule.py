@@ -16,10 +16,15 @@ K/V across units); the offline profiler replaces them with fitted values.
 
 Ordering (``order_units``): heaviest units first (longest-processing-time first is within 4/3
 of the optimal makespan for a persistent kernel that hands the next unit to the first free
-SM); among units of similar cost (same cost class, eight classes per octave) the order is by
-query position, then K/V head, then query head, so that units of the query heads that share a
-K/V head, and neighbouring query tiles of all heads, run at the same time and reuse the K/V
-tiles they load from L2 ("heads interleaved").
+SM); among units of similar cost (same cost class, eight classes per octave) the order is
+either
+* ``"interleaved"`` (default): by query position, then K/V head, then query head, so that units
+  of the query heads that share a K/V head, and neighbouring query tiles of all heads, run at
+  the same time and reuse the K/V tiles they load from L2; or
+* ``"head_major"``: by query head, then query position, as jax's ``attention_mgpu`` launches
+  its grid: the units resident at one time are consecutive query tiles of one head, which all
+  stream that head's K/V from L2.
+A template picks one with its ``unit_order`` option (``planner.build_plan`` reads it).
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ import heapq
 
 import numpy as np
 
-__all__ = ["CostModel", "DEFAULT_COST_MODEL", "unit_costs", "order_units", "makespan",
-           "balance"]
+__all__ = ["CostModel", "DEFAULT_COST_MODEL", "UNIT_ORDERS", "unit_costs", "order_units",
+           "makespan", "balance"]
+
+UNIT_ORDERS = ("interleaved", "head_major")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +86,16 @@ def unit_costs(steps_per_unit, partial_per_unit, *, tile_q: int, tile_kv: int, h
             + part * model.mask_ns)
 
 
-def order_units(cost, q_start, kv_head, q_head) -> np.ndarray:
-    """Schedule order (a permutation): heaviest cost class first, then q position, K/V head,
-    query head. Cost classes are eight per octave, so near-equal units count as equal."""
+def order_units(cost, q_start, kv_head, q_head, order: str = "interleaved") -> np.ndarray:
+    """Schedule order (a permutation): heaviest cost class first, then, for ``"interleaved"``,
+    q position, K/V head, query head, or for ``"head_major"``, query head, q position. Cost
+    classes are eight per octave, so near-equal units count as equal."""
+    if order not in UNIT_ORDERS:
+        raise ValueError(f"order must be one of {UNIT_ORDERS}, got {order!r}")
     cost = np.asarray(cost, np.float64)
     cls = np.floor(np.log2(np.maximum(cost, 1.0)) * 8).astype(np.int64)
+    if order == "head_major":
+        return np.lexsort((np.asarray(q_start), np.asarray(q_head), -cls))
     return np.lexsort((np.asarray(q_head), np.asarray(kv_head), np.asarray(q_start), -cls))
 
 

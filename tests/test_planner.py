@@ -459,3 +459,46 @@ def test_compiled_pack_matches_packbits(monkeypatch):
         want = np.zeros(shape[:-1] + (8 * words.shape[-1],), np.uint8)
         want[..., : pk.shape[-1]] = pk
         np.testing.assert_array_equal(words, want.view(np.uint64))
+
+
+def test_unit_order_option_head_major(monkeypatch):
+    rng = np.random.default_rng(11)
+    blocks = rng.random((4, 24, 24)) < 0.3
+    blocks[:, :3] = True                                   # heavy rows: several cost classes
+    m = tj.BlockMask.uniform(1536, 1536, 64, 64, blocks)
+    base = _plan(m, 4, 2, 64, 64, "merge")
+    assert base.unit_order == "interleaved" and base.stats()["unit_order"] == "interleaved"
+    hm = build_plan(m, (1, 1536, 4, 16), (1, 1536, 2, 16), jnp.float32, tile_q=64, tile_kv=64,
+                    policy="merge", unit_order="head_major")
+    assert hm is not base and hm.unit_order == "head_major"
+    U = hm.num_units
+    u, ub = hm.units[:U], base.units[:U]
+    key = lambda x: sorted(map(tuple, x[:, [abi.UNIT_HEAD, abi.UNIT_Q_START, abi.UNIT_OWN_LO]]))
+    assert key(u) == key(ub), "not a permutation of the same units"
+    np.testing.assert_array_equal(hm.steps, base.steps)
+    np.testing.assert_array_equal(np.sort(hm.unit_cost), np.sort(base.unit_cost))
+    # Heaviest cost class first, then query head, then q_start.
+    cls = np.floor(np.log2(hm.unit_cost) * 8)
+    assert (np.diff(cls) <= 0).all()
+    h, q = u[:, abi.UNIT_HEAD].astype(np.int64), u[:, abi.UNIT_Q_START].astype(np.int64)
+    same = cls[1:] == cls[:-1]
+    step = np.stack([h[1:] - h[:-1], q[1:] - q[:-1]], axis=1)[same]
+    assert ((step[:, 0] > 0) | ((step[:, 0] == 0) & (step[:, 1] > 0))).all()
+    assert not (h[1:] != h[:-1])[same].all(), "head-major runs of one head expected"
+    # row_index follows the units (the ABI check recomputes it from them).
+    _check_abi(hm, m)
+    # A registered template's option is honoured, and the cache key includes the order.
+    from pallas_kernels import templates
+    name = "test_head_major_xla_64x64"
+    monkeypatch.setitem(templates._REGISTRY, name,
+                        templates.Template(name, "xla", 64, 64, 1, (), ("float32",),
+                                           options=(("unit_order", "head_major"),)))
+    p = build_plan(m, (1, 1536, 4, 16), (1, 1536, 2, 16), jnp.float32, tile_q=64, tile_kv=64,
+                   policy="merge", template=name)
+    assert p.unit_order == "head_major"
+    np.testing.assert_array_equal(p.units, hm.units)
+    with pytest.raises(ValueError, match="unit_order"):
+        build_plan(m, (1, 1536, 4, 16), (1, 1536, 2, 16), jnp.float32, tile_q=64, tile_kv=64,
+                   unit_order="random")
+    with pytest.raises(ValueError, match="order"):
+        schedule.order_units([1.0], [0], [0], [0], order="diagonal")
