@@ -176,6 +176,7 @@ def bench_masks(grid, H, L, seed=0):
 
 def resolve_template(name):
     """A registered template, or a variant of one: "NAME+always" masks every step (no cond),
+    "NAME+cond" masks partial steps under a cond in every unit (no per-unit unmasked loop),
     "NAME+nosched" drops the schedule barrier and "NAME+sched" keeps it, "NAME+persistent"
     runs one CTA per SM looping over the units, "NAME+prefetch" / "NAME+noprefetch" read the
     next step's rectangle early or not, "NAME+merge|pack|split|auto" plans with that policy
@@ -186,8 +187,8 @@ def resolve_template(name):
     t = templates.get(base)
     opts = dict(t.options)
     for m in mods:
-        if m == "always":
-            opts["mask_mode"] = "always"
+        if m in ("always", "cond"):
+            opts["mask_mode"] = m
         elif m == "nosched":
             opts["schedule_barrier"] = False
         elif m == "sched":

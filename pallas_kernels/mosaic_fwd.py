@@ -8,13 +8,15 @@ so one warpgroup's softmax overlaps the other's matrix products; with tile_q = 6
 consumer, no ping-pong, and the overlap comes from two CTAs per SM (small SMEM, no register
 split). What differs from the dense kernel: the K/V tiles a unit visits, and how many, come
 from the plan's ``steps`` (read from GMEM at run time), and the rectangle mask is applied only
-on partial steps (a ``lax.cond`` skips it on full ones; mask mode "none", picked from a
-concrete plan whose steps are all full, drops the cond and the -inf guard). Plan starts must
+on partial steps: a unit whose steps are all full runs a loop without masking code (flag per
+unit computed from the plan), the others a ``lax.cond`` per step; mask mode "none", picked
+from a concrete plan whose steps are all full, compiles only the unmasked loop. Plan starts must
 be multiples of 8 (TMA fills the 8-row tiled, swizzled SMEM layout); templates declare it as
 q_align / kv_align. Variants (template options): a persistent loop (one CTA per SM walking the
-units, the ring continuing across units), masking on every step, and ``wg_skip`` (a consumer
+units, the ring continuing across units), masking on every step, ``wg_skip`` (a consumer
 warpgroup skips the matrix products and softmax of steps whose rows miss its 64 rows, for
-plans that pack two 64-row query blocks into one unit); measurements in
+plans that pack two 64-row query blocks into one unit) and ``paired`` (tile_q = 64, two
+units per CTA, one per consumer warpgroup, each with its own K/V ring); measurements in
 ``benchmarks/NOTES.md``. On CPU, ``interpret=`` runs it under the Mosaic GPU interpreter,
 with P @ V as a plain dot (the interpreter lacks run_state and wgmma with a register operand).
 """
@@ -52,8 +54,10 @@ class KernelConfig:
     stages: int
     tile_q: int = 2 * _WG_ROWS
     use_schedule_barrier: bool = True  # ping-pong of the two consumer WGs (ignored with one)
-    mask_mode: str = "cond"      # "cond": mask partial steps only; "always": every step;
-    #                              "none": never (plans whose steps are all full)
+    mask_mode: str = "unit"      # "unit": units whose steps are all full run unmasked, the
+    #                              others as "cond"; "cond": mask partial steps only (a cond
+    #                              per step); "always": every step; "none": never (plans
+    #                              whose steps are all full)
     persistent: bool = False     # one CTA per SM looping over the units, or one CTA per unit
     num_ctas: int = 0            # persistent CTAs; 0: one per multiprocessor
     prefetch_rect: bool = False  # read step i+1's rectangle from GMEM during step i
@@ -95,7 +99,7 @@ class KernelConfig:
         return self.use_schedule_barrier and self.tile_q == 2 * _WG_ROWS
 
 
-_MASK_MODES = ("cond", "always", "none")
+_MASK_MODES = ("unit", "cond", "always", "none")
 
 
 def config_from_template(template, mask_mode: str | None = None) -> KernelConfig:
@@ -106,7 +110,7 @@ def config_from_template(template, mask_mode: str | None = None) -> KernelConfig
         raise ValueError(f"template {t.name!r} is for backend {t.backend!r}, not mosaic_gpu")
     return KernelConfig(tile_kv=t.tile_kv, stages=t.stages, tile_q=t.tile_q,
                         use_schedule_barrier=bool(t.option("schedule_barrier", True)),
-                        mask_mode=str(mask_mode or t.option("mask_mode", "cond")),
+                        mask_mode=str(mask_mode or t.option("mask_mode", "unit")),
                         persistent=bool(t.option("persistent", False)),
                         num_ctas=int(t.option("num_ctas", 0)),
                         prefetch_rect=bool(t.option("prefetch_rect", False)),
@@ -161,7 +165,8 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
     if cfg.persistent:
         num_ctas = min(work, cfg.num_ctas or _num_sms())
 
-    def kernel(q_ref, k_ref, v_ref, units_ref, steps_ref, out_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, units_ref, steps_ref, unit_full_ref, out_ref, lse_ref,
+               scoped):
         wg = lax.axis_index("wg")
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), \
             (k_consumed, v_consumed), schedule_barrier = scoped
@@ -245,119 +250,138 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
                             steps_ref[s, plan_abi.STEP_Q_HI] - row0,
                             steps_ref[s, plan_abi.STEP_KV_LO], steps_ref[s, plan_abi.STEP_KV_HI])
 
-                def body(i, carry):
-                    acc, m_i, l_i, cur = carry
-                    slot = slot_of_(base + i)
-                    if cfg.prefetch_rect:
-                        # Step i's rectangle came with the carry; read step i+1's now, so the
-                        # GMEM latency hides behind this step's matrix products.
-                        q_lo, q_hi, kv_lo, kv_hi = cur
-                        nxt = rect(jnp.minimum(i + 1, cnt - 1))
-                    elif cfg.mask_mode == "none" and not cfg.wg_skip:
-                        q_lo = q_hi = kv_lo = kv_hi = None     # never read: every step is full
-                        nxt = cur
-                    else:
-                        q_lo, q_hi, kv_lo, kv_hi = rect(i)
-                        nxt = cur
-
-                    def end_softmax_barriers():
-                        if sched_on:
-                            plgpu.barrier_arrive(schedule_barrier)
-                        plgpu.barrier_wait(v_bar.at[slot])
-                        if sched_on:
-                            plgpu.barrier_wait(schedule_barrier)
-
-                    def wait_next_k():
-                        @pl.when(i + 1 < cnt)
-                        def _():
-                            plgpu.barrier_wait(k_bar.at[slot_of_(base + i + 1)])
-
-                    def compute(state):
-                        acc, m_i, l_i = state
-
-                        def compute_qk(acc_ref):
-                            plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                            schedule()
-                            return acc_ref[...]
-
-                        qk = pl.run_scoped(compute_qk,
-                                           plgpu.ACC((_WG_ROWS, tile_kv), jnp.float32))
-                        plgpu.barrier_arrive(k_consumed.at[slot])
-
-                        def mask(x):
-                            r = plgpu.broadcasted_iota(jnp.int32, x.shape, 0,
-                                                       layout=plgpu.Layout.WGMMA)
-                            c = plgpu.broadcasted_iota(jnp.int32, x.shape, 1,
-                                                       layout=plgpu.Layout.WGMMA)
-                            keep = (r >= q_lo) & (r < q_hi) & (c >= kv_lo) & (c < kv_hi)
-                            return jnp.where(keep, x, -jnp.inf)
-
-                        if cfg.mask_mode == "cond":
-                            full = ((q_lo <= 0) & (q_hi >= _WG_ROWS) & (kv_lo == 0)
-                                    & (kv_hi == tile_kv))
-                            qk = lax.cond(full, lambda x: x, mask, qk)
-                        elif cfg.mask_mode == "always":
-                            qk = mask(qk)
-
-                        # Online softmax in base 2. A row may have seen only masked entries so
-                        # far (m == -inf): subtract 0 then, so that exp2 gives 0, never NaN.
-                        # Without masking (all steps full) every score is finite: no guard.
-                        m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
-                        if cfg.mask_mode == "none":
-                            m_sub = m_ij
+                def make_body(mode, wg_skip):
+                    # One step of the K/V loop, specialised for a mask mode ("cond", "always" or
+                    # "none") and for warpgroup skipping.
+                    def body(i, carry):
+                        acc, m_i, l_i, cur = carry
+                        slot = slot_of_(base + i)
+                        if cfg.prefetch_rect:
+                            # Step i's rectangle came with the carry; read step i+1's now, so the
+                            # GMEM latency hides behind this step's matrix products.
+                            q_lo, q_hi, kv_lo, kv_hi = cur
+                            nxt = rect(jnp.minimum(i + 1, cnt - 1))
+                        elif mode == "none" and not wg_skip:
+                            q_lo = q_hi = kv_lo = kv_hi = None     # never read: every step is full
+                            nxt = cur
                         else:
-                            m_sub = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
-                        alpha = jnp.exp2(m_i - m_sub)
-                        m_i = m_ij
-                        p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_sub, qk.shape, [0]))
-                        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-                        l_i *= alpha
-                        p16 = p.astype(dtype)
+                            q_lo, q_hi, kv_lo, kv_hi = rect(i)
+                            nxt = cur
 
-                        if D <= 128:
-                            l_i += p.sum(axis=1)
-                            acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
-                            end_softmax_barriers()
-                        else:
-                            end_softmax_barriers()
-                            l_i += p.sum(axis=1)
+                        def end_softmax_barriers():
+                            if sched_on:
+                                plgpu.barrier_arrive(schedule_barrier)
+                            plgpu.barrier_wait(v_bar.at[slot])
+                            if sched_on:
+                                plgpu.barrier_wait(schedule_barrier)
 
-                        if interpret:
-                            # The Mosaic GPU interpreter has neither a rule for run_state nor
-                            # wgmma with a register A operand: PV is a plain dot on the tile.
-                            acc = acc + jnp.dot(p16, v_smem.at[slot][...],
-                                                preferred_element_type=jnp.float32)
-                            wait_next_k()
-                        else:
-                            def compute_pv(acc_ref):
-                                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        def wait_next_k():
+                            @pl.when(i + 1 < cnt)
+                            def _():
+                                plgpu.barrier_wait(k_bar.at[slot_of_(base + i + 1)])
+
+                        def compute(state):
+                            acc, m_i, l_i = state
+
+                            def compute_qk(acc_ref):
+                                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                                schedule()
+                                return acc_ref[...]
+
+                            qk = pl.run_scoped(compute_qk,
+                                               plgpu.ACC((_WG_ROWS, tile_kv), jnp.float32))
+                            plgpu.barrier_arrive(k_consumed.at[slot])
+
+                            def mask(x):
+                                r = plgpu.broadcasted_iota(jnp.int32, x.shape, 0,
+                                                           layout=plgpu.Layout.WGMMA)
+                                c = plgpu.broadcasted_iota(jnp.int32, x.shape, 1,
+                                                           layout=plgpu.Layout.WGMMA)
+                                keep = (r >= q_lo) & (r < q_hi) & (c >= kv_lo) & (c < kv_hi)
+                                return jnp.where(keep, x, -jnp.inf)
+
+                            if mode == "cond":
+                                full = ((q_lo <= 0) & (q_hi >= _WG_ROWS) & (kv_lo == 0)
+                                        & (kv_hi == tile_kv))
+                                qk = lax.cond(full, lambda x: x, mask, qk)
+                            elif mode == "always":
+                                qk = mask(qk)
+
+                            # Online softmax in base 2. A row may have seen only masked entries so
+                            # far (m == -inf): subtract 0 then, so that exp2 gives 0, never NaN.
+                            # Without masking (all steps full) every score is finite: no guard.
+                            m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+                            if mode == "none":
+                                m_sub = m_ij
+                            else:
+                                m_sub = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
+                            alpha = jnp.exp2(m_i - m_sub)
+                            m_i = m_ij
+                            p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_sub, qk.shape, [0]))
+                            acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+                            l_i *= alpha
+                            p16 = p.astype(dtype)
+
+                            if D <= 128:
+                                l_i += p.sum(axis=1)
+                                acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+                                end_softmax_barriers()
+                            else:
+                                end_softmax_barriers()
+                                l_i += p.sum(axis=1)
+
+                            if interpret:
+                                # The Mosaic GPU interpreter has neither a rule for run_state nor
+                                # wgmma with a register A operand: PV is a plain dot on the tile.
+                                acc = acc + jnp.dot(p16, v_smem.at[slot][...],
+                                                    preferred_element_type=jnp.float32)
                                 wait_next_k()
+                            else:
+                                def compute_pv(acc_ref):
+                                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                                    wait_next_k()
 
-                            acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-                        plgpu.barrier_arrive(v_consumed.at[slot])
-                        return acc, m_i, l_i
+                                acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+                            plgpu.barrier_arrive(v_consumed.at[slot])
+                            return acc, m_i, l_i
 
-                    def skip(state):
-                        # The step's rows miss this warpgroup's: no matrix products and no
-                        # softmax, but the same barrier traffic (ring slot release, the data
-                        # barriers' phases, both ping-pong arrivals) as a computed step.
-                        plgpu.barrier_arrive(k_consumed.at[slot])
-                        schedule()
-                        end_softmax_barriers()
-                        wait_next_k()
-                        plgpu.barrier_arrive(v_consumed.at[slot])
-                        return state
+                        def skip(state):
+                            # The step's rows miss this warpgroup's: no matrix products and no
+                            # softmax, but the same barrier traffic (ring slot release, the data
+                            # barriers' phases, both ping-pong arrivals) as a computed step.
+                            plgpu.barrier_arrive(k_consumed.at[slot])
+                            schedule()
+                            end_softmax_barriers()
+                            wait_next_k()
+                            plgpu.barrier_arrive(v_consumed.at[slot])
+                            return state
 
-                    state = (acc, m_i, l_i)
-                    if cfg.wg_skip:
-                        active = (q_lo < _WG_ROWS) & (q_hi > 0) & (q_lo < q_hi)
-                        state = lax.cond(active, compute, skip, state)
-                    else:
-                        state = compute(state)
-                    return (*state, nxt)
+                        state = (acc, m_i, l_i)
+                        if wg_skip:
+                            active = (q_lo < _WG_ROWS) & (q_hi > 0) & (q_lo < q_hi)
+                            state = lax.cond(active, compute, skip, state)
+                        else:
+                            state = compute(state)
+                        return (*state, nxt)
+
+                    return body
 
                 first = rect(0) if cfg.prefetch_rect else (jnp.int32(0),) * 4
-                acc, m_i, l_i, _ = lax.fori_loop(0, cnt, body, (acc, m_i, l_i, first))
+
+                def run(mode, wg_skip):
+                    def go(state):
+                        out = lax.fori_loop(0, cnt, make_body(mode, wg_skip), (*state, first))
+                        return out[:3]
+                    return go
+
+                if cfg.mask_mode == "unit":
+                    # A unit whose steps are all full (flag computed from the plan outside the
+                    # kernel) runs the loop without any masking code; the others mask their
+                    # partial steps under a cond. Both warpgroups of a unit take one branch.
+                    acc, m_i, l_i = lax.cond(unit_full_ref[u] != 0, run("none", False),
+                                             run("cond", cfg.wg_skip), (acc, m_i, l_i))
+                else:
+                    acc, m_i, l_i = run(cfg.mask_mode, cfg.wg_skip)((acc, m_i, l_i))
                 pl.when(wg == 0)(schedule)
 
                 empty = l_i == 0.0
@@ -438,7 +462,9 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
 
             drain(0, lax.fori_loop(0, n_items, do_unit, jnp.int32(0)))
 
-    def entry(q_ref, k_ref, v_ref, units_ref, steps_ref, out_ref, lse_ref):
+    def entry(q_ref, k_ref, v_ref, units_ref, steps_ref, *refs):
+        unit_full_ref = refs[0] if len(refs) == 3 else None
+        out_ref, lse_ref = refs[-2:]
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
         slots = cfg.rings * stages
@@ -447,8 +473,8 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
         vbuf = plgpu.SMEM((slots, tile_kv, D), dtype, transforms=(tiling, swizzle))
         lse = plgpu.SMEM((nwg, _WG_ROWS), jnp.float32)
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, units_ref, steps_ref, out_ref, lse_ref,
-                                   scoped),
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, units_ref, steps_ref, unit_full_ref,
+                                   out_ref, lse_ref, scoped),
             (qo, kbuf, vbuf, lse),
             (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots),
              plgpu.Barrier(num_barriers=nwg)),
@@ -476,7 +502,21 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
-    )(q, k, v, units, steps)
+    )(q, k, v, units, steps, *([_unit_full(units, steps, tile_q, tile_kv)]
+                               if cfg.mask_mode == "unit" else []))
+
+
+def _unit_full(units, steps, tile_q, tile_kv):
+    """int32 [U]: 1 where every step of the unit is the full tile (in-graph, so traced plans
+    get it too): a prefix count of partial steps differenced over [ptr, ptr + cnt)."""
+    S = steps.shape[0]
+    full = ((steps[:, plan_abi.STEP_Q_LO] == 0) & (steps[:, plan_abi.STEP_Q_HI] == tile_q)
+            & (steps[:, plan_abi.STEP_KV_LO] == 0) & (steps[:, plan_abi.STEP_KV_HI] == tile_kv))
+    partial = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                               jnp.cumsum((~full).astype(jnp.int32))])
+    lo = jnp.clip(units[:, plan_abi.UNIT_STEP_PTR], 0, S)
+    hi = jnp.clip(units[:, plan_abi.UNIT_STEP_PTR] + units[:, plan_abi.UNIT_STEP_CNT], lo, S)
+    return (partial[hi] == partial[lo]).astype(jnp.int32)
 
 
 def _check(q, k, v, units, steps, row_index, t, q_len_padded, kv_len_padded, scale):
@@ -549,9 +589,9 @@ def _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded) -> bool:
 
 
 def plan_mask_mode(units, steps, template, q_len_padded, kv_len_padded) -> str:
-    """The mask mode a concrete (NumPy) plan runs with: "none" (no cond, no -inf guard) when
-    the template masks partial steps by cond and every visited step is full, else the
-    template's own mode. Checks the plan like ``attention`` does."""
+    """The mask mode a concrete (NumPy) plan runs with: "none" (no cond, no -inf guard, no
+    per-unit flag) when the template masks by unit or by cond and every visited step is
+    full, else the template's own mode. Checks the plan like ``attention`` does."""
     t = _templates.get(template)
     all_full = _check_concrete_plan(np.asarray(units), np.asarray(steps), t, q_len_padded,
                                     kv_len_padded)
@@ -559,8 +599,8 @@ def plan_mask_mode(units, steps, template, q_len_padded, kv_len_padded) -> str:
 
 
 def _auto_mask_mode(t, all_full: bool) -> str:
-    mode = str(t.option("mask_mode", "cond"))
-    return "none" if mode == "cond" and all_full else mode
+    mode = str(t.option("mask_mode", "unit"))
+    return "none" if mode in ("unit", "cond") and all_full else mode
 
 
 def _pad_len(x, length):

@@ -279,9 +279,11 @@ def test_wg_skip_on_packed_halves(sched):
     _check(out, lse, ref_out, ref_lse, dtype)
 
 
-def test_mask_mode_none_for_all_full_plans(monkeypatch):
-    """A plan whose steps are all full runs without masking ("none", chosen from the concrete
-    plan); one with partial steps keeps the cond. Both match the reference."""
+def test_mask_modes_from_the_plan(monkeypatch):
+    """A plan whose steps are all full runs without masking code ("none", chosen from the
+    concrete plan); otherwise the default "unit" mode runs units whose steps are all full
+    unmasked and the others with a cond per step (flag per unit computed in-graph). All
+    match the reference; "none" on a plan with partial steps is refused."""
     seen = []
     real_cfg = mosaic_fwd.config_from_template
 
@@ -294,32 +296,47 @@ def test_mask_mode_none_for_all_full_plans(monkeypatch):
     rng = np.random.default_rng(3)
     Hq, Hkv, D, dtype = 2, 1, 64, jnp.float16
     template = "mgpu_q128_kv64_s2"
-    for Lkv, want in ((192, "none"), (200, "cond")):       # 200: a partial last key tile
-        blocks = rng.random((Hq, 2, -(-Lkv // 64))) < 0.6
-        blocks[:, :, -1] = True
+    for Lkv, want in ((192, "none"), (200, "unit")):       # 200: a partial last key tile
+        nk = -(-Lkv // 64)
+        blocks = rng.random((Hq, 2, nk)) < 0.6
+        blocks[:, :, 0] = True
+        blocks[:, 0, -1] = False                 # query tile 0: full steps only
+        blocks[:, 1, -1] = True                  # query tile 1: the last key tile
         mask = tj.BlockMask.uniform(256, Lkv, 128, 64, blocks)
         q, k, v = random_qkv(1, 256, Lkv, Hq, Hkv, D, dtype, seed=int(rng.integers(1e9)))
         plan = build_plan(mask, q.shape, k.shape, dtype, tile_q=128, tile_kv=64, q_align=8,
                           kv_align=8)
         assert mosaic_fwd.plan_mask_mode(plan.units, plan.steps, template, plan.q_len_padded,
                                          plan.kv_len_padded) == want
-        seen.clear()
-        out, lse = mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                        template=template, q_len_padded=plan.q_len_padded,
-                                        kv_len_padded=plan.kv_len_padded, return_lse=True,
-                                        interpret=INTERPRET)
-        assert seen == [want]
-        ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
-        _check(out, lse, ref_out, ref_lse, dtype)
-        if want == "cond":
+        flags = np.asarray(mosaic_fwd._unit_full(jnp.asarray(plan.units),
+                                                 jnp.asarray(plan.steps), 128, 64))
+        real = plan.units[:, plan_abi.UNIT_STEP_CNT] > 0
+        q_tile = plan.units[:, plan_abi.UNIT_Q_START] // 128
+        if want == "none":
+            assert flags.all()
+        else:                                    # both kinds of units: both branches run
+            np.testing.assert_array_equal(flags[real], q_tile[real] == 0)
+        for mode in ((None, "cond") if want == "unit" else (None,)):
+            seen.clear()
+            out, lse = mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                            template=template, q_len_padded=plan.q_len_padded,
+                                            kv_len_padded=plan.kv_len_padded, return_lse=True,
+                                            interpret=INTERPRET, mask_mode=mode)
+            assert seen == [mode or want]
+            ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
+            _check(out, lse, ref_out, ref_lse, dtype)
+        if want == "unit":
             with pytest.raises(ValueError, match="all full"):
                 mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
                                      template=template, q_len_padded=plan.q_len_padded,
                                      kv_len_padded=plan.kv_len_padded, mask_mode="none")
     # "+always"-style templates keep their mode even on an all-full plan.
-    assert mosaic_fwd._auto_mask_mode(
-        dataclasses.replace(templates.get(template), options=(("mask_mode", "always"),)),
-        True) == "always"
+    always = dataclasses.replace(templates.get(template), options=(("mask_mode", "always"),))
+    assert mosaic_fwd._auto_mask_mode(always, True) == "always"
+    with pytest.raises(ValueError, match="mask_mode"):
+        mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                             template=template, q_len_padded=plan.q_len_padded,
+                             kv_len_padded=plan.kv_len_padded, mask_mode="sometimes")
 
 
 def test_bad_input_raises():
@@ -353,6 +370,7 @@ def test_bad_input_raises():
     ("mgpu_q128_kv64_s2", (), None),
     ("mgpu_q128_kv64_s2", (("persistent", True),), None),
     ("mgpu_q128_kv64_s2", (("mask_mode", "always"),), None),
+    ("mgpu_q128_kv64_s2", (("mask_mode", "cond"),), None),
     ("mgpu_q128_kv64_s2", (("prefetch_rect", True),), None),
     ("mgpu_q128_kv64_s2", (), "none"),
     ("mgpu_q128_kv64_s2", (("wg_skip", True),), None),                    # skip + ping-pong
