@@ -727,21 +727,63 @@ def _nb_pack(lo, hi, b8, out):
             out[r, k] = acc
 
 
-def _nb_row_index(lo, hi, uh, qs, own_lo, own_hi, tile_q, sentinel, out):
-    """row_index rows of query heads [lo, hi): the owning unit row, else the sentinel."""
+def _nb_row_index(lo, hi, uh, qs, own_lo, own_hi, uidx, tile_q, sentinel, out):
+    """row_index rows of query heads [lo, hi), written in order: the owning unit row, else the
+    sentinel. Units come sorted by (head, first owned row); uidx: their schedule index."""
+    U, Lq = len(uh), out.shape[1]
+    u = 0
+    while u < U and uh[u] < lo:
+        u += 1
     for h in range(lo, hi):
-        for i in range(out.shape[1]):
-            out[h, i] = sentinel
-    for u in range(len(uh)):
-        h = uh[u]
-        if lo <= h < hi:
-            base = u * tile_q
-            for r in range(own_lo[u], own_hi[u]):
-                out[h, qs[u] + r] = base + r
+        i = 0
+        while u < U and uh[u] == h:
+            a, b = qs[u] + own_lo[u], qs[u] + own_hi[u]
+            for x in range(i, a):
+                out[h, x] = sentinel
+            base = uidx[u] * tile_q - qs[u]
+            for x in range(a, b):
+                out[h, x] = base + x
+            i = b
+            u += 1
+        for x in range(i, Lq):
+            out[h, x] = sentinel
+
+
+def _nb_units(qb, gi, ge, tq, q_align, qp):
+    """``_chunk`` of the row groups' rows [qb[gi], qb[ge]): (group, q_start, lo, hi) per unit."""
+    G = len(gi)
+    U = 0
+    for g in range(G):
+        a0 = qb[gi[g]] - qb[gi[g]] % q_align
+        U += (qb[ge[g]] - a0 + tq - 1) // tq
+    ug = np.empty(U, np.int64)
+    qs = np.empty(U, np.int64)
+    qlo = np.empty(U, np.int64)
+    qhi = np.empty(U, np.int64)
+    u = 0
+    for g in range(G):
+        s, e = qb[gi[g]], qb[ge[g]]
+        a0 = s - s % q_align
+        n = (e - a0 + tq - 1) // tq
+        for k in range(n):
+            ug[u + k] = g
+            qs[u + k] = a0 + k * tq
+            qlo[u + k] = 0
+            qhi[u + k] = tq
+        qlo[u] = s - a0
+        last = u + n - 1
+        qhi[last] = e - qs[last]
+        shift = qs[last] + tq - qp
+        if shift > 0:                      # the last tile is shifted back inside qp
+            qs[last] -= shift
+            qhi[last] += shift
+            qlo[last] += shift
+        u += n
+    return ug, qs, qlo, qhi
 
 
 _NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_move",
-               "_nb_pack", "_nb_row_index")
+               "_nb_pack", "_nb_row_index", "_nb_units")
 _NB_INLINE = ("_nb_popcount", "_nb_tiles")   # inlined into their callers (numba IR)
 
 
@@ -770,7 +812,7 @@ def warm_up() -> None:
     flags = np.zeros((1, 1), _U64)
     flags.setflags(write=False)                     # as a mask's blocks
     _nb_pack(0, 1, flags, np.empty((1, 1), _U64))
-    _nb_row_index(0, 1, z64, z64, z64, z64 + 1, 8, 8, np.empty((1, 1), np.int32))
+    _nb_row_index(0, 1, z64, z64, z64, z64 + 1, z64, 8, 8, np.empty((1, 1), np.int32))
     _nb_move(np.zeros((2, abi.STEP_COLS), np.int32), 1, 0, 1)
     b = np.array([0, 1, 2])
     words = _pack(np.ones((1, 2, 2), bool))
@@ -813,7 +855,7 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
     ka = kb - kb % al                               # aligned start of each key block
     ltk = tk.bit_length() - 1 if tk & (tk - 1) == 0 else -1
     lim = ctx.kvp - tk                              # a tile starting past lim is shifted
-    ug, qs, qlo, qhi = _chunk(ctx.qb[gi], ctx.qb[ge], tq, ctx.q_align, ctx.qp)
+    ug, qs, qlo, qhi = _nb_units(np.array(ctx.qb, np.int64), gi, ge, tq, ctx.q_align, ctx.qp)
     U = len(ug)
     ugh, ugi = gh[ug], gi[ug]
     cmax = int(((kb[1:] - ka[:-1] + tk - 1) // tk).max())
@@ -1134,6 +1176,8 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     selected = int(uarea.sum())
 
     order = _sched.order_units(cost, qs, uh // group, uh, unit_order)
+    row_index = _row_index(uh, qs, lo, hi, order, Hq, shape.q_len, tile_q,
+                           bucket(len(uh)) * tile_q)
     uh, qs, lo, hi, cnt, first, cost = (x[order] for x in (uh, qs, lo, hi, cnt, first, cost))
     U, S = len(uh), raw.num_steps
     U_cap = bucket(U)
@@ -1144,7 +1188,6 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
                    (abi.UNIT_OWN_HI, hi), (abi.UNIT_STEP_PTR, first), (abi.UNIT_STEP_CNT, cnt)):
         units[:U, col] = x
     steps = raw.steps                   # padded to bucket(S) by the policy
-    row_index = _row_index(uh, qs, lo, hi, Hq, shape.q_len, tile_q, U_cap * tile_q)
 
     for a in (units, steps, row_index, cost):
         a.setflags(write=False)
@@ -1156,12 +1199,23 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
                 unit_order=unit_order)
 
 
-def _row_index(uh, qs, lo, hi, Hq, Lq, tile_q, sentinel):
-    """row_index [Hq, Lq]: u * tile_q + r for the row r of unit u that owns it, else sentinel
-    (compiled; the query heads split over PLAN_THREADS threads)."""
+def _row_index(uh, qs, lo, hi, order, Hq, Lq, tile_q, sentinel):
+    """row_index [Hq, Lq]: u * tile_q + r for the row r of unit u that owns it, else sentinel.
+
+    uh, qs, lo, hi: the units before scheduling, ``order`` the schedule (unit u is
+    ``order[u]`` of these). Written head by head in row order (compiled, the query heads split
+    over PLAN_THREADS threads); units arrive in (head, row) order, else are sorted first.
+    """
     _compiled()
+    U = len(uh)
+    uidx = np.empty(U, np.int64)
+    uidx[order] = np.arange(U)
+    f0 = uh * Lq + qs + lo
+    if U and not np.all(f0[1:] > f0[:-1]):
+        srt = np.argsort(f0, kind="stable")
+        uh, qs, lo, hi, uidx = uh[srt], qs[srt], lo[srt], hi[srt], uidx[srt]
     out = np.empty((Hq, Lq), np.int32)
-    _run_split(_nb_row_index, Hq, Hq * Lq, uh, qs, lo, hi, tile_q, sentinel, out)
+    _run_split(_nb_row_index, Hq, Hq * Lq, uh, qs, lo, hi, uidx, tile_q, sentinel, out)
     return out
 
 
