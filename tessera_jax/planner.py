@@ -66,6 +66,7 @@ cost model): a repeated mask costs a dictionary lookup.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import os
@@ -707,13 +708,6 @@ def _nb_count(lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, cnt):
         cnt[u] = n
 
 
-def _nb_move(steps, src, dst, n):
-    """steps[dst:dst + n] = steps[src:src + n] for dst <= src (forward copy)."""
-    for r in range(n):
-        for c in range(steps.shape[1]):
-            steps[dst + r, c] = steps[src + r, c]
-
-
 def _nb_pack(lo, hi, b8, out):
     """Rows [lo, hi) of bool rows seen as uint64 (8 flags per word) -> packed words."""
     n8 = b8.shape[1]
@@ -782,8 +776,8 @@ def _nb_units(qb, gi, ge, tq, q_align, qp):
     return ug, qs, qlo, qhi
 
 
-_NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_move",
-               "_nb_pack", "_nb_row_index", "_nb_units")
+_NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_pack",
+               "_nb_row_index", "_nb_units")
 _NB_INLINE = ("_nb_popcount", "_nb_tiles")   # inlined into their callers (numba IR)
 
 
@@ -813,7 +807,6 @@ def warm_up() -> None:
     flags.setflags(write=False)                     # as a mask's blocks
     _nb_pack(0, 1, flags, np.empty((1, 1), _U64))
     _nb_row_index(0, 1, z64, z64, z64, z64 + 1, z64, 8, 8, np.empty((1, 1), np.int32))
-    _nb_move(np.zeros((2, abi.STEP_COLS), np.int32), 1, 0, 1)
     b = np.array([0, 1, 2])
     words = _pack(np.ones((1, 2, 2), bool))
     ctx = _Ctx(b, b, words, 8, 8, 1, 1, 8, 8)
@@ -879,7 +872,9 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
             e1 = fut.result()
             S = e0 + e1 - r1
             if r1 > e0:                         # move the second half down, zero the rest
-                _nb_move(steps, r1, e0, e1 - r1)
+                row = steps.strides[0]
+                ctypes.memmove(steps.ctypes.data + e0 * row, steps.ctypes.data + r1 * row,
+                               (e1 - r1) * row)
                 steps[S:e1] = 0
         steps = steps[: bucket(S)]     # a view; the OS never backs the bound's untouched rows
     else:
