@@ -574,15 +574,18 @@ def _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded) -> bool:
                          f"(template {t.name!r}); plan for this template")
     ptr = units[real, plan_abi.UNIT_STEP_PTR].astype(np.int64)
     cnt = units[real, plan_abi.UNIT_STEP_CNT].astype(np.int64)
-    if np.any(ptr < 0) or np.any(ptr + cnt > steps.shape[0]):
+    S = steps.shape[0]
+    if np.any(ptr < 0) or np.any(ptr + cnt > S):
         raise ValueError("units: step ranges [ptr, ptr + cnt) must lie inside steps")
-    idx = np.repeat(ptr, cnt) + (np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt))
-    ks = steps[idx, plan_abi.STEP_KV_START].astype(np.int64)
-    if np.any(ks % t.kv_align) or np.any(ks < 0) or np.any(ks + t.tile_kv > kv_len_padded):
+    # Rows some unit visits: +1 at each range start, -1 at its end, prefix sum (O(U + S), no
+    # per-visit index array: units of a shared mask visit the same rows).
+    edges = np.bincount(ptr, minlength=S + 1) - np.bincount(ptr + cnt, minlength=S + 1)
+    vis = steps[np.cumsum(edges[:S]) > 0]
+    ks = vis[:, plan_abi.STEP_KV_START]
+    if np.any(ks % t.kv_align) or np.any(ks < 0) or np.any(ks > kv_len_padded - t.tile_kv):
         raise ValueError(f"steps: every kv_start must be a multiple of kv_align={t.kv_align} "
                          f"with kv_start + {t.tile_kv} <= kv_len_padded={kv_len_padded} "
                          f"(template {t.name!r}); plan for this template")
-    vis = steps[idx]
     return bool(np.all((vis[:, plan_abi.STEP_Q_LO] == 0) & (vis[:, plan_abi.STEP_Q_HI] == t.tile_q)
                        & (vis[:, plan_abi.STEP_KV_LO] == 0)
                        & (vis[:, plan_abi.STEP_KV_HI] == t.tile_kv)))

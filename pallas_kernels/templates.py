@@ -150,18 +150,22 @@ for _kv in (128, 64):
 # tile_q 64: one consumer warpgroup (64 rows, so 64-token query blocks fill a unit) plus the
 # TMA producer, no ping-pong: the overlap of one CTA's softmax with another's matrix products
 # comes from two CTAs per SM, so SMEM must fit twice in the SM's 228 KiB. At D=128 only
-# kv64 with 2 stages does (~84 KB); kv64 s3 (~117 KB) and kv128 s2 (~150 KB) only at D=64.
+# kv64 with 2 stages does (~85 KB); kv64 s3 (~118 KB) and kv128 s2 (~150 KB) only at D=64.
+# Planned with ``pack`` (partial edge cubes share a unit): on Wan 480p cubes / sliding tiles /
+# clusters it computes 4-6% less than merge with fewer steps.
 _Q64 = {(64, 2): (64, 128), (64, 3): (64,), (128, 2): (64,)}
 for (_kv, _stages), _dims in _Q64.items():
     register(Template(name=f"mgpu_q64_kv{_kv}_s{_stages}", tile_q=64, tile_kv=_kv,
-                      stages=_stages, **{**_MGPU_COMMON, "head_dims": _dims}))
+                      stages=_stages, options=(("policy", "pack"),),
+                      **{**_MGPU_COMMON, "head_dims": _dims}))
 # Paired tile_q 64: one CTA of the tile_q=128 shape (two consumer WGs, register split) runs
 # two neighbouring 64-row units at once, each warpgroup its own unit with its own K/V ring;
 # the overlap of softmax and matrix products then needs no second CTA per SM (no reliance on
 # the compiler keeping registers at <= 128 per thread). Two rings: kv64 s2 at D=128 (~164 KB).
 for _kv, _dims in ((64, (64, 128)), (128, (64,))):
     register(Template(name=f"mgpu_q64x2_kv{_kv}_s2", tile_q=64, tile_kv=_kv, stages=2,
-                      options=(("paired", True),), **{**_MGPU_COMMON, "head_dims": _dims}))
+                      options=(("paired", True), ("policy", "pack")),
+                      **{**_MGPU_COMMON, "head_dims": _dims}))
 # Warpgroup step skipping: a consumer warpgroup whose 64 rows miss a step's rectangle skips
 # its matrix products and softmax, so ``pack``/``split`` plans (two 64-row query blocks in one
 # 128-row unit, one rectangle per step) compute only the selected half. No ping-pong by
@@ -173,10 +177,14 @@ for _kv, _stages in ((64, 2), (64, 3), (128, 2)):
                       options=(("policy", "pack"), ("schedule_barrier", False),
                                ("wg_skip", True)), **_MGPU_COMMON))
 # Head-major unit order (the planner keeps each head's units together, like attention_mgpu's
-# grid), to measure L2 reuse of K/V against the default interleaved order.
+# grid, whose last axis is CUDA's fastest), to measure L2 reuse of K/V against the default
+# interleaved order; 64-row units load each K/V tile for half the rows, so they need it more.
 for _kv in (128, 64):
     register(Template(name=f"mgpu_q128_kv{_kv}_s2_hm", tile_q=128, tile_kv=_kv, stages=2,
                       options=(("unit_order", "head_major"),), **_MGPU_COMMON))
+register(Template(name="mgpu_q64x2_kv64_s2_hm", tile_q=64, tile_kv=64, stages=2,
+                  options=(("paired", True), ("policy", "pack"), ("unit_order", "head_major")),
+                  **_MGPU_COMMON))
 del _kv, _stages, _t, _dims
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import weakref
 
 import jax
+import jax.numpy as jnp
 
 from . import backends
 
@@ -25,13 +27,33 @@ def _gpu_capability() -> tuple[int, int] | None:
     return (major, minor)
 
 
+# Per plan (weakly held, so a plan dropped from the API's cache frees its entry): the plan's
+# arrays on the device and the extra keyword arguments its kernel takes, made on the first
+# call, which also runs the kernel module's host checks of the NumPy plan. Later calls skip
+# both (the checks walk every step: milliseconds on big per-head plans).
+_PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _runner(module_name: str):
     def run(plan, template, q, k, v, scale, return_lse):
         import importlib
         mod = importlib.import_module(module_name)
-        return mod.attention(q, k, v, plan.units, plan.steps, plan.row_index, template=template,
-                             q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
-                             scale=scale, return_lse=return_lse)
+        kw = dict(template=template, q_len_padded=plan.q_len_padded,
+                  kv_len_padded=plan.kv_len_padded, scale=scale, return_lse=return_lse)
+        per_plan = _PREPARED.setdefault(plan, {})
+        hit = per_plan.get((module_name, template.name))
+        if hit is not None:
+            arrays, extra = hit
+            return mod.attention(q, k, v, *arrays, **kw, **extra)
+        extra = {}
+        if hasattr(mod, "plan_mask_mode"):
+            # Mosaic GPU: no masking code at all for a plan whose steps are all full.
+            extra["mask_mode"] = mod.plan_mask_mode(plan.units, plan.steps, template,
+                                                    plan.q_len_padded, plan.kv_len_padded)
+        arrays = (plan.units, plan.steps, plan.row_index)
+        out = mod.attention(q, k, v, *arrays, **kw, **extra)   # checks the NumPy plan
+        per_plan[(module_name, template.name)] = (tuple(jnp.asarray(a) for a in arrays), extra)
+        return out
     return run
 
 

@@ -215,9 +215,10 @@ def test_q64_one_warpgroup(template, dtype, Hq, Hkv):
     rng = np.random.default_rng(hash(template) % 2**32)
     Lq, Lkv, D = 232, 264, 64
     mask = _cube_mask(rng, Lq, Lkv, Hq, 0.4)
-    plan = _run_planned(mask, 1, Lq, Lkv, Hq, Hkv, D, dtype, template, seed=int(rng.integers(1e9)))
-    assert plan.tile_q == 64
     t = templates.get(template)
+    plan = _run_planned(mask, 1, Lq, Lkv, Hq, Hkv, D, dtype, template,
+                        seed=int(rng.integers(1e9)), policy=t.option("policy", "merge"))
+    assert plan.tile_q == 64 and plan.policy == "pack"
     p128 = build_plan(mask, (1, Lq, Hq, D), (1, Lkv, Hkv, D), dtype, tile_q=128,
                       tile_kv=t.tile_kv, q_align=8, kv_align=8)
     assert plan.stats()["computed_interactions"] < p128.stats()["computed_interactions"]
@@ -337,6 +338,31 @@ def test_mask_modes_from_the_plan(monkeypatch):
         mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
                              template=template, q_len_padded=plan.q_len_padded,
                              kv_len_padded=plan.kv_len_padded, mask_mode="sometimes")
+
+
+def test_backend_runner_prepares_each_plan_once(monkeypatch):
+    """The backend wrapper checks the NumPy plan and picks the mask mode on the first call,
+    then reuses the plan's device arrays and mode (no per-call host walk over the steps)."""
+    from tessera_jax import kernel_backends
+    calls = []
+    real = mosaic_fwd.attention
+
+    def spy(q, k, v, units, steps, row_index, **kw):
+        calls.append((isinstance(units, np.ndarray), kw.get("mask_mode")))
+        return real(q, k, v, units, steps, row_index, interpret=INTERPRET, **kw)
+
+    monkeypatch.setattr(mosaic_fwd, "attention", spy)
+    run = kernel_backends._runner("pallas_kernels.mosaic_fwd")
+    t = templates.get("mgpu_q128_kv64_s2")
+    mask = tj.BlockMask.uniform(256, 192, 128, 64, np.random.default_rng(2).random((1, 2, 3)) < .7)
+    q, k, v = random_qkv(1, 256, 192, 2, 1, 64, jnp.bfloat16, seed=9)
+    plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=128, tile_kv=64, q_align=8,
+                      kv_align=8, template=t.name)
+    ref_out, ref_lse = tj.reference_attention(q, k, v, mask, scale=0.125, return_lse=True)
+    for _ in range(2):
+        out, lse = run(plan, t, q, k, v, 0.125, True)
+        _check(out, lse, ref_out, ref_lse, jnp.bfloat16)
+    assert calls == [(True, "none"), (False, "none")]
 
 
 def test_bad_input_raises():
