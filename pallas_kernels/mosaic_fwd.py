@@ -593,8 +593,9 @@ def _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded) -> bool:
 
 def plan_mask_mode(units, steps, template, q_len_padded, kv_len_padded) -> str:
     """The mask mode a concrete (NumPy) plan runs with: "none" (no cond, no -inf guard, no
-    per-unit flag) when the template masks by unit or by cond and every visited step is
-    full, else the template's own mode. Checks the plan like ``attention`` does."""
+    per-unit flag) when the template masks by unit (the default) and every visited step is
+    full, else the template's own mode ("cond" and "always" stay, for comparisons). Checks
+    the plan like ``attention`` does."""
     t = _templates.get(template)
     all_full = _check_concrete_plan(np.asarray(units), np.asarray(steps), t, q_len_padded,
                                     kv_len_padded)
@@ -603,7 +604,7 @@ def plan_mask_mode(units, steps, template, q_len_padded, kv_len_padded) -> str:
 
 def _auto_mask_mode(t, all_full: bool) -> str:
     mode = str(t.option("mask_mode", "unit"))
-    return "none" if mode in ("unit", "cond") and all_full else mode
+    return "none" if mode == "unit" and all_full else mode
 
 
 def _pad_len(x, length):

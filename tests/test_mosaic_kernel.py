@@ -331,9 +331,11 @@ def test_mask_modes_from_the_plan(monkeypatch):
                 mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
                                      template=template, q_len_padded=plan.q_len_padded,
                                      kv_len_padded=plan.kv_len_padded, mask_mode="none")
-    # "+always"-style templates keep their mode even on an all-full plan.
+    # "+always"/"+cond"-style templates keep their mode even on an all-full plan.
     always = dataclasses.replace(templates.get(template), options=(("mask_mode", "always"),))
     assert mosaic_fwd._auto_mask_mode(always, True) == "always"
+    cond = dataclasses.replace(templates.get(template), options=(("mask_mode", "cond"),))
+    assert mosaic_fwd._auto_mask_mode(cond, True) == "cond"
     with pytest.raises(ValueError, match="mask_mode"):
         mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
                              template=template, q_len_padded=plan.q_len_padded,
