@@ -70,6 +70,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+import threading
 
 import numpy as np
 
@@ -535,7 +536,7 @@ PLAN_THREADS = min(2, os.cpu_count() or 1)   # threads of the compiled keep/merg
 _PAR_MIN_ROWS = 1 << 16        # below this bound on step rows (or this many bytes), one thread
 _PACK_MIN_BYTES = 1 << 16      # masks from this many flags up are packed by the compiled loop
 _MAX_BOUND_BYTES = 1 << 30     # reserve at most this much for the step-row bound
-_POOL = None
+_POOL = None                   # (pid, one-thread executor) of the second thread
 
 
 def _nb_popcount(x):
@@ -781,21 +782,30 @@ _NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count
 _NB_INLINE = ("_nb_popcount", "_nb_tiles")   # inlined into their callers (numba IR)
 
 
-@functools.cache
-def _compiled():
+def _compiled() -> None:
     """Imports numba and jit-wraps the ``_nb_*`` functions (cached on disk), once per process.
 
     The wrapped functions replace the plain ones in this module's namespace, which is where
     numba resolves the names that the kernels call.
     """
-    import numba
-    from numba.cpython.unsafe.numbers import trailing_zeros
-    g = globals()
-    for name in _NB_KERNELS:
-        inline = "always" if name in _NB_INLINE else "never"
-        g[name] = numba.njit(cache=True, nogil=True, inline=inline)(g[name])
-    g["_nb_ctz"] = trailing_zeros
-    return True
+    global _JITTED
+    if _JITTED:
+        return
+    with _JIT_LOCK:
+        if _JITTED:
+            return
+        import numba
+        from numba.cpython.unsafe.numbers import trailing_zeros
+        g = globals()
+        g["_nb_ctz"] = trailing_zeros
+        for name in _NB_KERNELS:
+            inline = "always" if name in _NB_INLINE else "never"
+            g[name] = numba.njit(cache=True, nogil=True, inline=inline)(g[name])
+        _JITTED = True
+
+
+_JITTED = False
+_JIT_LOCK = threading.Lock()
 
 
 def warm_up() -> None:
@@ -818,10 +828,11 @@ def warm_up() -> None:
 def _on_worker(fn, *args):
     """Starts fn(*args) on the planner's worker thread; returns its future."""
     global _POOL
-    if _POOL is None:
+    if _POOL is None or _POOL[0] != os.getpid():     # none yet, or inherited through fork
         import concurrent.futures
-        _POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tessera-plan")
-    return _POOL.submit(fn, *args)
+        _POOL = (os.getpid(),
+                 concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tessera-plan"))
+    return _POOL[1].submit(fn, *args)
 
 
 def _run_split(fn, n, work, *args):
