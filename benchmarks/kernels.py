@@ -176,7 +176,9 @@ def bench_masks(grid, H, L, seed=0):
 
 def resolve_template(name):
     """A registered template, or a variant of one: "NAME+always" masks every step (no cond),
-    "NAME+cond" masks partial steps under a cond in every unit (no per-unit unmasked loop),
+    "NAME+cond" / "NAME+unit" mask partial steps under a cond per step / choose per unit
+    between that and an unmasked loop, "NAME+keepmask" keeps the masking code on plans whose
+    steps are all full (no automatic mask mode "none"),
     "NAME+nosched" drops the schedule barrier and "NAME+sched" keeps it, "NAME+persistent"
     runs one CTA per SM looping over the units, "NAME+prefetch" / "NAME+noprefetch" read the
     next step's rectangle early or not, "NAME+merge|pack|split|auto" plans with that policy
@@ -187,8 +189,10 @@ def resolve_template(name):
     t = templates.get(base)
     opts = dict(t.options)
     for m in mods:
-        if m in ("always", "cond"):
+        if m in ("always", "cond", "unit"):
             opts["mask_mode"] = m
+        elif m == "keepmask":
+            opts["auto_none"] = False
         elif m == "nosched":
             opts["schedule_barrier"] = False
         elif m == "sched":

@@ -8,9 +8,9 @@ so one warpgroup's softmax overlaps the other's matrix products; with tile_q = 6
 consumer, no ping-pong, and the overlap comes from two CTAs per SM (small SMEM, no register
 split). What differs from the dense kernel: the K/V tiles a unit visits, and how many, come
 from the plan's ``steps`` (read from GMEM at run time), and the rectangle mask is applied only
-on partial steps: a unit whose steps are all full runs a loop without masking code (flag per
-unit computed from the plan), the others a ``lax.cond`` per step; mask mode "none", picked
-from a concrete plan whose steps are all full, compiles only the unmasked loop. Plan starts must
+on partial steps (a ``lax.cond`` skips it on full ones; mask mode "unit" instead sends units
+whose steps are all full to a loop without masking code; mask mode "none", picked from a
+concrete plan whose steps are all full, compiles only the unmasked loop). Plan starts must
 be multiples of 8 (TMA fills the 8-row tiled, swizzled SMEM layout); templates declare it as
 q_align / kv_align. Variants (template options): a persistent loop (one CTA per SM walking the
 units, the ring continuing across units), masking on every step, ``wg_skip`` (a consumer
@@ -54,10 +54,10 @@ class KernelConfig:
     stages: int
     tile_q: int = 2 * _WG_ROWS
     use_schedule_barrier: bool = True  # ping-pong of the two consumer WGs (ignored with one)
-    mask_mode: str = "unit"      # "unit": units whose steps are all full run unmasked, the
-    #                              others as "cond"; "cond": mask partial steps only (a cond
-    #                              per step); "always": every step; "none": never (plans
-    #                              whose steps are all full)
+    mask_mode: str = "cond"      # "cond": mask partial steps only (a cond per step);
+    #                              "unit": units whose steps are all full run a loop without
+    #                              masking code, the others as "cond"; "always": every step;
+    #                              "none": never (plans whose steps are all full)
     persistent: bool = False     # one CTA per SM looping over the units, or one CTA per unit
     num_ctas: int = 0            # persistent CTAs; 0: one per multiprocessor
     prefetch_rect: bool = False  # read step i+1's rectangle from GMEM during step i
@@ -110,7 +110,7 @@ def config_from_template(template, mask_mode: str | None = None) -> KernelConfig
         raise ValueError(f"template {t.name!r} is for backend {t.backend!r}, not mosaic_gpu")
     return KernelConfig(tile_kv=t.tile_kv, stages=t.stages, tile_q=t.tile_q,
                         use_schedule_barrier=bool(t.option("schedule_barrier", True)),
-                        mask_mode=str(mask_mode or t.option("mask_mode", "unit")),
+                        mask_mode=str(mask_mode or t.option("mask_mode", "cond")),
                         persistent=bool(t.option("persistent", False)),
                         num_ctas=int(t.option("num_ctas", 0)),
                         prefetch_rect=bool(t.option("prefetch_rect", False)),
@@ -593,9 +593,10 @@ def _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded) -> bool:
 
 def plan_mask_mode(units, steps, template, q_len_padded, kv_len_padded) -> str:
     """The mask mode a concrete (NumPy) plan runs with: "none" (no cond, no -inf guard, no
-    per-unit flag) when the template masks by unit (the default) and every visited step is
-    full, else the template's own mode ("cond" and "always" stay, for comparisons). Checks
-    the plan like ``attention`` does."""
+    per-unit flag) when the template masks by cond (the default) or by unit and every visited
+    step is full, else the template's own mode ("always" stays, and so does every mode of a
+    template with the option ``auto_none=False``, for comparisons). Checks the plan like
+    ``attention`` does."""
     t = _templates.get(template)
     all_full = _check_concrete_plan(np.asarray(units), np.asarray(steps), t, q_len_padded,
                                     kv_len_padded)
@@ -603,8 +604,9 @@ def plan_mask_mode(units, steps, template, q_len_padded, kv_len_padded) -> str:
 
 
 def _auto_mask_mode(t, all_full: bool) -> str:
-    mode = str(t.option("mask_mode", "unit"))
-    return "none" if mode == "unit" and all_full else mode
+    mode = str(t.option("mask_mode", "cond"))
+    auto = bool(t.option("auto_none", True))
+    return "none" if auto and mode in ("cond", "unit") and all_full else mode
 
 
 def _pad_len(x, length):

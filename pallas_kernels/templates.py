@@ -128,9 +128,9 @@ def supporting(head_dim: int, dtype, backend: str | None = None) -> tuple[Templa
 # reads by viewing GMEM as [L/8, D/64, 8, 64] tiles; a start that is not a multiple of 8 would
 # reach past a tile's 8 rows and read zeros (the interpreter, which ignores layouts, can't see it).
 # Options (mosaic_fwd.config_from_template): prefetch_rect (default off: run 3 measured it at
-# 0 to -5%), schedule_barrier, mask_mode, persistent, num_ctas, wg_skip; unit_order is read
-# by the planner ("interleaved" by default), policy by benchmarks/kernels.py (the plan policy
-# a template is meant for; "merge" when absent).
+# 0 to -5%), schedule_barrier, mask_mode, auto_none, persistent, num_ctas, wg_skip, paired;
+# unit_order is read by the planner ("interleaved" by default), policy by
+# benchmarks/kernels.py (the plan policy a template is meant for; "merge" when absent).
 _MGPU_COMMON = dict(backend="mosaic_gpu", head_dims=(64, 128),
                     dtypes=("bfloat16", "float16"), q_align=8, kv_align=8,
                     min_compute_capability=(9, 0))
@@ -176,6 +176,11 @@ for _kv, _stages in ((64, 2), (64, 3), (128, 2)):
                       stages=_stages,
                       options=(("policy", "pack"), ("schedule_barrier", False),
                                ("wg_skip", True)), **_MGPU_COMMON))
+# Mask mode "unit": a unit whose steps are all full runs a K/V loop without masking code, the
+# others the per-step cond (both loops in one kernel, chosen per unit by a lax.cond).
+for _kv in (128, 64):
+    register(Template(name=f"mgpu_q128_kv{_kv}_s2_unit", tile_q=128, tile_kv=_kv, stages=2,
+                      options=(("mask_mode", "unit"),), **_MGPU_COMMON))
 # Head-major unit order (the planner keeps each head's units together, like attention_mgpu's
 # grid, whose last axis is CUDA's fastest), to measure L2 reuse of K/V against the default
 # interleaved order; 64-row units load each K/V tile for half the rows, so they need it more.

@@ -282,9 +282,10 @@ def test_wg_skip_on_packed_halves(sched):
 
 def test_mask_modes_from_the_plan(monkeypatch):
     """A plan whose steps are all full runs without masking code ("none", chosen from the
-    concrete plan); otherwise the default "unit" mode runs units whose steps are all full
-    unmasked and the others with a cond per step (flag per unit computed in-graph). All
-    match the reference; "none" on a plan with partial steps is refused."""
+    concrete plan); otherwise the per-step cond ("cond", the default) or, with mask mode
+    "unit", an unmasked loop for units whose steps are all full and the cond for the others
+    (flag per unit computed in-graph). All match the reference; "none" on a plan with
+    partial steps is refused."""
     seen = []
     real_cfg = mosaic_fwd.config_from_template
 
@@ -296,8 +297,10 @@ def test_mask_modes_from_the_plan(monkeypatch):
     monkeypatch.setattr(mosaic_fwd, "config_from_template", spy)
     rng = np.random.default_rng(3)
     Hq, Hkv, D, dtype = 2, 1, 64, jnp.float16
-    template = "mgpu_q128_kv64_s2"
-    for Lkv, want in ((192, "none"), (200, "unit")):       # 200: a partial last key tile
+    for Lkv, template, want in ((192, "mgpu_q128_kv64_s2", "none"),
+                                (192, "mgpu_q128_kv64_s2_unit", "none"),
+                                (200, "mgpu_q128_kv64_s2", "cond"),   # a partial last key tile
+                                (200, "mgpu_q128_kv64_s2_unit", "unit")):
         nk = -(-Lkv // 64)
         blocks = rng.random((Hq, 2, nk)) < 0.6
         blocks[:, :, 0] = True
@@ -317,25 +320,26 @@ def test_mask_modes_from_the_plan(monkeypatch):
             assert flags.all()
         else:                                    # both kinds of units: both branches run
             np.testing.assert_array_equal(flags[real], q_tile[real] == 0)
-        for mode in ((None, "cond") if want == "unit" else (None,)):
-            seen.clear()
-            out, lse = mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                            template=template, q_len_padded=plan.q_len_padded,
-                                            kv_len_padded=plan.kv_len_padded, return_lse=True,
-                                            interpret=INTERPRET, mask_mode=mode)
-            assert seen == [mode or want]
-            ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
-            _check(out, lse, ref_out, ref_lse, dtype)
-        if want == "unit":
+        seen.clear()
+        out, lse = mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                        template=template, q_len_padded=plan.q_len_padded,
+                                        kv_len_padded=plan.kv_len_padded, return_lse=True,
+                                        interpret=INTERPRET)
+        assert seen == [want]
+        ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
+        _check(out, lse, ref_out, ref_lse, dtype)
+        if want != "none":
             with pytest.raises(ValueError, match="all full"):
                 mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
                                      template=template, q_len_padded=plan.q_len_padded,
                                      kv_len_padded=plan.kv_len_padded, mask_mode="none")
-    # "+always"/"+cond"-style templates keep their mode even on an all-full plan.
-    always = dataclasses.replace(templates.get(template), options=(("mask_mode", "always"),))
+    # "+always" and "+keepmask" templates keep their mode even on an all-full plan.
+    base = templates.get("mgpu_q128_kv64_s2")
+    always = dataclasses.replace(base, options=(("mask_mode", "always"),))
     assert mosaic_fwd._auto_mask_mode(always, True) == "always"
-    cond = dataclasses.replace(templates.get(template), options=(("mask_mode", "cond"),))
-    assert mosaic_fwd._auto_mask_mode(cond, True) == "cond"
+    keep = dataclasses.replace(base, options=(("auto_none", False),))
+    assert mosaic_fwd._auto_mask_mode(keep, True) == "cond"
+    assert mosaic_fwd._auto_mask_mode(base, False) == "cond"
     with pytest.raises(ValueError, match="mask_mode"):
         mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
                              template=template, q_len_padded=plan.q_len_padded,
@@ -398,7 +402,7 @@ def test_bad_input_raises():
     ("mgpu_q128_kv64_s2", (), None),
     ("mgpu_q128_kv64_s2", (("persistent", True),), None),
     ("mgpu_q128_kv64_s2", (("mask_mode", "always"),), None),
-    ("mgpu_q128_kv64_s2", (("mask_mode", "cond"),), None),
+    ("mgpu_q128_kv64_s2", (("mask_mode", "unit"),), None),
     ("mgpu_q128_kv64_s2", (("prefetch_rect", True),), None),
     ("mgpu_q128_kv64_s2", (), "none"),
     ("mgpu_q128_kv64_s2", (("wg_skip", True),), None),                    # skip + ping-pong
