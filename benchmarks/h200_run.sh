@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call, two GPUs (nvidia-h200-x2) or one: the lead's combined H200 runs.
+#   bash benchmarks/h200_run.sh kernels   # GPU0: kernels.py; GPU1: profiler, then selection
+#   bash benchmarks/h200_run.sh peers     # GPU0: peers.py;   GPU1: denoising loops
+# Raw results, logs and the refitted table go to $OUT (copied into benchmarks/results/ and
+# plan_tables/ afterwards). With one GPU the two halves run one after the other.
+set -u
+OUT=${OUT:?set OUT}
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+NGPU=$(nvidia-smi -L | wc -l)
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/smi.txt
+python3 -c "import numba, numpy, jax; print('numba', numba.__version__, 'numpy', numpy.__version__, 'jax', jax.__version__)" > $OUT/versions.txt 2>&1
+git_rev=$(cat .snap_rev 2>/dev/null || git rev-parse HEAD 2>/dev/null); echo "code $git_rev" >> $OUT/versions.txt
+B=${BUDGET_S:-480}
+gpu1=$([ "$NGPU" -ge 2 ] && echo 1 || echo 0)
+
+case "${1:-}" in
+kernels)
+  T=${TEMPLATES:-mgpu_q128_kv128_s2,mgpu_q128_kv128_s2+keepmask,mgpu_q128_kv128_s2_hm,mgpu_q64x2_kv64_s2,mgpu_q128_kv128_s2_unit,mgpu_q64_kv64_s2,mgpu_q128_kv64_s2_skip,mgpu_q128_kv64_s3_skip,mgpu_q64x2_kv64_s2_hm,mgpu_q128_kv128_s2_persist,mgpu_q128_kv64_s2}
+  first() { CUDA_VISIBLE_DEVICES=0 timeout $((B + 60)) python3 benchmarks/kernels.py --out $OUT/h200-kernels.json \
+      --budget-s $((B - 30)) --wan720-heads 4 --templates $T > $OUT/kernels.log 2>&1; }
+  second() {
+    export CUDA_VISIBLE_DEVICES=$gpu1
+    timeout $((B * 55 / 100 + 60)) python3 -m tessera_jax.profile --heads 2 --time-budget $((B * 55 / 100)) \
+      --templates ${PROFILE_TEMPLATES:-mgpu_q128_kv128_s2 mgpu_q128_kv64_s2 mgpu_q128_kv128_s2_persist mgpu_q64x2_kv64_s2 mgpu_q128_kv64_s2_skip} \
+      --policies ${PROFILE_POLICIES:-merge split auto pack} > $OUT/profile.log 2>&1
+    cp plan_tables/h200.json $OUT/h200-table.json; cp plan_tables/raw/h200.jsonl $OUT/h200-raw.jsonl
+    timeout $((B * 35 / 100 + 40)) python3 benchmarks/selection.py --table plan_tables/h200.json --heads 2 --no-resume \
+      --time-budget $((B * 35 / 100)) --out $OUT/h200-selection.json > $OUT/selection.log 2>&1
+  } ;;
+peers)
+  export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+  first() { CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH timeout $((B + 60)) \
+      python3 benchmarks/peers.py --out $OUT/h200-peers.json --time-budget $B --per-family 2 --heads 8 \
+      > $OUT/peers.log 2>&1; }
+  second() { CUDA_VISIBLE_DEVICES=$gpu1 timeout $((B + 30)) python3 -m tessera_jax.bench_loop \
+      ${LOOP_ARGS:---models wan13b_480p --steps 25 --dense-steps 6 --loop-repeats 1 --step-repeats 3 --attn-repeats 20} \
+      --out $OUT/h200-loop.json > $OUT/loop.log 2>&1; } ;;
+*) echo "usage: $0 kernels|peers" >&2; exit 2 ;;
+esac
+
+if [ "$NGPU" -ge 2 ]; then first & second & wait; else first; second; fi
+nvidia-smi --query-gpu=index,clocks.sm,temperature.gpu --format=csv >> $OUT/smi.txt
+for f in $OUT/*.log; do echo "== $f"; tail -8 "$f"; done
