@@ -777,8 +777,81 @@ def _nb_units(qb, gi, ge, tq, q_align, qp):
     return ug, qs, qlo, qhi
 
 
+def _nb_grid(lo, hi, words, gh, gi, r0, r1, ustart, uq, kb, tq, tk, ltk, kvp, write, ptr,
+             steps, cnt, nfull, area):
+    """split: the steps of units [lo, hi) (groups [ustart[u], ustart[u + 1]) each). With
+    ``write`` False only their counts (``cnt``); else rows from steps[ptr[u]], full steps and
+    selected interactions.
+
+    A unit's keys are cut at every run boundary of any of its groups (segments where the set
+    of selecting groups is constant); in each segment inside the union of its groups' runs,
+    each vertical run of selecting groups with touching rows is one rectangle, cut at the
+    global key grid (tiles crossing kvp shifted back), as ``_unit_rects`` and ``_cut_keys``.
+    """
+    W = words.shape[2]
+    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    for u in range(lo, hi):
+        g0, g1 = ustart[u], ustart[u + 1]
+        h = gh[g0]
+        q0 = uq[u]
+        s = ptr[u] if write else 0
+        s0 = s
+        full = 0
+        sel_area = 0
+        prev = -1                          # previous boundary, if inside the union
+        for k in range(W + 1):
+            b = zero
+            uw = zero                      # union of the groups' word k
+            for g in range(g0, g1):
+                w = words[h, gi[g], k] if k < W else zero
+                c = words[h, gi[g], k - 1] >> top if k > 0 else zero
+                b |= w ^ ((w << one) | c)
+                uw |= w
+            while b:
+                j = k * 64 + np.int64(_nb_ctz(b))
+                b &= b - one
+                if prev >= 0:              # the segment [prev, j): its rectangles
+                    wk, bit = prev >> 6, np.uint64(prev & 63)
+                    g = g0
+                    while g < g1:
+                        if not (words[h, gi[g], wk] >> bit) & one:
+                            g += 1
+                            continue
+                        ge = g + 1
+                        while (ge < g1 and r0[ge] == r1[ge - 1]
+                               and (words[h, gi[ge], wk] >> bit) & one):
+                            ge += 1
+                        ra, rb = r0[g] - q0, r1[ge - 1] - q0
+                        c0, c1 = kb[prev], kb[j]
+                        if ltk >= 0:
+                            t0, t1 = c0 >> ltk, ((c1 - 1) >> ltk) + 1
+                        else:
+                            t0, t1 = c0 // tk, (c1 - 1) // tk + 1
+                        for t in range(t0, t1):
+                            ts = t * tk
+                            kl = max(c0 - ts, 0)
+                            kh = min(c1 - ts, tk)
+                            sh = max(ts + tk - kvp, 0)
+                            if write:
+                                steps[s, 0] = ts - sh
+                                steps[s, 1] = ra
+                                steps[s, 2] = rb
+                                steps[s, 3] = kl + sh
+                                steps[s, 4] = kh + sh
+                                full += (ra == 0) & (rb == tq) & (kl + sh == 0) & (kh + sh == tk)
+                                sel_area += (rb - ra) * (kh - kl)
+                            s += 1
+                        g = ge
+                # j opens a segment iff some group selects block j
+                prev = j if (uw >> np.uint64(j & 63)) & one else -1
+        cnt[u] = s - s0
+        if write:
+            nfull[u] = full
+            area[u] = sel_area
+
+
 _NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_pack",
-               "_nb_row_index", "_nb_units")
+               "_nb_row_index", "_nb_units", "_nb_grid")
 _NB_INLINE = ("_nb_popcount", "_nb_tiles")   # inlined into their callers (numba IR)
 
 
@@ -820,6 +893,7 @@ def warm_up() -> None:
     b = np.array([0, 1, 2])
     words = _pack(np.ones((1, 2, 2), bool))
     ctx = _Ctx(b, b, words, 8, 8, 1, 1, 8, 8)
+    _plan_grid(ctx)
     for merge in (False, True):
         _plan_rowgroups(ctx, merge)
         _nb_count(0, 1, words, z64, z64, merge, b, b, 8, 3, z64.copy())
@@ -969,7 +1043,41 @@ def _empty_raw() -> _Raw:
 
 
 def _plan_grid(ctx: _Ctx) -> _Raw:
-    """split: units are the query grid cells, K/V tiles the key grid cells."""
+    """split: units are the query grid cells, K/V tiles the key grid cells (compiled steps:
+    a counting pass, then the rows; the arrays equal ``_plan_grid_numpy``'s)."""
+    tq, tk = ctx.tile_q, ctx.tile_kv
+    nonempty = ctx.words.any(axis=-1)                          # [Hm, nq]
+    own_q, cell, plo, phi = _chunk(ctx.qb[:-1], ctx.qb[1:], tq, tq, ctx.qp)
+    gh, gp = np.nonzero(nonempty[:, own_q])
+    if len(gh) == 0:
+        return _empty_raw()
+    _compiled()
+    gcell, gi = cell[gp], own_q[gp]
+    r0, r1 = gcell + plo[gp], gcell + phi[gp]
+    new = np.r_[True, (gh[1:] != gh[:-1]) | (gcell[1:] != gcell[:-1])]
+    ustart = np.flatnonzero(new)
+    U = len(ustart)
+    uq = gcell[ustart]
+    ltk = tk.bit_length() - 1 if tk & (tk - 1) == 0 else -1
+    args = (ctx.words, gh, gi, r0, r1, np.append(ustart, len(gh)), uq,
+            np.array(ctx.kb, np.int64), tq, tk, ltk, ctx.kvp)
+    cnt = np.empty(U, np.int64)
+    nfull = np.zeros(U, np.int64)
+    area = np.zeros(U, np.int64)
+    work = len(gh) * ctx.words.shape[2]
+    _run_split(_nb_grid, U, work, *args, False, np.zeros(U, np.int64),
+               np.zeros((1, abi.STEP_COLS), np.int32), cnt, nfull, area)     # counts only
+    ptr = np.cumsum(cnt) - cnt
+    S = int(cnt.sum())
+    steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+    _run_split(_nb_grid, U, work, *args, True, ptr, steps, cnt, nfull, area)
+    lo = np.minimum.reduceat(r0, ustart) - uq
+    hi = np.maximum.reduceat(r1, ustart) - uq
+    return _Raw(gh[ustart], uq, lo, hi, cnt, steps, nfull, area)
+
+
+def _plan_grid_numpy(ctx: _Ctx) -> _Raw:
+    """split in vectorised NumPy: the test oracle of the compiled ``_plan_grid``."""
     Hm, nq, W = ctx.words.shape
     tq, tk = ctx.tile_q, ctx.tile_kv
     nonempty = ctx.words.any(axis=-1)                          # [Hm, nq]
