@@ -777,28 +777,32 @@ def _nb_units(qb, gi, ge, tq, q_align, qp):
     return ug, qs, qlo, qhi
 
 
-def _nb_grid(lo, hi, words, gh, gi, r0, r1, ustart, uq, kb, tq, tk, ltk, kvp, write, ptr,
-             steps, cnt, nfull, area):
-    """split: the steps of units [lo, hi) (groups [ustart[u], ustart[u + 1]) each). With
-    ``write`` False only their counts (``cnt``); else rows from steps[ptr[u]], full steps and
-    selected interactions.
+def _nb_rects(lo, hi, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, ka, grid, tq, tk,
+              ltk, kvp, write, ptr, steps, cnt, nfull, area):
+    """split / pack: the steps of units [lo, hi); unit u holds the row groups
+    [ugroups[u, 0], ugroups[u, 1]), loads rows [uq[u], uq[u] + tq) and owns [uqlo, uqhi) of them.
+    With ``write`` False only their counts (``cnt``); else rows from steps[ptr[u]], full steps
+    and selected interactions.
 
-    A unit's keys are cut at every run boundary of any of its groups (segments where the set
-    of selecting groups is constant); in each segment inside the union of its groups' runs,
-    each vertical run of selecting groups with touching rows is one rectangle, cut at the
-    global key grid (tiles crossing kvp shifted back), as ``_unit_rects`` and ``_cut_keys``.
+    As ``_unit_rects``: a unit's keys are cut at every run boundary of any of its groups
+    (segments where the set of selecting groups is constant); in each segment inside the union
+    of its groups' runs, each vertical run of selecting groups with touching rows is one
+    rectangle. As ``_cut_keys``: a rectangle is cut at the global key grid (``grid``, split) or
+    at tiles anchored at the aligned start of the union run holding it (pack), tiles crossing
+    kvp shifted back; each tile's rows are clipped to the unit's own rows, and dropped if none.
     """
     W = words.shape[2]
     one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
     for u in range(lo, hi):
-        g0, g1 = ustart[u], ustart[u + 1]
+        g0, g1 = ugroups[u, 0], ugroups[u, 1]
         h = gh[g0]
-        q0 = uq[u]
+        q0, olo, ohi = uq[u], uqlo[u], uqhi[u]
         s = ptr[u] if write else 0
         s0 = s
         full = 0
         sel_area = 0
         prev = -1                          # previous boundary, if inside the union
+        anchor = 0
         for k in range(W + 1):
             b = zero
             uw = zero                      # union of the groups' word k
@@ -821,8 +825,12 @@ def _nb_grid(lo, hi, words, gh, gi, r0, r1, ustart, uq, kb, tq, tk, ltk, kvp, wr
                         while (ge < g1 and r0[ge] == r1[ge - 1]
                                and (words[h, gi[ge], wk] >> bit) & one):
                             ge += 1
-                        ra, rb = r0[g] - q0, r1[ge - 1] - q0
-                        c0, c1 = kb[prev], kb[j]
+                        ra = max(r0[g] - q0, olo)
+                        rb = min(r1[ge - 1] - q0, ohi)
+                        g = ge
+                        if ra >= rb:
+                            continue
+                        c0, c1 = kb[prev] - anchor, kb[j] - anchor
                         if ltk >= 0:
                             t0, t1 = c0 >> ltk, ((c1 - 1) >> ltk) + 1
                         else:
@@ -831,6 +839,7 @@ def _nb_grid(lo, hi, words, gh, gi, r0, r1, ustart, uq, kb, tq, tk, ltk, kvp, wr
                             ts = t * tk
                             kl = max(c0 - ts, 0)
                             kh = min(c1 - ts, tk)
+                            ts += anchor
                             sh = max(ts + tk - kvp, 0)
                             if write:
                                 steps[s, 0] = ts - sh
@@ -841,17 +850,44 @@ def _nb_grid(lo, hi, words, gh, gi, r0, r1, ustart, uq, kb, tq, tk, ltk, kvp, wr
                                 full += (ra == 0) & (rb == tq) & (kl + sh == 0) & (kh + sh == tk)
                                 sel_area += (rb - ra) * (kh - kl)
                             s += 1
-                        g = ge
-                # j opens a segment iff some group selects block j
-                prev = j if (uw >> np.uint64(j & 63)) & one else -1
+                # j opens a segment iff some group selects block j; a union run starts there
+                # if the previous segment was outside the union
+                if (uw >> np.uint64(j & 63)) & one:
+                    if prev < 0 and not grid:
+                        anchor = ka[j]
+                    prev = j
+                else:
+                    prev = -1
         cnt[u] = s - s0
         if write:
             nfull[u] = full
             area[u] = sel_area
 
 
+def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
+    """(cnt, steps, nfull, area) of ``_nb_rects``'s units: a counting pass, then the rows at
+    exact offsets, each pass over PLAN_THREADS threads."""
+    _compiled()
+    U = len(uq)
+    tk = ctx.tile_kv
+    kb = np.array(ctx.kb, np.int64)
+    ltk = tk.bit_length() - 1 if tk & (tk - 1) == 0 else -1
+    args = (ctx.words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, kb - kb % ctx.kv_align,
+            grid, ctx.tile_q, tk, ltk, ctx.kvp)
+    cnt = np.empty(U, np.int64)
+    nfull = np.zeros(U, np.int64)
+    area = np.zeros(U, np.int64)
+    work = len(gh) * ctx.words.shape[2]
+    _run_split(_nb_rects, U, work, *args, False, np.zeros(U, np.int64),
+               np.zeros((1, abi.STEP_COLS), np.int32), cnt, nfull, area)     # counts only
+    ptr = np.cumsum(cnt) - cnt
+    steps = np.zeros((bucket(int(cnt.sum())), abi.STEP_COLS), np.int32)
+    _run_split(_nb_rects, U, work, *args, True, ptr, steps, cnt, nfull, area)
+    return cnt, steps, nfull, area
+
+
 _NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_pack",
-               "_nb_row_index", "_nb_units", "_nb_grid")
+               "_nb_row_index", "_nb_units", "_nb_rects")
 _NB_INLINE = ("_nb_popcount", "_nb_tiles")   # inlined into their callers (numba IR)
 
 
@@ -894,6 +930,7 @@ def warm_up() -> None:
     words = _pack(np.ones((1, 2, 2), bool))
     ctx = _Ctx(b, b, words, 8, 8, 1, 1, 8, 8)
     _plan_grid(ctx)
+    _plan_pack(ctx)
     for merge in (False, True):
         _plan_rowgroups(ctx, merge)
         _nb_count(0, 1, words, z64, z64, merge, b, b, 8, 3, z64.copy())
@@ -1051,26 +1088,15 @@ def _plan_grid(ctx: _Ctx) -> _Raw:
     gh, gp = np.nonzero(nonempty[:, own_q])
     if len(gh) == 0:
         return _empty_raw()
-    _compiled()
     gcell, gi = cell[gp], own_q[gp]
     r0, r1 = gcell + plo[gp], gcell + phi[gp]
     new = np.r_[True, (gh[1:] != gh[:-1]) | (gcell[1:] != gcell[:-1])]
     ustart = np.flatnonzero(new)
-    U = len(ustart)
+    ugroups = np.stack([ustart, np.append(ustart[1:], len(gh))], axis=1)
     uq = gcell[ustart]
-    ltk = tk.bit_length() - 1 if tk & (tk - 1) == 0 else -1
-    args = (ctx.words, gh, gi, r0, r1, np.append(ustart, len(gh)), uq,
-            np.array(ctx.kb, np.int64), tq, tk, ltk, ctx.kvp)
-    cnt = np.empty(U, np.int64)
-    nfull = np.zeros(U, np.int64)
-    area = np.zeros(U, np.int64)
-    work = len(gh) * ctx.words.shape[2]
-    _run_split(_nb_grid, U, work, *args, False, np.zeros(U, np.int64),
-               np.zeros((1, abi.STEP_COLS), np.int32), cnt, nfull, area)     # counts only
-    ptr = np.cumsum(cnt) - cnt
-    S = int(cnt.sum())
-    steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
-    _run_split(_nb_grid, U, work, *args, True, ptr, steps, cnt, nfull, area)
+    z = np.zeros(len(uq), np.int64)
+    cnt, steps, nfull, area = _rect_steps(ctx, gh, gi, r0, r1, ugroups, uq, z, z + tq,
+                                          grid=True)
     lo = np.minimum.reduceat(r0, ustart) - uq
     hi = np.maximum.reduceat(r1, ustart) - uq
     return _Raw(gh[ustart], uq, lo, hi, cnt, steps, nfull, area)
@@ -1105,9 +1131,50 @@ def _plan_grid_numpy(ctx: _Ctx) -> _Raw:
                              rb[pr] - uq[pu], klo, khi)
 
 
+def _pack_units(ctx: _Ctx, gh, r0, r1):
+    """Greedy packing per head: a unit starting at group g takes the following groups of its
+    head while their rows end within a[g] + tile_q (a: g's aligned start). Chains are
+    followed for all heads at once. Returns (ustart, uend) of the packed units."""
+    G, tq = len(gh), ctx.tile_q
+    a = (r0 // ctx.q_align) * ctx.q_align
+    big = ctx.qp + tq + 1
+    nxt = np.searchsorted(gh * big + r1, gh * big + a + tq, side="right")
+    nxt = np.maximum(nxt, np.arange(1, G + 1))
+    is_start = np.zeros(G, bool)
+    cur = np.flatnonzero(np.r_[True, gh[1:] != gh[:-1]])
+    while cur.size:
+        is_start[cur] = True
+        nx = nxt[cur]
+        ok = nx < G
+        ok[ok] = gh[nx[ok]] == gh[cur[ok]]
+        cur = nx[ok]
+    ustart = np.flatnonzero(is_start)
+    return ustart, np.append(ustart[1:], G)
+
+
 def _plan_pack(ctx: _Ctx) -> _Raw:
     """pack: consecutive row groups share one unit while they fit in tile_q rows; each unit's
-    K/V tiles are anchored at the runs of the union of its groups' key sets."""
+    K/V tiles are anchored at the runs of the union of its groups' key sets (compiled steps;
+    the arrays equal ``_plan_pack_numpy``'s)."""
+    _compiled()
+    gh, gi, ge, _ = _nb_groups(ctx.words, True)
+    if len(gh) == 0:
+        return _empty_raw()
+    qb = np.array(ctx.qb, np.int64)
+    r0, r1 = qb[gi], qb[ge]
+    ustart, uend = _pack_units(ctx, gh, r0, r1)
+    # Units: each packed unit's rows in tiles of tile_q (several only for one tall group).
+    cu, qs, qlo, qhi = _chunk(r0[ustart], r1[uend - 1], ctx.tile_q, ctx.q_align, ctx.qp)
+    ugroups = np.stack([ustart[cu], uend[cu]], axis=1)
+    cnt, steps, nfull, area = _rect_steps(ctx, gh, gi, r0, r1, ugroups, qs, qlo, qhi,
+                                          grid=False)
+    has = cnt > 0
+    return _Raw(gh[ustart[cu]][has], qs[has], qlo[has], qhi[has], cnt[has], steps, nfull[has],
+                area[has])
+
+
+def _plan_pack_numpy(ctx: _Ctx) -> _Raw:
+    """pack in vectorised NumPy: the test oracle of the compiled ``_plan_pack``."""
     qb, kb, tq, tk = ctx.qb, ctx.kb, ctx.tile_q, ctx.tile_kv
     gh, gi, ge = _row_groups(ctx, merge=True)
     G = len(gh)

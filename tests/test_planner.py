@@ -425,7 +425,7 @@ def test_compiled_keep_merge_equal_numpy_oracle(mt, tile, align, mode):
 
 
 def test_compiled_keep_merge_edge_intervals():
-    """keep, merge and split: intervals longer than a tile, tiles shifted back inside the padded keys (alone and as
+    """keep, merge, split and pack: intervals longer than a tile, tiles shifted back inside the padded keys (alone and as
     the last of several), a run reaching the last key block, 64 and 128 key blocks, a
     non-power-of-two tile."""
     rng = np.random.default_rng(7)
@@ -445,9 +445,12 @@ def test_compiled_keep_merge_edge_intervals():
                 np.testing.assert_array_equal(got.cnt, want.cnt)
                 np.testing.assert_array_equal(got.nfull, want.nfull)
                 np.testing.assert_array_equal(got.area, want.area)
-            want, got = planner._plan_grid_numpy(ctx), planner._plan_grid(ctx)
-            np.testing.assert_array_equal(got.steps, want.steps)
-            np.testing.assert_array_equal(got.nfull, want.nfull)
+            for numpy_fn, fn in ((planner._plan_grid_numpy, planner._plan_grid),
+                                 (planner._plan_pack_numpy, planner._plan_pack)):
+                want, got = numpy_fn(ctx), fn(ctx)
+                np.testing.assert_array_equal(got.steps, want.steps)
+                np.testing.assert_array_equal(got.cnt, want.cnt)
+                np.testing.assert_array_equal(got.nfull, want.nfull)
 
 
 def test_compiled_pack_matches_packbits(monkeypatch):
@@ -518,6 +521,25 @@ def test_compiled_split_equals_numpy_oracle(mt, tile, q_align, two):
         mp.setattr(planner, "PLAN_THREADS", 2 if two else 1)
         mp.setattr(planner, "_PAR_MIN_ROWS", 0)
         got = planner._plan_grid(ctx)
+    for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
+        np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+    assert got.steps.shape == want.steps.shape and got.steps.dtype == np.int32
+    np.testing.assert_array_equal(got.steps, want.steps)
+
+
+@given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (128, 128), (64, 256)]),
+       st.sampled_from([(1, 1), (8, 8), (16, 32)]), st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_compiled_pack_policy_equals_numpy_oracle(mt, tile, align, two):
+    mask = mt[0]
+    tq, tk = tile
+    qal, kal = align
+    ctx = _ctx(mask, tq, tk, qal, kal if tk % kal == 0 else 1)
+    want = planner._plan_pack_numpy(ctx)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(planner, "PLAN_THREADS", 2 if two else 1)
+        mp.setattr(planner, "_PAR_MIN_ROWS", 0)
+        got = planner._plan_pack(ctx)
     for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
         np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
     assert got.steps.shape == want.steps.shape and got.steps.dtype == np.int32
