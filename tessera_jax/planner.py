@@ -58,8 +58,10 @@ Host cost: the work grows with the number of runs and tiles the plan holds, neve
 key intervals from the packed bits and write its step rows straight into the preallocated
 int32 ``steps``, on ``PLAN_THREADS`` (2) threads; the first keep/merge plan of a process
 imports numba and compiles the loops or loads them from numba's on-disk cache (``warm_up()``
-does it ahead of time). ``split``/``pack`` are vectorised NumPy over packed bits (64 key
-blocks per word) and over runs. ``stats()`` is computed on first call, not at build time.
+does it ahead of time). ``split``/``pack`` choose their units in NumPy and write their steps
+with one compiled loop (a counting pass, then the rows). The NumPy versions of the three step
+builders (``_plan_rowgroups_numpy``, ``_plan_grid_numpy``, ``_plan_pack_numpy``) are the
+tests' oracles. ``stats()`` is computed on first call, not at build time.
 ``build_plan`` is cached by (mask digest, shape, tile shape, policy, alignment, template,
 cost model): a repeated mask costs a dictionary lookup.
 """
@@ -803,6 +805,12 @@ def _nb_rects(lo, hi, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, ka, gr
         sel_area = 0
         prev = -1                          # previous boundary, if inside the union
         anchor = 0
+        small = g1 - g0 <= 64              # groups as bits of one word
+        touch = zero                       # bit t: group g0 + t starts where t - 1 ends
+        if small:
+            for t in range(1, g1 - g0):
+                if r0[g0 + t] == r1[g0 + t - 1]:
+                    touch |= one << np.uint64(t)
         for k in range(W + 1):
             b = zero
             uw = zero                      # union of the groups' word k
@@ -816,18 +824,34 @@ def _nb_rects(lo, hi, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, ka, gr
                 b &= b - one
                 if prev >= 0:              # the segment [prev, j): its rectangles
                     wk, bit = prev >> 6, np.uint64(prev & 63)
+                    if small:              # selecting groups -> first/last groups of rects
+                        sel = zero
+                        for t in range(g1 - g0):
+                            sel |= ((words[h, gi[g0 + t], wk] >> bit) & one) << np.uint64(t)
+                        firsts = sel & ~((sel << one) & touch)
+                        lasts = sel & ~((sel >> one) & (touch >> one))
                     g = g0
-                    while g < g1:
-                        if not (words[h, gi[g], wk] >> bit) & one:
+                    while True:
+                        if small:
+                            if not firsts:
+                                break
+                            ga = g0 + np.int64(_nb_ctz(firsts))
+                            gb = g0 + np.int64(_nb_ctz(lasts))
+                            firsts &= firsts - one
+                            lasts &= lasts - one
+                        else:
+                            while g < g1 and not (words[h, gi[g], wk] >> bit) & one:
+                                g += 1
+                            if g >= g1:
+                                break
+                            ga = g
                             g += 1
-                            continue
-                        ge = g + 1
-                        while (ge < g1 and r0[ge] == r1[ge - 1]
-                               and (words[h, gi[ge], wk] >> bit) & one):
-                            ge += 1
-                        ra = max(r0[g] - q0, olo)
-                        rb = min(r1[ge - 1] - q0, ohi)
-                        g = ge
+                            while (g < g1 and r0[g] == r1[g - 1]
+                                   and (words[h, gi[g], wk] >> bit) & one):
+                                g += 1
+                            gb = g - 1
+                        ra = max(r0[ga] - q0, olo)
+                        rb = min(r1[gb] - q0, ohi)
                         if ra >= rb:
                             continue
                         c0, c1 = kb[prev] - anchor, kb[j] - anchor

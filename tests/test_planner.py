@@ -544,3 +544,23 @@ def test_compiled_pack_policy_equals_numpy_oracle(mt, tile, align, two):
         np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
     assert got.steps.shape == want.steps.shape and got.steps.dtype == np.int32
     np.testing.assert_array_equal(got.steps, want.steps)
+
+
+def test_compiled_split_pack_many_groups_per_unit():
+    """Units of more than 64 row groups (1-token query blocks): the per-group loop, not the
+    one-word bit pattern."""
+    rng = np.random.default_rng(9)
+    qb = np.concatenate([np.arange(0, 200), [260, 300]])
+    kb = np.concatenate([[0], np.cumsum(rng.integers(1, 90, 40))])
+    blocks = rng.random((2, len(qb) - 1, len(kb) - 1)) < 0.3
+    blocks[:, 10:80] = blocks[:, 10:11]                  # identical rows: touching rectangles
+    blocks[:, 30:200:7] = False                          # empty rows: rectangles that don't touch
+    m = tj.BlockMask(qb, kb, blocks)
+    for tq, tk, qal, kal in ((128, 64, 1, 1), (128, 128, 8, 8), (64, 96, 16, 32)):
+        ctx = _ctx(m, tq, tk, qal, kal)
+        for numpy_fn, fn in ((planner._plan_grid_numpy, planner._plan_grid),
+                             (planner._plan_pack_numpy, planner._plan_pack)):
+            want, got = numpy_fn(ctx), fn(ctx)
+            np.testing.assert_array_equal(got.steps, want.steps)
+            for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
+                np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
