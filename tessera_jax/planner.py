@@ -56,14 +56,14 @@ Host cost: the work grows with the number of runs and tiles the plan holds, neve
 [H, nq, nkv] temporaries other than the one ``packbits`` pass (``benchmarks/planning.py``).
 ``keep``/``merge`` (the default policy) run as numba-compiled loops that decode each unit's
 key intervals from the packed bits and write its step rows straight into the preallocated
-int32 ``steps``, on ``PLAN_THREADS`` (2) threads; the first keep/merge plan of a process
-imports numba and compiles the loops or loads them from numba's on-disk cache (``warm_up()``
-does it ahead of time). ``split``/``pack`` choose their units in NumPy and write their steps
+int32 ``steps``, on ``PLAN_THREADS`` (2) threads; the first plan of a process imports
+numba and compiles the loops or loads them from numba's on-disk cache (``warm_up()`` does it
+ahead of time). ``split``/``pack`` choose their units in NumPy and write their steps
 with one compiled loop (a counting pass, then the rows). The NumPy versions of the three step
 builders (``_plan_rowgroups_numpy``, ``_plan_grid_numpy``, ``_plan_pack_numpy``) are the
 tests' oracles. ``stats()`` is computed on first call, not at build time.
 ``build_plan`` is cached by (mask digest, shape, tile shape, policy, alignment, template,
-cost model): a repeated mask costs a dictionary lookup.
+cost model, unit order): a repeated mask costs a dictionary lookup.
 """
 
 from __future__ import annotations
@@ -533,7 +533,7 @@ def _plan_rowgroups_numpy(ctx: _Ctx, merge: bool) -> _Raw:
 # written from the first half's bound on a worker thread and moved down after. When the bound
 # is too large to reserve, the step counts are computed exactly in a first pass instead.
 # numba is imported and the loops compiled (or loaded from numba's on-disk cache) on the
-# first keep/merge plan of a process, not at import; ``warm_up()`` does it ahead of time.
+# first plan of a process, not at import; ``warm_up()`` does it ahead of time.
 PLAN_THREADS = min(2, os.cpu_count() or 1)   # threads of the compiled keep/merge loops
 _PAR_MIN_ROWS = 1 << 16        # below this bound on step rows (or this many bytes), one thread
 _PACK_MIN_BYTES = 1 << 16      # masks from this many flags up are packed by the compiled loop
