@@ -6,6 +6,7 @@ import functools
 import weakref
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from . import backends
@@ -40,7 +41,15 @@ def _runner(module_name: str):
         mod = importlib.import_module(module_name)
         kw = dict(template=template, q_len_padded=plan.q_len_padded,
                   kv_len_padded=plan.kv_len_padded, scale=scale, return_lse=return_lse)
-        per_plan = _PREPARED.setdefault(plan, {})
+        arrays = (plan.units, plan.steps, plan.row_index)
+        if not all(isinstance(a, np.ndarray) for a in arrays):
+            # Plan arrays as operands of a jitted caller (the profiler): nothing to check or
+            # keep on the host; the template's own mask mode applies.
+            return mod.attention(q, k, v, *arrays, **kw)
+        try:
+            per_plan = _PREPARED.setdefault(plan, {})
+        except TypeError:           # a plan-like object that can't be weakly referenced
+            per_plan = {}
         hit = per_plan.get((module_name, template.name))
         if hit is not None:
             arrays, extra = hit
@@ -50,7 +59,6 @@ def _runner(module_name: str):
             # Mosaic GPU: no masking code at all for a plan whose steps are all full.
             extra["mask_mode"] = mod.plan_mask_mode(plan.units, plan.steps, template,
                                                     plan.q_len_padded, plan.kv_len_padded)
-        arrays = (plan.units, plan.steps, plan.row_index)
         out = mod.attention(q, k, v, *arrays, **kw, **extra)   # checks the NumPy plan
         per_plan[(module_name, template.name)] = (tuple(jnp.asarray(a) for a in arrays), extra)
         return out

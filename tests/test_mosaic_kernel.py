@@ -371,6 +371,35 @@ def test_backend_runner_prepares_each_plan_once(monkeypatch):
     assert calls == [(True, "none"), (False, "none")]
 
 
+def test_backend_runner_takes_traced_plan_arrays(monkeypatch):
+    """The profiler jits the backend call with the plan arrays as operands and a plain
+    namespace as the plan: the runner passes them through (no host checks, no cache)."""
+    from tessera_jax import kernel_backends, profile
+    calls = []
+    real = mosaic_fwd.attention
+
+    def spy(q, k, v, units, steps, row_index, **kw):
+        calls.append((isinstance(units, np.ndarray), kw.get("mask_mode")))
+        return real(q, k, v, units, steps, row_index, interpret=INTERPRET, **kw)
+
+    monkeypatch.setattr(mosaic_fwd, "attention", spy)
+    monkeypatch.setitem(tj.backends._RUNNERS, "mosaic_gpu",
+                        kernel_backends._runner("pallas_kernels.mosaic_fwd"))
+    t = templates.get("mgpu_q128_kv64_s2")
+    mask = tj.BlockMask.uniform(256, 192, 128, 64, np.random.default_rng(3).random((1, 2, 3)) < .7)
+    q, k, v = random_qkv(1, 256, 192, 2, 1, 64, jnp.bfloat16, seed=11)
+    plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=128, tile_kv=64, q_align=8,
+                      kv_align=8, template=t.name)
+    units, steps, ri, ms = profile.padded_arrays(plan)
+    fn = profile._executor(t.name, plan.tile_q, plan.tile_kv, plan.q_len_padded,
+                           plan.kv_len_padded, ms, 0.125)
+    out = fn(q, k, v, units, steps, ri)
+    ref = tj.reference_attention(q, k, v, mask, scale=0.125)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=3e-2, rtol=3e-2)
+    assert calls == [(False, None)]
+
+
 def test_bad_input_raises():
     q, k, v = random_qkv(1, 128, 128, 1, 1, 64, jnp.bfloat16, seed=2)
     mask = tj.BlockMask.uniform(128, 128, 64, 64, np.ones((1, 2, 2), bool))
