@@ -522,7 +522,7 @@ def _plan_rowgroups_numpy(ctx: _Ctx, merge: bool) -> _Raw:
     return _Raw(gh[ug], qs, qlo, qhi, cnt, steps, nfull, area)
 
 
-# --- compiled keep / merge (numba) -------------------------------------------------------
+# --- compiled step builders (numba) ------------------------------------------------------
 # keep/merge run as numba-compiled loops (nogil) that decode each unit's key intervals from
 # the packed words (merge: run boundaries w ^ (w << 1); keep: set bits) and write its step
 # rows straight into the preallocated int32 ``steps``. The exact step count is not known
@@ -532,10 +532,11 @@ def _plan_rowgroups_numpy(ctx: _Ctx, merge: bool) -> _Raw:
 # PLAN_THREADS == 2 the units are split in two halves of about equal bound; the second half is
 # written from the first half's bound on a worker thread and moved down after. When the bound
 # is too large to reserve, the step counts are computed exactly in a first pass instead.
+# split/pack (``_nb_rects``) always count first. Mask packing and row_index are compiled too.
 # numba is imported and the loops compiled (or loaded from numba's on-disk cache) on the
 # first plan of a process, not at import; ``warm_up()`` does it ahead of time.
-PLAN_THREADS = min(2, os.cpu_count() or 1)   # threads of the compiled keep/merge loops
-_PAR_MIN_ROWS = 1 << 16        # below this bound on step rows (or this many bytes), one thread
+PLAN_THREADS = min(2, os.cpu_count() or 1)   # threads of the compiled loops
+_PAR_MIN_ROWS = 1 << 16        # below this much work (step rows, flags, words), one thread
 _PACK_MIN_BYTES = 1 << 16      # masks from this many flags up are packed by the compiled loop
 _MAX_BOUND_BYTES = 1 << 30     # reserve at most this much for the step-row bound
 _POOL = None                   # (pid, one-thread executor) of the second thread
