@@ -15,7 +15,7 @@ families at ~10% block density:
 Cold = a fresh ``tj.plan`` (planner cache cleared) on a mask whose digest is already computed,
 in a process that has planned before (the planner's compiled loops are loaded): the cost of a
 new mask. cached = ``tj.plan`` on a digest already planned. Mask construction (blocks + digest)
-is timed separately: it is not planning. keep/merge run compiled (numba) on
+is timed separately: it is not planning. The planner's loops run compiled (numba) on
 ``planner.PLAN_THREADS`` threads (2 on this host); the default policy is also timed on 1 thread.
 
 First plan = the first ``tj.plan`` of a fresh process (``sta``, default template and policy),
@@ -225,8 +225,7 @@ def main(argv=None):
         "note": "cold_ms is wall time of a new mask's plan in a process that has planned "
                 "before; cold_cpu_ms is this process's CPU time, summed over threads (the "
                 "host is shared with other jobs, so wall time includes waiting for a core); "
-                "threads: planner.PLAN_THREADS, the threads of the compiled keep/merge loops "
-                "(split and pack are NumPy, single-threaded)",
+                "threads: planner.PLAN_THREADS, the threads of the planner's compiled loops",
         "first_plan": firsts,
         "warm_up_ms": round(warm_up_ms, 1),
         "host": {"machine": platform.machine(), "processor": platform.processor(),
