@@ -150,6 +150,23 @@ def candidate_list(backends_=None, templates=None, policies=DEFAULT_POLICIES):
     return [(t, p) for t in names for p in policies]
 
 
+def parse_candidates(items) -> list[tuple[str, str]]:
+    """["template/policy", ...] -> [(template, policy)], checked against the registries."""
+    from . import backends
+    from .planner import POLICIES
+    out = []
+    for it in items:
+        template, sep, policy = str(it).partition("/")
+        if not sep or not template or not policy:
+            raise ValueError(f"candidates: expected TEMPLATE/POLICY, got {it!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"candidates: policy must be one of {POLICIES}, got {policy!r}")
+        c = (backends.get_template(template).name, policy)
+        if c not in out:
+            out.append(c)
+    return out
+
+
 def cand_key(template: str, policy: str) -> str:
     return f"{template}/{policy}"
 
@@ -427,6 +444,8 @@ def parse_args(argv=None):
                     "--backends mosaic_gpu triton for both)")
     ap.add_argument("--templates", nargs="+", help="explicit template names (overrides --backends)")
     ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
+    ap.add_argument("--candidates", nargs="+", metavar="TEMPLATE/POLICY",
+                    help="explicit candidates (overrides --templates/--policies/--backends)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=2)
@@ -449,7 +468,9 @@ def main(argv=None) -> dict:
     raw_dir.mkdir(parents=True, exist_ok=True)
     raw_path = raw_dir / f"{gpu}.jsonl"
     heads = None if not a.heads else a.heads
-    if a.tiny:
+    if a.candidates:
+        cands = parse_candidates(a.candidates)
+    elif a.tiny:
         templates = a.templates or list(TINY_TEMPLATES)
         policies = a.policies if a.policies != list(DEFAULT_POLICIES) else ["merge"]
         cands = candidate_list(templates=templates, policies=policies)

@@ -183,3 +183,21 @@ def test_error_streak_stops_and_retry_errors_remeasures(tmp_path, monkeypatch):
     _, times = P.read_raw(tmp_path / "raw" / "cpu.jsonl")
     assert len(times) == 4 and all(r["status"] == "ok" for r in times.values())
     assert all(v is not None for row in table["model"]["rel_log_time"] for v in row)
+
+
+def test_explicit_candidates_fit_only_those(run, tmp_path, monkeypatch):
+    """--candidates T/P picks exactly those pairs (fit and timing), in order; bad ones raise."""
+    d, _ = run
+    def boom(*a, **k):
+        raise AssertionError("timed in --fit-only mode")
+    monkeypatch.setattr(P, "time_candidate", boom)
+    out = P.main(ARGS + ["--out", str(tmp_path / "c.json"), "--raw", str(d / "raw"),
+                         "--fit-only", "--candidates", "xla_128x128/merge"])
+    assert S.load_table(tmp_path / "c.json").candidates == [("xla_128x128", "merge")]
+    assert P.parse_candidates(["xla_64x64/pack", "xla_64x64/pack", "xla_128x128/merge"]) == \
+        [("xla_64x64", "pack"), ("xla_128x128", "merge")]
+    for bad in ("xla_64x64", "xla_64x64/nope", "/merge"):
+        with pytest.raises(ValueError, match="candidates"):
+            P.parse_candidates([bad])
+    with pytest.raises(ValueError, match="template"):
+        P.parse_candidates(["nope/merge"])
