@@ -2,6 +2,7 @@
 # One device call, two GPUs (nvidia-h200-x2) or one: the lead's combined H200 runs.
 #   bash benchmarks/h200_run.sh kernels   # GPU0: kernels.py; GPU1: profiler, then selection
 #   bash benchmarks/h200_run.sh peers     # GPU0: peers.py;   GPU1: denoising loops
+#   bash benchmarks/h200_run.sh final     # both: profile halves + refit; GPU0: peers; GPU1: selection, loops
 # Raw results, logs and the refitted table go to $OUT (copied into benchmarks/results/ and
 # plan_tables/ afterwards). With one GPU the two halves run one after the other.
 set -u
@@ -36,7 +37,41 @@ peers)
   second() { CUDA_VISIBLE_DEVICES=$gpu1 timeout $((B + 30)) python3 -m tessera_jax.bench_loop \
       ${LOOP_ARGS:---models wan13b_480p --steps 25 --dense-steps 6 --loop-repeats 1 --step-repeats 3 --attn-repeats 20} \
       --out $OUT/h200-loop.json > $OUT/loop.log 2>&1; } ;;
-*) echo "usage: $0 kernels|peers" >&2; exit 2 ;;
+final)
+  # GPU0 + GPU1: profile the candidates on two halves of the families (own raw files), merge, refit
+  # plan_tables/h200.json; then GPU0: peers (new table); GPU1: selection benchmark, then the loops.
+  # FlashInfer's JIT build runs in the background (CPU-bound) during the profiling.
+  export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+  FIPATH=${FIPATH:-$PWD/.carry/flashinfer_site}
+  PB=${PROFILE_S:-170}; PEERS_B=${PEERS_S:-350}; SEL_B=${SELECTION_S:-140}; LOOP_T=${LOOP_S:-230}
+  C=${CANDIDATES:-mgpu_q128_kv128_s2_hm/merge mgpu_q128_kv128_s2_hm/split mgpu_q128_kv64_s2_hm/merge mgpu_q64x2_kv64_s2_hm/pack mgpu_q64x2_kv64_s2_hm/merge mgpu_q128_kv64_s2_skip/pack}
+  FA=${FAMILIES_A:-dense jenga natten sparge sta svg2 xattn}
+  FB=${FAMILIES_B:-ditfastattn moba radial ssta svg vsa}
+  (CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$FIPATH:$PYTHONPATH timeout 400 python3 benchmarks/peers.py \
+      --fi-warmup-only > $OUT/fi_warmup.log 2>&1) &
+  N0=$(wc -l < plan_tables/raw/h200.jsonl)
+  for h in A B; do mkdir -p /tmp/raw$h; cp plan_tables/raw/h200.jsonl /tmp/raw$h/h200.jsonl; done
+  CUDA_VISIBLE_DEVICES=0 timeout $((PB + 60)) python3 -m tessera_jax.profile --heads 2 --time-budget $PB \
+      --candidates $C --families $FA --raw /tmp/rawA --out /tmp/tableA.json > $OUT/profileA.log 2>&1 & pa=$!
+  CUDA_VISIBLE_DEVICES=$gpu1 timeout $((PB + 60)) python3 -m tessera_jax.profile --heads 2 --time-budget $PB \
+      --candidates $C --families $FB --raw /tmp/rawB --out /tmp/tableB.json > $OUT/profileB.log 2>&1 & pb=$!
+  wait $pa $pb
+  cp /tmp/rawA/h200.jsonl plan_tables/raw/h200.jsonl
+  tail -n +$((N0 + 1)) /tmp/rawB/h200.jsonl >> plan_tables/raw/h200.jsonl
+  python3 -m tessera_jax.profile --fit-only --heads 2 --candidates $C > $OUT/fit.log 2>&1
+  cp plan_tables/h200.json $OUT/h200-table.json; cp plan_tables/raw/h200.jsonl $OUT/h200-raw.jsonl
+  first() { CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$FIPATH:$PYTHONPATH timeout $((PEERS_B + 40)) \
+      python3 benchmarks/peers.py --out $OUT/h200-peers.json --time-budget $PEERS_B --per-family 2 \
+      --heads 8 > $OUT/peers.log 2>&1; }
+  second() {
+    export CUDA_VISIBLE_DEVICES=$gpu1
+    timeout $((SEL_B + 30)) python3 benchmarks/selection.py --table plan_tables/h200.json --heads 2 \
+      --no-resume --time-budget $SEL_B --out $OUT/h200-selection.json > $OUT/selection.log 2>&1
+    timeout $LOOP_T python3 -m tessera_jax.bench_loop ${LOOP_ARGS:---models wan13b_480p --steps 25 \
+      --dense-steps 6 --loop-repeats 1 --step-repeats 3 --attn-repeats 20} --out $OUT/h200-loop.json \
+      > $OUT/loop.log 2>&1
+  } ;;
+*) echo "usage: $0 kernels|peers|final" >&2; exit 2 ;;
 esac
 
 if [ "$NGPU" -ge 2 ]; then first & second & wait; else first; second; fi

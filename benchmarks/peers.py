@@ -1026,6 +1026,9 @@ def parse_args(argv=None):
                     help="FlexAttention sequences padded to a multiple of this (compile reuse)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny masks, conversions only")
+    ap.add_argument("--fi-warmup-only", action="store_true",
+                    help="only JIT-build FlashInfer's modules (into FLASHINFER_WORKSPACE_BASE), so a "
+                         "later run on the same machine finds them built")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, needs torch: the whole GPU pipeline on tiny masks (no FlashInfer, "
                          "eager Flex, XLA dense) to check the plumbing, not to time anything")
@@ -1050,6 +1053,12 @@ def main(argv=None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(doc, indent=1, default=str))
         return 1 if doc["inexact_conversions"] else 0
+    if args.fi_warmup_only:
+        t = time.perf_counter()
+        res = fi_warmup(Ctx(args), args)
+        log("FlashInfer warm-up only:", json.dumps(res, default=str)[:600],
+            f"({time.perf_counter() - t:.1f} s)")
+        return 0 if not any(k.endswith("error") for k in res) else 1
     if args.out is None:
         args.out = "/tmp/peers-smoke.json" if args.smoke else str(HERE / "results" / "h200-peers.json")
     return gpu_main(args)
