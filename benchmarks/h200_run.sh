@@ -77,3 +77,6 @@ esac
 if [ "$NGPU" -ge 2 ]; then first & second & wait; else first; second; fi
 nvidia-smi --query-gpu=index,clocks.sm,temperature.gpu --format=csv >> $OUT/smi.txt
 for f in $OUT/*.log; do echo "== $f"; tail -8 "$f"; done
+# At most 8 files come back from a device call: everything goes into one archive.
+(cd $OUT && tar czf results.tgz --exclude=results.tgz . && find . -type f ! -name results.tgz -delete)
+ls -la $OUT
