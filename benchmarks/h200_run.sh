@@ -50,7 +50,7 @@ final)
   (CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$FIPATH:$PYTHONPATH timeout 400 python3 benchmarks/peers.py \
       --fi-warmup-only > $OUT/fi_warmup.log 2>&1) &
   N0=$(wc -l < plan_tables/raw/h200.jsonl)
-  for h in A B; do mkdir -p /tmp/raw$h; cp plan_tables/raw/h200.jsonl /tmp/raw$h/h200.jsonl; done
+  for h in A B; do mkdir -p /tmp/raw$h; cat plan_tables/raw/h200.jsonl > /tmp/raw$h/h200.jsonl; done; chmod u+w plan_tables/raw/h200.jsonl plan_tables/h200.json
   CUDA_VISIBLE_DEVICES=0 timeout $((PB + 60)) python3 -m tessera_jax.profile --heads 2 --time-budget $PB \
       --candidates $C --families $FA --raw /tmp/rawA --out /tmp/tableA.json > $OUT/profileA.log 2>&1 & pa=$!
   CUDA_VISIBLE_DEVICES=$gpu1 timeout $((PB + 60)) python3 -m tessera_jax.profile --heads 2 --time-budget $PB \
