@@ -195,12 +195,40 @@ del _kv, _stages, _t, _dims
 
 # --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton_fwd -------------------
 # Pointer loads at any row offset, so no alignment; the head dim is padded to a power of two
-# (>= 16) inside the kernel, up to 256. The first entry is jax's ops/gpu/attention.py dense
-# configuration (128x64, 8 warps, 2 stages), measured at 433 TFLOP/s dense on the H200.
+# (>= 16) inside the kernel, up to 256. Options: num_warps, mask_mode (triton_fwd.MASK_MODES;
+# "cond" when absent, "none" automatically for all-full concrete plans), prefetch (carry the
+# next step's kv_start), unit_order (read by the planner).
 _TRITON_COMMON = dict(backend="triton", head_dims=tuple(range(1, 257)),
                       dtypes=("bfloat16", "float16", "float32"), min_compute_capability=(8, 0))
+# v2 (benchmarks/NOTES.md "Triton kernel v2"). Compiled offline by Triton 3.9 for sm_90 (TTGIR
+# + ptxas): a step's K/V address hangs on a scalar load of its kv_start, and the pipeliner then
+# issues the K/V copies only after the step's compute (latency exposed; at s3 the index load is
+# pipelined but the copies still go out one step late). With ``prefetch`` and s3 they go out a
+# full step ahead (3 buffers). SMEM at D=128: 131 KB (kv64), 229,432 of 232,448 bytes (kv128: D <= 128
+# only, nothing to spare); 238 / 255 registers, no spills: one CTA of 8 warps per SM.
+# Head-major order keeps one head's K/V (16.8 MB at Wan 480p) hot in L2 for the concurrent
+# CTAs, like Flex's grid. Registration order is deliberate: benchmarks/kernels.py times the
+# first Triton template(s) and checks the first two, so the first four are the v2 run's set
+# (two v2 candidates, the interleaved-order control, the v1 baseline).
+_TRITON_V2 = dict(_TRITON_COMMON, head_dims=tuple(range(1, 129)))
+
+
+def _register_v2(name, tile_kv, stages, **opts):
+    o = {"num_warps": 8, "prefetch": True, "unit_order": "head_major", **opts}
+    register(Template(name=name, tile_q=128, tile_kv=tile_kv, stages=stages,
+                      options=tuple(sorted(o.items())), **_TRITON_V2))
+
+
+_register_v2("triton_q128_kv64_w8_s3_pf_hm", 64, 3)
+_register_v2("triton_q128_kv128_w8_s3_pf_hm", 128, 3)
+_register_v2("triton_q128_kv64_w8_s3_pf", 64, 3, unit_order="interleaved")
+# v1 grid. The first entry is jax's ops/gpu/attention.py dense configuration (128x64, 8 warps,
+# 2 stages), measured at 433 TFLOP/s dense on the H200; it is the baseline of the v2 run.
 for _tq, _tk, _w, _s in ((128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2),
                          (64, 64, 4, 3), (64, 128, 4, 2)):
     register(Template(name=f"triton_q{_tq}_kv{_tk}_w{_w}_s{_s}", tile_q=_tq, tile_kv=_tk,
                       stages=_s, options=(("num_warps", _w),), **_TRITON_COMMON))
+# More v2 variants (not in the first four): per-unit mask mode, head-major order alone.
+_register_v2("triton_q128_kv64_w8_s3_pf_hm_unit", 64, 3, mask_mode="unit")
+_register_v2("triton_q128_kv64_w8_s2_hm", 64, 2, prefetch=False)
 del _tq, _tk, _w, _s

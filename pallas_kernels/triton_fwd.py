@@ -23,11 +23,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import plan_abi
 
-__all__ = ["TritonConfig", "attention", "supports"]
+__all__ = ["TritonConfig", "attention", "plan_mask_mode", "supports"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 256      # padded head dim; beyond it one Q tile + accumulator won't fit registers
 MIN_TILE = 16           # Triton's dot needs M, N, K >= 16
+MASK_MODES = ("cond", "always", "none", "unit")
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -49,15 +50,23 @@ class TritonConfig:
       blocks must be powers of two and its dot needs 16).
     num_warps: warps per program; None picks 4 for head_dim <= 64, else 8 (like jax's mha).
     num_stages: software-pipelining depth of the K/V loads inside the step loop.
-    branch_full: skip the element mask on full steps with a ``lax.cond`` (False masks every
-      step; kept as a switch so the GPU benchmark can measure both).
+    mask_mode: how steps are masked. "cond": a ``lax.cond`` per step skips the element mask
+      on full steps; "always": every step masked (no branch); "none": no masking code at all
+      (only for plans whose visited steps are all full); "unit": per unit, an unmasked loop
+      when all its steps are full, else the "cond" loop (flags computed in the wrapper).
+    prefetch: the loop carries the next step's kv_start, so a step's K/V address does not hang
+      on a scalar load of the same iteration. With it and num_stages >= 3 Triton's pipeliner
+      issues the K/V copies a full step ahead (3 buffers) instead of after the step's compute
+      (seen in the TTGIR of Triton 3.9 for sm_90; carrying two steps ahead stopped it
+      pipelining at all, so one it is).
     """
 
     tile_q: int
     tile_kv: int
     num_warps: int | None = None
     num_stages: int = 2
-    branch_full: bool = True
+    mask_mode: str = "cond"
+    prefetch: bool = False
 
     def __post_init__(self):
         for name in ("tile_q", "tile_kv"):
@@ -75,8 +84,10 @@ class TritonConfig:
             raise TypeError(f"num_stages must be an int, got {type(self.num_stages).__name__}")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"num_stages must be in [1, 8], got {self.num_stages}")
-        if not isinstance(self.branch_full, (bool, np.bool_)):
-            raise TypeError(f"branch_full must be a bool, got {type(self.branch_full).__name__}")
+        if self.mask_mode not in MASK_MODES:
+            raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {self.mask_mode!r}")
+        if not isinstance(self.prefetch, (bool, np.bool_)):
+            raise TypeError(f"prefetch must be a bool, got {type(self.prefetch).__name__}")
 
     def warps_for(self, head_dim: int) -> int:
         if self.num_warps is not None:
@@ -97,10 +108,14 @@ def supports(head_dim: int, dtype) -> str | None:
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
-def _fwd_kernel(units_ref, steps_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                tile_q: int, tile_kv: int, group: int, qk_scale: float, branch_full: bool,
-                precision):
+def _fwd_kernel(*refs, tile_q: int, tile_kv: int, group: int, qk_scale: float, mask_mode: str,
+                prefetch: int, num_steps: int, precision):
     """One work unit x one batch element: Q tile vs. the unit's steps, online softmax (exp2)."""
+    if mask_mode == "unit":
+        units_ref, steps_ref, flags_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+    else:
+        units_ref, steps_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+        flags_ref = None
     u = pl.program_id(0)
     head = units_ref[u, plan_abi.UNIT_HEAD]
     q_start = units_ref[u, plan_abi.UNIT_Q_START]
@@ -113,47 +128,86 @@ def _fwd_kernel(units_ref, steps_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
     row = lax.broadcasted_iota(jnp.int32, (tile_q, 1), 0)
     col = lax.broadcasted_iota(jnp.int32, (1, tile_kv), 1)
 
-    def body(s, carry):
+    def step(s, kv_start, carry, masking):
         acc, m_prev, l_prev = carry
-        kv_start = steps_ref[s, plan_abi.STEP_KV_START]
-        q_lo = steps_ref[s, plan_abi.STEP_Q_LO]
-        q_hi = steps_ref[s, plan_abi.STEP_Q_HI]
-        kv_lo = steps_ref[s, plan_abi.STEP_KV_LO]
-        kv_hi = steps_ref[s, plan_abi.STEP_KV_HI]
         k = k_ref[pl.ds(kv_start, tile_kv), kv_head, :]             # [tile_kv, Dp]
         v = v_ref[pl.ds(kv_start, tile_kv), kv_head, :]
         qk = plgpu.dot(q, k, trans_b=True, precision=precision)     # f32 [tile_q, tile_kv]
+        if masking != "none":
+            q_lo = steps_ref[s, plan_abi.STEP_Q_LO]
+            q_hi = steps_ref[s, plan_abi.STEP_Q_HI]
+            kv_lo = steps_ref[s, plan_abi.STEP_KV_LO]
+            kv_hi = steps_ref[s, plan_abi.STEP_KV_HI]
 
-        def masked(x):
-            keep = ((row >= q_lo) & (row < q_hi)) & ((col >= kv_lo) & (col < kv_hi))
-            return jnp.where(keep, x, -jnp.inf)
+            def masked(x):
+                keep = ((row >= q_lo) & (row < q_hi)) & ((col >= kv_lo) & (col < kv_hi))
+                return jnp.where(keep, x, -jnp.inf)
 
-        if branch_full:
-            full = (q_lo == 0) & (q_hi == tile_q) & (kv_lo == 0) & (kv_hi == tile_kv)
-            qk = lax.cond(full, lambda x: x, masked, qk)
-        else:
-            qk = masked(qk)
+            if masking == "cond":
+                full = (q_lo == 0) & (q_hi == tile_q) & (kv_lo == 0) & (kv_hi == tile_kv)
+                qk = lax.cond(full, lambda x: x, masked, qk)
+            else:
+                qk = masked(qk)
         # Scores in log2 units: s = qk * scale * log2(e); max commutes with the positive scale,
         # so exp2(qk * c - m) is one FMA per element.
         m_cur = jnp.max(qk, axis=-1) * qk_scale
         m_next = jnp.maximum(m_prev, m_cur)
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)         # a row with nothing yet
+        if masking == "none":
+            m_safe = m_next             # every row has a finite score from the first step on
+        else:
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)     # a row with nothing yet
         alpha = jnp.exp2(m_prev - m_safe)
         p = jnp.exp2(qk * qk_scale - m_safe[:, None])
         l_next = alpha * l_prev + jnp.sum(p, axis=-1)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_next, l_next
 
-    acc = jnp.zeros((tile_q, d_pad), jnp.float32)
-    m_i = jnp.full((tile_q,), -jnp.inf, jnp.float32)
-    l_i = jnp.zeros((tile_q,), jnp.float32)
-    acc, m_i, l_i = lax.fori_loop(step_ptr, step_ptr + step_cnt, body, (acc, m_i, l_i))
+    init = (jnp.zeros((tile_q, d_pad), jnp.float32),
+            jnp.full((tile_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((tile_q,), jnp.float32))
+    lo, hi = step_ptr, step_ptr + step_cnt
+    last = jnp.int32(num_steps - 1)
+
+    def run(masking):
+        if not prefetch:
+            body = lambda s, c: step(s, steps_ref[s, plan_abi.STEP_KV_START], c, masking)
+            return lax.fori_loop(lo, hi, body, init)
+
+        # The kv_start of the next ``prefetch`` steps ride in the loop carry, so a step's K/V
+        # address does not wait on a scalar load issued in the same iteration (depth 1 only
+        # from the config: depth 2 made Triton 3.9 drop the software pipelining).
+        kv_at = lambda i: steps_ref[jnp.minimum(i, last), plan_abi.STEP_KV_START]
+
+        def body(s, c):
+            starts, carry = c
+            nxt = kv_at(s + prefetch)
+            return starts[1:] + (nxt,), step(s, starts[0], carry, masking)
+
+        first = tuple(kv_at(lo + i) for i in range(prefetch))
+        return lax.fori_loop(lo, hi, body, (first, init))[1]
+
+    if mask_mode == "unit":
+        acc, m_i, l_i = lax.cond(flags_ref[u] != 0, lambda: run("none"), lambda: run("cond"))
+    else:
+        acc, m_i, l_i = run(mask_mode)
 
     has_key = l_i > 0.0
     l_safe = jnp.where(has_key, l_i, 1.0)
     # plgpu.store, not ref[...] = x: the latter lowers to a swap (an extra load of the tile).
     plgpu.store(o_ref, (acc / l_safe[:, None]).astype(o_ref.dtype))
     plgpu.store(lse_ref, jnp.where(has_key, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf))
+
+
+def _unit_full_flags(units, steps, tile_q: int, tile_kv: int):
+    """int32 [U]: 1 where every step of the unit is full (mask mode "unit"), by prefix count."""
+    st = steps
+    partial = ~((st[:, plan_abi.STEP_Q_LO] == 0) & (st[:, plan_abi.STEP_Q_HI] == tile_q)
+                & (st[:, plan_abi.STEP_KV_LO] == 0) & (st[:, plan_abi.STEP_KV_HI] == tile_kv))
+    cs = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(partial.astype(jnp.int32))])
+    S = steps.shape[0]
+    lo = jnp.clip(units[:, plan_abi.UNIT_STEP_PTR], 0, S)
+    hi = jnp.clip(units[:, plan_abi.UNIT_STEP_PTR] + units[:, plan_abi.UNIT_STEP_CNT], 0, S)
+    return (cs[hi] == cs[lo]).astype(jnp.int32)
 
 
 def _attention_forward(q, k, v, units, steps, *, config: TritonConfig, scale: float,
@@ -166,14 +220,16 @@ def _attention_forward(q, k, v, units, steps, *, config: TritonConfig, scale: fl
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
         _fwd_kernel, tile_q=tq, tile_kv=tkv, group=Hq // Hkv, qk_scale=scale * _LOG2E,
-        branch_full=bool(config.branch_full), precision=precision)
+        mask_mode=config.mask_mode, prefetch=int(config.prefetch), num_steps=steps.shape[0],
+        precision=precision)
     whole = lambda shape: pl.BlockSpec(shape, lambda u, b: (0,) * len(shape))
+    plan_ops = [units, steps]
+    if config.mask_mode == "unit":
+        plan_ops.append(_unit_full_flags(units, steps, tq, tkv))
     return pl.pallas_call(
         kernel,
         grid=(U, B),
-        in_specs=[
-            whole(units.shape),
-            whole(steps.shape),
+        in_specs=[whole(x.shape) for x in plan_ops] + [
             pl.BlockSpec((None, Lqp, Hq, d_pad), lambda u, b: (b, 0, 0, 0)),
             pl.BlockSpec((None, Lkvp, Hkv, d_pad), lambda u, b: (b, 0, 0, 0)),
             pl.BlockSpec((None, Lkvp, Hkv, d_pad), lambda u, b: (b, 0, 0, 0)),
@@ -190,7 +246,7 @@ def _attention_forward(q, k, v, units, steps, *, config: TritonConfig, scale: fl
             num_warps=config.warps_for(head_dim), num_stages=config.num_stages),
         interpret=interpret,
         name="tessera_triton_fwd",
-    )(units, steps, q, k, v)
+    )(*plan_ops, q, k, v)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -238,24 +294,26 @@ def _check_plan_array(name, x, cols=None, shape=None):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
 
 
-_CHECKED: dict = {}     # id pair -> (units, steps): concrete plans already checked (kept alive)
+_CHECKED: dict = {}     # id pair -> (units, steps, all_full): concrete plans already checked
 
 
 def _check_concrete_plan(units, steps, Hq, tile_q, tile_kv, q_len_padded, kv_len_padded):
-    """Bounds of a host (NumPy) plan: an out-of-range tile would read out of bounds on a GPU.
+    """Bounds of a host (NumPy) plan (an out-of-range tile would read out of bounds on a GPU);
+    returns whether every visited step is full (mask mode "none" can run it).
 
     Memoised per array pair (the arrays are held so their ids stay unique), so a cached plan
-    costs a dict look-up per call.
+    costs a dict look-up per call. ``Hq`` None skips the head check.
     """
     key = (id(units), id(steps), Hq, tile_q, tile_kv, q_len_padded, kv_len_padded)
-    if key in _CHECKED:
-        return
+    hit = _CHECKED.get(key)
+    if hit is not None:
+        return hit[2]
     u, st = np.asarray(units, np.int64), np.asarray(steps, np.int64)
     real = u[:, plan_abi.UNIT_STEP_CNT] > 0
     head, qs = u[:, plan_abi.UNIT_HEAD], u[:, plan_abi.UNIT_Q_START]
     ptr, cnt = u[:, plan_abi.UNIT_STEP_PTR], u[:, plan_abi.UNIT_STEP_CNT]
     bad = []
-    if ((head < 0) | (head >= Hq)).any():
+    if Hq is not None and ((head < 0) | (head >= Hq)).any():
         bad.append(f"a unit's head is outside [0, {Hq})")
     if ((qs < 0) | (qs + tile_q > q_len_padded)).any():
         bad.append(f"a unit's Q tile leaves [0, q_len_padded={q_len_padded})")
@@ -266,9 +324,42 @@ def _check_concrete_plan(units, steps, Hq, tile_q, tile_kv, q_len_padded, kv_len
         bad.append(f"a step's K/V tile leaves [0, kv_len_padded={kv_len_padded})")
     if bad:
         raise ValueError("invalid plan for the Triton kernel: " + "; ".join(bad))
+    # Visited step rows by a prefix count over the units' [ptr, ptr + cnt) ranges.
+    edges = np.zeros(len(st) + 1, np.int64)
+    np.add.at(edges, ptr[real], 1)
+    np.add.at(edges, (ptr + cnt)[real], -1)
+    visited = np.cumsum(edges[:-1]) > 0
+    full = ((st[:, plan_abi.STEP_Q_LO] == 0) & (st[:, plan_abi.STEP_Q_HI] == tile_q)
+            & (st[:, plan_abi.STEP_KV_LO] == 0) & (st[:, plan_abi.STEP_KV_HI] == tile_kv))
+    all_full = bool((full | ~visited).all())
     if len(_CHECKED) >= 64:
         _CHECKED.pop(next(iter(_CHECKED)))
-    _CHECKED[key] = (units, steps)
+    _CHECKED[key] = (units, steps, all_full)
+    return all_full
+
+
+def _template_config(template):
+    """(tile_q, tile_kv, num_stages, num_warps, mask_mode, prefetch) of a "triton" template."""
+    from . import templates as _templates
+    t = _templates.get(template)
+    if t.backend != "triton":
+        raise ValueError(f"template {t.name!r} belongs to backend {t.backend!r}, not 'triton'")
+    return t, (t.tile_q, t.tile_kv, t.stages, t.option("num_warps"),
+               t.option("mask_mode", "cond"), bool(t.option("prefetch", False)))
+
+
+def plan_mask_mode(units, steps, template, q_len_padded, kv_len_padded) -> str:
+    """The mask mode a concrete (NumPy) plan runs with on this template: "none" (no masking
+    code) when the template masks by "cond" or "unit" and every visited step is full, else the
+    template's own. Checks the plan's bounds like ``attention`` does."""
+    t, (tq, tkv, _, _, mode, _) = _template_config(template)
+    all_full = _check_concrete_plan(units, steps, None, tq, tkv, int(q_len_padded),
+                                    int(kv_len_padded))
+    return _auto_mask_mode(mode, all_full)
+
+
+def _auto_mask_mode(mode: str, all_full: bool) -> str:
+    return "none" if all_full and mode in ("cond", "unit") else mode
 
 
 def default_interpret() -> bool:
@@ -278,34 +369,40 @@ def default_interpret() -> bool:
 
 def attention(q, k, v, units, steps, row_index, *, q_len_padded, kv_len_padded, tile_q=None,
               tile_kv=None, scale=None, return_lse=False, num_warps=None, num_stages=None,
-              branch_full=True, template=None, interpret=None):
+              mask_mode=None, prefetch=None, template=None, interpret=None):
     """Block-sparse attention forward executing a plan, on the Pallas Triton lowering.
 
     q: [B, Lq, Hq, D]; k, v: [B, Lkv, Hkv, D] (same dtype: float32, bfloat16 or float16;
     Hq % Hkv == 0). units, steps, row_index and the static ints are a plan's fields (see
     ``pallas_kernels.plan_abi``). The kernel configuration comes either from ``template`` (a
-    registered "triton" template or its name: tile shape, num_stages, num_warps) or from
-    tile_q / tile_kv / num_warps / num_stages directly (num_stages defaults to 2). scale
-    defaults to D ** -0.5. interpret=None runs interpret mode when jax has no GPU.
+    registered "triton" template or its name: tile shape, num_stages, num_warps, mask_mode,
+    prefetch) or from tile_q / tile_kv / num_warps / num_stages / prefetch directly
+    (num_stages defaults to 2). mask_mode (see ``TritonConfig``) None takes the template's
+    ("cond" without one), switched to "none" when a concrete NumPy plan's steps are all full;
+    an explicit "none" on a concrete plan with partial steps is an error. scale defaults to
+    D ** -0.5. interpret=None runs interpret mode when jax has no GPU.
     Returns out [B, Lq, Hq, D] in q.dtype, and with return_lse also lse [B, Hq, Lq] float32
     (natural log; -inf and a 0 output row where no key is selected).
     """
+    auto_mode = mask_mode is None
     if template is not None:
-        from . import templates as _templates
-        t = _templates.get(template)
-        if t.backend != "triton":
-            raise ValueError(f"template {t.name!r} belongs to backend {t.backend!r}, not 'triton'")
-        for name, given, want in (("tile_q", tile_q, t.tile_q), ("tile_kv", tile_kv, t.tile_kv),
-                                  ("num_stages", num_stages, t.stages),
-                                  ("num_warps", num_warps, t.option("num_warps"))):
+        t, (t_tq, t_tkv, t_st, t_nw, t_mode, t_pf) = _template_config(template)
+        for name, given, want in (("tile_q", tile_q, t_tq), ("tile_kv", tile_kv, t_tkv),
+                                  ("num_stages", num_stages, t_st),
+                                  ("num_warps", num_warps, t_nw), ("prefetch", prefetch, t_pf)):
             if given is not None and given != want:
                 raise ValueError(f"{name}={given} contradicts template {t.name!r} ({name}={want})")
-        tile_q, tile_kv, num_stages = t.tile_q, t.tile_kv, t.stages
-        num_warps = t.option("num_warps")
+        tile_q, tile_kv, num_stages, num_warps, prefetch = t_tq, t_tkv, t_st, t_nw, t_pf
+        if mask_mode is None:
+            mask_mode = t_mode
     elif tile_q is None or tile_kv is None:
         raise ValueError("pass either template or both tile_q and tile_kv")
     if num_stages is None:
         num_stages = 2
+    if mask_mode is None:
+        mask_mode = "cond"
+    if prefetch is None:
+        prefetch = False
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -330,7 +427,7 @@ def attention(q, k, v, units, steps, row_index, *, q_len_padded, kv_len_padded, 
     if padded_head_dim(D) > MAX_HEAD_DIM:
         raise ValueError(f"head_dim D={D} is not supported by the Triton kernel (max {MAX_HEAD_DIM})")
 
-    config = TritonConfig(tile_q, tile_kv, num_warps, num_stages, branch_full)
+    config = TritonConfig(tile_q, tile_kv, num_warps, num_stages, mask_mode, prefetch)
     q_len_padded = _check_int("q_len_padded", q_len_padded)
     kv_len_padded = _check_int("kv_len_padded", kv_len_padded)
     if q_len_padded < max(Lq, tile_q):
@@ -342,8 +439,13 @@ def attention(q, k, v, units, steps, row_index, *, q_len_padded, kv_len_padded, 
     _check_plan_array("steps", steps, cols=plan_abi.STEP_COLS)
     _check_plan_array("row_index", row_index, shape=(Hq, Lq))
     if isinstance(units, np.ndarray) and isinstance(steps, np.ndarray):
-        _check_concrete_plan(units, steps, Hq, int(tile_q), int(tile_kv), q_len_padded,
-                             kv_len_padded)
+        all_full = _check_concrete_plan(units, steps, Hq, int(tile_q), int(tile_kv),
+                                        q_len_padded, kv_len_padded)
+        if mask_mode == "none" and not all_full:
+            raise ValueError("mask_mode='none' needs a plan whose visited steps are all full; "
+                             "this plan has partial steps")
+        if auto_mode:
+            config = dataclasses.replace(config, mask_mode=_auto_mask_mode(mask_mode, all_full))
 
     if scale is None:
         scale = float(D) ** -0.5

@@ -83,7 +83,9 @@ def _cases(draw, dtypes=(jnp.float32,)):
     return dict(B=B, Hq=Hq, Hkv=Hkv, D=D, Lq=Lq, Lkv=Lkv, mask=BlockMask(qb, kb, blocks),
                 tile_q=draw(st.sampled_from([16, 32])), tile_kv=draw(st.sampled_from([16, 32])),
                 dtype=draw(st.sampled_from(dtypes)), seed=seed,
-                policy=draw(st.sampled_from(POLICIES)), align=draw(st.sampled_from([1, 8])))
+                policy=draw(st.sampled_from(POLICIES)), align=draw(st.sampled_from([1, 8])),
+                kernel=dict(mask_mode=draw(st.sampled_from(["cond", "always", "unit"])),
+                            prefetch=draw(st.booleans())))
 
 
 _SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -96,7 +98,7 @@ def test_random_masks_f32(case):
                       case["D"], case["dtype"])
     plan = make_plan(case["mask"], q, k, tile_q=case["tile_q"], tile_kv=case["tile_kv"],
                      policy=case["policy"], q_align=case["align"], kv_align=case["align"])
-    _check(q, k, v, case["mask"], plan)
+    _check(q, k, v, case["mask"], plan, **case["kernel"])
 
 
 @settings(max_examples=8, **_SETTINGS)
@@ -106,21 +108,68 @@ def test_random_masks_half(case):
                       case["D"], case["dtype"])
     plan = make_plan(case["mask"], q, k, tile_q=case["tile_q"], tile_kv=case["tile_kv"],
                      policy=case["policy"], q_align=case["align"], kv_align=case["align"])
-    _check(q, k, v, case["mask"], plan)
+    _check(q, k, v, case["mask"], plan, **case["kernel"])
 
 
-@pytest.mark.parametrize("branch_full", [True, False])
-def test_full_and_partial_steps_gqa_per_head(branch_full):
+@pytest.mark.parametrize("mask_mode,prefetch", [("cond", False), ("always", True),
+                                                ("unit", True), ("unit", False)])
+def test_full_and_partial_steps_gqa_per_head(mask_mode, prefetch):
     """Per-head mask over 32-aligned and odd blocks: full steps and partial ones, GQA 4:2."""
     B, Lq, Lkv, Hq, Hkv, D = 2, 96, 100, 4, 2, 32
     rng = np.random.default_rng(1)
-    mask = BlockMask([0, 32, 64, 96], [0, 32, 64, 77, 100], rng.random((Hq, 3, 4)) < 0.6)
+    blocks = rng.random((Hq, 3, 4)) < 0.6
+    blocks[0, 0] = [True, True, False, False]          # a unit whose steps are all full
+    mask = BlockMask([0, 32, 64, 96], [0, 32, 64, 77, 100], blocks)
     q, k, v = _inputs(2, B, Lq, Lkv, Hq, Hkv, D, jnp.float32)
     plan = make_plan(mask, q, k, tile_q=32, tile_kv=32)
     steps = plan.steps[plan.steps[:, plan_abi.STEP_Q_HI] > plan.steps[:, plan_abi.STEP_Q_LO]]
     full = ((steps[:, 1] == 0) & (steps[:, 2] == 32) & (steps[:, 3] == 0) & (steps[:, 4] == 32))
     assert full.any() and (~full).any()
-    _check(q, k, v, mask, plan, scale=0.3, branch_full=branch_full, num_warps=4, num_stages=3)
+    # Mask mode "unit" needs units of both kinds: all steps full, and some partial.
+    ptr, cnt = plan.units[:, plan_abi.UNIT_STEP_PTR], plan.units[:, plan_abi.UNIT_STEP_CNT]
+    s_full = ((plan.steps[:, 1] == 0) & (plan.steps[:, 2] == 32) & (plan.steps[:, 3] == 0)
+              & (plan.steps[:, 4] == 32))
+    unit_full = np.array([s_full[a:a + c].all() for a, c in zip(ptr, cnt) if c > 0])
+    assert unit_full.any() and (~unit_full).any()
+    _check(q, k, v, mask, plan, scale=0.3, mask_mode=mask_mode, prefetch=prefetch, num_warps=4,
+           num_stages=3)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_all_full_plan_runs_without_masking_code(prefetch):
+    """A plan whose visited steps are all full runs mask mode "none" (automatically for a
+    concrete plan); "none" on a plan with partial steps is refused."""
+    B, L, Hq, Hkv, D = 1, 256, 2, 1, 16
+    rng = np.random.default_rng(21)
+    blocks = rng.random((Hq, 2, 4)) < 0.5
+    blocks[:, :, 1] = True                        # every row has a key: no empty units
+    mask = BlockMask.uniform(L, L, 128, 64, blocks)
+    q, k, v = _inputs(22, B, L, L, Hq, Hkv, D, jnp.float32)
+    t = templates.get("triton_q128_kv64_w8_s3_pf_hm")
+    plan = make_plan(mask, q, k, tile_q=t.tile_q, tile_kv=t.tile_kv)
+    assert triton_fwd.plan_mask_mode(plan.units, plan.steps, t, plan.q_len_padded,
+                                     plan.kv_len_padded) == "none"
+    _check(q, k, v, mask, plan, prefetch=prefetch)                          # auto "none"
+    _check(q, k, v, mask, plan, mask_mode="none", prefetch=prefetch)
+    # Traced plan arrays take the mode as given: "none" is right here, too.
+    f = jax.jit(lambda u, s, r: _run(q, k, v, types.SimpleNamespace(
+        units=u, steps=s, row_index=r, tile_q=t.tile_q, tile_kv=t.tile_kv,
+        q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded),
+        mask_mode="none", prefetch=prefetch))
+    np.testing.assert_allclose(f(plan.units, plan.steps, plan.row_index),
+                               reference_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+    odd_blocks = np.ones((1, 3, 3), bool)
+    odd_blocks[0, 1, 2] = False                   # rows 64..99 miss keys 100..255: partial steps
+    odd = BlockMask([0, 64, 100, 256], [0, 64, 100, 256], odd_blocks)
+    p2 = make_plan(odd, q, k, tile_q=t.tile_q, tile_kv=t.tile_kv)
+    assert triton_fwd.plan_mask_mode(p2.units, p2.steps, t, p2.q_len_padded,
+                                     p2.kv_len_padded) == "cond"
+    assert triton_fwd.plan_mask_mode(p2.units, p2.steps, "triton_q128_kv64_w8_s3_pf_hm_unit",
+                                     p2.q_len_padded, p2.kv_len_padded) == "unit"
+    _check(q, k, v, odd, p2, prefetch=prefetch)
+    with pytest.raises(ValueError, match="partial steps"):
+        _run(q, k, v, p2, mask_mode="none")
 
 
 def test_hand_written_plan_overlapping_tiles_and_padding():
@@ -189,12 +238,25 @@ def test_new_plan_same_capacity_does_not_recompile():
 
 def test_registered_templates_and_template_argument():
     """Triton templates are registered; ``template=`` takes tile shape, warps and stages."""
-    names = {t.name for t in templates.for_backend("triton")}
+    names = [t.name for t in templates.for_backend("triton")]
     assert "triton_q128_kv64_w8_s2" in names and len(names) >= 4
+    # benchmarks/kernels.py times the first Triton templates: the v2 set, then the v1 baseline.
+    assert names[:4] == ["triton_q128_kv64_w8_s3_pf_hm", "triton_q128_kv128_w8_s3_pf_hm",
+                         "triton_q128_kv64_w8_s3_pf", "triton_q128_kv64_w8_s2"]
     for t in templates.for_backend("triton"):
-        cfg = triton_fwd.TritonConfig(t.tile_q, t.tile_kv, t.option("num_warps"), t.stages)
+        cfg = triton_fwd.TritonConfig(t.tile_q, t.tile_kv, t.option("num_warps"), t.stages,
+                                      t.option("mask_mode", "cond"),
+                                      bool(t.option("prefetch", False)))
         assert t.q_align == t.kv_align == 1 and t.supports(128, jnp.bfloat16)
         assert cfg.warps_for(128) == t.option("num_warps")
+        # v2 templates (those with a unit order) fill SMEM at D=128: not for larger head dims.
+        assert t.supports(256, jnp.bfloat16) == (t.option("unit_order") is None)
+    m = BlockMask.uniform(256, 256, 128, 128, np.ones((2, 2, 2), bool))
+    qs = (1, 256, 2, 64)
+    assert build_plan(m, qs, qs, jnp.bfloat16, tile_q=128, tile_kv=64, policy="merge",
+                      template="triton_q128_kv64_w8_s3_pf_hm").unit_order == "head_major"
+    assert build_plan(m, qs, qs, jnp.bfloat16, tile_q=128, tile_kv=64, policy="merge",
+                      template="triton_q128_kv64_w8_s3_pf").unit_order == "interleaved"
     t = templates.get("triton_q64_kv64_w4_s2")
     mask = BlockMask([0, 10, 70, 100], [0, 64, 90, 130],
                      np.random.default_rng(12).random((2, 3, 3)) < 0.6)
@@ -242,6 +304,10 @@ def test_config_and_argument_errors():
         triton_fwd.TritonConfig(tile_q=32, tile_kv=32, num_warps=3)
     with pytest.raises(ValueError, match="num_stages"):
         triton_fwd.TritonConfig(tile_q=32, tile_kv=32, num_stages=0)
+    with pytest.raises(ValueError, match="mask_mode"):
+        triton_fwd.TritonConfig(tile_q=32, tile_kv=32, mask_mode="sometimes")
+    with pytest.raises(TypeError, match="prefetch"):
+        triton_fwd.TritonConfig(tile_q=32, tile_kv=32, prefetch=2)
 
     mask = BlockMask.uniform(32, 32, 16, 16, np.ones((1, 2, 2), bool))
     q, k, v = _inputs(11, 1, 32, 32, 2, 1, 16, jnp.float32)
@@ -285,14 +351,16 @@ def test_supports():
     assert "dtype" in triton_fwd.supports(64, jnp.int8)
 
 
-def test_backend_runner_path():
-    """The lead's wiring: tj.plan with a Triton template, run by backends.run (as on a GPU)."""
+@pytest.mark.parametrize("template", ["triton_q64_kv64_w4_s2", "triton_q128_kv64_w8_s3_pf_hm_unit"])
+def test_backend_runner_path(template):
+    """The lead's wiring: tj.plan with a Triton template, run by backends.run (as on a GPU;
+    the runner asks ``plan_mask_mode`` for the mode)."""
     import tessera_jax as tj
     from tessera_jax import backends
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
                      np.random.default_rng(14).random((1, 3, 3)) < 0.7)
     q, k, v = _inputs(15, 2, 90, 80, 4, 2, 32, jnp.bfloat16)
-    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q64_kv64_w4_s2")
+    p = tj.plan(mask, q.shape, k.shape, q.dtype, template=template)
     out, lse = backends.run(p, q, k, v, 0.2, True)
     ref, ref_lse = reference_attention(q, k, v, mask, scale=0.2, return_lse=True)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
@@ -300,10 +368,10 @@ def test_backend_runner_path():
     np.testing.assert_allclose(lse, ref_lse, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("dtype,D,tile_q,tile_kv,branch_full", [
-    (jnp.bfloat16, 128, 128, 64, True), (jnp.float16, 64, 64, 128, False),
-    (jnp.float32, 40, 16, 32, True)])
-def test_lowers_to_triton_for_a_cuda_target(dtype, D, tile_q, tile_kv, branch_full):
+@pytest.mark.parametrize("dtype,D,tile_q,tile_kv,mask_mode,prefetch", [
+    (jnp.bfloat16, 128, 128, 64, "cond", True), (jnp.float16, 64, 64, 128, "always", False),
+    (jnp.float32, 40, 16, 32, "unit", True), (jnp.bfloat16, 128, 128, 128, "none", True)])
+def test_lowers_to_triton_for_a_cuda_target(dtype, D, tile_q, tile_kv, mask_mode, prefetch):
     """No GPU here, but the kernel must lower through the real Triton path (not interpret):
     lower for CUDA with an abstract H200 and check the Triton custom call is emitted."""
     import warnings
@@ -312,7 +380,7 @@ def test_lowers_to_triton_for_a_cuda_target(dtype, D, tile_q, tile_kv, branch_fu
     sds = jax.ShapeDtypeStruct
     args = (sds((1, L, Hq, D), dtype), sds((1, L, Hkv, D), dtype), sds((1, L, Hkv, D), dtype),
             sds((64, 6), jnp.int32), sds((256, 5), jnp.int32), sds((Hq, L), jnp.int32))
-    cfg = triton_fwd.TritonConfig(tile_q, tile_kv, branch_full=branch_full)
+    cfg = triton_fwd.TritonConfig(tile_q, tile_kv, mask_mode=mask_mode, prefetch=prefetch)
     f = lambda *a: triton_fwd._attention(*a, config=cfg, q_len_padded=1024, kv_len_padded=L,
                                          scale=0.1, return_lse=True, interpret=False)
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
