@@ -228,7 +228,9 @@ for _tq, _tk, _w, _s in ((128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64
                          (64, 64, 4, 3), (64, 128, 4, 2)):
     register(Template(name=f"triton_q{_tq}_kv{_tk}_w{_w}_s{_s}", tile_q=_tq, tile_kv=_tk,
                       stages=_s, options=(("num_warps", _w),), **_TRITON_COMMON))
-# More v2 variants (not in the first four): per-unit mask mode, head-major order alone.
-_register_v2("triton_q128_kv64_w8_s3_pf_hm_unit", 64, 3, mask_mode="unit")
+# More v2 variants (not in the first four): each unit's leading full steps without masking
+# code (at L = 32,760 only the last, partial K/V tile of a row needs the mask), head-major
+# order alone.
+_register_v2("triton_q128_kv64_w8_s3_pf_hm_prefix", 64, 3, mask_mode="prefix")
 _register_v2("triton_q128_kv64_w8_s2_hm", 64, 2, prefetch=False)
 del _tq, _tk, _w, _s

@@ -28,7 +28,7 @@ __all__ = ["TritonConfig", "attention", "plan_mask_mode", "supports"]
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 256      # padded head dim; beyond it one Q tile + accumulator won't fit registers
 MIN_TILE = 16           # Triton's dot needs M, N, K >= 16
-MASK_MODES = ("cond", "always", "none", "unit")
+MASK_MODES = ("cond", "always", "none", "prefix")
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -52,8 +52,10 @@ class TritonConfig:
     num_stages: software-pipelining depth of the K/V loads inside the step loop.
     mask_mode: how steps are masked. "cond": a ``lax.cond`` per step skips the element mask
       on full steps; "always": every step masked (no branch); "none": no masking code at all
-      (only for plans whose visited steps are all full); "unit": per unit, an unmasked loop
-      when all its steps are full, else the "cond" loop (flags computed in the wrapper).
+      (only for plans whose visited steps are all full); "prefix": per unit, a loop without
+      masking code over its leading full steps, then the "cond" loop over the rest (the count
+      computed in the wrapper; two loops in sequence, not under a branch: ptxas serialised the
+      wgmma of loops under a ``lax.cond``).
     prefetch: the loop carries the next step's kv_start, so a step's K/V address does not hang
       on a scalar load of the same iteration. With it and num_stages >= 3 Triton's pipeliner
       issues the K/V copies a full step ahead (3 buffers) instead of after the step's compute
@@ -111,11 +113,11 @@ def supports(head_dim: int, dtype) -> str | None:
 def _fwd_kernel(*refs, tile_q: int, tile_kv: int, group: int, qk_scale: float, mask_mode: str,
                 prefetch: int, num_steps: int, precision):
     """One work unit x one batch element: Q tile vs. the unit's steps, online softmax (exp2)."""
-    if mask_mode == "unit":
-        units_ref, steps_ref, flags_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+    if mask_mode == "prefix":
+        units_ref, steps_ref, lead_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     else:
         units_ref, steps_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-        flags_ref = None
+        lead_ref = None
     u = pl.program_id(0)
     head = units_ref[u, plan_abi.UNIT_HEAD]
     q_start = units_ref[u, plan_abi.UNIT_Q_START]
@@ -168,7 +170,7 @@ def _fwd_kernel(*refs, tile_q: int, tile_kv: int, group: int, qk_scale: float, m
     lo, hi = step_ptr, step_ptr + step_cnt
     last = jnp.int32(num_steps - 1)
 
-    def run(masking):
+    def run(masking, lo, hi, init):
         if not prefetch:
             body = lambda s, c: step(s, steps_ref[s, plan_abi.STEP_KV_START], c, masking)
             return lax.fori_loop(lo, hi, body, init)
@@ -186,10 +188,11 @@ def _fwd_kernel(*refs, tile_q: int, tile_kv: int, group: int, qk_scale: float, m
         first = tuple(kv_at(lo + i) for i in range(prefetch))
         return lax.fori_loop(lo, hi, body, (first, init))[1]
 
-    if mask_mode == "unit":
-        acc, m_i, l_i = lax.cond(flags_ref[u] != 0, lambda: run("none"), lambda: run("cond"))
+    if mask_mode == "prefix":
+        mid = lo + lead_ref[u]
+        acc, m_i, l_i = run("cond", mid, hi, run("none", lo, mid, init))
     else:
-        acc, m_i, l_i = run(mask_mode)
+        acc, m_i, l_i = run(mask_mode, lo, hi, init)
 
     has_key = l_i > 0.0
     l_safe = jnp.where(has_key, l_i, 1.0)
@@ -198,16 +201,18 @@ def _fwd_kernel(*refs, tile_q: int, tile_kv: int, group: int, qk_scale: float, m
     plgpu.store(lse_ref, jnp.where(has_key, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf))
 
 
-def _unit_full_flags(units, steps, tile_q: int, tile_kv: int):
-    """int32 [U]: 1 where every step of the unit is full (mask mode "unit"), by prefix count."""
+def _leading_full_steps(units, steps, tile_q: int, tile_kv: int):
+    """int32 [U]: how many of each unit's first steps are full (mask mode "prefix"), from the
+    index of the next partial step at or after each row (a reverse running minimum)."""
     st = steps
+    S = steps.shape[0]
     partial = ~((st[:, plan_abi.STEP_Q_LO] == 0) & (st[:, plan_abi.STEP_Q_HI] == tile_q)
                 & (st[:, plan_abi.STEP_KV_LO] == 0) & (st[:, plan_abi.STEP_KV_HI] == tile_kv))
-    cs = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(partial.astype(jnp.int32))])
-    S = steps.shape[0]
-    lo = jnp.clip(units[:, plan_abi.UNIT_STEP_PTR], 0, S)
-    hi = jnp.clip(units[:, plan_abi.UNIT_STEP_PTR] + units[:, plan_abi.UNIT_STEP_CNT], 0, S)
-    return (cs[hi] == cs[lo]).astype(jnp.int32)
+    idx = jnp.where(partial, jnp.arange(S, dtype=jnp.int32), jnp.int32(S))
+    next_partial = jnp.concatenate([lax.cummin(idx, reverse=True), jnp.full((1,), S, jnp.int32)])
+    ptr = jnp.clip(units[:, plan_abi.UNIT_STEP_PTR], 0, S)
+    cnt = jnp.maximum(units[:, plan_abi.UNIT_STEP_CNT], 0)
+    return jnp.minimum(next_partial[ptr] - ptr, cnt).astype(jnp.int32)
 
 
 def _attention_forward(q, k, v, units, steps, *, config: TritonConfig, scale: float,
@@ -224,8 +229,8 @@ def _attention_forward(q, k, v, units, steps, *, config: TritonConfig, scale: fl
         precision=precision)
     whole = lambda shape: pl.BlockSpec(shape, lambda u, b: (0,) * len(shape))
     plan_ops = [units, steps]
-    if config.mask_mode == "unit":
-        plan_ops.append(_unit_full_flags(units, steps, tq, tkv))
+    if config.mask_mode == "prefix":
+        plan_ops.append(_leading_full_steps(units, steps, tq, tkv))
     return pl.pallas_call(
         kernel,
         grid=(U, B),
@@ -350,7 +355,7 @@ def _template_config(template):
 
 def plan_mask_mode(units, steps, template, q_len_padded, kv_len_padded) -> str:
     """The mask mode a concrete (NumPy) plan runs with on this template: "none" (no masking
-    code) when the template masks by "cond" or "unit" and every visited step is full, else the
+    code) when the template masks by "cond" or "prefix" and every visited step is full, else the
     template's own. Checks the plan's bounds like ``attention`` does."""
     t, (tq, tkv, _, _, mode, _) = _template_config(template)
     all_full = _check_concrete_plan(units, steps, None, tq, tkv, int(q_len_padded),
@@ -359,7 +364,7 @@ def plan_mask_mode(units, steps, template, q_len_padded, kv_len_padded) -> str:
 
 
 def _auto_mask_mode(mode: str, all_full: bool) -> str:
-    return "none" if all_full and mode in ("cond", "unit") else mode
+    return "none" if all_full and mode in ("cond", "prefix") else mode
 
 
 def default_interpret() -> bool:

@@ -84,7 +84,7 @@ def _cases(draw, dtypes=(jnp.float32,)):
                 tile_q=draw(st.sampled_from([16, 32])), tile_kv=draw(st.sampled_from([16, 32])),
                 dtype=draw(st.sampled_from(dtypes)), seed=seed,
                 policy=draw(st.sampled_from(POLICIES)), align=draw(st.sampled_from([1, 8])),
-                kernel=dict(mask_mode=draw(st.sampled_from(["cond", "always", "unit"])),
+                kernel=dict(mask_mode=draw(st.sampled_from(["cond", "always", "prefix"])),
                             prefetch=draw(st.booleans())))
 
 
@@ -112,7 +112,7 @@ def test_random_masks_half(case):
 
 
 @pytest.mark.parametrize("mask_mode,prefetch", [("cond", False), ("always", True),
-                                                ("unit", True), ("unit", False)])
+                                                ("prefix", True), ("prefix", False)])
 def test_full_and_partial_steps_gqa_per_head(mask_mode, prefetch):
     """Per-head mask over 32-aligned and odd blocks: full steps and partial ones, GQA 4:2."""
     B, Lq, Lkv, Hq, Hkv, D = 2, 96, 100, 4, 2, 32
@@ -125,14 +125,33 @@ def test_full_and_partial_steps_gqa_per_head(mask_mode, prefetch):
     steps = plan.steps[plan.steps[:, plan_abi.STEP_Q_HI] > plan.steps[:, plan_abi.STEP_Q_LO]]
     full = ((steps[:, 1] == 0) & (steps[:, 2] == 32) & (steps[:, 3] == 0) & (steps[:, 4] == 32))
     assert full.any() and (~full).any()
-    # Mask mode "unit" needs units of both kinds: all steps full, and some partial.
-    ptr, cnt = plan.units[:, plan_abi.UNIT_STEP_PTR], plan.units[:, plan_abi.UNIT_STEP_CNT]
-    s_full = ((plan.steps[:, 1] == 0) & (plan.steps[:, 2] == 32) & (plan.steps[:, 3] == 0)
-              & (plan.steps[:, 4] == 32))
-    unit_full = np.array([s_full[a:a + c].all() for a, c in zip(ptr, cnt) if c > 0])
-    assert unit_full.any() and (~unit_full).any()
+    # Mask mode "prefix" needs units whose steps are all full, and units with a full prefix
+    # followed by partial steps (both loops run).
+    lead = np.asarray(triton_fwd._leading_full_steps(plan.units, plan.steps, 32, 32))
+    cnt = plan.units[:, plan_abi.UNIT_STEP_CNT]
+    assert ((lead == cnt) & (cnt > 0)).any() and ((lead > 0) & (lead < cnt)).any()
     _check(q, k, v, mask, plan, scale=0.3, mask_mode=mask_mode, prefetch=prefetch, num_warps=4,
            num_stages=3)
+
+
+@settings(max_examples=30, **_SETTINGS)
+@given(st.integers(0, 2**31 - 1))
+def test_leading_full_steps_matches_a_loop(seed):
+    """Mask mode "prefix": the in-graph count of each unit's leading full steps."""
+    rng = np.random.default_rng(seed)
+    S, U, T = int(rng.integers(1, 40)), int(rng.integers(1, 12)), 16
+    steps = np.zeros((S, 5), np.int32)
+    steps[:, 2], steps[:, 4] = T, T
+    part = rng.random(S) < 0.3
+    steps[part, rng.integers(1, 5, part.sum())] = 3            # one bound cut: partial
+    ptr = rng.integers(0, S + 1, U)
+    cnt = np.minimum(rng.integers(0, 10, U), S - ptr)
+    units = np.zeros((U, 6), np.int32)
+    units[:, plan_abi.UNIT_STEP_PTR], units[:, plan_abi.UNIT_STEP_CNT] = ptr, cnt
+    full = ((steps[:, 1] == 0) & (steps[:, 2] == T) & (steps[:, 3] == 0) & (steps[:, 4] == T))
+    want = [next((i for i in range(c) if not full[p + i]), c) for p, c in zip(ptr, cnt)]
+    got = triton_fwd._leading_full_steps(jnp.asarray(units), jnp.asarray(steps), T, T)
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
@@ -165,8 +184,8 @@ def test_all_full_plan_runs_without_masking_code(prefetch):
     p2 = make_plan(odd, q, k, tile_q=t.tile_q, tile_kv=t.tile_kv)
     assert triton_fwd.plan_mask_mode(p2.units, p2.steps, t, p2.q_len_padded,
                                      p2.kv_len_padded) == "cond"
-    assert triton_fwd.plan_mask_mode(p2.units, p2.steps, "triton_q128_kv64_w8_s3_pf_hm_unit",
-                                     p2.q_len_padded, p2.kv_len_padded) == "unit"
+    assert triton_fwd.plan_mask_mode(p2.units, p2.steps, "triton_q128_kv64_w8_s3_pf_hm_prefix",
+                                     p2.q_len_padded, p2.kv_len_padded) == "prefix"
     _check(q, k, v, odd, p2, prefetch=prefetch)
     with pytest.raises(ValueError, match="partial steps"):
         _run(q, k, v, p2, mask_mode="none")
@@ -351,7 +370,7 @@ def test_supports():
     assert "dtype" in triton_fwd.supports(64, jnp.int8)
 
 
-@pytest.mark.parametrize("template", ["triton_q64_kv64_w4_s2", "triton_q128_kv64_w8_s3_pf_hm_unit"])
+@pytest.mark.parametrize("template", ["triton_q64_kv64_w4_s2", "triton_q128_kv64_w8_s3_pf_hm_prefix"])
 def test_backend_runner_path(template):
     """The lead's wiring: tj.plan with a Triton template, run by backends.run (as on a GPU;
     the runner asks ``plan_mask_mode`` for the mode)."""
@@ -370,7 +389,7 @@ def test_backend_runner_path(template):
 
 @pytest.mark.parametrize("dtype,D,tile_q,tile_kv,mask_mode,prefetch", [
     (jnp.bfloat16, 128, 128, 64, "cond", True), (jnp.float16, 64, 64, 128, "always", False),
-    (jnp.float32, 40, 16, 32, "unit", True), (jnp.bfloat16, 128, 128, 128, "none", True)])
+    (jnp.float32, 40, 16, 32, "prefix", True), (jnp.bfloat16, 128, 128, 128, "none", True)])
 def test_lowers_to_triton_for_a_cuda_target(dtype, D, tile_q, tile_kv, mask_mode, prefetch):
     """No GPU here, but the kernel must lower through the real Triton path (not interpret):
     lower for CUDA with an abstract H200 and check the Triton custom call is emitted."""
