@@ -52,8 +52,13 @@ def _runner(module_name: str):
             per_plan = {}
         hit = per_plan.get((module_name, template.name))
         if hit is not None:
-            arrays, extra = hit
-            return mod.attention(q, k, v, *arrays, **kw, **extra)
+            on_device, extra = hit
+            # Under a trace the plan becomes constants of the caller's program: hand over the
+            # NumPy arrays (literals, as on the first call), never the cached device arrays,
+            # which jax would hoist into extra executable inputs (an AOT-compiled denoising
+            # loop on the H200 then failed: "compiled for 858 inputs but called with 827").
+            tracing = isinstance(q, jax.core.Tracer)
+            return mod.attention(q, k, v, *(arrays if tracing else on_device), **kw, **extra)
         extra = {}
         if hasattr(mod, "plan_mask_mode"):
             # Mosaic GPU: no masking code at all for a plan whose steps are all full.

@@ -369,6 +369,11 @@ def test_backend_runner_prepares_each_plan_once(monkeypatch):
         out, lse = run(plan, t, q, k, v, 0.125, True)
         _check(out, lse, ref_out, ref_lse, jnp.bfloat16)
     assert calls == [(True, "none"), (False, "none")]
+    # Traced (the plan becomes constants of a jitted caller): the NumPy arrays, not the cached
+    # device arrays (jax would hoist those into extra inputs of an AOT-compiled loop).
+    out, lse = jax.jit(lambda q: run(plan, t, q, k, v, 0.125, True))(q)
+    _check(out, lse, ref_out, ref_lse, jnp.bfloat16)
+    assert calls[2:] == [(True, "none")]
 
 
 def test_backend_runner_takes_traced_plan_arrays(monkeypatch):
