@@ -591,6 +591,12 @@ def _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded) -> bool:
                        & (vis[:, plan_abi.STEP_KV_HI] == t.tile_kv)))
 
 
+def mask_mode_for(template, all_full: bool) -> str:
+    """The mask mode a plan runs with, given whether every step it visits is full (for a
+    trusted plan whose fullness is known, e.g. ``Plan.all_full``: no walk over the steps)."""
+    return _auto_mask_mode(_templates.get(template), bool(all_full))
+
+
 def plan_mask_mode(units, steps, template, q_len_padded, kv_len_padded) -> str:
     """The mask mode a concrete (NumPy) plan runs with: "none" (no cond, no -inf guard, no
     per-unit flag) when the template masks by cond (the default) or by unit and every visited

@@ -131,6 +131,18 @@ class Plan:
     unit_cost: np.ndarray | None = None   # estimated ns of each real unit, schedule order
     cost_model: _sched.CostModel = _sched.DEFAULT_COST_MODEL
     unit_order: str = "interleaved"       # schedule.order_units order
+    maybe_all_full: bool = True           # False: some step is certainly partial (cost model)
+
+    @functools.cached_property
+    def all_full(self) -> bool:
+        """Whether every step is the whole tile (no masking needed anywhere): exact, from the
+        step rows, and skipped when the planner already counted a partial step."""
+        if not self.maybe_all_full:
+            return False
+        st = self.steps[: self.num_steps]
+        return bool(np.all((st[:, abi.STEP_Q_LO] == 0) & (st[:, abi.STEP_Q_HI] == self.tile_q)
+                           & (st[:, abi.STEP_KV_LO] == 0)
+                           & (st[:, abi.STEP_KV_HI] == self.tile_kv)))
 
     @property
     def capacities(self) -> tuple[int, int, int]:
@@ -1402,7 +1414,8 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
                 row_index=row_index, num_units=U, num_steps=S, max_steps=M,
                 mask_digest=mask.digest, selected_interactions=selected,
                 mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model,
-                unit_order=unit_order)
+                unit_order=unit_order,
+                maybe_all_full=bool(int(raw.nfull.sum()) >= int(raw.cnt.sum())))
 
 
 def _row_index(uh, qs, lo, hi, order, Hq, Lq, tile_q, sentinel):

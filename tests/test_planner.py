@@ -153,6 +153,7 @@ def _check_stats(plan, mask, t):
     full = ((t["r0"] == t["q0"]) & (t["r1"] == t["q1"]) & (t["c0"] == t["k0"])
             & (t["c1"] == t["k1"]))
     assert s["full_tiles"] == int(full.sum())
+    assert plan.all_full == bool(full.all())          # exact, or the kernel would not mask
     assert 0 < s["balance"] <= 1.0 + 1e-12
     if plan.num_units:
         assert s["max_unit_cost"] == pytest.approx(float(plan.unit_cost.max()))
@@ -195,6 +196,24 @@ def test_xla_executor_matches_reference(mt, tile, policy, seed):
     ref, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_all_full_on_aligned_and_partial_masks(policy):
+    """Plan.all_full (no masking anywhere) holds for tile-aligned masks and not once a block
+    or the sequence end cuts a tile."""
+    rng = np.random.default_rng(5)
+    blocks = rng.random((2, 4, 6)) < 0.5
+    blocks[:, :, 0] = True
+    aligned = tj.BlockMask.uniform(512, 768, 128, 128, blocks)
+    p = _plan(aligned, 2, 2, 128, 128, policy)
+    assert p.all_full and p.maybe_all_full
+    cut = tj.BlockMask.uniform(500, 768, 128, 128, blocks)       # last query block: 116 rows
+    assert not _plan(cut, 2, 2, 128, 128, policy).all_full
+    small = tj.BlockMask.uniform(512, 768, 64, 64, np.repeat(np.repeat(blocks, 2, 1), 2, 2))
+    assert _plan(small, 2, 2, 128, 128, policy).all_full == (policy != "keep")
+    assert not _plan(tj.BlockMask.uniform(512, 768, 64, 64, rng.random((2, 8, 12)) < .3),
+                     2, 2, 128, 128, policy).all_full
 
 
 def test_policies_differ_as_documented():
