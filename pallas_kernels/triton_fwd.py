@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import plan_abi
 
-__all__ = ["TritonConfig", "attention", "plan_mask_mode", "supports"]
+__all__ = ["TritonConfig", "attention", "mask_mode_for", "plan_mask_mode", "supports"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 256      # padded head dim; beyond it one Q tile + accumulator won't fit registers
@@ -351,6 +351,13 @@ def _template_config(template):
         raise ValueError(f"template {t.name!r} belongs to backend {t.backend!r}, not 'triton'")
     return t, (t.tile_q, t.tile_kv, t.stages, t.option("num_warps"),
                t.option("mask_mode", "cond"), bool(t.option("prefetch", False)))
+
+
+def mask_mode_for(template, all_full: bool) -> str:
+    """The mask mode a plan runs with on this template, given whether every step it visits is
+    full (for a trusted plan that knows it, e.g. ``Plan.all_full``: no walk over the steps)."""
+    _, (_, _, _, _, mode, _) = _template_config(template)
+    return _auto_mask_mode(mode, bool(all_full))
 
 
 def plan_mask_mode(units, steps, template, q_len_padded, kv_len_padded) -> str:

@@ -184,6 +184,8 @@ def test_all_full_plan_runs_without_masking_code(prefetch):
     p2 = make_plan(odd, q, k, tile_q=t.tile_q, tile_kv=t.tile_kv)
     assert triton_fwd.plan_mask_mode(p2.units, p2.steps, t, p2.q_len_padded,
                                      p2.kv_len_padded) == "cond"
+    assert [triton_fwd.mask_mode_for(t, f) for f in (True, False)] == ["none", "cond"]
+    assert triton_fwd.mask_mode_for("triton_q128_kv64_w8_s3_pf_hm_prefix", False) == "prefix"
     assert triton_fwd.plan_mask_mode(p2.units, p2.steps, "triton_q128_kv64_w8_s3_pf_hm_prefix",
                                      p2.q_len_padded, p2.kv_len_padded) == "prefix"
     _check(q, k, v, odd, p2, prefetch=prefetch)
