@@ -78,5 +78,5 @@ if [ "$NGPU" -ge 2 ]; then first & second & wait; else first; second; fi
 nvidia-smi --query-gpu=index,clocks.sm,temperature.gpu --format=csv >> $OUT/smi.txt
 for f in $OUT/*.log; do echo "== $f"; tail -8 "$f"; done
 # At most 8 files come back from a device call: everything goes into one archive.
-(cd $OUT && tar czf results.tgz --exclude=results.tgz . && find . -type f ! -name results.tgz -delete)
+tar czf /tmp/results.tgz -C $OUT . && find $OUT -type f -delete && mv /tmp/results.tgz $OUT/
 ls -la $OUT

@@ -245,6 +245,11 @@ def triton_available():
         return False
 
 
+# Set from the command line: how many registered Triton templates are checked and timed, which
+# benchmark masks are timed (None: all), and whether correctness covers only the timed templates.
+OPTS = dict(triton=1, masks=None, check_timed_only=False)
+
+
 def triton_templates():
     from pallas_kernels import templates
     try:
@@ -361,9 +366,10 @@ def correctness(res, deadline, grid=(6, 18, 36), core=(), extra_variants=()):
     rows = []
     kernels = [("mosaic_gpu", resolve_template(n)) for n in extra_variants]
     if triton_available():
-        kernels += [("triton", t) for t in triton_templates()[:2]]
-    kernels += [("mosaic_gpu", t) for t in templates.for_backend("mosaic_gpu")
-                if t.name not in extra_variants]
+        kernels += [("triton", t) for t in triton_templates()[:max(2, OPTS["triton"])]]
+    if not OPTS["check_timed_only"]:
+        kernels += [("mosaic_gpu", t) for t in templates.for_backend("mosaic_gpu")
+                    if t.name not in extra_variants]
     for ci, (mname, mfn, Hq, Hkv, D, dtype, B, every) in enumerate(cases):
         mask = mfn(Hq)
         q, k, v = rand_qkv(jax.random.fold_in(key, ci), B, L, L, Hq, Hkv, D, dtype)[0]
@@ -566,6 +572,8 @@ def sparse_timings(res, grid, L, H, D, deadline, tag, template_names, with_flex=
     tmpls = [resolve_template(n) for n in template_names]
     trit = triton_templates() if triton_available() else []
     for mname, family, mfn in bench_masks(grid, H, L):
+        if OPTS["masks"] is not None and mname not in OPTS["masks"]:
+            continue
         if time.time() > deadline:
             rows.append(dict(mask=mname, skipped="time"))
             continue
@@ -579,7 +587,7 @@ def sparse_timings(res, grid, L, H, D, deadline, tag, template_names, with_flex=
         row["selected_flops"] = flops
         row["kernels"] = {}
         ref_head = ours_h0 = None
-        for t in tmpls + trit[:1]:
+        for t in tmpls + trit[:OPTS["triton"]]:
             if time.time() > deadline:
                 row["kernels"][t.name] = dict(skipped="time")
                 continue
@@ -708,7 +716,15 @@ def main():
     ap.add_argument("--wan720-heads", type=int, default=4)
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of this script: tiny shapes, Mosaic GPU interpreter")
+    ap.add_argument("--triton", type=int, default=1,
+                    help="how many registered Triton templates to time (and check, at least 2)")
+    ap.add_argument("--masks", default=None, help="comma list of benchmark masks to time "
+                    "(default: all of bench_masks)")
+    ap.add_argument("--check-timed-only", action="store_true",
+                    help="correctness of the timed templates only (not every registered one)")
     args = ap.parse_args()
+    OPTS.update(triton=args.triton, masks=set(args.masks.split(",")) if args.masks else None,
+                check_timed_only=args.check_timed_only)
     deadline = T0 + args.budget_s
     if args.smoke:
         global INTERPRET
