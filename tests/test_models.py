@@ -246,3 +246,49 @@ def test_bench_loop_tiny(tmp_path):
     assert case["extrapolated"] and case["layers_run"] < case["layers_total"]
     assert all(case["loops"][v]["finite"] for v in ("dense", "tessera", "fixed"))
     assert case["environment"]["tiny"] and doc["summary"] == s
+
+
+def test_loop_through_the_kernel_backend_runner_compiles_ahead_of_time(wan, monkeypatch):
+    """The jitted loop, lowered and compiled ahead of time, through the GPU backends' runner
+    (``kernel_backends``) after a jitted attention-only call of the same mask, as bench_loop
+    does. A stand-in kernel module computes with the XLA executor. Regression: the runner once
+    cached the plan's device arrays and handed them to later traces, and the AOT loop failed
+    with "Computation compiled for N inputs but called with M" (H200, session 2)."""
+    import sys
+    import types
+
+    from pallas_kernels import plan_abi, templates
+    from tessera_jax import backends, kernel_backends, xla_backend
+    from tessera_jax.flax import attention
+
+    seen = []
+
+    def fake_attention(q, k, v, units, steps, row_index, *, template, q_len_padded,
+                       kv_len_padded, scale=None, return_lse=False, mask_mode=None):
+        seen.append(type(units).__name__)
+        return xla_backend.execute(q, k, v, units, steps, row_index, tile_q=template.tile_q,
+                                   tile_kv=template.tile_kv, q_len_padded=q_len_padded,
+                                   kv_len_padded=kv_len_padded, max_steps=8,
+                                   scale=scale, return_lse=return_lse)
+
+    mod = types.ModuleType("tessera_fake_kernel")
+    mod.attention = fake_attention
+    monkeypatch.setitem(sys.modules, "tessera_fake_kernel", mod)
+    monkeypatch.setitem(backends._RUNNERS, "triton", kernel_backends._runner("tessera_fake_kernel"))
+    monkeypatch.setitem(backends._AVAILABLE, "triton", lambda: True)
+    t = templates.Template("fake_triton_16x16", "triton", 16, 16, stages=1, head_dims=(),
+                           dtypes=("float32",))
+    monkeypatch.setitem(templates._REGISTRY, t.name, t)
+    model, x, ctx = wan
+    blocks = np.random.default_rng(0).random((2, 3, 3)) < 0.6
+    blocks[:, :, 0] = True
+    m = tj.BlockMask(np.array([0, 16, 32, 48]), np.array([0, 16, 32, 48]), blocks)
+    opts = AttentionOptions(backend="triton", template=t.name, policy="merge")
+    q = _rand(5, (1, 48, 2, 16))
+    jax.block_until_ready(jax.jit(lambda q: attention(q, q, q, m, options=opts))(q))
+    sampler = make_sampler(model, MaskSchedule.warmup(m, 2, 3, dense_steps=1), options=opts)
+    compiled = sampler.lower(x, ctx).compile()
+    out = compiled(nnx.state(model), x, ctx, None, None)
+    ref = make_sampler(model, MaskSchedule.warmup(m, 2, 3, dense_steps=1), options=REF)(x, ctx)
+    np.testing.assert_allclose(out, ref, **TOL)
+    assert seen and set(seen) == {"ndarray"}       # traces get the plan as NumPy constants
