@@ -7,7 +7,6 @@ import weakref
 
 import jax
 import numpy as np
-import jax.numpy as jnp
 
 from . import backends
 from .planner import Plan
@@ -29,10 +28,14 @@ def _gpu_capability() -> tuple[int, int] | None:
     return (major, minor)
 
 
-# Per plan (weakly held, so a plan dropped from the API's cache frees its entry): the plan's
-# arrays on the device and the extra keyword arguments its kernel takes, made on the first
-# call, which also runs the kernel module's host checks of the NumPy plan. Later calls skip
-# both (the checks walk every step: milliseconds on big per-head plans).
+# Per plan (weakly held, so a plan dropped from the API's cache frees its entry) and kernel
+# module: [device arrays or None, extra keyword arguments (the mask mode)]. A planner-built
+# ``Plan`` is trusted: its fullness comes from ``Plan.all_full`` and its arrays are copied to the
+# device once, on the first eager call, so the kernel module never walks its steps again (that
+# costs milliseconds per call on big per-head plans). Under a trace the plan always goes in as
+# NumPy arrays: constants of the caller's program, as jax expects; device arrays made or cached
+# around a trace would leak into it (an AOT-compiled denoising loop on the H200 failed with
+# "compiled for 858 inputs but called with 827"; tests/test_models.py reproduces it).
 _PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -51,32 +54,27 @@ def _runner(module_name: str):
             per_plan = _PREPARED.setdefault(plan, {})
         except TypeError:           # a plan-like object that can't be weakly referenced
             per_plan = {}
-        hit = per_plan.get((module_name, template.name))
-        if hit is not None:
-            on_device, extra = hit
-            # Under a trace the plan becomes constants of the caller's program: hand over the
-            # NumPy arrays (literals, as on the first call), never the cached device arrays,
-            # which jax would hoist into extra executable inputs (an AOT-compiled denoising
-            # loop on the H200 then failed: "compiled for 858 inputs but called with 827").
-            tracing = isinstance(q, jax.core.Tracer)
-            return mod.attention(q, k, v, *(arrays if tracing else on_device), **kw, **extra)
-        extra = {}
         trusted = isinstance(plan, Plan)       # built by the planner for this template
-        if hasattr(mod, "plan_mask_mode"):
-            # Mosaic GPU: no masking code at all for a plan whose steps are all full.
-            extra["mask_mode"] = (mod.mask_mode_for(template, plan.all_full) if trusted else
-                                  mod.plan_mask_mode(plan.units, plan.steps, template,
-                                                     plan.q_len_padded, plan.kv_len_padded))
-        tracing = isinstance(q, jax.core.Tracer)
-        if trusted and not tracing:
-            # One host->device copy per plan, and no second walk over the steps: the kernel
-            # module's checks of a NumPy plan only repeat what the planner guarantees.
-            on_device = tuple(jax.device_put(arrays))
-            per_plan[(module_name, template.name)] = (on_device, extra)
-            return mod.attention(q, k, v, *on_device, **kw, **extra)
-        out = mod.attention(q, k, v, *arrays, **kw, **extra)   # checks the NumPy plan
-        per_plan[(module_name, template.name)] = (tuple(jnp.asarray(a) for a in arrays), extra)
-        return out
+        entry = per_plan.get((module_name, template.name))
+        if entry is None:
+            extra = {}
+            if hasattr(mod, "plan_mask_mode"):
+                # Mosaic GPU: no masking code at all for a plan whose steps are all full.
+                extra["mask_mode"] = (
+                    mod.mask_mode_for(template, plan.all_full) if trusted else
+                    mod.plan_mask_mode(plan.units, plan.steps, template, plan.q_len_padded,
+                                       plan.kv_len_padded))
+            entry = per_plan[(module_name, template.name)] = [None, extra]
+        on_device, extra = entry
+        if isinstance(q, jax.core.Tracer):
+            return mod.attention(q, k, v, *arrays, **kw, **extra)
+        if on_device is None:
+            if not trusted:     # the kernel module checks the NumPy plan once
+                out = mod.attention(q, k, v, *arrays, **kw, **extra)
+                entry[0] = tuple(jax.device_put(arrays))
+                return out
+            on_device = entry[0] = tuple(jax.device_put(arrays))
+        return mod.attention(q, k, v, *on_device, **kw, **extra)
     return run
 
 

@@ -292,3 +292,9 @@ def test_loop_through_the_kernel_backend_runner_compiles_ahead_of_time(wan, monk
     ref = make_sampler(model, MaskSchedule.warmup(m, 2, 3, dense_steps=1), options=REF)(x, ctx)
     np.testing.assert_allclose(out, ref, **TOL)
     assert seen and set(seen) == {"ndarray"}       # traces get the plan as NumPy constants
+    # An eager call after those traces copies the plan to the device once (nothing leaked
+    # from the traces) and matches the traced result.
+    eager = attention(q, q, q, m, options=opts)
+    np.testing.assert_allclose(eager, jax.jit(lambda q: attention(q, q, q, m, options=opts))(q),
+                               **TOL)
+    assert seen[-2] == "ArrayImpl" and seen[-1] == "ndarray"
