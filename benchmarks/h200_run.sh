@@ -17,9 +17,9 @@ gpu1=$([ "$NGPU" -ge 2 ] && echo 1 || echo 0)
 
 case "${1:-}" in
 kernels)
-  T=${TEMPLATES:-mgpu_q128_kv128_s2,mgpu_q128_kv128_s2+keepmask,mgpu_q128_kv128_s2_hm,mgpu_q64x2_kv64_s2,mgpu_q128_kv128_s2_unit,mgpu_q64_kv64_s2,mgpu_q128_kv64_s2_skip,mgpu_q128_kv64_s3_skip,mgpu_q64x2_kv64_s2_hm,mgpu_q128_kv128_s2_persist,mgpu_q128_kv64_s2}
+  T=${TEMPLATES:-mgpu_q128_kv128_s2_hm,mgpu_q64x2_kv64_s2_hm,mgpu_q128_kv64_s2_hm,mgpu_q128_kv64_s2_skip,mgpu_q128_kv128_s2}
   first() { CUDA_VISIBLE_DEVICES=0 timeout $((B + 60)) python3 benchmarks/kernels.py --out $OUT/h200-kernels.json \
-      --budget-s $((B - 30)) --wan720-heads 4 --templates $T > $OUT/kernels.log 2>&1; }
+      --budget-s $((B - 30)) --wan720-heads 4 --templates $T --triton ${TRITON_N:-2} > $OUT/kernels.log 2>&1; }
   second() {
     export CUDA_VISIBLE_DEVICES=$gpu1
     timeout $((B * 55 / 100 + 60)) python3 -m tessera_jax.profile --heads 2 --time-budget $((B * 55 / 100)) \
@@ -34,9 +34,15 @@ peers)
   first() { CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH timeout $((B + 60)) \
       python3 benchmarks/peers.py --out $OUT/h200-peers.json --time-budget $B --per-family 2 --heads 8 \
       > $OUT/peers.log 2>&1; }
-  second() { CUDA_VISIBLE_DEVICES=$gpu1 timeout $((B + 30)) python3 -m tessera_jax.bench_loop \
-      ${LOOP_ARGS:---models wan13b_480p --steps 25 --dense-steps 6 --loop-repeats 1 --step-repeats 3 --attn-repeats 20} \
-      --out $OUT/h200-loop.json > $OUT/loop.log 2>&1; } ;;
+  # Loops: one process per case (results merge into one file), so a case cut by the time limit
+  # does not take the others with it.
+  second() {
+    export CUDA_VISIBLE_DEVICES=$gpu1
+    for m in ${LOOP_MODELS:-wan13b_480p wan14b_720p hunyuan15_720p}; do
+      timeout ${LOOP_CASE_S:-280} python3 -m tessera_jax.bench_loop --models $m \
+        ${LOOP_ARGS:---steps 25 --dense-steps 6 --loop-repeats 1 --step-repeats 3 --attn-repeats 20} \
+        --out $OUT/h200-loop.json >> $OUT/loop.log 2>&1
+    done; } ;;
 final)
   # GPU0 + GPU1: profile the candidates on two halves of the families (own raw files), merge, refit
   # plan_tables/h200.json; then GPU0: peers (new table); GPU1: selection benchmark, then the loops.
