@@ -58,8 +58,9 @@ Host cost: the work grows with the number of runs and tiles the plan holds, neve
 key intervals from the packed bits and write its step rows straight into the preallocated
 int32 ``steps``, on ``PLAN_THREADS`` (2) threads; the first plan of a process imports
 numba and compiles the loops or loads them from numba's on-disk cache (``warm_up()`` does it
-ahead of time). ``split``/``pack`` choose their units in NumPy and write their steps
-with one compiled loop (a counting pass, then the rows). The NumPy versions of the three step
+ahead of time). ``split``/``pack`` choose their units (NumPy / a compiled greedy pass) and
+write their steps with one compiled loop, once, into a reserved upper bound as keep/merge do.
+The NumPy versions of the three step
 builders (``_plan_rowgroups_numpy``, ``_plan_grid_numpy``, ``_plan_pack_numpy``) are the
 tests' oracles. ``stats()`` is computed on first call, not at build time.
 ``build_plan`` is cached by (mask digest, shape, tile shape, policy, alignment, template,
@@ -544,7 +545,9 @@ def _plan_rowgroups_numpy(ctx: _Ctx, merge: bool) -> _Raw:
 # PLAN_THREADS == 2 the units are split in two halves of about equal bound; the second half is
 # written from the first half's bound on a worker thread and moved down after. When the bound
 # is too large to reserve, the step counts are computed exactly in a first pass instead.
-# split/pack (``_nb_rects``) always count first. Mask packing and row_index are compiled too.
+# split/pack (``_nb_rects``) do the same with their own bound (``_nb_rect_bound``): a step is a
+# rectangle x tile, charged to one (group, selected key block) whose keys its tile touches.
+# Mask packing and row_index are compiled too.
 # numba is imported and the loops compiled (or loaded from numba's on-disk cache) on the
 # first plan of a process, not at import; ``warm_up()`` does it ahead of time.
 PLAN_THREADS = min(2, os.cpu_count() or 1)   # threads of the compiled loops
@@ -792,12 +795,176 @@ def _nb_units(qb, gi, ge, tq, q_align, qp):
     return ug, qs, qlo, qhi
 
 
-def _nb_rects(lo, hi, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, ka, grid, tq, tk,
-              ltk, kvp, write, ptr, steps, cnt, nfull, area):
-    """split / pack: the steps of units [lo, hi); unit u holds the row groups
-    [ugroups[u, 0], ugroups[u, 1]), loads rows [uq[u], uq[u] + tq) and owns [uqlo, uqhi) of them.
-    With ``write`` False only their counts (``cnt``); else rows from steps[ptr[u]], full steps
-    and selected interactions.
+def _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps):
+    """A rectangle (rows [ra, rb), keys [c0, c1) from ``anchor``) cut into tiles at anchor +
+    t * tk, a last tile crossing kvp shifted back (only the last can): written from steps[s]
+    (or only counted). Returns (end row, full tiles, selected interactions)."""
+    if ltk >= 0:
+        t0, t1 = c0 >> ltk, ((c1 - 1) >> ltk) + 1
+    else:
+        t0, t1 = c0 // tk, (c1 - 1) // tk + 1
+    if not write:
+        return s + t1 - t0, 0, 0
+    rows_full = (ra == 0) & (rb == tq)
+    full = 0
+    ts = t0 * tk + anchor
+    kl = c0 + anchor - ts                  # only the first tile can start late
+    for _ in range(t1 - t0 - 1):           # all tiles but the last end at the tile's end
+        steps[s, 0] = ts
+        steps[s, 1] = ra
+        steps[s, 2] = rb
+        steps[s, 3] = kl
+        steps[s, 4] = tk
+        full += rows_full & (kl == 0)
+        kl = 0
+        ts += tk
+        s += 1
+    kh = c1 + anchor - ts
+    sh = max(ts + tk - kvp, 0)
+    steps[s, 0] = ts - sh
+    steps[s, 1] = ra
+    steps[s, 2] = rb
+    steps[s, 3] = kl + sh
+    steps[s, 4] = kh + sh
+    full += rows_full & (kl + sh == 0) & (kh + sh == tk)
+    return s + 1, full, (rb - ra) * (c1 - c0)
+
+
+def _nb_emit_more(s, firsts, lasts, rlo, rhi, c0, c1, anchor, tq, tk, ltk, kvp, write,
+                  steps):
+    """``_nb_emit`` of the rectangles of one segment whose first / last groups are the bits
+    of ``firsts`` / ``lasts`` (rows rlo[first] to rhi[last]; empty ones dropped)."""
+    one = np.uint64(1)
+    full = 0
+    sel_area = 0
+    while firsts:
+        ra = rlo[np.int64(_nb_ctz(firsts))]
+        rb = rhi[np.int64(_nb_ctz(lasts))]
+        firsts &= firsts - one
+        lasts &= lasts - one
+        if ra < rb:
+            s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps)
+            full += f
+            sel_area += a
+    return s, full, sel_area
+
+
+def _nb_rects_one(u, s, w2, r, ra, rb, kb, ka, grid, tq, tk, ltk, kvp, write, steps, nfull,
+                  area):
+    """``_nb_rects`` for a unit of one row group (row r of w2; rows [ra, rb) of the tile): one
+    rectangle per run of its key blocks. Returns the end row."""
+    W = w2.shape[1]
+    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    lim = kvp - tk
+    rows_full = (ra == 0) & (rb == tq)
+    full = 0
+    keys = 0                               # selected keys of one-tile rectangles
+    sel_area = 0                           # selected interactions of the others
+    if ra < rb:
+        carry = zero
+        js = -1
+        for k in range(W + 1):
+            w = w2[r, k] if k < W else zero
+            b = w ^ ((w << one) | carry)
+            carry = w >> top
+            while b:
+                j = k * 64 + np.int64(_nb_ctz(b))
+                b &= b - one
+                if js < 0:
+                    js = j
+                    continue
+                anchor = 0 if grid else ka[js]
+                c0, c1 = kb[js] - anchor, kb[j] - anchor
+                if ltk >= 0:
+                    t0 = c0 >> ltk
+                else:
+                    t0 = c0 // tk
+                ts = t0 * tk
+                if c1 - ts <= tk and ts + anchor <= lim:    # one tile, not shifted
+                    if write:
+                        steps[s, 0] = ts + anchor
+                        steps[s, 1] = ra
+                        steps[s, 2] = rb
+                        steps[s, 3] = c0 - ts
+                        steps[s, 4] = c1 - ts
+                        full += (c0 == ts) & (c1 - ts == tk)
+                        keys += c1 - c0
+                    s += 1
+                else:
+                    s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write,
+                                       steps)
+                    full += f
+                    sel_area += a
+                js = -1
+    if write:
+        nfull[u] = full if rows_full else 0
+        area[u] = sel_area + (rb - ra) * keys
+    return s
+
+
+def _nb_rects_wide(u, s, w2, row, g0, g1, r0, r1, q0, olo, ohi, kb, ka, grid, tq, tk, ltk,
+                   kvp, write, steps, nfull, area):
+    """``_nb_rects`` for one unit of more than 64 row groups (word rows ``row``): the
+    selecting groups of each segment found by a loop over the groups. Returns the end row."""
+    W = w2.shape[1]
+    n = g1 - g0
+    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    full = 0
+    sel_area = 0
+    prev = -1
+    anchor = 0
+    for k in range(W + 1):
+        b = zero
+        uw = zero
+        for t in range(n):
+            w = w2[row[t], k] if k < W else zero
+            c = w2[row[t], k - 1] >> top if k > 0 else zero
+            b |= w ^ ((w << one) | c)
+            uw |= w
+        while b:
+            jb = np.uint64(_nb_ctz(b))
+            j = k * 64 + np.int64(jb)
+            b &= b - one
+            if prev >= 0:              # the segment [prev, j): its rectangles
+                wk, bit = prev >> 6, np.uint64(prev & 63)
+                c0, c1 = kb[prev] - anchor, kb[j] - anchor
+                t = 0
+                while True:
+                    while t < n and not (w2[row[t], wk] >> bit) & one:
+                        t += 1
+                    if t >= n:
+                        break
+                    ta = t
+                    t += 1
+                    while (t < n and r0[g0 + t] == r1[g0 + t - 1]
+                           and (w2[row[t], wk] >> bit) & one):
+                        t += 1
+                    ra = max(r0[g0 + ta] - q0, olo)
+                    rb = min(r1[g0 + t - 1] - q0, ohi)
+                    if ra < rb:
+                        s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write,
+                                           steps)
+                        full += f
+                        sel_area += a
+            if (uw >> jb) & one:
+                if prev < 0 and not grid:
+                    anchor = ka[j]
+                prev = j
+            else:
+                prev = -1
+    if write:
+        nfull[u] = full
+        area[u] = sel_area
+    return s
+
+
+def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, ka, grid, tq,
+              tk, ltk, kvp, write, steps, cnt, nfull, area):
+    """split / pack: the steps of units [lo, hi), written from steps[row0] in unit order (or
+    only counted, with ``write`` False); returns the end row. Unit u holds the row groups
+    [ugroups[u, 0], ugroups[u, 1]), loads rows [uq[u], uq[u] + tq) and owns [uqlo, uqhi) of
+    them; its step count goes to ``cnt``, and when writing its full steps and selected
+    interactions to ``nfull`` and ``area``.
 
     As ``_unit_rects``: a unit's keys are cut at every run boundary of any of its groups
     (segments where the set of selecting groups is constant); in each segment inside the union
@@ -805,105 +972,160 @@ def _nb_rects(lo, hi, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, ka, gr
     rectangle. As ``_cut_keys``: a rectangle is cut at the global key grid (``grid``, split) or
     at tiles anchored at the aligned start of the union run holding it (pack), tiles crossing
     kvp shifted back; each tile's rows are clipped to the unit's own rows, and dropped if none.
+    Units of <= 64 groups (all but 1-token query blocks) take the selecting groups as one word,
+    read when a segment opens from the word being decoded; larger ones ``_nb_rects_wide``.
     """
-    W = words.shape[2]
+    Hm, nq, W = words.shape
+    w2 = words.reshape(Hm * nq, W)
     one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    lim = kvp - tk                         # a tile starting past lim is shifted back
+    nmax = 1
+    for u in range(lo, hi):
+        nmax = max(nmax, ugroups[u, 1] - ugroups[u, 0])
+    row = np.empty(nmax, np.int64)         # the unit's groups: their rows of w2
+    wb = np.empty(nmax, np.uint64)         # their word k
+    ca = np.empty(nmax, np.uint64)         # their carries into word k
+    rlo = np.empty(nmax, np.int64)         # their rows relative to q0, clipped to the owned rows
+    rhi = np.empty(nmax, np.int64)
+    s = row0
     for u in range(lo, hi):
         g0, g1 = ugroups[u, 0], ugroups[u, 1]
+        n = g1 - g0
         h = gh[g0]
         q0, olo, ohi = uq[u], uqlo[u], uqhi[u]
-        s = ptr[u] if write else 0
         s0 = s
+        for t in range(n):
+            row[t] = h * nq + gi[g0 + t]
+        if n == 1:
+            s = _nb_rects_one(u, s, w2, row[0], max(r0[g0] - q0, olo), min(r1[g0] - q0, ohi),
+                              kb, ka, grid, tq, tk, ltk, kvp, write, steps, nfull, area)
+            cnt[u] = s - s0
+            continue
+        if n > 64:
+            s = _nb_rects_wide(u, s, w2, row, g0, g1, r0, r1, q0, olo, ohi, kb, ka, grid, tq,
+                               tk, ltk, kvp, write, steps, nfull, area)
+            cnt[u] = s - s0
+            continue
+        touch = zero                       # bit t: group g0 + t starts where t - 1 ends
+        for t in range(n):
+            ca[t] = zero
+            rlo[t] = max(r0[g0 + t] - q0, olo)
+            rhi[t] = min(r1[g0 + t] - q0, ohi)
+            if t > 0 and r0[g0 + t] == r1[g0 + t - 1]:
+                touch |= one << np.uint64(t)
         full = 0
         sel_area = 0
         prev = -1                          # previous boundary, if inside the union
         anchor = 0
-        small = g1 - g0 <= 64              # groups as bits of one word
-        touch = zero                       # bit t: group g0 + t starts where t - 1 ends
-        if small:
-            for t in range(1, g1 - g0):
-                if r0[g0 + t] == r1[g0 + t - 1]:
-                    touch |= one << np.uint64(t)
+        sel = zero                         # groups selecting the segment from prev
         for k in range(W + 1):
             b = zero
             uw = zero                      # union of the groups' word k
-            for g in range(g0, g1):
-                w = words[h, gi[g], k] if k < W else zero
-                c = words[h, gi[g], k - 1] >> top if k > 0 else zero
-                b |= w ^ ((w << one) | c)
+            for t in range(n):
+                w = w2[row[t], k] if k < W else zero
+                b |= w ^ ((w << one) | ca[t])
+                ca[t] = w >> top
+                wb[t] = w
                 uw |= w
             while b:
-                j = k * 64 + np.int64(_nb_ctz(b))
+                jb = np.uint64(_nb_ctz(b))
+                j = k * 64 + np.int64(jb)
                 b &= b - one
                 if prev >= 0:              # the segment [prev, j): its rectangles
-                    wk, bit = prev >> 6, np.uint64(prev & 63)
-                    if small:              # selecting groups -> first/last groups of rects
-                        sel = zero
-                        for t in range(g1 - g0):
-                            sel |= ((words[h, gi[g0 + t], wk] >> bit) & one) << np.uint64(t)
-                        firsts = sel & ~((sel << one) & touch)
-                        lasts = sel & ~((sel >> one) & (touch >> one))
-                    g = g0
-                    while True:
-                        if small:
-                            if not firsts:
-                                break
-                            ga = g0 + np.int64(_nb_ctz(firsts))
-                            gb = g0 + np.int64(_nb_ctz(lasts))
-                            firsts &= firsts - one
-                            lasts &= lasts - one
-                        else:
-                            while g < g1 and not (words[h, gi[g], wk] >> bit) & one:
-                                g += 1
-                            if g >= g1:
-                                break
-                            ga = g
-                            g += 1
-                            while (g < g1 and r0[g] == r1[g - 1]
-                                   and (words[h, gi[g], wk] >> bit) & one):
-                                g += 1
-                            gb = g - 1
-                        ra = max(r0[ga] - q0, olo)
-                        rb = min(r1[gb] - q0, ohi)
-                        if ra >= rb:
-                            continue
-                        c0, c1 = kb[prev] - anchor, kb[j] - anchor
+                    c0, c1 = kb[prev] - anchor, kb[j] - anchor
+                    firsts = sel & ~((sel << one) & touch)     # first groups of rects
+                    lasts = sel & ~((sel >> one) & (touch >> one))  # and their last groups
+                    ra = rlo[np.int64(_nb_ctz(firsts))]
+                    rb = rhi[np.int64(_nb_ctz(lasts))]
+                    if ra < rb:            # the first rectangle, most often the only one
                         if ltk >= 0:
-                            t0, t1 = c0 >> ltk, ((c1 - 1) >> ltk) + 1
+                            t0 = c0 >> ltk
                         else:
-                            t0, t1 = c0 // tk, (c1 - 1) // tk + 1
-                        for t in range(t0, t1):
-                            ts = t * tk
-                            kl = max(c0 - ts, 0)
-                            kh = min(c1 - ts, tk)
-                            ts += anchor
-                            sh = max(ts + tk - kvp, 0)
+                            t0 = c0 // tk
+                        ts = t0 * tk
+                        if c1 - ts <= tk and ts + anchor <= lim:   # one tile, not shifted
                             if write:
-                                steps[s, 0] = ts - sh
+                                kl, kh = c0 - ts, c1 - ts
+                                steps[s, 0] = ts + anchor
                                 steps[s, 1] = ra
                                 steps[s, 2] = rb
-                                steps[s, 3] = kl + sh
-                                steps[s, 4] = kh + sh
-                                full += (ra == 0) & (rb == tq) & (kl + sh == 0) & (kh + sh == tk)
+                                steps[s, 3] = kl
+                                steps[s, 4] = kh
+                                full += (ra == 0) & (rb == tq) & (kl == 0) & (kh == tk)
                                 sel_area += (rb - ra) * (kh - kl)
                             s += 1
+                        else:
+                            s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp,
+                                               write, steps)
+                            full += f
+                            sel_area += a
+                    firsts &= firsts - one
+                    if firsts:             # more rectangles
+                        s, f, a = _nb_emit_more(s, firsts, lasts & (lasts - one), rlo, rhi,
+                                                c0, c1, anchor, tq, tk, ltk, kvp, write, steps)
+                        full += f
+                        sel_area += a
                 # j opens a segment iff some group selects block j; a union run starts there
                 # if the previous segment was outside the union
-                if (uw >> np.uint64(j & 63)) & one:
+                if (uw >> jb) & one:
                     if prev < 0 and not grid:
                         anchor = ka[j]
                     prev = j
+                    if n == 1:
+                        sel = one
+                    elif n == 2:
+                        sel = ((wb[0] >> jb) & one) | (((wb[1] >> jb) & one) << one)
+                    else:
+                        sel = zero
+                        for t in range(n):
+                            sel |= ((wb[t] >> jb) & one) << np.uint64(t)
                 else:
                     prev = -1
         cnt[u] = s - s0
         if write:
             nfull[u] = full
             area[u] = sel_area
+    return s
+
+
+def _nb_rect_bound(words, gh, gi, ugroups, cmax, bound):
+    """bound[u + 1] = bound[u] + an upper bound on unit u's steps: each step (rectangle x
+    tile) is charged to one (group, selected key block) whose keys its tile touches, and a
+    block touches at most cmax tiles."""
+    W = words.shape[2]
+    bound[0] = 0
+    for u in range(len(ugroups)):
+        c = 0
+        for g in range(ugroups[u, 0], ugroups[u, 1]):
+            for k in range(W):
+                c += _nb_popcount(words[gh[g], gi[g], k])
+        bound[u + 1] = bound[u] + c * cmax
+
+
+def _nb_pack_units(gh, r0, r1, tq, q_align):
+    """Greedy packing per head, one pass: a unit starting at group g takes the following
+    groups of its head while their rows end within a[g] + tile_q (a: g's aligned start).
+    Returns the [first, end) groups of each packed unit, int64 [units, 2]."""
+    G = len(gh)
+    out = np.empty((G, 2), np.int64)
+    U = 0
+    g = 0
+    while g < G:
+        limit = r0[g] - r0[g] % q_align + tq
+        e = g + 1
+        while e < G and gh[e] == gh[g] and r1[e] <= limit:
+            e += 1
+        out[U, 0] = g
+        out[U, 1] = e
+        U += 1
+        g = e
+    return out[:U]
 
 
 def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
-    """(cnt, steps, nfull, area) of ``_nb_rects``'s units: a counting pass, then the rows at
-    exact offsets, each pass over PLAN_THREADS threads."""
+    """(cnt, steps, nfull, area) of ``_nb_rects``'s units, written in one pass into a reserved
+    upper bound (on PLAN_THREADS threads: the second half of the units from its bound, moved
+    down after), or after an exact counting pass where the bound is too large to reserve."""
     _compiled()
     U = len(uq)
     tk = ctx.tile_kv
@@ -914,17 +1136,41 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
     cnt = np.empty(U, np.int64)
     nfull = np.zeros(U, np.int64)
     area = np.zeros(U, np.int64)
-    work = len(gh) * ctx.words.shape[2]
-    _run_split(_nb_rects, U, work, *args, False, np.zeros(U, np.int64),
-               np.zeros((1, abi.STEP_COLS), np.int32), cnt, nfull, area)     # counts only
-    ptr = np.cumsum(cnt) - cnt
-    steps = np.zeros((bucket(int(cnt.sum())), abi.STEP_COLS), np.int32)
-    _run_split(_nb_rects, U, work, *args, True, ptr, steps, cnt, nfull, area)
-    return cnt, steps, nfull, area
+    cmax = int(((kb[1:] - kb[:-1] + 2 * tk - 2) // tk).max())
+    bound = np.empty(U + 1, np.int64)
+    _nb_rect_bound(ctx.words, gh, gi, ugroups, cmax, bound)
+    B = int(bound[-1])
+    two = PLAN_THREADS >= 2 and U >= 2 and B >= _PAR_MIN_ROWS
+    mid = min(max(int(np.searchsorted(bound, B // 2)), 1), U - 1) if two else U
+    if bucket(B) * abi.STEP_COLS * 4 > _MAX_BOUND_BYTES:    # count first, then exact offsets
+        none = np.zeros((1, abi.STEP_COLS), np.int32)
+        _run_split(_nb_rects, U, B, 0, *args, False, none, cnt, nfull, area)
+        bound = np.zeros(U + 1, np.int64)
+        np.cumsum(cnt, out=bound[1:])
+        B = int(bound[-1])
+    steps = np.zeros((bucket(B), abi.STEP_COLS), np.int32)
+    r1 = int(bound[mid])
+    out = (True, steps, cnt, nfull, area)
+    fut = _on_worker(_nb_rects, mid, U, r1, *args, *out) if two else None
+    e0 = _nb_rects(0, mid, 0, *args, *out)
+    S = e0
+    if fut is not None:
+        e1 = fut.result()
+        S = e0 + e1 - r1
+    if e0 > r1 or (fut is not None and e1 > B):   # the bound is proven; never seen
+        raise RuntimeError("planner: split/pack steps exceeded their bound")
+    if fut is not None:
+        if r1 > e0:                             # move the second half down, zero the rest
+            row = steps.strides[0]
+            ctypes.memmove(steps.ctypes.data + e0 * row, steps.ctypes.data + r1 * row,
+                           (e1 - r1) * row)
+            steps[S:min(e1, bucket(S))] = 0        # the rest is outside the view
+    return cnt, steps[: bucket(S)], nfull, area
 
 
 _NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_pack",
-               "_nb_row_index", "_nb_units", "_nb_rects")
+               "_nb_row_index", "_nb_units", "_nb_emit", "_nb_emit_more", "_nb_rects_one",
+               "_nb_rects_wide", "_nb_rects", "_nb_rect_bound", "_nb_pack_units")
 _NB_INLINE = ("_nb_popcount", "_nb_tiles")   # inlined into their callers (numba IR)
 
 
@@ -1034,7 +1280,7 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
                 row = steps.strides[0]
                 ctypes.memmove(steps.ctypes.data + e0 * row, steps.ctypes.data + r1 * row,
                                (e1 - r1) * row)
-                steps[S:e1] = 0
+                steps[S:min(e1, bucket(S))] = 0        # the rest is outside the view
         steps = steps[: bucket(S)]     # a view; the OS never backs the bound's untouched rows
     else:
         cargs = (words, ugh, ugi, merge, kb, ka, tk, ltk, cnt)
@@ -1168,27 +1414,6 @@ def _plan_grid_numpy(ctx: _Ctx) -> _Raw:
                              rb[pr] - uq[pu], klo, khi)
 
 
-def _pack_units(ctx: _Ctx, gh, r0, r1):
-    """Greedy packing per head: a unit starting at group g takes the following groups of its
-    head while their rows end within a[g] + tile_q (a: g's aligned start). Chains are
-    followed for all heads at once. Returns (ustart, uend) of the packed units."""
-    G, tq = len(gh), ctx.tile_q
-    a = (r0 // ctx.q_align) * ctx.q_align
-    big = ctx.qp + tq + 1
-    nxt = np.searchsorted(gh * big + r1, gh * big + a + tq, side="right")
-    nxt = np.maximum(nxt, np.arange(1, G + 1))
-    is_start = np.zeros(G, bool)
-    cur = np.flatnonzero(np.r_[True, gh[1:] != gh[:-1]])
-    while cur.size:
-        is_start[cur] = True
-        nx = nxt[cur]
-        ok = nx < G
-        ok[ok] = gh[nx[ok]] == gh[cur[ok]]
-        cur = nx[ok]
-    ustart = np.flatnonzero(is_start)
-    return ustart, np.append(ustart[1:], G)
-
-
 def _plan_pack(ctx: _Ctx) -> _Raw:
     """pack: consecutive row groups share one unit while they fit in tile_q rows; each unit's
     K/V tiles are anchored at the runs of the union of its groups' key sets (compiled steps;
@@ -1199,10 +1424,12 @@ def _plan_pack(ctx: _Ctx) -> _Raw:
         return _empty_raw()
     qb = np.array(ctx.qb, np.int64)
     r0, r1 = qb[gi], qb[ge]
-    ustart, uend = _pack_units(ctx, gh, r0, r1)
+    ugroups = _nb_pack_units(gh, r0, r1, ctx.tile_q, ctx.q_align)
     # Units: each packed unit's rows in tiles of tile_q (several only for one tall group).
-    cu, qs, qlo, qhi = _chunk(r0[ustart], r1[uend - 1], ctx.tile_q, ctx.q_align, ctx.qp)
-    ugroups = np.stack([ustart[cu], uend[cu]], axis=1)
+    cu, qs, qlo, qhi = _nb_units(qb, gi[ugroups[:, 0]], ge[ugroups[:, 1] - 1], ctx.tile_q,
+                                 ctx.q_align, ctx.qp)
+    ustart = ugroups[:, 0]
+    ugroups = ugroups[cu]
     cnt, steps, nfull, area = _rect_steps(ctx, gh, gi, r0, r1, ugroups, qs, qlo, qhi,
                                           grid=False)
     has = cnt > 0

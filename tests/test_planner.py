@@ -583,3 +583,55 @@ def test_compiled_split_pack_many_groups_per_unit():
             np.testing.assert_array_equal(got.steps, want.steps)
             for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
                 np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+
+
+@given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (64, 256)]),
+       st.sampled_from([(1, 1), (16, 32)]), st.booleans())
+@settings(max_examples=15, deadline=None)
+def test_compiled_split_pack_exact_count_path(mt, tile, align, two):
+    """Where the step bound is too large to reserve, split/pack count first: same arrays."""
+    mask = mt[0]
+    tq, tk = tile
+    ctx = _ctx(mask, tq, tk, align[0], align[1] if tk % align[1] == 0 else 1)
+    for numpy_fn, fn in ((planner._plan_grid_numpy, planner._plan_grid),
+                         (planner._plan_pack_numpy, planner._plan_pack)):
+        want = numpy_fn(ctx)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(planner, "PLAN_THREADS", 2 if two else 1)
+            mp.setattr(planner, "_PAR_MIN_ROWS", 0)
+            mp.setattr(planner, "_MAX_BOUND_BYTES", 0)
+            got = fn(ctx)
+        np.testing.assert_array_equal(got.steps, want.steps)
+        for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+
+
+@given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (128, 128), (64, 256)]),
+       st.sampled_from([(1, 1), (8, 8), (16, 32)]))
+@settings(max_examples=30, deadline=None)
+def test_split_pack_step_bound_holds_per_unit(mt, tile, align):
+    """The reserved bound of split/pack (popcount of a unit's groups x the most tiles one
+    block can touch) is at least each unit's step count."""
+    mask = mt[0]
+    tq, tk = tile
+    ctx = _ctx(mask, tq, tk, align[0], align[1] if tk % align[1] == 0 else 1)
+    seen = []
+    real = planner._nb_rects
+
+    def spy(lo, hi, row0, words, gh, gi, r0, r1, ugroups, *rest):
+        end = real(lo, hi, row0, words, gh, gi, r0, r1, ugroups, *rest)
+        seen.append((words, gh, gi, ugroups, rest[-3].copy(), rest[-5], lo, hi))
+        return end
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(planner, "PLAN_THREADS", 1)
+        mp.setattr(planner, "_nb_rects", spy)
+        planner._plan_grid(ctx)
+        planner._plan_pack(ctx)
+    kb = np.asarray(ctx.kb, np.int64)
+    cmax = int(((kb[1:] - kb[:-1] + 2 * tk - 2) // tk).max())
+    for words, gh, gi, ugroups, cnt, write, lo, hi in seen:
+        bound = np.empty(len(ugroups) + 1, np.int64)
+        planner._nb_rect_bound(words, gh, gi, ugroups, cmax, bound)
+        assert write
+        assert (cnt[lo:hi] <= np.diff(bound)[lo:hi]).all()
