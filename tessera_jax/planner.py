@@ -959,9 +959,11 @@ def _nb_rects_wide(u, s, w2, row, g0, g1, r0, r1, q0, olo, ohi, kb, ka, grid, tq
 
 
 def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, ka, grid, tq,
-              tk, ltk, kvp, write, steps, cnt, nfull, area):
+              tk, ltk, kvp, bound, cap, write, steps, cnt, nfull, area):
     """split / pack: the steps of units [lo, hi), written from steps[row0] in unit order (or
-    only counted, with ``write`` False); returns the end row. Unit u holds the row groups
+    only counted, with ``write`` False); returns (end row, end unit). The end unit is hi unless
+    a unit's bound (bound[u + 1] - bound[u]) could cross row ``cap``: it stops before that
+    unit. Unit u holds the row groups
     [ugroups[u, 0], ugroups[u, 1]), loads rows [uq[u], uq[u] + tq) and owns [uqlo, uqhi) of
     them; its step count goes to ``cnt``, and when writing its full steps and selected
     interactions to ``nfull`` and ``area``.
@@ -989,6 +991,8 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
     rhi = np.empty(nmax, np.int64)
     s = row0
     for u in range(lo, hi):
+        if s + bound[u + 1] - bound[u] > cap:
+            return s, u
         g0, g1 = ugroups[u, 0], ugroups[u, 1]
         n = g1 - g0
         h = gh[g0]
@@ -1085,7 +1089,7 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
         if write:
             nfull[u] = full
             area[u] = sel_area
-    return s
+    return s, hi
 
 
 def _nb_rect_bound(words, gh, gi, ugroups, cmax, bound):
@@ -1124,8 +1128,14 @@ def _nb_pack_units(gh, r0, r1, tq, q_align):
 
 def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
     """(cnt, steps, nfull, area) of ``_nb_rects``'s units, written in one pass into a reserved
-    upper bound (on PLAN_THREADS threads: the second half of the units from its bound, moved
-    down after), or after an exact counting pass where the bound is too large to reserve."""
+    upper bound, or after an exact counting pass where the bound is too large to reserve.
+
+    On PLAN_THREADS threads the second half of the units is written from an estimate of where
+    the first half ends (a sampled count, scaled by the bound; the first half stops at any unit
+    that could cross it), then moved down: the estimate keeps the move in memory already
+    touched. Where the first half stopped early, the rest of it is counted, the second half
+    moved up to make room, and the rest written.
+    """
     _compiled()
     U = len(uq)
     tk = ctx.tile_kv
@@ -1140,32 +1150,68 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
     bound = np.empty(U + 1, np.int64)
     _nb_rect_bound(ctx.words, gh, gi, ugroups, cmax, bound)
     B = int(bound[-1])
+    big = 1 << 62
     two = PLAN_THREADS >= 2 and U >= 2 and B >= _PAR_MIN_ROWS
     mid = min(max(int(np.searchsorted(bound, B // 2)), 1), U - 1) if two else U
+    none = np.zeros((1, abi.STEP_COLS), np.int32)
     if bucket(B) * abi.STEP_COLS * 4 > _MAX_BOUND_BYTES:    # count first, then exact offsets
-        none = np.zeros((1, abi.STEP_COLS), np.int32)
-        _run_split(_nb_rects, U, B, 0, *args, False, none, cnt, nfull, area)
+        _run_split(_nb_rects, U, B, 0, *args, bound, big, False, none, cnt, nfull, area)
         bound = np.zeros(U + 1, np.int64)
         np.cumsum(cnt, out=bound[1:])
         B = int(bound[-1])
+        r1 = int(bound[mid])
+    elif two:
+        r1 = min(int(bound[mid]), _first_half_rows(args, bound, mid))
     steps = np.zeros((bucket(B), abi.STEP_COLS), np.int32)
-    r1 = int(bound[mid])
     out = (True, steps, cnt, nfull, area)
-    fut = _on_worker(_nb_rects, mid, U, r1, *args, *out) if two else None
-    e0 = _nb_rects(0, mid, 0, *args, *out)
-    S = e0
-    if fut is not None:
-        e1 = fut.result()
-        S = e0 + e1 - r1
-    if e0 > r1 or (fut is not None and e1 > B):   # the bound is proven; never seen
+    if not two:
+        S, _ = _nb_rects(0, U, 0, *args, bound, big, *out)
+        return cnt, steps[: bucket(S)], nfull, area
+    fut = _on_worker(_nb_rects, mid, U, r1, *args, bound, big, *out)
+    e0, stop = _nb_rects(0, mid, 0, *args, bound, r1, *out)
+    e1, _ = fut.result()
+    row = steps.strides[0]
+    if stop < mid:              # the estimate was short: count the rest, make room, write it
+        rest = np.empty(U, np.int64)
+        c, _ = _nb_rects(stop, mid, 0, *args, bound, big, False, none, rest, nfull, area)
+        r2 = e0 + c
+        ctypes.memmove(steps.ctypes.data + r2 * row, steps.ctypes.data + r1 * row,
+                       (e1 - r1) * row)
+        e1, r1 = r2 + e1 - r1, r2
+        e, _ = _nb_rects(stop, mid, e0, *args, bound, big, *out)
+        if e != r2:
+            raise RuntimeError("planner: split/pack step count changed between passes")
+        e0 = r2
+    if e0 > r1 or e1 > bucket(B):      # the bound is proven and the cap checked; never seen
         raise RuntimeError("planner: split/pack steps exceeded their bound")
-    if fut is not None:
-        if r1 > e0:                             # move the second half down, zero the rest
-            row = steps.strides[0]
-            ctypes.memmove(steps.ctypes.data + e0 * row, steps.ctypes.data + r1 * row,
-                           (e1 - r1) * row)
-            steps[S:min(e1, bucket(S))] = 0        # the rest is outside the view
+    S = e0 + e1 - r1
+    if r1 > e0:                 # move the second half down, zero what is left of it
+        ctypes.memmove(steps.ctypes.data + e0 * row, steps.ctypes.data + r1 * row,
+                       (e1 - r1) * row)
+        steps[S:min(e1, bucket(S))] = 0        # the rest is outside the view
     return cnt, steps[: bucket(S)], nfull, area
+
+
+_SAMPLE_STRIDE = 32     # every this many units of the first half are counted for the estimate
+_EST_MARGIN = 0.02      # relative headroom of the estimate
+_EST_SLACK = 64         # and absolute headroom (rows)
+
+
+def _first_half_rows(args, bound, mid: int) -> int:
+    """An estimate (a little high) of the step rows of units [0, mid): every _SAMPLE_STRIDE-th
+    unit counted, the total scaled by the units' bounds (a ratio estimate)."""
+    idx = np.arange(0, mid, _SAMPLE_STRIDE)
+    ug, uq, uqlo, uqhi = (np.ascontiguousarray(a[idx]) for a in args[5:9])
+    sargs = args[:5] + (ug, uq, uqlo, uqhi) + args[9:]
+    sb = np.zeros(len(idx) + 1, np.int64)
+    np.cumsum(bound[idx + 1] - bound[idx], out=sb[1:])
+    c = np.empty(len(idx), np.int64)
+    z = np.zeros(len(idx), np.int64)
+    n, _ = _nb_rects(0, len(idx), 0, *sargs, sb, 1 << 62, False,
+                     np.zeros((1, abi.STEP_COLS), np.int32), c, z, z)
+    if sb[-1] == 0:
+        return 0
+    return max(int(bound[mid] * (n / sb[-1]) * (1 + _EST_MARGIN)) + _EST_SLACK, 0)
 
 
 _NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_pack",

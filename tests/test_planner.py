@@ -635,3 +635,29 @@ def test_split_pack_step_bound_holds_per_unit(mt, tile, align):
         planner._nb_rect_bound(words, gh, gi, ugroups, cmax, bound)
         assert write
         assert (cnt[lo:hi] <= np.diff(bound)[lo:hi]).all()
+
+
+@given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (64, 256)]),
+       st.sampled_from([(1, 1), (16, 32)]), st.sampled_from([-0.9, -0.3, 0.0, 0.02]),
+       st.sampled_from([1, 3, 32]))
+@settings(max_examples=30, deadline=None)
+def test_compiled_split_pack_two_threads_any_estimate(mt, tile, align, margin, stride):
+    """The second thread starts at an estimate of the first half's rows: a short estimate
+    (the first half stops, the rest is counted and the second half moved up) or a long one
+    gives the oracle's arrays."""
+    mask = mt[0]
+    tq, tk = tile
+    ctx = _ctx(mask, tq, tk, align[0], align[1] if tk % align[1] == 0 else 1)
+    for numpy_fn, fn in ((planner._plan_grid_numpy, planner._plan_grid),
+                         (planner._plan_pack_numpy, planner._plan_pack)):
+        want = numpy_fn(ctx)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(planner, "PLAN_THREADS", 2)
+            mp.setattr(planner, "_PAR_MIN_ROWS", 0)
+            mp.setattr(planner, "_EST_MARGIN", margin)
+            mp.setattr(planner, "_SAMPLE_STRIDE", stride)
+            mp.setattr(planner, "_EST_SLACK", 0)
+            got = fn(ctx)
+        np.testing.assert_array_equal(got.steps, want.steps)
+        for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
