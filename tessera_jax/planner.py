@@ -1170,6 +1170,7 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
     fut = _on_worker(_nb_rects, mid, U, r1, *args, bound, big, *out)
     e0, stop = _nb_rects(0, mid, 0, *args, bound, r1, *out)
     e1, _ = fut.result()
+    top = e1                    # rows at or past S up to here were written: zeroed at the end
     row = steps.strides[0]
     if stop < mid:              # the estimate was short: count the rest, make room, write it
         rest = np.empty(U, np.int64)
@@ -1185,10 +1186,10 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
     if e0 > r1 or e1 > bucket(B):      # the bound is proven and the cap checked; never seen
         raise RuntimeError("planner: split/pack steps exceeded their bound")
     S = e0 + e1 - r1
-    if r1 > e0:                 # move the second half down, zero what is left of it
+    if r1 > e0:                 # move the second half down
         ctypes.memmove(steps.ctypes.data + e0 * row, steps.ctypes.data + r1 * row,
                        (e1 - r1) * row)
-        steps[S:min(e1, bucket(S))] = 0        # the rest is outside the view
+    steps[S:min(top, bucket(S))] = 0           # the rest is outside the view
     return cnt, steps[: bucket(S)], nfull, area
 
 
