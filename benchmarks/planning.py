@@ -17,6 +17,8 @@ in a process that has planned before (the planner's compiled loops are loaded): 
 new mask. cached = ``tj.plan`` on a digest already planned. Mask construction (blocks + digest)
 is timed separately: it is not planning. The planner's loops run compiled (numba) on
 ``planner.PLAN_THREADS`` threads (2 on this host); the default policy is also timed on 1 thread.
+Policies: every one on ``mgpu_q128_kv128_s2``, merge on ``xla_64x64``, and merge / split / pack
+on ``mgpu_q64x2_kv64_s2_hm`` (what the H200 ranking table picks, with pack, for cube masks).
 
 First plan = the first ``tj.plan`` of a fresh process (``sta``, default template and policy),
 which also imports numba and compiles the planner's loops, or loads them from numba's on-disk
@@ -203,6 +205,8 @@ def main(argv=None):
     if not args.quick:
         configs += [("mgpu_q128_kv128_s2", p, None) for p in ("keep", "split", "pack", "auto")]
         configs += [("xla_64x64", "merge", None)]
+        # the template the H200 table picks for cube masks (64x64 tiles, its option: pack)
+        configs += [("mgpu_q64x2_kv64_s2_hm", p, None) for p in ("merge", "split", "pack")]
     for name, (m, t_blocks, t_mask) in masks.items():
         for template, policy, threads in configs:
             r = time_plan(m, q_shape, kv_shape, dtype, template, policy, args.repeats,
