@@ -902,6 +902,83 @@ def _nb_rects_one(u, s, w2, r, ra, rb, kb, ka, grid, tq, tk, ltk, kvp, write, st
     return s
 
 
+def _nb_rects_two(u, s, w2, x0, x1, ra0, rb0, ra1, rb1, touch, kb, ka, grid, tq, tk, ltk,
+                  kvp, write, steps, nfull, area):
+    """``_nb_rects`` for a unit of two row groups (rows x0, x1 of w2; rows [ra0, rb0) and
+    [ra1, rb1) of the tile, clipped; ``touch``: the second starts where the first ends), their
+    words and selecting pattern kept in registers. Returns the end row."""
+    W = w2.shape[1]
+    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    lim = kvp - tk
+    full = 0
+    sel_area = 0
+    prev = -1                              # previous boundary, if inside the union
+    anchor = 0
+    sel = 0                                # groups selecting the segment from prev (bits)
+    c0w = zero
+    c1w = zero
+    for k in range(W + 1):
+        if k < W:
+            w0 = w2[x0, k]
+            w1 = w2[x1, k]
+        else:
+            w0 = zero
+            w1 = zero
+        b = (w0 ^ ((w0 << one) | c0w)) | (w1 ^ ((w1 << one) | c1w))
+        c0w = w0 >> top
+        c1w = w1 >> top
+        uw = w0 | w1
+        while b:
+            jb = np.uint64(_nb_ctz(b))
+            j = k * 64 + np.int64(jb)
+            b &= b - one
+            if prev >= 0:                  # the segment [prev, j): one or two rectangles
+                c0, c1 = kb[prev] - anchor, kb[j] - anchor
+                if sel == 3 and not touch:
+                    if ra0 < rb0:
+                        s, f, a = _nb_emit(s, ra0, rb0, c0, c1, anchor, tq, tk, ltk, kvp,
+                                           write, steps)
+                        full += f
+                        sel_area += a
+                    ra, rb = ra1, rb1
+                else:
+                    ra = ra0 if sel & 1 else ra1
+                    rb = rb1 if sel & 2 else rb0
+                if ra < rb:
+                    if ltk >= 0:
+                        t0 = c0 >> ltk
+                    else:
+                        t0 = c0 // tk
+                    ts = t0 * tk
+                    if c1 - ts <= tk and ts + anchor <= lim:   # one tile, not shifted
+                        if write:
+                            kl, kh = c0 - ts, c1 - ts
+                            steps[s, 0] = ts + anchor
+                            steps[s, 1] = ra
+                            steps[s, 2] = rb
+                            steps[s, 3] = kl
+                            steps[s, 4] = kh
+                            full += (ra == 0) & (rb == tq) & (kl == 0) & (kh == tk)
+                            sel_area += (rb - ra) * (kh - kl)
+                        s += 1
+                    else:
+                        s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write,
+                                           steps)
+                        full += f
+                        sel_area += a
+            if (uw >> jb) & one:
+                if prev < 0 and not grid:
+                    anchor = ka[j]
+                prev = j
+                sel = np.int64((w0 >> jb) & one) | (np.int64((w1 >> jb) & one) << 1)
+            else:
+                prev = -1
+    if write:
+        nfull[u] = full
+        area[u] = sel_area
+    return s
+
+
 def _nb_rects_wide(u, s, w2, row, g0, g1, r0, r1, q0, olo, ohi, kb, ka, grid, tq, tk, ltk,
                    kvp, write, steps, nfull, area):
     """``_nb_rects`` for one unit of more than 64 row groups (word rows ``row``): the
@@ -974,8 +1051,10 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
     rectangle. As ``_cut_keys``: a rectangle is cut at the global key grid (``grid``, split) or
     at tiles anchored at the aligned start of the union run holding it (pack), tiles crossing
     kvp shifted back; each tile's rows are clipped to the unit's own rows, and dropped if none.
-    Units of <= 64 groups (all but 1-token query blocks) take the selecting groups as one word,
-    read when a segment opens from the word being decoded; larger ones ``_nb_rects_wide``.
+    Units of one or two groups (most: blocks of about tile_q / 2 rows or more) have their own
+    loops (``_nb_rects_one``, ``_nb_rects_two``); other units of <= 64 groups take the
+    selecting groups as one word, read when a segment opens from the word being decoded;
+    larger ones ``_nb_rects_wide``.
     """
     Hm, nq, W = words.shape
     w2 = words.reshape(Hm * nq, W)
@@ -1003,6 +1082,13 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
         if n == 1:
             s = _nb_rects_one(u, s, w2, row[0], max(r0[g0] - q0, olo), min(r1[g0] - q0, ohi),
                               kb, ka, grid, tq, tk, ltk, kvp, write, steps, nfull, area)
+            cnt[u] = s - s0
+            continue
+        if n == 2:
+            s = _nb_rects_two(u, s, w2, row[0], row[1], max(r0[g0] - q0, olo),
+                              min(r1[g0] - q0, ohi), max(r0[g0 + 1] - q0, olo),
+                              min(r1[g0 + 1] - q0, ohi), r0[g0 + 1] == r1[g0], kb, ka, grid,
+                              tq, tk, ltk, kvp, write, steps, nfull, area)
             cnt[u] = s - s0
             continue
         if n > 64:
@@ -1217,7 +1303,8 @@ def _first_half_rows(args, bound, mid: int) -> int:
 
 _NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_pack",
                "_nb_row_index", "_nb_units", "_nb_emit", "_nb_emit_more", "_nb_rects_one",
-               "_nb_rects_wide", "_nb_rects", "_nb_rect_bound", "_nb_pack_units")
+               "_nb_rects_two", "_nb_rects_wide", "_nb_rects", "_nb_rect_bound",
+               "_nb_pack_units")
 _NB_INLINE = ("_nb_popcount", "_nb_tiles")   # inlined into their callers (numba IR)
 
 

@@ -661,3 +661,28 @@ def test_compiled_split_pack_two_threads_any_estimate(mt, tile, align, margin, s
         np.testing.assert_array_equal(got.steps, want.steps)
         for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
             np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+
+
+def test_compiled_split_pack_two_group_units_with_a_gap():
+    """Units of two row groups that don't touch (an empty query block between them): a key
+    range both select is two rectangles; touching groups make one."""
+    rng = np.random.default_rng(3)
+    qb = np.array([0, 30, 40, 70, 100, 128, 160])
+    kb = np.concatenate([[0], np.cumsum(rng.integers(10, 90, 12))])
+    blocks = rng.random((2, 6, 12)) < 0.5
+    blocks[:, 1] = False                                 # rows 30-40 empty: a gap
+    blocks[:, 2] = blocks[:, 0]                          # same keys on both sides of it
+    blocks[:, 4, :3] = True
+    blocks[:, 3, :3] = True                              # touching groups sharing keys
+    m = tj.BlockMask(qb, kb, blocks)
+    for tq, tk, qal, kal in ((128, 64, 1, 1), (128, 128, 8, 8), (64, 32, 1, 1)):
+        ctx = _ctx(m, tq, tk, qal, kal)
+        for numpy_fn, fn in ((planner._plan_grid_numpy, planner._plan_grid),
+                             (planner._plan_pack_numpy, planner._plan_pack)):
+            want, got = numpy_fn(ctx), fn(ctx)
+            np.testing.assert_array_equal(got.steps, want.steps)
+            for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
+                np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+    units = planner._nb_pack_units(np.zeros(4, np.int64), np.array([0, 40, 70, 100]),
+                                   np.array([30, 70, 100, 130]), 128, 1)
+    np.testing.assert_array_equal(units, [[0, 3], [3, 4]])
