@@ -798,7 +798,11 @@ def _nb_units(qb, gi, ge, tq, q_align, qp):
 def _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps):
     """A rectangle (rows [ra, rb), keys [c0, c1) from ``anchor``) cut into tiles at anchor +
     t * tk, a last tile crossing kvp shifted back (only the last can): written from steps[s]
-    (or only counted). Returns (end row, full tiles, selected interactions)."""
+    (or only counted). Returns (end row, full tiles, selected interactions).
+
+    Its common case (one tile, not shifted) is written out by hand in the ``_nb_rects_*``
+    loops: a shared helper inlined by numba measured ~10% slower on the two-group loop
+    (random top-k, pack/split 128x128: 62 vs 56 ms on this 2-core box)."""
     if ltk >= 0:
         t0, t1 = c0 >> ltk, ((c1 - 1) >> ltk) + 1
     else:
