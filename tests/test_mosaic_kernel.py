@@ -346,10 +346,10 @@ def test_mask_modes_from_the_plan(monkeypatch):
                              kv_len_padded=plan.kv_len_padded, mask_mode="sometimes")
 
 
-def test_backend_runner_prepares_each_plan_once(monkeypatch):
-    """The backend wrapper checks the NumPy plan and picks the mask mode on the first call,
-    then reuses the plan's device arrays and mode (no per-call host walk over the steps)."""
-    from tessera_jax import kernel_backends
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """mosaic_fwd.attention under the interpreter, recording (plan arrays are NumPy, mask_mode)
+    of every call the backend runner makes."""
     calls = []
     real = mosaic_fwd.attention
 
@@ -358,6 +358,14 @@ def test_backend_runner_prepares_each_plan_once(monkeypatch):
         return real(q, k, v, units, steps, row_index, interpret=INTERPRET, **kw)
 
     monkeypatch.setattr(mosaic_fwd, "attention", spy)
+    return calls
+
+
+def test_backend_runner_prepares_each_plan_once(attention_calls):
+    """The backend wrapper picks the mask mode and copies the plan to the device on the first
+    call, then reuses both (no per-call host walk over the steps)."""
+    from tessera_jax import kernel_backends
+    calls = attention_calls
     run = kernel_backends._runner("pallas_kernels.mosaic_fwd")
     t = templates.get("mgpu_q128_kv64_s2")
     mask = tj.BlockMask.uniform(256, 192, 128, 64, np.random.default_rng(2).random((1, 2, 3)) < .7)
@@ -379,18 +387,11 @@ def test_backend_runner_prepares_each_plan_once(monkeypatch):
     assert calls[2:] == [(True, "none")]
 
 
-def test_backend_runner_takes_traced_plan_arrays(monkeypatch):
+def test_backend_runner_takes_traced_plan_arrays(attention_calls, monkeypatch):
     """The profiler jits the backend call with the plan arrays as operands and a plain
     namespace as the plan: the runner passes them through (no host checks, no cache)."""
     from tessera_jax import kernel_backends, profile
-    calls = []
-    real = mosaic_fwd.attention
-
-    def spy(q, k, v, units, steps, row_index, **kw):
-        calls.append((isinstance(units, np.ndarray), kw.get("mask_mode")))
-        return real(q, k, v, units, steps, row_index, interpret=INTERPRET, **kw)
-
-    monkeypatch.setattr(mosaic_fwd, "attention", spy)
+    calls = attention_calls
     monkeypatch.setitem(tj.backends._RUNNERS, "mosaic_gpu",
                         kernel_backends._runner("pallas_kernels.mosaic_fwd"))
     t = templates.get("mgpu_q128_kv64_s2")
