@@ -75,11 +75,16 @@ def test_resume_skips_done_pairs(run, tmp_path, monkeypatch):
     assert S.load_table(tmp_path / "cpu.json").data["provenance"]["fit"]["masks_used"] == 2
 
 
-def test_fit_only_and_time_budget_do_not_time(run, tmp_path, monkeypatch):
-    d, table = run
+@pytest.fixture
+def no_timing(monkeypatch):
+    """Any candidate timing fails the test (--fit-only and an exhausted budget must not time)."""
     def boom(*a, **k):
         raise AssertionError("timed in --fit-only mode")
     monkeypatch.setattr(P, "time_candidate", boom)
+
+
+def test_fit_only_and_time_budget_do_not_time(run, tmp_path, no_timing):
+    d, table = run
     out = P.main(ARGS + ["--out", str(tmp_path / "a.json"), "--raw", str(d / "raw"),
                          "--fit-only"])
     assert out["model"]["rel_log_time"] == table["model"]["rel_log_time"]
@@ -185,14 +190,11 @@ def test_error_streak_stops_and_retry_errors_remeasures(tmp_path, monkeypatch):
     assert all(v is not None for row in table["model"]["rel_log_time"] for v in row)
 
 
-def test_explicit_candidates_fit_only_those(run, tmp_path, monkeypatch):
-    """--candidates T/P picks exactly those pairs (fit and timing), in order; bad ones raise."""
+def test_explicit_candidates_fit_only_those(run, tmp_path, no_timing):
+    """--candidates T/P picks exactly those pairs for the fit, in order; bad ones raise."""
     d, _ = run
-    def boom(*a, **k):
-        raise AssertionError("timed in --fit-only mode")
-    monkeypatch.setattr(P, "time_candidate", boom)
-    out = P.main(ARGS + ["--out", str(tmp_path / "c.json"), "--raw", str(d / "raw"),
-                         "--fit-only", "--candidates", "xla_128x128/merge"])
+    P.main(ARGS + ["--out", str(tmp_path / "c.json"), "--raw", str(d / "raw"),
+           "--fit-only", "--candidates", "xla_128x128/merge"])
     assert S.load_table(tmp_path / "c.json").candidates == [("xla_128x128", "merge")]
     assert P.parse_candidates(["xla_64x64/pack", "xla_64x64/pack", "xla_128x128/merge"]) == \
         [("xla_64x64", "pack"), ("xla_128x128", "merge")]
