@@ -409,6 +409,14 @@ def test_bit_helpers_match_numpy():
         np.testing.assert_array_equal(e, ee)
 
 
+def _assert_same_raw(got, want):
+    """A compiled policy's raw plan equals the NumPy oracle's, field by field and step by step."""
+    for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
+        np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+    assert got.steps.shape == want.steps.shape and got.steps.dtype == np.int32
+    np.testing.assert_array_equal(got.steps, want.steps)
+
+
 def _ctx(mask, tq, tk, q_align, kv_align, kv_len=None):
     kv_len = mask.Lkv if kv_len is None else kv_len
     qp = planner._round_up(max(mask.Lq, tq), q_align)
@@ -437,10 +445,7 @@ def test_compiled_keep_merge_equal_numpy_oracle(mt, tile, align, mode):
             if mode == "exact":
                 mp.setattr(planner, "_MAX_BOUND_BYTES", 0)
             got = planner._plan_rowgroups(ctx, merge)
-        for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
-            np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
-        assert got.steps.shape == want.steps.shape and got.steps.dtype == np.int32
-        np.testing.assert_array_equal(got.steps, want.steps)
+        _assert_same_raw(got, want)
 
 
 def test_compiled_keep_merge_edge_intervals():
@@ -540,10 +545,7 @@ def test_compiled_split_equals_numpy_oracle(mt, tile, q_align, two):
         mp.setattr(planner, "PLAN_THREADS", 2 if two else 1)
         mp.setattr(planner, "_PAR_MIN_ROWS", 0)
         got = planner._plan_grid(ctx)
-    for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
-        np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
-    assert got.steps.shape == want.steps.shape and got.steps.dtype == np.int32
-    np.testing.assert_array_equal(got.steps, want.steps)
+    _assert_same_raw(got, want)
 
 
 @given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (128, 128), (64, 256)]),
@@ -559,10 +561,7 @@ def test_compiled_pack_policy_equals_numpy_oracle(mt, tile, align, two):
         mp.setattr(planner, "PLAN_THREADS", 2 if two else 1)
         mp.setattr(planner, "_PAR_MIN_ROWS", 0)
         got = planner._plan_pack(ctx)
-    for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
-        np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
-    assert got.steps.shape == want.steps.shape and got.steps.dtype == np.int32
-    np.testing.assert_array_equal(got.steps, want.steps)
+    _assert_same_raw(got, want)
 
 
 def test_compiled_split_pack_many_groups_per_unit():
@@ -580,9 +579,7 @@ def test_compiled_split_pack_many_groups_per_unit():
         for numpy_fn, fn in ((planner._plan_grid_numpy, planner._plan_grid),
                              (planner._plan_pack_numpy, planner._plan_pack)):
             want, got = numpy_fn(ctx), fn(ctx)
-            np.testing.assert_array_equal(got.steps, want.steps)
-            for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
-                np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+            _assert_same_raw(got, want)
 
 
 @given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (64, 256)]),
@@ -601,9 +598,7 @@ def test_compiled_split_pack_exact_count_path(mt, tile, align, two):
             mp.setattr(planner, "_PAR_MIN_ROWS", 0)
             mp.setattr(planner, "_MAX_BOUND_BYTES", 0)
             got = fn(ctx)
-        np.testing.assert_array_equal(got.steps, want.steps)
-        for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
-            np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+        _assert_same_raw(got, want)
 
 
 @given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (128, 128), (64, 256)]),
@@ -658,9 +653,7 @@ def test_compiled_split_pack_two_threads_any_estimate(mt, tile, align, margin, s
             mp.setattr(planner, "_SAMPLE_STRIDE", stride)
             mp.setattr(planner, "_EST_SLACK", 0)
             got = fn(ctx)
-        np.testing.assert_array_equal(got.steps, want.steps)
-        for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
-            np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+        _assert_same_raw(got, want)
 
 
 def test_compiled_split_pack_two_group_units_with_a_gap():
@@ -680,9 +673,7 @@ def test_compiled_split_pack_two_group_units_with_a_gap():
         for numpy_fn, fn in ((planner._plan_grid_numpy, planner._plan_grid),
                              (planner._plan_pack_numpy, planner._plan_pack)):
             want, got = numpy_fn(ctx), fn(ctx)
-            np.testing.assert_array_equal(got.steps, want.steps)
-            for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
-                np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+            _assert_same_raw(got, want)
     units = planner._nb_pack_units(np.zeros(4, np.int64), np.array([0, 40, 70, 100]),
                                    np.array([30, 70, 100, 130]), 128, 1)
     np.testing.assert_array_equal(units, [[0, 3], [3, 4]])
