@@ -417,6 +417,19 @@ def _assert_same_raw(got, want):
     np.testing.assert_array_equal(got.steps, want.steps)
 
 
+# (NumPy oracle, compiled policy) of split and pack.
+_SPLIT_PACK = ((planner._plan_grid_numpy, planner._plan_grid),
+               (planner._plan_pack_numpy, planner._plan_pack))
+
+
+def _assert_split_pack_match_oracle(mask, tilings):
+    """Compiled split and pack equal their oracles for each (tq, tk, q_align, kv_align)."""
+    for tq, tk, qal, kal in tilings:
+        ctx = _ctx(mask, tq, tk, qal, kal)
+        for numpy_fn, fn in _SPLIT_PACK:
+            _assert_same_raw(fn(ctx), numpy_fn(ctx))
+
+
 def _ctx(mask, tq, tk, q_align, kv_align, kv_len=None):
     kv_len = mask.Lkv if kv_len is None else kv_len
     qp = planner._round_up(max(mask.Lq, tq), q_align)
@@ -463,18 +476,10 @@ def test_compiled_keep_merge_edge_intervals():
         for tk, kal in ((64, 8), (96, 32), (128, 1), (256, 64)):
             ctx = _ctx(m, 64, tk, 8, kal)
             for merge in (False, True):
-                want = planner._plan_rowgroups_numpy(ctx, merge)
-                got = planner._plan_rowgroups(ctx, merge)
-                np.testing.assert_array_equal(got.steps, want.steps)
-                np.testing.assert_array_equal(got.cnt, want.cnt)
-                np.testing.assert_array_equal(got.nfull, want.nfull)
-                np.testing.assert_array_equal(got.area, want.area)
-            for numpy_fn, fn in ((planner._plan_grid_numpy, planner._plan_grid),
-                                 (planner._plan_pack_numpy, planner._plan_pack)):
-                want, got = numpy_fn(ctx), fn(ctx)
-                np.testing.assert_array_equal(got.steps, want.steps)
-                np.testing.assert_array_equal(got.cnt, want.cnt)
-                np.testing.assert_array_equal(got.nfull, want.nfull)
+                _assert_same_raw(planner._plan_rowgroups(ctx, merge),
+                                 planner._plan_rowgroups_numpy(ctx, merge))
+            for numpy_fn, fn in _SPLIT_PACK:
+                _assert_same_raw(fn(ctx), numpy_fn(ctx))
 
 
 def test_compiled_pack_matches_packbits(monkeypatch):
@@ -574,12 +579,7 @@ def test_compiled_split_pack_many_groups_per_unit():
     blocks[:, 10:80] = blocks[:, 10:11]                  # identical rows: touching rectangles
     blocks[:, 30:200:7] = False                          # empty rows: rectangles that don't touch
     m = tj.BlockMask(qb, kb, blocks)
-    for tq, tk, qal, kal in ((128, 64, 1, 1), (128, 128, 8, 8), (64, 96, 16, 32)):
-        ctx = _ctx(m, tq, tk, qal, kal)
-        for numpy_fn, fn in ((planner._plan_grid_numpy, planner._plan_grid),
-                             (planner._plan_pack_numpy, planner._plan_pack)):
-            want, got = numpy_fn(ctx), fn(ctx)
-            _assert_same_raw(got, want)
+    _assert_split_pack_match_oracle(m, ((128, 64, 1, 1), (128, 128, 8, 8), (64, 96, 16, 32)))
 
 
 @given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (64, 256)]),
@@ -590,8 +590,7 @@ def test_compiled_split_pack_exact_count_path(mt, tile, align, two):
     mask = mt[0]
     tq, tk = tile
     ctx = _ctx(mask, tq, tk, align[0], align[1] if tk % align[1] == 0 else 1)
-    for numpy_fn, fn in ((planner._plan_grid_numpy, planner._plan_grid),
-                         (planner._plan_pack_numpy, planner._plan_pack)):
+    for numpy_fn, fn in _SPLIT_PACK:
         want = numpy_fn(ctx)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(planner, "PLAN_THREADS", 2 if two else 1)
@@ -643,8 +642,7 @@ def test_compiled_split_pack_two_threads_any_estimate(mt, tile, align, margin, s
     mask = mt[0]
     tq, tk = tile
     ctx = _ctx(mask, tq, tk, align[0], align[1] if tk % align[1] == 0 else 1)
-    for numpy_fn, fn in ((planner._plan_grid_numpy, planner._plan_grid),
-                         (planner._plan_pack_numpy, planner._plan_pack)):
+    for numpy_fn, fn in _SPLIT_PACK:
         want = numpy_fn(ctx)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(planner, "PLAN_THREADS", 2)
@@ -668,12 +666,7 @@ def test_compiled_split_pack_two_group_units_with_a_gap():
     blocks[:, 4, :3] = True
     blocks[:, 3, :3] = True                              # touching groups sharing keys
     m = tj.BlockMask(qb, kb, blocks)
-    for tq, tk, qal, kal in ((128, 64, 1, 1), (128, 128, 8, 8), (64, 32, 1, 1)):
-        ctx = _ctx(m, tq, tk, qal, kal)
-        for numpy_fn, fn in ((planner._plan_grid_numpy, planner._plan_grid),
-                             (planner._plan_pack_numpy, planner._plan_pack)):
-            want, got = numpy_fn(ctx), fn(ctx)
-            _assert_same_raw(got, want)
+    _assert_split_pack_match_oracle(m, ((128, 64, 1, 1), (128, 128, 8, 8), (64, 32, 1, 1)))
     units = planner._nb_pack_units(np.zeros(4, np.int64), np.array([0, 40, 70, 100]),
                                    np.array([30, 70, 100, 130]), 128, 1)
     np.testing.assert_array_equal(units, [[0, 3], [3, 4]])
