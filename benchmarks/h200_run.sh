@@ -30,21 +30,27 @@ kernels)
       --time-budget $((B * 35 / 100)) --out $OUT/h200-selection.json > $OUT/selection.log 2>&1
   } ;;
 peers)
+  # GPU0: peers.py, then the loops of LOOPS0; GPU1: the loops of LOOPS1. One process per loop case
+  # (a case cut by its time limit does not take the others with it); one result file per GPU,
+  # merged at the end into h200-loop.json.
   export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
-  first() { CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH timeout $((B + 60)) \
-      python3 benchmarks/peers.py --out $OUT/h200-peers.json --time-budget $B --per-family 2 --heads 8 \
-      > $OUT/peers.log 2>&1; }
-  # Loops: one process per case (results merge into one file), so a case cut by the time limit
-  # does not take the others with it.
-  second() {
-    export CUDA_VISIBLE_DEVICES=$gpu1
-    for m in ${LOOP_MODELS:-wan13b_480p wan14b_720p hunyuan15_720p}; do
+  loops() {  # loops GPU FILE CASE...
+    local g=$1 f=$2; shift 2
+    for m in "$@"; do
       # 25 of 50 steps; Wan's 12/50 dense warm-up steps scaled to 6/25, Hunyuan has none.
       case $m in hunyuan*) dense="" ;; *) dense="--dense-steps 6" ;; esac
-      timeout ${LOOP_CASE_S:-280} python3 -m tessera_jax.bench_loop --models $m $dense \
-        ${LOOP_ARGS:---steps 25 --loop-repeats 1 --step-repeats 3 --attn-repeats 20} \
-        --out $OUT/h200-loop.json >> $OUT/loop.log 2>&1
-    done; } ;;
+      eval "t=\${LOOP_S_$m:-${LOOP_CASE_S:-250}}"  # per-case limit, e.g. LOOP_S_wan13b_480p=280
+      CUDA_VISIBLE_DEVICES=$g timeout $t python3 -m tessera_jax.bench_loop --models $m $dense \
+        ${LOOP_ARGS:---steps 25 --loop-repeats 1 --step-repeats 3 --attn-repeats 10} \
+        --out $f >> $OUT/loop-gpu$g.log 2>&1
+    done; }
+  first() { CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH timeout $((B + 60)) \
+      python3 benchmarks/peers.py --out $OUT/h200-peers.json --time-budget $B --per-family 2 --heads 8 \
+      > $OUT/peers.log 2>&1
+    loops 0 $OUT/loop-gpu0.json ${LOOPS0:-hunyuan15_720p}; }
+  second() { loops $gpu1 $OUT/loop-gpu1.json ${LOOPS1:-wan13b_480p wan14b_720p}; }
+  merge() { python3 -m tessera_jax.bench_loop --merge $(ls $OUT/loop-gpu*.json) --out $OUT/h200-loop.json \
+      > $OUT/loop-merge.log 2>&1; } ;;
 final)
   # GPU0 + GPU1: profile the candidates on two halves of the families (own raw files), merge, refit
   # plan_tables/h200.json; then GPU0: peers (new table); GPU1: selection benchmark, then the loops.
@@ -83,6 +89,7 @@ final)
 esac
 
 if [ "$NGPU" -ge 2 ]; then first & second & wait; else first; second; fi
+declare -F merge > /dev/null && merge
 nvidia-smi --query-gpu=index,clocks.sm,temperature.gpu --format=csv >> $OUT/smi.txt
 for f in $OUT/*.log; do echo "== $f"; tail -8 "$f"; done
 # At most 8 files come back from a device call: everything goes into one archive.

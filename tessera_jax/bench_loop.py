@@ -470,6 +470,12 @@ def parse_args(argv):
 
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--merge"]:  # --merge A.json B.json ... --out C.json
+        if "--out" not in argv or argv.index("--out") != len(argv) - 2 or len(argv) < 4:
+            raise SystemExit("usage: bench_loop --merge A.json [B.json ...] --out OUT.json")
+        doc = merge_files(argv[1:-2], argv[-1])
+        _print_table(doc)
+        return doc
     args = parse_args(argv)
     if not args.tiny and jax.default_backend() != "gpu":
         print("bench_loop: no GPU here; run with --tiny for the CPU smoke run", file=sys.stderr)
@@ -520,6 +526,27 @@ def _write(path, doc):
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
     os.replace(tmp, path)
+
+
+def merge_files(paths, out) -> dict:
+    """Merge result files of several processes (e.g. one per GPU) into ``out``: their cases,
+    runs and errors, with the summary recomputed over all cases. Later files win on a clash."""
+    doc: dict = {"cases": {}, "runs": []}
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        doc["cases"].update(d.get("cases", {}))
+        doc["runs"].extend(d.get("runs", []))
+        doc.setdefault("errors", {}).update(d.get("errors", {}))
+        if "environment" in d:
+            doc["environment"] = d["environment"]
+    for name in doc["cases"]:
+        doc.get("errors", {}).pop(name, None)
+    if not doc.get("errors"):
+        doc.pop("errors", None)
+    doc["summary"] = summarize(doc["cases"])
+    _write(out, doc)
+    return doc
 
 
 def _print_table(doc):

@@ -246,6 +246,18 @@ def test_bench_loop_tiny(tmp_path):
     assert case["extrapolated"] and case["layers_run"] < case["layers_total"]
     assert all(case["loops"][v]["finite"] for v in ("dense", "tessera", "fixed"))
     assert case["environment"]["tiny"] and doc["summary"] == s
+    # Two processes' files (one per GPU) merge into one, the summary over both cases.
+    other = json.loads(out.read_text())
+    other["cases"] = {"wan13b_480p": dict(case, speedup_vs_fixed_plan=4.0)}
+    other["errors"] = {"wan14b_720p": {"error": "stale"}, "hunyuan15_720p": {"error": "cut"}}
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    merged = bench_loop.main(["--merge", str(out), str(tmp_path / "b.json"),
+                              "--out", str(tmp_path / "m.json")])
+    assert set(merged["cases"]) == {"wan14b_720p", "wan13b_480p"}
+    assert list(merged["errors"]) == ["hunyuan15_720p"] and len(merged["runs"]) == 2
+    assert merged["summary"]["speedup_vs_fixed_plan"] == pytest.approx(
+        (4.0 * case["speedup_vs_fixed_plan"]) ** 0.5)
+    assert json.loads((tmp_path / "m.json").read_text())["summary"] == merged["summary"]
 
 
 def test_loop_through_the_kernel_backend_runner_compiles_ahead_of_time(wan, monkeypatch):
