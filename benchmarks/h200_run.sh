@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call, two GPUs (nvidia-h200-x2) or one: the lead's combined H200 runs.
 #   bash benchmarks/h200_run.sh kernels   # GPU0: kernels.py; GPU1: profiler, then selection
-#   bash benchmarks/h200_run.sh peers     # GPU0: peers.py;   GPU1: denoising loops
+#   bash benchmarks/h200_run.sh peers     # peers.py on two family halves (one per GPU), then the
+#                                         # loops named in LOOPS0 / LOOPS1 (none by default)
 #   bash benchmarks/h200_run.sh final     # both: profile halves + refit; GPU0: peers; GPU1: selection, loops
 # Raw results, logs and the refitted table go to $OUT (copied into benchmarks/results/ and
 # plan_tables/ afterwards). With one GPU the two halves run one after the other.
@@ -30,9 +31,9 @@ kernels)
       --time-budget $((B * 35 / 100)) --out $OUT/h200-selection.json > $OUT/selection.log 2>&1
   } ;;
 peers)
-  # GPU0: peers.py, then the loops of LOOPS0; GPU1: the loops of LOOPS1. One process per loop case
-  # (a case cut by its time limit does not take the others with it); one result file per GPU,
-  # merged at the end into h200-loop.json.
+  # Each GPU: peers.py on its half of the families, then the loop cases of LOOPS0 / LOOPS1, one
+  # process per case (a case cut by its time limit does not take the others with it); one result
+  # file per GPU, merged at the end into h200-peers.json and h200-loop.json.
   export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
   loops() {  # loops GPU FILE CASE...
     local g=$1 f=$2; shift 2
@@ -44,13 +45,20 @@ peers)
         ${LOOP_ARGS:---steps 25 --loop-repeats 1 --step-repeats 3 --attn-repeats 10} \
         --out $f >> $OUT/loop-gpu$g.log 2>&1
     done; }
-  first() { CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH timeout $((B + 60)) \
-      python3 benchmarks/peers.py --out $OUT/h200-peers.json --time-budget $B --per-family 2 --heads 8 \
-      > $OUT/peers.log 2>&1
-    loops 0 $OUT/loop-gpu0.json ${LOOPS0:-hunyuan15_720p}; }
-  second() { loops $gpu1 $OUT/loop-gpu1.json ${LOOPS1:-wan13b_480p wan14b_720p}; }
-  merge() { python3 -m tessera_jax.bench_loop --merge $(ls $OUT/loop-gpu*.json) --out $OUT/h200-loop.json \
-      > $OUT/loop-merge.log 2>&1; } ;;
+  # peers.py over two halves of the families, one per GPU (own FlashInfer JIT workspace each).
+  FIPATH=${FIPATH:-$PWD/.carry/flashinfer_site}
+  peers_half() {  # peers_half GPU FAMILIES
+    CUDA_VISIBLE_DEVICES=$1 FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws$1 PYTHONPATH=$FIPATH:$PYTHONPATH \
+      timeout $((B + 60)) python3 benchmarks/peers.py --out $OUT/peers-gpu$1.json --time-budget $B \
+      --per-family ${PER_FAMILY:-2} --heads 8 --families $2 > $OUT/peers-gpu$1.log 2>&1; }
+  first() { peers_half 0 ${FAMILIES_A:-dense,jenga,natten,sparge,sta,svg2,xattn}
+    [ -n "${LOOPS0:-}" ] && loops 0 $OUT/loop-gpu0.json $LOOPS0; }
+  second() { peers_half $gpu1 ${FAMILIES_B:-ditfastattn,moba,radial,ssta,svg,vsa}
+    [ -n "${LOOPS1:-}" ] && loops $gpu1 $OUT/loop-gpu1.json $LOOPS1; }
+  merge() {
+    python3 benchmarks/peers.py --merge $OUT/peers-gpu*.json --out $OUT/h200-peers.json > $OUT/peers-merge.log 2>&1
+    ls $OUT/loop-gpu*.json > /dev/null 2>&1 && python3 -m tessera_jax.bench_loop --merge $OUT/loop-gpu*.json \
+      --out $OUT/h200-loop.json > $OUT/loop-merge.log 2>&1; } ;;
 final)
   # GPU0 + GPU1: profile the candidates on two halves of the families (own raw files), merge, refit
   # plan_tables/h200.json; then GPU0: peers (new table); GPU1: selection benchmark, then the loops.

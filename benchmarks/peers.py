@@ -447,9 +447,17 @@ def run_tessera(case: Case, args) -> dict:
                                  iters=args.request_iters, before=clear))
     req = wall_ms(lambda: jax.block_until_ready(call()), iters=args.request_iters, before=clear)
     res["request_ms"], res["request_samples"] = med(req), req
+    # Where a request's time goes beyond plan + kernel: the plan arrays' host->device copy, and
+    # an eager call whose plan and device arrays are cached (dispatch + kernel, wall clock).
+    p = tj.plan(mask, case.qj.shape, case.kj.shape, case.qj.dtype)
+    arrays = (p.units, p.steps, p.row_index)
+    res["plan_bytes"] = int(sum(a.nbytes for a in arrays))
+    res["put_ms"] = med(wall_ms(lambda: jax.block_until_ready(jax.device_put(arrays)),
+                                iters=args.request_iters))
+    res["cached_call_ms"] = med(wall_ms(lambda: jax.block_until_ready(call()),
+                                        iters=args.request_iters))
     # eager: the plan is cached and its executable compiled by the calls above (a jax.jit of
     # this closure would compile a new executable with the plan as constants)
-    tj.plan(mask, case.qj.shape, case.kj.shape, case.qj.dtype)
     ks, how = jax_kernel_ms(lambda q, k, v: tj.sparse_attention(q, k, v, mask),
                             (case.qj, case.kj, case.vj), iters=args.iters, eager=True)
     res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, how
@@ -766,6 +774,30 @@ def versions(ctx: Ctx | None) -> dict:
     return out
 
 
+def merge_docs(paths, out: str, png: str | None = None) -> dict:
+    """One result from several processes' files (e.g. one GPU per half of the families): rows
+    concatenated (later files win on a repeated mask id), summary and figure recomputed; each
+    part's command, versions and FlashInfer warm-up kept under ``parts``."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    rows = {}
+    for d in docs:
+        for r in d.get("rows", []):
+            rows[r.get("id", len(rows))] = r
+    doc = dict(docs[0]) if docs else {}
+    doc["rows"] = list(rows.values())
+    doc["parts"] = [{k: d.get(k) for k in ("command", "date", "versions", "flashinfer_warmup",
+                                            "elapsed_s", "sampling")} | {"file": str(p)}
+                    for p, d in zip(paths, docs)]
+    doc["command"] = " && ".join(str(d.get("command")) for d in docs)
+    doc["elapsed_s"] = max((d.get("elapsed_s") or 0.0) for d in docs) if docs else 0.0
+    ok = [r for r in doc["rows"] if "peers" in r]
+    doc["summary"] = summarize(ok)
+    png = png or str(Path(out).with_suffix(".png"))
+    doc["figure"] = figure(ok, png, title=f"tessera_jax vs peers, {len(ok)} test masks")
+    Path(out).write_text(json.dumps(doc, indent=1, default=str))
+    return doc
+
+
 def gpu_main(args) -> int:
     from tessera_jax.masks import build
     global TORCH_TIMER
@@ -1041,6 +1073,16 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--merge"]:  # --merge A.json B.json ... --out C.json
+        if "--out" not in argv or argv.index("--out") != len(argv) - 2 or len(argv) < 4:
+            raise SystemExit("usage: peers.py --merge A.json [B.json ...] --out OUT.json")
+        doc = merge_docs(argv[1:-2], argv[-1])
+        s = doc["summary"]
+        log(f"merged {len(argv) - 3} files: masks={s['masks']} min_vs_best_alt="
+            f"{s['min_speedup_vs_best_alternative']} median_vs_fi={s['median_speedup_vs_flashinfer']} "
+            f"median_vs_flex={s['median_speedup_vs_flex']}")
+        return 0
     args = parse_args(argv)
     if args.dry_run:
         doc = dry_run(args)

@@ -248,6 +248,28 @@ def test_figure_writes_png(tmp_path):
     assert out and (tmp_path / "f.png").stat().st_size > 1000
 
 
+def test_merge_of_two_gpu_halves(tmp_path):
+    pytest.importorskip("matplotlib")
+    a = {"command": "a", "versions": {"gpu": "x"}, "rows": [
+        dict(_row("sta", 1.0, fi_var=4.0, flex=5.0, dense=6.0), id="m1"),
+        dict(_row("vsa", 2.0, fi_var=4.0, flex=10.0, dense=3.0), id="m2")]}
+    b = {"command": "b", "rows": [dict(_row("vsa", 1.0, fi_var=1.0, flex=2.0, dense=3.0), id="m2"),
+                                  dict(_row("sta", 2.0, fi_var=1.0, flex=3.0), id="m3")]}
+    for n, d in (("a", a), ("b", b)):
+        (tmp_path / f"{n}.json").write_text(json.dumps(d))
+    out = tmp_path / "m.json"
+    assert peers.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                       "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["id"] for r in doc["rows"]] == ["m1", "m2", "m3"]      # b's m2 replaced a's
+    assert doc["summary"] == peers.summarize(doc["rows"]) and doc["summary"]["masks"] == 3
+    assert doc["summary"]["median_speedup_vs_flashinfer"] == pytest.approx(1.0)
+    assert [p["command"] for p in doc["parts"]] == ["a", "b"]
+    assert (tmp_path / "m.png").stat().st_size > 1000
+    with pytest.raises(SystemExit, match="usage"):
+        peers.main(["--merge", str(out)])
+
+
 def test_sampling_is_stratified_and_test_only():
     specs, avail = peers.sample_specs(2, seed=0)
     fams = [s["family"] for s in specs]
