@@ -137,6 +137,10 @@ def parse_args(argv=None):
                     "selection cost (plus one random mask)")
     ap.add_argument("--sel-repeats", type=int, default=20)
     ap.add_argument("--no-resume", action="store_true")
+    ap.add_argument("--reuse-times", metavar="JSON", help="an earlier selection result: the "
+                    "times of candidates it measured on the same masks are copied (marked per "
+                    "row under 'reused'), only the other candidates are timed; the choice is "
+                    "made again with --table")
     ap.add_argument("--cost-only", action="store_true", help="only the selection cost (Wan 720p "
                     "masks, no kernel timing); the backend is mosaic_gpu (xla with --tiny)")
     return ap.parse_args(argv)
@@ -238,6 +242,7 @@ def main(argv=None):
                                      max_masks=a.max_masks)
     sampling["heads"] = "all" if heads is None else f"first {heads} (shared masks stay shared)"
     prev = _load_prev(a.out, not a.no_resume)
+    reuse = _load_prev(a.reuse_times, True) if a.reuse_times else {}
     inputs = P.Inputs(jnp.dtype(a.dtype), a.head_dim)
     t_start = time.monotonic()
     rows = []
@@ -269,6 +274,7 @@ def main(argv=None):
         "timing": {"warmup": a.warmup, "iters": a.iters, "statistic": "median",
                    "padding": "ABI capacities rounded up to powers of two (as profiled)"},
         "masks": rows,
+        "reused_times_from": a.reuse_times,
     })
     for n, spec in enumerate(specs):
         if spec["id"] in prev:
@@ -297,8 +303,14 @@ def main(argv=None):
                "heuristic": P.cand_key(*heur) if heur else None,
                "features": {k: round(float(v), 5) for k, v in F.mask_features(mask, shape).items()},
                "times_ms": {}, "errors": {}}
+        old = reuse.get(spec["id"], {})
         for template, policy in cands:
             k = P.cand_key(template, policy)
+            if old.get("times_ms", {}).get(k) is not None and old.get("call_heads") == hq:
+                row["times_ms"][k] = old["times_ms"][k]
+                row.setdefault("reused", []).append(k)
+                row.setdefault("timer", old.get("timer"))
+                continue
             try:
                 r = P.time_candidate(mask, template, policy, inputs, warmup=a.warmup,
                                      iters=a.iters, num_heads=hq)

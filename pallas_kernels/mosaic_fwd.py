@@ -63,6 +63,7 @@ class KernelConfig:
     prefetch_rect: bool = False  # read step i+1's rectangle from GMEM during step i
     wg_skip: bool = False        # a consumer WG skips steps whose rows miss its 64 rows
     paired: bool = False         # tile_q=64: two consumer WGs, each on its own unit and ring
+    pair_pingpong: bool = False  # paired: ping-pong the two units' WGs like tile_q=128's
 
     def __post_init__(self):
         if self.tile_q not in (_WG_ROWS, 2 * _WG_ROWS):
@@ -81,6 +82,8 @@ class KernelConfig:
         if self.paired and (self.tile_q != _WG_ROWS or self.persistent):
             raise ValueError("paired (two 64-row units per CTA) needs tile_q=64 and a grid "
                              "kernel (persistent=False)")
+        if self.pair_pingpong and not self.paired:
+            raise ValueError("pair_pingpong needs paired=True (two units per CTA)")
 
     @property
     def compute_wgs(self) -> int:
@@ -94,9 +97,9 @@ class KernelConfig:
 
     @property
     def schedule_barrier(self) -> bool:
-        """Whether two consumer warpgroups on one unit ping-pong (never with one, nor with
-        paired units, whose step counts differ)."""
-        return self.use_schedule_barrier and self.tile_q == 2 * _WG_ROWS
+        """Whether the two consumer warpgroups ping-pong: on one 128-row unit, or on two paired
+        units with ``pair_pingpong`` (the one with fewer steps keeps the barrier's phases)."""
+        return self.use_schedule_barrier and (self.tile_q == 2 * _WG_ROWS or self.pair_pingpong)
 
 
 _MASK_MODES = ("unit", "cond", "always", "none")
@@ -115,7 +118,8 @@ def config_from_template(template, mask_mode: str | None = None) -> KernelConfig
                         num_ctas=int(t.option("num_ctas", 0)),
                         prefetch_rect=bool(t.option("prefetch_rect", False)),
                         wg_skip=bool(t.option("wg_skip", False)),
-                        paired=bool(t.option("paired", False)))
+                        paired=bool(t.option("paired", False)),
+                        pair_pingpong=bool(t.option("pair_pingpong", False)))
 
 
 def _num_sms() -> int:
@@ -382,6 +386,18 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
                                              run("cond", cfg.wg_skip), (acc, m_i, l_i))
                 else:
                     acc, m_i, l_i = run(cfg.mask_mode, cfg.wg_skip)((acc, m_i, l_i))
+                if paired and sched_on:
+                    # Ping-pong over two units: each computed step takes two passes of the
+                    # schedule barrier per warpgroup, so the warpgroup whose unit has fewer
+                    # steps makes the passes of the other's remaining steps (no K/V, no math).
+                    cnt_other = unit_of(j, 1 - ring)[5]
+
+                    def pad(i, c):
+                        schedule()
+                        schedule()
+                        return c
+
+                    lax.fori_loop(cnt, jnp.maximum(cnt, cnt_other), pad, jnp.int32(0))
                 pl.when(wg == 0)(schedule)
 
                 empty = l_i == 0.0

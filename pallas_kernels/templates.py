@@ -190,6 +190,13 @@ for _kv in (128, 64):
 register(Template(name="mgpu_q64x2_kv64_s2_hm", tile_q=64, tile_kv=64, stages=2,
                   options=(("paired", True), ("policy", "pack"), ("unit_order", "head_major")),
                   **_MGPU_COMMON))
+# Paired units with ping-pong: the two warpgroups alternate their matrix products and softmax
+# as in the tile_q=128 kernel (run 4: ping-pong was worth ~15% on kv64 steps, q128_kv64 490 vs
+# q64x2_kv64 424 TFLOP/s on the aligned d=0.5 mask), the shorter unit's warpgroup passing the
+# barrier for the longer one's remaining steps.
+register(Template(name="mgpu_q64x2pp_kv64_s2_hm", tile_q=64, tile_kv=64, stages=2,
+                  options=(("paired", True), ("pair_pingpong", True), ("policy", "pack"),
+                           ("unit_order", "head_major")), **_MGPU_COMMON))
 del _kv, _stages, _t, _dims
 
 

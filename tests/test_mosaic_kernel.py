@@ -208,6 +208,7 @@ def _cube_mask(rng, Lq, Lkv, Hm, density, block=64):
     ("mgpu_q64_kv64_s2", jnp.bfloat16, 4, 2),        # GQA, per-head 64-token blocks
     ("mgpu_q64_kv128_s2", jnp.float16, 2, 1),        # kv128 steps over 64-token key blocks
     ("mgpu_q64x2_kv64_s2", jnp.bfloat16, 2, 1),      # two 64-row units per CTA
+    ("mgpu_q64x2pp_kv64_s2_hm", jnp.bfloat16, 4, 2),  # ... ping-ponged, head-major, GQA
 ])
 def test_q64_one_warpgroup(template, dtype, Hq, Hkv):
     """tile_q=64 (one consumer warpgroup): units of 64 rows fit 64-token query blocks, so the
@@ -224,10 +225,12 @@ def test_q64_one_warpgroup(template, dtype, Hq, Hkv):
     assert plan.stats()["computed_interactions"] < p128.stats()["computed_interactions"]
 
 
-def test_paired_units_odd_count_and_uneven_steps():
+@pytest.mark.parametrize("template", ["mgpu_q64x2_kv64_s2", "mgpu_q64x2pp_kv64_s2_hm"])
+def test_paired_units_odd_count_and_uneven_steps(template):
     """Paired tile_q=64 kernel on a hand plan: neighbouring units with different step counts
     (several rectangles per K/V tile, shuffled), an odd unit count (the last CTA's second
-    warpgroup has no unit) and padding units."""
+    warpgroup has no unit) and padding units. With ping-pong, the warpgroup of the shorter
+    unit must keep passing the schedule barrier (the interpreter checks the phases)."""
     rng = np.random.default_rng(19)
     Lq, Lkv, Hq, Hkv, D, dtype = 256, 200, 1, 1, 64, jnp.float16
     mask = _variable_mask(rng, Lq, Lkv, Hq, 9, 7, 0.5)
@@ -237,7 +240,7 @@ def test_paired_units_odd_count_and_uneven_steps():
     assert len(set(cnt[:-3].tolist())) > 1
     q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, dtype, seed=41)
     out, lse = mosaic_fwd.attention(q, k, v, units, steps, row_index,
-                                    template="mgpu_q64x2_kv64_s2", q_len_padded=qlp,
+                                    template=template, q_len_padded=qlp,
                                     kv_len_padded=klp, scale=0.2, return_lse=True,
                                     interpret=INTERPRET)
     ref_out, ref_lse = tj.reference_attention(q, k, v, mask, scale=0.2, return_lse=True)
@@ -449,6 +452,8 @@ def test_bad_input_raises():
     ("mgpu_q64_kv64_s2", (), "none"),
     ("mgpu_q64_kv64_s2", (("persistent", True),), None),
     ("mgpu_q64x2_kv64_s2", (("paired", True),), None),
+    ("mgpu_q64x2_kv64_s2", (("paired", True), ("pair_pingpong", True)), None),
+    ("mgpu_q64x2_kv64_s2", (("paired", True), ("pair_pingpong", True)), "none"),
 ])
 def test_lowers_for_cuda(base, options, mask_mode):
     """The real (non-interpreted) kernel passes Mosaic GPU lowering and layout inference
@@ -498,6 +503,11 @@ def test_templates_registered():
         mosaic_fwd.KernelConfig(64, 2, tile_q=64, wg_skip=True)
     with pytest.raises(ValueError, match="paired"):
         mosaic_fwd.KernelConfig(64, 2, tile_q=128, paired=True)
+    with pytest.raises(ValueError, match="pair_pingpong"):
+        mosaic_fwd.KernelConfig(64, 2, tile_q=64, pair_pingpong=True)
+    pp = mosaic_fwd.config_from_template("mgpu_q64x2pp_kv64_s2_hm")
+    assert pp.paired and pp.schedule_barrier
+    assert not mosaic_fwd.config_from_template("mgpu_q64x2_kv64_s2_hm").schedule_barrier
     assert mosaic_fwd.config_from_template("mgpu_q64x2_kv64_s2").compute_wgs == 2
     with pytest.raises(ValueError, match="mask_mode"):
         mosaic_fwd.KernelConfig(64, 2, mask_mode="sometimes")

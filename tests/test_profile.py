@@ -167,6 +167,18 @@ def test_selection_benchmark_tiny(run, tmp_path):
     # resume: a rerun re-times nothing
     res2 = bench.main(args)
     assert [r["times_ms"] for r in res2["masks"]] == [r["times_ms"] for r in res["masks"]]
+    # --reuse-times: a fresh run copies the earlier times of the candidates it measured (one
+    # dropped here, so it alone is timed again) and chooses again with the table
+    prev = json.loads(out.read_text())
+    dropped = sorted(prev["masks"][0]["times_ms"])[0]
+    del prev["masks"][0]["times_ms"][dropped]
+    (tmp_path / "prev.json").write_text(json.dumps(prev))
+    res3 = bench.main(args[:4] + [str(tmp_path / "sel3.json")] + args[5:]
+                      + ["--reuse-times", str(tmp_path / "prev.json")])
+    first, second = res3["masks"]
+    assert dropped not in first["reused"] and len(first["reused"]) == len(first["times_ms"]) - 1
+    assert second["times_ms"] == res["masks"][1]["times_ms"] and first["chosen"] in first["times_ms"]
+    assert res3["reused_times_from"] == str(tmp_path / "prev.json")
 
 
 def test_error_streak_stops_and_retry_errors_remeasures(tmp_path, monkeypatch):
