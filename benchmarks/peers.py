@@ -445,8 +445,10 @@ def run_tessera(case: Case, args) -> dict:
         return res
     res["plan_ms"] = med(wall_ms(lambda: tj.plan(mask, case.qj.shape, case.kj.shape, case.qj.dtype),
                                  iters=args.request_iters, before=clear))
-    req = wall_ms(lambda: jax.block_until_ready(call()), iters=args.request_iters, before=clear)
-    res["request_ms"], res["request_samples"] = med(req), req
+    gcs: list = []
+    req = wall_ms(lambda: jax.block_until_ready(call()), iters=args.request_iters, before=clear,
+                  gc_ms=gcs)
+    res["request_ms"], res["request_samples"], res["request_gc_ms"] = med(req), req, gcs
     # Where a request's time goes beyond plan + kernel: the plan arrays' host->device copy, and
     # an eager call whose plan and device arrays are cached (dispatch + kernel, wall clock).
     p = tj.plan(mask, case.qj.shape, case.kj.shape, case.qj.dtype)
@@ -470,8 +472,10 @@ def _time_request(res: dict, convert_and_plan, run, args) -> dict:
     """Adds plan-only, request (convert + plan + run) and kernel-only timings to ``res``."""
     from peers_lib.timing import torch_kernel_ms, wall_ms
     res["plan_ms"] = med(wall_ms(convert_and_plan, iters=args.request_iters, sync=_sync))
-    req = wall_ms(lambda: (convert_and_plan(), run()), iters=args.request_iters, sync=_sync)
-    res["request_ms"], res["request_samples"] = med(req), req
+    gcs: list = []
+    req = wall_ms(lambda: (convert_and_plan(), run()), iters=args.request_iters, sync=_sync,
+                  gc_ms=gcs)
+    res["request_ms"], res["request_samples"], res["request_gc_ms"] = med(req), req, gcs
     convert_and_plan()
     ks = torch_kernel_ms(run, iters=args.iters)
     res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, TORCH_TIMER

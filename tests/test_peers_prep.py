@@ -351,3 +351,24 @@ def test_flex_torch_conversion_matches_numpy(case, block, pad_to):
         assert np.array_equal(b[k][0].numpy()[valid], getattr(a, k)[valid])
     for k in ("q_block_id", "kv_block_id", "blocks_padded"):
         assert np.array_equal(b[k].numpy(), getattr(a, k))
+
+
+def test_wall_ms_reports_garbage_collection_time():
+    """The request timer's gc accounting: a call that collects reports its collection time, a
+    call that does not reports 0, and the callback is removed afterwards."""
+    import gc
+    from peers_lib.timing import wall_ms
+    junk = [[i] for i in range(200_000)]            # enough objects for a measurable collection
+    n_callbacks = len(gc.callbacks)
+    got: list = []
+    times = wall_ms(gc.collect, iters=3, warmup=0, gc_ms=got)
+    assert len(got) == 3 and all(g > 0 for g in got) and len(times) == 3
+    assert all(g <= t + 1e-6 for g, t in zip(got, times))
+    quiet: list = []
+    gc.disable()                                    # no automatic collection can land in it
+    try:
+        wall_ms(lambda: sum(range(100)), iters=2, warmup=0, gc_ms=quiet)
+    finally:
+        gc.enable()
+    assert quiet == [0.0, 0.0] and len(gc.callbacks) == n_callbacks
+    del junk

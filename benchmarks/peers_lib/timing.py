@@ -101,11 +101,32 @@ def jax_kernel_ms(fn, args, iters: int = 20, warmup: int = 2,
     return out, "wall"
 
 
-def wall_ms(fn, iters: int = 5, warmup: int = 1, sync=None, before=None) -> list[float]:
+class _GcClock:
+    """Milliseconds the interpreter spent in garbage collections since ``reset`` (gc.callbacks):
+    a collection inside a timed request is host time no planner or kernel accounts for."""
+
+    def __init__(self):
+        self.ms, self._t0 = 0.0, None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self._t0 = None
+
+    def reset(self):
+        self.ms, self._t0 = 0.0, None
+
+
+def wall_ms(fn, iters: int = 5, warmup: int = 1, sync=None, before=None,
+            gc_ms: list | None = None) -> list[float]:
     """Host wall-clock milliseconds of ``fn()`` until ``sync()`` returns (device done).
 
     ``before()`` runs untimed before each call (e.g. clearing a plan cache so planning is paid).
+    ``gc_ms``: a list that receives, per timed call, the milliseconds spent in garbage collection.
     """
+    import gc
     for _ in range(warmup):
         if before:
             before()
@@ -113,16 +134,24 @@ def wall_ms(fn, iters: int = 5, warmup: int = 1, sync=None, before=None) -> list
         if sync:
             sync()
     out = []
-    for _ in range(iters):
-        if before:
-            before()
-        if sync:
-            sync()
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        out.append((time.perf_counter() - t0) * 1e3)
+    clock = _GcClock()
+    gc.callbacks.append(clock)
+    try:
+        for _ in range(iters):
+            if before:
+                before()
+            if sync:
+                sync()
+            clock.reset()
+            t0 = time.perf_counter()
+            fn()
+            if sync:
+                sync()
+            out.append((time.perf_counter() - t0) * 1e3)
+            if gc_ms is not None:
+                gc_ms.append(clock.ms)
+    finally:
+        gc.callbacks.remove(clock)
     return out
 
 
