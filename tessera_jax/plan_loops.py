@@ -28,8 +28,8 @@ def _nb_popcount(x):
 
 
 def _nb_groups(words, merge):
-    """(head, first q block, end q block) of each non-empty row group, as ``_row_groups``,
-    and the selected key blocks of each."""
+    """(head, first q block, end q block) of each non-empty row group, as
+    ``plan_oracle._row_groups``, and the selected key blocks of each."""
     Hm, nq, W = words.shape
     gh = np.empty(Hm * nq, np.int64)
     gi = np.empty(Hm * nq, np.int64)
@@ -511,12 +511,13 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
     them; its step count goes to ``cnt``, and when writing its full steps and selected
     interactions to ``nfull`` and ``area``.
 
-    As ``_unit_rects``: a unit's keys are cut at every run boundary of any of its groups
-    (segments where the set of selecting groups is constant); in each segment inside the union
-    of its groups' runs, each vertical run of selecting groups with touching rows is one
-    rectangle. As ``_cut_keys``: a rectangle is cut at the global key grid (``grid``, split) or
-    at tiles anchored at the aligned start of the union run holding it (pack), tiles crossing
-    kvp shifted back; each tile's rows are clipped to the unit's own rows, and dropped if none.
+    As ``plan_oracle._unit_rects``: a unit's keys are cut at every run boundary of any of its
+    groups (segments where the set of selecting groups is constant); in each segment inside
+    the union of its groups' runs, each vertical run of selecting groups with touching rows is
+    one rectangle. As ``plan_oracle._cut_keys``: a rectangle is cut at the global key grid
+    (``grid``, split) or at tiles anchored at the aligned start of the union run holding it
+    (pack), tiles crossing kvp shifted back; each tile's rows are clipped to the unit's own
+    rows, and dropped if none.
     Units of one or two groups (most: blocks of about tile_q / 2 rows or more) have their own
     loops (``_nb_rects_one``, ``_nb_rects_two``); other units of <= 64 groups take the
     selecting groups as one word, read when a segment opens from the word being decoded;

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import tessera_jax as tj
 from pallas_kernels import plan_abi as abi
-from tessera_jax import plan_loops, planner, schedule
+from tessera_jax import plan_loops, plan_oracle, planner, schedule
 from tessera_jax.planner import POLICIES, build_plan, bucket
 
 TILES = [(tq, tk) for tq in (64, 128) for tk in (64, 128, 256)]
@@ -395,11 +395,11 @@ def test_bit_helpers_match_numpy():
     for n, dens in ((1, 0.5), (63, 0.3), (64, 0.9), (65, 0.05), (300, 0.5), (300, 0.01)):
         rows = rng.random((7, n)) < dens
         w = planner._pack(rows)
-        r, pos = planner._bit_positions(w)
+        r, pos = plan_oracle._bit_positions(w)
         er, ep = np.nonzero(rows)
         np.testing.assert_array_equal(r, er)
         np.testing.assert_array_equal(pos, ep)
-        rr, s, e = planner._runs(w)
+        rr, s, e = plan_oracle._runs(w)
         pad = np.pad(rows, ((0, 0), (1, 1)))
         d = np.diff(pad.astype(np.int8), axis=1)
         sr, ss = np.nonzero(d == 1)
@@ -418,8 +418,8 @@ def _assert_same_raw(got, want):
 
 
 # (NumPy oracle, compiled policy) of split and pack.
-_SPLIT_PACK = ((planner._plan_grid_numpy, planner._plan_grid),
-               (planner._plan_pack_numpy, planner._plan_pack))
+_SPLIT_PACK = ((plan_oracle._plan_grid_numpy, planner._plan_grid),
+               (plan_oracle._plan_pack_numpy, planner._plan_pack))
 
 
 def _assert_split_pack_match_oracle(mask, tilings):
@@ -451,7 +451,7 @@ def test_compiled_keep_merge_equal_numpy_oracle(mt, tile, align, mode):
         kal = 1
     ctx = _ctx(mask, tq, tk, qal, kal)
     for merge in (False, True):
-        want = planner._plan_rowgroups_numpy(ctx, merge)
+        want = plan_oracle._plan_rowgroups_numpy(ctx, merge)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(planner, "PLAN_THREADS", 1 if mode == "one" else 2)
             mp.setattr(planner, "_PAR_MIN_ROWS", 0)
@@ -477,7 +477,7 @@ def test_compiled_keep_merge_edge_intervals():
             ctx = _ctx(m, 64, tk, 8, kal)
             for merge in (False, True):
                 _assert_same_raw(planner._plan_rowgroups(ctx, merge),
-                                 planner._plan_rowgroups_numpy(ctx, merge))
+                                 plan_oracle._plan_rowgroups_numpy(ctx, merge))
             for numpy_fn, fn in _SPLIT_PACK:
                 _assert_same_raw(fn(ctx), numpy_fn(ctx))
 
@@ -545,7 +545,7 @@ def test_unit_order_option_head_major(monkeypatch):
 def test_compiled_split_equals_numpy_oracle(mt, tile, q_align, two):
     mask = mt[0]
     ctx = _ctx(mask, *tile, q_align, 1)
-    want = planner._plan_grid_numpy(ctx)
+    want = plan_oracle._plan_grid_numpy(ctx)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(planner, "PLAN_THREADS", 2 if two else 1)
         mp.setattr(planner, "_PAR_MIN_ROWS", 0)
@@ -561,7 +561,7 @@ def test_compiled_pack_policy_equals_numpy_oracle(mt, tile, align, two):
     tq, tk = tile
     qal, kal = align
     ctx = _ctx(mask, tq, tk, qal, kal if tk % kal == 0 else 1)
-    want = planner._plan_pack_numpy(ctx)
+    want = plan_oracle._plan_pack_numpy(ctx)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(planner, "PLAN_THREADS", 2 if two else 1)
         mp.setattr(planner, "_PAR_MIN_ROWS", 0)
