@@ -23,6 +23,7 @@ rotating inputs. Writes raw JSON (``--out``) and prints a short table last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import math
@@ -245,9 +246,15 @@ def triton_available():
         return False
 
 
-# Set from the command line: how many registered Triton templates are checked and timed, which
-# benchmark masks are timed (None: all), and whether correctness covers only the timed templates.
-OPTS = dict(triton=1, masks=None, check_timed_only=False)
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """What the command line selects: how many registered Triton templates are checked and
+    timed, which benchmark masks are timed (None: all), and whether correctness covers only the
+    timed templates."""
+
+    triton: int = 1
+    masks: frozenset | None = None
+    check_timed_only: bool = False
 
 
 def triton_templates():
@@ -342,7 +349,8 @@ def check_against_reference(out, lse, ref_out, ref_lse):
 # Sections
 # ----------------------------------------------------------------------------------------------
 
-def correctness(res, deadline, grid=(6, 18, 36), core=(), extra_variants=()):
+def correctness(res, deadline, grid=(6, 18, 36), core=(), extra_variants=(),
+                opts: RunOptions = RunOptions()):
     """Every registered template (plus ``extra_variants``) on two cases, ``core`` templates on
     all five; the Triton-lowering kernel's first two templates on all. ``extra_variants``
     (the timed templates) go first, so the time budget cuts other registered ones."""
@@ -366,8 +374,8 @@ def correctness(res, deadline, grid=(6, 18, 36), core=(), extra_variants=()):
     rows = []
     kernels = [("mosaic_gpu", resolve_template(n)) for n in extra_variants]
     if triton_available():
-        kernels += [("triton", t) for t in triton_templates()[:max(2, OPTS["triton"])]]
-    if not OPTS["check_timed_only"]:
+        kernels += [("triton", t) for t in triton_templates()[:max(2, opts.triton)]]
+    if not opts.check_timed_only:
         kernels += [("mosaic_gpu", t) for t in templates.for_backend("mosaic_gpu")
                     if t.name not in extra_variants]
     for ci, (mname, mfn, Hq, Hkv, D, dtype, B, every) in enumerate(cases):
@@ -561,7 +569,7 @@ def dense_baselines(res, L, H, D, deadline, tag, dense_templates):
 
 
 def sparse_timings(res, grid, L, H, D, deadline, tag, template_names, with_flex=True,
-                   spot_check=True):
+                   spot_check=True, opts: RunOptions = RunOptions()):
     import jax
     import jax.numpy as jnp
     from pallas_kernels import templates
@@ -572,7 +580,7 @@ def sparse_timings(res, grid, L, H, D, deadline, tag, template_names, with_flex=
     tmpls = [resolve_template(n) for n in template_names]
     trit = triton_templates() if triton_available() else []
     for mname, family, mfn in bench_masks(grid, H, L):
-        if OPTS["masks"] is not None and mname not in OPTS["masks"]:
+        if opts.masks is not None and mname not in opts.masks:
             continue
         if time.time() > deadline:
             rows.append(dict(mask=mname, skipped="time"))
@@ -587,7 +595,7 @@ def sparse_timings(res, grid, L, H, D, deadline, tag, template_names, with_flex=
         row["selected_flops"] = flops
         row["kernels"] = {}
         ref_head = ours_h0 = None
-        for t in tmpls + trit[:OPTS["triton"]]:
+        for t in tmpls + trit[:opts.triton]:
             if time.time() > deadline:
                 row["kernels"][t.name] = dict(skipped="time")
                 continue
@@ -723,8 +731,9 @@ def main():
     ap.add_argument("--check-timed-only", action="store_true",
                     help="correctness of the timed templates only (not every registered one)")
     args = ap.parse_args()
-    OPTS.update(triton=args.triton, masks=set(args.masks.split(",")) if args.masks else None,
-                check_timed_only=args.check_timed_only)
+    opts = RunOptions(triton=args.triton,
+                      masks=frozenset(args.masks.split(",")) if args.masks else None,
+                      check_timed_only=args.check_timed_only)
     deadline = T0 + args.budget_s
     if args.smoke:
         global INTERPRET
@@ -759,24 +768,25 @@ def main():
         core = names[:3]
         extra = list(names)                # timed templates are checked first
         if args.smoke:
-            correctness(res, deadline, grid=(2, 6, 12), core=core, extra_variants=extra)
+            correctness(res, deadline, grid=(2, 6, 12), core=core, extra_variants=extra, opts=opts)
             sparse_timings(res, (2, 6, 12), 144, 2, 64, deadline, "wan480",
-                           names[:1], with_flex=True, spot_check=True)
+                           names[:1], with_flex=True, spot_check=True, opts=opts)
             raise SystemExit(_finish(res, args, save))
         B = args.budget_s
         if not args.skip_correctness:
-            correctness(res, T0 + 0.22 * B, core=core, extra_variants=extra)
+            correctness(res, T0 + 0.22 * B, core=core, extra_variants=extra, opts=opts)
             save()
         dense_baselines(res, 32760, 12, 128, T0 + 0.3 * B, "wan480", names[:3])
         save()
-        sparse_timings(res, (21, 30, 52), 32760, 12, 128, T0 + 0.8 * B, "wan480", names)
+        sparse_timings(res, (21, 30, 52), 32760, 12, 128, T0 + 0.8 * B, "wan480", names,
+                       opts=opts)
         save()
         if time.time() < deadline - 45 and args.wan720_heads > 0:
             H7 = args.wan720_heads
             dense_baselines(res, 75600, H7, 128, deadline - 35, "wan720", names[:1])
             save()
             sparse_timings(res, (21, 45, 80), 75600, H7, 128, deadline, "wan720", names[:2],
-                           spot_check=False)
+                           spot_check=False, opts=opts)
     except Exception:  # noqa: BLE001
         res["fatal"] = traceback.format_exc()[-2000:]
         traceback.print_exc()
