@@ -1,4 +1,4 @@
-"""numba-compiled inner loops of the planner; plain Python until ``compile_all()``/first use.
+"""numba-compiled inner loops of the planner: plain Python until ``compile_all()`` (first plan).
 
 Each ``_nb_*`` function is one loop of ``tessera_jax.planner`` over packed mask words
 (uint64, bit j%64 of word j//64 = key block j), group and unit arrays: row groups and units
@@ -9,7 +9,8 @@ Loops that take (lo, hi) handle units/rows [lo, hi), so the planner can run two 
 two threads (they are nogil). numba is imported, and the loops compiled or loaded from its
 on-disk cache, by ``compile_all()`` on the first plan of a process, not at import (the
 planner's ``warm_up()`` does it ahead of time); ``_nb_ctz`` (count trailing zeros) is bound
-then too. The NumPy oracles the tests compare them with are in ``plan_oracle``.
+then too, so the loops only run compiled. The NumPy oracles the tests compare them with are
+in ``plan_oracle``.
 """
 
 from __future__ import annotations
