@@ -71,12 +71,15 @@ def _nb_tiles(js, je, kb, ka, tk, ltk):
 
 
 def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim, steps,
-             cnt, upart, ukeys):
+             cnt, upart, ukeys, ptr, share):
     """Step rows of units [lo, hi), written from steps[row0]; returns the end row.
 
     Each unit's key intervals are decoded from its group's words (merge: run boundaries
     w ^ (w << 1), with a zero word appended so that a run reaching the last key block ends;
-    keep: set bits), and each interval's tiles are written as they come.
+    keep: set bits), and each interval's tiles are written as they come. A unit's rows depend
+    only on its group and its rows [qlo, qhi), so with ``share`` a unit equal in those to the
+    one before (the interior units of a tall row group) writes nothing and points at that
+    unit's rows. ``ptr[u]``: the first row of unit u.
     """
     W = words.shape[2]
     one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
@@ -84,6 +87,14 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
     for u in range(lo, hi):
         h, i = ugh[u], ugi[u]
         ql, qh = qlo[u], qhi[u]
+        if (share and u > lo and h == ugh[u - 1] and i == ugi[u - 1] and ql == qlo[u - 1]
+                and qh == qhi[u - 1]):
+            ptr[u] = ptr[u - 1]
+            cnt[u] = cnt[u - 1]
+            upart[u] = upart[u - 1]
+            ukeys[u] = ukeys[u - 1]
+            continue
+        ptr[u] = s
         s0 = s
         part = 0
         keys = 0

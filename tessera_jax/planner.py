@@ -247,7 +247,8 @@ def _chunk(starts, ends, tile, align, limit):
 
 @dataclasses.dataclass
 class _Raw:
-    """Units of one policy before scheduling; steps are laid out in unit order."""
+    """Units of one policy before scheduling; steps are laid out in unit order, or, with
+    ``ptr``, unit u's are rows [ptr[u], ptr[u] + cnt[u]) and units may share rows."""
 
     head: np.ndarray   # mask head of each unit
     qs: np.ndarray     # q_start
@@ -257,12 +258,32 @@ class _Raw:
     steps: np.ndarray  # int32 [>= S, STEP_COLS] ABI step rows (the first S are real, rest 0)
     nfull: np.ndarray  # full steps per unit
     area: np.ndarray   # selected interactions per unit
+    ptr: np.ndarray | None = None   # first row of each unit (None: consecutive, in unit order)
+    stored: int | None = None       # rows of steps in use when ptr is given
 
     @property
     def num_steps(self) -> int:
-        return int(self.cnt.sum())
+        """Rows of ``steps`` in use (with shared rows, fewer than the steps the units visit)."""
+        return int(self.cnt.sum()) if self.ptr is None else int(self.stored)
+
+    @property
+    def first(self) -> np.ndarray:
+        """The first row of each unit's steps."""
+        return np.cumsum(self.cnt) - self.cnt if self.ptr is None else self.ptr
+
+    def unshared(self) -> "_Raw":
+        """The same units with every unit's rows of its own, consecutive in unit order."""
+        if self.ptr is None:
+            return self
+        S = int(self.cnt.sum())
+        idx = np.repeat(self.ptr - (np.cumsum(self.cnt) - self.cnt), self.cnt) + np.arange(S)
+        steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+        np.take(self.steps, idx, axis=0, out=steps[:S])
+        return dataclasses.replace(self, steps=steps, ptr=None, stored=None)
 
     def select_heads(self, keep_head: np.ndarray) -> "_Raw":
+        if self.ptr is not None:
+            return self.unshared().select_heads(keep_head)
         ku = keep_head[self.head]
         ks = np.repeat(ku, self.cnt)
         return _Raw(self.head[ku], self.qs[ku], self.lo[ku], self.hi[ku], self.cnt[ku],
@@ -270,8 +291,9 @@ class _Raw:
 
     @staticmethod
     def concat(parts) -> "_Raw":
+        parts = [p.unshared() for p in parts]
         cat = {f.name: np.concatenate([getattr(p, f.name) for p in parts])
-               for f in dataclasses.fields(_Raw) if f.name != "steps"}
+               for f in dataclasses.fields(_Raw) if f.name not in ("steps", "ptr", "stored")}
         S = int(cat["cnt"].sum())
         steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
         np.concatenate([p.steps[: p.num_steps] for p in parts], out=steps[:S])
@@ -444,9 +466,16 @@ def _run_split(fn, n, work, *args):
     fut.result()
 
 
-def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
+SHARE_STEP_LISTS = True     # keep/merge: equal consecutive units share their step rows
+
+
+def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
     """keep / merge: one row group per unit, the group's K/V tiles anchored at interval starts
-    (compiled; the arrays equal ``plan_oracle._plan_rowgroups_numpy``'s)."""
+    (compiled; ``.unshared()`` of the result equals ``plan_oracle._plan_rowgroups_numpy``'s).
+    ``share`` (default SHARE_STEP_LISTS): the interior units of a tall row group (same group,
+    same rows) point at one copy of their step rows, so an all-selected mask stores one list
+    per unit height instead of one per unit: a smaller plan to build and to copy to the GPU."""
+    share = SHARE_STEP_LISTS if share is None else bool(share)
     _loops.compile_all()
     tq, tk, al = ctx.tile_q, ctx.tile_kv, ctx.kv_align
     words = ctx.words
@@ -466,6 +495,7 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
     cnt = np.empty(U, np.int64)
     upart = np.empty(U, np.int64)
     ukeys = np.empty(U, np.int64)
+    ptr = np.empty(U, np.int64)
     B = int(bound[-1])
     two = PLAN_THREADS >= 2 and U >= 2 and B >= _PAR_MIN_ROWS
     mid = min(max(int(np.searchsorted(bound, B // 2)), 1), U - 1) if two else U
@@ -473,7 +503,7 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
     if bucket(B) * abi.STEP_COLS * 4 <= _MAX_BOUND_BYTES:
         steps = np.zeros((bucket(B), abi.STEP_COLS), np.int32)
         r1 = int(bound[mid])
-        out = (steps, cnt, upart, ukeys)
+        out = (steps, cnt, upart, ukeys, ptr, share)
         fut = _on_worker(_loops._nb_fill, mid, U, r1, *common, *out) if two else None
         e0 = _loops._nb_fill(0, mid, 0, *common, *out)
         S = e0
@@ -485,6 +515,7 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
                 ctypes.memmove(steps.ctypes.data + e0 * row, steps.ctypes.data + r1 * row,
                                (e1 - r1) * row)
                 steps[S:min(e1, bucket(S))] = 0        # the rest is outside the view
+                ptr[mid:] -= r1 - e0
         steps = steps[: bucket(S)]     # a view; the OS never backs the bound's untouched rows
     else:
         cargs = (words, ugh, ugi, merge, kb, ka, tk, ltk, cnt)
@@ -495,13 +526,17 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool) -> _Raw:
         S = int(cnt.sum())
         r1 = int(cnt[:mid].sum())
         steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
-        out = (steps, cnt, upart, ukeys)
+        share = False           # the halves are placed by exact counts: no rows left out
+        out = (steps, cnt, upart, ukeys, ptr, share)
         fut = _on_worker(_loops._nb_fill, mid, U, r1, *common, *out) if two else None
         _loops._nb_fill(0, mid, 0, *common, *out)
         if fut is not None:
             fut.result()
     nfull = np.where((qlo == 0) & (qhi == tq), cnt - upart, 0)
-    return _Raw(ugh, qs, qlo, qhi, cnt, steps, nfull, (qhi - qlo) * ukeys)
+    raw = _Raw(ugh, qs, qlo, qhi, cnt, steps, nfull, (qhi - qlo) * ukeys)
+    if share:
+        raw.ptr, raw.stored = ptr, S
+    return raw
 
 
 def _empty_raw() -> _Raw:
@@ -668,7 +703,7 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     else:
         raw = _plan_policy(ctx, policy)
         head_policies = (policy,) * mask.num_heads
-    first = np.cumsum(raw.cnt) - raw.cnt
+    first = raw.first
     cost = _raw_costs(raw, ctx, shape, cost_model)
     # Selected interactions per unit, from its rectangles (each is computed exactly once).
     per_unit = [raw.head, raw.qs, raw.lo, raw.hi, raw.cnt, first, cost, raw.area]

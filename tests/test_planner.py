@@ -332,6 +332,56 @@ def test_shared_mask_units_share_steps_and_repeated_heads_too():
     assert ps.stats()["tiles"] == 4 * ps.num_steps
 
 
+def _unit_lists(plan):
+    """Each unit's fields but its step pointer, and its step rows (as bytes)."""
+    u = plan.units[: plan.num_units]
+    rows = [plan.steps[p:p + c].tobytes() for p, c in u[:, [4, 5]]]
+    return np.delete(u, 4, axis=1), rows
+
+
+@given(plan_masks(), st.sampled_from(TILES), st.sampled_from(POLICIES))
+@settings(max_examples=30, deadline=None)
+def test_shared_step_lists_change_only_pointers_and_storage(mt, tile, policy):
+    """Consecutive units with equal step lists point at one copy: every unit visits exactly the
+    rows it visits without sharing, and the plan stores no more rows."""
+    mask, Hq, Hkv = mt
+    planner._build_cached.cache_clear()
+    shared = _plan(mask, Hq, Hkv, *tile, policy)
+    assert planner.SHARE_STEP_LISTS
+    planner.SHARE_STEP_LISTS = False
+    try:
+        planner._build_cached.cache_clear()
+        plain = _plan(mask, Hq, Hkv, *tile, policy)
+    finally:
+        planner.SHARE_STEP_LISTS = True
+        planner._build_cached.cache_clear()
+    a_units, a_rows = _unit_lists(shared)
+    b_units, b_rows = _unit_lists(plain)
+    np.testing.assert_array_equal(a_units, b_units)
+    assert a_rows == b_rows
+    assert shared.num_steps <= plain.num_steps and shared.steps.shape[0] <= plain.steps.shape[0]
+    assert not shared.steps[shared.num_steps:].any()             # padding rows are zero
+    assert shared.all_full == plain.all_full
+
+
+def test_all_selected_mask_stores_one_list_per_unit_height():
+    """An all-selected mask: every full-height unit streams the same tiles, so the plan keeps
+    two lists per head-distinct mask (full height, and the short last unit), not one per unit."""
+    L, tq, tk = 1000, 128, 64
+    mask = tj.BlockMask.uniform(L, L, 100, 100, np.ones((1, 10, 10), bool))
+    planner._build_cached.cache_clear()
+    p = _plan(mask, 4, 2, tq, tk, "merge")
+    n_kv = -(-L // tk)
+    assert p.num_units == 4 * -(-L // tq) and p.num_steps == 2 * n_kv
+    assert int(p.step_counts().sum()) == p.num_units * n_kv
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, L, 4, 16)), jnp.float32)
+    k = jnp.asarray(np.random.default_rng(1).standard_normal((1, L, 2, 16)), jnp.float32)
+    out = tj.sparse_attention(q, k, k, mask, backend="xla", template=f"xla_{tq}x{tk}",
+                              policy="merge")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(tj.reference_attention(q, k, k, mask)),
+                               atol=2e-5, rtol=2e-5)
+
+
 def test_bucket_and_padding():
     assert [bucket(n) for n in (0, 1, 5, 8, 9, 17, 100, 1000)] == [1, 1, 5, 8, 10, 20, 112, 1024]
     for n in range(1, 5000, 37):
@@ -457,8 +507,12 @@ def test_compiled_keep_merge_equal_numpy_oracle(mt, tile, align, mode):
             mp.setattr(planner, "_PAR_MIN_ROWS", 0)
             if mode == "exact":
                 mp.setattr(planner, "_MAX_BOUND_BYTES", 0)
-            got = planner._plan_rowgroups(ctx, merge)
+            got = planner._plan_rowgroups(ctx, merge, share=False)
+            shared = planner._plan_rowgroups(ctx, merge, share=True)
         _assert_same_raw(got, want)
+        _assert_same_raw(shared.unshared(), want)       # same units, each its own rows again
+        assert shared.num_steps <= got.num_steps
+        assert not shared.steps[shared.num_steps:].any()   # rows past the kept ones are zero
 
 
 def test_compiled_keep_merge_edge_intervals():
@@ -476,8 +530,9 @@ def test_compiled_keep_merge_edge_intervals():
         for tk, kal in ((64, 8), (96, 32), (128, 1), (256, 64)):
             ctx = _ctx(m, 64, tk, 8, kal)
             for merge in (False, True):
-                _assert_same_raw(planner._plan_rowgroups(ctx, merge),
-                                 plan_oracle._plan_rowgroups_numpy(ctx, merge))
+                want = plan_oracle._plan_rowgroups_numpy(ctx, merge)
+                _assert_same_raw(planner._plan_rowgroups(ctx, merge, share=False), want)
+                _assert_same_raw(planner._plan_rowgroups(ctx, merge).unshared(), want)
             for numpy_fn, fn in _SPLIT_PACK:
                 _assert_same_raw(fn(ctx), numpy_fn(ctx))
 
