@@ -26,6 +26,8 @@ which a persistent kernel should take them; a grid kernel uses u as its program 
                  selected key (output 0, lse -inf). own_lo == own_hi marks a padding unit.
   UNIT_STEP_PTR  index of the unit's first step in ``steps``
   UNIT_STEP_CNT  number of steps; the unit visits steps[ptr : ptr + cnt] in order
+  Units may point at the same rows (the heads of a shared mask, the interior units of a tall
+  row group visit the same tiles with the same rectangles): kernels only read ``steps``.
 
 ``steps``: int32 [S, STEP_COLS]; row s is one K/V tile visited by one unit.
   STEP_KV_START  first key of the tile: k[kv_start : kv_start + tile_kv]

@@ -62,6 +62,9 @@ ahead of time). ``split``/``pack`` choose their units (NumPy / a compiled greedy
 write their steps with one compiled loop, once, into a reserved upper bound as keep/merge do.
 The NumPy versions of the three step builders (``plan_oracle``) are the tests' oracles.
 ``stats()`` is computed on first call, not at build time.
+Units share step rows where their lists are equal: the heads of a shared mask, and (keep/merge)
+the interior units of a tall row group, so an all-selected mask stores one list per unit
+height; this keeps the plan small to build and to copy to the GPU.
 ``build_plan`` is cached by (mask digest, shape, tile shape, policy, alignment, template,
 cost model, unit order): a repeated mask costs a dictionary lookup.
 
