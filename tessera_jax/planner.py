@@ -469,7 +469,10 @@ def _run_split(fn, n, work, *args):
     fut.result()
 
 
-SHARE_STEP_LISTS = True     # keep/merge: equal consecutive units share their step rows
+# keep/merge: equal consecutive units share their step rows. A switch for A/B measurements
+# (benchmarks/request_path.py); it is not part of the plan cache's key, so clear the cache
+# (``_build_cached.cache_clear()``) after changing it.
+SHARE_STEP_LISTS = True
 
 
 def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
