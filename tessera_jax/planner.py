@@ -603,12 +603,12 @@ def _raw_costs(raw: _Raw, ctx: _Ctx, shape: AttnShape, model) -> np.ndarray:
                              itemsize=np.dtype(shape.dtype).itemsize, model=model)
 
 
-def _plan_policy(ctx: _Ctx, policy: str) -> _Raw:
+def _plan_policy(ctx: _Ctx, policy: str, share: bool | None = None) -> _Raw:
     if policy == "split":
         return _plan_grid(ctx)
     if policy == "pack":
         return _plan_pack(ctx)
-    return _plan_rowgroups(ctx, merge=(policy == "merge"))
+    return _plan_rowgroups(ctx, merge=(policy == "merge"), share=share)
 
 
 def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_kv: int,
@@ -699,7 +699,8 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     Hd = words.shape[0]
 
     if policy == "auto":
-        raws = [_plan_policy(ctx, p) for p in _AUTO_CANDIDATES]
+        # Unshared rows: the heads' policies are mixed by selecting rows in unit order.
+        raws = [_plan_policy(ctx, p, share=False) for p in _AUTO_CANDIDATES]
         costs = [_raw_costs(r, ctx, shape, cost_model) for r in raws]
         per_head = np.stack([np.bincount(r.head, weights=c, minlength=Hd)
                              for r, c in zip(raws, costs)])
