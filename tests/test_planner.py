@@ -1,5 +1,6 @@
 """Planner properties: exact cover of the selected set, ABI invariants, stats, schedule, executor."""
 
+import contextlib
 import itertools
 import time
 
@@ -480,6 +481,18 @@ def _assert_split_pack_match_oracle(mask, tilings):
             _assert_same_raw(fn(ctx), numpy_fn(ctx))
 
 
+@contextlib.contextmanager
+def _on_threads(n, **planner_attrs):
+    """The planner on ``n`` threads, splitting work of any size (no minimum), with any other
+    planner attributes set as given (e.g. ``_MAX_BOUND_BYTES=0`` for the exact-count path)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(planner, "PLAN_THREADS", n)
+        mp.setattr(planner, "_PAR_MIN_ROWS", 0)
+        for name, value in planner_attrs.items():
+            mp.setattr(planner, name, value)
+        yield
+
+
 def _ctx(mask, tq, tk, q_align, kv_align, kv_len=None):
     kv_len = mask.Lkv if kv_len is None else kv_len
     qp = planner._round_up(max(mask.Lq, tq), q_align)
@@ -502,11 +515,8 @@ def test_compiled_keep_merge_equal_numpy_oracle(mt, tile, align, mode):
     ctx = _ctx(mask, tq, tk, qal, kal)
     for merge in (False, True):
         want = plan_oracle._plan_rowgroups_numpy(ctx, merge)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(planner, "PLAN_THREADS", 1 if mode == "one" else 2)
-            mp.setattr(planner, "_PAR_MIN_ROWS", 0)
-            if mode == "exact":
-                mp.setattr(planner, "_MAX_BOUND_BYTES", 0)
+        exact = {"_MAX_BOUND_BYTES": 0} if mode == "exact" else {}
+        with _on_threads(1 if mode == "one" else 2, **exact):
             got = planner._plan_rowgroups(ctx, merge, share=False)
             shared = planner._plan_rowgroups(ctx, merge, share=True)
         _assert_same_raw(got, want)
@@ -601,9 +611,7 @@ def test_compiled_split_equals_numpy_oracle(mt, tile, q_align, two):
     mask = mt[0]
     ctx = _ctx(mask, *tile, q_align, 1)
     want = plan_oracle._plan_grid_numpy(ctx)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(planner, "PLAN_THREADS", 2 if two else 1)
-        mp.setattr(planner, "_PAR_MIN_ROWS", 0)
+    with _on_threads(2 if two else 1):
         got = planner._plan_grid(ctx)
     _assert_same_raw(got, want)
 
@@ -617,9 +625,7 @@ def test_compiled_pack_policy_equals_numpy_oracle(mt, tile, align, two):
     qal, kal = align
     ctx = _ctx(mask, tq, tk, qal, kal if tk % kal == 0 else 1)
     want = plan_oracle._plan_pack_numpy(ctx)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(planner, "PLAN_THREADS", 2 if two else 1)
-        mp.setattr(planner, "_PAR_MIN_ROWS", 0)
+    with _on_threads(2 if two else 1):
         got = planner._plan_pack(ctx)
     _assert_same_raw(got, want)
 
@@ -647,10 +653,7 @@ def test_compiled_split_pack_exact_count_path(mt, tile, align, two):
     ctx = _ctx(mask, tq, tk, align[0], align[1] if tk % align[1] == 0 else 1)
     for numpy_fn, fn in _SPLIT_PACK:
         want = numpy_fn(ctx)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(planner, "PLAN_THREADS", 2 if two else 1)
-            mp.setattr(planner, "_PAR_MIN_ROWS", 0)
-            mp.setattr(planner, "_MAX_BOUND_BYTES", 0)
+        with _on_threads(2 if two else 1, _MAX_BOUND_BYTES=0):
             got = fn(ctx)
         _assert_same_raw(got, want)
 
@@ -701,12 +704,7 @@ def test_compiled_split_pack_two_threads_any_estimate(mt, tile, align, margin, s
     ctx = _ctx(mask, tq, tk, align[0], align[1] if tk % align[1] == 0 else 1)
     for numpy_fn, fn in _SPLIT_PACK:
         want = numpy_fn(ctx)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(planner, "PLAN_THREADS", 2)
-            mp.setattr(planner, "_PAR_MIN_ROWS", 0)
-            mp.setattr(planner, "_EST_MARGIN", margin)
-            mp.setattr(planner, "_SAMPLE_STRIDE", stride)
-            mp.setattr(planner, "_EST_SLACK", 0)
+        with _on_threads(2, _EST_MARGIN=margin, _SAMPLE_STRIDE=stride, _EST_SLACK=0):
             got = fn(ctx)
         _assert_same_raw(got, want)
 
