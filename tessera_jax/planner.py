@@ -285,8 +285,8 @@ class _Raw:
         return dataclasses.replace(self, steps=steps, ptr=None, stored=None)
 
     def select_heads(self, keep_head: np.ndarray) -> "_Raw":
-        if self.ptr is not None:
-            return self.unshared().select_heads(keep_head)
+        """The units of the kept heads (rows in unit order: ``auto`` plans unshared)."""
+        assert self.ptr is None, "select_heads needs rows in unit order"
         ku = keep_head[self.head]
         ks = np.repeat(ku, self.cnt)
         return _Raw(self.head[ku], self.qs[ku], self.lo[ku], self.hi[ku], self.cnt[ku],
@@ -294,7 +294,7 @@ class _Raw:
 
     @staticmethod
     def concat(parts) -> "_Raw":
-        parts = [p.unshared() for p in parts]
+        assert all(p.ptr is None for p in parts), "concat needs rows in unit order"
         cat = {f.name: np.concatenate([getattr(p, f.name) for p in parts])
                for f in dataclasses.fields(_Raw) if f.name not in ("steps", "ptr", "stored")}
         S = int(cat["cnt"].sum())
