@@ -70,8 +70,10 @@ class KernelConfig:
             raise ValueError(f"tile_q must be {_WG_ROWS} (one consumer warpgroup) or "
                              f"{2 * _WG_ROWS} (two warpgroups of {_WG_ROWS} rows), "
                              f"got {self.tile_q}")
-        if self.tile_kv % 64 or self.tile_kv <= 0:
-            raise ValueError(f"tile_kv must be a positive multiple of 64, got {self.tile_kv}")
+        if self.tile_kv % 64 or not 0 < self.tile_kv <= plan_abi.MAX_TILE:
+            raise ValueError(f"tile_kv must be a positive multiple of 64 up to "
+                             f"{plan_abi.MAX_TILE} (the plan ABI packs rectangle bounds in "
+                             f"bytes), got {self.tile_kv}")
         if self.stages < 2:
             raise ValueError(f"stages must be at least 2, got {self.stages}")
         if self.mask_mode not in _MASK_MODES:
@@ -249,10 +251,11 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
                 def rect(i):
                     # Rectangle of step i, rows relative to this warpgroup's 64 rows. The
                     # index is clamped so a unit with no steps never reads past ``steps``.
+                    # One int32 load, four bytes (``plan_abi.unpack_rect``).
                     s = jnp.minimum(ptr + i, num_steps - 1)
-                    return (steps_ref[s, plan_abi.STEP_Q_LO] - row0,
-                            steps_ref[s, plan_abi.STEP_Q_HI] - row0,
-                            steps_ref[s, plan_abi.STEP_KV_LO], steps_ref[s, plan_abi.STEP_KV_HI])
+                    q_lo, q_hi, kv_lo, kv_hi = plan_abi.unpack_rect(
+                        steps_ref[s, plan_abi.STEP_RECT])
+                    return q_lo - row0, q_hi - row0, kv_lo, kv_hi
 
                 def make_body(mode, wg_skip):
                     # One step of the K/V loop, specialised for a mask mode ("cond", "always" or
@@ -526,8 +529,7 @@ def _unit_full(units, steps, tile_q, tile_kv):
     """int32 [U]: 1 where every step of the unit is the full tile (in-graph, so traced plans
     get it too): a prefix count of partial steps differenced over [ptr, ptr + cnt)."""
     S = steps.shape[0]
-    full = ((steps[:, plan_abi.STEP_Q_LO] == 0) & (steps[:, plan_abi.STEP_Q_HI] == tile_q)
-            & (steps[:, plan_abi.STEP_KV_LO] == 0) & (steps[:, plan_abi.STEP_KV_HI] == tile_kv))
+    full = steps[:, plan_abi.STEP_RECT] == plan_abi.full_rect(tile_q, tile_kv)
     partial = jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                jnp.cumsum((~full).astype(jnp.int32))])
     lo = jnp.clip(units[:, plan_abi.UNIT_STEP_PTR], 0, S)
@@ -602,9 +604,7 @@ def _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded) -> bool:
         raise ValueError(f"steps: every kv_start must be a multiple of kv_align={t.kv_align} "
                          f"with kv_start + {t.tile_kv} <= kv_len_padded={kv_len_padded} "
                          f"(template {t.name!r}); plan for this template")
-    return bool(np.all((vis[:, plan_abi.STEP_Q_LO] == 0) & (vis[:, plan_abi.STEP_Q_HI] == t.tile_q)
-                       & (vis[:, plan_abi.STEP_KV_LO] == 0)
-                       & (vis[:, plan_abi.STEP_KV_HI] == t.tile_kv)))
+    return bool(np.all(vis[:, plan_abi.STEP_RECT] == plan_abi.full_rect(t.tile_q, t.tile_kv)))
 
 
 def mask_mode_for(template, all_full: bool) -> str:

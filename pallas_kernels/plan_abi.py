@@ -29,27 +29,90 @@ which a persistent kernel should take them; a grid kernel uses u as its program 
   Units may point at the same rows (the heads of a shared mask, the interior units of a tall
   row group visit the same tiles with the same rectangles): kernels only read ``steps``.
 
-``steps``: int32 [S, STEP_COLS]; row s is one K/V tile visited by one unit.
+``steps``: int32 [S, STEP_COLS] (8 bytes a row); row s is one K/V tile visited by one unit.
   STEP_KV_START  first key of the tile: k[kv_start : kv_start + tile_kv]
-  STEP_Q_LO      selected rows of this step, relative to the unit's tile: [q_lo, q_hi)
-  STEP_Q_HI        (always inside [own_lo, own_hi))
-  STEP_KV_LO     selected keys of this step, relative to the tile: [kv_lo, kv_hi)
-  STEP_KV_HI
+  STEP_RECT      the selected rectangle, four bytes of one int32:
+                   rect = q_lo | q_hi << 8 | kv_lo << 16 | kv_hi << 24
+                 rows [q_lo, q_hi) of the unit's tile (always inside [own_lo, own_hi)) and
+                 keys [kv_lo, kv_hi) of the K/V tile, each field in 0..255 (tiles are at most
+                 MAX_TILE = 255 rows / keys). kv_hi >= 128 sets bit 31, so rect can be
+                 negative: decode a field as ``(rect >> shift) & 0xFF``, which is exact under
+                 an arithmetic shift too (``pack_rect`` / ``unpack_rect`` / ``unpack_steps``).
   A step selects exactly the rectangle rows [q_lo, q_hi) x keys [kv_lo, kv_hi); every other
   entry of the tile is masked (-inf before the softmax). A step is *full* when the rectangle
-  is the whole tile (q_lo == 0, q_hi == tile_q, kv_lo == 0, kv_hi == tile_kv): kernels may
+  is the whole tile, rect == pack_rect(0, tile_q, 0, tile_kv) (``full_rect``): kernels may
   skip masking then. The rectangles of one unit never overlap, so each selected interaction
-  is computed exactly once. Padding steps have q_lo == q_hi (select nothing).
+  is computed exactly once. Padding steps have q_lo == q_hi (select nothing; an all-zero row
+  is one).
 
 Outputs are *unit-major*: out_units [B, U, tile_q, D] and lse_units [B, U, tile_q] (float32,
 natural log; -inf for a row with no selected key). The wrapper gathers the owned rows back
 to [B, Lq, Hq, D]; this keeps every kernel store a whole, non-overlapping tile.
 """
 
+import numpy as np
+
 UNIT_HEAD, UNIT_Q_START, UNIT_OWN_LO, UNIT_OWN_HI, UNIT_STEP_PTR, UNIT_STEP_CNT = range(6)
 UNIT_COLS = 6
-STEP_KV_START, STEP_Q_LO, STEP_Q_HI, STEP_KV_LO, STEP_KV_HI = range(5)
-STEP_COLS = 5
+STEP_KV_START, STEP_RECT = range(2)
+STEP_COLS = 2
+MAX_TILE = 255          # the largest tile_q / tile_kv: a rectangle bound must fit one byte
+# Columns of ``unpack_steps``'s view [S, 5] (the rectangle's four bounds unpacked).
+VIEW_KV_START, VIEW_Q_LO, VIEW_Q_HI, VIEW_KV_LO, VIEW_KV_HI = range(5)
+VIEW_COLS = 5
+
+
+def check_tiles(tile_q, tile_kv) -> None:
+    """ValueError unless both tiles fit the packed rectangle (1..MAX_TILE)."""
+    for name, val in (("tile_q", tile_q), ("tile_kv", tile_kv)):
+        if not 1 <= int(val) <= MAX_TILE:
+            raise ValueError(f"{name}={val} does not fit the plan ABI's packed step rectangle "
+                             f"(each bound is one byte): tiles must be in [1, {MAX_TILE}]")
+
+
+def _is_jax(*xs) -> bool:
+    return any(type(x).__module__.startswith(("jax", "jaxlib")) for x in xs)
+
+
+def pack_rect(q_lo, q_hi, kv_lo, kv_hi):
+    """The STEP_RECT value of a rectangle (fields 0..255): int32, NumPy or jnp like the input.
+
+    NumPy inputs are combined in int64 and wrapped to int32 (kv_hi >= 128 gives a negative
+    value); jnp int32 inputs wrap by themselves. Python ints give a NumPy int32 scalar.
+    """
+    if _is_jax(q_lo, q_hi, kv_lo, kv_hi):
+        import jax.numpy as jnp
+
+        a, b, c, d = (jnp.asarray(x, jnp.int32) for x in (q_lo, q_hi, kv_lo, kv_hi))
+        return a | (b << 8) | (c << 16) | (d << 24)
+    a, b, c, d = (np.asarray(x, np.int64) for x in (q_lo, q_hi, kv_lo, kv_hi))
+    return (a | (b << 8) | (c << 16) | (d << 24)).astype(np.int32)[()]
+
+
+def full_rect(tile_q: int, tile_kv: int) -> int:
+    """The STEP_RECT of a full step (the whole tile), as a Python int in int32 range."""
+    return int(pack_rect(0, tile_q, 0, tile_kv))
+
+
+def unpack_rect(x):
+    """(q_lo, q_hi, kv_lo, kv_hi) of STEP_RECT values (int, NumPy or jnp; any integer dtype)."""
+    return x & 0xFF, (x >> 8) & 0xFF, (x >> 16) & 0xFF, (x >> 24) & 0xFF
+
+
+def unpack_steps(steps):
+    """int32 [S, VIEW_COLS] (kv_start, q_lo, q_hi, kv_lo, kv_hi) of steps [S, STEP_COLS]: the
+    unpacked view, for tests, plots and debugging (NumPy in, NumPy out; jnp in, jnp out)."""
+    xp = np
+    if _is_jax(steps):
+        import jax.numpy as jnp
+        xp = jnp
+    else:
+        steps = np.asarray(steps)
+    if steps.ndim != 2 or steps.shape[1] != STEP_COLS:
+        raise ValueError(f"steps must have shape [S, {STEP_COLS}], got {tuple(steps.shape)}")
+    r = steps[:, STEP_RECT]
+    return xp.stack([steps[:, STEP_KV_START], *unpack_rect(r)], axis=1).astype(xp.int32)
+
 
 # ``row_index``: int32 [Hq, q_len] (q_len = the true Lq), part of every plan. For query head h
 # and row i it is the flat index u * tile_q + r of the unit row that owns (h, i), or the

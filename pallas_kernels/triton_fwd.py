@@ -46,8 +46,9 @@ def padded_head_dim(head_dim: int) -> int:
 class TritonConfig:
     """Static kernel parameters (part of the compiled executable).
 
-    tile_q, tile_kv: the plan's Q tile height and K/V tile width (powers of two >= 16: Triton
-      blocks must be powers of two and its dot needs 16).
+    tile_q, tile_kv: the plan's Q tile height and K/V tile width (powers of two in [16, 128]:
+      Triton blocks must be powers of two, its dot needs 16, the plan ABI's rectangle bytes
+      hold at most 255).
     num_warps: warps per program; None picks 4 for head_dim <= 64, else 8 (like jax's mha).
     num_stages: software-pipelining depth of the K/V loads inside the step loop.
     mask_mode: how steps are masked. "cond": a ``lax.cond`` per step skips the element mask
@@ -75,8 +76,10 @@ class TritonConfig:
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
                 raise TypeError(f"{name} must be an int, got {type(val).__name__}")
-            if not _is_pow2(val) or val < MIN_TILE:
-                raise ValueError(f"{name} must be a power of two >= {MIN_TILE}, got {val}")
+            if not _is_pow2(val) or not MIN_TILE <= val <= plan_abi.MAX_TILE:
+                raise ValueError(f"{name} must be a power of two in [{MIN_TILE}, "
+                                 f"{plan_abi.MAX_TILE}] (the plan ABI packs rectangle "
+                                 f"bounds in bytes), got {val}")
         if self.num_warps is not None:
             if isinstance(self.num_warps, bool) or not isinstance(self.num_warps, (int, np.integer)):
                 raise TypeError(f"num_warps must be an int or None, got {type(self.num_warps).__name__}")
@@ -136,17 +139,15 @@ def _fwd_kernel(*refs, tile_q: int, tile_kv: int, group: int, qk_scale: float, m
         v = v_ref[pl.ds(kv_start, tile_kv), kv_head, :]
         qk = plgpu.dot(q, k, trans_b=True, precision=precision)     # f32 [tile_q, tile_kv]
         if masking != "none":
-            q_lo = steps_ref[s, plan_abi.STEP_Q_LO]
-            q_hi = steps_ref[s, plan_abi.STEP_Q_HI]
-            kv_lo = steps_ref[s, plan_abi.STEP_KV_LO]
-            kv_hi = steps_ref[s, plan_abi.STEP_KV_HI]
+            rect = steps_ref[s, plan_abi.STEP_RECT]
 
             def masked(x):
+                q_lo, q_hi, kv_lo, kv_hi = plan_abi.unpack_rect(rect)
                 keep = ((row >= q_lo) & (row < q_hi)) & ((col >= kv_lo) & (col < kv_hi))
                 return jnp.where(keep, x, -jnp.inf)
 
             if masking == "cond":
-                full = (q_lo == 0) & (q_hi == tile_q) & (kv_lo == 0) & (kv_hi == tile_kv)
+                full = rect == jnp.int32(plan_abi.full_rect(tile_q, tile_kv))
                 qk = lax.cond(full, lambda x: x, masked, qk)
             else:
                 qk = masked(qk)
@@ -204,10 +205,8 @@ def _fwd_kernel(*refs, tile_q: int, tile_kv: int, group: int, qk_scale: float, m
 def _leading_full_steps(units, steps, tile_q: int, tile_kv: int):
     """int32 [U]: how many of each unit's first steps are full (mask mode "prefix"), from the
     index of the next partial step at or after each row (a reverse running minimum)."""
-    st = steps
     S = steps.shape[0]
-    partial = ~((st[:, plan_abi.STEP_Q_LO] == 0) & (st[:, plan_abi.STEP_Q_HI] == tile_q)
-                & (st[:, plan_abi.STEP_KV_LO] == 0) & (st[:, plan_abi.STEP_KV_HI] == tile_kv))
+    partial = steps[:, plan_abi.STEP_RECT] != plan_abi.full_rect(tile_q, tile_kv)
     idx = jnp.where(partial, jnp.arange(S, dtype=jnp.int32), jnp.int32(S))
     next_partial = jnp.concatenate([lax.cummin(idx, reverse=True), jnp.full((1,), S, jnp.int32)])
     ptr = jnp.clip(units[:, plan_abi.UNIT_STEP_PTR], 0, S)
@@ -313,7 +312,7 @@ def _check_concrete_plan(units, steps, Hq, tile_q, tile_kv, q_len_padded, kv_len
     hit = _CHECKED.get(key)
     if hit is not None:
         return hit[2]
-    u, st = np.asarray(units, np.int64), np.asarray(steps, np.int64)
+    u, st = np.asarray(units, np.int64), np.asarray(steps)
     real = u[:, plan_abi.UNIT_STEP_CNT] > 0
     head, qs = u[:, plan_abi.UNIT_HEAD], u[:, plan_abi.UNIT_Q_START]
     ptr, cnt = u[:, plan_abi.UNIT_STEP_PTR], u[:, plan_abi.UNIT_STEP_CNT]
@@ -324,7 +323,7 @@ def _check_concrete_plan(units, steps, Hq, tile_q, tile_kv, q_len_padded, kv_len
         bad.append(f"a unit's Q tile leaves [0, q_len_padded={q_len_padded})")
     if (cnt < 0).any() or ((ptr < 0) | (ptr + cnt > len(st)))[real].any():
         bad.append(f"a unit's steps leave the {len(st)} rows of steps")
-    kvs = st[:, plan_abi.STEP_KV_START]
+    kvs = st[:, plan_abi.STEP_KV_START].astype(np.int64)
     if ((kvs < 0) | (kvs + tile_kv > kv_len_padded)).any():
         bad.append(f"a step's K/V tile leaves [0, kv_len_padded={kv_len_padded})")
     if bad:
@@ -334,8 +333,7 @@ def _check_concrete_plan(units, steps, Hq, tile_q, tile_kv, q_len_padded, kv_len
     np.add.at(edges, ptr[real], 1)
     np.add.at(edges, (ptr + cnt)[real], -1)
     visited = np.cumsum(edges[:-1]) > 0
-    full = ((st[:, plan_abi.STEP_Q_LO] == 0) & (st[:, plan_abi.STEP_Q_HI] == tile_q)
-            & (st[:, plan_abi.STEP_KV_LO] == 0) & (st[:, plan_abi.STEP_KV_HI] == tile_kv))
+    full = st[:, plan_abi.STEP_RECT] == plan_abi.full_rect(tile_q, tile_kv)
     all_full = bool((full | ~visited).all())
     if len(_CHECKED) >= 64:
         _CHECKED.pop(next(iter(_CHECKED)))

@@ -96,6 +96,8 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
             continue
         ptr[u] = s
         s0 = s
+        rows = ql | (qh << 8)              # the rectangle's row bytes (STEP_RECT)
+        mid = rows | (tk << 24)            # a tile inside an interval: keys [0, tk)
         part = 0
         keys = 0
         carry = zero
@@ -126,10 +128,7 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
                 khl = ke - a0                  # the last tile's hi, if the first is the last
                 if khl <= tk and a0 <= lim:    # one tile, inside the padded length
                     steps[s, 0] = a0
-                    steps[s, 1] = ql
-                    steps[s, 2] = qh
-                    steps[s, 3] = kl0
-                    steps[s, 4] = khl
+                    steps[s, 1] = rows | (kl0 << 16) | (khl << 24)
                     part += (kl0 != 0) | (khl != tk)
                     s += 1
                 else:
@@ -139,30 +138,20 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
                     sh = tl - lim              # > 0: the last tile is shifted back inside kvp
                     if n > 1:
                         steps[s, 0] = a0
-                        steps[s, 1] = ql
-                        steps[s, 2] = qh
-                        steps[s, 3] = kl0
-                        steps[s, 4] = tk
+                        steps[s, 1] = mid | (kl0 << 16)
                         for r in range(1, n - 1):
                             steps[s + r, 0] = a0 + r * tk
-                            steps[s + r, 1] = ql
-                            steps[s + r, 2] = qh
-                            steps[s + r, 3] = 0
-                            steps[s + r, 4] = tk
+                            steps[s + r, 1] = mid
                         s += n - 1
                         part += kl0 != 0
                         kl0 = 0
-                    steps[s, 1] = ql
-                    steps[s, 2] = qh
                     if sh > 0:
                         steps[s, 0] = tl - sh
-                        steps[s, 3] = kl0 + sh
-                        steps[s, 4] = khl + sh
+                        steps[s, 1] = rows | ((kl0 + sh) << 16) | ((khl + sh) << 24)
                         part += 1
                     else:
                         steps[s, 0] = tl
-                        steps[s, 3] = kl0
-                        steps[s, 4] = khl
+                        steps[s, 1] = rows | (kl0 << 16) | (khl << 24)
                         part += khl != tk
                     s += 1
                 js = -1
@@ -284,15 +273,13 @@ def _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps):
     if not write:
         return s + t1 - t0, 0, 0
     rows_full = (ra == 0) & (rb == tq)
+    rows = ra | (rb << 8)                  # the rectangle's row bytes (STEP_RECT)
     full = 0
     ts = t0 * tk + anchor
     kl = c0 + anchor - ts                  # only the first tile can start late
     for _ in range(t1 - t0 - 1):           # all tiles but the last end at the tile's end
         steps[s, 0] = ts
-        steps[s, 1] = ra
-        steps[s, 2] = rb
-        steps[s, 3] = kl
-        steps[s, 4] = tk
+        steps[s, 1] = rows | (kl << 16) | (tk << 24)
         full += rows_full & (kl == 0)
         kl = 0
         ts += tk
@@ -300,10 +287,7 @@ def _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps):
     kh = c1 + anchor - ts
     sh = max(ts + tk - kvp, 0)
     steps[s, 0] = ts - sh
-    steps[s, 1] = ra
-    steps[s, 2] = rb
-    steps[s, 3] = kl + sh
-    steps[s, 4] = kh + sh
+    steps[s, 1] = rows | ((kl + sh) << 16) | ((kh + sh) << 24)
     full += rows_full & (kl + sh == 0) & (kh + sh == tk)
     return s + 1, full, (rb - ra) * (c1 - c0)
 
@@ -361,10 +345,8 @@ def _nb_rects_one(u, s, w2, r, ra, rb, kb, ka, grid, tq, tk, ltk, kvp, write, st
                 if c1 - ts <= tk and ts + anchor <= lim:    # one tile, not shifted
                     if write:
                         steps[s, 0] = ts + anchor
-                        steps[s, 1] = ra
-                        steps[s, 2] = rb
-                        steps[s, 3] = c0 - ts
-                        steps[s, 4] = c1 - ts
+                        steps[s, 1] = (ra | (rb << 8) | ((c0 - ts) << 16)
+                                       | ((c1 - ts) << 24))
                         full += (c0 == ts) & (c1 - ts == tk)
                         keys += c1 - c0
                     s += 1
@@ -432,10 +414,7 @@ def _nb_rects_two(u, s, w2, x0, x1, ra0, rb0, ra1, rb1, touch, kb, ka, grid, tq,
                         if write:
                             kl, kh = c0 - ts, c1 - ts
                             steps[s, 0] = ts + anchor
-                            steps[s, 1] = ra
-                            steps[s, 2] = rb
-                            steps[s, 3] = kl
-                            steps[s, 4] = kh
+                            steps[s, 1] = ra | (rb << 8) | (kl << 16) | (kh << 24)
                             full += (ra == 0) & (rb == tq) & (kl == 0) & (kh == tk)
                             sel_area += (rb - ra) * (kh - kl)
                         s += 1
@@ -616,10 +595,7 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
                             if write:
                                 kl, kh = c0 - ts, c1 - ts
                                 steps[s, 0] = ts + anchor
-                                steps[s, 1] = ra
-                                steps[s, 2] = rb
-                                steps[s, 3] = kl
-                                steps[s, 4] = kh
+                                steps[s, 1] = ra | (rb << 8) | (kl << 16) | (kh << 24)
                                 full += (ra == 0) & (rb == tq) & (kl == 0) & (kh == tk)
                                 sel_area += (rb - ra) * (kh - kl)
                             s += 1

@@ -117,9 +117,8 @@ def _raw_from_columns(ctx: _Ctx, head, qs, lo, hi, cnt, kvs, ql, qh, kl, kh) -> 
     """A _Raw from per-step columns (split / pack): step rows, full steps and areas per unit."""
     S = len(kvs)
     steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
-    for col, x in ((abi.STEP_KV_START, kvs), (abi.STEP_Q_LO, ql), (abi.STEP_Q_HI, qh),
-                   (abi.STEP_KV_LO, kl), (abi.STEP_KV_HI, kh)):
-        steps[:S, col] = x
+    steps[:S, abi.STEP_KV_START] = kvs
+    steps[:S, abi.STEP_RECT] = abi.pack_rect(ql, qh, kl, kh)
     first = np.cumsum(cnt) - cnt
     if len(first):
         full = (ql == 0) & (qh == ctx.tile_q) & (kl == 0) & (kh == ctx.tile_kv)
@@ -139,7 +138,7 @@ def _plan_rowgroups_numpy(ctx: _Ctx, merge: bool) -> _Raw:
     and the step rows in cache-sized chunks of units, where each (unit, key interval) pair
     contributes one template row that ``np.repeat`` expands into the interval's tiles; the K/V
     starts then advance by one tile per row, the first, last and shifted tiles are patched, and
-    the chunk is copied once into ``steps``.
+    the chunk (in the unpacked view of ``plan_abi.unpack_steps``) is packed into ``steps``.
     """
     tq, tk, al, kvp = ctx.tile_q, ctx.tile_kv, ctx.kv_align, ctx.kvp
     gh, gi, ge = _row_groups(ctx, merge)
@@ -229,19 +228,19 @@ def _plan_rowgroups_numpy(ctx: _Ctx, merge: bool) -> _Raw:
         fc -= nn                                      # first row of each instance (chunk)
         # kv_start = a0 + (row - fc) * tk: the template holds a0 - fc * tk, then every row
         # gets row * tk added after the repeat.
-        tm = np.empty((i1 - i0, abi.STEP_COLS), np.int32)
-        col = np.multiply(fc, tk, out=tm[:, abi.STEP_KV_START])
+        tm = np.empty((i1 - i0, abi.VIEW_COLS), np.int32)
+        col = np.multiply(fc, tk, out=tm[:, abi.VIEW_KV_START])
         np.subtract(a0[iv], col, out=col)
-        tm[:, abi.STEP_Q_LO] = np.repeat(qlo32[u0:u1], mm)
-        tm[:, abi.STEP_Q_HI] = np.repeat(qhi32[u0:u1], mm)
+        tm[:, abi.VIEW_Q_LO] = np.repeat(qlo32[u0:u1], mm)
+        tm[:, abi.VIEW_Q_HI] = np.repeat(qhi32[u0:u1], mm)
         if single:
-            tm[:, abi.STEP_KV_LO] = kl0[iv]
-            tm[:, abi.STEP_KV_HI] = khl[iv]
+            tm[:, abi.VIEW_KV_LO] = kl0[iv]
+            tm[:, abi.VIEW_KV_HI] = khl[iv]
         else:
-            tm[:, abi.STEP_KV_LO] = 0
-            tm[:, abi.STEP_KV_HI] = tk
+            tm[:, abi.VIEW_KV_LO] = 0
+            tm[:, abi.VIEW_KV_HI] = tk
         t = np.repeat(tm, nn, axis=0)
-        t[:, abi.STEP_KV_START] += np.arange(0, (s1 - s0) * tk, tk, dtype=np.int32)
+        t[:, abi.VIEW_KV_START] += np.arange(0, (s1 - s0) * tk, tk, dtype=np.int32)
         lc = fc + nn
         lc -= 1                                       # last row of each instance
         if single:
@@ -250,20 +249,21 @@ def _plan_rowgroups_numpy(ctx: _Ctx, merge: bool) -> _Raw:
                 c = nn[mi] - 1
                 r = np.repeat(fc[mi] - (np.cumsum(c) - c), c)
                 r += np.arange(len(r))
-                t[r, abi.STEP_KV_HI] = tk             # not last
-                t[r + 1, abi.STEP_KV_LO] = 0          # not first
+                t[r, abi.VIEW_KV_HI] = tk             # not last
+                t[r + 1, abi.VIEW_KV_LO] = 0          # not first
         else:
-            t[lc, abi.STEP_KV_HI] = khl[iv]
+            t[lc, abi.VIEW_KV_HI] = khl[iv]
             k = np.flatnonzero(late[iv])
-            t[fc[k], abi.STEP_KV_LO] = kl0[k + i0 if U == G else iv[k]]
+            t[fc[k], abi.VIEW_KV_LO] = kl0[k + i0 if U == G else iv[k]]
         if shifted is not None:                       # last tiles shifted back inside kvp
             k = np.flatnonzero(shifted[iv])
             if k.size:
                 sc = shift_at[k + i0 if U == G else iv[k]]
-                t[lc[k], abi.STEP_KV_START] -= sc
+                t[lc[k], abi.VIEW_KV_START] -= sc
                 more = nn[k] > 1                      # a single tile has the shift in its lo
-                t[lc[k[more]], abi.STEP_KV_LO] = sc[more]
-        steps[s0:s1] = t
+                t[lc[k[more]], abi.VIEW_KV_LO] = sc[more]
+        steps[s0:s1, abi.STEP_KV_START] = t[:, abi.VIEW_KV_START]
+        steps[s0:s1, abi.STEP_RECT] = abi.pack_rect(*t[:, abi.VIEW_Q_LO:].T)
     return _Raw(gh[ug], qs, qlo, qhi, cnt, steps, nfull, area)
 
 

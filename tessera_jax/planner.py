@@ -145,10 +145,8 @@ class Plan:
         step rows, and skipped when the planner already counted a partial step."""
         if not self.maybe_all_full:
             return False
-        st = self.steps[: self.num_steps]
-        return bool(np.all((st[:, abi.STEP_Q_LO] == 0) & (st[:, abi.STEP_Q_HI] == self.tile_q)
-                           & (st[:, abi.STEP_KV_LO] == 0)
-                           & (st[:, abi.STEP_KV_HI] == self.tile_kv)))
+        rect = self.steps[: self.num_steps, abi.STEP_RECT]
+        return bool(np.all(rect == abi.full_rect(self.tile_q, self.tile_kv)))
 
     @property
     def capacities(self) -> tuple[int, int, int]:
@@ -630,6 +628,7 @@ def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_k
                       ("kv_align", kv_align)):
         if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
+    abi.check_tiles(tile_q, tile_kv)
     if tile_q % q_align:
         raise ValueError(f"tile_q={tile_q} must be a multiple of q_align={q_align}")
     if tile_kv % kv_align:
@@ -780,13 +779,13 @@ def _tile_rects(plan: Plan) -> dict:
     T = int(cnt.sum())
     unit = np.repeat(np.arange(plan.num_units), cnt)
     step = np.repeat(u[:, abi.UNIT_STEP_PTR] - (np.cumsum(cnt) - cnt), cnt) + np.arange(T)
-    st = plan.steps.astype(np.int64)[step]
+    st = plan.steps[step]
     q0 = u[unit, abi.UNIT_Q_START]
-    k0 = st[:, abi.STEP_KV_START]
+    k0 = st[:, abi.STEP_KV_START].astype(np.int64)
+    q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(st[:, abi.STEP_RECT].astype(np.int64))
     return {"unit": unit, "step": step, "head": u[unit, abi.UNIT_HEAD],
             "q0": q0, "q1": q0 + plan.tile_q, "k0": k0, "k1": k0 + plan.tile_kv,
-            "r0": q0 + st[:, abi.STEP_Q_LO], "r1": q0 + st[:, abi.STEP_Q_HI],
-            "c0": k0 + st[:, abi.STEP_KV_LO], "c1": k0 + st[:, abi.STEP_KV_HI]}
+            "r0": q0 + q_lo, "r1": q0 + q_hi, "c0": k0 + kv_lo, "c1": k0 + kv_hi}
 
 
 def tile_kinds(plan: Plan, rects: dict | None = None) -> np.ndarray:

@@ -50,16 +50,16 @@ def execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded, 
         st = steps[sidx]                                  # [C, M, STEP_COLS]
         qi = u[:, abi.UNIT_Q_START, None] + r_t[None]     # [C, T]
         qt = q[:, qi, h[:, None]]                         # [B, C, T, D]
+        rect = abi.unpack_rect(st[..., abi.STEP_RECT])   # 4 x [C, M]
+        q_lo, q_hi, kv_lo, kv_hi = (x[..., None] for x in rect)
         ki = st[..., abi.STEP_KV_START, None] + c_t       # [C, M, Tk]
         kvh = (h // group)[:, None, None]
         kt = k[:, ki, kvh]                                # [B, C, M, Tk, D]
         vt = v[:, ki, kvh]
         s = jnp.einsum("bctd,bcmkd->bctmk", qt, kt,
                        preferred_element_type=acc_t, precision=lax.Precision.HIGHEST) * scale
-        rows = ((r_t[None, None, :] >= st[..., abi.STEP_Q_LO, None])
-                & (r_t[None, None, :] < st[..., abi.STEP_Q_HI, None]) & valid[..., None])
-        cols = ((c_t[None, None, :] >= st[..., abi.STEP_KV_LO, None])
-                & (c_t[None, None, :] < st[..., abi.STEP_KV_HI, None]))
+        rows = ((r_t[None, None, :] >= q_lo) & (r_t[None, None, :] < q_hi) & valid[..., None])
+        cols = (c_t[None, None, :] >= kv_lo) & (c_t[None, None, :] < kv_hi)
         sel = rows.transpose(0, 2, 1)[:, :, :, None] & cols[:, None, :, :]   # [C, T, M, Tk]
         s = jnp.where(sel[None], s, -jnp.inf)
         m = jnp.max(s, axis=(-2, -1), keepdims=True)

@@ -134,7 +134,10 @@ def _hand_plan(token_mask, Hq, tile_q, tile_kv, seed):
     ua = np.zeros((U, plan_abi.UNIT_COLS), np.int32)
     ua[:len(units)] = units
     sa = np.zeros((len(steps) + 5, plan_abi.STEP_COLS), np.int32)
-    sa[:len(steps)] = steps
+    if steps:
+        view = np.array(steps, np.int64)       # (kv_start, q_lo, q_hi, kv_lo, kv_hi) rows
+        sa[:len(steps), plan_abi.STEP_KV_START] = view[:, 0]
+        sa[:len(steps), plan_abi.STEP_RECT] = plan_abi.pack_rect(*view[:, 1:].T)
     perm = rng.permutation(len(units))        # any unit order is valid
     inv = np.empty_like(perm)
     inv[perm] = np.arange(len(units))
@@ -253,8 +256,8 @@ def _pack_plan(mask, Hq, Hkv, D, dtype, template):
                       tile_q=t.tile_q, tile_kv=t.tile_kv, policy="pack", q_align=8, kv_align=8)
     real = plan.units[:plan.num_units]
     idx = np.concatenate([np.arange(p, p + c) for p, c in real[:, 4:6]])
-    st = plan.steps[idx]
-    lo, hi = st[:, plan_abi.STEP_Q_LO], st[:, plan_abi.STEP_Q_HI]
+    st = plan_abi.unpack_steps(plan.steps[idx])
+    lo, hi = st[:, plan_abi.VIEW_Q_LO], st[:, plan_abi.VIEW_Q_HI]
     return plan, (hi <= 64) | (lo >= 64)
 
 
@@ -437,6 +440,9 @@ def test_bad_input_raises():
         mosaic_fwd.attention(q, k, v, plan.units, bad, plan.row_index, **kw)
     with pytest.raises(ValueError, match="units"):
         mosaic_fwd.attention(q, k, v, plan.units[:, :5], plan.steps, plan.row_index, **kw)
+    with pytest.raises(ValueError, match=r"steps must be int32 \[S, 2\]"):
+        mosaic_fwd.attention(q, k, v, plan.units, plan_abi.unpack_steps(plan.steps),
+                             plan.row_index, **kw)
 
 
 @pytest.mark.parametrize("base,options,mask_mode", [

@@ -122,7 +122,8 @@ def test_full_and_partial_steps_gqa_per_head(mask_mode, prefetch):
     mask = BlockMask([0, 32, 64, 96], [0, 32, 64, 77, 100], blocks)
     q, k, v = _inputs(2, B, Lq, Lkv, Hq, Hkv, D, jnp.float32)
     plan = make_plan(mask, q, k, tile_q=32, tile_kv=32)
-    steps = plan.steps[plan.steps[:, plan_abi.STEP_Q_HI] > plan.steps[:, plan_abi.STEP_Q_LO]]
+    view = plan_abi.unpack_steps(plan.steps)
+    steps = view[view[:, plan_abi.VIEW_Q_HI] > view[:, plan_abi.VIEW_Q_LO]]
     full = ((steps[:, 1] == 0) & (steps[:, 2] == 32) & (steps[:, 3] == 0) & (steps[:, 4] == 32))
     assert full.any() and (~full).any()
     # Mask mode "prefix" needs units whose steps are all full, and units with a full prefix
@@ -140,15 +141,16 @@ def test_leading_full_steps_matches_a_loop(seed):
     """Mask mode "prefix": the in-graph count of each unit's leading full steps."""
     rng = np.random.default_rng(seed)
     S, U, T = int(rng.integers(1, 40)), int(rng.integers(1, 12)), 16
-    steps = np.zeros((S, 5), np.int32)
-    steps[:, 2], steps[:, 4] = T, T
+    view = np.zeros((S, plan_abi.VIEW_COLS), np.int32)
+    view[:, 2], view[:, 4] = T, T
     part = rng.random(S) < 0.3
-    steps[part, rng.integers(1, 5, part.sum())] = 3            # one bound cut: partial
+    view[part, rng.integers(1, 5, part.sum())] = 3             # one bound cut: partial
+    steps = np.stack([view[:, 0], plan_abi.pack_rect(*view[:, 1:].T)], axis=1)
     ptr = rng.integers(0, S + 1, U)
     cnt = np.minimum(rng.integers(0, 10, U), S - ptr)
     units = np.zeros((U, 6), np.int32)
     units[:, plan_abi.UNIT_STEP_PTR], units[:, plan_abi.UNIT_STEP_CNT] = ptr, cnt
-    full = ((steps[:, 1] == 0) & (steps[:, 2] == T) & (steps[:, 3] == 0) & (steps[:, 4] == T))
+    full = ((view[:, 1] == 0) & (view[:, 2] == T) & (view[:, 3] == 0) & (view[:, 4] == T))
     want = [next((i for i in range(c) if not full[p + i]), c) for p, c in zip(ptr, cnt)]
     got = triton_fwd._leading_full_steps(jnp.asarray(units), jnp.asarray(steps), T, T)
     np.testing.assert_array_equal(np.asarray(got), want)
@@ -193,6 +195,46 @@ def test_all_full_plan_runs_without_masking_code(prefetch):
         _run(q, k, v, p2, mask_mode="none")
 
 
+def _packed(view):
+    """ABI steps [S, STEP_COLS] from rows (kv_start, q_lo, q_hi, kv_lo, kv_hi)."""
+    view = np.asarray(view, np.int64)
+    return np.stack([view[:, 0].astype(np.int32), plan_abi.pack_rect(*view[:, 1:].T)], axis=1)
+
+
+@pytest.mark.parametrize("mask_mode", ["cond", "always"])
+def test_hand_written_plan_kv_hi_128_sets_bit_31(mask_mode):
+    """128 x 128 tiles whose rectangles end at key 128 (kv_hi = 128: the packed rect has bit 31
+    set, a negative int32), partial rows and keys, one full step (rect == full_rect < 0), a
+    unit whose tile starts mid-sequence, and unowned rows of a second head."""
+    Lq, Lkv, Hq, D, T = 160, 256, 2, 16, 128
+    q, k, v = _inputs(31, 1, Lq, Lkv, Hq, 1, D, jnp.float32)
+    units = np.array([[0, 0, 0, 128, 0, 3],     # head 0 rows 0..127
+                      [0, 32, 96, 128, 3, 1],   # head 0 rows 128..159 (tile at row 32)
+                      [1, 0, 0, 128, 4, 2]],    # head 1 rows 0..127; 128..159 owned by none
+                     np.int32)
+    view = [[0, 0, 40, 10, 128],                # rows 0..39 x keys 10..127
+            [128, 40, 128, 0, 128],             # rows 40..127 x keys 128..255
+            [64, 0, 40, 100, 128],              # rows 0..39 x keys 164..191
+            [128, 96, 128, 0, 128],             # rows 128..159 x keys 128..255
+            [128, 0, 128, 0, 128],              # full: rows 0..127 x keys 128..255
+            [0, 0, 128, 0, 50]]                 # rows 0..127 x keys 0..49
+    steps = _packed(view)
+    assert (steps[:, plan_abi.STEP_RECT] < 0).sum() == 5
+    assert steps[4, plan_abi.STEP_RECT] == plan_abi.full_rect(T, T)
+    token = np.zeros((Hq, Lq, Lkv), bool)
+    token[0, 0:40, 10:128] = token[0, 40:128, 128:256] = token[0, 0:40, 164:192] = True
+    token[0, 128:160, 128:256] = True
+    token[1, 0:128, 128:256] = token[1, 0:128, 0:50] = True
+    mask = BlockMask.from_token_mask(token, np.arange(Lq + 1), np.arange(Lkv + 1))
+    row_index = np.full((Hq, Lq), units.shape[0] * T, np.int32)
+    row_index[0, :128] = np.arange(128)
+    row_index[0, 128:] = T + 96 + np.arange(32)
+    row_index[1, :128] = 2 * T + np.arange(128)
+    plan = types.SimpleNamespace(units=units, steps=steps, row_index=row_index, tile_q=T,
+                                 tile_kv=T, q_len_padded=Lq, kv_len_padded=Lkv)
+    _check(q, k, v, mask, plan, mask_mode=mask_mode, scale=0.25)
+
+
 def test_hand_written_plan_overlapping_tiles_and_padding():
     """ABI corners: unaligned kv_start, two steps on overlapping K/V tiles with disjoint
     rectangles, a padding step (q_lo == q_hi) inside a unit, a padding unit, unowned rows."""
@@ -202,12 +244,11 @@ def test_hand_written_plan_overlapping_tiles_and_padding():
                       [0, 4, 12, 16, 3, 1],     # tile starts at row 4; owns rows 16..19
                       [0, 0, 0, 0, 4, 0],       # padding unit
                       [0, 0, 0, 0, 4, 0]], np.int32)
-    steps = np.array([[5, 0, 8, 0, 16],         # rows 0..7 x keys 5..20
-                      [0, 0, 0, 0, 16],         # padding step
-                      [13, 8, 16, 2, 9],        # rows 8..15 x keys 15..21
-                      [24, 12, 16, 0, 16],      # rows 16..19 x keys 24..39
-                      [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]],
-                     np.int32)
+    steps = _packed([[5, 0, 8, 0, 16],         # rows 0..7 x keys 5..20
+                     [0, 0, 0, 0, 16],         # padding step
+                     [13, 8, 16, 2, 9],        # rows 8..15 x keys 15..21
+                     [24, 12, 16, 0, 16],      # rows 16..19 x keys 24..39
+                     [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
     row_index = np.concatenate([np.arange(16), 16 + np.arange(12, 16)]).astype(np.int32)[None]
     token = np.zeros((Lq, Lkv), bool)
     token[0:8, 5:21] = token[8:16, 15:22] = token[16:20, 24:40] = True
@@ -250,7 +291,8 @@ def test_new_plan_same_capacity_does_not_recompile():
     assert p1.units.shape == p2.units.shape
     S = max(p1.steps.shape[0], p2.steps.shape[0])  # equalise the step capacity
     for p in (p1, p2):
-        p.steps = np.concatenate([p.steps, np.zeros((S - p.steps.shape[0], 5), np.int32)])
+        pad = np.zeros((S - p.steps.shape[0], plan_abi.STEP_COLS), np.int32)
+        p.steps = np.concatenate([p.steps, pad])
     _check(q, k, v, m1, p1)
     before = triton_fwd._attention._cache_size()
     _check(q, k, v, m2, p2)
@@ -342,6 +384,10 @@ def test_config_and_argument_errors():
     with pytest.raises(ValueError, match="units"):
         triton_fwd.attention(q, k, v, plan.units[:, :5], plan.steps, plan.row_index, tile_q=16,
                              tile_kv=16, q_len_padded=32, kv_len_padded=32)
+    with pytest.raises(ValueError, match=r"steps must have shape \[N >= 1, 2\]"):
+        triton_fwd.attention(q, k, v, plan.units, plan_abi.unpack_steps(plan.steps),
+                             plan.row_index, tile_q=16, tile_kv=16, q_len_padded=32,
+                             kv_len_padded=32)
     with pytest.raises(TypeError, match="steps"):
         triton_fwd.attention(q, k, v, plan.units, plan.steps.astype(np.int64), plan.row_index,
                              tile_q=16, tile_kv=16, q_len_padded=32, kv_len_padded=32)
