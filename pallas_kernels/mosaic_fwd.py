@@ -561,7 +561,8 @@ def _check(q, k, v, units, steps, row_index, t, q_len_padded, kv_len_padded, sca
     if steps.ndim != 2 or steps.shape[1] != plan_abi.STEP_COLS or steps.dtype != jnp.int32:
         raise ValueError(f"steps must be int32 [S, {plan_abi.STEP_COLS}], got "
                          f"{steps.dtype}{tuple(steps.shape)}")
-    if tuple(row_index.shape) != (Hq, Lq) or row_index.dtype != jnp.int32:
+    if row_index is not None and (tuple(row_index.shape) != (Hq, Lq)
+                                  or row_index.dtype != jnp.int32):
         raise ValueError(f"row_index must be int32 [Hq, Lq] = [{Hq}, {Lq}], got "
                          f"{row_index.dtype}{tuple(row_index.shape)}")
     for name, val, low, unit, align in (("q_len_padded", q_len_padded, Lq, t.tile_q, t.q_align),
@@ -647,6 +648,8 @@ def _attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_l
     vp = _pad_len(v, kv_len_padded)
     out_u, lse_u = _plan_forward(qp, kp, vp, units, steps, cfg=cfg, scale=scale,
                                  interpret=interpret)
+    if row_index is None:
+        row_index = plan_abi.row_index_from_units(units, q.shape[2], q.shape[1], template.tile_q)
     out, lse = plan_abi.gather_rows(out_u, lse_u, row_index)
     return (out, lse) if return_lse else out
 
@@ -657,7 +660,8 @@ def attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_le
 
     q [B, Lq, Hq, D]; k, v [B, Lkv, Hkv, D] (bf16 or f16, D in the template's head dims);
     units, steps, row_index: the plan's int32 arrays (``plan_abi``), built for this
-    template's tile_q / tile_kv and the given padded lengths. Returns out [B, Lq, Hq, D]
+    template's tile_q / tile_kv and the given padded lengths; ``row_index=None`` computes it on
+    the device from units (``plan_abi.row_index_from_units``: nothing to copy). Returns out [B, Lq, Hq, D]
     (q.dtype) and, with ``return_lse``, lse [B, Hq, Lq] (float32, natural log; -inf and
     output 0 for a row with no selected key). ``interpret``: a Mosaic GPU interpreter params
     object (``jax._src.pallas.mosaic_gpu.interpret``) to run on CPU, for tests.
@@ -674,7 +678,9 @@ def attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_le
             raise ValueError("mask_mode='none' needs a plan whose steps are all full; this "
                              "plan has partial steps")
         mask_mode = mask_mode or _auto_mask_mode(t, all_full)
-    units, steps, row_index = (jnp.asarray(a) for a in (units, steps, row_index))
+    units, steps = jnp.asarray(units), jnp.asarray(steps)
+    if row_index is not None:       # None: computed on the device from units
+        row_index = jnp.asarray(row_index)
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5 if hasattr(q, "shape") and len(q.shape) == 4 else 1.0
     _check(q, k, v, units, steps, row_index, t, q_len_padded, kv_len_padded, scale)

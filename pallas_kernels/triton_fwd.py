@@ -272,6 +272,8 @@ def _attention(q, k, v, units, steps, row_index, *, config, q_len_padded, kv_len
         units, steps, config=config, scale=scale, head_dim=D, interpret=interpret)
     if pad_d:
         out_units = out_units[..., :D]
+    if row_index is None:
+        row_index = plan_abi.row_index_from_units(units, Hq, Lq, config.tile_q)
     out, lse = plan_abi.gather_rows(out_units, lse_units, row_index)
     return (out, lse) if return_lse else out
 
@@ -384,7 +386,7 @@ def attention(q, k, v, units, steps, row_index, *, q_len_padded, kv_len_padded, 
 
     q: [B, Lq, Hq, D]; k, v: [B, Lkv, Hkv, D] (same dtype: float32, bfloat16 or float16;
     Hq % Hkv == 0). units, steps, row_index and the static ints are a plan's fields (see
-    ``pallas_kernels.plan_abi``). The kernel configuration comes either from ``template`` (a
+    ``pallas_kernels.plan_abi``; ``row_index=None`` computes it on the device from units). The kernel configuration comes either from ``template`` (a
     registered "triton" template or its name: tile shape, num_stages, num_warps, mask_mode,
     prefetch) or from tile_q / tile_kv / num_warps / num_stages / prefetch directly
     (num_stages defaults to 2). mask_mode (see ``TritonConfig``) None takes the template's
@@ -447,7 +449,8 @@ def attention(q, k, v, units, steps, row_index, *, q_len_padded, kv_len_padded, 
             f"kv_len_padded={kv_len_padded} must be >= Lkv={Lkv} and >= tile_kv={tile_kv}")
     _check_plan_array("units", units, cols=plan_abi.UNIT_COLS)
     _check_plan_array("steps", steps, cols=plan_abi.STEP_COLS)
-    _check_plan_array("row_index", row_index, shape=(Hq, Lq))
+    if row_index is not None:       # None: computed on the device from units
+        _check_plan_array("row_index", row_index, shape=(Hq, Lq))
     if isinstance(units, np.ndarray) and isinstance(steps, np.ndarray):
         all_full = _check_concrete_plan(units, steps, Hq, int(tile_q), int(tile_kv),
                                         q_len_padded, kv_len_padded)

@@ -36,6 +36,8 @@ def _gpu_capability() -> tuple[int, int] | None:
 # NumPy arrays: constants of the caller's program, as jax expects; device arrays made or cached
 # around a trace would leak into it (an AOT-compiled denoising loop on the H200 failed with
 # "compiled for 858 inputs but called with 827"; tests/test_models.py reproduces it).
+# Eagerly, row_index is not copied: the kernel module computes it on the device from units
+# (a request on a new mask then copies units + steps only; row_index is Hq * Lq * 4 bytes).
 _PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -73,7 +75,7 @@ def _runner(module_name: str):
                 out = mod.attention(q, k, v, *arrays, **kw, **extra)
                 entry[0] = tuple(jax.device_put(arrays))
                 return out
-            on_device = entry[0] = tuple(jax.device_put(arrays))
+            on_device = entry[0] = tuple(jax.device_put(arrays[:2])) + (None,)
         return mod.attention(q, k, v, *on_device, **kw, **extra)
     return run
 

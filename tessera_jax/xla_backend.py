@@ -23,7 +23,8 @@ _CHUNK_ELEMS = 1 << 22
                                              "kv_len_padded", "max_steps", "scale", "return_lse"))
 def execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
             max_steps, scale, return_lse=False):
-    """out [B, Lq, Hq, D] (and lse [B, Hq, Lq]) for the plan given by the ABI arrays."""
+    """out [B, Lq, Hq, D] (and lse [B, Hq, Lq]) for the plan given by the ABI arrays
+    (``row_index=None``: computed on the device from units)."""
     B, Lq, Hq, D = q.shape
     Lkv, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -79,5 +80,7 @@ def execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded, 
         # [n, B, C, T, D] -> [B, n*C, T, D]
         out_u = jnp.moveaxis(out_c, 0, 1).reshape(B, n_chunks * chunk, tile_q, D)
         lse_u = jnp.moveaxis(lse_c, 0, 1).reshape(B, n_chunks * chunk, tile_q)
+    if row_index is None:           # computed on the device from units
+        row_index = abi.row_index_from_units(units, Hq, Lq, tile_q)
     out, lse = abi.gather_rows(out_u[:, :U], lse_u[:, :U], row_index)
     return (out, lse) if return_lse else out

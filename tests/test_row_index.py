@@ -1,0 +1,94 @@
+"""row_index made on the device from units (what an eager request runs) equals the planner's."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import plan_abi, triton_fwd
+from tessera_jax import xla_backend
+from tessera_jax.planner import build_plan
+from tessera_jax.reference import reference_attention
+
+from strategies import masks, random_qkv
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_row_index_from_units_equals_the_planners(data):
+    Hkv = data.draw(st.sampled_from([1, 2]))
+    Hq = Hkv * data.draw(st.sampled_from([1, 3]))
+    Lq, Lkv = data.draw(st.integers(1, 300)), data.draw(st.integers(1, 300))
+    mask = data.draw(masks(Lq, Lkv, Hq))
+    tile_q = data.draw(st.sampled_from([16, 32, 64]))
+    policy = data.draw(st.sampled_from(["keep", "merge", "split", "pack", "auto"]))
+    plan = build_plan(mask, (1, Lq, Hq, 8), (1, Lkv, Hkv, 8), jnp.float32, tile_q=tile_q,
+                      tile_kv=16, policy=policy, q_align=data.draw(st.sampled_from([1, 16])))
+    got = plan_abi.row_index_from_units(plan.units, Hq, Lq, plan.tile_q)
+    assert got.dtype == jnp.int32 and got.shape == (Hq, Lq)
+    np.testing.assert_array_equal(np.asarray(got), plan.row_index)
+
+
+def test_a_wrong_owner_changes_row_index():
+    """The check above can fail: moving one unit's owned rows moves its row_index entries."""
+    from tessera_jax.mask import BlockMask
+    mask = BlockMask.uniform(96, 64, 32, 32, np.ones((1, 3, 2), bool))
+    plan = build_plan(mask, (1, 96, 1, 8), (1, 64, 1, 8), jnp.float32, tile_q=32, tile_kv=32,
+                      policy="keep")
+    units = plan.units.copy()
+    units[0, plan_abi.UNIT_OWN_HI] -= 1
+    got = np.asarray(plan_abi.row_index_from_units(units, 1, 96, 32))
+    assert (got != plan.row_index).sum() == 1
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton"])
+def test_kernels_take_row_index_none(backend):
+    B, Lq, Lkv, Hq, Hkv, D = 2, 75, 90, 4, 2, 16
+    rng = np.random.default_rng(3)
+    from tessera_jax.mask import BlockMask
+    mask = BlockMask([0, 20, 64, 75], [0, 7, 50, 90], rng.random((Hq, 3, 3)) < 0.6)
+    q, k, v = random_qkv(B, Lq, Lkv, Hq, Hkv, D, "float32", 4)
+    plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=32, tile_kv=32, policy="merge")
+    if backend == "xla":
+        run = lambda ri: xla_backend.execute(  # noqa: E731
+            q, k, v, plan.units, plan.steps, ri, tile_q=32, tile_kv=32,
+            q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
+            max_steps=plan.max_steps, scale=0.25, return_lse=True)
+    else:
+        run = lambda ri: triton_fwd.attention(  # noqa: E731
+            q, k, v, plan.units, plan.steps, ri, tile_q=32, tile_kv=32,
+            q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, scale=0.25,
+            return_lse=True)
+    out, lse = run(None)
+    out_h, lse_h = run(plan.row_index)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_h))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_h))
+    ref, ref_lse = reference_attention(q, k, v, mask, scale=0.25, return_lse=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-5, rtol=2e-5)
+
+
+def test_mosaic_kernel_takes_row_index_none():
+    """The Mosaic GPU kernel under its CPU interpreter, row_index None vs the host array."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import params as _interp
+        interp = _interp.InterpretGPUParams()
+    except Exception as e:  # pragma: no cover
+        pytest.skip(f"Mosaic GPU interpreter not importable: {e!r}")
+    from pallas_kernels import mosaic_fwd, templates
+    from tessera_jax.mask import BlockMask
+    t = templates.get("mgpu_q128_kv64_s2")
+    B, Lq, Lkv, Hq, Hkv, D = 1, 200, 140, 2, 1, 64
+    rng = np.random.default_rng(5)
+    mask = BlockMask([0, 40, 64, 200], [0, 64, 100, 140], rng.random((Hq, 3, 3)) < 0.6)
+    q, k, v = random_qkv(B, Lq, Lkv, Hq, Hkv, D, "bfloat16", 6)
+    plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=t.tile_q, tile_kv=t.tile_kv,
+                      policy="merge", q_align=t.q_align, kv_align=t.kv_align, template=t.name)
+    run = lambda ri: mosaic_fwd.attention(  # noqa: E731
+        q, k, v, plan.units, plan.steps, ri, template=t.name, q_len_padded=plan.q_len_padded,
+        kv_len_padded=plan.kv_len_padded, return_lse=True, interpret=interp)
+    out, lse = run(None)
+    out_h, lse_h = run(plan.row_index)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_h, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_h))
