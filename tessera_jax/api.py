@@ -7,7 +7,7 @@ import functools
 
 import numpy as np
 
-from . import backends
+from . import backends, dense_route
 from .mask import BlockMask
 from .planner import Plan, build_plan
 from .validation import check_bool, check_mask, check_qkv, check_scale, check_shapes
@@ -103,7 +103,9 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
     q.dtype, and lse [B, Hq, Lq] (float32, natural log) when ``return_lse``. A query with no
     selected key gives 0 and lse -inf. ``backend`` is "mosaic_gpu", "triton", "xla" or None (the
     best available here). Planning is host NumPy at trace time, so under ``jax.jit`` the mask
-    must be a static (closure or static-argument) value.
+    must be a static (closure or static-argument) value. A mask that selects everything runs
+    cuDNN's dense attention instead when the backend is left to choose (a GPU), no LSE is asked
+    for and no ``policy`` is given (``dense_route``).
     """
     shape = check_qkv(q, k, v)
     check_mask(mask, shape)
@@ -116,7 +118,13 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
                              f"not {backend!r}")
         backends.resolve(t.backend, shape)
     else:
+        auto = backend is None and policy is None
         backend = backends.resolve(backend, shape)
+        if auto and dense_route.takes(mask, shape, backend, return_lse):
+            try:
+                return dense_route.attention(q, k, v, scale)
+            except (NotImplementedError, ValueError) as e:   # cuDNN's own shape checks
+                dense_route.warn_fallback(e)
     p = plan(mask, q.shape, k.shape, q.dtype, template=template, policy=policy, backend=backend)
     return backends.run(p, q, k, v, scale, return_lse)
 

@@ -1,0 +1,89 @@
+"""All-selected masks on a GPU go to cuDNN dense attention (tessera_jax.dense_route)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tessera_jax as tj
+from tessera_jax import api, backends, dense_route
+from tessera_jax.validation import check_shapes
+
+from strategies import random_qkv
+
+
+def _full(Hm=1):
+    return tj.BlockMask([0, 30, 64, 90], [0, 40, 80], np.ones((Hm, 3, 2), bool))
+
+
+def test_all_selected():
+    m = _full(Hm=3)
+    assert dense_route.all_selected(m)
+    b = np.ones((3, 3, 2), bool)
+    b[2, 1, 0] = False                      # one block of one head
+    assert not dense_route.all_selected(tj.BlockMask(m.q_bounds, m.kv_bounds, b))
+
+
+@pytest.mark.parametrize("backend,dtype,D,lse,expect", [
+    ("mosaic_gpu", jnp.bfloat16, 128, False, True),
+    ("triton", jnp.float16, 64, False, True),
+    ("mosaic_gpu", jnp.bfloat16, 128, True, False),      # LSE asked: planned path
+    ("xla", jnp.bfloat16, 128, False, False),            # no GPU
+    ("mosaic_gpu", jnp.float32, 128, False, False),
+    ("mosaic_gpu", jnp.bfloat16, 160, False, False),
+    ("mosaic_gpu", jnp.bfloat16, 60, False, False),
+])
+def test_takes(backend, dtype, D, lse, expect):
+    shape = check_shapes((1, 90, 2, D), (1, 80, 2, D), dtype)
+    assert dense_route.takes(_full(), shape, backend, lse) is expect
+    b = np.ones((1, 3, 2), bool)
+    b[0, 0, 1] = False
+    assert not dense_route.takes(tj.BlockMask([0, 30, 64, 90], [0, 40, 80], b), shape, backend,
+                                 lse)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """resolve() says mosaic_gpu; cuDNN is the float32 reference; planning is recorded."""
+    calls = {"dense": 0, "planned": 0}
+
+    def dense(q, k, v, scale):
+        calls["dense"] += 1
+        return tj.reference_attention(q, k, v, _full(), scale=scale).astype(q.dtype)
+
+    def run(plan, q, k, v, scale, return_lse):
+        calls["planned"] += 1
+        return jnp.zeros_like(q)
+
+    monkeypatch.setattr(backends, "resolve", lambda backend, shape: backend or "mosaic_gpu")
+    monkeypatch.setattr(dense_route, "attention", dense)
+    monkeypatch.setattr(api, "plan", lambda *a, **k: object())
+    monkeypatch.setattr(backends, "run", run)
+    return calls
+
+
+def test_sparse_attention_routes_full_masks_to_dense(fake_gpu):
+    q, k, v = random_qkv(1, 90, 80, 4, 2, 64, "bfloat16", 0)
+    out = tj.sparse_attention(q, k, v, _full(), scale=0.3)
+    assert fake_gpu == {"dense": 1, "planned": 0}
+    ref = tj.reference_attention(q, k, v, _full(), scale=0.3)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=2e-2, rtol=2e-2)
+    # An explicit backend or policy, an LSE, or a mask with a hole keep the planned path.
+    tj.sparse_attention(q, k, v, _full(), backend="mosaic_gpu")
+    tj.sparse_attention(q, k, v, _full(), policy="keep")
+    tj.sparse_attention(q, k, v, _full(), return_lse=True)
+    b = np.ones((1, 3, 2), bool)
+    b[0, 2, 0] = False
+    tj.sparse_attention(q, k, v, tj.BlockMask([0, 30, 64, 90], [0, 40, 80], b))
+    assert fake_gpu == {"dense": 1, "planned": 4}
+
+
+def test_cudnn_refusal_warns_once_and_plans(fake_gpu, monkeypatch):
+    def refuse(q, k, v, scale):
+        raise NotImplementedError("head dim")
+    monkeypatch.setattr(dense_route, "attention", refuse)
+    monkeypatch.setattr(dense_route.warn_fallback, "_done", False, raising=False)
+    q, k, v = random_qkv(1, 90, 80, 2, 2, 64, "bfloat16", 1)
+    with pytest.warns(UserWarning, match="cuDNN dense attention refused"):
+        tj.sparse_attention(q, k, v, _full())
+    assert fake_gpu["planned"] == 1
