@@ -420,6 +420,8 @@ def run_tessera(case: Case, args) -> dict:
     import tessera_jax as tj
     from tessera_jax import api as tj_api
     from tessera_jax import planner as tj_planner
+    from tessera_jax import backends, dense_route
+    from tessera_jax.validation import check_shapes
     from peers_lib.timing import jax_kernel_ms, wall_ms
     mask = case.mask
 
@@ -451,8 +453,13 @@ def run_tessera(case: Case, args) -> dict:
     res["request_ms"], res["request_samples"], res["request_gc_ms"] = med(req), req, gcs
     # Where a request's time goes beyond plan + kernel: the plan arrays' host->device copy, and
     # an eager call whose plan and device arrays are cached (dispatch + kernel, wall clock).
+    # An eager request copies units and steps (row_index is made on the device). An all-selected
+    # mask runs cuDNN (dense_route): no plan is built or copied then.
     p = tj.plan(mask, case.qj.shape, case.kj.shape, case.qj.dtype)
-    arrays = (p.units, p.steps, p.row_index)
+    arrays = (p.units, p.steps)
+    shape = check_shapes(case.qj.shape, case.kj.shape, case.qj.dtype)
+    routed = dense_route.takes(mask, shape, backends.resolve(None, shape), False)
+    res["route"] = "cudnn_dense" if routed else "plan"
     res["plan_bytes"] = int(sum(a.nbytes for a in arrays))
     res["put_ms"] = med(wall_ms(lambda: jax.block_until_ready(jax.device_put(arrays)),
                                 iters=args.request_iters))

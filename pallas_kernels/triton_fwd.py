@@ -386,7 +386,8 @@ def attention(q, k, v, units, steps, row_index, *, q_len_padded, kv_len_padded, 
 
     q: [B, Lq, Hq, D]; k, v: [B, Lkv, Hkv, D] (same dtype: float32, bfloat16 or float16;
     Hq % Hkv == 0). units, steps, row_index and the static ints are a plan's fields (see
-    ``pallas_kernels.plan_abi``; ``row_index=None`` computes it on the device from units). The kernel configuration comes either from ``template`` (a
+    ``pallas_kernels.plan_abi``; ``row_index=None`` computes it on the device from units).
+    The kernel configuration comes either from ``template`` (a
     registered "triton" template or its name: tile shape, num_stages, num_warps, mask_mode,
     prefetch) or from tile_q / tile_kv / num_warps / num_stages / prefetch directly
     (num_stages defaults to 2). mask_mode (see ``TritonConfig``) None takes the template's

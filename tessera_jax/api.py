@@ -67,7 +67,8 @@ _MAX_PLAN_BYTES = 1 << 30
 def _plan_bytes(p: Plan) -> int:
     """Host bytes a cached plan keeps alive: its arrays and the mask it holds."""
     mask = getattr(p, "mask", None)
-    return int(p.units.nbytes + p.steps.nbytes + p.row_index.nbytes
+    ri = vars(p).get("row_index")       # made on first use only (Plan.row_index)
+    return int(p.units.nbytes + p.steps.nbytes + (ri.nbytes if ri is not None else 0)
                + (mask.blocks.nbytes if mask is not None else 0))
 
 

@@ -126,7 +126,6 @@ class Plan:
     kv_len_padded: int
     units: np.ndarray        # int32 [U_cap, UNIT_COLS], schedule order
     steps: np.ndarray        # int32 [S_cap, STEP_COLS]; units may share steps (shared masks)
-    row_index: np.ndarray    # int32 [Hq, Lq]
     num_units: int           # real units (the rest is padding)
     num_steps: int           # real rows of ``steps``
     max_steps: int           # capacity >= the longest unit
@@ -138,6 +137,18 @@ class Plan:
     cost_model: _sched.CostModel = _sched.DEFAULT_COST_MODEL
     unit_order: str = "interleaved"       # schedule.order_units order
     maybe_all_full: bool = True           # False: some step is certainly partial (cost model)
+
+    @functools.cached_property
+    def row_index(self) -> np.ndarray:
+        """int32 [Hq, Lq] (``plan_abi``), made from ``units`` on first use: a request on the
+        GPU never needs it (kernels make it on the device), so planning skips it (it was 20-50%
+        of planning time on 8-head Wan/Hunyuan masks, CPU box)."""
+        u = self.units[: self.num_units].astype(np.int64)
+        out = _row_index(u[:, abi.UNIT_HEAD], u[:, abi.UNIT_Q_START], u[:, abi.UNIT_OWN_LO],
+                         u[:, abi.UNIT_OWN_HI], np.arange(self.num_units), self.shape.num_q_heads,
+                         self.shape.q_len, self.tile_q, self.units.shape[0] * self.tile_q)
+        out.setflags(write=False)
+        return out
 
     @functools.cached_property
     def all_full(self) -> bool:
@@ -729,8 +740,6 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     selected = int(uarea.sum())
 
     order = _sched.order_units(cost, qs, uh // group, uh, unit_order)
-    row_index = _row_index(uh, qs, lo, hi, order, Hq, shape.q_len, tile_q,
-                           bucket(len(uh)) * tile_q)
     uh, qs, lo, hi, cnt, first, cost = (x[order] for x in (uh, qs, lo, hi, cnt, first, cost))
     U, S = len(uh), raw.num_steps
     U_cap = bucket(U)
@@ -742,11 +751,11 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
         units[:U, col] = x
     steps = raw.steps                   # padded to bucket(S) by the policy
 
-    for a in (units, steps, row_index, cost):
+    for a in (units, steps, cost):
         a.setflags(write=False)
     return Plan(template=template, policy=policy, tile_q=tile_q, tile_kv=tile_kv, shape=shape,
                 q_len_padded=qp, kv_len_padded=kvp, units=units, steps=steps,
-                row_index=row_index, num_units=U, num_steps=S, max_steps=M,
+                num_units=U, num_steps=S, max_steps=M,
                 mask_digest=mask.digest, selected_interactions=selected,
                 mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model,
                 unit_order=unit_order,
