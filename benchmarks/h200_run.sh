@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call, two GPUs (nvidia-h200-x2) or one: the lead's combined H200 runs.
 #   bash benchmarks/h200_run.sh kernels   # GPU0: kernels.py; GPU1: profiler (new candidates), refit, selection
+#   bash benchmarks/h200_run.sh check     # GPU0: kernels.py; GPU1: request_breakdown.py
 #   bash benchmarks/h200_run.sh peers     # peers.py on two family halves (one per GPU), then the
 #                                         # loops named in LOOPS0 / LOOPS1 (none by default)
 #   bash benchmarks/h200_run.sh final     # both: profile halves + refit; GPU0: peers; GPU1: selection, loops
@@ -37,6 +38,14 @@ kernels)
       --no-resume --reuse-times benchmarks/results/h200-selection.json --time-budget $((B * 45 / 100)) \
       --out $OUT/h200-selection.json > $OUT/selection.log 2>&1
   } ;;
+check)
+  # GPU0: kernels.py (every template's correctness, then the timings); GPU1: where a request's
+  # time goes on this host (request_breakdown.py: parts, gc, cProfile, THP / first-touch cost).
+  T=${TEMPLATES:-mgpu_q128_kv128_s2_hm,mgpu_q64x2_kv64_s2_hm,mgpu_q64x2pp_kv64_s2_hm,mgpu_q128_kv64_s2_hm,mgpu_q128_kv128_s2}
+  first() { CUDA_VISIBLE_DEVICES=0 timeout $((B + 60)) python3 benchmarks/kernels.py --out $OUT/h200-kernels.json \
+      --budget-s $((B - 30)) --wan720-heads 4 --templates $T --triton ${TRITON_N:-2} > $OUT/kernels.log 2>&1; }
+  second() { CUDA_VISIBLE_DEVICES=$gpu1 timeout $((B + 30)) python3 benchmarks/request_breakdown.py \
+      --out $OUT/h200-request-breakdown.json > $OUT/breakdown.log 2>&1; } ;;
 peers)
   # Each GPU: peers.py on its half of the families, then the loop cases of LOOPS0 / LOOPS1, one
   # process per case (a case cut by its time limit does not take the others with it); one result
@@ -100,7 +109,7 @@ final)
       --dense-steps 6 --loop-repeats 1 --step-repeats 3 --attn-repeats 20} --out $OUT/h200-loop.json \
       > $OUT/loop.log 2>&1
   } ;;
-*) echo "usage: $0 kernels|peers|final" >&2; exit 2 ;;
+*) echo "usage: $0 kernels|check|peers|final" >&2; exit 2 ;;
 esac
 
 if [ "$NGPU" -ge 2 ]; then first & second & wait; else first; second; fi

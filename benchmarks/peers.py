@@ -420,13 +420,15 @@ def run_tessera(case: Case, args) -> dict:
     import tessera_jax as tj
     from tessera_jax import api as tj_api
     from tessera_jax import planner as tj_planner
+    from tessera_jax import selection as tj_selection
     from tessera_jax import backends, dense_route
     from tessera_jax.validation import check_shapes
     from peers_lib.timing import jax_kernel_ms, wall_ms
     mask = case.mask
 
-    def clear():
+    def clear():     # a new mask: its selection (features + table look-up) and plan are paid
         tj_api._PLANS.clear()
+        tj_selection._CHOICES.clear()
         cached = getattr(tj_planner, "_build_cached", None)
         if cached is not None and hasattr(cached, "cache_clear"):
             cached.cache_clear()

@@ -1,0 +1,177 @@
+"""Where a tessera_jax request on a new mask spends its time, part by part, on this machine.
+
+A request = selection (features + table look-up) + planning + the copy of the plan (units and
+steps) + dispatch + the kernel. Per corpus test mask (FAMILY:GRID, its first mask there, the first
+--heads heads), cold (every cache of the mask cleared) and repeated: each part timed alone on
+fresh data, the whole request, the time until ``sparse_attention`` returns (host work before the
+device runs), garbage collection during the request, the cached call and the kernel alone.
+Also: the host (CPUs, transparent huge pages, the cost of first-touching a fresh 64 MB array)
+and a cProfile of one cold request per mask (top functions by cumulative time).
+
+    python benchmarks/request_breakdown.py --masks vsa:hy720_1x1 svg2:hy720 --out rb.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import os
+import pathlib
+import platform
+import pstats
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+DEFAULT_MASKS = ["vsa:hy720_1x1", "svg2:hy720", "svg2:hy480", "xattn:wan720", "sparge:wan480",
+                 "ditfastattn:wan480", "moba:hy720_1x1", "ssta:hy720", "jenga:wan480",
+                 "dense:wan480", "dense:hy720"]
+
+
+def _read(path: str) -> str:
+    try:
+        return pathlib.Path(path).read_text().strip()
+    except OSError as e:
+        return f"unreadable: {e}"
+
+
+def host_info() -> dict:
+    """CPUs, THP mode and the first-touch cost of a fresh 64 MB array (page faults)."""
+    fresh, again = [], []
+    for _ in range(3):
+        t = time.perf_counter()
+        a = np.empty(16 << 20, np.int32)
+        a.fill(1)
+        fresh.append((time.perf_counter() - t) * 1e3)
+        t = time.perf_counter()
+        a.fill(2)
+        again.append((time.perf_counter() - t) * 1e3)
+        del a
+    cpu = next((ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines()
+                if ln.startswith("model name")), platform.processor())
+    return {"cpus": os.cpu_count(), "cpu_model": cpu,
+            "affinity": len(os.sched_getaffinity(0)),
+            "thp_enabled": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "thp_defrag": _read("/sys/kernel/mm/transparent_hugepage/defrag"),
+            "fill_64MB_fresh_ms": fresh, "fill_64MB_touched_ms": again}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--masks", nargs="+", default=DEFAULT_MASKS)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    import tessera_jax as tj
+    from peers_lib.timing import jax_kernel_ms
+    from tessera_jax import api, backends, planner, selection
+    from tessera_jax.masks import build, corpus
+    from tessera_jax.validation import check_shapes
+
+    planner.warm_up()
+    res = {"device": str(jax.devices()[0]), "host": host_info(),
+           "planner_threads": planner.PLAN_THREADS, "rows": []}
+    print(json.dumps(res["host"]), flush=True)
+    specs = corpus("test")
+
+    def clear():
+        api._PLANS.clear()
+        selection._CHOICES.clear()
+        planner._build_cached.cache_clear()
+
+    for item in tqdm(a.masks, desc="masks"):
+        fam, grid = item.split(":")
+        spec = next(s for s in specs if s["family"] == fam and s["grid"] == grid)
+        m = build(spec)
+        if m.blocks.shape[0] > 1:
+            m = tj.BlockMask(m.q_bounds, m.kv_bounds, m.blocks[: a.heads])
+        H, D = a.heads, 128
+        key = jax.random.key(0)
+        q, k, v = (jax.random.normal(jax.random.fold_in(key, i), (1, L, H, D), jnp.bfloat16)
+                   for i, L in enumerate((m.Lq, m.Lkv, m.Lkv)))
+        shape = check_shapes(q.shape, k.shape, q.dtype)
+        be = backends.resolve(None, shape)
+        call = lambda: tj.sparse_attention(q, k, v, m)  # noqa: E731
+        jax.block_until_ready(call())                       # compiles
+        rec = {k_: [] for k_ in ("select_ms", "plan_ms", "put_ms", "dispatch_ms", "request_ms",
+                                 "gc_ms", "cached_call_ms")}
+        gc_t = [0.0, None]
+
+        def on_gc(phase, info):
+            if phase == "start":
+                gc_t[1] = time.perf_counter()
+            elif gc_t[1] is not None:
+                gc_t[0] += time.perf_counter() - gc_t[1]
+                gc_t[1] = None
+
+        gc.callbacks.append(on_gc)
+        try:
+            for _ in range(a.iters):
+                clear()
+                t = time.perf_counter()
+                tp, pol = api._choose_template(m, shape, be)
+                rec["select_ms"].append((time.perf_counter() - t) * 1e3)
+                t = time.perf_counter()
+                p = tj.plan(m, q.shape, k.shape, q.dtype, template=tp, policy=pol)
+                rec["plan_ms"].append((time.perf_counter() - t) * 1e3)
+                t = time.perf_counter()
+                jax.block_until_ready(jax.device_put((p.units, p.steps)))
+                rec["put_ms"].append((time.perf_counter() - t) * 1e3)
+                del p
+                clear()
+                gc_t[0] = 0.0
+                t = time.perf_counter()
+                out = call()
+                t1 = time.perf_counter()
+                jax.block_until_ready(out)
+                t2 = time.perf_counter()
+                rec["dispatch_ms"].append((t1 - t) * 1e3)
+                rec["request_ms"].append((t2 - t) * 1e3)
+                rec["gc_ms"].append(gc_t[0] * 1e3)
+                del out
+                t = time.perf_counter()
+                jax.block_until_ready(call())
+                rec["cached_call_ms"].append((time.perf_counter() - t) * 1e3)
+        finally:
+            gc.callbacks.remove(on_gc)
+        ks, how = jax_kernel_ms(lambda q_, k_, v_: tj.sparse_attention(q_, k_, v_, m), (q, k, v),
+                                iters=10, eager=True)
+        clear()
+        prof = cProfile.Profile()
+        prof.enable()
+        jax.block_until_ready(call())
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(25)
+        p = tj.plan(m, q.shape, k.shape, q.dtype)
+        row = {"mask": item, "id": spec["id"], "density": m.density, "heads": H,
+               "template": p.template, "policy": p.policy, "step_rows": int(p.num_steps),
+               "plan_bytes": int(p.units.nbytes + p.steps.nbytes),
+               "kernel_ms": float(np.median(ks)), "kernel_timer": how,
+               "profile": s.getvalue()[-6000:], "samples": rec}
+        row.update({k_ + "_median": float(np.median(v_)) for k_, v_ in rec.items()})
+        res["rows"].append(row)
+        print(f"{item:20s} sel {row['select_ms_median']:6.2f} plan {row['plan_ms_median']:6.2f} "
+              f"put {row['put_ms_median']:6.2f} disp {row['dispatch_ms_median']:6.2f} "
+              f"req {row['request_ms_median']:7.2f} gc {row['gc_ms_median']:5.2f} "
+              f"cached {row['cached_call_ms_median']:7.2f} kern {row['kernel_ms']:7.2f} "
+              f"({p.template}/{p.policy}, {row['plan_bytes'] / 1e6:.1f} MB)", flush=True)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
