@@ -511,6 +511,9 @@ def time_torch(fn, args):
                                          return_mode="median"))
 
 
+PAIRED_ROUNDS = 3      # extra alternated (attention_mgpu, ours) measurements of the dense ratio
+
+
 def dense_baselines(res, L, H, D, deadline, tag, dense_templates):
     """cuDNN dense (bf16, L) and, at L rounded to 128, attention_mgpu vs our all-selected plan."""
     import jax
@@ -534,10 +537,12 @@ def dense_baselines(res, L, H, D, deadline, tag, dense_templates):
     L2 = L // 128 * 128 if L % 128 else L
     flops2 = 4.0 * D * L2 * L2 * H
     sets16 = rand_qkv(jax.random.key(8), 1, L2, L2, H, H, D, jnp.float16, n_sets=2)
+    am_fn = None
     try:
         from jax.experimental.pallas.ops.gpu import attention_mgpu as am
         cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2)
-        ms, samples, how = time_jax(lambda q, k, v: am.attention(q, k, v, cfg), sets16)
+        am_fn = lambda q, k, v: am.attention(q, k, v, cfg)  # noqa: E731
+        ms, samples, how = time_jax(am_fn, sets16)
         out["attention_mgpu_f16"] = dict(ms=ms, tflops=flops2 / ms / 1e9, L=L2, samples=samples)
         log(tag, "attention_mgpu dense f16", f"L={L2}", f"{ms:.3f} ms",
             f"{flops2 / ms / 1e9:.0f} TFLOP/s")
@@ -551,6 +556,7 @@ def dense_baselines(res, L, H, D, deadline, tag, dense_templates):
     except Exception as e:  # noqa: BLE001
         out["cudnn_f16_L128"] = dict(error=repr(e)[:500])
     full = tj.BlockMask.uniform(L2, L2, 128, 128, np.ones((1, L2 // 128, L2 // 128), bool))
+    best = None                                   # (ms, template name, fn)
     for t in [resolve_template(n) for n in dense_templates]:
         if time.time() > deadline:
             break
@@ -558,13 +564,32 @@ def dense_baselines(res, L, H, D, deadline, tag, dense_templates):
             continue
         try:
             plan, _ = plan_for(full, sets16[0][0].shape, sets16[0][1].shape, jnp.float16, t)
-            ms, samples, _ = time_jax(ours_fn(t, plan), sets16)
+            fn = ours_fn(t, plan)
+            ms, samples, _ = time_jax(fn, sets16)
+            if best is None or ms < best[0]:
+                best = (ms, t.name, fn)
             out[f"ours_full_{t.name}"] = dict(ms=ms, tflops=flops2 / ms / 1e9, L=L2)
             log(tag, "ours all-selected f16", t.name, f"{ms:.3f} ms",
                 f"{flops2 / ms / 1e9:.0f} TFLOP/s")
         except Exception as e:  # noqa: BLE001
             out[f"ours_full_{t.name}"] = dict(error=repr(e)[:500])
             traceback.print_exc()
+    # The ratio's two sides again, alternated (A B A B ...), same executables: measured once
+    # each, minutes apart, the ratio moved by up to 5% between runs (0.969 -> 0.914 in session 4,
+    # ours +4% and attention_mgpu -2% with no change on that path), the size of its margin.
+    if best is not None and am_fn is not None and "ms" in out.get("attention_mgpu_f16", {}):
+        am_ms, ours_ms = [out["attention_mgpu_f16"]["ms"]], [best[0]]
+        for _ in range(PAIRED_ROUNDS):
+            if time.time() > deadline:
+                break
+            am_ms.append(time_jax(am_fn, sets16)[0])
+            ours_ms.append(time_jax(best[2], sets16)[0])
+        out["paired_vs_attention_mgpu"] = dict(
+            template=best[1], attention_mgpu_ms=am_ms, ours_ms=ours_ms,
+            ratio=float(np.median(am_ms) / np.median(ours_ms)))
+        log(tag, "paired attention_mgpu / ours", best[1], " ".join(f"{a:.3f}/{b:.3f}" for a, b
+                                                                  in zip(am_ms, ours_ms)),
+            f"ratio of medians {out['paired_vs_attention_mgpu']['ratio']:.3f}")
     return out
 
 
@@ -704,11 +729,16 @@ def summarize(res, tag="wan480"):
     am = dense.get("attention_mgpu_f16", {}).get("ms")
     ours_full = [v["ms"] for k, v in dense.items() if k.startswith("ours_full_") and "ms" in v
                  and k[len("ours_full_"):] not in failed]
-    s["dense_vs_attention_mgpu"] = (am / min(ours_full)) if am and ours_full else None
+    paired = dense.get("paired_vs_attention_mgpu")
+    if paired and paired.get("template") not in failed:
+        s["dense_vs_attention_mgpu"] = paired["ratio"]   # medians of alternated measurements
+    else:
+        s["dense_vs_attention_mgpu"] = (am / min(ours_full)) if am and ours_full else None
     s["notes"] = ("efficiency = best Mosaic template's effective TFLOP/s / cuDNN dense TFLOP/s "
                   "(bf16, same L, H, D); aligned min over density >= 0.1; speedups are "
                   "FlexAttention ms / ours ms; dense_vs_attention_mgpu = attention_mgpu ms / "
-                  "ours ms on an all-selected f16 mask (>= 0.95 is within 5%)")
+                  "ours ms on an all-selected f16 mask (>= 0.95 is within 5%), the ratio of "
+                  "medians over alternated measurements when dense.paired_vs_attention_mgpu exists")
     ok = [r.get("ok") for r in res.get("correctness", []) if "ok" in r]
     s["correctness_pass"] = f"{sum(bool(x) for x in ok)}/{len(ok)}"
     res["summary"] = s

@@ -62,6 +62,27 @@ def host_info() -> dict:
             "fill_64MB_fresh_ms": fresh, "fill_64MB_touched_ms": again}
 
 
+def put_probe(reps: int = 20) -> dict:
+    """Median ms of jax.device_put of fresh int32 arrays: one array, and the same bytes as two
+    (what a request copies: units + steps), per size; the fixed cost shows at small sizes."""
+    import jax
+    out = {}
+    for nbytes in (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20):
+        one, two = [], []
+        for _ in range(reps):
+            a = np.ones(nbytes // 4, np.int32)
+            t = time.perf_counter()
+            jax.block_until_ready(jax.device_put(a))
+            one.append((time.perf_counter() - t) * 1e3)
+            b, c = np.ones(nbytes // 8, np.int32), np.ones(nbytes // 8, np.int32)
+            t = time.perf_counter()
+            jax.block_until_ready(jax.device_put((b, c)))
+            two.append((time.perf_counter() - t) * 1e3)
+        out[str(nbytes)] = {"one_ms": float(np.median(one)), "two_ms": float(np.median(two))}
+    print("put_probe", json.dumps(out), flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--masks", nargs="+", default=DEFAULT_MASKS)
@@ -80,7 +101,7 @@ def main(argv=None) -> dict:
     from tessera_jax.validation import check_shapes
 
     planner.warm_up()
-    res = {"device": str(jax.devices()[0]), "host": host_info(),
+    res = {"device": str(jax.devices()[0]), "host": host_info(), "put_probe": put_probe(),
            "planner_threads": planner.PLAN_THREADS, "rows": []}
     print(json.dumps(res["host"]), flush=True)
     specs = corpus("test")

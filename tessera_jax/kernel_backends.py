@@ -47,11 +47,12 @@ def _runner(module_name: str):
         mod = importlib.import_module(module_name)
         kw = dict(template=template, q_len_padded=plan.q_len_padded,
                   kv_len_padded=plan.kv_len_padded, scale=scale, return_lse=return_lse)
-        arrays = (plan.units, plan.steps, plan.row_index)
+        # Plan.row_index is made on first use: an eager trusted call never touches it.
+        arrays = (plan.units, plan.steps)
         if not all(isinstance(a, np.ndarray) for a in arrays):
             # Plan arrays as operands of a jitted caller (the profiler): nothing to check or
             # keep on the host; the template's own mask mode applies.
-            return mod.attention(q, k, v, *arrays, **kw)
+            return mod.attention(q, k, v, *arrays, plan.row_index, **kw)
         try:
             per_plan = _PREPARED.setdefault(plan, {})
         except TypeError:           # a plan-like object that can't be weakly referenced
@@ -68,14 +69,15 @@ def _runner(module_name: str):
                                        plan.kv_len_padded))
             entry = per_plan[(module_name, template.name)] = [None, extra]
         on_device, extra = entry
-        if isinstance(q, jax.core.Tracer):
-            return mod.attention(q, k, v, *arrays, **kw, **extra)
+        if isinstance(q, jax.core.Tracer):      # the plan, row_index too, become constants
+            return mod.attention(q, k, v, *arrays, plan.row_index, **kw, **extra)
         if on_device is None:
             if not trusted:     # the kernel module checks the NumPy plan once
+                arrays += (plan.row_index,)
                 out = mod.attention(q, k, v, *arrays, **kw, **extra)
                 entry[0] = tuple(jax.device_put(arrays))
                 return out
-            on_device = entry[0] = tuple(jax.device_put(arrays[:2])) + (None,)
+            on_device = entry[0] = tuple(jax.device_put(arrays)) + (None,)
         return mod.attention(q, k, v, *on_device, **kw, **extra)
     return run
 

@@ -92,3 +92,23 @@ def test_mosaic_kernel_takes_row_index_none():
     out_h, lse_h = run(plan.row_index)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_h, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_h))
+
+
+def test_eager_runner_never_makes_the_host_row_index():
+    """A planner-built plan run eagerly by a kernel backend copies units + steps only:
+    Plan.row_index (a property made on first use) stays unmade; under jit it is a constant."""
+    import jax
+    import tessera_jax as tj
+    from tessera_jax import backends
+    from tessera_jax.mask import BlockMask
+    mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
+                     np.random.default_rng(14).random((1, 3, 3)) < 0.7)
+    q, k, v = random_qkv(1, 90, 80, 2, 1, 16, "float32", 2)
+    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q64_kv64_w4_s2")
+    out = backends.run(p, q, k, v, 0.25, False)
+    assert "row_index" not in vars(p)
+    ref = reference_attention(q, k, v, mask, scale=0.25)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    jitted = jax.jit(lambda q, k, v: backends.run(p, q, k, v, 0.25, False))
+    np.testing.assert_allclose(np.asarray(jitted(q, k, v)), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    assert "row_index" in vars(p)
