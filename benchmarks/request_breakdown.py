@@ -126,7 +126,7 @@ def main(argv=None) -> dict:
         call = lambda: tj.sparse_attention(q, k, v, m)  # noqa: E731
         jax.block_until_ready(call())                       # compiles
         rec = {k_: [] for k_ in ("select_ms", "plan_ms", "put_ms", "dispatch_ms", "request_ms",
-                                 "gc_ms", "cached_call_ms")}
+                                 "gc_ms", "cached_call_ms", "cached_dispatch_ms")}
         gc_t = [0.0, None]
 
         def on_gc(phase, info):
@@ -162,8 +162,12 @@ def main(argv=None) -> dict:
                 rec["gc_ms"].append(gc_t[0] * 1e3)
                 del out
                 t = time.perf_counter()
-                jax.block_until_ready(call())
+                out = call()
+                t1 = time.perf_counter()
+                jax.block_until_ready(out)
                 rec["cached_call_ms"].append((time.perf_counter() - t) * 1e3)
+                rec["cached_dispatch_ms"].append((t1 - t) * 1e3)
+                del out
         finally:
             gc.callbacks.remove(on_gc)
         ks, how = jax_kernel_ms(lambda q_, k_, v_: tj.sparse_attention(q_, k_, v_, m), (q, k, v),
@@ -175,18 +179,20 @@ def main(argv=None) -> dict:
         prof.disable()
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(25)
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
         p = tj.plan(m, q.shape, k.shape, q.dtype)
         row = {"mask": item, "id": spec["id"], "density": m.density, "heads": H,
                "template": p.template, "policy": p.policy, "step_rows": int(p.num_steps),
                "plan_bytes": int(p.units.nbytes + p.steps.nbytes),
                "kernel_ms": float(np.median(ks)), "kernel_timer": how,
-               "profile": s.getvalue()[-6000:], "samples": rec}
+               "profile": s.getvalue()[-12000:], "samples": rec}
         row.update({k_ + "_median": float(np.median(v_)) for k_, v_ in rec.items()})
         res["rows"].append(row)
         print(f"{item:20s} sel {row['select_ms_median']:6.2f} plan {row['plan_ms_median']:6.2f} "
               f"put {row['put_ms_median']:6.2f} disp {row['dispatch_ms_median']:6.2f} "
               f"req {row['request_ms_median']:7.2f} gc {row['gc_ms_median']:5.2f} "
-              f"cached {row['cached_call_ms_median']:7.2f} kern {row['kernel_ms']:7.2f} "
+              f"cached {row['cached_call_ms_median']:7.2f} (disp {row['cached_dispatch_ms_median']:5.2f}) "
+              f"kern {row['kernel_ms']:7.2f} "
               f"({p.template}/{p.policy}, {row['plan_bytes'] / 1e6:.1f} MB)", flush=True)
         if a.out:
             with open(a.out, "w") as f:
