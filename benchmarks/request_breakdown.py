@@ -79,6 +79,14 @@ def put_probe(reps: int = 20) -> dict:
             jax.block_until_ready(jax.device_put((b, c)))
             two.append((time.perf_counter() - t) * 1e3)
         out[str(nbytes)] = {"one_ms": float(np.median(one)), "two_ms": float(np.median(two))}
+    for k in (1, 2, 4, 8):           # 64 MB in k pieces, one device_put (kernel_backends)
+        ts = []
+        for _ in range(reps // 2):
+            parts = tuple(np.ones((16 << 20) // k, np.int32) for _ in range(k))
+            t = time.perf_counter()
+            jax.block_until_ready(jax.device_put(parts))
+            ts.append((time.perf_counter() - t) * 1e3)
+        out[f"64MB_in_{k}"] = float(np.median(ts))
     print("put_probe", json.dumps(out), flush=True)
     return out
 

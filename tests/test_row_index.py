@@ -112,3 +112,18 @@ def test_eager_runner_never_makes_the_host_row_index():
     jitted = jax.jit(lambda q, k, v: backends.run(p, q, k, v, 0.25, False))
     np.testing.assert_allclose(np.asarray(jitted(q, k, v)), np.asarray(ref), atol=2e-5, rtol=2e-5)
     assert "row_index" in vars(p)
+
+
+def test_large_steps_go_to_the_device_in_pieces(monkeypatch):
+    """kernel_backends._put_plan: pieces joined on the device equal the host arrays."""
+    from tessera_jax import kernel_backends as kb
+    monkeypatch.setattr(kb, "_PUT_PIECE_BYTES", 1 << 10)
+    rng = np.random.default_rng(0)
+    units = rng.integers(-2**31, 2**31 - 1, (37, plan_abi.UNIT_COLS), dtype=np.int64).astype(np.int32)
+    for rows in (10, 700, 1001, 5003):
+        steps = rng.integers(-2**31, 2**31 - 1, (rows, plan_abi.STEP_COLS),
+                             dtype=np.int64).astype(np.int32)
+        u, s = kb._put_plan(units, steps)
+        np.testing.assert_array_equal(np.asarray(u), units)
+        np.testing.assert_array_equal(np.asarray(s), steps)
+        assert s.dtype == jnp.int32 and s.shape == steps.shape
