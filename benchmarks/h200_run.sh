@@ -70,7 +70,11 @@ peers)
   first() { peers_half 0 ${FAMILIES_A:-dense,jenga,natten,sparge,sta,svg2,xattn}
     [ -n "${LOOPS0:-}" ] && loops 0 $OUT/loop-gpu0.json $LOOPS0; }
   second() { peers_half $gpu1 ${FAMILIES_B:-ditfastattn,moba,radial,ssta,svg,vsa}
-    [ -n "${LOOPS1:-}" ] && loops $gpu1 $OUT/loop-gpu1.json $LOOPS1; }
+    [ -n "${LOOPS1:-}" ] && loops $gpu1 $OUT/loop-gpu1.json $LOOPS1
+    # Optional: request_breakdown.py on the masks named in BREAKDOWN_MASKS after this half.
+    [ -n "${BREAKDOWN_MASKS:-}" ] && CUDA_VISIBLE_DEVICES=$gpu1 timeout ${BREAKDOWN_S:-100} \
+      python3 benchmarks/request_breakdown.py --masks $BREAKDOWN_MASKS --iters 3 \
+      --out $OUT/h200-request-breakdown.json > $OUT/breakdown.log 2>&1; }
   merge() {
     python3 benchmarks/peers.py --merge $OUT/peers-gpu*.json --out $OUT/h200-peers.json > $OUT/peers-merge.log 2>&1
     ls $OUT/loop-gpu*.json > /dev/null 2>&1 && python3 -m tessera_jax.bench_loop --merge $OUT/loop-gpu*.json \

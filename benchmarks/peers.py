@@ -161,6 +161,35 @@ def _stats(xs):
             "max": float(np.max(xs)), "geomean": float(np.exp(np.mean(np.log(xs))))}
 
 
+def speedup_bounds(rows: list[dict]) -> dict:
+    """The most any runtime could reach over each peer group's request time, per mask: zero host
+    cost and a kernel that runs exactly the selected FLOPs at the best dense rate measured in this
+    run (cuDNN dense, all interactions, over all shapes). Medians and the rate used."""
+    rates = []
+    for r in rows:
+        d = r.get("peers", {}).get("dense", {})
+        if (d.get("status") in OK_STATES and d.get("kernel_ms") and r.get("density")
+                and r.get("selected_flops")):
+            rates.append(r["selected_flops"] / r["density"] / (d["kernel_ms"] * 1e-3))
+    if not rates:
+        return {}
+    rate = max(rates)
+    per = collections.defaultdict(list)
+    for r in rows:
+        if not r.get("selected_flops"):
+            continue
+        t_min = r["selected_flops"] / rate * 1e3                    # ms
+        for g in GROUPS:
+            gt = group_time(r, g)
+            if gt is not None and t_min > 0:
+                per[g].append(gt / t_min)
+    return {"dense_rate_tflops": rate / 1e12,
+            "median": {g: float(np.median(v)) for g, v in per.items()},
+            "masks_below_3x": {g: int(sum(x < 3 for x in v)) for g, v in per.items()},
+            "meaning": "peer request ms / (selected FLOPs at the best dense rate of this run): "
+                       "no runtime exceeds this speedup on a mask"}
+
+
 def summarize(rows: list[dict]) -> dict:
     """The ``summary`` block: request-latency speedups (and kernel-only ones), per family."""
     out = {}
@@ -191,6 +220,7 @@ def summarize(rows: list[dict]) -> dict:
             for f, d in out["request"]["per_family"].items()},
         "request": out["request"], "kernel": out["kernel"],
         "peer_not_ok": {p: dict(c) for p, c in failures.items()},
+        "speedup_upper_bound": speedup_bounds(rows),
         "metric": "speedup = peer time / tessera_jax time on the same mask (request latency: "
                   "conversion + planning + kernel); a peer group's time is its fastest variant "
                   "that passed the check; best alternative = fastest of FlashInfer, "

@@ -655,7 +655,7 @@ def _attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_l
 
 
 def attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_len_padded,
-              scale=None, return_lse=False, interpret=False, mask_mode=None):
+              scale=None, return_lse=False, interpret=False, mask_mode=None, check_plan=True):
     """Block-sparse attention executing a plan on Hopper with Mosaic GPU.
 
     q [B, Lq, Hq, D]; k, v [B, Lkv, Hkv, D] (bf16 or f16, D in the template's head dims);
@@ -667,20 +667,24 @@ def attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_le
     object (``jax._src.pallas.mosaic_gpu.interpret``) to run on CPU, for tests.
     ``mask_mode``: None picks it from a concrete NumPy plan (``plan_mask_mode``: "none" when
     every step is full) or takes the template's for traced plan arrays; "none" on a plan with
-    partial steps would be wrong, so a concrete plan is checked.
+    partial steps would be wrong, so a concrete plan is checked. ``check_plan=False``: the
+    caller vouches for a NumPy plan (the planner built it for this template): no host walk over
+    its steps, and its arrays go into the jitted call as they are (copied by jax's C++ dispatch,
+    which costs less than a separate device_put).
     """
     t = _templates.get(template)
     if mask_mode is not None and mask_mode not in _MASK_MODES:
         raise ValueError(f"mask_mode must be None or one of {_MASK_MODES}, got {mask_mode!r}")
-    if isinstance(units, np.ndarray) and isinstance(steps, np.ndarray):
+    if check_plan and isinstance(units, np.ndarray) and isinstance(steps, np.ndarray):
         all_full = _check_concrete_plan(units, steps, t, q_len_padded, kv_len_padded)
         if mask_mode == "none" and not all_full:
             raise ValueError("mask_mode='none' needs a plan whose steps are all full; this "
                              "plan has partial steps")
         mask_mode = mask_mode or _auto_mask_mode(t, all_full)
-    units, steps = jnp.asarray(units), jnp.asarray(steps)
-    if row_index is not None:       # None: computed on the device from units
-        row_index = jnp.asarray(row_index)
+    # NumPy arrays stay NumPy: the jitted call copies them (not a separate device_put).
+    units, steps = (a if isinstance(a, np.ndarray) else jnp.asarray(a) for a in (units, steps))
+    if row_index is not None and not isinstance(row_index, np.ndarray):
+        row_index = jnp.asarray(row_index)   # None: computed on the device from units
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5 if hasattr(q, "shape") and len(q.shape) == 4 else 1.0
     _check(q, k, v, units, steps, row_index, t, q_len_padded, kv_len_padded, scale)

@@ -381,7 +381,7 @@ def default_interpret() -> bool:
 
 def attention(q, k, v, units, steps, row_index, *, q_len_padded, kv_len_padded, tile_q=None,
               tile_kv=None, scale=None, return_lse=False, num_warps=None, num_stages=None,
-              mask_mode=None, prefetch=None, template=None, interpret=None):
+              mask_mode=None, prefetch=None, template=None, interpret=None, check_plan=True):
     """Block-sparse attention forward executing a plan, on the Pallas Triton lowering.
 
     q: [B, Lq, Hq, D]; k, v: [B, Lkv, Hkv, D] (same dtype: float32, bfloat16 or float16;
@@ -393,7 +393,9 @@ def attention(q, k, v, units, steps, row_index, *, q_len_padded, kv_len_padded, 
     (num_stages defaults to 2). mask_mode (see ``TritonConfig``) None takes the template's
     ("cond" without one), switched to "none" when a concrete NumPy plan's steps are all full;
     an explicit "none" on a concrete plan with partial steps is an error. scale defaults to
-    D ** -0.5. interpret=None runs interpret mode when jax has no GPU.
+    D ** -0.5. interpret=None runs interpret mode when jax has no GPU. check_plan=False: the
+    caller vouches for a NumPy plan (built by the planner for these tiles): no host walk over
+    its steps, and the template's mask mode applies.
     Returns out [B, Lq, Hq, D] in q.dtype, and with return_lse also lse [B, Hq, Lq] float32
     (natural log; -inf and a 0 output row where no key is selected).
     """
@@ -452,7 +454,7 @@ def attention(q, k, v, units, steps, row_index, *, q_len_padded, kv_len_padded, 
     _check_plan_array("steps", steps, cols=plan_abi.STEP_COLS)
     if row_index is not None:       # None: computed on the device from units
         _check_plan_array("row_index", row_index, shape=(Hq, Lq))
-    if isinstance(units, np.ndarray) and isinstance(steps, np.ndarray):
+    if check_plan and isinstance(units, np.ndarray) and isinstance(steps, np.ndarray):
         all_full = _check_concrete_plan(units, steps, Hq, int(tile_q), int(tile_kv),
                                         q_len_padded, kv_len_padded)
         if mask_mode == "none" and not all_full:

@@ -360,16 +360,18 @@ def attention_calls(monkeypatch):
     real = mosaic_fwd.attention
 
     def spy(q, k, v, units, steps, row_index, **kw):
-        calls.append((isinstance(units, np.ndarray), kw.get("mask_mode")))
+        calls.append((isinstance(units, np.ndarray), kw.get("mask_mode"),
+                      kw.get("check_plan", True)))
         return real(q, k, v, units, steps, row_index, interpret=INTERPRET, **kw)
 
     monkeypatch.setattr(mosaic_fwd, "attention", spy)
     return calls
 
 
-def test_backend_runner_prepares_each_plan_once(attention_calls):
-    """The backend wrapper picks the mask mode and copies the plan to the device on the first
-    call, then reuses both (no per-call host walk over the steps)."""
+def test_backend_runner_prepares_each_plan_once(attention_calls, monkeypatch):
+    """The backend wrapper picks the mask mode once; a small plan's first call takes its NumPy
+    arrays into the jitted call, later calls a device copy made once (no host walk over the
+    steps in any eager call)."""
     from tessera_jax import kernel_backends
     calls = attention_calls
     run = kernel_backends._runner("pallas_kernels.mosaic_fwd")
@@ -379,18 +381,29 @@ def test_backend_runner_prepares_each_plan_once(attention_calls):
     plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=128, tile_kv=64, q_align=8,
                       kv_align=8, template=t.name)
     ref_out, ref_lse = tj.reference_attention(q, k, v, mask, scale=0.125, return_lse=True)
-    for _ in range(2):
+    real_check = mosaic_fwd._check_concrete_plan
+
+    def no_walk(*a, **kw):
+        raise AssertionError("an eager call of a trusted plan walked its steps")
+
+    monkeypatch.setattr(mosaic_fwd, "_check_concrete_plan", no_walk)
+    puts = []
+    real_put = kernel_backends._put_plan
+    monkeypatch.setattr(kernel_backends, "_put_plan", lambda *a: puts.append(1) or real_put(*a))
+    for _ in range(3):
         out, lse = run(plan, t, q, k, v, 0.125, True)
         _check(out, lse, ref_out, ref_lse, jnp.bfloat16)
-    # A planner-built plan is trusted: its fullness comes from Plan.all_full and its arrays
-    # go to the device once, so the kernel module never walks the NumPy steps.
+    # A planner-built plan is trusted: its fullness comes from Plan.all_full; the first call
+    # passes NumPy (copied by the jitted call), the second copies it to the device once.
     assert plan.all_full
-    assert calls == [(False, "none"), (False, "none")]
+    assert calls == [(True, "none", False), (False, "none", True), (False, "none", True)]
+    assert puts == [1]
+    monkeypatch.setattr(mosaic_fwd, "_check_concrete_plan", real_check)
     # Traced (the plan becomes constants of a jitted caller): the NumPy arrays, not the cached
     # device arrays (jax would hoist those into extra inputs of an AOT-compiled loop).
     out, lse = jax.jit(lambda q: run(plan, t, q, k, v, 0.125, True))(q)
     _check(out, lse, ref_out, ref_lse, jnp.bfloat16)
-    assert calls[2:] == [(True, "none")]
+    assert calls[3:] == [(True, "none", True)]
 
 
 def test_backend_runner_takes_traced_plan_arrays(attention_calls, monkeypatch):
@@ -412,7 +425,7 @@ def test_backend_runner_takes_traced_plan_arrays(attention_calls, monkeypatch):
     ref = tj.reference_attention(q, k, v, mask, scale=0.125)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=3e-2, rtol=3e-2)
-    assert calls == [(False, None)]
+    assert calls == [(False, None, True)]
 
 
 def test_bad_input_raises():

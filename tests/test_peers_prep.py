@@ -240,6 +240,23 @@ def test_summary_speedups():
         "tessera": {"status": "wrong", "request_ms": 1.0}}}) == {}
 
 
+def test_speedup_upper_bound():
+    """No runtime beats selected FLOPs at the run's best dense rate: peer time / that time."""
+    a = _row("dense", 1.0, fi_var=2.0, flex=3.0, dense=2.0) | {"selected_flops": 4e12,
+                                                                "density": 1.0}
+    b = _row("sta", 1.0, fi_var=0.5, flex=4.0, dense=2.0) | {"selected_flops": 1e12,
+                                                              "density": 0.25}
+    b["peers"]["dense"]["kernel_ms"] = 2.0          # a slower dense shape: not the rate used
+    bnd = peers.speedup_bounds([a, b])
+    assert bnd["dense_rate_tflops"] == pytest.approx(4000.0)   # 4e12 FLOP in a 1 ms kernel
+    # t_min: a 1 ms, b 0.25 ms; FlashInfer 2.0 / 1 and 0.5 / 0.25
+    assert bnd["median"]["flashinfer"] == pytest.approx(2.0)
+    assert bnd["median"]["flex"] == pytest.approx(np.median([3.0, 16.0]))
+    assert bnd["masks_below_3x"]["flashinfer"] == 2
+    assert peers.summarize([a, b])["speedup_upper_bound"] == bnd
+    assert peers.speedup_bounds([_row("x", 1.0, fi_var=2.0)]) == {}
+
+
 def test_figure_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [_row("sta", 1.0, fi_var=4.0, flex=5.0, dense=6.0),
