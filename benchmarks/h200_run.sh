@@ -66,7 +66,7 @@ peers)
   peers_half() {  # peers_half GPU FAMILIES
     CUDA_VISIBLE_DEVICES=$1 FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws$1 PYTHONPATH=$FIPATH:$PYTHONPATH \
       timeout $((B + 60)) python3 benchmarks/peers.py --out $OUT/peers-gpu$1.json --time-budget $B \
-      --per-family ${PER_FAMILY:-2} --heads 8 --families $2 > $OUT/peers-gpu$1.log 2>&1; }
+      --per-family ${PER_FAMILY:-2} --heads 8 --families $2 ${PEERS_ARGS:-} > $OUT/peers-gpu$1.log 2>&1; }
   first() { peers_half 0 ${FAMILIES_A:-dense,jenga,natten,sparge,sta,svg2,xattn}
     [ -n "${LOOPS0:-}" ] && loops 0 $OUT/loop-gpu0.json $LOOPS0; }
   second() { peers_half $gpu1 ${FAMILIES_B:-ditfastattn,moba,radial,ssta,svg,vsa}

@@ -856,6 +856,10 @@ def gpu_main(args) -> int:
         build = lambda spec, heads=None: smoke[spec["id"]]  # noqa: E731
     else:
         specs, avail = sample_specs(args.per_family, args.families, args.grids, args.seed)
+    if args.skip_from:              # a run cut by its budget: time only the masks it missed
+        done = {r["id"] for f in args.skip_from for r in json.load(open(f)).get("rows", [])}
+        specs = [s for s in specs if s["id"] not in done]
+        log(f"--skip-from: {len(done)} masks already timed; {len(specs)} left")
     peers = [p for p in args.peers.split(",") if p]
     for p in peers:
         if p not in RUNNERS:
@@ -1100,6 +1104,8 @@ def parse_args(argv=None):
     ap.add_argument("--flex-pad", type=int, default=1024,
                     help="FlexAttention sequences padded to a multiple of this (compile reuse)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-from", nargs="+", default=None, metavar="JSON",
+                    help="skip the masks whose rows these earlier result files hold")
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny masks, conversions only")
     ap.add_argument("--fi-warmup-only", action="store_true",
                     help="only JIT-build FlashInfer's modules (into FLASHINFER_WORKSPACE_BASE), so a "
