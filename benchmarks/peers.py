@@ -809,6 +809,12 @@ def versions(ctx: Ctx | None) -> dict:
                                        text=True, timeout=20).stdout.strip()
     except Exception:  # noqa: BLE001
         pass
+    # A snapshot made by `git archive` (the device runs) names its commit in .snap_rev; a git
+    # lookup from there would find the enclosing checkout's HEAD instead.
+    snap = REPO / ".snap_rev"
+    if snap.is_file():
+        out["git"] = snap.read_text().strip()
+        return out
     try:
         out["git"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                     cwd=REPO, timeout=10).stdout.strip() or None
