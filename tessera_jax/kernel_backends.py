@@ -36,9 +36,11 @@ def _gpu_capability() -> tuple[int, int] | None:
 # Per plan (weakly held, so a plan dropped from the API's cache frees its entry) and kernel
 # module: [device arrays or None, extra keyword arguments (the mask mode), 1 once a call took
 # the NumPy arrays]. A planner-built ``Plan`` is trusted: its fullness comes from
-# ``Plan.all_full``, the kernel module never walks its steps (that costs milliseconds per call on
-# big per-head plans), and its arrays are copied to the device once: by its first eager call
-# itself for a small plan (NumPy into the jitted call), else by ``_put_plan`` before it. Under a trace the plan always goes in as
+# ``Plan.all_full`` and the kernel module never walks its steps (that costs milliseconds per
+# call on big per-head plans). A small plan's first eager call hands its NumPy arrays to the
+# jitted call (copied for that call only: a one-shot request skips device_put's fixed cost), and
+# the second keeps device copies made by ``_put_plan``; a large plan is put there on its first
+# call. Under a trace the plan always goes in as
 # NumPy arrays: constants of the caller's program, as jax expects; device arrays made or cached
 # around a trace would leak into it (an AOT-compiled denoising loop on the H200 failed with
 # "compiled for 858 inputs but called with 827"; tests/test_models.py reproduces it).
@@ -74,6 +76,14 @@ def _join(*pieces):
     return jnp.concatenate(pieces, axis=0)
 
 
+def _tracing(*xs) -> bool:
+    """Whether this call is being traced: a traced operand, or concrete ones inside a trace
+    (q closed over by a jit, grad over k/v only). Device arrays made now would be tracers, and a
+    cached one would leak into later eager calls."""
+    from jax._src import core as _core      # trace_state_clean has no public name in jax 0.11
+    return any(isinstance(x, jax.core.Tracer) for x in xs) or not _core.trace_state_clean()
+
+
 def _runner(module_name: str):
     def run(plan, template, q, k, v, scale, return_lse):
         import importlib
@@ -102,7 +112,7 @@ def _runner(module_name: str):
                                        plan.kv_len_padded))
             entry = per_plan[(module_name, template.name)] = [None, extra, 0]
         on_device, extra, _ = entry
-        if isinstance(q, jax.core.Tracer):      # the plan, row_index too, become constants
+        if _tracing(q, k, v):                   # the plan, row_index too, become constants
             return mod.attention(q, k, v, *arrays, plan.row_index, **kw, **extra)
         if on_device is None:
             if not trusted:     # the kernel module checks the NumPy plan once

@@ -127,3 +127,45 @@ def test_large_steps_go_to_the_device_in_pieces(monkeypatch):
         np.testing.assert_array_equal(np.asarray(u), units)
         np.testing.assert_array_equal(np.asarray(s), steps)
         assert s.dtype == jnp.int32 and s.shape == steps.shape
+
+
+def test_runner_under_a_trace_with_concrete_q_caches_nothing_traced():
+    """q closed over by a jit over k, v only: the runner must not keep device arrays made under
+    that trace (they would be tracers; the next eager call raised UnexpectedTracerError)."""
+    import jax
+    import tessera_jax as tj
+    from tessera_jax import backends
+    from tessera_jax.mask import BlockMask
+    mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
+                     np.random.default_rng(4).random((1, 3, 3)) < 0.7)
+    q, k, v = random_qkv(1, 90, 80, 2, 1, 16, "float32", 3)
+    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q64_kv64_w4_s2")
+    ref = np.asarray(reference_attention(q, k, v, mask, scale=0.25))
+    first = backends.run(p, q, k, v, 0.25, False)                       # NumPy into the call
+    traced = jax.jit(lambda k, v: backends.run(p, q, k, v, 0.25, False))(k, v)
+    again = backends.run(p, q, k, v, 0.25, False)                       # device copies now
+    for out in (first, traced, again, backends.run(p, q, k, v, 0.25, False)):
+        np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_runner_puts_a_large_plan_in_pieces_on_its_first_call(monkeypatch):
+    """A plan over _DIRECT_MAX_BYTES goes to the device by _put_plan on its first eager call
+    (in pieces), once; the result matches the reference."""
+    import tessera_jax as tj
+    from tessera_jax import backends, kernel_backends as kb
+    from tessera_jax.mask import BlockMask
+    monkeypatch.setattr(kb, "_DIRECT_MAX_BYTES", 0)
+    monkeypatch.setattr(kb, "_PUT_PIECE_BYTES", 16)
+    puts = []
+    real = kb._put_plan
+    monkeypatch.setattr(kb, "_put_plan", lambda *a: puts.append(a[1].shape) or real(*a))
+    mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
+                     np.random.default_rng(5).random((2, 3, 3)) < 0.8)
+    q, k, v = random_qkv(1, 90, 80, 2, 2, 16, "float32", 4)
+    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q64_kv64_w4_s2")
+    assert p.steps.nbytes >= 2 * 16               # at least two pieces
+    ref = np.asarray(reference_attention(q, k, v, mask, scale=0.25))
+    for _ in range(2):
+        np.testing.assert_allclose(np.asarray(backends.run(p, q, k, v, 0.25, False)), ref,
+                                   atol=2e-5, rtol=2e-5)
+    assert puts == [p.steps.shape]
