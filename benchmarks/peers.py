@@ -162,9 +162,9 @@ def _stats(xs):
 
 
 def speedup_bounds(rows: list[dict]) -> dict:
-    """The most any runtime could reach over each peer group's request time, per mask: zero host
-    cost and a kernel that runs exactly the selected FLOPs at the best dense rate measured in this
-    run (cuDNN dense, all interactions, over all shapes). Medians and the rate used."""
+    """Per peer group, the speed-up a runtime would reach with zero host cost and a kernel that
+    runs exactly the selected FLOPs at this run's best cuDNN dense rate (all interactions, over
+    all shapes): a bound for anything no faster than cuDNN dense. Medians and the rate used."""
     rates = []
     for r in rows:
         d = r.get("peers", {}).get("dense", {})
@@ -186,8 +186,9 @@ def speedup_bounds(rows: list[dict]) -> dict:
     return {"dense_rate_tflops": rate / 1e12,
             "median": {g: float(np.median(v)) for g, v in per.items()},
             "masks_below_3x": {g: int(sum(x < 3 for x in v)) for g, v in per.items()},
-            "meaning": "peer request ms / (selected FLOPs at the best dense rate of this run): "
-                       "no runtime exceeds this speedup on a mask"}
+            "meaning": "peer request ms / (selected FLOPs at this run's best cuDNN dense rate, "
+                       "zero host cost): what a runtime matching that rate on exactly the "
+                       "selected work would reach on a mask"}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -809,17 +810,8 @@ def versions(ctx: Ctx | None) -> dict:
                                        text=True, timeout=20).stdout.strip()
     except Exception:  # noqa: BLE001
         pass
-    # A snapshot made by `git archive` (the device runs) names its commit in .snap_rev; a git
-    # lookup from there would find the enclosing checkout's HEAD instead.
-    snap = REPO / ".snap_rev"
-    if snap.is_file():
-        out["git"] = snap.read_text().strip()
-        return out
-    try:
-        out["git"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=REPO, timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        pass
+    from tessera_jax.profile import code_revision   # git HEAD, or a snapshot's .snap_rev
+    out["git"] = code_revision(REPO)
     return out
 
 

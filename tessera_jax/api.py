@@ -38,7 +38,12 @@ def _choose_template(mask: BlockMask, shape, backend: str) -> tuple[str, str]:
 
 def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
          policy: str | None = None, backend: str | None = None) -> Plan:
-    """The plan ``sparse_attention`` would run for these shapes (cached by mask digest)."""
+    """The plan ``sparse_attention`` would run for these shapes (cached by mask digest).
+
+    One exception: an all-selected mask that ``sparse_attention`` sends to cuDNN
+    (``dense_route``: GPU, backend/policy/template left to choose, no LSE) still gets the plan
+    the kernels would run here, but none runs then.
+    """
     try:
         key = (mask, tuple(q_shape), tuple(kv_shape), np.dtype(dtype), template, policy, backend)
         hash(key)
@@ -124,7 +129,7 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
         if auto and dense_route.takes(mask, shape, backend, return_lse):
             try:
                 return dense_route.attention(q, k, v, scale)
-            except (NotImplementedError, ValueError) as e:   # cuDNN's own shape checks
+            except (NotImplementedError, ValueError) as e:   # cuDNN refused this call
                 dense_route.warn_fallback(e)
     p = plan(mask, q.shape, k.shape, q.dtype, template=template, policy=policy, backend=backend)
     return backends.run(p, q, k, v, scale, return_lse)

@@ -107,8 +107,11 @@ def _load_kernel_backends() -> None:
 # --- the XLA backend --------------------------------------------------------------------
 def _run_xla(plan, template, q, k, v, scale, return_lse):
     from . import xla_backend
+    # Eagerly the executor makes row_index from units (nothing to build or copy); under a
+    # trace the host array is a constant of the caller's program.
+    traced = any(isinstance(x, jax.core.Tracer) for x in (q, k, v, plan.units))
     return xla_backend.execute(
-        q, k, v, plan.units, plan.steps, plan.row_index, tile_q=plan.tile_q,
+        q, k, v, plan.units, plan.steps, plan.row_index if traced else None, tile_q=plan.tile_q,
         tile_kv=plan.tile_kv, q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
         max_steps=plan.max_steps, scale=scale, return_lse=return_lse)
 

@@ -47,14 +47,37 @@ def takes(mask: BlockMask, shape, backend: str, return_lse: bool) -> bool:
 
 
 @functools.cache
-def _dense_fn():
+def _dense_fn(implementation: str = "cudnn"):
     import jax
-    return jax.jit(functools.partial(jax.nn.dot_product_attention, implementation="cudnn"),
-                   static_argnames=("scale",))
+    return jax.jit(functools.partial(jax.nn.dot_product_attention,
+                                     implementation=implementation), static_argnames=("scale",))
+
+
+# (q, k, v shapes and dtype, scale) -> None if cuDNN compiled this call, else the error. Checked
+# once by compiling ahead of time, so a refusal at compile time (not only jax's trace-time shape
+# checks) falls back to the planned path, and under a caller's jit too.
+_VERDICTS: dict = {}
+
+
+def _verdict(q, k, v, scale: float):
+    import jax
+    key = tuple((tuple(x.shape), str(x.dtype)) for x in (q, k, v)) + (scale,)
+    if key not in _VERDICTS:
+        try:
+            args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+            _dense_fn().lower(*args, scale=scale).compile()
+            _VERDICTS[key] = None
+        except Exception as e:  # noqa: BLE001  (cuDNN missing, shape refused, compile error)
+            _VERDICTS[key] = e
+    return _VERDICTS[key]
 
 
 def attention(q, k, v, scale: float):
-    """out [B, Lq, Hq, D]: cuDNN fused attention over all keys (GQA by K/V head groups)."""
+    """out [B, Lq, Hq, D]: cuDNN fused attention over all keys (GQA by K/V head groups).
+    Raises NotImplementedError (with cuDNN's error) where this call does not compile."""
+    err = _verdict(q, k, v, scale)
+    if err is not None:
+        raise NotImplementedError(f"{type(err).__name__}: {err}") from err
     return _dense_fn()(q, k, v, scale=scale)
 
 

@@ -337,17 +337,25 @@ def versions() -> dict:
         out["tessera_jax"] = __version__
     except ImportError:  # pragma: no cover
         pass
-    snap = pathlib.Path(__file__).parent.parent / ".snap_rev"   # a `git archive` snapshot
-    if snap.is_file():
-        out["git"] = snap.read_text().strip()
-        return out
-    try:
-        out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True, timeout=5,
-                                    cwd=pathlib.Path(__file__).parent).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        out["git"] = None
+    out["git"] = code_revision(pathlib.Path(__file__).resolve().parent.parent)
     return out
+
+
+def code_revision(root: pathlib.Path) -> str | None:
+    """The commit of the code under ``root``: git's HEAD when ``root`` is the top of a git
+    checkout; else the ``.snap_rev`` file a `git archive` snapshot carries (the device runs: a
+    git lookup from a snapshot inside another checkout finds that checkout's HEAD); else None."""
+    root = pathlib.Path(root).resolve()
+    try:
+        r = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                           capture_output=True, text=True, timeout=5, cwd=root)
+        lines = r.stdout.split()
+        if r.returncode == 0 and len(lines) == 2 and pathlib.Path(lines[0]).resolve() == root:
+            return lines[1]
+    except Exception:  # noqa: BLE001
+        pass
+    snap = root / ".snap_rev"
+    return snap.read_text().strip() if snap.is_file() else None
 
 
 def corpus_digest(tiny: bool) -> str:

@@ -215,3 +215,17 @@ def test_explicit_candidates_fit_only_those(run, tmp_path, no_timing):
             P.parse_candidates([bad])
     with pytest.raises(ValueError, match="template"):
         P.parse_candidates(["nope/merge"])
+
+
+def test_code_revision_prefers_git_then_a_snapshot_file(tmp_path):
+    import pathlib
+    import subprocess
+    from tessera_jax.profile import code_revision
+    assert code_revision(tmp_path) is None                     # not a checkout, no file
+    (tmp_path / ".snap_rev").write_text("abc1234\n")
+    assert code_revision(tmp_path) == "abc1234"                # a `git archive` snapshot
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, cwd=repo).stdout.strip()
+    if head:
+        assert code_revision(repo) == head                     # a checkout: its HEAD
