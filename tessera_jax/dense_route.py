@@ -53,9 +53,9 @@ def _dense_fn(implementation: str = "cudnn"):
                                      implementation=implementation), static_argnames=("scale",))
 
 
-# (q, k, v shapes and dtype, scale) -> None if cuDNN compiled this call, else the error. Checked
-# once by compiling ahead of time, so a refusal at compile time (not only jax's trace-time shape
-# checks) falls back to the planned path, and under a caller's jit too.
+# (q, k, v shapes and dtypes, scale) -> the compiled call, or the error that refused it. Compiled
+# once ahead of time, so a refusal at compile time (not only jax's trace-time shape checks)
+# falls back to the planned path, under a caller's jit too; eager calls run that executable.
 _VERDICTS: dict = {}
 
 
@@ -65,8 +65,7 @@ def _verdict(q, k, v, scale: float):
     if key not in _VERDICTS:
         try:
             args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
-            _dense_fn().lower(*args, scale=scale).compile()
-            _VERDICTS[key] = None
+            _VERDICTS[key] = _dense_fn().lower(*args, scale=scale).compile()
         except Exception as e:  # noqa: BLE001  (cuDNN missing, shape refused, compile error)
             _VERDICTS[key] = e
     return _VERDICTS[key]
@@ -75,10 +74,14 @@ def _verdict(q, k, v, scale: float):
 def attention(q, k, v, scale: float):
     """out [B, Lq, Hq, D]: cuDNN fused attention over all keys (GQA by K/V head groups).
     Raises NotImplementedError (with cuDNN's error) where this call does not compile."""
-    err = _verdict(q, k, v, scale)
-    if err is not None:
-        raise NotImplementedError(f"{type(err).__name__}: {err}") from err
-    return _dense_fn()(q, k, v, scale=scale)
+    import jax
+    from jax._src import core as _core      # trace_state_clean has no public name in jax 0.11
+    got = _verdict(q, k, v, scale)
+    if isinstance(got, Exception):
+        raise NotImplementedError(f"{type(got).__name__}: {got}") from got
+    if any(isinstance(x, jax.core.Tracer) for x in (q, k, v)) or not _core.trace_state_clean():
+        return _dense_fn()(q, k, v, scale=scale)        # inlined into the caller's program
+    return got(q, k, v)
 
 
 def warn_fallback(err: Exception) -> None:
