@@ -56,8 +56,8 @@ Host cost: the work grows with the number of runs and tiles the plan holds, neve
 [H, nq, nkv] temporaries other than the one ``packbits`` pass (``benchmarks/planning.py``).
 ``keep``/``merge`` (the default policy) run as numba-compiled loops that decode each unit's
 key intervals from the packed bits and write its step rows straight into the preallocated
-int32 ``steps``, on ``PLAN_THREADS`` (2) threads; the first plan of a process imports
-numba and compiles the loops or loads them from numba's on-disk cache (``warm_up()`` does it
+int32 ``steps``, on two threads (split/pack on ``PLAN_THREADS``, up to 8, where there are
+4 or more); the first plan of a process imports numba and compiles the loops or loads them from numba's on-disk cache (``warm_up()`` does it
 ahead of time). ``split``/``pack`` choose their units (NumPy / a compiled greedy pass) and
 write their steps with one compiled loop, once, into a reserved upper bound as keep/merge do.
 The NumPy versions of the three step builders (``plan_oracle``) are the tests' oracles.
@@ -342,7 +342,11 @@ class _Ctx:
 # first plan of a process, not at import; ``warm_up()`` does it ahead of time. The drivers
 # look each loop up as ``_loops._nb_*`` at call time: ``plan_loops.compile_all()`` rebinds
 # those names to the compiled functions.
-PLAN_THREADS = min(2, os.cpu_count() or 1)   # threads of the compiled loops
+# Threads of the compiled loops. Most loops use two of them. split/pack use all of them from
+# _WIDE_MIN on: the units in PLAN_THREADS chunks, each counted, then written at its exact offset,
+# both passes in parallel (twice one pass's work, so 2 threads keep the estimate scheme below).
+PLAN_THREADS = min(8, os.cpu_count() or 1)
+_WIDE_MIN = 4
 _PAR_MIN_ROWS = 1 << 16        # below this much work (step rows, flags, words), one thread
 _PACK_MIN_BYTES = 1 << 16      # masks from this many flags up are packed by the compiled loop
 _MAX_BOUND_BYTES = 1 << 30     # reserve at most this much for the step-row bound
@@ -374,6 +378,8 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
     _loops._nb_rect_bound(ctx.words, gh, gi, ugroups, cmax, bound)
     B = int(bound[-1])
     big = 1 << 62
+    if PLAN_THREADS >= _WIDE_MIN and U >= PLAN_THREADS and B >= _PAR_MIN_ROWS:
+        return _rect_steps_wide(args, bound, cnt, nfull, area)
     two = PLAN_THREADS >= 2 and U >= 2 and B >= _PAR_MIN_ROWS
     mid = min(max(int(np.searchsorted(bound, B // 2)), 1), U - 1) if two else U
     none = np.zeros((1, abi.STEP_COLS), np.int32)
@@ -414,6 +420,45 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
                        (e1 - r1) * row)
     steps[S:min(top, bucket(S))] = 0           # the rest is outside the view
     return cnt, steps[: bucket(S)], nfull, area
+
+
+def _rect_steps_wide(args, bound, cnt, nfull, area):
+    """``_rect_steps`` on PLAN_THREADS threads: the units in chunks of about equal bound, each
+    chunk's rows counted, then each chunk written from its exact offset (both passes in
+    parallel; no estimate, no move)."""
+    U, B = len(cnt), int(bound[-1])
+    n = PLAN_THREADS
+    edges = np.unique(np.r_[0, np.searchsorted(bound, np.arange(1, n) * (B / n)), U])
+    chunks = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+    big = 1 << 62
+    none = np.zeros((1, abi.STEP_COLS), np.int32)
+    counted = _on_threads_wide([(_loops._nb_rects, lo, hi, 0, *args, bound, big, False, none,
+                                 cnt, nfull, area) for lo, hi in chunks])
+    offs = np.zeros(len(chunks) + 1, np.int64)
+    np.cumsum([c for c, _ in counted], out=offs[1:])
+    S = int(offs[-1])
+    steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+    ends = _on_threads_wide([(_loops._nb_rects, lo, hi, int(o), *args, bound, big, True, steps,
+                              cnt, nfull, area) for (lo, hi), o in zip(chunks, offs[:-1])])
+    if [e for e, _ in ends] != offs[1:].tolist():
+        raise RuntimeError("planner: split/pack step count changed between passes")
+    return cnt, steps, nfull, area
+
+
+def _on_threads_wide(calls):
+    """[fn(*args) for fn, *args in calls], the first on this thread and the rest on the wide
+    pool (the compiled loops release the GIL)."""
+    global _WIDE_POOL
+    if _WIDE_POOL is None or _WIDE_POOL[0] != (os.getpid(), PLAN_THREADS):
+        import concurrent.futures
+        _WIDE_POOL = ((os.getpid(), PLAN_THREADS), concurrent.futures.ThreadPoolExecutor(
+            max(PLAN_THREADS - 1, 1), thread_name_prefix="tessera-plan-wide"))
+    futs = [_WIDE_POOL[1].submit(fn, *a) for fn, *a in calls[1:]]
+    first = calls[0][0](*calls[0][1:])
+    return [first] + [f.result() for f in futs]
+
+
+_WIDE_POOL = None       # ((pid, PLAN_THREADS), executor) of the wide split/pack
 
 
 _SAMPLE_STRIDE = 32     # every this many units of the first half are counted for the estimate

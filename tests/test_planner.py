@@ -727,3 +727,39 @@ def test_compiled_split_pack_two_group_units_with_a_gap():
     units = plan_loops._nb_pack_units(np.zeros(4, np.int64), np.array([0, 40, 70, 100]),
                                       np.array([30, 70, 100, 130]), 128, 1)
     np.testing.assert_array_equal(units, [[0, 3], [3, 4]])
+
+
+@given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (128, 128)]),
+       st.sampled_from([(1, 1), (8, 8)]), st.sampled_from([4, 8]), st.booleans())
+@settings(max_examples=30, deadline=None)
+def test_wide_split_pack_equal_the_oracles(mt, tile, align, threads, pack):
+    """split/pack on 4 or 8 threads (chunks counted, then written at exact offsets) equal the
+    NumPy oracles, as on one or two threads."""
+    mask = mt[0]
+    tq, tk = tile
+    qal, kal = align
+    ctx = _ctx(mask, tq, tk, qal, kal if tk % kal == 0 else 1)
+    want = (plan_oracle._plan_pack_numpy if pack else plan_oracle._plan_grid_numpy)(ctx)
+    with _on_threads(threads):
+        got = (planner._plan_pack if pack else planner._plan_grid)(ctx)
+    _assert_same_raw(got, want)
+
+
+@pytest.mark.parametrize("threads", [4, 8])
+def test_wide_split_pack_run_and_match_on_a_large_mask(threads):
+    """The wide path runs (many units) and gives the oracles' plans, per-head masks with
+    variable blocks and empty rows."""
+    rng = np.random.default_rng(threads)
+    qb = np.unique(np.r_[0, np.sort(rng.choice(np.arange(1, 2000), 60, replace=False)), 2000])
+    kb = np.unique(np.r_[0, np.sort(rng.choice(np.arange(1, 1500), 50, replace=False)), 1500])
+    blocks = rng.random((3, len(qb) - 1, len(kb) - 1)) < 0.3
+    blocks[:, 5] = False
+    ctx = _ctx(tj.BlockMask(qb, kb, blocks), 64, 64, 8, 8)
+    for oracle, fn in _SPLIT_PACK:
+        calls = []
+        real = planner._rect_steps_wide
+        with _on_threads(threads), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(planner, "_rect_steps_wide", lambda *a: calls.append(1) or real(*a))
+            got = fn(ctx)
+        assert calls == [1]
+        _assert_same_raw(got, oracle(ctx))
