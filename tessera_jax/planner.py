@@ -56,9 +56,10 @@ Host cost: the work grows with the number of runs and tiles the plan holds, neve
 [H, nq, nkv] temporaries other than the one ``packbits`` pass (``benchmarks/planning.py``).
 ``keep``/``merge`` (the default policy) run as numba-compiled loops that decode each unit's
 key intervals from the packed bits and write its step rows straight into the preallocated
-int32 ``steps``, on two threads (split/pack on ``PLAN_THREADS``, up to 8, where there are
-4 or more); the first plan of a process imports numba and compiles the loops or loads them from numba's on-disk cache (``warm_up()`` does it
-ahead of time). ``split``/``pack`` choose their units (NumPy / a compiled greedy pass) and
+int32 ``steps``, on two threads, or on ``PLAN_THREADS`` (up to 8) for large plans where
+the host has 4 or more cores; the first plan of a process imports numba and compiles the loops
+or loads them from numba's on-disk cache (``warm_up()`` does it ahead of time).
+``split``/``pack`` choose their units (NumPy / a compiled greedy pass) and
 write their steps with one compiled loop, once, into a reserved upper bound as keep/merge do.
 The NumPy versions of the three step builders (``plan_oracle``) are the tests' oracles.
 ``stats()`` is computed on first call, not at build time.
@@ -342,11 +343,19 @@ class _Ctx:
 # first plan of a process, not at import; ``warm_up()`` does it ahead of time. The drivers
 # look each loop up as ``_loops._nb_*`` at call time: ``plan_loops.compile_all()`` rebinds
 # those names to the compiled functions.
-# Threads of the compiled loops. Most loops use two of them. split/pack use all of them from
-# _WIDE_MIN on: the units in PLAN_THREADS chunks, each counted, then written at its exact offset,
-# both passes in parallel (twice one pass's work, so 2 threads keep the estimate scheme below).
+# Threads of the compiled loops. Most loops use two of them. The step builders (split/pack and
+# keep/merge) use all of them on large plans from _WIDE_MIN threads on: the units in
+# PLAN_THREADS chunks, each counted, then written at its exact offset, both passes in parallel
+# (~1.6x one pass's work, so 2 threads keep the estimate schemes below).
 PLAN_THREADS = min(8, os.cpu_count() or 1)
 _WIDE_MIN = 4
+_WIDE_MIN_ROWS = 1 << 18       # bound rows from which the wide path pays for its extra pass
+
+
+def _wide(units: int, bound_rows: int) -> bool:
+    """Whether split/pack or keep/merge take the wide (PLAN_THREADS-chunk) path."""
+    return (PLAN_THREADS >= _WIDE_MIN and units >= PLAN_THREADS
+            and bound_rows >= max(_WIDE_MIN_ROWS, _PAR_MIN_ROWS))
 _PAR_MIN_ROWS = 1 << 16        # below this much work (step rows, flags, words), one thread
 _PACK_MIN_BYTES = 1 << 16      # masks from this many flags up are packed by the compiled loop
 _MAX_BOUND_BYTES = 1 << 30     # reserve at most this much for the step-row bound
@@ -378,7 +387,7 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
     _loops._nb_rect_bound(ctx.words, gh, gi, ugroups, cmax, bound)
     B = int(bound[-1])
     big = 1 << 62
-    if PLAN_THREADS >= _WIDE_MIN and U >= PLAN_THREADS and B >= _PAR_MIN_ROWS:
+    if _wide(U, B):
         return _rect_steps_wide(args, bound, cnt, nfull, area)
     two = PLAN_THREADS >= 2 and U >= 2 and B >= _PAR_MIN_ROWS
     mid = min(max(int(np.searchsorted(bound, B // 2)), 1), U - 1) if two else U
@@ -557,9 +566,16 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
     ukeys = np.empty(U, np.int64)
     ptr = np.empty(U, np.int64)
     B = int(bound[-1])
+    common = (words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim)
+    if _wide(U, B):
+        steps, S, ptr = _rowgroups_wide(common, bound, cnt, upart, ukeys, share)
+        nfull = np.where((qlo == 0) & (qhi == tq), cnt - upart, 0)
+        raw = _Raw(ugh, qs, qlo, qhi, cnt, steps, nfull, (qhi - qlo) * ukeys)
+        if share:
+            raw.ptr, raw.stored = ptr, S
+        return raw
     two = PLAN_THREADS >= 2 and U >= 2 and B >= _PAR_MIN_ROWS
     mid = min(max(int(np.searchsorted(bound, B // 2)), 1), U - 1) if two else U
-    common = (words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim)
     if bucket(B) * abi.STEP_COLS * 4 <= _MAX_BOUND_BYTES:
         steps = np.zeros((bucket(B), abi.STEP_COLS), np.int32)
         r1 = int(bound[mid])
@@ -597,6 +613,37 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
     if share:
         raw.ptr, raw.stored = ptr, S
     return raw
+
+
+def _rowgroups_wide(common, bound, cnt, upart, ukeys, share: bool):
+    """keep/merge's step rows on PLAN_THREADS threads: the units in chunks of about equal
+    bound, each unit's steps counted, then each chunk written from its exact offset (both passes
+    in parallel). A chunk's first unit never shares the rows of the unit before it (``_nb_fill``
+    shares only inside [lo, hi)), so the rows a chunk stores are known before writing.
+    Returns (steps, stored rows, ptr)."""
+    words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim = common
+    U, B = len(cnt), int(bound[-1])
+    n = PLAN_THREADS
+    edges = np.unique(np.r_[0, np.searchsorted(bound, np.arange(1, n) * (B / n)), U])
+    chunks = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+    _on_threads_wide([(_loops._nb_count, lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, cnt)
+                      for lo, hi in chunks])
+    stored = cnt.copy()
+    if share and U > 1:         # the rows of a unit equal to the one before are not stored
+        same = ((ugh[1:] == ugh[:-1]) & (ugi[1:] == ugi[:-1]) & (qlo[1:] == qlo[:-1])
+                & (qhi[1:] == qhi[:-1]))
+        same[edges[1:-1] - 1] = False                  # chunk starts store their rows
+        stored[1:][same] = 0
+    offs = np.zeros(len(chunks) + 1, np.int64)
+    np.cumsum([int(stored[lo:hi].sum()) for lo, hi in chunks], out=offs[1:])
+    S = int(offs[-1])
+    steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+    ptr = np.empty(U, np.int64)
+    ends = _on_threads_wide([(_loops._nb_fill, lo, hi, int(o), *common, steps, cnt, upart, ukeys,
+                              ptr, share) for (lo, hi), o in zip(chunks, offs[:-1])])
+    if list(ends) != offs[1:].tolist():
+        raise RuntimeError("planner: keep/merge step count changed between passes")
+    return steps, S, ptr
 
 
 def _empty_raw() -> _Raw:

@@ -490,6 +490,7 @@ def _on_threads(n, **planner_attrs):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(planner, "PLAN_THREADS", n)
         mp.setattr(planner, "_PAR_MIN_ROWS", 0)
+        mp.setattr(planner, "_WIDE_MIN_ROWS", 0)
         for name, value in planner_attrs.items():
             mp.setattr(planner, name, value)
         yield
@@ -504,11 +505,13 @@ def _ctx(mask, tq, tk, q_align, kv_align, kv_len=None):
 
 
 @given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (128, 128), (64, 192)]),
-       st.sampled_from([(1, 1), (8, 8), (16, 32)]), st.sampled_from(["one", "two", "exact"]))
-@settings(max_examples=40, deadline=None)
+       st.sampled_from([(1, 1), (8, 8), (16, 32)]),
+       st.sampled_from(["one", "two", "exact", "four", "eight"]))
+@settings(max_examples=50, deadline=None)
 def test_compiled_keep_merge_equal_numpy_oracle(mt, tile, align, mode):
     """The compiled keep/merge loops give exactly the NumPy oracle's arrays: one thread, two
-    threads (second half written past the bound and moved down), and the exact-count path."""
+    threads (second half written past the bound and moved down), the exact-count path, and 4 or
+    8 threads (chunks counted, then written at exact offsets)."""
     mask = mt[0]
     tq, tk = tile
     qal, kal = align
@@ -518,7 +521,8 @@ def test_compiled_keep_merge_equal_numpy_oracle(mt, tile, align, mode):
     for merge in (False, True):
         want = plan_oracle._plan_rowgroups_numpy(ctx, merge)
         exact = {"_MAX_BOUND_BYTES": 0} if mode == "exact" else {}
-        with _on_threads(1 if mode == "one" else 2, **exact):
+        threads = {"one": 1, "four": 4, "eight": 8}.get(mode, 2)
+        with _on_threads(threads, **exact):
             got = planner._plan_rowgroups(ctx, merge, share=False)
             shared = planner._plan_rowgroups(ctx, merge, share=True)
         _assert_same_raw(got, want)
@@ -743,6 +747,30 @@ def test_wide_split_pack_equal_the_oracles(mt, tile, align, threads, pack):
     with _on_threads(threads):
         got = (planner._plan_pack if pack else planner._plan_grid)(ctx)
     _assert_same_raw(got, want)
+
+
+@pytest.mark.parametrize("threads", [4, 8])
+def test_wide_keep_merge_run_and_share_on_a_large_mask(threads):
+    """The wide keep/merge path runs and equals the oracle, shared rows included (tall row
+    groups: interior units of one group share rows, also across chunk starts' neighbours)."""
+    rng = np.random.default_rng(10 + threads)
+    qb = np.r_[0, 900, 1000, np.arange(1064, 3000, 64), 3000]     # a tall group: 7 units
+    kb = np.unique(np.r_[0, np.sort(rng.choice(np.arange(1, 1500), 40, replace=False)), 1500])
+    blocks = rng.random((2, len(qb) - 1, len(kb) - 1)) < 0.35
+    ctx = _ctx(tj.BlockMask(qb, kb, blocks), 128, 64, 8, 8)
+    for merge in (False, True):
+        want = plan_oracle._plan_rowgroups_numpy(ctx, merge)
+        calls = []
+        real = planner._rowgroups_wide
+        with _on_threads(threads), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(planner, "_rowgroups_wide", lambda *a: calls.append(1) or real(*a))
+            got = planner._plan_rowgroups(ctx, merge, share=False)
+            shared = planner._plan_rowgroups(ctx, merge, share=True)
+        assert calls == [1, 1]
+        _assert_same_raw(got, want)
+        _assert_same_raw(shared.unshared(), want)
+        assert shared.num_steps < got.num_steps             # the tall group stored once
+        assert not shared.steps[shared.num_steps:].any()
 
 
 @pytest.mark.parametrize("threads", [4, 8])
