@@ -88,6 +88,14 @@ def resolve(backend: str | None, shape: AttnShape) -> str:
     raise ValueError("no backend can take this call")  # unreachable: xla takes everything
 
 
+def tracing(*xs) -> bool:
+    """Whether this call is being traced: a traced operand, or concrete ones inside a trace
+    (q closed over by a jit, grad over k/v only). Device arrays made now would be tracers, and a
+    cached one would leak into later eager calls."""
+    from jax._src import core as _core      # trace_state_clean has no public name in jax 0.11
+    return any(isinstance(x, jax.core.Tracer) for x in xs) or not _core.trace_state_clean()
+
+
 def run(plan, q, k, v, scale, return_lse):
     t = get_template(plan.template)
     return _RUNNERS[t.backend](plan, t, q, k, v, scale, return_lse)
@@ -109,7 +117,7 @@ def _run_xla(plan, template, q, k, v, scale, return_lse):
     from . import xla_backend
     # Eagerly the executor makes row_index from units (nothing to build or copy); under a
     # trace the host array is a constant of the caller's program.
-    traced = any(isinstance(x, jax.core.Tracer) for x in (q, k, v, plan.units))
+    traced = tracing(q, k, v, plan.units)
     return xla_backend.execute(
         q, k, v, plan.units, plan.steps, plan.row_index if traced else None, tile_q=plan.tile_q,
         tile_kv=plan.tile_kv, q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,

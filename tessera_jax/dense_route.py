@@ -74,12 +74,11 @@ def _verdict(q, k, v, scale: float):
 def attention(q, k, v, scale: float):
     """out [B, Lq, Hq, D]: cuDNN fused attention over all keys (GQA by K/V head groups).
     Raises NotImplementedError (with cuDNN's error) where this call does not compile."""
-    import jax
-    from jax._src import core as _core      # trace_state_clean has no public name in jax 0.11
+    from .backends import tracing
     got = _verdict(q, k, v, scale)
     if isinstance(got, Exception):
         raise NotImplementedError(f"{type(got).__name__}: {got}") from got
-    if any(isinstance(x, jax.core.Tracer) for x in (q, k, v)) or not _core.trace_state_clean():
+    if tracing(q, k, v):
         return _dense_fn()(q, k, v, scale=scale)        # inlined into the caller's program
     return got(q, k, v)
 

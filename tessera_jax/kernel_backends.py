@@ -76,14 +76,6 @@ def _join(*pieces):
     return jnp.concatenate(pieces, axis=0)
 
 
-def _tracing(*xs) -> bool:
-    """Whether this call is being traced: a traced operand, or concrete ones inside a trace
-    (q closed over by a jit, grad over k/v only). Device arrays made now would be tracers, and a
-    cached one would leak into later eager calls."""
-    from jax._src import core as _core      # trace_state_clean has no public name in jax 0.11
-    return any(isinstance(x, jax.core.Tracer) for x in xs) or not _core.trace_state_clean()
-
-
 def _runner(module_name: str):
     def run(plan, template, q, k, v, scale, return_lse):
         import importlib
@@ -112,7 +104,7 @@ def _runner(module_name: str):
                                        plan.kv_len_padded))
             entry = per_plan[(module_name, template.name)] = [None, extra, 0]
         on_device, extra, _ = entry
-        if _tracing(q, k, v):                   # the plan, row_index too, become constants
+        if backends.tracing(q, k, v):           # the plan, row_index too, become constants
             return mod.attention(q, k, v, *arrays, plan.row_index, **kw, **extra)
         if on_device is None:
             if not trusted:     # the kernel module checks the NumPy plan once
