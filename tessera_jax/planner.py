@@ -435,9 +435,7 @@ def _rect_steps_wide(args, bound, cnt, nfull, area):
     """``_rect_steps`` on PLAN_THREADS threads: the units in chunks of about equal bound, each
     chunk's rows counted, then each chunk written from its exact offset (both passes in
     parallel; no estimate, no move)."""
-    U, B = len(cnt), int(bound[-1])
-    n = PLAN_THREADS
-    edges = np.unique(np.r_[0, np.searchsorted(bound, np.arange(1, n) * (B / n)), U])
+    edges = _wide_edges(bound)
     chunks = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
     big = 1 << 62
     none = np.zeros((1, abi.STEP_COLS), np.int32)
@@ -452,6 +450,14 @@ def _rect_steps_wide(args, bound, cnt, nfull, area):
     if [e for e, _ in ends] != offs[1:].tolist():
         raise RuntimeError("planner: split/pack step count changed between passes")
     return cnt, steps, nfull, area
+
+
+def _wide_edges(bound: np.ndarray) -> np.ndarray:
+    """Unit indices cutting [0, U) into PLAN_THREADS chunks of about equal bound (the
+    cumulative row bound, length U + 1); empty chunks dropped."""
+    U, B = len(bound) - 1, int(bound[-1])
+    n = PLAN_THREADS
+    return np.unique(np.r_[0, np.searchsorted(bound, np.arange(1, n) * (B / n)), U])
 
 
 def _on_threads_wide(calls):
@@ -622,9 +628,8 @@ def _rowgroups_wide(common, bound, cnt, upart, ukeys, share: bool):
     shares only inside [lo, hi)), so the rows a chunk stores are known before writing.
     Returns (steps, stored rows, ptr)."""
     words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim = common
-    U, B = len(cnt), int(bound[-1])
-    n = PLAN_THREADS
-    edges = np.unique(np.r_[0, np.searchsorted(bound, np.arange(1, n) * (B / n)), U])
+    U = len(cnt)
+    edges = _wide_edges(bound)
     chunks = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
     _on_threads_wide([(_loops._nb_count, lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, cnt)
                       for lo, hi in chunks])
