@@ -659,7 +659,7 @@ def _empty_raw() -> _Raw:
 def _plan_grid(ctx: _Ctx) -> _Raw:
     """split: units are the query grid cells, K/V tiles the key grid cells (compiled steps:
     a counting pass, then the rows; the arrays equal ``plan_oracle._plan_grid_numpy``'s)."""
-    tq, tk = ctx.tile_q, ctx.tile_kv
+    tq = ctx.tile_q
     nonempty = ctx.words.any(axis=-1)                          # [Hm, nq]
     own_q, cell, plo, phi = _chunk(ctx.qb[:-1], ctx.qb[1:], tq, tq, ctx.qp)
     gh, gp = np.nonzero(nonempty[:, own_q])
