@@ -449,20 +449,13 @@ def _sync():
 def run_tessera(case: Case, args) -> dict:
     import jax
     import tessera_jax as tj
-    from tessera_jax import api as tj_api
-    from tessera_jax import planner as tj_planner
-    from tessera_jax import selection as tj_selection
+    from request_cases import forget_request_caches
     from tessera_jax import backends, dense_route
     from tessera_jax.validation import check_shapes
     from peers_lib.timing import jax_kernel_ms, wall_ms
     mask = case.mask
 
-    def clear():     # a new mask: its selection (features + table look-up) and plan are paid
-        tj_api._PLANS.clear()
-        tj_selection._CHOICES.clear()
-        cached = getattr(tj_planner, "_build_cached", None)
-        if cached is not None and hasattr(cached, "cache_clear"):
-            cached.cache_clear()
+    clear = forget_request_caches   # a new mask: its selection and plan are paid
 
     call = lambda: tj.sparse_attention(case.qj, case.kj, case.vj, mask)  # noqa: E731
     t = time.perf_counter()

@@ -32,8 +32,9 @@ def main(argv=None) -> dict:
 
     import tessera_jax as tj
     from pallas_kernels import plan_abi
-    from tessera_jax import api, planner, selection
-    from tessera_jax.masks import build, corpus
+    from request_cases import first_test_mask, forget_request_caches
+    from tessera_jax import planner, selection
+    from tessera_jax.masks import corpus
     from tessera_jax.validation import check_shapes
 
     table = selection.load_table("plan_tables/h200.json")
@@ -41,17 +42,14 @@ def main(argv=None) -> dict:
     planner.warm_up()
     res = {"step_cols": plan_abi.STEP_COLS, "heads": a.heads, "rows": []}
     for item in a.masks:
-        fam, grid = item.split(":")
-        spec = next(s for s in specs if s["family"] == fam and s["grid"] == grid)
-        m = build(spec, heads=min(a.heads, int(spec["heads"])))
+        spec, m = first_test_mask(item, a.heads, specs)
         H, D = a.heads, 128
         qs, ks = (1, m.Lq, H, D), (1, m.Lkv, H, D)
         shape = check_shapes(qs, ks, jnp.bfloat16)
         template, policy = selection.select(m, shape, "mosaic_gpu", table=table)
         ms = []
         for _ in range(a.repeats):
-            api._PLANS.clear()
-            planner._build_cached.cache_clear()
+            forget_request_caches(selection=False)
             t0 = time.perf_counter()
             p = tj.plan(m, qs, ks, jnp.bfloat16, template=template, policy=policy)
             ms.append((time.perf_counter() - t0) * 1e3)

@@ -99,13 +99,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     import jax
-    import jax.numpy as jnp
     from tqdm import tqdm
 
     import tessera_jax as tj
     from peers_lib.timing import jax_kernel_ms
-    from tessera_jax import api, backends, planner, selection
-    from tessera_jax.masks import build, corpus
+    from request_cases import bf16_inputs, first_test_mask, forget_request_caches
+    from tessera_jax import api, backends, planner
+    from tessera_jax.masks import corpus
     from tessera_jax.validation import check_shapes
 
     planner.warm_up()
@@ -114,21 +114,12 @@ def main(argv=None) -> dict:
     print(json.dumps(res["host"]), flush=True)
     specs = corpus("test")
 
-    def clear():
-        api._PLANS.clear()
-        selection._CHOICES.clear()
-        planner._build_cached.cache_clear()
+    clear = forget_request_caches
 
     for item in tqdm(a.masks, desc="masks"):
-        fam, grid = item.split(":")
-        spec = next(s for s in specs if s["family"] == fam and s["grid"] == grid)
-        m = build(spec)
-        if m.blocks.shape[0] > 1:
-            m = tj.BlockMask(m.q_bounds, m.kv_bounds, m.blocks[: a.heads])
-        H, D = a.heads, 128
-        key = jax.random.key(0)
-        q, k, v = (jax.random.normal(jax.random.fold_in(key, i), (1, L, H, D), jnp.bfloat16)
-                   for i, L in enumerate((m.Lq, m.Lkv, m.Lkv)))
+        spec, m = first_test_mask(item, a.heads, specs)
+        H = a.heads
+        q, k, v = bf16_inputs(m, H)
         shape = check_shapes(q.shape, k.shape, q.dtype)
         be = backends.resolve(None, shape)
         call = lambda: tj.sparse_attention(q, k, v, m)  # noqa: E731

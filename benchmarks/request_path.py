@@ -33,31 +33,24 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     import jax
-    import jax.numpy as jnp
     from tqdm import tqdm
 
     import tessera_jax as tj
-    from tessera_jax import api, planner
-    from tessera_jax.masks import build, corpus
+    from request_cases import bf16_inputs, first_test_mask, forget_request_caches
+    from tessera_jax import planner
+    from tessera_jax.masks import corpus
 
     specs = corpus("test")
     planner.warm_up()
     res = {"device": str(jax.devices()[0]), "switch": "planner.SHARE_STEP_LISTS", "rows": []}
 
     def clear():
-        api._PLANS.clear()
-        planner._build_cached.cache_clear()
+        forget_request_caches(selection=False)
 
     for item in tqdm(a.masks, desc="masks"):
         fam, grid = item.split(":")
-        spec = next(s for s in specs if s["family"] == fam and s["grid"] == grid)
-        m = build(spec)
-        if m.blocks.shape[0] > 1:
-            m = tj.BlockMask(m.q_bounds, m.kv_bounds, m.blocks[: a.heads])
-        H, D = a.heads, 128
-        key = jax.random.key(0)
-        q, k, v = (jax.random.normal(jax.random.fold_in(key, i), (1, L, H, D), jnp.bfloat16)
-                   for i, L in enumerate((m.Lq, m.Lkv, m.Lkv)))
+        spec, m = first_test_mask(item, a.heads, specs)
+        q, k, v = bf16_inputs(m, a.heads)
         call = lambda: tj.sparse_attention(q, k, v, m)  # noqa: E731
         row = {"id": spec["id"], "family": fam, "grid": grid, "density": m.density, "by": {}}
         outs = {}
