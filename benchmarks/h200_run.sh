@@ -15,6 +15,7 @@ nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,temperature.gpu --format=
 python3 -c "import numba, numpy, jax; print('numba', numba.__version__, 'numpy', numpy.__version__, 'jax', jax.__version__)" > $OUT/versions.txt 2>&1
 git_rev=$(cat .snap_rev 2>/dev/null || git rev-parse HEAD 2>/dev/null); echo "code $git_rev" >> $OUT/versions.txt
 B=${BUDGET_S:-480}
+# KERNELS_ARGS: extra kernels.py arguments (kernels, check), e.g. "--masks sta_cubes --check-timed-only".
 gpu1=$([ "$NGPU" -ge 2 ] && echo 1 || echo 0)
 
 case "${1:-}" in
@@ -27,7 +28,7 @@ kernels)
   T=${TEMPLATES:-mgpu_q128_kv128_s2_hm,mgpu_q64x2_kv64_s2_hm,mgpu_q64x2pp_kv64_s2_hm,mgpu_q128_kv64_s2_hm,mgpu_q128_kv128_s2}
   C=${CANDIDATES:-mgpu_q128_kv128_s2_hm/merge mgpu_q128_kv128_s2_hm/split mgpu_q128_kv64_s2_hm/merge mgpu_q64x2_kv64_s2_hm/pack mgpu_q64x2_kv64_s2_hm/merge mgpu_q128_kv64_s2_skip/pack mgpu_q64x2pp_kv64_s2_hm/pack}
   first() { CUDA_VISIBLE_DEVICES=0 timeout $((B + 60)) python3 benchmarks/kernels.py --out $OUT/h200-kernels.json \
-      --budget-s $((B - 30)) --wan720-heads 4 --templates $T --triton ${TRITON_N:-2} > $OUT/kernels.log 2>&1; }
+      --budget-s $((B - 30)) --wan720-heads 4 --templates $T --triton ${TRITON_N:-2} ${KERNELS_ARGS:-} > $OUT/kernels.log 2>&1; }
   second() {
     export CUDA_VISIBLE_DEVICES=$gpu1
     chmod u+w plan_tables/raw/h200.jsonl plan_tables/h200.json
@@ -43,7 +44,7 @@ check)
   # time goes on this host (request_breakdown.py: parts, gc, cProfile, THP / first-touch cost).
   T=${TEMPLATES:-mgpu_q128_kv128_s2_hm,mgpu_q64x2_kv64_s2_hm,mgpu_q64x2pp_kv64_s2_hm,mgpu_q128_kv64_s2_hm,mgpu_q128_kv128_s2}
   first() { CUDA_VISIBLE_DEVICES=0 timeout $((B + 60)) python3 benchmarks/kernels.py --out $OUT/h200-kernels.json \
-      --budget-s $((B - 30)) --wan720-heads 4 --templates $T --triton ${TRITON_N:-2} > $OUT/kernels.log 2>&1; }
+      --budget-s $((B - 30)) --wan720-heads 4 --templates $T --triton ${TRITON_N:-2} ${KERNELS_ARGS:-} > $OUT/kernels.log 2>&1; }
   second() { CUDA_VISIBLE_DEVICES=$gpu1 timeout $((B + 30)) python3 benchmarks/request_breakdown.py \
       --out $OUT/h200-request-breakdown.json > $OUT/breakdown.log 2>&1; } ;;
 peers)
