@@ -97,6 +97,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plan-threads", type=int, default=None,
+                    help="planner.PLAN_THREADS for this run (default: the planner's, min(8, CPUs))")
     a = ap.parse_args(argv)
     import jax
     from tqdm import tqdm
@@ -108,6 +110,10 @@ def main(argv=None) -> dict:
     from tessera_jax.masks import corpus
     from tessera_jax.validation import check_shapes
 
+    if a.plan_threads is not None:
+        if a.plan_threads < 1:
+            raise ValueError(f"--plan-threads must be >= 1, got {a.plan_threads}")
+        planner.PLAN_THREADS = a.plan_threads
     planner.warm_up()
     res = {"device": str(jax.devices()[0]), "host": host_info(), "put_probe": put_probe(),
            "planner_threads": planner.PLAN_THREADS, "rows": []}

@@ -16,8 +16,7 @@ q_align / kv_align. Variants (template options): a persistent loop (one CTA per 
 units, the ring continuing across units), masking on every step, ``wg_skip`` (a consumer
 warpgroup skips the matrix products and softmax of steps whose rows miss its 64 rows, for
 plans that pack two 64-row query blocks into one unit) and ``paired`` (tile_q = 64, two
-units per CTA, one per consumer warpgroup, each with its own K/V ring, or with
-``pair_share`` one ring when both units stream the same step rows); measurements in
+units per CTA, one per consumer warpgroup, each with its own K/V ring); measurements in
 ``benchmarks/NOTES.md``. On CPU, ``interpret=`` runs it under the Mosaic GPU interpreter,
 with P @ V as a plain dot (the interpreter lacks run_state and wgmma with a register operand).
 """
@@ -65,7 +64,6 @@ class KernelConfig:
     wg_skip: bool = False        # a consumer WG skips steps whose rows miss its 64 rows
     paired: bool = False         # tile_q=64: two consumer WGs, each on its own unit and ring
     pair_pingpong: bool = False  # paired: ping-pong the two units' WGs like tile_q=128's
-    pair_share: bool = False     # paired: two units with the same K/V stream share one ring
 
     def __post_init__(self):
         if self.tile_q not in (_WG_ROWS, 2 * _WG_ROWS):
@@ -88,8 +86,6 @@ class KernelConfig:
                              "kernel (persistent=False)")
         if self.pair_pingpong and not self.paired:
             raise ValueError("pair_pingpong needs paired=True (two units per CTA)")
-        if self.pair_share and not self.paired:
-            raise ValueError("pair_share needs paired=True (two units per CTA)")
 
     @property
     def compute_wgs(self) -> int:
@@ -125,8 +121,7 @@ def config_from_template(template, mask_mode: str | None = None) -> KernelConfig
                         prefetch_rect=bool(t.option("prefetch_rect", False)),
                         wg_skip=bool(t.option("wg_skip", False)),
                         paired=bool(t.option("paired", False)),
-                        pair_pingpong=bool(t.option("pair_pingpong", False)),
-                        pair_share=bool(t.option("pair_share", False)))
+                        pair_pingpong=bool(t.option("pair_pingpong", False)))
 
 
 def _num_sms() -> int:
@@ -213,19 +208,6 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
         def slot_of(g, ring=0):
             return lax.rem(g, jnp.array(stages, g.dtype)) + ring * stages
 
-        def pair_shares():
-            # pair_share: both units of the CTA read the same step rows (the planner stores a
-            # step list once for the units that stream it: a tall row group's units, a shared
-            # mask's GQA heads) from one K/V head, so each tile is loaded once, into ring 0,
-            # for both warpgroups; each warpgroup still releases slots on its own ring's
-            # barriers (one arrival each), so the producer waits both before a reload.
-            if not cfg.pair_share:
-                return False
-            _, _, h0, _, p0, c0, _ = unit_of(0, 0)
-            _, _, h1, _, p1, c1, valid1 = unit_of(0, 1)
-            g_ = jnp.array(group, h0.dtype)
-            return valid1 & (p0 == p1) & (c0 == c1) & (lax.div(h0, g_) == lax.div(h1, g_))
-
         def schedule():
             if sched_on:
                 plgpu.barrier_arrive(schedule_barrier)
@@ -244,14 +226,9 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
             ring = wg if paired else 0
             row0 = 0 if paired else pl.multiple_of(wg * _WG_ROWS, _WG_ROWS)
 
-            # The ring this warpgroup reads K/V from (ring 0 when the pair shares one stream);
-            # it releases slots on its own ring's barriers either way.
-            data_ring = jnp.where(pair_shares(), 0, ring) if cfg.pair_share else ring
-
             def do_unit(j, base):
                 u, b, head, q_start, ptr, cnt, valid = unit_of(j, ring)
-                slot_of_ = lambda g: slot_of(g, data_ring)
-                free_of = lambda g: slot_of(g, ring)
+                slot_of_ = lambda g: slot_of(g, ring)
                 # Plan starts are multiples of 8 (templates' q_align/kv_align): tell the layout
                 # inference, which must prove TMA starts divisible by the 8-row SMEM tiling.
                 q_row = pl.multiple_of(q_start + row0, _ALIGN)
@@ -286,7 +263,6 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
                     def body(i, carry):
                         acc, m_i, l_i, cur = carry
                         slot = slot_of_(base + i)
-                        free = free_of(base + i)
                         if cfg.prefetch_rect:
                             # Step i's rectangle came with the carry; read step i+1's now, so the
                             # GMEM latency hides behind this step's matrix products.
@@ -321,7 +297,7 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
 
                             qk = pl.run_scoped(compute_qk,
                                                plgpu.ACC((_WG_ROWS, tile_kv), jnp.float32))
-                            plgpu.barrier_arrive(k_consumed.at[free])
+                            plgpu.barrier_arrive(k_consumed.at[slot])
 
                             def mask(x):
                                 r = plgpu.broadcasted_iota(jnp.int32, x.shape, 0,
@@ -373,18 +349,18 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
                                     wait_next_k()
 
                                 acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-                            plgpu.barrier_arrive(v_consumed.at[free])
+                            plgpu.barrier_arrive(v_consumed.at[slot])
                             return acc, m_i, l_i
 
                         def skip(state):
                             # The step's rows miss this warpgroup's: no matrix products and no
                             # softmax, but the same barrier traffic (ring slot release, the data
                             # barriers' phases, both ping-pong arrivals) as a computed step.
-                            plgpu.barrier_arrive(k_consumed.at[free])
+                            plgpu.barrier_arrive(k_consumed.at[slot])
                             schedule()
                             end_softmax_barriers()
                             wait_next_k()
-                            plgpu.barrier_arrive(v_consumed.at[free])
+                            plgpu.barrier_arrive(v_consumed.at[slot])
                             return state
 
                         state = (acc, m_i, l_i)
@@ -452,25 +428,20 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
             if nwg == 2:
                 plgpu.set_max_registers(40, action="decrease")
 
-            def load(ring, b, kv_head, ptr, i, g, free_rings=None):
-                # free_rings: the rings whose consumed barriers free the slot (a shared pair
-                # stream: both warpgroups release on their own ring).
+            def load(ring, b, kv_head, ptr, i, g):
                 slot = slot_of(g, ring)
-                frees = [slot_of(g, r) for r in (free_rings or (ring,))]
                 kv_start = pl.multiple_of(steps_ref[ptr + i, plan_abi.STEP_KV_START], _ALIGN)
                 src = (b, pl.ds(kv_start, tile_kv), kv_head)
 
                 @pl.when(g >= stages)
                 def _():
-                    for f in frees:
-                        plgpu.barrier_wait(k_consumed.at[f])
+                    plgpu.barrier_wait(k_consumed.at[slot])
 
                 plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
 
                 @pl.when(g >= stages)
                 def _():
-                    for f in frees:
-                        plgpu.barrier_wait(v_consumed.at[f])
+                    plgpu.barrier_wait(v_consumed.at[slot])
 
                 plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
 
@@ -489,26 +460,10 @@ def _plan_forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, int
                     _, b, head, _, ptr, cnt, _ = unit_of(0, ring)
                     streams.append((b, lax.div(head, jnp.array(group, head.dtype)), ptr, cnt))
 
-                def separate():
-                    @pl.loop(0, jnp.maximum(streams[0][3], streams[1][3]))
-                    def _(i):
-                        for ring, (b, kv_head, ptr, cnt) in enumerate(streams):
-                            pl.when(i < cnt)(lambda: load(ring, b, kv_head, ptr, i, i))
-
-                if cfg.pair_share:
-                    share = pair_shares()
-
-                    @pl.when(share)
-                    def _():
-                        b, kv_head, ptr, cnt = streams[0]
-
-                        @pl.loop(0, cnt)
-                        def _(i):
-                            load(0, b, kv_head, ptr, i, i, free_rings=(0, 1))
-
-                    pl.when(~share)(separate)
-                else:
-                    separate()
+                @pl.loop(0, jnp.maximum(streams[0][3], streams[1][3]))
+                def _(i):
+                    for ring, (b, kv_head, ptr, cnt) in enumerate(streams):
+                        pl.when(i < cnt)(lambda: load(ring, b, kv_head, ptr, i, i))
 
                 for ring, (_, _, _, cnt) in enumerate(streams):
                     drain(ring, cnt)

@@ -197,14 +197,6 @@ register(Template(name="mgpu_q64x2_kv64_s2_hm", tile_q=64, tile_kv=64, stages=2,
 register(Template(name="mgpu_q64x2pp_kv64_s2_hm", tile_q=64, tile_kv=64, stages=2,
                   options=(("paired", True), ("pair_pingpong", True), ("policy", "pack"),
                            ("unit_order", "head_major")), **_MGPU_COMMON))
-# Paired units sharing one K/V stream: the planner stores a step list once for all units that
-# visit it (a tall row group's 64-row units, the GQA heads of a shared mask) and, with unit
-# order "stream_pairs", puts such units side by side, so one CTA loads each tile once for both
-# warpgroups (half the L2 -> SMEM traffic of two separate rings). ``merge`` makes tall row
-# groups; ``pack`` gives every unit its own step rows, so it would share nothing.
-register(Template(name="mgpu_q64x2sh_kv64_s2", tile_q=64, tile_kv=64, stages=2,
-                  options=(("paired", True), ("pair_share", True), ("policy", "merge"),
-                           ("unit_order", "stream_pairs")), **_MGPU_COMMON))
 del _kv, _stages, _t, _dims
 
 

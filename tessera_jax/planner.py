@@ -724,7 +724,7 @@ def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_k
                unit_order: str | None = None) -> Plan:
     """Plans ``mask`` for q [B, Lq, Hq, D] / k, v [B, Lkv, Hkv, D] with the given tile shape.
 
-    ``unit_order`` (one of ``schedule.UNIT_ORDERS``, see ``schedule.order_units``) defaults to the
+    ``unit_order`` ("interleaved" or "head_major", see ``schedule.order_units``) defaults to the
     registered template's ``unit_order`` option, else "interleaved".
     """
     shape = check_shapes(q_shape, kv_shape, dtype)
@@ -836,7 +836,7 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     qs, lo, hi, cnt, first, cost, uarea = (x[take] for x in per_unit[1:])
     selected = int(uarea.sum())
 
-    order = _sched.order_units(cost, qs, uh // group, uh, unit_order, first=first, count=cnt)
+    order = _sched.order_units(cost, qs, uh // group, uh, unit_order)
     uh, qs, lo, hi, cnt, first, cost = (x[order] for x in (uh, qs, lo, hi, cnt, first, cost))
     U, S = len(uh), raw.num_steps
     U_cap = bucket(U)

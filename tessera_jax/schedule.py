@@ -35,9 +35,9 @@ import heapq
 import numpy as np
 
 __all__ = ["CostModel", "DEFAULT_COST_MODEL", "UNIT_ORDERS", "unit_costs", "order_units",
-           "pair_streams", "makespan", "balance"]
+           "makespan", "balance"]
 
-UNIT_ORDERS = ("interleaved", "head_major", "stream_pairs")
+UNIT_ORDERS = ("interleaved", "head_major")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,56 +86,17 @@ def unit_costs(steps_per_unit, partial_per_unit, *, tile_q: int, tile_kv: int, h
             + part * model.mask_ns)
 
 
-def order_units(cost, q_start, kv_head, q_head, order: str = "interleaved",
-                first=None, count=None) -> np.ndarray:
+def order_units(cost, q_start, kv_head, q_head, order: str = "interleaved") -> np.ndarray:
     """Schedule order (a permutation): heaviest cost class first, then, for ``"interleaved"``,
     q position, K/V head, query head, or for ``"head_major"``, query head, q position. Cost
-    classes are eight per octave, so near-equal units count as equal. ``"stream_pairs"`` (for
-    kernels that run units 2c and 2c + 1 in one CTA) orders by K/V head, then step list
-    (``first`` row, ``count``), then q position, and pairs the units that stream the same
-    K/V tiles (``pair_streams``)."""
+    classes are eight per octave, so near-equal units count as equal."""
     if order not in UNIT_ORDERS:
         raise ValueError(f"order must be one of {UNIT_ORDERS}, got {order!r}")
     cost = np.asarray(cost, np.float64)
     cls = np.floor(np.log2(np.maximum(cost, 1.0)) * 8).astype(np.int64)
     if order == "head_major":
         return np.lexsort((np.asarray(q_start), np.asarray(q_head), -cls))
-    if order == "stream_pairs":
-        if first is None or count is None:
-            raise ValueError("unit order 'stream_pairs' needs the units' first step rows and "
-                             "step counts")
-        kv_head, first, count = (np.asarray(x, np.int64) for x in (kv_head, first, count))
-        o = np.lexsort((np.asarray(q_head), np.asarray(q_start), count, first, kv_head, -cls))
-        return o[pair_streams(np.stack([kv_head[o], first[o], count[o]], axis=1))]
     return np.lexsort((np.asarray(q_head), np.asarray(kv_head), np.asarray(q_start), -cls))
-
-
-def pair_streams(keys: np.ndarray) -> np.ndarray:
-    """A permutation of positions 0..n-1 that puts equal neighbouring ``keys`` rows (units that
-    stream the same K/V tiles) at positions 2c, 2c + 1, keeping the order otherwise: each run of
-    equal rows gives floor(len / 2) pairs; the leftover units are paired in order of position
-    among themselves (an odd one goes last). Pairs keep the order of their first members."""
-    keys = np.asarray(keys)
-    n = len(keys)
-    if n == 0:
-        return np.zeros(0, np.int64)
-    new = np.ones(n, bool)
-    new[1:] = np.any(keys[1:] != keys[:-1], axis=1)
-    start = np.flatnonzero(new)
-    length = np.diff(np.r_[start, n])
-    run = np.cumsum(new) - 1
-    k = np.arange(n) - start[run]                  # index inside the run
-    in_pair = k < 2 * (length[run] // 2)
-    lead = np.flatnonzero(in_pair & (k % 2 == 0))
-    single = np.flatnonzero(~in_pair)
-    s_lead = single[0::2]
-    s_next = np.r_[single[1::2], -np.ones(len(s_lead) - len(single[1::2]), np.int64)]
-    # An odd leftover unit goes last, so that it shifts no pair off its even position.
-    tok_key = np.r_[lead, np.where(s_next >= 0, s_lead, n)]
-    tok = np.stack([np.r_[lead, s_lead], np.r_[lead + 1, s_next]], axis=1)[np.argsort(tok_key,
-                                                                                      kind="stable")]
-    out = tok.reshape(-1)
-    return out[out >= 0]
 
 
 def makespan(cost_in_order, num_sms: int) -> float:

@@ -250,33 +250,6 @@ def test_paired_units_odd_count_and_uneven_steps(template):
     _check(out, lse, ref_out, ref_lse, dtype)
 
 
-@pytest.mark.parametrize("per_head", [False, True])
-def test_paired_units_share_one_stream(per_head):
-    """pair_share: units with the same step rows and K/V head (a tall row group's 64-row
-    units; the GQA heads of a shared mask) are paired by the "stream_pairs" order and read
-    one K/V ring; the other pairs keep two. Both kinds occur here (an odd unit count too),
-    and the result matches the reference."""
-    rng = np.random.default_rng(29 + per_head)
-    # Three heads on one K/V head: a shared mask's streams pair two heads, the third's units
-    # pair with each other where their rows are a tall group, else with a different stream.
-    Lq, Lkv, D, dtype = 328, 200, 64, jnp.bfloat16
-    Hq, Hkv = (4, 2) if per_head else (3, 1)
-    qb = np.array([0, 128, 176, 256, 328])        # 128-row groups (2 units) and short blocks
-    kb = np.array([0, 40, 104, 200])
-    blocks = rng.random((Hq if per_head else 1, 4, 3)) < 0.6
-    blocks[..., 0] = True
-    mask = tj.BlockMask(qb, kb, blocks)
-    t = "mgpu_q64x2sh_kv64_s2"
-    plan = _run_planned(mask, 1, Lq, Lkv, Hq, Hkv, D, dtype, t, seed=7 + per_head,
-                        policy=templates.get(t).option("policy"))
-    u = plan.units[:plan.num_units]
-    n = plan.num_units // 2 * 2
-    key = np.stack([u[:, plan_abi.UNIT_HEAD] // (Hq // Hkv), u[:, plan_abi.UNIT_STEP_PTR],
-                    u[:, plan_abi.UNIT_STEP_CNT]], axis=1)
-    shared = np.all(key[0:n:2] == key[1:n:2], axis=1)
-    assert shared.any() and not shared.all()
-
-
 def _pack_plan(mask, Hq, Hkv, D, dtype, template):
     t = templates.get(template)
     plan = build_plan(mask, (1, mask.Lq, Hq, D), (1, mask.Lkv, Hkv, D), dtype,
@@ -500,7 +473,6 @@ def test_bad_input_raises():
     ("mgpu_q64x2_kv64_s2", (("paired", True),), None),
     ("mgpu_q64x2_kv64_s2", (("paired", True), ("pair_pingpong", True)), None),
     ("mgpu_q64x2_kv64_s2", (("paired", True), ("pair_pingpong", True)), "none"),
-    ("mgpu_q64x2_kv64_s2", (("paired", True), ("pair_share", True)), None),
 ])
 def test_lowers_for_cuda(base, options, mask_mode):
     """The real (non-interpreted) kernel passes Mosaic GPU lowering and layout inference

@@ -610,45 +610,6 @@ def test_unit_order_option_head_major(monkeypatch):
         schedule.order_units([1.0], [0], [0], [0], order="diagonal")
 
 
-@given(st.lists(st.integers(0, 3), min_size=0, max_size=40))
-@settings(max_examples=60, deadline=None)
-def test_pair_streams_pairs_equal_neighbours(vals):
-    """pair_streams is a permutation; each run of equal neighbours gives floor(len / 2) pairs at
-    positions (2c, 2c + 1); the leftover units keep their relative order."""
-    keys = np.asarray(vals, np.int64).reshape(-1, 1)
-    o = schedule.pair_streams(keys)
-    assert sorted(o.tolist()) == list(range(len(vals)))
-    k = keys[o, 0]
-    runs = [len(list(g)) for _, g in itertools.groupby(vals)]
-    n = len(o) // 2 * 2
-    assert int(np.sum(k[0:n:2] == k[1:n:2])) >= sum(r // 2 for r in runs)
-    pairs = set(map(tuple, np.sort(o[: n].reshape(-1, 2), axis=1).tolist()))
-    start = 0
-    for r in runs:
-        for c in range(r // 2):
-            assert (start + 2 * c, start + 2 * c + 1) in pairs
-        start += r
-
-
-def test_stream_pairs_order_puts_a_tall_groups_units_together():
-    """Unit order "stream_pairs": the 64-row units of a 256-row group (one step list) sit at
-    positions 2c, 2c + 1 of the schedule, and the plan stays valid."""
-    m = tj.BlockMask(np.array([0, 40, 296, 360]), np.array([0, 200, 360]),
-                     np.array([[[1, 0], [1, 1], [0, 1]]], bool))
-    p = build_plan(m, (1, 360, 2, 16), (1, 360, 1, 16), jnp.float32, tile_q=64, tile_kv=64,
-                   policy="merge", unit_order="stream_pairs")
-    u = p.units[:p.num_units]
-    key = np.stack([u[:, abi.UNIT_HEAD] * 0, u[:, abi.UNIT_STEP_PTR],
-                    u[:, abi.UNIT_STEP_CNT]], axis=1)
-    n = p.num_units // 2 * 2
-    same = np.all(key[0:n:2] == key[1:n:2], axis=1)
-    # Two heads of one K/V head x (1 + 4 + 1 units): every unit finds its twin.
-    assert p.num_units == 12 and same.all()
-    _check_abi(p, m)
-    with pytest.raises(ValueError, match="first step"):
-        schedule.order_units([1.0], [0], [0], [0], order="stream_pairs")
-
-
 @given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (128, 128), (64, 192)]),
        st.sampled_from([1, 8, 16]), st.booleans())
 @settings(max_examples=40, deadline=None)
