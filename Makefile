@@ -15,7 +15,7 @@ $(VENV)/.stamp: pyproject.toml
 setup: $(VENV)/.stamp
 
 demo: setup
-	$(VPY) -m tessera_jax.demo
+	$(VPY) -m tessera_jax.tools.demo
 
 test: setup
 	$(VPY) -m pytest -q -n 2 --durations=15 $(PYTEST_ARGS)

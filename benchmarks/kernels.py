@@ -213,7 +213,7 @@ def resolve_template(name):
 
 def plan_for(mask, q_shape, kv_shape, dtype, template):
     """The plan of ``template`` (its ``policy`` option, "merge" by default) for this mask."""
-    from tessera_jax.planner import build_plan
+    from tessera_jax.planning.planner import build_plan
     t0 = time.perf_counter()
     p = build_plan(mask, q_shape, kv_shape, dtype, tile_q=template.tile_q,
                    tile_kv=template.tile_kv, policy=template.option("policy", "merge"),
@@ -224,7 +224,7 @@ def plan_for(mask, q_shape, kv_shape, dtype, template):
 
 def ours_fn(template, plan, return_lse=False):
     import jax
-    from pallas_kernels import mosaic_fwd
+    from pallas_kernels.mosaic import forward as mosaic_fwd
     units, steps, ri = (jax.device_put(a) for a in (plan.units, plan.steps, plan.row_index))
     kw = dict(template=template, q_len_padded=plan.q_len_padded,
               kv_len_padded=plan.kv_len_padded, return_lse=return_lse)
@@ -239,7 +239,7 @@ def ours_fn(template, plan, return_lse=False):
 
 def triton_available():
     try:
-        from pallas_kernels import triton_fwd  # noqa: F401
+        from pallas_kernels.triton import forward as triton_fwd  # noqa: F401
         return True
     except Exception as e:  # noqa: BLE001
         log("triton_fwd not importable:", repr(e)[:200])
@@ -267,7 +267,7 @@ def triton_templates():
 
 def triton_fn(template, plan, return_lse=False):
     import jax
-    from pallas_kernels import triton_fwd
+    from pallas_kernels.triton import forward as triton_fwd
     units, steps, ri = (jax.device_put(a) for a in (plan.units, plan.steps, plan.row_index))
     sig = inspect.signature(triton_fwd.attention).parameters
     kw = dict(q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,

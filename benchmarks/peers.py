@@ -450,7 +450,8 @@ def run_tessera(case: Case, args) -> dict:
     import jax
     import tessera_jax as tj
     from request_cases import forget_request_caches
-    from tessera_jax import backends, dense_route
+    from tessera_jax.runtime import dispatch as backends
+    from tessera_jax.runtime import dense_route
     from tessera_jax.validation import check_shapes
     from peers_lib.timing import jax_kernel_ms, wall_ms
     mask = case.mask
@@ -803,7 +804,7 @@ def versions(ctx: Ctx | None) -> dict:
                                        text=True, timeout=20).stdout.strip()
     except Exception:  # noqa: BLE001
         pass
-    from tessera_jax.profile import code_revision   # git HEAD, or a snapshot's .snap_rev
+    from tessera_jax.tools.profiler import code_revision   # git HEAD, or a snapshot's .snap_rev
     out["git"] = code_revision(REPO)
     return out
 

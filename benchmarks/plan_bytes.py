@@ -31,9 +31,10 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
 
     import tessera_jax as tj
-    from pallas_kernels import plan_abi
+    from pallas_kernels import abi as plan_abi
     from request_cases import first_test_mask, forget_request_caches
-    from tessera_jax import planner, selection
+    from tessera_jax.planning import planner
+    from tessera_jax.select import ranking as selection
     from tessera_jax.masks import corpus
     from tessera_jax.validation import check_shapes
 

@@ -45,7 +45,8 @@ import jax
 import jax.numpy as jnp
 
 import tessera_jax as tj
-from tessera_jax import api, planner
+from tessera_jax.runtime import api
+from tessera_jax.planning import planner
 
 GRID = (21, 45, 80)          # Wan2.1 720p latent (frames, height, width)
 CUBE = (4, 4, 4)

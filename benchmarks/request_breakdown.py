@@ -106,7 +106,9 @@ def main(argv=None) -> dict:
     import tessera_jax as tj
     from peers_lib.timing import jax_kernel_ms
     from request_cases import bf16_inputs, first_test_mask, forget_request_caches
-    from tessera_jax import api, backends, planner
+    from tessera_jax.runtime import api
+    from tessera_jax.runtime import dispatch as backends
+    from tessera_jax.planning import planner
     from tessera_jax.masks import corpus
     from tessera_jax.validation import check_shapes
 
@@ -187,7 +189,7 @@ def main(argv=None) -> dict:
         pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(25)
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
         p = tj.plan(m, q.shape, k.shape, q.dtype)
-        from tessera_jax import dense_route
+        from tessera_jax.runtime import dense_route
         routed = dense_route.takes(m, shape, be, False)
         row = {"mask": item, "id": spec["id"], "density": m.density, "heads": H,
                "route": "cudnn_dense (select/plan/put are not part of its request)" if routed

@@ -26,8 +26,9 @@ def bf16_inputs(mask, heads: int, head_dim: int = 128, seed: int = 0):
 def forget_request_caches(selection: bool = True) -> None:
     """Drops the plan caches (API front cache, planner) and, with ``selection``, the choices
     cached per mask digest, so the next call plans (and selects) as for a new mask."""
-    from tessera_jax import api, planner
-    from tessera_jax import selection as sel
+    from tessera_jax.runtime import api
+    from tessera_jax.planning import planner
+    from tessera_jax.select import ranking as sel
     api._PLANS.clear()
     planner._build_cached.cache_clear()
     if selection:

@@ -37,7 +37,7 @@ def main(argv=None) -> dict:
 
     import tessera_jax as tj
     from request_cases import bf16_inputs, first_test_mask, forget_request_caches
-    from tessera_jax import planner
+    from tessera_jax.planning import planner
     from tessera_jax.masks import corpus
 
     specs = corpus("test")

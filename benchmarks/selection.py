@@ -5,7 +5,7 @@ Over the corpus TEST split (never used for fitting; sampled per family with ``--
 the first ceil(N / families) specs of each family in spec-id order, on the first ``--heads``
 heads, as the profiler does), for each mask: every candidate (template x policy) of the
 table that the backend ``sparse_attention`` would use can run is timed exactly as the profiler
-times it (``tessera_jax.profile.time_candidate``: plan, power-of-two ABI capacities, warm-up,
+times it (``tessera_jax.tools.profiler.time_candidate``: plan, power-of-two ABI capacities, warm-up,
 median of ``--iters``; CUPTI kernel time on GPU when available); ``selection.select`` picks one
 (no timing); regret = chosen time / best candidate time. The best fixed single plan is the
 candidate with the least geometric-mean time over all benchmarked masks (chosen in hindsight,
@@ -47,9 +47,9 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from tessera_jax import features as F  # noqa: E402
-from tessera_jax import profile as P  # noqa: E402
-from tessera_jax import selection as S  # noqa: E402
+from tessera_jax.select import features as F  # noqa: E402
+from tessera_jax.tools import profiler as P  # noqa: E402
+from tessera_jax.select import ranking as S  # noqa: E402
 
 DEFAULT_OUT = os.path.join("benchmarks", "results", "h200-selection.json")
 SEL_FAMILIES = ("vsa", "sparge", "xattn", "svg2", "jenga", "ssta", "moba", "sta")
@@ -230,7 +230,7 @@ def main(argv=None):
         from tessera_jax import enable_compilation_cache
         enable_compilation_cache(a.compilation_cache)
 
-    from tessera_jax import backends
+    from tessera_jax.runtime import dispatch as backends
     dev = P.device_info(None)
     table_path = a.table or str(S.table_dir() / f"{dev['name']}.json")
     table = S.load_table(table_path)

@@ -1,1 +1,1 @@
-"""Pallas kernels that execute tessera_jax plans (see ``plan_abi``); they know nothing of masks."""
+"""Pallas kernels that execute tessera_jax plans (see ``abi``); they know nothing of masks."""

@@ -120,7 +120,7 @@ def supporting(head_dim: int, dtype, backend: str | None = None) -> tuple[Templa
     return tuple(t for t in pool if t.supports(head_dim, dtype))
 
 
-# --- Mosaic GPU (Hopper, sm_90a): pallas_kernels.mosaic_fwd --------------------------------
+# --- Mosaic GPU (Hopper, sm_90a): pallas_kernels.mosaic.forward --------------------------------
 # tile_q 128: two consumer warpgroups of 64 rows each (FA3 ping-pong). SMEM per CTA is
 # 2*tile_q*D (Q/O) + stages * 2 * tile_kv * D * 2 (K, V ring): at D=128, tile_kv=128 three
 # stages take 224 KiB of the 227 KiB available, four don't fit.
@@ -200,7 +200,7 @@ register(Template(name="mgpu_q64x2pp_kv64_s2_hm", tile_q=64, tile_kv=64, stages=
 del _kv, _stages, _t, _dims
 
 
-# --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton_fwd -------------------
+# --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton.forward -------------------
 # Pointer loads at any row offset, so no alignment; the head dim is padded to a power of two
 # (>= 16) inside the kernel, up to 256. Options: num_warps, mask_mode (triton_fwd.MASK_MODES;
 # "cond" when absent, "none" automatically for all-full concrete plans), prefetch (carry the

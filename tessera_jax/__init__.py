@@ -1,10 +1,10 @@
 """tessera_jax: block-sparse attention for video diffusion transformers in JAX."""
 
-from . import masks
-from .api import enable_compilation_cache, plan, precompile, sparse_attention
-from .mask import BlockMask
-from .planner import Plan
-from .reference import reference_attention
+from tessera_jax import masks
+from tessera_jax.runtime.api import enable_compilation_cache, plan, precompile, sparse_attention
+from tessera_jax.mask import BlockMask
+from tessera_jax.planning.planner import Plan
+from tessera_jax.reference import reference_attention
 
 __all__ = ["BlockMask", "Plan", "enable_compilation_cache", "plan", "precompile",
            "reference_attention", "sparse_attention"]
@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # tessera_jax.viz imports matplotlib: load it only when asked for.
+    # tessera_jax.planning.viz imports matplotlib: load it only when asked for.
     if name == "viz":
-        import importlib
-        return importlib.import_module(".viz", __name__)
+        from tessera_jax.planning import viz
+        return viz
     raise AttributeError(f"module 'tessera_jax' has no attribute {name!r}")

@@ -77,7 +77,7 @@ DEFAULT_OPTIONS = AttentionOptions()
 def _sparse_attention(q, k, v, mask, scale, options: AttentionOptions):
     if options.sparse_fn is not None:
         return options.sparse_fn(q, k, v, mask, scale=scale)
-    from tessera_jax.api import sparse_attention  # late: keeps import order loose
+    from tessera_jax.runtime.api import sparse_attention  # late: keeps import order loose
     return sparse_attention(q, k, v, mask, scale=scale, backend=options.backend,
                             template=options.template, policy=options.policy)
 

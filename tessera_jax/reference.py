@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .mask import BlockMask
-from .validation import check_bool, check_mask, check_qkv, check_scale
+from tessera_jax.mask import BlockMask
+from tessera_jax.validation import check_bool, check_mask, check_qkv, check_scale
 
 
 def reference_attention(q, k, v, mask: BlockMask, scale=None, return_lse=False):

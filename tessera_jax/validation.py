@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from .mask import BlockMask
+from tessera_jax.mask import BlockMask
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 

@@ -75,9 +75,9 @@ def plan_digest(p) -> str:
 
 def _build_plan():
     try:
-        from tessera_jax.plan import build_plan
+        from tessera_jax.planning import build_plan
     except ImportError:
-        from tessera_jax.planner import build_plan
+        from tessera_jax.planning.planner import build_plan
     return build_plan
 
 

@@ -100,7 +100,7 @@ def test_jit_no_retrace_same_mask():
 
 
 def test_new_mask_same_bucket_does_not_recompile():
-    from tessera_jax import xla_backend
+    from pallas_kernels.xla import executor as xla_backend
     q, k, v = random_qkv(1, 128, 128, 2, 2, 16, "float32", 0)
     rng = np.random.default_rng(5)
     before = xla_backend.execute._cache_size()
@@ -186,7 +186,7 @@ def test_plan_contract():
 
 
 def test_precompile_and_persistent_cache(tmp_path):
-    from tessera_jax import xla_backend
+    from pallas_kernels.xla import executor as xla_backend
     rng = np.random.default_rng(3)
     ms = [tj.BlockMask.uniform(96, 96, 32, 32, rng.random((2, 3, 3)) < 0.7) for _ in range(3)]
     ms = [m for m in ms if m.blocks.any()] or ms
@@ -207,7 +207,7 @@ def test_precompile_and_persistent_cache(tmp_path):
 
 
 def test_plan_cache_is_bounded_lru(monkeypatch):
-    from tessera_jax import api
+    from tessera_jax.runtime import api
     monkeypatch.setattr(api, "_PLANS", api.collections.OrderedDict())
     monkeypatch.setattr(api, "_MAX_PLANS", 3)
     rng = np.random.default_rng(9)

@@ -1,11 +1,13 @@
-"""All-selected masks on a GPU go to cuDNN dense attention (tessera_jax.dense_route)."""
+"""All-selected masks on a GPU go to cuDNN dense attention (tessera_jax.runtime.dense_route)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import tessera_jax as tj
-from tessera_jax import api, backends, dense_route
+from tessera_jax.runtime import api
+from tessera_jax.runtime import dispatch as backends
+from tessera_jax.runtime import dense_route
 from tessera_jax.validation import check_shapes
 
 from strategies import random_qkv

@@ -233,7 +233,7 @@ def test_hunyuan_i2v_cond_channels_enter_the_input(hunyuan):
 
 # --- the benchmark's CPU mode ---------------------------------------------------------------
 def test_bench_loop_tiny(tmp_path):
-    from tessera_jax import bench_loop
+    from tessera_jax.tools import bench_loop
     out = tmp_path / "loop.json"
     doc = bench_loop.main(["--tiny", "--models", "wan14b_720p", "--steps", "2",
                            "--attn-repeats", "1", "--step-repeats", "1", "--out", str(out)])
@@ -269,8 +269,12 @@ def test_loop_through_the_kernel_backend_runner_compiles_ahead_of_time(wan, monk
     import sys
     import types
 
-    from pallas_kernels import plan_abi, templates
-    from tessera_jax import backends, kernel_backends, xla_backend
+    from pallas_kernels import templates
+
+    from pallas_kernels import abi as plan_abi
+    from tessera_jax.runtime import dispatch as backends
+    from tessera_jax.runtime import kernel_runner as kernel_backends
+    from pallas_kernels.xla import executor as xla_backend
     from tessera_jax.flax import attention
 
     seen = []

@@ -1,4 +1,4 @@
-"""The Mosaic GPU plan kernel (pallas_kernels.mosaic_fwd) against the dense reference.
+"""The Mosaic GPU plan kernel (pallas_kernels.mosaic.forward) against the dense reference.
 
 On CPU the kernel runs under the Mosaic GPU interpreter (jax._src.pallas.mosaic_gpu.interpret),
 which simulates warpgroups, barriers, TMA and wgmma. It has no rule for ``run_state`` nor for
@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 
 import tessera_jax as tj
-from tessera_jax.planner import build_plan
-from pallas_kernels import mosaic_fwd, plan_abi, templates
+from tessera_jax.planning.planner import build_plan
+from pallas_kernels import templates
+from pallas_kernels.mosaic import forward as mosaic_fwd
+from pallas_kernels import abi as plan_abi
 
 from strategies import random_qkv
 
@@ -372,9 +374,9 @@ def test_backend_runner_prepares_each_plan_once(attention_calls, monkeypatch):
     """The backend wrapper picks the mask mode once; a small plan's first call takes its NumPy
     arrays into the jitted call, later calls a device copy made once (no host walk over the
     steps in any eager call)."""
-    from tessera_jax import kernel_backends
+    from tessera_jax.runtime import kernel_runner as kernel_backends
     calls = attention_calls
-    run = kernel_backends._runner("pallas_kernels.mosaic_fwd")
+    run = kernel_backends._runner("pallas_kernels.mosaic.forward")
     t = templates.get("mgpu_q128_kv64_s2")
     mask = tj.BlockMask.uniform(256, 192, 128, 64, np.random.default_rng(2).random((1, 2, 3)) < .7)
     q, k, v = random_qkv(1, 256, 192, 2, 1, 64, jnp.bfloat16, seed=9)
@@ -409,10 +411,12 @@ def test_backend_runner_prepares_each_plan_once(attention_calls, monkeypatch):
 def test_backend_runner_takes_traced_plan_arrays(attention_calls, monkeypatch):
     """The profiler jits the backend call with the plan arrays as operands and a plain
     namespace as the plan: the runner passes them through (no host checks, no cache)."""
-    from tessera_jax import kernel_backends, profile
+    from tessera_jax.runtime import kernel_runner as kernel_backends
+    from tessera_jax.tools import profiler as profile
     calls = attention_calls
-    monkeypatch.setitem(tj.backends._RUNNERS, "mosaic_gpu",
-                        kernel_backends._runner("pallas_kernels.mosaic_fwd"))
+    from tessera_jax.runtime import dispatch
+    monkeypatch.setitem(dispatch._RUNNERS, "mosaic_gpu",
+                        kernel_backends._runner("pallas_kernels.mosaic.forward"))
     t = templates.get("mgpu_q128_kv64_s2")
     mask = tj.BlockMask.uniform(256, 192, 128, 64, np.random.default_rng(3).random((1, 2, 3)) < .7)
     q, k, v = random_qkv(1, 256, 192, 2, 1, 64, jnp.bfloat16, seed=11)

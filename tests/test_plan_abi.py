@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tessera_jax as tj
-from pallas_kernels import plan_abi as abi
-from tessera_jax.planner import build_plan
+from pallas_kernels import abi
+from tessera_jax.planning.planner import build_plan
 
 _BYTE = st.integers(0, 255)
 

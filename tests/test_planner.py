@@ -11,9 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tessera_jax as tj
-from pallas_kernels import plan_abi as abi
-from tessera_jax import plan_loops, plan_oracle, planner, schedule
-from tessera_jax.planner import POLICIES, build_plan, bucket
+from pallas_kernels import abi
+from tessera_jax.planning import loops as plan_loops
+import plan_oracle
+from tessera_jax.planning import planner
+from tessera_jax.planning import schedule
+from tessera_jax.planning.planner import POLICIES, build_plan, bucket
 
 TILES = [(tq, tk) for tq in (64, 128) for tk in (64, 128, 192)]   # kv_hi >= 128: bit 31
 

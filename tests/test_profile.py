@@ -8,8 +8,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from tessera_jax import profile as P
-from tessera_jax import selection as S
+from tessera_jax.tools import profiler as P
+from tessera_jax.select import ranking as S
 
 ARGS = ["--tiny", "--iters", "2", "--warmup", "1", "--dtype", "float32", "--head-dim", "16"]
 
@@ -220,7 +220,7 @@ def test_explicit_candidates_fit_only_those(run, tmp_path, no_timing):
 def test_code_revision_prefers_git_then_a_snapshot_file(tmp_path):
     import pathlib
     import subprocess
-    from tessera_jax.profile import code_revision
+    from tessera_jax.tools.profiler import code_revision
     assert code_revision(tmp_path) is None                     # not a checkout, no file
     (tmp_path / ".snap_rev").write_text("abc1234\n")
     assert code_revision(tmp_path) == "abc1234"                # a `git archive` snapshot

@@ -6,9 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import plan_abi, triton_fwd
-from tessera_jax import xla_backend
-from tessera_jax.planner import build_plan
+from pallas_kernels import abi as plan_abi
+
+from pallas_kernels.triton import forward as triton_fwd
+from pallas_kernels.xla import executor as xla_backend
+from tessera_jax.planning.planner import build_plan
 from tessera_jax.reference import reference_attention
 
 from strategies import masks, random_qkv
@@ -76,7 +78,8 @@ def test_mosaic_kernel_takes_row_index_none():
         interp = _interp.InterpretGPUParams()
     except Exception as e:  # pragma: no cover
         pytest.skip(f"Mosaic GPU interpreter not importable: {e!r}")
-    from pallas_kernels import mosaic_fwd, templates
+    from pallas_kernels import templates
+    from pallas_kernels.mosaic import forward as mosaic_fwd
     from tessera_jax.mask import BlockMask
     t = templates.get("mgpu_q128_kv64_s2")
     B, Lq, Lkv, Hq, Hkv, D = 1, 200, 140, 2, 1, 64
@@ -99,7 +102,7 @@ def test_eager_runner_never_makes_the_host_row_index():
     Plan.row_index (a property made on first use) stays unmade; under jit it is a constant."""
     import jax
     import tessera_jax as tj
-    from tessera_jax import backends
+    from tessera_jax.runtime import dispatch as backends
     from tessera_jax.mask import BlockMask
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
                      np.random.default_rng(14).random((1, 3, 3)) < 0.7)
@@ -116,7 +119,7 @@ def test_eager_runner_never_makes_the_host_row_index():
 
 def test_large_steps_go_to_the_device_in_pieces(monkeypatch):
     """kernel_backends._put_plan: pieces joined on the device equal the host arrays."""
-    from tessera_jax import kernel_backends as kb
+    from tessera_jax.runtime import kernel_runner as kb
     monkeypatch.setattr(kb, "_PUT_PIECE_BYTES", 1 << 10)
     rng = np.random.default_rng(0)
     units = rng.integers(-2**31, 2**31 - 1, (37, plan_abi.UNIT_COLS), dtype=np.int64).astype(np.int32)
@@ -134,7 +137,7 @@ def test_runner_under_a_trace_with_concrete_q_caches_nothing_traced():
     that trace (they would be tracers; the next eager call raised UnexpectedTracerError)."""
     import jax
     import tessera_jax as tj
-    from tessera_jax import backends
+    from tessera_jax.runtime import dispatch as backends
     from tessera_jax.mask import BlockMask
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
                      np.random.default_rng(4).random((1, 3, 3)) < 0.7)
@@ -152,7 +155,8 @@ def test_runner_puts_a_large_plan_in_pieces_on_its_first_call(monkeypatch):
     """A plan over _DIRECT_MAX_BYTES goes to the device by _put_plan on its first eager call
     (in pieces), once; the result matches the reference."""
     import tessera_jax as tj
-    from tessera_jax import backends, kernel_backends as kb
+    from tessera_jax.runtime import dispatch as backends
+    from tessera_jax.runtime import kernel_runner as kb
     from tessera_jax.mask import BlockMask
     monkeypatch.setattr(kb, "_DIRECT_MAX_BYTES", 0)
     monkeypatch.setattr(kb, "_PUT_PIECE_BYTES", 16)

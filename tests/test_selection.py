@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tessera_jax as tj
-from tessera_jax import features as F
-from tessera_jax import selection as S
-from tessera_jax import profile as P
+from tessera_jax.select import features as F
+from tessera_jax.select import ranking as S
+from tessera_jax.tools import profiler as P
 from tessera_jax.validation import check_shapes
 
 MGPU = [f"mgpu_q128_kv{kv}_s{s}" for kv, s in ((128, 2), (128, 3), (64, 2), (64, 3), (64, 4))]

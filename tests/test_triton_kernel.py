@@ -10,9 +10,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pallas_kernels import plan_abi, templates, triton_fwd
+from pallas_kernels import templates
+
+from pallas_kernels import abi as plan_abi
+
+from pallas_kernels.triton import forward as triton_fwd
 from tessera_jax.mask import BlockMask
-from tessera_jax.planner import build_plan
+from tessera_jax.planning.planner import build_plan
 from tessera_jax.reference import reference_attention
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
@@ -427,7 +431,7 @@ def test_backend_runner_path(template):
     """The lead's wiring: tj.plan with a Triton template, run by backends.run (as on a GPU;
     the runner asks ``plan_mask_mode`` for the mode)."""
     import tessera_jax as tj
-    from tessera_jax import backends
+    from tessera_jax.runtime import dispatch as backends
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
                      np.random.default_rng(14).random((1, 3, 3)) < 0.7)
     q, k, v = _inputs(15, 2, 90, 80, 4, 2, 32, jnp.bfloat16)

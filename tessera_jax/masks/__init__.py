@@ -6,11 +6,11 @@ scores of dynamic families; ``corpus``: the 2,315 specs, their split, and ``buil
 See docs/masks.md.
 """
 
-from .corpus import (CORPUS_SIZE, DENSITY_RANGES, DYNAMIC_FAMILIES, build, corpus,
+from tessera_jax.masks.corpus import (CORPUS_SIZE, DENSITY_RANGES, DYNAMIC_FAMILIES, build, corpus,
                      corpus_digest, group_key, spec_key, test_specs, train_specs)
-from .families import (FAMILIES, dense, ditfastattn, jenga, moba, natten, radial, sparge, ssta,
+from tessera_jax.masks.families import (FAMILIES, dense, ditfastattn, jenga, moba, natten, radial, sparge, ssta,
                        sta, svg, svg2, vsa, xattn)
-from .grids import CORPUS_GRIDS, GRIDS, Grid, Layout, get_grid
+from tessera_jax.masks.grids import CORPUS_GRIDS, GRIDS, Grid, Layout, get_grid
 
 __all__ = [
     "CORPUS_SIZE", "DENSITY_RANGES", "DYNAMIC_FAMILIES", "build", "corpus", "corpus_digest",

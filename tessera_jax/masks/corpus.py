@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from ..mask import BlockMask
-from .families import FAMILIES
-from .grids import GRIDS, get_grid
+from tessera_jax.mask import BlockMask
+from tessera_jax.masks.families import FAMILIES
+from tessera_jax.masks.grids import GRIDS, get_grid
 
 __all__ = ["CORPUS_SIZE", "MAIN_GRIDS", "VARIANT_GRIDS", "DYNAMIC_FAMILIES", "DENSITY_RANGES",
            "TEST_FRACTION", "corpus", "train_specs", "test_specs", "build", "spec_key",

@@ -18,9 +18,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..mask import BlockMask
-from . import grids as G
-from .scores import BlockFeatures, ScoreField, block_features, head_params, point_features, rng_for
+from tessera_jax.mask import BlockMask
+from tessera_jax.masks import grids as G
+from tessera_jax.masks.scores import BlockFeatures, ScoreField, block_features, head_params, point_features, rng_for
 
 __all__ = ["FAMILIES", "STA_WINDOW_MIX", "dense", "sta", "ssta", "moba", "vsa", "radial", "svg",
            "svg2", "sparge", "xattn", "jenga", "natten", "ditfastattn"]

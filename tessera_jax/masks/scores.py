@@ -22,7 +22,7 @@ import zlib
 
 import numpy as np
 
-from .grids import Grid
+from tessera_jax.masks.grids import Grid
 
 __all__ = ["HeadParams", "head_params", "BlockFeatures", "block_features", "point_features",
            "ScoreField", "rng_for"]

@@ -22,7 +22,7 @@ import flax.nnx as nnx
 from tessera_jax.flax import DEFAULT_OPTIONS, AttentionOptions, attention
 from tessera_jax.mask import BlockMask
 
-from .common import (MLP, VideoConfigMixin, apply_rope, check_order, extend_with_text,
+from tessera_jax.models.common import (MLP, VideoConfigMixin, apply_rope, check_order, extend_with_text,
                      layer_masks, patchify, rope_3d, timestep_embedding, unpatchify)
 
 __all__ = ["HUNYUAN15", "HUNYUAN15_I2V", "HunyuanConfig", "HunyuanModel"]

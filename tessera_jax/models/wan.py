@@ -19,7 +19,7 @@ import flax.nnx as nnx
 from tessera_jax.flax import DEFAULT_OPTIONS, AttentionOptions, attention
 from tessera_jax.mask import BlockMask
 
-from .common import (MLP, VideoConfigMixin, apply_rope, check_order, layer_masks, patchify,
+from tessera_jax.models.common import (MLP, VideoConfigMixin, apply_rope, check_order, layer_masks, patchify,
                      rope_3d, rope_split, timestep_embedding, unpatchify)
 
 __all__ = ["WAN21_1_3B", "WAN21_14B", "WanConfig", "WanModel"]

@@ -1,0 +1,1 @@
+"""Mosaic GPU (Hopper) kernel of plans: TMA, wgmma, warp specialisation."""

@@ -1,0 +1,1 @@
+"""Pallas Triton-lowering kernel of plans (Ampere/Ada/Hopper)."""

@@ -1,0 +1,1 @@
+"""XLA executor of plans: plain JAX (CPU/TPU, the fallback, differentiable)."""

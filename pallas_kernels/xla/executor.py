@@ -1,0 +1,86 @@
+"""Plan executor in plain JAX: gathers the K/V tiles of each work unit, masked blockwise softmax.
+
+The CPU/TPU path, the fallback, and the independent check of every plan. It never builds the
+dense [Lq, Lkv] score matrix: memory is O(units x max_steps x tile_q x tile_kv), processed in
+chunks of units. Differentiable by JAX autodiff.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import abi
+
+# Units per chunk are chosen so that one chunk's scores stay near this many float32 elements.
+_CHUNK_ELEMS = 1 << 22
+
+
+@functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "q_len_padded",
+                                             "kv_len_padded", "max_steps", "scale", "return_lse"))
+def execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
+            max_steps, scale, return_lse=False):
+    """out [B, Lq, Hq, D] (and lse [B, Hq, Lq]) for the plan given by the ABI arrays
+    (``row_index=None``: computed on the device from units)."""
+    B, Lq, Hq, D = q.shape
+    Lkv, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    q = jnp.pad(q, ((0, 0), (0, q_len_padded - Lq), (0, 0), (0, 0)))
+    k = jnp.pad(k, ((0, 0), (0, kv_len_padded - Lkv), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, kv_len_padded - Lkv), (0, 0), (0, 0)))
+    U = units.shape[0]
+    M = max_steps
+    per_unit = tile_q * M * tile_kv * B
+    chunk = max(1, min(U, _CHUNK_ELEMS // max(per_unit, 1)))
+    n_chunks = -(-U // chunk)
+    pad_u = n_chunks * chunk - U
+    units_p = jnp.pad(units, ((0, pad_u), (0, 0)))  # padding units: zero steps, own nothing
+    r_t = jnp.arange(tile_q)
+    c_t = jnp.arange(tile_kv)
+    m_idx = jnp.arange(M)
+    acc_t = jnp.float32
+
+    def one_chunk(u):                                     # u: [C, UNIT_COLS]
+        h = u[:, abi.UNIT_HEAD]
+        ptr, cnt = u[:, abi.UNIT_STEP_PTR], u[:, abi.UNIT_STEP_CNT]
+        valid = m_idx[None, :] < cnt[:, None]             # [C, M]
+        sidx = jnp.where(valid, ptr[:, None] + m_idx[None, :], 0)
+        st = steps[sidx]                                  # [C, M, STEP_COLS]
+        qi = u[:, abi.UNIT_Q_START, None] + r_t[None]     # [C, T]
+        qt = q[:, qi, h[:, None]]                         # [B, C, T, D]
+        rect = abi.unpack_rect(st[..., abi.STEP_RECT])   # 4 x [C, M]
+        q_lo, q_hi, kv_lo, kv_hi = (x[..., None] for x in rect)
+        ki = st[..., abi.STEP_KV_START, None] + c_t       # [C, M, Tk]
+        kvh = (h // group)[:, None, None]
+        kt = k[:, ki, kvh]                                # [B, C, M, Tk, D]
+        vt = v[:, ki, kvh]
+        s = jnp.einsum("bctd,bcmkd->bctmk", qt, kt,
+                       preferred_element_type=acc_t, precision=lax.Precision.HIGHEST) * scale
+        rows = ((r_t[None, None, :] >= q_lo) & (r_t[None, None, :] < q_hi) & valid[..., None])
+        cols = (c_t[None, None, :] >= kv_lo) & (c_t[None, None, :] < kv_hi)
+        sel = rows.transpose(0, 2, 1)[:, :, :, None] & cols[:, None, :, :]   # [C, T, M, Tk]
+        s = jnp.where(sel[None], s, -jnp.inf)
+        m = jnp.max(s, axis=(-2, -1), keepdims=True)
+        m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+        p = jnp.exp(s - m)
+        l = jnp.sum(p, axis=(-2, -1))                                        # [B, C, T]
+        o = jnp.einsum("bctmk,bcmkd->bctd", p.astype(v.dtype),
+                       vt, preferred_element_type=acc_t, precision=lax.Precision.HIGHEST)
+        o = o / jnp.where(l > 0, l, 1.0)[..., None]
+        lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + m[..., 0, 0], -jnp.inf)
+        return o.astype(q.dtype), lse
+
+    if n_chunks == 1:
+        out_u, lse_u = one_chunk(units_p)
+    else:
+        out_c, lse_c = lax.map(one_chunk, units_p.reshape(n_chunks, chunk, -1))
+        # [n, B, C, T, D] -> [B, n*C, T, D]
+        out_u = jnp.moveaxis(out_c, 0, 1).reshape(B, n_chunks * chunk, tile_q, D)
+        lse_u = jnp.moveaxis(lse_c, 0, 1).reshape(B, n_chunks * chunk, tile_q)
+    if row_index is None:           # computed on the device from units
+        row_index = abi.row_index_from_units(units, Hq, Lq, tile_q)
+    out, lse = abi.gather_rows(out_u[:, :U], lse_u[:, :U], row_index)
+    return (out, lse) if return_lse else out

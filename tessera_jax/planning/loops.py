@@ -1,0 +1,701 @@
+"""numba-compiled inner loops of the planner: plain Python until ``compile_all()`` (first plan).
+
+Each ``_nb_*`` function is one loop of ``tessera_jax.planning.planner`` over packed mask words
+(uint64, bit j%64 of word j//64 = key block j), group and unit arrays: row groups and units
+(``_nb_groups``, ``_nb_units``, ``_nb_pack_units``), the step rows of keep/merge
+(``_nb_fill``, exact counts ``_nb_count``) and of split/pack (``_nb_rects`` and its helpers,
+bound ``_nb_rect_bound``), mask packing (``_nb_pack``) and row_index (``_nb_row_index``).
+Loops that take (lo, hi) handle units/rows [lo, hi), so the planner can run two halves on
+two threads (they are nogil). numba is imported, and the loops compiled or loaded from its
+on-disk cache, by ``compile_all()`` on the first plan of a process, not at import (the
+planner's ``warm_up()`` does it ahead of time); ``_nb_ctz`` (count trailing zeros) is bound
+then too, so the loops only run compiled. The NumPy oracles the tests compare them with are
+in ``plan_oracle``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+
+def _nb_popcount(x):
+    x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    x = ((x & np.uint64(0x3333333333333333))
+         + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333)))
+    x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return np.int64((x * np.uint64(0x0101010101010101)) >> np.uint64(56))
+
+
+def _nb_groups(words, merge):
+    """(head, first q block, end q block) of each non-empty row group, as
+    ``plan_oracle._row_groups``, and the selected key blocks of each."""
+    Hm, nq, W = words.shape
+    gh = np.empty(Hm * nq, np.int64)
+    gi = np.empty(Hm * nq, np.int64)
+    ge = np.empty(Hm * nq, np.int64)
+    pc = np.empty(Hm * nq, np.int64)
+    G = 0
+    for h in range(Hm):
+        i = 0
+        while i < nq:
+            e = i + 1
+            if merge:
+                while e < nq:
+                    same = True
+                    for k in range(W):
+                        if words[h, e, k] != words[h, i, k]:
+                            same = False
+                            break
+                    if not same:
+                        break
+                    e += 1
+            c = 0
+            for k in range(W):
+                c += _nb_popcount(words[h, i, k])
+            if c:
+                gh[G] = h
+                gi[G] = i
+                ge[G] = e
+                pc[G] = c
+                G += 1
+            i = e
+    return gh[:G], gi[:G], ge[:G], pc[:G]
+
+
+def _nb_tiles(js, je, kb, ka, tk, ltk):
+    """Tiles of the key interval of blocks [js, je), anchored at its aligned start."""
+    x = kb[je] - ka[js] + tk - 1
+    return x >> ltk if ltk >= 0 else x // tk
+
+
+def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim, steps,
+             cnt, upart, ukeys, ptr, share):
+    """Step rows of units [lo, hi), written from steps[row0]; returns the end row.
+
+    Each unit's key intervals are decoded from its group's words (merge: run boundaries
+    w ^ (w << 1), with a zero word appended so that a run reaching the last key block ends;
+    keep: set bits), and each interval's tiles are written as they come. A unit's rows depend
+    only on its group and its rows [qlo, qhi), so with ``share`` a unit equal in those to the
+    one before (the interior units of a tall row group) writes nothing and points at that
+    unit's rows. ``ptr[u]``: the first row of unit u.
+    """
+    W = words.shape[2]
+    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    s = row0
+    for u in range(lo, hi):
+        h, i = ugh[u], ugi[u]
+        ql, qh = qlo[u], qhi[u]
+        if (share and u > lo and h == ugh[u - 1] and i == ugi[u - 1] and ql == qlo[u - 1]
+                and qh == qhi[u - 1]):
+            ptr[u] = ptr[u - 1]
+            cnt[u] = cnt[u - 1]
+            upart[u] = upart[u - 1]
+            ukeys[u] = ukeys[u - 1]
+            continue
+        ptr[u] = s
+        s0 = s
+        rows = ql | (qh << 8)              # the rectangle's row bytes (STEP_RECT)
+        mid = rows | (tk << 24)            # a tile inside an interval: keys [0, tk)
+        part = 0
+        keys = 0
+        carry = zero
+        js = -1
+        for k in range(W + 1):
+            w = words[h, i, k] if k < W else zero
+            if merge:
+                b = w ^ ((w << one) | carry)
+                carry = w >> top
+            else:
+                b = w
+            while b:
+                j = k * 64 + np.int64(_nb_ctz(b))
+                b &= b - one
+                if not merge:
+                    js, je = j, j + 1
+                elif js < 0:
+                    js = j
+                    continue
+                else:
+                    je = j
+                # The interval of key blocks [js, je): keys [ks, ke), tiles from a0.
+                a0 = ka[js]
+                ks = kb[js]
+                ke = kb[je]
+                keys += ke - ks
+                kl0 = ks - a0                  # the first tile's lo
+                khl = ke - a0                  # the last tile's hi, if the first is the last
+                if khl <= tk and a0 <= lim:    # one tile, inside the padded length
+                    steps[s, 0] = a0
+                    steps[s, 1] = rows | (kl0 << 16) | (khl << 24)
+                    part += (kl0 != 0) | (khl != tk)
+                    s += 1
+                else:
+                    n = _nb_tiles(js, je, kb, ka, tk, ltk)
+                    tl = a0 + (n - 1) * tk     # the last tile's start, before any shift
+                    khl = ke - tl
+                    sh = tl - lim              # > 0: the last tile is shifted back inside kvp
+                    if n > 1:
+                        steps[s, 0] = a0
+                        steps[s, 1] = mid | (kl0 << 16)
+                        for r in range(1, n - 1):
+                            steps[s + r, 0] = a0 + r * tk
+                            steps[s + r, 1] = mid
+                        s += n - 1
+                        part += kl0 != 0
+                        kl0 = 0
+                    if sh > 0:
+                        steps[s, 0] = tl - sh
+                        steps[s, 1] = rows | ((kl0 + sh) << 16) | ((khl + sh) << 24)
+                        part += 1
+                    else:
+                        steps[s, 0] = tl
+                        steps[s, 1] = rows | (kl0 << 16) | (khl << 24)
+                        part += khl != tk
+                    s += 1
+                js = -1
+        cnt[u] = s - s0
+        upart[u] = part
+        ukeys[u] = keys
+    return s
+
+
+def _nb_count(lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, cnt):
+    """Exact step rows of units [lo, hi) (when the bound is too large to reserve)."""
+    W = words.shape[2]
+    nkv = len(kb) - 1
+    one, top = np.uint64(1), np.uint64(63)
+    for u in range(lo, hi):
+        h, i = ugh[u], ugi[u]
+        n = 0
+        carry = np.uint64(0)
+        start = -1
+        for k in range(W):
+            w = words[h, i, k]
+            b = w ^ ((w << one) | carry) if merge else w
+            carry = w >> top
+            while b:
+                j = k * 64 + np.int64(_nb_ctz(b))
+                b &= b - one
+                if not merge:
+                    n += _nb_tiles(j, j + 1, kb, ka, tk, ltk)
+                elif start < 0:
+                    start = j
+                else:
+                    n += _nb_tiles(start, j, kb, ka, tk, ltk)
+                    start = -1
+        if merge and start >= 0:
+            n += _nb_tiles(start, nkv, kb, ka, tk, ltk)
+        cnt[u] = n
+
+
+def _nb_pack(lo, hi, b8, out):
+    """Rows [lo, hi) of bool rows seen as uint64 (8 flags per word) -> packed words."""
+    n8 = b8.shape[1]
+    low, magic = np.uint64(0x0101010101010101), np.uint64(0x0102040810204080)
+    for r in range(lo, hi):
+        for k in range(out.shape[1]):
+            acc = np.uint64(0)
+            for t in range(min(8, n8 - 8 * k)):
+                byte = ((b8[r, 8 * k + t] & low) * magic) >> np.uint64(56)
+                acc |= byte << np.uint64(8 * t)
+            out[r, k] = acc
+
+
+def _nb_row_index(lo, hi, uh, qs, own_lo, own_hi, uidx, tile_q, sentinel, out):
+    """row_index rows of query heads [lo, hi), written in order: the owning unit row, else the
+    sentinel. Units come sorted by (head, first owned row); uidx: their schedule index."""
+    U, Lq = len(uh), out.shape[1]
+    u = 0
+    while u < U and uh[u] < lo:
+        u += 1
+    for h in range(lo, hi):
+        i = 0
+        while u < U and uh[u] == h:
+            a, b = qs[u] + own_lo[u], qs[u] + own_hi[u]
+            for x in range(i, a):
+                out[h, x] = sentinel
+            base = uidx[u] * tile_q - qs[u]
+            for x in range(a, b):
+                out[h, x] = base + x
+            i = b
+            u += 1
+        for x in range(i, Lq):
+            out[h, x] = sentinel
+
+
+def _nb_units(qb, gi, ge, tq, q_align, qp):
+    """``_chunk`` of the row groups' rows [qb[gi], qb[ge]): (group, q_start, lo, hi) per unit."""
+    G = len(gi)
+    U = 0
+    for g in range(G):
+        a0 = qb[gi[g]] - qb[gi[g]] % q_align
+        U += (qb[ge[g]] - a0 + tq - 1) // tq
+    ug = np.empty(U, np.int64)
+    qs = np.empty(U, np.int64)
+    qlo = np.empty(U, np.int64)
+    qhi = np.empty(U, np.int64)
+    u = 0
+    for g in range(G):
+        s, e = qb[gi[g]], qb[ge[g]]
+        a0 = s - s % q_align
+        n = (e - a0 + tq - 1) // tq
+        for k in range(n):
+            ug[u + k] = g
+            qs[u + k] = a0 + k * tq
+            qlo[u + k] = 0
+            qhi[u + k] = tq
+        qlo[u] = s - a0
+        last = u + n - 1
+        qhi[last] = e - qs[last]
+        shift = qs[last] + tq - qp
+        if shift > 0:                      # the last tile is shifted back inside qp
+            qs[last] -= shift
+            qhi[last] += shift
+            qlo[last] += shift
+        u += n
+    return ug, qs, qlo, qhi
+
+
+def _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps):
+    """A rectangle (rows [ra, rb), keys [c0, c1) from ``anchor``) cut into tiles at anchor +
+    t * tk, a last tile crossing kvp shifted back (only the last can): written from steps[s]
+    (or only counted). Returns (end row, full tiles, selected interactions).
+
+    Its common case (one tile, not shifted) is written out by hand in the ``_nb_rects_*``
+    loops: a shared helper inlined by numba measured ~10% slower on the two-group loop
+    (random top-k, pack/split 128x128: 62 vs 56 ms on this 2-core box)."""
+    if ltk >= 0:
+        t0, t1 = c0 >> ltk, ((c1 - 1) >> ltk) + 1
+    else:
+        t0, t1 = c0 // tk, (c1 - 1) // tk + 1
+    if not write:
+        return s + t1 - t0, 0, 0
+    rows_full = (ra == 0) & (rb == tq)
+    rows = ra | (rb << 8)                  # the rectangle's row bytes (STEP_RECT)
+    full = 0
+    ts = t0 * tk + anchor
+    kl = c0 + anchor - ts                  # only the first tile can start late
+    for _ in range(t1 - t0 - 1):           # all tiles but the last end at the tile's end
+        steps[s, 0] = ts
+        steps[s, 1] = rows | (kl << 16) | (tk << 24)
+        full += rows_full & (kl == 0)
+        kl = 0
+        ts += tk
+        s += 1
+    kh = c1 + anchor - ts
+    sh = max(ts + tk - kvp, 0)
+    steps[s, 0] = ts - sh
+    steps[s, 1] = rows | ((kl + sh) << 16) | ((kh + sh) << 24)
+    full += rows_full & (kl + sh == 0) & (kh + sh == tk)
+    return s + 1, full, (rb - ra) * (c1 - c0)
+
+
+def _nb_emit_more(s, firsts, lasts, rlo, rhi, c0, c1, anchor, tq, tk, ltk, kvp, write,
+                  steps):
+    """``_nb_emit`` of the rectangles of one segment whose first / last groups are the bits
+    of ``firsts`` / ``lasts`` (rows rlo[first] to rhi[last]; empty ones dropped)."""
+    one = np.uint64(1)
+    full = 0
+    sel_area = 0
+    while firsts:
+        ra = rlo[np.int64(_nb_ctz(firsts))]
+        rb = rhi[np.int64(_nb_ctz(lasts))]
+        firsts &= firsts - one
+        lasts &= lasts - one
+        if ra < rb:
+            s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps)
+            full += f
+            sel_area += a
+    return s, full, sel_area
+
+
+def _nb_rects_one(u, s, w2, r, ra, rb, kb, ka, grid, tq, tk, ltk, kvp, write, steps, nfull,
+                  area):
+    """``_nb_rects`` for a unit of one row group (row r of w2; rows [ra, rb) of the tile): one
+    rectangle per run of its key blocks. Returns the end row."""
+    W = w2.shape[1]
+    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    lim = kvp - tk
+    rows_full = (ra == 0) & (rb == tq)
+    full = 0
+    keys = 0                               # selected keys of one-tile rectangles
+    sel_area = 0                           # selected interactions of the others
+    if ra < rb:
+        carry = zero
+        js = -1
+        for k in range(W + 1):
+            w = w2[r, k] if k < W else zero
+            b = w ^ ((w << one) | carry)
+            carry = w >> top
+            while b:
+                j = k * 64 + np.int64(_nb_ctz(b))
+                b &= b - one
+                if js < 0:
+                    js = j
+                    continue
+                anchor = 0 if grid else ka[js]
+                c0, c1 = kb[js] - anchor, kb[j] - anchor
+                if ltk >= 0:
+                    t0 = c0 >> ltk
+                else:
+                    t0 = c0 // tk
+                ts = t0 * tk
+                if c1 - ts <= tk and ts + anchor <= lim:    # one tile, not shifted
+                    if write:
+                        steps[s, 0] = ts + anchor
+                        steps[s, 1] = (ra | (rb << 8) | ((c0 - ts) << 16)
+                                       | ((c1 - ts) << 24))
+                        full += (c0 == ts) & (c1 - ts == tk)
+                        keys += c1 - c0
+                    s += 1
+                else:
+                    s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write,
+                                       steps)
+                    full += f
+                    sel_area += a
+                js = -1
+    if write:
+        nfull[u] = full if rows_full else 0
+        area[u] = sel_area + (rb - ra) * keys
+    return s
+
+
+def _nb_rects_two(u, s, w2, x0, x1, ra0, rb0, ra1, rb1, touch, kb, ka, grid, tq, tk, ltk,
+                  kvp, write, steps, nfull, area):
+    """``_nb_rects`` for a unit of two row groups (rows x0, x1 of w2; rows [ra0, rb0) and
+    [ra1, rb1) of the tile, clipped; ``touch``: the second starts where the first ends), their
+    words and selecting pattern kept in registers. Returns the end row."""
+    W = w2.shape[1]
+    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    lim = kvp - tk
+    full = 0
+    sel_area = 0
+    prev = -1                              # previous boundary, if inside the union
+    anchor = 0
+    sel = 0                                # groups selecting the segment from prev (bits)
+    c0w = zero
+    c1w = zero
+    for k in range(W + 1):
+        if k < W:
+            w0 = w2[x0, k]
+            w1 = w2[x1, k]
+        else:
+            w0 = zero
+            w1 = zero
+        b = (w0 ^ ((w0 << one) | c0w)) | (w1 ^ ((w1 << one) | c1w))
+        c0w = w0 >> top
+        c1w = w1 >> top
+        uw = w0 | w1
+        while b:
+            jb = np.uint64(_nb_ctz(b))
+            j = k * 64 + np.int64(jb)
+            b &= b - one
+            if prev >= 0:                  # the segment [prev, j): one or two rectangles
+                c0, c1 = kb[prev] - anchor, kb[j] - anchor
+                if sel == 3 and not touch:
+                    if ra0 < rb0:
+                        s, f, a = _nb_emit(s, ra0, rb0, c0, c1, anchor, tq, tk, ltk, kvp,
+                                           write, steps)
+                        full += f
+                        sel_area += a
+                    ra, rb = ra1, rb1
+                else:
+                    ra = ra0 if sel & 1 else ra1
+                    rb = rb1 if sel & 2 else rb0
+                if ra < rb:
+                    if ltk >= 0:
+                        t0 = c0 >> ltk
+                    else:
+                        t0 = c0 // tk
+                    ts = t0 * tk
+                    if c1 - ts <= tk and ts + anchor <= lim:   # one tile, not shifted
+                        if write:
+                            kl, kh = c0 - ts, c1 - ts
+                            steps[s, 0] = ts + anchor
+                            steps[s, 1] = ra | (rb << 8) | (kl << 16) | (kh << 24)
+                            full += (ra == 0) & (rb == tq) & (kl == 0) & (kh == tk)
+                            sel_area += (rb - ra) * (kh - kl)
+                        s += 1
+                    else:
+                        s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write,
+                                           steps)
+                        full += f
+                        sel_area += a
+            if (uw >> jb) & one:
+                if prev < 0 and not grid:
+                    anchor = ka[j]
+                prev = j
+                sel = np.int64((w0 >> jb) & one) | (np.int64((w1 >> jb) & one) << 1)
+            else:
+                prev = -1
+    if write:
+        nfull[u] = full
+        area[u] = sel_area
+    return s
+
+
+def _nb_rects_wide(u, s, w2, row, g0, g1, r0, r1, q0, olo, ohi, kb, ka, grid, tq, tk, ltk,
+                   kvp, write, steps, nfull, area):
+    """``_nb_rects`` for one unit of more than 64 row groups (word rows ``row``): the
+    selecting groups of each segment found by a loop over the groups. Returns the end row."""
+    W = w2.shape[1]
+    n = g1 - g0
+    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    full = 0
+    sel_area = 0
+    prev = -1
+    anchor = 0
+    for k in range(W + 1):
+        b = zero
+        uw = zero
+        for t in range(n):
+            w = w2[row[t], k] if k < W else zero
+            c = w2[row[t], k - 1] >> top if k > 0 else zero
+            b |= w ^ ((w << one) | c)
+            uw |= w
+        while b:
+            jb = np.uint64(_nb_ctz(b))
+            j = k * 64 + np.int64(jb)
+            b &= b - one
+            if prev >= 0:              # the segment [prev, j): its rectangles
+                wk, bit = prev >> 6, np.uint64(prev & 63)
+                c0, c1 = kb[prev] - anchor, kb[j] - anchor
+                t = 0
+                while True:
+                    while t < n and not (w2[row[t], wk] >> bit) & one:
+                        t += 1
+                    if t >= n:
+                        break
+                    ta = t
+                    t += 1
+                    while (t < n and r0[g0 + t] == r1[g0 + t - 1]
+                           and (w2[row[t], wk] >> bit) & one):
+                        t += 1
+                    ra = max(r0[g0 + ta] - q0, olo)
+                    rb = min(r1[g0 + t - 1] - q0, ohi)
+                    if ra < rb:
+                        s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write,
+                                           steps)
+                        full += f
+                        sel_area += a
+            if (uw >> jb) & one:
+                if prev < 0 and not grid:
+                    anchor = ka[j]
+                prev = j
+            else:
+                prev = -1
+    if write:
+        nfull[u] = full
+        area[u] = sel_area
+    return s
+
+
+def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, ka, grid, tq,
+              tk, ltk, kvp, bound, cap, write, steps, cnt, nfull, area):
+    """split / pack: the steps of units [lo, hi), written from steps[row0] in unit order (or
+    only counted, with ``write`` False); returns (end row, end unit). The end unit is hi unless
+    a unit's bound (bound[u + 1] - bound[u]) could cross row ``cap``: it stops before that
+    unit. Unit u holds the row groups
+    [ugroups[u, 0], ugroups[u, 1]), loads rows [uq[u], uq[u] + tq) and owns [uqlo, uqhi) of
+    them; its step count goes to ``cnt``, and when writing its full steps and selected
+    interactions to ``nfull`` and ``area``.
+
+    As ``plan_oracle._unit_rects``: a unit's keys are cut at every run boundary of any of its
+    groups (segments where the set of selecting groups is constant); in each segment inside
+    the union of its groups' runs, each vertical run of selecting groups with touching rows is
+    one rectangle. As ``plan_oracle._cut_keys``: a rectangle is cut at the global key grid
+    (``grid``, split) or at tiles anchored at the aligned start of the union run holding it
+    (pack), tiles crossing kvp shifted back; each tile's rows are clipped to the unit's own
+    rows, and dropped if none.
+    Units of one or two groups (most: blocks of about tile_q / 2 rows or more) have their own
+    loops (``_nb_rects_one``, ``_nb_rects_two``); other units of <= 64 groups take the
+    selecting groups as one word, read when a segment opens from the word being decoded;
+    larger ones ``_nb_rects_wide``.
+    """
+    Hm, nq, W = words.shape
+    w2 = words.reshape(Hm * nq, W)
+    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    lim = kvp - tk                         # a tile starting past lim is shifted back
+    nmax = 1
+    for u in range(lo, hi):
+        nmax = max(nmax, ugroups[u, 1] - ugroups[u, 0])
+    row = np.empty(nmax, np.int64)         # the unit's groups: their rows of w2
+    wb = np.empty(nmax, np.uint64)         # their word k
+    ca = np.empty(nmax, np.uint64)         # their carries into word k
+    rlo = np.empty(nmax, np.int64)         # their rows relative to q0, clipped to the owned rows
+    rhi = np.empty(nmax, np.int64)
+    s = row0
+    for u in range(lo, hi):
+        if s + bound[u + 1] - bound[u] > cap:
+            return s, u
+        g0, g1 = ugroups[u, 0], ugroups[u, 1]
+        n = g1 - g0
+        h = gh[g0]
+        q0, olo, ohi = uq[u], uqlo[u], uqhi[u]
+        s0 = s
+        for t in range(n):
+            row[t] = h * nq + gi[g0 + t]
+        if n == 1:
+            s = _nb_rects_one(u, s, w2, row[0], max(r0[g0] - q0, olo), min(r1[g0] - q0, ohi),
+                              kb, ka, grid, tq, tk, ltk, kvp, write, steps, nfull, area)
+            cnt[u] = s - s0
+            continue
+        if n == 2:
+            s = _nb_rects_two(u, s, w2, row[0], row[1], max(r0[g0] - q0, olo),
+                              min(r1[g0] - q0, ohi), max(r0[g0 + 1] - q0, olo),
+                              min(r1[g0 + 1] - q0, ohi), r0[g0 + 1] == r1[g0], kb, ka, grid,
+                              tq, tk, ltk, kvp, write, steps, nfull, area)
+            cnt[u] = s - s0
+            continue
+        if n > 64:
+            s = _nb_rects_wide(u, s, w2, row, g0, g1, r0, r1, q0, olo, ohi, kb, ka, grid, tq,
+                               tk, ltk, kvp, write, steps, nfull, area)
+            cnt[u] = s - s0
+            continue
+        touch = zero                       # bit t: group g0 + t starts where t - 1 ends
+        for t in range(n):
+            ca[t] = zero
+            rlo[t] = max(r0[g0 + t] - q0, olo)
+            rhi[t] = min(r1[g0 + t] - q0, ohi)
+            if t > 0 and r0[g0 + t] == r1[g0 + t - 1]:
+                touch |= one << np.uint64(t)
+        full = 0
+        sel_area = 0
+        prev = -1                          # previous boundary, if inside the union
+        anchor = 0
+        sel = zero                         # groups selecting the segment from prev
+        for k in range(W + 1):
+            b = zero
+            uw = zero                      # union of the groups' word k
+            for t in range(n):
+                w = w2[row[t], k] if k < W else zero
+                b |= w ^ ((w << one) | ca[t])
+                ca[t] = w >> top
+                wb[t] = w
+                uw |= w
+            while b:
+                jb = np.uint64(_nb_ctz(b))
+                j = k * 64 + np.int64(jb)
+                b &= b - one
+                if prev >= 0:              # the segment [prev, j): its rectangles
+                    c0, c1 = kb[prev] - anchor, kb[j] - anchor
+                    firsts = sel & ~((sel << one) & touch)     # first groups of rects
+                    lasts = sel & ~((sel >> one) & (touch >> one))  # and their last groups
+                    ra = rlo[np.int64(_nb_ctz(firsts))]
+                    rb = rhi[np.int64(_nb_ctz(lasts))]
+                    if ra < rb:            # the first rectangle, most often the only one
+                        if ltk >= 0:
+                            t0 = c0 >> ltk
+                        else:
+                            t0 = c0 // tk
+                        ts = t0 * tk
+                        if c1 - ts <= tk and ts + anchor <= lim:   # one tile, not shifted
+                            if write:
+                                kl, kh = c0 - ts, c1 - ts
+                                steps[s, 0] = ts + anchor
+                                steps[s, 1] = ra | (rb << 8) | (kl << 16) | (kh << 24)
+                                full += (ra == 0) & (rb == tq) & (kl == 0) & (kh == tk)
+                                sel_area += (rb - ra) * (kh - kl)
+                            s += 1
+                        else:
+                            s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp,
+                                               write, steps)
+                            full += f
+                            sel_area += a
+                    firsts &= firsts - one
+                    if firsts:             # more rectangles
+                        s, f, a = _nb_emit_more(s, firsts, lasts & (lasts - one), rlo, rhi,
+                                                c0, c1, anchor, tq, tk, ltk, kvp, write, steps)
+                        full += f
+                        sel_area += a
+                # j opens a segment iff some group selects block j; a union run starts there
+                # if the previous segment was outside the union
+                if (uw >> jb) & one:
+                    if prev < 0 and not grid:
+                        anchor = ka[j]
+                    prev = j
+                    if n == 1:
+                        sel = one
+                    elif n == 2:
+                        sel = ((wb[0] >> jb) & one) | (((wb[1] >> jb) & one) << one)
+                    else:
+                        sel = zero
+                        for t in range(n):
+                            sel |= ((wb[t] >> jb) & one) << np.uint64(t)
+                else:
+                    prev = -1
+        cnt[u] = s - s0
+        if write:
+            nfull[u] = full
+            area[u] = sel_area
+    return s, hi
+
+
+def _nb_rect_bound(words, gh, gi, ugroups, cmax, bound):
+    """bound[u + 1] = bound[u] + an upper bound on unit u's steps: each step (rectangle x
+    tile) is charged to one (group, selected key block) whose keys its tile touches, and a
+    block touches at most cmax tiles."""
+    W = words.shape[2]
+    bound[0] = 0
+    for u in range(len(ugroups)):
+        c = 0
+        for g in range(ugroups[u, 0], ugroups[u, 1]):
+            for k in range(W):
+                c += _nb_popcount(words[gh[g], gi[g], k])
+        bound[u + 1] = bound[u] + c * cmax
+
+
+def _nb_pack_units(gh, r0, r1, tq, q_align):
+    """Greedy packing per head, one pass: a unit starting at group g takes the following
+    groups of its head while their rows end within a[g] + tile_q (a: g's aligned start).
+    Returns the [first, end) groups of each packed unit, int64 [units, 2]."""
+    G = len(gh)
+    out = np.empty((G, 2), np.int64)
+    U = 0
+    g = 0
+    while g < G:
+        limit = r0[g] - r0[g] % q_align + tq
+        e = g + 1
+        while e < G and gh[e] == gh[g] and r1[e] <= limit:
+            e += 1
+        out[U, 0] = g
+        out[U, 1] = e
+        U += 1
+        g = e
+    return out[:U]
+
+
+_NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_pack",
+               "_nb_row_index", "_nb_units", "_nb_emit", "_nb_emit_more", "_nb_rects_one",
+               "_nb_rects_two", "_nb_rects_wide", "_nb_rects", "_nb_rect_bound",
+               "_nb_pack_units")
+_NB_INLINE = ("_nb_popcount", "_nb_tiles")   # inlined into their callers (numba IR)
+
+
+def compile_all() -> None:
+    """Imports numba and jit-wraps the ``_nb_*`` functions (cached on disk), once per process.
+
+    The wrapped functions replace the plain ones in this module's namespace, which is where
+    numba resolves the names that the kernels call; callers elsewhere must look them up here
+    at call time (``plan_loops._nb_fill(...)``), as an imported name stays the plain function.
+    """
+    global _JITTED
+    if _JITTED:
+        return
+    with _JIT_LOCK:
+        if _JITTED:
+            return
+        import numba
+        from numba.cpython.unsafe.numbers import trailing_zeros
+        g = globals()
+        g["_nb_ctz"] = trailing_zeros
+        for name in _NB_KERNELS:
+            inline = "always" if name in _NB_INLINE else "never"
+            g[name] = numba.njit(cache=True, nogil=True, inline=inline)(g[name])
+        _JITTED = True
+
+
+_JITTED = False
+_JIT_LOCK = threading.Lock()

@@ -1,0 +1,953 @@
+"""Planner: logical blocks -> physical tiles -> work units, as the int32 arrays of the plan ABI.
+
+NumPy (and numba-compiled loops for keep/merge) on the host, run at trace time; knows nothing
+of Pallas. The output format is documented in ``pallas_kernels/plan_abi.py``: a *work unit* is
+one query tile [q_start, q_start + tile_q) of one query head plus the list of K/V tiles
+(*steps*) it visits; each step selects exactly one rectangle of its tile (rows x keys),
+everything else in the tile is masked. The rectangles of all steps cover the mask's selected
+(query, key) pairs exactly once, whatever the policy: policies only change *how* the selected
+set is cut into tiles.
+
+Policies (the tile shape is fixed by the template; ``q_align``/``kv_align`` are honoured by
+rounding tile starts down to a multiple, and tiles that would cross the padded length are
+shifted back inside it):
+
+* ``keep``  - one logical block, one set of tiles. Every non-empty query block is its own row
+  group, and each selected key block its own key interval. Tiles start at the block's start; a
+  block smaller than the tile leaves the rest of the tile masked, a block larger than the tile
+  is cut into consecutive tiles (counted as *split* tiles, which is unavoidable).
+* ``merge`` - along keys, each run of adjacent selected key blocks is one interval, tiled from
+  its start (K/V loaded once for the run, fewer partial tiles); along queries, adjacent query
+  blocks with identical key lists form one taller row group, whose rows are cut into units of
+  ``tile_q`` rows that all stream the same K/V tiles.
+* ``split`` - cut everything at the fixed global tile grid: units are the query tiles
+  [k * tile_q, (k + 1) * tile_q) and steps the key tiles [c * tile_kv, (c + 1) * tile_kv); a
+  block that crosses a grid line is split into the tiles on each side, and the small blocks
+  inside one grid cell share its tile. In a cell, each query block's selected key runs become
+  rectangles, and rectangles of adjacent query blocks with the same key range are merged
+  vertically; a cell whose selected area is not one rectangle costs several steps (the same K/V
+  tile, several rectangles).
+* ``pack``  - ``merge`` plus packing along queries: consecutive row groups (identical rows
+  merged as in ``merge``) share one unit while their rows fit in ``tile_q`` (greedy, per head),
+  so query blocks shorter than the tile no longer leave most of the Q tile masked. The unit's
+  K/V tiles are anchored at the runs of the *union* of its groups' key sets; inside, the keys
+  are cut into segments where the set of selecting groups is constant, and each vertical run of
+  adjacent selecting groups is one rectangle. A tile holding several rectangles (an L shape, say)
+  costs one step per rectangle, as the ABI allows one rectangle per step.
+* ``auto``  - per mask head (so per query head for per-head masks, globally for a shared mask),
+  the policy among ``merge``, ``split`` and ``pack`` with the least estimated total cost
+  (``tessera_jax.planning.schedule``); units of one head always come from one policy. ``keep`` is not
+  a candidate: ``merge`` never has more units or more steps than ``keep`` (a run tiled as a
+  whole needs at most the tiles of its blocks tiled one by one, and likewise for rows).
+
+Every tile (step, counted once per unit that visits it) is classified for ``stats()``: it is
+*split* if its rectangle covers only part of a logical block it touches (along queries or
+keys), otherwise *merged* if it covers several logical blocks whole, otherwise *kept* (it
+covers exactly one logical block, whole). ``kept + merged + split == tiles``.
+
+Mask heads with identical blocks are planned once and their units share one step list (a
+shared mask is the case of a single distinct head), so ``steps`` grows with the distinct head
+masks, not with Hq. Units are ordered by ``tessera_jax.planning.schedule.order_units`` (heaviest
+estimated cost first, then heads interleaved, or head-major where the template's
+``unit_order`` option asks for it). The int32 arrays are padded to capacity buckets
+(``bucket``) so that masks of similar size reuse one compiled executable.
+
+Host cost: the work grows with the number of runs and tiles the plan holds, never with dense
+[H, nq, nkv] temporaries other than the one ``packbits`` pass (``benchmarks/planning.py``).
+``keep``/``merge`` (the default policy) run as numba-compiled loops that decode each unit's
+key intervals from the packed bits and write its step rows straight into the preallocated
+int32 ``steps``, on two threads, or on ``PLAN_THREADS`` (up to 8) for large plans where
+the host has 4 or more cores; the first plan of a process imports numba and compiles the loops
+or loads them from numba's on-disk cache (``warm_up()`` does it ahead of time).
+``split``/``pack`` choose their units (NumPy / a compiled greedy pass) and
+write their steps with one compiled loop, once, into a reserved upper bound as keep/merge do.
+The NumPy versions of the three step builders (``plan_oracle``) are the tests' oracles.
+``stats()`` is computed on first call, not at build time.
+Units share step rows where their lists are equal: the heads of a shared mask, and (keep/merge)
+the interior units of a tall row group, so an all-selected mask stores one list per unit
+height; this keeps the plan small to build and to copy to the GPU.
+``build_plan`` is cached by (mask digest, shape, tile shape, policy, alignment, template,
+cost model, unit order): a repeated mask costs a dictionary lookup.
+
+* ``tessera_jax.planning.loops``: the numba-compiled inner loops (``_nb_*``), ``compile_all()``;
+  this module keeps the policies, the drivers that run those loops (threads, bounds), the API.
+* ``plan_oracle``: the NumPy versions of the step builders, the tests' oracles
+  (``_plan_rowgroups_numpy``, ``_plan_grid_numpy``, ``_plan_pack_numpy``); plans never use them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+
+import numpy as np
+
+from pallas_kernels import abi
+
+from tessera_jax.planning import loops as _loops
+from tessera_jax.planning import schedule as _sched
+from tessera_jax.mask import BlockMask
+from tessera_jax.validation import AttnShape, check_shapes
+
+POLICIES = ("keep", "merge", "split", "pack", "auto")
+_BASE_POLICIES = ("keep", "merge", "split", "pack")
+_AUTO_CANDIDATES = ("merge", "split", "pack")
+_U64 = np.dtype("<u8")
+
+
+def bucket(n: int) -> int:
+    """Capacity bucket >= n: the next multiple of 2^(k-3) where 2^(k-1) < n <= 2^k.
+
+    Four buckets per octave keep padding under 25% (about 10% on average) while masks of
+    similar size share one compiled executable.
+    """
+    n = max(int(n), 1)
+    if n <= 8:
+        return n
+    step = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """A host plan: ABI arrays plus the static integers a backend compiles against."""
+
+    template: str
+    policy: str
+    tile_q: int
+    tile_kv: int
+    shape: AttnShape
+    q_len_padded: int
+    kv_len_padded: int
+    units: np.ndarray        # int32 [U_cap, UNIT_COLS], schedule order
+    steps: np.ndarray        # int32 [S_cap, STEP_COLS]; units may share steps (shared masks)
+    num_units: int           # real units (the rest is padding)
+    num_steps: int           # real rows of ``steps``
+    max_steps: int           # capacity >= the longest unit
+    mask_digest: str
+    selected_interactions: int  # summed over query heads, one batch element
+    mask: BlockMask | None = None
+    head_policies: tuple[str, ...] = ()   # policy used for each mask head
+    unit_cost: np.ndarray | None = None   # estimated ns of each real unit, schedule order
+    cost_model: _sched.CostModel = _sched.DEFAULT_COST_MODEL
+    unit_order: str = "interleaved"       # schedule.order_units order
+    maybe_all_full: bool = True           # False: some step is certainly partial (cost model)
+
+    @functools.cached_property
+    def row_index(self) -> np.ndarray:
+        """int32 [Hq, Lq] (``plan_abi``), made from ``units`` on first use: a request on the
+        GPU never needs it (kernels make it on the device), so planning skips it (it was 20-50%
+        of planning time on 8-head Wan/Hunyuan masks, CPU box)."""
+        u = self.units[: self.num_units].astype(np.int64)
+        out = _row_index(u[:, abi.UNIT_HEAD], u[:, abi.UNIT_Q_START], u[:, abi.UNIT_OWN_LO],
+                         u[:, abi.UNIT_OWN_HI], np.arange(self.num_units), self.shape.num_q_heads,
+                         self.shape.q_len, self.tile_q, self.units.shape[0] * self.tile_q)
+        out.setflags(write=False)
+        return out
+
+    @functools.cached_property
+    def all_full(self) -> bool:
+        """Whether every step is the whole tile (no masking needed anywhere): exact, from the
+        step rows, and skipped when the planner already counted a partial step."""
+        if not self.maybe_all_full:
+            return False
+        rect = self.steps[: self.num_steps, abi.STEP_RECT]
+        return bool(np.all(rect == abi.full_rect(self.tile_q, self.tile_kv)))
+
+    @property
+    def capacities(self) -> tuple[int, int, int]:
+        return (self.units.shape[0], self.steps.shape[0], self.max_steps)
+
+    def step_counts(self) -> np.ndarray:
+        return self.units[: self.num_units, abi.UNIT_STEP_CNT]
+
+    def tile_rects(self) -> dict:
+        """Every computed tile in absolute coordinates, one row per (unit, step) visit.
+
+        Returns int64 arrays: ``unit``, ``head``, ``q0``/``q1`` (the tile's rows),
+        ``k0``/``k1`` (its keys), ``r0``/``r1`` and ``c0``/``c1`` (the selected rectangle:
+        rows [r0, r1) x keys [c0, c1)), ``step`` (index into ``steps``).
+        """
+        return _tile_rects(self)
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    @functools.cached_property
+    def _stats(self) -> dict:
+        return _stats(self)
+
+    def describe(self) -> str:
+        s = self.stats()
+        pol = self.policy
+        if self.policy == "auto":
+            pol += " -> " + ", ".join(f"{k}:{v}" for k, v in s["head_policies"].items() if v)
+        return (
+            f"plan {self.template} ({pol}): tiles {self.tile_q}x{self.tile_kv}, "
+            f"{s['units']} work units, {s['tiles']} tiles "
+            f"(kept {s['kept']}, merged {s['merged']}, split {s['split']}; "
+            f"{s['partial_tiles']} partial); "
+            f"selected {s['selected_interactions']:,} interactions, computed "
+            f"{s['computed_interactions']:,} (waste {s['waste_fraction']:.1%}); "
+            f"K/V bytes {s['kv_bytes'] / 2**20:.1f} MiB; est. {s['est_time_us']:.1f} us on "
+            f"{self.cost_model.num_sms} SMs (balance {s['balance']:.2f}); capacities "
+            f"U={self.capacities[0]} S={self.capacities[1]} M={self.capacities[2]}")
+
+
+# --- bit helpers ------------------------------------------------------------------------
+def _pack(rows: np.ndarray) -> np.ndarray:
+    """bool [..., n] -> little-endian uint64 words [..., ceil(n / 64)]; bit j%64 of word j//64.
+
+    Large C-contiguous masks with n % 8 == 0 are packed by the compiled loop (8 flags at a
+    time, on PLAN_THREADS threads); the rest by ``np.packbits``.
+    """
+    n = rows.shape[-1]
+    if (rows.size >= _PACK_MIN_BYTES and n % 8 == 0 and rows.dtype == np.bool_
+            and rows.flags.c_contiguous):
+        _loops.compile_all()
+        b8 = rows.reshape(-1, n).view(np.uint64)
+        out = np.empty((b8.shape[0], -(-n // 64)), _U64)
+        _run_split(_loops._nb_pack, b8.shape[0], b8.shape[0] * n, b8, out)
+        return out.reshape(rows.shape[:-1] + (out.shape[1],))
+    pk = np.packbits(rows, axis=-1, bitorder="little")
+    nb = pk.shape[-1]
+    W = -(-nb // 8)
+    if nb != 8 * W:
+        out = np.empty(pk.shape[:-1] + (8 * W,), np.uint8)
+        out[..., :nb] = pk
+        out[..., nb:] = 0
+        pk = out
+    return np.ascontiguousarray(pk).view(_U64)
+
+
+def _chunk(starts, ends, tile, align, limit):
+    """Cuts intervals [starts, ends) into tiles of ``tile`` at aligned offsets inside [0, limit).
+
+    Returns (owner, tile_start, lo, hi): the interval each tile came from, its first token and
+    the selected sub-range [lo, hi) relative to the tile. Tiles that would cross ``limit`` are
+    shifted back (their lo/hi shift with them), so kernels never read past the padded length.
+    Tiles come in interval order, and in token order within an interval.
+    """
+    starts = np.asarray(starts, np.int64)
+    ends = np.asarray(ends, np.int64)
+    a0 = (starts // align) * align
+    n = -(-(ends - a0) // tile)
+    total = int(n.sum())
+    first = np.cumsum(n) - n
+    owner = np.repeat(np.arange(len(starts)), n)
+    ts = np.repeat(a0 - first * tile, n) + np.arange(0, total * tile, tile, dtype=np.int64)
+    # Only an interval's first tile can start late, only its last can end early or cross limit.
+    lo = np.zeros(total, np.int64)
+    lo[first] = starts - a0
+    hi = np.full(total, tile, np.int64)
+    last = first + n - 1
+    hi[last] = ends - ts[last]
+    over = np.flatnonzero(ts[last] + tile > limit)
+    if over.size:
+        t = last[over]
+        shift = ts[t] + tile - limit
+        ts[t] -= shift
+        hi[t] += shift
+        lo[t] += shift
+    return owner, ts, lo, hi
+
+
+@dataclasses.dataclass
+class _Raw:
+    """Units of one policy before scheduling; steps are laid out in unit order, or, with
+    ``ptr``, unit u's are rows [ptr[u], ptr[u] + cnt[u]) and units may share rows."""
+
+    head: np.ndarray   # mask head of each unit
+    qs: np.ndarray     # q_start
+    lo: np.ndarray     # owned rows [lo, hi) relative to q_start
+    hi: np.ndarray
+    cnt: np.ndarray    # steps per unit
+    steps: np.ndarray  # int32 [>= S, STEP_COLS] ABI step rows (the first S are real, rest 0)
+    nfull: np.ndarray  # full steps per unit
+    area: np.ndarray   # selected interactions per unit
+    ptr: np.ndarray | None = None   # first row of each unit (None: consecutive, in unit order)
+    stored: int | None = None       # rows of steps in use when ptr is given
+
+    @property
+    def num_steps(self) -> int:
+        """Rows of ``steps`` in use (with shared rows, fewer than the steps the units visit)."""
+        return int(self.cnt.sum()) if self.ptr is None else int(self.stored)
+
+    @property
+    def first(self) -> np.ndarray:
+        """The first row of each unit's steps."""
+        return np.cumsum(self.cnt) - self.cnt if self.ptr is None else self.ptr
+
+    def unshared(self) -> "_Raw":
+        """The same units with every unit's rows of its own, consecutive in unit order."""
+        if self.ptr is None:
+            return self
+        S = int(self.cnt.sum())
+        idx = np.repeat(self.ptr - (np.cumsum(self.cnt) - self.cnt), self.cnt) + np.arange(S)
+        steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+        np.take(self.steps, idx, axis=0, out=steps[:S])
+        return dataclasses.replace(self, steps=steps, ptr=None, stored=None)
+
+    def select_heads(self, keep_head: np.ndarray) -> "_Raw":
+        """The units of the kept heads (rows in unit order: ``auto`` plans unshared)."""
+        assert self.ptr is None, "select_heads needs rows in unit order"
+        ku = keep_head[self.head]
+        ks = np.repeat(ku, self.cnt)
+        return _Raw(self.head[ku], self.qs[ku], self.lo[ku], self.hi[ku], self.cnt[ku],
+                    self.steps[: len(ks)][ks], self.nfull[ku], self.area[ku])
+
+    @staticmethod
+    def concat(parts) -> "_Raw":
+        assert all(p.ptr is None for p in parts), "concat needs rows in unit order"
+        cat = {f.name: np.concatenate([getattr(p, f.name) for p in parts])
+               for f in dataclasses.fields(_Raw) if f.name not in ("steps", "ptr", "stored")}
+        S = int(cat["cnt"].sum())
+        steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+        np.concatenate([p.steps[: p.num_steps] for p in parts], out=steps[:S])
+        return _Raw(steps=steps, **cat)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    qb: np.ndarray
+    kb: np.ndarray
+    words: np.ndarray      # packed blocks [Hm, nq, W]
+    tile_q: int
+    tile_kv: int
+    q_align: int
+    kv_align: int
+    qp: int
+    kvp: int
+
+
+# --- compiled step builders: drivers of the loops in ``plan_loops`` -----------------------
+# keep/merge run as numba-compiled loops (nogil) that decode each unit's key intervals from
+# the packed words (merge: run boundaries w ^ (w << 1); keep: set bits) and write its step
+# rows straight into the preallocated int32 ``steps``. The exact step count is not known
+# before writing, so ``steps`` is allocated (zeroed lazily by the OS) for an upper bound:
+# an interval of blocks J needs at most sum_J ceil((size_j + kv_align - 1) / tile_kv) tiles,
+# so a group needs at most popcount * cmax rows (cmax: that bound's largest term). With
+# PLAN_THREADS == 2 the units are split in two halves of about equal bound; the second half is
+# written from the first half's bound on a worker thread and moved down after. When the bound
+# is too large to reserve, the step counts are computed exactly in a first pass instead.
+# split/pack (``_nb_rects``) do the same with their own bound (``_nb_rect_bound``): a step is a
+# rectangle x tile, charged to one (group, selected key block) whose keys its tile touches.
+# Mask packing and row_index are compiled too.
+# numba is imported and the loops compiled (or loaded from numba's on-disk cache) on the
+# first plan of a process, not at import; ``warm_up()`` does it ahead of time. The drivers
+# look each loop up as ``_loops._nb_*`` at call time: ``plan_loops.compile_all()`` rebinds
+# those names to the compiled functions.
+# Threads of the compiled loops. Most loops use two of them. The step builders (split/pack and
+# keep/merge) use all of them on large plans from _WIDE_MIN threads on: the units in
+# PLAN_THREADS chunks, each counted, then written at its exact offset, both passes in parallel
+# (~1.6x one pass's work, so 2 threads keep the estimate schemes below).
+PLAN_THREADS = min(8, os.cpu_count() or 1)
+_WIDE_MIN = 4
+_WIDE_MIN_ROWS = 1 << 18       # bound rows from which the wide path pays for its extra pass
+
+
+def _wide(units: int, bound_rows: int) -> bool:
+    """Whether split/pack or keep/merge take the wide (PLAN_THREADS-chunk) path."""
+    return (PLAN_THREADS >= _WIDE_MIN and units >= PLAN_THREADS
+            and bound_rows >= max(_WIDE_MIN_ROWS, _PAR_MIN_ROWS))
+_PAR_MIN_ROWS = 1 << 16        # below this much work (step rows, flags, words), one thread
+_PACK_MIN_BYTES = 1 << 16      # masks from this many flags up are packed by the compiled loop
+_MAX_BOUND_BYTES = 1 << 30     # reserve at most this much for the step-row bound
+_POOL = None                   # (pid, one-thread executor) of the second thread
+
+
+def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
+    """(cnt, steps, nfull, area) of ``_nb_rects``'s units, written in one pass into a reserved
+    upper bound, or after an exact counting pass where the bound is too large to reserve.
+
+    On PLAN_THREADS threads the second half of the units is written from an estimate of where
+    the first half ends (a sampled count, scaled by the bound; the first half stops at any unit
+    that could cross it), then moved down: the estimate keeps the move in memory already
+    touched. Where the first half stopped early, the rest of it is counted, the second half
+    moved up to make room, and the rest written.
+    """
+    _loops.compile_all()
+    U = len(uq)
+    tk = ctx.tile_kv
+    kb = np.array(ctx.kb, np.int64)
+    ltk = tk.bit_length() - 1 if tk & (tk - 1) == 0 else -1
+    args = (ctx.words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, kb - kb % ctx.kv_align,
+            grid, ctx.tile_q, tk, ltk, ctx.kvp)
+    cnt = np.empty(U, np.int64)
+    nfull = np.zeros(U, np.int64)
+    area = np.zeros(U, np.int64)
+    cmax = int(((kb[1:] - kb[:-1] + 2 * tk - 2) // tk).max())
+    bound = np.empty(U + 1, np.int64)
+    _loops._nb_rect_bound(ctx.words, gh, gi, ugroups, cmax, bound)
+    B = int(bound[-1])
+    big = 1 << 62
+    if _wide(U, B):
+        return _rect_steps_wide(args, bound, cnt, nfull, area)
+    two = PLAN_THREADS >= 2 and U >= 2 and B >= _PAR_MIN_ROWS
+    mid = min(max(int(np.searchsorted(bound, B // 2)), 1), U - 1) if two else U
+    none = np.zeros((1, abi.STEP_COLS), np.int32)
+    if bucket(B) * abi.STEP_COLS * 4 > _MAX_BOUND_BYTES:    # count first, then exact offsets
+        _run_split(_loops._nb_rects, U, B, 0, *args, bound, big, False, none, cnt, nfull, area)
+        bound = np.zeros(U + 1, np.int64)
+        np.cumsum(cnt, out=bound[1:])
+        B = int(bound[-1])
+        r1 = int(bound[mid])
+    elif two:
+        r1 = min(int(bound[mid]), _first_half_rows(args, bound, mid))
+    steps = np.zeros((bucket(B), abi.STEP_COLS), np.int32)
+    out = (True, steps, cnt, nfull, area)
+    if not two:
+        S, _ = _loops._nb_rects(0, U, 0, *args, bound, big, *out)
+        return cnt, steps[: bucket(S)], nfull, area
+    fut = _on_worker(_loops._nb_rects, mid, U, r1, *args, bound, big, *out)
+    e0, stop = _loops._nb_rects(0, mid, 0, *args, bound, r1, *out)
+    e1, _ = fut.result()
+    top = e1                    # rows at or past S up to here were written: zeroed at the end
+    row = steps.strides[0]
+    if stop < mid:              # the estimate was short: count the rest, make room, write it
+        rest = np.empty(U, np.int64)
+        c, _ = _loops._nb_rects(stop, mid, 0, *args, bound, big, False, none, rest, nfull, area)
+        r2 = e0 + c
+        ctypes.memmove(steps.ctypes.data + r2 * row, steps.ctypes.data + r1 * row,
+                       (e1 - r1) * row)
+        e1, r1 = r2 + e1 - r1, r2
+        e, _ = _loops._nb_rects(stop, mid, e0, *args, bound, big, *out)
+        if e != r2:
+            raise RuntimeError("planner: split/pack step count changed between passes")
+        e0 = r2
+    if e0 > r1 or e1 > bucket(B):      # the bound is proven and the cap checked; never seen
+        raise RuntimeError("planner: split/pack steps exceeded their bound")
+    S = e0 + e1 - r1
+    if r1 > e0:                 # move the second half down
+        ctypes.memmove(steps.ctypes.data + e0 * row, steps.ctypes.data + r1 * row,
+                       (e1 - r1) * row)
+    steps[S:min(top, bucket(S))] = 0           # the rest is outside the view
+    return cnt, steps[: bucket(S)], nfull, area
+
+
+def _rect_steps_wide(args, bound, cnt, nfull, area):
+    """``_rect_steps`` on PLAN_THREADS threads: the units in chunks of about equal bound, each
+    chunk's rows counted, then each chunk written from its exact offset (both passes in
+    parallel; no estimate, no move)."""
+    edges = _wide_edges(bound)
+    chunks = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+    big = 1 << 62
+    none = np.zeros((1, abi.STEP_COLS), np.int32)
+    counted = _on_threads_wide([(_loops._nb_rects, lo, hi, 0, *args, bound, big, False, none,
+                                 cnt, nfull, area) for lo, hi in chunks])
+    offs = np.zeros(len(chunks) + 1, np.int64)
+    np.cumsum([c for c, _ in counted], out=offs[1:])
+    S = int(offs[-1])
+    steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+    ends = _on_threads_wide([(_loops._nb_rects, lo, hi, int(o), *args, bound, big, True, steps,
+                              cnt, nfull, area) for (lo, hi), o in zip(chunks, offs[:-1])])
+    if [e for e, _ in ends] != offs[1:].tolist():
+        raise RuntimeError("planner: split/pack step count changed between passes")
+    return cnt, steps, nfull, area
+
+
+def _wide_edges(bound: np.ndarray) -> np.ndarray:
+    """Unit indices cutting [0, U) into PLAN_THREADS chunks of about equal bound (the
+    cumulative row bound, length U + 1); empty chunks dropped."""
+    U, B = len(bound) - 1, int(bound[-1])
+    n = PLAN_THREADS
+    return np.unique(np.r_[0, np.searchsorted(bound, np.arange(1, n) * (B / n)), U])
+
+
+def _on_threads_wide(calls):
+    """[fn(*args) for fn, *args in calls], the first on this thread and the rest on the wide
+    pool (the compiled loops release the GIL)."""
+    global _WIDE_POOL
+    if _WIDE_POOL is None or _WIDE_POOL[0] != (os.getpid(), PLAN_THREADS):
+        import concurrent.futures
+        _WIDE_POOL = ((os.getpid(), PLAN_THREADS), concurrent.futures.ThreadPoolExecutor(
+            max(PLAN_THREADS - 1, 1), thread_name_prefix="tessera-plan-wide"))
+    futs = [_WIDE_POOL[1].submit(fn, *a) for fn, *a in calls[1:]]
+    first = calls[0][0](*calls[0][1:])
+    return [first] + [f.result() for f in futs]
+
+
+_WIDE_POOL = None       # ((pid, PLAN_THREADS), executor) of the wide split/pack
+
+
+_SAMPLE_STRIDE = 32     # every this many units of the first half are counted for the estimate
+_EST_MARGIN = 0.02      # relative headroom of the estimate
+_EST_SLACK = 64         # and absolute headroom (rows)
+
+
+def _first_half_rows(args, bound, mid: int) -> int:
+    """An estimate (a little high) of the step rows of units [0, mid): every _SAMPLE_STRIDE-th
+    unit counted, the total scaled by the units' bounds (a ratio estimate)."""
+    idx = np.arange(0, mid, _SAMPLE_STRIDE)
+    ug, uq, uqlo, uqhi = (np.ascontiguousarray(a[idx]) for a in args[5:9])
+    sargs = args[:5] + (ug, uq, uqlo, uqhi) + args[9:]
+    sb = np.zeros(len(idx) + 1, np.int64)
+    np.cumsum(bound[idx + 1] - bound[idx], out=sb[1:])
+    c = np.empty(len(idx), np.int64)
+    z = np.zeros(len(idx), np.int64)
+    n, _ = _loops._nb_rects(0, len(idx), 0, *sargs, sb, 1 << 62, False,
+                            np.zeros((1, abi.STEP_COLS), np.int32), c, z, z)
+    if sb[-1] == 0:
+        return 0
+    return max(int(bound[mid] * (n / sb[-1]) * (1 + _EST_MARGIN)) + _EST_SLACK, 0)
+
+
+def warm_up() -> None:
+    """Compiles (or loads from numba's cache) the planner's compiled loops now, so that the
+    first real plan of the process does not pay for it."""
+    _loops.compile_all()
+    z64 = np.zeros(1, np.int64)
+    flags = np.zeros((1, 1), _U64)
+    flags.setflags(write=False)                     # as a mask's blocks
+    _loops._nb_pack(0, 1, flags, np.empty((1, 1), _U64))
+    _loops._nb_row_index(0, 1, z64, z64, z64, z64 + 1, z64, 8, 8, np.empty((1, 1), np.int32))
+    b = np.array([0, 1, 2])
+    words = _pack(np.ones((1, 2, 2), bool))
+    ctx = _Ctx(b, b, words, 8, 8, 1, 1, 8, 8)
+    _plan_grid(ctx)
+    _plan_pack(ctx)
+    for merge in (False, True):
+        _plan_rowgroups(ctx, merge)
+        _loops._nb_count(0, 1, words, z64, z64, merge, b, b, 8, 3, z64.copy())
+
+
+def _on_worker(fn, *args):
+    """Starts fn(*args) on the planner's worker thread; returns its future."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():     # none yet, or inherited through fork
+        import concurrent.futures
+        _POOL = (os.getpid(),
+                 concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tessera-plan"))
+    return _POOL[1].submit(fn, *args)
+
+
+def _run_split(fn, n, work, *args):
+    """fn(lo, hi, *args) over [0, n): in two halves on two threads when PLAN_THREADS >= 2 and
+    the work (a size, for equal items) is large enough to pay for the hand-off."""
+    if PLAN_THREADS < 2 or n < 2 or work < _PAR_MIN_ROWS:
+        fn(0, n, *args)
+        return
+    fut = _on_worker(fn, n // 2, n, *args)
+    fn(0, n // 2, *args)
+    fut.result()
+
+
+# keep/merge: equal consecutive units share their step rows. A switch for A/B measurements
+# (benchmarks/request_path.py); it is not part of the plan cache's key, so clear the cache
+# (``_build_cached.cache_clear()``) after changing it.
+SHARE_STEP_LISTS = True
+
+
+def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
+    """keep / merge: one row group per unit, the group's K/V tiles anchored at interval starts
+    (compiled; ``.unshared()`` of the result equals ``plan_oracle._plan_rowgroups_numpy``'s).
+    ``share`` (default SHARE_STEP_LISTS): the interior units of a tall row group (same group,
+    same rows) point at one copy of their step rows, so an all-selected mask stores one list
+    per unit height instead of one per unit: a smaller plan to build and to copy to the GPU."""
+    share = SHARE_STEP_LISTS if share is None else bool(share)
+    _loops.compile_all()
+    tq, tk, al = ctx.tile_q, ctx.tile_kv, ctx.kv_align
+    words = ctx.words
+    gh, gi, ge, pc = _loops._nb_groups(words, merge)
+    if len(gh) == 0:
+        return _empty_raw()
+    kb = np.array(ctx.kb, np.int64)                # writable: one compiled specialisation
+    ka = kb - kb % al                               # aligned start of each key block
+    ltk = tk.bit_length() - 1 if tk & (tk - 1) == 0 else -1
+    lim = ctx.kvp - tk                              # a tile starting past lim is shifted
+    ug, qs, qlo, qhi = _loops._nb_units(np.array(ctx.qb, np.int64), gi, ge, tq, ctx.q_align, ctx.qp)
+    U = len(ug)
+    ugh, ugi = gh[ug], gi[ug]
+    cmax = int(((kb[1:] - ka[:-1] + tk - 1) // tk).max())
+    bound = np.zeros(U + 1, np.int64)              # cumulative bound on step rows
+    np.cumsum(pc[ug] * cmax, out=bound[1:])
+    cnt = np.empty(U, np.int64)
+    upart = np.empty(U, np.int64)
+    ukeys = np.empty(U, np.int64)
+    ptr = np.empty(U, np.int64)
+    B = int(bound[-1])
+    common = (words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim)
+    if _wide(U, B):
+        steps, S, ptr = _rowgroups_wide(common, bound, cnt, upart, ukeys, share)
+        nfull = np.where((qlo == 0) & (qhi == tq), cnt - upart, 0)
+        raw = _Raw(ugh, qs, qlo, qhi, cnt, steps, nfull, (qhi - qlo) * ukeys)
+        if share:
+            raw.ptr, raw.stored = ptr, S
+        return raw
+    two = PLAN_THREADS >= 2 and U >= 2 and B >= _PAR_MIN_ROWS
+    mid = min(max(int(np.searchsorted(bound, B // 2)), 1), U - 1) if two else U
+    if bucket(B) * abi.STEP_COLS * 4 <= _MAX_BOUND_BYTES:
+        steps = np.zeros((bucket(B), abi.STEP_COLS), np.int32)
+        r1 = int(bound[mid])
+        out = (steps, cnt, upart, ukeys, ptr, share)
+        fut = _on_worker(_loops._nb_fill, mid, U, r1, *common, *out) if two else None
+        e0 = _loops._nb_fill(0, mid, 0, *common, *out)
+        S = e0
+        if fut is not None:
+            e1 = fut.result()
+            S = e0 + e1 - r1
+            if r1 > e0:                         # move the second half down, zero the rest
+                row = steps.strides[0]
+                ctypes.memmove(steps.ctypes.data + e0 * row, steps.ctypes.data + r1 * row,
+                               (e1 - r1) * row)
+                steps[S:min(e1, bucket(S))] = 0        # the rest is outside the view
+                ptr[mid:] -= r1 - e0
+        steps = steps[: bucket(S)]     # a view; the OS never backs the bound's untouched rows
+    else:
+        cargs = (words, ugh, ugi, merge, kb, ka, tk, ltk, cnt)
+        fut = _on_worker(_loops._nb_count, mid, U, *cargs) if two else None
+        _loops._nb_count(0, mid, *cargs)
+        if fut is not None:
+            fut.result()
+        S = int(cnt.sum())
+        r1 = int(cnt[:mid].sum())
+        steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+        share = False           # the halves are placed by exact counts: no rows left out
+        out = (steps, cnt, upart, ukeys, ptr, share)
+        fut = _on_worker(_loops._nb_fill, mid, U, r1, *common, *out) if two else None
+        _loops._nb_fill(0, mid, 0, *common, *out)
+        if fut is not None:
+            fut.result()
+    nfull = np.where((qlo == 0) & (qhi == tq), cnt - upart, 0)
+    raw = _Raw(ugh, qs, qlo, qhi, cnt, steps, nfull, (qhi - qlo) * ukeys)
+    if share:
+        raw.ptr, raw.stored = ptr, S
+    return raw
+
+
+def _rowgroups_wide(common, bound, cnt, upart, ukeys, share: bool):
+    """keep/merge's step rows on PLAN_THREADS threads: the units in chunks of about equal
+    bound, each unit's steps counted, then each chunk written from its exact offset (both passes
+    in parallel). A chunk's first unit never shares the rows of the unit before it (``_nb_fill``
+    shares only inside [lo, hi)), so the rows a chunk stores are known before writing.
+    Returns (steps, stored rows, ptr)."""
+    words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim = common
+    U = len(cnt)
+    edges = _wide_edges(bound)
+    chunks = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+    _on_threads_wide([(_loops._nb_count, lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, cnt)
+                      for lo, hi in chunks])
+    stored = cnt.copy()
+    if share and U > 1:         # the rows of a unit equal to the one before are not stored
+        same = ((ugh[1:] == ugh[:-1]) & (ugi[1:] == ugi[:-1]) & (qlo[1:] == qlo[:-1])
+                & (qhi[1:] == qhi[:-1]))
+        same[edges[1:-1] - 1] = False                  # chunk starts store their rows
+        stored[1:][same] = 0
+    offs = np.zeros(len(chunks) + 1, np.int64)
+    np.cumsum([int(stored[lo:hi].sum()) for lo, hi in chunks], out=offs[1:])
+    S = int(offs[-1])
+    steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+    ptr = np.empty(U, np.int64)
+    ends = _on_threads_wide([(_loops._nb_fill, lo, hi, int(o), *common, steps, cnt, upart, ukeys,
+                              ptr, share) for (lo, hi), o in zip(chunks, offs[:-1])])
+    if list(ends) != offs[1:].tolist():
+        raise RuntimeError("planner: keep/merge step count changed between passes")
+    return steps, S, ptr
+
+
+def _empty_raw() -> _Raw:
+    z = np.zeros(0, np.int64)
+    return _Raw(z, z, z, z, z, np.zeros((1, abi.STEP_COLS), np.int32), z, z)
+
+
+def _plan_grid(ctx: _Ctx) -> _Raw:
+    """split: units are the query grid cells, K/V tiles the key grid cells (compiled steps:
+    a counting pass, then the rows; the arrays equal ``plan_oracle._plan_grid_numpy``'s)."""
+    tq = ctx.tile_q
+    nonempty = ctx.words.any(axis=-1)                          # [Hm, nq]
+    own_q, cell, plo, phi = _chunk(ctx.qb[:-1], ctx.qb[1:], tq, tq, ctx.qp)
+    gh, gp = np.nonzero(nonempty[:, own_q])
+    if len(gh) == 0:
+        return _empty_raw()
+    gcell, gi = cell[gp], own_q[gp]
+    r0, r1 = gcell + plo[gp], gcell + phi[gp]
+    new = np.r_[True, (gh[1:] != gh[:-1]) | (gcell[1:] != gcell[:-1])]
+    ustart = np.flatnonzero(new)
+    ugroups = np.stack([ustart, np.append(ustart[1:], len(gh))], axis=1)
+    uq = gcell[ustart]
+    z = np.zeros(len(uq), np.int64)
+    cnt, steps, nfull, area = _rect_steps(ctx, gh, gi, r0, r1, ugroups, uq, z, z + tq,
+                                          grid=True)
+    lo = np.minimum.reduceat(r0, ustart) - uq
+    hi = np.maximum.reduceat(r1, ustart) - uq
+    return _Raw(gh[ustart], uq, lo, hi, cnt, steps, nfull, area)
+
+
+def _plan_pack(ctx: _Ctx) -> _Raw:
+    """pack: consecutive row groups share one unit while they fit in tile_q rows; each unit's
+    K/V tiles are anchored at the runs of the union of its groups' key sets (compiled steps;
+    the arrays
+    equal ``plan_oracle._plan_pack_numpy``'s)."""
+    _loops.compile_all()
+    gh, gi, ge, _ = _loops._nb_groups(ctx.words, True)
+    if len(gh) == 0:
+        return _empty_raw()
+    qb = np.array(ctx.qb, np.int64)
+    r0, r1 = qb[gi], qb[ge]
+    ugroups = _loops._nb_pack_units(gh, r0, r1, ctx.tile_q, ctx.q_align)
+    # Units: each packed unit's rows in tiles of tile_q (several only for one tall group).
+    cu, qs, qlo, qhi = _loops._nb_units(qb, gi[ugroups[:, 0]], ge[ugroups[:, 1] - 1],
+                                        ctx.tile_q, ctx.q_align, ctx.qp)
+    ustart = ugroups[:, 0]
+    ugroups = ugroups[cu]
+    cnt, steps, nfull, area = _rect_steps(ctx, gh, gi, r0, r1, ugroups, qs, qlo, qhi,
+                                          grid=False)
+    has = cnt > 0
+    return _Raw(gh[ustart[cu]][has], qs[has], qlo[has], qhi[has], cnt[has], steps, nfull[has],
+                area[has])
+
+
+def _raw_costs(raw: _Raw, ctx: _Ctx, shape: AttnShape, model) -> np.ndarray:
+    return _sched.unit_costs(raw.cnt, raw.cnt - raw.nfull, tile_q=ctx.tile_q,
+                             tile_kv=ctx.tile_kv, head_dim=shape.head_dim,
+                             itemsize=np.dtype(shape.dtype).itemsize, model=model)
+
+
+def _plan_policy(ctx: _Ctx, policy: str, share: bool | None = None) -> _Raw:
+    if policy == "split":
+        return _plan_grid(ctx)
+    if policy == "pack":
+        return _plan_pack(ctx)
+    return _plan_rowgroups(ctx, merge=(policy == "merge"), share=share)
+
+
+def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_kv: int,
+               policy: str = "merge", q_align: int = 1, kv_align: int = 1,
+               template: str | None = None,
+               cost_model: _sched.CostModel | None = None,
+               unit_order: str | None = None) -> Plan:
+    """Plans ``mask`` for q [B, Lq, Hq, D] / k, v [B, Lkv, Hkv, D] with the given tile shape.
+
+    ``unit_order`` ("interleaved" or "head_major", see ``schedule.order_units``) defaults to the
+    registered template's ``unit_order`` option, else "interleaved".
+    """
+    shape = check_shapes(q_shape, kv_shape, dtype)
+    if not isinstance(mask, BlockMask):
+        raise TypeError(f"mask must be a BlockMask, got {type(mask).__name__}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    for name, val in (("tile_q", tile_q), ("tile_kv", tile_kv), ("q_align", q_align),
+                      ("kv_align", kv_align)):
+        if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    abi.check_tiles(tile_q, tile_kv)
+    if tile_q % q_align:
+        raise ValueError(f"tile_q={tile_q} must be a multiple of q_align={q_align}")
+    if tile_kv % kv_align:
+        raise ValueError(f"tile_kv={tile_kv} must be a multiple of kv_align={kv_align}")
+    if cost_model is None:
+        cost_model = _sched.DEFAULT_COST_MODEL
+    elif not isinstance(cost_model, _sched.CostModel):
+        raise TypeError(f"cost_model must be a schedule.CostModel, got "
+                        f"{type(cost_model).__name__}")
+    template = template or f"xla_{tile_q}x{tile_kv}"
+    if unit_order is None:
+        unit_order = _template_unit_order(template)
+    if unit_order not in _sched.UNIT_ORDERS:
+        raise ValueError(f"unit_order must be one of {_sched.UNIT_ORDERS}, got {unit_order!r}")
+    return _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, template,
+                         cost_model, unit_order)
+
+
+def _template_unit_order(name: str) -> str:
+    """The ``unit_order`` option of the registered template ``name`` ("interleaved" if none)."""
+    from pallas_kernels import templates
+    try:
+        t = templates.get(name)
+    except ValueError:
+        return "interleaved"
+    return t.option("unit_order", "interleaved")
+
+
+def _dedupe_heads(words: np.ndarray):
+    """(distinct head words, map head -> distinct index): heads with identical masks share
+    their units' steps (a shared mask is the case of a single head)."""
+    Hm = words.shape[0]
+    if Hm == 1:
+        return words, np.zeros(1, np.int64)
+    flat = words.reshape(Hm, -1)
+    sample = flat[:, :: max(1, flat.shape[1] // 256)]     # a cheap key; checked exactly below
+    fp = [row.tobytes() for row in sample]
+    rep: dict = {}
+    hmap = np.empty(Hm, np.int64)
+    distinct: list[int] = []
+    for h in range(Hm):
+        for k in rep.get(fp[h], ()):
+            if np.array_equal(flat[distinct[k]], flat[h]):
+                hmap[h] = k
+                break
+        else:
+            rep.setdefault(fp[h], []).append(len(distinct))
+            hmap[h] = len(distinct)
+            distinct.append(h)
+    if len(distinct) == Hm:
+        return words, np.arange(Hm)
+    return words[distinct], hmap
+
+
+@functools.lru_cache(maxsize=32)
+def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, template,
+                  cost_model, unit_order="interleaved") -> Plan:
+    from tessera_jax.validation import check_mask
+    check_mask(mask, shape)
+    Hq = shape.num_q_heads
+    group = Hq // shape.num_kv_heads
+    qp = _round_up(max(shape.q_len, tile_q), q_align)
+    kvp = _round_up(max(shape.kv_len, tile_kv), kv_align)
+    words, hmap = _dedupe_heads(_pack(mask.blocks))
+    ctx = _Ctx(mask.q_bounds, mask.kv_bounds, words, tile_q, tile_kv, q_align, kv_align,
+               qp, kvp)
+    Hd = words.shape[0]
+
+    if policy == "auto":
+        # Unshared rows: the heads' policies are mixed by selecting rows in unit order.
+        raws = [_plan_policy(ctx, p, share=False) for p in _AUTO_CANDIDATES]
+        costs = [_raw_costs(r, ctx, shape, cost_model) for r in raws]
+        per_head = np.stack([np.bincount(r.head, weights=c, minlength=Hd)
+                             for r, c in zip(raws, costs)])
+        choice = np.argmin(per_head, axis=0)            # ties -> the earlier policy
+        raw = _Raw.concat([r.select_heads(choice == k) for k, r in enumerate(raws)])
+        head_policies = tuple(_AUTO_CANDIDATES[choice[k]] for k in hmap)
+    else:
+        raw = _plan_policy(ctx, policy)
+        head_policies = (policy,) * mask.num_heads
+    first = raw.first
+    cost = _raw_costs(raw, ctx, shape, cost_model)
+    # Selected interactions per unit, from its rectangles (each is computed exactly once).
+    per_unit = [raw.head, raw.qs, raw.lo, raw.hi, raw.cnt, first, cost, raw.area]
+    if policy == "auto":                  # units of a distinct head must be contiguous
+        srt = np.argsort(raw.head, kind="stable")
+        per_unit = [x[srt] for x in per_unit]
+    rh = per_unit[0]
+
+    # Expand distinct heads to query heads (units of equal heads share their steps).
+    qmap = np.zeros(Hq, np.int64) if mask.num_heads == 1 else hmap
+    n_d = np.bincount(rh, minlength=Hd)
+    start_d = np.cumsum(n_d) - n_d
+    n_q = n_d[qmap]
+    take = np.repeat(start_d[qmap] - (np.cumsum(n_q) - n_q), n_q) + np.arange(int(n_q.sum()))
+    uh = np.repeat(np.arange(Hq), n_q)
+    qs, lo, hi, cnt, first, cost, uarea = (x[take] for x in per_unit[1:])
+    selected = int(uarea.sum())
+
+    order = _sched.order_units(cost, qs, uh // group, uh, unit_order)
+    uh, qs, lo, hi, cnt, first, cost = (x[order] for x in (uh, qs, lo, hi, cnt, first, cost))
+    U, S = len(uh), raw.num_steps
+    U_cap = bucket(U)
+    M = bucket(int(cnt.max()) if U else 0)
+
+    units = np.zeros((U_cap, abi.UNIT_COLS), np.int32)
+    for col, x in ((abi.UNIT_HEAD, uh), (abi.UNIT_Q_START, qs), (abi.UNIT_OWN_LO, lo),
+                   (abi.UNIT_OWN_HI, hi), (abi.UNIT_STEP_PTR, first), (abi.UNIT_STEP_CNT, cnt)):
+        units[:U, col] = x
+    steps = raw.steps                   # padded to bucket(S) by the policy
+
+    for a in (units, steps, cost):
+        a.setflags(write=False)
+    return Plan(template=template, policy=policy, tile_q=tile_q, tile_kv=tile_kv, shape=shape,
+                q_len_padded=qp, kv_len_padded=kvp, units=units, steps=steps,
+                num_units=U, num_steps=S, max_steps=M,
+                mask_digest=mask.digest, selected_interactions=selected,
+                mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model,
+                unit_order=unit_order,
+                maybe_all_full=bool(int(raw.nfull.sum()) >= int(raw.cnt.sum())))
+
+
+def _row_index(uh, qs, lo, hi, order, Hq, Lq, tile_q, sentinel):
+    """row_index [Hq, Lq]: u * tile_q + r for the row r of unit u that owns it, else sentinel.
+
+    uh, qs, lo, hi: the units before scheduling, ``order`` the schedule (unit u is
+    ``order[u]`` of these). Written head by head in row order (compiled, the query heads split
+    over PLAN_THREADS threads); units arrive in (head, row) order, else are sorted first.
+    """
+    _loops.compile_all()
+    U = len(uh)
+    uidx = np.empty(U, np.int64)
+    uidx[order] = np.arange(U)
+    f0 = uh * Lq + qs + lo
+    if U and not np.all(f0[1:] > f0[:-1]):
+        srt = np.argsort(f0, kind="stable")
+        uh, qs, lo, hi, uidx = uh[srt], qs[srt], lo[srt], hi[srt], uidx[srt]
+    out = np.empty((Hq, Lq), np.int32)
+    _run_split(_loops._nb_row_index, Hq, Hq * Lq, uh, qs, lo, hi, uidx, tile_q, sentinel, out)
+    return out
+
+
+def _tile_rects(plan: Plan) -> dict:
+    u = plan.units[: plan.num_units].astype(np.int64)
+    cnt = u[:, abi.UNIT_STEP_CNT]
+    T = int(cnt.sum())
+    unit = np.repeat(np.arange(plan.num_units), cnt)
+    step = np.repeat(u[:, abi.UNIT_STEP_PTR] - (np.cumsum(cnt) - cnt), cnt) + np.arange(T)
+    st = plan.steps[step]
+    q0 = u[unit, abi.UNIT_Q_START]
+    k0 = st[:, abi.STEP_KV_START].astype(np.int64)
+    q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(st[:, abi.STEP_RECT].astype(np.int64))
+    return {"unit": unit, "step": step, "head": u[unit, abi.UNIT_HEAD],
+            "q0": q0, "q1": q0 + plan.tile_q, "k0": k0, "k1": k0 + plan.tile_kv,
+            "r0": q0 + q_lo, "r1": q0 + q_hi, "c0": k0 + kv_lo, "c1": k0 + kv_hi}
+
+
+def tile_kinds(plan: Plan, rects: dict | None = None) -> np.ndarray:
+    """Kind of each computed tile (as in ``tile_rects``): 0 kept, 1 merged, 2 split."""
+    t = rects if rects is not None else _tile_rects(plan)
+    qb, kb = plan.mask.q_bounds, plan.mask.kv_bounds
+
+    def span(b, a0, a1):
+        f = np.searchsorted(b, a0, side="right") - 1
+        l = np.searchsorted(b, a1 - 1, side="right") - 1
+        return (b[f] < a0) | (b[l + 1] > a1), l > f
+
+    cut_q, many_q = span(qb, t["r0"], t["r1"])
+    cut_k, many_k = span(kb, t["c0"], t["c1"])
+    kind = np.where(many_q | many_k, 1, 0)
+    return np.where(cut_q | cut_k, 2, kind).astype(np.int8)
+
+
+def _stats(plan: Plan) -> dict:
+    U = plan.num_units
+    cnt = plan.step_counts().astype(np.int64)
+    tiles = int(cnt.sum())
+    computed = tiles * plan.tile_q * plan.tile_kv
+    sel = plan.selected_interactions
+    itemsize = np.dtype(plan.shape.dtype).itemsize
+    if plan.mask is not None:
+        rects = _tile_rects(plan)
+        kinds = np.bincount(tile_kinds(plan, rects), minlength=3)
+        full = ((rects["r0"] == rects["q0"]) & (rects["r1"] == rects["q1"])
+                & (rects["c0"] == rects["k0"]) & (rects["c1"] == rects["k1"]))
+        nfull = int(full.sum())
+    else:  # pragma: no cover - plans are always built with their mask
+        kinds, nfull = np.zeros(3, np.int64), 0
+    cost = plan.unit_cost if plan.unit_cost is not None else np.zeros(U)
+    nsm = plan.cost_model.num_sms
+    hp = {p: plan.head_policies.count(p) for p in _BASE_POLICIES}
+    return {
+        "template": plan.template,
+        "policy": plan.policy,
+        "head_policies": hp,
+        "tile_q": plan.tile_q,
+        "tile_kv": plan.tile_kv,
+        "units": U,
+        "tiles": tiles,
+        "full_tiles": nfull,
+        "partial_tiles": tiles - nfull,
+        "selected_interactions": int(sel),
+        "computed_interactions": int(computed),
+        "waste_fraction": float(1.0 - sel / computed) if computed else 0.0,
+        "kv_bytes": int(tiles * 2 * plan.tile_kv * plan.shape.head_dim * itemsize),
+        "kept": int(kinds[0]),
+        "merged": int(kinds[1]),
+        "split": int(kinds[2]),
+        "max_unit_cost": float(cost.max()) if U else 0.0,
+        "est_time_us": _sched.makespan(cost, nsm) / 1e3,
+        "balance": _sched.balance(cost, nsm),
+        "capacities": plan.capacities,
+        "unit_order": plan.unit_order,
+    }

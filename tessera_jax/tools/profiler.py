@@ -1,0 +1,593 @@
+"""Offline profiler: times every candidate plan on the training masks and fits the ranking table.
+
+    python -m tessera_jax.tools.profiler --gpu h200 --out plan_tables/h200.json \\
+        [--raw DIR] [--max-masks N] [--heads K] [--families sta vsa ...] [--time-budget S]
+    python -m tessera_jax.tools.profiler --gpu h200 --out plan_tables/h200.json --fit-only
+    python -m tessera_jax.tools.profiler --tiny --out /tmp/cpu.json      # CPU smoke run, XLA templates
+
+Masks come from the corpus TRAIN split only (``tessera_jax.masks.corpus("train")``; the test
+split is never read here). With ``--max-masks N`` each family contributes its first
+ceil(N / families) specs in spec-id order (ids are SHA-256 prefixes: a fixed pseudo-random
+sample), measured round-robin over families so that a run cut short stays balanced; ``--heads K`` profiles the first K heads of each mask
+(``masks.build(spec, heads=K)``; shared masks stay shared and are broadcast to the call's K
+query heads). The
+sampling is written into the table's provenance.
+
+Candidates are (template x policy): every template of the GPU backend ``sparse_attention``
+resolves to here (``mosaic_gpu`` on Hopper, else ``triton``; ``--backends mosaic_gpu triton``
+adds the other: ``select`` ranks within the backend of the call, so Triton candidates only
+matter to calls that ask for that backend) x ``--policies`` (default keep, merge, split, auto);
+on CPU (``--tiny``) the given XLA templates. Each (mask, candidate) is planned with ``tessera_jax.plan``
+(what ``sparse_attention`` runs), its ABI arrays padded to power-of-two capacities (so masks
+of one grid share compiled executables: compiling per mask would cost more GPU time than the
+timing itself; padding units select nothing and return at once), run on random inputs (B=1,
+bf16, head_dim 128 by default), warmed up, and timed ``--iters`` (20) times: CUPTI kernel time on
+GPU when available (``jax.experimental.mosaic.gpu.profiler``), else wall clock around
+``block_until_ready``; the median is kept.
+
+Raw timings go to ``<raw>/<gpu>.jsonl`` (one JSON object per line: ``"kind": "mask"`` records
+with features and spec, ``"kind": "time"`` records per (mask, candidate)), appended as they are
+measured; a rerun skips the (mask, candidate) pairs already there (``--retry-errors``: except
+failed ones), so the profile can be spread over several shorter GPU runs. A run stops after
+``MAX_ERROR_STREAK`` failures in a row (a broken device would otherwise fail every pair). At
+the end (or with ``--fit-only``) the ranking is fitted on every mask whose candidates were all
+attempted (``selection.fit_table``) and written to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import hashlib
+import json
+import math
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
+
+from tessera_jax.select import features as _features
+from tessera_jax.select import ranking as _selection
+
+# keep is left out: merge never has more units or steps than keep (tests/test_planner.py).
+DEFAULT_POLICIES = ("merge", "split", "pack", "auto")
+TINY_TEMPLATES = ("xla_64x64", "xla_128x128")
+#: Consecutive failed timings after which a run stops (a broken device fails everything).
+MAX_ERROR_STREAK = 8
+
+#: Tiny masks for CPU runs and tests (not corpus masks): 240-token grid, 2 heads.
+TINY_SPECS = (
+    {"id": "tiny-sta", "family": "sta", "grid": "tiny", "heads": 2, "seed": 0, "step": 0,
+     "text": 0, "params": {"tile": [2, 3, 4], "window": [1, 3, 1]}, "split": "train"},
+    {"id": "tiny-vsa", "family": "vsa", "grid": "tiny", "heads": 2, "seed": 1, "step": 0,
+     "text": 0, "params": {"sparsity": 0.5, "cube": [2, 2, 2]}, "split": "train"},
+    {"id": "tiny-ditfa", "family": "ditfastattn", "grid": "tiny", "heads": 2, "seed": 0,
+     "step": 0, "text": 0, "params": {"window_frac": 0.25, "block": 32}, "split": "test"},
+    {"id": "tiny-natten", "family": "natten", "grid": "tiny", "heads": 2, "seed": 0, "step": 0,
+     "text": 0, "params": {"window": [3, 3, 3], "stride": "tile", "tile": [2, 2, 4]},
+     "split": "test"},
+)
+
+
+def log(msg: str) -> None:
+    print(f"[profile {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- masks ----------------------------------------------------------------------------------
+def spec_group(spec: dict) -> str:
+    """A short label shared by the steps of one drifting sequence (never split apart)."""
+    from tessera_jax.masks import group_key
+    return hashlib.sha256(group_key(spec).encode()).hexdigest()[:12]
+
+
+def select_specs(split: str, *, tiny: bool = False, families=None, max_masks=None):
+    """(specs, sampling): the split's specs, sampled per family, and a description of how."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if tiny:
+        pool = [dict(s) for s in TINY_SPECS if s["split"] == split]
+        source = "tiny CPU specs (profile.TINY_SPECS), not the corpus"
+    else:
+        from tessera_jax.masks import corpus
+        pool = corpus(split)
+        source = f"tessera_jax.masks.corpus({split!r})"
+    if families:
+        unknown = sorted(set(families) - {s["family"] for s in pool})
+        if unknown and not tiny:
+            raise ValueError(f"families {unknown} have no {split} specs")
+        pool = [s for s in pool if s["family"] in set(families)]
+    by_fam: dict[str, list] = {}
+    for s in sorted(pool, key=lambda s: s["id"]):
+        by_fam.setdefault(s["family"], []).append(s)
+    quota = None
+    if max_masks is not None:
+        if max_masks < 1:
+            raise ValueError(f"max_masks must be >= 1, got {max_masks}")
+        quota = math.ceil(max_masks / max(len(by_fam), 1))
+    takes, per_family = {}, {}
+    for fam in sorted(by_fam):
+        takes[fam] = by_fam[fam] if quota is None else by_fam[fam][:quota]
+        per_family[fam] = {"sampled": len(takes[fam]), "available": len(by_fam[fam])}
+    # Round-robin over families, so that a run cut short by its time budget is balanced.
+    chosen = [t[i] for i in range(max((len(t) for t in takes.values()), default=0))
+              for t in takes.values() if i < len(t)]
+    sampling = {
+        "source": source, "split": split, "max_masks": max_masks,
+        "rule": ("all specs" if quota is None else
+                 f"per family, the first {quota} specs in spec-id (SHA-256) order")
+                + "; measured round-robin over families",
+        "per_family": per_family, "masks": len(chosen),
+    }
+    return chosen, sampling
+
+
+def build_mask(spec: dict, heads: int | None):
+    from tessera_jax.masks import build
+    h = None if heads is None else min(int(heads), int(spec["heads"]))
+    return build(spec, heads=h)
+
+
+# --- candidates -------------------------------------------------------------------------------
+def candidate_list(backends_=None, templates=None, policies=DEFAULT_POLICIES):
+    """[(template, policy)]: the given templates, or every template of the given backends."""
+    from tessera_jax.runtime import dispatch as backends
+    from tessera_jax.planning.planner import POLICIES
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {p!r}")
+    if templates:
+        names = [backends.get_template(t).name for t in templates]
+    else:
+        names = [t.name for b in backends_ for t in backends.templates(b)]
+    if not names:
+        raise ValueError("no templates to profile (no GPU backend here? use --tiny on CPU)")
+    return [(t, p) for t in names for p in policies]
+
+
+def parse_candidates(items) -> list[tuple[str, str]]:
+    """["template/policy", ...] -> [(template, policy)], checked against the registries."""
+    from tessera_jax.runtime import dispatch as backends
+    from tessera_jax.planning.planner import POLICIES
+    out = []
+    for it in items:
+        template, sep, policy = str(it).partition("/")
+        if not sep or not template or not policy:
+            raise ValueError(f"candidates: expected TEMPLATE/POLICY, got {it!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"candidates: policy must be one of {POLICIES}, got {policy!r}")
+        c = (backends.get_template(template).name, policy)
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def cand_key(template: str, policy: str) -> str:
+    return f"{template}/{policy}"
+
+
+# --- timing -----------------------------------------------------------------------------------
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def padded_arrays(plan):
+    """The plan's ABI arrays with capacities rounded up to powers of two (row sentinel moved)."""
+    U, S = plan.units.shape[0], plan.steps.shape[0]
+    U2, S2 = _pow2(U), _pow2(S)
+    units = np.zeros((U2, plan.units.shape[1]), np.int32)
+    units[:U] = plan.units
+    steps = np.zeros((S2, plan.steps.shape[1]), np.int32)
+    steps[:S] = plan.steps
+    ri = np.where(plan.row_index == U * plan.tile_q, U2 * plan.tile_q, plan.row_index)
+    return units, steps, ri.astype(np.int32), _pow2(plan.max_steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _executor(template, tile_q, tile_kv, qp, kvp, max_steps, scale):
+    """A jitted call of the template's backend taking the plan arrays as operands."""
+    import jax
+
+    from tessera_jax.runtime import dispatch as backends
+
+    def run(q, k, v, units, steps, row_index):
+        p = types.SimpleNamespace(template=template, units=units, steps=steps,
+                                  row_index=row_index, tile_q=tile_q, tile_kv=tile_kv,
+                                  q_len_padded=qp, kv_len_padded=kvp, max_steps=max_steps)
+        return backends.run(p, q, k, v, scale, False)
+    return jax.jit(run)
+
+
+_CUPTI = {"ok": None}
+
+
+def time_fn(fn, args, *, warmup: int, iters: int):
+    """(median ms, samples, timer): CUPTI kernel time on GPU when it works, else wall clock."""
+    import jax
+    for _ in range(max(warmup, 1)):
+        jax.block_until_ready(fn(*args))
+    if jax.default_backend() == "gpu" and _CUPTI["ok"] is not False:
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+            _, ts = profiler.measure(fn, iterations=iters)(*args)
+            samples = [float(t) for t in (ts if isinstance(ts, (list, tuple)) else [ts])]
+            _CUPTI["ok"] = True
+            return float(np.median(samples)), samples, "cupti"
+        except Exception as e:  # noqa: BLE001 - fall back to wall clock, say so once
+            log(f"CUPTI timing unavailable ({type(e).__name__}: {str(e)[:120]}); wall clock")
+            _CUPTI["ok"] = False
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(samples)), samples, "wall"
+
+
+class Inputs:
+    """Random q, k, v (never zeros) for one call shape, reused across candidates."""
+
+    def __init__(self, dtype, head_dim, seed=0):
+        self.dtype, self.head_dim, self.seed = dtype, head_dim, seed
+        self._key, self._val = None, None
+
+    def get(self, Lq, Lkv, Hq):
+        import jax
+        key = (Lq, Lkv, Hq)
+        if key != self._key:
+            self._val = None
+            k1, k2, k3 = jax.random.split(jax.random.PRNGKey(self.seed), 3)
+            D = self.head_dim
+            self._val = tuple(jax.random.normal(kk, (1, L, Hq, D), self.dtype)
+                              for kk, L in ((k1, Lq), (k2, Lkv), (k3, Lkv)))
+            self._key = key
+        return self._val
+
+
+def time_candidate(mask, template: str, policy: str, inputs: Inputs, *, warmup: int,
+                   iters: int, num_heads: int | None = None) -> dict:
+    """Plans and times one candidate on one mask (``num_heads`` query heads, default the
+    mask's); a dict for the raw file."""
+    import jax
+
+    from tessera_jax.runtime.api import plan as make_plan
+    q, k, v = inputs.get(mask.Lq, mask.Lkv, num_heads or mask.num_heads)
+    t0 = time.perf_counter()
+    p = make_plan(mask, q.shape, k.shape, q.dtype, template=template, policy=policy)
+    plan_ms = (time.perf_counter() - t0) * 1e3
+    units, steps, ri, ms_cap = padded_arrays(p)
+    fn = _executor(p.template, p.tile_q, p.tile_kv, p.q_len_padded, p.kv_len_padded, ms_cap,
+                   float(q.shape[-1]) ** -0.5)
+    args = (q, k, v) + tuple(jax.device_put(a) for a in (units, steps, ri))
+    t1 = time.perf_counter()
+    ms, samples, timer = time_fn(fn, args, warmup=warmup, iters=iters)
+    st = p.stats()
+    return {"ms": ms, "samples": [round(x, 5) for x in samples], "timer": timer,
+            "plan_ms": round(plan_ms, 3), "wall_s": round(time.perf_counter() - t1, 3),
+            "plan": {key: st[key] for key in ("units", "tiles", "partial_tiles", "waste_fraction",
+                                              "est_time_us")},
+            "capacities": [int(units.shape[0]), int(steps.shape[0]), int(ms_cap)]}
+
+
+def call_heads(spec: dict, heads: int | None) -> int:
+    """Query heads of the profiled call: the first ``heads`` of the spec's (all if None); a
+    shared mask is broadcast to them."""
+    return int(spec["heads"]) if heads is None else min(int(heads), int(spec["heads"]))
+
+
+def call_shape(mask, dtype, head_dim, num_heads: int | None = None):
+    from tessera_jax.validation import check_shapes
+    H = num_heads or mask.num_heads
+    return check_shapes((1, mask.Lq, H, head_dim), (1, mask.Lkv, H, head_dim), dtype)
+
+
+# --- raw file ---------------------------------------------------------------------------------
+def read_raw(path) -> tuple[dict, dict]:
+    """(mask records by id, time records by (id, candidate key)); unreadable lines skipped."""
+    masks, times = {}, {}
+    p = pathlib.Path(path)
+    if not p.is_file():
+        return masks, times
+    with open(p) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue            # a line cut by a killed run: measured again on resume
+            if r.get("kind") == "mask":
+                masks[r["id"]] = r
+            elif r.get("kind") == "time":
+                times[(r["id"], r["candidate"])] = r
+    return masks, times
+
+
+def _append(path, rec):
+    with open(path, "a") as f:
+        f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        f.flush()
+
+
+# --- environment / provenance -----------------------------------------------------------------
+def device_info(gpu: str | None) -> dict:
+    import jax
+    d = jax.devices()[0]
+    kind = str(getattr(d, "device_kind", d.platform))
+    cc = getattr(d, "compute_capability", None)
+    name = gpu or (_selection.gpu_name(kind) if d.platform != "cpu" else "cpu")
+    return {"name": name, "device_kind": kind, "platform": d.platform,
+            "compute_capability": None if cc is None else str(cc),
+            "arch": _selection.gpu_arch(name, cc)}
+
+
+def versions() -> dict:
+    import jax
+    import jaxlib
+    out = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "numpy": np.__version__,
+           "python": platform.python_version()}
+    try:
+        from tessera_jax import __version__
+        out["tessera_jax"] = __version__
+    except ImportError:  # pragma: no cover
+        pass
+    out["git"] = code_revision(pathlib.Path(__file__).resolve().parent.parent)
+    return out
+
+
+def code_revision(root: pathlib.Path) -> str | None:
+    """The commit of the code under ``root``: git's HEAD when ``root`` is the top of a git
+    checkout; else the ``.snap_rev`` file a `git archive` snapshot carries (the device runs: a
+    git lookup from a snapshot inside another checkout finds that checkout's HEAD); else None."""
+    root = pathlib.Path(root).resolve()
+    try:
+        r = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                           capture_output=True, text=True, timeout=5, cwd=root)
+        lines = r.stdout.split()
+        if r.returncode == 0 and len(lines) == 2 and pathlib.Path(lines[0]).resolve() == root:
+            return lines[1]
+    except Exception:  # noqa: BLE001
+        pass
+    snap = root / ".snap_rev"
+    return snap.read_text().strip() if snap.is_file() else None
+
+
+def corpus_digest(tiny: bool) -> str:
+    if tiny:
+        return "tiny:" + hashlib.sha256(json.dumps(TINY_SPECS, sort_keys=True).encode()).hexdigest()
+    from tessera_jax.masks import corpus_digest as cd
+    return cd()
+
+
+# --- fitting ----------------------------------------------------------------------------------
+def fit_from_raw(raw_path, candidates=None, *, gpu: dict, provenance: dict) -> dict:
+    """Fits the table from the raw file (masks whose listed candidates were all attempted)."""
+    masks, times = read_raw(raw_path)
+    if candidates is None:
+        seen = []
+        for (_, ck), r in times.items():
+            c = (r["template"], r["policy"])
+            if c not in seen:
+                seen.append(c)
+        candidates = seen
+    keys = [cand_key(*c) for c in candidates]
+    X, T, G, used = [], [], [], []
+    incomplete = 0
+    for mid, m in masks.items():
+        recs = [times.get((mid, ck)) for ck in keys]
+        if any(r is None for r in recs):
+            incomplete += 1
+            continue
+        if list(m.get("feature_names", [])) == list(_features.FEATURE_NAMES):
+            x = m["features"]
+        else:   # features changed since the run: recompute from the spec
+            mask = build_mask(m["spec"], m.get("heads"))
+            shape = call_shape(mask, m["dtype"], m["head_dim"],
+                               m.get("call_heads") or call_heads(m["spec"], m.get("heads")))
+            x = list(_features.feature_vector(mask, shape))
+        X.append(x)
+        T.append([r["ms"] if r.get("status") == "ok" else np.nan for r in recs])
+        G.append(m.get("group", mid))
+        used.append(mid)
+    prov = dict(provenance)
+    prov["fit"] = {"masks_used": len(used), "masks_incomplete": incomplete,
+                   "raw_file": str(raw_path), "timings": len(used) * len(keys)}
+    X = np.asarray(X, np.float64).reshape(len(used), len(_features.FEATURE_NAMES))
+    T = np.asarray(T, np.float64).reshape(len(used), len(keys))
+    return _selection.fit_table(X, T, candidates, groups=G, gpu=gpu, provenance=prov)
+
+
+def write_table(path, data: dict) -> None:
+    """Writes a table (validated first): indented JSON, one line per vector and training point."""
+    _selection.validate_table(data)
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    compact = lambda x: json.dumps(x, separators=(",", ":"))  # noqa: E731
+    head = {k: v for k, v in data.items() if k != "model"}
+    text = json.dumps(head, indent=1)[:-2]          # drop the closing "\n}"
+    m = data["model"]
+    lines = [f'  "{k}": {compact(m[k])}' for k in m if k not in ("points", "rel_log_time")]
+    for k in ("points", "rel_log_time"):
+        rows = ",\n".join("   " + compact(r) for r in m[k])
+        lines.append(f'  "{k}": [\n{rows}\n  ]' if m[k] else f'  "{k}": []')
+    text += ',\n "model": {\n' + ",\n".join(lines) + "\n }\n}\n"
+    json.loads(text)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# --- main -------------------------------------------------------------------------------------
+def _progress(total, desc):
+    try:
+        from tqdm.auto import tqdm
+        return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=2.0)
+    except ImportError:  # pragma: no cover
+        class _P:
+            def update(self, n=1): pass
+            def set_postfix_str(self, s): pass
+            def close(self): pass
+        return _P()
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m tessera_jax.tools.profiler",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu", help="table name (default: from the device kind, e.g. h200)")
+    ap.add_argument("--out", help="table path (default plan_tables/<gpu>.json)")
+    ap.add_argument("--raw", help="directory of raw timings (default plan_tables/raw)")
+    ap.add_argument("--max-masks", type=int, help="sample at most ~N masks (per family quota)")
+    ap.add_argument("--heads", type=int, default=4, help="profile the first K heads (default 4; "
+                    "0: all heads)")
+    ap.add_argument("--families", nargs="+", help="only these mask families")
+    ap.add_argument("--time-budget", type=float, help="stop measuring after S seconds, then fit")
+    ap.add_argument("--fit-only", action="store_true", help="refit the table from the raw file")
+    ap.add_argument("--retry-errors", action="store_true", help="measure again the (mask, "
+                    "candidate) pairs whose raw record is an error")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny masks, XLA templates")
+    ap.add_argument("--backends", nargs="+", help="backends whose templates are candidates "
+                    "(default: the first available of mosaic_gpu, triton; e.g. "
+                    "--backends mosaic_gpu triton for both)")
+    ap.add_argument("--templates", nargs="+", help="explicit template names (overrides --backends)")
+    ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
+    ap.add_argument("--candidates", nargs="+", metavar="TEMPLATE/POLICY",
+                    help="explicit candidates (overrides --templates/--policies/--backends)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--compilation-cache", help="jax persistent compilation cache directory "
+                    "(executables survive between runs on one machine)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    from tessera_jax.runtime import dispatch as backends
+    if a.compilation_cache:
+        from tessera_jax.runtime.api import enable_compilation_cache
+        enable_compilation_cache(a.compilation_cache)
+    dev = device_info(a.gpu)
+    gpu = dev["name"]
+    out = pathlib.Path(a.out or _selection.table_dir() / f"{gpu}.json")
+    raw_dir = pathlib.Path(a.raw) if a.raw else _selection.table_dir() / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    raw_path = raw_dir / f"{gpu}.jsonl"
+    heads = None if not a.heads else a.heads
+    if a.candidates:
+        cands = parse_candidates(a.candidates)
+    elif a.tiny:
+        templates = a.templates or list(TINY_TEMPLATES)
+        policies = a.policies if a.policies != list(DEFAULT_POLICIES) else ["merge"]
+        cands = candidate_list(templates=templates, policies=policies)
+    elif a.templates:
+        cands = candidate_list(templates=a.templates, policies=a.policies)
+    else:
+        # Default: the backend sparse_attention resolves to here (selection ranks within it).
+        bes = a.backends or [b for b in ("mosaic_gpu", "triton") if backends.is_available(b)][:1]
+        cands = candidate_list(backends_=bes, policies=a.policies) if bes else []
+        if not cands and not a.fit_only:
+            raise SystemExit("no GPU backend available here; use --tiny on CPU or --templates")
+    specs, sampling = select_specs("train", tiny=a.tiny, families=a.families,
+                                   max_masks=a.max_masks)
+    sampling["heads"] = "all" if heads is None else f"first {heads} (shared masks stay shared)"
+    provenance = {
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(), "corpus_digest": corpus_digest(a.tiny), "split": "train",
+        "sampling": sampling, "dtype": a.dtype, "head_dim": a.head_dim, "batch": 1,
+        "timing": {"warmup": a.warmup, "iters": a.iters, "statistic": "median",
+                   "timer": "cupti kernel time on GPU when available, else wall clock",
+                   "padding": "ABI capacities rounded up to powers of two",
+                   "inputs": "one random normal q, k, v per call shape (not rotated: at corpus "
+                             "sizes they exceed L2)"},
+        "command": "python -m tessera_jax.tools.profiler " + " ".join(sys.argv[1:] if argv is None
+                                                                else argv),
+        "device": dev,
+    }
+    if not a.fit_only:
+        _measure(a, specs, cands, raw_path, heads)
+    table = fit_from_raw(raw_path, cands or None, gpu={k: dev[k] for k in
+                                                        ("name", "device_kind", "arch",
+                                                         "compute_capability")},
+                         provenance=provenance)
+    write_table(out, table)
+    fit = table["fit"]
+    log(f"table {out}: {table['provenance']['fit']['masks_used']} masks, "
+        f"{len(table['candidates'])} candidates, k={table['model']['k']}; "
+        f"leave-group-out regret {fit['k_cv_leave_group_out'].get(str(table['model']['k']))}")
+    return table
+
+
+def _measure(a, specs, cands, raw_path, heads):
+    import jax.numpy as jnp
+    t_start = time.monotonic()
+    masks_done, times_done = read_raw(raw_path)
+    if raw_path.is_file() and raw_path.stat().st_size:
+        with open(raw_path, "rb+") as f:        # a line cut by a killed run: end it
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+    def done(key):
+        r = times_done.get(key)
+        return r is not None and (r.get("status") == "ok" or not a.retry_errors)
+    todo = [(s, c) for s in specs for c in cands if not done((s["id"], cand_key(*c)))]
+    log(f"{len(specs)} masks x {len(cands)} candidates; {len(todo)} timings to do "
+        f"({len(specs) * len(cands) - len(todo)} already in {raw_path})")
+    inputs = Inputs(jnp.dtype(a.dtype), a.head_dim)
+    bar = _progress(len(todo), "profile")
+    cur_id, mask = None, None
+    stopped = False
+    streak = 0
+    for spec, (template, policy) in todo:
+        if a.time_budget is not None and time.monotonic() - t_start > a.time_budget:
+            stopped = True
+            break
+        if spec["id"] != cur_id:
+            cur_id = spec["id"]
+            mask = build_mask(spec, heads)
+            hq = call_heads(spec, heads)
+            if cur_id not in masks_done:
+                shape = call_shape(mask, a.dtype, a.head_dim, hq)
+                _append(raw_path, {
+                    "kind": "mask", "id": cur_id, "family": spec["family"],
+                    "grid": spec["grid"], "group": spec_group(spec) if not a.tiny else cur_id,
+                    "heads": heads, "call_heads": hq, "spec": spec, "dtype": a.dtype,
+                    "head_dim": a.head_dim,
+                    "shape": list(mask.shape), "Lq": mask.Lq, "Lkv": mask.Lkv,
+                    "density": mask.density,
+                    "feature_names": list(_features.FEATURE_NAMES),
+                    "features": [float(x) for x in _features.feature_vector(mask, shape)]})
+                masks_done[cur_id] = True
+        rec = {"kind": "time", "id": cur_id, "candidate": cand_key(template, policy),
+               "template": template, "policy": policy}
+        try:
+            rec.update(time_candidate(mask, template, policy, inputs, warmup=a.warmup,
+                                      iters=a.iters, num_heads=hq))
+            rec["status"] = "ok"
+            streak = 0
+        except Exception as e:  # noqa: BLE001 - a failing candidate is data, not a crash
+            rec.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
+            log(f"{cur_id} {rec['candidate']}: {rec['error']}")
+            streak += 1
+        _append(raw_path, rec)
+        if streak >= MAX_ERROR_STREAK:
+            log(f"{streak} failures in a row: the device may be in a bad state; stopping "
+                f"(rerun with --retry-errors to measure the failed pairs again)")
+            stopped = True
+            break
+        bar.update(1)
+        bar.set_postfix_str(f"{spec['family']} {rec['candidate']} "
+                            f"{rec.get('ms', float('nan')):.3f} ms")
+    bar.close()
+    if stopped:
+        log("stopped early; rerun to continue (resumable)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,405 @@
+"""NumPy oracles of the planner's compiled step builders (tests only; never called by a plan).
+
+``_plan_rowgroups_numpy`` (keep / merge), ``_plan_grid_numpy`` (split) and
+``_plan_pack_numpy`` (pack) build the same ``_Raw`` arrays as ``planner._plan_rowgroups``,
+``_plan_grid`` and ``_plan_pack`` in vectorised NumPy, from set-bit positions and runs of the
+packed mask words instead of the compiled loops of ``plan_loops``: an independent second
+implementation that the tests compare the compiled one with, array for array.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_kernels import abi
+
+from tessera_jax.planning.planner import _U64, _chunk, _Ctx, _empty_raw, _Raw, bucket
+
+_CHUNK = 1 << 16        # step rows expanded at a time (about 1.3 MB, cache-sized)
+_WORD_CHUNK = 1 << 14   # words unpacked at a time (1 MB of bytes)
+
+
+# --- bit helpers: set-bit positions and runs of packed words ---------------------------
+def _set_bits(words: np.ndarray, dtype=np.int64):
+    """(bits per row, bit positions) of the set bits of ``words`` [R, W], in (row, bit) order.
+
+    Only the non-zero words are unpacked (one byte per bit), a cache-sized chunk at a time,
+    and each position is written once: the work grows with the non-zero words and the set
+    bits, with no pass per bit rank and no large int64 temporaries.
+    """
+    R, W = words.shape
+    flat = words.reshape(-1)
+    nzw = np.flatnonzero(flat)
+    vals = flat[nzw]
+    cw = np.bitwise_count(vals)                 # set bits per non-zero word
+    rw = nzw // W
+    off = (nzw - rw * W) * 64                   # first bit of each non-zero word in its row
+    ends = np.cumsum(cw, dtype=np.int64)
+    pos = np.empty(int(ends[-1]) if len(ends) else 0, dtype)
+    for a in range(0, len(nzw), _WORD_CHUNK):
+        b = min(a + _WORD_CHUNK, len(nzw))
+        bits = np.unpackbits(vals[a:b].view(np.uint8), bitorder="little").view(np.bool_)
+        p = np.repeat(off[a:b] - 64 * np.arange(b - a), cw[a:b])
+        p += np.flatnonzero(bits)
+        pos[int(ends[a] - cw[a]): int(ends[b - 1])] = p
+    per_row = np.bincount(rw, weights=cw, minlength=R).astype(np.int64)
+    return per_row, pos
+
+
+def _bit_positions(words: np.ndarray):
+    """(row, bit) of every set bit of ``words`` [R, W], sorted by (row, bit)."""
+    per_row, pos = _set_bits(words)
+    return np.repeat(np.arange(len(per_row)), per_row), pos
+
+
+def _runs(words: np.ndarray, nbits: int | None = None):
+    """(row, first, end) of each run of set bits of ``words`` [R, W] (end exclusive)."""
+    per_row, first, end = _run_bounds(words, nbits)
+    return np.repeat(np.arange(len(per_row)), per_row), first, end
+
+
+def _run_bounds(words: np.ndarray, nbits: int | None = None):
+    """(runs per row, first, end) of the runs of set bits of ``words`` [R, W], in row order
+    (int32 positions).
+
+    Run boundaries (first bits and exclusive ends) are the bits that differ from the bit
+    before them: ``w ^ (w << 1)`` with the carry from the previous word. Rows are processed
+    as one flat word array: bits at or past ``nbits`` (default 64 W) must be zero, so a row's
+    last word carries 0 into the next row and a run can end at bit ``nbits`` only if
+    ``nbits < 64 W``; otherwise a spare zero word is appended.
+    """
+    R, W = words.shape
+    if nbits is None or nbits >= 64 * W:
+        w = np.zeros((R, W + 1), _U64)
+        w[:, :W] = words
+        words, W = w, W + 1
+    f = words.reshape(-1)
+    both = f << np.uint64(1)
+    if f.size:
+        both[1:] |= f[:-1] >> np.uint64(63)
+    both ^= f
+    per_row, pos = _set_bits(both.reshape(R, W), np.int32)   # start, end, start, end, ...
+    return per_row >> 1, pos[0::2], pos[1::2]
+
+
+# --- the step builders -------------------------------------------------------------------
+def _row_groups(ctx: _Ctx, merge: bool):
+    """(head, first q block, end q block) of each non-empty row group."""
+    w = ctx.words
+    Hm, nq, W = w.shape
+    # "any word differs" per row: the per-word booleans padded to whole 8-byte words and
+    # or-ed as uint64 (a short last-axis reduction is slow in NumPy)
+    x = np.zeros((Hm, nq, -(-W // 8) * 8), bool)
+    y = x.view(np.uint64)
+
+    def any_set() -> np.ndarray:
+        acc = y[..., 0].copy()
+        for j in range(1, y.shape[-1]):
+            acc |= y[..., j]
+        return acc != 0
+
+    np.not_equal(w, 0, out=x[..., :W])
+    nonempty = any_set()
+    new = np.ones((Hm, nq), bool)
+    if merge and nq > 1:
+        x[:, 0] = False
+        np.not_equal(w[:, 1:], w[:, :-1], out=x[:, 1:, :W])
+        new[:, 1:] = any_set()[:, 1:]
+    gh, gi = np.nonzero(new)
+    flat = gh * nq + gi
+    end_flat = np.append(flat[1:], Hm * nq)
+    ge = np.minimum(end_flat - gh * nq, nq)  # a group ends at the next start or its head's end
+    keep = nonempty[gh, gi]
+    return gh[keep], gi[keep], ge[keep]
+
+
+def _raw_from_columns(ctx: _Ctx, head, qs, lo, hi, cnt, kvs, ql, qh, kl, kh) -> _Raw:
+    """A _Raw from per-step columns (split / pack): step rows, full steps and areas per unit."""
+    S = len(kvs)
+    steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+    steps[:S, abi.STEP_KV_START] = kvs
+    steps[:S, abi.STEP_RECT] = abi.pack_rect(ql, qh, kl, kh)
+    first = np.cumsum(cnt) - cnt
+    if len(first):
+        full = (ql == 0) & (qh == ctx.tile_q) & (kl == 0) & (kh == ctx.tile_kv)
+        nfull = np.add.reduceat(full.astype(np.int64), first)
+        area = np.add.reduceat((qh - ql).astype(np.int64) * (kh - kl), first)
+    else:
+        nfull = area = np.zeros(0, np.int64)
+    return _Raw(head, qs, lo, hi, cnt, steps, nfull, area)
+
+
+def _plan_rowgroups_numpy(ctx: _Ctx, merge: bool) -> _Raw:
+    """keep / merge in vectorised NumPy: the test oracle of ``planner._plan_rowgroups``.
+
+    One row group per unit, the group's K/V tiles anchored at interval starts.
+
+    Built from per-interval values (int32): unit costs and areas from interval sums per group,
+    and the step rows in cache-sized chunks of units, where each (unit, key interval) pair
+    contributes one template row that ``np.repeat`` expands into the interval's tiles; the K/V
+    starts then advance by one tile per row, the first, last and shifted tiles are patched, and
+    the chunk (in the unpacked view of ``plan_abi.unpack_steps``) is packed into ``steps``.
+    """
+    tq, tk, al, kvp = ctx.tile_q, ctx.tile_kv, ctx.kv_align, ctx.kvp
+    gh, gi, ge = _row_groups(ctx, merge)
+    G = len(gh)
+    if G == 0:
+        return _empty_raw()
+    gw = ctx.words[gh, gi]
+    kb = ctx.kb.astype(np.int32)                      # bounds are checked to fit int32
+    if merge:
+        n_int, js, je = _run_bounds(gw, len(kb) - 1)
+        ks, ke = kb[js], kb[je]
+    else:
+        ig, js = _bit_positions(gw)
+        ks, ke = kb[js], kb[js + 1]
+        n_int = np.bincount(ig, minlength=G)
+    # Per interval: tiles of tk from a0 (aligned); the last may be shifted back inside kvp.
+    if al == 1:
+        a0 = ks
+    elif al & (al - 1) == 0:
+        a0 = ks & np.int32(-al)
+    else:
+        a0 = ks - ks % np.int32(al)
+    n = ke - a0
+    n += tk - 1
+    if tk & (tk - 1) == 0:
+        n >>= tk.bit_length() - 1
+    else:
+        n //= tk
+    tl = n - 1                                        # last tile's start before the shift
+    tl *= tk
+    tl += a0
+    kl0 = ks - a0                                     # first tile's lo
+    khl = ke - tl                                     # last tile's hi
+    part = (kl0 != 0).astype(np.int32)                # partial tiles per interval
+    part += khl != tk
+    part -= (part == 2) & (n == 1)                    # a single tile counts once
+    sh = np.flatnonzero(tl > kvp - tk)                # tiles shifted back inside kvp
+    shift = tl[sh] + (tk - kvp)
+    if sh.size:
+        one = n[sh] == 1
+        kl0[sh[one]] += shift[one]
+        khl[sh] += shift
+        part[sh] = np.where(one, 1, (kl0[sh] != 0) + 1)
+    # Per group: intervals, tiles, full tiles, selected keys.
+    i_first = np.cumsum(n_int) - n_int
+    g_n = np.add.reduceat(n, i_first, dtype=np.int32).astype(np.int64)
+    g_full = g_n - np.add.reduceat(part, i_first, dtype=np.int32)
+    ke -= ks
+    g_keys = np.add.reduceat(ke, i_first, dtype=np.int32).astype(np.int64)
+    ug, qs, qlo, qhi = _chunk(ctx.qb[gi], ctx.qb[ge], tq, ctx.q_align, ctx.qp)
+    U = len(ug)
+    cnt = g_n[ug]
+    nfull = np.where((qlo == 0) & (qhi == tq), g_full[ug], 0)
+    area = (qhi - qlo) * g_keys[ug]
+    S = int(cnt.sum())
+    # Instances: (unit, interval of the unit's group), in unit order, expanded in chunks of
+    # whole units (about _CHUNK steps each) so that every pass below runs in cache.
+    m = n_int[ug]
+    u_inst = np.concatenate([[0], np.cumsum(m)])
+    u_step = np.concatenate([[0], np.cumsum(cnt)])
+    cuts = np.unique(np.searchsorted(u_step, np.arange(0, S, _CHUNK), side="right") - 1)
+    cuts = np.append(cuts, U).tolist()
+    qlo32, qhi32 = qlo.astype(np.int32), qhi.astype(np.int32)
+    # Mostly single-tile intervals: the template is the exact single tile (lo and hi), and the
+    # rows of longer intervals are fixed; otherwise the template is a middle tile and the
+    # first (lo, where late) and last (hi) tiles are patched.
+    single = 2 * (S - int(u_inst[-1])) < int(u_inst[-1])
+    late = None if single else kl0 != 0               # first tiles that start late
+    shifted = None
+    if sh.size:
+        shifted = np.zeros(len(ks), bool)
+        shifted[sh] = True
+        shift_at = np.zeros(len(ks), np.int32)
+        shift_at[sh] = shift
+    steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+    for u0, u1 in zip(cuts[:-1], cuts[1:]):
+        i0, i1 = int(u_inst[u0]), int(u_inst[u1])
+        s0, s1 = int(u_step[u0]), int(u_step[u1])
+        mm = m[u0:u1]
+        if U == G:
+            iv = slice(i0, i1)
+        else:
+            iv = np.repeat(i_first[ug[u0:u1]] - (np.cumsum(mm) - mm), mm)
+            iv += np.arange(i1 - i0)
+        nn = n[iv]
+        fc = np.cumsum(nn, dtype=np.int32)
+        fc -= nn                                      # first row of each instance (chunk)
+        # kv_start = a0 + (row - fc) * tk: the template holds a0 - fc * tk, then every row
+        # gets row * tk added after the repeat.
+        tm = np.empty((i1 - i0, abi.VIEW_COLS), np.int32)
+        col = np.multiply(fc, tk, out=tm[:, abi.VIEW_KV_START])
+        np.subtract(a0[iv], col, out=col)
+        tm[:, abi.VIEW_Q_LO] = np.repeat(qlo32[u0:u1], mm)
+        tm[:, abi.VIEW_Q_HI] = np.repeat(qhi32[u0:u1], mm)
+        if single:
+            tm[:, abi.VIEW_KV_LO] = kl0[iv]
+            tm[:, abi.VIEW_KV_HI] = khl[iv]
+        else:
+            tm[:, abi.VIEW_KV_LO] = 0
+            tm[:, abi.VIEW_KV_HI] = tk
+        t = np.repeat(tm, nn, axis=0)
+        t[:, abi.VIEW_KV_START] += np.arange(0, (s1 - s0) * tk, tk, dtype=np.int32)
+        lc = fc + nn
+        lc -= 1                                       # last row of each instance
+        if single:
+            mi = np.flatnonzero(nn > 1)
+            if mi.size:
+                c = nn[mi] - 1
+                r = np.repeat(fc[mi] - (np.cumsum(c) - c), c)
+                r += np.arange(len(r))
+                t[r, abi.VIEW_KV_HI] = tk             # not last
+                t[r + 1, abi.VIEW_KV_LO] = 0          # not first
+        else:
+            t[lc, abi.VIEW_KV_HI] = khl[iv]
+            k = np.flatnonzero(late[iv])
+            t[fc[k], abi.VIEW_KV_LO] = kl0[k + i0 if U == G else iv[k]]
+        if shifted is not None:                       # last tiles shifted back inside kvp
+            k = np.flatnonzero(shifted[iv])
+            if k.size:
+                sc = shift_at[k + i0 if U == G else iv[k]]
+                t[lc[k], abi.VIEW_KV_START] -= sc
+                more = nn[k] > 1                      # a single tile has the shift in its lo
+                t[lc[k[more]], abi.VIEW_KV_LO] = sc[more]
+        steps[s0:s1, abi.STEP_KV_START] = t[:, abi.VIEW_KV_START]
+        steps[s0:s1, abi.STEP_RECT] = abi.pack_rect(*t[:, abi.VIEW_Q_LO:].T)
+    return _Raw(gh[ug], qs, qlo, qhi, cnt, steps, nfull, area)
+
+
+def _unit_rects(gw, r0, r1, ustart, uend, kb):
+    """Exact rectangles of units made of consecutive row groups.
+
+    gw [G, W]: packed key blocks of each group; rows [r0, r1) of each group; unit u holds the
+    groups [ustart[u], uend[u]). The keys of a unit are cut into segments where the set of
+    selecting groups is constant; each vertical run of adjacent selecting groups (rows
+    touching) in a segment is one rectangle. Returns (unit, row0, row1, key block j0, key
+    block j1, union words [U, W]) in unit order, then key order.
+    """
+    G = gw.shape[0]
+    gw = np.concatenate([gw, np.zeros((G, 1), _U64)], axis=1)   # room for an end at nkv
+    one, top = np.uint64(1), np.uint64(63)
+    carry = np.zeros_like(gw)
+    carry[:, 1:] = gw[:, :-1] >> top
+    starts = gw & ~((gw << one) | carry)
+    nxtb = np.zeros_like(gw)
+    nxtb[:, :-1] = (gw[:, 1:] & one) << top
+    ends = gw & ~((gw >> one) | nxtb)                # last block of each run
+    ecarry = np.zeros_like(gw)
+    ecarry[:, 1:] = ends[:, :-1] >> top
+    bounds = starts | (ends << one) | ecarry         # run starts and exclusive run ends
+    union = np.bitwise_or.reduceat(gw, ustart, axis=0)
+    su, pos = _bit_positions(np.bitwise_or.reduceat(bounds, ustart, axis=0))
+    # Segments [pos_k, pos_k+1) of constant group pattern, inside the union's runs.
+    last = np.r_[su[1:] != su[:-1], True]
+    inside = ((union[su, pos >> 6] >> (pos & 63).astype(np.uint64)) & one).astype(bool) & ~last
+    seg = np.flatnonzero(inside)
+    sg_u, j0, j1 = su[seg], pos[seg], pos[seg + 1]
+    # Groups of each segment's unit that select it; vertical runs of adjacent rows -> rects.
+    p = (uend - ustart)[sg_u]
+    n = int(p.sum())
+    es = np.repeat(np.arange(len(seg)), p)
+    eg = np.repeat(ustart[sg_u] - (np.cumsum(p) - p), p) + np.arange(n)
+    ej = j0[es]
+    sel = ((gw[eg, ej >> 6] >> (ej & 63).astype(np.uint64)) & one).astype(bool)
+    cont = np.zeros(n, bool)                         # continues the rect of the group above
+    cont[1:] = (sel[1:] & sel[:-1] & (es[1:] == es[:-1]) & (r0[eg[1:]] == r1[eg[:-1]]))
+    rs = np.flatnonzero(sel & ~cont)
+    re = np.flatnonzero(sel & ~np.r_[cont[1:], False])
+    rseg = es[rs]
+    return sg_u[rseg], r0[eg[rs]], r1[eg[re]], j0[rseg], j1[rseg], union[:, :-1]
+
+
+def _cut_keys(c0, c1, anchor, tk, kvp):
+    """Cuts key ranges [c0, c1) at anchor + k * tk: (owner, tile start, lo, hi), shifted
+    back inside kvp like ``planner._chunk``."""
+    k0 = (c0 - anchor) // tk
+    nt = (c1 - 1 - anchor) // tk - k0 + 1
+    pr = np.repeat(np.arange(len(c0)), nt)
+    tix = np.repeat(k0 - (np.cumsum(nt) - nt), nt) + np.arange(int(nt.sum()))
+    ts = anchor[pr] + tix * tk
+    klo = np.maximum(c0[pr] - ts, 0)
+    khi = np.minimum(c1[pr] - ts, tk)
+    shift = np.maximum(ts + tk - kvp, 0)
+    return pr, ts - shift, klo + shift, khi + shift
+
+
+def _plan_grid_numpy(ctx: _Ctx) -> _Raw:
+    """split in vectorised NumPy: the test oracle of ``planner._plan_grid``."""
+    Hm, nq, W = ctx.words.shape
+    tq, tk = ctx.tile_q, ctx.tile_kv
+    nonempty = ctx.words.any(axis=-1)                          # [Hm, nq]
+    # Query pieces: each query block cut at the query grid (the same for every head).
+    own_q, cell, plo, phi = _chunk(ctx.qb[:-1], ctx.qb[1:], tq, tq, ctx.qp)
+    keep = nonempty[:, own_q]                                  # [Hm, pieces]
+    gh, gp = np.nonzero(keep)
+    if len(gh) == 0:
+        return _empty_raw()
+    gcell, gi = cell[gp], own_q[gp]
+    r0, r1 = gcell + plo[gp], gcell + phi[gp]
+    gw = ctx.words[gh, gi]
+    new = np.r_[True, (gh[1:] != gh[:-1]) | (gcell[1:] != gcell[:-1])]
+    ustart = np.flatnonzero(new)
+    uend = np.append(ustart[1:], len(gh))
+    ru, ra, rb, j0, j1, _ = _unit_rects(gw, r0, r1, ustart, uend, ctx.kb)
+    c0, c1 = ctx.kb[j0], ctx.kb[j1]
+    pr, ts, klo, khi = _cut_keys(c0, c1, np.zeros_like(c0), tk, ctx.kvp)
+    uq = gcell[ustart]
+    pu = ru[pr]
+    cnt = np.bincount(pu, minlength=len(ustart))
+    lo = np.minimum.reduceat(r0, ustart) - uq
+    hi = np.maximum.reduceat(r1, ustart) - uq
+    return _raw_from_columns(ctx, gh[ustart], uq, lo, hi, cnt, ts, ra[pr] - uq[pu],
+                             rb[pr] - uq[pu], klo, khi)
+
+
+def _plan_pack_numpy(ctx: _Ctx) -> _Raw:
+    """pack in vectorised NumPy: the test oracle of ``planner._plan_pack``."""
+    qb, kb, tq, tk = ctx.qb, ctx.kb, ctx.tile_q, ctx.tile_kv
+    gh, gi, ge = _row_groups(ctx, merge=True)
+    G = len(gh)
+    if G == 0:
+        return _empty_raw()
+    r0, r1 = qb[gi], qb[ge]
+    a = (r0 // ctx.q_align) * ctx.q_align
+    # Greedy packing per head: a unit starting at group g takes the following groups of its
+    # head while their rows end within a[g] + tile_q. Chains are followed for all heads at once.
+    big = ctx.qp + tq + 1
+    nxt = np.searchsorted(gh * big + r1, gh * big + a + tq, side="right")
+    nxt = np.maximum(nxt, np.arange(1, G + 1))
+    is_start = np.zeros(G, bool)
+    cur = np.flatnonzero(np.r_[True, gh[1:] != gh[:-1]])
+    while cur.size:
+        is_start[cur] = True
+        nx = nxt[cur]
+        ok = nx < G
+        ok[ok] = gh[nx[ok]] == gh[cur[ok]]
+        cur = nx[ok]
+    ustart = np.flatnonzero(is_start)
+    uend = np.append(ustart[1:], G)
+    Ul = len(ustart)
+    ru, ra, rb, j0, j1, union = _unit_rects(ctx.words[gh, gi], r0, r1, ustart, uend, kb)
+    c0, c1 = kb[j0], kb[j1]
+    # Tiles: anchored at the start of the union run holding the rectangle.
+    uu, us_, _ = _runs(union, len(kb) - 1)
+    nk = len(kb)
+    run = np.searchsorted(uu * nk + us_, ru * nk + j0, side="right") - 1
+    anchor = (kb[us_[run]] // ctx.kv_align) * ctx.kv_align
+    pr, ts, klo, khi = _cut_keys(c0, c1, anchor, tk, ctx.kvp)
+    pu, pa, pb = ru[pr], ra[pr], rb[pr]               # pieces, in unit order
+    # Units: each packed unit's rows in tiles of tile_q (several only for one tall group).
+    cu, qs, qlo, qhi = _chunk(r0[ustart], r1[uend - 1], tq, ctx.q_align, ctx.qp)
+    npc = np.bincount(pu, minlength=Ul)
+    pfirst = np.cumsum(npc) - npc
+    m = npc[cu]
+    x = np.repeat(pfirst[cu] - (np.cumsum(m) - m), m) + np.arange(int(m.sum()))
+    xc = np.repeat(np.arange(len(cu)), m)
+    ql = np.maximum(pa[x] - qs[xc], qlo[xc])
+    qh = np.minimum(pb[x] - qs[xc], qhi[xc])
+    keep = ql < qh
+    if not keep.all():
+        x, xc, ql, qh = x[keep], xc[keep], ql[keep], qh[keep]
+    cnt = np.bincount(xc, minlength=len(cu))
+    has = cnt > 0
+    return _raw_from_columns(ctx, gh[ustart[cu]][has], qs[has], qlo[has], qhi[has], cnt[has],
+                             ts[x], ql, qh, klo[x], khi[x])
