@@ -1,24 +1,29 @@
 """The plan ABI: the int32 arrays a kernel executes, and nothing about masks.
 
 A plan is produced on the host by ``tessera_jax.planning.planner`` and executed by any backend
-(``pallas_kernels.xla.executor``, ``pallas_kernels.triton.forward``, ``pallas_kernels.mosaic.forward``).
-Kernels see only the arrays below plus static integers; they never see a mask.
+(``pallas_kernels.xla.executor``, ``pallas_kernels.triton.wrapper``,
+``pallas_kernels.mosaic.wrapper``). Kernels see only the arrays below plus static integers;
+they never see a mask. ``check_plan`` is the one validator of a concrete (NumPy) plan.
 
 Static parameters (Python ints, part of the compiled executable):
   tile_q        rows of one work unit's query tile (the Q tile height the kernel loads)
   tile_kv       keys of one K/V tile (a step)
-  num_units     capacity U of the ``units`` array (a power of two >= the real count)
-  num_steps     capacity S of the ``steps`` array (a power of two >= the real count)
-  max_steps     capacity M >= the largest step_count of any unit (a power of two); only the
-                XLA executor needs it, kernels loop over ``step_count`` dynamically
+  num_units     capacity U of the ``units`` array, >= the real count
+  num_steps     capacity S of the ``steps`` array, >= the real count
+  max_steps     capacity M >= the largest step_count of any unit; only the XLA executor
+                needs it, kernels loop over ``step_count`` dynamically
+                The planner rounds each capacity up to a bucket (``planner.bucket``): n itself
+                up to 8, else the next multiple of 2^(k-3) where 2^(k-1) < n <= 2^k (four
+                buckets per octave: under 25% padding, and masks of similar size share one
+                compiled executable). The kernels need no particular capacity.
   q_len_padded, kv_len_padded
                 the sequence lengths the plan indexes into. They are >= Lq / Lkv; the
                 wrapper pads q (k, v) with zeros up to them when they differ. Every tile the
                 plan names lies inside them: q_start + tile_q <= q_len_padded and
                 kv_start + tile_kv <= kv_len_padded.
 
-``units``: int32 [U, UNIT_COLS]; row u is one work unit, in schedule order (the order in
-which a persistent kernel should take them; a grid kernel uses u as its program id).
+``units``: int32 [U, UNIT_COLS]; row u is one work unit, in schedule order (the kernels'
+grids launch unit u as program u, so the heaviest units start first).
   UNIT_HEAD      query head h (the K/V head is h // (Hq // Hkv))
   UNIT_Q_START   first query row of the tile: the unit loads q[q_start : q_start + tile_q]
   UNIT_OWN_LO    the unit *owns* tile rows [own_lo, own_hi): only these rows of its output
@@ -37,7 +42,8 @@ which a persistent kernel should take them; a grid kernel uses u as its program 
                  keys [kv_lo, kv_hi) of the K/V tile, each field in 0..255 (tiles are at most
                  MAX_TILE = 255 rows / keys). kv_hi >= 128 sets bit 31, so rect can be
                  negative: decode a field as ``(rect >> shift) & 0xFF``, which is exact under
-                 an arithmetic shift too (``pack_rect`` / ``unpack_rect`` / ``unpack_steps``).
+                 an arithmetic shift too (``pack_rect`` / ``unpack_rect`` / ``unpack_steps``;
+                 compiled loops shift by ``RECT_Q_HI_SHIFT`` etc. themselves).
   A step selects exactly the rectangle rows [q_lo, q_hi) x keys [kv_lo, kv_hi); every other
   entry of the tile is masked (-inf before the softmax). A step is *full* when the rectangle
   is the whole tile, rect == pack_rect(0, tile_q, 0, tile_kv) (``full_rect``): kernels may
@@ -57,6 +63,10 @@ UNIT_COLS = 6
 STEP_KV_START, STEP_RECT = range(2)
 STEP_COLS = 2
 MAX_TILE = 255          # the largest tile_q / tile_kv: a rectangle bound must fit one byte
+# Bit offsets of the four bytes of STEP_RECT: rect = q_lo << RECT_Q_LO_SHIFT | q_hi <<
+# RECT_Q_HI_SHIFT | kv_lo << RECT_KV_LO_SHIFT | kv_hi << RECT_KV_HI_SHIFT. Plain ints, so
+# numba-compiled planning loops (tessera_jax.planning.loops) pack with them as constants.
+RECT_Q_LO_SHIFT, RECT_Q_HI_SHIFT, RECT_KV_LO_SHIFT, RECT_KV_HI_SHIFT = 0, 8, 16, 24
 # Columns of ``unpack_steps``'s view [S, 5] (the rectangle's four bounds unpacked).
 VIEW_KV_START, VIEW_Q_LO, VIEW_Q_HI, VIEW_KV_LO, VIEW_KV_HI = range(5)
 VIEW_COLS = 5
@@ -84,9 +94,16 @@ def pack_rect(q_lo, q_hi, kv_lo, kv_hi):
         import jax.numpy as jnp
 
         a, b, c, d = (jnp.asarray(x, jnp.int32) for x in (q_lo, q_hi, kv_lo, kv_hi))
-        return a | (b << 8) | (c << 16) | (d << 24)
+        return _pack(a, b, c, d)
     a, b, c, d = (np.asarray(x, np.int64) for x in (q_lo, q_hi, kv_lo, kv_hi))
-    return (a | (b << 8) | (c << 16) | (d << 24)).astype(np.int32)[()]
+    return _pack(a, b, c, d).astype(np.int32)[()]
+
+
+def _pack(a, b, c, d):
+    return a | (b << RECT_Q_HI_SHIFT) | (c << RECT_KV_LO_SHIFT) | (d << RECT_KV_HI_SHIFT)
+
+
+assert RECT_Q_LO_SHIFT == 0     # _pack and unpack_rect leave the low byte unshifted
 
 
 def full_rect(tile_q: int, tile_kv: int) -> int:
@@ -96,7 +113,9 @@ def full_rect(tile_q: int, tile_kv: int) -> int:
 
 def unpack_rect(x):
     """(q_lo, q_hi, kv_lo, kv_hi) of STEP_RECT values (int, NumPy or jnp; any integer dtype)."""
-    return x & 0xFF, (x >> 8) & 0xFF, (x >> 16) & 0xFF, (x >> 24) & 0xFF
+    # q_lo is the low byte (RECT_Q_LO_SHIFT == 0): no shift, so kernels trace one op less.
+    return (x & 0xFF, (x >> RECT_Q_HI_SHIFT) & 0xFF, (x >> RECT_KV_LO_SHIFT) & 0xFF,
+            (x >> RECT_KV_HI_SHIFT) & 0xFF)
 
 
 def unpack_steps(steps):
@@ -112,6 +131,104 @@ def unpack_steps(steps):
         raise ValueError(f"steps must have shape [S, {STEP_COLS}], got {tuple(steps.shape)}")
     r = steps[:, STEP_RECT]
     return xp.stack([steps[:, STEP_KV_START], *unpack_rect(r)], axis=1).astype(xp.int32)
+
+
+def check_plan_arrays(units, steps, row_index=None, *, num_q_heads=None, q_len=None) -> None:
+    """TypeError / ValueError unless ``units`` is int32 [U >= 1, UNIT_COLS], ``steps`` int32
+    [S >= 1, STEP_COLS] and ``row_index`` (None: made on the device from units) int32
+    [num_q_heads, q_len]. Shapes and dtypes only: NumPy, jnp and traced arrays alike."""
+    for name, x, shape in (("units", units, ("U >= 1", UNIT_COLS)),
+                           ("steps", steps, ("S >= 1", STEP_COLS)),
+                           ("row_index", row_index, (num_q_heads, q_len))):
+        if x is None and name == "row_index":
+            continue
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"{name} must be an int32 array, got {type(x).__name__}")
+        if np.dtype(x.dtype) != np.int32:
+            raise TypeError(f"{name} must have dtype int32, got {x.dtype}")
+        got = tuple(x.shape)
+        if name == "row_index":
+            ok = len(got) == 2 and all(w is None or g == w for g, w in zip(got, shape))
+        else:
+            ok = len(got) == 2 and got[0] >= 1 and got[1] == shape[1]
+        if not ok:
+            want = ", ".join(str(w) for w in shape)
+            raise ValueError(f"{name} must have shape [{want}], got {got}")
+
+
+_CHECKED: dict = {}     # (ids, static parameters) -> (units, steps, all_full)
+_CHECKED_MAX = 64
+
+
+def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
+               num_q_heads=None, q_align=1, kv_align=1, max_steps=None) -> bool:
+    """Validates a concrete (NumPy) plan for a backend that compiles it with these static
+    parameters; returns whether every step a unit visits is full (``full_rect``), i.e. whether
+    mask mode "none" (no masking code) can run it. Every backend checks concrete plans with it.
+
+    The rule (a tile out of bounds would read out of bounds on a GPU, a misaligned one would
+    read the wrong rows through TMA's tiled SMEM layout):
+      * ``check_plan_arrays``: int32 arrays of UNIT_COLS / STEP_COLS columns, at least one row;
+      * every unit, padding units too (kernels load every unit's Q tile): 0 <= head <
+        num_q_heads (when given), q_start a multiple of ``q_align``, 0 <= q_start and
+        q_start + tile_q <= q_len_padded;
+      * every unit: step_count >= 0 (and <= ``max_steps`` when given: the XLA executor visits
+        that many); a unit with steps: 0 <= step_ptr and step_ptr + step_count <= S;
+      * every row of ``steps`` (the ABI: every tile a plan names lies inside the padded
+        lengths): kv_start a multiple of ``kv_align``, 0 <= kv_start and
+        kv_start + tile_kv <= kv_len_padded.
+    ValueError naming each broken rule. Memoised per array pair (held, so ids stay unique): a
+    plan checked once costs a dict look-up per call; change a checked plan's arrays in place
+    and it is not checked again.
+    """
+    check_plan_arrays(units, steps)
+    statics = tuple(None if x is None else int(x) for x in (
+        tile_q, tile_kv, q_len_padded, kv_len_padded, num_q_heads, q_align, kv_align,
+        max_steps))
+    key = (id(units), id(steps)) + statics
+    hit = _CHECKED.get(key)
+    if hit is not None and hit[0] is units and hit[1] is steps:
+        return hit[2]
+    tile_q, tile_kv, q_len_padded, kv_len_padded, num_q_heads, q_align, kv_align, max_steps = \
+        statics
+    u, st = np.asarray(units, np.int64), np.asarray(steps)
+    S = st.shape[0]
+    head, qs = u[:, UNIT_HEAD], u[:, UNIT_Q_START]
+    ptr, cnt = u[:, UNIT_STEP_PTR], u[:, UNIT_STEP_CNT]
+    real = cnt > 0
+    kvs = st[:, STEP_KV_START].astype(np.int64)
+    bad = []
+    if num_q_heads is not None and ((head < 0) | (head >= num_q_heads)).any():
+        bad.append(f"units: a head is outside [0, {num_q_heads})")
+    if ((qs < 0) | (qs + tile_q > q_len_padded)).any():
+        bad.append(f"units: a Q tile [q_start, q_start + {tile_q}) leaves "
+                   f"[0, q_len_padded={q_len_padded})")
+    if (qs % q_align).any():
+        bad.append(f"units: a q_start is not a multiple of q_align={q_align}")
+    if (cnt < 0).any():
+        bad.append("units: a step count is negative")
+    if max_steps is not None and (cnt > max_steps).any():
+        bad.append(f"units: a step count exceeds max_steps={max_steps}")
+    if ((ptr < 0) | (ptr + cnt > S))[real].any():
+        bad.append(f"units: a step range [ptr, ptr + cnt) leaves the {S} rows of steps")
+    if ((kvs < 0) | (kvs + tile_kv > kv_len_padded)).any():
+        bad.append(f"steps: a K/V tile [kv_start, kv_start + {tile_kv}) leaves "
+                   f"[0, kv_len_padded={kv_len_padded})")
+    if (kvs % kv_align).any():
+        bad.append(f"steps: a kv_start is not a multiple of kv_align={kv_align}")
+    if bad:
+        raise ValueError("invalid plan for these tiles and padded lengths (plan for the "
+                         "template that runs it): " + "; ".join(bad))
+    # Rows some unit visits: +1 at each range start, -1 at its end, prefix sum (O(U + S), no
+    # per-visit index array: units of a shared mask visit the same rows).
+    edges = (np.bincount(ptr[real], minlength=S + 1)
+             - np.bincount((ptr + cnt)[real], minlength=S + 1))
+    visited = np.cumsum(edges[:S]) > 0
+    all_full = bool((st[visited, STEP_RECT] == full_rect(tile_q, tile_kv)).all())
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.pop(next(iter(_CHECKED)))
+    _CHECKED[key] = (units, steps, all_full)
+    return all_full
 
 
 # ``row_index``: int32 [Hq, q_len] (q_len = the true Lq), part of every plan. For query head h

@@ -1,9 +1,16 @@
-"""Registry of kernel templates: the compiled shapes a plan can target, with their constraints.
+"""The kernel templates: the compiled configurations a plan can target, in one static table.
 
-A template fixes what a kernel is compiled for (tile shape, pipeline depth) and says what it can
-take (head dims, dtypes, alignment of tile starts). The planner reads ``tile_q``, ``tile_kv``,
-``q_align`` and ``kv_align`` to build plans a template can run; the ranking chooses among the
-templates that ``supports`` a call. Backends add their entries with ``register``.
+A template fixes what a kernel is compiled for (tile shape, pipeline depth, the kernel variant)
+and says what it can take (head dims, dtypes, alignment of tile starts). The planner reads
+``tile_q``, ``tile_kv``, ``q_align``, ``kv_align`` and ``unit_order`` to build plans a template
+can run; the ranking chooses among the templates that ``supports`` a call; the kernel wrappers
+compile ``kernel``, a typed, frozen, validated config of the template's backend
+(``MosaicConfig``, ``TritonConfig``; None for ``xla``).
+
+The table (``TEMPLATES``) holds only what a ranking table uses or a measurement supports:
+the five Mosaic GPU templates of ``tessera_jax/plan_tables/h200.json``, the two Triton v2
+templates (and one Triton template for head dims 129..256), and the XLA executor's shapes.
+``benchmarks/NOTES.md`` records the deleted variants and what each measured.
 """
 
 from __future__ import annotations
@@ -12,17 +19,136 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["Template", "register", "get", "all_templates", "for_backend", "supporting"]
+__all__ = ["Template", "MosaicConfig", "TritonConfig", "TEMPLATES", "get", "all_templates",
+           "for_backend"]
 
 BACKENDS = ("mosaic_gpu", "triton", "xla")
+POLICIES = ("keep", "merge", "split", "pack", "auto")       # tessera_jax.planning.planner's
+UNIT_ORDERS = ("interleaved", "head_major")                 # tessera_jax.planning.schedule's
 _DTYPE_NAMES = ("bfloat16", "float16", "float32")
+MAX_TILE = 255      # pallas_kernels.abi.MAX_TILE (a rectangle bound is one byte)
+
+
+def _check_bool(owner: str, name: str, val) -> None:
+    if not isinstance(val, (bool, np.bool_)):
+        raise TypeError(f"{owner}.{name} must be a bool, got {type(val).__name__} {val!r}")
+
+
+def _check_int(owner: str, name: str, val, minimum: int = 1) -> None:
+    if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)):
+        raise TypeError(f"{owner}.{name} must be an int, got {type(val).__name__} {val!r}")
+    if val < minimum:
+        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {val}")
+
+
+def _check_choice(owner: str, name: str, val, choices) -> None:
+    if not isinstance(val, str) or val not in choices:
+        raise ValueError(f"{owner}.{name} must be one of {choices}, got {val!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """The variant of the Mosaic GPU kernel (``pallas_kernels.mosaic``) a template compiles.
+
+    schedule_barrier: the consumer warpgroups ping-pong on a schedule barrier (FA3), so one's
+        softmax overlaps the other's matrix products. It acts on the two 64-row halves of a
+        tile_q=128 unit, and on paired units only with ``pair_pingpong``.
+    wg_skip:    a consumer warpgroup skips the matrix products and softmax of a step whose
+        rectangle misses its 64 rows (tile_q=128; for ``pack``/``split`` plans that put two
+        64-row query blocks in one unit).
+    paired:     tile_q=64: one CTA runs two neighbouring units, one per consumer warpgroup, each
+        with its own K/V ring.
+    pair_pingpong: paired units ping-pong like a tile_q=128 unit's halves (needs ``paired``
+        and ``schedule_barrier``).
+    mask_mode:  "cond" masks partial steps only (a cond per step; a plan whose steps are all
+        full runs mode "none", no masking code, chosen by the wrapper), "always" every step.
+    """
+
+    schedule_barrier: bool = True
+    wg_skip: bool = False
+    paired: bool = False
+    pair_pingpong: bool = False
+    mask_mode: str = "cond"
+
+    MASK_MODES = ("cond", "always")
+
+    def __post_init__(self):
+        for name in ("schedule_barrier", "wg_skip", "paired", "pair_pingpong"):
+            _check_bool("MosaicConfig", name, getattr(self, name))
+        _check_choice("MosaicConfig", "mask_mode", self.mask_mode, self.MASK_MODES)
+        if self.pair_pingpong and not (self.paired and self.schedule_barrier):
+            raise ValueError("MosaicConfig.pair_pingpong needs paired=True (two units per CTA) "
+                             "and schedule_barrier=True")
+        if self.wg_skip and self.paired:
+            raise ValueError("MosaicConfig.wg_skip needs two warpgroups on one unit; paired "
+                             "gives each warpgroup a unit of its own")
+
+    def check_tiles(self, tile_q: int, tile_kv: int, stages: int) -> None:
+        """ValueError unless the kernel variant can be compiled for this tile shape."""
+        if tile_q not in (64, 128):
+            raise ValueError(f"tile_q must be 128 (two consumer warpgroups of 64 rows) or 64 "
+                             f"with paired=True for the Mosaic GPU kernel, got {tile_q}")
+        if tile_kv % 64 or not 0 < tile_kv <= MAX_TILE:
+            raise ValueError(f"tile_kv must be a positive multiple of 64 up to {MAX_TILE} (the "
+                             f"plan ABI packs rectangle bounds in bytes), got {tile_kv}")
+        if stages < 2:
+            raise ValueError(f"stages must be at least 2 for the Mosaic GPU kernel, got {stages}")
+        if self.wg_skip and tile_q != 128:
+            raise ValueError("MosaicConfig.wg_skip needs two consumer warpgroups on one unit "
+                             "(tile_q=128): with tile_q=64 every step's rows are the "
+                             "warpgroup's rows")
+        if self.paired and tile_q != 64:
+            raise ValueError("MosaicConfig.paired (two 64-row units per CTA) needs tile_q=64")
+        if tile_q == 64 and not self.paired:
+            raise ValueError("tile_q=64 needs MosaicConfig.paired=True: the kernel runs two "
+                             "consumer warpgroups (the one-warpgroup kernel was deleted)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """The variant of the Triton-lowering kernel (``pallas_kernels.triton``) a template compiles.
+
+    num_warps: warps per program; None picks 4 for head_dim <= 64, else 8 (like jax's mha).
+    prefetch:  the step loop carries the next step's kv_start, so Triton's pipeliner (with
+        stages >= 3) issues the K/V copies a full step ahead.
+    mask_mode: "cond" masks partial steps only (a plan whose steps are all full runs mode
+        "none", chosen by the wrapper), "always" every step.
+    """
+
+    num_warps: int | None = None
+    prefetch: bool = False
+    mask_mode: str = "cond"
+
+    MASK_MODES = ("cond", "always")
+    NUM_WARPS = (1, 2, 4, 8, 16)
+
+    def __post_init__(self):
+        if self.num_warps is not None:
+            _check_int("TritonConfig", "num_warps", self.num_warps)
+            if self.num_warps not in self.NUM_WARPS:
+                raise ValueError(f"TritonConfig.num_warps must be None or one of "
+                                 f"{self.NUM_WARPS}, got {self.num_warps}")
+        _check_bool("TritonConfig", "prefetch", self.prefetch)
+        _check_choice("TritonConfig", "mask_mode", self.mask_mode, self.MASK_MODES)
+
+    def check_tiles(self, tile_q: int, tile_kv: int, stages: int) -> None:
+        """ValueError unless the kernel can be compiled for this tile shape."""
+        for name, val in (("tile_q", tile_q), ("tile_kv", tile_kv)):
+            if val & (val - 1) or not 16 <= val <= 128:
+                raise ValueError(f"{name} must be a power of two in [16, 128] for the Triton "
+                                 f"kernel (its dot needs 16, blocks are powers of two), got {val}")
+        if not 1 <= stages <= 8:
+            raise ValueError(f"stages must be in [1, 8] for the Triton kernel, got {stages}")
+
+
+_KERNEL_CONFIGS = {"mosaic_gpu": MosaicConfig, "triton": TritonConfig, "xla": type(None)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Template:
     """One compiled kernel configuration.
 
-    name:        unique key, e.g. "mgpu_q128_kv128_s2"
+    name:        unique key, e.g. "mgpu_q128_kv128_s2_hm"
     backend:     "mosaic_gpu" | "triton" | "xla"
     tile_q:      query rows of one work unit (the plan's tile_q)
     tile_kv:     keys of one step (the plan's tile_kv)
@@ -32,7 +158,10 @@ class Template:
     q_align:     every unit's q_start must be a multiple of this
     kv_align:    every step's kv_start must be a multiple of this
     min_compute_capability: lowest (major, minor) GPU it runs on; (0, 0) for any
-    options:     backend-specific extras as (key, value) pairs (hashable)
+    policy:      the plan policy the template is meant for (benchmarks plan with it)
+    unit_order:  the order the planner gives the units: "interleaved" | "head_major"
+    kernel:      the backend's kernel config (``MosaicConfig`` / ``TritonConfig``; None for
+                 "xla"); None for a GPU backend means that backend's default config
     """
 
     name: str
@@ -45,26 +174,51 @@ class Template:
     q_align: int = 1
     kv_align: int = 1
     min_compute_capability: tuple[int, int] = (0, 0)
-    options: tuple[tuple[str, object], ...] = ()
+    policy: str = "merge"
+    unit_order: str = "interleaved"
+    kernel: MosaicConfig | TritonConfig | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"name must be a non-empty str, got {self.name!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        for field in ("tile_q", "tile_kv", "stages", "q_align", "kv_align"):
-            val = getattr(self, field)
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{field} must be a positive int, got {val!r}")
-        if any(not isinstance(d, int) or d < 1 for d in self.head_dims):
-            raise ValueError(f"head_dims must be a tuple of positive ints (empty: any), "
+            raise ValueError(f"Template.name must be a non-empty str, got {self.name!r}")
+        _check_choice("Template", "backend", self.backend, BACKENDS)
+        for name in ("tile_q", "tile_kv", "stages", "q_align", "kv_align"):
+            _check_int("Template", name, getattr(self, name))
+        for name in ("tile_q", "tile_kv"):
+            if getattr(self, name) > MAX_TILE:
+                raise ValueError(f"Template.{name} must be <= {MAX_TILE} (the plan ABI packs "
+                                 f"rectangle bounds in bytes), got {getattr(self, name)}")
+        if not isinstance(self.head_dims, tuple) or any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in self.head_dims):
+            raise ValueError(f"Template.head_dims must be a tuple of positive ints (empty: any), "
                              f"got {self.head_dims!r}")
-        if not self.dtypes or any(d not in _DTYPE_NAMES for d in self.dtypes):
-            raise ValueError(f"dtypes must be a non-empty tuple of {_DTYPE_NAMES}, "
+        if not isinstance(self.dtypes, tuple) or not self.dtypes or any(
+                d not in _DTYPE_NAMES for d in self.dtypes):
+            raise ValueError(f"Template.dtypes must be a non-empty tuple of {_DTYPE_NAMES}, "
                              f"got {self.dtypes!r}")
-
-    def option(self, key, default=None):
-        return dict(self.options).get(key, default)
+        cc = self.min_compute_capability
+        if not (isinstance(cc, tuple) and len(cc) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in cc)):
+            raise ValueError(f"Template.min_compute_capability must be a (major, minor) tuple "
+                             f"of ints, got {cc!r}")
+        _check_choice("Template", "policy", self.policy, POLICIES)
+        _check_choice("Template", "unit_order", self.unit_order, UNIT_ORDERS)
+        want = _KERNEL_CONFIGS[self.backend]
+        if self.kernel is None and want is not type(None):
+            object.__setattr__(self, "kernel", want())
+        if not isinstance(self.kernel, want):
+            raise TypeError(f"Template.kernel of a {self.backend!r} template must be "
+                            f"{'None' if want is type(None) else want.__name__}, got "
+                            f"{type(self.kernel).__name__}")
+        if self.kernel is not None:
+            try:
+                self.kernel.check_tiles(self.tile_q, self.tile_kv, self.stages)
+            except ValueError as e:
+                raise ValueError(f"template {self.name!r}: {e}") from None
+        if self.backend == "mosaic_gpu" and (self.q_align % 8 or self.kv_align % 8):
+            raise ValueError(f"Template.q_align / kv_align of a mosaic_gpu template must be "
+                             f"multiples of 8 (TMA fills 8-row SMEM tiles), got "
+                             f"{self.q_align} / {self.kv_align}")
 
     def supports(self, head_dim: int, dtype) -> bool:
         """Whether this template can run a call with this head dim and dtype."""
@@ -80,28 +234,86 @@ def _dtype_name(dtype) -> str:
         return np.dtype(dtype).name
 
 
-_REGISTRY: dict[str, Template] = {}
+# --- Mosaic GPU (Hopper, sm_90a): pallas_kernels.mosaic ------------------------------------
+# tile_q 128: two consumer warpgroups of 64 rows each (FA3 ping-pong). SMEM per CTA is
+# 2*tile_q*D (Q/O) + stages * 2 * tile_kv * D * 2 (K, V ring).
+# q_align = kv_align = 8: TMA writes the (8, 64)-tiled, 128B-swizzled SMEM layout that wgmma
+# reads by viewing GMEM as [L/8, D/64, 8, 64] tiles; a start that is not a multiple of 8 would
+# reach past a tile's 8 rows and read zeros (the interpreter, which ignores layouts, can't see it).
+# Head-major unit order (the planner keeps each head's units together, like attention_mgpu's
+# grid) keeps one head's K/V hot in L2 for the concurrent CTAs.
+_MGPU = dict(backend="mosaic_gpu", stages=2, head_dims=(64, 128), dtypes=("bfloat16", "float16"),
+             q_align=8, kv_align=8, min_compute_capability=(9, 0))
+_MOSAIC = (
+    Template("mgpu_q128_kv128_s2_hm", tile_q=128, tile_kv=128, unit_order="head_major",
+             kernel=MosaicConfig(), **_MGPU),
+    Template("mgpu_q128_kv64_s2_hm", tile_q=128, tile_kv=64, unit_order="head_major",
+             kernel=MosaicConfig(), **_MGPU),
+    # Paired tile_q 64: one CTA of the tile_q=128 shape (two consumer WGs, register split) runs
+    # two neighbouring 64-row units at once, each warpgroup its own unit with its own K/V ring
+    # (~164 KB of SMEM at D=128). Planned with ``pack`` (partial edge cubes share a unit).
+    # The schedule barrier acts on paired units only with pair_pingpong: not here.
+    Template("mgpu_q64x2_kv64_s2_hm", tile_q=64, tile_kv=64, policy="pack",
+             unit_order="head_major", kernel=MosaicConfig(paired=True), **_MGPU),
+    # Warpgroup step skipping for ``pack`` plans (two 64-row query blocks in one 128-row unit,
+    # one rectangle per step): no ping-pong, so the two warpgroups may drift up to ``stages``
+    # steps apart and one computes while the other skips.
+    Template("mgpu_q128_kv64_s2_skip", tile_q=128, tile_kv=64, policy="pack",
+             kernel=MosaicConfig(schedule_barrier=False, wg_skip=True), **_MGPU),
+    # Paired units with ping-pong: the two warpgroups alternate their matrix products and
+    # softmax as in the tile_q=128 kernel, the shorter unit's warpgroup passing the barrier for
+    # the longer one's remaining steps.
+    Template("mgpu_q64x2pp_kv64_s2_hm", tile_q=64, tile_kv=64, policy="pack",
+             unit_order="head_major", kernel=MosaicConfig(paired=True, pair_pingpong=True),
+             **_MGPU),
+)
+
+# --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton -----------------
+# Pointer loads at any row offset, so no alignment; the head dim is padded to a power of two
+# (>= 16) inside the kernel, up to 256.
+# v2 (benchmarks/NOTES.md "Triton kernel v2"): with ``prefetch`` and 3 stages Triton 3.9's
+# pipeliner issues a step's K/V copies a full step ahead. SMEM at D=128: 131 KB (kv64),
+# 229,432 of 232,448 bytes (kv128), so D <= 128 only; 238 / 255 registers, no spills: one CTA
+# of 8 warps per SM. Head-major order keeps one head's K/V hot in L2, like Flex's grid. Order
+# is deliberate: benchmarks/kernels.py times the first Triton template(s) and checks the
+# first two.
+_TRITON = dict(backend="triton", dtypes=("bfloat16", "float16", "float32"),
+               min_compute_capability=(8, 0))
+_TRITON_V2 = dict(_TRITON, stages=3, head_dims=tuple(range(1, 129)), unit_order="head_major",
+                  kernel=TritonConfig(num_warps=8, prefetch=True))
+_TRITON_TEMPLATES = (
+    Template("triton_q128_kv64_w8_s3_pf_hm", tile_q=128, tile_kv=64, **_TRITON_V2),
+    Template("triton_q128_kv128_w8_s3_pf_hm", tile_q=128, tile_kv=128, **_TRITON_V2),
+    # Kept for capability, not speed: the v2 templates take D <= 128 only, this one the head
+    # dims 129..256 (v1 grid, 4 warps, 2 stages: small tiles leave registers for D = 256).
+    Template("triton_q64_kv64_w4_s2", tile_q=64, tile_kv=64, stages=2,
+             head_dims=tuple(range(129, 257)), kernel=TritonConfig(num_warps=4), **_TRITON),
+)
+
+# --- XLA executor (plain JAX: CPU/TPU, the fallback): pallas_kernels.xla.executor ---------
+# The mixed shapes are kept because the CPU tests plan with them (tests/test_api.py,
+# test_viz.py, test_planner.py, test_selection.py: xla_64x128 / xla_128x64), and the planner
+# names a plan without a template ``xla_{tile_q}x{tile_kv}``.
+_XLA = tuple(Template(f"xla_{tq}x{tk}", "xla", tq, tk, stages=1, head_dims=(),
+                      dtypes=("float32", "bfloat16", "float16"))
+             for tq, tk in ((64, 64), (128, 128), (64, 128), (128, 64)))
+
+TEMPLATES: tuple[Template, ...] = _MOSAIC + _TRITON_TEMPLATES + _XLA
+
+# By name, in table order. Tests may add a stand-in (monkeypatch.setitem); nothing else writes it.
+_REGISTRY: dict[str, Template] = {t.name: t for t in TEMPLATES}
+assert len(_REGISTRY) == len(TEMPLATES), "template names must be unique"
 
 
-def register(template: Template) -> Template:
-    """Adds a template; re-registering the same name with a different template is an error."""
-    if not isinstance(template, Template):
-        raise TypeError(f"template must be a Template, got {type(template).__name__}")
-    old = _REGISTRY.get(template.name)
-    if old is not None and old != template:
-        raise ValueError(f"a different template named {template.name!r} is already registered")
-    _REGISTRY[template.name] = template
-    return template
-
-
-def get(name: str) -> Template:
-    """The registered template of this name (``ValueError`` naming the known ones otherwise)."""
+def get(name) -> Template:
+    """The template of this name (a Template passes through); ValueError naming the known
+    ones otherwise."""
     if isinstance(name, Template):
         return name
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown template {name!r}; registered: {sorted(_REGISTRY)}") from None
+        raise ValueError(f"unknown template {name!r}; known: {sorted(_REGISTRY)}") from None
 
 
 def all_templates() -> tuple[Template, ...]:
@@ -112,132 +324,3 @@ def for_backend(backend: str) -> tuple[Template, ...]:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return tuple(t for t in _REGISTRY.values() if t.backend == backend)
-
-
-def supporting(head_dim: int, dtype, backend: str | None = None) -> tuple[Template, ...]:
-    """Templates (of one backend, or all) that can run this head dim and dtype."""
-    pool = _REGISTRY.values() if backend is None else for_backend(backend)
-    return tuple(t for t in pool if t.supports(head_dim, dtype))
-
-
-# --- Mosaic GPU (Hopper, sm_90a): pallas_kernels.mosaic.forward --------------------------------
-# tile_q 128: two consumer warpgroups of 64 rows each (FA3 ping-pong). SMEM per CTA is
-# 2*tile_q*D (Q/O) + stages * 2 * tile_kv * D * 2 (K, V ring): at D=128, tile_kv=128 three
-# stages take 224 KiB of the 227 KiB available, four don't fit.
-# q_align = kv_align = 8: TMA writes the (8, 64)-tiled, 128B-swizzled SMEM layout that wgmma
-# reads by viewing GMEM as [L/8, D/64, 8, 64] tiles; a start that is not a multiple of 8 would
-# reach past a tile's 8 rows and read zeros (the interpreter, which ignores layouts, can't see it).
-# Options (mosaic_fwd.config_from_template): prefetch_rect (default off: run 3 measured it at
-# 0 to -5%), schedule_barrier, mask_mode, auto_none, persistent, num_ctas, wg_skip, paired;
-# unit_order is read by the planner ("interleaved" by default), policy by
-# benchmarks/kernels.py (the plan policy a template is meant for; "merge" when absent).
-_MGPU_COMMON = dict(backend="mosaic_gpu", head_dims=(64, 128),
-                    dtypes=("bfloat16", "float16"), q_align=8, kv_align=8,
-                    min_compute_capability=(9, 0))
-for _kv, _stages in ((128, 2), (128, 3), (64, 2), (64, 3), (64, 4)):
-    _t = Template(name=f"mgpu_q128_kv{_kv}_s{_stages}", tile_q=128, tile_kv=_kv, stages=_stages,
-                  **_MGPU_COMMON)
-    if (_kv, _stages) == (128, 3):
-        # Measured on the H200: 232,568 bytes of SMEM at D=128 (ring, Q/O, LSE, barriers)
-        # against 232,448 available, so D=64 only.
-        _t = dataclasses.replace(_t, head_dims=(64,))
-    register(_t)
-# Persistent variants: one CTA per multiprocessor walks the units in schedule order, and the
-# producer streams the next unit's K/V while the consumers finish the current one.
-for _kv in (128, 64):
-    register(Template(name=f"mgpu_q128_kv{_kv}_s2_persist", tile_q=128, tile_kv=_kv, stages=2,
-                      options=(("persistent", True),), **_MGPU_COMMON))
-# tile_q 64: one consumer warpgroup (64 rows, so 64-token query blocks fill a unit) plus the
-# TMA producer, no ping-pong: the overlap of one CTA's softmax with another's matrix products
-# comes from two CTAs per SM, so SMEM must fit twice in the SM's 228 KiB. At D=128 only
-# kv64 with 2 stages does (~85 KB); kv64 s3 (~118 KB) and kv128 s2 (~150 KB) only at D=64.
-# Planned with ``pack`` (partial edge cubes share a unit): on Wan 480p cubes / sliding tiles /
-# clusters it computes 4-6% less than merge with fewer steps.
-_Q64 = {(64, 2): (64, 128), (64, 3): (64,), (128, 2): (64,)}
-for (_kv, _stages), _dims in _Q64.items():
-    register(Template(name=f"mgpu_q64_kv{_kv}_s{_stages}", tile_q=64, tile_kv=_kv,
-                      stages=_stages, options=(("policy", "pack"),),
-                      **{**_MGPU_COMMON, "head_dims": _dims}))
-# Paired tile_q 64: one CTA of the tile_q=128 shape (two consumer WGs, register split) runs
-# two neighbouring 64-row units at once, each warpgroup its own unit with its own K/V ring;
-# the overlap of softmax and matrix products then needs no second CTA per SM (no reliance on
-# the compiler keeping registers at <= 128 per thread). Two rings: kv64 s2 at D=128 (~164 KB).
-for _kv, _dims in ((64, (64, 128)), (128, (64,))):
-    register(Template(name=f"mgpu_q64x2_kv{_kv}_s2", tile_q=64, tile_kv=_kv, stages=2,
-                      options=(("paired", True), ("policy", "pack")),
-                      **{**_MGPU_COMMON, "head_dims": _dims}))
-# Warpgroup step skipping: a consumer warpgroup whose 64 rows miss a step's rectangle skips
-# its matrix products and softmax, so ``pack``/``split`` plans (two 64-row query blocks in one
-# 128-row unit, one rectangle per step) compute only the selected half. No ping-pong by
-# default: the two warpgroups may then drift up to ``stages`` steps apart, so one computes
-# while the other skips (benchmarks/kernels.py's "+sched" turns the barrier back on).
-for _kv, _stages in ((64, 2), (64, 3), (128, 2)):
-    register(Template(name=f"mgpu_q128_kv{_kv}_s{_stages}_skip", tile_q=128, tile_kv=_kv,
-                      stages=_stages,
-                      options=(("policy", "pack"), ("schedule_barrier", False),
-                               ("wg_skip", True)), **_MGPU_COMMON))
-# Mask mode "unit": a unit whose steps are all full runs a K/V loop without masking code, the
-# others the per-step cond (both loops in one kernel, chosen per unit by a lax.cond).
-for _kv in (128, 64):
-    register(Template(name=f"mgpu_q128_kv{_kv}_s2_unit", tile_q=128, tile_kv=_kv, stages=2,
-                      options=(("mask_mode", "unit"),), **_MGPU_COMMON))
-# Head-major unit order (the planner keeps each head's units together, like attention_mgpu's
-# grid, whose last axis is CUDA's fastest), to measure L2 reuse of K/V against the default
-# interleaved order; 64-row units load each K/V tile for half the rows, so they need it more.
-for _kv in (128, 64):
-    register(Template(name=f"mgpu_q128_kv{_kv}_s2_hm", tile_q=128, tile_kv=_kv, stages=2,
-                      options=(("unit_order", "head_major"),), **_MGPU_COMMON))
-register(Template(name="mgpu_q64x2_kv64_s2_hm", tile_q=64, tile_kv=64, stages=2,
-                  options=(("paired", True), ("policy", "pack"), ("unit_order", "head_major")),
-                  **_MGPU_COMMON))
-# Paired units with ping-pong: the two warpgroups alternate their matrix products and softmax
-# as in the tile_q=128 kernel (run 4: ping-pong was worth ~15% on kv64 steps, q128_kv64 490 vs
-# q64x2_kv64 424 TFLOP/s on the aligned d=0.5 mask), the shorter unit's warpgroup passing the
-# barrier for the longer one's remaining steps.
-register(Template(name="mgpu_q64x2pp_kv64_s2_hm", tile_q=64, tile_kv=64, stages=2,
-                  options=(("paired", True), ("pair_pingpong", True), ("policy", "pack"),
-                           ("unit_order", "head_major")), **_MGPU_COMMON))
-del _kv, _stages, _t, _dims
-
-
-# --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton.forward -------------------
-# Pointer loads at any row offset, so no alignment; the head dim is padded to a power of two
-# (>= 16) inside the kernel, up to 256. Options: num_warps, mask_mode (triton_fwd.MASK_MODES;
-# "cond" when absent, "none" automatically for all-full concrete plans), prefetch (carry the
-# next step's kv_start), unit_order (read by the planner).
-_TRITON_COMMON = dict(backend="triton", head_dims=tuple(range(1, 257)),
-                      dtypes=("bfloat16", "float16", "float32"), min_compute_capability=(8, 0))
-# v2 (benchmarks/NOTES.md "Triton kernel v2"). Compiled offline by Triton 3.9 for sm_90 (TTGIR
-# + ptxas): a step's K/V address hangs on a scalar load of its kv_start, and the pipeliner then
-# issues the K/V copies only after the step's compute (latency exposed; at s3 the index load is
-# pipelined but the copies still go out one step late). With ``prefetch`` and s3 they go out a
-# full step ahead (3 buffers). SMEM at D=128: 131 KB (kv64), 229,432 of 232,448 bytes (kv128: D <= 128
-# only, nothing to spare); 238 / 255 registers, no spills: one CTA of 8 warps per SM.
-# Head-major order keeps one head's K/V (16.8 MB at Wan 480p) hot in L2 for the concurrent
-# CTAs, like Flex's grid. Registration order is deliberate: benchmarks/kernels.py times the
-# first Triton template(s) and checks the first two, so the first four are the v2 run's set
-# (two v2 candidates, the interleaved-order control, the v1 baseline).
-_TRITON_V2 = dict(_TRITON_COMMON, head_dims=tuple(range(1, 129)))
-
-
-def _register_v2(name, tile_kv, stages, **opts):
-    o = {"num_warps": 8, "prefetch": True, "unit_order": "head_major", **opts}
-    register(Template(name=name, tile_q=128, tile_kv=tile_kv, stages=stages,
-                      options=tuple(sorted(o.items())), **_TRITON_V2))
-
-
-_register_v2("triton_q128_kv64_w8_s3_pf_hm", 64, 3)
-_register_v2("triton_q128_kv128_w8_s3_pf_hm", 128, 3)
-_register_v2("triton_q128_kv64_w8_s3_pf", 64, 3, unit_order="interleaved")
-# v1 grid. The first entry is jax's ops/gpu/attention.py dense configuration (128x64, 8 warps,
-# 2 stages), measured at 433 TFLOP/s dense on the H200; it is the baseline of the v2 run.
-for _tq, _tk, _w, _s in ((128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2),
-                         (64, 64, 4, 3), (64, 128, 4, 2)):
-    register(Template(name=f"triton_q{_tq}_kv{_tk}_w{_w}_s{_s}", tile_q=_tq, tile_kv=_tk,
-                      stages=_s, options=(("num_warps", _w),), **_TRITON_COMMON))
-# More v2 variants (not in the first four): each unit's leading full steps without masking
-# code (at L = 32,760 only the last, partial K/V tile of a row needs the mask), head-major
-# order alone.
-_register_v2("triton_q128_kv64_w8_s3_pf_hm_prefix", 64, 3, mask_mode="prefix")
-_register_v2("triton_q128_kv64_w8_s2_hm", 64, 2, prefetch=False)
-del _tq, _tk, _w, _s

@@ -1,4 +1,4 @@
-"""The Mosaic GPU plan kernel (pallas_kernels.mosaic.forward) against the dense reference.
+"""The Mosaic GPU plan kernel (pallas_kernels.mosaic) against the dense reference.
 
 On CPU the kernel runs under the Mosaic GPU interpreter (jax._src.pallas.mosaic_gpu.interpret),
 which simulates warpgroups, barriers, TMA and wgmma. It has no rule for ``run_state`` nor for
@@ -10,6 +10,7 @@ q_align / kv_align = 8) is checked on the GPU by benchmarks/kernels.py, not here
 """
 
 import dataclasses
+import zlib
 
 import numpy as np
 import pytest
@@ -20,8 +21,10 @@ import jax.numpy as jnp
 import tessera_jax as tj
 from tessera_jax.planning.planner import build_plan
 from pallas_kernels import templates
-from pallas_kernels.mosaic import forward as mosaic_fwd
+from pallas_kernels.mosaic import kernel as mosaic_kernel
+from pallas_kernels.mosaic import wrapper as mosaic
 from pallas_kernels import abi as plan_abi
+from pallas_kernels.templates import MosaicConfig
 
 from strategies import random_qkv
 
@@ -61,7 +64,7 @@ def _run_planned(mask, B, Lq, Lkv, Hq, Hkv, D, dtype, template, seed, policy="me
     q, k, v = random_qkv(B, Lq, Lkv, Hq, Hkv, D, dtype, seed)
     plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=t.tile_q, tile_kv=t.tile_kv,
                       policy=policy, q_align=t.q_align, kv_align=t.kv_align, template=t.name)
-    out, lse = mosaic_fwd.attention(
+    out, lse = mosaic.attention(
         q, k, v, plan.units, plan.steps, plan.row_index, template=t.name,
         q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, return_lse=True,
         interpret=INTERPRET)
@@ -79,12 +82,17 @@ def _variable_mask(rng, Lq, Lkv, Hm, nq, nkv, density, empty_row=True):
     return tj.BlockMask(qb, kb, blocks)
 
 
+def _seed(*key) -> int:
+    """A stable seed (``hash`` of a str is salted per process)."""
+    return zlib.crc32(repr(key).encode())
+
+
 @pytest.mark.parametrize("template,dtype,D,Hq,Hkv,per_head", [
-    ("mgpu_q128_kv64_s2", jnp.bfloat16, 64, 4, 2, True),     # GQA, per-head, variable blocks
-    ("mgpu_q128_kv128_s2", jnp.float16, 128, 2, 1, False),   # MQA, shared mask
+    ("mgpu_q128_kv64_s2_hm", jnp.bfloat16, 64, 4, 2, True),     # GQA, per-head, variable blocks
+    ("mgpu_q128_kv128_s2_hm", jnp.float16, 128, 2, 1, False),   # MQA, shared mask
 ])
 def test_planned_variable_blocks(template, dtype, D, Hq, Hkv, per_head):
-    rng = np.random.default_rng(hash((template, D)) % 2**32)
+    rng = np.random.default_rng(_seed(template, D))
     Lq, Lkv = 200, 330
     mask = _variable_mask(rng, Lq, Lkv, Hq if per_head else 1, 7, 9, 0.45)
     plan = _run_planned(mask, 1, Lq, Lkv, Hq, Hkv, D, dtype, template, seed=int(rng.integers(1e9)))
@@ -99,7 +107,7 @@ def test_full_and_partial_steps_aligned():
     blocks = rng.random((2, 2, 5)) < 0.6
     blocks[:, :, 0] = blocks[:, :, 4] = True
     mask = tj.BlockMask.uniform(Lq, Lkv, 128, 64, blocks)
-    plan = _run_planned(mask, 2, Lq, Lkv, 2, 2, 64, jnp.bfloat16, "mgpu_q128_kv64_s3", seed=3)
+    plan = _run_planned(mask, 2, Lq, Lkv, 2, 2, 64, jnp.bfloat16, "mgpu_q128_kv64_s2_hm", seed=3)
     st = plan.stats()
     assert st["full_tiles"] > 0 and st["partial_tiles"] > 0
 
@@ -156,33 +164,11 @@ def test_hand_plan_shuffled_rectangles():
     units, steps, row_index, qlp, klp = _hand_plan(mask.token_mask(), Hq, 128, 64, seed=5)
     assert len(steps) > 2 * units.shape[0]
     q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, dtype, seed=21)
-    out, lse = mosaic_fwd.attention(q, k, v, units, steps, row_index,
-                                    template="mgpu_q128_kv64_s4", q_len_padded=qlp,
-                                    kv_len_padded=klp, scale=0.3, return_lse=True,
-                                    interpret=INTERPRET)
+    out, lse = mosaic.attention(q, k, v, units, steps, row_index,
+                                template="mgpu_q128_kv64_s2_hm", q_len_padded=qlp,
+                                kv_len_padded=klp, scale=0.3, return_lse=True,
+                                interpret=INTERPRET)
     ref_out, ref_lse = tj.reference_attention(q, k, v, mask, scale=0.3, return_lse=True)
-    _check(out, lse, ref_out, ref_lse, dtype)
-
-
-def test_persistent_loop_over_units():
-    """Persistent variant: 3 CTAs walk 2 batches x the units (several per CTA), ring slots
-    continuing across units; a unit with no steps in between."""
-    import dataclasses
-    rng = np.random.default_rng(5)
-    Lq, Lkv, Hq, Hkv, D, dtype = 256, 200, 2, 1, 64, jnp.bfloat16
-    mask = _variable_mask(rng, Lq, Lkv, Hq, 6, 5, 0.5)
-    base = templates.get("mgpu_q128_kv64_s2")
-    t = dataclasses.replace(base, name="persistent_test",
-                            options=(("num_ctas", 3), ("persistent", True)))
-    q, k, v = random_qkv(2, Lq, Lkv, Hq, Hkv, D, dtype, seed=8)
-    plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=128, tile_kv=64, q_align=8,
-                      kv_align=8)
-    assert plan.num_units > 3
-    out, lse = mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index, template=t,
-                                    q_len_padded=plan.q_len_padded,
-                                    kv_len_padded=plan.kv_len_padded, return_lse=True,
-                                    interpret=INTERPRET)
-    ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
     _check(out, lse, ref_out, ref_lse, dtype)
 
 
@@ -191,11 +177,11 @@ def test_empty_mask_gives_zero_and_neg_inf():
     q, k, v = random_qkv(1, 130, 70, 1, 1, 64, jnp.bfloat16, seed=1)
     plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=128, tile_kv=64, q_align=8,
                       kv_align=8)
-    out, lse = mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                    template="mgpu_q128_kv64_s2",
-                                    q_len_padded=plan.q_len_padded,
-                                    kv_len_padded=plan.kv_len_padded, return_lse=True,
-                                    interpret=INTERPRET)
+    out, lse = mosaic.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                template="mgpu_q128_kv64_s2_hm",
+                                q_len_padded=plan.q_len_padded,
+                                kv_len_padded=plan.kv_len_padded, return_lse=True,
+                                interpret=INTERPRET)
     assert np.all(np.asarray(out, np.float32) == 0) and np.all(np.isneginf(np.asarray(lse)))
 
 
@@ -210,27 +196,26 @@ def _cube_mask(rng, Lq, Lkv, Hm, density, block=64):
 
 
 @pytest.mark.parametrize("template,dtype,Hq,Hkv", [
-    ("mgpu_q64_kv64_s2", jnp.bfloat16, 4, 2),        # GQA, per-head 64-token blocks
-    ("mgpu_q64_kv128_s2", jnp.float16, 2, 1),        # kv128 steps over 64-token key blocks
-    ("mgpu_q64x2_kv64_s2", jnp.bfloat16, 2, 1),      # two 64-row units per CTA
-    ("mgpu_q64x2pp_kv64_s2_hm", jnp.bfloat16, 4, 2),  # ... ping-ponged, head-major, GQA
+    ("mgpu_q64x2_kv64_s2_hm", jnp.float16, 2, 1),        # two 64-row units per CTA
+    ("mgpu_q64x2pp_kv64_s2_hm", jnp.bfloat16, 4, 2),     # ... ping-ponged, GQA, per head
 ])
-def test_q64_one_warpgroup(template, dtype, Hq, Hkv):
-    """tile_q=64 (one consumer warpgroup): units of 64 rows fit 64-token query blocks, so the
-    plan computes less than with 128-row units, and the kernel matches the reference."""
-    rng = np.random.default_rng(hash(template) % 2**32)
+def test_q64_paired(template, dtype, Hq, Hkv):
+    """tile_q=64 (paired: one unit per consumer warpgroup): units of 64 rows fit 64-token
+    query blocks, so the plan computes less than with 128-row units, and the kernel matches
+    the reference."""
+    rng = np.random.default_rng(_seed(template))
     Lq, Lkv, D = 232, 264, 64
     mask = _cube_mask(rng, Lq, Lkv, Hq, 0.4)
     t = templates.get(template)
     plan = _run_planned(mask, 1, Lq, Lkv, Hq, Hkv, D, dtype, template,
-                        seed=int(rng.integers(1e9)), policy=t.option("policy", "merge"))
+                        seed=int(rng.integers(1e9)), policy=t.policy)
     assert plan.tile_q == 64 and plan.policy == "pack"
     p128 = build_plan(mask, (1, Lq, Hq, D), (1, Lkv, Hkv, D), dtype, tile_q=128,
                       tile_kv=t.tile_kv, q_align=8, kv_align=8)
     assert plan.stats()["computed_interactions"] < p128.stats()["computed_interactions"]
 
 
-@pytest.mark.parametrize("template", ["mgpu_q64x2_kv64_s2", "mgpu_q64x2pp_kv64_s2_hm"])
+@pytest.mark.parametrize("template", ["mgpu_q64x2_kv64_s2_hm", "mgpu_q64x2pp_kv64_s2_hm"])
 def test_paired_units_odd_count_and_uneven_steps(template):
     """Paired tile_q=64 kernel on a hand plan: neighbouring units with different step counts
     (several rectangles per K/V tile, shuffled), an odd unit count (the last CTA's second
@@ -244,10 +229,10 @@ def test_paired_units_odd_count_and_uneven_steps(template):
     cnt = units[:, plan_abi.UNIT_STEP_CNT]
     assert len(set(cnt[:-3].tolist())) > 1
     q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, dtype, seed=41)
-    out, lse = mosaic_fwd.attention(q, k, v, units, steps, row_index,
-                                    template=template, q_len_padded=qlp,
-                                    kv_len_padded=klp, scale=0.2, return_lse=True,
-                                    interpret=INTERPRET)
+    out, lse = mosaic.attention(q, k, v, units, steps, row_index,
+                                template=template, q_len_padded=qlp,
+                                kv_len_padded=klp, scale=0.2, return_lse=True,
+                                interpret=INTERPRET)
     ref_out, ref_lse = tj.reference_attention(q, k, v, mask, scale=0.2, return_lse=True)
     _check(out, lse, ref_out, ref_lse, dtype)
 
@@ -274,41 +259,40 @@ def test_wg_skip_on_packed_halves(sched):
     t = templates.get("mgpu_q128_kv64_s2_skip")
     if sched:
         t = dataclasses.replace(t, name="skip_sched_test",
-                                options=tuple((k, True if k == "schedule_barrier" else v)
-                                              for k, v in t.options))
-    assert mosaic_fwd.config_from_template(t).schedule_barrier == sched
+                                kernel=dataclasses.replace(t.kernel, schedule_barrier=True))
+    assert mosaic.config_from_template(t).pingpong == sched
     plan, one_half = _pack_plan(mask, Hq, Hkv, D, dtype, t)
     assert one_half.mean() > 0.5                    # most steps cover only one warpgroup
     q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, dtype, seed=31 + sched)
-    out, lse = mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                    template=t, q_len_padded=plan.q_len_padded,
-                                    kv_len_padded=plan.kv_len_padded, return_lse=True,
-                                    interpret=INTERPRET)
+    out, lse = mosaic.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                template=t, q_len_padded=plan.q_len_padded,
+                                kv_len_padded=plan.kv_len_padded, return_lse=True,
+                                interpret=INTERPRET)
     ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
     _check(out, lse, ref_out, ref_lse, dtype)
 
 
 def test_mask_modes_from_the_plan(monkeypatch):
     """A plan whose steps are all full runs without masking code ("none", chosen from the
-    concrete plan); otherwise the per-step cond ("cond", the default) or, with mask mode
-    "unit", an unmasked loop for units whose steps are all full and the cond for the others
-    (flag per unit computed in-graph). All match the reference; "none" on a plan with
-    partial steps is refused."""
+    concrete plan); otherwise the per-step cond ("cond", the default); a template whose
+    config says "always" masks every step, all-full plan or not. All match the reference;
+    "none" on a plan with partial steps is refused."""
     seen = []
-    real_cfg = mosaic_fwd.config_from_template
+    real_cfg = mosaic.config_from_template
 
     def spy(template, mask_mode=None):
         cfg = real_cfg(template, mask_mode)
         seen.append(cfg.mask_mode)
         return cfg
 
-    monkeypatch.setattr(mosaic_fwd, "config_from_template", spy)
+    monkeypatch.setattr(mosaic, "config_from_template", spy)
+    base = templates.get("mgpu_q128_kv64_s2_hm")
+    always = dataclasses.replace(base, name="always_test", kernel=MosaicConfig(mask_mode="always"))
     rng = np.random.default_rng(3)
     Hq, Hkv, D, dtype = 2, 1, 64, jnp.float16
-    for Lkv, template, want in ((192, "mgpu_q128_kv64_s2", "none"),
-                                (192, "mgpu_q128_kv64_s2_unit", "none"),
-                                (200, "mgpu_q128_kv64_s2", "cond"),   # a partial last key tile
-                                (200, "mgpu_q128_kv64_s2_unit", "unit")):
+    for Lkv, template, want in ((192, base, "none"),
+                                (200, base, "cond"),   # a partial last key tile
+                                (200, always, "always")):
         nk = -(-Lkv // 64)
         blocks = rng.random((Hq, 2, nk)) < 0.6
         blocks[:, :, 0] = True
@@ -318,55 +302,45 @@ def test_mask_modes_from_the_plan(monkeypatch):
         q, k, v = random_qkv(1, 256, Lkv, Hq, Hkv, D, dtype, seed=int(rng.integers(1e9)))
         plan = build_plan(mask, q.shape, k.shape, dtype, tile_q=128, tile_kv=64, q_align=8,
                           kv_align=8)
-        assert mosaic_fwd.plan_mask_mode(plan.units, plan.steps, template, plan.q_len_padded,
-                                         plan.kv_len_padded) == want
-        flags = np.asarray(mosaic_fwd._unit_full(jnp.asarray(plan.units),
-                                                 jnp.asarray(plan.steps), 128, 64))
-        real = plan.units[:, plan_abi.UNIT_STEP_CNT] > 0
-        q_tile = plan.units[:, plan_abi.UNIT_Q_START] // 128
-        if want == "none":
-            assert flags.all()
-        else:                                    # both kinds of units: both branches run
-            np.testing.assert_array_equal(flags[real], q_tile[real] == 0)
+        assert mosaic.plan_mask_mode(plan.units, plan.steps, template, plan.q_len_padded,
+                                     plan.kv_len_padded) == want
+        assert mosaic.mask_mode_for(template, plan.all_full) == want
         seen.clear()
-        out, lse = mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                        template=template, q_len_padded=plan.q_len_padded,
-                                        kv_len_padded=plan.kv_len_padded, return_lse=True,
-                                        interpret=INTERPRET)
+        out, lse = mosaic.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                    template=template, q_len_padded=plan.q_len_padded,
+                                    kv_len_padded=plan.kv_len_padded, return_lse=True,
+                                    interpret=INTERPRET)
         assert seen == [want]
         ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
         _check(out, lse, ref_out, ref_lse, dtype)
-        if want != "none":
+        if want == "cond":
             with pytest.raises(ValueError, match="all full"):
-                mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                     template=template, q_len_padded=plan.q_len_padded,
-                                     kv_len_padded=plan.kv_len_padded, mask_mode="none")
-    # "+always" and "+keepmask" templates keep their mode even on an all-full plan.
-    base = templates.get("mgpu_q128_kv64_s2")
-    always = dataclasses.replace(base, options=(("mask_mode", "always"),))
-    assert mosaic_fwd._auto_mask_mode(always, True) == "always"
-    keep = dataclasses.replace(base, options=(("auto_none", False),))
-    assert mosaic_fwd._auto_mask_mode(keep, True) == "cond"
-    assert mosaic_fwd._auto_mask_mode(base, False) == "cond"
-    with pytest.raises(ValueError, match="mask_mode"):
-        mosaic_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                             template=template, q_len_padded=plan.q_len_padded,
-                             kv_len_padded=plan.kv_len_padded, mask_mode="sometimes")
+                mosaic.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                 template=template, q_len_padded=plan.q_len_padded,
+                                 kv_len_padded=plan.kv_len_padded, mask_mode="none")
+    # "always" stays "always" on an all-full plan; "cond" stays "cond" on a partial one.
+    assert [mosaic.mask_mode_for(always, f) for f in (True, False)] == ["always", "always"]
+    assert [mosaic.mask_mode_for(base, f) for f in (True, False)] == ["none", "cond"]
+    for bad in ("sometimes", "unit"):           # "unit" was deleted with its templates
+        with pytest.raises(ValueError, match="mask_mode"):
+            mosaic.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                             template=base, q_len_padded=plan.q_len_padded,
+                             kv_len_padded=plan.kv_len_padded, mask_mode=bad)
 
 
 @pytest.fixture
 def attention_calls(monkeypatch):
-    """mosaic_fwd.attention under the interpreter, recording (plan arrays are NumPy, mask_mode)
+    """mosaic.attention under the interpreter, recording (plan arrays are NumPy, mask_mode)
     of every call the backend runner makes."""
     calls = []
-    real = mosaic_fwd.attention
+    real = mosaic.attention
 
     def spy(q, k, v, units, steps, row_index, **kw):
         calls.append((isinstance(units, np.ndarray), kw.get("mask_mode"),
                       kw.get("check_plan", True)))
         return real(q, k, v, units, steps, row_index, interpret=INTERPRET, **kw)
 
-    monkeypatch.setattr(mosaic_fwd, "attention", spy)
+    monkeypatch.setattr(mosaic, "attention", spy)
     return calls
 
 
@@ -376,19 +350,19 @@ def test_backend_runner_prepares_each_plan_once(attention_calls, monkeypatch):
     steps in any eager call)."""
     from tessera_jax.runtime import kernel_runner as kernel_backends
     calls = attention_calls
-    run = kernel_backends._runner("pallas_kernels.mosaic.forward")
-    t = templates.get("mgpu_q128_kv64_s2")
+    run = lambda *a: kernel_backends.run(mosaic, *a)    # noqa: E731  (dispatch's mosaic_gpu run)
+    t = templates.get("mgpu_q128_kv64_s2_hm")
     mask = tj.BlockMask.uniform(256, 192, 128, 64, np.random.default_rng(2).random((1, 2, 3)) < .7)
     q, k, v = random_qkv(1, 256, 192, 2, 1, 64, jnp.bfloat16, seed=9)
     plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=128, tile_kv=64, q_align=8,
                       kv_align=8, template=t.name)
     ref_out, ref_lse = tj.reference_attention(q, k, v, mask, scale=0.125, return_lse=True)
-    real_check = mosaic_fwd._check_concrete_plan
+    real_check = plan_abi.check_plan
 
     def no_walk(*a, **kw):
         raise AssertionError("an eager call of a trusted plan walked its steps")
 
-    monkeypatch.setattr(mosaic_fwd, "_check_concrete_plan", no_walk)
+    monkeypatch.setattr(plan_abi, "check_plan", no_walk)
     puts = []
     real_put = kernel_backends._put_plan
     monkeypatch.setattr(kernel_backends, "_put_plan", lambda *a: puts.append(1) or real_put(*a))
@@ -400,7 +374,7 @@ def test_backend_runner_prepares_each_plan_once(attention_calls, monkeypatch):
     assert plan.all_full
     assert calls == [(True, "none", False), (False, "none", True), (False, "none", True)]
     assert puts == [1]
-    monkeypatch.setattr(mosaic_fwd, "_check_concrete_plan", real_check)
+    monkeypatch.setattr(plan_abi, "check_plan", real_check)
     # Traced (the plan becomes constants of a jitted caller): the NumPy arrays, not the cached
     # device arrays (jax would hoist those into extra inputs of an AOT-compiled loop).
     out, lse = jax.jit(lambda q: run(plan, t, q, k, v, 0.125, True))(q)
@@ -411,13 +385,9 @@ def test_backend_runner_prepares_each_plan_once(attention_calls, monkeypatch):
 def test_backend_runner_takes_traced_plan_arrays(attention_calls, monkeypatch):
     """The profiler jits the backend call with the plan arrays as operands and a plain
     namespace as the plan: the runner passes them through (no host checks, no cache)."""
-    from tessera_jax.runtime import kernel_runner as kernel_backends
     from tessera_jax.tools import profiler as profile
-    calls = attention_calls
-    from tessera_jax.runtime import dispatch
-    monkeypatch.setitem(dispatch._RUNNERS, "mosaic_gpu",
-                        kernel_backends._runner("pallas_kernels.mosaic.forward"))
-    t = templates.get("mgpu_q128_kv64_s2")
+    calls = attention_calls         # dispatch's mosaic_gpu entry calls the spied module
+    t = templates.get("mgpu_q128_kv64_s2_hm")
     mask = tj.BlockMask.uniform(256, 192, 128, 64, np.random.default_rng(3).random((1, 2, 3)) < .7)
     q, k, v = random_qkv(1, 256, 192, 2, 1, 64, jnp.bfloat16, seed=11)
     plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=128, tile_kv=64, q_align=8,
@@ -438,51 +408,58 @@ def test_bad_input_raises():
     plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=128, tile_kv=64, q_align=8,
                       kv_align=8)
     args = (plan.units, plan.steps, plan.row_index)
-    kw = dict(template="mgpu_q128_kv64_s2", q_len_padded=128, kv_len_padded=128)
+    kw = dict(template="mgpu_q128_kv64_s2_hm", q_len_padded=128, kv_len_padded=128)
     with pytest.raises(ValueError, match="head_dim"):
         q96 = jnp.zeros((1, 128, 1, 96), jnp.bfloat16)
-        mosaic_fwd.attention(q96, q96, q96, *args, **kw)
+        mosaic.attention(q96, q96, q96, *args, **kw)
     with pytest.raises(ValueError, match="dtypes"):
-        mosaic_fwd.attention(q.astype(jnp.float32), k.astype(jnp.float32),
-                             v.astype(jnp.float32), *args, **kw)
+        mosaic.attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                         v.astype(jnp.float32), *args, **kw)
     with pytest.raises(TypeError, match="share one dtype"):
-        mosaic_fwd.attention(q, k.astype(jnp.float16), v, *args, **kw)
+        mosaic.attention(q, k.astype(jnp.float16), v, *args, **kw)
     with pytest.raises(ValueError, match="unknown template"):
-        mosaic_fwd.attention(q, k, v, *args, **{**kw, "template": "nope"})
+        mosaic.attention(q, k, v, *args, **{**kw, "template": "nope"})
     with pytest.raises(ValueError, match="kv_len_padded"):
-        mosaic_fwd.attention(q, k, v, *args, **{**kw, "kv_len_padded": 100})
+        mosaic.attention(q, k, v, *args, **{**kw, "kv_len_padded": 100})
     bad = np.array(plan.steps)
     bad[0, plan_abi.STEP_KV_START] = 3          # not a multiple of kv_align
     with pytest.raises(ValueError, match="kv_align"):
-        mosaic_fwd.attention(q, k, v, plan.units, bad, plan.row_index, **kw)
+        mosaic.attention(q, k, v, plan.units, bad, plan.row_index, **kw)
     with pytest.raises(ValueError, match="units"):
-        mosaic_fwd.attention(q, k, v, plan.units[:, :5], plan.steps, plan.row_index, **kw)
-    with pytest.raises(ValueError, match=r"steps must be int32 \[S, 2\]"):
-        mosaic_fwd.attention(q, k, v, plan.units, plan_abi.unpack_steps(plan.steps),
-                             plan.row_index, **kw)
+        mosaic.attention(q, k, v, plan.units[:, :5], plan.steps, plan.row_index, **kw)
+    with pytest.raises(ValueError, match=r"steps must have shape \[S >= 1, 2\]"):
+        mosaic.attention(q, k, v, plan.units, plan_abi.unpack_steps(plan.steps),
+                         plan.row_index, **kw)
+    # Rules the Mosaic wrapper took from the Triton one (abi.check_plan, the union of both):
+    # heads in range, and every unit's Q tile in bounds, padding units too (the kernel loads
+    # every unit's Q tile).
+    bad = np.array(plan.units)
+    bad[0, plan_abi.UNIT_HEAD] = 1              # Hq = 1
+    with pytest.raises(ValueError, match="head"):
+        mosaic.attention(q, k, v, bad, plan.steps, plan.row_index, **kw)
+    bad = np.zeros((plan.units.shape[0] + 1, plan_abi.UNIT_COLS), np.int32)
+    bad[:-1] = plan.units
+    bad[-1, plan_abi.UNIT_Q_START] = 64         # a padding unit (no steps) past q_len_padded
+    with pytest.raises(ValueError, match="q_len_padded"):
+        mosaic.attention(q, k, v, bad, plan.steps, plan.row_index, **kw)
 
 
-@pytest.mark.parametrize("base,options,mask_mode", [
-    ("mgpu_q128_kv64_s2", (), None),
-    ("mgpu_q128_kv64_s2", (("persistent", True),), None),
-    ("mgpu_q128_kv64_s2", (("mask_mode", "always"),), None),
-    ("mgpu_q128_kv64_s2", (("mask_mode", "unit"),), None),
-    ("mgpu_q128_kv64_s2", (("prefetch_rect", True),), None),
-    ("mgpu_q128_kv64_s2", (), "none"),
-    ("mgpu_q128_kv64_s2", (("wg_skip", True),), None),                    # skip + ping-pong
-    ("mgpu_q128_kv64_s2", (("wg_skip", True), ("schedule_barrier", False)), None),
-    ("mgpu_q64_kv64_s2", (), None),
-    ("mgpu_q64_kv64_s2", (), "none"),
-    ("mgpu_q64_kv64_s2", (("persistent", True),), None),
-    ("mgpu_q64x2_kv64_s2", (("paired", True),), None),
-    ("mgpu_q64x2_kv64_s2", (("paired", True), ("pair_pingpong", True)), None),
-    ("mgpu_q64x2_kv64_s2", (("paired", True), ("pair_pingpong", True)), "none"),
+@pytest.mark.parametrize("base,kernel,mask_mode", [
+    ("mgpu_q128_kv128_s2_hm", None, None),
+    ("mgpu_q128_kv64_s2_hm", None, "none"),
+    ("mgpu_q128_kv64_s2_hm", MosaicConfig(mask_mode="always"), None),
+    ("mgpu_q128_kv64_s2_skip", None, None),
+    ("mgpu_q128_kv64_s2_skip", MosaicConfig(wg_skip=True), None),         # skip + ping-pong
+    ("mgpu_q64x2_kv64_s2_hm", None, None),
+    ("mgpu_q64x2pp_kv64_s2_hm", None, None),
+    ("mgpu_q64x2pp_kv64_s2_hm", None, "none"),
 ])
-def test_lowers_for_cuda(base, options, mask_mode):
+def test_lowers_for_cuda(base, kernel, mask_mode):
     """The real (non-interpreted) kernel passes Mosaic GPU lowering and layout inference
     (cross-lowered for CUDA on this CPU machine; compiling to a cubin needs a GPU)."""
-    import dataclasses
-    t = dataclasses.replace(templates.get(base), name="lower_test", options=options)
+    t = templates.get(base)
+    if kernel is not None:
+        t = dataclasses.replace(t, name="lower_test", kernel=kernel)
     L, Hq, Hkv, D = 512, 2, 1, 128
     mask = tj.BlockMask.uniform(L, L, 96, 96, np.random.default_rng(0).random((Hq, 6, 6)) < 0.5)
     plan = build_plan(mask, (1, L, Hq, D), (1, L, Hkv, D), jnp.bfloat16, tile_q=t.tile_q,
@@ -491,7 +468,7 @@ def test_lowers_for_cuda(base, options, mask_mode):
     args = (sds((1, L, Hq, D), jnp.bfloat16), sds((1, L, Hkv, D), jnp.bfloat16),
             sds((1, L, Hkv, D), jnp.bfloat16), sds(plan.units.shape, jnp.int32),
             sds(plan.steps.shape, jnp.int32), sds(plan.row_index.shape, jnp.int32))
-    f = lambda *a: mosaic_fwd._attention(
+    f = lambda *a: mosaic._attention(
         *a, template=t, q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
         scale=0.1, return_lse=True, interpret=False, mask_mode=mask_mode)
     try:
@@ -503,34 +480,50 @@ def test_lowers_for_cuda(base, options, mask_mode):
     assert "mosaic_gpu" in lowered.as_text()
 
 
-def test_templates_registered():
-    names = {t.name for t in templates.for_backend("mosaic_gpu")}
-    assert {"mgpu_q128_kv128_s2", "mgpu_q128_kv64_s2", "mgpu_q64_kv64_s2", "mgpu_q64_kv64_s3",
-            "mgpu_q64_kv128_s2", "mgpu_q64x2_kv64_s2", "mgpu_q128_kv64_s2_skip",
-            "mgpu_q128_kv128_s2_hm"} <= names
+def test_templates_and_kernel_configs():
+    """The Mosaic templates are the H200 ranking table's candidates; their configs fit SMEM."""
+    names = [t.name for t in templates.for_backend("mosaic_gpu")]
+    assert names == ["mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm",
+                     "mgpu_q128_kv64_s2_skip", "mgpu_q64x2pp_kv64_s2_hm"]
     for t in templates.for_backend("mosaic_gpu"):
-        cfg = mosaic_fwd.config_from_template(t)
-        assert cfg.tile_q == t.tile_q and cfg.tile_kv == t.tile_kv and cfg.stages == t.stages
-        assert not cfg.prefetch_rect                     # run 3: prefetching did not pay
+        cfg = mosaic.config_from_template(t)
+        assert (cfg.tile_q, cfg.tile_kv, cfg.stages) == (t.tile_q, t.tile_kv, t.stages)
+        assert cfg.variant is t.kernel and cfg.mask_mode == "cond"
         assert cfg.wg_skip == t.name.endswith("_skip")
+        assert cfg.paired == (t.tile_q == 64) and t.q_align == t.kv_align == 8
+        assert t.unit_order == ("interleaved" if t.name.endswith("_skip") else "head_major")
+        assert t.policy == ("pack" if t.tile_q == 64 or cfg.wg_skip else "merge")
         for d in t.head_dims:
-            assert mosaic_fwd._smem_bytes(cfg, d) <= mosaic_fwd._MAX_SMEM, (t.name, d)
-            if t.tile_q == 64 and not cfg.paired:   # one consumer WG: two CTAs per SM
-                assert mosaic_fwd._ctas_per_sm(cfg, d) >= 2, (t.name, d)
-    assert mosaic_fwd._smem_bytes(mosaic_fwd.KernelConfig(128, 3), 128) > mosaic_fwd._MAX_SMEM
-    assert mosaic_fwd._ctas_per_sm(mosaic_fwd.KernelConfig(64, 3, tile_q=64), 128) == 1
-    assert templates.get("mgpu_q128_kv128_s2_hm").option("unit_order") == "head_major"
+            assert mosaic_kernel.smem_bytes(cfg, d) <= mosaic_kernel.MAX_SMEM, (t.name, d)
+    assert mosaic_kernel.smem_bytes(mosaic.KernelConfig(128, 128, 3), 128) > \
+        mosaic_kernel.MAX_SMEM
+    # Ping-pong: on 128-row units unless turned off; on paired units only with pair_pingpong.
+    pingpong = {t.name: mosaic.config_from_template(t).pingpong
+                for t in templates.for_backend("mosaic_gpu")}
+    assert pingpong == {"mgpu_q128_kv128_s2_hm": True, "mgpu_q128_kv64_s2_hm": True,
+                        "mgpu_q64x2_kv64_s2_hm": False, "mgpu_q128_kv64_s2_skip": False,
+                        "mgpu_q64x2pp_kv64_s2_hm": True}
+    assert mosaic.config_from_template("mgpu_q128_kv64_s2_hm", "none").mask_mode == "none"
+    with pytest.raises(ValueError, match="mosaic_gpu"):
+        mosaic.config_from_template("triton_q128_kv64_w8_s3_pf_hm")
+
+
+def test_kernel_config_validates():
+    K = mosaic.KernelConfig
     with pytest.raises(ValueError, match="tile_q"):
-        mosaic_fwd.KernelConfig(64, 2, tile_q=96)
+        K(96, 64, 2)
+    with pytest.raises(ValueError, match="tile_kv"):
+        K(128, 96, 2)
+    with pytest.raises(ValueError, match="stages"):
+        K(128, 64, 1)
     with pytest.raises(ValueError, match="wg_skip"):
-        mosaic_fwd.KernelConfig(64, 2, tile_q=64, wg_skip=True)
+        K(64, 64, 2, MosaicConfig(wg_skip=True))
     with pytest.raises(ValueError, match="paired"):
-        mosaic_fwd.KernelConfig(64, 2, tile_q=128, paired=True)
-    with pytest.raises(ValueError, match="pair_pingpong"):
-        mosaic_fwd.KernelConfig(64, 2, tile_q=64, pair_pingpong=True)
-    pp = mosaic_fwd.config_from_template("mgpu_q64x2pp_kv64_s2_hm")
-    assert pp.paired and pp.schedule_barrier
-    assert not mosaic_fwd.config_from_template("mgpu_q64x2_kv64_s2_hm").schedule_barrier
-    assert mosaic_fwd.config_from_template("mgpu_q64x2_kv64_s2").compute_wgs == 2
+        K(128, 64, 2, MosaicConfig(paired=True))
+    with pytest.raises(ValueError, match="paired"):           # tile_q=64 runs paired only
+        K(64, 64, 2)
     with pytest.raises(ValueError, match="mask_mode"):
-        mosaic_fwd.KernelConfig(64, 2, mask_mode="sometimes")
+        K(128, 64, 2, mask_mode="sometimes")
+    with pytest.raises(TypeError, match="variant"):
+        K(128, 64, 2, variant="paired")
+    assert K(64, 64, 2, MosaicConfig(paired=True), "none").rings == 2

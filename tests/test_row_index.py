@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels import abi as plan_abi
 
-from pallas_kernels.triton import forward as triton_fwd
+from pallas_kernels.triton import wrapper as triton_wrapper
 from pallas_kernels.xla import executor as xla_backend
 from tessera_jax.planning.planner import build_plan
 from tessera_jax.reference import reference_attention
@@ -58,7 +58,7 @@ def test_kernels_take_row_index_none(backend):
             q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
             max_steps=plan.max_steps, scale=0.25, return_lse=True)
     else:
-        run = lambda ri: triton_fwd.attention(  # noqa: E731
+        run = lambda ri: triton_wrapper.attention(  # noqa: E731
             q, k, v, plan.units, plan.steps, ri, tile_q=32, tile_kv=32,
             q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, scale=0.25,
             return_lse=True)
@@ -79,16 +79,16 @@ def test_mosaic_kernel_takes_row_index_none():
     except Exception as e:  # pragma: no cover
         pytest.skip(f"Mosaic GPU interpreter not importable: {e!r}")
     from pallas_kernels import templates
-    from pallas_kernels.mosaic import forward as mosaic_fwd
+    from pallas_kernels.mosaic import wrapper as mosaic
     from tessera_jax.mask import BlockMask
-    t = templates.get("mgpu_q128_kv64_s2")
+    t = templates.get("mgpu_q128_kv64_s2_hm")
     B, Lq, Lkv, Hq, Hkv, D = 1, 200, 140, 2, 1, 64
     rng = np.random.default_rng(5)
     mask = BlockMask([0, 40, 64, 200], [0, 64, 100, 140], rng.random((Hq, 3, 3)) < 0.6)
     q, k, v = random_qkv(B, Lq, Lkv, Hq, Hkv, D, "bfloat16", 6)
     plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=t.tile_q, tile_kv=t.tile_kv,
                       policy="merge", q_align=t.q_align, kv_align=t.kv_align, template=t.name)
-    run = lambda ri: mosaic_fwd.attention(  # noqa: E731
+    run = lambda ri: mosaic.attention(  # noqa: E731
         q, k, v, plan.units, plan.steps, ri, template=t.name, q_len_padded=plan.q_len_padded,
         kv_len_padded=plan.kv_len_padded, return_lse=True, interpret=interp)
     out, lse = run(None)
@@ -107,7 +107,7 @@ def test_eager_runner_never_makes_the_host_row_index():
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
                      np.random.default_rng(14).random((1, 3, 3)) < 0.7)
     q, k, v = random_qkv(1, 90, 80, 2, 1, 16, "float32", 2)
-    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q64_kv64_w4_s2")
+    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q128_kv64_w8_s3_pf_hm")
     out = backends.run(p, q, k, v, 0.25, False)
     assert "row_index" not in vars(p)
     ref = reference_attention(q, k, v, mask, scale=0.25)
@@ -142,7 +142,7 @@ def test_runner_under_a_trace_with_concrete_q_caches_nothing_traced():
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
                      np.random.default_rng(4).random((1, 3, 3)) < 0.7)
     q, k, v = random_qkv(1, 90, 80, 2, 1, 16, "float32", 3)
-    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q64_kv64_w4_s2")
+    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q128_kv64_w8_s3_pf_hm")
     ref = np.asarray(reference_attention(q, k, v, mask, scale=0.25))
     first = backends.run(p, q, k, v, 0.25, False)                       # NumPy into the call
     traced = jax.jit(lambda k, v: backends.run(p, q, k, v, 0.25, False))(k, v)
@@ -166,7 +166,7 @@ def test_runner_puts_a_large_plan_in_pieces_on_its_first_call(monkeypatch):
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
                      np.random.default_rng(5).random((2, 3, 3)) < 0.8)
     q, k, v = random_qkv(1, 90, 80, 2, 2, 16, "float32", 4)
-    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q64_kv64_w4_s2")
+    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q128_kv64_w8_s3_pf_hm")
     assert p.steps.nbytes >= 2 * 16               # at least two pieces
     ref = np.asarray(reference_attention(q, k, v, mask, scale=0.25))
     for _ in range(2):

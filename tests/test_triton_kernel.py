@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -14,7 +15,9 @@ from pallas_kernels import templates
 
 from pallas_kernels import abi as plan_abi
 
-from pallas_kernels.triton import forward as triton_fwd
+from pallas_kernels.templates import TritonConfig
+from pallas_kernels.triton import kernel as triton_kernel
+from pallas_kernels.triton import wrapper as triton_wrapper
 from tessera_jax.mask import BlockMask
 from tessera_jax.planning.planner import build_plan
 from tessera_jax.reference import reference_attention
@@ -37,7 +40,7 @@ def _inputs(seed, B, Lq, Lkv, Hq, Hkv, D, dtype):
 
 
 def _run(q, k, v, plan, **kw):
-    return triton_fwd.attention(
+    return triton_wrapper.attention(
         q, k, v, plan.units, plan.steps, plan.row_index, tile_q=plan.tile_q,
         tile_kv=plan.tile_kv, q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
         **kw)
@@ -88,7 +91,7 @@ def _cases(draw, dtypes=(jnp.float32,)):
                 tile_q=draw(st.sampled_from([16, 32])), tile_kv=draw(st.sampled_from([16, 32])),
                 dtype=draw(st.sampled_from(dtypes)), seed=seed,
                 policy=draw(st.sampled_from(POLICIES)), align=draw(st.sampled_from([1, 8])),
-                kernel=dict(mask_mode=draw(st.sampled_from(["cond", "always", "prefix"])),
+                kernel=dict(mask_mode=draw(st.sampled_from(["cond", "always"])),
                             prefetch=draw(st.booleans())))
 
 
@@ -116,7 +119,7 @@ def test_random_masks_half(case):
 
 
 @pytest.mark.parametrize("mask_mode,prefetch", [("cond", False), ("always", True),
-                                                ("prefix", True), ("prefix", False)])
+                                                ("cond", True)])
 def test_full_and_partial_steps_gqa_per_head(mask_mode, prefetch):
     """Per-head mask over 32-aligned and odd blocks: full steps and partial ones, GQA 4:2."""
     B, Lq, Lkv, Hq, Hkv, D = 2, 96, 100, 4, 2, 32
@@ -130,34 +133,8 @@ def test_full_and_partial_steps_gqa_per_head(mask_mode, prefetch):
     steps = view[view[:, plan_abi.VIEW_Q_HI] > view[:, plan_abi.VIEW_Q_LO]]
     full = ((steps[:, 1] == 0) & (steps[:, 2] == 32) & (steps[:, 3] == 0) & (steps[:, 4] == 32))
     assert full.any() and (~full).any()
-    # Mask mode "prefix" needs units whose steps are all full, and units with a full prefix
-    # followed by partial steps (both loops run).
-    lead = np.asarray(triton_fwd._leading_full_steps(plan.units, plan.steps, 32, 32))
-    cnt = plan.units[:, plan_abi.UNIT_STEP_CNT]
-    assert ((lead == cnt) & (cnt > 0)).any() and ((lead > 0) & (lead < cnt)).any()
     _check(q, k, v, mask, plan, scale=0.3, mask_mode=mask_mode, prefetch=prefetch, num_warps=4,
            num_stages=3)
-
-
-@settings(max_examples=30, **_SETTINGS)
-@given(st.integers(0, 2**31 - 1))
-def test_leading_full_steps_matches_a_loop(seed):
-    """Mask mode "prefix": the in-graph count of each unit's leading full steps."""
-    rng = np.random.default_rng(seed)
-    S, U, T = int(rng.integers(1, 40)), int(rng.integers(1, 12)), 16
-    view = np.zeros((S, plan_abi.VIEW_COLS), np.int32)
-    view[:, 2], view[:, 4] = T, T
-    part = rng.random(S) < 0.3
-    view[part, rng.integers(1, 5, part.sum())] = 3             # one bound cut: partial
-    steps = np.stack([view[:, 0], plan_abi.pack_rect(*view[:, 1:].T)], axis=1)
-    ptr = rng.integers(0, S + 1, U)
-    cnt = np.minimum(rng.integers(0, 10, U), S - ptr)
-    units = np.zeros((U, 6), np.int32)
-    units[:, plan_abi.UNIT_STEP_PTR], units[:, plan_abi.UNIT_STEP_CNT] = ptr, cnt
-    full = ((view[:, 1] == 0) & (view[:, 2] == T) & (view[:, 3] == 0) & (view[:, 4] == T))
-    want = [next((i for i in range(c) if not full[p + i]), c) for p, c in zip(ptr, cnt)]
-    got = triton_fwd._leading_full_steps(jnp.asarray(units), jnp.asarray(steps), T, T)
-    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
@@ -172,8 +149,8 @@ def test_all_full_plan_runs_without_masking_code(prefetch):
     q, k, v = _inputs(22, B, L, L, Hq, Hkv, D, jnp.float32)
     t = templates.get("triton_q128_kv64_w8_s3_pf_hm")
     plan = make_plan(mask, q, k, tile_q=t.tile_q, tile_kv=t.tile_kv)
-    assert triton_fwd.plan_mask_mode(plan.units, plan.steps, t, plan.q_len_padded,
-                                     plan.kv_len_padded) == "none"
+    assert triton_wrapper.plan_mask_mode(plan.units, plan.steps, t, plan.q_len_padded,
+                                         plan.kv_len_padded) == "none"
     _check(q, k, v, mask, plan, prefetch=prefetch)                          # auto "none"
     _check(q, k, v, mask, plan, mask_mode="none", prefetch=prefetch)
     # Traced plan arrays take the mode as given: "none" is right here, too.
@@ -188,12 +165,11 @@ def test_all_full_plan_runs_without_masking_code(prefetch):
     odd_blocks[0, 1, 2] = False                   # rows 64..99 miss keys 100..255: partial steps
     odd = BlockMask([0, 64, 100, 256], [0, 64, 100, 256], odd_blocks)
     p2 = make_plan(odd, q, k, tile_q=t.tile_q, tile_kv=t.tile_kv)
-    assert triton_fwd.plan_mask_mode(p2.units, p2.steps, t, p2.q_len_padded,
-                                     p2.kv_len_padded) == "cond"
-    assert [triton_fwd.mask_mode_for(t, f) for f in (True, False)] == ["none", "cond"]
-    assert triton_fwd.mask_mode_for("triton_q128_kv64_w8_s3_pf_hm_prefix", False) == "prefix"
-    assert triton_fwd.plan_mask_mode(p2.units, p2.steps, "triton_q128_kv64_w8_s3_pf_hm_prefix",
-                                     p2.q_len_padded, p2.kv_len_padded) == "prefix"
+    assert triton_wrapper.plan_mask_mode(p2.units, p2.steps, t, p2.q_len_padded,
+                                         p2.kv_len_padded) == "cond"
+    assert [triton_wrapper.mask_mode_for(t, f) for f in (True, False)] == ["none", "cond"]
+    always = dataclasses.replace(t, name="always_test", kernel=TritonConfig(mask_mode="always"))
+    assert [triton_wrapper.mask_mode_for(always, f) for f in (True, False)] == ["always"] * 2
     _check(q, k, v, odd, p2, prefetch=prefetch)
     with pytest.raises(ValueError, match="partial steps"):
         _run(q, k, v, p2, mask_mode="none")
@@ -302,58 +278,67 @@ def test_new_plan_same_capacity_does_not_recompile():
     # Again: the first interpret-mode call imports modules that register jax config options,
     # which changes the tracing context (the test alone, not after others, saw 50 -> 51 values).
     _check(q, k, v, m1, p1)
-    before = triton_fwd._attention._cache_size()
+    before = triton_wrapper._attention._cache_size()
     _check(q, k, v, m2, p2)
-    assert triton_fwd._attention._cache_size() == before
+    assert triton_wrapper._attention._cache_size() == before
 
 
-def test_registered_templates_and_template_argument():
-    """Triton templates are registered; ``template=`` takes tile shape, warps and stages."""
+def test_templates_and_template_argument():
+    """The Triton templates; ``template=`` takes tile shape, stages and the TritonConfig."""
     names = [t.name for t in templates.for_backend("triton")]
-    assert "triton_q128_kv64_w8_s2" in names and len(names) >= 4
-    # benchmarks/kernels.py times the first Triton templates: the v2 set, then the v1 baseline.
-    assert names[:4] == ["triton_q128_kv64_w8_s3_pf_hm", "triton_q128_kv128_w8_s3_pf_hm",
-                         "triton_q128_kv64_w8_s3_pf", "triton_q128_kv64_w8_s2"]
+    # benchmarks/kernels.py times and checks the first Triton templates: the v2 pair.
+    assert names == ["triton_q128_kv64_w8_s3_pf_hm", "triton_q128_kv128_w8_s3_pf_hm",
+                     "triton_q64_kv64_w4_s2"]
     for t in templates.for_backend("triton"):
-        cfg = triton_fwd.TritonConfig(t.tile_q, t.tile_kv, t.option("num_warps"), t.stages,
-                                      t.option("mask_mode", "cond"),
-                                      bool(t.option("prefetch", False)))
-        assert t.q_align == t.kv_align == 1 and t.supports(128, jnp.bfloat16)
-        assert cfg.warps_for(128) == t.option("num_warps")
-        # v2 templates (those with a unit order) fill SMEM at D=128: not for larger head dims.
-        assert t.supports(256, jnp.bfloat16) == (t.option("unit_order") is None)
+        cfg = triton_kernel.KernelConfig.from_template(t)
+        assert (cfg.tile_q, cfg.tile_kv, cfg.stages) == (t.tile_q, t.tile_kv, t.stages)
+        assert cfg.variant is t.kernel and cfg.mask_mode == "cond"
+        assert t.q_align == t.kv_align == 1 and t.policy == "merge"
+        assert cfg.warps_for(128) == t.kernel.num_warps
+        # v2 templates fill SMEM at D=128: D <= 128 only; the w4 template takes 129..256.
+        v2 = t.name.endswith("_pf_hm")
+        assert cfg.prefetch == v2 and t.unit_order == ("head_major" if v2 else "interleaved")
+        assert t.supports(128, jnp.bfloat16) == v2 and t.supports(256, jnp.bfloat16) != v2
     m = BlockMask.uniform(256, 256, 128, 128, np.ones((2, 2, 2), bool))
     qs = (1, 256, 2, 64)
-    assert build_plan(m, qs, qs, jnp.bfloat16, tile_q=128, tile_kv=64, policy="merge",
-                      template="triton_q128_kv64_w8_s3_pf_hm").unit_order == "head_major"
-    assert build_plan(m, qs, qs, jnp.bfloat16, tile_q=128, tile_kv=64, policy="merge",
-                      template="triton_q128_kv64_w8_s3_pf").unit_order == "interleaved"
-    t = templates.get("triton_q64_kv64_w4_s2")
+    # The runtime plans with the template's unit order.
+    import tessera_jax as tj
+    assert tj.plan(m, qs, qs, jnp.bfloat16, policy="merge",
+                   template="triton_q128_kv64_w8_s3_pf_hm").unit_order == "head_major"
+    qs = (1, 256, 2, 160)
+    assert tj.plan(m, qs, qs, jnp.bfloat16, policy="merge",
+                   template="triton_q64_kv64_w4_s2").unit_order == "interleaved"
+    t = templates.get("triton_q128_kv64_w8_s3_pf_hm")
     mask = BlockMask([0, 10, 70, 100], [0, 64, 90, 130],
                      np.random.default_rng(12).random((2, 3, 3)) < 0.6)
     q, k, v = _inputs(13, 1, 100, 130, 2, 1, 16, jnp.float32)
     plan = make_plan(mask, q, k, tile_q=t.tile_q, tile_kv=t.tile_kv, policy="auto")
-    out, lse = triton_fwd.attention(
+    out, lse = triton_wrapper.attention(
         q, k, v, plan.units, plan.steps, plan.row_index, template=t.name,
         q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, return_lse=True)
     ref, ref_lse = reference_attention(q, k, v, mask, return_lse=True)
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    kw = dict(q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded)
     with pytest.raises(ValueError, match="contradicts"):
-        triton_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index, template=t.name,
-                             tile_q=128, q_len_padded=plan.q_len_padded,
-                             kv_len_padded=plan.kv_len_padded)
+        triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                 template=t.name, tile_q=64, **kw)
+    with pytest.raises(ValueError, match="contradicts"):
+        triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                 template=t.name, prefetch=False, **kw)
     with pytest.raises(ValueError, match="backend"):
-        triton_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                             template="xla_64x64", q_len_padded=plan.q_len_padded,
-                             kv_len_padded=plan.kv_len_padded)
+        triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                 template="xla_64x64", **kw)
+    with pytest.raises(ValueError, match="head dims"):     # D=16: not for the w4 template
+        triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                 template="triton_q64_kv64_w4_s2", **kw)
 
 
 def test_jit_with_traced_plan_arrays():
     mask = BlockMask.uniform(40, 40, 8, 8, np.random.default_rng(9).random((1, 5, 5)) < 0.5)
     q, k, v = _inputs(10, 1, 40, 40, 1, 1, 16, jnp.float32)
     plan = make_plan(mask, q, k, tile_q=16, tile_kv=16)
-    f = jax.jit(lambda q, k, v, u, s, r: triton_fwd.attention(
+    f = jax.jit(lambda q, k, v, u, s, r: triton_wrapper.attention(
         q, k, v, u, s, r, tile_q=16, tile_kv=16, q_len_padded=plan.q_len_padded,
         kv_len_padded=plan.kv_len_padded, scale=None))
     out = f(q, k, v, plan.units, plan.steps, plan.row_index)
@@ -361,24 +346,32 @@ def test_jit_with_traced_plan_arrays():
 
 
 def test_interpret_default_on_cpu():
-    assert triton_fwd.default_interpret() == (jax.default_backend() != "gpu")
+    assert triton_wrapper.default_interpret() == (jax.default_backend() != "gpu")
 
 
 def test_config_and_argument_errors():
+    K = triton_kernel.KernelConfig
     with pytest.raises(ValueError, match="tile_q"):
-        triton_fwd.TritonConfig(tile_q=48, tile_kv=32)
+        K(tile_q=48, tile_kv=32)
     with pytest.raises(ValueError, match="tile_kv"):
-        triton_fwd.TritonConfig(tile_q=32, tile_kv=8)
+        K(tile_q=32, tile_kv=8)
+    with pytest.raises(ValueError, match="tile_kv"):
+        K(tile_q=32, tile_kv=256)
     with pytest.raises(TypeError, match="tile_q"):
-        triton_fwd.TritonConfig(tile_q=32.0, tile_kv=32)
+        K(tile_q=32.0, tile_kv=32)
     with pytest.raises(ValueError, match="num_warps"):
-        triton_fwd.TritonConfig(tile_q=32, tile_kv=32, num_warps=3)
-    with pytest.raises(ValueError, match="num_stages"):
-        triton_fwd.TritonConfig(tile_q=32, tile_kv=32, num_stages=0)
+        K(tile_q=32, tile_kv=32, variant=TritonConfig(num_warps=3))
+    with pytest.raises(ValueError, match="stages"):
+        K(tile_q=32, tile_kv=32, stages=0)
     with pytest.raises(ValueError, match="mask_mode"):
-        triton_fwd.TritonConfig(tile_q=32, tile_kv=32, mask_mode="sometimes")
+        K(tile_q=32, tile_kv=32, mask_mode="sometimes")
+    with pytest.raises(ValueError, match="mask_mode"):     # deleted with its template
+        K(tile_q=32, tile_kv=32, mask_mode="prefix")
     with pytest.raises(TypeError, match="prefetch"):
-        triton_fwd.TritonConfig(tile_q=32, tile_kv=32, prefetch=2)
+        K(tile_q=32, tile_kv=32, variant=TritonConfig(prefetch=2))
+    with pytest.raises(TypeError, match="variant"):
+        K(tile_q=32, tile_kv=32, variant=None)
+    assert K(32, 32).warps_for(64) == 4 and K(32, 32).warps_for(128) == 8
 
     mask = BlockMask.uniform(32, 32, 16, 16, np.ones((1, 2, 2), bool))
     q, k, v = _inputs(11, 1, 32, 32, 2, 1, 16, jnp.float32)
@@ -390,51 +383,52 @@ def test_config_and_argument_errors():
     with pytest.raises(ValueError, match="head_dim"):
         _run(*_inputs(11, 1, 32, 32, 2, 1, 300, jnp.float32), plan)
     with pytest.raises(ValueError, match="units"):
-        triton_fwd.attention(q, k, v, plan.units[:, :5], plan.steps, plan.row_index, tile_q=16,
-                             tile_kv=16, q_len_padded=32, kv_len_padded=32)
-    with pytest.raises(ValueError, match=r"steps must have shape \[N >= 1, 2\]"):
-        triton_fwd.attention(q, k, v, plan.units, plan_abi.unpack_steps(plan.steps),
-                             plan.row_index, tile_q=16, tile_kv=16, q_len_padded=32,
-                             kv_len_padded=32)
+        triton_wrapper.attention(q, k, v, plan.units[:, :5], plan.steps, plan.row_index, tile_q=16,
+                                 tile_kv=16, q_len_padded=32, kv_len_padded=32)
+    with pytest.raises(ValueError, match=r"steps must have shape \[S >= 1, 2\]"):
+        triton_wrapper.attention(q, k, v, plan.units, plan_abi.unpack_steps(plan.steps),
+                                 plan.row_index, tile_q=16, tile_kv=16, q_len_padded=32,
+                                 kv_len_padded=32)
     with pytest.raises(TypeError, match="steps"):
-        triton_fwd.attention(q, k, v, plan.units, plan.steps.astype(np.int64), plan.row_index,
-                             tile_q=16, tile_kv=16, q_len_padded=32, kv_len_padded=32)
+        triton_wrapper.attention(q, k, v, plan.units, plan.steps.astype(np.int64), plan.row_index,
+                                 tile_q=16, tile_kv=16, q_len_padded=32, kv_len_padded=32)
     with pytest.raises(ValueError, match="row_index"):
-        triton_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index[:1], tile_q=16,
-                             tile_kv=16, q_len_padded=32, kv_len_padded=32)
+        triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index[:1], tile_q=16,
+                                 tile_kv=16, q_len_padded=32, kv_len_padded=32)
     with pytest.raises(ValueError, match="q_len_padded"):
-        triton_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index, tile_q=16,
-                             tile_kv=16, q_len_padded=16, kv_len_padded=32)
+        triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index, tile_q=16,
+                                 tile_kv=16, q_len_padded=16, kv_len_padded=32)
     bad = plan.steps.copy()
     bad[0, plan_abi.STEP_KV_START] = 20             # 20 + 16 > kv_len_padded = 32
     with pytest.raises(ValueError, match="kv_len_padded"):
-        triton_fwd.attention(q, k, v, plan.units, bad, plan.row_index, tile_q=16, tile_kv=16,
-                             q_len_padded=32, kv_len_padded=32)
+        triton_wrapper.attention(q, k, v, plan.units, bad, plan.row_index, tile_q=16, tile_kv=16,
+                                 q_len_padded=32, kv_len_padded=32)
     with pytest.raises(ValueError, match="template or both"):
-        triton_fwd.attention(q, k, v, plan.units, plan.steps, plan.row_index, tile_q=16,
-                             q_len_padded=32, kv_len_padded=32)
+        triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index, tile_q=16,
+                                 q_len_padded=32, kv_len_padded=32)
     with pytest.raises(ValueError, match="Hq"):
         _run(*_inputs(11, 1, 32, 32, 3, 2, 16, jnp.float32), plan)
     with pytest.raises(ValueError, match="scale"):
         _run(q, k, v, plan, scale=-1.0)
+    with pytest.raises(ValueError, match="mask_mode"):
+        _run(q, k, v, plan, mask_mode="prefix")
+    bad = plan.units.copy()
+    bad[0, plan_abi.UNIT_HEAD] = 2                   # Hq = 2
+    with pytest.raises(ValueError, match="head"):
+        triton_wrapper.attention(q, k, v, bad, plan.steps, plan.row_index, tile_q=16,
+                                 tile_kv=16, q_len_padded=32, kv_len_padded=32)
 
 
-def test_supports():
-    assert triton_fwd.supports(128, jnp.bfloat16) is None
-    assert triton_fwd.supports(96, jnp.float32) is None
-    assert "head_dim" in triton_fwd.supports(512, jnp.bfloat16)
-    assert "dtype" in triton_fwd.supports(64, jnp.int8)
-
-
-@pytest.mark.parametrize("template", ["triton_q64_kv64_w4_s2", "triton_q128_kv64_w8_s3_pf_hm_prefix"])
-def test_backend_runner_path(template):
+@pytest.mark.parametrize("template,D", [("triton_q128_kv64_w8_s3_pf_hm", 32),
+                                        ("triton_q64_kv64_w4_s2", 136)])
+def test_backend_runner_path(template, D):
     """The lead's wiring: tj.plan with a Triton template, run by backends.run (as on a GPU;
     the runner asks ``plan_mask_mode`` for the mode)."""
     import tessera_jax as tj
     from tessera_jax.runtime import dispatch as backends
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
                      np.random.default_rng(14).random((1, 3, 3)) < 0.7)
-    q, k, v = _inputs(15, 2, 90, 80, 4, 2, 32, jnp.bfloat16)
+    q, k, v = _inputs(15, 2, 90, 80, 4, 2, D, jnp.bfloat16)
     p = tj.plan(mask, q.shape, k.shape, q.dtype, template=template)
     out, lse = backends.run(p, q, k, v, 0.2, True)
     ref, ref_lse = reference_attention(q, k, v, mask, scale=0.2, return_lse=True)
@@ -445,7 +439,8 @@ def test_backend_runner_path(template):
 
 @pytest.mark.parametrize("dtype,D,tile_q,tile_kv,mask_mode,prefetch", [
     (jnp.bfloat16, 128, 128, 64, "cond", True), (jnp.float16, 64, 64, 128, "always", False),
-    (jnp.float32, 40, 16, 32, "prefix", True), (jnp.bfloat16, 128, 128, 128, "none", True)])
+    (jnp.float32, 40, 16, 32, "cond", True), (jnp.bfloat16, 128, 128, 128, "none", True),
+    (jnp.bfloat16, 256, 64, 64, "cond", False)])
 def test_lowers_to_triton_for_a_cuda_target(dtype, D, tile_q, tile_kv, mask_mode, prefetch):
     """No GPU here, but the kernel must lower through the real Triton path (not interpret):
     lower for CUDA with an abstract H200 and check the Triton custom call is emitted."""
@@ -455,9 +450,10 @@ def test_lowers_to_triton_for_a_cuda_target(dtype, D, tile_q, tile_kv, mask_mode
     sds = jax.ShapeDtypeStruct
     args = (sds((1, L, Hq, D), dtype), sds((1, L, Hkv, D), dtype), sds((1, L, Hkv, D), dtype),
             sds((64, 6), jnp.int32), sds((256, 5), jnp.int32), sds((Hq, L), jnp.int32))
-    cfg = triton_fwd.TritonConfig(tile_q, tile_kv, mask_mode=mask_mode, prefetch=prefetch)
-    f = lambda *a: triton_fwd._attention(*a, config=cfg, q_len_padded=1024, kv_len_padded=L,
-                                         scale=0.1, return_lse=True, interpret=False)
+    cfg = triton_kernel.KernelConfig(tile_q, tile_kv, variant=TritonConfig(prefetch=prefetch),
+                                     mask_mode=mask_mode)
+    f = lambda *a: triton_wrapper._attention(*a, config=cfg, q_len_padded=1024, kv_len_padded=L,
+                                             scale=0.1, return_lse=True, interpret=False)
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     with use_abstract_mesh(mesh), warnings.catch_warnings():

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels import abi
@@ -19,12 +20,25 @@ from pallas_kernels import abi
 _CHUNK_ELEMS = 1 << 22
 
 
+def execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
+            max_steps, scale, return_lse=False, check_plan=True):
+    """out [B, Lq, Hq, D] (and lse [B, Hq, Lq]) for the plan given by the ABI arrays
+    (``row_index=None``: computed on the device from units). A concrete (NumPy) plan is
+    checked by ``abi.check_plan`` (memoised per plan: an out-of-range index would be clamped
+    by the gathers, silently, and a unit of more than ``max_steps`` steps would lose some);
+    ``check_plan=False``: the caller vouches for it (the planner built it)."""
+    if check_plan and isinstance(units, np.ndarray) and isinstance(steps, np.ndarray):
+        abi.check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded,
+                       num_q_heads=q.shape[2], max_steps=max_steps)
+    return _execute(q, k, v, units, steps, row_index, tile_q=tile_q, tile_kv=tile_kv,
+                    q_len_padded=q_len_padded, kv_len_padded=kv_len_padded,
+                    max_steps=max_steps, scale=scale, return_lse=return_lse)
+
+
 @functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "q_len_padded",
                                              "kv_len_padded", "max_steps", "scale", "return_lse"))
-def execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
-            max_steps, scale, return_lse=False):
-    """out [B, Lq, Hq, D] (and lse [B, Hq, Lq]) for the plan given by the ABI arrays
-    (``row_index=None``: computed on the device from units)."""
+def _execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
+             max_steps, scale, return_lse=False):
     B, Lq, Hq, D = q.shape
     Lkv, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -84,3 +98,6 @@ def execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded, 
         row_index = abi.row_index_from_units(units, Hq, Lq, tile_q)
     out, lse = abi.gather_rows(out_u[:, :U], lse_u[:, :U], row_index)
     return (out, lse) if return_lse else out
+
+
+execute._cache_size = _execute._cache_size      # compiled executables (tests count them)
