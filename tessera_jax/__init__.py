@@ -1,12 +1,13 @@
 """tessera_jax: block-sparse attention for video diffusion transformers in JAX."""
 
 from tessera_jax import masks
-from tessera_jax.runtime.api import enable_compilation_cache, plan, precompile, sparse_attention
+from tessera_jax.runtime.api import (clear_caches, enable_compilation_cache, plan, precompile,
+                                     sparse_attention)
 from tessera_jax.mask import BlockMask
 from tessera_jax.planning.planner import Plan
 from tessera_jax.reference import reference_attention
 
-__all__ = ["BlockMask", "Plan", "enable_compilation_cache", "plan", "precompile",
+__all__ = ["BlockMask", "Plan", "clear_caches", "enable_compilation_cache", "plan", "precompile",
            "reference_attention", "sparse_attention"]
 __version__ = "0.1.0"
 

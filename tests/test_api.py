@@ -223,3 +223,105 @@ def test_plan_cache_is_bounded_lru(monkeypatch):
     monkeypatch.setattr(api, "_MAX_PLAN_BYTES", 1)               # bytes bound: keep only the newest
     tj.plan(ms[4], shape, shape, jnp.float32)
     assert [k[0] for k in api._PLANS] == [ms[4]]
+
+
+# --- one way through, one owner of the caches ------------------------------------------------
+def test_backend_table_is_static_and_ordered():
+    from tessera_jax.runtime import dispatch
+    assert list(dispatch.BACKENDS) == ["mosaic_gpu", "triton", "xla"]
+    assert dispatch.BACKENDS["xla"].min_compute_capability is None
+    with pytest.raises(TypeError):
+        dispatch.BACKENDS["cuda"] = dispatch.BACKENDS["xla"]      # no registration
+    from tessera_jax.validation import check_qkv
+    q, k, v, m = _ok()
+    shape = check_qkv(q, k, v)
+    if jax.default_backend() == "cpu":
+        assert dispatch.resolve(None, shape) == "xla"
+        assert not dispatch.is_available("mosaic_gpu") and not dispatch.is_available("triton")
+
+
+def test_sparse_attention_checks_the_mask_once_and_runs_the_plan_of_tj_plan(monkeypatch):
+    from tessera_jax.planning import planner
+    from tessera_jax.runtime import api, dispatch
+    from tessera_jax import validation
+    checks = []
+
+    def counted(mask, shape):
+        checks.append(1)
+        return validation.check_mask(mask, shape)
+
+    monkeypatch.setattr(api, "check_mask", counted)
+    monkeypatch.setattr(planner, "check_mask", counted)
+    ran = []
+    real_run = dispatch.run
+    monkeypatch.setattr(dispatch, "run", lambda p, *a: ran.append(p) or real_run(p, *a))
+    q, k, v = random_qkv(1, 64, 64, 2, 2, 16, "float32", 4)
+    m = tj.BlockMask.uniform(64, 64, 16, 16, np.random.default_rng(41).random((2, 4, 4)) < .5)
+    tj.sparse_attention(q, k, v, m)                  # a new mask: planned once, checked once
+    assert len(checks) == 1
+    assert tj.plan(m, q.shape, k.shape, q.dtype) is ran[0]    # the plan that ran (cache hit)
+    assert len(checks) == 1
+
+
+def test_plan_takes_the_templates_policy_and_unit_order():
+    """An explicit template without a policy plans with the template's own policy and unit
+    order (the planner reads no template table); a given policy wins."""
+    from pallas_kernels import templates
+    t = templates.get("mgpu_q64x2_kv64_s2_hm")
+    assert (t.policy, t.unit_order) == ("pack", "head_major")
+    m = tj.BlockMask.uniform(256, 256, 64, 64, np.random.default_rng(7).random((2, 4, 4)) < .6)
+    shape = (1, 256, 2, 64)
+    p = tj.plan(m, shape, shape, jnp.bfloat16, template=t.name)     # no GPU needed to plan
+    assert (p.template, p.policy, p.unit_order, p.tile_q) == (t.name, "pack", "head_major", 64)
+    assert tj.plan(m, shape, shape, jnp.bfloat16, template=t.name, policy="keep").policy == "keep"
+    with pytest.raises(ValueError, match="belongs to backend 'mosaic_gpu'"):
+        tj.plan(m, shape, shape, jnp.bfloat16, template=t.name, backend="xla")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        tj.plan(m, shape, shape, jnp.bfloat16, policy="best")
+    with pytest.raises(ValueError, match="can't take this call"):
+        tj.plan(m, (1, 256, 2, 32), (1, 256, 2, 32), jnp.bfloat16, template=t.name)
+
+
+def test_clear_caches_makes_the_next_call_a_new_mask_request(monkeypatch, tmp_path):
+    """tj.clear_caches(): a repeated call recomputes the mask's features and its plan; the
+    loaded ranking table stays (a new mask does not reload it) unless fresh_process=True."""
+    from tessera_jax.planning import planner
+    from tessera_jax.runtime import api, dense_route, kernel_runner
+    from tessera_jax.select import features as F
+    from tessera_jax.select import ranking as S
+    from tessera_jax.tools import profiler as P
+    # A table for this device (cpu), so that selection computes features here.
+    monkeypatch.setenv("TESSERA_JAX_PLAN_TABLES", str(tmp_path))
+    rng = np.random.default_rng(0)
+    cands = [("xla_64x64", "merge"), ("xla_128x128", "keep")]
+    P.write_table(tmp_path / "cpu.json", S.fit_table(
+        rng.random((12, len(F.FEATURE_NAMES))), 1.0 + rng.random((12, 2)), cands,
+        gpu={"name": "cpu", "arch": "cpu"}, provenance={}))
+    monkeypatch.setattr(S, "_current_device", lambda: ("cpu", None))
+    features = []
+    real = F._mask_part
+    monkeypatch.setattr(F, "_mask_part", lambda m: features.append(m.digest) or real(m))
+    builds = []
+    real_build = planner._plan_policy
+    monkeypatch.setattr(planner, "_plan_policy", lambda *a, **kw: builds.append(1)
+                        or real_build(*a, **kw))
+    q, k, v = random_qkv(1, 64, 64, 2, 2, 16, "float32", 5)
+    m = tj.BlockMask.uniform(64, 64, 16, 16, rng.random((2, 4, 4)) < .5)
+    try:
+        tj.clear_caches(fresh_process=True)
+        for _ in range(2):
+            tj.sparse_attention(q, k, v, m)
+        assert features == [m.digest] and len(builds) == 1
+        assert len(api._PLANS) == 1 and S._TABLES
+        tj.clear_caches()
+        assert not (api._PLANS or F._CACHE or F._LAYOUTS or S._CHOICES
+                    or dense_route._ALL_SELECTED or kernel_runner._PREPARED)
+        assert S._TABLES and S._RESOLVED                   # kept: no new mask reloads them
+        tj.sparse_attention(q, k, v, m)
+        assert features == [m.digest] * 2 and len(builds) == 2
+        tj.clear_caches(fresh_process=True)
+        assert not (S._TABLES or S._RESOLVED)
+        with pytest.raises(TypeError, match="fresh_process must be a bool"):
+            tj.clear_caches(fresh_process="yes")
+    finally:
+        tj.clear_caches(fresh_process=True)

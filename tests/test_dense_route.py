@@ -6,7 +6,7 @@ import pytest
 
 import tessera_jax as tj
 from tessera_jax.runtime import api
-from tessera_jax.runtime import dispatch as backends
+from tessera_jax.runtime import dispatch
 from tessera_jax.runtime import dense_route
 from tessera_jax.validation import check_shapes
 
@@ -56,10 +56,10 @@ def fake_gpu(monkeypatch):
         calls["planned"] += 1
         return jnp.zeros_like(q)
 
-    monkeypatch.setattr(backends, "resolve", lambda backend, shape: backend or "mosaic_gpu")
+    monkeypatch.setattr(dispatch, "resolve", lambda backend, shape: backend or "mosaic_gpu")
     monkeypatch.setattr(dense_route, "attention", dense)
-    monkeypatch.setattr(api, "plan", lambda *a, **k: object())
-    monkeypatch.setattr(backends, "run", run)
+    monkeypatch.setattr(api, "_planned", lambda *a, **k: object())
+    monkeypatch.setattr(dispatch, "run", run)
     return calls
 
 
@@ -121,3 +121,33 @@ def test_a_call_that_does_not_compile_is_refused_once(monkeypatch):
         with pytest.raises(NotImplementedError, match="cuDNN is not detected"):
             dense_route.attention(q, k, v, 0.125)
     assert Broken.calls == 1
+
+
+def test_plan_says_when_the_dense_route_runs(monkeypatch):
+    """tj.plan is honest: the plan of a request sparse_attention sends to cuDNN says so
+    (Plan.dense_route, describe()), and it is the plan that runs with return_lse=True."""
+    monkeypatch.setattr(dispatch, "resolve", lambda backend, shape: backend or "mosaic_gpu")
+    monkeypatch.setattr(api, "_choose_template", lambda m, s, b: ("mgpu_q128_kv64_s2_hm", "merge"))
+    monkeypatch.setattr(api, "_PLANS", api.collections.OrderedDict())
+    ran = []
+    monkeypatch.setattr(dispatch, "run", lambda p, q, k, v, s, lse: ran.append(p) or (q, None))
+    q, k, v = random_qkv(1, 90, 80, 4, 2, 64, "bfloat16", 3)
+    p = tj.plan(_full(), q.shape, k.shape, q.dtype)
+    assert p.dense_route and p.describe().startswith("dense route: sparse_attention runs cuDNN")
+    assert p.template == "mgpu_q128_kv64_s2_hm" and tj.plan(_full(), q.shape, k.shape, q.dtype) is p
+    tj.sparse_attention(q, k, v, _full(), return_lse=True)
+    assert ran == [p]
+    # Anything chosen by the caller, or a mask with a hole: the plan is what runs.
+    for kw in ({"policy": "merge"}, {"template": "mgpu_q128_kv64_s2_hm"},
+               {"backend": "mosaic_gpu"}):
+        other = tj.plan(_full(), q.shape, k.shape, q.dtype, **kw)
+        assert not other.dense_route and "dense route" not in other.describe()
+    b = np.ones((1, 3, 2), bool)
+    b[0, 2, 0] = False
+    holed = tj.BlockMask([0, 30, 64, 90], [0, 40, 80], b)
+    assert not tj.plan(holed, q.shape, k.shape, q.dtype).dense_route
+    # A backend without cuDNN's route (here: the host) never sets it.
+    monkeypatch.setattr(dispatch, "resolve", lambda backend, shape: backend or "xla")
+    monkeypatch.setattr(api, "_choose_template", lambda m, s, b: ("xla_64x64", "merge"))
+    api._PLANS.clear()
+    assert not tj.plan(_full(), q.shape, k.shape, q.dtype).dense_route

@@ -262,18 +262,16 @@ def test_bench_loop_tiny(tmp_path):
 
 def test_loop_through_the_kernel_backend_runner_compiles_ahead_of_time(wan, monkeypatch):
     """The jitted loop, lowered and compiled ahead of time, through the GPU backends' runner
-    (``kernel_backends``) after a jitted attention-only call of the same mask, as bench_loop
-    does. A stand-in kernel module computes with the XLA executor. Regression: the runner once
-    cached the plan's device arrays and handed them to later traces, and the AOT loop failed
-    with "Computation compiled for N inputs but called with M" (H200, session 2)."""
-    import sys
+    (``kernel_runner``) after a jitted attention-only call of the same mask, as bench_loop
+    does. A stand-in kernel module computes with the XLA executor, behind a stand-in "triton"
+    entry of the backend table. Regression: the runner once cached the plan's device arrays
+    and handed them to later traces, and the AOT loop failed with "Computation compiled for N
+    inputs but called with M" (H200, session 2)."""
     import types
 
     from pallas_kernels import templates
 
-    from pallas_kernels import abi as plan_abi
-    from tessera_jax.runtime import dispatch as backends
-    from tessera_jax.runtime import kernel_runner as kernel_backends
+    from tessera_jax.runtime import dispatch, kernel_runner
     from pallas_kernels.xla import executor as xla_backend
     from tessera_jax.flax import attention
 
@@ -290,9 +288,10 @@ def test_loop_through_the_kernel_backend_runner_compiles_ahead_of_time(wan, monk
 
     mod = types.ModuleType("tessera_fake_kernel")
     mod.attention = fake_attention
-    monkeypatch.setitem(sys.modules, "tessera_fake_kernel", mod)
-    monkeypatch.setitem(backends._RUNNERS, "triton", kernel_backends._runner("tessera_fake_kernel"))
-    monkeypatch.setitem(backends._AVAILABLE, "triton", lambda: True)
+    mod.mask_mode_for = lambda template, all_full: None
+    fake = dispatch.Backend("triton", None, lambda *a: kernel_runner.run(mod, *a))
+    monkeypatch.setattr(dispatch, "BACKENDS",
+                        types.MappingProxyType({**dispatch.BACKENDS, "triton": fake}))
     t = templates.Template("fake_triton_16x16", "triton", 16, 16, stages=1, head_dims=(),
                            dtypes=("float32",))
     monkeypatch.setitem(templates._REGISTRY, t.name, t)

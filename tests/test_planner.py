@@ -596,14 +596,13 @@ def test_unit_order_option_head_major(monkeypatch):
     assert not (h[1:] != h[:-1])[same].all(), "head-major runs of one head expected"
     # row_index follows the units (the ABI check recomputes it from them).
     _check_abi(hm, m)
-    # A registered template's option is honoured, and the cache key includes the order.
-    from pallas_kernels import templates
-    name = "test_head_major_xla_64x64"
-    monkeypatch.setitem(templates._REGISTRY, name,
-                        templates.Template(name, "xla", 64, 64, 1, (), ("float32",),
-                                           options=(("unit_order", "head_major"),)))
+    # The planner reads no template table: a template name alone plans interleaved (the runtime
+    # passes its template's unit_order, tests/test_api.py), and the cache key includes the order.
     p = build_plan(m, (1, 1536, 4, 16), (1, 1536, 2, 16), jnp.float32, tile_q=64, tile_kv=64,
-                   policy="merge", template=name)
+                   policy="merge", template="mgpu_q128_kv128_s2_hm")
+    assert p.unit_order == "interleaved"
+    p = build_plan(m, (1, 1536, 4, 16), (1, 1536, 2, 16), jnp.float32, tile_q=64, tile_kv=64,
+                   policy="merge", template="mgpu_q128_kv128_s2_hm", unit_order="head_major")
     assert p.unit_order == "head_major"
     np.testing.assert_array_equal(p.units, hm.units)
     with pytest.raises(ValueError, match="unit_order"):

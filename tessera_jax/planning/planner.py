@@ -48,8 +48,8 @@ covers exactly one logical block, whole). ``kept + merged + split == tiles``.
 Mask heads with identical blocks are planned once and their units share one step list (a
 shared mask is the case of a single distinct head), so ``steps`` grows with the distinct head
 masks, not with Hq. Units are ordered by ``tessera_jax.planning.schedule.order_units`` (heaviest
-estimated cost first, then heads interleaved, or head-major where the template's
-``unit_order`` option asks for it). The int32 arrays are padded to capacity buckets
+estimated cost first, then heads interleaved, or head-major where ``build_plan``'s
+``unit_order`` asks for it: the runtime passes its template's ``unit_order``). The int32 arrays are padded to capacity buckets
 (``bucket``) so that masks of similar size reuse one compiled executable.
 
 Host cost: the work grows with the number of runs and tiles the plan holds, never with dense
@@ -57,8 +57,9 @@ Host cost: the work grows with the number of runs and tiles the plan holds, neve
 ``keep``/``merge`` (the default policy) run as numba-compiled loops that decode each unit's
 key intervals from the packed bits and write its step rows straight into the preallocated
 int32 ``steps``, on two threads, or on ``PLAN_THREADS`` (up to 8) for large plans where
-the host has 4 or more cores; the first plan of a process imports numba and compiles the loops
-or loads them from numba's on-disk cache (``warm_up()`` does it ahead of time).
+the host has 4 or more cores; the first plan too large to run them interpreted (small plans
+run the same loops as plain Python, ``plan_loops.INTERP_MAX_WORK``) imports numba and compiles
+the loops or loads them from numba's on-disk cache (``warm_up()`` does it ahead of time).
 ``split``/``pack`` choose their units (NumPy / a compiled greedy pass) and
 write their steps with one compiled loop, once, into a reserved upper bound as keep/merge do.
 The NumPy versions of the three step builders (``plan_oracle``) are the tests' oracles.
@@ -67,7 +68,7 @@ Units share step rows where their lists are equal: the heads of a shared mask, a
 the interior units of a tall row group, so an all-selected mask stores one list per unit
 height; this keeps the plan small to build and to copy to the GPU.
 ``build_plan`` is cached by (mask digest, shape, tile shape, policy, alignment, template,
-cost model, unit order): a repeated mask costs a dictionary lookup.
+cost model, unit order, ``SHARE_STEP_LISTS``): a repeated mask costs a dictionary lookup.
 
 * ``tessera_jax.planning.loops``: the numba-compiled inner loops (``_nb_*``), ``compile_all()``;
   this module keeps the policies, the drivers that run those loops (threads, bounds), the API.
@@ -89,7 +90,7 @@ from pallas_kernels import abi
 from tessera_jax.planning import loops as _loops
 from tessera_jax.planning import schedule as _sched
 from tessera_jax.mask import BlockMask
-from tessera_jax.validation import AttnShape, check_shapes
+from tessera_jax.validation import AttnShape, check_mask, check_shapes
 
 POLICIES = ("keep", "merge", "split", "pack", "auto")
 _BASE_POLICIES = ("keep", "merge", "split", "pack")
@@ -138,6 +139,11 @@ class Plan:
     cost_model: _sched.CostModel = _sched.DEFAULT_COST_MODEL
     unit_order: str = "interleaved"       # schedule.order_units order
     maybe_all_full: bool = True           # False: some step is certainly partial (cost model)
+    # Set by ``tessera_jax.plan`` (the runtime), never by the planner: ``sparse_attention``
+    # without LSE sends this request to cuDNN's dense attention (an all-selected mask on a
+    # GPU, see ``tessera_jax.runtime.dense_route``), so this plan runs only for return_lse=True
+    # or where cuDNN refuses the call. ``describe()`` says so.
+    dense_route: bool = False
 
     @functools.cached_property
     def row_index(self) -> np.ndarray:
@@ -188,8 +194,11 @@ class Plan:
         pol = self.policy
         if self.policy == "auto":
             pol += " -> " + ", ".join(f"{k}:{v}" for k, v in s["head_policies"].items() if v)
+        route = ("dense route: sparse_attention runs cuDNN dense attention for this "
+                 "all-selected mask (no LSE); this plan runs only with return_lse=True or if "
+                 "cuDNN refuses the call. " if self.dense_route else "")
         return (
-            f"plan {self.template} ({pol}): tiles {self.tile_q}x{self.tile_kv}, "
+            f"{route}plan {self.template} ({pol}): tiles {self.tile_q}x{self.tile_kv}, "
             f"{s['units']} work units, {s['tiles']} tiles "
             f"(kept {s['kept']}, merged {s['merged']}, split {s['split']}; "
             f"{s['partial_tiles']} partial); "
@@ -201,7 +210,7 @@ class Plan:
 
 
 # --- bit helpers ------------------------------------------------------------------------
-def _pack(rows: np.ndarray) -> np.ndarray:
+def pack_rows(rows: np.ndarray) -> np.ndarray:
     """bool [..., n] -> little-endian uint64 words [..., ceil(n / 64)]; bit j%64 of word j//64.
 
     Large C-contiguous masks with n % 8 == 0 are packed by the compiled loop (8 flags at a
@@ -224,6 +233,9 @@ def _pack(rows: np.ndarray) -> np.ndarray:
         out[..., nb:] = 0
         pk = out
     return np.ascontiguousarray(pk).view(_U64)
+
+
+_pack = pack_rows     # the former private name (tests/test_planner.py uses it)
 
 
 def _chunk(starts, ends, tile, align, limit):
@@ -340,7 +352,8 @@ class _Ctx:
 # rectangle x tile, charged to one (group, selected key block) whose keys its tile touches.
 # Mask packing and row_index are compiled too.
 # numba is imported and the loops compiled (or loaded from numba's on-disk cache) on the
-# first plan of a process, not at import; ``warm_up()`` does it ahead of time. The drivers
+# first loop call too large to run interpreted (``plan_loops.INTERP_MAX_WORK``: a small plan
+# runs them as plain Python), not at import; ``warm_up()`` does it ahead of time. The drivers
 # look each loop up as ``_loops._nb_*`` at call time: ``plan_loops.compile_all()`` rebinds
 # those names to the compiled functions.
 # Threads of the compiled loops. Most loops use two of them. The step builders (split/pack and
@@ -372,7 +385,6 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
     touched. Where the first half stopped early, the rest of it is counted, the second half
     moved up to make room, and the rest written.
     """
-    _loops.compile_all()
     U = len(uq)
     tk = ctx.tile_kv
     kb = np.array(ctx.kb, np.int64)
@@ -499,8 +511,9 @@ def _first_half_rows(args, bound, mid: int) -> int:
 
 
 def warm_up() -> None:
-    """Compiles (or loads from numba's cache) the planner's compiled loops now, so that the
-    first real plan of the process does not pay for it."""
+    """Imports numba and compiles (or loads from numba's on-disk cache) the planner's loops
+    now, so that no plan of the process pays for it: ~0.4 s with the cache warm, seconds cold.
+    Without it, small plans run the loops interpreted and the first larger one loads numba."""
     _loops.compile_all()
     z64 = np.zeros(1, np.int64)
     flags = np.zeros((1, 1), _U64)
@@ -508,7 +521,7 @@ def warm_up() -> None:
     _loops._nb_pack(0, 1, flags, np.empty((1, 1), _U64))
     _loops._nb_row_index(0, 1, z64, z64, z64, z64 + 1, z64, 8, 8, np.empty((1, 1), np.int32))
     b = np.array([0, 1, 2])
-    words = _pack(np.ones((1, 2, 2), bool))
+    words = pack_rows(np.ones((1, 2, 2), bool))
     ctx = _Ctx(b, b, words, 8, 8, 1, 1, 8, 8)
     _plan_grid(ctx)
     _plan_pack(ctx)
@@ -539,8 +552,8 @@ def _run_split(fn, n, work, *args):
 
 
 # keep/merge: equal consecutive units share their step rows. A switch for A/B measurements
-# (benchmarks/request_path.py); it is not part of the plan cache's key, so clear the cache
-# (``_build_cached.cache_clear()``) after changing it.
+# (benchmarks/request_path.py); ``build_plan`` reads it per call and it is part of the plan
+# cache's key, so flipping it needs no cache clearing.
 SHARE_STEP_LISTS = True
 
 
@@ -551,7 +564,6 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
     same rows) point at one copy of their step rows, so an all-selected mask stores one list
     per unit height instead of one per unit: a smaller plan to build and to copy to the GPU."""
     share = SHARE_STEP_LISTS if share is None else bool(share)
-    _loops.compile_all()
     tq, tk, al = ctx.tile_q, ctx.tile_kv, ctx.kv_align
     words = ctx.words
     gh, gi, ge, pc = _loops._nb_groups(words, merge)
@@ -684,7 +696,6 @@ def _plan_pack(ctx: _Ctx) -> _Raw:
     K/V tiles are anchored at the runs of the union of its groups' key sets (compiled steps;
     the arrays
     equal ``plan_oracle._plan_pack_numpy``'s)."""
-    _loops.compile_all()
     gh, gi, ge, _ = _loops._nb_groups(ctx.words, True)
     if len(gh) == 0:
         return _empty_raw()
@@ -721,15 +732,15 @@ def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_k
                policy: str = "merge", q_align: int = 1, kv_align: int = 1,
                template: str | None = None,
                cost_model: _sched.CostModel | None = None,
-               unit_order: str | None = None) -> Plan:
+               unit_order: str = "interleaved") -> Plan:
     """Plans ``mask`` for q [B, Lq, Hq, D] / k, v [B, Lkv, Hkv, D] with the given tile shape.
 
-    ``unit_order`` ("interleaved" or "head_major", see ``schedule.order_units``) defaults to the
-    registered template's ``unit_order`` option, else "interleaved".
+    ``unit_order``: "interleaved" (default) or "head_major" (``schedule.order_units``); the
+    runtime passes its template's ``unit_order``. ``template`` is only the name recorded in the
+    plan (default ``f"xla_{tile_q}x{tile_kv}"``): the planner reads no template table.
     """
     shape = check_shapes(q_shape, kv_shape, dtype)
-    if not isinstance(mask, BlockMask):
-        raise TypeError(f"mask must be a BlockMask, got {type(mask).__name__}")
+    check_mask(mask, shape)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     for name, val in (("tile_q", tile_q), ("tile_kv", tile_kv), ("q_align", q_align),
@@ -746,23 +757,30 @@ def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_k
     elif not isinstance(cost_model, _sched.CostModel):
         raise TypeError(f"cost_model must be a schedule.CostModel, got "
                         f"{type(cost_model).__name__}")
-    template = template or f"xla_{tile_q}x{tile_kv}"
-    if unit_order is None:
-        unit_order = _template_unit_order(template)
+    if template is not None and not isinstance(template, str):
+        raise TypeError(f"template must be a str (the name recorded in the plan) or None, "
+                        f"got {type(template).__name__}")
     if unit_order not in _sched.UNIT_ORDERS:
         raise ValueError(f"unit_order must be one of {_sched.UNIT_ORDERS}, got {unit_order!r}")
-    return _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, template,
-                         cost_model, unit_order)
+    return build_unchecked(mask, shape, tile_q=tile_q, tile_kv=tile_kv, policy=policy,
+                           q_align=q_align, kv_align=kv_align, template=template,
+                           cost_model=cost_model, unit_order=unit_order)
 
 
-def _template_unit_order(name: str) -> str:
-    """The ``unit_order`` option of the registered template ``name`` ("interleaved" if none)."""
-    from pallas_kernels import templates
-    try:
-        t = templates.get(name)
-    except ValueError:
-        return "interleaved"
-    return t.option("unit_order", "interleaved")
+def build_unchecked(mask: BlockMask, shape: AttnShape, *, tile_q: int, tile_kv: int,
+                    policy: str, q_align: int, kv_align: int, template: str | None,
+                    unit_order: str, cost_model: _sched.CostModel | None = None) -> Plan:
+    """``build_plan`` without its argument checks, for a caller that made them (the runtime:
+    ``shape`` from ``validation.check_shapes``, the mask checked against it, tiles, alignment,
+    policy and unit order from a ``Template``). Cached like ``build_plan``."""
+    return _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align,
+                         template or f"xla_{tile_q}x{tile_kv}",
+                         cost_model or _sched.DEFAULT_COST_MODEL, unit_order, SHARE_STEP_LISTS)
+
+
+def clear_cache() -> None:
+    """Forgets the cached plans (``tessera_jax.clear_caches`` calls it)."""
+    _build_cached.cache_clear()
 
 
 def _dedupe_heads(words: np.ndarray):
@@ -793,14 +811,14 @@ def _dedupe_heads(words: np.ndarray):
 
 @functools.lru_cache(maxsize=32)
 def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, template,
-                  cost_model, unit_order="interleaved") -> Plan:
-    from tessera_jax.validation import check_mask
-    check_mask(mask, shape)
+                  cost_model, unit_order, share) -> Plan:
+    """The plan (cached by the mask's digest and every argument, ``share`` =
+    ``SHARE_STEP_LISTS`` included); the arguments are checked by the callers."""
     Hq = shape.num_q_heads
     group = Hq // shape.num_kv_heads
     qp = _round_up(max(shape.q_len, tile_q), q_align)
     kvp = _round_up(max(shape.kv_len, tile_kv), kv_align)
-    words, hmap = _dedupe_heads(_pack(mask.blocks))
+    words, hmap = _dedupe_heads(pack_rows(mask.blocks))
     ctx = _Ctx(mask.q_bounds, mask.kv_bounds, words, tile_q, tile_kv, q_align, kv_align,
                qp, kvp)
     Hd = words.shape[0]
@@ -815,7 +833,7 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
         raw = _Raw.concat([r.select_heads(choice == k) for k, r in enumerate(raws)])
         head_policies = tuple(_AUTO_CANDIDATES[choice[k]] for k in hmap)
     else:
-        raw = _plan_policy(ctx, policy)
+        raw = _plan_policy(ctx, policy, share=share)
         head_policies = (policy,) * mask.num_heads
     first = raw.first
     cost = _raw_costs(raw, ctx, shape, cost_model)
@@ -866,7 +884,6 @@ def _row_index(uh, qs, lo, hi, order, Hq, Lq, tile_q, sentinel):
     ``order[u]`` of these). Written head by head in row order (compiled, the query heads split
     over PLAN_THREADS threads); units arrive in (head, row) order, else are sorted first.
     """
-    _loops.compile_all()
     U = len(uh)
     uidx = np.empty(U, np.int64)
     uidx[order] = np.arange(U)
@@ -917,14 +934,11 @@ def _stats(plan: Plan) -> dict:
     computed = tiles * plan.tile_q * plan.tile_kv
     sel = plan.selected_interactions
     itemsize = np.dtype(plan.shape.dtype).itemsize
-    if plan.mask is not None:
-        rects = _tile_rects(plan)
-        kinds = np.bincount(tile_kinds(plan, rects), minlength=3)
-        full = ((rects["r0"] == rects["q0"]) & (rects["r1"] == rects["q1"])
-                & (rects["c0"] == rects["k0"]) & (rects["c1"] == rects["k1"]))
-        nfull = int(full.sum())
-    else:  # pragma: no cover - plans are always built with their mask
-        kinds, nfull = np.zeros(3, np.int64), 0
+    rects = _tile_rects(plan)
+    kinds = np.bincount(tile_kinds(plan, rects), minlength=3)     # plans hold their mask
+    full = ((rects["r0"] == rects["q0"]) & (rects["r1"] == rects["q1"])
+            & (rects["c0"] == rects["k0"]) & (rects["c1"] == rects["k1"]))
+    nfull = int(full.sum())
     cost = plan.unit_cost if plan.unit_cost is not None else np.zeros(U)
     nsm = plan.cost_model.num_sms
     hp = {p: plan.head_policies.count(p) for p in _BASE_POLICIES}

@@ -1,71 +1,79 @@
-"""Public entry points: plan(...) and sparse_attention(...)."""
+"""Public entry points: ``sparse_attention``, ``plan``, ``precompile``, ``clear_caches`` and
+``enable_compilation_cache``.
+
+The way of a ``sparse_attention`` call, each stop once:
+
+1. validation (``tessera_jax.validation``): q, k, v, mask, scale, return_lse, policy;
+2. the target (``dispatch``): the backend, and the template when one is given;
+3. the dense route (``dense_route``): an all-selected mask with nothing chosen by the caller
+   runs cuDNN's dense attention on a GPU;
+4. the plan (``_planned``): the front cache ``_PLANS``, else template and policy from the
+   ranking (``select.ranking``) and the planner's ``build_unchecked`` (nothing re-validated);
+5. the run (``dispatch.run``): the backend's table entry, then ``kernel_runner`` (GPU) or the
+   XLA executor.
+
+``plan`` takes steps 1, 2 and 4 for shapes instead of arrays, so it returns the very plan
+``sparse_attention`` runs, and says when the dense route runs instead (``Plan.dense_route``).
+"""
 
 from __future__ import annotations
 
 import collections
-import functools
+import dataclasses
 
 import numpy as np
 
-from tessera_jax.runtime import dispatch as backends
+from pallas_kernels.templates import Template
 
-from tessera_jax.runtime import dense_route
 from tessera_jax.mask import BlockMask
-from tessera_jax.planning.planner import Plan, build_plan
-from tessera_jax.validation import check_bool, check_mask, check_qkv, check_scale, check_shapes
+from tessera_jax.planning import planner
+from tessera_jax.planning.planner import POLICIES, Plan
+from tessera_jax.runtime import dense_route, dispatch, kernel_runner
+from tessera_jax.select import features, ranking
+from tessera_jax.validation import (AttnShape, check_bool, check_mask, check_qkv, check_scale,
+                                    check_shapes)
 
 
-@functools.cache
-def _selector():
-    """The offline-profiled ranking's ``select`` if that module exists, else None."""
-    try:
-        from tessera_jax.select.ranking import select
-    except ImportError:
-        return None
-    return select
+def _check_policy(policy) -> None:
+    if policy is not None and (not isinstance(policy, str) or policy not in POLICIES):
+        raise ValueError(f"policy must be one of {POLICIES} or None, got {policy!r}")
 
 
-def _choose_template(mask: BlockMask, shape, backend: str) -> tuple[str, str]:
-    """(template, policy) for a request; the ranking tables refine this when present."""
-    select = _selector()
-    if select is not None:
-        choice = select(mask, shape, backend)
-        if choice is not None:
-            return choice
-    supported = backends.supported_templates(backend, shape)
-    default = backends.DEFAULT_TEMPLATE.get(backend)
-    names = [t.name for t in supported]
-    return (default if default in names else names[0]), "merge"
+def _target(shape: AttnShape, backend, template, *, runs_here: bool) -> tuple[str, Template | None]:
+    """(backend, Template or None: chosen per mask) for a call; ``runs_here``: the template's
+    backend must be available on this machine (``sparse_attention``; ``plan`` may plan for
+    another machine's template)."""
+    if template is None:
+        return dispatch.resolve(backend, shape), None
+    t = dispatch.get_template(template)
+    if backend is not None and backend != t.backend:
+        raise ValueError(f"template {template!r} belongs to backend {t.backend!r}, "
+                         f"not {backend!r}")
+    if runs_here:
+        dispatch.resolve(t.backend, shape)
+    why = dispatch.unsupported(t, shape)
+    if why:
+        raise ValueError(f"template {template!r} can't take this call: {why}")
+    return t.backend, t
 
 
-def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
-         policy: str | None = None, backend: str | None = None) -> Plan:
-    """The plan ``sparse_attention`` would run for these shapes (cached by mask digest).
-
-    One exception: an all-selected mask that ``sparse_attention`` sends to cuDNN
-    (``dense_route``: GPU, backend/policy/template left to choose, no LSE) still gets the plan
-    the kernels would run here, but none runs then.
-    """
-    try:
-        key = (mask, tuple(q_shape), tuple(kv_shape), np.dtype(dtype), template, policy, backend)
-        hash(key)
-    except TypeError:
-        key = None  # unhashable input: let the checks below say what is wrong
-    if key is not None:
-        hit = _PLANS.get(key)
-        if hit is not None:
-            _PLANS.move_to_end(key)
-            return hit
-    p = _plan(mask, q_shape, kv_shape, dtype, template, policy, backend)
-    if key is not None:
-        _remember(key, p)
-    return p
+def _choose_template(mask: BlockMask, shape: AttnShape, backend: str) -> tuple[str, str]:
+    """(template, policy) for a request: the ranking's choice, else the backend's default
+    template (or its first that takes the call) with that template's own policy."""
+    choice = ranking.select(mask, shape, backend)
+    if choice is not None:
+        return choice
+    supported = dispatch.supported_templates(backend, shape)
+    default = dispatch.DEFAULT_TEMPLATE.get(backend)
+    t = next((t for t in supported if t.name == default), supported[0])
+    return t.name, t.policy
 
 
-# Front cache of finished plans, keyed by mask digest and call: a hit skips every check
-# (they passed when the entry was made) and costs a dict look-up. Least recently used plans
-# are dropped past _MAX_PLANS entries or _MAX_PLAN_BYTES of plan arrays (a 40-head Wan 720p
-# plan can hold tens of MB).
+# Front cache of finished plans, keyed by mask digest and request (the arguments as given):
+# a hit skips template choice and planning and costs a dict look-up (``plan`` looks before
+# its checks: they passed when the entry was made). Least recently used plans are dropped past
+# _MAX_PLANS entries or _MAX_PLAN_BYTES of plan arrays (a 40-head Wan 720p plan can hold tens
+# of MB).
 _PLANS: collections.OrderedDict = collections.OrderedDict()
 _MAX_PLANS = 256
 _MAX_PLAN_BYTES = 1 << 30
@@ -87,20 +95,62 @@ def _remember(key, p: Plan) -> None:
         total -= _plan_bytes(old)
 
 
-def _plan(mask, q_shape, kv_shape, dtype, template, policy, backend) -> Plan:
+def _key(mask, q_shape, kv_shape, dtype, template, policy, backend):
+    """The front cache's key of a request, or None when an argument is unhashable (the checks
+    then say what is wrong)."""
+    try:
+        key = (mask, tuple(q_shape), tuple(kv_shape), np.dtype(dtype), template, policy, backend)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _planned(key, mask: BlockMask, shape: AttnShape, backend: str, t: Template | None,
+             policy: str | None, auto: bool) -> Plan:
+    """The plan of a validated request (``key`` from ``_key``, None: not cached; ``backend``
+    resolved, ``t`` the caller's template or None, ``auto``: nothing chosen by the caller)."""
+    hit = _PLANS.get(key) if key is not None else None
+    if hit is not None:
+        _PLANS.move_to_end(key)
+        return hit
+    if t is None:
+        name, chosen = _choose_template(mask, shape, backend)
+        t = dispatch.get_template(name)
+        policy = policy or chosen
+    p = planner.build_unchecked(mask, shape, tile_q=t.tile_q, tile_kv=t.tile_kv,
+                                policy=policy or t.policy, q_align=t.q_align,
+                                kv_align=t.kv_align, template=t.name, unit_order=t.unit_order)
+    if auto and dense_route.takes(mask, shape, backend, False):
+        p = dataclasses.replace(p, dense_route=True)   # the planner's cached plan stays as is
+    if key is not None:
+        _remember(key, p)
+    return p
+
+
+def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
+         policy: str | None = None, backend: str | None = None) -> Plan:
+    """The plan ``sparse_attention`` runs for a call of these shapes and arguments (cached by
+    mask digest: the same object ``sparse_attention`` uses).
+
+    ``template`` may belong to a backend this machine lacks (planning is host work). When
+    ``sparse_attention`` would send the call to cuDNN instead (an all-selected mask on a GPU,
+    with template, policy and backend left to choose and no LSE: ``dense_route``), the plan
+    says so: ``Plan.dense_route`` is True and ``describe()`` starts with it; the plan is then
+    what runs with ``return_lse=True`` or if cuDNN refuses the call.
+    """
+    key = _key(mask, q_shape, kv_shape, dtype, template, policy, backend)
+    if key is not None:
+        hit = _PLANS.get(key)
+        if hit is not None:
+            _PLANS.move_to_end(key)
+            return hit
     shape = check_shapes(q_shape, kv_shape, dtype)
     check_mask(mask, shape)
-    if template is None:
-        be = backends.resolve(backend, shape)
-        template, default_policy = _choose_template(mask, shape, be)
-        policy = policy or default_policy
-    t = backends.get_template(template)
-    why = backends.unsupported(t, shape)
-    if why:
-        raise ValueError(f"template {template!r} can't take this call: {why}")
-    return build_plan(mask, q_shape, kv_shape, dtype, tile_q=t.tile_q, tile_kv=t.tile_kv,
-                      policy=policy or "merge", q_align=t.q_align, kv_align=t.kv_align,
-                      template=t.name)
+    _check_policy(policy)
+    be, t = _target(shape, backend, template, runs_here=False)
+    return _planned(key, mask, shape, be, t, policy,
+                    template is None and policy is None and backend is None)
 
 
 def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, backend=None,
@@ -110,31 +160,56 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
     q: [B, Lq, Hq, D]; k, v: [B, Lkv, Hkv, D] with Hq % Hkv == 0. Returns out [B, Lq, Hq, D] in
     q.dtype, and lse [B, Hq, Lq] (float32, natural log) when ``return_lse``. A query with no
     selected key gives 0 and lse -inf. ``backend`` is "mosaic_gpu", "triton", "xla" or None (the
-    best available here). Planning is host NumPy at trace time, so under ``jax.jit`` the mask
-    must be a static (closure or static-argument) value. A mask that selects everything runs
-    cuDNN's dense attention instead when the backend is left to choose (a GPU), no LSE is asked
-    for and no ``policy`` is given (``dense_route``).
+    best available here, ``dispatch.BACKENDS``). ``template`` names a kernel configuration
+    (``pallas_kernels.templates``), None: chosen per mask by the ranking tables
+    (``select.ranking``). ``policy`` (``planning.planner.POLICIES``), None: the ranking's
+    choice, else the template's own ``policy``. Planning is host NumPy at trace time, so under
+    ``jax.jit`` the mask must be a static (closure or static-argument) value. A mask that
+    selects everything runs cuDNN's dense attention instead when the backend is left to
+    choose (a GPU), no LSE is asked for and no ``template`` or ``policy`` is given
+    (``dense_route``; ``plan(...).dense_route`` tells).
     """
     shape = check_qkv(q, k, v)
     check_mask(mask, shape)
     scale = check_scale(scale, shape.head_dim)
     return_lse = check_bool("return_lse", return_lse)
-    if template is not None:
-        t = backends.get_template(template)
-        if backend is not None and backend != t.backend:
-            raise ValueError(f"template {template!r} belongs to backend {t.backend!r}, "
-                             f"not {backend!r}")
-        backends.resolve(t.backend, shape)
-    else:
-        auto = backend is None and policy is None
-        backend = backends.resolve(backend, shape)
-        if auto and dense_route.takes(mask, shape, backend, return_lse):
-            try:
-                return dense_route.attention(q, k, v, scale)
-            except (NotImplementedError, ValueError) as e:   # cuDNN refused this call
-                dense_route.warn_fallback(e)
-    p = plan(mask, q.shape, k.shape, q.dtype, template=template, policy=policy, backend=backend)
-    return backends.run(p, q, k, v, scale, return_lse)
+    _check_policy(policy)
+    be, t = _target(shape, backend, template, runs_here=True)
+    auto = template is None and policy is None and backend is None
+    if auto and dense_route.takes(mask, shape, be, return_lse):
+        try:
+            return dense_route.attention(q, k, v, scale)
+        except (NotImplementedError, ValueError) as e:   # cuDNN refused this call
+            dense_route.warn_fallback(e)
+    key = (mask, tuple(q.shape), tuple(k.shape), shape.dtype, template, policy, backend)
+    p = _planned(key, mask, shape, be, t, policy, auto)
+    return dispatch.run(p, q, k, v, scale, return_lse)
+
+
+def clear_caches(*, fresh_process: bool = False) -> None:
+    """Forgets what earlier calls computed from their masks, so that the next call on any mask
+    costs what a request on a new mask costs (benchmarks call it between requests).
+
+    Cleared: the front plan cache (``runtime.api._PLANS``) and the planner's plan cache;
+    mask features and block layouts (``select.features``); the ranking's choices per mask
+    (``select.ranking``); which masks are all selected (``runtime.dense_route``); the kernel
+    runner's prepared plans: mask modes and device copies (``runtime.kernel_runner``).
+
+    Kept, unless ``fresh_process``: what a process computes once, whatever the masks: the
+    loaded ranking tables and which table this GPU uses, the compiled cuDNN dense calls (and
+    refusals) per shape, and the one-time warnings. ``fresh_process=True`` clears those too.
+    Never cleared: jax's compiled executables (``jax.clear_caches()``) and the device facts
+    (GPU model, compute capability).
+    """
+    fresh_process = check_bool("fresh_process", fresh_process)
+    _PLANS.clear()
+    planner.clear_cache()
+    features.clear_cache()
+    ranking.clear_caches(tables=fresh_process)
+    dense_route.clear_caches(verdicts=fresh_process)
+    kernel_runner.clear_cache()
+    if fresh_process:
+        dispatch.clear_warnings()
 
 
 def enable_compilation_cache(path: str, min_compile_time_secs: float = 0.0) -> None:

@@ -17,6 +17,7 @@ import weakref
 import numpy as np
 
 from tessera_jax.mask import BlockMask
+from tessera_jax.runtime.kernel_runner import tracing
 
 GPU_BACKENDS = ("mosaic_gpu", "triton")
 _DTYPES = ("bfloat16", "float16")
@@ -74,13 +75,21 @@ def _verdict(q, k, v, scale: float):
 def attention(q, k, v, scale: float):
     """out [B, Lq, Hq, D]: cuDNN fused attention over all keys (GQA by K/V head groups).
     Raises NotImplementedError (with cuDNN's error) where this call does not compile."""
-    from tessera_jax.runtime.dispatch import tracing
     got = _verdict(q, k, v, scale)
     if isinstance(got, Exception):
         raise NotImplementedError(f"{type(got).__name__}: {got}") from got
     if tracing(q, k, v):
         return _dense_fn()(q, k, v, scale=scale)        # inlined into the caller's program
     return got(q, k, v)
+
+
+def clear_caches(*, verdicts: bool = False) -> None:
+    """Forgets which masks are all selected and, with ``verdicts``, the compiled cuDNN calls
+    and refusals per shape and the one-time fallback warning (``tessera_jax.clear_caches``)."""
+    _ALL_SELECTED.clear()
+    if verdicts:
+        _VERDICTS.clear()
+        warn_fallback._done = False
 
 
 def warn_fallback(err: Exception) -> None:

@@ -1,36 +1,34 @@
-"""Registers the Pallas GPU backends with ``tessera_jax.runtime.dispatch`` when their modules import.
+"""One plan, one Pallas kernel call: how a host plan reaches a GPU kernel module.
 
-A kernel module provides ``attention(q, k, v, units, steps, row_index, *, template,
-q_len_padded, kv_len_padded, scale, return_lse, check_plan, [mask_mode])``: row_index may be None
-(made on the device) and ``check_plan=False`` means the plan is the planner's (no host checks).
+``dispatch`` (the static table of backends) calls ``run(kernel, plan, template, q, k, v,
+scale, return_lse)`` with the kernel module its entry imports: ``pallas_kernels.mosaic.wrapper``
+or ``pallas_kernels.triton.wrapper``. A kernel module provides ``attention(q, k, v, units,
+steps, row_index, *, template, q_len_padded, kv_len_padded, scale, return_lse,
+check_plan=True, mask_mode=None)`` (row_index may be None: made on the device;
+``check_plan=False``: the plan is the planner's, no host checks) and
+``mask_mode_for(template, all_full)``.
+
+Kept apart from ``dispatch``, which decides *which* backend and template run: this module is
+*how* a plan's arrays reach the kernel (trusted plans, device copies, traces), tuned on the
+H200 (the comments give the measurements), and its tests patch its constants.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import jax
 import numpy as np
 
-from tessera_jax.runtime import dispatch as backends
 from tessera_jax.planning.planner import Plan
 
 
-@functools.cache
-def _gpu_capability() -> tuple[int, int] | None:
-    try:
-        devs = jax.devices("gpu")
-    except RuntimeError:
-        return None
-    if not devs:
-        return None
-    cc = getattr(devs[0], "compute_capability", None)
-    try:
-        major, minor = (int(x) for x in str(cc).split("."))
-    except (TypeError, ValueError):
-        return (0, 0)
-    return (major, minor)
+def tracing(*xs) -> bool:
+    """Whether this call is being traced: a traced operand, or concrete ones inside a trace
+    (q closed over by a jit, grad over k/v only). Device arrays made now would be tracers, and a
+    cached one would leak into later eager calls."""
+    from jax._src import core as _core      # trace_state_clean has no public name in jax 0.11
+    return any(isinstance(x, jax.core.Tracer) for x in xs) or not _core.trace_state_clean()
 
 
 # Per plan (weakly held, so a plan dropped from the API's cache frees its entry) and kernel
@@ -47,6 +45,11 @@ def _gpu_capability() -> tuple[int, int] | None:
 # Eagerly, row_index is not copied: the kernel module computes it on the device from units
 # (a request on a new mask then copies units + steps only; row_index is Hq * Lq * 4 bytes).
 _PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def clear_cache() -> None:
+    """Forgets the prepared plans (mask modes, device copies); ``tessera_jax.clear_caches``."""
+    _PREPARED.clear()
 
 
 # A large ``steps`` goes to the device in pieces, one transfer each, joined there: jax copies
@@ -76,66 +79,44 @@ def _join(*pieces):
     return jnp.concatenate(pieces, axis=0)
 
 
-def _runner(module_name: str):
-    def run(plan, template, q, k, v, scale, return_lse):
-        import importlib
-        mod = importlib.import_module(module_name)
-        kw = dict(template=template, q_len_padded=plan.q_len_padded,
-                  kv_len_padded=plan.kv_len_padded, scale=scale, return_lse=return_lse)
-        # Plan.row_index is made on first use: an eager trusted call never touches it.
-        arrays = (plan.units, plan.steps)
-        if not all(isinstance(a, np.ndarray) for a in arrays):
-            # Plan arrays as operands of a jitted caller (the profiler): nothing to check or
-            # keep on the host; the template's own mask mode applies.
-            return mod.attention(q, k, v, *arrays, plan.row_index, **kw)
-        try:
-            per_plan = _PREPARED.setdefault(plan, {})
-        except TypeError:           # a plan-like object that can't be weakly referenced
-            per_plan = {}
-        trusted = isinstance(plan, Plan)       # built by the planner for this template
-        entry = per_plan.get((module_name, template.name))
-        if entry is None:
-            extra = {}
-            if hasattr(mod, "plan_mask_mode"):
-                # Mosaic GPU: no masking code at all for a plan whose steps are all full.
-                extra["mask_mode"] = (
-                    mod.mask_mode_for(template, plan.all_full) if trusted else
-                    mod.plan_mask_mode(plan.units, plan.steps, template, plan.q_len_padded,
-                                       plan.kv_len_padded))
-            entry = per_plan[(module_name, template.name)] = [None, extra, 0]
-        on_device, extra, _ = entry
-        if backends.tracing(q, k, v):           # the plan, row_index too, become constants
-            return mod.attention(q, k, v, *arrays, plan.row_index, **kw, **extra)
-        if on_device is None:
-            if not trusted:     # the kernel module checks the NumPy plan once
-                arrays += (plan.row_index,)
-                out = mod.attention(q, k, v, *arrays, **kw, **extra)
-                entry[0] = tuple(jax.device_put(arrays))
-                return out
-            if not entry[2] and sum(a.nbytes for a in arrays) <= _DIRECT_MAX_BYTES:
-                # The first call of a small plan (a request on a new mask) hands the NumPy
-                # arrays to the jitted call; later calls use device copies made once.
-                entry[2] = 1
-                return mod.attention(q, k, v, *arrays, None, check_plan=False, **kw, **extra)
-            on_device = entry[0] = _put_plan(*arrays) + (None,)
-        return mod.attention(q, k, v, *on_device, **kw, **extra)
-    return run
-
-
-def _available(module_name: str, min_cc: tuple[int, int]):
-    def available() -> bool:
-        cc = _gpu_capability()
-        if cc is None or cc < min_cc:
-            return False
-        try:
-            __import__(module_name)
-        except ImportError:
-            return False
-        return True
-    return available
-
-
-backends.register_backend("mosaic_gpu", _runner("pallas_kernels.mosaic.forward"),
-                          _available("pallas_kernels.mosaic.forward", (9, 0)))
-backends.register_backend("triton", _runner("pallas_kernels.triton.forward"),
-                          _available("pallas_kernels.triton.forward", (8, 0)))
+def run(kernel, plan, template, q, k, v, scale, return_lse):
+    """out (and lse with ``return_lse``) of ``plan`` run by the kernel module ``kernel`` with
+    ``template`` (a ``pallas_kernels.templates.Template``)."""
+    kw = dict(template=template, q_len_padded=plan.q_len_padded,
+              kv_len_padded=plan.kv_len_padded, scale=scale, return_lse=return_lse)
+    # Plan.row_index is made on first use: an eager trusted call never touches it.
+    arrays = (plan.units, plan.steps)
+    if not all(isinstance(a, np.ndarray) for a in arrays):
+        # Plan arrays as operands of a jitted caller (the profiler): nothing to check or
+        # keep on the host; the template's own mask mode applies.
+        return kernel.attention(q, k, v, *arrays, plan.row_index, **kw)
+    try:
+        per_plan = _PREPARED.setdefault(plan, {})
+    except TypeError:           # a plan-like object that can't be weakly referenced
+        per_plan = {}
+    trusted = isinstance(plan, Plan)       # built by the planner for this template
+    key = (kernel.__name__, template.name)
+    entry = per_plan.get(key)
+    if entry is None:
+        # The mask mode (Mosaic GPU: no masking code at all for a plan whose steps are all
+        # full); an untrusted plan is walked (and checked) once, here.
+        mode = (kernel.mask_mode_for(template, plan.all_full) if trusted else
+                kernel.plan_mask_mode(plan.units, plan.steps, template, plan.q_len_padded,
+                                      plan.kv_len_padded))
+        entry = per_plan[key] = [None, {"mask_mode": mode}, 0]
+    on_device, extra, _ = entry
+    if tracing(q, k, v):           # the plan, row_index too, become constants
+        return kernel.attention(q, k, v, *arrays, plan.row_index, **kw, **extra)
+    if on_device is None:
+        if not trusted:     # the kernel module checks the NumPy plan once
+            arrays += (plan.row_index,)
+            out = kernel.attention(q, k, v, *arrays, **kw, **extra)
+            entry[0] = tuple(jax.device_put(arrays))
+            return out
+        if not entry[2] and sum(a.nbytes for a in arrays) <= _DIRECT_MAX_BYTES:
+            # The first call of a small plan (a request on a new mask) hands the NumPy
+            # arrays to the jitted call; later calls use device copies made once.
+            entry[2] = 1
+            return kernel.attention(q, k, v, *arrays, None, check_plan=False, **kw, **extra)
+        on_device = entry[0] = _put_plan(*arrays) + (None,)
+    return kernel.attention(q, k, v, *on_device, **kw, **extra)

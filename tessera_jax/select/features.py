@@ -55,7 +55,7 @@ import math
 import numpy as np
 
 from tessera_jax.mask import BlockMask
-from tessera_jax.planning.planner import _pack  # bool rows -> uint64 words, shared with the planner
+from tessera_jax.planning.planner import pack_rows  # bool rows -> uint64 words, as the planner packs
 
 __all__ = ["FEATURE_NAMES", "mask_features", "feature_vector", "clear_cache", "SAMPLE_BITS",
            "MAX_SAMPLE_HEADS", "Q_TILES_CAP"]
@@ -94,7 +94,7 @@ _NOT_BIT0 = ~np.uint64(1)
 
 
 def clear_cache() -> None:
-    """Forgets cached features and layouts (tests and timing of the uncached path)."""
+    """Forgets cached features and layouts (``tessera_jax.clear_caches`` calls it)."""
     _CACHE.clear()
     _LAYOUTS.clear()
 
@@ -284,7 +284,7 @@ def _words(mask: BlockMask, lay: _Layout) -> np.ndarray:
     (sampled: the rows, then the row after each)."""
     b = mask.blocks
     if lay.exact:
-        return _pack(b).reshape(-1, lay.W)
+        return pack_rows(b).reshape(-1, lay.W)
     nkv, n64 = lay.nkv, lay.n64
     if not b.flags.c_contiguous:                      # (BlockMask makes it contiguous)
         b = np.ascontiguousarray(b)

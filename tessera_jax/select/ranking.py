@@ -5,10 +5,12 @@ No timing and no search on the request path: ``select`` computes the mask's feat
 table's fitted model (k nearest training masks in standardised feature space, candidates
 ordered by their mean log time relative to the best candidate on those masks) and returns the
 first candidate whose template takes the call (backend, head_dim, dtype). The table format is
-documented in ``plan_tables/README.md``; tables are written by ``python -m tessera_jax.tools.profiler``.
+documented in ``tessera_jax/plan_tables/README.md``; tables are written by
+``python -m tessera_jax.tools.profiler``.
 
-Which table: ``plan_tables/<gpu>.json`` where ``<gpu>`` is the device kind normalised
-(``"NVIDIA H200"`` -> ``h200``; the directory can be moved with ``$TESSERA_JAX_PLAN_TABLES``).
+Which table: ``tessera_jax/plan_tables/<gpu>.json`` (package data, shipped in the wheel) where
+``<gpu>`` is the device kind normalised (``"NVIDIA H200"`` -> ``h200``; the directory can be
+moved with ``$TESSERA_JAX_PLAN_TABLES``).
 A GPU without its own table takes a table of the same architecture (H100 -> the H200 table),
 with a one-time warning. No table of the architecture, or an unreadable or invalid table: a
 one-time warning and ``heuristic`` (below), never an exception. On the XLA backend without a
@@ -22,13 +24,18 @@ mostly repeat (same_rows >= 0.5: merged row groups fill tall tiles); else ``spli
 logical blocks are much smaller than the tile (median query block <= tile_q / 2 or median key
 block <= tile_kv / 4: the global grid packs several into one tile, where ``keep`` and
 ``merge`` would leave tiles half empty); else ``merge`` when key runs are contiguous
-(contiguity >= 0.3); else ``keep``. Checked against the planner's cost model (no GPU data) on
-104 training masks: regret median 1.02, 90th percentile 1.07 versus that model's best plan.
+(contiguity >= 0.3); else ``keep``. Its regret on measured GPU times is what
+``benchmarks/selection.py`` reports as ``heuristic_regret_median`` / ``heuristic_regret_p90``
+(on the masks where the heuristic's candidate was among those timed).
+
+Candidate templates come from ``pallas_kernels.templates`` (the static table); this module
+imports nothing of ``tessera_jax.runtime``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import json
 import math
 import os
@@ -38,6 +45,8 @@ import threading
 import warnings
 
 import numpy as np
+
+from pallas_kernels import templates as _templates
 
 from tessera_jax.select import features as _features
 from tessera_jax.mask import BlockMask
@@ -49,6 +58,8 @@ __all__ = ["select", "rank", "heuristic", "load_table", "find_table", "gpu_name"
 TABLE_FORMAT = "tessera_jax.plan_table"
 TABLE_VERSION = 1
 _ENV_DIR = "TESSERA_JAX_PLAN_TABLES"
+_TABLE_PACKAGE = "tessera_jax"       # tables are package data: tessera_jax/plan_tables/
+_TABLE_SUBDIR = "plan_tables"
 #: log(relative time) charged to a candidate that failed or was not timed on a training mask.
 MISSING_PENALTY = math.log(4.0)
 #: Smallest standardisation scale of a feature (fractions vary by less than this only by noise).
@@ -77,11 +88,21 @@ class TableError(ValueError):
 
 # --- finding tables ------------------------------------------------------------------------
 def table_dir() -> pathlib.Path:
-    """The directory of plan tables: ``$TESSERA_JAX_PLAN_TABLES`` or the repository's plan_tables/."""
+    """The directory of plan tables: ``$TESSERA_JAX_PLAN_TABLES``, else the package's own
+    ``tessera_jax/plan_tables/`` (package data: shipped in the wheel, found wherever the
+    package is installed)."""
     env = os.environ.get(_ENV_DIR)
     if env:
         return pathlib.Path(env)
-    return pathlib.Path(__file__).resolve().parent.parent / "plan_tables"
+    return _package_table_dir()
+
+
+@functools.cache
+def _package_table_dir() -> pathlib.Path:
+    """``tessera_jax/plan_tables`` where the package is installed (once: ``select`` asks on
+    every request)."""
+    d = importlib.resources.files(_TABLE_PACKAGE) / _TABLE_SUBDIR
+    return d if isinstance(d, pathlib.Path) else pathlib.Path(str(d))
 
 
 def gpu_name(device_kind: str) -> str:
@@ -265,13 +286,15 @@ _MAX_CHOICES = 4096
 _warned: set = set()
 
 
-def clear_caches() -> None:
-    """Forgets loaded tables, resolved table paths, choices and one-time warnings."""
+def clear_caches(*, tables: bool = True) -> None:
+    """Forgets the choices cached per mask digest and, with ``tables``, the loaded tables, the
+    table resolved per GPU and the one-time warnings (``tessera_jax.clear_caches`` calls it)."""
     with _lock:
-        _TABLES.clear()
-        _RESOLVED.clear()
         _CHOICES.clear()
-        _warned.clear()
+        if tables:
+            _TABLES.clear()
+            _RESOLVED.clear()
+            _warned.clear()
 
 
 def _warn_once(key, msg):
@@ -320,12 +343,12 @@ def _resolve_table(name: str, cc, quiet: bool):
 
 
 def _supports(template_name: str, backend: str, shape) -> bool:
-    from tessera_jax.runtime import dispatch as backends
+    """Whether the template of this name exists, belongs to ``backend`` and takes the call."""
     try:
-        t = backends.get_template(template_name)
+        t = _templates.get(template_name)
     except ValueError:
         return False
-    return t.backend == backend and backends.unsupported(t, shape) is None
+    return t.backend == backend and t.supports(shape.head_dim, shape.dtype)
 
 
 def rank(mask: BlockMask, shape, table: Table) -> list[tuple[str, str]]:
@@ -370,9 +393,9 @@ def select(mask: BlockMask, shape, backend: str, *, table: Table | None = None):
 def heuristic(mask: BlockMask, shape, backend: str):
     """The documented fallback (module docstring): (template, policy), or None if the backend
     has no template that takes the call."""
-    from tessera_jax.runtime import dispatch as backends
     f = _features.mask_features(mask, shape)
-    supported = backends.supported_templates(backend, shape)
+    supported = [t for t in _templates.for_backend(backend)
+                 if t.supports(shape.head_dim, shape.dtype)]
     if not supported:
         return None
     run_tokens = 2.0 ** f["log2_run_tokens"] if f["runs_per_row"] > 0 else 0.0
