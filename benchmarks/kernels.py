@@ -12,10 +12,13 @@
    sliding-tile windows over cubes, radial-like frame-aligned bands, heavy-tailed clusters.
 
 Selected FLOPs = 4 * D * selected interactions * B; efficiency = effective TFLOP/s / cuDNN dense
-TFLOP/s on the same shape. JAX kernels are timed with CUPTI (jax.experimental.mosaic.gpu.profiler:
-kernel time of every launch in the call, including the plan wrapper's gather), torch with CUDA
-events (triton.testing.do_bench, L2 flushed), each after a warm-up, median of >= 20 runs over
-rotating inputs. Writes raw JSON (``--out``) and prints a short table last.
+TFLOP/s on the same shape. Every system (ours, cuDNN, attention_mgpu, FlexAttention) is timed
+under one rule, ``tessera_jax.tools.timing.KERNEL_RULE``: CUPTI kernel time of every launch in a
+call (for ours including the plan wrapper's gather; torch's kernels through the same collector),
+the L2 flushed before each call, 3 warm-up calls, the median of 20 calls rotating over two input
+sets. The rule is written into the JSON (``timing``) and checked before the summary (a mixed
+rule, e.g. one system falling back to wall clock, fails the run after saving it). Writes raw
+JSON (``--out``) and prints a short table last.
 
     PYTHONPATH=. python3 benchmarks/kernels.py --out $OUT/h200-kernels.json --budget-s 420
 """
@@ -34,6 +37,9 @@ import time
 import traceback
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tessera_jax.tools import timing  # noqa: E402
 
 T0 = time.time()
 INTERPRET = None          # --smoke: Mosaic GPU interpreter params (CPU check of this script)
@@ -99,16 +105,13 @@ def mask_cubes_topk(grid, H, density, seed):
 
 
 def mask_sta(grid, window=(3, 3, 5)):
-    """STA-like sliding-tile windows over (4,4,4) cubes with partial edges; shared by heads."""
-    tj = _tj()
-    b, xyz, G = cube_layout(grid)
-    keep = np.ones((len(xyz), len(xyz)), bool)
-    for a in range(3):
-        w, g = window[a], G[a]
-        half = w // 2
-        qc = np.clip(xyz[:, a], half, max(g - 1 - half, half))
-        keep &= np.abs(qc[:, None] - xyz[None, :, a]) <= half
-    return tj.BlockMask(b, b, keep[None])
+    """STA-like sliding-tile windows over (4,4,4) cubes with partial edges; shared by heads: the
+    corpus generator ``tessera_jax.masks.sta`` (the same mask as this file's own generator of
+    the official runs: tests/test_timing.py checks it)."""
+    from tessera_jax import masks
+    T, Hh, W = grid
+    return masks.sta(masks.Grid("kernels", T, Hh, W, 1), heads=1, tile=(4, 4, 4),
+                     window=tuple(window))
 
 
 def mask_radial(grid, decay=0.5, chunk=128):
@@ -176,55 +179,43 @@ def bench_masks(grid, H, L, seed=0):
 # ----------------------------------------------------------------------------------------------
 
 def resolve_template(name):
-    """A registered template, or a variant of one: "NAME+always" masks every step (no cond),
-    "NAME+cond" / "NAME+unit" mask partial steps under a cond per step / choose per unit
-    between that and an unmasked loop, "NAME+keepmask" keeps the masking code on plans whose
-    steps are all full (no automatic mask mode "none"),
-    "NAME+nosched" drops the schedule barrier and "NAME+sched" keeps it, "NAME+persistent"
-    runs one CTA per SM looping over the units, "NAME+prefetch" / "NAME+noprefetch" read the
-    next step's rectangle early or not, "NAME+merge|pack|split|auto" plans with that policy
-    instead of the template's (for measuring what each buys)."""
+    """A template, or a variant of one (for measuring what each switch buys): "NAME+always"
+    masks every step (no cond), "NAME+cond" masks partial steps under a cond per step (the
+    default; an all-full plan then runs without masking code), "NAME+nosched" drops the
+    schedule barrier and "NAME+sched" keeps it (Mosaic GPU), "NAME+merge|pack|split|auto|keep"
+    plans with that policy instead of the template's."""
     import dataclasses
     from pallas_kernels import templates
     base, *mods = name.split("+")
     t = templates.get(base)
-    opts = dict(t.options)
+    kernel, policy = t.kernel, t.policy
     for m in mods:
-        if m in ("always", "cond", "unit"):
-            opts["mask_mode"] = m
-        elif m == "keepmask":
-            opts["auto_none"] = False
-        elif m == "nosched":
-            opts["schedule_barrier"] = False
-        elif m == "sched":
-            opts["schedule_barrier"] = True
-        elif m == "persistent":
-            opts["persistent"] = True
-        elif m == "noprefetch":
-            opts["prefetch_rect"] = False
-        elif m == "prefetch":
-            opts["prefetch_rect"] = True
+        if m in ("always", "cond"):
+            kernel = dataclasses.replace(kernel, mask_mode=m)
+        elif m in ("nosched", "sched") and t.backend == "mosaic_gpu":
+            kernel = dataclasses.replace(kernel, schedule_barrier=m == "sched")
         elif m in ("keep", "merge", "pack", "split", "auto"):
-            opts["policy"] = m
+            policy = m
         else:
-            raise ValueError(f"unknown template variant {m!r}")
-    return dataclasses.replace(t, name=name, options=tuple(sorted(opts.items())))
+            raise ValueError(f"unknown template variant {m!r} of {base!r}")
+    return dataclasses.replace(t, name=name, kernel=kernel, policy=policy)
 
 
 def plan_for(mask, q_shape, kv_shape, dtype, template):
-    """The plan of ``template`` (its ``policy`` option, "merge" by default) for this mask."""
+    """The plan of ``template`` (its tile shape, alignment, ``policy`` and ``unit_order``) for
+    this mask."""
     from tessera_jax.planning.planner import build_plan
     t0 = time.perf_counter()
     p = build_plan(mask, q_shape, kv_shape, dtype, tile_q=template.tile_q,
-                   tile_kv=template.tile_kv, policy=template.option("policy", "merge"),
+                   tile_kv=template.tile_kv, policy=template.policy,
                    q_align=template.q_align, kv_align=template.kv_align,
-                   template=template.name.split("+")[0])
+                   template=template.name.split("+")[0], unit_order=template.unit_order)
     return p, (time.perf_counter() - t0) * 1e3
 
 
 def ours_fn(template, plan, return_lse=False):
     import jax
-    from pallas_kernels.mosaic import forward as mosaic_fwd
+    from pallas_kernels.mosaic import wrapper as mosaic
     units, steps, ri = (jax.device_put(a) for a in (plan.units, plan.steps, plan.row_index))
     kw = dict(template=template, q_len_padded=plan.q_len_padded,
               kv_len_padded=plan.kv_len_padded, return_lse=return_lse)
@@ -232,17 +223,17 @@ def ours_fn(template, plan, return_lse=False):
         kw["interpret"] = INTERPRET
     # Checks the NumPy plan and picks mask mode "none" when every step is full (the device
     # arrays passed below would leave the template's mode).
-    kw["mask_mode"] = mosaic_fwd.plan_mask_mode(plan.units, plan.steps, template,
-                                                plan.q_len_padded, plan.kv_len_padded)
-    return lambda q, k, v: mosaic_fwd.attention(q, k, v, units, steps, ri, **kw)
+    kw["mask_mode"] = mosaic.plan_mask_mode(plan.units, plan.steps, template,
+                                            plan.q_len_padded, plan.kv_len_padded)
+    return lambda q, k, v: mosaic.attention(q, k, v, units, steps, ri, **kw)
 
 
 def triton_available():
     try:
-        from pallas_kernels.triton import forward as triton_fwd  # noqa: F401
+        from pallas_kernels.triton import wrapper  # noqa: F401
         return True
     except Exception as e:  # noqa: BLE001
-        log("triton_fwd not importable:", repr(e)[:200])
+        log("pallas_kernels.triton not importable:", repr(e)[:200])
         return False
 
 
@@ -267,20 +258,14 @@ def triton_templates():
 
 def triton_fn(template, plan, return_lse=False):
     import jax
-    from pallas_kernels.triton import forward as triton_fwd
+    from pallas_kernels.triton import wrapper as triton
     units, steps, ri = (jax.device_put(a) for a in (plan.units, plan.steps, plan.row_index))
-    sig = inspect.signature(triton_fwd.attention).parameters
-    kw = dict(q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
-              return_lse=return_lse)
-    if "template" in sig:
-        kw["template"] = template.name
-    else:
-        kw.update(tile_q=plan.tile_q, tile_kv=plan.tile_kv)
-        if "num_stages" in sig:
-            kw["num_stages"] = template.stages
-        if "num_warps" in sig and template.option("num_warps") is not None:
-            kw["num_warps"] = template.option("num_warps")
-    return lambda q, k, v: triton_fwd.attention(q, k, v, units, steps, ri, **kw)
+    kw = dict(template=template, q_len_padded=plan.q_len_padded,
+              kv_len_padded=plan.kv_len_padded, return_lse=return_lse)
+    # As ours_fn: the mask mode of the NumPy plan ("none" when every step is full).
+    kw["mask_mode"] = triton.plan_mask_mode(plan.units, plan.steps, template,
+                                            plan.q_len_padded, plan.kv_len_padded)
+    return lambda q, k, v: triton.attention(q, k, v, units, steps, ri, **kw)
 
 
 def rand_qkv(key, B, Lq, Lkv, Hq, Hkv, D, dtype, n_sets=1):
@@ -294,35 +279,14 @@ def rand_qkv(key, B, Lq, Lkv, Hq, Hkv, D, dtype, n_sets=1):
     return sets
 
 
-_CUPTI_OK = None
+#: The one rule of every kernel time in this file (ours and the peers alike).
+RULE = timing.KERNEL_RULE
 
 
-def time_jax(fn, arg_sets, iters=8):
-    """Median kernel milliseconds over len(arg_sets) * iters runs (CUPTI), after a warm-up."""
-    global _CUPTI_OK
+def time_jax(fn, arg_sets):
+    """``fn`` jitted, timed under ``RULE`` rotating over ``arg_sets`` (a ``timing.Timing``)."""
     import jax
-    jitted = jax.jit(fn)
-    for a in arg_sets:
-        jax.block_until_ready(jitted(*a))
-    samples = []
-    if _CUPTI_OK is not False:
-        try:
-            from jax.experimental.mosaic.gpu import profiler
-            for a in arg_sets:
-                _, ts = profiler.measure(jitted, iterations=iters)(*a)
-                samples += [float(t) for t in ts]
-            _CUPTI_OK = True
-            return float(np.median(samples)), samples, "cupti"
-        except Exception as e:  # noqa: BLE001
-            log("CUPTI timing failed, falling back to wall clock:", repr(e)[:200])
-            _CUPTI_OK = False
-    samples = []
-    for _ in range(iters):
-        for a in arg_sets:
-            t0 = time.perf_counter()
-            jax.block_until_ready(jitted(*a))
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(samples)), samples, "wall"
+    return timing.time_kernel(jax.jit(fn), arg_sets, rule=RULE, framework="jax")
 
 
 def rel_err(out, ref):
@@ -505,10 +469,9 @@ def _compiled_flex():
     return _FLEX
 
 
-def time_torch(fn, args):
-    import triton
-    return float(triton.testing.do_bench(lambda: fn(*args), warmup=50, rep=300,
-                                         return_mode="median"))
+def time_torch(fn, arg_sets):
+    """A torch callable timed under ``RULE`` rotating over ``arg_sets`` (a ``timing.Timing``)."""
+    return timing.time_kernel(fn, arg_sets, rule=RULE, framework="torch")
 
 
 PAIRED_ROUNDS = 3      # extra alternated (attention_mgpu, ours) measurements of the dense ratio
@@ -525,9 +488,10 @@ def dense_baselines(res, L, H, D, deadline, tag, dense_templates):
     sets = rand_qkv(key, 1, L, L, H, H, D, jnp.bfloat16, n_sets=2)
     flops = 4.0 * D * L * L * H
     try:
-        ms, samples, how = time_jax(
+        tm = time_jax(
             lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"), sets)
-        out["cudnn_bf16"] = dict(ms=ms, tflops=flops / ms / 1e9, timer=how, samples=samples)
+        ms = tm.ms
+        out["cudnn_bf16"] = dict(tflops=flops / ms / 1e9, **tm.to_json())
         log(tag, "cuDNN dense bf16", f"{ms:.3f} ms", f"{flops / ms / 1e9:.0f} TFLOP/s")
     except Exception as e:  # noqa: BLE001
         out["cudnn_bf16"] = dict(error=repr(e)[:500])
@@ -542,17 +506,18 @@ def dense_baselines(res, L, H, D, deadline, tag, dense_templates):
         from jax.experimental.pallas.ops.gpu import attention_mgpu as am
         cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2)
         am_fn = lambda q, k, v: am.attention(q, k, v, cfg)  # noqa: E731
-        ms, samples, how = time_jax(am_fn, sets16)
-        out["attention_mgpu_f16"] = dict(ms=ms, tflops=flops2 / ms / 1e9, L=L2, samples=samples)
+        tm = time_jax(am_fn, sets16)
+        ms = tm.ms
+        out["attention_mgpu_f16"] = dict(tflops=flops2 / ms / 1e9, L=L2, **tm.to_json())
         log(tag, "attention_mgpu dense f16", f"L={L2}", f"{ms:.3f} ms",
             f"{flops2 / ms / 1e9:.0f} TFLOP/s")
     except Exception as e:  # noqa: BLE001
         out["attention_mgpu_f16"] = dict(error=repr(e)[:500])
         traceback.print_exc()
     try:
-        ms, _, _ = time_jax(
+        tm = time_jax(
             lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"), sets16)
-        out["cudnn_f16_L128"] = dict(ms=ms, tflops=flops2 / ms / 1e9, L=L2)
+        out["cudnn_f16_L128"] = dict(tflops=flops2 / tm.ms / 1e9, L=L2, **tm.to_json())
     except Exception as e:  # noqa: BLE001
         out["cudnn_f16_L128"] = dict(error=repr(e)[:500])
     full = tj.BlockMask.uniform(L2, L2, 128, 128, np.ones((1, L2 // 128, L2 // 128), bool))
@@ -565,10 +530,11 @@ def dense_baselines(res, L, H, D, deadline, tag, dense_templates):
         try:
             plan, _ = plan_for(full, sets16[0][0].shape, sets16[0][1].shape, jnp.float16, t)
             fn = ours_fn(t, plan)
-            ms, samples, _ = time_jax(fn, sets16)
+            tm = time_jax(fn, sets16)
+            ms = tm.ms
             if best is None or ms < best[0]:
                 best = (ms, t.name, fn)
-            out[f"ours_full_{t.name}"] = dict(ms=ms, tflops=flops2 / ms / 1e9, L=L2)
+            out[f"ours_full_{t.name}"] = dict(tflops=flops2 / ms / 1e9, L=L2, **tm.to_json())
             log(tag, "ours all-selected f16", t.name, f"{ms:.3f} ms",
                 f"{flops2 / ms / 1e9:.0f} TFLOP/s")
         except Exception as e:  # noqa: BLE001
@@ -579,13 +545,16 @@ def dense_baselines(res, L, H, D, deadline, tag, dense_templates):
     # ours +4% and attention_mgpu -2% with no change on that path), the size of its margin.
     if best is not None and am_fn is not None and "ms" in out.get("attention_mgpu_f16", {}):
         am_ms, ours_ms = [out["attention_mgpu_f16"]["ms"]], [best[0]]
+        rules = set()
         for _ in range(PAIRED_ROUNDS):
             if time.time() > deadline:
                 break
-            am_ms.append(time_jax(am_fn, sets16)[0])
-            ours_ms.append(time_jax(best[2], sets16)[0])
+            a, b = time_jax(am_fn, sets16), time_jax(best[2], sets16)
+            am_ms.append(a.ms)
+            ours_ms.append(b.ms)
+            rules |= {a.rule.name, b.rule.name}
         out["paired_vs_attention_mgpu"] = dict(
-            template=best[1], attention_mgpu_ms=am_ms, ours_ms=ours_ms,
+            template=best[1], attention_mgpu_ms=am_ms, ours_ms=ours_ms, rules=sorted(rules),
             ratio=float(np.median(am_ms) / np.median(ours_ms)))
         log(tag, "paired attention_mgpu / ours", best[1], " ".join(f"{a:.3f}/{b:.3f}" for a, b
                                                                   in zip(am_ms, ours_ms)),
@@ -632,8 +601,9 @@ def sparse_timings(res, grid, L, H, D, deadline, tag, template_names, with_flex=
                            full_tiles=st["full_tiles"], waste=st["waste_fraction"],
                            balance=st["balance"])
                 fn = (ours_fn if t.backend == "mosaic_gpu" else triton_fn)(t, plan)
-                ms, samples, how = time_jax(fn, sets)
-                rec.update(ms=ms, tflops=flops / ms / 1e9, timer=how, samples=samples)
+                tm = time_jax(fn, sets)
+                ms = tm.ms
+                rec.update(tflops=flops / ms / 1e9, **tm.to_json())
                 if t.backend == "mosaic_gpu" and ours_h0 is None:
                     out = fn(*sets[0])
                     ours_h0 = np.asarray(out[0, :, 0], np.float32)
@@ -659,11 +629,9 @@ def sparse_timings(res, grid, L, H, D, deadline, tag, template_names, with_flex=
                 # The same inputs as ours, as [B, H, L, D] torch tensors.
                 tsets = [[torch.from_dlpack(x).permute(0, 2, 1, 3).contiguous() for x in a]
                          for a in sets]
-                ms = time_torch(fn, tsets[0])
-                ms2 = time_torch(fn, tsets[1])
-                row["flex"] = dict(ms=float(np.median([ms, ms2])), ms_sets=[ms, ms2],
-                                   tflops=flops / ms / 1e9, block_mask_ms=build_ms,
-                                   block_mask_via=how)
+                tm = time_torch(fn, tsets)
+                row["flex"] = dict(tflops=flops / tm.ms / 1e9, block_mask_ms=build_ms,
+                                   block_mask_via=how, **tm.to_json())
                 if ours_h0 is not None:
                     fo = fn(*tsets[0])[0, 0].float().cpu().numpy()
                     row["flex"]["head0_rel_diff_vs_ours"] = float(
@@ -773,7 +741,8 @@ def main():
     import jax
     from pallas_kernels import templates
     res = dict(command=" ".join(sys.argv), started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                     time.gmtime()))
+                                                                     time.gmtime()),
+               timing=dict(rule=RULE.to_json()))
     env = dict(python=platform.python_version(), jax=jax.__version__,
                devices=[str(d) for d in jax.devices()],
                device_kind=jax.devices()[0].device_kind)
@@ -823,11 +792,38 @@ def main():
     _finish(res, args, save)
 
 
+def timing_rule(res):
+    """The one rule name of every kernel time in ``res`` (ours, cuDNN, attention_mgpu, Flex);
+    raises ``timing.MixedRulesError`` if they were not all timed under one rule."""
+    names = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            if isinstance(x.get("rule"), str):
+                names.append(x["rule"])
+            names.extend(x.get("rules") or [])
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk([res.get("dense"), res.get("sparse")])
+    return timing.assert_same_rule(names, "kernels.py")
+
+
 def _finish(res, args, save):
+    mixed = None
+    try:
+        res["timing"] = dict(rule=RULE.to_json(), applied=timing_rule(res))
+    except timing.MixedRulesError as e:
+        mixed = e
+        res["timing"] = dict(rule=RULE.to_json(), error=str(e))
     if res.get("sparse", {}).get("wan720"):
         summarize(res, "wan720")
         res["summary_wan720"] = res.pop("summary")
     table = summarize(res, "wan480")
+    res["summary"]["timing_rule"] = res["timing"].get("applied")
     res["elapsed_s"] = time.time() - T0
     save()
     print("\n=== summary ===")
@@ -851,6 +847,8 @@ def _finish(res, args, save):
     print(f"correctness: {res['summary']['correctness_pass']} ok;",
           "FAILURES: " + "; ".join(f"{r['mask']}/{r['template']}: {r.get('error', '')[:120]}"
                                    f" rel={r.get('rel_err')}" for r in bad[:6]) if bad else "")
+    if mixed is not None:                       # saved above; the run fails
+        raise SystemExit(f"timing rule check failed: {mixed}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,12 @@ time budget cut keeps the families balanced), per mask and per peer:
 - request latency: host wall clock from the logical ``BlockMask`` to the result on the device:
   mask conversion + planning + kernel (tessera_jax: its plan cache is cleared before each call,
   so planning is paid every time; compilation is warmed up and reported apart);
-- kernel-only time: CUPTI kernel time (JAX) or CUDA events around ``run()`` / the compiled call
-  (torch), L2 flushed, median of ``--iters`` after warm-up.
+- kernel-only time: every peer under one rule, ``tessera_jax.tools.timing.KERNEL_RULE`` (with
+  ``--iters`` timed calls): CUPTI kernel time of every launch in one call (JAX and torch alike,
+  one collector), the L2 flushed before each call, median after warm-up. Request latencies are
+  host wall clock under ``timing.REQUEST_RULE`` (``--request-iters`` calls) for every peer. Both
+  rules are written into the JSON (``timing``) and checked (``summary.timing_rules``); a mixed
+  rule fails the run after the file is written.
 
 Peers: tessera_jax (``tj.sparse_attention``, default selection); FlashInfer
 ``BlockSparseAttentionWrapper`` (uniform blocks shared by all heads) and
@@ -70,7 +74,7 @@ for p in (str(REPO), str(HERE)):
         sys.path.insert(0, p)
 
 from peers_lib import convert as C          # noqa: E402
-from peers_lib.timing import med            # noqa: E402
+from tessera_jax.tools import timing        # noqa: E402
 
 T0 = time.time()
 PEERS = ("tessera", "flashinfer_bsr", "flashinfer_var", "flex", "dense")
@@ -78,7 +82,6 @@ PEERS = ("tessera", "flashinfer_bsr", "flashinfer_var", "flex", "dense")
 GROUPS = {"flashinfer": ("flashinfer_bsr", "flashinfer_var"), "flex": ("flex",),
           "dense": ("dense",)}
 OK_STATES = ("ok", "ok_empty_rows_differ")
-TORCH_TIMER = "cuda_events"     # "wall" in --smoke (CPU)
 RTOL = 2e-2          # relative Frobenius error of bf16 outputs vs the float32 reference
 ATOL = 0.1           # max abs error on rows that select keys
 
@@ -222,6 +225,7 @@ def summarize(rows: list[dict]) -> dict:
         "request": out["request"], "kernel": out["kernel"],
         "peer_not_ok": {p: dict(c) for p, c in failures.items()},
         "speedup_upper_bound": speedup_bounds(rows),
+        "timing_rules": timing_rules(rows),
         "metric": "speedup = peer time / tessera_jax time on the same mask (request latency: "
                   "conversion + planning + kernel); a peer group's time is its fastest variant "
                   "that passed the check; best alternative = fastest of FlashInfer, "
@@ -446,6 +450,41 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def kernel_rule(args) -> timing.TimingRule:
+    """Every peer's kernel time: the one kernel rule, ``--iters`` timed calls."""
+    return timing.KERNEL_RULE.replace(repeats=args.iters)
+
+
+def request_rule(args) -> timing.TimingRule:
+    """Every peer's request latency: host wall clock, ``--request-iters`` timed calls."""
+    return timing.REQUEST_RULE.replace(repeats=args.request_iters)
+
+
+def _request(fn, args, **kw) -> timing.Timing:
+    return timing.time_request(fn, rule=request_rule(args), **kw)
+
+
+def _kernel(fn, arg_sets, args, framework: str) -> dict:
+    """``kernel_ms``, ``kernel_samples``, ``kernel_timer``, ``kernel_rule`` of a peer."""
+    t = timing.time_kernel(fn, arg_sets, rule=kernel_rule(args), framework=framework)
+    return t.to_json("kernel_")
+
+
+def timing_rules(rows: list[dict]) -> dict:
+    """The one kernel rule and the one request rule of every peer in ``rows`` (rows written
+    before rules were recorded carry none and are not checked); ``error`` when mixed."""
+    out = {}
+    for kind in ("kernel", "request"):
+        try:
+            out[kind] = timing.assert_same_rule(
+                (d.get(f"{kind}_rule") for r in rows for d in r.get("peers", {}).values()),
+                f"peers' {kind} times")
+        except timing.MixedRulesError as e:
+            out[kind] = None
+            out["error"] = (out.get("error", "") + " " + str(e)).strip()
+    return out
+
+
 def run_tessera(case: Case, args) -> dict:
     import jax
     import tessera_jax as tj
@@ -453,7 +492,6 @@ def run_tessera(case: Case, args) -> dict:
     from tessera_jax.runtime import dispatch as backends
     from tessera_jax.runtime import dense_route
     from tessera_jax.validation import check_shapes
-    from peers_lib.timing import jax_kernel_ms, wall_ms
     mask = case.mask
 
     clear = forget_request_caches   # a new mask: its selection and plan are paid
@@ -472,12 +510,10 @@ def run_tessera(case: Case, args) -> dict:
         res["plan"] = {"error": _tail(e, 200)}
     if res["status"] not in OK_STATES:
         return res
-    res["plan_ms"] = med(wall_ms(lambda: tj.plan(mask, case.qj.shape, case.kj.shape, case.qj.dtype),
-                                 iters=args.request_iters, before=clear))
-    gcs: list = []
-    req = wall_ms(lambda: jax.block_until_ready(call()), iters=args.request_iters, before=clear,
-                  gc_ms=gcs)
-    res["request_ms"], res["request_samples"], res["request_gc_ms"] = med(req), req, gcs
+    res["plan_ms"] = _request(lambda: tj.plan(mask, case.qj.shape, case.kj.shape, case.qj.dtype),
+                              args, before=clear).ms
+    res.update(_request(lambda: jax.block_until_ready(call()), args,
+                        before=clear).to_json("request_"))
     # Where a request's time goes beyond plan + kernel: the plan arrays' host->device copy, and
     # an eager call whose plan and device arrays are cached (dispatch + kernel, wall clock).
     # An eager request copies units and steps (row_index is made on the device). An all-selected
@@ -488,15 +524,13 @@ def run_tessera(case: Case, args) -> dict:
     routed = dense_route.takes(mask, shape, backends.resolve(None, shape), False)
     res["route"] = "cudnn_dense" if routed else "plan"
     res["plan_bytes"] = int(sum(a.nbytes for a in arrays))
-    res["put_ms"] = med(wall_ms(lambda: jax.block_until_ready(jax.device_put(arrays)),
-                                iters=args.request_iters))
-    res["cached_call_ms"] = med(wall_ms(lambda: jax.block_until_ready(call()),
-                                        iters=args.request_iters))
-    # eager: the plan is cached and its executable compiled by the calls above (a jax.jit of
-    # this closure would compile a new executable with the plan as constants)
-    ks, how = jax_kernel_ms(lambda q, k, v: tj.sparse_attention(q, k, v, mask),
-                            (case.qj, case.kj, case.vj), iters=args.iters, eager=True)
-    res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, how
+    res["put_ms"] = _request(lambda: jax.block_until_ready(jax.device_put(arrays)), args).ms
+    res["cached_call_ms"] = _request(lambda: jax.block_until_ready(call()), args).ms
+    # eager (time_kernel calls it as given): the plan is cached and its executable compiled by
+    # the calls above (a jax.jit of this closure would compile a new executable with the plan
+    # as constants)
+    res.update(_kernel(lambda q, k, v: tj.sparse_attention(q, k, v, mask),
+                       (case.qj, case.kj, case.vj), args, "jax"))
     clear()
     return res
 
@@ -504,15 +538,11 @@ def run_tessera(case: Case, args) -> dict:
 
 def _time_request(res: dict, convert_and_plan, run, args) -> dict:
     """Adds plan-only, request (convert + plan + run) and kernel-only timings to ``res``."""
-    from peers_lib.timing import torch_kernel_ms, wall_ms
-    res["plan_ms"] = med(wall_ms(convert_and_plan, iters=args.request_iters, sync=_sync))
-    gcs: list = []
-    req = wall_ms(lambda: (convert_and_plan(), run()), iters=args.request_iters, sync=_sync,
-                  gc_ms=gcs)
-    res["request_ms"], res["request_samples"], res["request_gc_ms"] = med(req), req, gcs
+    res["plan_ms"] = _request(convert_and_plan, args, sync=_sync).ms
+    res.update(_request(lambda: (convert_and_plan(), run()), args,
+                        sync=_sync).to_json("request_"))
     convert_and_plan()
-    ks = torch_kernel_ms(run, iters=args.iters)
-    res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, TORCH_TIMER
+    res.update(_kernel(run, ((),), args, "torch"))
     return res
 
 
@@ -639,7 +669,6 @@ def _flex_kernel_options(block):
 
 def run_flex(case: Case, args, ctx: Ctx) -> dict:
     torch = ctx.torch
-    from peers_lib.timing import torch_kernel_ms, wall_ms
     flex = ctx.flex_fn()
     if flex is None:
         return {"status": "failed", "why": ctx.flex_error}
@@ -683,12 +712,10 @@ def run_flex(case: Case, args, ctx: Ctx) -> dict:
             continue
         if res["status"] not in OK_STATES:
             return res
-        res["plan_ms"] = med(wall_ms(convert, iters=args.request_iters, sync=_sync))
-        req = wall_ms(lambda: call(convert()), iters=args.request_iters, sync=_sync)
-        res["request_ms"], res["request_samples"] = med(req), req
+        res["plan_ms"] = _request(convert, args, sync=_sync).ms
+        res.update(_request(lambda: call(convert()), args, sync=_sync).to_json("request_"))
         bm = convert()
-        ks = torch_kernel_ms(lambda: call(bm), iters=args.iters)
-        res["kernel_ms"], res["kernel_samples"], res["kernel_timer"] = med(ks), ks, TORCH_TIMER
+        res.update(_kernel(lambda: call(bm), ((),), args, "torch"))
         return res
     return {"status": "failed", "why": " || ".join(errors)}
 
@@ -698,7 +725,6 @@ _DENSE: dict = {}
 
 def run_dense(case: Case, args, ctx: Ctx) -> dict:
     import jax
-    from peers_lib.timing import jax_kernel_ms, wall_ms
     key = (case.Lq, case.Lkv, case.Hq, case.Hkv, case.D)
     impl = None if args.smoke else "cudnn"
     if impl not in _DENSE:           # one jitted function: executables are reused across masks
@@ -715,11 +741,9 @@ def run_dense(case: Case, args, ctx: Ctx) -> dict:
     if key in ctx.dense_cache:
         res.update(ctx.dense_cache[key], cached_from_same_shape=True)
         return res
-    req = wall_ms(lambda: jax.block_until_ready(jitted(case.qj, case.kj, case.vj)),
-                  iters=args.request_iters)
-    ks, how = jax_kernel_ms(fn, (case.qj, case.kj, case.vj), iters=args.iters)
-    t = {"request_ms": med(req), "request_samples": req, "kernel_ms": med(ks),
-         "kernel_samples": ks, "kernel_timer": how}
+    t = _request(lambda: jax.block_until_ready(jitted(case.qj, case.kj, case.vj)),
+                 args).to_json("request_")
+    t.update(_kernel(fn, ((case.qj, case.kj, case.vj),), args, "jax"))
     ctx.dense_cache[key] = t
     res.update(t)
     return res
@@ -835,10 +859,8 @@ def merge_docs(paths, out: str, png: str | None = None) -> dict:
 
 def gpu_main(args) -> int:
     from tessera_jax.masks import build
-    global TORCH_TIMER
     ctx = Ctx(args)
     if args.smoke:
-        TORCH_TIMER = "wall"
         smoke = {f"smoke-{i}": m for i, (_, _, m, _) in enumerate(dry_masks(args.seed))}
         specs = [{"id": f"smoke-{i}", "family": fam, "grid": grid, "heads": m.num_heads
                   if m.num_heads > 1 else 4, "seed": args.seed, "params": {}}
@@ -864,6 +886,8 @@ def gpu_main(args) -> int:
                         "available_per_family": avail, "heads": args.heads or "all",
                         "note": "stratified by family; specs spread over grids; a head subset "
                                 "(--heads) runs the first heads of each mask on every peer alike"},
+           "timing": {"kernel": kernel_rule(args).to_json(),
+                      "request": request_rule(args).to_json()},
            "rows": [], "notes": []}
     log("versions:", json.dumps(doc["versions"]))
     if not args.smoke and any(p.startswith("flashinfer") for p in peers):
@@ -941,6 +965,9 @@ def gpu_main(args) -> int:
     log(f"wrote {out_path} and {png}: masks={s['masks']} min_vs_best_alt="
         f"{s['min_speedup_vs_best_alternative']} median_vs_fi={s['median_speedup_vs_flashinfer']} "
         f"median_vs_flex={s['median_speedup_vs_flex']}")
+    if s["timing_rules"].get("error"):          # written above; the run fails
+        log("timing rule check FAILED:", s["timing_rules"]["error"])
+        return 1
     return 0
 
 
@@ -1084,7 +1111,8 @@ def parse_args(argv=None):
     ap.add_argument("--gqa", type=int, default=1, help="query heads per KV head (corpus models: 1)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--peers", default=",".join(PEERS))
-    ap.add_argument("--iters", type=int, default=20, help="kernel timing runs (median)")
+    ap.add_argument("--iters", type=int, default=20,
+                    help="kernel timing runs (median; >= 20, timing.DEVICE_MIN_REPEATS)")
     ap.add_argument("--request-iters", type=int, default=5, help="request timing runs (median)")
     ap.add_argument("--check-rows", type=int, default=2048)
     ap.add_argument("--check-kv-heads", type=int, default=2)
@@ -1110,6 +1138,10 @@ def parse_args(argv=None):
         ap.error("--per-family, --iters, --request-iters and --gqa must be >= 1")
     if a.flex_pad % 128:
         ap.error("--flex-pad must be a multiple of 128")
+    try:
+        kernel_rule(a), request_rule(a)
+    except ValueError as e:
+        ap.error(f"--iters / --request-iters: {e}")
     return a
 
 
@@ -1123,6 +1155,9 @@ def main(argv=None) -> int:
         log(f"merged {len(argv) - 3} files: masks={s['masks']} min_vs_best_alt="
             f"{s['min_speedup_vs_best_alternative']} median_vs_fi={s['median_speedup_vs_flashinfer']} "
             f"median_vs_flex={s['median_speedup_vs_flex']}")
+        if s["timing_rules"].get("error"):
+            log("timing rule check FAILED:", s["timing_rules"]["error"])
+            return 1
         return 0
     args = parse_args(argv)
     if args.dry_run:

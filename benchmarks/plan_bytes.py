@@ -1,7 +1,7 @@
 """Plan bytes and cold planning time on the host, for the H200's choices on a few corpus masks.
 
 For each FAMILY:GRID (the first mask of the corpus test split, its first ``--heads`` heads), the
-(template, policy) that ``selection.select`` picks from ``plan_tables/h200.json`` for the
+(template, policy) that ``selection.select`` picks from ``tessera_jax/plan_tables/h200.json`` for the
 ``mosaic_gpu`` backend is planned cold (planner caches cleared) ``--repeats`` times; reports the
 median planning ms, the bytes of ``units``, ``steps`` and ``row_index``, and the copy time those
 bytes would take at ``--gbps`` (the H200's measured host->device rate for plans, ~5 GB/s).
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 
@@ -33,12 +32,13 @@ def main(argv=None) -> dict:
     import tessera_jax as tj
     from pallas_kernels import abi as plan_abi
     from request_cases import first_test_mask, forget_request_caches
+    from tessera_jax.tools import timing
     from tessera_jax.planning import planner
     from tessera_jax.select import ranking as selection
     from tessera_jax.masks import corpus
     from tessera_jax.validation import check_shapes
 
-    table = selection.load_table("plan_tables/h200.json")
+    table = selection.load_table("tessera_jax/plan_tables/h200.json")
     specs = corpus("test")
     planner.warm_up()
     res = {"step_cols": plan_abi.STEP_COLS, "heads": a.heads, "rows": []}
@@ -48,12 +48,15 @@ def main(argv=None) -> dict:
         qs, ks = (1, m.Lq, H, D), (1, m.Lkv, H, D)
         shape = check_shapes(qs, ks, jnp.bfloat16)
         template, policy = selection.select(m, shape, "mosaic_gpu", table=table)
-        ms = []
-        for _ in range(a.repeats):
-            forget_request_caches(selection=False)
-            t0 = time.perf_counter()
-            p = tj.plan(m, qs, ks, jnp.bfloat16, template=template, policy=policy)
-            ms.append((time.perf_counter() - t0) * 1e3)
+        box = {}
+
+        def plan_once():
+            box["p"] = tj.plan(m, qs, ks, jnp.bfloat16, template=template, policy=policy)
+
+        # cold planning, host wall clock (the request rule's clock), no warm-up call
+        t = timing.time_request(plan_once, rule=timing.wall_rule(a.repeats, warmup=0),
+                                before=lambda: forget_request_caches(selection=False))
+        p, ms = box["p"], list(t.samples)
         b = {"units": p.units.nbytes, "steps": p.steps.nbytes, "row_index": p.row_index.nbytes}
         total = sum(b.values())
         row = {"id": spec["id"], "mask": item, "template": template, "policy": policy,

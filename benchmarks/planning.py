@@ -17,7 +17,7 @@ in a process that has planned before (the planner's compiled loops are loaded): 
 new mask. cached = ``tj.plan`` on a digest already planned. Mask construction (blocks + digest)
 is timed separately: it is not planning. The planner's loops run compiled (numba) on
 ``planner.PLAN_THREADS`` threads (2 on this host); the default policy is also timed on 1 thread.
-Policies: every one on ``mgpu_q128_kv128_s2``, merge on ``xla_64x64``, and merge / split / pack
+Policies: every one on ``mgpu_q128_kv128_s2_hm``, merge on ``xla_64x64``, and merge / split / pack
 on ``mgpu_q64x2_kv64_s2_hm`` (what the H200 ranking table picks, with pack, for cube masks).
 
 First plan = the first ``tj.plan`` of a fresh process (``sta``, default template and policy),
@@ -156,12 +156,12 @@ def first_plan() -> dict:
     m.digest
     shape = (1, m.Lq, HEADS, HEAD_DIM)
     t0 = time.perf_counter()
-    tj.plan(m, shape, shape, jnp.bfloat16, template="mgpu_q128_kv128_s2", policy="merge")
+    tj.plan(m, shape, shape, jnp.bfloat16, template="mgpu_q128_kv128_s2_hm", policy="merge")
     first = time.perf_counter() - t0
     planner._build_cached.cache_clear()
     api._PLANS.clear()
     t0 = time.perf_counter()
-    tj.plan(m, shape, shape, jnp.bfloat16, template="mgpu_q128_kv128_s2", policy="merge")
+    tj.plan(m, shape, shape, jnp.bfloat16, template="mgpu_q128_kv128_s2_hm", policy="merge")
     again = time.perf_counter() - t0
     return {"first_plan_ms": round(first * 1e3, 1),
             "same_mask_again_cold_ms": round(again * 1e3, 1)}
@@ -202,9 +202,9 @@ def main(argv=None):
     kv_shape = (1, L, HEADS, HEAD_DIM)
     dtype = jnp.bfloat16
     runs = []
-    configs = [("mgpu_q128_kv128_s2", "merge", None), ("mgpu_q128_kv128_s2", "merge", 1)]
+    configs = [("mgpu_q128_kv128_s2_hm", "merge", None), ("mgpu_q128_kv128_s2_hm", "merge", 1)]
     if not args.quick:
-        configs += [("mgpu_q128_kv128_s2", p, None) for p in ("keep", "split", "pack", "auto")]
+        configs += [("mgpu_q128_kv128_s2_hm", p, None) for p in ("keep", "split", "pack", "auto")]
         configs += [("xla_64x64", "merge", None)]
         # the template the H200 table picks for cube masks (64x64 tiles, its option: pack)
         configs += [("mgpu_q64x2_kv64_s2_hm", p, None) for p in ("merge", "split", "pack")]

@@ -24,12 +24,17 @@ def bf16_inputs(mask, heads: int, head_dim: int = 128, seed: int = 0):
 
 
 def forget_request_caches(selection: bool = True) -> None:
-    """Drops the plan caches (API front cache, planner) and, with ``selection``, the choices
-    cached per mask digest, so the next call plans (and selects) as for a new mask."""
-    from tessera_jax.runtime import api
-    from tessera_jax.planning import planner
-    from tessera_jax.select import ranking as sel
-    api._PLANS.clear()
-    planner._build_cached.cache_clear()
+    """A "new mask" reset. With ``selection`` (the default): ``tj.clear_caches()``, everything
+    a request computes from its mask (plans, mask features and layouts, choices, all-selected
+    verdicts, the kernel runner's prepared plans and device copies), so the next call pays what
+    a request on a new mask pays. Without: only the plans (API front cache, planner, the kernel
+    runner's prepared plans), for timing planning with the mask's choice kept."""
     if selection:
-        sel._CHOICES.clear()
+        import tessera_jax as tj
+        tj.clear_caches()
+        return
+    from tessera_jax.planning import planner
+    from tessera_jax.runtime import api, kernel_runner
+    api._PLANS.clear()
+    planner.clear_cache()
+    kernel_runner.clear_cache()

@@ -5,8 +5,11 @@ Over the corpus TEST split (never used for fitting; sampled per family with ``--
 the first ceil(N / families) specs of each family in spec-id order, on the first ``--heads``
 heads, as the profiler does), for each mask: every candidate (template x policy) of the
 table that the backend ``sparse_attention`` would use can run is timed exactly as the profiler
-times it (``tessera_jax.tools.profiler.time_candidate``: plan, power-of-two ABI capacities, warm-up,
-median of ``--iters``; CUPTI kernel time on GPU when available); ``selection.select`` picks one
+times it (``tessera_jax.tools.profiler.time_candidate``: plan, power-of-two ABI capacities, the
+kernel rule ``tessera_jax.tools.timing.KERNEL_RULE`` on GPU: CUPTI kernel time, L2 flushed,
+median of ``--iters`` after ``--warmup``; host wall clock on CPU; every candidate of every mask
+under one rule, checked, and rows of another rule are neither resumed nor reused);
+``selection.select`` picks one
 (no timing); regret = chosen time / best candidate time. The best fixed single plan is the
 candidate with the least geometric-mean time over all benchmarked masks (chosen in hindsight,
 on the test masks themselves: the strongest fixed baseline); gain = geomean(fixed / chosen).
@@ -20,10 +23,10 @@ masks of the corpus (one per family, ``--sel-masks``) and a random 64-token-bloc
 choices cleared, block-bounds tables kept: a new mask of a known layout) and ``cached`` (the
 same mask again). ``summary.selection_ms_wan720`` is the worst mask's cold median.
 
-    python benchmarks/selection.py --table plan_tables/h200.json \\
+    python benchmarks/selection.py --table tessera_jax/plan_tables/h200.json \\
         --out benchmarks/results/h200-selection.json --max-masks 120 --heads 4 --time-budget 500
     python benchmarks/selection.py --tiny --table /tmp/cpu.json --out /tmp/sel.json   # CPU
-    python benchmarks/selection.py --cost-only --table plan_tables/h200.json   # cost only
+    python benchmarks/selection.py --cost-only --table tessera_jax/plan_tables/h200.json   # cost only
 
 ``--cost-only`` times nothing on the device: it measures the selection cost alone (seconds,
 any host) and prints it; it writes a file only when ``--out`` is given.
@@ -50,6 +53,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from tessera_jax.select import features as F  # noqa: E402
 from tessera_jax.tools import profiler as P  # noqa: E402
 from tessera_jax.select import ranking as S  # noqa: E402
+from tessera_jax.tools import timing  # noqa: E402
 
 DEFAULT_OUT = os.path.join("benchmarks", "results", "h200-selection.json")
 SEL_FAMILIES = ("vsa", "sparge", "xattn", "svg2", "jenga", "ssta", "moba", "sta")
@@ -66,21 +70,25 @@ def geomean(x):
 
 # --- selection cost -------------------------------------------------------------------------
 def _time_select(mask, shape, backend, table, repeats, state):
-    ts = []
-    choice = None
-    for i in range(repeats + 1):
+    """(median ms, min ms, choice) of ``select`` under the request (host wall clock) rule:
+    cold / new_mask clear their caches before every call and drop the first; cached counts
+    every call (the states before filled the caches)."""
+    def clear():
         if state == "cold":
             F.clear_cache()
-            S._CHOICES.clear()
-        elif state == "new_mask":
+        else:
             F._CACHE.clear()
-            S._CHOICES.clear()
-        t0 = time.perf_counter()
-        choice = S.select(mask, shape, backend, table=table)
-        dt = (time.perf_counter() - t0) * 1e3
-        if i or state == "cached":   # the first cached call fills the caches: not counted
-            ts.append(dt)
-    return float(np.median(ts)), float(np.min(ts)), choice
+        S._CHOICES.clear()
+
+    box = {}
+
+    def call():
+        box["choice"] = S.select(mask, shape, backend, table=table)
+
+    cached = state == "cached"
+    t = timing.time_request(call, rule=timing.wall_rule(repeats + cached, warmup=int(not cached)),
+                            before=None if cached else clear)
+    return t.ms, float(min(t.samples)), box["choice"]
 
 
 def selection_cost(table, backend, *, tiny: bool, n_masks: int, repeats: int, dtype, head_dim):
@@ -121,7 +129,7 @@ def selection_cost(table, backend, *, tiny: bool, n_masks: int, repeats: int, dt
 # --- main -----------------------------------------------------------------------------------
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--table", help="plan table (default: plan_tables/<gpu>.json)")
+    ap.add_argument("--table", help="plan table (default: tessera_jax/plan_tables/<gpu>.json)")
     ap.add_argument("--out", help=f"results file (default {DEFAULT_OUT}; with --cost-only: none)")
     ap.add_argument("--max-masks", type=int, help="sample at most ~N test masks (per family)")
     ap.add_argument("--heads", type=int, default=4, help="first K heads (0: all)")
@@ -130,8 +138,10 @@ def parse_args(argv=None):
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode (tiny masks, XLA)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="warm-up calls (default: the kernel rule's, timing.KERNEL_RULE)")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="timed calls, median (default: the kernel rule's; >= 20 on GPU)")
     ap.add_argument("--compilation-cache", help="jax persistent compilation cache directory")
     ap.add_argument("--sel-masks", type=int, default=4, help="corpus Wan 720p masks for the "
                     "selection cost (plus one random mask)")
@@ -168,6 +178,15 @@ def cost_only(a, table, table_path):
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
     return res
+
+
+def _same_rule(rows: dict, rule: str, what: str) -> dict:
+    """The rows (by mask id) whose candidates were all timed under ``rule``."""
+    keep = {i: r for i, r in rows.items() if r.get("rules") == [rule]}
+    if len(keep) < len(rows):
+        log(f"{len(rows) - len(keep)} earlier rows were timed under another rule than {rule}: "
+            f"not {what}")
+    return keep
 
 
 def _load_prev(path, resume):
@@ -241,8 +260,10 @@ def main(argv=None):
     specs, sampling = P.select_specs("test", tiny=a.tiny, families=a.families,
                                      max_masks=a.max_masks)
     sampling["heads"] = "all" if heads is None else f"first {heads} (shared masks stay shared)"
-    prev = _load_prev(a.out, not a.no_resume)
-    reuse = _load_prev(a.reuse_times, True) if a.reuse_times else {}
+    rule = P.timing_rule(a.warmup, a.iters)
+    prev = _same_rule(_load_prev(a.out, not a.no_resume), rule.name, "resumed")
+    reuse = _same_rule(_load_prev(a.reuse_times, True) if a.reuse_times else {}, rule.name,
+                       "reused")
     inputs = P.Inputs(jnp.dtype(a.dtype), a.head_dim)
     t_start = time.monotonic()
     rows = []
@@ -271,7 +292,7 @@ def main(argv=None):
                   "corpus_digest": table.data["provenance"].get("corpus_digest")},
         "corpus_digest": P.corpus_digest(a.tiny), "split": "test", "sampling": sampling,
         "dtype": a.dtype, "head_dim": a.head_dim, "batch": 1,
-        "timing": {"warmup": a.warmup, "iters": a.iters, "statistic": "median",
+        "timing": {"rule": rule.to_json(),
                    "padding": "ABI capacities rounded up to powers of two (as profiled)"},
         "masks": rows,
         "reused_times_from": a.reuse_times,
@@ -310,12 +331,16 @@ def main(argv=None):
                 row["times_ms"][k] = old["times_ms"][k]
                 row.setdefault("reused", []).append(k)
                 row.setdefault("timer", old.get("timer"))
+                row.setdefault("rules", list(old["rules"]))
                 continue
             try:
                 r = P.time_candidate(mask, template, policy, inputs, warmup=a.warmup,
                                      iters=a.iters, num_heads=hq)
                 row["times_ms"][k] = r["ms"]
                 row.setdefault("timer", r["timer"])
+                row.setdefault("rules", [])
+                if r["rule"] not in row["rules"]:      # more than one: a fallback mid-row
+                    row["rules"].append(r["rule"])
             except Exception as e:  # noqa: BLE001 - a failing candidate is data
                 row["times_ms"][k] = None
                 row["errors"][k] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -345,9 +370,18 @@ def main(argv=None):
                                                                for r in sel)
     summary["selection_ms_wan720_cached"] = max(r["cached_ms_median"] for r in sel)
     summary["complete"] = not stopped and len(rows) == len(specs)
+    try:                 # every candidate of every mask under one rule (a resumed row included)
+        summary["timing_rule"] = timing.assert_same_rule(
+            (n for r in rows for n in r.get("rules", [])), "selection benchmark")
+        mixed = None
+    except timing.MixedRulesError as e:
+        summary["timing_rule"], summary["timing_rule_error"] = None, str(e)
+        mixed = e
     res["selection_cost"] = sel
     res["summary"] = summary
     save()
+    if mixed is not None:                      # saved above; the run fails
+        raise SystemExit(f"timing rule check failed: {mixed}")
     log("summary: " + json.dumps({k: v for k, v in summary.items()
                                   if k != "regret_median_by_family"}))
     return res

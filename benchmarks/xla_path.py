@@ -14,10 +14,12 @@ import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tessera_jax.tools import timing  # noqa: E402
 
 L, H, D, BLOCK, DENSITY = 8192, 4, 64, 64, 0.1
 
@@ -47,14 +49,12 @@ def child(which: str, repeats: int) -> dict:
     # of the same computation under an outer jit gives its temporary buffers.
     mem = jax.jit(fn).lower(q, k, v).compile().memory_analysis()
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    fn(q, k, v).block_until_ready()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn(q, k, v).block_until_ready()
-        times.append(time.perf_counter() - t)
+    # Both variants under one rule: host wall clock, one warm-up call, median of --repeats.
+    t = timing.time_kernel(fn, [(q, k, v)], rule=timing.wall_rule(repeats, warmup=1))
+    out = fn(q, k, v).block_until_ready()
     rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    result = {"which": which, "times_s": times, "median_s": statistics.median(times),
+    times = [x / 1e3 for x in t.samples]
+    result = {"which": which, "times_s": times, "median_s": t.ms / 1e3, "rule": t.rule.name,
               "rss_before_run_bytes": rss_before, "rss_peak_bytes": rss_peak,
               "rss_increase_bytes": rss_peak - rss_before,
               "xla_temp_bytes": getattr(mem, "temp_size_in_bytes", None),
@@ -88,6 +88,7 @@ def main() -> None:
     x, r = runs["xla"], runs["reference"]
     import jax
     summary = {
+        "timing_rule": timing.assert_same_rule([x, r], "xla_path"),
         "speedup_vs_reference": r["median_s"] / x["median_s"],
         "peak_rss_ratio": x["rss_peak_bytes"] / r["rss_peak_bytes"],
         "rss_increase_ratio": x["rss_increase_bytes"] / max(r["rss_increase_bytes"], 1),

@@ -43,6 +43,7 @@ import flax.nnx as nnx
 
 from tessera_jax.flax import AttentionOptions, MaskSchedule, attention
 from tessera_jax.mask import BlockMask
+from tessera_jax.tools import timing
 from tessera_jax.models import (HUNYUAN15, WAN21_14B, WAN21_1_3B, HunyuanModel, WanModel,
                                 make_forward, make_sampler)
 
@@ -180,17 +181,18 @@ def _block(x):
     return jax.block_until_ready(x)
 
 
+def loop_rule(repeats: int, warmup: int = 1, n_inputs: int = 1) -> timing.TimingRule:
+    """The rule of every time here (dense, tessera and fixed alike): host wall clock, the
+    loop's own clock (attention alone feeds the Amdahl prediction of the loop), inputs rotated
+    when there are several."""
+    return timing.wall_rule(repeats, warmup, l2="rotate" if n_inputs > 1 else "none")
+
+
 def time_calls(fn: Callable, args_list, repeats: int, warmup: int = 1) -> list[float]:
-    """Seconds per call, rotating through ``args_list`` (fresh random inputs, never zeros)."""
-    for i in range(warmup):
-        _block(fn(*args_list[i % len(args_list)]))
-    out = []
-    for i in range(repeats):
-        a = args_list[i % len(args_list)]
-        t0 = time.perf_counter()
-        _block(fn(*a))
-        out.append(time.perf_counter() - t0)
-    return out
+    """Seconds per call under ``loop_rule``, rotating through ``args_list`` (fresh random
+    inputs, never zeros)."""
+    t = timing.time_kernel(fn, args_list, rule=loop_rule(repeats, warmup, len(args_list)))
+    return [x / 1e3 for x in t.samples]
 
 
 def _median(xs):
@@ -249,6 +251,9 @@ def run_case(case: Case, args, progress) -> dict:
         token_order="family layout" if order is not None else "frame-major",
         dense_implementation=dense_impl, backend=backend, fixed_template=fixed_template,
         fixed_policy=args.fixed_policy, loops={}, attention={},
+        timing={"attention": loop_rule(args.attn_repeats, 1, 2).to_json(),
+                "step": loop_rule(args.step_repeats).to_json(),
+                "loop": loop_rule(args.loop_repeats, warmup=0).to_json()},
     )
 
     # -- attention alone: dense and every distinct mask, on random q, k, v of the layer's shape.
@@ -298,11 +303,14 @@ def run_case(case: Case, args, progress) -> dict:
         compiled = sampler.lower(noise, context).compile()
         compile_s = time.perf_counter() - t0
         state = nnx.state(model)
-        ts = []
-        for _ in range(args.loop_repeats):
-            t0 = time.perf_counter()
-            out = _block(compiled(state, noise, context, None, None))
-            ts.append(time.perf_counter() - t0)
+        last = {}
+
+        def run_loop(state=state, last=last):
+            last["out"] = _block(compiled(state, noise, context, None, None))
+
+        ts = [x / 1e3 for x in timing.time_request(
+            run_loop, rule=loop_rule(args.loop_repeats, warmup=0)).samples]
+        out = last["out"]
         outs[vname] = out
         loop_s = _median(ts)
         if vname == "dense":

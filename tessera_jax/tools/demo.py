@@ -6,8 +6,6 @@ CPU: a small video token grid; GPU: the Wan2.1 480p grid (21 x 30 x 52 = 32,760 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -15,16 +13,7 @@ import numpy as np
 
 import tessera_jax as tj
 from tessera_jax import masks
-
-
-def _median_time(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # warm-up: compile outside the timing
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from tessera_jax.tools import timing
 
 
 def _head(mask: tj.BlockMask, h: int) -> tj.BlockMask:
@@ -44,6 +33,13 @@ def main(argv=None) -> None:
         t, hh, w = (int(x) for x in args.cpu_grid.split(","))
         grid, heads, dim, dtype = masks.Grid("demo", t, hh, w, 4), 4, 64, jnp.float32
         tile, window, repeats = (2, 4, 4), (1, 3, 3), args.repeats or 5
+    # GPU: the kernel rule of every benchmark (CUPTI kernel time, L2 flushed, median);
+    # CPU: host wall clock after one warm-up call.
+    try:
+        rule = (timing.KERNEL_RULE.replace(repeats=repeats) if on_gpu
+                else timing.wall_rule(repeats, warmup=1))
+    except ValueError as e:
+        ap.error(f"--repeats: {e}")
     L = grid.video_tokens
     mask = masks.sta(grid, heads=heads, tile=tile, window=window)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})")
@@ -51,19 +47,14 @@ def main(argv=None) -> None:
     print(f"mask: sliding-tile windows {window} over tiles {tile}: {mask}")
 
     shape = (1, L, heads, dim)
-    t0 = time.perf_counter()
-    plan = tj.plan(mask, shape, shape, dtype)
-    t_first = time.perf_counter() - t0
+    # One-shot host times (a first call happens once): the timing module's wall clock.
+    plan, t_first = timing.wall_once(lambda: tj.plan(mask, shape, shape, dtype))
     # A second, different mask: planning alone (the kernel module and plan table are loaded).
     other = masks.sta(grid, heads=heads, tile=tile, window=tuple(max(1, w - 2) for w in window))
-    t0 = time.perf_counter()
-    tj.plan(other, shape, shape, dtype)
-    t_new = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    tj.plan(mask, shape, shape, dtype)
-    t_cached = time.perf_counter() - t0
-    print(f"planning: {t_first * 1e3:.1f} ms first call (loads backend and table), "
-          f"{t_new * 1e3:.1f} ms for a new mask, {t_cached * 1e6:.1f} us cached")
+    _, t_new = timing.wall_once(lambda: tj.plan(other, shape, shape, dtype))
+    _, t_cached = timing.wall_once(lambda: tj.plan(mask, shape, shape, dtype))
+    print(f"planning: {t_first:.1f} ms first call (loads backend and table), "
+          f"{t_new:.1f} ms for a new mask, {t_cached * 1e3:.1f} us cached")
     print(plan.describe())
 
     keys = jax.random.split(jax.random.key(0), 3)
@@ -82,7 +73,8 @@ def main(argv=None) -> None:
     print(f"check vs reference_attention: relative error {err:.2e} "
           f"({'ok' if err <= tol else 'FAILED'}, tolerance {tol:g})")
 
-    t_sparse = _median_time(lambda: run(q, k, v), repeats)
+    ts = timing.time_kernel(lambda: run(q, k, v), rule=rule)
+    t_sparse = ts.ms / 1e3
     flops = 4 * dim * mask.selected_interactions(heads)
     rate = flops / t_sparse
     rate_s = f"{rate / 1e12:.1f} effective TFLOP/s" if on_gpu else f"{rate / 1e9:.1f} effective GFLOP/s"
@@ -91,11 +83,14 @@ def main(argv=None) -> None:
     if on_gpu:
         dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
                                                                      implementation="cudnn"))
-        t_dense = _median_time(lambda: dense(q, k, v), repeats)
+        td = timing.time_kernel(lambda: dense(q, k, v), rule=rule)
+        t_dense = td.ms / 1e3
         print(f"cuDNN dense attention: {t_dense * 1e3:.2f} ms -> speed-up {t_dense / t_sparse:.2f}x")
     else:
-        t_ref = _median_time(lambda: tj.reference_attention(q, k, v, mask), repeats)
+        td = timing.time_kernel(lambda: tj.reference_attention(q, k, v, mask), rule=rule)
+        t_ref = td.ms / 1e3
         print(f"dense reference: {t_ref * 1e3:.2f} ms -> speed-up {t_ref / t_sparse:.2f}x")
+    print(f"timing rule: {timing.assert_same_rule([ts, td], 'demo speed-up')}")
     if err > tol:
         raise SystemExit(1)
 

@@ -1,8 +1,8 @@
 """Offline profiler: times every candidate plan on the training masks and fits the ranking table.
 
-    python -m tessera_jax.tools.profiler --gpu h200 --out plan_tables/h200.json \\
+    python -m tessera_jax.tools.profiler --gpu h200 --out tessera_jax/plan_tables/h200.json \\
         [--raw DIR] [--max-masks N] [--heads K] [--families sta vsa ...] [--time-budget S]
-    python -m tessera_jax.tools.profiler --gpu h200 --out plan_tables/h200.json --fit-only
+    python -m tessera_jax.tools.profiler --gpu h200 --out tessera_jax/plan_tables/h200.json --fit-only
     python -m tessera_jax.tools.profiler --tiny --out /tmp/cpu.json      # CPU smoke run, XLA templates
 
 Masks come from the corpus TRAIN split only (``tessera_jax.masks.corpus("train")``; the test
@@ -21,9 +21,11 @@ on CPU (``--tiny``) the given XLA templates. Each (mask, candidate) is planned w
 (what ``sparse_attention`` runs), its ABI arrays padded to power-of-two capacities (so masks
 of one grid share compiled executables: compiling per mask would cost more GPU time than the
 timing itself; padding units select nothing and return at once), run on random inputs (B=1,
-bf16, head_dim 128 by default), warmed up, and timed ``--iters`` (20) times: CUPTI kernel time on
-GPU when available (``jax.experimental.mosaic.gpu.profiler``), else wall clock around
-``block_until_ready``; the median is kept.
+bf16, head_dim 128 by default), and timed under the benchmarks' kernel rule
+(``tessera_jax.tools.timing.KERNEL_RULE``: ``--warmup`` (3) calls, then the median of ``--iters``
+(20) calls' CUPTI kernel time, the L2 flushed before each); on CPU, host wall clock around
+``block_until_ready``. Each time record names its rule; a resumed run re-measures the pairs
+recorded under another rule (or before rules were recorded), so one table never mixes rules.
 
 Raw timings go to ``<raw>/<gpu>.jsonl`` (one JSON object per line: ``"kind": "mask"`` records
 with features and spec, ``"kind": "time"`` records per (mask, candidate)), appended as they are
@@ -203,30 +205,24 @@ def _executor(template, tile_q, tile_kv, qp, kvp, max_steps, scale):
     return jax.jit(run)
 
 
-_CUPTI = {"ok": None}
-
-
-def time_fn(fn, args, *, warmup: int, iters: int):
-    """(median ms, samples, timer): CUPTI kernel time on GPU when it works, else wall clock."""
+def timing_rule(warmup: int | None = None, iters: int | None = None):
+    """The profile's rule: the benchmarks' kernel rule on GPU (``None``: its warm-up and
+    repeats), host wall clock elsewhere (CPU smoke runs)."""
     import jax
-    for _ in range(max(warmup, 1)):
-        jax.block_until_ready(fn(*args))
-    if jax.default_backend() == "gpu" and _CUPTI["ok"] is not False:
-        try:
-            from jax.experimental.mosaic.gpu import profiler
-            _, ts = profiler.measure(fn, iterations=iters)(*args)
-            samples = [float(t) for t in (ts if isinstance(ts, (list, tuple)) else [ts])]
-            _CUPTI["ok"] = True
-            return float(np.median(samples)), samples, "cupti"
-        except Exception as e:  # noqa: BLE001 - fall back to wall clock, say so once
-            log(f"CUPTI timing unavailable ({type(e).__name__}: {str(e)[:120]}); wall clock")
-            _CUPTI["ok"] = False
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(samples)), samples, "wall"
+
+    from tessera_jax.tools import timing
+    base = timing.KERNEL_RULE
+    warmup = base.warmup if warmup is None else max(int(warmup), 1)   # compile outside
+    iters = base.repeats if iters is None else int(iters)
+    if jax.default_backend() == "gpu":
+        return base.replace(warmup=warmup, repeats=iters)
+    return timing.wall_rule(iters, warmup)
+
+
+def time_fn(fn, args, *, warmup: int | None, iters: int | None):
+    """``fn(*args)`` timed under ``timing_rule(warmup, iters)`` (a ``timing.Timing``)."""
+    from tessera_jax.tools import timing
+    return timing.time_kernel(fn, [args], rule=timing_rule(warmup, iters), framework="jax")
 
 
 class Inputs:
@@ -249,8 +245,8 @@ class Inputs:
         return self._val
 
 
-def time_candidate(mask, template: str, policy: str, inputs: Inputs, *, warmup: int,
-                   iters: int, num_heads: int | None = None) -> dict:
+def time_candidate(mask, template: str, policy: str, inputs: Inputs, *, warmup: int | None,
+                   iters: int | None, num_heads: int | None = None) -> dict:
     """Plans and times one candidate on one mask (``num_heads`` query heads, default the
     mask's); a dict for the raw file."""
     import jax
@@ -265,9 +261,10 @@ def time_candidate(mask, template: str, policy: str, inputs: Inputs, *, warmup: 
                    float(q.shape[-1]) ** -0.5)
     args = (q, k, v) + tuple(jax.device_put(a) for a in (units, steps, ri))
     t1 = time.perf_counter()
-    ms, samples, timer = time_fn(fn, args, warmup=warmup, iters=iters)
+    t = time_fn(fn, args, warmup=warmup, iters=iters)
     st = p.stats()
-    return {"ms": ms, "samples": [round(x, 5) for x in samples], "timer": timer,
+    return {"ms": t.ms, "samples": [round(x, 5) for x in t.samples], "timer": t.timer,
+            "rule": t.rule.name,
             "plan_ms": round(plan_ms, 3), "wall_s": round(time.perf_counter() - t1, 3),
             "plan": {key: st[key] for key in ("units", "tiles", "partial_tiles", "waste_fraction",
                                               "est_time_us")},
@@ -440,8 +437,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m tessera_jax.tools.profiler",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", help="table name (default: from the device kind, e.g. h200)")
-    ap.add_argument("--out", help="table path (default plan_tables/<gpu>.json)")
-    ap.add_argument("--raw", help="directory of raw timings (default plan_tables/raw)")
+    ap.add_argument("--out", help="table path (default tessera_jax/plan_tables/<gpu>.json)")
+    ap.add_argument("--raw", help="directory of raw timings (default tessera_jax/plan_tables/raw)")
     ap.add_argument("--max-masks", type=int, help="sample at most ~N masks (per family quota)")
     ap.add_argument("--heads", type=int, default=4, help="profile the first K heads (default 4; "
                     "0: all heads)")
@@ -460,8 +457,10 @@ def parse_args(argv=None):
                     help="explicit candidates (overrides --templates/--policies/--backends)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="warm-up calls (default: the kernel rule's, timing.KERNEL_RULE)")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="timed calls, median (default: the kernel rule's; >= 20 on GPU)")
     ap.add_argument("--compilation-cache", help="jax persistent compilation cache directory "
                     "(executables survive between runs on one machine)")
     return ap.parse_args(argv)
@@ -501,11 +500,10 @@ def main(argv=None) -> dict:
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": versions(), "corpus_digest": corpus_digest(a.tiny), "split": "train",
         "sampling": sampling, "dtype": a.dtype, "head_dim": a.head_dim, "batch": 1,
-        "timing": {"warmup": a.warmup, "iters": a.iters, "statistic": "median",
-                   "timer": "cupti kernel time on GPU when available, else wall clock",
+        "timing": {"rule": timing_rule(a.warmup, a.iters).to_json(),
                    "padding": "ABI capacities rounded up to powers of two",
-                   "inputs": "one random normal q, k, v per call shape (not rotated: at corpus "
-                             "sizes they exceed L2)"},
+                   "inputs": "one random normal q, k, v per call shape (not rotated; the "
+                             "rule's L2 policy applies)"},
         "command": "python -m tessera_jax.tools.profiler " + " ".join(sys.argv[1:] if argv is None
                                                                 else argv),
         "device": dev,
@@ -533,9 +531,18 @@ def _measure(a, specs, cands, raw_path, heads):
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 f.write(b"\n")
+    rule = timing_rule(a.warmup, a.iters).name
+
     def done(key):
         r = times_done.get(key)
+        if r is not None and r.get("status") == "ok" and r.get("rule") != rule:
+            return False                # measured under another rule: measured again
         return r is not None and (r.get("status") == "ok" or not a.retry_errors)
+    other = sum(1 for r in times_done.values()
+                if r.get("status") == "ok" and r.get("rule") != rule)
+    if other:
+        log(f"{other} timings in {raw_path} were taken under another rule than {rule}: "
+            f"they are measured again")
     todo = [(s, c) for s in specs for c in cands if not done((s["id"], cand_key(*c)))]
     log(f"{len(specs)} masks x {len(cands)} candidates; {len(todo)} timings to do "
         f"({len(specs) * len(cands) - len(todo)} already in {raw_path})")
