@@ -1,4 +1,5 @@
-"""numba-compiled inner loops of the planner: plain Python until ``compile_all()`` (first plan).
+"""numba-compiled inner loops of the planner; small calls run them as plain Python until
+``compile_all()`` (the first larger call).
 
 Each ``_nb_*`` function is one loop of ``tessera_jax.planning.planner`` over packed mask words
 (uint64, bit j%64 of word j//64 = key block j), group and unit arrays: row groups and units
@@ -6,18 +7,30 @@ Each ``_nb_*`` function is one loop of ``tessera_jax.planning.planner`` over pac
 (``_nb_fill``, exact counts ``_nb_count``) and of split/pack (``_nb_rects`` and its helpers,
 bound ``_nb_rect_bound``), mask packing (``_nb_pack``) and row_index (``_nb_row_index``).
 Loops that take (lo, hi) handle units/rows [lo, hi), so the planner can run two halves on
-two threads (they are nogil). numba is imported, and the loops compiled or loaded from its
-on-disk cache, by ``compile_all()`` on the first plan of a process, not at import (the
-planner's ``warm_up()`` does it ahead of time); ``_nb_ctz`` (count trailing zeros) is bound
-then too, so the loops only run compiled. The NumPy oracles the tests compare them with are
-in ``plan_oracle``.
+two threads (they are nogil). Until numba is loaded each ``_nb_*`` name is a ``_Loop``
+stand-in: calls with small arrays (``INTERP_MAX_WORK``, within ``INTERP_BUDGET_S`` per
+process) run the same code interpreted, with numba's integer semantics, so a small plan never
+imports numba; the first other call imports numba and compiles the loops or loads them from
+its on-disk cache (``compile_all()``; the planner's ``warm_up()`` does it ahead of time), and
+``_nb_ctz`` (count trailing zeros) is bound to numba's then. The NumPy oracles the tests
+compare the loops with are in ``plan_oracle``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+import types
 
 import numpy as np
+
+# The packed step rectangle's byte offsets and the step columns (``pallas_kernels.abi``):
+# plain int constants, which numba compiles in.
+from pallas_kernels.abi import RECT_KV_HI_SHIFT as _KV_HI
+from pallas_kernels.abi import RECT_KV_LO_SHIFT as _KV_LO
+from pallas_kernels.abi import RECT_Q_HI_SHIFT as _Q_HI
+from pallas_kernels.abi import STEP_KV_START as _KV_START
+from pallas_kernels.abi import STEP_RECT as _RECT
 
 
 def _nb_popcount(x):
@@ -96,8 +109,8 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
             continue
         ptr[u] = s
         s0 = s
-        rows = ql | (qh << 8)              # the rectangle's row bytes (STEP_RECT)
-        mid = rows | (tk << 24)            # a tile inside an interval: keys [0, tk)
+        rows = ql | (qh << _Q_HI)          # the rectangle's row bytes (STEP_RECT)
+        mid = rows | (tk << _KV_HI)        # a tile inside an interval: keys [0, tk)
         part = 0
         keys = 0
         carry = zero
@@ -127,8 +140,8 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
                 kl0 = ks - a0                  # the first tile's lo
                 khl = ke - a0                  # the last tile's hi, if the first is the last
                 if khl <= tk and a0 <= lim:    # one tile, inside the padded length
-                    steps[s, 0] = a0
-                    steps[s, 1] = rows | (kl0 << 16) | (khl << 24)
+                    steps[s, _KV_START] = a0
+                    steps[s, _RECT] = rows | (kl0 << _KV_LO) | (khl << _KV_HI)
                     part += (kl0 != 0) | (khl != tk)
                     s += 1
                 else:
@@ -137,8 +150,8 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
                     khl = ke - tl
                     sh = tl - lim              # > 0: the last tile is shifted back inside kvp
                     if n > 1:
-                        steps[s, 0] = a0
-                        steps[s, 1] = mid | (kl0 << 16)
+                        steps[s, _KV_START] = a0
+                        steps[s, _RECT] = mid | (kl0 << _KV_LO)
                         for r in range(1, n - 1):
                             steps[s + r, 0] = a0 + r * tk
                             steps[s + r, 1] = mid
@@ -146,12 +159,12 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
                         part += kl0 != 0
                         kl0 = 0
                     if sh > 0:
-                        steps[s, 0] = tl - sh
-                        steps[s, 1] = rows | ((kl0 + sh) << 16) | ((khl + sh) << 24)
+                        steps[s, _KV_START] = tl - sh
+                        steps[s, _RECT] = rows | ((kl0 + sh) << _KV_LO) | ((khl + sh) << _KV_HI)
                         part += 1
                     else:
-                        steps[s, 0] = tl
-                        steps[s, 1] = rows | (kl0 << 16) | (khl << 24)
+                        steps[s, _KV_START] = tl
+                        steps[s, _RECT] = rows | (kl0 << _KV_LO) | (khl << _KV_HI)
                         part += khl != tk
                     s += 1
                 js = -1
@@ -273,21 +286,21 @@ def _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps):
     if not write:
         return s + t1 - t0, 0, 0
     rows_full = (ra == 0) & (rb == tq)
-    rows = ra | (rb << 8)                  # the rectangle's row bytes (STEP_RECT)
+    rows = ra | (rb << _Q_HI)              # the rectangle's row bytes (STEP_RECT)
     full = 0
     ts = t0 * tk + anchor
     kl = c0 + anchor - ts                  # only the first tile can start late
     for _ in range(t1 - t0 - 1):           # all tiles but the last end at the tile's end
-        steps[s, 0] = ts
-        steps[s, 1] = rows | (kl << 16) | (tk << 24)
+        steps[s, _KV_START] = ts
+        steps[s, _RECT] = rows | (kl << _KV_LO) | (tk << _KV_HI)
         full += rows_full & (kl == 0)
         kl = 0
         ts += tk
         s += 1
     kh = c1 + anchor - ts
     sh = max(ts + tk - kvp, 0)
-    steps[s, 0] = ts - sh
-    steps[s, 1] = rows | ((kl + sh) << 16) | ((kh + sh) << 24)
+    steps[s, _KV_START] = ts - sh
+    steps[s, _RECT] = rows | ((kl + sh) << _KV_LO) | ((kh + sh) << _KV_HI)
     full += rows_full & (kl + sh == 0) & (kh + sh == tk)
     return s + 1, full, (rb - ra) * (c1 - c0)
 
@@ -344,9 +357,9 @@ def _nb_rects_one(u, s, w2, r, ra, rb, kb, ka, grid, tq, tk, ltk, kvp, write, st
                 ts = t0 * tk
                 if c1 - ts <= tk and ts + anchor <= lim:    # one tile, not shifted
                     if write:
-                        steps[s, 0] = ts + anchor
-                        steps[s, 1] = (ra | (rb << 8) | ((c0 - ts) << 16)
-                                       | ((c1 - ts) << 24))
+                        steps[s, _KV_START] = ts + anchor
+                        steps[s, _RECT] = (ra | (rb << _Q_HI) | ((c0 - ts) << _KV_LO)
+                                           | ((c1 - ts) << _KV_HI))
                         full += (c0 == ts) & (c1 - ts == tk)
                         keys += c1 - c0
                     s += 1
@@ -413,8 +426,8 @@ def _nb_rects_two(u, s, w2, x0, x1, ra0, rb0, ra1, rb1, touch, kb, ka, grid, tq,
                     if c1 - ts <= tk and ts + anchor <= lim:   # one tile, not shifted
                         if write:
                             kl, kh = c0 - ts, c1 - ts
-                            steps[s, 0] = ts + anchor
-                            steps[s, 1] = ra | (rb << 8) | (kl << 16) | (kh << 24)
+                            steps[s, _KV_START] = ts + anchor
+                            steps[s, _RECT] = ra | (rb << _Q_HI) | (kl << _KV_LO) | (kh << _KV_HI)
                             full += (ra == 0) & (rb == tq) & (kl == 0) & (kh == tk)
                             sel_area += (rb - ra) * (kh - kl)
                         s += 1
@@ -594,8 +607,9 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
                         if c1 - ts <= tk and ts + anchor <= lim:   # one tile, not shifted
                             if write:
                                 kl, kh = c0 - ts, c1 - ts
-                                steps[s, 0] = ts + anchor
-                                steps[s, 1] = ra | (rb << 8) | (kl << 16) | (kh << 24)
+                                steps[s, _KV_START] = ts + anchor
+                                steps[s, _RECT] = (ra | (rb << _Q_HI) | (kl << _KV_LO)
+                                                   | (kh << _KV_HI))
                                 full += (ra == 0) & (rb == tq) & (kl == 0) & (kh == tk)
                                 sel_area += (rb - ra) * (kh - kl)
                             s += 1
@@ -674,12 +688,93 @@ _NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count
 _NB_INLINE = ("_nb_popcount", "_nb_tiles")   # inlined into their callers (numba IR)
 
 
+# --- running the loops: interpreted while small, compiled after --------------------------
+# Until numba is loaded, each ``_nb_*`` name above is bound to a ``_Loop`` stand-in. A call
+# whose array arguments hold at most INTERP_MAX_WORK elements, made while this process has
+# spent less than INTERP_BUDGET_S in interpreted loops, runs the loop as plain Python with
+# numba's semantics (stores into int32 arrays wrap, integer overflow wraps, integer results
+# come back as Python ints); any other call, or ``compile_all()``, imports numba and binds the
+# compiled loops. Loading numba costs ~0.4-0.5 s on a fresh process even with its on-disk
+# cache warm (importing numba, which imports scipy.linalg, and setting up its CPU target),
+# 2-3 s and more with the cache cold (benchmarks/first_plan.py): the first plan of a small
+# mask needs none of it, and a process that plans only small masks never pays it (it spends
+# about INTERP_BUDGET_S more in all at most). Byte-identical plans: tests/test_packaging.py.
+INTERP_MAX_WORK = 1 << 13
+INTERP_BUDGET_S = 0.1
+
+
+class _Int32Out(np.ndarray):
+    """A view of an int32 output array whose stores wrap to 32 bits, as a compiled store does."""
+
+    def __setitem__(self, key, value):
+        if isinstance(value, (int, np.integer)):
+            value = ((int(value) + 0x80000000) & 0xFFFFFFFF) - 0x80000000
+        else:
+            value = np.asarray(value).astype(np.int32)
+        np.ndarray.__setitem__(self, key, value)
+
+
+def _py_ctz(x):
+    x = int(x)
+    return (x & -x).bit_length() - 1
+
+
+def _py_popcount(x):
+    return np.int64(int(x).bit_count())
+
+
+def _box(x):
+    if isinstance(x, _Int32Out):
+        return x.view(np.ndarray)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def _interpret(name, args):
+    global _interp_s
+    args = tuple(a.view(_Int32Out) if type(a) is np.ndarray and a.dtype == np.int32 else a
+                 for a in args)
+    t0 = time.perf_counter()
+    try:
+        with np.errstate(over="ignore"):
+            r = _PY_NS[name](*args)
+    finally:
+        _interp_s += time.perf_counter() - t0
+    return tuple(_box(x) for x in r) if isinstance(r, tuple) else _box(r)
+
+
+class _Loop:
+    """Stands for the loop ``name`` until ``compile_all()``: small calls run interpreted
+    (see above), the first other call compiles all loops."""
+
+    def __init__(self, fn):
+        self.name = fn.__name__
+        self.__doc__ = fn.__doc__
+        self.__wrapped__ = fn
+
+    def __call__(self, *args):
+        if not _JITTED:
+            if _interp_s < INTERP_BUDGET_S and sum(
+                    a.size for a in args if isinstance(a, np.ndarray)) <= INTERP_MAX_WORK:
+                return _interpret(self.name, args)
+            compile_all()
+        return _COMPILED[self.name](*args)
+
+    def __repr__(self):
+        return f"<planner loop {self.name} (not compiled yet)>"
+
+
 def compile_all() -> None:
     """Imports numba and jit-wraps the ``_nb_*`` functions (cached on disk), once per process.
 
-    The wrapped functions replace the plain ones in this module's namespace, which is where
+    The wrapped functions replace the stand-ins in this module's namespace, which is where
     numba resolves the names that the kernels call; callers elsewhere must look them up here
-    at call time (``plan_loops._nb_fill(...)``), as an imported name stays the plain function.
+    at call time (``plan_loops._nb_fill(...)``). With numba's cache warm this loads only the
+    loops a process calls, when it calls them (each ~1-10 ms); the fixed cost is numba's
+    (see INTERP_MAX_WORK above).
     """
     global _JITTED
     if _JITTED:
@@ -693,9 +788,21 @@ def compile_all() -> None:
         g["_nb_ctz"] = trailing_zeros
         for name in _NB_KERNELS:
             inline = "always" if name in _NB_INLINE else "never"
-            g[name] = numba.njit(cache=True, nogil=True, inline=inline)(g[name])
+            _COMPILED[name] = g[name] = numba.njit(cache=True, nogil=True,
+                                                   inline=inline)(_PLAIN[name])
         _JITTED = True
 
 
 _JITTED = False
 _JIT_LOCK = threading.Lock()
+_COMPILED: dict = {}
+_interp_s = 0.0                                   # seconds spent in interpreted loops
+_PLAIN = {name: globals()[name] for name in _NB_KERNELS}     # what numba compiles
+# The interpreted loops: copies of the plain functions over their own namespace, where the
+# loops they call are plain too and ``_nb_ctz`` / ``_nb_popcount`` are Python's.
+_PY_NS = dict(globals())
+_PY_NS.update({name: types.FunctionType(fn.__code__, _PY_NS, fn.__name__, fn.__defaults__,
+                                        fn.__closure__) for name, fn in _PLAIN.items()})
+_PY_NS["_nb_ctz"] = _py_ctz
+_PY_NS["_nb_popcount"] = _py_popcount
+globals().update({name: _Loop(fn) for name, fn in _PLAIN.items()})
