@@ -138,10 +138,7 @@ def parse_args(argv=None):
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode (tiny masks, XLA)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="warm-up calls (default: the kernel rule's, timing.KERNEL_RULE)")
-    ap.add_argument("--iters", type=int, default=None,
-                    help="timed calls, median (default: the kernel rule's; >= 20 on GPU)")
+    timing.add_rule_arguments(ap)
     ap.add_argument("--compilation-cache", help="jax persistent compilation cache directory")
     ap.add_argument("--sel-masks", type=int, default=4, help="corpus Wan 720p masks for the "
                     "selection cost (plus one random mask)")

@@ -144,6 +144,30 @@ class TritonConfig:
 _KERNEL_CONFIGS = {"mosaic_gpu": MosaicConfig, "triton": TritonConfig, "xla": type(None)}
 
 
+class CompiledConfig:
+    """Shared by the backends' compiled kernel configs (``mosaic.kernel.KernelConfig``,
+    ``triton.kernel.KernelConfig``): the tile shape, the backend's typed variant and the mask
+    mode compiled (the backend's own ``MASK_MODES``, which add "none" for all-full plans).
+    Subclasses are frozen dataclasses with fields tile_q, tile_kv, stages, variant, mask_mode."""
+
+    VARIANT: type = object
+    MASK_MODES: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for name in ("tile_q", "tile_kv", "stages"):
+            _check_int("KernelConfig", name, getattr(self, name))
+        if not isinstance(self.variant, self.VARIANT):
+            raise TypeError(f"KernelConfig.variant must be a {self.VARIANT.__name__}, got "
+                            f"{type(self.variant).__name__}")
+        self.variant.check_tiles(self.tile_q, self.tile_kv, self.stages)
+        _check_choice("KernelConfig", "mask_mode", self.mask_mode, self.MASK_MODES)
+
+    @classmethod
+    def from_template(cls, t, mask_mode: str | None = None):
+        """The config of a Template of this backend; ``mask_mode`` overrides its own."""
+        return cls(t.tile_q, t.tile_kv, t.stages, t.kernel, mask_mode or t.kernel.mask_mode)
+
+
 @dataclasses.dataclass(frozen=True)
 class Template:
     """One compiled kernel configuration.

@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # tessera_jax.planning.viz imports matplotlib: load it only when asked for.
+    # tessera_jax.viz imports matplotlib: load it only when asked for.
     if name == "viz":
-        from tessera_jax.planning import viz
-        return viz
+        import importlib
+        return importlib.import_module("tessera_jax.viz")
     raise AttributeError(f"module 'tessera_jax' has no attribute {name!r}")

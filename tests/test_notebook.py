@@ -1,5 +1,6 @@
 """notebooks/explore_tile_plans.ipynb runs top to bottom (nbclient, CPU)."""
 
+import json
 import os
 import pathlib
 import sys
@@ -18,7 +19,8 @@ def test_explore_tile_plans_runs(tmp_path):
     # The kernel is this interpreter (the test venv): ipykernel's native spec points at it.
     from ipykernel.kernelspec import write_kernel_spec
     spec_dir = write_kernel_spec(str(tmp_path / "kernels" / "tessera-test"))
-    assert pathlib.Path(spec_dir, "kernel.json").exists()
+    spec = json.loads(pathlib.Path(spec_dir, "kernel.json").read_text())
+    assert spec["argv"][0] == sys.executable      # the notebook runs in this venv
     saved = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "JAX_PLATFORMS")}
     os.environ["JUPYTER_PATH"] = str(tmp_path)       # the kernel inherits this environment
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -32,7 +34,6 @@ def test_explore_tile_plans_runs(tmp_path):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    assert sys.executable  # the spec's argv[0]
     images = sum(1 for cell in nb.cells if cell.cell_type == "code"
                  for out in cell.get("outputs", []) if "image/png" in out.get("data", {}))
     assert images >= 5, f"expected the policy figures, got {images} images"

@@ -1,4 +1,4 @@
-"""tessera_jax.planning.viz draws plans (Agg backend, no display)."""
+"""tessera_jax.viz draws plans (Agg backend, no display)."""
 
 import sys
 
@@ -23,7 +23,7 @@ def _mask():
 def test_viz_module_imports_without_matplotlib_work():
     import importlib
 
-    import tessera_jax.planning.viz as viz
+    import tessera_jax.viz as viz
     importlib.reload(viz)
     assert hasattr(viz, "plot_plan")
 
@@ -33,7 +33,7 @@ def test_plot_plan_draws_every_tile(policy):
     import matplotlib.pyplot as plt
     from matplotlib.collections import PolyCollection
 
-    from tessera_jax.planning import viz
+    from tessera_jax import viz
 
     m = _mask()
     p = tj.plan(m, (1, 300, 2, 16), (1, 300, 1, 16), jnp.float32, template="xla_64x128",
@@ -54,7 +54,7 @@ def test_plot_plan_draws_every_tile(policy):
 def test_plot_policies_and_table():
     import matplotlib.pyplot as plt
 
-    from tessera_jax.planning import viz
+    from tessera_jax import viz
 
     m = _mask()
     args = (m, (1, 300, 2, 16), (1, 300, 2, 16), jnp.float32)
@@ -69,7 +69,7 @@ def test_plot_policies_and_table():
 
 
 def test_plot_plan_bad_head():
-    from tessera_jax.planning import viz
+    from tessera_jax import viz
 
     p = tj.plan(_mask(), (1, 300, 2, 16), (1, 300, 2, 16), jnp.float32, template="xla_64x64")
     with pytest.raises(ValueError, match="head"):
@@ -81,7 +81,7 @@ def test_plot_plan_bad_head():
 def test_matplotlib_is_imported_lazily():
     import subprocess
 
-    code = ("import sys, tessera_jax.planning.viz; "
+    code = ("import sys, tessera_jax.viz; "
             "print('matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={"JAX_PLATFORMS": "cpu", "PATH": ""}, timeout=120)

@@ -35,7 +35,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import abi as plan_abi
-from pallas_kernels.templates import MosaicConfig
+from pallas_kernels.templates import CompiledConfig, MosaicConfig
 
 __all__ = ["KernelConfig", "forward", "smem_bytes", "MASK_MODES", "MAX_SMEM"]
 
@@ -51,7 +51,7 @@ MAX_SMEM = 232448                  # bytes per CTA on sm_90 (the limit Mosaic GP
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelConfig:
+class KernelConfig(CompiledConfig):
     """Static shape of one compiled kernel: a template's ``MosaicConfig`` plus its tile shape
     (tile_q query rows: 128, or 64 with ``paired``; tile_kv keys per step; ``stages`` ring
     slots) and the mask mode compiled ("none" only for plans whose steps are all full)."""
@@ -62,19 +62,8 @@ class KernelConfig:
     variant: MosaicConfig = MosaicConfig()
     mask_mode: str = "cond"
 
-    def __post_init__(self):
-        if not isinstance(self.variant, MosaicConfig):
-            raise TypeError(f"KernelConfig.variant must be a MosaicConfig, got "
-                            f"{type(self.variant).__name__}")
-        self.variant.check_tiles(self.tile_q, self.tile_kv, self.stages)
-        if self.mask_mode not in MASK_MODES:
-            raise ValueError(f"KernelConfig.mask_mode must be one of {MASK_MODES}, got "
-                             f"{self.mask_mode!r}")
-
-    @classmethod
-    def from_template(cls, t, mask_mode: str | None = None) -> "KernelConfig":
-        """The config of a ``mosaic_gpu`` Template; ``mask_mode`` overrides its own."""
-        return cls(t.tile_q, t.tile_kv, t.stages, t.kernel, mask_mode or t.kernel.mask_mode)
+    VARIANT = MosaicConfig
+    MASK_MODES = MASK_MODES
 
     @property
     def paired(self) -> bool:

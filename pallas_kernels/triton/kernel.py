@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import abi as plan_abi
-from pallas_kernels.templates import TritonConfig
+from pallas_kernels.templates import CompiledConfig, TritonConfig
 
 __all__ = ["KernelConfig", "forward", "padded_head_dim", "MASK_MODES", "MAX_HEAD_DIM"]
 
@@ -43,7 +43,7 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelConfig:
+class KernelConfig(CompiledConfig):
     """Static kernel parameters (part of the compiled executable): a ``TritonConfig`` (warps,
     prefetch) plus the tile shape, the pipelining depth and the mask mode compiled.
 
@@ -65,23 +65,8 @@ class KernelConfig:
     variant: TritonConfig = TritonConfig()
     mask_mode: str = "cond"
 
-    def __post_init__(self):
-        for name in ("tile_q", "tile_kv", "stages"):
-            val = getattr(self, name)
-            if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)):
-                raise TypeError(f"KernelConfig.{name} must be an int, got {type(val).__name__}")
-        if not isinstance(self.variant, TritonConfig):
-            raise TypeError(f"KernelConfig.variant must be a TritonConfig, got "
-                            f"{type(self.variant).__name__}")
-        self.variant.check_tiles(self.tile_q, self.tile_kv, self.stages)
-        if self.mask_mode not in MASK_MODES:
-            raise ValueError(f"KernelConfig.mask_mode must be one of {MASK_MODES}, got "
-                             f"{self.mask_mode!r}")
-
-    @classmethod
-    def from_template(cls, t, mask_mode: str | None = None) -> "KernelConfig":
-        """The config of a ``triton`` Template; ``mask_mode`` overrides its own."""
-        return cls(t.tile_q, t.tile_kv, t.stages, t.kernel, mask_mode or t.kernel.mask_mode)
+    VARIANT = TritonConfig
+    MASK_MODES = MASK_MODES
 
     @property
     def prefetch(self) -> bool:

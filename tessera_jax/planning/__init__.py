@@ -1,8 +1,8 @@
 """Planning: logical blocks -> physical tiles -> work units, as the int32 arrays of the plan ABI.
 
 Host NumPy + numba; knows nothing of Pallas. ``planner`` holds the policies and the ``Plan``,
-``loops`` the numba-compiled inner loops, ``schedule`` the cost model and unit order, ``viz``
-the plots (matplotlib, imported on use).
+``loops`` the numba-compiled inner loops and ``schedule`` the cost model and
+unit order (plots of a plan: ``tessera_jax.viz``).
 """
 
 from tessera_jax.planning.planner import POLICIES, Plan, bucket, build_plan, tile_kinds, warm_up

@@ -434,6 +434,7 @@ def _progress(total, desc):
 
 
 def parse_args(argv=None):
+    from tessera_jax.tools import timing
     ap = argparse.ArgumentParser(prog="python -m tessera_jax.tools.profiler",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", help="table name (default: from the device kind, e.g. h200)")
@@ -457,10 +458,7 @@ def parse_args(argv=None):
                     help="explicit candidates (overrides --templates/--policies/--backends)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="warm-up calls (default: the kernel rule's, timing.KERNEL_RULE)")
-    ap.add_argument("--iters", type=int, default=None,
-                    help="timed calls, median (default: the kernel rule's; >= 20 on GPU)")
+    timing.add_rule_arguments(ap)
     ap.add_argument("--compilation-cache", help="jax persistent compilation cache directory "
                     "(executables survive between runs on one machine)")
     return ap.parse_args(argv)

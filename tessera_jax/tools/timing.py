@@ -441,3 +441,12 @@ def wall_once(fn: Callable[[], Any], sync: Callable[[Any], Any] | None = None):
 def wall_rule(repeats: int, warmup: int = 1, l2: str = "none") -> TimingRule:
     """A host wall-clock rule (CPU runs, end-to-end loops, requests)."""
     return TimingRule(timer="wall", l2=l2, warmup=warmup, repeats=repeats)
+
+
+def add_rule_arguments(parser) -> None:
+    """``--warmup`` / ``--iters`` on an argparse parser: a tool's overrides of the kernel rule
+    (``None``: the rule's own values)."""
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up calls (default: the kernel rule's, timing.KERNEL_RULE)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed calls, median (default: the kernel rule's; >= 20 on GPU)")

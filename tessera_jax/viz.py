@@ -1,6 +1,6 @@
 """Pictures of plans: the logical mask with the physical tiles the planner chose drawn over it.
 
-matplotlib is imported inside the functions, so ``import tessera_jax.planning.viz`` costs nothing until
+matplotlib is imported inside the functions, so ``import tessera_jax.viz`` costs nothing until
 a figure is drawn (matplotlib is in the ``notebook``, ``bench`` and ``test`` extras).
 """
 
