@@ -34,9 +34,9 @@ grids launch unit u as program u, so the heaviest units start first).
   Units may point at the same rows (the heads of a shared mask, the interior units of a tall
   row group visit the same tiles with the same rectangles): kernels only read ``steps``.
 
-``steps``: int32 [S, STEP_COLS] (8 bytes a row); row s is one K/V tile visited by one unit.
+``steps``: int32 [S, STEP_COLS] (16 bytes a row); row s is one K/V tile visited by one unit.
   STEP_KV_START  first key of the tile: k[kv_start : kv_start + tile_kv]
-  STEP_RECT      the selected rectangle, four bytes of one int32:
+  STEP_RECT      the step's bounding rectangle, four bytes of one int32:
                    rect = q_lo | q_hi << 8 | kv_lo << 16 | kv_hi << 24
                  rows [q_lo, q_hi) of the unit's tile (always inside [own_lo, own_hi)) and
                  keys [kv_lo, kv_hi) of the K/V tile, each field in 0..255 (tiles are at most
@@ -44,12 +44,29 @@ grids launch unit u as program u, so the heaviest units start first).
                  negative: decode a field as ``(rect >> shift) & 0xFF``, which is exact under
                  an arithmetic shift too (``pack_rect`` / ``unpack_rect`` / ``unpack_steps``;
                  compiled loops shift by ``RECT_Q_HI_SHIFT`` etc. themselves).
-  A step selects exactly the rectangle rows [q_lo, q_hi) x keys [kv_lo, kv_hi); every other
-  entry of the tile is masked (-inf before the softmax). A step is *full* when the rectangle
-  is the whole tile, rect == pack_rect(0, tile_q, 0, tile_kv) (``full_rect``): kernels may
-  skip masking then. The rectangles of one unit never overlap, so each selected interaction
+  STEP_CUTS_A,   the *grid* inside the rectangle, for a tile that several logical blocks
+  STEP_CUTS_B    touch (so that the tile is computed once, however many blocks select parts
+                 of it). STEP_CUTS_B == 0: no grid, the whole rectangle is selected (a *plain*
+                 step; STEP_CUTS_A is 0 too). Otherwise the rectangle is cut into at most
+                 GRID x GRID = 4 x 4 cells by three row cuts q_lo <= q1 <= q2 <= q3 <= q_hi and
+                 three key cuts kv_lo <= k1 <= k2 <= k3 <= kv_hi (unused cuts repeat a bound,
+                 leaving empty segments), and a 16-bit matrix says which cells are selected:
+                   cuts_a = q1 | q2 << 8 | q3 << 16 | k1 << 24
+                   cuts_b = k2 | k3 << 8 | bits << 16,   bits != 0
+                 Row r of the tile (q_lo <= r < q_hi) lies in row segment
+                 i = (r >= q1) + (r >= q2) + (r >= q3), key c (kv_lo <= c < kv_hi) in key segment
+                 j = (c >= k1) + (c >= k2) + (c >= k3); (r, c) is selected iff bit 4 * i + j of
+                 ``bits`` is set (``pack_grid`` / ``unpack_grid`` / ``grid_mask``). The same
+                 iota comparisons a causal mask uses, no gather.
+  A step selects exactly those entries; every other entry of the tile is masked (-inf before
+  the softmax). A step is *full* when it is plain and the rectangle is the whole tile,
+  rect == pack_rect(0, tile_q, 0, tile_kv) (``full_rect``) and cuts_b == 0: kernels may skip
+  masking then. The selections of one unit's steps never overlap, so each selected interaction
   is computed exactly once. Padding steps have q_lo == q_hi (select nothing; an all-zero row
   is one).
+  Invariant of a planner's plan (``tile_once``): a unit visits each K/V tile (kv_start) at most
+  once, so a plan computes at most tile_q x tile_kv interactions per (unit, tile), whatever
+  the logical block sizes.
 
 Outputs are *unit-major*: out_units [B, U, tile_q, D] and lse_units [B, U, tile_q] (float32,
 natural log; -inf for a row with no selected key). The wrapper gathers the owned rows back
@@ -60,16 +77,22 @@ import numpy as np
 
 UNIT_HEAD, UNIT_Q_START, UNIT_OWN_LO, UNIT_OWN_HI, UNIT_STEP_PTR, UNIT_STEP_CNT = range(6)
 UNIT_COLS = 6
-STEP_KV_START, STEP_RECT = range(2)
-STEP_COLS = 2
+STEP_KV_START, STEP_RECT, STEP_CUTS_A, STEP_CUTS_B = range(4)
+STEP_COLS = 4
+GRID = 4                # a grid step has at most GRID row segments and GRID key segments
+GRID_BITS_SHIFT = 16    # the cell bits' offset in STEP_CUTS_B
 MAX_TILE = 255          # the largest tile_q / tile_kv: a rectangle bound must fit one byte
 # Bit offsets of the four bytes of STEP_RECT: rect = q_lo << RECT_Q_LO_SHIFT | q_hi <<
 # RECT_Q_HI_SHIFT | kv_lo << RECT_KV_LO_SHIFT | kv_hi << RECT_KV_HI_SHIFT. Plain ints, so
 # numba-compiled planning loops (tessera_jax.planning.loops) pack with them as constants.
 RECT_Q_LO_SHIFT, RECT_Q_HI_SHIFT, RECT_KV_LO_SHIFT, RECT_KV_HI_SHIFT = 0, 8, 16, 24
-# Columns of ``unpack_steps``'s view [S, 5] (the rectangle's four bounds unpacked).
+# Columns of ``unpack_steps``'s view [S, 5] (the rectangle's four bounds unpacked), and of its
+# grid view [S, 12] (``unpack_steps(steps, grid=True)``: the same five, then the cuts and bits;
+# a plain step reads q1 = q2 = q3 = q_hi, k1 = k2 = k3 = kv_hi, bits = 1: one cell, selected).
 VIEW_KV_START, VIEW_Q_LO, VIEW_Q_HI, VIEW_KV_LO, VIEW_KV_HI = range(5)
 VIEW_COLS = 5
+VIEW_Q1, VIEW_Q2, VIEW_Q3, VIEW_K1, VIEW_K2, VIEW_K3, VIEW_BITS = range(5, 12)
+VIEW_GRID_COLS = 12
 
 
 def check_tiles(tile_q, tile_kv) -> None:
@@ -118,9 +141,45 @@ def unpack_rect(x):
             (x >> RECT_KV_HI_SHIFT) & 0xFF)
 
 
-def unpack_steps(steps):
+def pack_grid(q_cuts, kv_cuts, bits):
+    """(cuts_a, cuts_b) of a grid step: ``q_cuts`` = (q1, q2, q3), ``kv_cuts`` = (k1, k2, k3)
+    (each 0..255, non-decreasing inside the step's rectangle), ``bits`` the 16-bit cell matrix
+    (bit 4 * i + j: row segment i, key segment j; non-zero). NumPy int32 scalars or arrays."""
+    q1, q2, q3 = (np.asarray(x, np.int64) for x in q_cuts)
+    k1, k2, k3 = (np.asarray(x, np.int64) for x in kv_cuts)
+    b = np.asarray(bits, np.int64)
+    a = (q1 | (q2 << 8) | (q3 << 16) | (k1 << 24)).astype(np.int32)
+    c = (k2 | (k3 << 8) | (b << GRID_BITS_SHIFT)).astype(np.int32)
+    return a[()], c[()]
+
+
+def unpack_grid(cuts_a, cuts_b):
+    """((q1, q2, q3), (k1, k2, k3), bits) of STEP_CUTS_A / STEP_CUTS_B values (int, NumPy or
+    jnp). Meaningful only where cuts_b != 0 (a grid step)."""
+    return (((cuts_a & 0xFF), (cuts_a >> 8) & 0xFF, (cuts_a >> 16) & 0xFF),
+            ((cuts_a >> 24) & 0xFF, cuts_b & 0xFF, (cuts_b >> 8) & 0xFF),
+            (cuts_b >> GRID_BITS_SHIFT) & 0xFFFF)
+
+
+def grid_mask(rect, cuts_a, cuts_b, rows, cols):
+    """Whether entry (rows, cols) of a step's tile is selected (broadcasting ``rows`` against
+    ``cols``; NumPy or jnp): the rectangle, and for a grid step (cuts_b != 0) its cell bit.
+    The reference rule every kernel implements."""
+    q_lo, q_hi, kv_lo, kv_hi = unpack_rect(rect)
+    (q1, q2, q3), (k1, k2, k3), bits = unpack_grid(cuts_a, cuts_b)
+    inside = (rows >= q_lo) & (rows < q_hi) & (cols >= kv_lo) & (cols < kv_hi)
+    i = (rows >= q1).astype(np.int32) + (rows >= q2) + (rows >= q3)
+    j = (cols >= k1).astype(np.int32) + (cols >= k2) + (cols >= k3)
+    cell = ((bits >> (GRID * i + j)) & 1) == 1
+    return inside & ((cuts_b == 0) | cell)
+
+
+def unpack_steps(steps, *, grid: bool = False):
     """int32 [S, VIEW_COLS] (kv_start, q_lo, q_hi, kv_lo, kv_hi) of steps [S, STEP_COLS]: the
-    unpacked view, for tests, plots and debugging (NumPy in, NumPy out; jnp in, jnp out)."""
+    unpacked view, for tests, plots and debugging (NumPy in, NumPy out; jnp in, jnp out).
+    ``grid=True``: [S, VIEW_GRID_COLS], the same five columns then q1, q2, q3, k1, k2, k3, bits
+    (``VIEW_Q1`` ... ``VIEW_BITS``); a plain step (cuts_b == 0) reads as the grid of one
+    selected cell (cuts at q_hi / kv_hi, bits 1), so every row is evaluated by one rule."""
     xp = np
     if _is_jax(steps):
         import jax.numpy as jnp
@@ -130,7 +189,65 @@ def unpack_steps(steps):
     if steps.ndim != 2 or steps.shape[1] != STEP_COLS:
         raise ValueError(f"steps must have shape [S, {STEP_COLS}], got {tuple(steps.shape)}")
     r = steps[:, STEP_RECT]
-    return xp.stack([steps[:, STEP_KV_START], *unpack_rect(r)], axis=1).astype(xp.int32)
+    rect = unpack_rect(r)
+    cols = [steps[:, STEP_KV_START], *rect]
+    if grid:
+        cb = steps[:, STEP_CUTS_B]
+        plain = cb == 0
+        (q1, q2, q3), (k1, k2, k3), bits = unpack_grid(steps[:, STEP_CUTS_A], cb)
+        q_hi, kv_hi = rect[1], rect[3]
+        cols += [xp.where(plain, q_hi, q1), xp.where(plain, q_hi, q2), xp.where(plain, q_hi, q3),
+                 xp.where(plain, kv_hi, k1), xp.where(plain, kv_hi, k2),
+                 xp.where(plain, kv_hi, k3), xp.where(plain, 1, bits)]
+    return xp.stack(cols, axis=1).astype(xp.int32)
+
+
+def step_cells(rect, cuts_a, cuts_b):
+    """The selected cells of steps as rectangles (NumPy arrays of N step values): returns
+    (step, q_lo, q_hi, kv_lo, kv_hi) int64 arrays, one entry per selected non-empty cell, in
+    step order (a plain step: its rectangle, if not empty). The selections of ``grid_mask``."""
+    rect, ca, cb = (np.asarray(x, np.int64).reshape(-1) for x in (rect, cuts_a, cuts_b))
+    q_lo, q_hi, kv_lo, kv_hi = unpack_rect(rect)
+    (q1, q2, q3), (k1, k2, k3), bits = unpack_grid(ca, cb)
+    plain = cb == 0
+    qb = np.stack([q_lo, np.where(plain, q_hi, q1), np.where(plain, q_hi, q2),
+                   np.where(plain, q_hi, q3), q_hi], axis=1)
+    kb = np.stack([kv_lo, np.where(plain, kv_hi, k1), np.where(plain, kv_hi, k2),
+                   np.where(plain, kv_hi, k3), kv_hi], axis=1)
+    bits = np.where(plain, 1, bits)
+    # Cell (i, j) = rows [qb[i], qb[i + 1]) x keys [kb[j], kb[j + 1]), clipped to the rectangle.
+    i = np.repeat(np.arange(GRID), GRID)
+    j = np.tile(np.arange(GRID), GRID)
+    r0 = np.clip(qb[:, i], q_lo[:, None], q_hi[:, None])
+    r1 = np.clip(qb[:, i + 1], q_lo[:, None], q_hi[:, None])
+    c0 = np.clip(kb[:, j], kv_lo[:, None], kv_hi[:, None])
+    c1 = np.clip(kb[:, j + 1], kv_lo[:, None], kv_hi[:, None])
+    on = (((bits[:, None] >> (GRID * i + j)[None]) & 1) == 1) & (r0 < r1) & (c0 < c1)
+    s, c = np.nonzero(on)
+    return s, r0[s, c], r1[s, c], c0[s, c], c1[s, c]
+
+
+def grid_problems(steps) -> list[str]:
+    """What is wrong with the grid columns of ``steps`` (NumPy [S, STEP_COLS]): a plain step
+    (cuts_b == 0) must have cuts_a == 0; a grid step needs bits != 0 and cuts non-decreasing
+    inside its rectangle (q_lo <= q1 <= q2 <= q3 <= q_hi, kv_lo <= k1 <= k2 <= k3 <= kv_hi)."""
+    st = np.asarray(steps)
+    bad = []
+    plain = st[:, STEP_CUTS_B] == 0
+    if ((st[:, STEP_CUTS_A] != 0) & plain).any():
+        bad.append("steps: a plain step (cuts_b == 0) has cuts_a != 0")
+    g = np.flatnonzero(~plain)
+    if g.size:
+        sg = st[g].astype(np.int64)
+        q_lo, q_hi, kv_lo, kv_hi = unpack_rect(sg[:, STEP_RECT])
+        (q1, q2, q3), (k1, k2, k3), bits = unpack_grid(sg[:, STEP_CUTS_A], sg[:, STEP_CUTS_B])
+        if (bits == 0).any():
+            bad.append("steps: a grid step (cuts_b != 0) has no cell selected (bits == 0)")
+        if not ((q_lo <= q1) & (q1 <= q2) & (q2 <= q3) & (q3 <= q_hi)).all():
+            bad.append("steps: a grid step's row cuts are not q_lo <= q1 <= q2 <= q3 <= q_hi")
+        if not ((kv_lo <= k1) & (k1 <= k2) & (k2 <= k3) & (k3 <= kv_hi)).all():
+            bad.append("steps: a grid step's key cuts are not kv_lo <= k1 <= k2 <= k3 <= kv_hi")
+    return bad
 
 
 def check_plan_arrays(units, steps, row_index=None, *, num_q_heads=None, q_len=None) -> None:
@@ -176,8 +293,10 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
         that many); a unit with steps: 0 <= step_ptr and step_ptr + step_count <= S;
       * every row of ``steps`` (the ABI: every tile a plan names lies inside the padded
         lengths): kv_start a multiple of ``kv_align``, 0 <= kv_start and
-        kv_start + tile_kv <= kv_len_padded.
-    ValueError naming each broken rule. Memoised per array pair (held, so ids stay unique): a
+        kv_start + tile_kv <= kv_len_padded;
+      * every row of ``steps``, its grid (``grid_problems``): a plain step has cuts_a == 0, a
+        grid step bits != 0 and its cuts non-decreasing inside its rectangle.
+    A visited grid step is never full (it masks by its cells). ValueError naming each broken rule. Memoised per array pair (held, so ids stay unique): a
     plan checked once costs a dict look-up per call; change a checked plan's arrays in place
     and it is not checked again.
     """
@@ -216,6 +335,7 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
                    f"[0, kv_len_padded={kv_len_padded})")
     if (kvs % kv_align).any():
         bad.append(f"steps: a kv_start is not a multiple of kv_align={kv_align}")
+    bad += grid_problems(st)
     if bad:
         raise ValueError("invalid plan for these tiles and padded lengths (plan for the "
                          "template that runs it): " + "; ".join(bad))
@@ -224,7 +344,9 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
     edges = (np.bincount(ptr[real], minlength=S + 1)
              - np.bincount((ptr + cnt)[real], minlength=S + 1))
     visited = np.cumsum(edges[:S]) > 0
-    all_full = bool((st[visited, STEP_RECT] == full_rect(tile_q, tile_kv)).all())
+    vis = st[visited]
+    all_full = bool(((vis[:, STEP_RECT] == full_rect(tile_q, tile_kv))
+                     & (vis[:, STEP_CUTS_B] == 0)).all())
     if len(_CHECKED) >= _CHECKED_MAX:
         _CHECKED.pop(next(iter(_CHECKED)))
     _CHECKED[key] = (units, steps, all_full)

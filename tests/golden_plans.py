@@ -1,9 +1,10 @@
 """Golden plan digests: every plan of a fixed set of masks, hashed byte for byte.
 
 ``python tests/golden_plans.py --write`` records them in ``tests/data/golden_plans.json``;
-``tests/test_golden_plans.py`` rebuilds the plans and compares. The digests were first written
-by the tree before the house-issue refactor (7b7262c), so a refactor that changes any plan
-(units, steps, capacities, padded lengths) fails the test.
+``tests/test_golden_plans.py`` rebuilds the plans and compares, so a change that alters any plan
+(units, steps, capacities, padded lengths) fails the test unless it is meant to. Recorded by the
+tree before the house refactor (7b7262c; unchanged through it), rewritten once since, for the
+tiles-once format (16-byte steps, grid steps: tests/test_tiles_once.py checks exact coverage).
 
 Masks: the first test-split spec of every (family, grid) on the 480p grids, 2 heads each, and
 seeded random masks with variable bounds (1-token blocks included), shared and per head, GQA.

@@ -5,6 +5,13 @@
 ``_plan_grid`` and ``_plan_pack`` in vectorised NumPy, from set-bit positions and runs of the
 packed mask words instead of the compiled loops of ``plan_loops``: an independent second
 implementation that the tests compare the compiled one with, array for array.
+
+Tiles once: each policy cuts the selected set into *pieces* (one rectangle in one K/V tile),
+a unit's pieces in key order (the rectangles of one key segment tile by tile), and
+``tiles_once`` (the specification, in plain Python over sets of bounds and explicit cell
+matrices, independent of the compiled bit arithmetic of ``plan_loops._nb_acc_*``) joins the
+consecutive pieces of one tile greedily into grid steps. ``coverage`` evaluates a plan's
+steps with ``abi.grid_mask``, the rule every kernel implements.
 """
 
 from __future__ import annotations
@@ -113,20 +120,178 @@ def _row_groups(ctx: _Ctx, merge: bool):
     return gh[keep], gi[keep], ge[keep]
 
 
-def _raw_from_columns(ctx: _Ctx, head, qs, lo, hi, cnt, kvs, ql, qh, kl, kh) -> _Raw:
-    """A _Raw from per-step columns (split / pack): step rows, full steps and areas per unit."""
-    S = len(kvs)
+PIECES: list | None = None   # a list: the oracles append their pieces to it (``pieces``)
+
+
+def pieces(fn, ctx: _Ctx, *args):
+    """The pieces an oracle cuts (before ``tiles_once``): a dict of int64 arrays ``unit``,
+    ``kv``, ``ql``, ``qh``, ``kl``, ``kh`` in emission order (units as in the oracle's raw)."""
+    global PIECES
+    PIECES = []
+    try:
+        fn(ctx, *args)
+        got = PIECES
+    finally:
+        PIECES = None
+    if not got:
+        z = np.zeros(0, np.int64)
+        return dict(unit=z, kv=z, ql=z, qh=z, kl=z, kh=z)
+    return dict(zip(("unit", "kv", "ql", "qh", "kl", "kh"),
+                    (np.asarray(x, np.int64) for x in got[0])))
+
+
+def _raw_from_columns(ctx: _Ctx, head, qs, lo, hi, cnt, kvs, ql, qh, kl, kh,
+                      order=None) -> _Raw:
+    """A _Raw from per-piece columns (split / pack): ``order`` (per piece, within a unit)
+    sorts each unit's pieces stably first (tile by tile inside a key segment), then
+    ``tiles_once`` joins them into steps; full steps and areas per unit."""
+    cnt = np.asarray(cnt, np.int64)
+    unit = np.repeat(np.arange(len(cnt)), cnt)
+    area = np.bincount(unit, weights=(qh - ql).astype(np.int64) * (kh - kl),
+                       minlength=len(cnt)).astype(np.int64)
+    if order is not None and len(unit):
+        srt = np.lexsort((order, unit))
+        kvs, ql, qh, kl, kh = (np.asarray(x)[srt] for x in (kvs, ql, qh, kl, kh))
+    if PIECES is not None:
+        PIECES.append((unit, kvs, ql, qh, kl, kh))
+    rows, cnt = tiles_once(unit, kvs, ql, qh, kl, kh)
+    S = len(rows)
     steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
-    steps[:S, abi.STEP_KV_START] = kvs
-    steps[:S, abi.STEP_RECT] = abi.pack_rect(ql, qh, kl, kh)
+    if S:
+        steps[:S] = rows
     first = np.cumsum(cnt) - cnt
-    if len(first):
-        full = (ql == 0) & (qh == ctx.tile_q) & (kl == 0) & (kh == ctx.tile_kv)
+    if len(first) and S:
+        full = ((steps[:S, abi.STEP_RECT] == abi.full_rect(ctx.tile_q, ctx.tile_kv))
+                & (steps[:S, abi.STEP_CUTS_B] == 0))
         nfull = np.add.reduceat(full.astype(np.int64), first)
-        area = np.add.reduceat((qh - ql).astype(np.int64) * (kh - kl), first)
+        nfull[cnt == 0] = 0
     else:
-        nfull = area = np.zeros(0, np.int64)
+        nfull = np.zeros(len(cnt), np.int64)
     return _Raw(head, qs, lo, hi, cnt, steps, nfull, area)
+
+
+# --- tiles once: the specification -------------------------------------------------------
+def _grid_of(rects):
+    """The normalised grid of disjoint rectangles (q0, q1, k0, k1): (row bounds, key bounds,
+    cells [rows][keys] selected), with no cut between two equal rows or columns of cells."""
+    R = sorted({v for r in rects for v in r[:2]})
+    K = sorted({v for r in rects for v in r[2:]})
+    cells = [[any(r[0] <= R[i] < r[1] and r[2] <= K[j] < r[3] for r in rects)
+              for j in range(len(K) - 1)] for i in range(len(R) - 1)]
+    j = 1
+    while j < len(K) - 1:                      # a key cut between two equal columns
+        if all(row[j - 1] == row[j] for row in cells):
+            del K[j]
+            for row in cells:
+                del row[j]
+        else:
+            j += 1
+    i = 1
+    while i < len(R) - 1:                      # a row cut between two equal rows
+        if cells[i - 1] == cells[i]:
+            del R[i]
+            del cells[i]
+        else:
+            i += 1
+    return R, K, cells
+
+
+def _step_row(kv, rects):
+    """The ABI step row (kv_start, rect, cuts_a, cuts_b) of the grid of ``rects``."""
+    R, K, cells = _grid_of(rects)
+    rect = int(abi.pack_rect(R[0], R[-1], K[0], K[-1]))
+    if len(R) == 2 and len(K) == 2:
+        return (kv, rect, 0, 0)
+    qc = (R[1:-1] + [R[-1]] * 3)[:3]
+    kc = (K[1:-1] + [K[-1]] * 3)[:3]
+    bits = sum(1 << (abi.GRID * i + j) for i, row in enumerate(cells)
+               for j, on in enumerate(row) if on)
+    ca, cb = abi.pack_grid(qc, kc, bits)
+    return (kv, rect, int(ca), int(cb))
+
+
+def tiles_once(unit, kv, ql, qh, kl, kh):
+    """The tiles-once specification: pieces (rows [ql, qh) x keys [kl, kh) of the K/V tile at
+    kv, in the order the policies emit them) become steps. A piece joins the step being built
+    if it is in the same unit and tile and the union still fits a GRID x GRID grid: the
+    distinct row bounds of the step's normalised grid (``_grid_of``) and the piece's at most 5,
+    and the key bounds likewise; else the step is done and the piece starts the next.
+    Returns (step rows int32 [S, STEP_COLS], steps per unit)."""
+    U = int(unit.max()) + 1 if len(unit) else 0
+    cnt = np.zeros(U, np.int64)
+    rows = []
+    cur = None                                 # [unit, kv, rects, R, K]
+    for u, v, a, b, c, d in zip(*(np.asarray(x).tolist() for x in (unit, kv, ql, qh, kl,
+                                                                      kh))):
+        if cur is not None and cur[0] == u and cur[1] == v:
+            if (len(set(cur[3]) | {a, b}) <= 5 and len(set(cur[4]) | {c, d}) <= 5):
+                cur[2].append((a, b, c, d))
+                cur[3], cur[4], _ = _grid_of(cur[2])
+                continue
+        if cur is not None:
+            rows.append(_step_row(cur[1], cur[2]))
+            cnt[cur[0]] += 1
+        cur = [u, v, [(a, b, c, d)], [a, b], [c, d]]
+    if cur is not None:
+        rows.append(_step_row(cur[1], cur[2]))
+        cnt[cur[0]] += 1
+    out = np.array(rows, np.int64).reshape(-1, abi.STEP_COLS).astype(np.int32)
+    return out, cnt
+
+
+def check_exact_cover(plan) -> None:
+    """AssertionError unless the plan's steps (their ``grid_mask`` selections, as
+    ``Plan.tile_cells``) select every selected (head, query, key) of its mask exactly once and
+    nothing else; for masks too large for ``coverage``: per head, on the grid compressed to
+    the block bounds and the cells' bounds (each compressed cell lies in one logical block and
+    is selected uniformly by every step cell)."""
+    mask = plan.mask
+    Hq = plan.shape.num_q_heads
+    blocks = mask.head_blocks(Hq)
+    c = plan.tile_cells()
+    # the cells' selections are the grid_mask rule (checked on the visits' steps)
+    t = plan.tile_rects()
+    assert len(c["visit"]) == 0 or (np.bincount(c["visit"], minlength=len(t["r0"])) > 0).all()
+    qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
+    for h in range(Hq):
+        on = c["head"] == h
+        r0, r1, c0, c1 = (c[k][on] for k in ("r0", "r1", "c0", "c1"))
+        assert (r0 >= 0).all() and (r1 <= mask.Lq).all() and (c0 >= 0).all()
+        assert (c1 <= mask.Lkv).all(), "a step selects padding"
+        R = np.unique(np.r_[qb, r0, r1])
+        K = np.unique(np.r_[kb, c0, c1])
+        d = np.zeros((len(R) + 1, len(K) + 1), np.int32)
+        a, b = np.searchsorted(R, r0), np.searchsorted(R, r1)
+        e, f = np.searchsorted(K, c0), np.searchsorted(K, c1)
+        np.add.at(d, (a, e), 1)
+        np.add.at(d, (a, f), -1)
+        np.add.at(d, (b, e), -1)
+        np.add.at(d, (b, f), 1)
+        cov = d.cumsum(0).cumsum(1)[: len(R) - 1, : len(K) - 1]
+        bq = np.searchsorted(qb, R[:-1], side="right") - 1
+        bk = np.searchsorted(kb, K[:-1], side="right") - 1
+        want = blocks[h][np.ix_(bq, bk)]
+        assert (cov == want).all(), f"head {h}: {(cov != want).sum()} compressed cells differ"
+
+
+def coverage(plan) -> np.ndarray:
+    """How many steps select each (head, query, key): int [Hq, Lq, Lkv], every visited step
+    evaluated with ``abi.grid_mask`` on its whole tile (AssertionError if a step selects an
+    entry outside [0, Lq) x [0, Lkv))."""
+    Hq, Lq, Lkv = plan.shape.num_q_heads, plan.shape.q_len, plan.shape.kv_len
+    tq, tk = plan.tile_q, plan.tile_kv
+    cov = np.zeros((Hq, plan.q_len_padded, plan.kv_len_padded), np.int64)
+    u = plan.units[: plan.num_units].astype(np.int64)
+    rows = np.arange(tq)[:, None]
+    cols = np.arange(tk)[None, :]
+    for h, q0, _, _, ptr, n in u:
+        st = plan.steps[ptr: ptr + n].astype(np.int64)
+        sel = abi.grid_mask(st[:, abi.STEP_RECT, None, None], st[:, abi.STEP_CUTS_A, None, None],
+                            st[:, abi.STEP_CUTS_B, None, None], rows[None], cols[None])
+        for k0, m in zip(st[:, abi.STEP_KV_START], sel):
+            cov[h, q0: q0 + tq, k0: k0 + tk] += m
+    assert not cov[:, Lq:].any() and not cov[:, :, Lkv:].any(), "a step selects padding"
+    return cov[:, :Lq, :Lkv]
 
 
 def _plan_rowgroups_numpy(ctx: _Ctx, merge: bool) -> _Raw:
@@ -264,7 +429,14 @@ def _plan_rowgroups_numpy(ctx: _Ctx, merge: bool) -> _Raw:
                 t[lc[k[more]], abi.VIEW_KV_LO] = sc[more]
         steps[s0:s1, abi.STEP_KV_START] = t[:, abi.VIEW_KV_START]
         steps[s0:s1, abi.STEP_RECT] = abi.pack_rect(*t[:, abi.VIEW_Q_LO:].T)
-    return _Raw(gh[ug], qs, qlo, qhi, cnt, steps, nfull, area)
+    # Tiles once: the pieces come in non-decreasing kv_start; join those of one tile.
+    q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(steps[:S, abi.STEP_RECT].astype(np.int64))
+    raw = _raw_from_columns(ctx, gh[ug], qs, qlo, qhi, cnt, steps[:S, abi.STEP_KV_START],
+                            q_lo, q_hi, kv_lo, kv_hi)
+    np.testing.assert_array_equal(raw.area, area)
+    if not raw.cnt.sum() < cnt.sum():          # nothing joined: the arrays as built
+        np.testing.assert_array_equal(raw.nfull, nfull)
+    return raw
 
 
 def _unit_rects(gw, r0, r1, ustart, uend, kb):
@@ -349,8 +521,10 @@ def _plan_grid_numpy(ctx: _Ctx) -> _Raw:
     cnt = np.bincount(pu, minlength=len(ustart))
     lo = np.minimum.reduceat(r0, ustart) - uq
     hi = np.maximum.reduceat(r1, ustart) - uq
+    # tile by tile inside a key segment (its first key block j0), rectangles in row order
+    order = j0[pr].astype(np.int64) * (ctx.kvp + 1) + ts
     return _raw_from_columns(ctx, gh[ustart], uq, lo, hi, cnt, ts, ra[pr] - uq[pu],
-                             rb[pr] - uq[pu], klo, khi)
+                             rb[pr] - uq[pu], klo, khi, order=order)
 
 
 def _plan_pack_numpy(ctx: _Ctx) -> _Raw:
@@ -401,5 +575,6 @@ def _plan_pack_numpy(ctx: _Ctx) -> _Raw:
         x, xc, ql, qh = x[keep], xc[keep], ql[keep], qh[keep]
     cnt = np.bincount(xc, minlength=len(cu))
     has = cnt > 0
+    order = j0[pr[x]].astype(np.int64) * (ctx.kvp + 1) + ts[x]
     return _raw_from_columns(ctx, gh[ustart[cu]][has], qs[has], qlo[has], qhi[has], cnt[has],
-                             ts[x], ql, qh, klo[x], khi[x])
+                             ts[x], ql, qh, klo[x], khi[x], order=order)

@@ -302,8 +302,8 @@ def test_clear_caches_makes_the_next_call_a_new_mask_request(monkeypatch, tmp_pa
     real = F._mask_part
     monkeypatch.setattr(F, "_mask_part", lambda m: features.append(m.digest) or real(m))
     builds = []
-    real_build = planner._plan_policy
-    monkeypatch.setattr(planner, "_plan_policy", lambda *a, **kw: builds.append(1)
+    real_build = planner.build_unchecked     # a request that plans (one policy or more)
+    monkeypatch.setattr(planner, "build_unchecked", lambda *a, **kw: builds.append(1)
                         or real_build(*a, **kw))
     q, k, v = random_qkv(1, 64, 64, 2, 2, 16, "float32", 5)
     m = tj.BlockMask.uniform(64, 64, 16, 16, rng.random((2, 4, 4)) < .5)

@@ -9,6 +9,7 @@ code that runs on the GPU. The interpreter ignores SMEM layouts, so TMA alignmen
 q_align / kv_align = 8) is checked on the GPU by benchmarks/kernels.py, not here.
 """
 
+import collections
 import dataclasses
 import zlib
 
@@ -27,6 +28,7 @@ from pallas_kernels import abi as plan_abi
 from pallas_kernels.templates import MosaicConfig
 
 from strategies import random_qkv
+from test_triton_kernel import dense_reference, grid_plan
 
 try:
     from jax._src.pallas.mosaic_gpu.interpret import params as _interp
@@ -427,7 +429,8 @@ def test_bad_input_raises():
         mosaic.attention(q, k, v, plan.units, bad, plan.row_index, **kw)
     with pytest.raises(ValueError, match="units"):
         mosaic.attention(q, k, v, plan.units[:, :5], plan.steps, plan.row_index, **kw)
-    with pytest.raises(ValueError, match=r"steps must have shape \[S >= 1, 2\]"):
+    cols = plan_abi.STEP_COLS
+    with pytest.raises(ValueError, match=rf"steps must have shape \[S >= 1, {cols}\]"):
         mosaic.attention(q, k, v, plan.units, plan_abi.unpack_steps(plan.steps),
                          plan.row_index, **kw)
     # Rules the Mosaic wrapper took from the Triton one (abi.check_plan, the union of both):
@@ -456,7 +459,8 @@ def test_bad_input_raises():
 ])
 def test_lowers_for_cuda(base, kernel, mask_mode):
     """The real (non-interpreted) kernel passes Mosaic GPU lowering and layout inference
-    (cross-lowered for CUDA on this CPU machine; compiling to a cubin needs a GPU)."""
+    (cross-lowered for CUDA on this CPU machine; compiling to a cubin needs a GPU). Modes
+    "cond" and "always" compile the grid-step mask too (a branch per step on STEP_CUTS_B)."""
     t = templates.get(base)
     if kernel is not None:
         t = dataclasses.replace(t, name="lower_test", kernel=kernel)
@@ -527,3 +531,119 @@ def test_kernel_config_validates():
     with pytest.raises(TypeError, match="variant"):
         K(128, 64, 2, variant="paired")
     assert K(64, 64, 2, MosaicConfig(paired=True), "none").rings == 2
+
+
+# --- grid steps (abi STEP_CUTS_A / STEP_CUTS_B: a tile computed once for several blocks) -----
+def _run_grid_plan(template, seed, *, Hq, Hkv, D, dtype, shared=False, half_rows=False,
+                   n_q=2, n_kv=3, min_grid=4):
+    """A hand plan of grid, plain, full and padding steps (``grid_plan``) on ``template``,
+    against dense float32 attention under ``abi.grid_mask``."""
+    t = templates.get(template)
+    rng = np.random.default_rng(seed)
+    Lq, Lkv = n_q * t.tile_q + 24, n_kv * t.tile_kv + 20
+    units, steps, row_index, qlp, klp, token, seen = grid_plan(
+        rng, Lq=Lq, Lkv=Lkv, Hq=Hq, tile_q=t.tile_q, tile_kv=t.tile_kv, align=t.kv_align,
+        shared=shared, half_rows=half_rows)
+    assert seen["grid_steps"] >= min_grid, seen
+    assert mosaic.plan_mask_mode(units, steps, t, qlp, klp) == t.kernel.mask_mode
+    q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, dtype, seed=seed + 1)
+    out, lse = mosaic.attention(q, k, v, units, steps, row_index, template=t, q_len_padded=qlp,
+                                kv_len_padded=klp, scale=0.25, return_lse=True,
+                                interpret=INTERPRET)
+    _check(out, lse, *dense_reference(q, k, v, token, 0.25), dtype)
+    return units, steps, seen
+
+
+def _variant(base, name, **kernel):
+    t = templates.get(base)
+    return dataclasses.replace(t, name=name, kernel=dataclasses.replace(t.kernel, **kernel))
+
+
+@pytest.mark.parametrize("template,dtype,D,Hq,Hkv,shared", [
+    ("mgpu_q128_kv128_s2_hm", jnp.float16, 128, 2, 1, True),       # MQA, shared steps
+    ("mgpu_q128_kv64_s2_hm", jnp.bfloat16, 64, 4, 2, False),       # GQA, per head
+    ("mgpu_q64x2_kv64_s2_hm", jnp.float16, 64, 2, 1, False),       # paired units
+    ("mgpu_q64x2pp_kv64_s2_hm", jnp.bfloat16, 128, 2, 2, False),   # paired, ping-pong
+    ("always", jnp.bfloat16, 128, 2, 1, False),                    # mask mode "always"
+])
+def test_grid_steps(template, dtype, D, Hq, Hkv, shared):
+    """Every kept template (and mask mode "always") on hand plans mixing grid steps (random
+    cuts and cells on both axes, empty segments, single cells, all cells, bit 15 set, a grid
+    step whose rectangle is the whole tile), plain partial, full and padding steps, a K/V tile
+    split between a plain and a grid step, K/V tiles at 8-aligned offsets, in shuffled order;
+    a unit with no steps, rows no unit owns, padding units."""
+    if template == "always":
+        template = _variant("mgpu_q128_kv64_s2_hm", "grid_always_test", mask_mode="always")
+    seen = collections.Counter()
+    for n in range(2):                       # two plans: every kind of step between them
+        seed = _seed("grid", getattr(template, "name", template), D, n)
+        seen += _run_grid_plan(template, seed, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype,
+                               shared=shared)[2]
+    assert all(seen[kind] for kind in ("grid", "grid_full", "plain", "full", "split", "pad")), \
+        seen
+
+
+@pytest.mark.parametrize("sched", [False, True])
+def test_grid_steps_wg_skip(sched):
+    """wg_skip (the "_skip" template, and with the ping-pong barrier): a warpgroup skips a
+    grid step whose bounding rectangle misses its 64 rows, and computes (all masked) one
+    whose cells happen to miss them."""
+    t = templates.get("mgpu_q128_kv64_s2_skip")
+    if sched:
+        t = _variant(t.name, "grid_skip_sched_test", schedule_barrier=True)
+    units, steps, _ = _run_grid_plan(t, _seed("grid_skip", sched), Hq=2, Hkv=1, D=64,
+                                     dtype=jnp.bfloat16 if sched else jnp.float16,
+                                     half_rows=True)
+    view = plan_abi.unpack_steps(steps)
+    grid = steps[:, plan_abi.STEP_CUTS_B] != 0
+    one_half = (view[:, plan_abi.VIEW_Q_HI] <= 64) | (view[:, plan_abi.VIEW_Q_LO] >= 64)
+    assert (grid & one_half).any() and (grid & ~one_half).any()
+
+
+def test_grid_plan_never_runs_unmasked():
+    """A plan whose rectangles are all the whole tile but with a grid step is partial: it runs
+    "cond" (the full-step test includes STEP_CUTS_B == 0), and "none" is refused."""
+    T, Tk = 128, 64
+    t = templates.get("mgpu_q128_kv64_s2_hm")
+    full = plan_abi.full_rect(T, Tk)
+    a, b = plan_abi.pack_grid((40, 64, 64), (0, 9, 33), 0b1001_0000_0110_1011)
+    units = np.array([[0, 0, 0, T, 0, 3]], np.int32)
+    steps = np.array([[0, full, 0, 0], [Tk, full, a, b], [2 * Tk, full, 0, 0]], np.int32)
+    token = np.zeros((1, T, 3 * Tk), bool)
+    token[0, :, :Tk] = token[0, :, 2 * Tk:] = True
+    token[0, :, Tk:2 * Tk] = plan_abi.grid_mask(full, a, b, np.arange(T)[:, None],
+                                                np.arange(Tk)[None, :])
+    assert mosaic.plan_mask_mode(units, steps, t, T, 3 * Tk) == "cond"
+    q, k, v = random_qkv(1, T, 3 * Tk, 1, 1, 64, jnp.float16, seed=3)
+    row_index = np.arange(T, dtype=np.int32)[None]
+    kw = dict(template=t, q_len_padded=T, kv_len_padded=3 * Tk)
+    out, lse = mosaic.attention(q, k, v, units, steps, row_index, scale=0.2, return_lse=True,
+                                interpret=INTERPRET, **kw)
+    _check(out, lse, *dense_reference(q, k, v, token, 0.2), jnp.float16)
+    with pytest.raises(ValueError, match="all full"):
+        mosaic.attention(q, k, v, units, steps, row_index, mask_mode="none", **kw)
+
+
+@pytest.mark.parametrize("template,policy,dtype,D,Hq,Hkv", [
+    ("mgpu_q128_kv64_s2_hm", "split", jnp.bfloat16, 64, 4, 2),
+    ("mgpu_q128_kv128_s2_hm", "merge", jnp.float16, 128, 2, 1),
+    ("mgpu_q64x2_kv64_s2_hm", "pack", jnp.float16, 64, 2, 1),
+    ("mgpu_q128_kv64_s2_skip", "pack", jnp.bfloat16, 64, 2, 2),
+    ("mgpu_q64x2pp_kv64_s2_hm", "pack", jnp.bfloat16, 128, 2, 1),
+])
+def test_planned_small_blocks_grid_steps(template, policy, dtype, D, Hq, Hkv):
+    """Planned end to end: 16- and 24-token blocks on 64/128-wide tiles, per head with an
+    empty query block; the planner computes each tile once (grid steps where several blocks
+    touch it) and the kernel matches the dense reference of the mask."""
+    rng = np.random.default_rng(_seed("planned_grid", template, policy))
+    Lq, Lkv = 200, 232
+    for block in (16, 24):
+        nq, nk = -(-Lq // block), -(-Lkv // block)
+        blocks = rng.random((Hq, nq, nk)) < 0.35
+        blocks[:, rng.integers(nq)] = False
+        mask = tj.BlockMask.uniform(Lq, Lkv, block, block, blocks)
+        plan = _run_planned(mask, 1, Lq, Lkv, Hq, Hkv, D, dtype, template,
+                            seed=int(rng.integers(1e9)), policy=policy)
+        if not (plan.steps[:, plan_abi.STEP_CUTS_B] != 0).any():
+            pytest.skip("the planner emits no grid steps for these masks (tiles-once planner "
+                        "not in this tree): ran plain steps only")

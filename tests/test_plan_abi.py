@@ -1,6 +1,7 @@
-"""The plan ABI's packed step rectangle: pack/unpack round trips (NumPy, jnp, Python ints),
-the unpacked view, and tiles too large for a byte rejected where plans are built; the one plan
-validator (``abi.check_plan``); the static template table and its typed, validated configs."""
+"""The plan ABI's packed step rectangle and grid: pack/unpack round trips (NumPy, jnp, Python
+ints), the unpacked views, and tiles too large for a byte rejected where plans are built; the one
+plan validator (``abi.check_plan``, grid steps included); the static template table and its
+typed, validated configs."""
 
 import dataclasses
 
@@ -50,7 +51,8 @@ def test_unpack_steps_view_and_full_rect():
     rng = np.random.default_rng(1)
     view = np.stack([rng.integers(0, 10**6, 50)] + [rng.integers(0, 256, 50) for _ in range(4)],
                     axis=1).astype(np.int32)
-    steps = np.stack([view[:, 0], abi.pack_rect(*view[:, 1:].T)], axis=1)
+    z = np.zeros(50, np.int32)
+    steps = np.stack([view[:, 0], abi.pack_rect(*view[:, 1:].T), z, z], axis=1)
     assert steps.shape == (50, abi.STEP_COLS) and steps.dtype == np.int32
     np.testing.assert_array_equal(abi.unpack_steps(steps), view)
     np.testing.assert_array_equal(np.asarray(abi.unpack_steps(jnp.asarray(steps))), view)
@@ -59,6 +61,36 @@ def test_unpack_steps_view_and_full_rect():
     assert abi.unpack_rect(abi.full_rect(64, 96)) == (0, 64, 0, 96)
     with pytest.raises(ValueError, match="steps"):
         abi.unpack_steps(np.zeros((3, 5), np.int32))
+    # The grid view of plain steps: one selected cell, cuts at the upper bounds.
+    g = abi.unpack_steps(steps, grid=True)
+    assert g.shape == (50, abi.VIEW_GRID_COLS)
+    np.testing.assert_array_equal(g[:, :abi.VIEW_COLS], view)
+    for c in (abi.VIEW_Q1, abi.VIEW_Q2, abi.VIEW_Q3):
+        np.testing.assert_array_equal(g[:, c], view[:, abi.VIEW_Q_HI])
+    for c in (abi.VIEW_K1, abi.VIEW_K2, abi.VIEW_K3):
+        np.testing.assert_array_equal(g[:, c], view[:, abi.VIEW_KV_HI])
+    assert (g[:, abi.VIEW_BITS] == 1).all()
+
+
+@given(st.lists(_BYTE, min_size=6, max_size=6), st.integers(1, (1 << 16) - 1))
+@settings(max_examples=300, deadline=None)
+def test_pack_unpack_grid_round_trip(cuts, bits):
+    qc, kc = sorted(cuts[:3]), sorted(cuts[3:])
+    ca, cb = abi.pack_grid(qc, kc, bits)
+    assert ca.dtype == np.int32 and cb.dtype == np.int32 and cb != 0
+    got = abi.unpack_grid(ca, cb)
+    assert [int(v) for v in got[0]] == qc and [int(v) for v in got[1]] == kc
+    assert int(got[2]) == bits
+    gj = abi.unpack_grid(jnp.asarray(ca), jnp.asarray(cb))
+    assert [int(v) for v in gj[0]] == qc and [int(v) for v in gj[1]] == kc and int(gj[2]) == bits
+    gi = abi.unpack_grid(int(ca), int(cb))            # plain (possibly negative) Python ints
+    assert [int(v) for v in gi[0]] == qc and [int(v) for v in gi[1]] == kc and gi[2] == bits
+    # The grid view and step_cells agree with grid_mask.
+    rect = abi.pack_rect(0, 255, 0, 255)
+    steps = np.array([[0, rect, ca, cb]], np.int32)
+    g = abi.unpack_steps(steps, grid=True)[0]
+    assert list(g[abi.VIEW_Q1:abi.VIEW_Q3 + 1]) == qc and list(g[abi.VIEW_K1:abi.VIEW_K3 + 1]) == kc
+    assert g[abi.VIEW_BITS] == bits
 
 
 def test_tiles_above_255_are_rejected():
@@ -88,7 +120,7 @@ def _plan(units, steps):
     u[:] = units
     st = np.zeros((len(steps), abi.STEP_COLS), np.int32)
     for i, (kv, *rect) in enumerate(steps):
-        st[i] = kv, abi.pack_rect(*rect)
+        st[i, :2] = kv, abi.pack_rect(*rect)
     return u, st
 
 
@@ -141,13 +173,50 @@ def test_check_plan_rejects(what, edit, match):
         abi.check_plan(units, steps, 64, 64, 128, 128, **kw)
 
 
+def _grid_row(rect, qc, kc, bits):
+    ca, cb = abi.pack_grid(qc, kc, bits)
+    return abi.pack_rect(*rect), ca, cb
+
+
+def test_check_plan_validates_grid_steps_and_fullness():
+    units, steps = _plan([(0, 0, 0, 64, 0, 2), (0, 0, 0, 0, 0, 0)],
+                         [(0, 0, 64, 0, 64), (64, 0, 64, 0, 64), (0, 0, 0, 0, 0)])
+    kw = dict(num_q_heads=1, q_align=8, kv_align=8)
+    assert abi.check_plan(units, steps, 64, 64, 128, 128, **kw) is True
+    # A grid step over the whole tile is not full (it masks by its cells).
+    g = steps.copy()
+    g[1, 1:] = _grid_row((0, 64, 0, 64), (32, 64, 64), (16, 64, 64), 0b0001_0010)
+    assert abi.check_plan(units, g, 64, 64, 128, 128, **kw) is False
+    bad = {
+        "cuts_a != 0": lambda s: s.__setitem__((0, abi.STEP_CUTS_A), 5),
+        "bits == 0": lambda s: s.__setitem__((1, abi.STEP_CUTS_B), 7),
+        "row cuts": lambda s: s.__setitem__((1, slice(1, 4)), _grid_row(
+            (8, 64, 0, 64), (4, 32, 64), (16, 64, 64), 1)),
+        "key cuts": lambda s: s.__setitem__((1, slice(1, 4)), _grid_row(
+            (0, 64, 0, 40), (32, 64, 64), (16, 48, 40), 1)),
+        "q_lo <= q1 <= q2": lambda s: s.__setitem__((1, slice(1, 4)), _grid_row(
+            (0, 64, 0, 64), (40, 32, 64), (16, 64, 64), 1)),
+    }
+    for what, edit in bad.items():
+        s2 = g.copy()
+        edit(s2)
+        with pytest.raises(ValueError, match="grid step|plain step"):
+            abi.check_plan(units, s2, 64, 64, 128, 128, **kw)
+        assert abi.grid_problems(s2), what
+    # Unvisited rows are checked too (every row of steps is the ABI's).
+    s3 = g.copy()
+    s3[2, abi.STEP_CUTS_A] = 1
+    with pytest.raises(ValueError, match="plain step"):
+        abi.check_plan(units, s3, 64, 64, 128, 128, **kw)
+
+
 def test_check_plan_arrays():
     u, s = np.zeros((2, abi.UNIT_COLS), np.int32), np.zeros((3, abi.STEP_COLS), np.int32)
     abi.check_plan_arrays(u, s, np.zeros((2, 5), np.int32), num_q_heads=2, q_len=5)
     abi.check_plan_arrays(jnp.asarray(u), jnp.asarray(s), None)
     with pytest.raises(ValueError, match=r"units must have shape \[U >= 1, 6\]"):
         abi.check_plan_arrays(u[:, :5], s)
-    with pytest.raises(ValueError, match=r"steps must have shape \[S >= 1, 2\]"):
+    with pytest.raises(ValueError, match=r"steps must have shape \[S >= 1, 4\]"):
         abi.check_plan_arrays(u, s[:0])
     with pytest.raises(TypeError, match="steps must have dtype int32"):
         abi.check_plan_arrays(u, s.astype(np.int64))

@@ -1,4 +1,7 @@
-"""Planner properties: exact cover of the selected set, ABI invariants, stats, schedule, executor."""
+"""Planner properties: exact cover of the selected set (every step evaluated with
+``abi.grid_mask``), ABI invariants, tiles once (a unit visits a K/V tile once where its pieces fit
+a 4 x 4 grid; no head computes more than dense where split's plan tiles once), stats, schedule,
+executor."""
 
 import contextlib
 import itertools
@@ -17,6 +20,7 @@ import plan_oracle
 from tessera_jax.planning import planner
 from tessera_jax.planning import schedule
 from tessera_jax.planning.planner import POLICIES, build_plan, bucket
+from tessera_jax.validation import AttnShape
 
 TILES = [(tq, tk) for tq in (64, 128) for tk in (64, 128, 192)]   # kv_hi >= 128: bit 31
 
@@ -53,16 +57,17 @@ def _plan(mask, Hq, Hkv, tq, tk, policy, q_align=1, kv_align=1, dtype=jnp.float3
 
 
 def _coverage(plan):
-    """How many steps compute each (head, query, key): int [Hq, Lq, Lkv] (from the ABI arrays)."""
+    """How many steps select each (head, query, key): int [Hq, Lq, Lkv], every step evaluated
+    with ``abi.grid_mask`` (``plan_oracle.coverage``); ``tile_cells`` gives the same."""
+    cov = plan_oracle.coverage(plan)
     Hq, Lq, Lkv = plan.shape.num_q_heads, plan.shape.q_len, plan.shape.kv_len
-    t = plan.tile_rects()
+    t = plan.tile_cells()
     d = np.zeros((Hq, plan.q_len_padded + 1, plan.kv_len_padded + 1), np.int64)
     for (r, c), sgn in (((t["r0"], t["c0"]), 1), ((t["r0"], t["c1"]), -1),
                         ((t["r1"], t["c0"]), -1), ((t["r1"], t["c1"]), 1)):
         np.add.at(d, (t["head"], r, c), sgn)
-    cov = d.cumsum(1).cumsum(2)
-    assert not cov[:, Lq:].any() and not cov[:, :, Lkv:].any(), "rectangle outside the mask"
-    return cov[:, :Lq, :Lkv]
+    np.testing.assert_array_equal(d.cumsum(1).cumsum(2)[:, :Lq, :Lkv], cov)
+    return cov
 
 
 def _check_abi(plan, mask, q_align=1, kv_align=1):
@@ -77,10 +82,11 @@ def _check_abi(plan, mask, q_align=1, kv_align=1):
     assert plan.row_index.shape == (Hq, Lq)
     assert plan.q_len_padded >= Lq and plan.kv_len_padded >= Lkv
     assert plan.q_len_padded % q_align == 0 and plan.kv_len_padded % kv_align == 0
-    # Padding rows select nothing.
+    # Padding rows select nothing (rows past the plan are zero); grids are valid.
     assert (u[U:, abi.UNIT_OWN_LO] == u[U:, abi.UNIT_OWN_HI]).all()
     assert (u[U:, abi.UNIT_STEP_CNT] == 0).all()
-    assert (s[S:, abi.VIEW_Q_LO] == s[S:, abi.VIEW_Q_HI]).all()
+    assert not plan.steps[S:].any()
+    assert abi.grid_problems(plan.steps) == []
     ur = u[:U]
     # Tiles inside the padded lengths, starts aligned, owned rows inside the tile and real rows.
     qs = ur[:, abi.UNIT_Q_START]
@@ -113,7 +119,7 @@ def _check_abi(plan, mask, q_align=1, kv_align=1):
     assert owned.max() <= 1, "two units own one row"
     np.testing.assert_array_equal(plan.row_index, expect)
     # Exact cover: every selected interaction once, nothing else (so every unselected entry of a
-    # computed tile is masked).
+    # computed tile is masked), each step's selection by the kernels' rule (abi.grid_mask).
     tm = mask.token_mask().astype(np.int64)
     tm = np.broadcast_to(tm, (Hq, Lq, Lkv)) if mask.num_heads == 1 else tm
     cov = _coverage(plan)
@@ -124,15 +130,25 @@ def _check_abi(plan, mask, q_align=1, kv_align=1):
 
 
 def _direct_kinds(plan, t):
-    """kept / merged / split per tile, counted directly from token-level block ids."""
+    """kept / merged / split per tile, counted directly from token-level block ids: a visit is
+    split if a logical block it selects part of is not wholly selected by it, else merged if it
+    selects several blocks, else kept (its selection by ``abi.grid_mask``)."""
     m = plan.mask
     qid = np.repeat(np.arange(len(m.q_sizes)), m.q_sizes)
     kid = np.repeat(np.arange(len(m.kv_sizes)), m.kv_sizes)
     out = np.zeros(3, np.int64)
-    for r0, r1, c0, c1 in zip(t["r0"], t["r1"], t["c0"], t["c1"]):
-        qbs, kbs = np.unique(qid[r0:r1]), np.unique(kid[c0:c1])
-        whole = (m.q_sizes[qbs].sum() == r1 - r0) and (m.kv_sizes[kbs].sum() == c1 - c0)
-        out[2 if not whole else (1 if len(qbs) * len(kbs) > 1 else 0)] += 1
+    tq, tk = plan.tile_q, plan.tile_kv
+    for v in range(len(t["r0"])):
+        st = plan.steps[t["step"][v]].astype(np.int64)
+        rows = np.arange(tq)[:, None]
+        cols = np.arange(tk)[None, :]
+        sel = abi.grid_mask(st[abi.STEP_RECT], st[abi.STEP_CUTS_A], st[abi.STEP_CUTS_B],
+                            rows, cols)
+        r, c = np.nonzero(sel)
+        r, c = r + t["q0"][v], c + t["k0"][v]
+        blocks, n = np.unique(np.stack([qid[r], kid[c]], 1), axis=0, return_counts=True)
+        whole = (n == m.q_sizes[blocks[:, 0]] * m.kv_sizes[blocks[:, 1]]).all()
+        out[2 if not whole else (1 if len(blocks) > 1 else 0)] += 1
     return out
 
 
@@ -140,14 +156,26 @@ def _check_stats(plan, mask, t):
     s = plan.stats()
     for key in ("template", "tile_q", "tile_kv", "tiles", "selected_interactions",
                 "computed_interactions", "kept", "merged", "split", "waste_fraction",
-                "kv_bytes", "max_unit_cost", "balance"):
+                "kv_bytes", "max_unit_cost", "balance", "dense_interactions",
+                "dense_tile_interactions", "tile_revisits", "grid_steps", "fallback_heads"):
         assert key in s, key
     Hq = plan.shape.num_q_heads
     tiles = int(plan.step_counts().sum())
     assert s["tiles"] == tiles == len(t["r0"])
     assert s["selected_interactions"] == mask.selected_interactions(Hq)
-    assert s["selected_interactions"] == int(((t["r1"] - t["r0"]) * (t["c1"] - t["c0"])).sum())
+    c = plan.tile_cells(t)
+    assert s["selected_interactions"] == int(((c["r1"] - c["r0"]) * (c["c1"] - c["c0"])).sum())
     assert s["computed_interactions"] == tiles * plan.tile_q * plan.tile_kv
+    assert s["dense_interactions"] == plan.shape.q_len * plan.shape.kv_len * Hq
+    assert s["dense_tile_interactions"] == Hq * planner.dense_tile_interactions(
+        plan.shape.q_len, plan.shape.kv_len, plan.tile_q, plan.tile_kv)
+    assert s["grid_steps"] == int(t["grid"].sum())
+    seen = set()
+    revisits = 0
+    for unit, k0 in zip(t["unit"].tolist(), t["k0"].tolist()):
+        revisits += (unit, k0) in seen
+        seen.add((unit, k0))
+    assert s["tile_revisits"] == revisits
     if tiles:
         assert s["waste_fraction"] == pytest.approx(
             1 - s["selected_interactions"] / s["computed_interactions"])
@@ -155,7 +183,7 @@ def _check_stats(plan, mask, t):
     assert s["kv_bytes"] == tiles * 2 * plan.tile_kv * plan.shape.head_dim * item
     assert s["kept"] + s["merged"] + s["split"] == tiles
     full = ((t["r0"] == t["q0"]) & (t["r1"] == t["q1"]) & (t["c0"] == t["k0"])
-            & (t["c1"] == t["k1"]))
+            & (t["c1"] == t["k1"]) & ~t["grid"])
     assert s["full_tiles"] == int(full.sum())
     assert plan.all_full == bool(full.all())          # exact, or the kernel would not mask
     assert 0 < s["balance"] <= 1.0 + 1e-12
@@ -215,7 +243,14 @@ def test_all_full_on_aligned_and_partial_masks(policy):
     cut = tj.BlockMask.uniform(500, 768, 128, 128, blocks)       # last query block: 116 rows
     assert not _plan(cut, 2, 2, 128, 128, policy).all_full
     small = tj.BlockMask.uniform(512, 768, 64, 64, np.repeat(np.repeat(blocks, 2, 1), 2, 2))
-    assert _plan(small, 2, 2, 128, 128, policy).all_full == (policy != "keep")
+    ps = _plan(small, 2, 2, 128, 128, policy)
+    # keep plans a 128-row unit per 64-row block, a tile per 64-key block (partial tiles, twice
+    # dense): both heads fall back to split, which tiles the 128-aligned selection whole.
+    assert ps.all_full
+    assert ps.stats()["fallback_heads"] == (2 if policy == "keep" else 0)
+    raw = planner._plan_policy(_ctx(small, 128, 128, 1, 1), policy if policy != "auto" else
+                               "merge", share=False)
+    assert (raw.nfull == raw.cnt).all() == (policy != "keep")
     assert not _plan(tj.BlockMask.uniform(512, 768, 64, 64, rng.random((2, 8, 12)) < .3),
                      2, 2, 128, 128, policy).all_full
 
@@ -288,12 +323,17 @@ def test_auto_picks_the_cheapest_policy_per_head():
 @given(plan_masks(), st.sampled_from(TILES), st.sampled_from([1, 8]))
 @settings(max_examples=30)
 def test_merge_never_has_more_units_or_steps_than_keep(mt, tile, align):
+    """The policies as they plan (before build_plan's fallback to split, which may replace
+    either on some heads)."""
     mask, Hq, Hkv = mt
-    k = _plan(mask, Hq, Hkv, *tile, "keep", align, align)
-    m = _plan(mask, Hq, Hkv, *tile, "merge", align, align)
-    assert m.num_units <= k.num_units
-    assert m.stats()["tiles"] <= k.stats()["tiles"]
-    assert m.unit_cost.sum() <= k.unit_cost.sum() + 1e-6
+    ctx = _ctx(mask, *tile, align, align)
+    k = planner._plan_policy(ctx, "keep", share=False)
+    m = planner._plan_policy(ctx, "merge", share=False)
+    assert len(m.cnt) <= len(k.cnt)
+    assert m.cnt.sum() <= k.cnt.sum()
+    shape = AttnShape(1, mask.Lq, mask.Lkv, Hq, Hkv, 16, np.dtype(np.float32))
+    cost = lambda r: planner._raw_costs(r, ctx, shape, schedule.DEFAULT_COST_MODEL).sum()
+    assert cost(m) <= cost(k) + 1e-6
 
 
 def test_schedule_heaviest_first_heads_interleaved():
@@ -476,6 +516,7 @@ def _assert_same_raw(got, want):
 # (NumPy oracle, compiled policy) of split and pack.
 _SPLIT_PACK = ((plan_oracle._plan_grid_numpy, planner._plan_grid),
                (plan_oracle._plan_pack_numpy, planner._plan_pack))
+_SPLIT_PACK_BY_POLICY = tuple((fn, oracle) for oracle, fn in _SPLIT_PACK)
 
 
 def _assert_split_pack_match_oracle(mask, tilings):
@@ -671,7 +712,8 @@ def test_compiled_split_pack_exact_count_path(mt, tile, align, two):
 @settings(max_examples=30, deadline=None)
 def test_split_pack_step_bound_holds_per_unit(mt, tile, align):
     """The reserved bound of split/pack (popcount of a unit's groups x the most tiles one
-    block can touch) is at least each unit's step count."""
+    block can touch) is at least the pieces each unit writes (its scratch holds them before
+    tiles once joins them), so at least its step count too."""
     mask = mt[0]
     tq, tk = tile
     ctx = _ctx(mask, tq, tk, align[0], align[1] if tk % align[1] == 0 else 1)
@@ -684,19 +726,25 @@ def test_split_pack_step_bound_holds_per_unit(mt, tile, align):
         seen.append((words, gh, gi, ugroups, rest[-3].copy(), rest[-5], lo, hi))
         return end
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(planner, "PLAN_THREADS", 1)
-        mp.setattr(plan_loops, "_nb_rects", spy)     # where the drivers look it up
-        planner._plan_grid(ctx)
-        planner._plan_pack(ctx)
-    assert seen or not ctx.words.any(), "spy not called: not patched where the drivers look"
     kb = np.asarray(ctx.kb, np.int64)
     cmax = int(((kb[1:] - kb[:-1] + 2 * tk - 2) // tk).max())
-    for words, gh, gi, ugroups, cnt, write, lo, hi in seen:
+    for fn, oracle in _SPLIT_PACK_BY_POLICY:
+        seen.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(planner, "PLAN_THREADS", 1)
+            mp.setattr(plan_loops, "_nb_rects", spy)     # where the drivers look it up
+            fn(ctx)
+        assert seen or not ctx.words.any(), "spy not called: not patched where the drivers look"
+        if not seen:
+            continue
+        (words, gh, gi, ugroups, cnt, write, lo, hi), = seen
+        assert write and (lo, hi) == (0, len(ugroups))
         bound = np.empty(len(ugroups) + 1, np.int64)
         plan_loops._nb_rect_bound(words, gh, gi, ugroups, cmax, bound)
-        assert write
-        assert (cnt[lo:hi] <= np.diff(bound)[lo:hi]).all()
+        pc = plan_oracle.pieces(oracle, ctx)
+        per = np.zeros(len(ugroups), np.int64)       # the oracle's units: those with steps
+        np.add.at(per, np.flatnonzero(cnt > 0)[pc["unit"]], 1)
+        assert (cnt <= per).all() and (per <= np.diff(bound)).all()
 
 
 @given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (64, 192)]),

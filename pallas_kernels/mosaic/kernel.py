@@ -7,12 +7,15 @@ warpgroup that streams the unit's K/V tiles by TMA through a ``stages``-deep sha
 ring. The consumers run wgmma and an online softmax in base 2, ping-ponged by a schedule
 barrier (unless the config turns it off) so one warpgroup's softmax overlaps the other's
 matrix products. What differs from the dense kernel: the K/V tiles a unit visits, and
-how many, come from the plan's ``steps`` (read from GMEM at run time), and the rectangle mask
-is applied only on partial steps (a ``lax.cond`` skips it on full ones; mask mode "none",
-picked by the wrapper for a plan whose steps are all full, compiles no masking code; "always"
-masks every step). Plan starts must be multiples of 8 (TMA fills the 8-row tiled, swizzled
-SMEM layout). On CPU, ``interpret=`` runs it under the Mosaic GPU interpreter, with P @ V as a
-plain dot (the interpreter lacks run_state and wgmma with a register operand).
+how many, come from the plan's ``steps`` (read from GMEM at run time), and the mask is applied
+only on partial steps (a ``lax.cond`` skips it on full ones; mask mode "none", picked by the
+wrapper for a plan whose steps are all full, compiles no masking code; "always" masks every
+step). A second ``lax.cond`` on STEP_CUTS_B picks the mask: the rectangle for a plain step (the
+code of the kernel before grid steps), the cells of the grid for a grid step (``_grid_mask``:
+row and key vectors of the fragment's layouts, one and, compare and select per element). Plan
+starts must be multiples of 8 (TMA fills the 8-row tiled, swizzled SMEM layout). On CPU,
+``interpret=`` runs it under the Mosaic GPU interpreter, with P @ V as a plain dot (the
+interpreter lacks run_state and wgmma with a register operand).
 
 Layout of this module: ``KernelConfig`` (the static configuration), ``forward`` (builds and
 launches the kernel), and the kernel's parts as functions of ``_Ctx`` (its static shape, refs
@@ -295,12 +298,27 @@ def _pad_step(c: _Ctx, i, carry):
     return carry
 
 
-def _rect(c: _Ctx, w: _Wg, i):
-    """Rectangle of step i, rows relative to this warpgroup's 64 rows. The index is clamped
-    so a unit with no steps never reads past ``steps``. One int32 load, four bytes."""
+class _Rect(NamedTuple):
+    """What the consumer reads of step ``s`` before its matrix products: the bounding
+    rectangle (rows relative to this warpgroup's 64 rows) and, when the step may be masked,
+    STEP_CUTS_B (0: a plain step; else a grid step, whose STEP_CUTS_A the grid mask reads)."""
+
+    q_lo: Any
+    q_hi: Any
+    kv_lo: Any
+    kv_hi: Any
+    s: Any                     # the (clamped) row of ``steps``
+    cuts_b: Any                # None when the mode never masks (nothing read)
+
+
+def _rect(c: _Ctx, w: _Wg, i, cuts: bool):
+    """Rectangle of step i, rows relative to this warpgroup's 64 rows, and with ``cuts`` its
+    STEP_CUTS_B. The index is clamped so a unit with no steps never reads past ``steps``.
+    One int32 load (four bytes), two with ``cuts``."""
     s = jnp.minimum(w.ptr + i, c.num_steps - 1)
     q_lo, q_hi, kv_lo, kv_hi = plan_abi.unpack_rect(c.steps[s, plan_abi.STEP_RECT])
-    return q_lo - w.row0, q_hi - w.row0, kv_lo, kv_hi
+    cuts_b = c.steps[s, plan_abi.STEP_CUTS_B] if cuts else None
+    return _Rect(q_lo - w.row0, q_hi - w.row0, kv_lo, kv_hi, s, cuts_b)
 
 
 def _step(c: _Ctx, w: _Wg, mode, wg_skip, i, carry):
@@ -311,10 +329,13 @@ def _step(c: _Ctx, w: _Wg, mode, wg_skip, i, carry):
     if mode == "none" and not wg_skip:
         rect = None                        # never read: every step is full
     else:
-        rect = _rect(c, w, i)
+        rect = _rect(c, w, i, cuts=mode != "none")
     state = (acc, m_i, l_i)
     if wg_skip:
-        q_lo, q_hi = rect[:2]
+        # The bounding rectangle: a grid step's cells lie inside it, so a warpgroup whose
+        # rows it misses has nothing selected (one it meets may still have none: computed,
+        # all masked).
+        q_lo, q_hi = rect.q_lo, rect.q_hi
         active = (q_lo < WG_ROWS) & (q_hi > 0) & (q_lo < q_hi)
         state = lax.cond(active, functools.partial(_compute_step, c, w, mode, i, slot, rect),
                          functools.partial(_skip_step, c, w, i, slot), state)
@@ -344,11 +365,58 @@ def _qk(c: _Ctx, w: _Wg, slot, acc_ref):
 
 
 def _mask(rect, x):
-    q_lo, q_hi, kv_lo, kv_hi = rect
+    """A plain step's mask: the rectangle (the kernel's mask before grid steps, unchanged)."""
+    q_lo, q_hi, kv_lo, kv_hi = rect[:4]
     r = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
     col = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
     keep = (r >= q_lo) & (r < q_hi) & (col >= kv_lo) & (col < kv_hi)
     return jnp.where(keep, x, -jnp.inf)
+
+
+def _segment_select(idx, lo, hi, cuts, vals):
+    """Per entry of ``idx`` (a 1-D int32 iota): ``vals[n]`` for n = the number of ``cuts``
+    (non-decreasing scalars) at or below it, 0 outside [lo, hi). Compares and selects against
+    scalars only (no vector shift): later cuts win, so an empty segment (repeated cut) is
+    skipped exactly as ``abi.grid_mask``'s count (idx >= c1) + (idx >= c2) + (idx >= c3)."""
+    out = jnp.where(idx >= cuts[0], vals[1], vals[0])
+    for cut, val in zip(cuts[1:], vals[2:]):
+        out = jnp.where(idx >= cut, val, out)
+    return jnp.where((idx >= lo) & (idx < hi), out, jnp.int32(0))
+
+
+def _grid_mask(c: _Ctx, w: _Wg, rect: _Rect, x):
+    """A grid step's mask (``abi.grid_mask``): entry (r, col) is kept iff
+    row_bits[r] & col_bit[col] != 0, where row_bits[r] is the 4-bit row of the cell matrix for
+    r's row segment (0 outside the rectangle's rows) and col_bit[col] = 1 << (col's key
+    segment) (0 outside its keys). Both are 1-D vectors in the fragment's row / column
+    layouts (WGMMA.reduce(1) / reduce(0): 2 and tile_kv / 4 values per thread), broadcast to
+    the [64, tile_kv] fragment; per element: one and, one compare, one select. STEP_CUTS_A is
+    read here, on grid steps only."""
+    cuts_a = c.steps[rect.s, plan_abi.STEP_CUTS_A]
+    (q1, q2, q3), (k1, k2, k3), _ = plan_abi.unpack_grid(cuts_a, rect.cuts_b)
+    # The four 4-bit rows of the cell matrix (bits 4i..4i+3 of STEP_CUTS_B >> 16): scalars.
+    nibbles = [(rect.cuts_b >> (plan_abi.GRID_BITS_SHIFT + plan_abi.GRID * n)) & 0xF
+               for n in range(plan_abi.GRID)]
+    rows = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0,
+                                  layout=plgpu.Layout.WGMMA.reduce(1))
+    cols = plgpu.broadcasted_iota(jnp.int32, (c.cfg.tile_kv,), 0,
+                                  layout=plgpu.Layout.WGMMA.reduce(0))
+    row_bits = _segment_select(rows, rect.q_lo, rect.q_hi,
+                               (q1 - w.row0, q2 - w.row0, q3 - w.row0), nibbles)
+    col_bit = _segment_select(cols, rect.kv_lo, rect.kv_hi, (k1, k2, k3),
+                              [jnp.int32(1 << j) for j in range(plan_abi.GRID)])
+    row_bits = plgpu.layout_cast(lax.broadcast_in_dim(row_bits, x.shape, [0]),
+                                 plgpu.Layout.WGMMA)
+    col_bit = plgpu.layout_cast(lax.broadcast_in_dim(col_bit, x.shape, [1]),
+                                plgpu.Layout.WGMMA)
+    return jnp.where((row_bits & col_bit) != 0, x, -jnp.inf)
+
+
+def _step_mask(c: _Ctx, w: _Wg, rect: _Rect, x):
+    """The mask of a step that is not known to be full: a per-step branch on STEP_CUTS_B, so a
+    plain step runs exactly the rectangle mask and only grid steps pay for the cells."""
+    return lax.cond(rect.cuts_b == 0, functools.partial(_mask, rect),
+                    functools.partial(_grid_mask, c, w, rect), x)
 
 
 def _pv(c: _Ctx, w: _Wg, i, slot, p16, acc_ref):
@@ -363,11 +431,13 @@ def _compute_step(c: _Ctx, w: _Wg, mode, i, slot, rect, state):
                        plgpu.ACC((WG_ROWS, c.cfg.tile_kv), jnp.float32))
     plgpu.barrier_arrive(c.k_consumed.at[slot])
     if mode == "cond":
-        q_lo, q_hi, kv_lo, kv_hi = rect
-        full = ((q_lo <= 0) & (q_hi >= WG_ROWS) & (kv_lo == 0) & (kv_hi == c.cfg.tile_kv))
-        qk = lax.cond(full, lambda x: x, functools.partial(_mask, rect), qk)
+        q_lo, q_hi, kv_lo, kv_hi = rect[:4]
+        # Full for this warpgroup: a plain step whose rectangle covers its 64 rows, all keys.
+        full = ((q_lo <= 0) & (q_hi >= WG_ROWS) & (kv_lo == 0) & (kv_hi == c.cfg.tile_kv)
+                & (rect.cuts_b == 0))
+        qk = lax.cond(full, lambda x: x, functools.partial(_step_mask, c, w, rect), qk)
     elif mode == "always":
-        qk = _mask(rect, qk)
+        qk = _step_mask(c, w, rect, qk)
 
     # Online softmax in base 2. A row may have seen only masked entries so far
     # (m == -inf): subtract 0 then, so that exp2 gives 0, never NaN. Without masking

@@ -4,7 +4,8 @@ The portable GPU path (Ampere, Ada, Hopper without Mosaic GPU) and the kernel th
 in interpret mode. One program per (work unit, batch): it loads its Q tile once, walks the
 unit's steps (K/V tiles) with a dynamic loop and an exp2 online softmax, masks only partial
 steps (mask mode "cond"; "always" masks every step, "none" none: plans whose visited steps are
-all full), and writes one unit-major tile of output and LSE. Passing
+all full) with a branch on STEP_CUTS_B between the rectangle of a plain step and the cells of a
+grid step (``_grid_keep``), and writes one unit-major tile of output and LSE. Passing
 ``jax.experimental.pallas.triton.CompilerParams`` selects this lowering even though Mosaic GPU
 is jax's default GPU lowering. ``pallas_kernels.triton.wrapper`` checks and pads the inputs.
 """
@@ -78,6 +79,33 @@ class KernelConfig(CompiledConfig):
         return 4 if head_dim <= 64 else 8
 
 
+def _segment_select(idx, lo, hi, cuts, vals):
+    """Per entry of ``idx`` (an iota): ``vals[n]`` for n = the number of ``cuts``
+    (non-decreasing scalars) at or below it, 0 outside [lo, hi). Compares and selects against
+    scalars only: later cuts win, so an empty segment (a repeated cut) is skipped exactly as
+    ``abi.grid_mask``'s count (idx >= c1) + (idx >= c2) + (idx >= c3)."""
+    out = jnp.where(idx >= cuts[0], vals[1], vals[0])
+    for cut, val in zip(cuts[1:], vals[2:]):
+        out = jnp.where(idx >= cut, val, out)
+    return jnp.where((idx >= lo) & (idx < hi), out, jnp.int32(0))
+
+
+def _grid_keep(row, col, rect, cuts_a, cuts_b):
+    """A grid step's selection (``abi.grid_mask``) on the [tile_q, tile_kv] block, from the
+    row iota [tile_q, 1] and the key iota [1, tile_kv]: row_bits [tile_q, 1] is the 4-bit row
+    of the cell matrix for each row's segment (0 outside the rectangle's rows), col_bit
+    [1, tile_kv] = 1 << (each key's segment) (0 outside its keys); per element of the block
+    one and and one compare: row_bits & col_bit != 0."""
+    q_lo, q_hi, kv_lo, kv_hi = plan_abi.unpack_rect(rect)
+    (q1, q2, q3), (k1, k2, k3), _ = plan_abi.unpack_grid(cuts_a, cuts_b)
+    nibbles = [(cuts_b >> (plan_abi.GRID_BITS_SHIFT + plan_abi.GRID * n)) & 0xF
+               for n in range(plan_abi.GRID)]
+    row_bits = _segment_select(row, q_lo, q_hi, (q1, q2, q3), nibbles)
+    col_bit = _segment_select(col, kv_lo, kv_hi, (k1, k2, k3),
+                              [jnp.int32(1 << j) for j in range(plan_abi.GRID)])
+    return (row_bits & col_bit) != 0
+
+
 def _fwd_kernel(units_ref, steps_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, tile_q: int,
                 tile_kv: int, group: int, qk_scale: float, mask_mode: str, prefetch: int,
                 num_steps: int, precision):
@@ -101,14 +129,22 @@ def _fwd_kernel(units_ref, steps_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, ti
         qk = plgpu.dot(q, k, trans_b=True, precision=precision)     # f32 [tile_q, tile_kv]
         if masking != "none":
             rect = steps_ref[s, plan_abi.STEP_RECT]
+            cuts_b = steps_ref[s, plan_abi.STEP_CUTS_B]       # 0: a plain step
+            plain = cuts_b == 0
 
-            def masked(x):
+            def rect_mask(x):
                 q_lo, q_hi, kv_lo, kv_hi = plan_abi.unpack_rect(rect)
                 keep = ((row >= q_lo) & (row < q_hi)) & ((col >= kv_lo) & (col < kv_hi))
                 return jnp.where(keep, x, -jnp.inf)
 
+            def grid_mask(x):
+                keep = _grid_keep(row, col, rect, steps_ref[s, plan_abi.STEP_CUTS_A], cuts_b)
+                return jnp.where(keep, x, -jnp.inf)
+
+            # A branch per step on STEP_CUTS_B: plain steps run the rectangle mask alone.
+            masked = lambda x: lax.cond(plain, rect_mask, grid_mask, x)
             if masking == "cond":
-                full = rect == jnp.int32(plan_abi.full_rect(tile_q, tile_kv))
+                full = (rect == jnp.int32(plan_abi.full_rect(tile_q, tile_kv))) & plain
                 qk = lax.cond(full, lambda x: x, masked, qk)
             else:
                 qk = masked(qk)

@@ -1,5 +1,8 @@
 """Plan executor in plain JAX: gathers the K/V tiles of each work unit, masked blockwise softmax.
 
+Each step selects what ``abi.grid_mask`` says (its rectangle; for a grid step, the selected
+cells of its <= 4 x 4 grid), evaluated exactly as the kernels do.
+
 The CPU/TPU path, the fallback, and the independent check of every plan. It never builds the
 dense [Lq, Lkv] score matrix: memory is O(units x max_steps x tile_q x tile_kv), processed in
 chunks of units. Differentiable by JAX autodiff.
@@ -65,17 +68,20 @@ def _execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded,
         st = steps[sidx]                                  # [C, M, STEP_COLS]
         qi = u[:, abi.UNIT_Q_START, None] + r_t[None]     # [C, T]
         qt = q[:, qi, h[:, None]]                         # [B, C, T, D]
-        rect = abi.unpack_rect(st[..., abi.STEP_RECT])   # 4 x [C, M]
-        q_lo, q_hi, kv_lo, kv_hi = (x[..., None] for x in rect)
         ki = st[..., abi.STEP_KV_START, None] + c_t       # [C, M, Tk]
         kvh = (h // group)[:, None, None]
         kt = k[:, ki, kvh]                                # [B, C, M, Tk, D]
         vt = v[:, ki, kvh]
         s = jnp.einsum("bctd,bcmkd->bctmk", qt, kt,
                        preferred_element_type=acc_t, precision=lax.Precision.HIGHEST) * scale
-        rows = ((r_t[None, None, :] >= q_lo) & (r_t[None, None, :] < q_hi) & valid[..., None])
-        cols = (c_t[None, None, :] >= kv_lo) & (c_t[None, None, :] < kv_hi)
-        sel = rows.transpose(0, 2, 1)[:, :, :, None] & cols[:, None, :, :]   # [C, T, M, Tk]
+        # The step's selection, abi.grid_mask (its rectangle, and a grid step's cells), on
+        # [C, T, M, Tk]: row t of the unit's tile, step m, key c of its K/V tile.
+        def col(x):
+            return x[:, None, :, None]
+        sel = abi.grid_mask(col(st[..., abi.STEP_RECT]), col(st[..., abi.STEP_CUTS_A]),
+                            col(st[..., abi.STEP_CUTS_B]), r_t[None, :, None, None],
+                            c_t[None, None, None, :])
+        sel = sel & valid[:, None, :, None]
         s = jnp.where(sel[None], s, -jnp.inf)
         m = jnp.max(s, axis=(-2, -1), keepdims=True)
         m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))

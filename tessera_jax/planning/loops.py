@@ -5,7 +5,8 @@ Each ``_nb_*`` function is one loop of ``tessera_jax.planning.planner`` over pac
 (uint64, bit j%64 of word j//64 = key block j), group and unit arrays: row groups and units
 (``_nb_groups``, ``_nb_units``, ``_nb_pack_units``), the step rows of keep/merge
 (``_nb_fill``, exact counts ``_nb_count``) and of split/pack (``_nb_rects`` and its helpers,
-bound ``_nb_rect_bound``), mask packing (``_nb_pack``) and row_index (``_nb_row_index``).
+bound ``_nb_rect_bound``; the pieces of one K/V tile joined into grid steps by
+``_nb_tiles_once``), mask packing (``_nb_pack``) and row_index (``_nb_row_index``).
 Loops that take (lo, hi) handle units/rows [lo, hi), so the planner can run two halves on
 two threads (they are nogil). Until numba is loaded each ``_nb_*`` name is a ``_Loop``
 stand-in: calls with small arrays (``INTERP_MAX_WORK``, within ``INTERP_BUDGET_S`` per
@@ -29,6 +30,9 @@ import numpy as np
 from pallas_kernels.abi import RECT_KV_HI_SHIFT as _KV_HI
 from pallas_kernels.abi import RECT_KV_LO_SHIFT as _KV_LO
 from pallas_kernels.abi import RECT_Q_HI_SHIFT as _Q_HI
+from pallas_kernels.abi import GRID_BITS_SHIFT as _BITS
+from pallas_kernels.abi import STEP_CUTS_A as _CUTS_A
+from pallas_kernels.abi import STEP_CUTS_B as _CUTS_B
 from pallas_kernels.abi import STEP_KV_START as _KV_START
 from pallas_kernels.abi import STEP_RECT as _RECT
 
@@ -83,16 +87,22 @@ def _nb_tiles(js, je, kb, ka, tk, ltk):
     return x >> ltk if ltk >= 0 else x // tk
 
 
-def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim, steps,
-             cnt, upart, ukeys, ptr, share):
-    """Step rows of units [lo, hi), written from steps[row0]; returns the end row.
+def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim, write,
+             steps, cnt, upart, ukeys, ptr, share):
+    """Step rows of units [lo, hi), written from steps[row0] (or only counted, with ``write``
+    False); returns the end row.
 
     Each unit's key intervals are decoded from its group's words (merge: run boundaries
     w ^ (w << 1), with a zero word appended so that a run reaching the last key block ends;
-    keep: set bits), and each interval's tiles are written as they come. A unit's rows depend
+    keep: set bits), and each interval's tiles are written as they come. Tiles come in
+    non-decreasing kv_start, so a tile two intervals touch (aligned starts, tiles shifted back
+    inside kvp) is the row just written: the interval's first tile joins it (tiles once, as
+    ``_nb_push`` would: all rows of a unit are [qlo, qhi), so a step holds at most two key runs,
+    a grid of one row segment and key segments run, gap, run). A unit's rows depend
     only on its group and its rows [qlo, qhi), so with ``share`` a unit equal in those to the
     one before (the interior units of a tall row group) writes nothing and points at that
-    unit's rows. ``ptr[u]``: the first row of unit u.
+    unit's rows. ``ptr[u]``: the first row of unit u; ``upart[u]``: its steps whose keys are not
+    the whole tile.
     """
     W = words.shape[2]
     one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
@@ -111,8 +121,15 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
         s0 = s
         rows = ql | (qh << _Q_HI)          # the rectangle's row bytes (STEP_RECT)
         mid = rows | (tk << _KV_HI)        # a tile inside an interval: keys [0, tk)
-        part = 0
+        grid_a = qh | (qh << 8) | (qh << 16)   # a two-run step's row cuts (one row segment)
+        fullk = 0                          # steps whose keys are the whole tile
         keys = 0
+        pk = -1                            # the last row: its kv_start (-1: none yet),
+        pa = 0                             # keys [pa, pe), and if ``two`` the gap [pb, pc)
+        pb = 0
+        pc = 0
+        pe = 0
+        two = False
         carry = zero
         js = -1
         for k in range(W + 1):
@@ -139,68 +156,79 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
                 keys += ke - ks
                 kl0 = ks - a0                  # the first tile's lo
                 khl = ke - a0                  # the last tile's hi, if the first is the last
+                n = 1
+                tl = a0
+                sh = 0
                 if khl <= tk and a0 <= lim:    # one tile, inside the padded length
-                    steps[s, _KV_START] = a0
-                    steps[s, _RECT] = rows | (kl0 << _KV_LO) | (khl << _KV_HI)
-                    part += (kl0 != 0) | (khl != tk)
-                    s += 1
+                    kv, fl, fh = a0, kl0, khl
                 else:
                     n = _nb_tiles(js, je, kb, ka, tk, ltk)
                     tl = a0 + (n - 1) * tk     # the last tile's start, before any shift
                     khl = ke - tl
                     sh = tl - lim              # > 0: the last tile is shifted back inside kvp
                     if n > 1:
-                        steps[s, _KV_START] = a0
-                        steps[s, _RECT] = mid | (kl0 << _KV_LO)
-                        for r in range(1, n - 1):
-                            steps[s + r, 0] = a0 + r * tk
-                            steps[s + r, 1] = mid
-                        s += n - 1
-                        part += kl0 != 0
-                        kl0 = 0
-                    if sh > 0:
-                        steps[s, _KV_START] = tl - sh
-                        steps[s, _RECT] = rows | ((kl0 + sh) << _KV_LO) | ((khl + sh) << _KV_HI)
-                        part += 1
+                        kv, fl, fh = a0, kl0, tk
                     else:
-                        steps[s, _KV_START] = tl
-                        steps[s, _RECT] = rows | (kl0 << _KV_LO) | (khl << _KV_HI)
-                        part += khl != tk
+                        kv, fl, fh = tl - sh, kl0 + sh, khl + sh
+                # The first tile: joins the last row if that is the same tile and fits.
+                if kv == pk and (not two or fl == pe):
+                    if fl == pe:
+                        pe = fh
+                        fullk += (not two) & (pa == 0) & (pe == tk)
+                    else:
+                        two = True
+                        pb = pe
+                        pc = fl
+                        pe = fh
+                    if write:
+                        steps[s - 1, _RECT] = rows | (pa << _KV_LO) | (pe << _KV_HI)
+                        if two:
+                            steps[s - 1, _CUTS_A] = grid_a | (pb << 24)
+                            steps[s - 1, _CUTS_B] = pc | (pe << 8) | (5 << _BITS)
+                else:
+                    if write:
+                        steps[s, _KV_START] = kv
+                        steps[s, _RECT] = rows | (fl << _KV_LO) | (fh << _KV_HI)
+                        steps[s, _CUTS_A] = 0
+                        steps[s, _CUTS_B] = 0
+                    fullk += (fl == 0) & (fh == tk)
+                    pk, pa, pe, two = kv, fl, fh, False
+                    s += 1
+                if n > 1:
+                    if write:
+                        for r in range(1, n - 1):
+                            steps[s + r - 1, _KV_START] = a0 + r * tk
+                            steps[s + r - 1, _RECT] = mid
+                            steps[s + r - 1, _CUTS_A] = 0
+                            steps[s + r - 1, _CUTS_B] = 0
+                    s += n - 2
+                    fullk += n - 2
+                    if sh > 0:
+                        kv, fl, fh = tl - sh, sh, khl + sh
+                    else:
+                        kv, fl, fh = tl, 0, khl
+                    if write:
+                        steps[s, _KV_START] = kv
+                        steps[s, _RECT] = rows | (fl << _KV_LO) | (fh << _KV_HI)
+                        steps[s, _CUTS_A] = 0
+                        steps[s, _CUTS_B] = 0
+                    fullk += (fl == 0) & (fh == tk)
+                    pk, pa, pe, two = kv, fl, fh, False
                     s += 1
                 js = -1
         cnt[u] = s - s0
-        upart[u] = part
+        upart[u] = s - s0 - fullk
         ukeys[u] = keys
     return s
 
 
-def _nb_count(lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, cnt):
-    """Exact step rows of units [lo, hi) (when the bound is too large to reserve)."""
-    W = words.shape[2]
-    nkv = len(kb) - 1
-    one, top = np.uint64(1), np.uint64(63)
-    for u in range(lo, hi):
-        h, i = ugh[u], ugi[u]
-        n = 0
-        carry = np.uint64(0)
-        start = -1
-        for k in range(W):
-            w = words[h, i, k]
-            b = w ^ ((w << one) | carry) if merge else w
-            carry = w >> top
-            while b:
-                j = k * 64 + np.int64(_nb_ctz(b))
-                b &= b - one
-                if not merge:
-                    n += _nb_tiles(j, j + 1, kb, ka, tk, ltk)
-                elif start < 0:
-                    start = j
-                else:
-                    n += _nb_tiles(start, j, kb, ka, tk, ltk)
-                    start = -1
-        if merge and start >= 0:
-            n += _nb_tiles(start, nkv, kb, ka, tk, ltk)
-        cnt[u] = n
+def _nb_count(lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, lim, cnt):
+    """Exact step rows of units [lo, hi) (when the bound is too large to reserve): ``_nb_fill``
+    counting."""
+    z = np.zeros(len(cnt), np.int64)
+    _nb_fill(lo, hi, 0, words, ugh, ugi, merge, z, z, kb, ka, tk, ltk, lim, False,
+             np.zeros((1, 4), np.int32), cnt, np.zeros(len(cnt), np.int64),
+             np.zeros(len(cnt), np.int64), np.zeros(len(cnt), np.int64), False)
 
 
 def _nb_pack(lo, hi, b8, out):
@@ -271,6 +299,266 @@ def _nb_units(qb, gi, ge, tq, q_align, qp):
     return ug, qs, qlo, qhi
 
 
+# --- tiles once ------------------------------------------------------------------------
+# A unit's pieces (one rectangle in one K/V tile each) come in non-decreasing kv_start (keys in
+# order; the rectangles of one key segment cut tile by tile), so the pieces of one tile are
+# consecutive rows. The step loops write pieces as plain rows; ``_nb_tiles_once`` then scans
+# the unit's rows (in cache) for a repeated kv_start and, where it finds one, joins the pieces
+# of each tile greedily: the next piece joins the step while the union stays a GRID x GRID
+# grid (at most 5 distinct row bounds and 5 distinct key bounds, the grid kept normalised: no
+# cut between two equal rows or columns of cells; ``_nb_acc_add``), else it starts the next
+# step. The spec, in plain Python: ``plan_oracle.tiles_once``.
+# acc (int64 [16]) is the step being built: 1 kv_start, 2 nR, 3..7 row bounds R, 8 nK,
+# 9..13 key bounds K, 14 bits (bit 4 i + j: row segment i x key segment j selected).
+_ACC_LEN = 16
+
+
+def _nb_store(acc, steps, s):
+    """Writes the step ``acc`` as row s (a plain step when it is one cell)."""
+    nR, nK = acc[2], acc[8]
+    ql, qh = acc[3], acc[2 + nR]
+    kl, kh = acc[9], acc[8 + nK]
+    steps[s, _KV_START] = acc[1]
+    steps[s, _RECT] = ql | (qh << _Q_HI) | (kl << _KV_LO) | (kh << _KV_HI)
+    if nR == 2 and nK == 2:
+        steps[s, _CUTS_A] = 0
+        steps[s, _CUTS_B] = 0
+    else:
+        q2 = acc[5] if nR > 3 else qh
+        q3 = acc[6] if nR > 4 else qh
+        k2 = acc[11] if nK > 3 else kh
+        k3 = acc[12] if nK > 4 else kh
+        steps[s, _CUTS_A] = acc[4] | (q2 << 8) | (q3 << 16) | (acc[10] << 24)
+        steps[s, _CUTS_B] = k2 | (k3 << 8) | (acc[14] << _BITS)
+
+
+def _nb_acc_bound(acc, o, v):
+    """Inserts bound v into the sorted bounds at acc[o + 1 : o + 1 + acc[o]] (rows: o = 2,
+    keys: o = 8) unless present, remapping the cell bits (a bound inside splits a segment into
+    two equal ones, one outside adds an empty segment); returns its index."""
+    n = acc[o]
+    p = 0
+    while p < n and acc[o + 1 + p] < v:
+        p += 1
+    if p < n and acc[o + 1 + p] == v:
+        return p
+    for t in range(n, p, -1):
+        acc[o + 1 + t] = acc[o + t]
+    acc[o + 1 + p] = v
+    acc[o] = n + 1
+    bits = acc[14]
+    if o == 2:                                 # rows: 4-bit rows of bits
+        if p == 0:
+            bits <<= 4
+        elif p < n:
+            bits = (bits & ((1 << (4 * p)) - 1)) | ((bits >> (4 * (p - 1))) << (4 * p))
+    else:                                      # keys: bit j of each 4-bit row
+        if p == 0:
+            bits <<= 1
+        elif p < n:
+            lo = ((1 << p) - 1) * 0x1111
+            hi = (0xF ^ ((1 << (p - 1)) - 1)) * 0x1111
+            bits = (bits & lo) | ((bits & hi) << 1)
+    acc[14] = bits
+    return p
+
+
+def _nb_acc_add(acc, ra, rb, kl, kh):
+    """Adds rectangle rows [ra, rb) x keys [kl, kh) (disjoint from what the step holds) if the
+    union stays a GRID x GRID grid; returns whether it did (``_nb_acc_two`` when the step is
+    one rectangle: that always fits)."""
+    nR, nK = acc[2], acc[8]
+    need = nR + 2
+    for t in range(nR):
+        if acc[3 + t] == ra or acc[3 + t] == rb:
+            need -= 1
+    if need > 5:
+        return False
+    need = nK + 2
+    for t in range(nK):
+        if acc[9 + t] == kl or acc[9 + t] == kh:
+            need -= 1
+    if need > 5:
+        return False
+    _nb_acc_bound(acc, 2, ra)
+    _nb_acc_bound(acc, 2, rb)
+    _nb_acc_bound(acc, 8, kl)
+    _nb_acc_bound(acc, 8, kh)
+    nR, nK = acc[2], acc[8]
+    i0 = 0
+    while acc[3 + i0] != ra:
+        i0 += 1
+    i1 = i0
+    while acc[3 + i1] != rb:
+        i1 += 1
+    j0 = 0
+    while acc[9 + j0] != kl:
+        j0 += 1
+    j1 = j0
+    while acc[9 + j1] != kh:
+        j1 += 1
+    bits = acc[14]
+    col = ((1 << j1) - 1) ^ ((1 << j0) - 1)
+    for i in range(i0, i1):
+        bits |= col << (4 * i)
+    _nb_acc_norm(acc, bits, nR, nK)
+    return True
+
+
+def _nb_sort4(a, b, c, d):
+    """a, b, c, d sorted (a sorting network of five compare-exchanges)."""
+    if a > b:
+        a, b = b, a
+    if c > d:
+        c, d = d, c
+    if a > c:
+        a, c = c, a
+    if b > d:
+        b, d = d, b
+    if b > c:
+        b, c = c, b
+    return a, b, c, d
+
+
+def _nb_two_bounds(acc, o, x0, x1, y0, y1):
+    """The distinct values of x0 < x1 and y0 < y1, in order, to acc[o + 1:], their count to
+    acc[o]; returns the indices of x0, x1, y0, y1 among them (branch-free)."""
+    a, b, c, d = _nb_sort4(x0, x1, y0, y1)
+    nb = np.int64(b != a)
+    nc = np.int64(c != b)
+    nd = np.int64(d != c)
+    acc[o + 1] = a
+    acc[o + 1 + nb] = b
+    acc[o + 1 + nb + nc] = c
+    acc[o + 1 + nb + nc + nd] = d
+    acc[o] = 1 + nb + nc + nd
+    return ((a < x0) + nb * (b < x0) + nc * (c < x0) + nd * (d < x0),
+            (a < x1) + nb * (b < x1) + nc * (c < x1) + nd * (d < x1),
+            (a < y0) + nb * (b < y0) + nc * (c < y0) + nd * (d < y0),
+            (a < y1) + nb * (b < y1) + nc * (c < y1) + nd * (d < y1))
+
+
+def _nb_acc_two(acc, ra, rb, kl, kh):
+    """``_nb_acc_add`` when the step is one rectangle: two disjoint rectangles always fit a
+    grid, normalised already unless they share a whole side (then they are one rectangle)."""
+    a0, a1, c0, c1 = acc[3], acc[4], acc[9], acc[10]
+    if ra == a0 and rb == a1 and (kl == c1 or kh == c0):
+        acc[9] = min(c0, kl)
+        acc[10] = max(c1, kh)
+        return True
+    if kl == c0 and kh == c1 and (ra == a1 or rb == a0):
+        acc[3] = min(a0, ra)
+        acc[4] = max(a1, rb)
+        return True
+    i0, i1, i2, i3 = _nb_two_bounds(acc, 2, a0, a1, ra, rb)
+    j0, j1, j2, j3 = _nb_two_bounds(acc, 8, c0, c1, kl, kh)
+    bits = (((1 << j1) - 1) ^ ((1 << j0) - 1)) * ((((1 << (4 * i1)) - 1)
+                                                  ^ ((1 << (4 * i0)) - 1)) & 0x1111)
+    bits |= (((1 << j3) - 1) ^ ((1 << j2) - 1)) * ((((1 << (4 * i3)) - 1)
+                                                   ^ ((1 << (4 * i2)) - 1)) & 0x1111)
+    acc[14] = bits
+    return True
+
+
+def _nb_acc_norm(acc, bits, nR, nK):
+    """Sets acc's cell bits to ``bits`` over its nR row and nK key bounds, normalised: every
+    interior cut between two equal columns of cells, then rows, dropped."""
+    rm = ((1 << (4 * (nR - 1))) - 1) & 0x1111
+    for j in range(nK - 2, 0, -1):
+        if ((bits >> (j - 1)) & rm) == ((bits >> j) & rm):
+            keep = ((1 << j) - 1) * 0x1111
+            high = (((1 << (nK - 2)) - 1) ^ ((1 << j) - 1)) * 0x1111
+            bits = (bits & keep) | ((bits >> 1) & high)
+            for t in range(j, nK - 1):
+                acc[9 + t] = acc[10 + t]
+            nK -= 1
+    for i in range(nR - 2, 0, -1):
+        if ((bits >> (4 * (i - 1))) & 0xF) == ((bits >> (4 * i)) & 0xF):
+            bits = (bits & ((1 << (4 * i)) - 1)) | ((bits >> (4 * (i + 1))) << (4 * i))
+            for t in range(i, nR - 1):
+                acc[3 + t] = acc[4 + t]
+            nR -= 1
+    acc[2] = nR
+    acc[8] = nK
+    acc[14] = bits
+
+
+def _nb_scratch(n):
+    """int32 [n, STEP_COLS] zeros, for step rows (interpreted: stores wrap as compiled)."""
+    return np.zeros((n, 4), np.int32)
+
+
+def _nb_tiles_once(src, n, dst, d0, write, tq, tk, acc):
+    """Tiles once for the pieces src[:n] of one unit (plain rows in non-decreasing kv_start):
+    the pieces of each K/V tile joined into grid steps, the steps written to dst[d0:] (with
+    ``write``). Returns (steps, full steps made by joining: a piece that shares its tile is
+    never full, one alone is copied as it is)."""
+    r = 1
+    while r < n and src[r, _KV_START] != src[r - 1, _KV_START]:
+        r += 1
+    if r >= n:
+        if write:
+            for x in range(n):
+                for c in range(4):
+                    dst[d0 + x, c] = src[x, c]
+        return n, np.int64(0)
+    o = d0
+    full = 0
+    if write:
+        for x in range(r - 1):
+            for c in range(4):
+                dst[o + x, c] = src[x, c]
+    o += r - 1
+    x = r - 1
+    while x < n:
+        kv = src[x, _KV_START]
+        if x + 1 >= n or src[x + 1, _KV_START] != kv:      # alone in its tile
+            if write:
+                for c in range(4):
+                    dst[o, c] = src[x, c]
+            o += 1
+            x += 1
+            continue
+        acc[1] = -1                            # the pieces of this tile, joined greedily
+        while x < n and src[x, _KV_START] == kv:
+            rect = np.int64(src[x, _RECT])
+            ra = rect & 0xFF
+            rb = (rect >> _Q_HI) & 0xFF
+            kl = (rect >> _KV_LO) & 0xFF
+            kh = (rect >> _KV_HI) & 0xFF
+            x += 1
+            if acc[1] >= 0:
+                if acc[2] == 2 and acc[8] == 2:    # the step is one rectangle: always joins
+                    _nb_acc_two(acc, ra, rb, kl, kh)
+                    continue
+                if _nb_acc_add(acc, ra, rb, kl, kh):
+                    continue
+            if acc[1] >= 0:
+                if write:
+                    _nb_store(acc, dst, o)
+                full += _nb_acc_full(acc, tq, tk)
+                o += 1
+            acc[1] = kv
+            acc[2] = 2
+            acc[3] = ra
+            acc[4] = rb
+            acc[8] = 2
+            acc[9] = kl
+            acc[10] = kh
+            acc[14] = 1
+        if write:
+            _nb_store(acc, dst, o)
+        full += _nb_acc_full(acc, tq, tk)
+        o += 1
+    return o - d0, np.int64(full)
+
+
+def _nb_acc_full(acc, tq, tk):
+    """1 if the step acc is the whole tile, one cell (a full step), else 0."""
+    return np.int64((acc[2] == 2) & (acc[8] == 2) & (acc[3] == 0) & (acc[4] == tq)
+                    & (acc[9] == 0) & (acc[10] == tk))
+
+
 def _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps):
     """A rectangle (rows [ra, rb), keys [c0, c1) from ``anchor``) cut into tiles at anchor +
     t * tk, a last tile crossing kvp shifted back (only the last can): written from steps[s]
@@ -305,23 +593,58 @@ def _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps):
     return s + 1, full, (rb - ra) * (c1 - c0)
 
 
-def _nb_emit_more(s, firsts, lasts, rlo, rhi, c0, c1, anchor, tq, tk, ltk, kvp, write,
-                  steps):
+def _nb_emit_more(s, firsts, lasts, rlo, rhi, xa, xb, c0, c1, anchor, tq, tk, ltk, kvp,
+                  write, steps):
     """``_nb_emit`` of the rectangles of one segment whose first / last groups are the bits
-    of ``firsts`` / ``lasts`` (rows rlo[first] to rhi[last]; empty ones dropped)."""
+    of ``firsts`` / ``lasts`` (rows rlo[first] to rhi[last]; empty ones dropped), tile by tile
+    (``_nb_emit_tiles``) when the segment spans several tiles."""
     one = np.uint64(1)
     full = 0
     sel_area = 0
+    nr = 0
     while firsts:
         ra = rlo[np.int64(_nb_ctz(firsts))]
         rb = rhi[np.int64(_nb_ctz(lasts))]
         firsts &= firsts - one
         lasts &= lasts - one
         if ra < rb:
-            s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps)
-            full += f
-            sel_area += a
+            xa[nr] = ra
+            xb[nr] = rb
+            nr += 1
+    if nr > 1:
+        return _nb_emit_tiles(s, xa, xb, nr, c0, c1, anchor, tq, tk, ltk, kvp, write, steps)
+    if nr == 1:
+        return _nb_emit(s, xa[0], xb[0], c0, c1, anchor, tq, tk, ltk, kvp, write, steps)
     return s, full, sel_area
+
+
+def _nb_emit_tiles(s, xa, xb, nr, c0, c1, anchor, tq, tk, ltk, kvp, write, steps):
+    """``_nb_emit`` of the rectangles rows [xa[r], xb[r]) (r < nr) of one key segment, in tile
+    order (all the rectangles' pieces in a tile, then the next tile), so that the pieces of one
+    K/V tile come one after the other (``_nb_tiles_once``)."""
+    if ltk >= 0:
+        t0, t1 = c0 >> ltk, ((c1 - 1) >> ltk) + 1
+    else:
+        t0, t1 = c0 // tk, (c1 - 1) // tk + 1
+    if not write:
+        return s + (t1 - t0) * nr, 0, 0
+    full = 0
+    ts = t0 * tk + anchor
+    for _ in range(t0, t1):
+        kl = max(c0 + anchor - ts, 0)
+        kh = min(c1 + anchor - ts, tk)
+        sh = max(ts + tk - kvp, 0)
+        for r in range(nr):
+            ra, rb = xa[r], xb[r]
+            steps[s, _KV_START] = ts - sh
+            steps[s, _RECT] = ra | (rb << _Q_HI) | ((kl + sh) << _KV_LO) | ((kh + sh) << _KV_HI)
+            full += (ra == 0) & (rb == tq) & (kl + sh == 0) & (kh + sh == tk)
+            s += 1
+        ts += tk
+    area = 0
+    for r in range(nr):
+        area += (xb[r] - xa[r]) * (c1 - c0)
+    return s, full, area
 
 
 def _nb_rects_one(u, s, w2, r, ra, rb, kb, ka, grid, tq, tk, ltk, kvp, write, steps, nfull,
@@ -376,7 +699,7 @@ def _nb_rects_one(u, s, w2, r, ra, rb, kb, ka, grid, tq, tk, ltk, kvp, write, st
 
 
 def _nb_rects_two(u, s, w2, x0, x1, ra0, rb0, ra1, rb1, touch, kb, ka, grid, tq, tk, ltk,
-                  kvp, write, steps, nfull, area):
+                  kvp, write, steps, nfull, area, xa, xb):
     """``_nb_rects`` for a unit of two row groups (rows x0, x1 of w2; rows [ra0, rb0) and
     [ra1, rb1) of the tile, clipped; ``touch``: the second starts where the first ends), their
     words and selecting pattern kept in registers. Returns the end row."""
@@ -408,12 +731,25 @@ def _nb_rects_two(u, s, w2, x0, x1, ra0, rb0, ra1, rb1, touch, kb, ka, grid, tq,
             if prev >= 0:                  # the segment [prev, j): one or two rectangles
                 c0, c1 = kb[prev] - anchor, kb[j] - anchor
                 if sel == 3 and not touch:
-                    if ra0 < rb0:
-                        s, f, a = _nb_emit(s, ra0, rb0, c0, c1, anchor, tq, tk, ltk, kvp,
-                                           write, steps)
+                    if ltk >= 0:
+                        t0 = c0 >> ltk
+                    else:
+                        t0 = c0 // tk
+                    ts = t0 * tk
+                    if ra0 < rb0 and ra1 < rb1 and not (c1 - ts <= tk and ts + anchor <= lim):
+                        xa[0], xb[0], xa[1], xb[1] = ra0, rb0, ra1, rb1   # tile by tile
+                        s, f, a = _nb_emit_tiles(s, xa, xb, 2, c0, c1, anchor, tq, tk, ltk,
+                                                 kvp, write, steps)
                         full += f
                         sel_area += a
-                    ra, rb = ra1, rb1
+                        ra, rb = 0, 0
+                    else:
+                        if ra0 < rb0:
+                            s, f, a = _nb_emit(s, ra0, rb0, c0, c1, anchor, tq, tk, ltk, kvp,
+                                               write, steps)
+                            full += f
+                            sel_area += a
+                        ra, rb = ra1, rb1
                 else:
                     ra = ra0 if sel & 1 else ra1
                     rb = rb1 if sel & 2 else rb0
@@ -450,7 +786,7 @@ def _nb_rects_two(u, s, w2, x0, x1, ra0, rb0, ra1, rb1, touch, kb, ka, grid, tq,
 
 
 def _nb_rects_wide(u, s, w2, row, g0, g1, r0, r1, q0, olo, ohi, kb, ka, grid, tq, tk, ltk,
-                   kvp, write, steps, nfull, area):
+                   kvp, write, steps, nfull, area, xa, xb):
     """``_nb_rects`` for one unit of more than 64 row groups (word rows ``row``): the
     selecting groups of each segment found by a loop over the groups. Returns the end row."""
     W = w2.shape[1]
@@ -475,6 +811,7 @@ def _nb_rects_wide(u, s, w2, row, g0, g1, r0, r1, q0, olo, ohi, kb, ka, grid, tq
             if prev >= 0:              # the segment [prev, j): its rectangles
                 wk, bit = prev >> 6, np.uint64(prev & 63)
                 c0, c1 = kb[prev] - anchor, kb[j] - anchor
+                nr = 0
                 t = 0
                 while True:
                     while t < n and not (w2[row[t], wk] >> bit) & one:
@@ -489,10 +826,14 @@ def _nb_rects_wide(u, s, w2, row, g0, g1, r0, r1, q0, olo, ohi, kb, ka, grid, tq
                     ra = max(r0[g0 + ta] - q0, olo)
                     rb = min(r1[g0 + t - 1] - q0, ohi)
                     if ra < rb:
-                        s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write,
-                                           steps)
-                        full += f
-                        sel_area += a
+                        xa[nr] = ra
+                        xb[nr] = rb
+                        nr += 1
+                if nr:
+                    s, f, a = _nb_emit_tiles(s, xa, xb, nr, c0, c1, anchor, tq, tk, ltk, kvp,
+                                             write, steps)
+                    full += f
+                    sel_area += a
             if (uw >> jb) & one:
                 if prev < 0 and not grid:
                     anchor = ka[j]
@@ -521,7 +862,9 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
     one rectangle. As ``plan_oracle._cut_keys``: a rectangle is cut at the global key grid
     (``grid``, split) or at tiles anchored at the aligned start of the union run holding it
     (pack), tiles crossing kvp shifted back; each tile's rows are clipped to the unit's own
-    rows, and dropped if none.
+    rows, and dropped if none. The rectangles of a segment are cut tile by tile, so a unit's
+    pieces come in non-decreasing kv_start, and those of one K/V tile are joined into grid
+    steps by ``_nb_tiles_once`` (tiles once, as ``plan_oracle.tiles_once``).
     Units of one or two groups (most: blocks of about tile_q / 2 rows or more) have their own
     loops (``_nb_rects_one``, ``_nb_rects_two``); other units of <= 64 groups take the
     selecting groups as one word, read when a segment opens from the word being decoded;
@@ -539,6 +882,15 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
     ca = np.empty(nmax, np.uint64)         # their carries into word k
     rlo = np.empty(nmax, np.int64)         # their rows relative to q0, clipped to the owned rows
     rhi = np.empty(nmax, np.int64)
+    xa = np.empty(nmax + 1, np.int64)      # the rectangles of one segment (rows)
+    xb = np.empty(nmax + 1, np.int64)
+    acc = np.zeros(_ACC_LEN, np.int64)     # ``_nb_tiles_once``'s step
+    # Each unit's pieces are written to a scratch (in cache), then ``_nb_tiles_once`` writes
+    # its steps to steps (or only counts them: counts are exact).
+    smax = 1
+    for u in range(lo, hi):
+        smax = max(smax, bound[u + 1] - bound[u])
+    scratch = _nb_scratch(smax)
     s = row0
     for u in range(lo, hi):
         if s + bound[u + 1] - bound[u] > cap:
@@ -547,104 +899,129 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
         n = g1 - g0
         h = gh[g0]
         q0, olo, ohi = uq[u], uqlo[u], uqhi[u]
-        s0 = s
+        buf = scratch
+        b0 = 0
         for t in range(n):
             row[t] = h * nq + gi[g0 + t]
         if n == 1:
-            s = _nb_rects_one(u, s, w2, row[0], max(r0[g0] - q0, olo), min(r1[g0] - q0, ohi),
-                              kb, ka, grid, tq, tk, ltk, kvp, write, steps, nfull, area)
-            cnt[u] = s - s0
-            continue
-        if n == 2:
-            s = _nb_rects_two(u, s, w2, row[0], row[1], max(r0[g0] - q0, olo),
+            e = _nb_rects_one(u, b0, w2, row[0], max(r0[g0] - q0, olo), min(r1[g0] - q0, ohi),
+                              kb, ka, grid, tq, tk, ltk, kvp, True, buf, nfull, area)
+        elif n == 2:
+            e = _nb_rects_two(u, b0, w2, row[0], row[1], max(r0[g0] - q0, olo),
                               min(r1[g0] - q0, ohi), max(r0[g0 + 1] - q0, olo),
                               min(r1[g0 + 1] - q0, ohi), r0[g0 + 1] == r1[g0], kb, ka, grid,
-                              tq, tk, ltk, kvp, write, steps, nfull, area)
-            cnt[u] = s - s0
-            continue
-        if n > 64:
-            s = _nb_rects_wide(u, s, w2, row, g0, g1, r0, r1, q0, olo, ohi, kb, ka, grid, tq,
-                               tk, ltk, kvp, write, steps, nfull, area)
-            cnt[u] = s - s0
-            continue
-        touch = zero                       # bit t: group g0 + t starts where t - 1 ends
+                              tq, tk, ltk, kvp, True, buf, nfull, area, xa, xb)
+        elif n > 64:
+            e = _nb_rects_wide(u, b0, w2, row, g0, g1, r0, r1, q0, olo, ohi, kb, ka, grid, tq,
+                               tk, ltk, kvp, True, buf, nfull, area, xa, xb)
+        else:
+            e = _nb_rects_many(u, b0, w2, row, wb, ca, rlo, rhi, n, g0, r0, r1, q0, olo, ohi,
+                               kb, ka, grid, tq, tk, ltk, kvp, buf, nfull, area, xa, xb)
+        e, nf = _nb_tiles_once(scratch, e, steps, s, write, tq, tk, acc)
+        if write:
+            nfull[u] += nf
+        cnt[u] = e
+        s += e
+    return s, hi
+
+
+def _nb_rects_many(u, s, w2, row, wb, ca, rlo, rhi, n, g0, r0, r1, q0, olo, ohi, kb, ka, grid,
+                   tq, tk, ltk, kvp, steps, nfull, area, xa, xb):
+    """``_nb_rects`` for a unit of 3 to 64 row groups: the selecting groups of a segment taken
+    as one word, read when the segment opens from the word being decoded. Returns the end
+    row."""
+    W = w2.shape[1]
+    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    lim = kvp - tk
+    write = True
+    s0 = s
+    touch = zero                       # bit t: group g0 + t starts where t - 1 ends
+    for t in range(n):
+        ca[t] = zero
+        rlo[t] = max(r0[g0 + t] - q0, olo)
+        rhi[t] = min(r1[g0 + t] - q0, ohi)
+        if t > 0 and r0[g0 + t] == r1[g0 + t - 1]:
+            touch |= one << np.uint64(t)
+    full = 0
+    sel_area = 0
+    prev = -1                          # previous boundary, if inside the union
+    anchor = 0
+    sel = zero                         # groups selecting the segment from prev
+    for k in range(W + 1):
+        b = zero
+        uw = zero                      # union of the groups' word k
         for t in range(n):
-            ca[t] = zero
-            rlo[t] = max(r0[g0 + t] - q0, olo)
-            rhi[t] = min(r1[g0 + t] - q0, ohi)
-            if t > 0 and r0[g0 + t] == r1[g0 + t - 1]:
-                touch |= one << np.uint64(t)
-        full = 0
-        sel_area = 0
-        prev = -1                          # previous boundary, if inside the union
-        anchor = 0
-        sel = zero                         # groups selecting the segment from prev
-        for k in range(W + 1):
-            b = zero
-            uw = zero                      # union of the groups' word k
-            for t in range(n):
-                w = w2[row[t], k] if k < W else zero
-                b |= w ^ ((w << one) | ca[t])
-                ca[t] = w >> top
-                wb[t] = w
-                uw |= w
-            while b:
-                jb = np.uint64(_nb_ctz(b))
-                j = k * 64 + np.int64(jb)
-                b &= b - one
-                if prev >= 0:              # the segment [prev, j): its rectangles
-                    c0, c1 = kb[prev] - anchor, kb[j] - anchor
-                    firsts = sel & ~((sel << one) & touch)     # first groups of rects
-                    lasts = sel & ~((sel >> one) & (touch >> one))  # and their last groups
-                    ra = rlo[np.int64(_nb_ctz(firsts))]
-                    rb = rhi[np.int64(_nb_ctz(lasts))]
-                    if ra < rb:            # the first rectangle, most often the only one
-                        if ltk >= 0:
-                            t0 = c0 >> ltk
-                        else:
-                            t0 = c0 // tk
-                        ts = t0 * tk
-                        if c1 - ts <= tk and ts + anchor <= lim:   # one tile, not shifted
-                            if write:
-                                kl, kh = c0 - ts, c1 - ts
-                                steps[s, _KV_START] = ts + anchor
-                                steps[s, _RECT] = (ra | (rb << _Q_HI) | (kl << _KV_LO)
-                                                   | (kh << _KV_HI))
-                                full += (ra == 0) & (rb == tq) & (kl == 0) & (kh == tk)
-                                sel_area += (rb - ra) * (kh - kl)
-                            s += 1
-                        else:
-                            s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp,
-                                               write, steps)
-                            full += f
-                            sel_area += a
-                    firsts &= firsts - one
-                    if firsts:             # more rectangles
-                        s, f, a = _nb_emit_more(s, firsts, lasts & (lasts - one), rlo, rhi,
-                                                c0, c1, anchor, tq, tk, ltk, kvp, write, steps)
+            w = w2[row[t], k] if k < W else zero
+            b |= w ^ ((w << one) | ca[t])
+            ca[t] = w >> top
+            wb[t] = w
+            uw |= w
+        while b:
+            jb = np.uint64(_nb_ctz(b))
+            j = k * 64 + np.int64(jb)
+            b &= b - one
+            if prev >= 0:              # the segment [prev, j): its rectangles
+                c0, c1 = kb[prev] - anchor, kb[j] - anchor
+                firsts = sel & ~((sel << one) & touch)     # first groups of rects
+                lasts = sel & ~((sel >> one) & (touch >> one))  # and their last groups
+                ra = rlo[np.int64(_nb_ctz(firsts))]
+                rb = rhi[np.int64(_nb_ctz(lasts))]
+                if ltk >= 0:
+                    t0 = c0 >> ltk
+                else:
+                    t0 = c0 // tk
+                ts = t0 * tk
+                one_tile = c1 - ts <= tk and ts + anchor <= lim
+                if not one_tile and (firsts & (firsts - one)):   # tile by tile
+                    s, f, a = _nb_emit_more(s, firsts, lasts, rlo, rhi, xa, xb, c0, c1,
+                                            anchor, tq, tk, ltk, kvp, write, steps)
+                    full += f
+                    sel_area += a
+                    firsts = zero
+                elif ra < rb:          # the first rectangle, most often the only one
+                    if one_tile:       # one tile, not shifted
+                        if write:
+                            kl, kh = c0 - ts, c1 - ts
+                            steps[s, _KV_START] = ts + anchor
+                            steps[s, _RECT] = (ra | (rb << _Q_HI) | (kl << _KV_LO)
+                                               | (kh << _KV_HI))
+                            full += (ra == 0) & (rb == tq) & (kl == 0) & (kh == tk)
+                            sel_area += (rb - ra) * (kh - kl)
+                        s += 1
+                    else:
+                        s, f, a = _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp,
+                                           write, steps)
                         full += f
                         sel_area += a
-                # j opens a segment iff some group selects block j; a union run starts there
-                # if the previous segment was outside the union
-                if (uw >> jb) & one:
-                    if prev < 0 and not grid:
-                        anchor = ka[j]
-                    prev = j
-                    if n == 1:
-                        sel = one
-                    elif n == 2:
-                        sel = ((wb[0] >> jb) & one) | (((wb[1] >> jb) & one) << one)
-                    else:
-                        sel = zero
-                        for t in range(n):
-                            sel |= ((wb[t] >> jb) & one) << np.uint64(t)
+                firsts &= firsts - one
+                if firsts:             # more rectangles (one tile)
+                    s, f, a = _nb_emit_more(s, firsts, lasts & (lasts - one), rlo, rhi,
+                                            xa, xb, c0, c1, anchor, tq, tk, ltk, kvp,
+                                            write, steps)
+                    full += f
+                    sel_area += a
+            # j opens a segment iff some group selects block j; a union run starts there
+            # if the previous segment was outside the union
+            if (uw >> jb) & one:
+                if prev < 0 and not grid:
+                    anchor = ka[j]
+                prev = j
+                if n == 1:
+                    sel = one
+                elif n == 2:
+                    sel = ((wb[0] >> jb) & one) | (((wb[1] >> jb) & one) << one)
                 else:
-                    prev = -1
-        cnt[u] = s - s0
-        if write:
-            nfull[u] = full
-            area[u] = sel_area
-    return s, hi
+                    sel = zero
+                    for t in range(n):
+                        sel |= ((wb[t] >> jb) & one) << np.uint64(t)
+            else:
+                prev = -1
+    nfull[u] = full
+    area[u] = sel_area
+    return s
+
+
+
 
 
 def _nb_rect_bound(words, gh, gi, ugroups, cmax, bound):
@@ -682,10 +1059,12 @@ def _nb_pack_units(gh, r0, r1, tq, q_align):
 
 
 _NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_pack",
-               "_nb_row_index", "_nb_units", "_nb_emit", "_nb_emit_more", "_nb_rects_one",
-               "_nb_rects_two", "_nb_rects_wide", "_nb_rects", "_nb_rect_bound",
+               "_nb_row_index", "_nb_units", "_nb_store", "_nb_acc_bound", "_nb_acc_add",
+               "_nb_acc_norm", "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full", "_nb_scratch", "_nb_tiles_once", "_nb_emit", "_nb_emit_more", "_nb_emit_tiles", "_nb_rects_one",
+               "_nb_rects_two", "_nb_rects_wide", "_nb_rects_many", "_nb_rects", "_nb_rect_bound",
                "_nb_pack_units")
-_NB_INLINE = ("_nb_popcount", "_nb_tiles")   # inlined into their callers (numba IR)
+_NB_INLINE = ("_nb_popcount", "_nb_tiles", "_nb_store", "_nb_acc_bound", "_nb_sort4",
+              "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full")  # inlined (numba IR)
 
 
 # --- running the loops: interpreted while small, compiled after --------------------------
@@ -805,4 +1184,5 @@ _PY_NS.update({name: types.FunctionType(fn.__code__, _PY_NS, fn.__name__, fn.__d
                                         fn.__closure__) for name, fn in _PLAIN.items()})
 _PY_NS["_nb_ctz"] = _py_ctz
 _PY_NS["_nb_popcount"] = _py_popcount
+_PY_NS["_nb_scratch"] = lambda n: np.zeros((n, 4), np.int32).view(_Int32Out)
 globals().update({name: _Loop(fn) for name, fn in _PLAIN.items()})

@@ -1,12 +1,22 @@
 """Planner: logical blocks -> physical tiles -> work units, as the int32 arrays of the plan ABI.
 
 NumPy (and numba-compiled loops for keep/merge) on the host, run at trace time; knows nothing
-of Pallas. The output format is documented in ``pallas_kernels/plan_abi.py``: a *work unit* is
+of Pallas. The output format is documented in ``pallas_kernels/abi.py``: a *work unit* is
 one query tile [q_start, q_start + tile_q) of one query head plus the list of K/V tiles
-(*steps*) it visits; each step selects exactly one rectangle of its tile (rows x keys),
-everything else in the tile is masked. The rectangles of all steps cover the mask's selected
-(query, key) pairs exactly once, whatever the policy: policies only change *how* the selected
-set is cut into tiles.
+(*steps*) it visits; each step selects a rectangle of its tile (rows x keys), or, a *grid*
+step, the selected cells of a <= 4 x 4 grid inside that rectangle; everything else in the tile
+is masked. The steps' selections cover the mask's selected (query, key) pairs exactly once,
+whatever the policy: policies only change *how* the selected set is cut into tiles.
+
+Tiles once (issue 15): a policy cuts the selected set into *pieces* (one rectangle in one K/V
+tile); a unit's pieces come in non-decreasing kv_start (the rectangles of one key segment tile
+by tile), and the pieces of one tile are joined greedily into one grid step while the union
+fits a 4 x 4 grid (at most 5 distinct row bounds and 5 distinct key bounds, the grid
+normalised), in the step loops themselves (``plan_loops._nb_tiles_once``; keep/merge, whose
+pieces of a unit share their rows, join in ``_nb_fill`` as they write). So a unit visits a
+K/V tile once wherever its pieces there fit a grid (``stats()["tile_revisits"]`` counts the
+other visits: tiles cut by more than 4 blocks per axis, 1- to 3-token blocks). The
+specification, in plain Python: ``plan_oracle.tiles_once``.
 
 Policies (the tile shape is fixed by the template; ``q_align``/``kv_align`` are honoured by
 rounding tile starts down to a multiple, and tiles that would cross the padded length are
@@ -25,25 +35,37 @@ shifted back inside it):
   block that crosses a grid line is split into the tiles on each side, and the small blocks
   inside one grid cell share its tile. In a cell, each query block's selected key runs become
   rectangles, and rectangles of adjacent query blocks with the same key range are merged
-  vertically; a cell whose selected area is not one rectangle costs several steps (the same K/V
-  tile, several rectangles).
+  vertically; the rectangles of a cell are one grid step where they fit 4 x 4 (tiles once).
 * ``pack``  - ``merge`` plus packing along queries: consecutive row groups (identical rows
   merged as in ``merge``) share one unit while their rows fit in ``tile_q`` (greedy, per head),
   so query blocks shorter than the tile no longer leave most of the Q tile masked. The unit's
   K/V tiles are anchored at the runs of the *union* of its groups' key sets; inside, the keys
   are cut into segments where the set of selecting groups is constant, and each vertical run of
   adjacent selecting groups is one rectangle. A tile holding several rectangles (an L shape, say)
-  costs one step per rectangle, as the ABI allows one rectangle per step.
+  is one grid step (tiles once).
 * ``auto``  - per mask head (so per query head for per-head masks, globally for a shared mask),
   the policy among ``merge``, ``split`` and ``pack`` with the least estimated total cost
-  (``tessera_jax.planning.schedule``); units of one head always come from one policy. ``keep`` is not
-  a candidate: ``merge`` never has more units or more steps than ``keep`` (a run tiled as a
-  whole needs at most the tiles of its blocks tiled one by one, and likewise for rows).
+  (``tessera_jax.planning.schedule``) among those whose plan of the head computes at most
+  dense (below; all of them if none does); units of one head always come from one policy.
+  ``keep`` is not a candidate: ``merge`` never has more units or more steps than ``keep`` (a
+  run tiled as a whole needs at most the tiles of its blocks tiled one by one, and likewise
+  for rows).
+
+The invariant (enforced by ``build_plan``): no head computes more interactions than a dense plan
+of the same tiles (``dense_tile_interactions``: ceil(Lq / tile_q) tile_q x ceil(Lkv / tile_kv)
+tile_kv, which is Lq x Lkv when the tiles divide the lengths). A head whose plan would
+(``keep``/``merge`` anchor a tile at every block start: 1-token blocks computed ~400x dense)
+is planned by ``split`` instead where that computes less (``stats()["fallback_heads"]``,
+``head_policies``). ``split`` visits each (query tile, key tile) of the global grid once
+where it tiles once, so it is within dense then.
 
 Every tile (step, counted once per unit that visits it) is classified for ``stats()``: it is
-*split* if its rectangle covers only part of a logical block it touches (along queries or
-keys), otherwise *merged* if it covers several logical blocks whole, otherwise *kept* (it
-covers exactly one logical block, whole). ``kept + merged + split == tiles``.
+*split* if its selection (a grid step's selected cells) covers only part of a logical block it
+touches (along queries or keys), otherwise *merged* if it covers several logical blocks whole,
+otherwise *kept* (it covers exactly one logical block, whole). ``kept + merged + split ==
+tiles``. ``computed_interactions`` counts each visit as tile_q x tile_kv;
+``dense_interactions`` is Lq x Lkv x Hq; ``tile_revisits`` the visits of a K/V tile the unit
+visited before (0: tiles once holds); ``grid_steps`` the visits of grid steps.
 
 Mask heads with identical blocks are planned once and their units share one step list (a
 shared mask is the case of a single distinct head), so ``steps`` grows with the distinct head
@@ -163,8 +185,9 @@ class Plan:
         step rows, and skipped when the planner already counted a partial step."""
         if not self.maybe_all_full:
             return False
-        rect = self.steps[: self.num_steps, abi.STEP_RECT]
-        return bool(np.all(rect == abi.full_rect(self.tile_q, self.tile_kv)))
+        st = self.steps[: self.num_steps]
+        return bool(np.all((st[:, abi.STEP_RECT] == abi.full_rect(self.tile_q, self.tile_kv))
+                           & (st[:, abi.STEP_CUTS_B] == 0)))
 
     @property
     def capacities(self) -> tuple[int, int, int]:
@@ -177,10 +200,25 @@ class Plan:
         """Every computed tile in absolute coordinates, one row per (unit, step) visit.
 
         Returns int64 arrays: ``unit``, ``head``, ``q0``/``q1`` (the tile's rows),
-        ``k0``/``k1`` (its keys), ``r0``/``r1`` and ``c0``/``c1`` (the selected rectangle:
-        rows [r0, r1) x keys [c0, c1)), ``step`` (index into ``steps``).
+        ``k0``/``k1`` (its keys), ``r0``/``r1`` and ``c0``/``c1`` (the step's rectangle:
+        rows [r0, r1) x keys [c0, c1); all of it selected unless ``grid``), ``step`` (index
+        into ``steps``), ``grid`` (bool: a grid step, its selection the cells of ``cuts_a`` /
+        ``cuts_b``, see ``tile_cells``).
         """
         return _tile_rects(self)
+
+    def tile_cells(self, rects: dict | None = None) -> dict:
+        """Every selected rectangle of every visit (a plain step's rectangle, a grid step's
+        selected cells), absolute: int64 arrays ``visit`` (row of ``tile_rects``), ``unit``,
+        ``head``, ``r0``/``r1``, ``c0``/``c1``. Disjoint per head; they cover the mask's
+        selected (query, key) pairs exactly."""
+        t = rects if rects is not None else _tile_rects(self)
+        v, r0, r1, c0, c1 = abi.step_cells(
+            abi.pack_rect(t["r0"] - t["q0"], t["r1"] - t["q0"], t["c0"] - t["k0"],
+                          t["c1"] - t["k0"]), t["cuts_a"], t["cuts_b"])
+        q0, k0 = t["q0"][v], t["k0"][v]
+        return {"visit": v, "unit": t["unit"][v], "head": t["head"][v], "r0": q0 + r0,
+                "r1": q0 + r1, "c0": k0 + c0, "c1": k0 + c1}
 
     def stats(self) -> dict:
         return dict(self._stats)
@@ -197,13 +235,19 @@ class Plan:
         route = ("dense route: sparse_attention runs cuDNN dense attention for this "
                  "all-selected mask (no LSE); this plan runs only with return_lse=True or if "
                  "cuDNN refuses the call. " if self.dense_route else "")
+        if s["fallback_heads"]:
+            pol += (f"; {s['fallback_heads']} heads planned by split, {self.policy}'s plan "
+                    f"computed more than dense")
+        dense = s["dense_interactions"]
         return (
             f"{route}plan {self.template} ({pol}): tiles {self.tile_q}x{self.tile_kv}, "
             f"{s['units']} work units, {s['tiles']} tiles "
             f"(kept {s['kept']}, merged {s['merged']}, split {s['split']}; "
-            f"{s['partial_tiles']} partial); "
+            f"{s['partial_tiles']} partial, {s['grid_steps']} grid steps, "
+            f"{s['tile_revisits']} tile revisits); "
             f"selected {s['selected_interactions']:,} interactions, computed "
-            f"{s['computed_interactions']:,} (waste {s['waste_fraction']:.1%}); "
+            f"{s['computed_interactions']:,} (waste {s['waste_fraction']:.1%}; "
+            f"{s['computed_interactions'] / dense if dense else 0.0:.2f}x dense); "
             f"K/V bytes {s['kv_bytes'] / 2**20:.1f} MiB; est. {s['est_time_us']:.1f} us on "
             f"{self.cost_model.num_sms} SMs (balance {s['balance']:.2f}); capacities "
             f"U={self.capacities[0]} S={self.capacities[1]} M={self.capacities[2]}")
@@ -406,10 +450,10 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
     none = np.zeros((1, abi.STEP_COLS), np.int32)
     if bucket(B) * abi.STEP_COLS * 4 > _MAX_BOUND_BYTES:    # count first, then exact offsets
         _run_split(_loops._nb_rects, U, B, 0, *args, bound, big, False, none, cnt, nfull, area)
-        bound = np.zeros(U + 1, np.int64)
-        np.cumsum(cnt, out=bound[1:])
-        B = int(bound[-1])
-        r1 = int(bound[mid])
+        exact = np.zeros(U + 1, np.int64)      # ``bound`` stays: the loops size by it
+        np.cumsum(cnt, out=exact[1:])
+        B = int(exact[-1])
+        r1 = int(exact[mid])
     elif two:
         r1 = min(int(bound[mid]), _first_half_rows(args, bound, mid))
     steps = np.zeros((bucket(B), abi.STEP_COLS), np.int32)
@@ -428,6 +472,8 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
         r2 = e0 + c
         ctypes.memmove(steps.ctypes.data + r2 * row, steps.ctypes.data + r1 * row,
                        (e1 - r1) * row)
+        if r2 > r1:             # left behind by the move: rows are written on zeros
+            steps[r1:r2] = 0
         e1, r1 = r2 + e1 - r1, r2
         e, _ = _loops._nb_rects(stop, mid, e0, *args, bound, big, *out)
         if e != r2:
@@ -527,7 +573,7 @@ def warm_up() -> None:
     _plan_pack(ctx)
     for merge in (False, True):
         _plan_rowgroups(ctx, merge)
-        _loops._nb_count(0, 1, words, z64, z64, merge, b, b, 8, 3, z64.copy())
+        _loops._nb_count(0, 1, words, z64, z64, merge, b, b, 8, 3, 0, z64.copy())
 
 
 def _on_worker(fn, *args):
@@ -597,7 +643,7 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
     if bucket(B) * abi.STEP_COLS * 4 <= _MAX_BOUND_BYTES:
         steps = np.zeros((bucket(B), abi.STEP_COLS), np.int32)
         r1 = int(bound[mid])
-        out = (steps, cnt, upart, ukeys, ptr, share)
+        out = (True, steps, cnt, upart, ukeys, ptr, share)
         fut = _on_worker(_loops._nb_fill, mid, U, r1, *common, *out) if two else None
         e0 = _loops._nb_fill(0, mid, 0, *common, *out)
         S = e0
@@ -612,7 +658,7 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
                 ptr[mid:] -= r1 - e0
         steps = steps[: bucket(S)]     # a view; the OS never backs the bound's untouched rows
     else:
-        cargs = (words, ugh, ugi, merge, kb, ka, tk, ltk, cnt)
+        cargs = (words, ugh, ugi, merge, kb, ka, tk, ltk, lim, cnt)
         fut = _on_worker(_loops._nb_count, mid, U, *cargs) if two else None
         _loops._nb_count(0, mid, *cargs)
         if fut is not None:
@@ -621,7 +667,7 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
         r1 = int(cnt[:mid].sum())
         steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
         share = False           # the halves are placed by exact counts: no rows left out
-        out = (steps, cnt, upart, ukeys, ptr, share)
+        out = (True, steps, cnt, upart, ukeys, ptr, share)
         fut = _on_worker(_loops._nb_fill, mid, U, r1, *common, *out) if two else None
         _loops._nb_fill(0, mid, 0, *common, *out)
         if fut is not None:
@@ -643,8 +689,8 @@ def _rowgroups_wide(common, bound, cnt, upart, ukeys, share: bool):
     U = len(cnt)
     edges = _wide_edges(bound)
     chunks = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
-    _on_threads_wide([(_loops._nb_count, lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, cnt)
-                      for lo, hi in chunks])
+    _on_threads_wide([(_loops._nb_count, lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, lim,
+                       cnt) for lo, hi in chunks])
     stored = cnt.copy()
     if share and U > 1:         # the rows of a unit equal to the one before are not stored
         same = ((ugh[1:] == ugh[:-1]) & (ugi[1:] == ugi[:-1]) & (qlo[1:] == qlo[:-1])
@@ -656,8 +702,8 @@ def _rowgroups_wide(common, bound, cnt, upart, ukeys, share: bool):
     S = int(offs[-1])
     steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
     ptr = np.empty(U, np.int64)
-    ends = _on_threads_wide([(_loops._nb_fill, lo, hi, int(o), *common, steps, cnt, upart, ukeys,
-                              ptr, share) for (lo, hi), o in zip(chunks, offs[:-1])])
+    ends = _on_threads_wide([(_loops._nb_fill, lo, hi, int(o), *common, True, steps, cnt, upart,
+                              ukeys, ptr, share) for (lo, hi), o in zip(chunks, offs[:-1])])
     if list(ends) != offs[1:].tolist():
         raise RuntimeError("planner: keep/merge step count changed between passes")
     return steps, S, ptr
@@ -721,6 +767,8 @@ def _raw_costs(raw: _Raw, ctx: _Ctx, shape: AttnShape, model) -> np.ndarray:
 
 
 def _plan_policy(ctx: _Ctx, policy: str, share: bool | None = None) -> _Raw:
+    """The units and steps of one policy (tiles once: the step loops join the pieces of one
+    K/V tile into grid steps as they write them)."""
     if policy == "split":
         return _plan_grid(ctx)
     if policy == "pack":
@@ -823,23 +871,43 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
                qp, kvp)
     Hd = words.shape[0]
 
+    # The invariant (``dense_tile_interactions``): a head computes at most what a dense plan
+    # of these tiles computes. The split plan meets it wherever its tiles are visited once.
+    bound = dense_tile_interactions(shape.q_len, shape.kv_len, tile_q, tile_kv)
+    mixed = policy == "auto"
     if policy == "auto":
         # Unshared rows: the heads' policies are mixed by selecting rows in unit order.
         raws = [_plan_policy(ctx, p, share=False) for p in _AUTO_CANDIDATES]
         costs = [_raw_costs(r, ctx, shape, cost_model) for r in raws]
         per_head = np.stack([np.bincount(r.head, weights=c, minlength=Hd)
                              for r, c in zip(raws, costs)])
+        # Prefer the candidates within the invariant (computed <= dense) on each head.
+        over = np.stack([_head_computed(r, Hd, tile_q, tile_kv) > bound for r in raws])
+        per_head = np.where(over & ~over.all(axis=0), np.inf, per_head)
         choice = np.argmin(per_head, axis=0)            # ties -> the earlier policy
         raw = _Raw.concat([r.select_heads(choice == k) for k, r in enumerate(raws)])
         head_policies = tuple(_AUTO_CANDIDATES[choice[k]] for k in hmap)
     else:
         raw = _plan_policy(ctx, policy, share=share)
         head_policies = (policy,) * mask.num_heads
+        if policy != "split":
+            # Enforced: a head whose plan computes more than dense takes split's plan, where
+            # that computes less (a mask of 1-token blocks under keep/merge: a tile anchored
+            # at every block start).
+            comp = _head_computed(raw, Hd, tile_q, tile_kv)
+            if (comp > bound).any():
+                alt = _plan_policy(ctx, "split", share=False)
+                use = (comp > bound) & (_head_computed(alt, Hd, tile_q, tile_kv) < comp)
+                if use.any():
+                    raw = _Raw.concat([raw.unshared().select_heads(~use),
+                                       alt.select_heads(use)])
+                    head_policies = tuple("split" if use[k] else policy for k in hmap)
+                    mixed = True
     first = raw.first
     cost = _raw_costs(raw, ctx, shape, cost_model)
     # Selected interactions per unit, from its rectangles (each is computed exactly once).
     per_unit = [raw.head, raw.qs, raw.lo, raw.hi, raw.cnt, first, cost, raw.area]
-    if policy == "auto":                  # units of a distinct head must be contiguous
+    if mixed:                             # units of a distinct head must be contiguous
         srt = np.argsort(raw.head, kind="stable")
         per_unit = [x[srt] for x in per_unit]
     rh = per_unit[0]
@@ -877,6 +945,19 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
                 maybe_all_full=bool(int(raw.nfull.sum()) >= int(raw.cnt.sum())))
 
 
+def dense_tile_interactions(q_len: int, kv_len: int, tile_q: int, tile_kv: int) -> int:
+    """Interactions per query head of a dense plan of these tiles, ceil(Lq / tile_q) tile_q x
+    ceil(Lkv / tile_kv) tile_kv: the planner's bound on what one head computes (``build_plan``
+    falls back to ``split`` for a head above it). Lq x Lkv (``dense_interactions`` per head)
+    when the tiles divide the lengths; a tile is computed whole even where it overhangs."""
+    return -(-q_len // tile_q) * tile_q * (-(-kv_len // tile_kv)) * tile_kv
+
+
+def _head_computed(raw: _Raw, Hd: int, tile_q: int, tile_kv: int) -> np.ndarray:
+    """Computed interactions of each distinct mask head of a raw plan."""
+    return np.bincount(raw.head, weights=raw.cnt, minlength=Hd) * float(tile_q * tile_kv)
+
+
 def _row_index(uh, qs, lo, hi, order, Hq, Lq, tile_q, sentinel):
     """row_index [Hq, Lq]: u * tile_q + r for the row r of unit u that owns it, else sentinel.
 
@@ -906,9 +987,11 @@ def _tile_rects(plan: Plan) -> dict:
     q0 = u[unit, abi.UNIT_Q_START]
     k0 = st[:, abi.STEP_KV_START].astype(np.int64)
     q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(st[:, abi.STEP_RECT].astype(np.int64))
+    cb = st[:, abi.STEP_CUTS_B].astype(np.int64)
     return {"unit": unit, "step": step, "head": u[unit, abi.UNIT_HEAD],
             "q0": q0, "q1": q0 + plan.tile_q, "k0": k0, "k1": k0 + plan.tile_kv,
-            "r0": q0 + q_lo, "r1": q0 + q_hi, "c0": k0 + kv_lo, "c1": k0 + kv_hi}
+            "r0": q0 + q_lo, "r1": q0 + q_hi, "c0": k0 + kv_lo, "c1": k0 + kv_hi,
+            "cuts_a": st[:, abi.STEP_CUTS_A].astype(np.int64), "cuts_b": cb, "grid": cb != 0}
 
 
 def tile_kinds(plan: Plan, rects: dict | None = None) -> np.ndarray:
@@ -924,7 +1007,69 @@ def tile_kinds(plan: Plan, rects: dict | None = None) -> np.ndarray:
     cut_q, many_q = span(qb, t["r0"], t["r1"])
     cut_k, many_k = span(kb, t["c0"], t["c1"])
     kind = np.where(many_q | many_k, 1, 0)
-    return np.where(cut_q | cut_k, 2, kind).astype(np.int8)
+    kind = np.where(cut_q | cut_k, 2, kind).astype(np.int8)
+    g = np.flatnonzero(t["grid"])
+    if g.size:
+        kind[g] = _grid_kinds(qb, kb, t["r0"][g], t["r1"][g], t["c0"][g], t["c1"][g],
+                              t["cuts_a"][g], t["cuts_b"][g], t["q0"][g], t["k0"][g])
+    return kind
+
+
+def _grid_kinds(qb, kb, r0, r1, c0, c1, cuts_a, cuts_b, q0, k0) -> np.ndarray:
+    """``tile_kinds`` of grid steps, from their selected cells: *split* if a logical block
+    the step selects part of reaches outside its selection (a side of a selected cell that is
+    no block bound, with no selected cell across it), else *merged* if it selects several
+    blocks, else *kept*."""
+    (q1, q2, q3), (k1, k2, k3), bits = abi.unpack_grid(cuts_a, cuts_b)
+    R = np.stack([r0, q0 + q1, q0 + q2, q0 + q3, r1], axis=1)          # [G, 5] absolute
+    K = np.stack([c0, k0 + k1, k0 + k2, k0 + k3, c1], axis=1)
+    i = np.arange(abi.GRID)
+    sel = (((bits[:, None, None] >> (abi.GRID * i[:, None] + i[None, :])) & 1) == 1)
+    rne, kne = R[:, 1:] > R[:, :-1], K[:, 1:] > K[:, :-1]             # non-empty segments
+    sel &= rne[:, :, None] & kne[:, None, :]                           # [G, 4 rows, 4 keys]
+
+    def neighbours(ne):
+        """For each segment, the previous / next non-empty segment (-1: none)."""
+        G = ne.shape[0]
+        prev = np.full((G, abi.GRID), -1)
+        nxt = np.full((G, abi.GRID), -1)
+        last = np.full(G, -1)
+        for a in range(abi.GRID):
+            prev[:, a] = last
+            last = np.where(ne[:, a], a, last)
+        last = np.full(G, -1)
+        for a in range(abi.GRID - 1, -1, -1):
+            nxt[:, a] = last
+            last = np.where(ne[:, a], a, last)
+        return prev, nxt
+
+    def across(idx, axis):
+        """Whether the cell across (segment ``idx`` [G, 4] along ``axis``) is selected."""
+        ok = idx >= 0
+        if axis == 1:
+            got = np.take_along_axis(sel, np.maximum(idx, 0)[:, :, None], axis=1)
+            return got & ok[:, :, None]
+        got = np.take_along_axis(sel, np.maximum(idx, 0)[:, None, :], axis=2)
+        return got & ok[:, None, :]
+
+    rp, rn = neighbours(rne)
+    kp, kn = neighbours(kne)
+    on_q = np.isin(R, qb)                                              # sides on block bounds
+    on_k = np.isin(K, kb)
+    cut = ((~on_q[:, :-1, None] & ~across(rp, 1)) | (~on_q[:, 1:, None] & ~across(rn, 1))
+           | (~on_k[:, None, :-1] & ~across(kp, 2)) | (~on_k[:, None, 1:] & ~across(kn, 2)))
+    split = (sel & cut).any(axis=(1, 2))
+    # Blocks of each selected cell: several in one cell, or cells in different blocks.
+    fq = np.searchsorted(qb, R[:, :-1], side="right") - 1
+    lq = np.searchsorted(qb, R[:, 1:] - 1, side="right") - 1
+    fk = np.searchsorted(kb, K[:, :-1], side="right") - 1
+    lk = np.searchsorted(kb, K[:, 1:] - 1, side="right") - 1
+    many = ((lq > fq)[:, :, None] | (lk > fk)[:, None, :]) & sel
+    bid = (fq[:, :, None] * len(kb) + fk[:, None, :]).astype(np.int64)
+    lo = np.where(sel, bid, np.iinfo(np.int64).max).min(axis=(1, 2))
+    hi = np.where(sel, bid, -1).max(axis=(1, 2))
+    merged = many.any(axis=(1, 2)) | (hi > lo)
+    return np.where(split, 2, np.where(merged, 1, 0)).astype(np.int8)
 
 
 def _stats(plan: Plan) -> dict:
@@ -937,8 +1082,19 @@ def _stats(plan: Plan) -> dict:
     rects = _tile_rects(plan)
     kinds = np.bincount(tile_kinds(plan, rects), minlength=3)     # plans hold their mask
     full = ((rects["r0"] == rects["q0"]) & (rects["r1"] == rects["q1"])
-            & (rects["c0"] == rects["k0"]) & (rects["c1"] == rects["k1"]))
+            & (rects["c0"] == rects["k0"]) & (rects["c1"] == rects["k1"]) & ~rects["grid"])
     nfull = int(full.sum())
+    # Visits of a K/V tile the unit visited before (visits come in unit order).
+    by = np.lexsort((rects["k0"], rects["unit"]))
+    ku, kk = rects["unit"][by], rects["k0"][by]
+    revisits = int(((ku[1:] == ku[:-1]) & (kk[1:] == kk[:-1])).sum())
+    Hq, Lq, Lkv = plan.shape.num_q_heads, plan.shape.q_len, plan.shape.kv_len
+    if plan.policy in ("split", "auto"):
+        fallback = 0
+    elif plan.mask is not None and plan.mask.num_heads == 1:
+        fallback = Hq if plan.head_policies[:1] == ("split",) else 0
+    else:
+        fallback = plan.head_policies.count("split")
     cost = plan.unit_cost if plan.unit_cost is not None else np.zeros(U)
     nsm = plan.cost_model.num_sms
     hp = {p: plan.head_policies.count(p) for p in _BASE_POLICIES}
@@ -954,6 +1110,12 @@ def _stats(plan: Plan) -> dict:
         "partial_tiles": tiles - nfull,
         "selected_interactions": int(sel),
         "computed_interactions": int(computed),
+        "dense_interactions": int(Lq * Lkv * Hq),
+        "dense_tile_interactions": int(
+            dense_tile_interactions(Lq, Lkv, plan.tile_q, plan.tile_kv) * Hq),
+        "tile_revisits": revisits,
+        "grid_steps": int(rects["grid"].sum()),
+        "fallback_heads": int(fallback),
         "waste_fraction": float(1.0 - sel / computed) if computed else 0.0,
         "kv_bytes": int(tiles * 2 * plan.tile_kv * plan.shape.head_dim * itemsize),
         "kept": int(kinds[0]),
