@@ -58,6 +58,23 @@ grids launch unit u as program u, so the heaviest units start first).
                  j = (c >= k1) + (c >= k2) + (c >= k3); (r, c) is selected iff bit 4 * i + j of
                  ``bits`` is set (``pack_grid`` / ``unpack_grid`` / ``grid_mask``). The same
                  iota comparisons a causal mask uses, no gather.
+  STEP_CUTS_B == BITMAP_FLAG (= 1, never a grid: a grid's bits are non-zero) marks a *bitmap
+                 step*, for a tile cut by more than GRID blocks per axis (blocks of 1-8
+                 tokens): its selection is a bit per entry. STEP_CUTS_A = ``off``, an offset
+                 in int32 words into the flat view ``steps.reshape(-1)``, a multiple of 4
+                 (a row of ``steps``). The words lie in rows of ``steps`` that no unit's step
+                 range [ptr, ptr + cnt) covers (the planner puts them after the step rows,
+                 ``Plan.num_steps`` rows, each bitmap from a row boundary: ``bitmap_rows``
+                 rows), W = ceil(tile_kv / 32) (``bitmap_words``) columns of tile_q words each:
+                   word(r, w) = steps.reshape(-1)[off + w * tile_q + r]
+                 and (r, c) is selected iff bit c % 32 of word(r, c // 32) is set (bit 31: a
+                 negative int32). Bits outside the step's rectangle (and keys >= tile_kv) are 0;
+                 the rectangle is the bounding box of the selected entries (the planner's is
+                 tight; a valid plan needs it non-empty and at least one bit set). Steps may
+                 share one bitmap. ``pack_bitmap`` / ``unpack_bitmap`` convert a [tile_q,
+                 tile_kv] selection; ``step_mask`` evaluates any step (plain, grid, bitmap).
+                 The planner emits a bitmap step only for a (unit, tile) whose selection needs
+                 more than a GRID x GRID grid (``tile_once`` below); a bitmap step is never full.
   A step selects exactly those entries; every other entry of the tile is masked (-inf before
   the softmax). A step is *full* when it is plain and the rectangle is the whole tile,
   rect == pack_rect(0, tile_q, 0, tile_kv) (``full_rect``) and cuts_b == 0: kernels may skip
@@ -66,7 +83,8 @@ grids launch unit u as program u, so the heaviest units start first).
   is one).
   Invariant of a planner's plan (``tile_once``): a unit visits each K/V tile (kv_start) at most
   once, so a plan computes at most tile_q x tile_kv interactions per (unit, tile), whatever
-  the logical block sizes.
+  the logical block sizes: the one step of a (unit, tile) is plain if its selection is a
+  rectangle, a grid if it fits GRID x GRID, else a bitmap.
 
 Outputs are *unit-major*: out_units [B, U, tile_q, D] and lse_units [B, U, tile_q] (float32,
 natural log; -inf for a row with no selected key). The wrapper gathers the owned rows back
@@ -81,6 +99,8 @@ STEP_KV_START, STEP_RECT, STEP_CUTS_A, STEP_CUTS_B = range(4)
 STEP_COLS = 4
 GRID = 4                # a grid step has at most GRID row segments and GRID key segments
 GRID_BITS_SHIFT = 16    # the cell bits' offset in STEP_CUTS_B
+BITMAP_FLAG = 1         # STEP_CUTS_B of a bitmap step (bits in words past the step rows)
+WORD_BITS = 32          # keys per bitmap word
 MAX_TILE = 255          # the largest tile_q / tile_kv: a rectangle bound must fit one byte
 # Bit offsets of the four bytes of STEP_RECT: rect = q_lo << RECT_Q_LO_SHIFT | q_hi <<
 # RECT_Q_HI_SHIFT | kv_lo << RECT_KV_LO_SHIFT | kv_hi << RECT_KV_HI_SHIFT. Plain ints, so
@@ -93,6 +113,40 @@ VIEW_KV_START, VIEW_Q_LO, VIEW_Q_HI, VIEW_KV_LO, VIEW_KV_HI = range(5)
 VIEW_COLS = 5
 VIEW_Q1, VIEW_Q2, VIEW_Q3, VIEW_K1, VIEW_K2, VIEW_K3, VIEW_BITS = range(5, 12)
 VIEW_GRID_COLS = 12
+
+
+def bitmap_words(tile_kv: int) -> int:
+    """W: the word columns of a bitmap step's bits (ceil(tile_kv / WORD_BITS))."""
+    return -(-int(tile_kv) // WORD_BITS)
+
+
+def bitmap_rows(tile_q: int, tile_kv: int) -> int:
+    """Rows of ``steps`` one bitmap fills (its W * tile_q words from a row boundary, the last
+    row padded with zeros): ceil(bitmap_words(tile_kv) * tile_q / STEP_COLS)."""
+    return -(-bitmap_words(tile_kv) * int(tile_q) // STEP_COLS)
+
+
+def pack_bitmap(sel):
+    """The W * tile_q words (int32, NumPy) of a bitmap step selecting ``sel`` (bool [tile_q,
+    tile_kv], or [..., tile_q, tile_kv] for several: words [..., W * tile_q]): word(r, w) at
+    w * tile_q + r holds bit c % 32 for key c = 32 w + c % 32."""
+    sel = np.asarray(sel, bool)
+    tq, tk = sel.shape[-2:]
+    W = bitmap_words(tk)
+    pad = np.zeros(sel.shape[:-1] + (W * WORD_BITS,), bool)
+    pad[..., :tk] = sel
+    b = pad.reshape(sel.shape[:-1] + (W, WORD_BITS)).astype(np.uint64)
+    w = (b << np.arange(WORD_BITS, dtype=np.uint64)).sum(-1).astype(np.uint32)  # [..., T, W]
+    return np.ascontiguousarray(np.swapaxes(w, -1, -2)).view(np.int32).reshape(
+        sel.shape[:-2] + (W * tq,))
+
+
+def unpack_bitmap(words, tile_q: int, tile_kv: int):
+    """bool [..., tile_q, tile_kv]: the selection of bitmap words [..., W * tile_q] (NumPy)."""
+    W = bitmap_words(tile_kv)
+    w = np.asarray(words).astype(np.int64).reshape(np.shape(words)[:-1] + (W, tile_q)) & 0xFFFFFFFF
+    c = np.arange(tile_kv)
+    return ((np.swapaxes(w, -1, -2)[..., c // WORD_BITS] >> (c % WORD_BITS)) & 1) == 1
 
 
 def check_tiles(tile_q, tile_kv) -> None:
@@ -174,12 +228,43 @@ def grid_mask(rect, cuts_a, cuts_b, rows, cols):
     return inside & ((cuts_b == 0) | cell)
 
 
+def step_mask(steps, s, tile_q: int, tile_kv: int):
+    """bool [*shape(s), tile_q, tile_kv]: whether entry (r, c) of the tile of step ``s`` (an
+    index or an index array into ``steps`` [S, STEP_COLS]) is selected, for every step kind:
+    a plain step's rectangle, a grid step's cells (``grid_mask``), a bitmap step's bits (bit
+    c % 32 of steps.reshape(-1)[off + (c // 32) * tile_q + r], inside its rectangle). NumPy or
+    jnp (a jnp gather, clamped: another step's cuts_a is no offset, its words are unused).
+    The reference rule every kernel implements, and what every test evaluates plans with."""
+    xp = np
+    if _is_jax(steps, s):
+        import jax.numpy as jnp
+        xp = jnp
+    else:
+        steps, s = np.asarray(steps), np.asarray(s)
+    st = steps[s].astype(xp.int32) if xp is not np else steps[s].astype(np.int64)
+    rect, ca, cb = (st[..., k, None, None] for k in (STEP_RECT, STEP_CUTS_A, STEP_CUTS_B))
+    rows = xp.arange(tile_q)[:, None]
+    cols = xp.arange(tile_kv)[None, :]
+    sel = grid_mask(rect, ca, cb, rows, cols)    # a bitmap step: False (its grid bits are 0)
+    bitmap = cb == BITMAP_FLAG
+    q_lo, q_hi, kv_lo, kv_hi = unpack_rect(rect)
+    inside = (rows >= q_lo) & (rows < q_hi) & (cols >= kv_lo) & (cols < kv_hi)
+    flat = steps.reshape(-1)
+    idx = xp.where(bitmap, ca, 0) + (cols // WORD_BITS) * tile_q + rows
+    idx = xp.clip(idx, 0, flat.shape[0] - 1)
+    word = flat[idx]
+    bit = ((word >> (cols % WORD_BITS)) & 1) == 1
+    return sel | (bitmap & inside & bit)
+
+
 def unpack_steps(steps, *, grid: bool = False):
     """int32 [S, VIEW_COLS] (kv_start, q_lo, q_hi, kv_lo, kv_hi) of steps [S, STEP_COLS]: the
     unpacked view, for tests, plots and debugging (NumPy in, NumPy out; jnp in, jnp out).
     ``grid=True``: [S, VIEW_GRID_COLS], the same five columns then q1, q2, q3, k1, k2, k3, bits
     (``VIEW_Q1`` ... ``VIEW_BITS``); a plain step (cuts_b == 0) reads as the grid of one
-    selected cell (cuts at q_hi / kv_hi, bits 1), so every row is evaluated by one rule."""
+    selected cell (cuts at q_hi / kv_hi, bits 1), so every plain or grid row is evaluated by one
+    rule. A bitmap step (cuts_b == BITMAP_FLAG) reads as cuts at q_hi / kv_hi and bits 0: its
+    selection is in its words (``step_mask``). Pass step rows only: word rows are no steps."""
     xp = np
     if _is_jax(steps):
         import jax.numpy as jnp
@@ -193,20 +278,25 @@ def unpack_steps(steps, *, grid: bool = False):
     cols = [steps[:, STEP_KV_START], *rect]
     if grid:
         cb = steps[:, STEP_CUTS_B]
-        plain = cb == 0
+        bitmap = cb == BITMAP_FLAG
+        plain = (cb == 0) | bitmap
         (q1, q2, q3), (k1, k2, k3), bits = unpack_grid(steps[:, STEP_CUTS_A], cb)
         q_hi, kv_hi = rect[1], rect[3]
         cols += [xp.where(plain, q_hi, q1), xp.where(plain, q_hi, q2), xp.where(plain, q_hi, q3),
                  xp.where(plain, kv_hi, k1), xp.where(plain, kv_hi, k2),
-                 xp.where(plain, kv_hi, k3), xp.where(plain, 1, bits)]
+                 xp.where(plain, kv_hi, k3), xp.where(bitmap, 0, xp.where(plain, 1, bits))]
     return xp.stack(cols, axis=1).astype(xp.int32)
 
 
 def step_cells(rect, cuts_a, cuts_b):
-    """The selected cells of steps as rectangles (NumPy arrays of N step values): returns
-    (step, q_lo, q_hi, kv_lo, kv_hi) int64 arrays, one entry per selected non-empty cell, in
-    step order (a plain step: its rectangle, if not empty). The selections of ``grid_mask``."""
+    """The selected cells of plain and grid steps as rectangles (NumPy arrays of N step values):
+    returns (step, q_lo, q_hi, kv_lo, kv_hi) int64 arrays, one entry per selected non-empty
+    cell, in step order (a plain step: its rectangle, if not empty). The selections of
+    ``grid_mask``. ValueError for a bitmap step (its cells need its words: ``selected_cells``)."""
     rect, ca, cb = (np.asarray(x, np.int64).reshape(-1) for x in (rect, cuts_a, cuts_b))
+    if (cb == BITMAP_FLAG).any():
+        raise ValueError("step_cells: a bitmap step's selection is in its words; use "
+                         "selected_cells(steps, s, tile_q, tile_kv)")
     q_lo, q_hi, kv_lo, kv_hi = unpack_rect(rect)
     (q1, q2, q3), (k1, k2, k3), bits = unpack_grid(ca, cb)
     plain = cb == 0
@@ -227,16 +317,64 @@ def step_cells(rect, cuts_a, cuts_b):
     return s, r0[s, c], r1[s, c], c0[s, c], c1[s, c]
 
 
+_CELL_CHUNK = 1 << 22     # entries of bitmap selections decoded at a time
+
+
+def selected_cells(steps, s, tile_q: int, tile_kv: int):
+    """The selected cells of steps ``s`` (indices into ``steps``, every kind) as rectangles:
+    (i, q_lo, q_hi, kv_lo, kv_hi) int64 arrays, ``i`` the position in ``s`` (NumPy), sorted by
+    i. Plain and grid steps as ``step_cells``; a bitmap step's runs of selected keys in each
+    row, a run repeated in the rows below it merged into one rectangle. Disjoint within a step;
+    their union is ``step_mask``."""
+    steps = np.asarray(steps)
+    s = np.asarray(s, np.int64).reshape(-1)
+    st = steps[s].astype(np.int64)
+    bm = st[:, STEP_CUTS_B] == BITMAP_FLAG
+    parts = []
+    g = np.flatnonzero(~bm)
+    if g.size:
+        v, *box = step_cells(st[g, STEP_RECT], st[g, STEP_CUTS_A], st[g, STEP_CUTS_B])
+        parts.append((g[v], *box))
+    b = np.flatnonzero(bm)
+    per = max(1, _CELL_CHUNK // (int(tile_q) * int(tile_kv)))
+    for a in range(0, b.size, per):
+        idx = b[a:a + per]
+        sel = step_mask(steps, s[idx], tile_q, tile_kv)             # [n, T, Tk]
+        pad = np.zeros(sel.shape[:2] + (tile_kv + 2,), np.int8)
+        pad[:, :, 1:-1] = sel
+        d = np.diff(pad, axis=2)
+        n0, r0, c0 = np.nonzero(d == 1)                               # run starts, in order
+        _, _, c1 = np.nonzero(d == -1)                                # and ends, same order
+        # Merge a run with the same run in the row above (same step, keys): group by
+        # (step, c0, c1) in row order, a new rectangle where the row is not the previous + 1.
+        o = np.lexsort((r0, c1, c0, n0))
+        n0, r0, c0, c1 = n0[o], r0[o], c0[o], c1[o]
+        new = np.ones(len(n0), bool)
+        new[1:] = ((n0[1:] != n0[:-1]) | (c0[1:] != c0[:-1]) | (c1[1:] != c1[:-1])
+                   | (r0[1:] != r0[:-1] + 1))
+        first = np.flatnonzero(new)
+        last = np.r_[first[1:], len(n0)] - 1
+        parts.append((idx[n0[first]], r0[first], r0[last] + 1, c0[first], c1[first]))
+    if not parts:
+        z = np.zeros(0, np.int64)
+        return z, z, z, z, z
+    i, q_lo, q_hi, kv_lo, kv_hi = (np.concatenate(x).astype(np.int64) for x in zip(*parts))
+    o = np.lexsort((kv_lo, q_lo, i))
+    return i[o], q_lo[o], q_hi[o], kv_lo[o], kv_hi[o]
+
+
 def grid_problems(steps) -> list[str]:
-    """What is wrong with the grid columns of ``steps`` (NumPy [S, STEP_COLS]): a plain step
-    (cuts_b == 0) must have cuts_a == 0; a grid step needs bits != 0 and cuts non-decreasing
-    inside its rectangle (q_lo <= q1 <= q2 <= q3 <= q_hi, kv_lo <= k1 <= k2 <= k3 <= kv_hi)."""
+    """What is wrong with the grid columns of the step rows ``steps`` (NumPy [S, STEP_COLS];
+    pass step rows, not bitmap word rows): a plain step (cuts_b == 0) must have cuts_a == 0; a
+    grid step needs bits != 0 and cuts non-decreasing inside its rectangle (q_lo <= q1 <= q2 <=
+    q3 <= q_hi, kv_lo <= k1 <= k2 <= k3 <= kv_hi). Bitmap steps (cuts_b == BITMAP_FLAG) are
+    skipped: ``bitmap_problems`` checks them with their words."""
     st = np.asarray(steps)
     bad = []
     plain = st[:, STEP_CUTS_B] == 0
     if ((st[:, STEP_CUTS_A] != 0) & plain).any():
         bad.append("steps: a plain step (cuts_b == 0) has cuts_a != 0")
-    g = np.flatnonzero(~plain)
+    g = np.flatnonzero(~plain & (st[:, STEP_CUTS_B] != BITMAP_FLAG))
     if g.size:
         sg = st[g].astype(np.int64)
         q_lo, q_hi, kv_lo, kv_hi = unpack_rect(sg[:, STEP_RECT])
@@ -248,6 +386,73 @@ def grid_problems(steps) -> list[str]:
         if not ((kv_lo <= k1) & (k1 <= k2) & (k2 <= k3) & (k3 <= kv_hi)).all():
             bad.append("steps: a grid step's key cuts are not kv_lo <= k1 <= k2 <= k3 <= kv_hi")
     return bad
+
+
+_WORD_CHUNK = 1 << 21     # bitmap words checked at a time
+
+
+def bitmap_problems(steps, rows, tile_q: int, tile_kv: int, visited=None):
+    """(what is wrong, word rows) for the bitmap steps at rows ``rows`` of ``steps`` (NumPy;
+    rows whose cuts_b != BITMAP_FLAG are ignored): off = cuts_a a multiple of STEP_COLS, its
+    W * tile_q words inside ``steps``, none in a ``visited`` row (bool [S]: the rows some unit's
+    step range covers), no bit outside the step's rectangle (rows [q_lo, q_hi), keys [kv_lo,
+    kv_hi)) or at a key >= tile_kv, the rectangle non-empty and some bit set. ``word rows`` is
+    bool [S]: the rows holding these steps' words (all False where an offset is invalid)."""
+    st = np.asarray(steps)
+    S = st.shape[0]
+    rows = np.asarray(rows, np.int64).reshape(-1)
+    rows = rows[st[rows, STEP_CUTS_B] == BITMAP_FLAG]
+    words_at = np.zeros(S, bool)
+    if rows.size == 0:
+        return [], words_at
+    b = st[rows].astype(np.int64)       # one check per row (units sharing a row share it)
+    off = b[:, STEP_CUTS_A]
+    W = bitmap_words(tile_kv)
+    n = W * int(tile_q)
+    bad = []
+    ok = (off % STEP_COLS == 0) & (off >= 0) & (off + n <= S * STEP_COLS)
+    if not (off % STEP_COLS == 0).all():
+        bad.append(f"steps: a bitmap step's offset (cuts_a) is not a multiple of {STEP_COLS}")
+    if not ((off >= 0) & (off + n <= S * STEP_COLS)).all():
+        bad.append(f"steps: a bitmap step's {n} words (tile_q x ceil(tile_kv / {WORD_BITS})) "
+                   f"leave the {S} rows of steps")
+    q_lo, q_hi, kv_lo, kv_hi = unpack_rect(b[:, STEP_RECT])
+    if not ((q_lo < q_hi) & (kv_lo < kv_hi)).all():
+        bad.append("steps: a bitmap step's rectangle is empty")
+    b, off = b[ok], off[ok]
+    q_lo, q_hi, kv_lo, kv_hi = q_lo[ok], q_hi[ok], kv_lo[ok], kv_hi[ok]
+    r0, r1 = off // STEP_COLS, -(-(off + n) // STEP_COLS)
+    edges = np.bincount(r0, minlength=S + 1) - np.bincount(r1, minlength=S + 1)
+    words_at = np.cumsum(edges[:S], dtype=np.int32) > 0
+    if visited is not None:
+        vc = np.zeros(S + 1, np.int32)
+        np.cumsum(np.asarray(visited, bool), dtype=np.int32, out=vc[1:])
+        if ((vc[r1] - vc[r0]) > 0).any():
+            bad.append("steps: a bitmap step's words lie in rows a unit visits as steps")
+    wr = bitmap_rows(tile_q, tile_kv)
+    w = np.arange(W)
+    r = np.arange(int(tile_q))
+    per = max(1, _WORD_CHUNK // n)
+    empty = False
+    outside = False
+    for a in range(0, len(b), per):
+        sl = slice(a, a + per)
+        m = len(off[sl])
+        blk = st[r0[sl, None] + np.arange(wr)].reshape(m, wr * STEP_COLS)    # whole rows
+        words = blk[:, :n].view(np.uint32).reshape(m, W, int(tile_q))         # [m, W, T]
+        lo = np.clip(kv_lo[sl, None] - WORD_BITS * w, 0, WORD_BITS)
+        hi = np.clip(np.minimum(kv_hi[sl], tile_kv)[:, None] - WORD_BITS * w, 0, WORD_BITS)
+        keys = (np.left_shift(1, hi) - np.left_shift(1, lo)).astype(np.uint32)   # [m, W]
+        out_rows = (r < q_lo[sl, None]) | (r >= q_hi[sl, None])                  # [m, T]
+        outside |= bool((words & ~keys[:, :, None]).any())
+        outside |= bool(words[np.broadcast_to(out_rows[:, None, :], words.shape)].any())
+        empty |= bool((~words.reshape(m, -1).any(axis=1)).any())
+    if outside:
+        bad.append("steps: a bitmap step has a bit outside its rectangle (or at a key >= "
+                   "tile_kv)")
+    if empty:
+        bad.append("steps: a bitmap step selects nothing (no bit set)")
+    return bad, words_at
 
 
 def check_plan_arrays(units, steps, row_index=None, *, num_q_heads=None, q_len=None) -> None:
@@ -291,12 +496,17 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
         q_start + tile_q <= q_len_padded;
       * every unit: step_count >= 0 (and <= ``max_steps`` when given: the XLA executor visits
         that many); a unit with steps: 0 <= step_ptr and step_ptr + step_count <= S;
-      * every row of ``steps`` (the ABI: every tile a plan names lies inside the padded
-        lengths): kv_start a multiple of ``kv_align``, 0 <= kv_start and
+      * every row of ``steps`` but bitmap word rows (the ABI: every tile a plan names lies
+        inside the padded lengths): kv_start a multiple of ``kv_align``, 0 <= kv_start and
         kv_start + tile_kv <= kv_len_padded;
-      * every row of ``steps``, its grid (``grid_problems``): a plain step has cuts_a == 0, a
-        grid step bits != 0 and its cuts non-decreasing inside its rectangle.
-    A visited grid step is never full (it masks by its cells). ValueError naming each broken rule. Memoised per array pair (held, so ids stay unique): a
+      * every such row, its grid (``grid_problems``): a plain step has cuts_a == 0, a grid
+        step bits != 0 and its cuts non-decreasing inside its rectangle;
+      * every visited bitmap step (``bitmap_problems``): its offset a multiple of STEP_COLS,
+        its words inside ``steps`` and in no visited row, no bit outside its rectangle or at a
+        key >= tile_kv, the rectangle non-empty and a bit set. The rows its words fill are
+        word rows (not steps: not checked as steps).
+    A visited grid or bitmap step is never full (it masks by its cells / bits). ValueError
+    naming each broken rule. Memoised per array pair (held, so ids stay unique): a
     plan checked once costs a dict look-up per call; change a checked plan's arrays in place
     and it is not checked again.
     """
@@ -315,7 +525,6 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
     head, qs = u[:, UNIT_HEAD], u[:, UNIT_Q_START]
     ptr, cnt = u[:, UNIT_STEP_PTR], u[:, UNIT_STEP_CNT]
     real = cnt > 0
-    kvs = st[:, STEP_KV_START].astype(np.int64)
     bad = []
     if num_q_heads is not None and ((head < 0) | (head >= num_q_heads)).any():
         bad.append(f"units: a head is outside [0, {num_q_heads})")
@@ -330,20 +539,25 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
         bad.append(f"units: a step count exceeds max_steps={max_steps}")
     if ((ptr < 0) | (ptr + cnt > S))[real].any():
         bad.append(f"units: a step range [ptr, ptr + cnt) leaves the {S} rows of steps")
+        _raise(bad)
+    # Rows some unit visits: +1 at each range start, -1 at its end, prefix sum (O(U + S), no
+    # per-visit index array: units of a shared mask visit the same rows).
+    edges = (np.bincount(ptr[real], minlength=S + 1)
+             - np.bincount((ptr + cnt)[real], minlength=S + 1))
+    visited = np.cumsum(edges[:S], dtype=np.int32) > 0
+    vb = np.flatnonzero(visited & (st[:, STEP_CUTS_B] == BITMAP_FLAG))
+    more, words_at = bitmap_problems(st, vb, tile_q, tile_kv, visited)
+    rows = ~words_at                      # step rows (visited or not): the rest hold words
+    kvs = st[rows, STEP_KV_START].astype(np.int64)
     if ((kvs < 0) | (kvs + tile_kv > kv_len_padded)).any():
         bad.append(f"steps: a K/V tile [kv_start, kv_start + {tile_kv}) leaves "
                    f"[0, kv_len_padded={kv_len_padded})")
     if (kvs % kv_align).any():
         bad.append(f"steps: a kv_start is not a multiple of kv_align={kv_align}")
-    bad += grid_problems(st)
+    bad += grid_problems(st[rows])
+    bad += more
     if bad:
-        raise ValueError("invalid plan for these tiles and padded lengths (plan for the "
-                         "template that runs it): " + "; ".join(bad))
-    # Rows some unit visits: +1 at each range start, -1 at its end, prefix sum (O(U + S), no
-    # per-visit index array: units of a shared mask visit the same rows).
-    edges = (np.bincount(ptr[real], minlength=S + 1)
-             - np.bincount((ptr + cnt)[real], minlength=S + 1))
-    visited = np.cumsum(edges[:S]) > 0
+        _raise(bad)
     vis = st[visited]
     all_full = bool(((vis[:, STEP_RECT] == full_rect(tile_q, tile_kv))
                      & (vis[:, STEP_CUTS_B] == 0)).all())
@@ -351,6 +565,11 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
         _CHECKED.pop(next(iter(_CHECKED)))
     _CHECKED[key] = (units, steps, all_full)
     return all_full
+
+
+def _raise(bad):
+    raise ValueError("invalid plan for these tiles and padded lengths (plan for the template "
+                     "that runs it): " + "; ".join(bad))
 
 
 # ``row_index``: int32 [Hq, q_len] (q_len = the true Lq), part of every plan. For query head h

@@ -3,8 +3,11 @@
 ``python tests/golden_plans.py --write`` records them in ``tests/data/golden_plans.json``;
 ``tests/test_golden_plans.py`` rebuilds the plans and compares, so a change that alters any plan
 (units, steps, capacities, padded lengths) fails the test unless it is meant to. Recorded by the
-tree before the house refactor (7b7262c; unchanged through it), rewritten once since, for the
-tiles-once format (16-byte steps, grid steps: tests/test_tiles_once.py checks exact coverage).
+tree before the house refactor (7b7262c; unchanged through it), rewritten for the tiles-once
+format (16-byte steps, grid steps: tests/test_tiles_once.py checks exact coverage), and for
+bitmap steps (one step per (unit, K/V tile): the 608 plans that revisited a tile changed, and 2
+more whose split fallback / auto choice now counts split's tiles after the bitmap pass; the
+other 615 byte-identical; tests/test_bitmap_steps.py).
 
 Masks: the first test-split spec of every (family, grid) on the 480p grids, 2 heads each, and
 seeded random masks with variable bounds (1-token blocks included), shared and per head, GQA.

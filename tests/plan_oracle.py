@@ -10,8 +10,12 @@ Tiles once: each policy cuts the selected set into *pieces* (one rectangle in on
 a unit's pieces in key order (the rectangles of one key segment tile by tile), and
 ``tiles_once`` (the specification, in plain Python over sets of bounds and explicit cell
 matrices, independent of the compiled bit arithmetic of ``plan_loops._nb_acc_*``) joins the
-consecutive pieces of one tile greedily into grid steps. ``coverage`` evaluates a plan's
-steps with ``abi.grid_mask``, the rule every kernel implements.
+consecutive pieces of one tile greedily into grid steps. Where a tile's pieces need more than
+a 4 x 4 grid, that leaves several steps of one tile; ``bitmap_steps`` (the specification of
+``planner._bitmap_steps``, over boolean [tile_q, tile_kv] matrices from ``abi.step_mask``,
+independent of the compiled word arithmetic of ``plan_loops._nb_bm_*``) makes them one step:
+plain, grid or bitmap (``tiles_once(..., tile=(tq, tk))`` runs both stages). ``coverage``
+evaluates a plan's steps with ``abi.step_mask``, the rule every kernel implements.
 """
 
 from __future__ import annotations
@@ -210,13 +214,16 @@ def _step_row(kv, rects):
     return (kv, rect, int(ca), int(cb))
 
 
-def tiles_once(unit, kv, ql, qh, kl, kh):
+def tiles_once(unit, kv, ql, qh, kl, kh, tile=None):
     """The tiles-once specification: pieces (rows [ql, qh) x keys [kl, kh) of the K/V tile at
     kv, in the order the policies emit them) become steps. A piece joins the step being built
     if it is in the same unit and tile and the union still fits a GRID x GRID grid: the
     distinct row bounds of the step's normalised grid (``_grid_of``) and the piece's at most 5,
     and the key bounds likewise; else the step is done and the piece starts the next.
-    Returns (step rows int32 [S, STEP_COLS], steps per unit)."""
+    Returns (step rows int32 [S, STEP_COLS], steps per unit). With ``tile`` = (tile_q,
+    tile_kv), the second stage too (``bitmap_steps``: one step per (unit, tile)): returns
+    (steps int32 [bucket(rows), STEP_COLS] with the bitmap words after the step rows, steps
+    per unit, step rows)."""
     U = int(unit.max()) + 1 if len(unit) else 0
     cnt = np.zeros(U, np.int64)
     rows = []
@@ -236,22 +243,108 @@ def tiles_once(unit, kv, ql, qh, kl, kh):
         rows.append(_step_row(cur[1], cur[2]))
         cnt[cur[0]] += 1
     out = np.array(rows, np.int64).reshape(-1, abi.STEP_COLS).astype(np.int32)
-    return out, cnt
+    if tile is None:
+        return out, cnt
+    first = np.cumsum(cnt) - cnt
+    got = bitmap_steps(out if len(out) else np.zeros((1, abi.STEP_COLS), np.int32), first, cnt,
+                       *tile)
+    if got is None:
+        return out, cnt, len(out)
+    steps, _, new_cnt, S, _ = got
+    return steps, new_cnt, S
+
+
+def _canonical_step(kv, sel):
+    """The step row of the non-empty selection ``sel`` (bool [tile_q, tile_kv]) of the tile at
+    kv, and its words (None unless a bitmap step): its bounding box; a cut before each row
+    (column) of the box unlike the one before it; plain if there is none, a grid of the cells'
+    values if at most GRID - 1 per axis, else a bitmap step (offset left 0)."""
+    rows, cols = np.flatnonzero(sel.any(1)), np.flatnonzero(sel.any(0))
+    q_lo, q_hi, k_lo, k_hi = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+    rect = int(abi.pack_rect(q_lo, q_hi, k_lo, k_hi))
+    rc = [r for r in range(q_lo + 1, q_hi) if (sel[r] != sel[r - 1]).any()]
+    kc = [c for c in range(k_lo + 1, k_hi) if (sel[:, c] != sel[:, c - 1]).any()]
+    if not rc and not kc:
+        assert sel[q_lo:q_hi, k_lo:k_hi].all() and sel.sum() == (q_hi - q_lo) * (k_hi - k_lo)
+        return (kv, rect, 0, 0), None
+    if len(rc) < abi.GRID and len(kc) < abi.GRID:
+        R, K = [q_lo] + rc, [k_lo] + kc
+        bits = sum(1 << (abi.GRID * i + j) for i, r in enumerate(R) for j, c in enumerate(K)
+                   if sel[r, c])
+        ca, cb = abi.pack_grid((rc + [q_hi] * 3)[:3], (kc + [k_hi] * 3)[:3], bits)
+        return (kv, rect, int(ca), int(cb)), None
+    return (kv, rect, 0, abi.BITMAP_FLAG), abi.pack_bitmap(sel)
+
+
+def bitmap_steps(steps, first, cnt, tile_q, tile_kv):
+    """The specification of ``planner._bitmap_steps`` on step ranges [first, first + cnt) of
+    ``steps`` (units may share a range): None if no unit visits a K/V tile twice; else each
+    distinct range (in (first, cnt) order) rewritten after the one before: copied if it visits
+    each tile once, else the steps of each tile (in a stable sort by kv_start) replaced, where
+    there are several, by one step selecting their union (``abi.step_mask``), in its canonical
+    form (``_canonical_step``); bitmap words after the step rows, ``abi.bitmap_rows`` rows
+    each, in the order of their steps. Returns (steps [bucket(rows), STEP_COLS], ptr, cnt per
+    unit, step rows, word rows)."""
+    steps = np.asarray(steps)
+    first, cnt = np.asarray(first, np.int64), np.asarray(cnt, np.int64)
+    kvs = steps[:, abi.STEP_KV_START]
+    if not any(len(set(kvs[f:f + c].tolist())) < c for f, c in zip(first, cnt)):
+        return None
+    ranges = sorted({(int(f), int(c)) for f, c in zip(first, cnt) if c > 0})
+    rows, words, at = [], [], {}
+    for f, c in ranges:
+        at[f, c] = len(rows)
+        idx = f + np.argsort(kvs[f:f + c], kind="stable")
+        if len(set(kvs[f:f + c].tolist())) == c:
+            rows += [tuple(int(x) for x in steps[i]) for i in range(f, f + c)]
+            continue
+        for kv in sorted(set(kvs[f:f + c].tolist())):
+            mine = idx[kvs[idx] == kv]
+            if len(mine) == 1:
+                rows.append(tuple(int(x) for x in steps[mine[0]]))
+                continue
+            sel = abi.step_mask(steps, mine, tile_q, tile_kv)
+            assert sel.sum() == sel.any(0).sum(), "the steps of a tile overlap"
+            row, w = _canonical_step(int(kv), sel.any(0))
+            if w is not None:
+                row = row[:2] + (len(words), abi.BITMAP_FLAG)     # the k-th bitmap: fixed below
+                words.append(w)
+            rows.append(row)
+    S = len(rows)
+    wr = abi.bitmap_rows(tile_q, tile_kv)
+    out = np.zeros((bucket(S + wr * len(words)), abi.STEP_COLS), np.int32)
+    flat = out.reshape(-1)
+    for s, row in enumerate(rows):
+        if row[3] == abi.BITMAP_FLAG:
+            k = row[2]
+            row = row[:2] + ((S + k * wr) * abi.STEP_COLS, abi.BITMAP_FLAG)
+            flat[row[2]: row[2] + len(words[k])] = words[k]
+        out[s] = np.array(row, np.int64).astype(np.int32)
+    ptr = np.array([at[f, c] if c > 0 else 0 for f, c in zip(first.tolist(), cnt.tolist())],
+                   np.int64)
+    ncnt = np.array([len(set(kvs[f:f + c].tolist())) for f, c in zip(first.tolist(),
+                                                                      cnt.tolist())], np.int64)
+    return out, ptr, ncnt, S, wr * len(words)
 
 
 def check_exact_cover(plan) -> None:
-    """AssertionError unless the plan's steps (their ``grid_mask`` selections, as
-    ``Plan.tile_cells``) select every selected (head, query, key) of its mask exactly once and
-    nothing else; for masks too large for ``coverage``: per head, on the grid compressed to
+    """AssertionError unless the plan's steps (their ``abi.step_mask`` selections, as
+    ``Plan.tile_cells``: plain, grid and bitmap steps) select every selected (head, query,
+    key) of its mask exactly once and nothing else, and no unit visits a K/V tile twice
+    (tiles once); for masks too large for ``coverage``: per head, on the grid compressed to
     the block bounds and the cells' bounds (each compressed cell lies in one logical block and
-    is selected uniformly by every step cell)."""
+    is selected uniformly by every step cell). The plan also passes ``abi.check_plan``."""
     mask = plan.mask
     Hq = plan.shape.num_q_heads
     blocks = mask.head_blocks(Hq)
+    abi.check_plan(plan.units, plan.steps, plan.tile_q, plan.tile_kv, plan.q_len_padded,
+                   plan.kv_len_padded, num_q_heads=Hq, max_steps=plan.max_steps)
     c = plan.tile_cells()
-    # the cells' selections are the grid_mask rule (checked on the visits' steps)
+    # every visit selects something (its cells are abi.selected_cells of its step)
     t = plan.tile_rects()
     assert len(c["visit"]) == 0 or (np.bincount(c["visit"], minlength=len(t["r0"])) > 0).all()
+    key = t["unit"] * (plan.kv_len_padded + 1) + t["k0"]
+    assert len(np.unique(key)) == len(key), "a unit visits a K/V tile twice"
     qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
     for h in range(Hq):
         on = c["head"] == h
@@ -276,18 +369,15 @@ def check_exact_cover(plan) -> None:
 
 def coverage(plan) -> np.ndarray:
     """How many steps select each (head, query, key): int [Hq, Lq, Lkv], every visited step
-    evaluated with ``abi.grid_mask`` on its whole tile (AssertionError if a step selects an
+    evaluated with ``abi.step_mask`` on its whole tile (AssertionError if a step selects an
     entry outside [0, Lq) x [0, Lkv))."""
     Hq, Lq, Lkv = plan.shape.num_q_heads, plan.shape.q_len, plan.shape.kv_len
     tq, tk = plan.tile_q, plan.tile_kv
     cov = np.zeros((Hq, plan.q_len_padded, plan.kv_len_padded), np.int64)
     u = plan.units[: plan.num_units].astype(np.int64)
-    rows = np.arange(tq)[:, None]
-    cols = np.arange(tk)[None, :]
     for h, q0, _, _, ptr, n in u:
         st = plan.steps[ptr: ptr + n].astype(np.int64)
-        sel = abi.grid_mask(st[:, abi.STEP_RECT, None, None], st[:, abi.STEP_CUTS_A, None, None],
-                            st[:, abi.STEP_CUTS_B, None, None], rows[None], cols[None])
+        sel = abi.step_mask(plan.steps, np.arange(ptr, ptr + n), tq, tk)
         for k0, m in zip(st[:, abi.STEP_KV_START], sel):
             cov[h, q0: q0 + tq, k0: k0 + tk] += m
     assert not cov[:, Lq:].any() and not cov[:, :, Lkv:].any(), "a step selects padding"

@@ -1,7 +1,6 @@
 """Planner properties: exact cover of the selected set (every step evaluated with
-``abi.grid_mask``), ABI invariants, tiles once (a unit visits a K/V tile once where its pieces fit
-a 4 x 4 grid; no head computes more than dense where split's plan tiles once), stats, schedule,
-executor."""
+``abi.step_mask``: plain, grid and bitmap steps), ABI invariants, tiles once (a unit visits a K/V
+tile once: tests/test_tiles_once.py, tests/test_bitmap_steps.py), stats, schedule, executor."""
 
 import contextlib
 import itertools
@@ -58,7 +57,7 @@ def _plan(mask, Hq, Hkv, tq, tk, policy, q_align=1, kv_align=1, dtype=jnp.float3
 
 def _coverage(plan):
     """How many steps select each (head, query, key): int [Hq, Lq, Lkv], every step evaluated
-    with ``abi.grid_mask`` (``plan_oracle.coverage``); ``tile_cells`` gives the same."""
+    with ``abi.step_mask`` (``plan_oracle.coverage``); ``tile_cells`` gives the same."""
     cov = plan_oracle.coverage(plan)
     Hq, Lq, Lkv = plan.shape.num_q_heads, plan.shape.q_len, plan.shape.kv_len
     t = plan.tile_cells()
@@ -78,15 +77,20 @@ def _check_abi(plan, mask, q_align=1, kv_align=1):
     for a in (plan.units, plan.steps, plan.row_index):
         assert a.dtype == np.int32
     assert plan.units.shape == (bucket(U), abi.UNIT_COLS)
-    assert plan.steps.shape == (bucket(S), abi.STEP_COLS)
+    assert plan.steps.shape == (bucket(S + plan.bitmap_rows), abi.STEP_COLS)
     assert plan.row_index.shape == (Hq, Lq)
     assert plan.q_len_padded >= Lq and plan.kv_len_padded >= Lkv
     assert plan.q_len_padded % q_align == 0 and plan.kv_len_padded % kv_align == 0
-    # Padding rows select nothing (rows past the plan are zero); grids are valid.
+    # Padding rows select nothing (rows past the plan's steps and bitmap words are zero);
+    # grids and bitmaps are valid.
     assert (u[U:, abi.UNIT_OWN_LO] == u[U:, abi.UNIT_OWN_HI]).all()
     assert (u[U:, abi.UNIT_STEP_CNT] == 0).all()
-    assert not plan.steps[S:].any()
-    assert abi.grid_problems(plan.steps) == []
+    assert not plan.steps[S + plan.bitmap_rows:].any()
+    assert abi.grid_problems(plan.steps[:S]) == []
+    step_rows = np.arange(len(plan.steps)) < S
+    bad, words_at = abi.bitmap_problems(plan.steps, np.arange(S), tq, tk, step_rows)
+    assert bad == [] and words_at.sum() == plan.bitmap_rows
+    assert words_at[S:S + plan.bitmap_rows].all()
     ur = u[:U]
     # Tiles inside the padded lengths, starts aligned, owned rows inside the tile and real rows.
     qs = ur[:, abi.UNIT_Q_START]
@@ -119,7 +123,7 @@ def _check_abi(plan, mask, q_align=1, kv_align=1):
     assert owned.max() <= 1, "two units own one row"
     np.testing.assert_array_equal(plan.row_index, expect)
     # Exact cover: every selected interaction once, nothing else (so every unselected entry of a
-    # computed tile is masked), each step's selection by the kernels' rule (abi.grid_mask).
+    # computed tile is masked), each step's selection by the kernels' rule (abi.step_mask).
     tm = mask.token_mask().astype(np.int64)
     tm = np.broadcast_to(tm, (Hq, Lq, Lkv)) if mask.num_heads == 1 else tm
     cov = _coverage(plan)
@@ -132,18 +136,14 @@ def _check_abi(plan, mask, q_align=1, kv_align=1):
 def _direct_kinds(plan, t):
     """kept / merged / split per tile, counted directly from token-level block ids: a visit is
     split if a logical block it selects part of is not wholly selected by it, else merged if it
-    selects several blocks, else kept (its selection by ``abi.grid_mask``)."""
+    selects several blocks, else kept (its selection by ``abi.step_mask``)."""
     m = plan.mask
     qid = np.repeat(np.arange(len(m.q_sizes)), m.q_sizes)
     kid = np.repeat(np.arange(len(m.kv_sizes)), m.kv_sizes)
     out = np.zeros(3, np.int64)
     tq, tk = plan.tile_q, plan.tile_kv
     for v in range(len(t["r0"])):
-        st = plan.steps[t["step"][v]].astype(np.int64)
-        rows = np.arange(tq)[:, None]
-        cols = np.arange(tk)[None, :]
-        sel = abi.grid_mask(st[abi.STEP_RECT], st[abi.STEP_CUTS_A], st[abi.STEP_CUTS_B],
-                            rows, cols)
+        sel = abi.step_mask(plan.steps, t["step"][v], tq, tk)
         r, c = np.nonzero(sel)
         r, c = r + t["q0"][v], c + t["k0"][v]
         blocks, n = np.unique(np.stack([qid[r], kid[c]], 1), axis=0, return_counts=True)
@@ -157,7 +157,8 @@ def _check_stats(plan, mask, t):
     for key in ("template", "tile_q", "tile_kv", "tiles", "selected_interactions",
                 "computed_interactions", "kept", "merged", "split", "waste_fraction",
                 "kv_bytes", "max_unit_cost", "balance", "dense_interactions",
-                "dense_tile_interactions", "tile_revisits", "grid_steps", "fallback_heads"):
+                "dense_tile_interactions", "tile_revisits", "grid_steps", "bitmap_steps",
+                "fallback_heads"):
         assert key in s, key
     Hq = plan.shape.num_q_heads
     tiles = int(plan.step_counts().sum())
@@ -170,12 +171,16 @@ def _check_stats(plan, mask, t):
     assert s["dense_tile_interactions"] == Hq * planner.dense_tile_interactions(
         plan.shape.q_len, plan.shape.kv_len, plan.tile_q, plan.tile_kv)
     assert s["grid_steps"] == int(t["grid"].sum())
+    assert s["bitmap_steps"] == int(t["bitmap"].sum())
+    cb = plan.steps[t["step"], abi.STEP_CUTS_B]
+    assert (t["grid"] == ((cb != 0) & (cb != abi.BITMAP_FLAG))).all()
+    assert (t["bitmap"] == (cb == abi.BITMAP_FLAG)).all()
     seen = set()
     revisits = 0
     for unit, k0 in zip(t["unit"].tolist(), t["k0"].tolist()):
         revisits += (unit, k0) in seen
         seen.add((unit, k0))
-    assert s["tile_revisits"] == revisits
+    assert s["tile_revisits"] == revisits == 0          # tiles once, always
     if tiles:
         assert s["waste_fraction"] == pytest.approx(
             1 - s["selected_interactions"] / s["computed_interactions"])
@@ -183,7 +188,7 @@ def _check_stats(plan, mask, t):
     assert s["kv_bytes"] == tiles * 2 * plan.tile_kv * plan.shape.head_dim * item
     assert s["kept"] + s["merged"] + s["split"] == tiles
     full = ((t["r0"] == t["q0"]) & (t["r1"] == t["q1"]) & (t["c0"] == t["k0"])
-            & (t["c1"] == t["k1"]) & ~t["grid"])
+            & (t["c1"] == t["k1"]) & ~t["grid"] & ~t["bitmap"])
     assert s["full_tiles"] == int(full.sum())
     assert plan.all_full == bool(full.all())          # exact, or the kernel would not mask
     assert 0 < s["balance"] <= 1.0 + 1e-12
@@ -377,10 +382,13 @@ def test_shared_mask_units_share_steps_and_repeated_heads_too():
 
 
 def _unit_lists(plan):
-    """Each unit's fields but its step pointer, and its step rows (unpacked, as bytes)."""
+    """Each unit's fields but its step pointer, and its steps (kv_start and selection, as
+    bytes: a bitmap step's offset differs between layouts, its words do not)."""
     u = plan.units[: plan.num_units]
-    view = abi.unpack_steps(plan.steps)
-    rows = [view[p:p + c].tobytes() for p, c in u[:, [4, 5]]]
+    view = abi.unpack_steps(plan.steps[: plan.num_steps])
+    rows = [view[p:p + c, :1].tobytes()
+            + abi.step_mask(plan.steps, np.arange(p, p + c), plan.tile_q, plan.tile_kv).tobytes()
+            for p, c in u[:, [4, 5]]]
     return np.delete(u, 4, axis=1), rows
 
 
@@ -405,7 +413,8 @@ def test_shared_step_lists_change_only_pointers_and_storage(mt, tile, policy):
     np.testing.assert_array_equal(a_units, b_units)
     assert a_rows == b_rows
     assert shared.num_steps <= plain.num_steps and shared.steps.shape[0] <= plain.steps.shape[0]
-    assert not shared.steps[shared.num_steps:].any()             # padding rows are zero
+    assert shared.bitmap_rows <= plain.bitmap_rows
+    assert not shared.steps[shared.num_steps + shared.bitmap_rows:].any()   # padding rows: zero
     assert shared.all_full == plain.all_full
 
 

@@ -1,13 +1,14 @@
 """Tiles once (issue 15): a physical tile is computed once, however many logical blocks touch it.
 
-* Piece level (the planner's guarantee): the pieces of one K/V tile of a unit (one rectangle
+* Piece level (the policies' grid join): the pieces of one K/V tile of a unit (one rectangle
   each, as the policies cut them, ``plan_oracle.pieces``) whose distinct row bounds and key
-  bounds are at most 5 each (a 4 x 4 grid) become exactly one step, in every policy.
+  bounds are at most 5 each (a 4 x 4 grid) become exactly one step, in every policy; the rest
+  become one step in ``build_plan``'s bitmap pass (tests/test_bitmap_steps.py).
 * Mask level: masks whose blocks leave every tile at most 4 segments per axis (bounds on a
-  tile / 4 grid) are planned with no tile revisits by split, and no plan of any policy computes
-  more than dense (``build_plan`` falls back to split per head).
-* Always: no head computes more than max(dense, split's plan of it); auto prefers a candidate
-  within dense.
+  tile / 4 grid) are planned with no tile revisits and no bitmap step by split, and no plan of
+  any policy computes more than dense (``build_plan`` falls back to split per head).
+* Always: split's plan is within dense (it visits each grid tile once), no head computes more
+  than dense; auto prefers a candidate within dense.
 * The XLA executor evaluates hand-written grid steps (every cell pattern, random cuts) exactly.
 """
 
@@ -95,7 +96,7 @@ def test_at_most_four_segments_per_axis_tiles_once_and_never_above_dense(mt):
     mask, Hq, Hkv, (tq, tk) = mt
     dense = mask.Lq * mask.Lkv
     split = _plan(mask, Hq, Hkv, tq, tk, "split")
-    assert split.stats()["tile_revisits"] == 0
+    assert split.stats()["tile_revisits"] == 0 and split.stats()["bitmap_steps"] == 0
     for policy in POLICIES:
         p = _plan(mask, Hq, Hkv, tq, tk, policy)
         s = p.stats()
@@ -109,14 +110,14 @@ def test_at_most_four_segments_per_axis_tiles_once_and_never_above_dense(mt):
 @settings(max_examples=30, deadline=None)
 def test_no_head_computes_more_than_dense_or_split(mt, tile, align):
     """build_plan's invariant: a head's plan computes at most max(dense at these tiles, what
-    split computes for it); split's plan is within dense wherever it tiles once."""
+    split computes for it); split's plan is within dense (it tiles once, always)."""
     mask, Hq, Hkv = mt
     tq, tk = tile
     bound = planner.dense_tile_interactions(mask.Lq, mask.Lkv, tq, tk)
     split = _plan(mask, Hq, Hkv, tq, tk, "split", align, align)
     sc = _head_computed(split)
-    if split.stats()["tile_revisits"] == 0:
-        assert (sc <= bound).all()
+    assert split.stats()["tile_revisits"] == 0
+    assert (sc <= bound).all()
     for policy in POLICIES:
         p = _plan(mask, Hq, Hkv, tq, tk, policy, align, align)
         pc = _head_computed(p)
@@ -147,7 +148,9 @@ def test_auto_prefers_a_candidate_within_dense(mt, tile):
 
 def test_token_level_masks_fall_back_to_split_and_report_it():
     """1-token blocks under merge anchor a tile at every block start (hundreds of times dense
-    before tiles once): build_plan plans those heads by split, and stats/describe say so."""
+    before tiles once; a unit per 1-row group, so above dense even with bitmap steps):
+    build_plan plans those heads by split, and stats/describe say so. Split's tiles hold 64
+    segments per axis: one bitmap step each, the plan exactly dense."""
     rng = np.random.default_rng(0)
     L = 256
     m = tj.BlockMask.uniform(L, L, 1, 1, rng.random((2, L, L)) < 0.1)
@@ -157,8 +160,10 @@ def test_token_level_masks_fall_back_to_split_and_report_it():
     s = p.stats()
     assert p.head_policies == ("split", "split") and s["fallback_heads"] == 2
     assert s["computed_interactions"] < merged.cnt.sum() * 64 * 64
-    assert "2 heads planned by split" in p.describe() and "grid steps" in p.describe()
-    assert s["grid_steps"] > 0 and s["tile_revisits"] > 0   # 1-token blocks: > 4 segments
+    assert "2 heads planned by split" in p.describe() and "bitmap steps" in p.describe()
+    assert s["grid_steps"] == 0 and s["tile_revisits"] == 0   # 1-token blocks: > 4 segments
+    assert s["bitmap_steps"] == s["tiles"] == 2 * 16
+    assert s["computed_interactions"] == s["dense_interactions"]
     band = tj.BlockMask.uniform(L, L, 16, 16, np.abs(np.subtract.outer(np.arange(16),
                                                                        np.arange(16))) <= 1)
     for policy in POLICIES:                     # 16-token blocks: 4 segments a tile at most

@@ -6,7 +6,8 @@ Each ``_nb_*`` function is one loop of ``tessera_jax.planning.planner`` over pac
 (``_nb_groups``, ``_nb_units``, ``_nb_pack_units``), the step rows of keep/merge
 (``_nb_fill``, exact counts ``_nb_count``) and of split/pack (``_nb_rects`` and its helpers,
 bound ``_nb_rect_bound``; the pieces of one K/V tile joined into grid steps by
-``_nb_tiles_once``), mask packing (``_nb_pack``) and row_index (``_nb_row_index``).
+``_nb_tiles_once``), the bitmap pass that leaves one step per (unit, K/V tile)
+(``_nb_bitmaps``), mask packing (``_nb_pack``) and row_index (``_nb_row_index``).
 Loops that take (lo, hi) handle units/rows [lo, hi), so the planner can run two halves on
 two threads (they are nogil). Until numba is loaded each ``_nb_*`` name is a ``_Loop``
 stand-in: calls with small arrays (``INTERP_MAX_WORK``, within ``INTERP_BUDGET_S`` per
@@ -35,6 +36,7 @@ from pallas_kernels.abi import STEP_CUTS_A as _CUTS_A
 from pallas_kernels.abi import STEP_CUTS_B as _CUTS_B
 from pallas_kernels.abi import STEP_KV_START as _KV_START
 from pallas_kernels.abi import STEP_RECT as _RECT
+from pallas_kernels.abi import BITMAP_FLAG as _BITMAP
 
 
 def _nb_popcount(x):
@@ -559,6 +561,241 @@ def _nb_acc_full(acc, tq, tk):
                     & (acc[9] == 0) & (acc[10] == tk))
 
 
+# --- bitmap steps: one step per (unit, K/V tile) ------------------------------------------
+# ``_nb_tiles_once`` leaves several grid steps where a tile's pieces need more than a 4 x 4 grid
+# (1-8 token blocks). ``_nb_bitmaps`` then rewrites the step ranges that revisit a tile: the
+# steps of each revisited tile become one step selecting their union, built in a bitmap bm of
+# 64-key lanes (int64 [nl * tq], nl = ceil(tk / 64); bit c % 64 of bm[(c // 64) * tq + r] is
+# entry (r, c)): a plain step if the union is a rectangle, a grid step if its normalised grid
+# (a cut before each row, or column, unlike the one before it) has at most 4 x 4 cells, else a
+# bitmap step (``abi.BITMAP_FLAG``) whose words (the ABI's 32-key words: lane halves) follow
+# the step rows. The spec, in plain Python: ``plan_oracle.bitmap_steps``.
+def _nb_bm_rect(bm, tq, a, b, c, d):
+    """ORs rows [a, b) x keys [c, d) into the bitmap bm."""
+    if a >= b or c >= d:
+        return
+    for ln in range(c >> 6, ((d - 1) >> 6) + 1):
+        lo = max(c - 64 * ln, 0)
+        hi = min(d - 64 * ln, 64)
+        m = -(np.int64(1) << lo)               # keys >= lo of the lane
+        if hi < 64:
+            m &= (np.int64(1) << hi) - 1
+        base = ln * tq
+        for r in range(a, b):
+            bm[base + r] |= m
+
+
+def _nb_bm_cut(lo, c1, c2, c3, hi, i):
+    """Bound i (0..4) of the segments [lo, c1, c2, c3, hi]."""
+    if i == 0:
+        return lo
+    if i == 1:
+        return c1
+    if i == 2:
+        return c2
+    if i == 3:
+        return c3
+    return hi
+
+
+def _nb_bm_add(bm, src, sflat, x, tq, nw):
+    """ORs the selection of step row x of src (``sflat``: its flat view) into bm: a plain
+    step's rectangle, a grid step's selected cells (each clipped to the rectangle, as
+    ``abi.grid_mask``), a bitmap step's words."""
+    rect = np.int64(src[x, _RECT])
+    ca = np.int64(src[x, _CUTS_A])
+    cb = np.int64(src[x, _CUTS_B])
+    ql = rect & 0xFF
+    qh = (rect >> _Q_HI) & 0xFF
+    kl = (rect >> _KV_LO) & 0xFF
+    kh = (rect >> _KV_HI) & 0xFF
+    if cb == 0:
+        _nb_bm_rect(bm, tq, ql, qh, kl, kh)
+        return
+    if cb == _BITMAP:
+        for w in range(nw):
+            base = (w >> 1) * tq
+            sh = 32 * (w & 1)
+            for r in range(tq):
+                bm[base + r] |= (np.int64(sflat[ca + w * tq + r]) & 0xFFFFFFFF) << sh
+        return
+    q1, q2, q3 = ca & 0xFF, (ca >> 8) & 0xFF, (ca >> 16) & 0xFF
+    k1, k2, k3 = (ca >> 24) & 0xFF, cb & 0xFF, (cb >> 8) & 0xFF
+    bits = (cb >> _BITS) & 0xFFFF
+    for i in range(4):
+        ra = max(_nb_bm_cut(ql, q1, q2, q3, qh, i), ql)
+        rb = min(_nb_bm_cut(ql, q1, q2, q3, qh, i + 1), qh)
+        for j in range(4):
+            if (bits >> (4 * i + j)) & 1:
+                c0 = max(_nb_bm_cut(kl, k1, k2, k3, kh, j), kl)
+                c1 = min(_nb_bm_cut(kl, k1, k2, k3, kh, j + 1), kh)
+                _nb_bm_rect(bm, tq, ra, rb, c0, c1)
+
+
+def _nb_bm_emit(bm, kv, dst, flat, s, off, tq, nw, col, tr, cuts):
+    """Writes the union in bm (non-empty) as step row s of dst: plain or grid where its
+    normalised grid has at most 4 x 4 cells, else a bitmap step with its words at offset
+    ``off`` of ``flat`` (dst's flat view). Clears bm. Returns whether it wrote words."""
+    nl = col.shape[0]
+    for ln in range(nl):
+        col[ln] = 0
+        tr[ln] = 0
+    ql = -1
+    qh = 0
+    nd = 0                                     # rows unlike the one before (first 5 kept)
+    for r in range(tq):
+        a = np.int64(0)
+        carry = np.int64(0)
+        diff = False
+        for ln in range(nl):
+            x = bm[ln * tq + r]
+            a |= x
+            col[ln] |= x
+            tr[ln] |= x ^ ((x << 1) | carry)   # bit c: key c unlike key c - 1 in this row
+            carry = (x >> 63) & 1
+            if r > 0 and x != bm[ln * tq + r - 1]:
+                diff = True
+        if a != 0:
+            if ql < 0:
+                ql = r
+            qh = r + 1
+        if diff:
+            if nd < 5:
+                cuts[nd] = r
+            nd += 1
+    # Row cuts inside the box: the changes but the box's first row (ql > 0) and its end.
+    skip = 1 if ql > 0 else 0
+    nr = nd - skip - (1 if qh < tq else 0)
+    q1 = cuts[skip] if nr > 0 else qh
+    q2 = cuts[skip + 1] if nr > 1 else qh
+    q3 = cuts[skip + 2] if nr > 2 else qh
+    kl = -1
+    kh = 0
+    for ln in range(nl):
+        x = col[ln]
+        if x != 0:
+            if kl < 0:
+                kl = 64 * ln + np.int64(_nb_ctz(x))
+            b = 63
+            while not (x >> b) & 1:
+                b -= 1
+            kh = 64 * ln + b + 1
+    nk = 0                                     # key cuts: a column unlike the one before
+    k1 = kh
+    k2 = kh
+    k3 = kh
+    for ln in range(nl):
+        t = tr[ln]
+        while t != 0 and nk <= 3:
+            c = 64 * ln + np.int64(_nb_ctz(t))
+            t &= t - 1
+            if kl < c < kh:
+                nk += 1
+                if nk == 1:
+                    k1 = c
+                elif nk == 2:
+                    k2 = c
+                elif nk == 3:
+                    k3 = c
+    dst[s, _KV_START] = kv
+    dst[s, _RECT] = ql | (qh << _Q_HI) | (kl << _KV_LO) | (kh << _KV_HI)
+    words = nr > 3 or nk > 3
+    if not words and nr == 0 and nk == 0:      # the bounding box, whole: a plain step
+        dst[s, _CUTS_A] = 0
+        dst[s, _CUTS_B] = 0
+    elif not words:                            # a grid step: the cell of each segment pair
+        bits = 0
+        for i in range(nr + 1):
+            r = _nb_bm_cut(ql, q1, q2, q3, qh, i)
+            for j in range(nk + 1):
+                c = _nb_bm_cut(kl, k1, k2, k3, kh, j)
+                if (bm[(c >> 6) * tq + r] >> (c & 63)) & 1:
+                    bits |= 1 << (4 * i + j)
+        dst[s, _CUTS_A] = q1 | (q2 << 8) | (q3 << 16) | (k1 << 24)
+        dst[s, _CUTS_B] = k2 | (k3 << 8) | (bits << _BITS)
+    else:                                      # a bitmap step: its words at off
+        dst[s, _CUTS_A] = off
+        dst[s, _CUTS_B] = _BITMAP
+        for w in range(nw):
+            base = (w >> 1) * tq
+            sh = 32 * (w & 1)
+            o = off + w * tq
+            for r in range(tq):
+                flat[o + r] = (bm[base + r] >> sh) & 0xFFFFFFFF
+    for ln in range(nl):
+        for r in range(ql, qh):
+            bm[ln * tq + r] = 0
+    return words
+
+
+def _nb_bitmaps(lo, hi, row0, src, sflat, rs, rn, rrev, dst, flat, w0, tq, tk, nptr, ncnt,
+                nfull):
+    """Tiles once, with bitmap steps: the step ranges src[rs[i] : rs[i] + rn[i]] (i in [lo,
+    hi): distinct, rrev[i] of their visits revisit a tile) rewritten into dst from row ``row0``,
+    range after range:
+    a range that revisits no tile is copied; in the others, the steps of each K/V tile (equal
+    kv_start: consecutive where the range is in non-decreasing kv_start, else grouped in a
+    stable sort by kv_start) become one step (``_nb_bm_emit``; a tile visited once keeps its
+    row), bitmap words from offset w0 of ``flat`` (dst's flat view) on, each from a row
+    boundary; ``sflat`` is src's flat view. ``nptr[i]`` / ``ncnt[i]``: the new range;
+    ``nfull[i]``: its full steps made by joining (a union that is the whole tile; the steps
+    of a revisited tile are never full, so the range's other full steps are as before).
+    Returns (end row, words written)."""
+    nw = (tk + 31) >> 5
+    wr = (nw * tq + 3) >> 2                    # rows of one bitmap (``abi.bitmap_rows``)
+    nl = (tk + 63) >> 6
+    bm = np.zeros(nl * tq, np.int64)
+    col = np.zeros(nl, np.int64)
+    tr = np.zeros(nl, np.int64)
+    cuts = np.zeros(5, np.int64)
+    order = np.zeros(0, np.int64)
+    full = (tq << _Q_HI) | (tk << _KV_HI)      # STEP_RECT of the whole tile, as an int32
+    if full >= 1 << 31:
+        full -= 1 << 32
+    s = row0
+    wpos = 0
+    for i in range(lo, hi):
+        p = rs[i]
+        n = rn[i]
+        nptr[i] = s
+        nfull[i] = 0
+        if rrev[i] == 0:
+            for x in range(n):                     # the rows as they are
+                for c in range(4):
+                    dst[s + x, c] = src[p + x, c]
+            s += n
+            ncnt[i] = n
+            continue
+        mono = True
+        for x in range(1, n):
+            if src[p + x, _KV_START] < src[p + x - 1, _KV_START]:
+                mono = False
+                break
+        if not mono:
+            order = np.argsort(src[p:p + n, _KV_START], kind="mergesort") + p
+        x = 0
+        while x < n:
+            a = p + x if mono else order[x]
+            kv = src[a, _KV_START]
+            y = x + 1
+            while y < n and src[p + y if mono else order[y], _KV_START] == kv:
+                y += 1
+            if y == x + 1:                     # visited once: the row as it is
+                for c in range(4):
+                    dst[s, c] = src[a, c]
+            else:
+                for z in range(x, y):
+                    _nb_bm_add(bm, src, sflat, p + z if mono else order[z], tq, nw)
+                if _nb_bm_emit(bm, kv, dst, flat, s, w0 + wpos, tq, nw, col, tr, cuts):
+                    wpos += 4 * wr
+                elif dst[s, _CUTS_B] == 0 and np.int64(dst[s, _RECT]) == full:
+                    nfull[i] += 1
+            s += 1
+            x = y
+        ncnt[i] = s - nptr[i]
+    return s, wpos
+
+
 def _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps):
     """A rectangle (rows [ra, rb), keys [c0, c1) from ``anchor``) cut into tiles at anchor +
     t * tk, a last tile crossing kvp shifted back (only the last can): written from steps[s]
@@ -1060,11 +1297,13 @@ def _nb_pack_units(gh, r0, r1, tq, q_align):
 
 _NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_pack",
                "_nb_row_index", "_nb_units", "_nb_store", "_nb_acc_bound", "_nb_acc_add",
-               "_nb_acc_norm", "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full", "_nb_scratch", "_nb_tiles_once", "_nb_emit", "_nb_emit_more", "_nb_emit_tiles", "_nb_rects_one",
-               "_nb_rects_two", "_nb_rects_wide", "_nb_rects_many", "_nb_rects", "_nb_rect_bound",
-               "_nb_pack_units")
+               "_nb_acc_norm", "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full",
+               "_nb_scratch", "_nb_tiles_once", "_nb_bm_rect", "_nb_bm_cut", "_nb_bm_add",
+               "_nb_bm_emit", "_nb_bitmaps", "_nb_emit", "_nb_emit_more", "_nb_emit_tiles",
+               "_nb_rects_one", "_nb_rects_two", "_nb_rects_wide", "_nb_rects_many", "_nb_rects",
+               "_nb_rect_bound", "_nb_pack_units")
 _NB_INLINE = ("_nb_popcount", "_nb_tiles", "_nb_store", "_nb_acc_bound", "_nb_sort4",
-              "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full")  # inlined (numba IR)
+              "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full", "_nb_bm_cut")  # inlined (numba IR)
 
 
 # --- running the loops: interpreted while small, compiled after --------------------------

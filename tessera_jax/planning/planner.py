@@ -4,7 +4,8 @@ NumPy (and numba-compiled loops for keep/merge) on the host, run at trace time; 
 of Pallas. The output format is documented in ``pallas_kernels/abi.py``: a *work unit* is
 one query tile [q_start, q_start + tile_q) of one query head plus the list of K/V tiles
 (*steps*) it visits; each step selects a rectangle of its tile (rows x keys), or, a *grid*
-step, the selected cells of a <= 4 x 4 grid inside that rectangle; everything else in the tile
+step, the selected cells of a <= 4 x 4 grid inside that rectangle, or, a *bitmap* step, the
+entries whose bits are set in words stored after the step rows; everything else in the tile
 is masked. The steps' selections cover the mask's selected (query, key) pairs exactly once,
 whatever the policy: policies only change *how* the selected set is cut into tiles.
 
@@ -13,10 +14,18 @@ tile); a unit's pieces come in non-decreasing kv_start (the rectangles of one ke
 by tile), and the pieces of one tile are joined greedily into one grid step while the union
 fits a 4 x 4 grid (at most 5 distinct row bounds and 5 distinct key bounds, the grid
 normalised), in the step loops themselves (``plan_loops._nb_tiles_once``; keep/merge, whose
-pieces of a unit share their rows, join in ``_nb_fill`` as they write). So a unit visits a
-K/V tile once wherever its pieces there fit a grid (``stats()["tile_revisits"]`` counts the
-other visits: tiles cut by more than 4 blocks per axis, 1- to 3-token blocks). The
-specification, in plain Python: ``plan_oracle.tiles_once``.
+pieces of a unit share their rows, join in ``_nb_fill`` as they write). Where the pieces of a
+tile need more than a 4 x 4 grid (tiles cut by more than 4 blocks per axis: 1-8 token blocks,
+token-level bands, small clusters), that leaves several steps of one tile; ``build_plan``'s last
+pass (``_bitmap_steps``, loop ``plan_loops._nb_bitmaps``; run only when some unit revisits a
+tile, found by a vectorised scan, ``_revisit_info``) makes them one step selecting their union:
+plain if it is a rectangle, a grid if it fits 4 x 4, else a bitmap step (``abi.BITMAP_FLAG``)
+whose words follow the step rows (``Plan.num_steps`` step rows, then ``Plan.bitmap_rows``
+word rows, ``abi.bitmap_rows`` per bitmap). So every plan visits each (unit, K/V tile) once
+(``stats()["tile_revisits"]`` == 0) and computes at most tile_q x tile_kv interactions there,
+whatever the block sizes. Units sharing a step range (shared masks, tall row groups) keep
+sharing it, words included. The specification, in plain Python: ``plan_oracle.tiles_once``
+(the grid join) and ``plan_oracle.bitmap_steps`` (the pass).
 
 Policies (the tile shape is fixed by the template; ``q_align``/``kv_align`` are honoured by
 rounding tile starts down to a multiple, and tiles that would cross the padded length are
@@ -56,8 +65,13 @@ of the same tiles (``dense_tile_interactions``: ceil(Lq / tile_q) tile_q x ceil(
 tile_kv, which is Lq x Lkv when the tiles divide the lengths). A head whose plan would
 (``keep``/``merge`` anchor a tile at every block start: 1-token blocks computed ~400x dense)
 is planned by ``split`` instead where that computes less (``stats()["fallback_heads"]``,
-``head_policies``). ``split`` visits each (query tile, key tile) of the global grid once
-where it tiles once, so it is within dense then.
+``head_policies``; the comparison counts the tiles each unit will visit after the bitmap pass,
+``_Raw.visits``). ``split`` visits each (query tile, key tile) of the global grid at most once,
+so it is always within dense. Bitmap steps do not make the fallback rare: keep/merge give a
+row group shorter than the tile a unit of its own (1-token query blocks: a unit per row, ~350x
+dense), and pack anchors tiles at its groups' key runs, off the grid (4-token blocks 2.5x,
+``masks.svg2("small")`` 8.8x dense at 64 x 64); what bitmap steps remove is split's (and pack's)
+revisits, so the fallback now lands within dense.
 
 Every tile (step, counted once per unit that visits it) is classified for ``stats()``: it is
 *split* if its selection (a grid step's selected cells) covers only part of a logical block it
@@ -65,7 +79,8 @@ touches (along queries or keys), otherwise *merged* if it covers several logical
 otherwise *kept* (it covers exactly one logical block, whole). ``kept + merged + split ==
 tiles``. ``computed_interactions`` counts each visit as tile_q x tile_kv;
 ``dense_interactions`` is Lq x Lkv x Hq; ``tile_revisits`` the visits of a K/V tile the unit
-visited before (0: tiles once holds); ``grid_steps`` the visits of grid steps.
+visited before (0: tiles once holds, always); ``grid_steps`` / ``bitmap_steps`` the visits of
+grid / bitmap steps (a bitmap step's kind is read from its bits, ``_bitmap_kinds``).
 
 Mask heads with identical blocks are planned once and their units share one step list (a
 shared mask is the case of a single distinct head), so ``steps`` grows with the distinct head
@@ -95,7 +110,8 @@ cost model, unit order, ``SHARE_STEP_LISTS``): a repeated mask costs a dictionar
 * ``tessera_jax.planning.loops``: the numba-compiled inner loops (``_nb_*``), ``compile_all()``;
   this module keeps the policies, the drivers that run those loops (threads, bounds), the API.
 * ``plan_oracle``: the NumPy versions of the step builders, the tests' oracles
-  (``_plan_rowgroups_numpy``, ``_plan_grid_numpy``, ``_plan_pack_numpy``); plans never use them.
+  (``_plan_rowgroups_numpy``, ``_plan_grid_numpy``, ``_plan_pack_numpy``, ``bitmap_steps``);
+  plans never use them.
 """
 
 from __future__ import annotations
@@ -151,7 +167,7 @@ class Plan:
     units: np.ndarray        # int32 [U_cap, UNIT_COLS], schedule order
     steps: np.ndarray        # int32 [S_cap, STEP_COLS]; units may share steps (shared masks)
     num_units: int           # real units (the rest is padding)
-    num_steps: int           # real rows of ``steps``
+    num_steps: int           # real step rows of ``steps`` (units point into [0, num_steps))
     max_steps: int           # capacity >= the longest unit
     mask_digest: str
     selected_interactions: int  # summed over query heads, one batch element
@@ -166,6 +182,10 @@ class Plan:
     # GPU, see ``tessera_jax.runtime.dense_route``), so this plan runs only for return_lse=True
     # or where cuDNN refuses the call. ``describe()`` says so.
     dense_route: bool = False
+    # Rows of ``steps`` after the num_steps step rows that hold bitmap steps' words
+    # (``abi.BITMAP_FLAG``): [num_steps, num_steps + bitmap_rows), never visited as steps; the
+    # rest of the capacity is zero padding.
+    bitmap_rows: int = 0
 
     @functools.cached_property
     def row_index(self) -> np.ndarray:
@@ -185,7 +205,7 @@ class Plan:
         step rows, and skipped when the planner already counted a partial step."""
         if not self.maybe_all_full:
             return False
-        st = self.steps[: self.num_steps]
+        st = self.steps[: self.num_steps]            # step rows (bitmap words follow)
         return bool(np.all((st[:, abi.STEP_RECT] == abi.full_rect(self.tile_q, self.tile_kv))
                            & (st[:, abi.STEP_CUTS_B] == 0)))
 
@@ -201,21 +221,29 @@ class Plan:
 
         Returns int64 arrays: ``unit``, ``head``, ``q0``/``q1`` (the tile's rows),
         ``k0``/``k1`` (its keys), ``r0``/``r1`` and ``c0``/``c1`` (the step's rectangle:
-        rows [r0, r1) x keys [c0, c1); all of it selected unless ``grid``), ``step`` (index
-        into ``steps``), ``grid`` (bool: a grid step, its selection the cells of ``cuts_a`` /
-        ``cuts_b``, see ``tile_cells``).
+        rows [r0, r1) x keys [c0, c1); all of it selected unless ``grid`` or ``bitmap``),
+        ``step`` (index into ``steps``), ``grid`` (bool: a grid step, its selection the cells
+        of ``cuts_a`` / ``cuts_b``), ``bitmap`` (bool: a bitmap step, its selection the bits
+        of its words; see ``tile_cells``). Word rows are never visits.
         """
         return _tile_rects(self)
 
     def tile_cells(self, rects: dict | None = None) -> dict:
         """Every selected rectangle of every visit (a plain step's rectangle, a grid step's
-        selected cells), absolute: int64 arrays ``visit`` (row of ``tile_rects``), ``unit``,
-        ``head``, ``r0``/``r1``, ``c0``/``c1``. Disjoint per head; they cover the mask's
-        selected (query, key) pairs exactly."""
+        selected cells, a bitmap step's runs of selected keys, ``abi.selected_cells``),
+        absolute: int64 arrays ``visit`` (row of ``tile_rects``), ``unit``, ``head``,
+        ``r0``/``r1``, ``c0``/``c1``. Disjoint per head; they cover the mask's selected
+        (query, key) pairs exactly."""
         t = rects if rects is not None else _tile_rects(self)
-        v, r0, r1, c0, c1 = abi.step_cells(
-            abi.pack_rect(t["r0"] - t["q0"], t["r1"] - t["q0"], t["c0"] - t["k0"],
-                          t["c1"] - t["k0"]), t["cuts_a"], t["cuts_b"])
+        # Cells of each distinct step once (units of a shared mask visit the same rows).
+        us, inv = np.unique(t["step"], return_inverse=True)
+        i, r0, r1, c0, c1 = abi.selected_cells(self.steps, us, self.tile_q, self.tile_kv)
+        per = np.bincount(i, minlength=len(us))
+        first = np.cumsum(per) - per
+        n = per[inv.reshape(-1)]
+        v = np.repeat(np.arange(len(inv)), n)
+        x = np.repeat(first[inv.reshape(-1)] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+        r0, r1, c0, c1 = r0[x], r1[x], c0[x], c1[x]
         q0, k0 = t["q0"][v], t["k0"][v]
         return {"visit": v, "unit": t["unit"][v], "head": t["head"][v], "r0": q0 + r0,
                 "r1": q0 + r1, "c0": k0 + c0, "c1": k0 + c1}
@@ -244,7 +272,7 @@ class Plan:
             f"{s['units']} work units, {s['tiles']} tiles "
             f"(kept {s['kept']}, merged {s['merged']}, split {s['split']}; "
             f"{s['partial_tiles']} partial, {s['grid_steps']} grid steps, "
-            f"{s['tile_revisits']} tile revisits); "
+            f"{s['bitmap_steps']} bitmap steps, {s['tile_revisits']} tile revisits); "
             f"selected {s['selected_interactions']:,} interactions, computed "
             f"{s['computed_interactions']:,} (waste {s['waste_fraction']:.1%}; "
             f"{s['computed_interactions'] / dense if dense else 0.0:.2f}x dense); "
@@ -329,6 +357,8 @@ class _Raw:
     area: np.ndarray   # selected interactions per unit
     ptr: np.ndarray | None = None   # first row of each unit (None: consecutive, in unit order)
     stored: int | None = None       # rows of steps in use when ptr is given
+    words: int = 0                  # rows of bitmap words after the step rows (``_bitmap_steps``)
+    revisits: tuple | None = None   # ``_revisit_info`` of these rows, once computed
 
     @property
     def num_steps(self) -> int:
@@ -340,6 +370,17 @@ class _Raw:
         """The first row of each unit's steps."""
         return np.cumsum(self.cnt) - self.cnt if self.ptr is None else self.ptr
 
+    def visits(self) -> np.ndarray:
+        """The K/V tiles each unit visits once ``_bitmap_steps`` has made one step of each
+        (unit, tile): its step count less its revisits."""
+        return self.cnt - self.revisit_info()[0]
+
+    def revisit_info(self):
+        """``_revisit_info`` of the units' step ranges (computed once)."""
+        if self.revisits is None:
+            self.revisits = _revisit_info(self.steps, self.first, self.cnt)
+        return self.revisits
+
     def unshared(self) -> "_Raw":
         """The same units with every unit's rows of its own, consecutive in unit order."""
         if self.ptr is None:
@@ -348,7 +389,7 @@ class _Raw:
         idx = np.repeat(self.ptr - (np.cumsum(self.cnt) - self.cnt), self.cnt) + np.arange(S)
         steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
         np.take(self.steps, idx, axis=0, out=steps[:S])
-        return dataclasses.replace(self, steps=steps, ptr=None, stored=None)
+        return dataclasses.replace(self, steps=steps, ptr=None, stored=None, revisits=None)
 
     def select_heads(self, keep_head: np.ndarray) -> "_Raw":
         """The units of the kept heads (rows in unit order: ``auto`` plans unshared)."""
@@ -362,7 +403,8 @@ class _Raw:
     def concat(parts) -> "_Raw":
         assert all(p.ptr is None for p in parts), "concat needs rows in unit order"
         cat = {f.name: np.concatenate([getattr(p, f.name) for p in parts])
-               for f in dataclasses.fields(_Raw) if f.name not in ("steps", "ptr", "stored")}
+               for f in dataclasses.fields(_Raw)
+               if f.name not in ("steps", "ptr", "stored", "words", "revisits")}
         S = int(cat["cnt"].sum())
         steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
         np.concatenate([p.steps[: p.num_steps] for p in parts], out=steps[:S])
@@ -760,8 +802,131 @@ def _plan_pack(ctx: _Ctx) -> _Raw:
                 area[has])
 
 
-def _raw_costs(raw: _Raw, ctx: _Ctx, shape: AttnShape, model) -> np.ndarray:
-    return _sched.unit_costs(raw.cnt, raw.cnt - raw.nfull, tile_q=ctx.tile_q,
+def _revisit_info(steps: np.ndarray, first: np.ndarray, cnt: np.ndarray):
+    """(revisits, tiles, unordered) per unit of the step ranges [first, first + cnt) of
+    ``steps``: its visits of a K/V tile it visited before, an upper bound on its tiles visited
+    more than once, and whether its kv_starts ever decrease. A unit's steps come in
+    non-decreasing kv_start (each policy's tiles start at multiples of kv_align at or before
+    their keys, in key order, shifted back to kvp - tile_kv at most), so its revisits are runs
+    of equal consecutive kv_starts. One vectorised pass over the rows finds the rows whose tile
+    does not follow the row before's (a revisit, a decrease, or a range's first row); the rest
+    is per candidate row and per unit (binary searches). A unit whose kv_starts decrease (none
+    so far) is counted exactly, one by one."""
+    U = len(cnt)
+    z = np.zeros(U, np.int64)
+    if U == 0:
+        return z, z.copy(), np.zeros(U, bool)
+    first = np.asarray(first, np.int64)
+    cnt = np.asarray(cnt, np.int64)
+    end = first + cnt
+    R = int(end.max())
+    kv = steps[:R, abi.STEP_KV_START]
+    cand = np.flatnonzero(kv[1:] <= kv[:-1]) + 1        # rows s: kv[s] <= kv[s - 1]
+    if cand.size == 0:
+        return z, z.copy(), np.zeros(U, bool)
+    eq = kv[cand] == kv[cand - 1]
+    down = ~eq
+    # prev_eq: row s - 1 is a candidate repeating its own row before (a run goes on at s).
+    at = np.searchsorted(cand, cand - 1)
+    prev_eq = (at < len(cand)) & (cand[np.minimum(at, len(cand) - 1)] == cand - 1)
+    prev_eq &= eq[np.minimum(at, len(cand) - 1)]
+    start = eq & ~prev_eq                               # a run of equal tiles starts at s
+    Ce, Cd, Cs = (np.r_[0, np.cumsum(x, dtype=np.int64)] for x in (eq, down, start))
+    lo = np.searchsorted(cand, first, side="right")     # candidates s in (first, end)
+    hi = np.searchsorted(cand, end, side="left")
+    hi = np.maximum(hi, lo)
+    rev = Ce[hi] - Ce[lo]
+    unordered = (Cd[hi] - Cd[lo]) > 0
+    # A run starting at first + 1 whose row before (first) repeats the previous unit's tile
+    # was not counted as a start.
+    k = np.minimum(lo, len(cand) - 1)
+    fix = (lo < hi) & (cand[k] == first + 1) & eq[k] & prev_eq[k]
+    tiles = Cs[hi] - Cs[lo] + fix
+    for u in np.flatnonzero(unordered):
+        x = kv[first[u]: end[u]]
+        rev[u] = len(x) - len(np.unique(x))
+        tiles[u] = rev[u]
+    return rev, tiles, unordered
+
+
+def _bitmap_steps(raw: _Raw, tile_q: int, tile_kv: int) -> _Raw:
+    """Tiles once for every unit: where a unit visits a K/V tile more than once (tiles cut by
+    more than 4 blocks per axis, which grid steps cannot hold), the steps of that tile become
+    one step selecting their union (``plan_loops._nb_bitmaps``: plain if a rectangle, a grid
+    where it fits 4 x 4, else a bitmap step). Runs only when some unit revisits a tile (the
+    raw comes back as it is otherwise). Each distinct step range (units sharing rows keep
+    sharing) is rewritten once, in row order, compactly: the step rows first, then the bitmap
+    words (``abi.bitmap_rows`` rows each); the array is re-bucketed."""
+    first, cnt = raw.first, raw.cnt
+    rev, tiles, _ = raw.revisit_info()
+    if not rev.any():
+        return raw
+    U = len(cnt)
+    live = np.flatnonzero(cnt > 0)
+    big = int(raw.num_steps) + 1
+    key = first[live].astype(np.int64) * big + cnt[live]
+    uk, pick, inv = np.unique(key, return_index=True, return_inverse=True)
+    rs, rn = uk // big, uk % big
+    rrev, rtiles = rev[live[pick]], tiles[live[pick]]
+    S = int((rn - rrev).sum())                 # one row per distinct (unit, tile)
+    wr = abi.bitmap_rows(tile_q, tile_kv)
+    rows = S + int(rtiles.sum()) * wr           # at most one bitmap per revisited tile
+    if bucket(rows) * abi.STEP_COLS * 4 > _MAX_BOUND_BYTES:
+        raise MemoryError(f"planner: bitmap steps would need {rows} rows of steps")
+    steps = np.zeros((bucket(rows), abi.STEP_COLS), np.int32)
+    nptr = np.empty(len(uk), np.int64)
+    ncnt = np.empty(len(uk), np.int64)
+    njoin = np.empty(len(uk), np.int64)
+    src = np.ascontiguousarray(raw.steps[: int((rs + rn).max())])
+    R = len(uk)
+    out = (steps, steps.reshape(-1))
+    args = (src, src.reshape(-1), rs, rn, rrev)
+    # Two halves of about equal work on two threads: the second writes its words after the
+    # first half's bound, moved down after (their offsets too).
+    work = np.cumsum(np.where(rrev > 0, rn, 0))
+    two = PLAN_THREADS >= 2 and R >= 2 and int(work[-1]) >= _PAR_MIN_ROWS // 4
+    mid = min(max(int(np.searchsorted(work, work[-1] // 2)), 1), R - 1) if two else R
+    S0 = int((rn[:mid] - rrev[:mid]).sum())
+    B0 = int(rtiles[:mid].sum()) * wr * abi.STEP_COLS     # words the first half may write
+    w0 = S * abi.STEP_COLS
+    fut = (_on_worker(_loops._nb_bitmaps, mid, R, S0, *args, *out, w0 + B0, tile_q, tile_kv,
+                      nptr, ncnt, njoin) if two else None)
+    e0, n0 = _loops._nb_bitmaps(0, mid, 0, *args, *out, w0, tile_q, tile_kv, nptr, ncnt,
+                                njoin)
+    end, nw = e0, n0
+    if fut is not None:
+        end, n1 = fut.result()
+        if e0 != S0:
+            raise RuntimeError("planner: the bitmap pass wrote other rows than counted")
+        if n0 < B0 and n1:                     # move the second half's words down
+            flat = steps.reshape(-1)
+            ctypes.memmove(flat.ctypes.data + (w0 + n0) * 4, flat.ctypes.data + (w0 + B0) * 4,
+                           n1 * 4)
+            flat[w0 + n0 + n1: w0 + B0 + n1] = 0     # left behind by the move
+            tail = steps[S0:S]
+            bm = tail[:, abi.STEP_CUTS_B] == abi.BITMAP_FLAG
+            tail[bm, abi.STEP_CUTS_A] -= B0 - n0
+        nw = n0 + n1
+    if end != S or nw % abi.STEP_COLS or nw > int(rtiles.sum()) * wr * abi.STEP_COLS:
+        raise RuntimeError("planner: the bitmap pass wrote other rows than counted")
+    words = nw // abi.STEP_COLS
+    steps = steps[: bucket(S + words)]         # a view; the bound's untouched rows are zero
+    ptr = np.zeros(U, np.int64)
+    new_cnt = np.zeros(U, np.int64)
+    nfull = raw.nfull.copy()
+    inv = inv.reshape(-1)
+    ptr[live] = nptr[inv]
+    new_cnt[live] = ncnt[inv]
+    nfull[live] += njoin[inv]
+    return dataclasses.replace(raw, cnt=new_cnt, steps=steps, nfull=nfull, ptr=ptr, stored=S,
+                               words=words, revisits=None)
+
+
+def _raw_costs(raw: _Raw, ctx: _Ctx, shape: AttnShape, model, cnt=None) -> np.ndarray:
+    """Estimated ns of each unit of ``raw``; ``cnt``: its step counts if not raw.cnt (the
+    tiles it will visit after ``_bitmap_steps``)."""
+    cnt = raw.cnt if cnt is None else cnt
+    return _sched.unit_costs(cnt, cnt - raw.nfull, tile_q=ctx.tile_q,
                              tile_kv=ctx.tile_kv, head_dim=shape.head_dim,
                              itemsize=np.dtype(shape.dtype).itemsize, model=model)
 
@@ -878,11 +1043,13 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     if policy == "auto":
         # Unshared rows: the heads' policies are mixed by selecting rows in unit order.
         raws = [_plan_policy(ctx, p, share=False) for p in _AUTO_CANDIDATES]
-        costs = [_raw_costs(r, ctx, shape, cost_model) for r in raws]
+        visits = [r.visits() for r in raws]     # steps after _bitmap_steps (below)
+        costs = [_raw_costs(r, ctx, shape, cost_model, v) for r, v in zip(raws, visits)]
         per_head = np.stack([np.bincount(r.head, weights=c, minlength=Hd)
                              for r, c in zip(raws, costs)])
         # Prefer the candidates within the invariant (computed <= dense) on each head.
-        over = np.stack([_head_computed(r, Hd, tile_q, tile_kv) > bound for r in raws])
+        over = np.stack([_head_computed(r, Hd, tile_q, tile_kv, v) > bound
+                         for r, v in zip(raws, visits)])
         per_head = np.where(over & ~over.all(axis=0), np.inf, per_head)
         choice = np.argmin(per_head, axis=0)            # ties -> the earlier policy
         raw = _Raw.concat([r.select_heads(choice == k) for k, r in enumerate(raws)])
@@ -894,15 +1061,18 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
             # Enforced: a head whose plan computes more than dense takes split's plan, where
             # that computes less (a mask of 1-token blocks under keep/merge: a tile anchored
             # at every block start).
-            comp = _head_computed(raw, Hd, tile_q, tile_kv)
+            comp = _head_computed(raw, Hd, tile_q, tile_kv, raw.visits())
             if (comp > bound).any():
                 alt = _plan_policy(ctx, "split", share=False)
-                use = (comp > bound) & (_head_computed(alt, Hd, tile_q, tile_kv) < comp)
+                use = (comp > bound) & (_head_computed(alt, Hd, tile_q, tile_kv,
+                                                       alt.visits()) < comp)
                 if use.any():
                     raw = _Raw.concat([raw.unshared().select_heads(~use),
                                        alt.select_heads(use)])
                     head_policies = tuple("split" if use[k] else policy for k in hmap)
                     mixed = True
+    # Tiles once: the steps of a (unit, K/V tile) visited more than once become one step.
+    raw = _bitmap_steps(raw, tile_q, tile_kv)
     first = raw.first
     cost = _raw_costs(raw, ctx, shape, cost_model)
     # Selected interactions per unit, from its rectangles (each is computed exactly once).
@@ -938,7 +1108,7 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
         a.setflags(write=False)
     return Plan(template=template, policy=policy, tile_q=tile_q, tile_kv=tile_kv, shape=shape,
                 q_len_padded=qp, kv_len_padded=kvp, units=units, steps=steps,
-                num_units=U, num_steps=S, max_steps=M,
+                num_units=U, num_steps=S, max_steps=M, bitmap_rows=raw.words,
                 mask_digest=mask.digest, selected_interactions=selected,
                 mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model,
                 unit_order=unit_order,
@@ -953,9 +1123,11 @@ def dense_tile_interactions(q_len: int, kv_len: int, tile_q: int, tile_kv: int) 
     return -(-q_len // tile_q) * tile_q * (-(-kv_len // tile_kv)) * tile_kv
 
 
-def _head_computed(raw: _Raw, Hd: int, tile_q: int, tile_kv: int) -> np.ndarray:
-    """Computed interactions of each distinct mask head of a raw plan."""
-    return np.bincount(raw.head, weights=raw.cnt, minlength=Hd) * float(tile_q * tile_kv)
+def _head_computed(raw: _Raw, Hd: int, tile_q: int, tile_kv: int, cnt=None) -> np.ndarray:
+    """Computed interactions of each distinct mask head of a raw plan (``cnt``: its units'
+    step counts if not raw.cnt, e.g. ``raw.visits()``)."""
+    return np.bincount(raw.head, weights=raw.cnt if cnt is None else cnt,
+                       minlength=Hd) * float(tile_q * tile_kv)
 
 
 def _row_index(uh, qs, lo, hi, order, Hq, Lq, tile_q, sentinel):
@@ -988,10 +1160,12 @@ def _tile_rects(plan: Plan) -> dict:
     k0 = st[:, abi.STEP_KV_START].astype(np.int64)
     q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(st[:, abi.STEP_RECT].astype(np.int64))
     cb = st[:, abi.STEP_CUTS_B].astype(np.int64)
+    bitmap = cb == abi.BITMAP_FLAG
     return {"unit": unit, "step": step, "head": u[unit, abi.UNIT_HEAD],
             "q0": q0, "q1": q0 + plan.tile_q, "k0": k0, "k1": k0 + plan.tile_kv,
             "r0": q0 + q_lo, "r1": q0 + q_hi, "c0": k0 + kv_lo, "c1": k0 + kv_hi,
-            "cuts_a": st[:, abi.STEP_CUTS_A].astype(np.int64), "cuts_b": cb, "grid": cb != 0}
+            "cuts_a": st[:, abi.STEP_CUTS_A].astype(np.int64), "cuts_b": cb,
+            "grid": (cb != 0) & ~bitmap, "bitmap": bitmap}
 
 
 def tile_kinds(plan: Plan, rects: dict | None = None) -> np.ndarray:
@@ -1012,7 +1186,42 @@ def tile_kinds(plan: Plan, rects: dict | None = None) -> np.ndarray:
     if g.size:
         kind[g] = _grid_kinds(qb, kb, t["r0"][g], t["r1"][g], t["c0"][g], t["c1"][g],
                               t["cuts_a"][g], t["cuts_b"][g], t["q0"][g], t["k0"][g])
+    b = np.flatnonzero(t["bitmap"])
+    if b.size:
+        kind[b] = _bitmap_kinds(plan, qb, kb, t["step"][b], t["q0"][b], t["k0"][b],
+                                (many_q | many_k)[b])
     return kind
+
+
+_KIND_CHUNK = 1 << 22     # bitmap entries classified at a time
+
+
+def _bitmap_kinds(plan: Plan, qb, kb, step, q0, k0, many) -> np.ndarray:
+    """``tile_kinds`` of bitmap steps, from their selections (``abi.step_mask``), as
+    ``_grid_kinds`` with entries for cells: *split* if a selected entry has a side that is no
+    block bound with no selected entry across it (the block goes on outside the selection),
+    else *merged* if its (tight) bounding box crosses a block bound (``many``), else *kept*.
+    One evaluation per distinct (step, q0, k0)."""
+    tq, tk = plan.tile_q, plan.tile_kv
+    key = np.stack([step, q0, k0], axis=1)
+    uniq, inv = np.unique(key, axis=0, return_inverse=True)
+    split = np.zeros(len(uniq), bool)
+    per = max(1, _KIND_CHUNK // (tq * tk))
+    for a in range(0, len(uniq), per):
+        s, qa, ka = uniq[a:a + per].T
+        sel = abi.step_mask(plan.steps, s, tq, tk)                      # [n, T, Tk]
+        # Row r / key c starts a block: the side above r / left of c is a block bound.
+        qs = np.isin(qa[:, None] + np.arange(tq + 1), qb)                # [n, T + 1]
+        ks = np.isin(ka[:, None] + np.arange(tk + 1), kb)
+        pad = np.zeros((len(s), tq + 2, tk + 2), bool)
+        pad[:, 1:-1, 1:-1] = sel
+        open_up = sel & ~pad[:, :-2, 1:-1] & ~qs[:, :-1, None]
+        open_down = sel & ~pad[:, 2:, 1:-1] & ~qs[:, 1:, None]
+        open_left = sel & ~pad[:, 1:-1, :-2] & ~ks[:, None, :-1]
+        open_right = sel & ~pad[:, 1:-1, 2:] & ~ks[:, None, 1:]
+        split[a:a + per] = (open_up | open_down | open_left | open_right).any(axis=(1, 2))
+    sp = split[inv.reshape(-1)]
+    return np.where(sp, 2, np.where(many, 1, 0)).astype(np.int8)
 
 
 def _grid_kinds(qb, kb, r0, r1, c0, c1, cuts_a, cuts_b, q0, k0) -> np.ndarray:
@@ -1082,7 +1291,7 @@ def _stats(plan: Plan) -> dict:
     rects = _tile_rects(plan)
     kinds = np.bincount(tile_kinds(plan, rects), minlength=3)     # plans hold their mask
     full = ((rects["r0"] == rects["q0"]) & (rects["r1"] == rects["q1"])
-            & (rects["c0"] == rects["k0"]) & (rects["c1"] == rects["k1"]) & ~rects["grid"])
+            & (rects["c0"] == rects["k0"]) & (rects["c1"] == rects["k1"]) & (rects["cuts_b"] == 0))
     nfull = int(full.sum())
     # Visits of a K/V tile the unit visited before (visits come in unit order).
     by = np.lexsort((rects["k0"], rects["unit"]))
@@ -1115,6 +1324,7 @@ def _stats(plan: Plan) -> dict:
             dense_tile_interactions(Lq, Lkv, plan.tile_q, plan.tile_kv) * Hq),
         "tile_revisits": revisits,
         "grid_steps": int(rects["grid"].sum()),
+        "bitmap_steps": int(rects["bitmap"].sum()),
         "fallback_heads": int(fallback),
         "waste_fraction": float(1.0 - sel / computed) if computed else 0.0,
         "kv_bytes": int(tiles * 2 * plan.tile_kv * plan.shape.head_dim * itemsize),
