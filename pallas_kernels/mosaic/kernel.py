@@ -10,9 +10,10 @@ matrix products. What differs from the dense kernel: the K/V tiles a unit visits
 how many, come from the plan's ``steps`` (read from GMEM at run time), and the mask is applied
 only on partial steps (a ``lax.cond`` skips it on full ones; mask mode "none", picked by the
 wrapper for a plan whose steps are all full, compiles no masking code; "always" masks every
-step). A second ``lax.cond`` on STEP_CUTS_B picks the mask: the rectangle for a plain step (the
-code of the kernel before grid steps), the cells of the grid for a grid step (``_grid_mask``:
-row and key vectors of the fragment's layouts, one and, compare and select per element). Plan
+step). A ``lax.switch`` on STEP_CUTS_B picks the mask: the rectangle for a plain step, the
+cells of the grid for a grid step (``_grid_mask``: row and key vectors of the fragment's
+layouts, one and, compare and select per element), a bit per entry for a bitmap step
+(``_bitmap_mask``: row words loaded from GMEM, and-ed with each key's bit). Plan
 starts must be multiples of 8 (TMA fills the 8-row tiled, swizzled SMEM layout). On CPU,
 ``interpret=`` runs it under the Mosaic GPU interpreter, with P @ V as a plain dot (the
 interpreter lacks run_state and wgmma with a register operand).
@@ -117,6 +118,7 @@ class _Ctx(NamedTuple):
     v: Any
     units: Any
     steps: Any
+    words: Any                 # steps.reshape(-1): bitmap steps' words (abi.BITMAP_FLAG)
     out: Any
     lse: Any
     qo_smem: Any               # [CONSUMERS, 64, D]: Q tile in, O tile out
@@ -156,7 +158,7 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
                   num_steps=steps.shape[0], qk_scale=float(scale) * _LOG2E,
                   interpret=interpret)
 
-    def entry(q_ref, k_ref, v_ref, units_ref, steps_ref, out_ref, lse_ref):
+    def entry(q_ref, k_ref, v_ref, units_ref, steps_ref, words_ref, out_ref, lse_ref):
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
         slots = cfg.rings * cfg.stages
@@ -167,7 +169,8 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
 
         def scoped(bufs, bars, consumed, schedule_barrier):
             (qo_smem, k_smem, v_smem, lse_smem), (k_bar, v_bar, q_bar) = bufs, bars
-            c = _Ctx(q=q_ref, k=k_ref, v=v_ref, units=units_ref, steps=steps_ref, out=out_ref,
+            c = _Ctx(q=q_ref, k=k_ref, v=v_ref, units=units_ref, steps=steps_ref,
+                     words=words_ref, out=out_ref,
                      lse=lse_ref, qo_smem=qo_smem, k_smem=k_smem, v_smem=v_smem,
                      lse_smem=lse_smem, k_bar=k_bar, v_bar=v_bar, q_bar=q_bar,
                      k_consumed=consumed[0], v_consumed=consumed[1],
@@ -199,7 +202,7 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
-    )(q, k, v, units, steps)
+    )(q, k, v, units, steps, steps.reshape(-1))
 
 
 def _kernel(c: _Ctx):
@@ -412,11 +415,41 @@ def _grid_mask(c: _Ctx, w: _Wg, rect: _Rect, x):
     return jnp.where((row_bits & col_bit) != 0, x, -jnp.inf)
 
 
+def _bitmap_mask(c: _Ctx, w: _Wg, rect: _Rect, x):
+    """A bitmap step's mask (``abi.BITMAP_FLAG``): entry (r, col) is kept iff bit col % 32 of
+    word (r, col // 32) is set. Each word column is a 1-D load of this warpgroup's 64 rows
+    (GMEM, the fragment's row layout: 2 rows per thread), and-ed per entry with the column's
+    bit (1 << col % 32 where col // 32 is that column, else 0); bits outside the rectangle
+    are 0 by the ABI, so nothing else is masked."""
+    off = c.steps[rect.s, plan_abi.STEP_CUTS_A]
+    cols = plgpu.broadcasted_iota(jnp.int32, (c.cfg.tile_kv,), 0,
+                                  layout=plgpu.Layout.WGMMA.reduce(0))
+    one = jnp.full(cols.shape, 1, jnp.int32)
+    hit = None
+    for j in range(plan_abi.bitmap_words(c.cfg.tile_kv)):
+        start = off + j * c.cfg.tile_q + w.row0
+        row_word = plgpu.load(c.words.at[pl.ds(start, WG_ROWS)],
+                              layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        in_col = (cols >= j * plan_abi.WORD_BITS) & (cols < (j + 1) * plan_abi.WORD_BITS)
+        col_bit = jnp.where(in_col, lax.shift_left(one, cols & (plan_abi.WORD_BITS - 1)),
+                            jnp.int32(0))
+        term = (plgpu.layout_cast(lax.broadcast_in_dim(row_word, x.shape, [0]),
+                                  plgpu.Layout.WGMMA)
+                & plgpu.layout_cast(lax.broadcast_in_dim(col_bit, x.shape, [1]),
+                                    plgpu.Layout.WGMMA))
+        hit = term if hit is None else hit | term
+    return jnp.where(hit != 0, x, -jnp.inf)
+
+
 def _step_mask(c: _Ctx, w: _Wg, rect: _Rect, x):
-    """The mask of a step that is not known to be full: a per-step branch on STEP_CUTS_B, so a
-    plain step runs exactly the rectangle mask and only grid steps pay for the cells."""
-    return lax.cond(rect.cuts_b == 0, functools.partial(_mask, rect),
-                    functools.partial(_grid_mask, c, w, rect), x)
+    """The mask of a step that is not known to be full: a per-step branch on its kind
+    (STEP_CUTS_B: 0 plain, BITMAP_FLAG bitmap, else grid), so each kind runs only its own
+    mask (one formula for all kinds, or the mask built before the QK wgmma's wait, measured
+    slower: benchmarks/NOTES.md section 13)."""
+    kind = jnp.where(rect.cuts_b == 0, 0, jnp.where(rect.cuts_b == plan_abi.BITMAP_FLAG, 2, 1))
+    return lax.switch(kind, [functools.partial(_mask, rect),
+                             functools.partial(_grid_mask, c, w, rect),
+                             functools.partial(_bitmap_mask, c, w, rect)], x)
 
 
 def _pv(c: _Ctx, w: _Wg, i, slot, p16, acc_ref):

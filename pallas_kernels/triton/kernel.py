@@ -4,10 +4,11 @@ The portable GPU path (Ampere, Ada, Hopper without Mosaic GPU) and the kernel th
 in interpret mode. One program per (work unit, batch): it loads its Q tile once, walks the
 unit's steps (K/V tiles) with a dynamic loop and an exp2 online softmax, masks only partial
 steps (mask mode "cond"; "always" masks every step, "none" none: plans whose visited steps are
-all full) with a branch on STEP_CUTS_B between the rectangle of a plain step and the cells of a
-grid step (``_grid_keep``), and writes one unit-major tile of output and LSE. Passing
-``jax.experimental.pallas.triton.CompilerParams`` selects this lowering even though Mosaic GPU
-is jax's default GPU lowering. ``pallas_kernels.triton.wrapper`` checks and pads the inputs.
+all full) with a branch on STEP_CUTS_B between the rectangle of a plain step, the cells of a
+grid step (``_grid_keep``) and the bits of a bitmap step (``_bitmap_keep``), and writes one
+unit-major tile of output and LSE. Passing ``jax.experimental.pallas.triton.CompilerParams``
+selects this lowering even though Mosaic GPU is jax's default GPU lowering.
+``pallas_kernels.triton.wrapper`` checks and pads the inputs.
 """
 
 from __future__ import annotations
@@ -106,6 +107,34 @@ def _grid_keep(row, col, rect, cuts_a, cuts_b):
     return (row_bits & col_bit) != 0
 
 
+assert plan_abi.STEP_COLS == 4      # _bitmap_keep: flat index f is steps[f >> 2, f & 3]
+
+
+def _bitmap_keep(steps_ref, row, col, rect, off, *, tile_q: int, tile_kv: int,
+                 num_steps: int):
+    """A bitmap step's selection (``abi``: cuts_b == BITMAP_FLAG, off = cuts_a) on the
+    [tile_q, tile_kv] block: key c of row r is kept iff bit c % 32 of word(r, c // 32) is set,
+    word(r, w) = steps.reshape(-1)[off + w * tile_q + r]. Word column w is one gather of
+    tile_q int32 from ``steps_ref`` [num_steps, STEP_COLS] (row f >> 2, column f & 3 of flat
+    index f; off clamped to [0, 4 * num_steps] and the row to the array, so an invalid offset
+    reads wrong words, never out of bounds), zeroed outside the rectangle's rows; each key
+    picks its word with W - 1 selects against the key iota and tests it against col_bit
+    [1, tile_kv] = 1 << (c % 32) (0 outside the rectangle's keys): per element of the block
+    W - 1 selects, one and and one compare."""
+    q_lo, q_hi, kv_lo, kv_hi = plan_abi.unpack_rect(rect)
+    rows_in = (row >= q_lo) & (row < q_hi)                          # [tile_q, 1]
+    base = jnp.clip(off, 0, plan_abi.STEP_COLS * num_steps) + row   # [tile_q, 1] flat index
+    word = None
+    for w in range(plan_abi.bitmap_words(tile_kv)):
+        f = base + w * tile_q
+        wd = steps_ref[jnp.minimum(f >> 2, num_steps - 1), f & 3]   # [tile_q, 1]
+        wd = jnp.where(rows_in, wd, jnp.int32(0))
+        word = wd if word is None else jnp.where(col >= w * plan_abi.WORD_BITS, wd, word)
+    col_bit = jnp.left_shift(jnp.int32(1), col & (plan_abi.WORD_BITS - 1))
+    col_bit = jnp.where((col >= kv_lo) & (col < kv_hi), col_bit, jnp.int32(0))
+    return (word & col_bit) != 0
+
+
 def _fwd_kernel(units_ref, steps_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, tile_q: int,
                 tile_kv: int, group: int, qk_scale: float, mask_mode: str, prefetch: int,
                 num_steps: int, precision):
@@ -141,8 +170,16 @@ def _fwd_kernel(units_ref, steps_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, ti
                 keep = _grid_keep(row, col, rect, steps_ref[s, plan_abi.STEP_CUTS_A], cuts_b)
                 return jnp.where(keep, x, -jnp.inf)
 
-            # A branch per step on STEP_CUTS_B: plain steps run the rectangle mask alone.
-            masked = lambda x: lax.cond(plain, rect_mask, grid_mask, x)
+            def bitmap_mask(x):
+                keep = _bitmap_keep(steps_ref, row, col, rect,
+                                    steps_ref[s, plan_abi.STEP_CUTS_A], tile_q=tile_q,
+                                    tile_kv=tile_kv, num_steps=num_steps)
+                return jnp.where(keep, x, -jnp.inf)
+
+            # A branch per step on STEP_CUTS_B: plain steps run the rectangle mask alone, the
+            # others branch again between a grid's cells and a bitmap's bits.
+            cells = lambda x: lax.cond(cuts_b == plan_abi.BITMAP_FLAG, bitmap_mask, grid_mask, x)
+            masked = lambda x: lax.cond(plain, rect_mask, cells, x)
             if masking == "cond":
                 full = (rect == jnp.int32(plan_abi.full_rect(tile_q, tile_kv))) & plain
                 qk = lax.cond(full, lambda x: x, masked, qk)

@@ -1,7 +1,8 @@
 """Plan executor in plain JAX: gathers the K/V tiles of each work unit, masked blockwise softmax.
 
-Each step selects what ``abi.grid_mask`` says (its rectangle; for a grid step, the selected
-cells of its <= 4 x 4 grid), evaluated exactly as the kernels do.
+Each step selects what the plan ABI says: its rectangle; for a grid step the selected cells of
+its <= 4 x 4 grid (``abi.grid_mask``); for a bitmap step the bits of its words (read from the
+flat ``steps``). Every kind is evaluated as one bit test per entry (``_selection``).
 
 The CPU/TPU path, the fallback, and the independent check of every plan. It never builds the
 dense [Lq, Lkv] score matrix: memory is O(units x max_steps x tile_q x tile_kv), processed in
@@ -59,6 +60,7 @@ def _execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded,
     c_t = jnp.arange(tile_kv)
     m_idx = jnp.arange(M)
     acc_t = jnp.float32
+    flat = steps.reshape(-1)            # the flat view a bitmap step's words are read from
 
     def one_chunk(u):                                     # u: [C, UNIT_COLS]
         h = u[:, abi.UNIT_HEAD]
@@ -74,14 +76,9 @@ def _execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded,
         vt = v[:, ki, kvh]
         s = jnp.einsum("bctd,bcmkd->bctmk", qt, kt,
                        preferred_element_type=acc_t, precision=lax.Precision.HIGHEST) * scale
-        # The step's selection, abi.grid_mask (its rectangle, and a grid step's cells), on
-        # [C, T, M, Tk]: row t of the unit's tile, step m, key c of its K/V tile.
-        def col(x):
-            return x[:, None, :, None]
-        sel = abi.grid_mask(col(st[..., abi.STEP_RECT]), col(st[..., abi.STEP_CUTS_A]),
-                            col(st[..., abi.STEP_CUTS_B]), r_t[None, :, None, None],
-                            c_t[None, None, None, :])
-        sel = sel & valid[:, None, :, None]
+        # The step's selection on [C, T, M, Tk]: row t of the unit's tile, step m, key c of
+        # its K/V tile.
+        sel = _selection(st, valid, flat, tile_q, tile_kv)
         s = jnp.where(sel[None], s, -jnp.inf)
         m = jnp.max(s, axis=(-2, -1), keepdims=True)
         m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
@@ -104,6 +101,52 @@ def _execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded,
         row_index = abi.row_index_from_units(units, Hq, Lq, tile_q)
     out, lse = abi.gather_rows(out_u[:, :U], lse_u[:, :U], row_index)
     return (out, lse) if return_lse else out
+
+
+def _selection(st, valid, flat, tile_q, tile_kv):
+    """[C, T, M, Tk] bool: whether row t of the unit's tile and key c of step m's K/V tile are
+    selected, for the steps st [C, M, STEP_COLS] (valid [C, M]: the unit has step m).
+
+    Every step kind is one bit test, ``(row_word[t, m, c // 32] & key_bit[m, c]) != 0``, of two
+    small arrays ([C, T, M, W] and [C, M, Tk], W = ``abi.bitmap_words(tile_kv)``), so each
+    entry costs an and and a compare whatever the plan holds:
+      * a grid step (``abi.grid_mask``): row_word = the 4-bit row of its cell matrix for the
+        row's segment, key_bit = 1 << the key's segment (the Triton kernel's ``_grid_keep``);
+        a plain step is the grid of one selected cell (row_word = key_bit = 1);
+      * a bitmap step (cuts_b == BITMAP_FLAG): row_word = word(t, w) = flat[off + w * tile_q
+        + t] (off = cuts_a, flat = steps.reshape(-1)), key_bit = 1 << (c % 32).
+    Both are 0 outside the step's rectangle (rows / keys) and for m >= the unit's step count.
+    """
+    rect, ca, cb = st[..., abi.STEP_RECT], st[..., abi.STEP_CUTS_A], st[..., abi.STEP_CUTS_B]
+    q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(rect)                # each [C, M]
+    (q1, q2, q3), (k1, k2, k3), bits = abi.unpack_grid(ca, cb)
+    plain, bitmap = cb == 0, cb == abi.BITMAP_FLAG
+    W = abi.bitmap_words(tile_kv)
+    # Rows: [C, T, M] (x[:, None]: a step's value against the row iota t [1, T, 1]).
+    t = np.arange(tile_q, dtype=np.int32)[None, :, None]
+    i = (t >= q1[:, None]).astype(jnp.int32) + (t >= q2[:, None]) + (t >= q3[:, None])
+    nibble = jnp.where(plain[:, None], 1, (bits[:, None] >> (abi.GRID * i)) & 0xF)
+    rows_in = (t >= q_lo[:, None]) & (t < q_hi[:, None]) & valid[:, None]
+    # A bitmap step's words [C, M, W, T] -> [C, T, M, W] (mode="clip": any other step's cuts_a
+    # is no offset; its words are read in bounds and unused).
+    idx = (np.arange(W, dtype=np.int32) * tile_q)[:, None] + np.arange(tile_q, dtype=np.int32)
+    words = jnp.transpose(jnp.take(flat, ca[:, :, None, None] + idx, mode="clip"), (0, 3, 1, 2))
+    row_word = jnp.where(rows_in[..., None],
+                         jnp.where(bitmap[:, None, :, None], words, nibble[..., None]), 0)
+    # Keys: [C, M, Tk] (x[..., None]: a step's value against the key iota c [1, 1, Tk]).
+    c = np.arange(tile_kv, dtype=np.int32)[None, None, :]
+    j = (c >= k1[..., None]).astype(jnp.int32) + (c >= k2[..., None]) + (c >= k3[..., None])
+    word_bit = np.left_shift(np.int32(1), c % abi.WORD_BITS)        # int32: bit 31 is < 0
+    key_bit = jnp.where(plain[..., None], 1,
+                        jnp.where(bitmap[..., None], word_bit, jnp.left_shift(1, j)))
+    key_bit = jnp.where((c >= kv_lo[..., None]) & (c < kv_hi[..., None]), key_bit, 0)
+    # Key c = 32 w + b tests row_word[..., w] against key_bit [C, M, W, 32]: [C, T, M, W, 32]
+    # -> [C, T, M, W * 32] -> the first Tk keys.
+    C, M = key_bit.shape[:2]
+    key_bit = jnp.pad(key_bit, ((0, 0), (0, 0), (0, W * abi.WORD_BITS - tile_kv)))
+    key_bit = key_bit.reshape(C, 1, M, W, abi.WORD_BITS)
+    sel = (row_word[..., None] & key_bit) != 0
+    return sel.reshape(*sel.shape[:3], W * abi.WORD_BITS)[..., :tile_kv]
 
 
 execute._cache_size = _execute._cache_size      # compiled executables (tests count them)
