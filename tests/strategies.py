@@ -54,3 +54,14 @@ def random_qkv(B, Lq, Lkv, Hq, Hkv, D, dtype, seed):
     k = jnp.asarray(rng.standard_normal((B, Lkv, Hkv, D)), dtype)
     v = jnp.asarray(rng.standard_normal((B, Lkv, Hkv, D)), dtype)
     return q, k, v
+
+
+def heads_and_blocks(draw, n_q: int, n_kv: int, densities):
+    """(Hq, Hkv, blocks [Hm, n_q, n_kv], rng) drawn inside an ``st.composite``: GQA or not, a
+    shared (Hm = 1) or per-head mask, random blocks at one of ``densities``."""
+    Hkv = draw(st.sampled_from([1, 2]))
+    Hq = Hkv * draw(st.sampled_from([1, 2]))
+    Hm = draw(st.sampled_from(sorted({1, Hq})))
+    density = draw(st.sampled_from(list(densities)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return Hq, Hkv, rng.random((Hm, n_q, n_kv)) < density, rng

@@ -28,6 +28,7 @@ from pallas_kernels import abi
 from tessera_jax.planning import loops as plan_loops
 from tessera_jax.planning import planner
 from tessera_jax.planning.planner import POLICIES, build_plan
+from strategies import heads_and_blocks
 from test_planner import _check_abi, _check_stats, _ctx, _direct_kinds, _on_threads, _plan
 
 TEMPLATE_TILES = [(64, 64), (128, 128), (128, 64), (64, 128)]   # the kept templates' shapes
@@ -49,13 +50,9 @@ def token_bounds(draw, max_len=320):
 def token_masks(draw):
     """(mask, Hq, Hkv): per head (a head repeated sometimes) or shared, empty query rows."""
     qb, kb = draw(token_bounds()), draw(token_bounds())
-    Hkv = draw(st.sampled_from([1, 2]))
-    Hq = Hkv * draw(st.sampled_from([1, 2]))
-    Hm = draw(st.sampled_from(sorted({1, Hq})))
-    density = draw(st.sampled_from([0.05, 0.2, 0.5, 0.9]))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    blocks = rng.random((Hm, len(qb) - 1, len(kb) - 1)) < density
-    if Hm > 1 and draw(st.booleans()):
+    Hq, Hkv, blocks, rng = heads_and_blocks(draw, len(qb) - 1, len(kb) - 1,
+                                            [0.05, 0.2, 0.5, 0.9])
+    if blocks.shape[0] > 1 and draw(st.booleans()):
         blocks[-1] = blocks[0]
     if blocks.shape[1] > 1 and draw(st.booleans()):
         blocks[:, rng.integers(blocks.shape[1]):][:, :3] = False      # empty query rows

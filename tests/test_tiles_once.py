@@ -26,6 +26,7 @@ from pallas_kernels import abi
 from pallas_kernels.xla import executor
 from tessera_jax.planning import planner
 from tessera_jax.planning.planner import POLICIES, build_plan
+from strategies import heads_and_blocks
 from test_planner import TILES, _ctx, _plan, plan_masks
 
 _ORACLES = {"keep": (plan_oracle._plan_rowgroups_numpy, (False,)),
@@ -81,12 +82,7 @@ def quarter_grid_masks(draw):
         return np.unique(np.r_[0, np.array(cuts, np.int64) * (t // 4), n * t])
 
     qb, kb = bounds(nq, tq), bounds(nk, tk)
-    Hkv = draw(st.sampled_from([1, 2]))
-    Hq = Hkv * draw(st.sampled_from([1, 2]))
-    Hm = draw(st.sampled_from(sorted({1, Hq})))
-    density = draw(st.sampled_from([0.1, 0.3, 0.7, 1.0]))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    blocks = rng.random((Hm, len(qb) - 1, len(kb) - 1)) < density
+    Hq, Hkv, blocks, _ = heads_and_blocks(draw, len(qb) - 1, len(kb) - 1, [0.1, 0.3, 0.7, 1.0])
     return tj.BlockMask(qb, kb, blocks), Hq, Hkv, (tq, tk)
 
 
