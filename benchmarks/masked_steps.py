@@ -5,6 +5,7 @@ Synthetic plans that visit every tile of every head once (so each computes exact
 work and its time compares with cuDNN dense directly), all steps of one kind:
   full    whole tiles (mask mode "none": no masking code; and "cond": the per-step check only)
   plain   partial rectangles (all rows, tile_kv - 1 keys)
+  rows    partial rectangles (tile_q - 8 rows, all keys)
   grid    2 x 2 grids (two of four cells) inside the whole tile
   bitmap  a random bit per entry (abi.BITMAP_FLAG), one bitmap per tile
 in mask mode "cond" (mode "none" too for full steps). Every
@@ -15,9 +16,11 @@ as dense per computed entry).
     python3 benchmarks/masked_steps.py --out $OUT/h200-masked-steps.json
     python3 benchmarks/masked_steps.py --interpret --L 256 --heads 2   # CPU smoke run
 
-Runs 1 and 2 (``results/h200-masked-steps-run{1,2}.json``) also timed two mask evaluations
-since deleted (``mask_eval``: "vector", one formula for plain and grid steps; "early", the mask
-as a bias built before the QK wgmma's wait) and mode "always": NOTES section 13.
+Runs 1-4 (``results/h200-masked-steps-run{1..4}.json``) also timed variants since deleted or
+made the default: ``mask_eval`` "vector" (one formula for plain and grid steps) and "early" (the
+mask as a bias built before the QK wgmma's wait), mode "always" (runs 1-2), ``pipeline``
+(FA3's intra-warpgroup pipelining, run 3, templates named "+pipe"), ``rect_mask="rowcol"``
+(run 4, "+rowcol": now the kernel's plain-step mask): NOTES section 13.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 T0 = time.time()
 TEMPLATES = ["mgpu_q128_kv128_s2_hm", "mgpu_q64x2pp_kv64_s2_hm", "mgpu_q128_kv64_s2_hm"]
 # (plan kind, mask_eval, mask mode)
-VARIANTS = [("full", "none"), ("full", "cond"), ("plain", "cond"), ("grid", "cond"),
+VARIANTS = [("full", "none"), ("full", "cond"), ("plain", "cond"), ("rows", "cond"),
+            ("grid", "cond"),
             ("bitmap", "cond")]
 
 
@@ -69,6 +73,10 @@ def synthetic_plan(kind, L, H, tile_q, tile_kv, rng):
             elif kind == "plain":
                 st[abi.STEP_RECT] = abi.pack_rect(0, tile_q, 0, tile_kv - 1)
                 m = np.broadcast_to(col < tile_kv - 1, (tile_q, tile_kv))
+            elif kind == "rows":                       # partial rows, alternating halves
+                lo, hi = (0, tile_q - 8) if c % 2 == 0 else (8, tile_q)
+                st[abi.STEP_RECT] = abi.pack_rect(lo, hi, 0, tile_kv)
+                m = np.broadcast_to((r >= lo) & (r < hi), (tile_q, tile_kv))
             elif kind == "grid":
                 h, k = tile_q // 2, tile_kv // 2
                 st[abi.STEP_RECT] = abi.pack_rect(0, tile_q, 0, tile_kv)
@@ -134,8 +142,7 @@ def main():
     q, k, v = (jax.random.normal(kk, (1, L, H, D), jnp.float32).astype(dtype) for kk in keys)
     scale = D ** -0.5
     results = {"device": str(jax.devices()[0].device_kind), "L": L, "heads": H, "D": D,
-               "rule": timing.KERNEL_RULE.describe() if hasattr(timing.KERNEL_RULE, "describe")
-               else repr(timing.KERNEL_RULE), "rows": []}
+               "rule": timing.KERNEL_RULE.to_json(), "rows": []}
     gpu = jax.devices()[0].platform == "gpu"
     if gpu:
         dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale,
