@@ -10,8 +10,8 @@ matrix products. What differs from the dense kernel: the K/V tiles a unit visits
 how many, come from the plan's ``steps`` (read from GMEM at run time), and the mask is applied
 only on partial steps (a ``lax.cond`` skips it on full ones; mask mode "none", picked by the
 wrapper for a plan whose steps are all full, compiles no masking code; "always" masks every
-step). A ``lax.switch`` on STEP_CUTS_B picks the mask: for a plain step a per-key bias (0 /
--inf) and a per-row penalty that the softmax applies (``_step_mask_rowcol``), the cells of the
+step). A ``lax.switch`` on STEP_CUTS_B picks the mask (``_step_mask``): for a plain step a
+per-key bias (0 / -inf) and a per-row penalty that the softmax applies, the cells of the
 grid for a grid step (``_grid_mask``: row and key vectors of the fragment's
 layouts, one and, compare and select per element), a bit per entry for a bitmap step
 (``_bitmap_mask``: row words loaded from GMEM, and-ed with each key's bit). Plan
@@ -368,15 +368,6 @@ def _qk(c: _Ctx, w: _Wg, slot, acc_ref):
     return acc_ref[...]
 
 
-def _mask(rect, x):
-    """A plain step's mask in mode "always": the rectangle, four compares per entry."""
-    q_lo, q_hi, kv_lo, kv_hi = rect[:4]
-    r = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
-    col = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
-    keep = (r >= q_lo) & (r < q_hi) & (col >= kv_lo) & (col < kv_hi)
-    return jnp.where(keep, x, -jnp.inf)
-
-
 def _segment_select(idx, lo, hi, cuts, vals):
     """Per entry of ``idx`` (a 1-D int32 iota): ``vals[n]`` for n = the number of ``cuts``
     (non-decreasing scalars) at or below it, 0 outside [lo, hi). Compares and selects against
@@ -442,24 +433,13 @@ def _bitmap_mask(c: _Ctx, w: _Wg, rect: _Rect, x):
     return jnp.where(hit != 0, x, -jnp.inf)
 
 
-def _step_mask(c: _Ctx, w: _Wg, rect: _Rect, x):
-    """The mask of a step in mode "always" (mode "cond": ``_step_mask_rowcol``): a per-step
-    branch on its kind
-    (STEP_CUTS_B: 0 plain, BITMAP_FLAG bitmap, else grid), so each kind runs only its own
-    mask (one formula for all kinds, or the mask built before the QK wgmma's wait, measured
-    slower: benchmarks/NOTES.md section 13)."""
-    kind = jnp.where(rect.cuts_b == 0, 0, jnp.where(rect.cuts_b == plan_abi.BITMAP_FLAG, 2, 1))
-    return lax.switch(kind, [functools.partial(_mask, rect),
-                             functools.partial(_grid_mask, c, w, rect),
-                             functools.partial(_bitmap_mask, c, w, rect)], x)
-
-
-def _step_mask_rowcol(c: _Ctx, w: _Wg, rect: _Rect, zero_rows, x):
-    """(scores, row penalty) of a partial step in mode "cond": a plain step masks its keys with
-    a per-key bias (0 / -inf: one add per entry) and its rows through the softmax (a row penalty
-    of +inf: m kept, p = 0), with no per-entry compares (0.83 / 0.88 of cuDNN's rate against
-    0.77 / 0.85 for the rectangle's four compares per entry at kv128, NOTES section 13); grid
-    and bitmap steps as ``_step_mask`` (penalty 0)."""
+def _step_mask(c: _Ctx, w: _Wg, rect: _Rect, zero_rows, x):
+    """(scores, row penalty) of a step that is not known to be full, by a switch on its kind
+    (STEP_CUTS_B: 0 plain, BITMAP_FLAG bitmap, else grid). A plain step masks its keys with a
+    per-key bias (0 / -inf: one add per entry) and its rows through the softmax (a row penalty
+    of +inf: m kept, p = 0): no per-entry compares (0.83 / 0.88 of cuDNN's rate against 0.77 /
+    0.85 with the rectangle's four compares per entry at kv128, NOTES section 13). Grid and
+    bitmap steps mask entries (``_grid_mask``, ``_bitmap_mask``; penalty 0)."""
     def plain(x):
         cols = plgpu.broadcasted_iota(jnp.int32, (c.cfg.tile_kv,), 0,
                                       layout=plgpu.Layout.WGMMA.reduce(0))
@@ -488,33 +468,32 @@ def _compute_step(c: _Ctx, w: _Wg, mode, i, slot, rect, state):
     qk = pl.run_scoped(functools.partial(_qk, c, w, slot),
                        plgpu.ACC((WG_ROWS, c.cfg.tile_kv), jnp.float32))
     plgpu.barrier_arrive(c.k_consumed.at[slot])
-    rowcol = mode == "cond"
+    if mode != "none":
+        zero_rows = plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32),
+                                      plgpu.Layout.WGMMA.reduce(1))
+        mask = functools.partial(_step_mask, c, w, rect, zero_rows)
     if mode == "cond":
         q_lo, q_hi, kv_lo, kv_hi = rect[:4]
         # Full for this warpgroup: a plain step whose rectangle covers its 64 rows, all keys.
         full = ((q_lo <= 0) & (q_hi >= WG_ROWS) & (kv_lo == 0) & (kv_hi == c.cfg.tile_kv)
                 & (rect.cuts_b == 0))
-        zero_rows = plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32),
-                                      plgpu.Layout.WGMMA.reduce(1))
-        qk, row_pen = lax.cond(full, lambda x: (x, zero_rows),
-                               functools.partial(_step_mask_rowcol, c, w, rect, zero_rows), qk)
+        qk, row_pen = lax.cond(full, lambda x: (x, zero_rows), mask, qk)
     elif mode == "always":
-        qk = _step_mask(c, w, rect, qk)
+        qk, row_pen = mask(qk)
 
     # Online softmax in base 2. A row may have seen only masked entries so far
     # (m == -inf): subtract 0 then, so that exp2 gives 0, never NaN. Without masking
     # (all steps full) every score is finite: no guard.
     m_ij = jnp.maximum(m_i, qk.max(axis=1) * c.qk_scale)
-    if rowcol:
-        # Rows outside a plain step's rectangle (row_pen = +inf): m unchanged, p = 0.
-        m_ij = jnp.where(row_pen == 0, m_ij, m_i)
     if mode == "none":
         m_sub = m_ij
     else:
+        # Rows outside a plain step's rectangle (row_pen = +inf): m unchanged, p = 0.
+        m_ij = jnp.where(row_pen == 0, m_ij, m_i)
         m_sub = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
     alpha = jnp.exp2(m_i - m_sub)
     m_i = m_ij
-    if rowcol:
+    if mode != "none":
         m_sub = m_sub + row_pen
     p = jnp.exp2(qk * c.qk_scale - lax.broadcast_in_dim(m_sub, qk.shape, [0]))
     acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
