@@ -189,20 +189,14 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
                             steps[s - 1, _CUTS_B] = pc | (pe << 8) | (5 << _BITS)
                 else:
                     if write:
-                        steps[s, _KV_START] = kv
-                        steps[s, _RECT] = rows | (fl << _KV_LO) | (fh << _KV_HI)
-                        steps[s, _CUTS_A] = 0
-                        steps[s, _CUTS_B] = 0
+                        _nb_put(steps, s, kv, rows | (fl << _KV_LO) | (fh << _KV_HI))
                     fullk += (fl == 0) & (fh == tk)
                     pk, pa, pe, two = kv, fl, fh, False
                     s += 1
                 if n > 1:
                     if write:
                         for r in range(1, n - 1):
-                            steps[s + r - 1, _KV_START] = a0 + r * tk
-                            steps[s + r - 1, _RECT] = mid
-                            steps[s + r - 1, _CUTS_A] = 0
-                            steps[s + r - 1, _CUTS_B] = 0
+                            _nb_put(steps, s + r - 1, a0 + r * tk, mid)
                     s += n - 2
                     fullk += n - 2
                     if sh > 0:
@@ -210,10 +204,7 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
                     else:
                         kv, fl, fh = tl, 0, khl
                     if write:
-                        steps[s, _KV_START] = kv
-                        steps[s, _RECT] = rows | (fl << _KV_LO) | (fh << _KV_HI)
-                        steps[s, _CUTS_A] = 0
-                        steps[s, _CUTS_B] = 0
+                        _nb_put(steps, s, kv, rows | (fl << _KV_LO) | (fh << _KV_HI))
                     fullk += (fl == 0) & (fh == tk)
                     pk, pa, pe, two = kv, fl, fh, False
                     s += 1
@@ -313,6 +304,14 @@ def _nb_units(qb, gi, ge, tq, q_align, qp):
 # acc (int64 [16]) is the step being built: 1 kv_start, 2 nR, 3..7 row bounds R, 8 nK,
 # 9..13 key bounds K, 14 bits (bit 4 i + j: row segment i x key segment j selected).
 _ACC_LEN = 16
+
+
+def _nb_put(steps, s, kv, rect):
+    """Writes row s of ``steps`` as a plain step: K/V tile ``kv``, packed rectangle ``rect``."""
+    steps[s, _KV_START] = kv
+    steps[s, _RECT] = rect
+    steps[s, _CUTS_A] = 0
+    steps[s, _CUTS_B] = 0
 
 
 def _nb_store(acc, steps, s):
@@ -1295,15 +1294,16 @@ def _nb_pack_units(gh, r0, r1, tq, q_align):
     return out[:U]
 
 
-_NB_KERNELS = ("_nb_popcount", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count", "_nb_pack",
-               "_nb_row_index", "_nb_units", "_nb_store", "_nb_acc_bound", "_nb_acc_add",
+_NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count",
+               "_nb_pack", "_nb_row_index", "_nb_units", "_nb_store", "_nb_acc_bound", "_nb_acc_add",
                "_nb_acc_norm", "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full",
                "_nb_scratch", "_nb_tiles_once", "_nb_bm_rect", "_nb_bm_cut", "_nb_bm_add",
                "_nb_bm_emit", "_nb_bitmaps", "_nb_emit", "_nb_emit_more", "_nb_emit_tiles",
                "_nb_rects_one", "_nb_rects_two", "_nb_rects_wide", "_nb_rects_many", "_nb_rects",
                "_nb_rect_bound", "_nb_pack_units")
-_NB_INLINE = ("_nb_popcount", "_nb_tiles", "_nb_store", "_nb_acc_bound", "_nb_sort4",
-              "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full", "_nb_bm_cut")  # inlined (numba IR)
+# Inlined into their callers (numba IR):
+_NB_INLINE = ("_nb_popcount", "_nb_put", "_nb_tiles", "_nb_store", "_nb_acc_bound",
+              "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full", "_nb_bm_cut")
 
 
 # --- running the loops: interpreted while small, compiled after --------------------------
