@@ -455,3 +455,70 @@ def test_mosaic_bitmap_templates(template, Hq, Hkv, shared):
                                         return_lse=True,
                                         interpret=_interp.InterpretGPUParams())
     _check(out, lse, ref, ref_lse, jnp.bfloat16)
+
+
+# --- planned end to end: random token-level bounds through every kernel ----------------------
+KERNEL_TEMPLATES = ["mgpu_q128_kv128_s2_hm", "mgpu_q64x2pp_kv64_s2_hm", "mgpu_q128_kv64_s2_skip",
+                    "triton_q128_kv64_w8_s3_pf_hm", "xla_64x128"]
+
+
+@st.composite
+def _token_level_cases(draw):
+    """A planned problem whose tiles are cut by many blocks: bounds of 1-8 tokens (now and
+    then a long block), per-head or shared blocks, GQA, an empty query block, any policy."""
+    def bounds(L):
+        sizes = draw(st.lists(st.one_of(st.integers(1, 3), st.integers(4, 8),
+                                        st.integers(20, 70)), min_size=4, max_size=40))
+        b = np.unique(np.minimum(np.r_[0, np.cumsum(sizes)], L))
+        return b if b[-1] == L else np.r_[b, L]
+
+    Lq, Lkv = draw(st.integers(70, 180)), draw(st.integers(70, 200))
+    qb, kb = bounds(Lq), bounds(Lkv)
+    Hkv = draw(st.sampled_from([1, 2]))
+    Hq = Hkv * draw(st.sampled_from([1, 2]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    blocks = rng.random((draw(st.sampled_from(sorted({1, Hq}))), len(qb) - 1, len(kb) - 1)) \
+        < draw(st.sampled_from([0.1, 0.3, 0.6]))
+    blocks[:, rng.integers(len(qb) - 1)] = False
+    return dict(mask=BlockMask(qb, kb, blocks), Hq=Hq, Hkv=Hkv, seed=int(rng.integers(1 << 30)),
+                template=draw(st.sampled_from(KERNEL_TEMPLATES)),
+                policy=draw(st.sampled_from(["split", "pack", "merge", "auto"])))
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(_token_level_cases())
+def test_planned_token_level_masks_every_kernel(case):
+    """The planner's plans of token-level masks (bitmap steps where a tile holds more than 4
+    blocks per axis, tiles once, never above dense) run exactly on the Mosaic GPU kernel
+    (interpreter), the Triton kernel (interpret mode) and the XLA executor."""
+    from tessera_jax.planning.planner import build_plan
+
+    t = templates.get(case["template"])
+    mask, Hq, Hkv = case["mask"], case["Hq"], case["Hkv"]
+    q, k, v = _inputs(case["seed"], 1, mask.Lq, mask.Lkv, Hq, Hkv, 64, jnp.bfloat16)
+    plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=t.tile_q, tile_kv=t.tile_kv,
+                      policy=case["policy"], q_align=t.q_align, kv_align=t.kv_align,
+                      template=t.name)
+    st_ = plan.stats()
+    assert st_["tile_revisits"] == 0
+    # Never above a dense plan of the same tiles (Lq x Lkv when the tiles divide the lengths).
+    dense_tiles = -(-mask.Lq // t.tile_q) * t.tile_q * -(-mask.Lkv // t.tile_kv) * t.tile_kv
+    assert st_["computed_interactions"] <= dense_tiles * Hq
+    kw = dict(q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, scale=0.3,
+              return_lse=True)
+    if t.backend == "mosaic_gpu":
+        from jax._src.pallas.mosaic_gpu.interpret import params as _interp
+        from pallas_kernels.mosaic import wrapper as mosaic_wrapper
+        out, lse = mosaic_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                            template=t.name, **kw,
+                                            interpret=_interp.InterpretGPUParams())
+    elif t.backend == "triton":
+        out, lse = triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index,
+                                            template=t.name, **kw)
+    else:
+        out, lse = executor.execute(q, k, v, plan.units, plan.steps, plan.row_index,
+                                    tile_q=t.tile_q, tile_kv=t.tile_kv,
+                                    max_steps=plan.max_steps, **kw)
+    ref, ref_lse = reference_attention(q, k, v, mask, scale=0.3, return_lse=True)
+    _check(out, lse, ref, ref_lse, jnp.bfloat16)
