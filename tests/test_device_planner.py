@@ -1,0 +1,232 @@
+"""The device planner's core (``tessera_jax.planning.device``): block masks held in jax arrays,
+planned inside ``jax.jit`` into plan ABI arrays that the kernels execute exactly."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+import tessera_jax as tj
+from pallas_kernels import abi
+from pallas_kernels.xla import executor
+from tessera_jax.planning import device
+
+TILES = [(64, 64), (128, 128), (64, 128), (128, 64)]
+
+
+def _bounds(rng, L, tile, aligned):
+    """Block bounds a device plan takes: sizes >= tile / 3 (at most 4 blocks meet a tile), or
+    multiples of tile / 4 on the tile grid."""
+    b = [0]
+    while b[-1] < L:
+        if aligned:
+            step = tile // 4 * int(rng.integers(1, 9))
+        else:
+            step = int(rng.integers(-(-tile // 3), 2 * tile + 1))
+        b.append(min(L, b[-1] + step))
+    b = np.array(b)
+    if len(b) > 2 and b[-1] - b[-2] < -(-tile // 3) and not aligned:
+        b = np.r_[b[:-2], L]                   # no short last block
+    return b
+
+
+def _run(blocks, qb, kb, q, k, v, tile_q, tile_kv, scale=0.2):
+    Hq = q.shape[2]
+    p = device.plan_on_device(blocks, qb, kb, num_q_heads=Hq, q_len=q.shape[1],
+                              kv_len=k.shape[1], tile_q=tile_q, tile_kv=tile_kv)
+    out, lse = executor.execute(q, k, v, p.units, p.steps, None, tile_q=tile_q, tile_kv=tile_kv,
+                                q_len_padded=p.q_len_padded, kv_len_padded=p.kv_len_padded,
+                                max_steps=p.max_steps, scale=scale, return_lse=True)
+    return out, lse, p
+
+
+def _inputs(rng, Lq, Lkv, Hq, Hkv, D=32):
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    return mk(1, Lq, Hq, D), mk(1, Lkv, Hkv, D), mk(1, Lkv, Hkv, D)
+
+
+@st.composite
+def cases(draw):
+    tile_q, tile_kv = draw(st.sampled_from(TILES))
+    Lq, Lkv = draw(st.integers(40, 400)), draw(st.integers(40, 400))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    aligned = draw(st.booleans())
+    qb, kb = _bounds(rng, Lq, tile_q, aligned), _bounds(rng, Lkv, tile_kv, aligned)
+    Hkv = draw(st.sampled_from([1, 2]))
+    Hq = Hkv * draw(st.sampled_from([1, 2]))
+    Hm = draw(st.sampled_from(sorted({1, Hq})))
+    blocks = rng.random((Hm, len(qb) - 1, len(kb) - 1)) < draw(st.sampled_from([0.1, 0.4, 0.9]))
+    if draw(st.booleans()):
+        blocks[:, rng.integers(len(qb) - 1)] = False          # rows with no key
+    return dict(qb=qb, kb=kb, blocks=blocks, Hq=Hq, Hkv=Hkv, tiles=(tile_q, tile_kv),
+                traced_bounds=draw(st.booleans()), rng=rng)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(cases())
+def test_device_plans_are_exact_valid_and_tiles_once(case):
+    """Inside jit (blocks traced; bounds traced or static), the plan runs exactly against the
+    dense reference in float32, is a valid ABI plan, visits each (unit, tile) once and never
+    computes more than a dense plan of its tiles."""
+    qb, kb, blocks, Hq, Hkv = case["qb"], case["kb"], case["blocks"], case["Hq"], case["Hkv"]
+    tq, tk = case["tiles"]
+    q, k, v = _inputs(case["rng"], qb[-1], kb[-1], Hq, Hkv)
+
+    if case["traced_bounds"]:
+        f = jax.jit(lambda q, k, v, b, qb, kb: _run(b, qb, kb, q, k, v, tq, tk))
+        out, lse, p = f(q, k, v, jnp.asarray(blocks), jnp.asarray(qb), jnp.asarray(kb))
+    else:
+        f = jax.jit(lambda q, k, v, b: _run(b, qb, kb, q, k, v, tq, tk))
+        out, lse, p = f(q, k, v, jnp.asarray(blocks))
+    assert bool(p.ok)
+    mask = tj.BlockMask(qb, kb, blocks)
+    ref, ref_lse = tj.reference_attention(q, k, v, mask, scale=0.2, return_lse=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(ref_lse)))
+
+    units, steps = np.asarray(p.units), np.asarray(p.steps)
+    abi.check_plan(units, steps, tq, tk, p.q_len_padded, p.kv_len_padded, num_q_heads=Hq,
+                   q_align=8, kv_align=8, max_steps=p.max_steps)
+    token = np.zeros((Hq, p.q_len_padded, p.kv_len_padded), bool)
+    for u in units:
+        h, qs, lo, hi, ptr, cnt = (int(x) for x in u)
+        kvs = steps[ptr: ptr + cnt, abi.STEP_KV_START]
+        assert len(np.unique(kvs)) == cnt                     # tiles once
+        for s in range(ptr, ptr + cnt):
+            sel = abi.step_mask(steps, s, tq, tk)
+            ks = int(steps[s, abi.STEP_KV_START])
+            assert not (token[h, qs: qs + tq, ks: ks + tk] & sel).any()
+            token[h, qs: qs + tq, ks: ks + tk] |= sel
+    Lq, Lkv = qb[-1], kb[-1]
+    want = np.stack([mask.token_mask(h if mask.num_heads > 1 else 0) for h in range(Hq)])
+    np.testing.assert_array_equal(token[:, :Lq, :Lkv], want)    # exactly the mask
+    assert not token[:, Lq:].any() and not token[:, :, Lkv:].any()
+
+
+def test_one_trace_for_many_masks_and_no_host_callback():
+    rng = np.random.default_rng(1)
+    Lq = Lkv = 256
+    qb = kb = np.arange(0, Lq + 1, 32)
+    q, k, v = _inputs(rng, Lq, Lkv, 2, 2)
+    traces = []
+
+    @jax.jit
+    def f(q, k, v, b):
+        traces.append(1)
+        return _run(b, qb, kb, q, k, v, 64, 64)[0]
+
+    for _ in range(4):
+        b = rng.random((2, 8, 8)) < 0.3
+        out = f(q, k, v, jnp.asarray(b))
+        ref = tj.reference_attention(q, k, v, tj.BlockMask(qb, kb, b), scale=0.2)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+    assert len(traces) == 1
+    text = f.lower(q, k, v, jnp.zeros((2, 8, 8), bool)).as_text()
+    assert "callback" not in text.lower()
+
+
+def test_mask_computed_from_q_and_k_inside_jit():
+    """A content-dependent mask (pooled scores, per-head top-k key blocks) built and planned in
+    one jitted function."""
+    rng = np.random.default_rng(2)
+    L, H, D, bs, topk = 256, 2, 32, 32, 3
+    q, k, v = _inputs(rng, L, L, H, H, D)
+    bounds = np.arange(0, L + 1, bs)
+
+    @jax.jit
+    def f(q, k, v):
+        pq = q[0].reshape(L // bs, bs, H, D).mean(1)                  # [nb, H, D]
+        pk = k[0].reshape(L // bs, bs, H, D).mean(1)
+        s = jnp.einsum("ihd,jhd->hij", pq, pk)
+        kth = jnp.sort(s, axis=-1)[..., -topk][..., None]
+        blocks = s >= kth
+        return _run(blocks, bounds, bounds, q, k, v, 64, 64)[0], blocks
+
+    out, blocks = f(q, k, v)
+    ref = tj.reference_attention(q, k, v, tj.BlockMask(bounds, bounds, np.asarray(blocks)),
+                                 scale=0.2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+
+
+def test_bad_device_bounds_flag_not_crash_and_checkify_reports():
+    rng = np.random.default_rng(3)
+    q, k, v = _inputs(rng, 128, 128, 1, 1)
+    good = jnp.asarray([0, 32, 64, 96, 128])
+    # Not increasing; not ending at the length; five blocks in the first 64-row tile.
+    for bad in ([0, 64, 32, 96, 128], [0, 32, 64, 96, 120], [0, 8, 16, 24, 32, 128]):
+        blocks = jnp.ones((1, len(bad) - 1, 4), bool)
+        out, _, p = jax.jit(lambda qb: _run(blocks, qb, good, q, k, v, 64, 64))(jnp.asarray(bad))
+        assert not bool(p.ok)
+        assert not np.isnan(np.asarray(out)).any()
+
+    def checked(qb):
+        p = device.plan_on_device(jnp.ones((1, qb.shape[0] - 1, 4), bool), qb, good,
+                                  num_q_heads=1, q_len=128, kv_len=128, tile_q=64, tile_kv=64)
+        device.check(p)
+        return p.steps
+
+    err, _ = jax.jit(checkify.checkify(checked))(jnp.asarray([0, 8, 16, 24, 32, 128]))
+    with pytest.raises(checkify.JaxRuntimeError, match="more than 4 blocks"):
+        err.throw()
+    err, _ = jax.jit(checkify.checkify(checked))(good)
+    err.throw()
+
+
+def test_bad_host_input_raises_naming_the_argument():
+    b = np.ones((1, 4, 4), bool)
+    qb = np.arange(0, 129, 32)
+    kw = dict(num_q_heads=1, q_len=128, kv_len=128, tile_q=64, tile_kv=64)
+    with pytest.raises(ValueError, match="q_bounds: a tile of 64 tokens meets 8 blocks"):
+        device.plan_on_device(np.ones((1, 16, 4), bool), np.arange(0, 129, 8), qb, **kw)
+    with pytest.raises(ValueError, match="kv_bounds must increase"):
+        device.plan_on_device(b, qb, np.array([0, 64, 32, 96, 128]), **kw)
+    with pytest.raises(ValueError, match="q_bounds must have shape"):
+        device.plan_on_device(b, qb[:-1], qb, **kw)
+    with pytest.raises(TypeError, match="blocks must have dtype bool"):
+        device.plan_on_device(b.astype(np.int32), qb, qb, **kw)
+    with pytest.raises(ValueError, match="blocks has 3 heads"):
+        device.plan_on_device(np.ones((3, 4, 4), bool), qb, qb, **{**kw, "num_q_heads": 2})
+    with pytest.raises(ValueError, match="multiples of 8"):
+        device.plan_on_device(b, qb, qb, **{**kw, "tile_q": 60})
+
+
+def test_mosaic_kernel_runs_a_device_plan():
+    """The Mosaic GPU kernel (interpreter) takes the device plan's arrays as traced operands."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import params as _interp
+    except Exception as e:  # pragma: no cover
+        pytest.skip(f"Mosaic GPU interpreter not importable: {e}")
+    from pallas_kernels.mosaic import wrapper as mosaic
+
+    rng = np.random.default_rng(4)
+    L, H = 200, 2
+    qb = kb = np.r_[np.arange(0, L, 40), L]
+    blocks = rng.random((H, len(qb) - 1, len(kb) - 1)) < 0.5
+    q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(rng, L, L, H, H, 64))
+
+    @jax.jit
+    def f(q, k, v, b):
+        p = device.plan_on_device(b, qb, kb, num_q_heads=H, q_len=L, kv_len=L, tile_q=128,
+                                  tile_kv=128)
+        return mosaic.attention(q, k, v, p.units, p.steps, None, template="mgpu_q128_kv128_s2_hm",
+                                q_len_padded=p.q_len_padded, kv_len_padded=p.kv_len_padded,
+                                scale=0.2, interpret=_interp.InterpretGPUParams())
+
+    out = f(q, k, v, jnp.asarray(blocks))
+    ref = tj.reference_attention(q, k, v, tj.BlockMask(qb, kb, blocks), scale=0.2)
+    err = np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32)).max()
+    assert err < 3e-2, err
+
+
+def test_device_plan_is_a_pytree_with_static_metadata():
+    qb = np.arange(0, 129, 32)
+    f = jax.jit(lambda b: device.plan_on_device(b, qb, qb, num_q_heads=1, q_len=128,
+                                                kv_len=128, tile_q=64, tile_kv=64))
+    p = f(jnp.ones((1, 4, 4), bool))
+    assert (p.tile_q, p.tile_kv, p.q_len_padded, p.kv_len_padded, p.max_steps) == \
+        (64, 64, 128, 128, 2)
+    assert [x.shape for x in jax.tree_util.tree_leaves(p)] == [(2, 6), (4, 4), ()]
