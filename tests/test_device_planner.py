@@ -58,23 +58,45 @@ def cases(draw):
     Hkv = draw(st.sampled_from([1, 2]))
     Hq = Hkv * draw(st.sampled_from([1, 2]))
     Hm = draw(st.sampled_from(sorted({1, Hq})))
-    blocks = rng.random((Hm, len(qb) - 1, len(kb) - 1)) < draw(st.sampled_from([0.1, 0.4, 0.9]))
+    if Hm > 1 and draw(st.booleans()):
+        # Each head its own partition (same block counts, other bounds).
+        nq, nk = len(qb) - 1, len(kb) - 1
+        qb = np.stack([qb] + [_resplit(rng, qb) for _ in range(Hm - 1)])
+        kb = np.stack([kb] + [_resplit(rng, kb) for _ in range(Hm - 1)])
+        assert qb.shape == (Hm, nq + 1) and kb.shape == (Hm, nk + 1)
+    blocks = rng.random((Hm, qb.shape[-1] - 1, kb.shape[-1] - 1)) \
+        < draw(st.sampled_from([0.1, 0.4, 0.9]))
     if draw(st.booleans()):
-        blocks[:, rng.integers(len(qb) - 1)] = False          # rows with no key
+        blocks[:, rng.integers(qb.shape[-1] - 1)] = False     # rows with no key
     return dict(qb=qb, kb=kb, blocks=blocks, Hq=Hq, Hkv=Hkv, tiles=(tile_q, tile_kv),
                 traced_bounds=draw(st.booleans()), rng=rng)
+
+
+def _resplit(rng, b):
+    """Other bounds the device planner still takes, with the same block count: the block
+    sizes but the last in another order (each size obeys the tile's rule, so the order does)."""
+    sizes = np.diff(b)
+    sizes = np.r_[rng.permutation(sizes[:-1]), sizes[-1:]]
+    return np.r_[0, np.cumsum(sizes)]
+
+
+def _masks(qb, kb, blocks):
+    """One BlockMask per mask head (per-head bounds) or the shared / per-head mask."""
+    if qb.ndim == 1:
+        return [tj.BlockMask(qb, kb, blocks)]
+    return [tj.BlockMask(qb[h], kb[h], blocks[h: h + 1]) for h in range(len(blocks))]
 
 
 @settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(cases())
 def test_device_plans_are_exact_valid_and_tiles_once(case):
-    """Inside jit (blocks traced; bounds traced or static), the plan runs exactly against the
-    dense reference in float32, is a valid ABI plan, visits each (unit, tile) once and never
+    """Inside jit (blocks traced; bounds traced or static, shared or per head), the plan runs
+    exactly against the dense reference in float32, is a valid ABI plan, visits each (unit, tile) once and never
     computes more than a dense plan of its tiles."""
     qb, kb, blocks, Hq, Hkv = case["qb"], case["kb"], case["blocks"], case["Hq"], case["Hkv"]
     tq, tk = case["tiles"]
-    q, k, v = _inputs(case["rng"], qb[-1], kb[-1], Hq, Hkv)
+    q, k, v = _inputs(case["rng"], int(qb.reshape(-1)[-1]), int(kb.reshape(-1)[-1]), Hq, Hkv)
 
     if case["traced_bounds"]:
         f = jax.jit(lambda q, k, v, b, qb, kb: _run(b, qb, kb, q, k, v, tq, tk))
@@ -83,8 +105,19 @@ def test_device_plans_are_exact_valid_and_tiles_once(case):
         f = jax.jit(lambda q, k, v, b: _run(b, qb, kb, q, k, v, tq, tk))
         out, lse, p = f(q, k, v, jnp.asarray(blocks))
     assert bool(p.ok)
-    mask = tj.BlockMask(qb, kb, blocks)
-    ref, ref_lse = tj.reference_attention(q, k, v, mask, scale=0.2, return_lse=True)
+    masks = _masks(qb, kb, blocks)
+    if len(masks) == 1:
+        ref, ref_lse = tj.reference_attention(q, k, v, masks[0], scale=0.2, return_lse=True)
+        want = np.stack([masks[0].token_mask(h if masks[0].num_heads > 1 else 0)
+                         for h in range(Hq)])
+    else:                                 # per-head bounds: each head against its own mask
+        group = Hq // Hkv
+        parts = [tj.reference_attention(q[:, :, h: h + 1], k[:, :, h // group: h // group + 1],
+                                        v[:, :, h // group: h // group + 1], masks[h],
+                                        scale=0.2, return_lse=True) for h in range(Hq)]
+        ref = jnp.concatenate([o for o, _ in parts], axis=2)
+        ref_lse = jnp.concatenate([lse_h for _, lse_h in parts], axis=1)
+        want = np.stack([m.token_mask(0) for m in masks])
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(ref_lse)))
 
@@ -101,8 +134,7 @@ def test_device_plans_are_exact_valid_and_tiles_once(case):
             ks = int(steps[s, abi.STEP_KV_START])
             assert not (token[h, qs: qs + tq, ks: ks + tk] & sel).any()
             token[h, qs: qs + tq, ks: ks + tk] |= sel
-    Lq, Lkv = qb[-1], kb[-1]
-    want = np.stack([mask.token_mask(h if mask.num_heads > 1 else 0) for h in range(Hq)])
+    Lq, Lkv = int(qb.reshape(-1)[-1]), int(kb.reshape(-1)[-1])
     np.testing.assert_array_equal(token[:, :Lq, :Lkv], want)    # exactly the mask
     assert not token[:, Lq:].any() and not token[:, :, Lkv:].any()
 

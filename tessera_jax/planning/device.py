@@ -7,10 +7,10 @@ host); the kernels take its arrays as traced plan operands.
 
 Plan it builds (``pallas_kernels.abi``): one unit per (query head, query tile) at
 q_start = t * tile_q, owning its rows below Lq; a step for each K/V tile (at c * tile_kv) that
-holds a selected entry, in key order: plain and whole where the tile lies inside the lengths
-and every block it meets is selected; plain over the rows / keys inside the lengths where
-only that clips it; else a *grid* step whose cuts are the block bounds inside the tile and
-whose cells are the blocks' flags. So every (unit, tile) is visited once and the plan computes
+holds a selected entry, in key order (bounds shared by the heads or each head's own): plain
+and whole where the tile lies inside the lengths and every block it meets is selected; plain
+over the rows / keys inside the lengths where only that clips it; else a *grid* step whose
+cuts are the block bounds inside the tile and whose cells are the blocks' flags. So every (unit, tile) is visited once and the plan computes
 at most a dense plan of these tiles. Grid steps hold at most 4 x 4 blocks: every tile must meet
 at most ``abi.GRID`` query blocks and ``abi.GRID`` key blocks (blocks of >= tile / 3 tokens,
 or tile-aligned ones of tile / 4). Host (NumPy) bounds are checked when tracing (ValueError);
@@ -52,23 +52,26 @@ class DevicePlan:
 
 
 def _tile_blocks(bounds, length: int, tile: int, n_tiles: int):
-    """(first, last) block of each tile's tokens inside the length, and the tile's own extent
-    (tokens below the length), for ``bounds`` [n + 1] (NumPy or jnp)."""
-    xp = np if isinstance(bounds, np.ndarray) else jnp
+    """(first, last) block of each tile's tokens inside the length, each [Hb, n_tiles], and the
+    tiles' own extents (tokens below the length) [n_tiles], for ``bounds`` [Hb, n + 1] (NumPy
+    or jnp)."""
     start = np.arange(n_tiles, dtype=np.int32) * tile
     end = np.minimum(start + tile, length)
-    n = bounds.shape[0] - 1
-    first = xp.clip(xp.searchsorted(bounds, start, side="right") - 1, 0, n - 1)
-    last = xp.clip(xp.searchsorted(bounds, end - 1, side="right") - 1, 0, n - 1)
+    n = bounds.shape[1] - 1
+    if isinstance(bounds, np.ndarray):
+        find = lambda x: np.stack([np.searchsorted(b, x, side="right") for b in bounds])  # noqa: E731
+    else:
+        find = lambda x: jax.vmap(lambda b: jnp.searchsorted(b, x, side="right"))(bounds)  # noqa: E731
+    first = (find(start) - 1).clip(0, n - 1)
+    last = (find(end - 1) - 1).clip(0, n - 1)
     return first, last, end - start
 
 
 def _check_host_bounds(name, bounds, length, tile, n_tiles):
-    if bounds.ndim != 1 or bounds.shape[0] < 2:
-        raise ValueError(f"{name} must be a 1-D array of n + 1 >= 2 bounds, got shape "
-                         f"{bounds.shape}")
-    if bounds[0] != 0 or bounds[-1] != length or (np.diff(bounds) <= 0).any():
-        raise ValueError(f"{name} must increase strictly from 0 to {length}")
+    for h, b in enumerate(bounds):
+        at = f"{name}[{h}]" if len(bounds) > 1 else name
+        if b[0] != 0 or b[-1] != length or (np.diff(b) <= 0).any():
+            raise ValueError(f"{at} must increase strictly from 0 to {length}")
     first, last, _ = _tile_blocks(bounds, length, tile, n_tiles)
     worst = int((last - first + 1).max())
     if worst > abi.GRID:
@@ -82,9 +85,11 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     """The plan of a block mask for these tiles (see the module docstring), in jnp.
 
     blocks: bool [Hm, nq, nk] (Hm = 1: shared by the heads, or Hm = num_q_heads), a jax or
-    NumPy array, traced values included; q_bounds [nq + 1] / kv_bounds [nk + 1]: int block
-    bounds, NumPy (checked now) or jax arrays (``ok`` says whether they are valid). Tiles must
-    be multiples of 8 (TMA alignment of the Mosaic GPU kernel) up to ``abi.MAX_TILE``.
+    NumPy array, traced values included; q_bounds [nq + 1] or [Hm, nq + 1] (each head its own
+    partition, e.g. clusters after a per-head sort) / kv_bounds [nk + 1] or [Hm, nk + 1]: int
+    block bounds, NumPy (checked now) or jax arrays (``ok`` says whether they are valid).
+    Tiles must be multiples of 8 (TMA alignment of the Mosaic GPU kernel) up to
+    ``abi.MAX_TILE``.
     """
     for name, val in (("num_q_heads", num_q_heads), ("q_len", q_len), ("kv_len", kv_len),
                       ("tile_q", tile_q), ("tile_kv", tile_kv)):
@@ -106,53 +111,61 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     host = []
     for name, b, n, length, tile, nt in (("q_bounds", q_bounds, nq, q_len, tile_q, nqt),
                                          ("kv_bounds", kv_bounds, nk, kv_len, tile_kv, nkt)):
-        if not hasattr(b, "shape") or tuple(b.shape) != (n + 1,):
-            raise ValueError(f"{name} must have shape [{n + 1}] (blocks has {n} blocks on "
-                             f"that axis), got {getattr(b, 'shape', type(b).__name__)}")
+        shape = tuple(getattr(b, "shape", ()))
+        if not (shape == (n + 1,) or shape == (Hm, n + 1)):
+            raise ValueError(f"{name} must have shape [{n + 1}] or [{Hm}, {n + 1}] (blocks is "
+                             f"[{Hm}, {nq}, {nk}]), got {shape or type(b).__name__}")
         if not jnp.issubdtype(b.dtype, jnp.integer):
             raise TypeError(f"{name} must be an integer array, got {b.dtype}")
         if isinstance(b, np.ndarray):
+            b = b.astype(np.int32).reshape(-1, n + 1)
             _check_host_bounds(name, b, length, tile, nt)
-            host.append(b.astype(np.int32))
         else:
-            host.append(jnp.asarray(b, jnp.int32))
-    qb, kb = host
+            b = jnp.asarray(b, jnp.int32).reshape(-1, n + 1)
+        host.append(b)
+    qb, kb = host                                               # [Hb, n + 1], Hb in (1, Hm)
     blocks = jnp.asarray(blocks)
 
-    qa, qz, q_own = _tile_blocks(qb, q_len, tile_q, nqt)        # [nqt]
-    ka, kz, k_own = _tile_blocks(kb, kv_len, tile_kv, nkt)      # [nkt]
+    qa, qz, q_own = _tile_blocks(qb, q_len, tile_q, nqt)        # [Hb, nqt] x2, [nqt]
+    ka, kz, k_own = _tile_blocks(kb, kv_len, tile_kv, nkt)
     g = np.arange(abi.GRID, dtype=np.int32)
-    qi = jnp.asarray(qa)[:, None] + g                          # [nqt, 4] block of segment i
-    kj = jnp.asarray(ka)[:, None] + g
-    q_in = qi <= jnp.asarray(qz)[:, None]                       # segment i exists
-    k_in = kj <= jnp.asarray(kz)[:, None]
-    cells = blocks[:, jnp.minimum(qi, nq - 1)[:, None, :, None],
-                   jnp.minimum(kj, nk - 1)[None, :, None, :]]   # [Hm, nqt, nkt, 4, 4]
-    cells &= q_in[None, :, None, :, None] & k_in[None, None, :, None, :]
+    qi = jnp.asarray(qa)[..., None] + g                        # [Hb, nqt, 4]: segment i's block
+    kj = jnp.asarray(ka)[..., None] + g
+    q_in = qi <= jnp.asarray(qz)[..., None]                     # segment i exists
+    k_in = kj <= jnp.asarray(kz)[..., None]
+    heads = jnp.arange(Hm)[:, None, None, None, None]
+    cells = blocks[heads, jnp.minimum(qi, nq - 1)[:, :, None, :, None],
+                   jnp.minimum(kj, nk - 1)[:, None, :, None, :]]   # [Hm, nqt, nkt, 4, 4]
+    cell_ok = q_in[:, :, None, :, None] & k_in[:, None, :, None, :]
+    cells &= cell_ok
     any_sel = cells.any(axis=(-2, -1))                          # [Hm, nqt, nkt]
-    cell_ok = q_in[:, None, :, None] & k_in[None, :, None, :]   # [nqt, nkt, 4, 4]
-    all_sel = (cells | ~cell_ok[None]).all(axis=(-2, -1))
+    all_sel = (cells | ~cell_ok).all(axis=(-2, -1))
 
     # Cuts: the block bounds inside the tile (tile rows / keys), unused ones at the tile's own
     # extent; the rectangle is the tile's own rows x keys.
-    q_own_j, k_own_j = jnp.asarray(q_own, jnp.int32), jnp.asarray(k_own, jnp.int32)
-    qbj, kbj = jnp.asarray(qb), jnp.asarray(kb)
-    qcut = qbj[jnp.minimum(qi[:, 1:], nq)] - jnp.arange(nqt, dtype=jnp.int32)[:, None] * tile_q
-    qcut = jnp.where(q_in[:, 1:], jnp.clip(qcut, 0, q_own_j[:, None]), q_own_j[:, None])
-    kcut = kbj[jnp.minimum(kj[:, 1:], nk)] - jnp.arange(nkt, dtype=jnp.int32)[:, None] * tile_kv
-    kcut = jnp.where(k_in[:, 1:], jnp.clip(kcut, 0, k_own_j[:, None]), k_own_j[:, None])
+    def cuts(bounds, idx, inside, own, tile, n):
+        Hb, nt = idx.shape[:2]
+        at = jnp.minimum(idx[..., 1:], n).reshape(Hb, -1)
+        c = jnp.take_along_axis(jnp.asarray(bounds), at, axis=1).reshape(Hb, nt, abi.GRID - 1)
+        c = c - (jnp.arange(nt, dtype=jnp.int32) * tile)[:, None]
+        own = jnp.asarray(own, jnp.int32)[:, None]
+        return jnp.where(inside[..., 1:], jnp.clip(c, 0, own), own)   # [Hb, nt, 3]
+
+    qcut = cuts(qb, qi, q_in, q_own, tile_q, nq)
+    kcut = cuts(kb, kj, k_in, k_own, tile_kv, nk)
     bits = (cells.astype(jnp.int32)
             << (abi.GRID * g[:, None] + g[None, :])).sum(axis=(-2, -1))   # [Hm, nqt, nkt]
+    q_own_j, k_own_j = jnp.asarray(q_own, jnp.int32), jnp.asarray(k_own, jnp.int32)
     rect = abi.pack_rect(jnp.zeros((nqt, nkt), jnp.int32),
                          jnp.broadcast_to(q_own_j[:, None], (nqt, nkt)),
                          jnp.zeros((nqt, nkt), jnp.int32),
                          jnp.broadcast_to(k_own_j[None, :], (nqt, nkt)))
-    cuts_a = (qcut[:, None, 0] | (qcut[:, None, 1] << 8) | (qcut[:, None, 2] << 16)
-              | (kcut[None, :, 0] << 24))
-    cuts_b = (kcut[None, :, 1] | (kcut[None, :, 2] << 8))
+    cuts_a = (qcut[:, :, None, 0] | (qcut[:, :, None, 1] << 8) | (qcut[:, :, None, 2] << 16)
+              | (kcut[:, None, :, 0] << 24))                    # [Hb, nqt, nkt]
+    cuts_b = kcut[:, None, :, 1] | (kcut[:, None, :, 2] << 8)
     grid = ~all_sel                                              # plain where all selected
-    cuts_a = jnp.where(grid, cuts_a[None], 0)
-    cuts_b = jnp.where(grid, cuts_b[None] | (bits << abi.GRID_BITS_SHIFT), 0)
+    cuts_a = jnp.where(grid, cuts_a, 0)
+    cuts_b = jnp.where(grid, cuts_b | (bits << abi.GRID_BITS_SHIFT), 0)
     kv_start = jnp.broadcast_to(jnp.arange(nkt, dtype=jnp.int32) * tile_kv, any_sel.shape)
     rows = jnp.stack([kv_start, jnp.broadcast_to(rect[None], any_sel.shape), cuts_a, cuts_b],
                      axis=-1)                                    # [Hm, nqt, nkt, STEP_COLS]
@@ -178,7 +191,8 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     ok = ((qz - qa + 1).max() <= abi.GRID) & ((kz - ka + 1).max() <= abi.GRID)
     for b, n, length in ((qb, nq, q_len), (kb, nk, kv_len)):
         if not isinstance(b, np.ndarray):
-            ok &= (b[0] == 0) & (b[n] == length) & jnp.all(b[1:] > b[:-1])
+            ok &= (jnp.all(b[:, 0] == 0) & jnp.all(b[:, n] == length)
+                   & jnp.all(b[:, 1:] > b[:, :-1]))
     return DevicePlan(units, steps, jnp.asarray(ok), int(tile_q), int(tile_kv),
                       nqt * int(tile_q), nkt * int(tile_kv), nkt)
 
