@@ -65,3 +65,10 @@ def heads_and_blocks(draw, n_q: int, n_kv: int, densities):
     density = draw(st.sampled_from(list(densities)))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     return Hq, Hkv, rng.random((Hm, n_q, n_kv)) < density, rng
+
+
+def bounds_from_sizes(sizes, max_len: int):
+    """Block bounds of consecutive ``sizes``, cut at ``max_len`` when they run past it (and at
+    least two bounds stay)."""
+    b = np.concatenate([[0], np.cumsum(sizes)])
+    return b[b <= max_len] if b[-1] > max_len and (b <= max_len).sum() >= 2 else b

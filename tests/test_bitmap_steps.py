@@ -28,7 +28,7 @@ from pallas_kernels import abi
 from tessera_jax.planning import loops as plan_loops
 from tessera_jax.planning import planner
 from tessera_jax.planning.planner import POLICIES, build_plan
-from strategies import heads_and_blocks
+from strategies import bounds_from_sizes, heads_and_blocks
 from test_planner import _check_abi, _check_stats, _ctx, _direct_kinds, _on_threads, _plan
 
 TEMPLATE_TILES = [(64, 64), (128, 128), (128, 64), (64, 128)]   # the kept templates' shapes
@@ -42,8 +42,7 @@ def token_bounds(draw, max_len=320):
     segments per axis, and some fewer)."""
     sizes = draw(st.lists(st.one_of(st.integers(1, 3), st.integers(4, 8), st.integers(1, 1),
                                     st.integers(20, 90)), min_size=8, max_size=60))
-    b = np.concatenate([[0], np.cumsum(sizes)])
-    return b[b <= max_len] if b[-1] > max_len and (b <= max_len).sum() >= 2 else b
+    return bounds_from_sizes(sizes, max_len)
 
 
 @st.composite

@@ -16,6 +16,7 @@ import tessera_jax as tj
 from pallas_kernels import abi
 from tessera_jax.planning import loops as plan_loops
 import plan_oracle
+from strategies import bounds_from_sizes, heads_and_blocks
 from tessera_jax.planning import planner
 from tessera_jax.planning import schedule
 from tessera_jax.planning.planner import POLICIES, build_plan, bucket
@@ -29,21 +30,16 @@ def wild_bounds(draw, max_len=700):
     """Bounds mixing 1-token blocks with blocks of hundreds of tokens."""
     sizes = draw(st.lists(st.one_of(st.integers(1, 3), st.integers(4, 70),
                                     st.integers(150, 400)), min_size=1, max_size=9))
-    b = np.concatenate([[0], np.cumsum(sizes)])
-    return b[b <= max_len] if b[-1] > max_len and (b <= max_len).sum() >= 2 else b
+    return bounds_from_sizes(sizes, max_len)
 
 
 @st.composite
 def plan_masks(draw):
     """(mask, Hq, Hkv): per-head (some heads repeated) or shared, with empty rows."""
     qb, kb = draw(wild_bounds()), draw(wild_bounds())
-    Hkv = draw(st.sampled_from([1, 2]))
-    Hq = Hkv * draw(st.sampled_from([1, 2]))
-    Hm = draw(st.sampled_from(sorted({1, Hq})))
-    density = draw(st.sampled_from([0.0, 0.1, 0.4, 0.8, 1.0]))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    blocks = rng.random((Hm, len(qb) - 1, len(kb) - 1)) < density
-    if Hm > 1 and draw(st.booleans()):
+    Hq, Hkv, blocks, rng = heads_and_blocks(draw, len(qb) - 1, len(kb) - 1,
+                                            [0.0, 0.1, 0.4, 0.8, 1.0])
+    if blocks.shape[0] > 1 and draw(st.booleans()):
         blocks[-1] = blocks[0]                      # repeated head masks share their steps
     if blocks.shape[1] > 1 and draw(st.booleans()):
         blocks[:, rng.integers(blocks.shape[1])] = False   # an empty query-block row
