@@ -452,7 +452,10 @@ class SparseSelfAttention(nnx.Module):
         head_dim = _check_count("head_dim", head_dim)
         if not isinstance(options, AttentionOptions):
             raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
-        self.mask = _check_source("mask", mask)
+        mask = _check_source("mask", mask)
+        # A static mask (or schedule) is part of the module's structure; a device mask is data.
+        self.mask = (nnx.data(mask) if isinstance(mask, BlockMask) and not mask.is_static
+                     else nnx.static(mask))
         if isinstance(mask, MaskSchedule):
             mask._check_layer_step(layer, 0)
         self.layer = int(layer)

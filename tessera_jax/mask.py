@@ -1,9 +1,17 @@
-"""BlockMask: the logical block-sparse mask, a static, hashable host object.
+"""BlockMask: the logical block-sparse mask.
 
 A mask names which logical blocks (query block i x key block j, per head) are computed. Block
 boundaries are arbitrary token offsets, so blocks may have any size (1-token blocks next to
-blocks of thousands). The mask is immutable and hashed by content, so it can be a closure
-constant or a static argument under ``jax.jit``.
+blocks of thousands), and each head may have its own partition (bounds ``[Hm, n + 1]``).
+
+Two kinds, one class. A mask of NumPy arrays is *static*: validated, immutable and hashed by
+content, so it can be a closure constant or a static argument under ``jax.jit`` (the host
+planner plans it once). A mask holding a jax array (a traced value inside ``jax.jit``
+included) is a *device* mask: shapes and dtypes are checked, values cannot be; it is planned
+inside the compiled program (``runtime.device_route``). ``BlockMask`` is a pytree: a device
+mask's leaves are its arrays (a jit argument, a ``lax.scan`` carry); a static mask has no
+leaves and is its own structure, so under jit it stays a static value. ``to_device`` makes a
+device mask of a static one.
 """
 
 from __future__ import annotations
@@ -53,49 +61,129 @@ def _uniform_bounds(name: str, length: int, block: int) -> np.ndarray:
     return np.append(np.arange(0, length, block), length)
 
 
+def _is_jax(x) -> bool:
+    """A jax array, traced values included (the mask is then a device mask)."""
+    import jax
+    return isinstance(x, jax.Array)
+
+
+def _host_bounds(name: str, bounds) -> np.ndarray:
+    """Host bounds [n + 1] or per head [Hm, n + 1], each row checked by ``_as_bounds``, all
+    rows ending at the same length."""
+    arr = np.asarray(bounds) if not isinstance(bounds, (bool, np.bool_)) and bounds is not None \
+        else bounds
+    if isinstance(arr, np.ndarray) and arr.ndim == 2:
+        if arr.shape[0] < 1:
+            raise ValueError(f"{name} per head must have at least one row, got shape {arr.shape}")
+        rows = [_as_bounds(f"{name}[{h}]", r) for h, r in enumerate(arr)]
+        ends = {int(r[-1]) for r in rows}
+        if len(ends) > 1:
+            raise ValueError(f"{name}: every head's bounds must end at the same length, got "
+                             f"{sorted(ends)}")
+        out = np.stack(rows)
+        out.setflags(write=False)
+        return out
+    if isinstance(arr, np.ndarray) and arr.ndim > 2:
+        raise ValueError(f"{name} must be [n + 1] or per head [Hm, n + 1], got shape {arr.shape}")
+    return _as_bounds(name, bounds)
+
+
+def _device_bounds(name: str, bounds):
+    """Shape and dtype checks of device bounds (their values are checked on the device:
+    ``runtime.device_route.check``)."""
+    import jax.numpy as jnp
+    if not jnp.issubdtype(bounds.dtype, jnp.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {bounds.dtype}")
+    if bounds.ndim not in (1, 2) or bounds.shape[-1] < 2:
+        raise ValueError(f"{name} must be [n + 1] or [Hm, n + 1] with n >= 1, got shape "
+                         f"{tuple(bounds.shape)}")
+    return bounds
+
+
 class BlockMask:
     """Which logical blocks of queries x keys to compute, per head or shared by all heads.
 
     Args:
-      q_bounds: 1-D ints, strictly increasing, ``q_bounds[0] == 0``, ``q_bounds[-1] == Lq``.
-      kv_bounds: the same over the keys (``Lkv``).
+      q_bounds: ints, strictly increasing from 0 to ``Lq``: ``[nq + 1]`` (all heads) or
+        ``[Hm, nq + 1]`` (each head its own partition, e.g. clusters after a per-head sort).
+      kv_bounds: the same over the keys (``Lkv``), ``[nkv + 1]`` or ``[Hm, nkv + 1]``.
       blocks: bool ``[Hm, nq, nkv]`` (or ``[nq, nkv]``, read as ``Hm == 1``); ``Hm == 1`` means
         one mask for all heads, otherwise one mask per query head.
+    Any of them may be a jax array (traced values included): the mask is then a device mask
+    (``is_static`` False), see the module docstring.
     """
 
     __slots__ = ("q_bounds", "kv_bounds", "blocks", "_digest", "__weakref__")
 
     def __init__(self, q_bounds, kv_bounds, blocks):
-        q_bounds = _as_bounds("q_bounds", q_bounds)
-        kv_bounds = _as_bounds("kv_bounds", kv_bounds)
         if isinstance(blocks, BlockMask) or blocks is None:
             raise TypeError(f"blocks must be a bool array, got {type(blocks).__name__}")
+        if any(_is_jax(x) for x in (q_bounds, kv_bounds, blocks)):
+            self._init_device(q_bounds, kv_bounds, blocks)
+            return
+        q_bounds = _host_bounds("q_bounds", q_bounds)
+        kv_bounds = _host_bounds("kv_bounds", kv_bounds)
         arr = np.asarray(blocks)
         if arr.dtype != np.bool_:
             raise TypeError(f"blocks must have dtype bool, got {arr.dtype}")
+        self._check_shapes(q_bounds, kv_bounds, arr.shape)
         if arr.ndim == 2:
             arr = arr[None]
-        if arr.ndim != 3:
-            raise ValueError(f"blocks must be [Hm, nq, nkv] (or [nq, nkv]), got shape {arr.shape}")
-        nq, nkv = len(q_bounds) - 1, len(kv_bounds) - 1
-        if arr.shape[1:] != (nq, nkv):
-            raise ValueError(
-                f"blocks has shape {arr.shape}, but the bounds give {nq} query blocks and "
-                f"{nkv} key blocks: expected [Hm, {nq}, {nkv}]")
-        if arr.shape[0] < 1:
-            raise ValueError("blocks must have at least one head (Hm >= 1)")
         arr = np.array(arr, dtype=np.bool_, copy=True, order="C")
         arr.setflags(write=False)
         h = hashlib.blake2b(digest_size=16)
         for part in (q_bounds, kv_bounds):
-            h.update(np.int64(part.size).tobytes())
+            # 1-D bounds hash as they always have (digests stay stable); per-head ones by shape
+            h.update(np.asarray(part.shape if part.ndim == 2 else part.size, np.int64).tobytes())
             h.update(part.tobytes())
         h.update(np.asarray(arr.shape, np.int64).tobytes())
         h.update(np.packbits(arr).tobytes())
+        self._set(q_bounds, kv_bounds, arr, h.hexdigest())
+
+    def _init_device(self, q_bounds, kv_bounds, blocks):
+        import jax.numpy as jnp
+        parts = []
+        for name, b in (("q_bounds", q_bounds), ("kv_bounds", kv_bounds)):
+            if _is_jax(b):
+                parts.append(_device_bounds(name, b))
+            else:
+                if isinstance(b, (bool, np.bool_)) or b is None:
+                    raise TypeError(f"{name} must be an int array, got {type(b).__name__}")
+                parts.append(_host_bounds(name, b))
+        if not (_is_jax(blocks) or isinstance(blocks, np.ndarray)):
+            blocks = np.asarray(blocks)
+        if jnp.dtype(blocks.dtype) != jnp.bool_:
+            raise TypeError(f"blocks must have dtype bool, got {blocks.dtype}")
+        self._check_shapes(parts[0], parts[1], tuple(blocks.shape))
+        if blocks.ndim == 2:
+            blocks = blocks[None]
+        self._set(parts[0], parts[1], blocks, None)
+
+    @staticmethod
+    def _check_shapes(q_bounds, kv_bounds, shape) -> bool:
+        """blocks' shape against the bounds' shapes (per-head bounds: one row per mask head)."""
+        if len(shape) == 2:
+            shape = (1,) + tuple(shape)
+        if len(shape) != 3:
+            raise ValueError(f"blocks must be [Hm, nq, nkv] (or [nq, nkv]), got shape {shape}")
+        nq, nkv = q_bounds.shape[-1] - 1, kv_bounds.shape[-1] - 1
+        if tuple(shape[1:]) != (nq, nkv):
+            raise ValueError(
+                f"blocks has shape {tuple(shape)}, but the bounds give {nq} query blocks and "
+                f"{nkv} key blocks: expected [Hm, {nq}, {nkv}]")
+        if shape[0] < 1:
+            raise ValueError("blocks must have at least one head (Hm >= 1)")
+        for name, b in (("q_bounds", q_bounds), ("kv_bounds", kv_bounds)):
+            if b.ndim == 2 and b.shape[0] != shape[0]:
+                raise ValueError(f"{name} has per-head bounds for {b.shape[0]} heads but blocks "
+                                 f"has Hm={shape[0]}; they must match")
+        return True
+
+    def _set(self, q_bounds, kv_bounds, blocks, digest):
         object.__setattr__(self, "q_bounds", q_bounds)
         object.__setattr__(self, "kv_bounds", kv_bounds)
-        object.__setattr__(self, "blocks", arr)
-        object.__setattr__(self, "_digest", h.hexdigest())
+        object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "_digest", digest)
 
     def __setattr__(self, name, value):
         raise AttributeError("BlockMask is immutable")
@@ -155,17 +243,40 @@ class BlockMask:
 
     # --- properties ---------------------------------------------------------------------
     @property
+    def is_static(self) -> bool:
+        """True for a validated NumPy mask (hashable, planned on the host); False for a device
+        mask (jax arrays)."""
+        return self._digest is not None
+
+    @property
+    def per_head_bounds(self) -> bool:
+        """Whether the bounds are per head ([Hm, n + 1]) on either axis."""
+        return self.q_bounds.ndim == 2 or self.kv_bounds.ndim == 2
+
+    @property
     def digest(self) -> str:
-        """Content hash (bounds and blocks)."""
+        """Content hash (bounds and blocks) of a static mask."""
+        self._need_static("digest")
         return self._digest
+
+    def _need_static(self, what: str) -> None:
+        if self._digest is None:
+            raise TypeError(f"BlockMask.{what} needs a static (NumPy) mask; this one holds jax "
+                            f"arrays (a device mask): use to_host() on concrete values")
+
+    def _host_length(self, bounds, what: str) -> int:
+        if _is_jax(bounds):
+            raise TypeError(f"BlockMask.{what} is not known statically: the mask's bounds are "
+                            f"a jax array (a device mask)")
+        return int(np.asarray(bounds)[..., -1].reshape(-1)[0])
 
     @property
     def Lq(self) -> int:
-        return int(self.q_bounds[-1])
+        return self._host_length(self.q_bounds, "Lq")
 
     @property
     def Lkv(self) -> int:
-        return int(self.kv_bounds[-1])
+        return self._host_length(self.kv_bounds, "Lkv")
 
     @property
     def num_heads(self) -> int:
@@ -178,16 +289,26 @@ class BlockMask:
 
     @property
     def q_sizes(self) -> np.ndarray:
-        return np.diff(self.q_bounds)
+        """Query block sizes, [nq] or per head [Hm, nq] (static masks)."""
+        self._need_static("q_sizes")
+        return np.diff(self.q_bounds, axis=-1)
 
     @property
     def kv_sizes(self) -> np.ndarray:
-        return np.diff(self.kv_bounds)
+        self._need_static("kv_sizes")
+        return np.diff(self.kv_bounds, axis=-1)
+
+    def _head_sizes(self):
+        """(q sizes, kv sizes), each [Hm, n]."""
+        H = self.num_heads
+        qs, ks = self.q_sizes, self.kv_sizes
+        return (np.broadcast_to(qs, (H, qs.shape[-1])), np.broadcast_to(ks, (H, ks.shape[-1])))
 
     def selected_per_head(self) -> np.ndarray:
         """Selected token interactions of each mask head, int64 [Hm]."""
-        sizes = self.q_sizes[:, None] * self.kv_sizes[None, :]
-        return np.einsum("hij,ij->h", self.blocks.astype(np.int64), sizes)
+        qs, ks = self._head_sizes()
+        return np.einsum("hij,hi,hj->h", self.blocks.astype(np.int64), qs.astype(np.int64),
+                         ks.astype(np.int64))
 
     def selected_interactions(self, num_q_heads: int | None = None) -> int:
         """Selected (query, key) pairs summed over query heads (a shared mask counts per head)."""
@@ -203,9 +324,14 @@ class BlockMask:
 
     def token_mask(self, head: int | None = None) -> np.ndarray:
         """Dense token-level bool mask ``[Hm, Lq, Lkv]`` (or ``[Lq, Lkv]`` for one head)."""
-        blocks = self.blocks if head is None else self.blocks[head]
-        out = np.repeat(blocks, self.q_sizes, axis=-2)
-        return np.repeat(out, self.kv_sizes, axis=-1)
+        if head is not None:
+            qs, ks = self._head_sizes()
+            out = np.repeat(self.blocks[head], qs[head], axis=0)
+            return np.repeat(out, ks[head], axis=1)
+        if not self.per_head_bounds:
+            out = np.repeat(self.blocks, self.q_sizes, axis=-2)
+            return np.repeat(out, self.kv_sizes, axis=-1)
+        return np.stack([self.token_mask(h) for h in range(self.num_heads)])
 
     def head_blocks(self, num_q_heads: int) -> np.ndarray:
         """Blocks for each of ``num_q_heads`` query heads, bool [Hq, nq, nkv] (a view)."""
@@ -216,18 +342,81 @@ class BlockMask:
                 f"mask has {self.num_heads} heads; it must have 1 or Hq={num_q_heads}")
         return self.blocks
 
-    # --- identity -----------------------------------------------------------------------
+    # --- moving between host and device -------------------------------------------------
+    def to_device(self, device=None) -> "BlockMask":
+        """This static mask as a device mask, copied compactly: blocks bit-packed (1 bit per
+        block) and unpacked on the device, bounds as int32."""
+        import jax
+        self._need_static("to_device")
+        packed = np.packbits(self.blocks.reshape(-1))
+        qb, kb = (np.asarray(b, np.int32) for b in (self.q_bounds, self.kv_bounds))
+        packed, qb, kb = jax.device_put((packed, qb, kb), device)
+        return BlockMask._from_leaves(qb, kb, _unpack(packed, self.blocks.shape))
+
+    def to_host(self) -> "BlockMask":
+        """A static (validated NumPy) copy of a mask of concrete values."""
+        if self.is_static:
+            return self
+        return BlockMask(np.asarray(self.q_bounds), np.asarray(self.kv_bounds),
+                         np.asarray(self.blocks))
+
+    # --- identity and pytree ------------------------------------------------------------
     def __hash__(self) -> int:
+        if self._digest is None:
+            raise TypeError("a device BlockMask (jax arrays) is not hashable; a static mask "
+                            "needs NumPy arrays (to_host() on concrete values)")
         return hash(self._digest)
 
     def __eq__(self, other) -> bool:
+        if self._digest is None:
+            return self is other
         return isinstance(other, BlockMask) and other._digest == self._digest
 
     def __repr__(self) -> str:
+        bounds = "per-head" if self.per_head_bounds else "shared"
+        if self._digest is None:
+            return (f"BlockMask(device, heads={self.num_heads}, blocks={self.blocks.shape[1]}x"
+                    f"{self.blocks.shape[2]}, {bounds} bounds)")
         return (f"BlockMask(Lq={self.Lq}, Lkv={self.Lkv}, heads={self.num_heads}, "
                 f"blocks={self.blocks.shape[1]}x{self.blocks.shape[2]}, "
-                f"density={self.density:.3f}, digest={self._digest[:8]})")
+                + ("per-head bounds, " if self.per_head_bounds else "")
+                + f"density={self.density:.3f}, digest={self._digest[:8]})")
 
     def __reduce__(self):
         return (BlockMask, (np.asarray(self.q_bounds), np.asarray(self.kv_bounds),
                             np.asarray(self.blocks)))
+
+    @classmethod
+    def _from_leaves(cls, q_bounds, kv_bounds, blocks) -> "BlockMask":
+        """A device mask from pytree leaves, unchecked (leaves may be tracers, abstract
+        values or placeholders)."""
+        m = object.__new__(cls)
+        m._set(q_bounds, kv_bounds, blocks, None)
+        return m
+
+
+def _unpack(packed, shape):
+    import jax.numpy as jnp
+    n = int(np.prod(shape))
+    return jnp.unpackbits(packed, count=n).astype(bool).reshape(shape)
+
+
+# A static mask is a pytree without leaves whose structure is the mask itself (hashed by its
+# digest): under jit it stays a static value planned on the host, as the contract says. A
+# device mask's leaves are its three arrays.
+def _flatten(m: BlockMask):
+    if m._digest is not None:
+        return (), m
+    return (m.q_bounds, m.kv_bounds, m.blocks), None
+
+
+def _unflatten(static, leaves):
+    return static if static is not None else BlockMask._from_leaves(*leaves)
+
+
+def _register():
+    import jax
+    jax.tree_util.register_pytree_node(BlockMask, _flatten, _unflatten)
+
+
+_register()

@@ -61,12 +61,17 @@ def check_qkv(q, k, v) -> AttnShape:
 
 
 def check_mask(mask, shape: AttnShape) -> BlockMask:
+    """The mask against the call's shapes; a device mask's traced bounds are checked on the
+    device instead (``runtime.device_route.check``)."""
     if not isinstance(mask, BlockMask):
         raise TypeError(f"mask must be a tessera_jax.BlockMask, got {type(mask).__name__}")
-    if mask.Lq != shape.q_len:
-        raise ValueError(f"mask covers Lq={mask.Lq} queries but q has length {shape.q_len}")
-    if mask.Lkv != shape.kv_len:
-        raise ValueError(f"mask covers Lkv={mask.Lkv} keys but k has length {shape.kv_len}")
+    for axis, name, bounds, length in (("Lq", "q", mask.q_bounds, shape.q_len),
+                                       ("Lkv", "k", mask.kv_bounds, shape.kv_len)):
+        if isinstance(bounds, np.ndarray):
+            end = int(bounds.reshape(-1, bounds.shape[-1])[0, -1])
+            if end != length:
+                what = "queries" if name == "q" else "keys"
+                raise ValueError(f"mask covers {axis}={end} {what} but {name} has length {length}")
     if mask.num_heads not in (1, shape.num_q_heads):
         raise ValueError(f"mask has {mask.num_heads} heads; it must have 1 (shared) or "
                          f"Hq={shape.num_q_heads} (one per query head)")

@@ -79,7 +79,9 @@ def test_stack_per_head():
     ([0, 6, 5, 9], "strictly increasing"),
     ([1, 5, 9], "start at 0"),
     ([0], "at least 2"),
-    ([[0, 9]], "1-D"),
+    ([[[0, 9]]], r"\[n \+ 1\] or per head \[Hm, n \+ 1\]"),
+    ([[0, 4, 9], [0, 3, 8]], "same length"),
+    ([[0, 4, 9], [0, 4, 4]], r"q_bounds\[1\] must be strictly increasing"),
 ])
 def test_bad_bounds(qb, match):
     with pytest.raises(ValueError, match=match):

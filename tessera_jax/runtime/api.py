@@ -28,7 +28,7 @@ from pallas_kernels.templates import Template
 from tessera_jax.mask import BlockMask
 from tessera_jax.planning import planner
 from tessera_jax.planning.planner import POLICIES, Plan
-from tessera_jax.runtime import dense_route, dispatch, kernel_runner
+from tessera_jax.runtime import dense_route, device_route, dispatch, kernel_runner
 from tessera_jax.select import features, ranking
 from tessera_jax.validation import (AttnShape, check_bool, check_mask, check_qkv, check_scale,
                                     check_shapes)
@@ -147,6 +147,10 @@ def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
             return hit
     shape = check_shapes(q_shape, kv_shape, dtype)
     check_mask(mask, shape)
+    if device_route.takes(mask):
+        raise TypeError("tessera_jax.plan takes static masks with shared bounds (host "
+                        "planning); a device mask, or per-head bounds, is planned inside the "
+                        "call: tessera_jax.planning.device.plan_on_device gives that plan")
     _check_policy(policy)
     be, t = _target(shape, backend, template, runs_here=False)
     return _planned(key, mask, shape, be, t, policy,
@@ -163,8 +167,11 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
     best available here, ``dispatch.BACKENDS``). ``template`` names a kernel configuration
     (``pallas_kernels.templates``), None: chosen per mask by the ranking tables
     (``select.ranking``). ``policy`` (``planning.planner.POLICIES``), None: the ranking's
-    choice, else the template's own ``policy``. Planning is host NumPy at trace time, so under
-    ``jax.jit`` the mask must be a static (closure or static-argument) value. A mask that
+    choice, else the template's own ``policy``. A static mask (NumPy) is planned on the host
+    once, before XLA compiles; a device mask (jax arrays: a jit argument, computed from q and
+    k inside jit) or one with per-head bounds is planned inside the program
+    (``runtime.device_route``: a static template per call site, ``policy`` does not apply,
+    and masks the device plan can't hold run an exact XLA path). A mask that
     selects everything runs cuDNN's dense attention instead when the backend is left to
     choose (a GPU), no LSE is asked for and no ``template`` or ``policy`` is given
     (``dense_route``; ``plan(...).dense_route`` tells).
@@ -175,6 +182,11 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
     return_lse = check_bool("return_lse", return_lse)
     _check_policy(policy)
     be, t = _target(shape, backend, template, runs_here=True)
+    if device_route.takes(mask):
+        if policy is not None:
+            raise ValueError("policy applies to host plans only; a device mask (or per-head "
+                             f"bounds) has one device plan, got policy={policy!r}")
+        return device_route.attention(q, k, v, mask, shape, be, t, scale, return_lse)
     auto = template is None and policy is None and backend is None
     if auto and dense_route.takes(mask, shape, be, return_lse):
         try:

@@ -1,0 +1,225 @@
+"""The device route: a device mask (jax arrays; or per-head bounds) planned and run inside one
+compiled program, with no host planning, no host transfer and no recompile for a new mask of
+the same shapes.
+
+A call site's template is a *static* choice (``choose``): the first template of the backend's
+list in ``DEVICE_TEMPLATES`` that takes the call and whose tiles the static bounds fit (traced
+bounds: the first). Why static, not a ``lax.switch`` over ranked templates: the ranking reads
+mask features the host does not have under a trace, a switch would compile every template into
+every call site, and the device planner has one policy (a step per selected tile), for which
+q128 x kv128 steps run fastest on the H200 whatever the mask (full steps 0.97 of cuDNN's rate
+against 0.79-0.81 at kv64, masked ones 0.69-0.85 against 0.52-0.66: ``benchmarks/NOTES.md``
+section 13). A static mask with per-head bounds comes here too (the host planner takes shared
+bounds only); its arrays become constants of the program.
+
+Exactness for every mask: a mask the device plan cannot hold (a tile meeting more than
+``abi.GRID`` blocks per axis: blocks under ~tile / 3 tokens) runs ``exact_attention`` instead,
+a chunked XLA attention that evaluates the mask per token (dense work, O(chunk x Lkv) memory).
+With static bounds this is known when tracing (a one-time warning says so); with traced
+bounds ``lax.cond`` on the plan's ``ok`` picks the path on the device. Invalid device bounds
+(not increasing from 0 to the length) also take the exact path, whose indices are clamped:
+finite output, never an out-of-bounds read; ``check`` surfaces them under ``checkify``.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import abi
+from pallas_kernels.templates import Template
+
+from tessera_jax.mask import BlockMask
+from tessera_jax.planning import device as _device
+from tessera_jax.runtime import dispatch
+from tessera_jax.validation import AttnShape
+
+__all__ = ["DEVICE_TEMPLATES", "takes", "choose", "attention", "exact_attention", "check"]
+
+#: Per backend, the templates a device plan may run, in order of preference (see the module
+#: docstring); paired-unit templates are absent: device plans have one unit per query tile.
+DEVICE_TEMPLATES = types.MappingProxyType({
+    "mosaic_gpu": ("mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm"),
+    "triton": ("triton_q128_kv128_w8_s3_pf_hm", "triton_q128_kv64_w8_s3_pf_hm",
+               "triton_q64_kv64_w4_s2"),
+    "xla": ("xla_64x64", "xla_128x128", "xla_64x128", "xla_128x64"),
+})
+
+# Scores of one chunk of the exact path stay near this many float32 elements.
+_EXACT_CHUNK_ELEMS = 1 << 24
+
+
+def takes(mask: BlockMask) -> bool:
+    """Whether a mask goes the device route: a device mask, or per-head bounds."""
+    return not mask.is_static or mask.per_head_bounds
+
+
+def _static_bounds(b):
+    """Host bounds as int32 [Hb, n + 1], or None for device bounds."""
+    return None if isinstance(b, jax.Array) else np.asarray(b, np.int32).reshape(-1, b.shape[-1])
+
+
+def _fits(bounds: np.ndarray | None, length: int, tile: int) -> bool:
+    if bounds is None:
+        return True
+    first, last, _ = _device._tile_blocks(bounds, length, tile, -(-length // tile))
+    return int((last - first + 1).max()) <= abi.GRID
+
+
+def _device_capable(t: Template) -> bool:
+    return not getattr(t.kernel, "paired", False)
+
+
+def choose(mask: BlockMask, shape: AttnShape, backend: str,
+           template: Template | None) -> Template | None:
+    """The template of a device-route call, or None: no template's tiles fit the static bounds
+    (the exact path runs). A caller's template must be device-capable (ValueError)."""
+    qb, kb = _static_bounds(mask.q_bounds), _static_bounds(mask.kv_bounds)
+    if template is not None:
+        if not _device_capable(template):
+            raise ValueError(f"template {template.name!r} pairs query units; a device mask runs "
+                             f"on one of {DEVICE_TEMPLATES[template.backend]}")
+        return template if _fits(qb, shape.q_len, template.tile_q) \
+            and _fits(kb, shape.kv_len, template.tile_kv) else None
+    for name in DEVICE_TEMPLATES[backend]:
+        t = dispatch.get_template(name)
+        if dispatch.unsupported(t, shape) is None and _fits(qb, shape.q_len, t.tile_q) \
+                and _fits(kb, shape.kv_len, t.tile_kv):
+            return t
+    return None
+
+
+class _Const:
+    """A NumPy array as a hashable static argument (compared by content)."""
+
+    __slots__ = ("array", "_key")
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self._key = (array.shape, array.tobytes())
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Const) and other._key == self._key
+
+
+_warned: set = set()
+
+
+def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template: Template | None,
+              scale: float, return_lse: bool):
+    """out (and lse) of a device-route call (arguments validated by the caller)."""
+    t = choose(mask, shape, backend, template)
+    if t is None:
+        key = (tuple(mask.blocks.shape), shape.q_len, shape.kv_len, backend)
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(f"tessera_jax: a tile meets more than {abi.GRID} blocks of this "
+                          "mask on every template of the device route; it runs the exact XLA "
+                          "path (dense work). Larger blocks, or a static mask with shared "
+                          "bounds (host planner), run the kernels", stacklevel=3)
+    consts = [_Const(np.asarray(b)) if not isinstance(b, jax.Array) else None
+              for b in (mask.q_bounds, mask.kv_bounds, mask.blocks)]
+    dyn = [None if c is not None else x
+           for c, x in zip(consts, (mask.q_bounds, mask.kv_bounds, mask.blocks))]
+    # With static bounds the fit is known now (``choose``); traced bounds decide on the device.
+    decide = consts[0] is None or consts[1] is None
+    return _run(q, k, v, *dyn, consts=tuple(consts), template=t.name if t else None,
+                decide=decide, scale=scale, return_lse=return_lse)
+
+
+@functools.partial(jax.jit, static_argnames=("consts", "template", "decide", "scale",
+                                             "return_lse"))
+def _run(q, k, v, qb, kb, blocks, *, consts, template, decide, scale, return_lse):
+    qb, kb, blocks = (c.array if c is not None else x for c, x in zip(consts, (qb, kb, blocks)))
+    Lq, Hq, Lkv = q.shape[1], q.shape[2], k.shape[1]
+
+    def exact():
+        return exact_attention(q, k, v, qb, kb, blocks, scale=scale, return_lse=return_lse)
+
+    if template is None:
+        return exact()
+    t = dispatch.get_template(template)
+    p = _device.plan_on_device(blocks, qb, kb, num_q_heads=Hq, q_len=Lq, kv_len=Lkv,
+                               tile_q=t.tile_q, tile_kv=t.tile_kv)
+    plan = types.SimpleNamespace(template=t.name, units=p.units, steps=p.steps, row_index=None,
+                                 tile_q=p.tile_q, tile_kv=p.tile_kv, q_len_padded=p.q_len_padded,
+                                 kv_len_padded=p.kv_len_padded, max_steps=p.max_steps)
+
+    def kernel():
+        return dispatch.run(plan, q, k, v, scale, return_lse)
+
+    return jax.lax.cond(p.ok, kernel, exact) if decide else kernel()
+
+
+def _block_ids(bounds, positions):
+    """Block index of each position, per bounds row: [Hb, P], clamped into range (bad bounds
+    give wrong but in-range ids)."""
+    n = bounds.shape[-1] - 1
+    ids = jax.vmap(lambda b: jnp.searchsorted(b, positions, side="right"))(bounds) - 1
+    return jnp.clip(ids, 0, n - 1)
+
+
+def exact_attention(q, k, v, q_bounds, kv_bounds, blocks, *, scale, return_lse=False):
+    """Attention under a block mask evaluated per token, in float32, over query chunks (dense
+    work, O(chunk x Lkv) memory): the exact path of masks the device plan can't hold. Bounds
+    [n + 1] or [Hm, n + 1] (NumPy or jax), blocks [Hm, nq, nk]."""
+    B, Lq, Hq, D = q.shape
+    Lkv, Hkv = k.shape[1], k.shape[2]
+    Hm, nq, nk = blocks.shape
+    qb = jnp.asarray(q_bounds, jnp.int32).reshape(-1, nq + 1)
+    kb = jnp.asarray(kv_bounds, jnp.int32).reshape(-1, nk + 1)
+    blocks = jnp.asarray(blocks)
+    kid = _block_ids(kb, jnp.arange(Lkv, dtype=jnp.int32))             # [Hbk, Lkv]
+    C = int(max(8, min(Lq, _EXACT_CHUNK_ELEMS // max(1, B * Hq * Lkv))))
+    n_chunks = -(-Lq // C)
+    qp = jnp.pad(q, ((0, 0), (0, n_chunks * C - Lq), (0, 0), (0, 0)))
+    qc = qp.reshape(B, n_chunks, C, Hq, D).swapaxes(0, 1)
+    kf = jnp.repeat(k.astype(jnp.float32), Hq // Hkv, axis=2)
+    vf = jnp.repeat(v.astype(jnp.float32), Hq // Hkv, axis=2)
+    heads = jnp.arange(Hm)[:, None, None]
+
+    def one(args):
+        i, qx = args
+        rows = i * C + jnp.arange(C, dtype=jnp.int32)
+        qid = _block_ids(qb, rows)                                       # [Hbq, C]
+        sel = blocks[heads, qid[:, :, None], kid[:, None, :]]            # [Hm, C, Lkv]
+        sel = jnp.broadcast_to(sel, (Hq, C, Lkv))
+        s = jnp.einsum("bqhd,bkhd->bhqk", qx.astype(jnp.float32), kf,
+                       precision="highest") * scale
+        s = jnp.where(sel[None], s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(s - m)
+        l = jnp.sum(p, axis=-1, keepdims=True)
+        o = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l > 0, l, 1.0), vf, precision="highest")
+        lse = jnp.where(l[..., 0] > 0, jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0))
+                        + m[..., 0], -jnp.inf)
+        return o, lse
+
+    o, lse = jax.lax.map(one, (jnp.arange(n_chunks, dtype=jnp.int32), qc))
+    out = o.swapaxes(0, 1).reshape(B, n_chunks * C, Hq, D)[:, :Lq].astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jnp.moveaxis(lse, 0, 2).reshape(B, Hq, n_chunks * C)[:, :, :Lq]
+    return out, lse
+
+
+def check(mask: BlockMask, q_len: int, kv_len: int) -> None:
+    """A ``checkify`` check that a device mask's bounds increase strictly from 0 to the
+    lengths (run the caller under ``jax.experimental.checkify.checkify``, e.g. in debug runs
+    and tests). Invalid bounds never read out of bounds: without the check they give finite,
+    meaningless output."""
+    from jax.experimental import checkify
+    for name, b, length in (("q_bounds", mask.q_bounds, q_len),
+                            ("kv_bounds", mask.kv_bounds, kv_len)):
+        b = jnp.asarray(b).reshape(-1, b.shape[-1])
+        ok = jnp.all(b[:, 0] == 0) & jnp.all(b[:, -1] == length) & jnp.all(b[:, 1:] > b[:, :-1])
+        checkify.check(ok, f"BlockMask.{name} must increase strictly from 0 to {length}")

@@ -1,0 +1,283 @@
+"""Device masks through ``tj.sparse_attention`` (``runtime.device_route``): masks of jax arrays
+and per-head bounds, planned inside the compiled program, exact against the reference."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+import tessera_jax as tj
+from tessera_jax.runtime import device_route
+from tessera_jax.validation import check_qkv, check_shapes
+
+from strategies import random_qkv
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _attend(q, k, v, m):
+    return tj.sparse_attention(q, k, v, m, return_lse=True)
+
+
+_jit_attend = jax.jit(_attend)
+
+
+@st.composite
+def _sizes(draw, length):
+    """Block sizes summing to ``length``: large blocks (the kernel path), or small ones (a
+    tile meets > 4 blocks: the exact path), or a mix."""
+    kind = draw(st.sampled_from(["large", "small", "mixed"]))
+    lo, hi = {"large": (22, 120), "small": (1, 9), "mixed": (1, 120)}[kind]
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    sizes = []
+    while sum(sizes) < length:
+        sizes.append(int(rng.integers(lo, hi + 1)))
+    sizes[-1] -= sum(sizes) - length
+    if len(sizes) > 1 and sizes[-1] < lo:
+        sizes[-2] += sizes.pop()
+    return np.array(sizes)
+
+
+@st.composite
+def device_cases(draw):
+    Hkv = draw(st.sampled_from([1, 2]))
+    Hq = Hkv * draw(st.sampled_from([1, 2]))
+    Hm = draw(st.sampled_from(sorted({1, Hq})))
+    Lq, Lkv = draw(st.integers(24, 260)), draw(st.integers(24, 260))
+    per_head = Hm > 1 and draw(st.booleans())
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    qs = draw(_sizes(Lq))
+    ks = draw(_sizes(Lkv))
+
+    def bounds(sizes):
+        if not per_head:
+            return np.r_[0, np.cumsum(sizes)]
+        return np.stack([np.r_[0, np.cumsum(rng.permutation(sizes))] for _ in range(Hm)])
+
+    qb, kb = bounds(qs), bounds(ks)
+    blocks = rng.random((Hm, len(qs), len(ks))) < draw(st.sampled_from([0.1, 0.5, 1.0]))
+    if draw(st.booleans()):
+        blocks[:, rng.integers(len(qs))] = False               # query rows with no key
+    return dict(qb=qb, kb=kb, blocks=blocks, Hq=Hq, Hkv=Hkv, B=draw(st.integers(1, 2)),
+                traced=draw(st.sampled_from(["all", "blocks", "q_bounds"])),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@settings(max_examples=30)
+@given(device_cases())
+def test_device_masks_under_jit_are_exact(case):
+    """Any block sizes (1-token ones included), shared or per-head bounds, GQA, empty rows,
+    traced blocks and traced or static bounds: out and lse equal the reference's."""
+    qb, kb, blocks = case["qb"], case["kb"], case["blocks"]
+    host = tj.BlockMask(qb, kb, blocks)
+    Lq, Lkv = host.Lq, host.Lkv
+    q, k, v = random_qkv(case["B"], Lq, Lkv, case["Hq"], case["Hkv"], 16, "float32",
+                         case["seed"])
+    parts = {"all": (jnp.asarray(qb), jnp.asarray(kb), jnp.asarray(blocks)),
+             "blocks": (qb, kb, jnp.asarray(blocks)),
+             "q_bounds": (jnp.asarray(qb), kb, blocks)}[case["traced"]]
+    dev = tj.BlockMask(*parts)
+    assert not dev.is_static
+    out, lse = _jit_attend(q, k, v, dev)
+    ref, ref_lse = tj.reference_attention(q, k, v, host, return_lse=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), **TOL)
+    assert np.isfinite(np.asarray(out)).all()
+
+
+def test_static_mask_with_per_head_bounds_runs_eagerly_and_exactly():
+    rng = np.random.default_rng(3)
+    qb = np.stack([[0, 40, 100, 130], [0, 60, 70, 130]])       # 70-60: a 10-token block
+    kb = np.stack([[0, 50, 120], [0, 30, 120]])
+    m = tj.BlockMask(qb, kb, rng.random((2, 3, 2)) < 0.6)
+    assert m.is_static and m.per_head_bounds
+    q, k, v = random_qkv(1, 130, 120, 2, 1, 16, "float32", 4)
+    out, lse = tj.sparse_attention(q, k, v, m, return_lse=True)
+    ref, ref_lse = tj.reference_attention(q, k, v, m, return_lse=True)
+    np.testing.assert_allclose(out, ref, **TOL)
+    np.testing.assert_allclose(lse, ref_lse, **TOL)
+
+
+# --- a mask computed from q and k inside jit ---------------------------------------------
+POOL, KEEP = 16, 3
+
+
+def _topk_blocks(q, k):
+    """VSA-like: mean-pool q and k over 16-token blocks, keep each query block's top-3 key
+    blocks per head (GQA: the key head of each query head's group)."""
+    B, L, Hq, D = q.shape
+    Hkv = k.shape[2]
+    pq = q[0].reshape(L // POOL, POOL, Hq, D).mean(1)
+    pk = jnp.repeat(k[0].reshape(L // POOL, POOL, Hkv, D).mean(1), Hq // Hkv, axis=1)
+    s = jnp.einsum("ihd,jhd->hij", pq, pk)
+    _, idx = jax.lax.top_k(s, KEEP)
+    return jnp.zeros(s.shape, bool).at[jnp.arange(Hq)[:, None, None],
+                                       jnp.arange(L // POOL)[None, :, None], idx].set(True)
+
+
+def test_mask_from_q_and_k_inside_jit_is_exact_traces_once_and_has_no_callback():
+    L, Hq, Hkv = 192, 4, 2
+    bounds = np.arange(0, L + 1, POOL)
+    traces = []
+
+    @jax.jit
+    def layer(q, k, v):
+        traces.append(1)
+        mask = tj.BlockMask(bounds, bounds, _topk_blocks(q, k))
+        return tj.sparse_attention(q, k, v, mask)
+
+    for seed in range(3):
+        q, k, v = random_qkv(1, L, L, Hq, Hkv, 16, "float32", seed)
+        want_blocks = np.asarray(jax.jit(_topk_blocks)(q, k))
+        ref = tj.reference_attention(q, k, v, tj.BlockMask(bounds, bounds, want_blocks))
+        np.testing.assert_allclose(layer(q, k, v), ref, **TOL)
+    assert len(traces) == 1
+    text = layer.lower(q, k, v).as_text()
+    assert "callback" not in text.lower()
+    assert "custom_call" not in text or "cpu_callback" not in text
+
+
+def test_new_device_masks_do_not_retrace_and_pytree_round_trips():
+    rng = np.random.default_rng(0)
+    qb = kb = np.array([0, 40, 90, 128])
+    q, k, v = random_qkv(1, 128, 128, 2, 2, 16, "float32", 1)
+    traces = []
+
+    @jax.jit
+    def f(q, k, v, m):
+        traces.append(1)
+        return tj.sparse_attention(q, k, v, m)
+
+    for _ in range(3):
+        blocks = rng.random((2, 3, 3)) < 0.5
+        m = tj.BlockMask(jnp.asarray(qb), jnp.asarray(kb), jnp.asarray(blocks))
+        np.testing.assert_allclose(f(q, k, v, m), tj.reference_attention(
+            q, k, v, tj.BlockMask(qb, kb, blocks)), **TOL)
+    assert len(traces) == 1
+    leaves, tree = jax.tree_util.tree_flatten(m)
+    assert len(leaves) == 3
+    back = jax.tree_util.tree_unflatten(tree, [object()] * 3)    # unflatten never validates
+    assert isinstance(back, tj.BlockMask)
+
+    # A static mask has no leaves: under jit it stays static (host planning, hashed).
+    s = tj.BlockMask(qb, kb, blocks)
+    assert jax.tree_util.tree_leaves(s) == []
+    assert jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(s), []) is s
+
+
+def test_device_mask_as_scan_carry():
+    qb = kb = np.array([0, 32, 64])
+    q, k, v = random_qkv(1, 64, 64, 1, 1, 8, "float32", 2)
+    m0 = tj.BlockMask(jnp.asarray(qb), jnp.asarray(kb), jnp.eye(2, dtype=bool)[None])
+
+    def body(m, _):
+        out = tj.sparse_attention(q, k, v, m)
+        return tj.BlockMask(m.q_bounds, m.kv_bounds, ~m.blocks), out
+
+    _, outs = jax.lax.scan(body, m0, None, length=2)
+    for i, blocks in enumerate((np.eye(2, dtype=bool), ~np.eye(2, dtype=bool))):
+        ref = tj.reference_attention(q, k, v, tj.BlockMask(qb, kb, blocks[None]))
+        np.testing.assert_allclose(outs[i], ref, **TOL)
+
+
+def test_to_device_copies_bit_packed_blocks(monkeypatch):
+    rng = np.random.default_rng(1)
+    m = tj.BlockMask.uniform(300, 300, 10, 10, rng.random((3, 30, 30)) < 0.3)
+    sent = []
+    real_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **kw: sent.append(
+        sum(np.asarray(y).nbytes for y in jax.tree_util.tree_leaves(x))) or real_put(x, *a, **kw))
+    d = m.to_device()
+    assert sent == [-(-3 * 30 * 30 // 8) + 2 * 31 * 4]      # bits + two int32 bound arrays
+    assert not d.is_static and d.to_host() == m
+
+
+# --- bad device data ---------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [
+    [0, 50, 40, 128],          # not increasing
+    [0, 40, 90, 500],          # past the length
+    [-30, 40, 90, 128],        # below 0
+    [0, 0, 0, 128],            # empty blocks
+])
+def test_bad_device_bounds_give_finite_output_and_fail_the_checkify_check(bad):
+    q, k, v = random_qkv(1, 128, 128, 2, 1, 16, "float32", 5)
+    blocks = jnp.ones((1, 3, 3), bool)
+    m = tj.BlockMask(jnp.asarray(bad), jnp.asarray([0, 40, 90, 128]), blocks)
+    out = jax.jit(tj.sparse_attention)(q, k, v, m)
+    assert np.isfinite(np.asarray(out)).all()
+
+    def checked(q, k, v, m):
+        device_route.check(m, q.shape[1], k.shape[1])
+        return tj.sparse_attention(q, k, v, m)
+
+    err, _ = jax.jit(checkify.checkify(checked))(q, k, v, m)
+    with pytest.raises(checkify.JaxRuntimeError, match="q_bounds must increase strictly"):
+        err.throw()
+    good = tj.BlockMask(jnp.asarray([0, 40, 90, 128]), jnp.asarray([0, 40, 90, 128]), blocks)
+    err, _ = jax.jit(checkify.checkify(checked))(q, k, v, good)
+    err.throw()
+
+
+# --- argument errors ---------------------------------------------------------------------
+def test_device_mask_errors_name_the_argument():
+    b = jnp.ones((1, 2, 2), bool)
+    with pytest.raises(TypeError, match="q_bounds must hold integers"):
+        tj.BlockMask(jnp.asarray([0.0, 4.0, 8.0]), [0, 4, 8], b)
+    with pytest.raises(TypeError, match="blocks must have dtype bool"):
+        tj.BlockMask(jnp.asarray([0, 4, 8]), [0, 4, 8], jnp.ones((1, 2, 2), jnp.int32))
+    with pytest.raises(ValueError, match=r"expected \[Hm, 2, 3\]"):
+        tj.BlockMask(jnp.asarray([0, 4, 8]), [0, 4, 6, 8], b)
+    with pytest.raises(ValueError, match="kv_bounds has per-head bounds for 3 heads"):
+        tj.BlockMask(jnp.asarray([0, 4, 8]), jnp.zeros((3, 3), jnp.int32), b)
+    m = tj.BlockMask(jnp.asarray([0, 4, 8]), [0, 4, 8], b)
+    with pytest.raises(TypeError, match="not hashable"):
+        hash(m)
+    with pytest.raises(TypeError, match="Lq is not known statically"):
+        m.Lq
+    q, k, v = random_qkv(1, 8, 8, 2, 2, 8, "float32", 0)
+    with pytest.raises(ValueError, match="policy applies to host plans only"):
+        tj.sparse_attention(q, k, v, m, policy="split")
+    with pytest.raises(TypeError, match="tessera_jax.plan takes static masks"):
+        tj.plan(m, q.shape, k.shape, q.dtype)
+    with pytest.raises(ValueError, match="mask covers Lkv=8 keys but k has length 9"):
+        tj.sparse_attention(q, k[:, :1].repeat(9, 1), v[:, :1].repeat(9, 1), m)
+    with pytest.raises(ValueError, match="mask has 3 heads"):
+        tj.sparse_attention(q, k, v, tj.BlockMask(jnp.asarray([0, 4, 8]), [0, 4, 8],
+                                                  jnp.ones((3, 2, 2), bool)))
+    with pytest.raises(ValueError, match="pairs query units"):
+        device_route.choose(m, check_shapes(
+            (1, 8, 2, 64), (1, 8, 2, 64), jnp.bfloat16), "mosaic_gpu",
+            device_route.dispatch.get_template("mgpu_q64x2_kv64_s2_hm"))
+
+
+def test_template_choice_is_static_and_follows_static_bounds():
+    shape = check_shapes((1, 512, 2, 64), (1, 512, 2, 64), jnp.bfloat16)
+    big = tj.BlockMask(np.arange(0, 513, 64), np.arange(0, 513, 64), jnp.ones((1, 8, 8), bool))
+    small_kv = tj.BlockMask(np.arange(0, 513, 64), np.r_[np.arange(0, 512, 24), 512],
+                           jnp.ones((1, 8, 22), bool))
+    tiny = tj.BlockMask(np.arange(0, 513, 4), np.arange(0, 513, 4), jnp.ones((1, 128, 128), bool))
+    traced = tj.BlockMask(jnp.arange(0, 513, 4), jnp.arange(0, 513, 4), jnp.ones((1, 128, 128), bool))
+    pick = lambda m: getattr(device_route.choose(m, shape, "mosaic_gpu", None), "name", None)  # noqa: E731
+    assert pick(big) == "mgpu_q128_kv128_s2_hm"
+    assert pick(small_kv) == "mgpu_q128_kv64_s2_hm"     # 24-token key blocks: 6 meet a kv128 tile
+    assert pick(tiny) is None                           # the exact path
+    assert pick(traced) == "mgpu_q128_kv128_s2_hm"      # decided on the device (lax.cond)
+
+
+def test_device_route_through_the_triton_kernel_interpret_mode():
+    """The route's glue to a GPU kernel module (Triton lowering, interpret mode on CPU)."""
+    rng = np.random.default_rng(7)
+    qb = np.array([0, 50, 128, 200]); kb = np.array([0, 64, 150, 180])
+    blocks = rng.random((2, 3, 3)) < 0.6
+    host = tj.BlockMask(qb, kb, blocks)
+    q, k, v = random_qkv(1, 200, 180, 2, 1, 16, "float32", 8)
+    shape = check_qkv(q, k, v)
+    t = device_route.dispatch.get_template("triton_q128_kv64_w8_s3_pf_hm")
+    dev = tj.BlockMask(jnp.asarray(qb), jnp.asarray(kb), jnp.asarray(blocks))
+    out, lse = device_route.attention(q, k, v, dev, shape, "triton", t, 0.25, True)
+    ref, ref_lse = tj.reference_attention(q, k, v, host, scale=0.25, return_lse=True)
+    np.testing.assert_allclose(out, ref, atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-3, rtol=2e-3)
