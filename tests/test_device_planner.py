@@ -33,10 +33,11 @@ def _bounds(rng, L, tile, aligned):
     return b
 
 
-def _run(blocks, qb, kb, q, k, v, tile_q, tile_kv, scale=0.2):
+def _run(blocks, qb, kb, q, k, v, tile_q, tile_kv, scale=0.2, align=True):
     Hq = q.shape[2]
     p = device.plan_on_device(blocks, qb, kb, num_q_heads=Hq, q_len=q.shape[1],
-                              kv_len=k.shape[1], tile_q=tile_q, tile_kv=tile_kv)
+                              kv_len=k.shape[1], tile_q=tile_q, tile_kv=tile_kv,
+                              align_blocks=align)
     out, lse = executor.execute(q, k, v, p.units, p.steps, None, tile_q=tile_q, tile_kv=tile_kv,
                                 q_len_padded=p.q_len_padded, kv_len_padded=p.kv_len_padded,
                                 max_steps=p.max_steps, scale=scale, return_lse=True)
@@ -69,7 +70,7 @@ def cases(draw):
     if draw(st.booleans()):
         blocks[:, rng.integers(qb.shape[-1] - 1)] = False     # rows with no key
     return dict(qb=qb, kb=kb, blocks=blocks, Hq=Hq, Hkv=Hkv, tiles=(tile_q, tile_kv),
-                traced_bounds=draw(st.booleans()), rng=rng)
+                traced_bounds=draw(st.booleans()), align=draw(st.booleans()), rng=rng)
 
 
 def _resplit(rng, b):
@@ -102,7 +103,7 @@ def test_device_plans_are_exact_valid_and_tiles_once(case):
         f = jax.jit(lambda q, k, v, b, qb, kb: _run(b, qb, kb, q, k, v, tq, tk))
         out, lse, p = f(q, k, v, jnp.asarray(blocks), jnp.asarray(qb), jnp.asarray(kb))
     else:
-        f = jax.jit(lambda q, k, v, b: _run(b, qb, kb, q, k, v, tq, tk))
+        f = jax.jit(lambda q, k, v, b: _run(b, qb, kb, q, k, v, tq, tk, align=case["align"]))
         out, lse, p = f(q, k, v, jnp.asarray(blocks))
     assert bool(p.ok)
     masks = _masks(qb, kb, blocks)
@@ -137,6 +138,10 @@ def test_device_plans_are_exact_valid_and_tiles_once(case):
     Lq, Lkv = int(qb.reshape(-1)[-1]), int(kb.reshape(-1)[-1])
     np.testing.assert_array_equal(token[:, :Lq, :Lkv], want)    # exactly the mask
     assert not token[:, Lq:].any() and not token[:, :, Lkv:].any()
+    # Work: block-aligned tiles compute at most SLACK^2 x the fixed grid's dense plan.
+    fixed = -(-Lq // tq) * tq * (-(-Lkv // tk) * tk)
+    computed = np.bincount(units[:, 0], weights=units[:, 5], minlength=Hq) * tq * tk
+    assert (computed <= device._SEGMENT_SLACK ** 2 * fixed).all()
 
 
 def test_one_trace_for_many_masks_and_no_host_callback():

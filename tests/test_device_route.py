@@ -37,7 +37,8 @@ def _sizes(draw, length):
         sizes.append(int(rng.integers(lo, hi + 1)))
     sizes[-1] -= sum(sizes) - length
     if len(sizes) > 1 and sizes[-1] < lo:
-        sizes[-2] += sizes.pop()
+        last = sizes.pop()
+        sizes[-1] += last
     return np.array(sizes)
 
 
