@@ -16,6 +16,7 @@ templates (and one Triton template for head dims 129..256), and the XLA executor
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -250,7 +251,9 @@ class Template:
                 and _dtype_name(dtype) in self.dtypes)
 
 
+@functools.lru_cache(maxsize=64)
 def _dtype_name(dtype) -> str:
+    """The dtype's name (memoised: jnp.dtype costs microseconds on every request)."""
     try:
         import jax.numpy as jnp  # bfloat16 lives in ml_dtypes; jnp.dtype knows it
         return jnp.dtype(dtype).name

@@ -207,7 +207,7 @@ def test_bad_device_bounds_give_finite_output_and_fail_the_checkify_check(bad):
     q, k, v = random_qkv(1, 128, 128, 2, 1, 16, "float32", 5)
     blocks = jnp.ones((1, 3, 3), bool)
     m = tj.BlockMask(jnp.asarray(bad), jnp.asarray([0, 40, 90, 128]), blocks)
-    out = jax.jit(tj.sparse_attention)(q, k, v, m)
+    out = jax.jit(lambda q, k, v, m: tj.sparse_attention(q, k, v, m))(q, k, v, m)
     assert np.isfinite(np.asarray(out)).all()
 
     def checked(q, k, v, m):

@@ -205,7 +205,8 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     Cleared: the front plan cache (``runtime.api._PLANS``) and the planner's plan cache;
     mask features and block layouts (``select.features``); the ranking's choices per mask
     (``select.ranking``); which masks are all selected (``runtime.dense_route``); the kernel
-    runner's prepared plans: mask modes and device copies (``runtime.kernel_runner``).
+    runner's prepared plans: mask modes and device copies (``runtime.kernel_runner``); the
+    device route's template choices per static bounds (``runtime.device_route``).
 
     Kept, unless ``fresh_process``: what a process computes once, whatever the masks: the
     loaded ranking tables and which table this GPU uses, the compiled cuDNN dense calls (and
@@ -220,6 +221,7 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     ranking.clear_caches(tables=fresh_process)
     dense_route.clear_caches(verdicts=fresh_process)
     kernel_runner.clear_cache()
+    device_route.clear_caches()
     if fresh_process:
         dispatch.clear_warnings()
 

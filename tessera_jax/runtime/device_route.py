@@ -59,15 +59,30 @@ def takes(mask: BlockMask) -> bool:
     return not mask.is_static or mask.per_head_bounds
 
 
-def _static_bounds(b):
-    """Host bounds as int32 [Hb, n + 1], or None for device bounds."""
-    return None if isinstance(b, jax.Array) else np.asarray(b, np.int32).reshape(-1, b.shape[-1])
+class _Const:
+    """A NumPy array as a hashable static argument, compared by ``key`` (its content by
+    default; a static mask's digest where it has one)."""
+
+    __slots__ = ("array", "_key")
+
+    def __init__(self, array: np.ndarray, key=None):
+        self.array = array
+        self._key = key if key is not None else (array.shape, array.dtype.str, array.tobytes())
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Const) and other._key == self._key
 
 
-def _fits(bounds: np.ndarray | None, length: int, tile: int) -> bool:
+def _fits(bounds: _Const | None, length: int, tile: int) -> bool:
+    """Whether the device plan's tiles of these static bounds meet at most ``abi.GRID`` blocks
+    each (what ``plan_on_device`` requires); traced bounds (None) are decided on the device."""
     if bounds is None:
         return True
-    first, last, _ = _device._tile_blocks(bounds, length, tile, -(-length // tile))
+    b = np.asarray(bounds.array, np.int32).reshape(-1, bounds.array.shape[-1])
+    _, _, _, first, last, _, _ = _device._axis(b, length, tile, True)
     return int((last - first + 1).max()) <= abi.GRID
 
 
@@ -75,15 +90,21 @@ def _device_capable(t: Template) -> bool:
     return not getattr(t.kernel, "paired", False)
 
 
-def choose(mask: BlockMask, shape: AttnShape, backend: str,
-           template: Template | None) -> Template | None:
-    """The template of a device-route call, or None: no template's tiles fit the static bounds
-    (the exact path runs). A caller's template must be device-capable (ValueError)."""
-    qb, kb = _static_bounds(mask.q_bounds), _static_bounds(mask.kv_bounds)
+def _consts(mask: BlockMask) -> tuple:
+    """The mask's NumPy parts as static arguments (None for a jax array), keyed by the mask's
+    digest when it is static (no hashing of its arrays per call). A device mask's NumPy blocks
+    are not made static (they would be hashed every call): they go in as an operand."""
+    parts = (mask.q_bounds, mask.kv_bounds, mask.blocks)
+    if mask.is_static:
+        return tuple(_Const(np.asarray(x), (mask.digest, i)) for i, x in enumerate(parts))
+    return tuple(_Const(np.asarray(x)) if i < 2 and not isinstance(x, jax.Array) else None
+                 for i, x in enumerate(parts))
+
+
+@functools.lru_cache(maxsize=512)
+def _choose(qb: _Const | None, kb: _Const | None, shape: AttnShape, backend: str,
+            template: Template | None) -> Template | None:
     if template is not None:
-        if not _device_capable(template):
-            raise ValueError(f"template {template.name!r} pairs query units; a device mask runs "
-                             f"on one of {DEVICE_TEMPLATES[template.backend]}")
         return template if _fits(qb, shape.q_len, template.tile_q) \
             and _fits(kb, shape.kv_len, template.tile_kv) else None
     for name in DEVICE_TEMPLATES[backend]:
@@ -94,29 +115,33 @@ def choose(mask: BlockMask, shape: AttnShape, backend: str,
     return None
 
 
-class _Const:
-    """A NumPy array as a hashable static argument (compared by content)."""
-
-    __slots__ = ("array", "_key")
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-        self._key = (array.shape, array.tobytes())
-
-    def __hash__(self):
-        return hash(self._key)
-
-    def __eq__(self, other):
-        return isinstance(other, _Const) and other._key == self._key
+def choose(mask: BlockMask, shape: AttnShape, backend: str,
+           template: Template | None) -> Template | None:
+    """The template of a device-route call, or None: no template's tiles fit the static bounds
+    (the exact path runs). A caller's template must be device-capable (ValueError). Memoised
+    per (static bounds, shapes, backend, template)."""
+    if template is not None and not _device_capable(template):
+        raise ValueError(f"template {template.name!r} pairs query units; a device mask runs "
+                         f"on one of {DEVICE_TEMPLATES[template.backend]}")
+    qb, kb, _ = _consts(mask)
+    return _choose(qb, kb, shape, backend, template)
 
 
 _warned: set = set()
 
 
+def clear_caches() -> None:
+    """Forgets the memoised template choices (``tessera_jax.clear_caches``)."""
+    _choose.cache_clear()
+
+
 def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template: Template | None,
               scale: float, return_lse: bool):
     """out (and lse) of a device-route call (arguments validated by the caller)."""
-    t = choose(mask, shape, backend, template)
+    consts = _consts(mask)
+    if template is not None and not _device_capable(template):
+        choose(mask, shape, backend, template)              # raises
+    t = _choose(consts[0], consts[1], shape, backend, template)
     if t is None:
         key = (tuple(mask.blocks.shape), shape.q_len, shape.kv_len, backend)
         if key not in _warned:
@@ -125,13 +150,11 @@ def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template
                           "mask on every template of the device route; it runs the exact XLA "
                           "path (dense work). Larger blocks, or a static mask with shared "
                           "bounds (host planner), run the kernels", stacklevel=3)
-    consts = [_Const(np.asarray(b)) if not isinstance(b, jax.Array) else None
-              for b in (mask.q_bounds, mask.kv_bounds, mask.blocks)]
     dyn = [None if c is not None else x
            for c, x in zip(consts, (mask.q_bounds, mask.kv_bounds, mask.blocks))]
     # With static bounds the fit is known now (``choose``); traced bounds decide on the device.
     decide = consts[0] is None or consts[1] is None
-    return _run(q, k, v, *dyn, consts=tuple(consts), template=t.name if t else None,
+    return _run(q, k, v, *dyn, consts=consts, template=t.name if t else None,
                 decide=decide, scale=scale, return_lse=return_lse)
 
 
