@@ -256,13 +256,15 @@ def test_device_mask_errors_name_the_argument():
 
 def test_template_choice_is_static_and_follows_static_bounds():
     shape = check_shapes((1, 512, 2, 64), (1, 512, 2, 64), jnp.bfloat16)
-    big = tj.BlockMask(np.arange(0, 513, 64), np.arange(0, 513, 64), jnp.ones((1, 8, 8), bool))
+    big = tj.BlockMask(np.arange(0, 513, 64), np.arange(0, 513, 128), jnp.ones((1, 8, 4), bool))
+    cubes = tj.BlockMask(np.arange(0, 513, 64), np.arange(0, 513, 64), jnp.ones((1, 8, 8), bool))
     small_kv = tj.BlockMask(np.arange(0, 513, 64), np.r_[np.arange(0, 512, 24), 512],
                            jnp.ones((1, 8, 22), bool))
     tiny = tj.BlockMask(np.arange(0, 513, 4), np.arange(0, 513, 4), jnp.ones((1, 128, 128), bool))
     traced = tj.BlockMask(jnp.arange(0, 513, 4), jnp.arange(0, 513, 4), jnp.ones((1, 128, 128), bool))
     pick = lambda m: getattr(device_route.choose(m, shape, "mosaic_gpu", None), "name", None)  # noqa: E731
     assert pick(big) == "mgpu_q128_kv128_s2_hm"
+    assert pick(cubes) == "mgpu_q128_kv64_s2_hm"        # 64-key blocks: 64-key tiles first
     assert pick(small_kv) == "mgpu_q128_kv64_s2_hm"     # 24-token key blocks: 6 meet a kv128 tile
     assert pick(tiny) is None                           # the exact path
     assert pick(traced) == "mgpu_q128_kv128_s2_hm"      # decided on the device (lax.cond)
