@@ -17,27 +17,30 @@ from tessera_jax.planning import device
 TILES = [(64, 64), (128, 128), (64, 128), (128, 64)]
 
 
-def _bounds(rng, L, tile, aligned):
-    """Block bounds a device plan takes: sizes >= tile / 3 (at most 4 blocks meet a tile), or
-    multiples of tile / 4 on the tile grid."""
+def _bounds(rng, L, tile, aligned, fine=False):
+    """Block bounds a device plan takes without bitmap steps: sizes >= tile / 3 (at most 4
+    blocks meet a tile), or multiples of tile / 4 on the tile grid; ``fine``: sizes from 1
+    token up (tiles meeting more blocks: bitmap steps)."""
     b = [0]
     while b[-1] < L:
-        if aligned:
+        if fine:
+            step = int(rng.integers(1, tile // 2))
+        elif aligned:
             step = tile // 4 * int(rng.integers(1, 9))
         else:
             step = int(rng.integers(-(-tile // 3), 2 * tile + 1))
         b.append(min(L, b[-1] + step))
     b = np.array(b)
-    if len(b) > 2 and b[-1] - b[-2] < -(-tile // 3) and not aligned:
+    if len(b) > 2 and b[-1] - b[-2] < -(-tile // 3) and not aligned and not fine:
         b = np.r_[b[:-2], L]                   # no short last block
     return b
 
 
-def _run(blocks, qb, kb, q, k, v, tile_q, tile_kv, scale=0.2, align=True):
+def _run(blocks, qb, kb, q, k, v, tile_q, tile_kv, scale=0.2, align=True, capacity=0):
     Hq = q.shape[2]
     p = device.plan_on_device(blocks, qb, kb, num_q_heads=Hq, q_len=q.shape[1],
                               kv_len=k.shape[1], tile_q=tile_q, tile_kv=tile_kv,
-                              align_blocks=align)
+                              align_blocks=align, bitmap_capacity=capacity)
     out, lse = executor.execute(q, k, v, p.units, p.steps, None, tile_q=tile_q, tile_kv=tile_kv,
                                 q_len_padded=p.q_len_padded, kv_len_padded=p.kv_len_padded,
                                 max_steps=p.max_steps, scale=scale, return_lse=True)
@@ -55,7 +58,9 @@ def cases(draw):
     Lq, Lkv = draw(st.integers(40, 400)), draw(st.integers(40, 400))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     aligned = draw(st.booleans())
-    qb, kb = _bounds(rng, Lq, tile_q, aligned), _bounds(rng, Lkv, tile_kv, aligned)
+    fine = draw(st.sampled_from([False, False, True]))          # a third with bitmap steps
+    qb = _bounds(rng, Lq, tile_q, aligned, fine and draw(st.booleans()))
+    kb = _bounds(rng, Lkv, tile_kv, aligned, fine)
     Hkv = draw(st.sampled_from([1, 2]))
     Hq = Hkv * draw(st.sampled_from([1, 2]))
     Hm = draw(st.sampled_from(sorted({1, Hq})))
@@ -99,11 +104,16 @@ def test_device_plans_are_exact_valid_and_tiles_once(case):
     tq, tk = case["tiles"]
     q, k, v = _inputs(case["rng"], int(qb.reshape(-1)[-1]), int(kb.reshape(-1)[-1]), Hq, Hkv)
 
+    Hm = blocks.shape[0]
+    # Bitmap capacity: static bounds, exactly what the plan may need; traced, every tile pair.
+    cap = device.bitmap_slots(qb, kb, Hm, q.shape[1], k.shape[1], tq, tk, case["align"])
     if case["traced_bounds"]:
-        f = jax.jit(lambda q, k, v, b, qb, kb: _run(b, qb, kb, q, k, v, tq, tk))
+        cap = Hm * -(-q.shape[1] // tq) * -(-k.shape[1] // tk) if cap else 0
+        f = jax.jit(lambda q, k, v, b, qb, kb: _run(b, qb, kb, q, k, v, tq, tk, capacity=cap))
         out, lse, p = f(q, k, v, jnp.asarray(blocks), jnp.asarray(qb), jnp.asarray(kb))
     else:
-        f = jax.jit(lambda q, k, v, b: _run(b, qb, kb, q, k, v, tq, tk, align=case["align"]))
+        f = jax.jit(lambda q, k, v, b: _run(b, qb, kb, q, k, v, tq, tk, align=case["align"],
+                                            capacity=cap))
         out, lse, p = f(q, k, v, jnp.asarray(blocks))
     assert bool(p.ok)
     masks = _masks(qb, kb, blocks)

@@ -266,7 +266,7 @@ def test_template_choice_is_static_and_follows_static_bounds():
     assert pick(big) == "mgpu_q128_kv128_s2_hm"
     assert pick(cubes) == "mgpu_q128_kv64_s2_hm"        # 64-key blocks: 64-key tiles first
     assert pick(small_kv) == "mgpu_q128_kv64_s2_hm"     # 24-token key blocks: 6 meet a kv128 tile
-    assert pick(tiny) is None                           # the exact path
+    assert pick(tiny) == "mgpu_q128_kv64_s2_hm"         # bitmap steps (4-token blocks)
     assert pick(traced) == "mgpu_q128_kv128_s2_hm"      # decided on the device (lax.cond)
 
 
@@ -284,3 +284,30 @@ def test_device_route_through_the_triton_kernel_interpret_mode():
     ref, ref_lse = tj.reference_attention(q, k, v, host, scale=0.25, return_lse=True)
     np.testing.assert_allclose(out, ref, atol=2e-3, rtol=2e-3)
     np.testing.assert_allclose(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
+def test_small_blocks_run_bitmap_steps_within_the_budget(monkeypatch):
+    """4-token blocks with static bounds run the device plan's bitmap steps (the exact path is
+    never traced), exactly; past the bitmap budget they take the exact path, with a warning."""
+    rng = np.random.default_rng(11)
+    qb = np.r_[np.arange(0, 200, 4), 200]
+    blocks = rng.random((2, len(qb) - 1, len(qb) - 1)) < 0.2
+    q, k, v = random_qkv(1, 200, 200, 2, 1, 16, "float32", 12)
+    ref = tj.reference_attention(q, k, v, tj.BlockMask(qb, qb, blocks))
+
+    def no_exact(*a, **kw):
+        raise AssertionError("the exact path ran")
+
+    monkeypatch.setattr(device_route, "exact_attention", no_exact)
+    device_route.clear_caches()
+    out = tj.sparse_attention(q, k, v, tj.BlockMask(qb, qb, jnp.asarray(blocks)))
+    np.testing.assert_allclose(out, ref, **TOL)
+
+    monkeypatch.undo()
+    monkeypatch.setattr(device_route, "BITMAP_BUDGET_BYTES", 1024)
+    device_route.clear_caches()
+    with pytest.warns(UserWarning, match="exact XLA path"):
+        out = tj.sparse_attention(q, k, v, tj.BlockMask(qb, qb, jnp.asarray(blocks[:, ::-1])))
+    np.testing.assert_allclose(out, tj.reference_attention(
+        q, k, v, tj.BlockMask(qb, qb, blocks[:, ::-1])), **TOL)
+    device_route.clear_caches()

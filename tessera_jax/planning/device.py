@@ -35,7 +35,7 @@ import numpy as np
 
 from pallas_kernels import abi
 
-__all__ = ["DevicePlan", "plan_on_device", "check"]
+__all__ = ["DevicePlan", "plan_on_device", "bitmap_slots", "check"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["units", "steps", "ok"],
@@ -153,8 +153,99 @@ def _check_host_bounds(name, bounds, length, tile, first, last):
                          f">= {tile} / 3 tokens)")
 
 
+def _fine(first, last):
+    """Tiles that meet more than ``abi.GRID`` blocks (NumPy or jnp, [Hb, nt])."""
+    return (jnp.asarray(last) - first + 1) > abi.GRID
+
+
+def _block_counts(blocks, qa, qz, ka, kz):
+    """Selected blocks among those each tile pair meets, [Hm, nqt, nkt] int32, from 2-D
+    prefix sums of ``blocks`` [Hm, nq, nk] (first / last blocks [Hb, nt] per axis)."""
+    Hm = blocks.shape[0]
+    P = jnp.pad(jnp.cumsum(jnp.cumsum(blocks.astype(jnp.int32), axis=1), axis=2),
+                ((0, 0), (1, 0), (1, 0)))
+    h = jnp.arange(Hm)[:, None, None]
+    qa, qz = jnp.asarray(qa)[:, :, None], jnp.asarray(qz)[:, :, None] + 1
+    ka, kz = jnp.asarray(ka)[:, None, :], jnp.asarray(kz)[:, None, :] + 1
+    return P[h, qz, kz] - P[h, qa, kz] - P[h, qz, ka] + P[h, qa, ka]
+
+
+def _positions_blocks(bounds, org, tile):
+    """Block index of every token of every tile, [Hb, nt, tile], clamped into range."""
+    n = bounds.shape[1] - 1
+    pos = jnp.asarray(org, jnp.int32)[..., None] + jnp.arange(tile, dtype=jnp.int32)
+    pos = jnp.broadcast_to(pos, (bounds.shape[0],) + pos.shape[1:])
+    ids = jax.vmap(lambda b, p: jnp.searchsorted(b, p, side="right"))(jnp.asarray(bounds), pos)
+    return jnp.clip(ids - 1, 0, n - 1)
+
+
+def _bitmap_words(blocks, need, qb, kb, qorg, qlo, qhi, korg, klo, khi, tile_q, tile_kv,
+                  capacity):
+    """The words of the plan's bitmap steps, [capacity * bitmap_rows, STEP_COLS] int32: slot s
+    (the s-th (head, q tile, kv tile) of ``need`` in row-major order) holds word(r, w) =
+    bits 32 w .. 32 w + 31 of row r of that tile's selection (``abi.pack_bitmap``'s layout)."""
+    Hm, nq, nk = blocks.shape
+    nqt, nkt = need.shape[1:]
+    W = abi.bitmap_words(tile_kv)
+    flat = jnp.nonzero(need.reshape(-1), size=capacity, fill_value=0)[0]
+    used = jnp.arange(capacity) < need.sum()
+    h, rest = flat // (nqt * nkt), flat % (nqt * nkt)
+    qt, kt = rest // nkt, rest % nkt
+    row = lambda a: h if a.shape[0] > 1 else jnp.zeros_like(h)          # noqa: E731
+    qid = _positions_blocks(qb, qorg, tile_q)[row(qb), qt]             # [C, tile_q]
+    kid = _positions_blocks(kb, korg, tile_kv)[row(kb), kt]            # [C, tile_kv]
+    r = jnp.arange(tile_q, dtype=jnp.int32)
+    c = jnp.arange(tile_kv, dtype=jnp.int32)
+    qo, ko = row(qorg), row(korg)                                      # tiles per bounds row
+    rows_in = (r >= jnp.asarray(qlo)[qo, qt][:, None]) & (r < jnp.asarray(qhi)[qo, qt][:, None])
+    keys_in = (c >= jnp.asarray(klo)[ko, kt][:, None]) & (c < jnp.asarray(khi)[ko, kt][:, None])
+    if Hm * nq * nkt * tile_kv <= capacity * tile_q * tile_kv:
+        # Per (head, query block, K/V tile) key patterns, gathered per row.
+        kid_all = _positions_blocks(kb, korg, tile_kv)                 # [Hbk, nkt, tile_kv]
+        kid_all = jnp.broadcast_to(kid_all, (Hm,) + kid_all.shape[1:])
+        pat = blocks[jnp.arange(Hm)[:, None, None, None], jnp.arange(nq)[None, :, None, None],
+                     kid_all[:, None]]                                  # [Hm, nq, nkt, Tk]
+        pat = _pack(pat, W)                                             # [Hm, nq, nkt, W]
+        keys_w = _pack(keys_in, W)                                      # [C, W]
+        w = pat[h[:, None], qid, kt[:, None]] & keys_w[:, None, :]      # [C, Tq, W]
+    else:
+        sel = blocks[h[:, None, None], qid[:, :, None], kid[:, None, :]] & keys_in[:, None, :]
+        w = _pack(sel, W)                                               # [C, Tq, W]
+    w = jnp.where(rows_in[..., None] & used[:, None, None], w, 0)
+    w = jnp.swapaxes(w, 1, 2).reshape(capacity, W * tile_q)            # word(r, w) at w*Tq + r
+    rows_b = abi.bitmap_rows(tile_q, tile_kv)
+    w = jnp.pad(w, ((0, 0), (0, rows_b * abi.STEP_COLS - W * tile_q)))
+    return w.reshape(capacity * rows_b, abi.STEP_COLS)
+
+
+def _pack(bits, W):
+    """bool [..., Tk] -> int32 words [..., W] (bit b of word w: key 32 w + b)."""
+    pad = W * abi.WORD_BITS - bits.shape[-1]
+    b = jnp.pad(bits, [(0, 0)] * (bits.ndim - 1) + [(0, pad)]).astype(jnp.uint32)
+    b = b.reshape(bits.shape[:-1] + (W, abi.WORD_BITS))
+    w = (b << jnp.arange(abi.WORD_BITS, dtype=jnp.uint32)).sum(-1, dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(w, jnp.int32)
+
+
+def bitmap_slots(q_bounds: np.ndarray, kv_bounds: np.ndarray, num_heads: int, q_len: int,
+                 kv_len: int, tile_q: int, tile_kv: int, align_blocks: bool = True) -> int:
+    """Bitmap steps a plan of these static bounds may need: every (head, q tile, kv tile)
+    whose tiles meet more than ``abi.GRID`` blocks on either axis (an upper bound: only those
+    selected and not all selected take one)."""
+    fines = []
+    for b, length, tile in ((q_bounds, q_len, tile_q), (kv_bounds, kv_len, tile_kv)):
+        b = np.asarray(b, np.int32).reshape(-1, np.shape(b)[-1])
+        _, _, _, first, last, _, _ = _axis(b, length, tile, align_blocks)
+        fines.append(np.asarray(_fine(first, last)))
+    fq, fk = fines                                                       # [Hb, nt]
+    pairs = fq[:, :, None] | fk[:, None, :]
+    per_row = pairs.reshape(len(pairs), -1).sum(axis=1)
+    return int(per_row.sum() if len(per_row) == num_heads else per_row.max() * num_heads)
+
+
 def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int, kv_len: int,
-                   tile_q: int, tile_kv: int, align_blocks: bool = True) -> DevicePlan:
+                   tile_q: int, tile_kv: int, align_blocks: bool = True,
+                   bitmap_capacity: int = 0) -> DevicePlan:
     """The plan of a block mask for these tiles (see the module docstring), in jnp.
 
     blocks: bool [Hm, nq, nk] (Hm = 1: shared by the heads, or Hm = num_q_heads), a jax or
@@ -163,7 +254,11 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     block bounds, NumPy (checked now) or jax arrays (``ok`` says whether they are valid).
     Tiles must be multiples of 8 (TMA alignment of the Mosaic GPU kernel) up to
     ``abi.MAX_TILE``. ``align_blocks``: static bounds get tiles that start at their blocks
-    (``_segments``) where that computes no more than the fixed grid.
+    (``_segments``) where that computes no more than the fixed grid. ``bitmap_capacity``: how
+    many bitmap steps the plan may hold (static) for tiles that meet more than ``abi.GRID``
+    blocks per axis (0: none; such a tile then makes ``ok`` False, or a ValueError for static
+    bounds); more of them than the capacity also makes ``ok`` False (``bitmap_slots`` counts
+    what a plan of static bounds needs).
     """
     for name, val in (("num_q_heads", num_q_heads), ("q_len", q_len), ("kv_len", kv_len),
                       ("tile_q", tile_q), ("tile_kv", tile_kv)):
@@ -199,7 +294,7 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
         else:
             b = jnp.asarray(b, jnp.int32).reshape(-1, n + 1)
         org, lo, hi, first, last, padded, _ = _axis(b, length, tile, align_blocks)
-        if isinstance(b, np.ndarray):
+        if isinstance(b, np.ndarray) and not bitmap_capacity:
             _check_host_bounds(name, b, length, tile, first, last)
         axes.append((b, org, lo, hi, first, last, padded))
     (qb, qorg, qlo, qhi, qa, qz, q_pad), (kb, korg, klo, khi, ka, kz, k_pad) = axes
@@ -218,6 +313,7 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     cells &= cell_ok
     any_sel = cells.any(axis=(-2, -1))                          # [Hm, nqt, nkt]
     all_sel = (cells | ~cell_ok).all(axis=(-2, -1))
+    full = (Hm, nqt, nkt)
 
     # Cuts: the block bounds inside the tile's own range (tile rows / keys from its origin),
     # unused ones at the own range's end; the rectangle is the own range.
@@ -235,7 +331,6 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
             << (abi.GRID * g[:, None] + g[None, :])).sum(axis=(-2, -1))   # [Hm, nqt, nkt]
     qlo_j, qhi_j = jnp.asarray(qlo, jnp.int32), jnp.asarray(qhi, jnp.int32)
     klo_j, khi_j = jnp.asarray(klo, jnp.int32), jnp.asarray(khi, jnp.int32)
-    full = (Hm, nqt, nkt)
     rect = abi.pack_rect(jnp.broadcast_to(qlo_j[:, :, None], full),
                          jnp.broadcast_to(qhi_j[:, :, None], full),
                          jnp.broadcast_to(klo_j[:, None, :], full),
@@ -246,6 +341,24 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     grid = ~all_sel                                              # plain where all selected
     cuts_a = jnp.where(grid, cuts_a, 0)
     cuts_b = jnp.where(grid, cuts_b | (bits << abi.GRID_BITS_SHIFT), 0)
+    S = Hm * nqt * nkt
+    words = None
+    if bitmap_capacity:
+        fine = _fine(qa, qz)[:, :, None] | _fine(ka, kz)[:, None, :]      # [Hb, nqt, nkt]
+        count = _block_counts(blocks, qa, qz, ka, kz)                     # [Hm, nqt, nkt]
+        area = (jnp.asarray(qz) - qa + 1)[:, :, None] * (jnp.asarray(kz) - ka + 1)[:, None, :]
+        own = jnp.asarray(qhi > qlo)[:, :, None] & jnp.asarray(khi > klo)[:, None, :]
+        any_sel = jnp.where(fine, (count > 0) & own, any_sel)
+        need = fine & any_sel & (count < area)                         # not all selected
+        need = jnp.broadcast_to(need, full)
+        n_need = need.sum(dtype=jnp.int32)
+        rows_b = abi.bitmap_rows(tile_q, tile_kv)
+        slot = jnp.minimum(jnp.cumsum(need.reshape(-1), dtype=jnp.int32) - 1,
+                           bitmap_capacity - 1).reshape(full)
+        cuts_a = jnp.where(need, (S + slot * rows_b) * abi.STEP_COLS, cuts_a)
+        cuts_b = jnp.where(need, abi.BITMAP_FLAG, cuts_b)
+        words = _bitmap_words(blocks, need, qb, kb, qorg, qlo, qhi, korg, klo, khi,
+                              tile_q, tile_kv, bitmap_capacity)          # [C * rows_b, 4]
     kv_start = jnp.broadcast_to(jnp.asarray(korg, jnp.int32)[:, None, :], full)
     rows = jnp.stack([kv_start, rect, jnp.broadcast_to(cuts_a, full),
                       jnp.broadcast_to(cuts_b, full)], axis=-1)   # [Hm, nqt, nkt, STEP_COLS]
@@ -254,10 +367,11 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     cnt = any_sel.sum(axis=-1, dtype=jnp.int32)                  # [Hm, nqt]
     ptr = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(cnt.shape)
     slot = ptr[..., None] + jnp.cumsum(any_sel, axis=-1, dtype=jnp.int32) - 1
-    S = Hm * nqt * nkt
     dest = jnp.where(any_sel, slot, S).reshape(-1)               # S: dropped
     steps = jnp.zeros((S, abi.STEP_COLS), jnp.int32).at[dest].set(
         rows.reshape(-1, abi.STEP_COLS), mode="drop")
+    if words is not None:
+        steps = jnp.concatenate([steps, words], axis=0)
 
     hm = np.zeros(num_q_heads, np.int32) if Hm == 1 else np.arange(num_q_heads, dtype=np.int32)
     hq = hm if qorg.shape[0] > 1 else np.zeros(num_q_heads, np.int32)   # bounds row per head
@@ -267,8 +381,11 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
         qlo_j[hq].reshape(-1), qhi_j[hq].reshape(-1),
         ptr[hm].reshape(-1), cnt[hm].reshape(-1)], axis=1)
 
-    ok = ((jnp.asarray(qz) - qa + 1).max() <= abi.GRID) & \
-        ((jnp.asarray(kz) - ka + 1).max() <= abi.GRID)
+    if bitmap_capacity:
+        ok = n_need <= bitmap_capacity
+    else:
+        ok = ((jnp.asarray(qz) - qa + 1).max() <= abi.GRID) & \
+            ((jnp.asarray(kz) - ka + 1).max() <= abi.GRID)
     for b, n, length in ((qb, nq, q_len), (kb, nk, kv_len)):
         if not isinstance(b, np.ndarray):
             ok &= (jnp.all(b[:, 0] == 0) & jnp.all(b[:, n] == length)

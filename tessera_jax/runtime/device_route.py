@@ -3,22 +3,26 @@ compiled program, with no host planning, no host transfer and no recompile for a
 the same shapes.
 
 A call site's template is a *static* choice (``choose``): the first template of the backend's
-list in ``DEVICE_TEMPLATES`` that takes the call and whose tiles the static bounds fit (traced
-bounds: the first); static K/V blocks of <= 64 tokens (median) try 64-key tiles first. Why static, not a ``lax.switch`` over ranked templates: the ranking reads
-mask features the host does not have under a trace, a switch would compile every template into
-every call site, and the device planner has one policy (a step per selected tile), for which
-q128 x kv128 steps run fastest on the H200 whatever the mask (full steps 0.97 of cuDNN's rate
-against 0.79-0.81 at kv64, masked ones 0.69-0.85 against 0.52-0.66: ``benchmarks/NOTES.md``
-section 13). A static mask with per-head bounds comes here too (the host planner takes shared
-bounds only); its arrays become constants of the program.
+list in ``DEVICE_TEMPLATES`` that takes the call and whose plan needs no bitmap steps for the
+static bounds, else the first whose bitmap steps fit ``BITMAP_BUDGET_BYTES`` (traced bounds:
+the first); static K/V blocks of <= 64 tokens (median) try 64-key tiles first. Why static, not
+a ``lax.switch`` over ranked templates: the ranking reads mask features the host does not have
+under a trace, a switch would compile every template into every call site, and the device
+planner has one policy (a step per selected tile), for which q128 x kv128 steps run fastest on
+the H200 (full steps 0.97 of cuDNN's rate against 0.79-0.81 at kv64, masked ones 0.69-0.85
+against 0.52-0.66: ``benchmarks/NOTES.md`` section 13). A static mask with per-head bounds
+comes here too (the host planner takes shared bounds only); its arrays become constants of the
+program.
 
-Exactness for every mask: a mask the device plan cannot hold (a tile meeting more than
-``abi.GRID`` blocks per axis: blocks under ~tile / 3 tokens) runs ``exact_attention`` instead,
-a chunked XLA attention that evaluates the mask per token (dense work, O(chunk x Lkv) memory).
-With static bounds this is known when tracing (a one-time warning says so); with traced
-bounds ``lax.cond`` on the plan's ``ok`` picks the path on the device. Invalid device bounds
-(not increasing from 0 to the length) also take the exact path, whose indices are clamped:
-finite output, never an out-of-bounds read; ``check`` surfaces them under ``checkify``.
+Tiles that meet more than ``abi.GRID`` blocks per axis (blocks under ~tile / 3 tokens) get
+bitmap steps, within a static capacity: for static bounds the count of such tile pairs (known
+when tracing), for traced bounds what the budget allows. Exactness for every mask: a mask
+whose bitmaps exceed the budget (static bounds: known when tracing, a one-time warning) or
+overflow the capacity (traced bounds: ``lax.cond`` on the plan's ``ok``) runs
+``exact_attention`` instead, a chunked XLA attention that evaluates the mask per token (dense
+work, O(chunk x Lkv) memory). Invalid device bounds (not increasing from 0 to the length) also
+take the exact path, whose indices are clamped: finite output, never an out-of-bounds read;
+``check`` surfaces them under ``checkify``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ DEVICE_TEMPLATES = types.MappingProxyType({
     "xla": ("xla_64x64", "xla_128x128", "xla_64x128", "xla_128x64"),
 })
 
+#: Bytes of bitmap steps a device plan may hold (tiles meeting more than ``abi.GRID`` blocks
+#: per axis: 2 KB each at 128 x 128); past it, static bounds take the exact path and traced
+#: bounds take it when the plan overflows (decided on the device).
+BITMAP_BUDGET_BYTES = 512 << 20
+
 # Scores of one chunk of the exact path stay near this many float32 elements.
 _EXACT_CHUNK_ELEMS = 1 << 24
 
@@ -76,14 +85,34 @@ class _Const:
         return isinstance(other, _Const) and other._key == self._key
 
 
-def _fits(bounds: _Const | None, length: int, tile: int) -> bool:
-    """Whether the device plan's tiles of these static bounds meet at most ``abi.GRID`` blocks
-    each (what ``plan_on_device`` requires); traced bounds (None) are decided on the device."""
+def _fine_tiles(bounds: _Const | None, n: int, length: int, tile: int):
+    """Per bounds row, how many of the device plan's tiles meet more than ``abi.GRID`` blocks
+    (static bounds), or a bound from the block count (traced bounds: a tile meeting more than
+    GRID blocks holds GRID of the n - 1 inner bounds); and the tile count."""
     if bounds is None:
-        return True
+        nt = -(-length // tile)
+        return np.array([min(nt, (n - 1) // abi.GRID)]), nt
     b = np.asarray(bounds.array, np.int32).reshape(-1, bounds.array.shape[-1])
-    _, _, _, first, last, _, _ = _device._axis(b, length, tile, True)
-    return int((last - first + 1).max()) <= abi.GRID
+    org, _, _, first, last, _, _ = _device._axis(b, length, tile, True)
+    return (last - first + 1 > abi.GRID).sum(axis=1), org.shape[1]
+
+
+def _capacity(qb, kb, shape_blocks, shape: AttnShape, t: Template) -> int | None:
+    """Bitmap steps the device plan of ``t`` needs room for (0: none), or None when that
+    exceeds ``BITMAP_BUDGET_BYTES`` for static bounds (the exact path runs); traced bounds get
+    what the budget allows (the plan's ``ok`` says on the device whether it sufficed)."""
+    Hm, nq, nk = shape_blocks
+    fq, nqt = _fine_tiles(qb, nq, shape.q_len, t.tile_q)
+    fk, nkt = _fine_tiles(kb, nk, shape.kv_len, t.tile_kv)
+    if not fq.any() and not fk.any():
+        return 0
+    per_row = fq * nkt + nqt * fk - fq * fk
+    pairs = int(per_row.sum() if len(per_row) == Hm else per_row.max() * Hm)
+    per_bitmap = abi.bitmap_rows(t.tile_q, t.tile_kv) * abi.STEP_COLS * 4
+    room = BITMAP_BUDGET_BYTES // per_bitmap
+    if qb is not None and kb is not None:
+        return pairs if pairs <= room else None
+    return max(1, min(pairs, room))
 
 
 def _device_capable(t: Template) -> bool:
@@ -102,11 +131,12 @@ def _consts(mask: BlockMask) -> tuple:
 
 
 @functools.lru_cache(maxsize=512)
-def _choose(qb: _Const | None, kb: _Const | None, shape: AttnShape, backend: str,
-            template: Template | None) -> Template | None:
+def _choose(qb: _Const | None, kb: _Const | None, shape_blocks: tuple, shape: AttnShape,
+            backend: str, template: Template | None) -> tuple[Template | None, int]:
+    """(template, bitmap capacity); (None, 0): the exact path."""
     if template is not None:
-        return template if _fits(qb, shape.q_len, template.tile_q) \
-            and _fits(kb, shape.kv_len, template.tile_kv) else None
+        cap = _capacity(qb, kb, shape_blocks, shape, template)
+        return (template, cap) if cap is not None else (None, 0)
     names = DEVICE_TEMPLATES[backend]
     if kb is not None:
         # K/V blocks of <= 64 tokens: a 128-key tile would hold two, and a sparse per-head
@@ -114,12 +144,16 @@ def _choose(qb: _Const | None, kb: _Const | None, shape: AttnShape, backend: str
         # for half the keys, against a full 64-key step at 0.80): 64-key tiles first.
         small = float(np.median(np.diff(np.asarray(kb.array), axis=-1))) <= 64
         names = sorted(names, key=lambda n: small != (dispatch.get_template(n).tile_kv <= 64))
+    fitting = []
     for name in names:
         t = dispatch.get_template(name)
-        if dispatch.unsupported(t, shape) is None and _fits(qb, shape.q_len, t.tile_q) \
-                and _fits(kb, shape.kv_len, t.tile_kv):
-            return t
-    return None
+        if dispatch.unsupported(t, shape) is None:
+            cap = _capacity(qb, kb, shape_blocks, shape, t)
+            if cap == 0:
+                return t, 0                  # no bitmap steps: the first such template
+            if cap is not None:
+                fitting.append((t, cap))
+    return fitting[0] if fitting else (None, 0)
 
 
 def choose(mask: BlockMask, shape: AttnShape, backend: str,
@@ -131,7 +165,7 @@ def choose(mask: BlockMask, shape: AttnShape, backend: str,
         raise ValueError(f"template {template.name!r} pairs query units; a device mask runs "
                          f"on one of {DEVICE_TEMPLATES[template.backend]}")
     qb, kb, _ = _consts(mask)
-    return _choose(qb, kb, shape, backend, template)
+    return _choose(qb, kb, tuple(mask.blocks.shape), shape, backend, template)[0]
 
 
 _warned: set = set()
@@ -148,26 +182,28 @@ def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template
     consts = _consts(mask)
     if template is not None and not _device_capable(template):
         choose(mask, shape, backend, template)              # raises
-    t = _choose(consts[0], consts[1], shape, backend, template)
+    t, capacity = _choose(consts[0], consts[1], tuple(mask.blocks.shape), shape, backend,
+                          template)
     if t is None:
         key = (tuple(mask.blocks.shape), shape.q_len, shape.kv_len, backend)
         if key not in _warned:
             _warned.add(key)
-            warnings.warn(f"tessera_jax: a tile meets more than {abi.GRID} blocks of this "
-                          "mask on every template of the device route; it runs the exact XLA "
-                          "path (dense work). Larger blocks, or a static mask with shared "
-                          "bounds (host planner), run the kernels", stacklevel=3)
+            warnings.warn(f"tessera_jax: this mask's bitmap steps (tiles meeting more than "
+                          f"{abi.GRID} blocks) exceed device_route.BITMAP_BUDGET_BYTES on "
+                          "every template of the device route; it runs the exact XLA path "
+                          "(dense work). Larger blocks, or a static mask with shared bounds "
+                          "(host planner), run the kernels", stacklevel=3)
     dyn = [None if c is not None else x
            for c, x in zip(consts, (mask.q_bounds, mask.kv_bounds, mask.blocks))]
     # With static bounds the fit is known now (``choose``); traced bounds decide on the device.
     decide = consts[0] is None or consts[1] is None
     return _run(q, k, v, *dyn, consts=consts, template=t.name if t else None,
-                decide=decide, scale=scale, return_lse=return_lse)
+                capacity=capacity, decide=decide, scale=scale, return_lse=return_lse)
 
 
-@functools.partial(jax.jit, static_argnames=("consts", "template", "decide", "scale",
-                                             "return_lse"))
-def _run(q, k, v, qb, kb, blocks, *, consts, template, decide, scale, return_lse):
+@functools.partial(jax.jit, static_argnames=("consts", "template", "capacity", "decide",
+                                             "scale", "return_lse"))
+def _run(q, k, v, qb, kb, blocks, *, consts, template, capacity, decide, scale, return_lse):
     qb, kb, blocks = (c.array if c is not None else x for c, x in zip(consts, (qb, kb, blocks)))
     Lq, Hq, Lkv = q.shape[1], q.shape[2], k.shape[1]
 
@@ -178,7 +214,7 @@ def _run(q, k, v, qb, kb, blocks, *, consts, template, decide, scale, return_lse
         return exact()
     t = dispatch.get_template(template)
     p = _device.plan_on_device(blocks, qb, kb, num_q_heads=Hq, q_len=Lq, kv_len=Lkv,
-                               tile_q=t.tile_q, tile_kv=t.tile_kv)
+                               tile_q=t.tile_q, tile_kv=t.tile_kv, bitmap_capacity=capacity)
     plan = types.SimpleNamespace(template=t.name, units=p.units, steps=p.steps, row_index=None,
                                  tile_q=p.tile_q, tile_kv=p.tile_kv, q_len_padded=p.q_len_padded,
                                  kv_len_padded=p.kv_len_padded, max_steps=p.max_steps)
