@@ -1,0 +1,491 @@
+"""Dynamic (content-dependent) mask builders, ``tessera_jax.masks.dynamic`` (issue 17 item 1).
+
+Each builder is exact against a NumPy float64 implementation of the same rule
+(``dynamic._numpy_*``) on random inputs: rows whose decision is within ``DELTA`` of flipping
+(a near-tie of the float32 scores) are left out of the comparison, and most rows must be
+compared. Each runs inside ``jax.jit``, traces once for several inputs, lowers without a host
+callback, and ``tj.sparse_attention`` with the built mask equals ``tj.reference_attention``
+with the same mask on the host. Negative controls: the same comparisons fail for a rule off by
+one (top-k with k - 1, inclusive instead of exclusive cumulative sums).
+"""
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings, strategies as st
+
+import jax
+import jax.numpy as jnp
+
+import tessera_jax as tj
+from tessera_jax.masks import dynamic as dm
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+DELTA = 2e-5          # rows closer than this to flipping are near-ties of float32 vs float64
+
+
+def _data(seed, B, Lq, Lkv, Hq, Hkv, D, structured=True):
+    """q, k, v (float32). ``structured``: tokens in runs around shared 'topic' vectors with a
+    per-run noise level, so blocks range from self-similar to not (SpargeAttn's judgment) and
+    scores have structure; else i.i.d. normal."""
+    rng = np.random.default_rng(seed)
+
+    def one(L, H):
+        if not structured:
+            return rng.standard_normal((B, L, H, D))
+        out = np.empty((B, L, H, D))
+        p = 0
+        while p < L:
+            n = int(rng.integers(4, 40))
+            amp = rng.choice([0.15, 0.6, 0.8, 2.0])
+            topic = rng.standard_normal((B, 1, H, D))
+            out[:, p:p + n] = topic + amp * rng.standard_normal((B, min(n, L - p), H, D))
+            p += n
+        return out
+
+    q, k, v = one(Lq, Hq), one(Lkv, Hkv), rng.standard_normal((B, Lkv, Hkv, D))
+    return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v))
+
+
+def _compare_rows(got, want, margin, min_frac=0.5):
+    """Blocks [H, nq, nk] equal on every row whose margin is >= DELTA (most of them)."""
+    got = np.asarray(got)
+    ok = np.asarray(margin) >= DELTA
+    assert ok.mean() >= min_frac, f"only {ok.mean():.2f} of the rows are not near-ties"
+    np.testing.assert_array_equal(got[ok], want[ok])
+
+
+def _lowered_has_no_callback(f, *args):
+    text = jax.jit(f).lower(*args).as_text().lower()
+    assert "callback" not in text
+
+
+# The exactness tests draw shapes and static arguments from small sets (each new combination
+# compiles the builder once).
+
+# --- VSA -----------------------------------------------------------------------------------
+_vsa_jit = jax.jit(dm.vsa_mask, static_argnames=("q_bounds", "kv_bounds", "block", "keep",
+                                                 "topk", "local"))
+
+
+@st.composite
+def vsa_cases(draw):
+    layout = draw(st.sampled_from(["uniform", "cubes", "cross"]))
+    kw = {}
+    if layout == "uniform":
+        B, Lq, Lkv, Hq, Hkv = 1, 136, 136, 4, 2               # 17 blocks of 8
+        kw["block"] = 8
+    elif layout == "cubes":
+        order, bounds = dm.cube_layout((3, 5, 7), (2, 2, 4))   # 105 tokens, partial cubes
+        B, Lq, Lkv, Hq, Hkv = 2, len(order), len(order), 2, 2
+        kw["q_bounds"] = tuple(int(b) for b in bounds)
+    else:
+        B, Lq, Lkv, Hq, Hkv = 1, 100, 77, 2, 1
+        kw["q_bounds"] = (0, 9, 30, 31, 64, 100)
+        kw["kv_bounds"] = (0, 20, 22, 50, 77)
+    choice = draw(st.sampled_from(["keep", "topk", "local"]))
+    if choice == "keep":
+        kw["keep"] = draw(st.sampled_from([None, 0.3]))
+    elif choice == "topk" or layout == "cross":
+        kw["topk"] = draw(st.sampled_from([1, 3]))
+    else:
+        kw["topk"], kw["local"] = 4, 1
+    return dict(B=B, Lq=Lq, Lkv=Lkv, Hq=Hq, Hkv=Hkv, kw=kw,
+                seed=draw(st.integers(0, 2**31 - 1)),
+                structured=draw(st.booleans()))
+
+
+def _vsa_k(n_kv, kw):
+    keep = kw.get("keep") or 0.125
+    return kw["topk"] if "topk" in kw else max(1, int(np.ceil(keep * n_kv - 1e-9)))
+
+
+@settings(max_examples=20)
+@given(vsa_cases())
+def test_vsa_mask_equals_numpy_rule(case):
+    q, k, _ = _data(case["seed"], case["B"], case["Lq"], case["Lkv"], case["Hq"], case["Hkv"], 16,
+                    case["structured"])
+    m = _vsa_jit(q, k, **case["kw"])
+    assert not m.is_static
+    qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
+    kk = _vsa_k(len(kb) - 1, case["kw"])
+    want, margin = dm._numpy_vsa(q, k, qb, kb, kk, case["kw"].get("local"))
+    _compare_rows(m.blocks, want, margin)
+    assert (np.asarray(m.blocks).sum(-1) == kk).all()             # uniform rows
+    if kk > 1:                                                    # negative control: k - 1
+        wrong, _ = dm._numpy_vsa(q, k, qb, kb, kk - 1, case["kw"].get("local"))
+        assert not np.array_equal(np.asarray(m.blocks), wrong)
+
+
+def test_vsa_local_blocks_are_kept_and_count_towards_k():
+    q, k, _ = _data(1, 1, 96, 96, 2, 1, 8)
+    m = dm.vsa_mask(q, k, block=8, topk=5, local=2)
+    b = np.asarray(m.blocks)
+    i = np.arange(12)
+    assert b[:, np.abs(i[:, None] - i[None, :]) <= 2].all()
+    assert (b.sum(-1) == 5).all()
+
+
+def test_cube_layout_orders_tokens_cube_major():
+    order, bounds = dm.cube_layout((3, 5, 6), (2, 2, 4))
+    assert sorted(order.tolist()) == list(range(90))
+    assert bounds[0] == 0 and bounds[-1] == 90 and (np.diff(bounds) > 0).all()
+    t, h, w = np.unravel_index(order, (3, 5, 6))
+    cube = (t // 2) * 6 + (h // 2) * 2 + w // 4                    # 3 x 2 cubes per frame pair
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        assert len(set(cube[a:b].tolist())) == 1
+    assert np.diff(bounds).max() == 16 and np.diff(bounds).min() == 2
+
+
+# --- SpargeAttn ----------------------------------------------------------------------------
+_sparge_jit = jax.jit(dm.sparge_mask, static_argnames=(
+    "q_bounds", "kv_bounds", "block_q", "block_kv", "cdf_threshold", "topk", "sim_threshold",
+    "min_keep", "smooth_k", "sink"))
+
+
+@st.composite
+def sparge_cases(draw):
+    mode = draw(st.sampled_from(["cdf", "cdf_min", "topk"]))
+    B, Hq, Hkv = {"cdf": (1, 2, 1), "cdf_min": (2, 2, 2), "topk": (1, 4, 2)}[mode]
+    sim = draw(st.sampled_from([0.6, 0.3]))
+    kw = dict(block_q=16, block_kv=8, sim_threshold=sim, smooth_k=sim > 0.5)
+    if mode == "cdf":
+        kw["cdf_threshold"] = 0.9
+    elif mode == "cdf_min":
+        kw["cdf_threshold"], kw["min_keep"] = 0.6, 3
+    else:
+        kw["topk"], kw["sink"] = 0.25, True
+    return dict(B=B, Hq=Hq, Hkv=Hkv, kw=kw, seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@settings(max_examples=20)
+@given(sparge_cases())
+def test_sparge_mask_equals_numpy_rule(case):
+    Lq, Lkv = 120, 100                                         # partial last blocks
+    q, k, _ = _data(case["seed"], case["B"], Lq, Lkv, case["Hq"], case["Hkv"], 16)
+    m = _sparge_jit(q, k, **case["kw"])
+    qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
+    assert (np.diff(qb[:-1]) == 16).all() and qb[-1] == Lq and kb[-1] == Lkv
+    kw = {x: y for x, y in case["kw"].items() if x not in ("block_q", "block_kv")}
+    want, margin = dm._numpy_sparge(q, k, qb, kb, **kw)
+    _compare_rows(m.blocks, want, margin, min_frac=0.3)
+    if "topk" not in kw:                                       # negative control
+        wrong, _ = dm._numpy_sparge(q, k, qb, kb, inclusive=False, **kw)
+        ok = (margin >= DELTA)[..., None] & (want != wrong)
+        if ok.any():
+            assert not np.array_equal(np.asarray(m.blocks)[ok], wrong[ok])
+
+
+def test_sparge_negative_control_detects_an_off_by_one_rule():
+    """The comparison above catches SpargeAttn's rule read as 'mass before the block'."""
+    kw = dict(cdf_threshold=0.9, sim_threshold=0.3, smooth_k=False)
+    caught = 0
+    for seed in range(3):
+        q, k, _ = _data(seed, 1, 120, 100, 2, 1, 16)
+        m = _sparge_jit(q, k, block_q=16, block_kv=8, **kw)
+        qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
+        _, margin = dm._numpy_sparge(q, k, qb, kb, **kw)
+        wrong, _ = dm._numpy_sparge(q, k, qb, kb, inclusive=False, **kw)
+        ok = margin >= DELTA
+        caught += not np.array_equal(np.asarray(m.blocks)[ok], wrong[ok])
+    assert caught == 3
+
+
+def test_sparge_self_similarity_gives_dense_stripes():
+    """Blocks of unrelated tokens (not self-similar) keep full rows / columns."""
+    q, k, _ = _data(3, 1, 64, 64, 1, 1, 16, structured=False)  # cosine ~ 1/n: none similar
+    m = dm.sparge_mask(q, k, block_q=16, block_kv=16)
+    assert np.asarray(m.blocks).all()
+    m = dm.sparge_mask(q, k, block_q=16, block_kv=16, sim_threshold=-1.0, cdf_threshold=0.5)
+    assert not np.asarray(m.blocks).all()
+
+
+# --- XAttention ----------------------------------------------------------------------------
+_xattn_jit = jax.jit(dm.xattn_mask, static_argnames=(
+    "block", "stride", "tau", "keep_diagonal", "keep_sink", "chunk_blocks"))
+
+
+@st.composite
+def xattn_cases(draw):
+    stride = draw(st.sampled_from([4, 8]))
+    # lengths off the block and the stride, GQA, B = 2
+    B, Lq, Lkv, Hq, Hkv = (1, 128, 128, 2, 1) if stride == 4 else (2, 117, 90, 2, 2)
+    diag, sink, chunk = draw(st.sampled_from([(False, False, None), (True, True, 3),
+                                              (False, True, None)]))
+    kw = dict(block=16, stride=stride, tau=draw(st.sampled_from([0.9, 0.6])),
+              keep_diagonal=diag, keep_sink=sink, chunk_blocks=chunk)
+    return dict(B=B, Lq=Lq, Lkv=Lkv, Hq=Hq, Hkv=Hkv, kw=kw,
+                seed=draw(st.integers(0, 2**31 - 1)), structured=draw(st.booleans()))
+
+
+@settings(max_examples=20)
+@given(xattn_cases())
+def test_xattn_mask_equals_numpy_rule(case):
+    q, k, _ = _data(case["seed"], case["B"], case["Lq"], case["Lkv"], case["Hq"], case["Hkv"], 8,
+                    case["structured"])
+    m = _xattn_jit(q, k, **case["kw"])
+    kw = {x: y for x, y in case["kw"].items() if x != "chunk_blocks"}
+    want, margin = dm._numpy_xattn(q, k, **kw)
+    _compare_rows(m.blocks, want, margin)
+    wrong, _ = dm._numpy_xattn(q, k, exclusive=False, **kw)   # negative control
+    differ = (margin >= DELTA)[..., None] & (want != wrong)
+    assert differ.any()
+    assert not np.array_equal(np.asarray(m.blocks)[differ], wrong[differ])
+
+
+# --- SVG2 ----------------------------------------------------------------------------------
+_kmeans_jit = jax.jit(dm.kmeans, static_argnames=("iters",))
+
+
+@settings(max_examples=15)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 3]))
+def test_kmeans_equals_numpy(seed, iters):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((2, 64, 8)) + 2 * rng.integers(0, 3, (2, 64, 1)),
+                    jnp.float32)
+    c0 = jnp.asarray(np.asarray(x)[:, rng.choice(64, 5, replace=False)])
+    lab, c = _kmeans_jit(x, c0, iters=iters)
+    want_lab, want_c, margin = dm._numpy_kmeans(np.asarray(x), np.asarray(c0), iters)
+    assume(margin >= 1e-4)
+    np.testing.assert_array_equal(np.asarray(lab), want_lab)
+    np.testing.assert_allclose(np.asarray(c), want_c, atol=1e-5, rtol=1e-5)
+
+
+SVG2_SHAPE = dict(B=1, Lq=96, Lkv=80, Hq=4, Hkv=2, D=8)
+SVG2_C = (5, 7)
+_svg2_jit = jax.jit(dm.svg2_mask, static_argnames=("iters", "top_p", "min_kc_ratio",
+                                                   "min_cluster_tokens"))
+
+
+_init_jit = jax.jit(dm.svg2_init, static_argnames=("q_clusters", "kv_clusters", "iters"))
+
+
+def _svg2_state(q, k, C=SVG2_C, seed=0):
+    return _init_jit(q, k, jax.random.key(seed), q_clusters=C[0], kv_clusters=C[1], iters=2)
+
+
+def _token_mask(lay, Lq, Lkv, group):
+    """The builder's mask on token level over the original order, [Hq, Lq, Lkv]."""
+    qb, kb = np.asarray(lay.mask.q_bounds), np.asarray(lay.mask.kv_bounds)
+    blocks = np.asarray(lay.mask.blocks)
+    qp, kp = np.asarray(lay.q_perm), np.asarray(lay.kv_perm)
+    out = np.zeros((blocks.shape[0], Lq, Lkv), bool)
+    for h in range(blocks.shape[0]):
+        qid = np.searchsorted(qb[h], np.arange(Lq), side="right") - 1
+        kid = np.searchsorted(kb[h], np.arange(Lkv), side="right") - 1
+        out[h][np.ix_(qp[h], kp[h // group])] = blocks[h][qid][:, kid]
+    return out
+
+
+def _check_layout(lay, labels_q, labels_k, L, C, m, group):
+    """Valid per-head layouts: permutations, C strictly increasing blocks from 0 to L, each
+    block within one cluster group, blocks of >= m tokens where the split has room."""
+    for perm, bounds, labels in ((lay.q_perm, lay.mask.q_bounds, labels_q),
+                                 (lay.kv_perm, lay.mask.kv_bounds, labels_k)):
+        perm, bounds = np.asarray(perm), np.asarray(bounds)
+        for h in range(perm.shape[0]):
+            assert sorted(perm[h].tolist()) == list(range(perm.shape[1]))
+            lab = labels[h][perm[h]]
+            assert (np.diff(lab) >= 0).all()                     # clusters contiguous
+        for h in range(bounds.shape[0]):
+            b = bounds[h]
+            assert b[0] == 0 and b[-1] == perm.shape[1] and (np.diff(b) > 0).all()
+    for bounds, n, c in ((lay.mask.q_bounds, L[0], C[0]), (lay.mask.kv_bounds, L[1], C[1])):
+        assert np.asarray(bounds).shape[-1] == c + 1
+        if n >= (2 * m - 1) * c:
+            assert np.diff(np.asarray(bounds), axis=-1).min() >= m
+
+
+@settings(max_examples=12)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 12]))
+def test_svg2_mask_equals_numpy_rule_on_tokens(seed, m):
+    s, top_p = SVG2_SHAPE, 0.7
+    q, k, _ = _data(seed, s["B"], s["Lq"], s["Lkv"], s["Hq"], s["Hkv"], s["D"])
+    state = _svg2_state(q, k, seed=seed % 7)
+    lay = _svg2_jit(q, k, state, top_p=top_p, min_cluster_tokens=m)
+    tok, ql, kl, qc, kc, margin = dm._numpy_svg2(
+        q, k, state.q_centroids, state.kv_centroids, top_p=top_p, min_cluster_tokens=m)
+    assume(margin >= DELTA)
+    g = s["Hq"] // s["Hkv"]
+    np.testing.assert_array_equal(_token_mask(lay, s["Lq"], s["Lkv"], g), tok)
+    np.testing.assert_allclose(np.asarray(lay.state.q_centroids), qc, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lay.state.kv_centroids), kc, atol=1e-5, rtol=1e-5)
+    _check_layout(lay, ql, kl, (s["Lq"], s["Lkv"]), SVG2_C, m, g)
+    wrong = dm._numpy_svg2(q, k, state.q_centroids, state.kv_centroids, top_p=top_p,
+                           min_cluster_tokens=m, exclusive=False)[0]
+    if not np.array_equal(wrong, tok):                        # negative control
+        assert not np.array_equal(_token_mask(lay, s["Lq"], s["Lkv"], g), wrong)
+
+
+def test_svg2_negative_control_detects_an_off_by_one_rule():
+    s = SVG2_SHAPE
+    differs = 0
+    for seed in range(4):
+        q, k, _ = _data(seed, s["B"], s["Lq"], s["Lkv"], s["Hq"], s["Hkv"], s["D"])
+        state = _svg2_state(q, k)
+        lay = _svg2_jit(q, k, state, top_p=0.7, min_cluster_tokens=1)
+        wrong = dm._numpy_svg2(q, k, state.q_centroids, state.kv_centroids, top_p=0.7,
+                               exclusive=False)[0]
+        differs += not np.array_equal(_token_mask(lay, s["Lq"], s["Lkv"], 2), wrong)
+    assert differs >= 3
+
+
+def test_svg2_layout_never_breaks_on_bad_data():
+    """NaN inputs: still permutations and strictly increasing bounds (nothing out of
+    bounds; the attention call gets a valid layout)."""
+    s = SVG2_SHAPE
+    q, k, _ = _data(0, s["B"], s["Lq"], s["Lkv"], s["Hq"], s["Hkv"], s["D"])
+    state = _svg2_state(q, k)
+    q = q.at[0, :10].set(jnp.nan)
+    k = k.at[0, 3].set(jnp.inf)
+    lay = _svg2_jit(q, k, state, top_p=0.7, min_cluster_tokens=1)
+    for perm, bounds, L in ((lay.q_perm, lay.mask.q_bounds, s["Lq"]),
+                            (lay.kv_perm, lay.mask.kv_bounds, s["Lkv"])):
+        perm, bounds = np.asarray(perm), np.asarray(bounds)
+        assert all(sorted(p.tolist()) == list(range(L)) for p in perm)
+        assert (bounds[:, 0] == 0).all() and (bounds[:, -1] == L).all()
+        assert (np.diff(bounds, axis=-1) > 0).all()
+
+
+def test_permute_and_unpermute_are_inverse():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 30, 3, 4)), jnp.float32)
+    perm = jnp.asarray(np.stack([rng.permutation(30) for _ in range(3)]), jnp.int32)
+    y = dm.permute(x, perm)
+    np.testing.assert_array_equal(np.asarray(y)[:, :, 1], np.asarray(x)[:, np.asarray(perm)[1], 1])
+    np.testing.assert_array_equal(np.asarray(dm.unpermute(y, perm)), np.asarray(x))
+
+
+# --- inside jit: one trace, no callback, attention equals the reference -------------------
+def _assert_attention_under_jit(build, shapes, seeds=(0, 1, 2)):
+    """``build(q, k)`` -> BlockMask, inside one jitted layer with sparse_attention: traced
+    once for several inputs, no callback, output equal to the reference on the host mask."""
+    traces = []
+
+    @jax.jit
+    def layer(q, k, v):
+        traces.append(1)
+        m = build(q, k)
+        return tj.sparse_attention(q, k, v, m), m
+
+    for seed in seeds:
+        q, k, v = _data(seed, *shapes)
+        out, m = layer(q, k, v)
+        ref = tj.reference_attention(q, k, v, m.to_host())
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+    assert len(traces) == 1
+    _lowered_has_no_callback(layer, q, k, v)
+
+
+def test_vsa_attention_under_jit():
+    _assert_attention_under_jit(lambda q, k: dm.vsa_mask(q, k, block=48, keep=0.4),
+                                (1, 192, 192, 4, 2, 16))
+    order, bounds = dm.cube_layout((2, 6, 10), (2, 4, 4))      # cubes of 32, 16, 24, 12, 8
+    _assert_attention_under_jit(lambda q, k: dm.vsa_mask(q, k, q_bounds=bounds, topk=3),
+                                (2, 120, 120, 2, 2, 16), seeds=(3, 4))
+
+
+def test_sparge_attention_under_jit():
+    _assert_attention_under_jit(lambda q, k: dm.sparge_mask(q, k, block_q=64, block_kv=48,
+                                                            cdf_threshold=0.8),
+                                (1, 200, 150, 2, 1, 16))
+
+
+def test_xattn_attention_under_jit():
+    _assert_attention_under_jit(lambda q, k: dm.xattn_mask(q, k, block=64, stride=8, tau=0.8),
+                                (1, 200, 176, 2, 2, 16))
+
+
+def test_svg2_attention_in_a_compiled_loop_equals_the_reference_on_tokens():
+    """svg2_attention in a lax.scan over steps (state carried), traced once for several
+    inputs, no callback; each step's output equals the reference attention on the original
+    (un-permuted) tensors with the NumPy rule's token-level mask."""
+    B, Lq, Lkv, Hq, Hkv, D = 2, 96, 80, 4, 2, 8
+    traces, compared = [], 0
+
+    @jax.jit
+    def loop(qs, ks, vs, state):
+        traces.append(1)
+
+        def step(st, qkv):
+            out, st2 = dm.svg2_attention(*qkv, st, iters=2, top_p=0.7)
+            return st2, (out, st.q_centroids, st.kv_centroids)
+
+        return jax.lax.scan(step, state, (qs, ks, vs))
+
+    for seed in (0, 1):
+        steps = [_data(10 * seed + i, B, Lq, Lkv, Hq, Hkv, D) for i in range(2)]
+        qs, ks, vs = (jnp.stack(x) for x in zip(*steps))
+        state = _svg2_state(qs[0], ks[0], seed=seed)
+        final, (outs, qcs, kcs) = loop(qs, ks, vs, state)
+        for i, (q, k, v) in enumerate(steps):
+            tok, _, _, qc, kc, margin = dm._numpy_svg2(q, k, qcs[i], kcs[i], top_p=0.7)
+            if margin < DELTA:                                 # a near-tie: not comparable
+                continue
+            compared += 1
+            ref = tj.reference_attention(q, k, v, tj.BlockMask(np.arange(Lq + 1),
+                                                               np.arange(Lkv + 1), tok))
+            np.testing.assert_allclose(np.asarray(outs[i]), np.asarray(ref), **TOL)
+            if i == len(steps) - 1:
+                np.testing.assert_allclose(np.asarray(final.kv_centroids), kc, atol=1e-5,
+                                           rtol=1e-5)
+    assert len(traces) == 1 and compared >= 3
+    _lowered_has_no_callback(loop, qs, ks, vs, state)
+
+
+def test_builders_lower_without_callbacks():
+    q, k, _ = _data(0, 1, 64, 64, 2, 1, 8)
+    _lowered_has_no_callback(lambda q, k: dm.vsa_mask(q, k, block=16).blocks, q, k)
+    _lowered_has_no_callback(lambda q, k: dm.sparge_mask(q, k, block_q=16, block_kv=8).blocks,
+                             q, k)
+    _lowered_has_no_callback(lambda q, k: dm.xattn_mask(q, k, block=16, stride=4).blocks, q, k)
+    state = _svg2_state(q, k, (4, 4))
+    _lowered_has_no_callback(lambda q, k, s: dm.svg2_mask(q, k, s).mask.blocks, q, k, state)
+    _lowered_has_no_callback(lambda q, k: dm.svg2_init(q, k, jax.random.key(0), q_clusters=4,
+                                                       kv_clusters=4), q, k)
+
+
+# --- argument errors name the argument ------------------------------------------------------
+def test_errors_name_the_argument():
+    q, k, v = _data(0, 1, 64, 64, 4, 2, 8)
+    state = _svg2_state(q, k, (4, 4))
+    cases = [
+        (lambda: dm.vsa_mask(q, k, keep=1.5), ValueError, "keep must be in"),
+        (lambda: dm.vsa_mask(q, k, keep=0.2, topk=2), ValueError, "keep or topk, not both"),
+        (lambda: dm.vsa_mask(q, k, block=16, topk=9), ValueError, "topk must be in"),
+        (lambda: dm.vsa_mask(q, k, block=16, topk=2, local=1), ValueError, "local=1"),
+        (lambda: dm.vsa_mask(q, k, q_bounds=jnp.arange(0, 65, 16)), TypeError,
+         "q_bounds must be static"),
+        (lambda: dm.vsa_mask(q, k, q_bounds=[0, 32, 60]), ValueError,
+         "q_bounds must end at the sequence length 64"),
+        (lambda: dm.vsa_mask(q, k, block=0), ValueError, "block must be >= 1"),
+        (lambda: dm.vsa_mask(q[0], k), ValueError, r"q must be \[B, Lq, Hq, D\]"),
+        (lambda: dm.vsa_mask(q, k[:, :, :1].repeat(3, 2)), ValueError, "multiple of k's heads"),
+        (lambda: dm.vsa_mask(q, k, scale=-1.0), ValueError, "scale must be a positive"),
+        (lambda: dm.sparge_mask(q, k, cdf_threshold=0), ValueError, "cdf_threshold must be in"),
+        (lambda: dm.sparge_mask(q, k, sim_threshold=2), ValueError, "sim_threshold must be in"),
+        (lambda: dm.sparge_mask(q, k, smooth_k=1), TypeError, "smooth_k must be a bool"),
+        (lambda: dm.sparge_mask(q, k, block_kv=16, min_keep=5), ValueError, "min_keep must be"),
+        (lambda: dm.xattn_mask(q, k, block=20, stride=8), ValueError,
+         "block=20 must be a multiple of stride=8"),
+        (lambda: dm.xattn_mask(q, k, tau=1.2), ValueError, "tau must be in"),
+        (lambda: dm.xattn_mask(q, k, stride=2.0), TypeError, "stride must be an int"),
+        (lambda: dm.svg2_init(q, k, jax.random.key(0), q_clusters=65), ValueError,
+         "q_clusters=65 exceeds the sequence length 64"),
+        (lambda: dm.svg2_mask(q, k, (state.q_centroids, state.kv_centroids)), TypeError,
+         "state must be an SVG2State"),
+        (lambda: dm.svg2_mask(q, k, state, top_p=0), ValueError, "top_p must be in"),
+        (lambda: dm.svg2_mask(q, k, state, min_cluster_tokens=0), ValueError,
+         "min_cluster_tokens must be >= 1"),
+        (lambda: dm.svg2_mask(q, k, dm.SVG2State(state.q_centroids[..., :4],
+                                                 state.kv_centroids)), ValueError,
+         r"state.q_centroids has shape \(4, 4, 4\), expected \[4, C, 8\]"),
+        (lambda: dm.svg2_attention(q, k, v[0], state), ValueError, "v must be"),
+        (lambda: dm.permute(q, jnp.zeros((4, 63), jnp.int32)), ValueError,
+         r"perm has shape \(4, 63\)"),
+        (lambda: dm.permute(q, jnp.zeros((4, 64))), TypeError, "perm must hold integers"),
+        (lambda: dm.kmeans(dm._features(q), state.q_centroids, iters=-1), ValueError,
+         "iters must be >= 0"),
+    ]
+    for fn, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            fn()
