@@ -301,7 +301,14 @@ class MaskSchedule:
 
 
 # --- the step of a schedule, at trace time ------------------------------------------------------
-_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar("tessera_jax_step", default=None)
+@dataclasses.dataclass
+class _StepContext:
+    step: int
+    read: bool = False        # a layer took its masks from this step while tracing
+
+
+_STEP: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar(
+    "tessera_jax_step", default=None)
 
 
 @contextlib.contextmanager
@@ -309,29 +316,41 @@ def at_step(step: int):
     """Layers that take a ``MaskSchedule`` use the masks of ``step`` inside this block.
 
     ``step`` is a Python int read while *tracing*. Enter it inside the jitted function (with the
-    step a static argument, or a loop over variants as in ``tessera_jax.models.loop``): a context
-    entered around a call of an already-compiled function is not part of jit's cache key, so a
-    cache hit would silently reuse the masks it was traced with.
+    step a static argument, or a loop over variants as in ``tessera_jax.models.loop``). Entered
+    around a call of an already-compiled function, the step would not reach it (jit's cache
+    key does not hold it), so the block raises ``ValueError`` when it was entered outside any
+    trace and no layer read its step (a compiled call reused the masks it was traced with).
     """
     if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
         raise TypeError(f"step must be a Python int (static at trace time), got {type(step).__name__}")
-    token = _STEP.set(int(step))
+    from jax._src import core as _core      # trace_state_clean has no public name in jax 0.11
+    outside = _core.trace_state_clean()
+    ctx = _StepContext(int(step))
+    token = _STEP.set(ctx)
     try:
         yield
     finally:
         _STEP.reset(token)
+    if outside and not ctx.read:
+        raise ValueError(
+            f"at_step({step}) was entered outside jit and no layer read it: a call of an "
+            "already-compiled function inside it reused the masks it was traced with. Enter "
+            "at_step inside the jitted function with the step a static argument, pass step=... "
+            "to the layer, or use tessera_jax.models.make_sampler")
 
 
 def current_step() -> int | None:
     """The step set by the innermost ``at_step``, or None."""
-    return _STEP.get()
+    ctx = _STEP.get()
+    return None if ctx is None else ctx.step
 
 
 def _resolve_mask(source, layer: int, step: int | None) -> BlockMask | None:
     if source is None or isinstance(source, BlockMask):
         return source
-    if step is None:
-        step = current_step()
+    if step is None and _STEP.get() is not None:
+        _STEP.get().read = True
+        step = _STEP.get().step
     if step is None:
         if source.is_uniform_in_steps():
             step = 0

@@ -175,6 +175,16 @@ def test_schedule_selects_mask_at_trace_time():
     with pytest.raises(TypeError, match="step"):
         with at_step(jnp.int32(0)):
             pass
+    # The pitfall: a compiled call inside at_step(s) entered outside jit reuses its traced
+    # masks; the block raises instead of returning step 0's output silently.
+    g = jax.jit(lambda q, k, v: fn0(q, k, v))
+    with at_step(0):
+        g(q, k, v)                                       # traced here: step 0 read
+    with pytest.raises(ValueError, match="already-compiled"):
+        with at_step(1):
+            g(q, k, v)                                   # cache hit: step 1 never read
+    with at_step(1):
+        np.testing.assert_allclose(fn0(q, k, v), tj.reference_attention(q, k, v, m2), **TOL)
     with pytest.raises(ValueError, match="layer"):
         make_attention_fn(sched, layer=2)
 
