@@ -1,5 +1,55 @@
 #!/usr/bin/env python3
-"""Side by side with the peers on the H200 (issue 7): tessera_jax vs FlashInfer, FlexAttention, cuDNN.
+"""Side by side with the peers on the H200 (issues 7, 16): tessera_jax vs FlashInfer, FlexAttention, cuDNN.
+
+Issue 16's run (H200; the 26 masks of session 4: 2 per family, 13 families, 8 heads; each mask
+once with masks that start on the GPU and once with masks that start on the host). First, here
+(PyPI): ``.venv/bin/python benchmarks/fetch_flashinfer.py`` makes ``.carry/flashinfer_site``.
+Then one device call on ``nvidia-h200-x4`` (``carry=[".carry/flashinfer_site"]``,
+``timeout_s=600``; GPUs 0-1 take half A's sample, 2-3 half B's, each a shard balanced by mask
+size; the halves are session 4's, so ``--families`` draws the same masks):
+
+    export PYTHONPATH=$PWD/.carry/flashinfer_site:$PWD PYTHONUNBUFFERED=1 MAX_JOBS=16 \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false FLASHINFER_CUDA_ARCH_LIST=9.0a
+    A=dense,jenga,natten,sparge,sta,svg2,xattn; B=ditfastattn,moba,radial,ssta,svg,vsa
+    for g in 0 1 2 3; do F=$([ $g -lt 2 ] && echo $A || echo $B)
+      CUDA_VISIBLE_DEVICES=$g FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws$g timeout 570 python3 \
+        benchmarks/peers.py --out $OUT/peers-q$g.json --time-budget 510 --reserve 100 \
+        --per-family 2 --heads 8 --mask-source both --families $F --shard $((g % 2))/2 \
+        ${SKIP:-} > $OUT/peers-q$g.log 2>&1 &
+    done; wait
+    python3 benchmarks/peers.py --merge $OUT/peers-q*.json --out $OUT/h200-peers.json \
+      > $OUT/merge.log 2>&1; tail -n 2 $OUT/*.log
+    tar czf /tmp/r.tgz -C $OUT . && find $OUT -type f -delete && mv /tmp/r.tgz $OUT/
+
+Masks a budget cut left out (the logs say "time budget"): put the four part files under
+``prev/`` in the work tree (untracked, so they travel) and run the same call again with
+``SKIP="--skip-from prev/peers-q0.json prev/peers-q1.json prev/peers-q2.json prev/peers-q3.json"``
+(a warm machine keeps FlashInfer's JIT build in /tmp/fi_ws*; a fresh one builds it again,
+~100 s). On ``nvidia-h200-x2`` instead, ``benchmarks/h200_run.sh`` does the halves:
+``OUT=$OUT BUDGET_S=480 PEERS_ARGS="--mask-source both --reserve 100" bash
+benchmarks/h200_run.sh peers``, then again with ``--skip-from`` of the earlier calls' files
+added to ``PEERS_ARGS`` (about three calls). Here, the final file:
+``.venv/bin/python benchmarks/peers.py --merge prev/peers-*.json call2/peers-*.json --out
+benchmarks/results/h200-peers.json`` (later files win per mask and source). Its ``summary`` is
+the masks that start on the GPU (``mask_source``), with ``median_speedup_vs_flashinfer``,
+``median_speedup_vs_flex``, ``min_speedup_vs_best_alternative``, ``median_request_overhead_ms``;
+``summary.by_mask_source.host`` has the same keys for masks that start on the host.
+
+Mask sources (``--mask-source``, default ``host``):
+
+- ``host`` (the issue-7 runs): the mask is a NumPy ``BlockMask``; every request pays its
+  conversion / planning from it (tessera_jax: every cache cleared before each call).
+- ``gpu``: a new mask per request, already on the device, as a content-dependent method makes
+  it (``--mask-variants`` masks per case from ``peers_lib.convert.mask_variants``: the corpus
+  mask first, the checked one, then variants of the same structure; bounds static, known
+  before the mask). tessera_jax: one call of a jitted ``sparse_attention`` with
+  ``BlockMask(q_bounds, kv_bounds, blocks)``, blocks a device array (planned inside the
+  program); kernel time = that call (device plan + kernel), ``device_plan_ms`` = the device
+  plan alone. FlashInfer: the mask a torch bool tensor on the GPU; BSR copies it to the host
+  (``.cpu()``) and converts it as "host" does; the variable-block wrapper takes it on the GPU
+  and its plan() pays its own copies to the host. FlexAttention: its BlockMask built on the GPU
+  from it. cuDNN dense: unchanged.
+- ``both``: each mask's rows of both, gpu first (one process: shared inputs and compilations).
 
 Over a sample of the corpus *test* split (``tessera_jax.masks.corpus("test")``), stratified by
 family (``--per-family`` masks each, spread over the grids, taken round-robin over families so a
@@ -35,15 +85,19 @@ on ``--check-rows`` query rows (both ends of blocks + random) x ``--check-kv-hea
 in its row and is not timed. Writes ``--out`` (raw rows, versions, command, ``summary``) and a PNG
 of speedup distributions per family next to it.
 
-GPU run (see fetch_flashinfer.py for the FlashInfer carry; ~8 min on an H200):
+One process, masks that start on the host (~8 min on an H200 for ~20 masks):
 
     python3 benchmarks/peers.py --out $OUT/h200-peers.json --time-budget 480 --per-family 2 --heads 8
 
 CPU checks: ``--dry-run`` (tiny masks; conversions and their exactness; with torch, also
-FlexAttention eager on CPU vs the reference), ``--smoke`` (needs torch: the whole pipeline above
-on tiny masks, FlashInfer skipped, eager Flex, XLA dense; checks the plumbing, times nothing):
+FlexAttention eager on CPU vs the reference; and tessera_jax's device route, mask source gpu, end
+to end on the masks of ``--dry-device``: new device masks, the jitted call checked, its request,
+kernel and device-plan timings by the host clock), ``--smoke`` (needs torch: the whole pipeline
+above on tiny masks, FlashInfer skipped, eager Flex, XLA dense; checks the plumbing, times
+nothing; ``--mask-source both`` too):
 
     python benchmarks/peers.py --dry-run
+    python benchmarks/peers.py --smoke --mask-source both --families sta,random_variable_gqa
 """
 
 from __future__ import annotations
@@ -127,6 +181,31 @@ def sample_specs(per_family: int, families=None, grids=None, seed: int = 0):
     return out, {f: len(v) for f, v in sorted(by.items())}
 
 
+def spec_cost(spec: dict) -> float:
+    """A mask's rough time in a run, in units of a small mask's: a fixed part (compilations,
+    checks) plus one growing with the tokens squared (~1 + 1 at 80k tokens)."""
+    from tessera_jax.masks.grids import get_grid
+    try:
+        g = get_grid(spec["grid"])
+        L = g.t * g.h * g.w + int(spec.get("text") or 0)
+    except Exception:  # noqa: BLE001 - an unknown grid: a small mask
+        L = 0
+    return 1.0 + (L / 80000) ** 2
+
+
+def shard_specs(specs: list, k: int, n: int) -> list:
+    """Shard ``k`` of ``n`` of a sample: masks dealt largest first (``spec_cost``) to the
+    shard with the least cost so far, each shard keeping the sample's order (round-robin over
+    families, so a budget cut still keeps them balanced). The shards partition the sample."""
+    load = [0.0] * n
+    owner = {}
+    for i in sorted(range(len(specs)), key=lambda i: (-spec_cost(specs[i]), i)):
+        j = min(range(n), key=lambda j: (load[j], j))
+        owner[i] = j
+        load[j] += spec_cost(specs[i])
+    return [s for i, s in enumerate(specs) if owner[i] == k]
+
+
 # ----------------------------------------------------------------------------------------------
 # Summary and figure (pure Python: tested on CPU)
 # ----------------------------------------------------------------------------------------------
@@ -161,7 +240,8 @@ def _stats(xs):
     if not xs:
         return {"n": 0}
     return {"n": len(xs), "median": float(np.median(xs)), "min": float(np.min(xs)),
-            "max": float(np.max(xs)), "geomean": float(np.exp(np.mean(np.log(xs))))}
+            "max": float(np.max(xs)),
+            "geomean": float(np.exp(np.mean(np.log(xs)))) if min(xs) > 0 else None}
 
 
 def speedup_bounds(rows: list[dict]) -> dict:
@@ -194,8 +274,77 @@ def speedup_bounds(rows: list[dict]) -> dict:
                        "selected work would reach on a mask"}
 
 
+MASK_SOURCES = ("host", "gpu")
+#: The summary keys repeated per mask source under ``by_mask_source``.
+HEADLINE = ("masks", "min_speedup_vs_best_alternative", "median_speedup_vs_best_alternative",
+            "median_speedup_vs_flashinfer", "median_speedup_vs_flex", "median_speedup_vs_dense",
+            "median_request_overhead_ms", "per_family_medians", "request_overhead_ms")
+
+
+def mask_source(row: dict) -> str:
+    """Where a row's masks started: "gpu" or "host" (rows written before sources: "host")."""
+    return row.get("mask_source", "host")
+
+
+def primary_source(rows: list[dict]) -> str:
+    """The source of the headline summary and the figure: "gpu" where rows have it."""
+    return "gpu" if any(mask_source(r) == "gpu" for r in rows) else "host"
+
+
+def request_overhead(rows: list[dict]) -> dict:
+    """Per peer, stats of request - kernel ms (what a request pays beyond its kernels: host
+    work, copies, launch gaps, syncs) over the rows where it ran correctly."""
+    per = collections.defaultdict(list)
+    for r in rows:
+        for p, d in r.get("peers", {}).items():
+            if (d.get("status") in OK_STATES and d.get("request_ms") is not None
+                    and d.get("kernel_ms") is not None):
+                per[p].append(d["request_ms"] - d["kernel_ms"])
+    return {p: _stats(v) for p, v in sorted(per.items())}
+
+
+def _device_stats(rows: list[dict]) -> dict:
+    """tessera_jax on masks that start on the device: its device-plan and kernel times and
+    which templates (or the exact path) the device route ran."""
+    ds = [r["peers"]["tessera"] for r in rows
+          if r.get("peers", {}).get("tessera", {}).get("route") == "device"]
+    if not ds:
+        return {}
+    return {"device_plan_ms": _stats([d.get("device_plan_ms") for d in ds]),
+            "kernel_ms": _stats([d.get("kernel_ms") for d in ds]),
+            "kernel_ms_all_variants": _stats([d.get("kernel_ms_all_variants") for d in ds]),
+            "templates": dict(collections.Counter(str(d.get("device_template")) for d in ds)),
+            "meaning": "kernel_ms: device plan + kernel, one program (variant 0); "
+                       "device_plan_ms: planning.device.plan_on_device alone, same rule"}
+
+
 def summarize(rows: list[dict]) -> dict:
-    """The ``summary`` block: request-latency speedups (and kernel-only ones), per family."""
+    """The ``summary`` block of the primary mask source (``primary_source``: "gpu" where there
+    are such rows), its ``mask_source``, and, when rows have more than one source, the
+    headline keys per source under ``by_mask_source``. The timing rule check covers all rows."""
+    by = collections.defaultdict(list)
+    for r in rows:
+        by[mask_source(r)].append(r)
+    src = primary_source(rows)
+    out = _summarize_source(by.get(src, []))
+    out["mask_source"] = src
+    out["timing_rules"] = timing_rules(rows)
+    if len(by) > 1:
+        out["by_mask_source"] = {}
+        for k in sorted(by):
+            one = _summarize_source(by[k])
+            out["by_mask_source"][k] = {h: one[h] for h in HEADLINE}
+            if k == "host":
+                out["by_mask_source"][k]["tessera_request_over_to_device_request"] = _stats(
+                    [r["peers"]["tessera"]["request_ms"] / r["peers"]["tessera"]["to_device_request_ms"]
+                     for r in by[k] if r.get("peers", {}).get("tessera", {}).get("to_device_request_ms")
+                     and r["peers"]["tessera"].get("request_ms")])
+    return out
+
+
+def _summarize_source(rows: list[dict]) -> dict:
+    """The ``summary`` block of rows of one mask source: request-latency speedups (and
+    kernel-only ones), per family, and request overheads."""
     out = {}
     for key, name in (("request_ms", "request"), ("kernel_ms", "kernel")):
         sp = [speedups(r, key) for r in rows]
@@ -212,6 +361,7 @@ def summarize(rows: list[dict]) -> dict:
         for p, d in r.get("peers", {}).items():
             if d.get("status") not in OK_STATES:
                 failures[p][d.get("status", "?") + ": " + str(d.get("why", ""))[:120]] += 1
+    overhead = request_overhead(rows)
     return {
         "masks": len(rows),
         "min_speedup_vs_best_alternative": req["best_alternative"].get("min"),
@@ -222,14 +372,20 @@ def summarize(rows: list[dict]) -> dict:
         "per_family_medians": {
             f: {g: d[g].get("median") for g in ("flashinfer", "flex", "dense", "best_alternative")}
             for f, d in out["request"]["per_family"].items()},
+        "median_request_overhead_ms": overhead.get("tessera", {}).get("median"),
+        "request_overhead_ms": overhead,
         "request": out["request"], "kernel": out["kernel"],
         "peer_not_ok": {p: dict(c) for p, c in failures.items()},
         "speedup_upper_bound": speedup_bounds(rows),
+        "tessera_device": _device_stats(rows),
         "timing_rules": timing_rules(rows),
         "metric": "speedup = peer time / tessera_jax time on the same mask (request latency: "
                   "conversion + planning + kernel); a peer group's time is its fastest variant "
                   "that passed the check; best alternative = fastest of FlashInfer, "
-                  "FlexAttention and cuDNN dense",
+                  "FlexAttention and cuDNN dense; request overhead = request - kernel ms "
+                  "(median_request_overhead_ms: tessera_jax's); mask source gpu: a new mask per "
+                  "request, on the device before the call (FlashInfer copies it to the host "
+                  "inside its request), host: the NumPy mask, every cache cleared per request",
     }
 
 
@@ -241,6 +397,8 @@ def figure(rows: list[dict], path: str, title: str = "") -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    src = primary_source(rows)
+    rows = [r for r in rows if mask_source(r) == src]
     fams = sorted({r["family"] for r in rows})
     groups = ("flashinfer", "flex", "dense", "best_alternative")
     colors = ("tab:blue", "tab:orange", "tab:gray", "tab:red")
@@ -267,7 +425,8 @@ def figure(rows: list[dict], path: str, title: str = "") -> str | None:
     ax.set_xticks(range(len(fams)))
     ax.set_xticklabels(fams, rotation=30, ha="right")
     ax.set_ylabel("request speedup of tessera_jax (peer ms / ours)")
-    ax.set_title(title or "tessera_jax vs peers, per mask family (H200)")
+    ax.set_title(title or f"tessera_jax vs peers, per mask family (H200; masks start on the "
+                          f"{'GPU' if src == 'gpu' else 'host'})")
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles))
     if uniq:
@@ -358,55 +517,31 @@ class Ctx:
         return self.flex
 
 
-class Case:
-    """One mask on the GPU: inputs (torch, shared with JAX by DLPack) and the reference rows."""
+class _CaseBase:
+    """What every case has: the check of an output subset against the reference, and the new
+    masks of a request (``variants``: the mask's own blocks first, the checked one)."""
 
-    def __init__(self, ctx: Ctx, spec: dict, mask, Hkv: int, args):
-        torch, jax = ctx.torch, ctx.jax
-        self.ctx, self.spec, self.mask = ctx, spec, mask
-        self.Lq, self.Lkv = mask.Lq, mask.Lkv
-        self.Hq = int(spec["heads_run"])
-        self.Hkv = Hkv
-        self.g = self.Hq // Hkv
-        self.D = args.head_dim
-        dev = ctx.dev
-        gen = torch.Generator(device=dev).manual_seed(
-            int(args.seed) * 1000003 + zlib.crc32(spec["id"].encode()) % 1000003)
-        bf = torch.bfloat16
-        self.q = torch.randn(1, self.Lq, self.Hq, self.D, generator=gen, device=dev, dtype=bf)
-        self.k = torch.randn(1, self.Lkv, self.Hkv, self.D, generator=gen, device=dev, dtype=bf)
-        self.v = torch.randn(1, self.Lkv, self.Hkv, self.D, generator=gen, device=dev, dtype=bf)
-        _sync()
-        dl = jax.dlpack.from_dlpack
-        self.qj, self.kj, self.vj = dl(self.q), dl(self.k), dl(self.v)
-        # check subset: rows x (KV heads and their query heads)
-        self.rows = C.check_rows(self.Lq, mask.q_bounds, args.check_rows, seed=args.seed)
-        nk = min(args.check_kv_heads, self.Hkv)
-        self.kvh = np.unique(np.linspace(0, self.Hkv - 1, nk).round().astype(np.int64))
-        self.qh = (self.kvh[:, None] * self.g + np.arange(self.g)[None]).ravel()
-        self._ref = {}
+    source = "host"          # where a request's mask starts: "host" (NumPy) or "gpu"
 
-    def idx(self, a):
-        return self.ctx.torch.as_tensor(np.asarray(a), device=self.ctx.dev)
+    def _subset(self):
+        """(q, k, v) of the check subset as float32 jax arrays [1, rows, qh, D], [1, Lkv, kvh, D]."""
+        raise NotImplementedError
 
     def reference(self, dense: bool = False):
         """(out [rows, qh, D] float32, empty [rows, qh] bool) of the reference on the subset."""
         if dense in self._ref:
             return self._ref[dense]
+        import jax
+
         import tessera_jax as tj
         from tessera_jax.mask import BlockMask
-        torch, jax = self.ctx.torch, self.ctx.jax
-        rows_t, qh_t, kvh_t = self.idx(self.rows), self.idx(self.qh), self.idx(self.kvh)
-        qs = self.q[0].index_select(0, rows_t).index_select(1, qh_t).float().contiguous()[None]
-        ks = self.k[0].index_select(1, kvh_t).float().contiguous()[None]
-        vs = self.v[0].index_select(1, kvh_t).float().contiguous()[None]
+        qs, ks, vs = self._subset()
         if dense:
             sub = BlockMask(np.arange(self.rows.size + 1), [0, self.Lkv],
                             np.ones((1, self.rows.size, 1), bool))
         else:
             sub = C.row_subset_mask(self.mask, self.rows, self.qh)
-        dl = jax.dlpack.from_dlpack
-        out = tj.reference_attention(dl(qs), dl(ks), dl(vs), sub)
+        out = tj.reference_attention(qs, ks, vs, sub)
         ref = np.asarray(jax.device_get(out), np.float32)[0]                  # [rows, qh, D]
         emp = ~sub.blocks.any(-1)                                              # [Hm', rows]
         emp = np.broadcast_to(emp, (self.qh.size, self.rows.size)).T           # [rows, qh]
@@ -439,9 +574,118 @@ class Case:
             res["status"] = "ok"
         return res
 
+    # -- new masks per request (mask source "gpu")
+    def variants(self, args) -> list:
+        """The blocks of the new masks (NumPy, ``C.mask_variants``), made once per case."""
+        if getattr(self, "_variants", None) is None:
+            n = args.mask_variants or (request_rule(args).warmup + request_rule(args).repeats)
+            seed = int(args.seed) * 1000003 + zlib.crc32(str(self.spec.get("id")).encode()) % 1000003
+            self._variants = C.mask_variants(self.mask, n, args.variant_kind, seed=seed,
+                                             group=self.g)
+        return self._variants
+
+    def variants_jax(self, args) -> list:
+        """The variants as jax bool arrays on the device (made before any timing)."""
+        if getattr(self, "_variants_jax", None) is None:
+            import jax
+            self._variants_jax = [jax.device_put(v) for v in self.variants(args)]
+            jax.block_until_ready(self._variants_jax)
+        return self._variants_jax
+
+    def variants_torch(self, args) -> list:
+        """The variants as torch bool tensors on the torch device (made before any timing)."""
+        if getattr(self, "_variants_torch", None) is None:
+            torch = self.ctx.torch
+            self._variants_torch = [torch.from_numpy(v).to(self.ctx.dev)
+                                    for v in self.variants(args)]
+            _sync()
+        return self._variants_torch
+
     def free(self):
-        for n in ("qj", "kj", "vj", "q", "k", "v"):
+        for n in ("qj", "kj", "vj", "q", "k", "v", "_variants", "_variants_jax",
+                  "_variants_torch", "tj_device_fn"):
             setattr(self, n, None)
+
+
+class Case(_CaseBase):
+    """One mask on the GPU: inputs (torch, shared with JAX by DLPack) and the reference rows."""
+
+    def __init__(self, ctx: Ctx, spec: dict, mask, Hkv: int, args):
+        torch, jax = ctx.torch, ctx.jax
+        self.ctx, self.spec, self.mask = ctx, spec, mask
+        self.Lq, self.Lkv = mask.Lq, mask.Lkv
+        self.Hq = int(spec["heads_run"])
+        self.Hkv = Hkv
+        self.g = self.Hq // Hkv
+        self.D = args.head_dim
+        dev = ctx.dev
+        gen = torch.Generator(device=dev).manual_seed(
+            int(args.seed) * 1000003 + zlib.crc32(spec["id"].encode()) % 1000003)
+        bf = torch.bfloat16
+        self.q = torch.randn(1, self.Lq, self.Hq, self.D, generator=gen, device=dev, dtype=bf)
+        self.k = torch.randn(1, self.Lkv, self.Hkv, self.D, generator=gen, device=dev, dtype=bf)
+        self.v = torch.randn(1, self.Lkv, self.Hkv, self.D, generator=gen, device=dev, dtype=bf)
+        _sync()
+        dl = jax.dlpack.from_dlpack
+        self.qj, self.kj, self.vj = dl(self.q), dl(self.k), dl(self.v)
+        # check subset: rows x (KV heads and their query heads)
+        self.rows = C.check_rows(self.Lq, mask.q_bounds, args.check_rows, seed=args.seed)
+        nk = min(args.check_kv_heads, self.Hkv)
+        self.kvh = np.unique(np.linspace(0, self.Hkv - 1, nk).round().astype(np.int64))
+        self.qh = (self.kvh[:, None] * self.g + np.arange(self.g)[None]).ravel()
+        self._ref = {}
+
+    def idx(self, a):
+        return self.ctx.torch.as_tensor(np.asarray(a), device=self.ctx.dev)
+
+    def _subset(self):
+        dl = self.ctx.jax.dlpack.from_dlpack
+        rows_t, qh_t, kvh_t = self.idx(self.rows), self.idx(self.qh), self.idx(self.kvh)
+        qs = self.q[0].index_select(0, rows_t).index_select(1, qh_t).float().contiguous()[None]
+        ks = self.k[0].index_select(1, kvh_t).float().contiguous()[None]
+        vs = self.v[0].index_select(1, kvh_t).float().contiguous()[None]
+        return dl(qs), dl(ks), dl(vs)
+
+
+class DryCase(_CaseBase):
+    """A ``Case`` without torch (CPU dry run): jax inputs, the same check subset and variants."""
+
+    def __init__(self, spec: dict, mask, Hq: int, Hkv: int, args, head_dim: int = 16):
+        import jax
+        import jax.numpy as jnp
+        self.ctx, self.spec, self.mask = None, spec, mask
+        self.Lq, self.Lkv = mask.Lq, mask.Lkv
+        self.Hq, self.Hkv, self.g, self.D = Hq, Hkv, Hq // Hkv, head_dim
+        key = jax.random.key(int(args.seed) * 1000003 + zlib.crc32(spec["id"].encode()) % 1000003)
+        self.qj, self.kj, self.vj = (
+            jax.random.normal(jax.random.fold_in(key, i), (1, L, H, head_dim), jnp.bfloat16)
+            for i, (L, H) in enumerate(((self.Lq, Hq), (self.Lkv, Hkv), (self.Lkv, Hkv))))
+        self.rows = C.check_rows(self.Lq, mask.q_bounds, args.check_rows, seed=args.seed)
+        nk = min(args.check_kv_heads, self.Hkv)
+        self.kvh = np.unique(np.linspace(0, self.Hkv - 1, nk).round().astype(np.int64))
+        self.qh = (self.kvh[:, None] * self.g + np.arange(self.g)[None]).ravel()
+        self._ref = {}
+
+    def _subset(self):
+        import jax.numpy as jnp
+        f32 = jnp.float32
+        qs = self.qj[0][self.rows][:, self.qh].astype(f32)[None]
+        ks = self.kj[0][:, self.kvh].astype(f32)[None]
+        vs = self.vj[0][:, self.kvh].astype(f32)[None]
+        return qs, ks, vs
+
+
+class _Rotor:
+    """Hands out a case's new masks in turn: call j gets variant j % n (warm-up calls
+    included), so consecutive requests never see the same mask."""
+
+    def __init__(self, items):
+        self.items, self.i = list(items), 0
+
+    def next(self):
+        x = self.items[self.i % len(self.items)]
+        self.i += 1
+        return x
 
 
 def _sync():
@@ -464,10 +708,13 @@ def _request(fn, args, **kw) -> timing.Timing:
     return timing.time_request(fn, rule=request_rule(args), **kw)
 
 
+def _kernel_timing(fn, arg_sets, args, framework: str) -> timing.Timing:
+    return timing.time_kernel(fn, arg_sets, rule=kernel_rule(args), framework=framework)
+
+
 def _kernel(fn, arg_sets, args, framework: str) -> dict:
     """``kernel_ms``, ``kernel_samples``, ``kernel_timer``, ``kernel_rule`` of a peer."""
-    t = timing.time_kernel(fn, arg_sets, rule=kernel_rule(args), framework=framework)
-    return t.to_json("kernel_")
+    return _kernel_timing(fn, arg_sets, args, framework).to_json("kernel_")
 
 
 def timing_rules(rows: list[dict]) -> dict:
@@ -530,23 +777,120 @@ def run_tessera(case: Case, args) -> dict:
     # the calls above (a jax.jit of this closure would compile a new executable with the plan
     # as constants)
     res.update(_kernel(lambda q, k, v: tj.sparse_attention(q, k, v, mask),
-                       (case.qj, case.kj, case.vj), args, "jax"))
+                       ((case.qj, case.kj, case.vj),), args, "jax"))
+    # The same mask moved to the device compactly (``to_device``: bit-packed) and run by the
+    # device route's compiled call (``--mask-source both``: compiled by the gpu row already).
+    f = getattr(case, "tj_device_fn", None)
+    if f is not None:
+        def via_device():
+            return jax.block_until_ready(f(case.qj, case.kj, case.vj, mask.to_device().blocks))
+        res["to_device_request_ms"] = _request(via_device, args, before=clear).ms
     clear()
     return res
 
 
+def _device_choice(case: "_CaseBase", blocks0) -> tuple[dict, object, int]:
+    """(row fields, template or None, bitmap capacity): what the device route runs for this
+    call site (``device_route``'s own choice: a static template per bounds and shapes)."""
+    import tessera_jax as tj
+    from tessera_jax.runtime import device_route
+    from tessera_jax.runtime import dispatch as backends
+    from tessera_jax.validation import check_shapes
+    shape = check_shapes(case.qj.shape, case.kj.shape, case.qj.dtype)
+    be = backends.resolve(None, shape)
+    dm = tj.BlockMask(case.mask.q_bounds, case.mask.kv_bounds, blocks0)
+    try:                                   # internals: the template and its bitmap capacity
+        consts = device_route._consts(dm)
+        t, cap = device_route._choose(consts[0], consts[1], tuple(dm.blocks.shape), shape, be,
+                                      None)
+    except Exception:  # noqa: BLE001 - the public choice, capacity unknown
+        t, cap = device_route.choose(dm, shape, be, None), None
+    return ({"backend": be, "device_template": t.name if t is not None else "exact path",
+             "bitmap_capacity": cap}, t, cap)
 
-def _time_request(res: dict, convert_and_plan, run, args) -> dict:
-    """Adds plan-only, request (convert + plan + run) and kernel-only timings to ``res``."""
-    res["plan_ms"] = _request(convert_and_plan, args, sync=_sync).ms
-    res.update(_request(lambda: (convert_and_plan(), run()), args,
-                        sync=_sync).to_json("request_"))
-    convert_and_plan()
+
+def run_tessera_device(case: "_CaseBase", args) -> dict:
+    """tessera_jax on a mask that starts on the device (``--mask-source gpu``): a request is
+    one call of a jitted ``lambda q, k, v, blocks: tj.sparse_attention(q, k, v,
+    tj.BlockMask(q_bounds, kv_bounds, blocks))``, bounds static NumPy (as a content-dependent
+    method has them), blocks a device array, a new one per request (``case.variants``; the
+    first is the checked one). The device route plans inside the program: no host planning,
+    no host transfer. Kernel time: the same call under the kernel rule (device plan + kernel,
+    one program; variant 0, as the peers' kernels); ``device_plan_ms``: the device plan alone
+    (``planning.device.plan_on_device``, the route's template and capacity), same rule."""
+    import jax
+
+    import tessera_jax as tj
+    from request_cases import forget_request_caches
+    from tessera_jax.planning import device as device_planner
+    mask = case.mask
+    qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
+    blocks = case.variants_jax(args)
+    f = jax.jit(lambda q, k, v, b: tj.sparse_attention(q, k, v, tj.BlockMask(qb, kb, b)))
+    case.tj_device_fn = f
+    qkv = (case.qj, case.kj, case.vj)
+    t = time.perf_counter()
+    out = jax.block_until_ready(f(*qkv, blocks[0]))
+    res = {"first_call_s": time.perf_counter() - t, "route": "device",
+           "variants": len(blocks), "variant_kind": args.variant_kind}
+    o = np.asarray(jax.device_get(out[0][case.rows][:, case.qh]), np.float32)
+    res.update(case.check(o))
+    del out
+    try:
+        info, tpl, cap = _device_choice(case, blocks[0])
+        res.update(info)
+    except Exception as e:  # noqa: BLE001
+        tpl, cap = None, None
+        res["device_template"] = "unknown: " + _tail(e, 200)
+    if res["status"] not in OK_STATES:
+        return res
+    rot = _Rotor(blocks)
+    res.update(_request(lambda: jax.block_until_ready(f(*qkv, rot.next())), args,
+                        before=forget_request_caches).to_json("request_"))
+    res.update(_kernel(f, [(*qkv, blocks[0])], args, "jax"))
+    if tpl is not None:                # (the exact path computes dense work: timed once)
+        res["kernel_ms_all_variants"] = _kernel_timing(f, [(*qkv, b) for b in blocks], args,
+                                                       "jax").ms
+        try:
+            planf = jax.jit(lambda b: device_planner.plan_on_device(
+                b, qb, kb, num_q_heads=case.Hq, q_len=case.Lq, kv_len=case.Lkv,
+                tile_q=tpl.tile_q, tile_kv=tpl.tile_kv, bitmap_capacity=cap or 0))
+            res.update(_kernel_timing(planf, [(blocks[0],)], args, "jax").to_json("device_plan_"))
+            prot = _Rotor(blocks)
+            res["device_plan_wall_ms"] = _request(
+                lambda: jax.block_until_ready(planf(prot.next())), args).ms
+        except Exception as e:  # noqa: BLE001
+            res["device_plan_error"] = _tail(e, 300)
+    forget_request_caches()
+    return res
+
+
+
+def _time_request(res: dict, convert_and_plan, run, args, variants=None) -> dict:
+    """Adds plan-only, request (convert + plan + run) and kernel-only timings to ``res``.
+
+    ``variants`` (mask source "gpu"): ``convert_and_plan(v)`` takes a new mask per call (call
+    j: variant j % n, warm-up included); the kernel runs the plan of variant 0, the checked
+    one. Without: ``convert_and_plan()`` of the case's mask (mask source "host")."""
+    def cp_fn():
+        if variants is None:
+            return convert_and_plan
+        rot = _Rotor(variants)
+        return lambda: convert_and_plan(rot.next())
+
+    cp = cp_fn()
+    res["plan_ms"] = _request(cp, args, sync=_sync).ms
+    cp = cp_fn()
+    res.update(_request(lambda: (cp(), run()), args, sync=_sync).to_json("request_"))
+    convert_and_plan() if variants is None else convert_and_plan(variants[0])
     res.update(_kernel(run, ((),), args, "torch"))
     return res
 
 
 def run_fi_bsr(case: Case, args, ctx: Ctx) -> dict:
+    """FlashInfer BSR. Mask source "gpu": the mask is a torch bool tensor on the device; a
+    request copies it to the host (``.cpu()``: plan() takes host BSR arrays), converts it
+    (NumPy, as "host") and plans; R, C, M, N come from the static bounds."""
     torch = ctx.torch
     b = C.fi_bsr(case.mask)
     if isinstance(b, str):
@@ -560,14 +904,27 @@ def run_fi_bsr(case: Case, args, ctx: Ctx) -> dict:
     k0 = torch.nn.functional.pad(case.k[0], (0, 0, 0, 0, 0, pad)) if pad else case.k[0]
     v0 = torch.nn.functional.pad(case.v[0], (0, 0, 0, 0, 0, pad)) if pad else case.v[0]
 
-    def convert_and_plan():
-        bb = C.fi_bsr(case.mask)
+    def plan(bb):
         w.plan(torch.from_numpy(bb.indptr), torch.from_numpy(bb.indices), bb.M, bb.N, bb.R, bb.C,
                case.Hq, case.Hkv, case.D, q_data_type=bf, kv_data_type=bf, o_data_type=bf)
 
+    variants = None
+    if case.source == "gpu":
+        layout = C.fi_bsr_layout(case.mask)
+        variants = case.variants_torch(args)
+
+        def convert_and_plan(bt):          # bt: bool [Hm, nq, nkv] on the device
+            bb = C.fi_bsr_from_shared(bt[0].cpu().numpy(), layout)
+            if isinstance(bb, str):
+                raise ValueError(f"a new mask can't be BSR: {bb}")
+            plan(bb)
+    else:
+        def convert_and_plan():
+            plan(C.fi_bsr(case.mask))
+
     run = lambda: w.run(q0, k0, v0)  # noqa: E731
     t = time.perf_counter()
-    convert_and_plan()
+    convert_and_plan() if variants is None else convert_and_plan(variants[0])
     out = run()
     _sync()
     res = {"first_call_s": time.perf_counter() - t, "R": b.R, "C": b.C, "nnz_blocks": b.nnz,
@@ -577,10 +934,14 @@ def run_fi_bsr(case: Case, args, ctx: Ctx) -> dict:
     del out
     if res["status"] not in OK_STATES:
         return res
-    return _time_request(res, convert_and_plan, run, args)
+    return _time_request(res, convert_and_plan, run, args, variants)
 
 
 def run_fi_var(case: Case, args, ctx: Ctx) -> dict:
+    """FlashInfer variable blocks. Mask source "gpu": the torch bool tensor on the device goes
+    to plan() as it is (heads picked / broadcast on the device to the pattern per FlashInfer
+    KV head that the static mask layout needs); plan() pays its own copies to the host.
+    ``--fi-var-device cpu``: a ``.cpu()`` first. Block sizes: static, on the device."""
     torch = ctx.torch
     if ctx.flashinfer() is None:
         return {"status": "failed", "why": ctx.fi_error}
@@ -596,15 +957,32 @@ def run_fi_var(case: Case, args, ctx: Ctx) -> dict:
     kh, vh = kh.contiguous(), vh.contiguous()
     dev = ctx.dev if args.fi_var_device == "cuda" else torch.device("cpu")
 
-    def convert_and_plan():
-        c = C.fi_var(case.mask, case.Hq, case.Hkv)
-        w.plan(torch.from_numpy(c.block_mask_map).to(dev), torch.from_numpy(c.block_row_sz).to(dev),
-               torch.from_numpy(c.block_col_sz).to(dev), case.Hq, c.num_kv_heads, case.D,
-               q_data_type=bf, kv_data_type=bf)
+    variants = None
+    if case.source == "gpu":
+        variants = case.variants_torch(args)
+        row_sz = torch.from_numpy(vv.block_row_sz).to(dev)
+        col_sz = torch.from_numpy(vv.block_col_sz).to(dev)
+        h_fi, Hm, g = vv.num_kv_heads, case.mask.num_heads, case.g
+
+        def convert_and_plan(bt):          # bt: bool [Hm, nq, nkv] on the device
+            if Hm == 1:
+                m = bt.expand(h_fi, *bt.shape[1:])
+            elif h_fi != Hm:               # heads equal within GQA groups: one per group
+                m = bt[::g]
+            else:
+                m = bt
+            m = m.contiguous() if dev.type != "cpu" else m.cpu().contiguous()
+            w.plan(m, row_sz, col_sz, case.Hq, h_fi, case.D, q_data_type=bf, kv_data_type=bf)
+    else:
+        def convert_and_plan():
+            c = C.fi_var(case.mask, case.Hq, case.Hkv)
+            w.plan(torch.from_numpy(c.block_mask_map).to(dev), torch.from_numpy(c.block_row_sz).to(dev),
+                   torch.from_numpy(c.block_col_sz).to(dev), case.Hq, c.num_kv_heads, case.D,
+                   q_data_type=bf, kv_data_type=bf)
 
     run = lambda: w.run(qh, kh, vh)  # noqa: E731
     t = time.perf_counter()
-    convert_and_plan()
+    convert_and_plan() if variants is None else convert_and_plan(variants[0])
     out = run()
     _sync()
     res = {"first_call_s": time.perf_counter() - t, "fi_kv_heads": vv.num_kv_heads,
@@ -615,7 +993,7 @@ def run_fi_var(case: Case, args, ctx: Ctx) -> dict:
     del out, sub
     if res["status"] not in OK_STATES:
         return res
-    return _time_request(res, convert_and_plan, run, args)
+    return _time_request(res, convert_and_plan, run, args, variants)
 
 
 def _cap(n: int) -> int:
@@ -686,17 +1064,24 @@ def run_flex(case: Case, args, ctx: Ctx) -> dict:
         vf = torch.nn.functional.pad(case.v, (0, 0, 0, 0, 0, pk)).transpose(1, 2).contiguous()
         ko = _flex_kernel_options(fb.block)
         block = fb.block
+        variants = static = None
 
-        def convert():      # on the GPU: tile counts, index lists, BlockMask, mask_mod
-            f = C.flex_blocks_torch(case.mask, block, pad_to=args.flex_pad, device=ctx.dev)
+        def convert(bt=None):   # on the GPU: tile counts, index lists, BlockMask, mask_mod
+            f = C.flex_blocks_torch(case.mask, block, pad_to=args.flex_pad, device=ctx.dev,
+                                    blocks_dev=bt, static=static)
             return flex_block_mask(f, torch, ctx.dev)
 
         def call(bm):
             return flex(qf, kf, vf, block_mask=bm, enable_gqa=gqa, kernel_options=ko)
 
         try:
+            if case.source == "gpu":   # the mask starts on the device; what the bounds, the
+                # tile and the pad give alone is made once (a content-dependent method has it)
+                variants = case.variants_torch(args)
+                static = C.flex_static_torch(case.mask, block, pad_to=args.flex_pad,
+                                             device=ctx.dev)
             t = time.perf_counter()
-            bm = convert()
+            bm = convert(None if variants is None else variants[0])
             out = call(bm)
             _sync()
             res = {"first_call_s": time.perf_counter() - t, "block": list(fb.block),
@@ -712,9 +1097,17 @@ def run_flex(case: Case, args, ctx: Ctx) -> dict:
             continue
         if res["status"] not in OK_STATES:
             return res
-        res["plan_ms"] = _request(convert, args, sync=_sync).ms
-        res.update(_request(lambda: call(convert()), args, sync=_sync).to_json("request_"))
-        bm = convert()
+        if variants is None:
+            res["plan_ms"] = _request(convert, args, sync=_sync).ms
+            res.update(_request(lambda: call(convert()), args, sync=_sync).to_json("request_"))
+            bm = convert()
+        else:
+            rot = _Rotor(variants)
+            res["plan_ms"] = _request(lambda: convert(rot.next()), args, sync=_sync).ms
+            rot = _Rotor(variants)
+            res.update(_request(lambda: call(convert(rot.next())), args,
+                                sync=_sync).to_json("request_"))
+            bm = convert(variants[0])
         res.update(_kernel(lambda: call(bm), ((),), args, "torch"))
         return res
     return {"status": "failed", "why": " || ".join(errors)}
@@ -783,7 +1176,8 @@ def fi_warmup(ctx: Ctx, args) -> dict:
     return out
 
 
-RUNNERS = {"tessera": lambda c, a, x: run_tessera(c, a), "flashinfer_bsr": run_fi_bsr,
+RUNNERS = {"tessera": lambda c, a, x: run_tessera_device(c, a) if c.source == "gpu" else
+           run_tessera(c, a), "flashinfer_bsr": run_fi_bsr,
            "flashinfer_var": run_fi_var, "flex": run_flex, "dense": run_dense}
 
 
@@ -841,7 +1235,7 @@ def merge_docs(paths, out: str, png: str | None = None) -> dict:
     rows = {}
     for d in docs:
         for r in d.get("rows", []):
-            rows[r.get("id", len(rows))] = r
+            rows[(r.get("id", len(rows)), mask_source(r))] = r
     doc = dict(docs[0]) if docs else {}
     doc["rows"] = list(rows.values())
     doc["parts"] = [{k: d.get(k) for k in ("command", "date", "versions", "flashinfer_warmup",
@@ -852,7 +1246,10 @@ def merge_docs(paths, out: str, png: str | None = None) -> dict:
     ok = [r for r in doc["rows"] if "peers" in r]
     doc["summary"] = summarize(ok)
     png = png or str(Path(out).with_suffix(".png"))
-    doc["figure"] = figure(ok, png, title=f"tessera_jax vs peers, {len(ok)} test masks")
+    src = primary_source(ok)
+    doc["figure"] = figure(ok, png, title=f"tessera_jax vs peers, "
+                           f"{sum(mask_source(r) == src for r in ok)} test masks "
+                           f"(masks start on the {'GPU' if src == 'gpu' else 'host'})")
     Path(out).write_text(json.dumps(doc, indent=1, default=str))
     return doc
 
@@ -870,18 +1267,27 @@ def gpu_main(args) -> int:
         build = lambda spec, heads=None: smoke[spec["id"]]  # noqa: E731
     else:
         specs, avail = sample_specs(args.per_family, args.families, args.grids, args.seed)
+    if args.shard:                  # one process per GPU over the same sample (same masks)
+        specs = shard_specs(specs, *args.shard)
+    sources = ["gpu", "host"] if args.mask_source == "both" else [args.mask_source]
     if args.skip_from:              # a run cut by its budget: time only the masks it missed
-        done = {r["id"] for f in args.skip_from for r in json.load(open(f)).get("rows", [])}
-        specs = [s for s in specs if s["id"] not in done]
-        log(f"--skip-from: {len(done)} masks already timed; {len(specs)} left")
+        done = {(r["id"], mask_source(r)) for f in args.skip_from
+                for r in json.load(open(f)).get("rows", [])}
+        specs = [s for s in specs if any((s["id"], src) not in done for src in sources)]
+        log(f"--skip-from: {len(done)} rows already timed; {len(specs)} masks left")
+    else:
+        done = set()
     peers = [p for p in args.peers.split(",") if p]
     for p in peers:
         if p not in RUNNERS:
             raise SystemExit(f"--peers: unknown peer {p!r}; known: {list(RUNNERS)}")
-    log(f"{len(specs)} test-split masks sampled ({args.per_family}/family) from {avail}")
-    doc = {"benchmark": "peers (issue 7)", "command": " ".join([sys.executable, *sys.argv]),
+    log(f"{len(specs)} test-split masks sampled ({args.per_family}/family) from {avail}; "
+        f"mask sources {sources}")
+    doc = {"benchmark": "peers (issue 7; mask sources: issue 16)",
+           "command": " ".join([sys.executable, *sys.argv]),
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "config": vars(args), "versions": versions(ctx),
+           "mask_sources": sources,
            "sampling": {"split": "test", "per_family": args.per_family,
                         "available_per_family": avail, "heads": args.heads or "all",
                         "note": "stratified by family; specs spread over grids; a head subset "
@@ -898,8 +1304,20 @@ def gpu_main(args) -> int:
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     png = args.figure or str(out_path.with_suffix(".png"))
+    src0 = "gpu" if "gpu" in sources else "host"
     title = (f"tessera_jax vs peers per mask family "
-             f"({doc['versions'].get('gpu') or 'CPU smoke'}; request latency)")
+             f"({doc['versions'].get('gpu') or 'CPU smoke'}; request latency, masks start on "
+             f"the {'GPU' if src0 == 'gpu' else 'host'})")
+
+    def save():
+        ok = [r for r in doc["rows"] if "peers" in r]
+        doc["summary"] = summarize(ok)
+        out_path.write_text(json.dumps(doc, indent=1, default=str))   # partial results survive
+        try:
+            figure(ok, png, title=title)
+        except Exception as e:  # noqa: BLE001
+            log("figure failed:", _tail(e, 200))
+
     try:
         from tqdm import tqdm
         it = tqdm(specs, desc="masks", mininterval=5)
@@ -907,11 +1325,12 @@ def gpu_main(args) -> int:
         it = specs
     for spec in it:
         if time.time() - T0 > args.time_budget - args.reserve:
-            doc["notes"].append(f"time budget reached after {len(doc['rows'])} of {len(specs)} masks")
+            doc["notes"].append(f"time budget reached after {len(doc['rows'])} rows "
+                                f"({len(specs)} masks sampled)")
             log(doc["notes"][-1])
             break
-        row = None
-        case = None
+        base = row = case = None
+        todo = [src for src in sources if (spec["id"], src) not in done]
         try:
             heads = min(args.heads, spec["heads"]) if args.heads else spec["heads"]
             t = time.perf_counter()
@@ -919,28 +1338,43 @@ def gpu_main(args) -> int:
             build_s = time.perf_counter() - t
             Hq = heads
             Hkv = Hq // args.gqa if Hq % args.gqa == 0 else Hq
-            row = mask_info(spec, mask, Hq, Hkv, args.head_dim)
-            row["build_s"] = build_s
-            row["peers"] = {}
+            base = mask_info(spec, mask, Hq, Hkv, args.head_dim)
+            base["build_s"] = build_s
             case = Case(ctx, {**spec, "heads_run": Hq}, mask, Hkv, args)
-            for p in peers:
-                t = time.perf_counter()
-                try:
-                    r = RUNNERS[p](case, args, ctx)
-                except Exception as e:  # noqa: BLE001
-                    r = {"status": "failed", "why": _tail(e)}
-                r["wall_s"] = time.perf_counter() - t
-                row["peers"][p] = r
-            sp = speedups(row)
-            row["speedup_request"] = sp
-            row["speedup_kernel"] = speedups(row, "kernel_ms")
-            log(f"{spec['family']:11s} {spec['grid']:10s} L={mask.Lq} H={Hq} d={mask.density:.3f} " +
-                " ".join(f"{p}={row['peers'][p].get('request_ms') or row['peers'][p].get('status')}"
-                         if not isinstance(row['peers'][p].get('request_ms'), float) else
-                         f"{p}={row['peers'][p]['request_ms']:.2f}ms" for p in peers) +
-                "  speedup " + " ".join(f"{k}={v:.2f}" for k, v in sp.items()))
+            for i, src in enumerate(todo):
+                if i and time.time() - T0 > args.time_budget - args.reserve / 2:
+                    doc["notes"].append(f"time budget: mask {spec['id']} source {src} left "
+                                        "for a --skip-from call")
+                    log(doc["notes"][-1])
+                    break
+                row = dict(base, mask_source=src, peers={})
+                doc["rows"].append(row)
+                case.source = src
+                for p in peers:
+                    t = time.perf_counter()
+                    try:
+                        r = RUNNERS[p](case, args, ctx)
+                    except Exception as e:  # noqa: BLE001
+                        r = {"status": "failed", "why": _tail(e)}
+                    r["wall_s"] = time.perf_counter() - t
+                    row["peers"][p] = r
+                sp = speedups(row)
+                row["speedup_request"] = sp
+                row["speedup_kernel"] = speedups(row, "kernel_ms")
+                log(f"{spec['family']:11s} {spec['grid']:10s} {src:4s} L={mask.Lq} H={Hq} "
+                    f"d={mask.density:.3f} " +
+                    " ".join(f"{p}={row['peers'][p].get('request_ms') or row['peers'][p].get('status')}"
+                             if not isinstance(row['peers'][p].get('request_ms'), float) else
+                             f"{p}={row['peers'][p]['request_ms']:.2f}ms" for p in peers) +
+                    "  speedup " + " ".join(f"{k}={v:.2f}" for k, v in sp.items()))
+                save()
+                row = None
         except Exception as e:  # noqa: BLE001
-            row = row or {"id": spec.get("id"), "family": spec.get("family"), "grid": spec.get("grid")}
+            if row is None:
+                row = dict(base or {"id": spec.get("id"), "family": spec.get("family"),
+                                    "grid": spec.get("grid")},
+                           mask_source=todo[0] if todo else sources[0])
+                doc["rows"].append(row)
             row["error"] = _tail(e)
             log("mask failed:", row["error"][:300])
         finally:
@@ -950,21 +1384,17 @@ def gpu_main(args) -> int:
             gc.collect()
             if not args.smoke:
                 ctx.torch.cuda.empty_cache()
-        doc["rows"].append(row)
-        doc["summary"] = summarize([r for r in doc["rows"] if "peers" in r])
-        out_path.write_text(json.dumps(doc, indent=1, default=str))   # partial results survive
-        try:
-            figure([r for r in doc["rows"] if "peers" in r], png, title=title)
-        except Exception as e:  # noqa: BLE001
-            log("figure failed:", _tail(e, 200))
+        save()
     doc["summary"] = summarize([r for r in doc["rows"] if "peers" in r])
     doc["elapsed_s"] = time.time() - T0
     doc["figure"] = figure([r for r in doc["rows"] if "peers" in r], png, title=title)
     out_path.write_text(json.dumps(doc, indent=1, default=str))
     s = doc["summary"]
-    log(f"wrote {out_path} and {png}: masks={s['masks']} min_vs_best_alt="
-        f"{s['min_speedup_vs_best_alternative']} median_vs_fi={s['median_speedup_vs_flashinfer']} "
-        f"median_vs_flex={s['median_speedup_vs_flex']}")
+    log(f"wrote {out_path} and {png}: masks={s['masks']} (start on the {s['mask_source']}) "
+        f"min_vs_best_alt={s['min_speedup_vs_best_alternative']} "
+        f"median_vs_fi={s['median_speedup_vs_flashinfer']} "
+        f"median_vs_flex={s['median_speedup_vs_flex']} "
+        f"median_request_overhead_ms={s['median_request_overhead_ms']}")
     if s["timing_rules"].get("error"):          # written above; the run fails
         log("timing rule check FAILED:", s["timing_rules"]["error"])
         return 1
@@ -1059,7 +1489,7 @@ def dry_run(args) -> dict:
     except ImportError:
         have_torch = False
     rows = []
-    for fam, grid, mask, gqa in dry_masks(args.seed):
+    for i, (fam, grid, mask, gqa) in enumerate(dry_masks(args.seed)):
         Hq = mask.num_heads if mask.num_heads > 1 else 4
         Hkv = Hq // gqa
         tm = np.broadcast_to(mask.token_mask(), (Hq, mask.Lq, mask.Lkv))
@@ -1085,15 +1515,56 @@ def dry_run(args) -> dict:
         row["exact"]["flex"] = bool(not t[:, :mask.Lq, mask.Lkv:].any() and (t_real == tm).all())
         if have_torch:
             row["torch"] = _torch_pieces(mask, b, v, fb, Hq, Hkv)
+        if _dry_device_wanted(args.dry_device, fam, mask):
+            row["tessera_device"] = dry_device({"id": f"dry-{i}", "family": fam, "grid": grid},
+                                               mask, Hq, Hkv, args)
         rows.append(row)
+    dev_rows = [{"id": f"dry-{i}", "family": r["family"], "mask_source": "gpu",
+                 "peers": {"tessera": r["tessera_device"]}}
+                for i, r in enumerate(rows) if "tessera_device" in r]
+    dev_bad = sum(1 for r in dev_rows if r["peers"]["tessera"].get("status") not in OK_STATES)
     n_bad = sum(1 for r in rows for k, x in r["exact"].items() if x is False)
     n_bad += sum(1 for r in rows for k in ("flex_tiles_match", "flex_cpu_ok",
                                            "flex_torch_conversion_matches")
                  if r.get("torch", {}).get(k) is False)
-    doc = {"benchmark": "peers --dry-run (CPU: conversions only)", "torch": have_torch,
-           "rows": rows, "inexact_conversions": n_bad,
+    doc = {"benchmark": "peers --dry-run (CPU: conversions; tessera_jax's device route)",
+           "torch": have_torch, "rows": rows, "inexact_conversions": n_bad,
+           "device_masks": len(dev_rows), "device_failures": dev_bad,
+           "device_summary": summarize(dev_rows),
            "summary": summarize([])}
     return doc
+
+
+def _dry_device_wanted(which: str, family: str, mask) -> bool:
+    if which in ("all", "none"):
+        return which == "all"
+    return mask.Lq <= 256 and (which == "tiny" or family in which.split(","))
+
+
+def dry_device(spec: dict, mask, Hq: int, Hkv: int, args) -> dict:
+    """CPU: ``run_tessera_device`` end to end on a tiny mask (XLA backend; jax inputs, no
+    torch): new device masks, the jitted device-route call checked against the reference,
+    its request, kernel and device-plan timings (host clock off the GPU)."""
+    case = DryCase(spec, mask, Hq, Hkv, args)
+    case.source = "gpu"
+    t = time.perf_counter()
+    try:
+        res = run_tessera_device(case, args)
+    except Exception as e:  # noqa: BLE001
+        res = {"status": "failed", "why": _tail(e)}
+    res["wall_s"] = time.perf_counter() - t
+    case.free()
+    return res
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard wants K/N (e.g. 0/2), got {text!r}") from None
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"--shard K/N needs 0 <= K < N, got {text!r}")
+    return k, n
 
 
 def parse_args(argv=None):
@@ -1123,9 +1594,28 @@ def parse_args(argv=None):
                     help="FlexAttention tiles tried (largest first)")
     ap.add_argument("--flex-pad", type=int, default=1024,
                     help="FlexAttention sequences padded to a multiple of this (compile reuse)")
+    ap.add_argument("--mask-source", default="host", choices=("host", "gpu", "both"),
+                    help="where a request's mask starts: host (NumPy mask, every cache cleared "
+                         "per request: the issue-7 runs), gpu (a new mask per request, already "
+                         "on the device: issue 16), both (one row per source and mask; the "
+                         "summary headline is gpu's, by_mask_source has both)")
+    ap.add_argument("--mask-variants", type=int, default=None,
+                    help="new masks per case for --mask-source gpu (default: the request "
+                         "rule's warm-up + timed calls, so no request repeats a mask)")
+    ap.add_argument("--variant-kind", default="perturb", choices=C.VARIANT_KINDS,
+                    help="how the new masks are made (peers_lib.convert.mask_variants)")
+    ap.add_argument("--dry-device", default="tiny", metavar="WHICH",
+                    help="--dry-run: the dry masks that also run tessera_jax's device route "
+                         "end to end (mask source gpu, XLA on CPU): tiny (<= 256 queries: every "
+                         "family once, the random masks), all, none, or dry families "
+                         "(comma-separated: their masks of <= 256 queries)")
+    ap.add_argument("--shard", type=_shard, default=None, metavar="K/N",
+                    help="time only shard K of N of the sample (drawn as without it, so "
+                         "--families picks the same masks; shards balanced by mask size: "
+                         "shard_specs), e.g. one process per GPU")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-from", nargs="+", default=None, metavar="JSON",
-                    help="skip the masks whose rows these earlier result files hold")
+                    help="skip the (mask, source) rows these earlier result files hold")
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny masks, conversions only")
     ap.add_argument("--fi-warmup-only", action="store_true",
                     help="only JIT-build FlashInfer's modules (into FLASHINFER_WORKSPACE_BASE), so a "
@@ -1136,6 +1626,8 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     if a.per_family < 1 or a.iters < 1 or a.request_iters < 1 or a.gqa < 1:
         ap.error("--per-family, --iters, --request-iters and --gqa must be >= 1")
+    if a.mask_variants is not None and a.mask_variants < 1:
+        ap.error("--mask-variants must be >= 1")
     if a.flex_pad % 128:
         ap.error("--flex-pad must be a multiple of 128")
     try:
@@ -1152,9 +1644,11 @@ def main(argv=None) -> int:
             raise SystemExit("usage: peers.py --merge A.json [B.json ...] --out OUT.json")
         doc = merge_docs(argv[1:-2], argv[-1])
         s = doc["summary"]
-        log(f"merged {len(argv) - 3} files: masks={s['masks']} min_vs_best_alt="
-            f"{s['min_speedup_vs_best_alternative']} median_vs_fi={s['median_speedup_vs_flashinfer']} "
-            f"median_vs_flex={s['median_speedup_vs_flex']}")
+        log(f"merged {len(argv) - 3} files: masks={s['masks']} (start on the "
+            f"{s['mask_source']}) min_vs_best_alt={s['min_speedup_vs_best_alternative']} "
+            f"median_vs_fi={s['median_speedup_vs_flashinfer']} "
+            f"median_vs_flex={s['median_speedup_vs_flex']} "
+            f"median_request_overhead_ms={s['median_request_overhead_ms']}")
         if s["timing_rules"].get("error"):
             log("timing rule check FAILED:", s["timing_rules"]["error"])
             return 1
@@ -1167,10 +1661,18 @@ def main(argv=None) -> int:
                   f"exact={r['exact']} flex={r['flex']['block']} mask_mod={r['flex']['mask_mod']}"
                   + (f" torch={ {k: v for k, v in r['torch'].items() if 'ok' in k or 'match' in k or k == 'flex_cpu'} }"
                      if "torch" in r else ""))
-        print(f"inexact conversions: {doc['inexact_conversions']} (torch available: {doc['torch']})")
+            d = r.get("tessera_device")
+            if d is not None:
+                print(f"{'':22s} tessera device route: {d.get('status')} "
+                      f"template={d.get('device_template')} "
+                      + (f"request={d['request_ms']:.2f}ms kernel={d['kernel_ms']:.2f}ms "
+                         f"plan={d.get('device_plan_ms', float('nan')):.2f}ms ({d['kernel_timer']})"
+                         if d.get("request_ms") is not None else str(d.get("why", ""))[:300]))
+        print(f"inexact conversions: {doc['inexact_conversions']} (torch available: {doc['torch']}); "
+              f"tessera device route: {doc['device_failures']} of {doc['device_masks']} masks failed")
         if args.out:
             Path(args.out).write_text(json.dumps(doc, indent=1, default=str))
-        return 1 if doc["inexact_conversions"] else 0
+        return 1 if doc["inexact_conversions"] or doc["device_failures"] else 0
     if args.fi_warmup_only:
         t = time.perf_counter()
         res = fi_warmup(Ctx(args), args)

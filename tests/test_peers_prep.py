@@ -300,9 +300,17 @@ def test_sampling_is_stratified_and_test_only():
     assert [s["id"] for s in again] == [s["id"] for s in specs]
 
 
+#: Dry masks whose device route runs in test_dry_run: shared 64-token windows, per-head cubes,
+#: variable clusters (bitmap steps), variable bounds with GQA, per-head aligned blocks.
+DRY_DEVICE = "sta,vsa,svg2,random_variable_gqa,random_aligned_perhead"
+
+
 def test_dry_run(tmp_path):
+    """Conversions of every dry mask, and tessera_jax's device route (mask source gpu) end to
+    end on CPU: new device masks, the jitted call checked, request / kernel / device-plan
+    times (host clock), the summary of those rows."""
     out = tmp_path / "dry.json"
-    assert peers.main(["--dry-run", "--out", str(out)]) == 0
+    assert peers.main(["--dry-run", "--dry-device", DRY_DEVICE, "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["inexact_conversions"] == 0
     fams = {r["family"] for r in doc["rows"]}
@@ -312,6 +320,168 @@ def test_dry_run(tmp_path):
     assert any(r["fi_var_kv_repeat"] > 1 for r in doc["rows"])
     assert any(r["flex"]["mask_mod"] for r in doc["rows"]) and \
         any(not r["flex"]["mask_mod"] for r in doc["rows"])
+    dev = [r for r in doc["rows"] if "tessera_device" in r]
+    assert {r["family"] for r in dev} == set(DRY_DEVICE.split(","))
+    assert doc["device_failures"] == 0 and doc["device_masks"] == len(dev)
+    for r in dev:
+        d = r["tessera_device"]
+        assert d["status"] == "ok" and d["route"] == "device", d
+        assert d["rel_err"] < peers.RTOL and d["variants"] == 6
+        assert d["request_ms"] > 0 and d["kernel_ms"] > 0 and d["kernel_ms_all_variants"] > 0
+        assert d["request_rule"] == peers.request_rule(peers.parse_args([])).name
+        assert d["device_template"].startswith("xla_") and d["device_plan_ms"] > 0
+        assert d["kernel_timer"] == "wall"                      # no GPU: the host clock
+    assert any(r["tessera_device"]["bitmap_capacity"] for r in dev)     # bitmap steps ran
+    s = doc["device_summary"]
+    assert s["mask_source"] == "gpu" and s["masks"] == len(dev)
+    assert s["median_request_overhead_ms"] == pytest.approx(np.median(
+        [r["tessera_device"]["request_ms"] - r["tessera_device"]["kernel_ms"] for r in dev]))
+    assert sum(s["tessera_device"]["templates"].values()) == len(dev)
+
+
+def test_mask_variants():
+    rng = np.random.default_rng(5)
+    qb, kb = np.array([0, 5, 70, 71, 150, 200]), np.array([0, 64, 65, 100, 190, 232])
+    per_head = BlockMask(qb, kb, rng.random((4, 5, 5)) < 0.5)
+    shared = BlockMask.uniform(200, 232, 32, 48, rng.random((1, 7, 5)) < 0.4)
+    same = BlockMask(qb, kb, np.repeat(rng.random((1, 5, 5)) < 0.5, 4, axis=0))
+    for m in (per_head, shared, same):
+        vs = C.mask_variants(m, 6, group=2, seed=1)
+        assert len(vs) == 6 and vs[0] is not None and np.array_equal(vs[0], m.blocks)
+        assert len({v.tobytes() for v in vs}) == 6                 # a new mask every time
+        for i, v in enumerate(vs[1:], 1):
+            assert v.dtype == np.bool_ and v.shape == m.blocks.shape and v.flags.c_contiguous
+            rolled = np.roll(m.blocks, 2 * i, axis=0) if m.num_heads > 1 else m.blocks
+            gone = rolled & ~v
+            assert not (v & ~rolled).any() and 1 <= gone.sum() <= 4    # one block (per group)
+            assert gone.any(axis=0).sum() == 1
+            # rows with two or more blocks keep one
+            assert (v.sum(-1) >= np.minimum(rolled.sum(-1), 1)).all()
+        if m is same:                                   # heads that were equal stay equal
+            assert all((v == v[:1]).all() for v in vs)
+        BlockMask(m.q_bounds, m.kv_bounds, vs[-1])      # a valid mask
+    assert all(np.array_equal(v, per_head.blocks)       # key blocks of distinct sizes stay
+               for v in C.mask_variants(per_head, 3, kind="permute"))
+    mixed = BlockMask([0, 40, 100, 256], [0, 32, 64, 96, 100, 132, 164, 200],
+                      rng.random((4, 3, 7)) < 0.5)
+    vs = C.mask_variants(mixed, 4, kind="permute", seed=2)
+    assert len({v.tobytes() for v in vs}) > 1
+    want = mixed.selected_interactions(4)
+    for v in vs:                                        # the same work, keys moved
+        assert BlockMask(mixed.q_bounds, mixed.kv_bounds, v).selected_interactions(4) == want
+    uniform = BlockMask.uniform(200, 232, 32, 48, rng.random((1, 7, 5)) < 0.4)
+    for v in C.mask_variants(uniform, 4, kind="permute", seed=3):
+        assert np.array_equal(v[:, :, -1], uniform.blocks[:, :, -1])   # short last block stays
+    assert len(C.mask_variants(shared, 1)) == 1
+    with pytest.raises(ValueError, match="kind"):
+        C.mask_variants(shared, 3, kind="shuffle")
+    with pytest.raises(ValueError, match="n must"):
+        C.mask_variants(shared, 0)
+    with pytest.raises(ValueError, match="group"):
+        C.mask_variants(shared, 2, group=0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(masks())
+def test_fi_bsr_static_split_matches(case):
+    """BSR from a pattern that arrives later (a new mask) on the layout of the bounds alone
+    equals the one-step conversion."""
+    mask, _, _ = case
+    b = C.fi_bsr(mask)
+    layout = C.fi_bsr_layout(mask)
+    shared = C.shared_blocks(mask)
+    if shared is None or isinstance(layout, str):     # refused, saying why
+        assert isinstance(b, str) and b in ("per-head mask: the BSR pattern is shared by all "
+                                            "heads", layout)
+        return
+    got = C.fi_bsr_from_shared(shared, layout)
+    if isinstance(b, str):
+        assert got == b
+    else:
+        assert all(np.array_equal(getattr(got, f), getattr(b, f)) for f in ("indptr", "indices"))
+        assert (got.M, got.N, got.R, got.C, got.Lkv) == (b.M, b.N, b.R, b.C, b.Lkv)
+
+
+def _src_row(fam, src, tess, kern, fi, rid):
+    r = _row(fam, tess, fi_var=fi, flex=3 * tess, dense=4 * tess)
+    r["peers"]["tessera"]["kernel_ms"] = kern
+    return dict(r, id=rid, mask_source=src)
+
+
+def test_summary_by_mask_source(tmp_path):
+    """The headline is the gpu rows' (new masks on the device), the host rows' follow under
+    by_mask_source; request overhead = request - kernel per peer; old rows are host rows."""
+    gpu = [_src_row("sta", "gpu", 1.0, 0.9, 3.0, "a"), _src_row("vsa", "gpu", 2.0, 1.7, 5.0, "b")]
+    host = [_src_row("sta", "host", 2.0, 0.9, 3.0, "a"), _src_row("vsa", "host", 4.0, 1.7, 5.0, "b")]
+    s = peers.summarize(gpu + host)
+    assert s["mask_source"] == "gpu" and s["masks"] == 2
+    assert s["median_speedup_vs_flashinfer"] == pytest.approx(np.median([3.0, 2.5]))
+    assert s["median_request_overhead_ms"] == pytest.approx(np.median([0.1, 0.3]))
+    assert s["request_overhead_ms"]["flashinfer_var"]["median"] == pytest.approx(np.median([1.5, 2.5]))
+    h = s["by_mask_source"]["host"]
+    assert h["masks"] == 2 and h["median_speedup_vs_flashinfer"] == pytest.approx(np.median([1.5, 1.25]))
+    assert h["median_request_overhead_ms"] == pytest.approx(np.median([1.1, 2.3]))
+    assert s["by_mask_source"]["gpu"]["median_speedup_vs_flex"] == s["median_speedup_vs_flex"]
+    assert set(s["per_family_medians"]) == {"sta", "vsa"}
+    old = [dict(_row("sta", 1.0, fi_var=2.0), id="x")]          # written before mask sources
+    so = peers.summarize(old)
+    assert so["mask_source"] == "host" and "by_mask_source" not in so and so["masks"] == 1
+    # a negative overhead (host clock noise) gives no geomean, not NaN
+    neg = [_src_row("sta", "gpu", 1.0, 1.2, 3.0, "n")]
+    assert peers.summarize(neg)["request_overhead_ms"]["tessera"]["geomean"] is None
+    # merge keeps one row per (mask, source); later files win
+    for n, rows in (("a", gpu + host[:1]), ("b", host[1:] + [_src_row("sta", "host", 1.0, 0.9, 3.0, "a")])):
+        (tmp_path / f"{n}.json").write_text(json.dumps({"command": n, "rows": rows}))
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "m.json"
+    assert peers.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                       "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert sorted((r["id"], r["mask_source"]) for r in doc["rows"]) == \
+        [("a", "gpu"), ("a", "host"), ("b", "gpu"), ("b", "host")]
+    assert doc["summary"]["by_mask_source"]["host"]["median_speedup_vs_flashinfer"] == \
+        pytest.approx(np.median([3.0, 1.25]))
+
+
+def test_smoke_both_mask_sources(tmp_path):
+    """Needs torch (CPU): the GPU pipeline on one tiny mask, masks starting on the device and
+    on the host (FlashInfer absent, eager Flex, XLA dense): rows of both sources, all checked."""
+    pytest.importorskip("torch")
+    out = tmp_path / "smoke.json"
+    rc = peers.main(["--smoke", "--mask-source", "both", "--families", "random_variable_gqa",
+                     "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert rc == 0, doc.get("summary", {}).get("timing_rules")
+    assert [r["mask_source"] for r in doc["rows"]] == ["gpu", "host"]
+    for r in doc["rows"]:
+        for p in ("tessera", "flex", "dense"):
+            assert r["peers"][p]["status"] in peers.OK_STATES, (r["mask_source"], p, r["peers"][p])
+    gpu, host = doc["rows"]
+    assert gpu["peers"]["tessera"]["route"] == "device"
+    assert host["peers"]["tessera"]["route"] in ("plan", "cudnn_dense")
+    assert host["peers"]["tessera"]["to_device_request_ms"] > 0
+    assert doc["summary"]["mask_source"] == "gpu" and set(doc["summary"]["by_mask_source"]) == \
+        {"gpu", "host"}
+
+
+def test_shards_partition_the_sample():
+    """One process per GPU: the shards of a sample are disjoint, cover it, keep its order and
+    carry similar loads (the hy720 masks spread over them)."""
+    specs, _ = peers.sample_specs(2, ["dense", "jenga", "natten", "sparge", "sta", "svg2", "xattn"])
+    pos = {s["id"]: i for i, s in enumerate(specs)}
+    for n in (2, 3):
+        shards = [peers.shard_specs(specs, k, n) for k in range(n)]
+        ids = [s["id"] for sh in shards for s in sh]
+        assert sorted(ids) == sorted(pos) and len(set(ids)) == len(ids)
+        for sh in shards:
+            assert [pos[s["id"]] for s in sh] == sorted(pos[s["id"]] for s in sh)
+        loads = [sum(map(peers.spec_cost, sh)) for sh in shards]
+        assert max(loads) - min(loads) <= max(map(peers.spec_cost, specs))
+    assert peers.spec_cost({"grid": "hy720", "text": 905}) > peers.spec_cost({"grid": "wan480"})
+    assert peers.parse_args(["--shard", "1/2"]).shard == (1, 2)
+    for bad in ("2/2", "x", "1"):
+        with pytest.raises(SystemExit):
+            peers.parse_args(["--shard", bad])
 
 
 def test_bad_arguments():
@@ -319,6 +489,12 @@ def test_bad_arguments():
         peers.parse_args(["--per-family", "0"])
     with pytest.raises(SystemExit):
         peers.parse_args(["--flex-pad", "100"])
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--mask-variants", "0"])
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--mask-source", "disk"])
+    a = peers.parse_args([])
+    assert a.mask_source == "host" and a.variant_kind == "perturb"    # today's runs by default
 
 
 # --- fetch_flashinfer helpers (no network) --------------------------------------------------
@@ -368,6 +544,24 @@ def test_flex_torch_conversion_matches_numpy(case, block, pad_to):
         assert np.array_equal(b[k][0].numpy()[valid], getattr(a, k)[valid])
     for k in ("q_block_id", "kv_block_id", "blocks_padded"):
         assert np.array_equal(b[k].numpy(), getattr(a, k))
+    # a new mask already on the device, with the static part made once: as the NumPy one of
+    # that mask
+    import torch
+    static = C.flex_static_torch(mask, block, pad_to=pad_to, device="cpu")
+    v = C.mask_variants(mask, 2, seed=3)[-1]
+    vm = BlockMask(mask.q_bounds, mask.kv_bounds, v)
+    a2 = C.flex_blocks(vm, block, pad_to=pad_to)
+    b2 = C.flex_blocks_torch(mask, block, pad_to=pad_to, device="cpu",
+                             blocks_dev=torch.from_numpy(v), static=static)
+    for k, n in (("kv_indices", "kv_num_blocks"), ("full_kv_indices", "full_kv_num_blocks")):
+        num = b2[n][0].numpy()
+        assert np.array_equal(num, getattr(a2, n))
+        valid = np.arange(a2.kv_indices.shape[-1]) < num[..., None]
+        assert np.array_equal(b2[k][0].numpy()[valid], getattr(a2, k)[valid])
+    assert np.array_equal(b2["blocks_padded"].numpy(), a2.blocks_padded)
+    with pytest.raises(ValueError, match="static"):
+        C.flex_blocks_torch(mask, (16, 16) if tuple(block) != (16, 16) else (32, 16),
+                            pad_to=pad_to, device="cpu", static=static)
 
 
 def test_wall_ms_reports_garbage_collection_time():

@@ -22,11 +22,13 @@ that with ``mask.token_mask()``: a conversion is only used if the two are equal.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Sequence
 
 import numpy as np
 
-__all__ = ["FIBsr", "FIVar", "FlexBlocks", "fi_bsr", "fi_bsr_token_mask", "fi_var",
+__all__ = ["FIBsr", "FIVar", "FlexBlocks", "fi_bsr", "fi_bsr_layout", "fi_bsr_from_shared",
+           "fi_bsr_token_mask", "fi_var", "flex_static_torch", "mask_variants", "VARIANT_KINDS",
            "fi_var_token_mask", "flex_blocks", "flex_blocks_torch", "flex_token_mask", "flex_best_block",
            "FLEX_BLOCK_CANDIDATES", "is_uniform", "shared_blocks", "row_subset_mask", "check_rows"]
 
@@ -88,17 +90,23 @@ class FIBsr:
         return int(self.indices.size)
 
 
-def fi_bsr(mask) -> FIBsr | str:
-    """BSR inputs for a mask with uniform blocks shared by all heads, or why it can't be one."""
+def fi_bsr_layout(mask) -> dict | str:
+    """The static part of a BSR conversion: ``R``, ``C``, ``M``, ``N``, ``Lkv`` from the bounds
+    alone (a content-dependent method knows them before its mask exists), or why the bounds
+    can't be one ``R x C`` grid."""
     _check_mask(mask)
-    shared = shared_blocks(mask)
-    if shared is None:
-        return "per-head mask: the BSR pattern is shared by all heads"
     R, C = is_uniform(mask.q_sizes), is_uniform(mask.kv_sizes)
     if R is None or C is None:
         return "variable block sizes: BSR needs one R x C block grid"
-    NB = shared.shape[1]
-    if mask.Lkv % C and shared[:, -1].any():
+    NB = mask.blocks.shape[2]
+    return {"R": R, "C": C, "M": mask.Lq, "N": NB * C, "Lkv": mask.Lkv}
+
+
+def fi_bsr_from_shared(shared: np.ndarray, layout: dict) -> FIBsr | str:
+    """BSR inputs of one shared ``[nq, nkv]`` pattern on the grid of ``fi_bsr_layout``, or why
+    not (a selected short last KV block)."""
+    R, C, N, Lkv = layout["R"], layout["C"], layout["N"], layout["Lkv"]
+    if Lkv % C and shared[:, -1].any():
         return ("short last KV block is selected: BSR pages K/V by C keys (needs an in-block "
                 "mask, the custom-mask fa2 path)")
     counts = shared.sum(axis=1)
@@ -106,7 +114,19 @@ def fi_bsr(mask) -> FIBsr | str:
     np.cumsum(counts, out=indptr[1:])
     indices = np.nonzero(shared)[1]                       # row-major: grouped by row, sorted
     return FIBsr(indptr=indptr.astype(np.int32), indices=indices.astype(np.int32),
-                 M=mask.Lq, N=NB * C, R=R, C=C, Lkv=mask.Lkv)
+                 M=layout["M"], N=N, R=R, C=C, Lkv=Lkv)
+
+
+def fi_bsr(mask) -> FIBsr | str:
+    """BSR inputs for a mask with uniform blocks shared by all heads, or why it can't be one."""
+    _check_mask(mask)
+    shared = shared_blocks(mask)
+    if shared is None:
+        return "per-head mask: the BSR pattern is shared by all heads"
+    layout = fi_bsr_layout(mask)
+    if isinstance(layout, str):
+        return layout
+    return fi_bsr_from_shared(shared, layout)
 
 
 def fi_bsr_token_mask(b: FIBsr) -> np.ndarray:
@@ -268,16 +288,11 @@ def flex_blocks(mask, block: Sequence[int] = (128, 128), pad_to: int | None = No
                       blocks_padded=bp)
 
 
-def flex_blocks_torch(mask, block: Sequence[int] = (128, 128), pad_to: int | None = None,
-                      device="cuda", blocks_dev=None) -> dict:
-    """``flex_blocks`` computed with torch on ``device`` (the GPU conversion the benchmark times).
-
-    Returns the tensors of ``BlockMask.from_kv_blocks`` (batch dim included) and of the mask_mod:
-    ``kv_num_blocks``, ``kv_indices``, ``full_kv_num_blocks``, ``full_kv_indices`` (int32
-    ``[1, H_f, nQB(, nKB)]``; index entries past the count are unspecified, as Flex allows),
-    ``q_block_id``, ``kv_block_id``, ``blocks_padded`` (bool ``[H_f, nq + 1, nkv + 1]``), and
-    ``block``, ``Lq_pad``, ``Lkv_pad``. ``blocks_dev``: the mask's blocks already on ``device``.
-    """
+def flex_static_torch(mask, block: Sequence[int] = (128, 128), pad_to: int | None = None,
+                      device="cuda") -> dict:
+    """The part of ``flex_blocks_torch`` that depends on the bounds, the shapes and the tile
+    alone, as tensors on ``device`` (a content-dependent method has them before its mask
+    exists): pass it back as ``static=`` so a request converts only the blocks."""
     import torch
     _check_mask(mask)
     Bq, Bkv = (int(x) for x in block)
@@ -290,26 +305,65 @@ def flex_blocks_torch(mask, block: Sequence[int] = (128, 128), pad_to: int | Non
     qblk, qlen, qtiles = _tile_segments(mask.q_bounds, Lq_pad, Bq)
     kblk, klen, ktiles = _tile_segments(mask.kv_bounds, Lkv_pad, Bkv)
     t = lambda a, dt=torch.int64: torch.as_tensor(np.array(a, order="C"), dtype=dt, device=device)  # noqa: E731
-    b = blocks_dev if blocks_dev is not None else t(mask.blocks, torch.bool)
+
+    def seg(starts, size):
+        """Index tensors of a segment sum over runs starting at ``starts`` (reduceat): the
+        run ends, and the positions whose inclusive prefix sum is subtracted (runs > 0)."""
+        nz = np.nonzero(starts > 0)[0]
+        return {"ends": t(np.append(starts[1:], size) - 1), "nz": t(nz) if nz.size else None,
+                "before": t(starts[nz] - 1) if nz.size else None}
+
+    return {"key": (tuple(mask.blocks.shape), mask.Lq, mask.Lkv, (Bq, Bkv), pad_to, str(device)),
+            "shape": (H, nq, nkv), "block": (Bq, Bkv), "Lq_pad": Lq_pad, "Lkv_pad": Lkv_pad,
+            "kblk": t(kblk), "klen": t(klen, torch.int32), "kseg": seg(ktiles, kblk.size),
+            "qblk": t(qblk), "qlen": t(qlen, torch.int32)[None, :, None],
+            "qseg": seg(qtiles, qblk.size),
+            "q_id": torch.repeat_interleave(torch.arange(nq + 1, dtype=torch.int32, device=device),
+                                            t(np.append(mask.q_sizes, Lq_pad - mask.Lq))),
+            "kv_id": torch.repeat_interleave(torch.arange(nkv + 1, dtype=torch.int32, device=device),
+                                             t(np.append(mask.kv_sizes, Lkv_pad - mask.Lkv)))}
+
+
+def flex_blocks_torch(mask, block: Sequence[int] = (128, 128), pad_to: int | None = None,
+                      device="cuda", blocks_dev=None, static: dict | None = None) -> dict:
+    """``flex_blocks`` computed with torch on ``device`` (the GPU conversion the benchmark times).
+
+    Returns the tensors of ``BlockMask.from_kv_blocks`` (batch dim included) and of the mask_mod:
+    ``kv_num_blocks``, ``kv_indices``, ``full_kv_num_blocks``, ``full_kv_indices`` (int32
+    ``[1, H_f, nQB(, nKB)]``; index entries past the count are unspecified, as Flex allows),
+    ``q_block_id``, ``kv_block_id``, ``blocks_padded`` (bool ``[H_f, nq + 1, nkv + 1]``), and
+    ``block``, ``Lq_pad``, ``Lkv_pad``. ``blocks_dev``: the mask's blocks already on ``device``
+    (a bool tensor of the mask's shape, e.g. a new mask computed there). ``static``: the
+    ``flex_static_torch`` of the same mask shapes, bounds, block and pad (None: made here).
+    """
+    import torch
+    if static is None:
+        static = flex_static_torch(mask, block, pad_to, device)
+    elif static["key"] != (tuple(mask.blocks.shape), mask.Lq, mask.Lkv,
+                           tuple(int(x) for x in block), pad_to, str(device)):
+        raise ValueError("static= was made for another mask shape, block, pad or device")
+    H, nq, nkv = static["shape"]
+    Bq, Bkv = static["block"]
+    b = blocks_dev if blocks_dev is not None else \
+        torch.as_tensor(np.array(mask.blocks, order="C"), dtype=torch.bool, device=device)
+    if tuple(b.shape) != (H, nq, nkv) or b.dtype != torch.bool:
+        raise ValueError(f"blocks_dev must be bool {(H, nq, nkv)}, got {b.dtype} {tuple(b.shape)}")
     bp = torch.zeros((H, nq + 1, nkv + 1), dtype=torch.bool, device=device)
     bp[:, :nq, :nkv] = b
 
-    def seg_sum(x, starts, dim):
-        """Sums of consecutive runs of ``x`` along ``dim`` starting at ``starts`` (reduceat)."""
+    def seg_sum(x, seg, dim):
+        """Sums of consecutive runs of ``x`` along ``dim`` (reduceat; runs from ``seg``)."""
         cs = torch.cumsum(x, dim=dim, dtype=torch.int32)
-        ends = t(np.append(starts[1:], x.shape[dim]) - 1)
-        hi = cs.index_select(dim, ends)
+        hi = cs.index_select(dim, seg["ends"])
         lo = torch.zeros_like(hi)
-        nz = starts > 0
-        if nz.any():
-            idx = np.nonzero(nz)[0]
-            lo.index_copy_(dim, t(idx), cs.index_select(dim, t(starts[idx] - 1)))
+        if seg["nz"] is not None:
+            lo.index_copy_(dim, seg["nz"], cs.index_select(dim, seg["before"]))
         return hi - lo
 
-    x = bp.index_select(2, t(kblk)).to(torch.int32) * t(klen, torch.int32)        # [H, nq+1, nsk]
-    x = seg_sum(x, ktiles, 2)                                                        # [H, nq+1, nKB]
-    x = x.index_select(1, t(qblk)) * t(qlen, torch.int32)[None, :, None]           # [H, nsq, nKB]
-    counts = seg_sum(x, qtiles, 1)                                                   # [H, nQB, nKB]
+    x = bp.index_select(2, static["kblk"]).to(torch.int32) * static["klen"]          # [H, nq+1, nsk]
+    x = seg_sum(x, static["kseg"], 2)                                                  # [H, nq+1, nKB]
+    x = x.index_select(1, static["qblk"]) * static["qlen"]                             # [H, nsq, nKB]
+    counts = seg_sum(x, static["qseg"], 1)                                             # [H, nQB, nKB]
     full = counts == Bq * Bkv
     partial = (counts > 0) & ~full
 
@@ -320,13 +374,10 @@ def flex_blocks_torch(mask, block: Sequence[int] = (128, 128), pad_to: int | Non
 
     kv_num, kv_idx = pack(partial)
     full_num, full_idx = pack(full)
-    q_id = torch.repeat_interleave(torch.arange(nq + 1, dtype=torch.int32, device=device),
-                                   t(np.append(mask.q_sizes, Lq_pad - mask.Lq)))
-    kv_id = torch.repeat_interleave(torch.arange(nkv + 1, dtype=torch.int32, device=device),
-                                    t(np.append(mask.kv_sizes, Lkv_pad - mask.Lkv)))
     return {"kv_num_blocks": kv_num, "kv_indices": kv_idx, "full_kv_num_blocks": full_num,
-            "full_kv_indices": full_idx, "q_block_id": q_id, "kv_block_id": kv_id,
-            "blocks_padded": bp, "block": (Bq, Bkv), "Lq_pad": Lq_pad, "Lkv_pad": Lkv_pad}
+            "full_kv_indices": full_idx, "q_block_id": static["q_id"],
+            "kv_block_id": static["kv_id"], "blocks_padded": bp, "block": (Bq, Bkv),
+            "Lq_pad": static["Lq_pad"], "Lkv_pad": static["Lkv_pad"]}
 
 
 def flex_token_mask(fb: FlexBlocks) -> np.ndarray:
@@ -389,3 +440,74 @@ def check_rows(Lq: int, q_bounds: np.ndarray, n: int, seed: int = 0) -> np.ndarr
     extra = rng.choice(pool, size=min(rest, pool.size), replace=False) if pool is not None else \
         rng.integers(0, Lq, rest)
     return np.unique(np.concatenate([ends, extra])).astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# New masks per request (a content-dependent method's mask changes every call)
+# --------------------------------------------------------------------------------------------
+#: How ``mask_variants`` makes new masks from a corpus mask.
+VARIANT_KINDS: tuple[str, ...] = ("perturb", "permute")
+
+
+def mask_variants(mask, n: int, kind: str = "perturb", seed: int = 0,
+                  group: int = 1) -> list[np.ndarray]:
+    """``n`` blocks arrays ``[Hm, nq, nkv]`` (bool, C order) for new masks with ``mask``'s
+    bounds: ``mask.blocks`` itself first (the variant a benchmark checks), then ``n - 1`` others.
+
+    - ``"perturb"`` (default): variant ``i`` has its heads rolled by ``i * group`` (per-head
+      masks; ``group``: query heads per KV head, so heads stay in their GQA groups) and one
+      selected block deselected, in a row that keeps another block where there is one, in
+      every head of its GQA group (of all heads if the mask's heads are equal: heads that are
+      equal stay equal). Each variant differs from the others (unless the mask selects
+      nothing); the family's structure stays, the work is within one block per group.
+    - ``"permute"``: the key blocks permuted among key blocks of the same size, one random
+      permutation per variant for all heads: the same selected work, the structure across
+      keys lost (a sliding window becomes scattered blocks), so tiles hold more blocks.
+    """
+    _check_mask(mask)
+    if kind not in VARIANT_KINDS:
+        raise ValueError(f"kind must be one of {VARIANT_KINDS}, got {kind!r}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
+        raise ValueError(f"group must be a positive int, got {group!r}")
+    base = np.array(mask.blocks, dtype=np.bool_, order="C")        # a writable copy
+    Hm = base.shape[0]
+    rng = np.random.default_rng(seed)
+    out = [base]
+    if kind == "permute":
+        sizes = mask.kv_sizes
+        for _ in range(1, n):
+            perm = np.arange(sizes.size)
+            for s in np.unique(sizes):
+                cls = np.nonzero(sizes == s)[0]
+                perm[cls] = rng.permutation(cls)
+            out.append(np.ascontiguousarray(base[:, :, perm]))
+        return out
+    same_all = Hm > 1 and bool((base == base[:1]).all())
+    nkv = base.shape[2]
+    digest = lambda a: hashlib.blake2b(np.packbits(a).tobytes(), digest_size=16).digest()  # noqa: E731
+    seen = {digest(base)}
+    for i in range(1, n):
+        rolled = np.ascontiguousarray(np.roll(base, (i * group) % Hm, axis=0)) if Hm > 1 \
+            else base
+        sel = np.flatnonzero(rolled)
+        rows = rolled.sum(axis=-1).ravel()                  # selected blocks per (head, row)
+        v = rolled.copy()
+        for attempt in range(256):
+            if not sel.size:
+                break
+            c = int(sel[rng.integers(sel.size)])
+            if rows[c // nkv] < 2 and attempt < 128:        # keep a row's last block if can
+                continue
+            h, r, k = np.unravel_index(c, rolled.shape)
+            # the same block in every head that must stay equal: all heads of a shared
+            # per-head mask, else the pick's GQA group (FlashInfer reads one head per group)
+            hs = slice(0, Hm) if same_all else slice(h - h % group, h - h % group + group)
+            v = rolled.copy()
+            v[hs, r, k] = False
+            if digest(v) not in seen:
+                break
+        seen.add(digest(v))
+        out.append(v)
+    return out
