@@ -33,6 +33,13 @@ any host) and prints it; it writes a file only when ``--out`` is given.
 
 Results are saved after every mask; a rerun skips masks already complete (``--no-resume`` to
 start over), so the benchmark can be spread over several shorter GPU runs.
+
+``--reuse-times PREV``: every candidate is planned on the host (as the profiler does) and its
+time is copied from PREV only when PREV's row recorded the same plan (``plan_digests``, the
+profiler's ``plan_digest``), the same call heads and the same timing rule; rows of PREV without
+plan digests (runs before them) are not reused at all: their plan cannot be told apart from a
+changed one (bitmap steps) and they predate the one timing rule anyway. Each row records
+``plan_digests`` and ``bitmap_steps`` per candidate.
 """
 
 from __future__ import annotations
@@ -145,9 +152,9 @@ def parse_args(argv=None):
     ap.add_argument("--sel-repeats", type=int, default=20)
     ap.add_argument("--no-resume", action="store_true")
     ap.add_argument("--reuse-times", metavar="JSON", help="an earlier selection result: the "
-                    "times of candidates it measured on the same masks are copied (marked per "
-                    "row under 'reused'), only the other candidates are timed; the choice is "
-                    "made again with --table")
+                    "times of candidates it measured on the same masks with the same plan "
+                    "(plan digest) are copied (marked per row under 'reused'), only the other "
+                    "candidates are timed; the choice is made again with --table")
     ap.add_argument("--cost-only", action="store_true", help="only the selection cost (Wan 720p "
                     "masks, no kernel timing); the backend is mosaic_gpu (xla with --tiny)")
     return ap.parse_args(argv)
@@ -184,6 +191,13 @@ def _same_rule(rows: dict, rule: str, what: str) -> dict:
         log(f"{len(rows) - len(keep)} earlier rows were timed under another rule than {rule}: "
             f"not {what}")
     return keep
+
+
+def reusable(old: dict, key: str, call_heads: int, digest: str) -> bool:
+    """Whether an earlier row's time of candidate ``key`` stands for this one: a time taken on
+    the same plan (digest; rows without digests never) with the same call heads."""
+    return (old.get("times_ms", {}).get(key) is not None and old.get("call_heads") == call_heads
+            and old.get("plan_digests", {}).get(key) == digest)
 
 
 def _load_prev(path, resume):
@@ -322,17 +336,21 @@ def main(argv=None):
                "features": {k: round(float(v), 5) for k, v in F.mask_features(mask, shape).items()},
                "times_ms": {}, "errors": {}}
         old = reuse.get(spec["id"], {})
+        row["plan_digests"], row["bitmap_steps"] = {}, {}
         for template, policy in cands:
             k = P.cand_key(template, policy)
-            if old.get("times_ms", {}).get(k) is not None and old.get("call_heads") == hq:
-                row["times_ms"][k] = old["times_ms"][k]
-                row.setdefault("reused", []).append(k)
-                row.setdefault("timer", old.get("timer"))
-                row.setdefault("rules", list(old["rules"]))
-                continue
             try:
+                planned = P.plan_candidate(mask, template, policy, inputs, hq)
+                digest = row["plan_digests"][k] = P.plan_digest(planned[0])
+                row["bitmap_steps"][k] = P.plan_summary(planned[0])["bitmap_steps"]
+                if reusable(old, k, hq, digest):
+                    row["times_ms"][k] = old["times_ms"][k]
+                    row.setdefault("reused", []).append(k)
+                    row.setdefault("timer", old.get("timer"))
+                    row.setdefault("rules", list(old["rules"]))
+                    continue
                 r = P.time_candidate(mask, template, policy, inputs, warmup=a.warmup,
-                                     iters=a.iters, num_heads=hq)
+                                     iters=a.iters, num_heads=hq, planned=planned)
                 row["times_ms"][k] = r["ms"]
                 row.setdefault("timer", r["timer"])
                 row.setdefault("rules", [])
@@ -351,7 +369,8 @@ def main(argv=None):
         row["complete"] = True
         rows.append(row)
         log(f"[{n + 1}/{len(specs)}] {spec['family']:12s} {spec['id']} chosen {row['chosen']} "
-            f"regret {row.get('regret') or float('nan'):.3f} (best {row.get('best')})")
+            f"regret {row.get('regret') or float('nan'):.3f} (best {row.get('best')}; "
+            f"{len(row.get('reused', []))} of {len(cands)} times reused)")
         res["summary"] = summarize(rows, cands, train_fixed)
         save()
     if stopped:

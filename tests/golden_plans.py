@@ -43,6 +43,8 @@ def corpus_masks():
         key = (spec["family"], spec["grid"])
         if spec["grid"] not in GRIDS or key in seen or spec.get("step", 0):
             continue
+        if spec["family"] == "tokens":      # added after these digests (issue 15): not golden
+            continue
         seen.add(key)
         yield f"{spec['family']}/{spec['grid']}/{spec['id']}", build(spec, heads=2), 2, 2
 

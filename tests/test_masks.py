@@ -18,7 +18,10 @@ from tessera_jax.masks import families as F, grids as G
 DYNAMIC = ("ssta", "moba", "vsa", "svg2", "sparge", "xattn", "jenga")
 ALL = tuple(F.FAMILIES)
 # Pinned: changing any generator's spec list or the split must be deliberate (update docs too).
-CORPUS_DIGEST = "bd175d27e84989137a54385829bba9ec32f8942693204f1e72a0f64fc08ee142"
+CORPUS_DIGEST = "b62ff0214d2d1953e90f6cdd1c2b386d9b62a0436adef57de6569e5f50b7112f"
+# The corpus before the "tokens" family (issue 15): the H200 table's provenance. Every earlier
+# spec keeps its id and split, so the corpus without that family digests to it.
+CORPUS_DIGEST_BEFORE_TOKENS = "bd175d27e84989137a54385829bba9ec32f8942693204f1e72a0f64fc08ee142"
 
 
 def _gen(family, grid="small", **kw):
@@ -317,8 +320,8 @@ def specs():
 
 
 def test_corpus_size_ids_and_json(specs):
-    assert len(specs) == M.CORPUS_SIZE == 2315
-    assert len({s["id"] for s in specs}) == 2315
+    assert len(specs) == M.CORPUS_SIZE == 2345
+    assert len({s["id"] for s in specs}) == 2345
     assert json.loads(json.dumps(specs)) == specs
     grids = collections.Counter(s["grid"] for s in specs)
     assert set(grids) == set(G.CORPUS_GRIDS)
@@ -426,4 +429,68 @@ def test_every_family_builds_on_every_corpus_grid(specs):
         g = G.GRIDS[s["grid"]]
         assert m.Lq == g.video_tokens + s["text"], key
         assert m.blocks.any(axis=2).all(), key
-    assert len(seen) == len(ALL) * len(G.CORPUS_GRIDS)
+    video = len(ALL) - 1                                       # all but tokens
+    assert len(seen) == video * (len(G.CORPUS_GRIDS) - 1) + len(M.TOKEN_GRIDS)
+
+
+# --- token-level family (issue 15) ----------------------------------------------------------------
+def test_corpus_before_tokens_is_unchanged(specs):
+    """Every spec of the corpus before the tokens family keeps its id, its split and its place."""
+    assert M.corpus_digest(exclude=("tokens",)) == CORPUS_DIGEST_BEFORE_TOKENS
+    old = [s for s in specs if s["family"] != "tokens"]
+    assert [s["family"] for s in specs[len(old):]] == ["tokens"] * (len(specs) - len(old))
+    with pytest.raises(ValueError, match="exclude"):
+        M.corpus_digest(exclude=("nope",))
+    with pytest.raises(TypeError, match="exclude"):
+        M.corpus_digest(exclude="tokens")
+
+
+def test_token_specs_shapes_densities_and_split(specs):
+    tok = [s for s in specs if s["family"] == "tokens"]
+    assert len(tok) == 30 and sum(s["split"] == "test" for s in tok) == 6
+    assert {s["grid"] for s in tok} == set(M.TOKEN_GRIDS)
+    blocks = collections.Counter((s["grid"], s["params"]["block"]) for s in tok)
+    assert blocks == {("wan480", 4): 6, ("wan480", 8): 6, ("wan480", 16): 6, ("tok4096", 1): 12}
+    lo, hi = M.DENSITY_RANGES["tokens"]
+    expect = {4: 8190, 8: 4095, 16: 2048, 1: 4096}
+    for s in tok:
+        m = M.build(s)
+        n = expect[s["params"]["block"]]
+        assert m.shape == (1, n, n) and m.Lq == G.GRIDS[s["grid"]].video_tokens, s
+        assert lo <= m.density <= hi, (s, m.density)
+        if s["params"]["kind"] == "random":                     # the requested block density
+            assert abs(m.blocks.mean() - s["params"]["density"]) < 0.005, s
+        assert M.build(s, heads=2).digest == m.digest           # shared: heads only name the call
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 8])
+@pytest.mark.parametrize("width", [0, 1, 5, 13])
+def test_token_band_is_cover_of_token_rule(block, width):
+    g = G.Grid("r", 3, 5, 7, 1)                                # 105 tokens: a partial last block
+    m = F.tokens(g, kind="band", block=block, width=width)
+    i = np.arange(g.video_tokens)
+    ref = BlockMask.from_token_mask(np.abs(i[:, None] - i[None, :]) <= width, m.q_bounds,
+                                    m.kv_bounds, exact=False)
+    assert np.array_equal(m.blocks, ref.blocks)
+
+
+def test_token_random_seed_local_band_and_bad_arguments():
+    a = F.tokens("small", block=4, density=0.2, local=0.5, seed=1)
+    assert a.num_heads == 1 and np.diag(a.blocks[0]).all()
+    assert F.tokens("small", block=4, density=0.2, local=0.5, seed=2).digest != a.digest
+    n = a.shape[1]
+    i = np.arange(n)
+    near = np.abs(i[:, None] - i[None, :]) <= 3
+    assert a.blocks[0][near].all()                             # the local band (~half of 0.2)
+    pure = F.tokens("small", block=4, density=0.2, local=0.0, seed=1)
+    assert not pure.blocks[0][near].all()
+    with pytest.raises(ValueError, match="kind"):
+        F.tokens("small", kind="stripes")
+    with pytest.raises(ValueError, match="density"):
+        F.tokens("small", density=0.0)
+    with pytest.raises(ValueError, match="local"):
+        F.tokens("small", local=1.5)
+    with pytest.raises(ValueError, match="block"):
+        F.tokens("small", block=0)
+    with pytest.raises(ValueError, match="width"):
+        F.tokens("small", kind="band", width=-1)

@@ -111,14 +111,17 @@ def test_failing_candidate_is_recorded_not_fatal(tmp_path, monkeypatch):
 
 
 def test_spec_sampling_is_per_family_and_train_only():
-    specs, sampling = P.select_specs("train", max_masks=26)
+    specs, sampling = P.select_specs("train", max_masks=28)
     fams = {s["family"] for s in specs}
-    assert len(fams) == 13 and all(s["split"] == "train" for s in specs)
-    assert len(specs) == 26 and sampling["per_family"]["vsa"]["sampled"] == 2
-    again, _ = P.select_specs("train", max_masks=26)
+    assert len(fams) == 14 and all(s["split"] == "train" for s in specs)
+    assert len(specs) == 28 and sampling["per_family"]["vsa"]["sampled"] == 2
+    again, _ = P.select_specs("train", max_masks=28)
     assert [s["id"] for s in again] == [s["id"] for s in specs]
     with pytest.raises(ValueError, match="split"):
         P.select_specs("validation")
+    tok, sampling = P.select_specs("train", families=["tokens"])        # the new family alone
+    assert len(tok) == 24 and {s["family"] for s in tok} == {"tokens"}
+    assert sampling["per_family"] == {"tokens": {"sampled": 24, "available": 24}}
 
 
 def test_padded_arrays_keep_the_result():
@@ -229,3 +232,151 @@ def test_code_revision_prefers_git_then_a_snapshot_file(tmp_path):
                           text=True, cwd=repo).stdout.strip()
     if head:
         assert code_revision(repo) == head                     # a checkout: its HEAD
+
+
+# --- plan digests: stale pairs, newest records --------------------------------------------------
+def _copy_raw(d, tmp_path, edit=None):
+    """The run's raw file copied under tmp_path (``edit(records)`` rewrites its records)."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    recs = _lines(d / "raw" / "cpu.jsonl")
+    if edit is not None:
+        edit(recs)
+    (raw / "cpu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return raw
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = P.time_candidate
+
+    def spy(mask, template, policy, *a, **k):
+        calls.append((mask.digest, template, policy))
+        return real(mask, template, policy, *a, **k)
+    monkeypatch.setattr(P, "time_candidate", spy)
+    return calls
+
+
+def test_time_records_carry_plan_digest(run):
+    d, _ = run
+    times = [r for r in _lines(d / "raw" / "cpu.jsonl") if r["kind"] == "time"]
+    assert all(len(r["plan_digest"]) == 16 and "bitmap_steps" in r["plan"] for r in times)
+    assert len({r["plan_digest"] for r in times}) == len(times)       # distinct plans
+
+
+def test_remeasure_stale_retimes_only_changed_plans(run, tmp_path, monkeypatch):
+    """A record with another digest or none is timed again; one on the current plan is kept."""
+    d, _ = run
+
+    def edit(recs):
+        for r in recs:
+            if r["kind"] == "time" and r["id"] == "tiny-sta" and r["template"] == "xla_64x64":
+                r["plan_digest"] = "0" * 16                     # taken on another plan
+            if r["kind"] == "time" and r["id"] == "tiny-vsa" and r["template"] == "xla_128x128":
+                del r["plan_digest"]                            # before digests were recorded
+    raw = _copy_raw(d, tmp_path, edit)
+    calls = _spy(monkeypatch)
+    out = ARGS + ["--out", str(tmp_path / "t.json"), "--raw", str(raw)]
+    P.main(out)
+    assert calls == []                                          # plain resume: nothing to do
+    P.main(out + ["--remeasure-stale"])
+    assert sorted((t, p) for _, t, p in calls) == [("xla_128x128", "merge"),
+                                                   ("xla_64x64", "merge")]
+    _, times = P.read_raw(raw / "cpu.jsonl")                    # newest records win
+    assert all(len(r["plan_digest"]) == 16 and r["plan_digest"] != "0" * 16
+               for r in times.values())
+    calls.clear()
+    P.main(out + ["--remeasure-stale"])
+    assert calls == []                                          # every record is current now
+
+
+def test_fit_uses_newest_record_and_one_rule_per_mask(run, tmp_path, no_timing):
+    d, _ = run
+    raw = _copy_raw(d, tmp_path)
+    _, times = P.read_raw(raw / "cpu.jsonl")
+    newer = dict(times[("tiny-sta", "xla_64x64/merge")])
+    newer["ms"] = 1000.0 * times[("tiny-sta", "xla_128x128/merge")]["ms"]
+    other = dict(times[("tiny-vsa", "xla_64x64/merge")], rule="cupti/l2=flush/other")
+    with open(raw / "cpu.jsonl", "a") as f:
+        f.write(json.dumps(newer) + "\n" + json.dumps(other) + "\n")
+    t = P.main(ARGS + ["--out", str(tmp_path / "f.json"), "--raw", str(raw), "--fit-only"])
+    fit = t["provenance"]["fit"]
+    assert fit["masks_used"] == 1 and fit["masks_mixed_rules"] == 1    # tiny-vsa mixes rules
+    assert t["model"]["rel_log_time"][0] == pytest.approx([np.log(1000.0), 0.0], abs=1e-4)
+
+
+def test_plan_digest_follows_the_plan_arrays():
+    import dataclasses
+    import tessera_jax as tj
+    rng = np.random.default_rng(1)
+    m = tj.BlockMask.uniform(256, 256, 1, 1, rng.random((1, 256, 256)) < 0.2)   # 1-token
+    shape = (1, 256, 2, 16)
+    p = tj.plan(m, shape, shape, np.float32, template="xla_64x64", policy="split")
+    assert p.stats()["bitmap_steps"] > 0
+    tj.clear_caches()
+    again = tj.plan(m, shape, shape, np.float32, template="xla_64x64", policy="split")
+    assert again is not p and P.plan_digest(again) == P.plan_digest(p)
+    steps = p.steps.copy()
+    steps[p.num_steps] ^= 1                                     # one bit of one bitmap word
+    assert P.plan_digest(dataclasses.replace(p, steps=steps)) != P.plan_digest(p)
+    other = tj.plan(m, shape, shape, np.float32, template="xla_128x128", policy="split")
+    assert P.plan_digest(other) != P.plan_digest(p)
+    assert P.needs_timing(None, "r") and not P.needs_timing({"status": "ok", "rule": "r"}, "r")
+    assert P.needs_timing({"status": "ok"}, "r")                # before rules were recorded
+    assert not P.needs_timing({"status": "error"}, "r")
+    assert P.needs_timing({"status": "error"}, "r", retry_errors=True)
+    assert P.is_stale({}, "ab") and not P.is_stale({"plan_digest": "ab"}, "ab")
+
+
+def test_selection_reuses_only_times_of_the_same_plan(run, tmp_path):
+    """--reuse-times copies a time only where the earlier row recorded the same plan digest;
+    rows without digests (runs before them) are timed again."""
+    d, _ = run
+    bench = _bench_module()
+    args = ["--tiny", "--table", str(d / "cpu.json"), "--iters", "2", "--warmup", "1",
+            "--dtype", "float32", "--head-dim", "16", "--sel-repeats", "2"]
+    first = bench.main(args + ["--out", str(tmp_path / "a.json")])
+    rows = first["masks"]
+    assert all(set(r["plan_digests"]) == set(r["times_ms"]) for r in rows)
+    prev = json.loads((tmp_path / "a.json").read_text())
+    changed = sorted(prev["masks"][0]["plan_digests"])[0]
+    prev["masks"][0]["plan_digests"][changed] = "0" * 16
+    del prev["masks"][1]["plan_digests"]
+    (tmp_path / "prev.json").write_text(json.dumps(prev))
+    res = bench.main(args + ["--out", str(tmp_path / "b.json"), "--reuse-times",
+                             str(tmp_path / "prev.json")])
+    a, b = res["masks"]
+    assert sorted(a["reused"]) == sorted(set(a["times_ms"]) - {changed})
+    assert "reused" not in b and b["plan_digests"] == rows[1]["plan_digests"]
+
+
+def test_dry_run_counts_without_timing(run, tmp_path, no_timing):
+    d, _ = run
+
+    def edit(recs):
+        for r in recs:
+            if r["kind"] == "time" and r["id"] == "tiny-sta":
+                r["plan_digest"] = "0" * 16
+    raw = _copy_raw(d, tmp_path, edit)
+    before = (raw / "cpu.jsonl").read_text()
+    base = ARGS + ["--out", str(tmp_path / "x.json"), "--raw", str(raw), "--dry-run"]
+    n = P.main(base)
+    assert n["pairs"] == 4 and n["to_time"] == 0 and n["kept"] == 4
+    n = P.main(base + ["--remeasure-stale"])
+    assert n["time"]["stale_plan"] == 2 and n["to_time"] == 2 and n["kept"] == 2
+    n = P.main(ARGS + ["--out", str(tmp_path / "x.json"), "--raw", str(tmp_path / "none"),
+                       "--dry-run"])
+    assert n["time"]["no_record"] == 4 and n["by_family"]["sta"]["time"] == 2
+    assert n["bitmap_pairs"] == sum(f["bitmap"] for f in n["by_family"].values())
+    assert (raw / "cpu.jsonl").read_text() == before and not (tmp_path / "x.json").exists()
+
+
+def test_plan_summary_matches_stats():
+    import tessera_jax as tj
+    rng = np.random.default_rng(2)
+    for b, L in ((1, 200), (16, 700), (64, 512)):
+        m = tj.BlockMask.uniform(L, L, b, b, rng.random((2, -(-L // b), -(-L // b))) < 0.2)
+        for tpl, pol in (("xla_64x64", "split"), ("xla_128x128", "merge")):
+            p = tj.plan(m, (1, L, 2, 16), (1, L, 2, 16), np.float32, template=tpl, policy=pol)
+            st, sm = p.stats(), P.plan_summary(p)
+            assert sm == {k: pytest.approx(st[k]) for k in sm}, (b, tpl)

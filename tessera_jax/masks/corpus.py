@@ -1,9 +1,11 @@
-"""The mask corpus: 2,315 small JSON-able specs with a fixed train/test split; masks are built
+"""The mask corpus: 2,345 small JSON-able specs with a fixed train/test split; masks are built
 on demand by ``build(spec)`` and never stored.
 
 Composition (``docs/masks.md``): 400 specs per main grid (wan720, wan480, hy720, hy480), 200 per
 variant grid (hy720_1x1, wan720_49f: every other spec of the per-grid list, MoBA from its second), plus 63 drifting step
-sequences (9 per dynamic family on the main grids) that add steps 1..5 to a step-0 spec.
+sequences (9 per dynamic family on the main grids) that add steps 1..5 to a step-0 spec, plus 30
+token-level specs (family ``tokens``: wan480 and tok4096), appended last so that every earlier
+spec keeps its id and split (``corpus_digest(exclude=("tokens",))`` is the digest before them).
 Split: per family, the spec groups (a spec without its ``step``, so a step sequence never straddles
 the split) ordered by SHA-256 of their canonical JSON; the first round(20%) are ``test``.
 """
@@ -23,13 +25,15 @@ from tessera_jax.mask import BlockMask
 from tessera_jax.masks.families import FAMILIES
 from tessera_jax.masks.grids import GRIDS, get_grid
 
-__all__ = ["CORPUS_SIZE", "MAIN_GRIDS", "VARIANT_GRIDS", "DYNAMIC_FAMILIES", "DENSITY_RANGES",
-           "TEST_FRACTION", "corpus", "train_specs", "test_specs", "build", "spec_key",
-           "group_key", "corpus_digest"]
+__all__ = ["CORPUS_SIZE", "MAIN_GRIDS", "VARIANT_GRIDS", "TOKEN_GRIDS", "DYNAMIC_FAMILIES",
+           "DENSITY_RANGES", "TEST_FRACTION", "corpus", "train_specs", "test_specs", "build",
+           "spec_key", "group_key", "corpus_digest"]
 
-CORPUS_SIZE = 2315
+CORPUS_SIZE = 2345
 MAIN_GRIDS = ("wan720", "wan480", "hy720", "hy480")
 VARIANT_GRIDS = ("hy720_1x1", "wan720_49f")
+#: Grids of the token-level family: 4-, 8-, 16-token blocks at Wan 480p, 1-token at L = 4,096.
+TOKEN_GRIDS = ("wan480", "tok4096")
 DYNAMIC_FAMILIES = ("ssta", "moba", "vsa", "svg2", "sparge", "xattn", "jenga")
 DRIFT_PER_FAMILY = 9
 DRIFT_STEPS = 5
@@ -51,6 +55,7 @@ DENSITY_RANGES: dict[str, tuple[float, float]] = {
     "jenga": (0.10, 0.40),
     "natten": (0.025, 0.30),
     "ditfastattn": (0.03, 0.30),
+    "tokens": (0.004, 0.31),
 }
 
 _STA_WINDOWS = ((3, 3, 3), (5, 3, 3), (1, 6, 10), (3, 3, 5), (5, 1, 10), (5, 6, 1))
@@ -96,6 +101,24 @@ def _family_params(grid: str) -> dict[str, list[dict[str, Any]]]:
     P["ditfastattn"] = [{"params": {"window_frac": w, "block": b}, "seed": 0}
                         for w in (1 / 32, 1 / 16, 1 / 8, 1 / 4) for b in (64, 128)]
     return P
+
+
+_TOKEN_DENSITIES = (0.1, 0.2, 0.3)
+_TOKEN_LOCAL = (0.0, 0.5)
+_TOKEN_BAND_WIDTHS = (8, 16, 24, 32, 48, 64)
+
+
+def _token_specs() -> list[dict]:
+    """The token-level family (30 specs, shared masks, 12 heads: Wan2.1-1.3B's 480p call):
+    random blocks of 4/8/16 tokens at Wan 480p and of 1 token at L = 4,096, and token bands."""
+    def spec(grid, params):
+        return {"family": "tokens", "grid": grid, "heads": 12, "seed": 0, "step": 0, "text": 0,
+                "params": params}
+    out = [spec("wan480" if b > 1 else "tok4096",
+                {"kind": "random", "block": b, "density": d, "local": loc})
+           for b in (4, 8, 16, 1) for d in _TOKEN_DENSITIES for loc in _TOKEN_LOCAL]
+    out += [spec("tok4096", {"kind": "band", "block": 1, "width": w}) for w in _TOKEN_BAND_WIDTHS]
+    return out
 
 
 def _canon(obj) -> str:
@@ -152,6 +175,7 @@ def _corpus() -> tuple[str, ...]:
                        key=lambda s: _sha("drift:" + spec_key(s)))[:DRIFT_PER_FAMILY]
         for b in bases:
             specs += [{**copy.deepcopy(b), "step": st} for st in range(1, DRIFT_STEPS + 1)]
+    specs += _token_specs()                  # last: the specs before keep their order
     # Split: per family, groups ordered by hash; the first round(20%) go to test.
     test_groups: set[str] = set()
     for fam in FAMILIES:
@@ -188,9 +212,17 @@ def test_specs() -> list[dict]:
     return corpus("test")
 
 
-def corpus_digest() -> str:
-    """SHA-256 of the canonical corpus (specs and split): provenance for plan tables."""
-    return _sha("\n".join(_corpus()))
+def corpus_digest(exclude=()) -> str:
+    """SHA-256 of the canonical corpus (specs and split): provenance for plan tables.
+    ``exclude``: family names left out (``("tokens",)``: the corpus before that family)."""
+    if (not isinstance(exclude, (list, tuple, set, frozenset))
+            or not all(isinstance(f, str) for f in exclude)):
+        raise TypeError(f"exclude must be a sequence of family names, got {exclude!r}")
+    unknown = sorted(set(exclude) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"exclude: unknown families {unknown}; known: {sorted(FAMILIES)}")
+    skip = set(exclude)
+    return _sha("\n".join(s for s in _corpus() if json.loads(s)["family"] not in skip))
 
 
 def build(spec: dict, heads: int | None = None) -> BlockMask:

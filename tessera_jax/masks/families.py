@@ -23,7 +23,7 @@ from tessera_jax.masks import grids as G
 from tessera_jax.masks.scores import BlockFeatures, ScoreField, block_features, head_params, point_features, rng_for
 
 __all__ = ["FAMILIES", "STA_WINDOW_MIX", "dense", "sta", "ssta", "moba", "vsa", "radial", "svg",
-           "svg2", "sparge", "xattn", "jenga", "natten", "ditfastattn"]
+           "svg2", "sparge", "xattn", "jenga", "natten", "ditfastattn", "tokens"]
 
 #: STA windows (in tiles) and their shares in the released HunyuanVideo table.
 STA_WINDOW_MIX = (((5, 3, 3), 0.40), ((1, 6, 10), 0.32), ((3, 3, 5), 0.15), ((5, 1, 10), 0.10),
@@ -549,8 +549,69 @@ def ditfastattn(grid, *, heads=None, seed=0, step=0, text=0, window_frac=0.125, 
     return _assemble(b, b, m[None], text, block)
 
 
+#: Rows of random draws per chunk in ``tokens`` (fixed: the mask must not depend on the machine;
+#: bounds the float32 scratch to ~64 MiB at 8,190 blocks a row).
+_TOKEN_CHUNK_CELLS = 1 << 24
+
+
+def _band_cells(n: int, r: int) -> int:
+    """Cells of an n x n matrix with |i - j| <= r."""
+    r = min(r, n - 1)
+    return n + 2 * r * n - r * (r + 1)
+
+
+def _set_band(out: np.ndarray, r: int) -> np.ndarray:
+    """Sets |i - j| <= r in a square ``out``, one diagonal at a time (no [n, n] int scratch)."""
+    n = out.shape[0]
+    i = np.arange(n)
+    for d in range(-min(r, n - 1), min(r, n - 1) + 1):
+        lo, hi = max(0, -d), min(n, n - d)
+        out[i[lo:hi], i[lo:hi] + d] = True
+    return out
+
+
+def _token_random(n: int, density: float, local: float, rng) -> np.ndarray:
+    """[n, n]: a diagonal band holding ~``local`` of ``density``, the rest uniform noise, so the
+    expected block density is ``density`` (at least the diagonal)."""
+    r = 0
+    while r + 1 < n and _band_cells(n, r + 1) <= local * density * n * n:
+        r += 1
+    band_frac = _band_cells(n, r) / (n * n)
+    p = max(0.0, (density - band_frac) / (1.0 - band_frac)) if band_frac < 1.0 else 0.0
+    out = np.empty((n, n), dtype=bool)
+    rows = max(1, _TOKEN_CHUNK_CELLS // n)
+    for i in range(0, n, rows):
+        out[i:i + rows] = rng.random((min(rows, n - i), n), dtype=np.float32) < np.float32(p)
+    return _set_band(out, r)
+
+
+def tokens(grid, *, heads=None, seed=0, step=0, text=0, kind="random", block=8, density=0.2,
+           local=0.5, width=24):
+    """Token-level masks (one shared head) over row-major tokens in uniform ``block``-token
+    blocks (1-16 tokens: many blocks per GPU tile). ``kind="random"``: block density ~``density``,
+    a ``local`` share of it a band around the diagonal, the rest uniform noise (seeded), the
+    diagonal always kept; ``kind="band"``: the cover of the token band |q - k| <= ``width`` (exact
+    for ``block=1``). Text: dense, 128-token blocks."""
+    grid, heads, seed, step, text = _common("tokens", grid, heads, seed, step, text)
+    block = _check_int("tokens", "block", block)
+    b = G.uniform_bounds(grid.video_tokens, block)
+    n = len(b) - 1
+    if kind == "random":
+        density = _check_frac("tokens", "density", density, hi_open=False)
+        local = _check_frac("tokens", "local", local, lo_open=False, hi_open=False)
+        rng = rng_for(seed, "tokens", "random", block, round(density * 1e6), round(local * 1e6))
+        m = _token_random(n, density, local, rng)
+    elif kind == "band":
+        width = _check_int("tokens", "width", width, lo=0)
+        # Uniform blocks i < j are (j - i - 1) * block + 1 tokens apart at their closest.
+        m = _set_band(np.zeros((n, n), dtype=bool), 0 if width == 0 else (width - 1) // block + 1)
+    else:
+        raise ValueError(f"tokens: kind must be 'random' or 'band', got {kind!r}")
+    return _assemble(b, b, m[None], text, 128)
+
+
 FAMILIES: dict[str, Callable[..., BlockMask]] = {
     "dense": dense, "sta": sta, "ssta": ssta, "moba": moba, "vsa": vsa, "radial": radial,
     "svg": svg, "svg2": svg2, "sparge": sparge, "xattn": xattn, "jenga": jenga, "natten": natten,
-    "ditfastattn": ditfastattn,
+    "ditfastattn": ditfastattn, "tokens": tokens,
 }

@@ -73,14 +73,17 @@ GRIDS: dict[str, Grid] = {g.name: g for g in (
     Grid("hy720", 31, 45, 80, 16, 1985, 0, "hunyuan"),
     Grid("hy480", 31, 30, 53, 16, 1985, 0, "hunyuan"),
     Grid("hy720_1x1", 31, 60, 60, 16, 1985, 0, "hunyuan"),
+    # Token-level masks at L = 4,096 (16 x 16 x 16; the corpus's "tokens" family: 1-token blocks).
+    Grid("tok4096", 16, 16, 16, 12, 0, 0, "tokens"),
     # Small grids for CPU tests (not in the corpus).
     Grid("tiny", 5, 6, 8, 2, 0, 24, "test"),
     Grid("small", 9, 12, 16, 4, 0, 64, "test"),
     Grid("small_text", 7, 10, 12, 3, 600, 0, "test"),
 )}
 
-#: Grids of the corpus: the four main grids, then the two variants.
-CORPUS_GRIDS = ("wan720", "wan480", "hy720", "hy480", "hy720_1x1", "wan720_49f")
+#: Grids of the corpus: the four main grids, the two variants, then the token-level grid (only
+#: the "tokens" family, with ``wan480``).
+CORPUS_GRIDS = ("wan720", "wan480", "hy720", "hy480", "hy720_1x1", "wan720_49f", "tok4096")
 
 
 def get_grid(grid) -> Grid:

@@ -25,12 +25,22 @@ bf16, head_dim 128 by default), and timed under the benchmarks' kernel rule
 (``tessera_jax.tools.timing.KERNEL_RULE``: ``--warmup`` (3) calls, then the median of ``--iters``
 (20) calls' CUPTI kernel time, the L2 flushed before each); on CPU, host wall clock around
 ``block_until_ready``. Each time record names its rule; a resumed run re-measures the pairs
-recorded under another rule (or before rules were recorded), so one table never mixes rules.
+recorded under another rule (or before rules were recorded), and the fit uses a mask only when
+all its candidates' records share one rule (a run cut mid-mask leaves that mask out).
+
+Each time record also carries ``plan_digest`` (``plan_digest``: SHA-256 of the plan's real unit
+and step rows, bitmap words included) and the plan's ``bitmap_steps``. ``--remeasure-stale``
+plans every recorded pair again on the host and re-times those whose record names no digest or
+another one (the planner changed since: e.g. bitmap steps); the others are kept. The fit reads
+the newest record of each (mask, candidate): the last line of the raw file (records are appended
+in the order they are measured).
 
 Raw timings go to ``<raw>/<gpu>.jsonl`` (one JSON object per line: ``"kind": "mask"`` records
 with features and spec, ``"kind": "time"`` records per (mask, candidate)), appended as they are
 measured; a rerun skips the (mask, candidate) pairs already there (``--retry-errors``: except
-failed ones), so the profile can be spread over several shorter GPU runs. A run stops after
+failed ones; ``--remeasure-stale``: except those whose plan changed), so the profile can be
+spread over several shorter GPU runs. ``--families tokens`` profiles one family only; the fit
+still uses every complete mask of the raw file. A run stops after
 ``MAX_ERROR_STREAK`` failures in a row (a broken device would otherwise fail every pair). At
 the end (or with ``--fit-only``) the ranking is fitted on every mask whose candidates were all
 attempted (``selection.fit_table``) and written to ``--out``.
@@ -205,16 +215,16 @@ def _executor(template, tile_q, tile_kv, qp, kvp, max_steps, scale):
     return jax.jit(run)
 
 
-def timing_rule(warmup: int | None = None, iters: int | None = None):
+def timing_rule(warmup: int | None = None, iters: int | None = None, gpu: bool | None = None):
     """The profile's rule: the benchmarks' kernel rule on GPU (``None``: its warm-up and
-    repeats), host wall clock elsewhere (CPU smoke runs)."""
+    repeats), host wall clock elsewhere (CPU smoke runs). ``gpu``: force one (None: this host)."""
     import jax
 
     from tessera_jax.tools import timing
     base = timing.KERNEL_RULE
     warmup = base.warmup if warmup is None else max(int(warmup), 1)   # compile outside
     iters = base.repeats if iters is None else int(iters)
-    if jax.default_backend() == "gpu":
+    if gpu if gpu is not None else jax.default_backend() == "gpu":
         return base.replace(warmup=warmup, repeats=iters)
     return timing.wall_rule(iters, warmup)
 
@@ -245,29 +255,64 @@ class Inputs:
         return self._val
 
 
-def time_candidate(mask, template: str, policy: str, inputs: Inputs, *, warmup: int | None,
-                   iters: int | None, num_heads: int | None = None) -> dict:
-    """Plans and times one candidate on one mask (``num_heads`` query heads, default the
-    mask's); a dict for the raw file."""
-    import jax
+def plan_digest(plan) -> str:
+    """16 hex digits of SHA-256 over what a timing runs: template, tiles, padded lengths, the real
+    unit rows and the step rows with their bitmap words (~0.2 s per 170 MB of steps)."""
+    h = hashlib.sha256()
+    head = [plan.template, plan.tile_q, plan.tile_kv, plan.q_len_padded, plan.kv_len_padded,
+            plan.num_units, plan.num_steps, int(getattr(plan, "bitmap_rows", 0)), plan.max_steps]
+    h.update(json.dumps(head).encode())
+    h.update(np.ascontiguousarray(plan.units[:plan.num_units]))
+    h.update(np.ascontiguousarray(plan.steps[:plan.num_steps + head[7]]))
+    return h.hexdigest()[:16]
 
+
+def plan_summary(plan) -> dict:
+    """The plan figures a time record keeps, as ``Plan.stats()`` counts them but without its
+    tile classification (tens of seconds on token-level plans of 100k+ bitmap steps)."""
+    from tessera_jax.planning.schedule import makespan
+    r = plan.tile_rects()
+    full = ((r["r0"] == r["q0"]) & (r["r1"] == r["q1"]) & (r["c0"] == r["k0"])
+            & (r["c1"] == r["k1"]) & (r["cuts_b"] == 0))
+    tiles = int(plan.step_counts().astype(np.int64).sum())
+    computed = tiles * plan.tile_q * plan.tile_kv
+    cost = plan.unit_cost if plan.unit_cost is not None else np.zeros(plan.num_units)
+    return {"units": int(plan.num_units), "tiles": tiles, "partial_tiles": tiles - int(full.sum()),
+            "waste_fraction": float(1.0 - plan.selected_interactions / computed) if computed
+            else 0.0,
+            "est_time_us": makespan(cost, plan.cost_model.num_sms) / 1e3,
+            "bitmap_steps": int(r["bitmap"].sum())}
+
+
+def plan_candidate(mask, template: str, policy: str, inputs: Inputs,
+                   num_heads: int | None = None):
+    """(plan, planning ms) of one candidate on one mask, as ``sparse_attention`` would plan it."""
     from tessera_jax.runtime.api import plan as make_plan
-    q, k, v = inputs.get(mask.Lq, mask.Lkv, num_heads or mask.num_heads)
+    q, k, _ = inputs.get(mask.Lq, mask.Lkv, num_heads or mask.num_heads)
     t0 = time.perf_counter()
     p = make_plan(mask, q.shape, k.shape, q.dtype, template=template, policy=policy)
-    plan_ms = (time.perf_counter() - t0) * 1e3
+    return p, (time.perf_counter() - t0) * 1e3
+
+
+def time_candidate(mask, template: str, policy: str, inputs: Inputs, *, warmup: int | None,
+                   iters: int | None, num_heads: int | None = None, planned=None) -> dict:
+    """Plans and times one candidate on one mask (``num_heads`` query heads, default the
+    mask's; ``planned``: ``plan_candidate``'s result, not planned again); a raw file dict."""
+    import jax
+
+    q, k, v = inputs.get(mask.Lq, mask.Lkv, num_heads or mask.num_heads)
+    p, plan_ms = planned or plan_candidate(mask, template, policy, inputs, num_heads)
+    digest = plan_digest(p)
     units, steps, ri, ms_cap = padded_arrays(p)
     fn = _executor(p.template, p.tile_q, p.tile_kv, p.q_len_padded, p.kv_len_padded, ms_cap,
                    float(q.shape[-1]) ** -0.5)
     args = (q, k, v) + tuple(jax.device_put(a) for a in (units, steps, ri))
     t1 = time.perf_counter()
     t = time_fn(fn, args, warmup=warmup, iters=iters)
-    st = p.stats()
     return {"ms": t.ms, "samples": [round(x, 5) for x in t.samples], "timer": t.timer,
-            "rule": t.rule.name,
+            "rule": t.rule.name, "plan_digest": digest,
             "plan_ms": round(plan_ms, 3), "wall_s": round(time.perf_counter() - t1, 3),
-            "plan": {key: st[key] for key in ("units", "tiles", "partial_tiles", "waste_fraction",
-                                              "est_time_us")},
+            "plan": plan_summary(p),
             "capacities": [int(units.shape[0]), int(steps.shape[0]), int(ms_cap)]}
 
 
@@ -285,7 +330,8 @@ def call_shape(mask, dtype, head_dim, num_heads: int | None = None):
 
 # --- raw file ---------------------------------------------------------------------------------
 def read_raw(path) -> tuple[dict, dict]:
-    """(mask records by id, time records by (id, candidate key)); unreadable lines skipped."""
+    """(mask records by id, time records by (id, candidate key)); unreadable lines skipped. A pair
+    timed more than once keeps its newest record: the last line (the file is append-only)."""
     masks, times = {}, {}
     p = pathlib.Path(path)
     if not p.is_file():
@@ -310,6 +356,22 @@ def _append(path, rec):
     with open(path, "a") as f:
         f.write(json.dumps(rec, separators=(",", ":")) + "\n")
         f.flush()
+
+
+def needs_timing(rec, rule: str, retry_errors: bool = False) -> bool:
+    """Whether a pair whose newest record is ``rec`` (None: never timed) must be timed whatever
+    its plan: no record, an ok time under another rule, or an error with ``retry_errors``."""
+    if rec is None:
+        return True
+    if rec.get("status") == "ok":
+        return rec.get("rule") != rule
+    return bool(retry_errors)
+
+
+def is_stale(rec, digest: str) -> bool:
+    """Whether a record was taken on another plan than ``digest`` (or names none: before
+    digests were recorded, when the plan cannot be told)."""
+    return rec.get("plan_digest") != digest
 
 
 # --- environment / provenance -----------------------------------------------------------------
@@ -375,12 +437,19 @@ def fit_from_raw(raw_path, candidates=None, *, gpu: dict, provenance: dict) -> d
         candidates = seen
     keys = [cand_key(*c) for c in candidates]
     X, T, G, used = [], [], [], []
-    incomplete = 0
+    incomplete = mixed = 0
+    rules: dict[str, int] = {}
     for mid, m in masks.items():
         recs = [times.get((mid, ck)) for ck in keys]
         if any(r is None for r in recs):
             incomplete += 1
             continue
+        mask_rules = {r.get("rule") for r in recs if r.get("status") == "ok"}
+        if len(mask_rules) > 1:     # relative times within a mask must share one rule
+            mixed += 1
+            continue
+        rule = next(iter(mask_rules), None) or "none recorded"
+        rules[rule] = rules.get(rule, 0) + 1
         if list(m.get("feature_names", [])) == list(_features.FEATURE_NAMES):
             x = m["features"]
         else:   # features changed since the run: recompute from the spec
@@ -394,6 +463,7 @@ def fit_from_raw(raw_path, candidates=None, *, gpu: dict, provenance: dict) -> d
         used.append(mid)
     prov = dict(provenance)
     prov["fit"] = {"masks_used": len(used), "masks_incomplete": incomplete,
+                   "masks_mixed_rules": mixed, "masks_by_rule": rules,
                    "raw_file": str(raw_path), "timings": len(used) * len(keys)}
     X = np.asarray(X, np.float64).reshape(len(used), len(_features.FEATURE_NAMES))
     T = np.asarray(T, np.float64).reshape(len(used), len(keys))
@@ -448,6 +518,11 @@ def parse_args(argv=None):
     ap.add_argument("--fit-only", action="store_true", help="refit the table from the raw file")
     ap.add_argument("--retry-errors", action="store_true", help="measure again the (mask, "
                     "candidate) pairs whose raw record is an error")
+    ap.add_argument("--remeasure-stale", action="store_true", help="plan every recorded pair "
+                    "again and re-time those whose record has no plan digest or another one")
+    ap.add_argument("--dry-run", action="store_true", help="time nothing, write nothing: plan "
+                    "every pair on this host and print how many a run would time (under the "
+                    "GPU rule unless --tiny), with bitmap-step counts; no table")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny masks, XLA templates")
     ap.add_argument("--backends", nargs="+", help="backends whose templates are candidates "
                     "(default: the first available of mosaic_gpu, triton; e.g. "
@@ -506,6 +581,8 @@ def main(argv=None) -> dict:
                                                                 else argv),
         "device": dev,
     }
+    if a.dry_run:
+        return dry_run(a, specs, cands, raw_path, heads)
     if not a.fit_only:
         _measure(a, specs, cands, raw_path, heads)
     table = fit_from_raw(raw_path, cands or None, gpu={k: dev[k] for k in
@@ -520,36 +597,122 @@ def main(argv=None) -> dict:
     return table
 
 
+def _end_cut_line(raw_path) -> None:
+    """Ends a line cut by a killed run, so that the next record starts on its own line."""
+    if raw_path.is_file() and raw_path.stat().st_size:
+        with open(raw_path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+
+
+def _todo(a, specs, cands, times_done, rule):
+    """[(spec, candidate, check)]: pairs to time (check False), mask by mask, then, with
+    --remeasure-stale, recorded pairs to plan again and time only if their plan changed (check
+    True): a run cut short has timed the missing pairs first."""
+    timed, checked = [], []
+    for s in specs:
+        for c in cands:
+            rec = times_done.get((s["id"], cand_key(*c)))
+            if needs_timing(rec, rule, a.retry_errors):
+                timed.append((s, c, False))
+            elif a.remeasure_stale:
+                checked.append((s, c, True))
+    return timed + checked
+
+
+def _mask_record(a, spec, mask, heads, hq) -> dict:
+    """The raw file's record of a profiled mask: spec, call, features."""
+    shape = call_shape(mask, a.dtype, a.head_dim, hq)
+    return {"kind": "mask", "id": spec["id"], "family": spec["family"], "grid": spec["grid"],
+            "group": spec_group(spec) if not a.tiny else spec["id"], "heads": heads,
+            "call_heads": hq, "spec": spec, "dtype": a.dtype, "head_dim": a.head_dim,
+            "shape": list(mask.shape), "Lq": mask.Lq, "Lkv": mask.Lkv, "density": mask.density,
+            "feature_names": list(_features.FEATURE_NAMES),
+            "features": [float(x) for x in _features.feature_vector(mask, shape)]}
+
+
+def dry_run(a, specs, cands, raw_path, heads) -> dict:
+    """``--dry-run``: the pairs a run would time, found by planning each one on this host (no
+    timing, no raw record); printed as JSON and returned."""
+    import jax.numpy as jnp
+
+    from tessera_jax.runtime.api import clear_caches
+    _, times_done = read_raw(raw_path)
+    rule = timing_rule(a.warmup, a.iters, gpu=not a.tiny).name
+    inputs = Inputs(jnp.dtype(a.dtype), a.head_dim)
+    out = {"raw": str(raw_path), "rule": rule, "masks": len(specs), "pairs": 0,
+           "time": {"no_record": 0, "other_rule": 0, "error": 0, "stale_plan": 0},
+           "kept": 0, "bitmap_pairs": 0, "bitmap_masks": 0, "plan_errors": 0, "plan_s": 0.0,
+           "by_family": {}}
+    for spec in specs:
+        mask = build_mask(spec, heads)
+        fam = out["by_family"].setdefault(spec["family"], {"masks": 0, "time": 0, "bitmap": 0})
+        fam["masks"] += 1
+        any_bitmap = False
+        for c in cands:
+            out["pairs"] += 1
+            rec = times_done.get((spec["id"], cand_key(*c)))
+            why = _why_timed(a, rec, rule)
+            try:
+                p, ms = plan_candidate(mask, *c, inputs, call_heads(spec, heads))
+            except Exception:  # noqa: BLE001 - a run would record it as an error
+                out["plan_errors"] += 1
+                p = None
+            else:
+                out["plan_s"] += ms / 1e3
+                bitmap = plan_summary(p)["bitmap_steps"] > 0
+                out["bitmap_pairs"] += bitmap
+                fam["bitmap"] += bitmap
+                any_bitmap |= bitmap
+                if why is None and a.remeasure_stale and is_stale(rec, plan_digest(p)):
+                    why = "stale_plan"
+            if why is None:
+                out["kept"] += 1
+            else:
+                out["time"][why] += 1
+                fam["time"] += 1
+        out["bitmap_masks"] += any_bitmap
+        clear_caches()                          # plans of big masks: one mask's at a time
+    out["to_time"] = sum(out["time"].values())
+    out["plan_s"] = round(out["plan_s"], 1)
+    print(json.dumps(out, indent=1))
+    return out
+
+
+def _why_timed(a, rec, rule) -> str | None:
+    """Why a run would time a pair whatever its plan ("no_record", "other_rule", "error"), or
+    None when its record stands unless its plan changed."""
+    if not needs_timing(rec, rule, a.retry_errors):
+        return None
+    if rec is None:
+        return "no_record"
+    return "other_rule" if rec.get("status") == "ok" else "error"
+
+
 def _measure(a, specs, cands, raw_path, heads):
     import jax.numpy as jnp
     t_start = time.monotonic()
     masks_done, times_done = read_raw(raw_path)
-    if raw_path.is_file() and raw_path.stat().st_size:
-        with open(raw_path, "rb+") as f:        # a line cut by a killed run: end it
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
+    _end_cut_line(raw_path)
     rule = timing_rule(a.warmup, a.iters).name
-
-    def done(key):
-        r = times_done.get(key)
-        if r is not None and r.get("status") == "ok" and r.get("rule") != rule:
-            return False                # measured under another rule: measured again
-        return r is not None and (r.get("status") == "ok" or not a.retry_errors)
     other = sum(1 for r in times_done.values()
                 if r.get("status") == "ok" and r.get("rule") != rule)
     if other:
         log(f"{other} timings in {raw_path} were taken under another rule than {rule}: "
             f"they are measured again")
-    todo = [(s, c) for s in specs for c in cands if not done((s["id"], cand_key(*c)))]
-    log(f"{len(specs)} masks x {len(cands)} candidates; {len(todo)} timings to do "
+    todo = _todo(a, specs, cands, times_done, rule)
+    n_check = sum(c for *_, c in todo)
+    log(f"{len(specs)} masks x {len(cands)} candidates; {len(todo) - n_check} timings to do, "
+        f"{n_check} recorded pairs to check against the current plan "
         f"({len(specs) * len(cands) - len(todo)} already in {raw_path})")
     inputs = Inputs(jnp.dtype(a.dtype), a.head_dim)
     bar = _progress(len(todo), "profile")
     cur_id, mask = None, None
     stopped = False
-    streak = 0
-    for spec, (template, policy) in todo:
+    streak = current = stale = 0
+    code = versions().get("git")
+    for spec, (template, policy), check in todo:
         if a.time_budget is not None and time.monotonic() - t_start > a.time_budget:
             stopped = True
             break
@@ -558,26 +721,27 @@ def _measure(a, specs, cands, raw_path, heads):
             mask = build_mask(spec, heads)
             hq = call_heads(spec, heads)
             if cur_id not in masks_done:
-                shape = call_shape(mask, a.dtype, a.head_dim, hq)
-                _append(raw_path, {
-                    "kind": "mask", "id": cur_id, "family": spec["family"],
-                    "grid": spec["grid"], "group": spec_group(spec) if not a.tiny else cur_id,
-                    "heads": heads, "call_heads": hq, "spec": spec, "dtype": a.dtype,
-                    "head_dim": a.head_dim,
-                    "shape": list(mask.shape), "Lq": mask.Lq, "Lkv": mask.Lkv,
-                    "density": mask.density,
-                    "feature_names": list(_features.FEATURE_NAMES),
-                    "features": [float(x) for x in _features.feature_vector(mask, shape)]})
+                _append(raw_path, _mask_record(a, spec, mask, heads, hq))
                 masks_done[cur_id] = True
-        rec = {"kind": "time", "id": cur_id, "candidate": cand_key(template, policy),
-               "template": template, "policy": policy}
+        key = cand_key(template, policy)
+        rec = {"kind": "time", "id": cur_id, "candidate": key, "template": template,
+               "policy": policy, "code": code}
+        planned = None
         try:
+            planned = plan_candidate(mask, template, policy, inputs, hq)
+            if check and not is_stale(times_done[(cur_id, key)], plan_digest(planned[0])):
+                current += 1            # recorded on this very plan: kept
+                bar.update(1)
+                continue
+            stale += check
             rec.update(time_candidate(mask, template, policy, inputs, warmup=a.warmup,
-                                      iters=a.iters, num_heads=hq))
+                                      iters=a.iters, num_heads=hq, planned=planned))
             rec["status"] = "ok"
             streak = 0
         except Exception as e:  # noqa: BLE001 - a failing candidate is data, not a crash
             rec.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
+            if planned is not None:             # the plan that failed (stale once it changes)
+                rec["plan_digest"] = plan_digest(planned[0])
             log(f"{cur_id} {rec['candidate']}: {rec['error']}")
             streak += 1
         _append(raw_path, rec)
@@ -590,6 +754,9 @@ def _measure(a, specs, cands, raw_path, heads):
         bar.set_postfix_str(f"{spec['family']} {rec['candidate']} "
                             f"{rec.get('ms', float('nan')):.3f} ms")
     bar.close()
+    if n_check:
+        log(f"--remeasure-stale: {current} recorded pairs on the current plan kept, {stale} "
+            f"stale ones timed again")
     if stopped:
         log("stopped early; rerun to continue (resumable)")
 
