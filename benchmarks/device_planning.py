@@ -200,8 +200,11 @@ def main():
             kb = np.asarray(m.kv_bounds, np.int32)
             from tessera_jax.runtime import device_route
             from tessera_jax.validation import check_shapes
-            dev_t = device_route.choose(tj.BlockMask(qb, kb, jnp.asarray(m.blocks[:1])),
-                                        check_shapes(qs, ks, jnp.bfloat16), "mosaic_gpu", None)
+            consts = device_route._consts(tj.BlockMask(qb, kb, jnp.asarray(m.blocks)))
+            dev_t, cap = device_route._choose(consts[0], consts[1], tuple(m.blocks.shape),
+                                              check_shapes(qs, ks, jnp.bfloat16), "mosaic_gpu",
+                                              None)
+            row["bitmap_capacity"] = int(cap)
             fits = dev_t is not None
             row.update(fits=fits, device_template=dev_t.name if fits else "exact path")
             rng = np.random.default_rng(0)
@@ -210,7 +213,7 @@ def main():
             if fits:
                 planf = jax.jit(lambda b: device.plan_on_device(
                     b, qb, kb, num_q_heads=H, q_len=Lq, kv_len=Lkv, tile_q=dev_t.tile_q,
-                    tile_kv=dev_t.tile_kv))
+                    tile_kv=dev_t.tile_kv, bitmap_capacity=cap))
                 t = timing.time_kernel(planf, [(b,) for b in variants], rule=rule)
                 row["device_plan_ms"] = t.ms
                 jax.block_until_ready(planf(variants[0]))
