@@ -251,22 +251,26 @@ def test_device_mask_errors_name_the_argument():
     with pytest.raises(ValueError, match="pairs query units"):
         device_route.choose(m, check_shapes(
             (1, 8, 2, 64), (1, 8, 2, 64), jnp.bfloat16), "mosaic_gpu",
-            device_route.dispatch.get_template("mgpu_q64x2_kv64_s2_hm"))
+            device_route.dispatch.get_template("mgpu_q64x2pp_kv64_s2_hm"))
 
 
 def test_template_choice_is_static_and_follows_static_bounds():
     shape = check_shapes((1, 512, 2, 64), (1, 512, 2, 64), jnp.bfloat16)
-    big = tj.BlockMask(np.arange(0, 513, 64), np.arange(0, 513, 128), jnp.ones((1, 8, 4), bool))
+    big = tj.BlockMask(np.arange(0, 513, 128), np.arange(0, 513, 128), jnp.ones((1, 4, 4), bool))
+    rows128 = tj.BlockMask(np.arange(0, 513, 128), np.arange(0, 513, 64), jnp.ones((1, 4, 8), bool))
     cubes = tj.BlockMask(np.arange(0, 513, 64), np.arange(0, 513, 64), jnp.ones((1, 8, 8), bool))
-    small_kv = tj.BlockMask(np.arange(0, 513, 64), np.r_[np.arange(0, 512, 24), 512],
-                           jnp.ones((1, 8, 22), bool))
+    small_kv = tj.BlockMask(np.arange(0, 513, 128), np.r_[np.arange(0, 512, 24), 512],
+                           jnp.ones((1, 4, 22), bool))
+    rows64 = tj.BlockMask(np.arange(0, 513, 64), np.arange(0, 513, 128), jnp.ones((1, 8, 4), bool))
     tiny = tj.BlockMask(np.arange(0, 513, 4), np.arange(0, 513, 4), jnp.ones((1, 128, 128), bool))
     traced = tj.BlockMask(jnp.arange(0, 513, 4), jnp.arange(0, 513, 4), jnp.ones((1, 128, 128), bool))
     pick = lambda m: getattr(device_route.choose(m, shape, "mosaic_gpu", None), "name", None)  # noqa: E731
     assert pick(big) == "mgpu_q128_kv128_s2_hm"
-    assert pick(cubes) == "mgpu_q128_kv64_s2_hm"        # 64-key blocks: 64-key tiles first
+    assert pick(rows128) == "mgpu_q128_kv64_s2_hm"      # 64-key blocks: 64-key tiles first
     assert pick(small_kv) == "mgpu_q128_kv64_s2_hm"     # 24-token key blocks: 6 meet a kv128 tile
-    assert pick(tiny) == "mgpu_q128_kv64_s2_hm"         # bitmap steps (4-token blocks)
+    assert pick(cubes) == "mgpu_q64x2_kv64_s2_hm"       # 64-token query blocks: 64-row units
+    assert pick(rows64) == "mgpu_q64x2_kv64_s2_hm"
+    assert pick(tiny) == "mgpu_q64x2_kv64_s2_hm"        # bitmap steps (4-token blocks)
     assert pick(traced) == "mgpu_q128_kv128_s2_hm"      # decided on the device (lax.cond)
 
 

@@ -647,3 +647,26 @@ def test_planned_small_blocks_grid_steps(template, policy, dtype, D, Hq, Hkv):
         if not (plan.steps[:, plan_abi.STEP_CUTS_B] != 0).any():
             pytest.skip("the planner emits no grid steps for these masks (tiles-once planner "
                         "not in this tree): ran plain steps only")
+
+
+def test_device_plan_runs_on_the_paired_kernel():
+    """A device plan of 64-row tiles (one unit per query tile, in plan order) on q64x2: each
+    CTA takes two neighbouring units (a pair may span two heads); 3 heads x 3 tiles give an odd
+    unit count (the last warpgroup idles); variable blocks give grid steps; an empty block row."""
+    from tessera_jax.planning import device
+    rng = np.random.default_rng(_seed("device_paired"))
+    Lq, Lkv = 136, 100
+    qb = np.array([0, 20, 50, 90, 136]); kb = np.array([0, 30, 44, 70, 100])
+    blocks = rng.random((3, 4, 4)) < 0.5
+    blocks[:, 1] = False
+    blocks[:, 2, 0] = True
+    q, k, v = random_qkv(1, Lq, Lkv, 3, 1, 64, jnp.float16, int(rng.integers(1e9)))
+    p = device.plan_on_device(jnp.asarray(blocks), qb, kb, num_q_heads=3, q_len=Lq,
+                              kv_len=Lkv, tile_q=64, tile_kv=64)
+    assert bool(p.ok) and p.units.shape[0] == 9
+    out, lse = mosaic.attention(q, k, v, p.units, p.steps, None,
+                                template="mgpu_q64x2_kv64_s2_hm", q_len_padded=p.q_len_padded,
+                                kv_len_padded=p.kv_len_padded, return_lse=True,
+                                interpret=INTERPRET, check_plan=False)
+    _check(out, lse, *tj.reference_attention(q, k, v, tj.BlockMask(qb, kb, blocks),
+                                             return_lse=True), jnp.float16)

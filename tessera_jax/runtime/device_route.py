@@ -5,7 +5,8 @@ the same shapes.
 A call site's template is a *static* choice (``choose``): the first template of the backend's
 list in ``DEVICE_TEMPLATES`` that takes the call and whose plan needs no bitmap steps for the
 static bounds, else the first whose bitmap steps fit ``BITMAP_BUDGET_BYTES`` (traced bounds:
-the first); static K/V blocks of <= 64 tokens (median) try 64-key tiles first. Why static, not
+the first); static K/V blocks of <= 64 tokens (median) try 64-key tiles first, static query
+blocks of <= 64 tokens 64-row units (q64x2: two per CTA). Why static, not
 a ``lax.switch`` over ranked templates: the ranking reads mask features the host does not have
 under a trace, a switch would compile every template into every call site, and the device
 planner has one policy (a step per selected tile), for which q128 x kv128 steps run fastest on
@@ -46,9 +47,10 @@ from tessera_jax.validation import AttnShape
 __all__ = ["DEVICE_TEMPLATES", "takes", "choose", "attention", "exact_attention", "check"]
 
 #: Per backend, the templates a device plan may run, in order of preference (see the module
-#: docstring); paired-unit templates are absent: device plans have one unit per query tile.
+#: docstring). q64x2 runs neighbouring 64-row units of the device plan in one CTA, one per
+#: consumer warpgroup (units in plan order: the two halves of a 128-row span).
 DEVICE_TEMPLATES = types.MappingProxyType({
-    "mosaic_gpu": ("mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm"),
+    "mosaic_gpu": ("mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm"),
     "triton": ("triton_q128_kv128_w8_s3_pf_hm", "triton_q128_kv64_w8_s3_pf_hm",
                "triton_q64_kv64_w4_s2"),
     "xla": ("xla_64x64", "xla_128x128", "xla_64x128", "xla_128x64"),
@@ -116,7 +118,7 @@ def _capacity(qb, kb, shape_blocks, shape: AttnShape, t: Template) -> int | None
 
 
 def _device_capable(t: Template) -> bool:
-    return not getattr(t.kernel, "paired", False)
+    return t.name in DEVICE_TEMPLATES[t.backend] or not getattr(t.kernel, "paired", False)
 
 
 def _consts(mask: BlockMask) -> tuple:
@@ -138,12 +140,18 @@ def _choose(qb: _Const | None, kb: _Const | None, shape_blocks: tuple, shape: At
         cap = _capacity(qb, kb, shape_blocks, shape, template)
         return (template, cap) if cap is not None else (None, 0)
     names = DEVICE_TEMPLATES[backend]
-    if kb is not None:
-        # K/V blocks of <= 64 tokens: a 128-key tile would hold two, and a sparse per-head
-        # selection keeps one of them most of the time (a masked step at 0.67 of cuDNN's rate
-        # for half the keys, against a full 64-key step at 0.80): 64-key tiles first.
-        small = float(np.median(np.diff(np.asarray(kb.array), axis=-1))) <= 64
-        names = sorted(names, key=lambda n: small != (dispatch.get_template(n).tile_kv <= 64))
+
+    def small(b):
+        return b is not None and float(np.median(np.diff(np.asarray(b.array), axis=-1))) <= 64
+
+    # K/V blocks of <= 64 tokens: a 128-key tile would hold two, and a sparse per-head
+    # selection keeps one of them most of the time (a masked step at 0.67 of cuDNN's rate
+    # for half the keys, against a full 64-key step at 0.80): 64-key tiles first. Query blocks
+    # of <= 64 tokens likewise: 64-row units (VSA's cubes at Wan 720p: the host's q64x2 plan
+    # ran 76.7 ms against 111.8 for the device's q128 x kv64 one). Otherwise 128-row units.
+    sq, sk = small(qb), small(kb)
+    names = sorted(names, key=lambda n: (sq != (dispatch.get_template(n).tile_q <= 64),
+                                         sk != (dispatch.get_template(n).tile_kv <= 64)))
     fitting = []
     for name in names:
         t = dispatch.get_template(name)
