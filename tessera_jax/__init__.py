@@ -6,6 +6,7 @@ from tessera_jax.runtime.api import (clear_caches, enable_compilation_cache, pla
 from tessera_jax.mask import BlockMask
 from tessera_jax.planning.planner import Plan
 from tessera_jax.reference import reference_attention
+from tessera_jax import parallel  # several devices: docs/multi_gpu.md
 
 __all__ = ["BlockMask", "Plan", "clear_caches", "enable_compilation_cache", "plan", "precompile",
            "reference_attention", "sparse_attention"]
