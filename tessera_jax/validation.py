@@ -74,7 +74,9 @@ def check_mask(mask, shape: AttnShape) -> BlockMask:
                 raise ValueError(f"mask covers {axis}={end} {what} but {name} has length {length}")
     if mask.num_heads not in (1, shape.num_q_heads):
         raise ValueError(f"mask has {mask.num_heads} heads; it must have 1 (shared) or "
-                         f"Hq={shape.num_q_heads} (one per query head)")
+                         f"Hq={shape.num_q_heads} (one per query head); inside a shard_map "
+                         "over heads, tessera_jax.parallel.local_attention takes the mask of "
+                         "all heads")
     return mask
 
 
