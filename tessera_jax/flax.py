@@ -1,18 +1,24 @@
 """Flax integration: block-sparse attention inside ``flax.nnx`` models and denoising loops.
 
-Three pieces:
+Four pieces:
 
 * ``make_attention_fn(mask_or_schedule)``: an ``attention_fn`` for
   ``flax.nnx.MultiHeadAttention(..., attention_fn=...)``.
 * ``SparseSelfAttention``: a small nnx self-attention layer taking a ``BlockMask`` or a
   ``MaskSchedule``.
-* ``MaskSchedule``: which mask each (layer, denoising step) uses; ``None`` means dense.
+* ``MaskSchedule``: which static mask each (layer, denoising step) uses; ``None`` means dense.
+* ``DynamicSchedule`` and ``LayerAttention``: the schedule as data, for masks built from each
+  layer's q and k inside the compiled loop (``tessera_jax.masks.dynamic``).
 
-Masks are static host objects: planning happens at trace time, so the mask of a call must be
-known while tracing. A schedule's step is therefore a Python int (an argument, or the
-``at_step`` context); a jit-compiled loop groups its steps into the few distinct per-layer mask
-tuples ("variants") and traces one model forward per variant (see
-``tessera_jax.models.loop``), never one per step.
+A ``MaskSchedule`` holds static host masks: planning happens at trace time, so the mask of a
+call must be known while tracing and its step is a Python int (an argument, or the ``at_step``
+context); a jit-compiled loop groups its steps into the few distinct per-layer mask tuples
+("variants") and traces one model forward per variant (``tessera_jax.models.loop``).
+
+A ``DynamicSchedule`` is data: an int32 table [steps, layers] of choices (0 dense, i >= 1 its
+i-th rule) read with the *traced* step, so one traced forward serves every step; each layer
+picks its attention with ``lax.switch`` and carries its rule's state (e.g. k-means centroids)
+from step to step. Nothing in it is read at trace time, so ``at_step`` has no part in it.
 
 This module is named ``flax``; it uses absolute imports (``import flax.nnx``), so the ``flax``
 package is never shadowed.
@@ -33,8 +39,9 @@ import flax.nnx as nnx
 
 from tessera_jax.mask import BlockMask
 
-__all__ = ["AttentionOptions", "MaskSchedule", "SparseAttentionFn", "SparseSelfAttention",
-           "at_step", "attention", "current_step", "make_attention_fn"]
+__all__ = ["AttentionOptions", "DynamicSchedule", "LayerAttention", "MaskSchedule",
+           "SparseAttentionFn", "SparseSelfAttention", "at_step", "attention", "current_step",
+           "dynamic_attention", "make_attention_fn"]
 
 _DENSE_IMPLS = (None, "xla", "cudnn")
 
@@ -82,16 +89,20 @@ def _sparse_attention(q, k, v, mask, scale, options: AttentionOptions):
                             template=options.template, policy=options.policy)
 
 
-def attention(q, k, v, mask: BlockMask | None, *, scale: float | None = None,
+def attention(q, k, v, mask, *, scale: float | None = None,
               options: AttentionOptions = DEFAULT_OPTIONS):
     """Attention over q [B, Lq, Hq, D], k, v [B, Lkv, Hkv, D]: sparse for a mask, dense for None.
 
     The dense path is ``jax.nn.dot_product_attention`` (what a model runs in its dense warm-up
     steps and what the cuDNN baseline measures); the sparse path is
-    ``tessera_jax.sparse_attention``. Output [B, Lq, Hq, D] in q.dtype.
+    ``tessera_jax.sparse_attention``. ``mask`` may also be a ``LayerAttention`` (a dynamic
+    schedule's layer at a traced step), which then decides, builds its mask and keeps its
+    state. Output [B, Lq, Hq, D] in q.dtype.
     """
     if not isinstance(options, AttentionOptions):
         raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
+    if isinstance(mask, LayerAttention):
+        return mask(q, k, v, scale=scale)
     if mask is None:
         return jax.nn.dot_product_attention(q, k, v, scale=scale,
                                             implementation=options.dense_implementation)
@@ -320,9 +331,12 @@ def at_step(step: int):
     around a call of an already-compiled function, the step would not reach it (jit's cache
     key does not hold it), so the block raises ``ValueError`` when it was entered outside any
     trace and no layer read its step (a compiled call reused the masks it was traced with).
+    A ``DynamicSchedule`` never reads it: there the step is an argument (data).
     """
     if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
-        raise TypeError(f"step must be a Python int (static at trace time), got {type(step).__name__}")
+        raise TypeError(f"step must be a Python int (static at trace time), got "
+                        f"{type(step).__name__}; for a step that is data (a loop carry) use a "
+                        "DynamicSchedule (tessera_jax.flax.DynamicSchedule)")
     from jax._src import core as _core      # trace_state_clean has no public name in jax 0.11
     outside = _core.trace_state_clean()
     ctx = _StepContext(int(step))
@@ -361,10 +375,228 @@ def _resolve_mask(source, layer: int, step: int | None) -> BlockMask | None:
 
 
 def _check_source(name: str, source):
+    if isinstance(source, DynamicSchedule):
+        raise TypeError(f"{name}: a DynamicSchedule runs through LayerAttention with a traced "
+                        "step (tessera_jax.models.make_sampler builds the loop), not as a "
+                        "layer's static mask")
     if source is not None and not isinstance(source, (BlockMask, MaskSchedule)):
         raise TypeError(f"{name} must be a BlockMask, a MaskSchedule or None, "
                         f"got {type(source).__name__}")
     return source
+
+
+# --- the schedule as data -------------------------------------------------------------------------
+def _check_rule(i: int, rule):
+    if not callable(rule) or not callable(getattr(rule, "init_state", None)):
+        raise TypeError(f"rules[{i}] must be a dynamic mask rule: callable as rule(q, k, v, "
+                        f"state, *, scale, attend) -> (out, state), with init_state(q_shape, "
+                        f"kv_shape, dtype) (tessera_jax.masks.dynamic), got {type(rule).__name__}")
+    try:
+        hash(rule)
+    except TypeError:
+        raise TypeError(f"rules[{i}] must be hashable (a frozen dataclass): it is part of the "
+                        f"compiled loop's static structure") from None
+    return rule
+
+
+class DynamicSchedule:
+    """Which attention every (step, layer) runs, as data: ``table[step, layer]`` is 0 for dense
+    attention or ``i`` for ``rules[i - 1]``, read with the *traced* step of a compiled loop.
+
+    A rule builds its mask from the layer's q and k (``tessera_jax.masks.dynamic``: ``VSA``,
+    ``SVG2``, ``Sparge``, ``XAttention``) and may carry a state from step to step (SVG2's
+    centroids). Every layer can take every choice (``lax.switch``), so a new table of the same
+    shape runs in the same executable: pass it to the sampler (``table=``) instead of
+    recompiling. Immutable and hashable by content (a static argument).
+
+    Args:
+      rules: the sparse choices (hashable callables, see ``_check_rule``), at most 127.
+      table: ints [num_steps, num_layers] in [0, len(rules)].
+    """
+
+    __slots__ = ("rules", "table", "_key")
+
+    def __init__(self, rules, table):
+        if callable(rules) or not isinstance(rules, Sequence) or isinstance(rules, str):
+            raise TypeError(f"rules must be a sequence of dynamic mask rules, "
+                            f"got {type(rules).__name__}")
+        rules = tuple(_check_rule(i, r) for i, r in enumerate(rules))
+        if len(rules) > 127:
+            raise ValueError(f"at most 127 rules, got {len(rules)}")
+        arr = np.asarray(table)
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"table must hold ints (0 dense, i: rules[i - 1]), got dtype {arr.dtype}")
+        if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
+            raise ValueError(f"table must be [num_steps, num_layers] with both >= 1, got shape "
+                             f"{arr.shape}")
+        if arr.min() < 0 or arr.max() > len(rules):
+            raise ValueError(f"table entries must be in [0, {len(rules)}] (0 dense, i: "
+                             f"rules[i - 1]), got [{arr.min()}, {arr.max()}]")
+        arr = np.array(arr, np.int32, copy=True)
+        arr.setflags(write=False)
+        object.__setattr__(self, "rules", rules)
+        object.__setattr__(self, "table", arr)
+        object.__setattr__(self, "_key", (rules, arr.shape, arr.tobytes()))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("DynamicSchedule is immutable")
+
+    @classmethod
+    def warmup(cls, rule, num_layers: int, num_steps: int, *, dense_steps: int = 0,
+               dense_layers: Sequence[int] = ()) -> "DynamicSchedule":
+        """``rule`` in every layer and step, except dense ones: the first ``dense_steps`` steps
+        and, always, the layers in ``dense_layers`` (the papers' warm-up shape)."""
+        num_layers, num_steps = _check_count("num_layers", num_layers), _check_count("num_steps", num_steps)
+        if isinstance(dense_steps, (bool, np.bool_)) or not isinstance(dense_steps, (int, np.integer)):
+            raise TypeError(f"dense_steps must be an int, got {type(dense_steps).__name__}")
+        if not 0 <= dense_steps <= num_steps:
+            raise ValueError(f"dense_steps must be in [0, num_steps={num_steps}], got {dense_steps}")
+        layers = [int(l) for l in dense_layers]
+        bad = [l for l in layers if not 0 <= l < num_layers]
+        if bad:
+            raise ValueError(f"dense_layers must be in [0, {num_layers}), got {sorted(bad)}")
+        table = np.ones((num_steps, num_layers), np.int32)
+        table[:dense_steps] = 0
+        table[:, layers] = 0
+        return cls((rule,), table)
+
+    @classmethod
+    def dense(cls, num_layers: int, num_steps: int) -> "DynamicSchedule":
+        """Dense attention everywhere (no rules)."""
+        num_layers, num_steps = _check_count("num_layers", num_layers), _check_count("num_steps", num_steps)
+        return cls((), np.zeros((num_steps, num_layers), np.int32))
+
+    @property
+    def num_steps(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.table.shape[1]
+
+    def check_table(self, table):
+        """A replacement table for the same executable: an int array [num_steps, num_layers]
+        (NumPy, checked here; a jax array is checked for shape and dtype only: its values are
+        clamped by ``lax.switch``)."""
+        if isinstance(table, jax.Array):
+            if tuple(table.shape) != self.table.shape or not jnp.issubdtype(table.dtype, jnp.integer):
+                raise ValueError(f"table must be an int array of shape {self.table.shape}, got "
+                                 f"{table.dtype} {tuple(table.shape)}")
+            return table.astype(jnp.int32)
+        other = DynamicSchedule(self.rules, table)
+        if other.table.shape != self.table.shape:
+            raise ValueError(f"table must have shape {self.table.shape}, got {other.table.shape}")
+        return other.table
+
+    def init_states(self, q_shape, kv_shape, dtype) -> tuple:
+        """The first loop carry: per layer, a tuple with each rule's initial state."""
+        per_layer = tuple(r.init_state(tuple(q_shape), tuple(kv_shape), jnp.dtype(dtype))
+                          for r in self.rules)
+        return (per_layer,) * self.num_layers
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, DynamicSchedule) and other._key == self._key
+
+    def __repr__(self) -> str:
+        sparse = float(np.mean(self.table > 0))
+        return (f"DynamicSchedule(steps={self.num_steps}, layers={self.num_layers}, "
+                f"rules={[type(r).__name__ for r in self.rules]}, sparse_fraction={sparse:.3f})")
+
+
+def _check_step(step):
+    if step is None:
+        raise ValueError("a DynamicSchedule needs step=... (an int or a traced int32 scalar, e.g. "
+                         "the loop counter); at_step does not apply to it")
+    if isinstance(step, (bool, np.bool_)) or not (
+            isinstance(step, (int, np.integer))
+            or (hasattr(step, "dtype") and jnp.issubdtype(step.dtype, jnp.integer)
+                and getattr(step, "ndim", 1) == 0)):
+        raise TypeError(f"step must be an int or an int scalar array, got "
+                        f"{getattr(step, 'dtype', type(step).__name__)}")
+    return step
+
+
+def dynamic_attention(q, k, v, schedule: DynamicSchedule, *, layer: int, step, state,
+                      table=None, scale: float | None = None,
+                      options: AttentionOptions = DEFAULT_OPTIONS):
+    """``(out, state)``: the attention ``schedule`` picks for ``layer`` at ``step``.
+
+    ``step`` is data (a traced loop counter): ``choice = table[step, layer]`` (``table``
+    defaults to the schedule's, a constant; pass a jax array to change the schedule without
+    recompiling) selects, by ``lax.switch``, dense attention or rule ``choice - 1`` with its
+    sparse attention (``options``: backend, or a ``sparse_fn`` such as a baseline's). A Python
+    int step with a NumPy table resolves the choice on the host instead (no switch).
+    ``state``: this layer's tuple of rule states (``schedule.init_states(...)[layer]``); only
+    the chosen rule's entry changes. An out-of-range step or choice is clamped, never read out
+    of bounds.
+    """
+    if not isinstance(schedule, DynamicSchedule):
+        raise TypeError(f"schedule must be a DynamicSchedule, got {type(schedule).__name__}")
+    if not isinstance(options, AttentionOptions):
+        raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
+    if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)) \
+            or not 0 <= layer < schedule.num_layers:
+        raise ValueError(f"layer must be an int in [0, {schedule.num_layers}), got {layer!r}")
+    step = _check_step(step)
+    state = tuple(state)
+    if len(state) != len(schedule.rules):
+        raise ValueError(f"state must hold one entry per rule ({len(schedule.rules)}), got "
+                         f"{len(state)}")
+
+    def dense(q, k, v, st):
+        return attention(q, k, v, None, scale=scale, options=options), st
+
+    if not schedule.rules:
+        return dense(q, k, v, state)
+    tbl = schedule.table if table is None else table
+    static = isinstance(step, (int, np.integer)) and isinstance(tbl, np.ndarray)
+    if static:      # a host step and table: the choice is known now (no switch traced)
+        s = min(max(int(step), 0), tbl.shape[0] - 1)
+        choice = min(max(int(tbl[s, int(layer)]), 0), len(schedule.rules))
+    else:
+        choice = jnp.asarray(tbl, jnp.int32)[step, int(layer)]
+
+    def attend(q, k, v, mask):
+        return _sparse_attention(q, k, v, mask, scale, options)
+
+    def branch(i):
+        def run(q, k, v, st):
+            out, new = schedule.rules[i](q, k, v, st[i], scale=scale, attend=attend)
+            # Keep every branch's state avals equal (lax.switch demands it).
+            new = jax.tree.map(lambda n, o: jnp.asarray(n).astype(o.dtype), new, st[i])
+            return out.astype(q.dtype), st[:i] + (new,) + st[i + 1:]
+        return run
+
+    branches = [dense] + [branch(i) for i in range(len(schedule.rules))]
+    if static:
+        return branches[choice](q, k, v, state)
+    return jax.lax.switch(choice, branches, q, k, v, state)
+
+
+class LayerAttention:
+    """One layer of a ``DynamicSchedule`` in one traced forward, passed to a model where a
+    layer's mask goes: ``attention(q, k, v, layer_attention)`` runs ``dynamic_attention`` and
+    leaves the layer's new rule states in ``.state`` (read it after the forward; the loop
+    carries it to the next step)."""
+
+    __slots__ = ("schedule", "layer", "step", "table", "state", "options", "calls")
+
+    def __init__(self, schedule: DynamicSchedule, layer: int, step, state, *, table=None,
+                 options: AttentionOptions = DEFAULT_OPTIONS):
+        if not isinstance(schedule, DynamicSchedule):
+            raise TypeError(f"schedule must be a DynamicSchedule, got {type(schedule).__name__}")
+        self.schedule, self.layer, self.step = schedule, int(layer), _check_step(step)
+        self.table, self.state, self.options, self.calls = table, tuple(state), options, 0
+
+    def __call__(self, q, k, v, *, scale: float | None = None):
+        out, self.state = dynamic_attention(q, k, v, self.schedule, layer=self.layer,
+                                            step=self.step, state=self.state, table=self.table,
+                                            scale=scale, options=self.options)
+        self.calls += 1
+        return out
 
 
 # --- attention_fn for flax.nnx.MultiHeadAttention -----------------------------------------------

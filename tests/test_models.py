@@ -260,6 +260,59 @@ def test_bench_loop_tiny(tmp_path):
     assert json.loads((tmp_path / "m.json").read_text())["summary"] == merged["summary"]
 
 
+def test_bench_loop_tiny_dynamic(tmp_path):
+    """The dynamic cases (VSA, SVG2, SpargeAttn-like) at tiny sizes: every loop runs, the
+    dynamic loop under a transfer guard with no host-transfer site and one trace, the
+    host-planning baseline through its callback (one site), the issue's summary keys."""
+    from tessera_jax.tools import bench_loop
+    out = tmp_path / "dyn.json"
+    doc = bench_loop.main(["--tiny", "--models", "dynamic", "--steps", "2", "--attn-repeats",
+                           "1", "--out", str(out)])
+    s = json.loads(out.read_text())["summary"]
+    assert s["host_transfers_in_loop"] == 0 and s["compiles_per_loop"] == 1
+    for key in ("wan13b_480p_dynamic_speedup_vs_dense", "hunyuan720_dynamic_speedup_vs_dense",
+                "speedup_vs_host_planning_min", "speedup_vs_peers_estimate_min"):
+        assert np.isfinite(s[key]), key
+    for name, c in doc["cases"].items():
+        loops = c["loops"]
+        assert all(loops[v]["finite"] for v in ("dense", "dynamic", "null", "host")), name
+        assert loops["dynamic"]["transfer_guard_ok"] and loops["host"]["host_transfer_ops"] >= 1
+        assert loops["host"]["host_callback"]["overflows"] == 0
+        assert loops["host"]["host_callback"]["calls_per_loop"] == c["sparse_calls"]
+        # Same masks, same plan format: the host-planned loop matches ours.
+        assert abs(loops["host"]["max_abs_diff_vs_dense_loop"]
+                   - loops["dynamic"]["max_abs_diff_vs_dense_loop"]) < 1e-4
+        assert "ESTIMATE" in c["peers_estimate"]["label"] and 0 < c["per_call"]["density"] < 1
+    assert doc["cases"]["wan14b_720p_svg2"]["extrapolated"]
+
+
+def test_host_planned_baseline_matches_the_reference():
+    """bench_loop's plan-on-host baseline (pure_callback -> tj.plan -> the kernel on that plan)
+    on device masks: static bounds, per-head traced bounds (planned a head at a time, GQA),
+    shared traced bounds; each equals the reference attention of the same mask."""
+    from tessera_jax.tools.bench_loop import HOST_STATS, HostPlanned, _reset_host_stats
+    rng = np.random.default_rng(0)
+    q, k, v = _rand(20, (1, 96, 4, 16)), _rand(21, (1, 96, 2, 16)), _rand(22, (1, 96, 2, 16))
+    static_b = np.array([0, 16, 40, 64, 96])
+    per_head = np.stack([np.sort(np.r_[0, rng.choice(np.arange(1, 96), 5, replace=False), 96])
+                         for _ in range(4)])
+    blocks = [rng.random((4, 4, 4)) < 0.5, rng.random((4, 6, 6)) < 0.4, rng.random((1, 4, 4)) < 0.5]
+    host = HostPlanned(backend="xla")
+
+    @jax.jit
+    def run(q, k, v, b0, b1, b2, hb, sb):
+        masks = (tj.BlockMask(static_b, static_b, b0), tj.BlockMask(hb, hb, b1),
+                 tj.BlockMask(sb, sb, b2))
+        return [host(q, k, v, m) for m in masks], masks
+
+    _reset_host_stats()
+    outs, masks = run(q, k, v, *(jnp.asarray(b) for b in blocks), jnp.asarray(per_head),
+                      jnp.asarray(static_b))
+    assert HOST_STATS["calls"] == 3 and HOST_STATS["overflows"] == 0
+    for out, m in zip(outs, masks):
+        np.testing.assert_allclose(out, tj.reference_attention(q, k, v, m.to_host()), **TOL)
+
+
 def test_loop_through_the_kernel_backend_runner_compiles_ahead_of_time(wan, monkeypatch):
     """The jitted loop, lowered and compiled ahead of time, through the GPU backends' runner
     (``kernel_runner``) after a jitted attention-only call of the same mask, as bench_loop

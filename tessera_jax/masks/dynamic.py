@@ -18,6 +18,11 @@ traced values that a compiled denoising loop can build per step and layer withou
   kept by size-weighted softmax mass up to ``top_p``; ``permute`` / ``unpermute`` move
   tensors in and out of the cluster order.
 
+Each builder is also a *rule* (``VSA``, ``Sparge``, ``XAttention``, ``SVG2``: frozen
+dataclasses of its knobs), the form a ``tessera_jax.flax.DynamicSchedule`` takes: a rule builds
+the mask, runs the attention it is given and returns the state to carry to the next step
+(SVG2's centroids), so a compiled denoising loop calls it at every step and layer.
+
 Batch: ``BlockMask`` has no batch axis, so the B elements of a call share one mask; every
 rule is applied to the batch mean of its score (SpargeAttn's self-similarity: the batch
 minimum; SVG2: k-means on the tokens' features concatenated over the batch). Call a builder
@@ -35,6 +40,7 @@ the per-call cost at Wan 720p and the use in a compiled loop.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -46,7 +52,8 @@ from tessera_jax.mask import BlockMask, _as_bounds
 from tessera_jax.runtime.api import sparse_attention
 
 __all__ = ["cube_layout", "vsa_mask", "sparge_mask", "xattn_mask", "SVG2State", "SVG2Layout",
-           "kmeans", "svg2_init", "svg2_mask", "svg2_attention", "permute", "unpermute"]
+           "kmeans", "svg2_init", "svg2_mask", "svg2_attention", "permute", "unpermute",
+           "VSA", "Sparge", "XAttention", "SVG2", "SVG2Carry"]
 
 _HI = jax.lax.Precision.HIGHEST
 # Elements of float32 scores one XAttention chunk may hold (256 MiB).
@@ -773,6 +780,161 @@ def svg2_attention(q, k, v, state: SVG2State, *, iters: int = 2, top_p: float = 
     kp, vp = permute(k, lay.kv_perm), permute(v, lay.kv_perm)
     out = sparse_attention(qp, kp, vp, lay.mask, scale=scale, backend=backend)
     return unpermute(out, lay.q_perm), lay.state
+
+
+# --- rules: the builders as choices of a DynamicSchedule -----------------------------------
+# Each rule is a frozen (hashable) dataclass of its knobs: ``init_state(q_shape, kv_shape,
+# dtype)`` gives its first loop carry and ``rule(q, k, v, state, *, scale, attend)`` builds the
+# mask from q and k and returns ``(attend(q, k, v, mask), new state)``; ``attend`` is the sparse
+# attention the loop runs (``tessera_jax.sparse_attention`` by default, a baseline's otherwise).
+def _static_tuple(name: str, bounds):
+    if bounds is None:
+        return None
+    if isinstance(bounds, jax.Array):
+        raise TypeError(f"{name} must be static (NumPy or a sequence of ints), got a jax array")
+    arr = np.asarray(bounds)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must be 1-D ints, got {arr.dtype} of shape {arr.shape}")
+    return tuple(int(x) for x in arr)
+
+
+def _as_np(b):
+    return None if b is None else np.asarray(b, np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class VSA:
+    """``vsa_mask`` as a rule (stateless): the same knobs and defaults (keep 12.5%)."""
+
+    q_bounds: tuple | None = None
+    kv_bounds: tuple | None = None
+    block: int = 64
+    keep: float | None = None
+    topk: int | None = None
+    local: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "q_bounds", _static_tuple("VSA.q_bounds", self.q_bounds))
+        object.__setattr__(self, "kv_bounds", _static_tuple("VSA.kv_bounds", self.kv_bounds))
+
+    def init_state(self, q_shape, kv_shape, dtype):
+        return ()
+
+    def mask(self, q, k, scale=None) -> BlockMask:
+        return vsa_mask(q, k, q_bounds=_as_np(self.q_bounds), kv_bounds=_as_np(self.kv_bounds),
+                        block=self.block, keep=self.keep, topk=self.topk, local=self.local,
+                        scale=scale)
+
+    def __call__(self, q, k, v, state, *, scale=None, attend):
+        return attend(q, k, v, self.mask(q, k, scale)), state
+
+
+@dataclasses.dataclass(frozen=True)
+class Sparge:
+    """``sparge_mask`` as a rule (stateless): the same knobs and defaults."""
+
+    q_bounds: tuple | None = None
+    kv_bounds: tuple | None = None
+    block_q: int = 128
+    block_kv: int = 64
+    cdf_threshold: float = 0.98
+    topk: float | None = None
+    sim_threshold: float = 0.6
+    min_keep: int = 1
+    smooth_k: bool = True
+    sink: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "q_bounds", _static_tuple("Sparge.q_bounds", self.q_bounds))
+        object.__setattr__(self, "kv_bounds", _static_tuple("Sparge.kv_bounds", self.kv_bounds))
+
+    def init_state(self, q_shape, kv_shape, dtype):
+        return ()
+
+    def mask(self, q, k, scale=None) -> BlockMask:
+        return sparge_mask(q, k, q_bounds=_as_np(self.q_bounds), kv_bounds=_as_np(self.kv_bounds),
+                           block_q=self.block_q, block_kv=self.block_kv,
+                           cdf_threshold=self.cdf_threshold, topk=self.topk,
+                           sim_threshold=self.sim_threshold, min_keep=self.min_keep,
+                           smooth_k=self.smooth_k, sink=self.sink, scale=scale)
+
+    def __call__(self, q, k, v, state, *, scale=None, attend):
+        return attend(q, k, v, self.mask(q, k, scale)), state
+
+
+@dataclasses.dataclass(frozen=True)
+class XAttention:
+    """``xattn_mask`` as a rule (stateless): the same knobs and defaults (stride 8; the
+    cheaper variant of docs/dynamic_masks.md is ``stride=64``)."""
+
+    block: int = 128
+    stride: int = 8
+    tau: float = 0.9
+    keep_diagonal: bool = False
+    keep_sink: bool = False
+    chunk_blocks: int | None = None
+
+    def init_state(self, q_shape, kv_shape, dtype):
+        return ()
+
+    def mask(self, q, k, scale=None) -> BlockMask:
+        return xattn_mask(q, k, block=self.block, stride=self.stride, tau=self.tau,
+                          keep_diagonal=self.keep_diagonal, keep_sink=self.keep_sink,
+                          scale=scale, chunk_blocks=self.chunk_blocks)
+
+    def __call__(self, q, k, v, state, *, scale=None, attend):
+        return attend(q, k, v, self.mask(q, k, scale)), state
+
+
+class SVG2Carry(NamedTuple):
+    """The SVG2 rule's loop carry: the centroids and whether they were initialised."""
+
+    centroids: SVG2State
+    ready: jax.Array        # bool []
+
+
+@dataclasses.dataclass(frozen=True)
+class SVG2:
+    """SVG2 as a rule: at its first sparse step (``ready`` False in the carry) ``svg2_init``
+    (``init_iters`` k-means iterations from ``seed``), then at every call ``svg2_mask``
+    warm-started from the carried centroids with ``iters`` iterations, q / k / v permuted per
+    head, the sparse attention, the output un-permuted. The paper's knobs and defaults
+    (``iters=2``; the cheaper variant of docs/dynamic_masks.md is ``iters=1``)."""
+
+    q_clusters: int = 300
+    kv_clusters: int = 1000
+    init_iters: int = 50
+    iters: int = 2
+    top_p: float = 0.9
+    min_kc_ratio: float = 0.1
+    min_cluster_tokens: int = 1
+    seed: int = 0
+
+    def init_state(self, q_shape, kv_shape, dtype):
+        B, Lq, Hq, D = q_shape
+        Lkv, Hkv = kv_shape[1], kv_shape[2]
+        for name, C, L in (("q_clusters", self.q_clusters, Lq),
+                           ("kv_clusters", self.kv_clusters, Lkv)):
+            _check_clusters("SVG2", name, C, L)
+        return SVG2Carry(SVG2State(jnp.zeros((Hq, self.q_clusters, B * D), jnp.float32),
+                                   jnp.zeros((Hkv, self.kv_clusters, B * D), jnp.float32)),
+                         jnp.zeros((), bool))
+
+    def layout(self, q, k, carry: SVG2Carry, scale=None) -> SVG2Layout:
+        """The mask and permutations of this call (initialising the centroids if needed)."""
+        cent = jax.lax.cond(
+            carry.ready, lambda: carry.centroids,
+            lambda: svg2_init(q, k, jax.random.key(self.seed), q_clusters=self.q_clusters,
+                              kv_clusters=self.kv_clusters, iters=self.init_iters))
+        return svg2_mask(q, k, cent, iters=self.iters, top_p=self.top_p,
+                         min_kc_ratio=self.min_kc_ratio,
+                         min_cluster_tokens=self.min_cluster_tokens, scale=scale)
+
+    def __call__(self, q, k, v, carry, *, scale=None, attend):
+        lay = self.layout(q, k, carry, scale)
+        out = attend(permute(q, lay.q_perm), permute(k, lay.kv_perm), permute(v, lay.kv_perm),
+                     lay.mask)
+        return unpermute(out, lay.q_perm), SVG2Carry(lay.state, jnp.ones((), bool))
 
 
 # =========================================================================================

@@ -19,8 +19,8 @@ import flax.nnx as nnx
 
 from tessera_jax.mask import BlockMask
 
-__all__ = ["MLP", "apply_rope", "check_order", "extend_with_text", "layer_masks", "patch_grid", "patchify", "rope_3d",
-           "rope_split", "timestep_embedding", "unpatchify"]
+__all__ = ["MLP", "apply_rope", "check_order", "extend_with_text", "layer_masks", "numpy_init",
+           "patch_grid", "patchify", "rope_3d", "rope_split", "timestep_embedding", "unpatchify"]
 
 
 def _ints(name: str, val, n: int) -> tuple[int, ...]:
@@ -153,7 +153,9 @@ def extend_with_text(video_mask: BlockMask | None, text_len: int, *, text_block:
 
 
 def layer_masks(masks, num_layers: int) -> tuple:
-    """Validates a per-layer mask tuple; None means dense in every layer."""
+    """Validates a per-layer mask tuple; None means dense in every layer. An entry may also be
+    a ``LayerAttention`` (a dynamic schedule's layer at a traced step)."""
+    from tessera_jax.flax import LayerAttention
     if masks is None:
         return (None,) * num_layers
     if isinstance(masks, BlockMask) or not isinstance(masks, Sequence):
@@ -163,8 +165,9 @@ def layer_masks(masks, num_layers: int) -> tuple:
     if len(masks) != num_layers:
         raise ValueError(f"masks has {len(masks)} entries but the model has {num_layers} layers")
     for i, m in enumerate(masks):
-        if m is not None and not isinstance(m, BlockMask):
-            raise TypeError(f"masks[{i}] must be a BlockMask or None, got {type(m).__name__}")
+        if m is not None and not isinstance(m, (BlockMask, LayerAttention)):
+            raise TypeError(f"masks[{i}] must be a BlockMask, a LayerAttention or None, "
+                            f"got {type(m).__name__}")
     return masks
 
 
@@ -182,6 +185,21 @@ def check_order(order, num_tokens: int):
     inv = np.empty_like(arr)
     inv[arr] = np.arange(num_tokens)
     return arr.astype(np.int32), inv.astype(np.int32)
+
+
+def numpy_init(cls, cfg, seed: int = 0):
+    """``cls(cfg)`` with NumPy-drawn weights and no compile (an eager nnx init compiles every
+    op of the model, a jitted one the whole init: seconds on a CPU for a tiny model; tests and
+    CPU smoke runs). Matrices N(0, 1 / fan_in); vectors 0.1 N(0, 1), plus 1 for norm scales."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, x):
+        a = rng.standard_normal(x.shape)
+        a = a / np.sqrt(x.shape[0]) if x.ndim >= 2 else 0.1 * a + ("scale" in str(path))
+        return jnp.asarray(a, x.dtype)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, state))
 
 
 class VideoConfigMixin:
@@ -214,3 +232,7 @@ class VideoConfigMixin:
     def token_grid(self, frames=None, height=None, width=None):
         t, h, w = self.latent_shape(frames, height, width)
         return (t // self.patch[0], h // self.patch[1], w // self.patch[2])
+
+    def self_attention_len(self, video_tokens: int, text_tokens: int) -> int:
+        """Length of the self-attention sequence (the video tokens; HunyuanVideo adds text)."""
+        return int(video_tokens)

@@ -65,6 +65,10 @@ class HunyuanConfig(VideoConfigMixin):
         for f in ("dtype", "param_dtype"):
             jnp.dtype(getattr(self, f))
 
+    def self_attention_len(self, video_tokens: int, text_tokens: int) -> int:
+        """Joint attention over [video, text]."""
+        return int(video_tokens) + int(text_tokens)
+
 
 HUNYUAN15 = HunyuanConfig()
 HUNYUAN15_I2V = HunyuanConfig(cond_channels=33)
@@ -155,8 +159,9 @@ class HunyuanModel(nnx.Module):
     def __call__(self, x, t, context, *, masks: Sequence[BlockMask | None] | None = None,
                  options: AttentionOptions = DEFAULT_OPTIONS, cond=None, token_order=None):
         """``masks``: one ``BlockMask | None`` per layer, over the video tokens (text is then
-        appended dense) or over the joint [video, text] sequence. ``token_order``: as in
-        ``WanModel`` (a permutation of the video tokens; text stays last)."""
+        appended dense) or over the joint [video, text] sequence, or a ``LayerAttention``
+        (sees the joint sequence). ``token_order``: as in ``WanModel`` (a permutation of the
+        video tokens; text stays last)."""
         cfg = self.cfg
         if x.ndim != 5 or x.shape[-1] != cfg.in_channels:
             raise ValueError(f"x must be [B, T, H, W, {cfg.in_channels}], got {x.shape}")
@@ -172,7 +177,7 @@ class HunyuanModel(nnx.Module):
         xin = x if cond is None else jnp.concatenate([x, cond.astype(x.dtype)], axis=-1)
         tokens, grid = patchify(xin.astype(dtype), cfg.patch)
         Lv, Lt = tokens.shape[1], context.shape[1]
-        masks = tuple(None if m is None else _joint_mask(m, Lv, Lt)
+        masks = tuple(m if m is None or not isinstance(m, BlockMask) else _joint_mask(m, Lv, Lt)
                       for m in layer_masks(masks, cfg.num_layers))
         order, inverse = check_order(token_order, Lv)
         rope = rope_3d(grid, cfg.rope_dims, cfg.rope_theta)

@@ -1,10 +1,10 @@
-"""Jit-compiled flow-matching Euler loop driven by a ``MaskSchedule``.
+"""Jit-compiled flow-matching Euler loops: one driven by a ``MaskSchedule`` (static masks), one
+by a ``DynamicSchedule`` (masks built from q and k inside the loop, the schedule as data).
 
-Masks are static, so the compiled loop must know every step's masks while tracing. Tracing one
-model forward per step (50 copies of a 30-54 layer model) would make compile time and program
-size grow with the number of steps. Instead the schedule's steps are grouped into *variants*
-(distinct per-layer mask tuples; a warm-up schedule has two: dense and sparse) and the loop
-traces **one forward per variant**:
+Static masks must all be known while tracing. Tracing one model forward per step (50 copies of
+a 30-54 layer model) would make compile time and program size grow with the number of steps.
+Instead the schedule's steps are grouped into *variants* (distinct per-layer mask tuples; a
+warm-up schedule has two: dense and sparse) and the loop traces **one forward per variant**:
 
 * ``mode="phases"``: one ``lax.fori_loop`` per maximal run of equal steps (dense warm-up steps,
   then sparse steps). Straight-line loop bodies, no device-side branching. Chosen by "auto"
@@ -13,6 +13,13 @@ traces **one forward per variant**:
   variants, indexed by a constant step->variant table. One traced forward per distinct variant
   however they interleave (e.g. a dense refresh every 10 steps). "auto" picks it otherwise.
 * ``mode="unroll"``: every step traced separately (tiny models and debugging only).
+
+A ``DynamicSchedule`` (``DynamicSampler``) traces **one forward** for the whole loop: the step is
+the ``fori_loop`` counter (data), each layer reads ``table[step, layer]`` and ``lax.switch``es
+between dense attention and its rules, and the rules' states (SVG2's centroids) ride in the
+loop carry. The table is an argument, so another table of the same shape reuses the executable.
+``mode="unroll"`` traces every step with a Python-int step, each layer's choice then read on
+the host and no ``lax.switch`` (the reference the tests compare the switch against).
 
 The step index stays dynamic inside a phase; only the sigma/timestep values depend on it.
 """
@@ -27,9 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 import flax.nnx as nnx
 
-from tessera_jax.flax import DEFAULT_OPTIONS, AttentionOptions, MaskSchedule
+from tessera_jax.flax import (DEFAULT_OPTIONS, AttentionOptions, DynamicSchedule, LayerAttention,
+                              MaskSchedule)
 
-__all__ = ["MODES", "MaskSchedule", "Sampler", "flow_sigmas", "make_forward", "make_sampler"]
+__all__ = ["MODES", "DynamicSampler", "DynamicSchedule", "MaskSchedule", "Sampler",
+           "flow_sigmas", "make_forward", "make_sampler"]
 
 MODES = ("auto", "phases", "switch", "unroll")
 
@@ -134,15 +143,121 @@ class Sampler:
         return x
 
 
-def make_sampler(model: nnx.Module, schedule: MaskSchedule, *, shift: float = 5.0,
-                 guidance_scale: float | None = None, mode: str = "auto",
-                 options: AttentionOptions = DEFAULT_OPTIONS, token_order=None) -> Sampler:
+@dataclasses.dataclass(eq=False)
+class DynamicSampler:
+    """A compiled denoising loop with a ``DynamicSchedule``: ``sampler(noise, context) ->
+    latent``. Build with ``make_sampler``.
+
+    One ``lax.fori_loop`` over the steps; the carry is the latent and every layer's rule
+    states. ``table`` (optional, [num_steps, num_layers] ints) replaces the schedule's choices
+    without recompiling. ``trace_count`` counts traces of the loop (1 per shapes),
+    ``traced_forwards`` model forwards traced (1 for the compiled loop; one per step with
+    ``mode="unroll"``).
+    """
+
+    model: nnx.Module
+    schedule: DynamicSchedule
+    sigmas: np.ndarray
+    guidance_scale: float | None
+    mode: str
+    options: AttentionOptions
+    token_order: np.ndarray | None = None
+    trace_count: int = 0
+    traced_forwards: int = 0
+
+    def __post_init__(self):
+        self.graphdef = nnx.graphdef(self.model)
+        self._jitted = jax.jit(self._run)
+        self._table = None
+
+    @property
+    def num_steps(self) -> int:
+        return self.schedule.num_steps
+
+    def table_array(self, table=None):
+        """The choices as a device array (the schedule's, put on the device once)."""
+        if table is not None:
+            return jnp.asarray(self.schedule.check_table(table))
+        if self._table is None:
+            self._table = jax.device_put(self.schedule.table)
+        return self._table
+
+    def _args(self, noise, context, negative_context, cond, table):
+        if (self.guidance_scale is None) != (negative_context is None):
+            raise ValueError("negative_context is required with guidance_scale and only then")
+        if table is not None and self.mode == "unroll":
+            raise ValueError("mode='unroll' runs the schedule's own table (read on the host); "
+                             "another table needs the compiled loop (mode='auto')")
+        return (nnx.state(self.model), noise, context, negative_context, cond,
+                self.table_array(table))
+
+    def __call__(self, noise, context, negative_context=None, cond=None, table=None):
+        return self._jitted(*self._args(noise, context, negative_context, cond, table))
+
+    def lower(self, noise, context, negative_context=None, cond=None, table=None):
+        """``jax.jit(...).lower`` of the loop; call the compiled loop with
+        ``(nnx.state(model), noise, context, negative_context, cond, sampler.table_array())``."""
+        return self._jitted.lower(*self._args(noise, context, negative_context, cond, table))
+
+    def attention_shapes(self, noise, context):
+        """(q shape, kv shape) of the self-attention of one forward of this loop."""
+        cfg = self.model.cfg
+        B = noise.shape[0] * (1 if self.guidance_scale is None else 2)
+        tokens = int(np.prod([n // p for n, p in zip(noise.shape[1:4], cfg.patch)]))
+        L = cfg.self_attention_len(tokens, context.shape[1])
+        return (B, L, cfg.num_heads, cfg.head_dim), (B, L, cfg.num_heads, cfg.head_dim)
+
+    def _velocity(self, model, masks, x, t, ctx, neg, cond):
+        self.traced_forwards += 1
+        B = x.shape[0]
+        if self.guidance_scale is None:
+            return model(x, jnp.full((B,), t), ctx, masks=masks, options=self.options, cond=cond,
+                         token_order=self.token_order)
+        x2 = jnp.concatenate([x, x])
+        c2 = None if cond is None else jnp.concatenate([cond, cond])
+        v = model(x2, jnp.full((2 * B,), t), jnp.concatenate([ctx, neg]), masks=masks,
+                  options=self.options, cond=c2, token_order=self.token_order).astype(jnp.float32)
+        return v[B:] + self.guidance_scale * (v[:B] - v[B:])
+
+    def _run(self, state, x, ctx, neg, cond, table):
+        self.trace_count += 1
+        model = nnx.merge(self.graphdef, state)
+        sig = jnp.asarray(self.sigmas, jnp.float32)
+        q_shape, kv_shape = self.attention_shapes(x, ctx)
+        states0 = self.schedule.init_states(q_shape, kv_shape, jnp.dtype(model.cfg.dtype))
+
+        host = self.mode == "unroll"       # Python-int steps: choices read on the host
+
+        def step(i, carry):
+            x, states = carry
+            layers = [LayerAttention(self.schedule, l, i, states[l],
+                                     table=None if host else table, options=self.options)
+                      for l in range(len(states))]
+            v = self._velocity(model, layers, x, sig[i] * 1000.0, ctx, neg, cond)
+            x = (x.astype(jnp.float32) + (sig[i + 1] - sig[i]) * v.astype(jnp.float32)).astype(x.dtype)
+            return x, tuple(la.state for la in layers)
+
+        if self.mode == "unroll":
+            carry = (x, states0)
+            for i in range(self.num_steps):
+                carry = step(i, carry)
+            return carry[0]
+        return jax.lax.fori_loop(0, self.num_steps, step, (x, states0))[0]
+
+
+def make_sampler(model: nnx.Module, schedule: MaskSchedule | DynamicSchedule, *,
+                 shift: float = 5.0, guidance_scale: float | None = None, mode: str = "auto",
+                 options: AttentionOptions = DEFAULT_OPTIONS,
+                 token_order=None) -> Sampler | DynamicSampler:
     """A jit-compiled ``schedule.num_steps``-step Euler loop of ``model`` (see module doc for mode).
 
+    A ``MaskSchedule`` gives a ``Sampler`` (static masks); a ``DynamicSchedule`` a
+    ``DynamicSampler`` (one traced forward; ``mode`` "auto" or "unroll").
     ``token_order``: the video token order the schedule's masks refer to (see ``WanModel``).
     """
-    if not isinstance(schedule, MaskSchedule):
-        raise TypeError(f"schedule must be a MaskSchedule, got {type(schedule).__name__}")
+    if not isinstance(schedule, (MaskSchedule, DynamicSchedule)):
+        raise TypeError(f"schedule must be a MaskSchedule or a DynamicSchedule, got "
+                        f"{type(schedule).__name__}")
     n = _model_layers(model)
     if schedule.num_layers != n:
         raise ValueError(f"schedule has {schedule.num_layers} layers but the model has {n}")
@@ -152,6 +267,11 @@ def make_sampler(model: nnx.Module, schedule: MaskSchedule, *, shift: float = 5.
         raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
     if guidance_scale is not None:
         guidance_scale = float(guidance_scale)
+    if isinstance(schedule, DynamicSchedule):
+        if mode not in ("auto", "unroll"):
+            raise ValueError(f"a DynamicSchedule's loop takes mode 'auto' or 'unroll', got {mode!r}")
+        return DynamicSampler(model, schedule, flow_sigmas(schedule.num_steps, shift),
+                              guidance_scale, mode, options, token_order)
     return Sampler(model, schedule, flow_sigmas(schedule.num_steps, shift), guidance_scale, mode,
                    options, token_order)
 

@@ -148,7 +148,8 @@ class WanModel(nnx.Module):
 
     def __call__(self, x, t, context, *, masks: Sequence[BlockMask | None] | None = None,
                  options: AttentionOptions = DEFAULT_OPTIONS, cond=None, token_order=None):
-        """``masks``: one ``BlockMask | None`` per layer over the T'H'W' video tokens (None: dense).
+        """``masks``: one ``BlockMask | None`` per layer over the T'H'W' video tokens (None: dense),
+        or a ``LayerAttention`` (a dynamic schedule's layer: it builds its mask from q and k).
 
         ``token_order`` (static int array, a permutation): run the blocks on the tokens in this
         order (the order a mask family's blocks refer to, e.g. tile-major for sliding-tile

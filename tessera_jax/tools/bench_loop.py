@@ -16,6 +16,25 @@ loop's attention calls and the Amdahl prediction of the loop time:
   predicted = T_dense_loop - sum over (step, layer) of (t_dense_attn - t_attn(mask(step, layer)))
 and ``overhead_outside_attention = measured / predicted - 1``.
 
+Dynamic cases (issue 17: ``wan13b_480p_vsa``, ``wan14b_720p_svg2``, ``hunyuan15_720p_sparge``;
+``--models dynamic``) build their masks from q and k inside one compiled loop
+(``DynamicSchedule``) and time four loops, each compiled once ahead of time:
+  dense   -- the cuDNN baseline (as above);
+  dynamic -- ours: the rule at every sparse step and layer, device masks through
+            ``tessera_jax.sparse_attention``; timed under ``jax.transfer_guard("disallow")``;
+  null    -- no self-attention at all: the loop's time outside attention;
+  host    -- the plan-on-host design: each mask goes to the host by ``jax.pure_callback``,
+            ``tj.plan`` plans it, the kernel runs that plan (``HostPlanned``: plans padded to
+            a static capacity derived from the shapes, as a callback's results must be);
+then per call at the case's shapes: dense attention, the builder alone, builder + attention.
+The peers' loop is an ESTIMATE (labelled so): null loop + dense calls x dense attention +
+sparse calls x (our builder + FlashInfer's / FlexAttention's request time from
+``--peers-json``). ``--builder-costs all`` instead times each builder variant at Wan 720p
+against the attention call it feeds (issue 17's 5% budget).
+
+    python -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25   # 6/25 dense
+    python -m tessera_jax.tools.bench_loop --builder-costs all --out /tmp/b.json
+
 Cases with a layer subset (``layers_run < layers_total``) report loop times extrapolated per
 layer: ``T_full = T_measured * layers_total / layers_run`` (embedding and head are < 1% of a
 step at these sizes); the JSON marks them ``extrapolated: true`` and keeps the measured times.
@@ -31,6 +50,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -202,9 +222,18 @@ def _median(xs):
 def _init_model(case: Case, dtype: str, seed: int):
     cfg = case.config.replace(num_layers=case.layers_run, dtype=dtype, param_dtype=dtype)
     cls = WanModel if case.model == "wan" else HunyuanModel
-    if jax.default_backend() == "cpu":   # tiny: eager init compiles less than one big init program
-        return cls(cfg, rngs=nnx.Rngs(seed)), cfg
+    if jax.default_backend() == "cpu":   # tiny: NumPy-drawn weights, nothing to compile
+        from tessera_jax.models.common import numpy_init
+        return numpy_init(cls, cfg, seed), cfg
     return nnx.jit(lambda: cls(cfg, rngs=nnx.Rngs(seed)))(), cfg   # GPU: one program, on device
+
+
+# A --tiny (CPU smoke) run compiles without LLVM's expensive passes: compile time is most of it.
+_FAST_CPU = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _compile(lowered, args):
+    return lowered.compile(_FAST_CPU if args.tiny else None)
 
 
 def run_case(case: Case, args, progress) -> dict:
@@ -372,11 +401,629 @@ def _plan_stats(mask, L, H, D, dtype, opts: AttentionOptions) -> dict | None:
         return {"error": repr(e)}
 
 
+# =============================================================================================
+# Dynamic cases (issue 17): masks built from q and k inside the compiled loop
+# =============================================================================================
+@dataclasses.dataclass(frozen=True)
+class DynCase:
+    """A loop whose masks a rule builds from each layer's q and k at every sparse step."""
+
+    name: str
+    model: str                       # "wan" | "hunyuan"
+    config: object
+    frames: int
+    height: int
+    width: int
+    layers_run: int
+    steps: int
+    dense_steps: int                 # for ``steps`` steps (scaled with --steps)
+    rule: str                        # "vsa" | "svg2" | "sparge" | "xattn"
+    rule_params: tuple = ()
+    text_len: int = 0
+    cube: tuple = (4, 4, 4)          # VSA's cube (tokens permuted cube-major)
+    note: str = ""
+
+    @property
+    def layers_total(self) -> int:
+        return self.config.num_layers
+
+
+DYN_CASES = {
+    # Wan2.1-1.3B T2V 480p, all 30 layers: VSA (4x4x4 cubes, top 12.5% of key cubes per query
+    # cube, issue 17's setting). Dense warm-up 12 of 50 steps (6 of 25): the dense-first-steps
+    # shape of the radial / STA / SVG schedules (issue 17 assumes 6/25 for this case).
+    "wan13b_480p_vsa": DynCase(
+        "wan13b_480p_vsa", "wan", WAN21_1_3B, 81, 480, 832, 30, 50, 12, "vsa",
+        (("keep", 0.125),), note="VSA keep 12.5%; tokens cube-major (cube_layout)"),
+    # Wan2.1-14B T2V 720p, 2 of 40 layers: SVG2. Dense warm-up 15 of 50 steps (SVG2's Wan 720p
+    # script: first_times_fp 0.3). top_p 0.25 instead of 0.9: random-weight q/k give
+    # near-uniform cluster scores, where 0.9 keeps ~90% of the keys; 0.25 lands near the
+    # density SVG2 reports on Wan (the peers' svg2 corpus mask: 0.25). iters=1 per step is the
+    # cheaper variant of docs/dynamic_masks.md; min_cluster_tokens=43 merges clusters so a
+    # 128-token tile meets <= 4 of them (no bitmap steps; the mask is a superset of the rule's).
+    "wan14b_720p_svg2": DynCase(
+        "wan14b_720p_svg2", "wan", WAN21_14B, 81, 720, 1280, 2, 50, 15, "svg2",
+        (("q_clusters", 300), ("kv_clusters", 1000), ("init_iters", 50), ("iters", 1),
+         ("top_p", 0.25), ("min_kc_ratio", 0.1), ("min_cluster_tokens", 43)),
+        note="SVG2 300/1000 clusters, 50 init + 1 iteration per step, top_p 0.25 "
+             "(random weights), clusters >= 43 tokens"),
+    # HunyuanVideo-1.5 720p, 2 of 54 layers, joint [video, text] attention: SpargeAttn-like
+    # in its top-k mode (12.5% of the key blocks per query block: the Wan VSA case's budget)
+    # with the self-similarity judgment off (random-weight tokens are never self-similar, so
+    # SpargeAttn's 0.6 would keep every row dense). No dense warm-up (SpargeAttn has none).
+    "hunyuan15_720p_sparge": DynCase(
+        "hunyuan15_720p_sparge", "hunyuan", HUNYUAN15.replace(text_len=256), 121, 720, 1280, 2,
+        50, 0, "sparge", (("topk", 0.125), ("sim_threshold", -1.0)), text_len=256,
+        note="SpargeAttn top-k 12.5%, 128x64 blocks, self-similarity off (random weights)"),
+}
+
+# The families of the peers' JSON rows each rule's mask corresponds to.
+_PEER_FAMILY = {"vsa": "vsa", "svg2": "svg2", "sparge": "sparge", "xattn": "xattn"}
+
+
+def tiny_dyn_cases(steps: int = 3) -> dict[str, DynCase]:
+    """CPU-sized versions of the dynamic cases (1 layer of 2, 2 heads of 16, small grids)."""
+    wan = WAN21_1_3B.replace(num_layers=2, num_heads=2, head_dim=16, ffn_dim=64, text_dim=32,
+                             text_len=8, in_channels=4, out_channels=4, freq_dim=32)
+    hy = HUNYUAN15.replace(num_layers=2, num_heads=2, head_dim=16, mlp_dim=64, text_dim=32,
+                           text_len=8, in_channels=4, out_channels=4, freq_dim=32,
+                           rope_dims=(4, 6, 6))
+    # Wan latent (5, 12, 16) -> grid (5, 6, 8): 240 tokens; Hunyuan (5, 4, 6) + 8 text: 128
+    return {
+        "wan13b_480p_vsa": DynCase("wan13b_480p_vsa", "wan", wan, 17, 96, 128, 1, steps, 1,
+                                   "vsa", (("keep", 0.25),), cube=(2, 2, 2)),
+        "wan14b_720p_svg2": DynCase("wan14b_720p_svg2", "wan", wan, 17, 96, 128, 1, steps, 1,
+                                    "svg2", (("q_clusters", 6), ("kv_clusters", 10),
+                                             ("init_iters", 3), ("iters", 1), ("top_p", 0.25))),
+        "hunyuan15_720p_sparge": DynCase("hunyuan15_720p_sparge", "hunyuan", hy, 17, 64, 96, 1,
+                                         steps, 0, "sparge",
+                                         (("block_q", 32), ("block_kv", 16), ("topk", 0.25),
+                                          ("sim_threshold", -1.0)), text_len=8),
+    }
+
+
+def make_rule(case: DynCase, tokens_thw):
+    """(rule, token order or None) of a dynamic case."""
+    from tessera_jax.masks import dynamic as dm
+    params = dict(case.rule_params)
+    if case.rule == "vsa":
+        order, bounds = dm.cube_layout(tokens_thw, case.cube)
+        return dm.VSA(q_bounds=bounds, **params), order
+    cls = {"svg2": dm.SVG2, "sparge": dm.Sparge, "xattn": dm.XAttention}[case.rule]
+    return cls(**params), None
+
+
+@dataclasses.dataclass(frozen=True)
+class NoAttention:
+    """A rule that computes no attention (v, kept alive on q and k so nothing upstream is
+    dropped): the loop with it is the loop's time outside self-attention."""
+
+    def init_state(self, q_shape, kv_shape, dtype):
+        return ()
+
+    def __call__(self, q, k, v, state, *, scale=None, attend):
+        g = q.shape[2] // k.shape[2]
+        kk, vv = (jnp.repeat(x, g, axis=2) if g > 1 else x for x in (k, v))
+        f32 = jnp.float32
+        return (vv.astype(f32) + 0.0 * (q.astype(f32) + kk.astype(f32))).astype(q.dtype), state
+
+
+# --- the host-planning baseline ---------------------------------------------------------------
+#: Per process: what the host-planning callbacks did (calls, overflows, seconds, plan bytes).
+HOST_STATS: dict = {}
+
+
+def _reset_host_stats():
+    HOST_STATS.clear()
+    HOST_STATS.update(calls=0, overflows=0, plan_s=0.0, plan_bytes=0, capacity_bytes=0)
+
+
+_reset_host_stats()
+
+
+def _fine_possible(bounds: np.ndarray, tile: int) -> bool:
+    """Whether some tile of ``tile`` tokens can meet more than abi.GRID blocks of these
+    static bounds (then the host plan may hold bitmap steps)."""
+    from pallas_kernels import abi
+    b = np.asarray(bounds, np.int64)
+    g = abi.GRID
+    if len(b) - 1 <= g:
+        return False
+    return bool(np.min(b[g:] - b[1:len(b) - g + 1]) <= tile - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPlanned:
+    """``sparse_fn`` of the plan-on-host baseline: inside the compiled loop, the mask goes to
+    the host through ``jax.pure_callback`` (blocks bit-packed, bounds), ``tj.plan`` plans it
+    there (the template the device route would run, that template's policy), and the kernel
+    runs that plan. A callback's results need static shapes, so the plan is padded to a static
+    capacity derived from the shapes: units Hq (nq + ceil(Lq / tile_q)), step rows Hm (Hq for
+    per-head bounds) ceil(Lq / tile_q) ceil(Lkv / tile_kv) (the planner never computes more
+    than dense per head) plus ``bitmap_budget_bytes`` of bitmap words where blocks are small enough to need
+    them. A plan past the capacity (counted in ``HOST_STATS['overflows']``) runs the exact XLA
+    path. Per-head bounds (SVG2) are planned one head at a time (``tj.plan`` takes shared
+    bounds) and the plans joined."""
+
+    backend: str | None = None
+    bitmap_budget_bytes: int = 64 << 20
+
+    def __call__(self, q, k, v, mask: BlockMask, scale=None):
+        import types
+
+        import tessera_jax as tj
+        from pallas_kernels import abi
+        from tessera_jax.runtime import device_route, dispatch
+        from tessera_jax.validation import check_shapes
+        B, Lq, Hq, D = q.shape
+        Lkv = k.shape[1]
+        scale = float(D) ** -0.5 if scale is None else float(scale)
+        shape = check_shapes(q.shape, k.shape, q.dtype)
+        be = dispatch.resolve(self.backend, shape)
+        t = device_route.choose(mask, shape, be, None)
+        if t is None:
+            t = next(x for x in dispatch.supported_templates(be, shape)
+                     if not getattr(x.kernel, "paired", False))
+        tq, tkv = t.tile_q, t.tile_kv
+        qp = -(-max(Lq, tq) // t.q_align) * t.q_align
+        kvp = -(-max(Lkv, tkv) // t.kv_align) * t.kv_align
+        nqt, nkt = -(-Lq // tq), -(-Lkv // tkv)
+        Hm, nq, nk = (int(x) for x in mask.blocks.shape)
+        per_head = mask.per_head_bounds or not (isinstance(mask.q_bounds, np.ndarray)
+                                                and isinstance(mask.kv_bounds, np.ndarray))
+        fine = per_head or _fine_possible(mask.q_bounds, tq) or _fine_possible(mask.kv_bounds, tkv)
+        # Traced bounds are planned a query head at a time: no step rows shared between heads.
+        dense_rows = (Hq if per_head else Hm) * nqt * nkt
+        bm_rows = min(dense_rows * abi.bitmap_rows(tq, tkv),
+                      self.bitmap_budget_bytes // (4 * abi.STEP_COLS)) if fine else 0
+        U_cap, S_cap, M_cap = Hq * (nq + nqt), dense_rows + bm_rows, nk + nkt
+        dtype = np.dtype(q.dtype)
+        qb_static = None if per_head else np.asarray(mask.q_bounds)
+        kb_static = None if per_head else np.asarray(mask.kv_bounds)
+        cap_bytes = 4 * (U_cap * abi.UNIT_COLS + S_cap * abi.STEP_COLS)
+
+        def plan_on_host(qb, kb, packed):
+            t0 = time.perf_counter()
+            blocks = np.unpackbits(np.asarray(packed), count=Hm * nq * nk,
+                                   bitorder="little").astype(bool).reshape(Hm, nq, nk)
+            units = np.zeros((U_cap, abi.UNIT_COLS), np.int32)
+            steps = np.zeros((S_cap, abi.STEP_COLS), np.int32)
+            full = (tuple(q.shape), tuple(k.shape))
+            if per_head:
+                qb = np.asarray(qb).reshape(-1, nq + 1)
+                kb = np.asarray(kb).reshape(-1, nk + 1)
+                one = ((B, Lq, 1, D), (B, Lkv, 1, D))
+                heads = ([(None, BlockMask(qb[0], kb[0], blocks), full)] if Hm == 1 and
+                         len(qb) == len(kb) == 1 else
+                         [(h, BlockMask(qb[h % len(qb)], kb[h % len(kb)], blocks[h % Hm][None]),
+                           one) for h in range(Hq)])
+            else:
+                heads = [(None, BlockMask(qb_static, kb_static, blocks), full)]
+            u_off = s_off = 0
+            ok, nbytes = True, 0
+            for h, m, hshape in heads:
+                p = tj.plan(m, *hshape, dtype, template=t.name)
+                U, rows = p.num_units, p.num_steps + p.bitmap_rows
+                nbytes += 4 * (U * abi.UNIT_COLS + rows * abi.STEP_COLS)
+                cnt = p.units[:U, abi.UNIT_STEP_CNT]
+                if (u_off + U > U_cap or s_off + rows > S_cap or p.q_len_padded != qp
+                        or p.kv_len_padded != kvp or (U and int(cnt.max()) > M_cap)):
+                    ok = False
+                    break
+                u = p.units[:U].copy()
+                u[:, abi.UNIT_STEP_PTR] += s_off
+                if h is not None:
+                    u[:, abi.UNIT_HEAD] = h
+                st = p.steps[:rows].copy()
+                bm = st[:p.num_steps, abi.STEP_CUTS_B] == abi.BITMAP_FLAG
+                st[:p.num_steps, abi.STEP_CUTS_A][bm] += s_off * abi.STEP_COLS
+                units[u_off:u_off + U] = u
+                steps[s_off:s_off + rows] = st
+                u_off, s_off = u_off + U, s_off + rows
+            HOST_STATS["calls"] += 1
+            HOST_STATS["overflows"] += int(not ok)
+            HOST_STATS["plan_s"] += time.perf_counter() - t0
+            HOST_STATS["plan_bytes"] += nbytes
+            HOST_STATS["capacity_bytes"] += cap_bytes
+            return units, steps, np.bool_(ok)
+
+        packed = jnp.packbits(mask.blocks.reshape(-1), bitorder="little")
+        qb = jnp.asarray(mask.q_bounds, jnp.int32) if per_head else jnp.zeros((1,), jnp.int32)
+        kb = jnp.asarray(mask.kv_bounds, jnp.int32) if per_head else jnp.zeros((1,), jnp.int32)
+        out_types = (jax.ShapeDtypeStruct((U_cap, abi.UNIT_COLS), jnp.int32),
+                     jax.ShapeDtypeStruct((S_cap, abi.STEP_COLS), jnp.int32),
+                     jax.ShapeDtypeStruct((), jnp.bool_))
+        units, steps, ok = jax.pure_callback(plan_on_host, out_types, qb, kb, packed)
+        plan = types.SimpleNamespace(template=t.name, units=units, steps=steps, row_index=None,
+                                     tile_q=tq, tile_kv=tkv, q_len_padded=qp,
+                                     kv_len_padded=kvp, max_steps=M_cap)
+        return jax.lax.cond(
+            ok, lambda: dispatch.run(plan, q, k, v, scale, False),
+            lambda: device_route.exact_attention(q, k, v, mask.q_bounds, mask.kv_bounds,
+                                                 mask.blocks, scale=scale))
+
+
+# --- measurements of one dynamic case ---------------------------------------------------------
+_HOST_OPS = re.compile(r'custom_call_target="[^"]*callback[^"]*"'
+                       r'|stablehlo\.custom_call @[\w.]*callback'
+                       r'|stablehlo\.(?:send|recv|infeed|outfeed)\b'
+                       r'|\b(?:send|recv|infeed|outfeed)(?:-start|-done)?\(')
+
+
+def host_transfer_ops(hlo_text: str) -> int:
+    """Host transfer sites in a program's text (compiled HLO or lowered StableHLO): host
+    callbacks, send / recv, in- and outfeeds."""
+    return len(_HOST_OPS.findall(hlo_text))
+
+
+def _mask_density(mask: BlockMask, Lq: int, Lkv: int):
+    """Selected fraction of the token pairs (mean over heads), a traced scalar."""
+    qb = jnp.asarray(mask.q_bounds, jnp.float32).reshape(-1, mask.blocks.shape[1] + 1)
+    kb = jnp.asarray(mask.kv_bounds, jnp.float32).reshape(-1, mask.blocks.shape[2] + 1)
+    qs, ks = jnp.diff(qb, axis=-1), jnp.diff(kb, axis=-1)
+    sel = jnp.einsum("hij,hi,hj->h", mask.blocks.astype(jnp.float32),
+                     jnp.broadcast_to(qs, (mask.blocks.shape[0], qs.shape[1])),
+                     jnp.broadcast_to(ks, (mask.blocks.shape[0], ks.shape[1])))
+    return jnp.mean(sel) / (Lq * Lkv)
+
+
+def _peer_rows(path: str | None):
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def peers_per_call(doc, case: DynCase, L: int, H: int, density: float) -> dict:
+    """Per-call request ms of each peer for this case's masks, from a peers JSON: either
+    ``{"loop_cases": {case: {peer: ms}}}`` (measured on these masks), or ``benchmarks/peers.py``'s
+    rows of the same mask family, scaled by heads x length^2 x density to this case (the row
+    with the nearest length). FlashInfer: the faster of its two wrappers."""
+    if not doc:
+        return {}
+    direct = doc.get("loop_cases", {}).get(case.name)
+    if direct:
+        return {p: dict(ms=float(ms), source="loop_cases") for p, ms in direct.items()}
+    fam = _PEER_FAMILY.get(case.rule)
+    rows = [r for r in doc.get("rows", []) if r.get("family") == fam]
+    out = {}
+    for peer, names in (("flashinfer", ("flashinfer_var", "flashinfer_bsr")), ("flex", ("flex",))):
+        cands = []
+        for r in rows:
+            for n in names:
+                p = r.get("peers", {}).get(n, {})
+                if p.get("status") == "ok" and p.get("request_ms"):
+                    cands.append((abs(math.log(r["Lq"] / L)), float(p["request_ms"]), n, r))
+        if not cands:
+            continue
+        best_len = min(c[0] for c in cands)
+        _, ms, n, r = min((c for c in cands if c[0] == best_len), key=lambda c: c[1])
+        factor = (H / r["Hq"]) * (L / r["Lq"]) ** 2 * (density / max(r["density"], 1e-9))
+        out[peer] = dict(ms=ms * factor, row_ms=ms, wrapper=n, row_id=r.get("id"),
+                         row_grid=r.get("grid"), row_heads=r["Hq"], row_len=r["Lq"],
+                         row_density=r["density"], scale=factor,
+                         source="peers rows scaled by heads x length^2 x density")
+    return out
+
+
+def run_dyn_case(case: DynCase, args, progress, save) -> dict:
+    """Times a dynamic case: the dense, dynamic and outside-attention (null) loops, the
+    per-call builder / attention times, then the host-planning loop; the peers' estimate from
+    these. ``save(res)`` is called after each part (a case cut by its time limit keeps what it
+    measured)."""
+    from tessera_jax.flax import DynamicSchedule
+    dtype = args.dtype
+    model, cfg = _init_model(case, dtype, args.seed)
+    latent = cfg.latent_shape(case.frames, case.height, case.width)
+    tokens_thw = cfg.token_grid(case.frames, case.height, case.width)
+    Lv = int(np.prod(tokens_thw))
+    tl = case.text_len if case.model == "hunyuan" else cfg.text_len
+    L = cfg.self_attention_len(Lv, tl)
+    H, D = cfg.num_heads, cfg.head_dim
+    rule, order = make_rule(case, tokens_thw)
+    sched = DynamicSchedule.warmup(rule, case.layers_run, case.steps, dense_steps=case.dense_steps)
+    null = DynamicSchedule((NoAttention(),), np.ones(sched.table.shape, np.int32))
+    key = jax.random.key(args.seed)
+    k1, k2, k3 = jax.random.split(key, 3)
+    noise = jax.random.normal(k1, (1, *latent, cfg.in_channels), jnp.float32)
+    context = jax.random.normal(k2, (1, tl, cfg.text_dim), dtype)
+    dense_impl = args.dense_implementation
+    if dense_impl == "auto":
+        dense_impl = "cudnn" if jax.default_backend() == "gpu" and dtype != "float32" else None
+    opts = AttentionOptions(backend=args.backend, dense_implementation=dense_impl)
+    host_fn = HostPlanned(backend=args.backend, bitmap_budget_bytes=args.host_bitmap_mb << 20)
+    host_opts = AttentionOptions(dense_implementation=dense_impl, sparse_fn=host_fn)
+    n_sparse = int(np.sum(sched.table > 0))
+    n_dense = sched.table.size - n_sparse
+    res: dict = dict(
+        kind="dynamic", case=case.name, model=case.model, rule=case.rule,
+        rule_params=dict(case.rule_params), rule_repr=repr(rule), note=case.note,
+        layers_total=case.layers_total, layers_run=case.layers_run,
+        extrapolated=case.layers_run < case.layers_total, steps=case.steps,
+        dense_steps=case.dense_steps, video=[case.frames, case.height, case.width],
+        latent=list(latent), token_grid=list(tokens_thw), video_tokens=Lv, attention_len=L,
+        joint_text_tokens=case.text_len, heads=H, head_dim=D, dtype=dtype,
+        token_order="cube-major" if order is not None else "frame-major",
+        schedule=repr(sched), sparse_calls=n_sparse, dense_calls=n_dense,
+        dense_implementation=dense_impl, backend=args.backend, loops={}, per_call={},
+        timing={"loop": loop_rule(args.loop_repeats, warmup=0).to_json(),
+                "per_call": loop_rule(args.attn_repeats, 1, 2).to_json()},
+        host_capacity=("plans padded to a static capacity derived from the shapes (units "
+                       "Hq (nq + ceil(Lq/tile_q)), step rows Hm ceil(Lq/tile_q) ceil(Lkv/tile_kv) "
+                       f"+ up to {args.host_bitmap_mb} MiB of bitmap words): a callback's "
+                       "results need static shapes"))
+    state = nnx.state(model)
+    outs: dict = {}
+
+    def time_loop(vname):
+        progress.set_postfix_str(f"{case.name}: loop {vname}")
+        if vname == "host":     # numba's loops loaded or compiled before the timed runs
+            from tessera_jax.planning import warm_up
+            warm_up()
+        if vname == "dense":
+            sampler = make_sampler(model, MaskSchedule.dense(case.layers_run, case.steps),
+                                   shift=args.shift, options=opts)
+        else:
+            sampler = make_sampler(model, {"dynamic": sched, "null": null, "host": sched}[vname],
+                                   shift=args.shift, options=host_opts if vname == "host" else opts,
+                                   token_order=order)
+        t0 = time.perf_counter()
+        lowered = sampler.lower(noise, context)
+        compiled = _compile(lowered, args)
+        compile_s = time.perf_counter() - t0
+        call_args = ((state, noise, context, None, None) if vname == "dense" else
+                     (state, noise, context, None, None, sampler.table_array()))
+        call_args = jax.device_put(call_args)
+        last: dict = {}
+        guard = vname in ("dynamic", "null")
+
+        def run_loop():
+            if guard:       # inputs are on the device: the loop itself may move nothing
+                with jax.transfer_guard("disallow"):
+                    out = compiled(*call_args)
+                    jax.block_until_ready(out)
+            else:
+                out = _block(compiled(*call_args))
+            last["out"] = out
+
+        _reset_host_stats()
+        entry: dict = dict(compile_s=compile_s, trace_count=sampler.trace_count,
+                           host_transfer_ops=host_transfer_ops(compiled.as_text()))
+        res["loops"][vname] = entry
+        try:
+            ts = [x / 1e3 for x in timing.time_request(
+                run_loop, rule=loop_rule(args.loop_repeats, warmup=0)).samples]
+        except Exception as e:          # the transfer guard (or a run) failed: say so
+            entry.update(error=repr(e)[:2000], transfer_guard_ok=False if guard else None)
+            return
+        outs[vname] = last["out"]
+        loop_s = _median(ts)
+        entry.update(loop_s=loop_s, loop_raw_s=ts, loop_full_model_s=loop_s * case.layers_total
+                     / case.layers_run, trace_count=sampler.trace_count,
+                     finite=bool(jnp.all(jnp.isfinite(last["out"].astype(jnp.float32)))))
+        if guard:
+            entry["transfer_guard_ok"] = True
+        if vname == "host":
+            runs = max(1, len(ts))
+            entry["host_callback"] = dict(
+                calls_per_loop=HOST_STATS["calls"] / runs,
+                plan_s_per_loop=HOST_STATS["plan_s"] / runs,
+                overflows=HOST_STATS["overflows"],
+                mean_plan_bytes=HOST_STATS["plan_bytes"] / max(1, HOST_STATS["calls"]),
+                capacity_bytes_per_call=HOST_STATS["capacity_bytes"] / max(1, HOST_STATS["calls"]))
+
+    def derive():
+        L_ = res["loops"]
+        for v in outs:
+            if v != "dense" and "dense" in outs:
+                L_[v]["max_abs_diff_vs_dense_loop"] = float(jnp.max(jnp.abs(
+                    outs[v].astype(jnp.float32) - outs["dense"].astype(jnp.float32))))
+        for v in ("dynamic", "host"):
+            if "loop_s" in L_.get(v, {}) and "loop_s" in L_.get("dense", {}):
+                L_[v]["speedup_vs_dense"] = L_["dense"]["loop_s"] / L_[v]["loop_s"]
+        if "loop_s" in L_.get("dynamic", {}) and "loop_s" in L_.get("host", {}):
+            res["speedup_vs_host_planning"] = L_["host"]["loop_s"] / L_["dynamic"]["loop_s"]
+        est = _peers_estimate(case, res, L, H, args)
+        if est:
+            res["peers_estimate"] = est
+
+    # The slowest part (the host-planning loop) last: a case cut by its time limit keeps the rest.
+    for stage in ("dense", "dynamic", "null", "per_call", "host"):
+        if stage == "per_call":
+            if args.attn_repeats > 0:
+                progress.set_postfix_str(f"{case.name}: per call")
+                res["per_call"] = _per_call(case, rule, L, H, D, dtype, opts, args, k3)
+        elif stage in args.variants:
+            time_loop(stage)
+        else:
+            continue
+        derive()
+        save(res)
+    return res
+
+
+def _per_call(case, rule, L, H, D, dtype, opts, args, key) -> dict:
+    """Median seconds per call at the case's shapes: cuDNN dense attention, the rule's mask
+    building alone (its permutations included), the rule with tessera's attention, and the
+    mask density."""
+    B = 1
+    qkv = [tuple(jax.random.normal(k, (B, L, H, D), dtype) for k in jax.random.split(kk, 3))
+           for kk in jax.random.split(key, 2)]
+    state0 = rule.init_state((B, L, H, D), (B, L, H, D), jnp.dtype(dtype))
+    dens: list = []
+
+    def probe(q, k, v, mask):
+        dens.append(_mask_density(mask, q.shape[1], k.shape[1]))
+        return v + jnp.zeros((), v.dtype) * jnp.any(mask.blocks).astype(v.dtype)
+
+    def build(q, k, v, st):
+        dens.clear()
+        out, st2 = rule(q, k, v, st, attend=probe)
+        return out, st2, dens[-1]
+
+    def full(q, k, v, st):
+        return rule(q, k, v, st, attend=lambda q, k, v, m: attention(q, k, v, m, options=opts))
+
+    build_j = _compile(jax.jit(build).lower(*qkv[0], state0), args)
+    full_j = _compile(jax.jit(full).lower(*qkv[0], state0), args)
+    dense_j = _compile(jax.jit(lambda q, k, v: attention(q, k, v, None, options=opts)).lower(
+        *qkv[0]), args)
+    # A warm state (SVG2: centroids initialised by a first call).
+    _, st, _ = build_j(*qkv[0], state0)
+    st = jax.block_until_ready(st)
+    density = float(build_j(*qkv[1], st)[2])
+    args_st = [a + (st,) for a in qkv]
+    out = dict(density=density)
+    for name, fn, arg_sets in (("dense_attention_s", dense_j, qkv), ("build_s", build_j, args_st),
+                               ("dynamic_attention_s", full_j, args_st)):
+        ts = time_calls(fn, arg_sets, args.attn_repeats)
+        out[name], out[name.replace("_s", "_raw_s")] = _median(ts), ts
+    return out
+
+
+# Builder variants timed at Wan 720p by --builder-costs (issue 17: a builder's cost <= 5% of
+# the attention call it feeds). Random q and k give near-uniform scores, so the threshold rules
+# run with knobs that land near the papers' densities (docs/dynamic_masks.md).
+BUILDER_VARIANTS = {
+    "vsa": ("vsa", (("keep", 0.125),)),
+    "svg2_iters2": ("svg2", (("iters", 2), ("top_p", 0.25), ("min_cluster_tokens", 43))),
+    "svg2_iters1": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43))),
+    "sparge_topk": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0))),
+    "xattn_s8": ("xattn", (("stride", 8), ("tau", 0.25))),
+    "xattn_s64": ("xattn", (("stride", 64), ("tau", 0.25))),
+}
+
+
+def builder_costs(args, progress=None) -> dict:
+    """Per builder variant at Wan 720p (T'H'W' = 21 x 45 x 80, 40 heads, D 128; ``--tiny``: a
+    small grid): the mask-building time alone (permutations included), the time of the whole
+    call (building + tessera's attention) and the fraction building / attention."""
+    grid, H, D = ((5, 6, 8), 2, 16) if args.tiny else ((21, 45, 80), 40, 128)
+    L = int(np.prod(grid))
+    out = {}
+    names = [n.strip() for n in args.builder_costs.split(",") if n.strip()]
+    for name in names:
+        if name not in BUILDER_VARIANTS:
+            raise SystemExit(f"bench_loop: unknown builder variant {name!r}; known: "
+                             f"{sorted(BUILDER_VARIANTS)}")
+        rule_name, params = BUILDER_VARIANTS[name]
+        if args.tiny:       # small clusters and blocks for the small grid
+            params = dict(params, **{"svg2": {"q_clusters": 6, "kv_clusters": 10, "init_iters": 3,
+                                              "min_cluster_tokens": 1},
+                                     "sparge": {"block_q": 32, "block_kv": 16},
+                                     "xattn": {"block": 64}}.get(rule_name, {}))
+            params = tuple(params.items())
+        case = DynCase(name, "wan", WAN21_14B, 0, 0, 0, 1, 1, 0, rule_name, tuple(params),
+                       cube=(2, 2, 2) if args.tiny else (4, 4, 4))
+        rule, _ = make_rule(case, grid)
+        if progress is not None:
+            progress.set_postfix_str(f"builder {name}")
+        opts = AttentionOptions(backend=args.backend)
+        try:
+            pc = _per_call(case, rule, L, H, D, args.dtype, opts, args, jax.random.key(args.seed))
+        except Exception as e:      # keep the other variants
+            out[name] = dict(error=repr(e)[:2000])
+            continue
+        attn = pc["dynamic_attention_s"] - pc["build_s"]
+        out[name] = dict(pc, rule=repr(rule), attention_s=attn,
+                         fraction=pc["build_s"] / attn if attn > 0 else None)
+    return dict(grid=list(grid), heads=H, head_dim=D, dtype=args.dtype, variants=out,
+                note="fraction = build_s / (dynamic_attention_s - build_s): the builder's cost "
+                     "over the sparse attention call it feeds; issue 17 asks <= 0.05")
+
+
+def _peers_estimate(case: DynCase, res: dict, L: int, H: int, args) -> dict | None:
+    """Loop time with the peers' attention, an *estimate*: the loop measured without
+    self-attention (``null``), plus the dense calls at the measured dense attention time, plus
+    per sparse call our builder's time and the peer's request time (peers JSON)."""
+    pc, loops = res.get("per_call", {}), res["loops"]
+    if "loop_s" not in loops.get("null", {}) or "build_s" not in pc:
+        return None
+    per = peers_per_call(_peer_rows(args.peers_json), case, L, H, pc["density"])
+    if not per:
+        return None
+    base = loops["null"]["loop_s"] + res["dense_calls"] * pc["dense_attention_s"]
+    est = {p: dict(v, loop_s=base + res["sparse_calls"] * (pc["build_s"] + v["ms"] / 1e3))
+           for p, v in per.items()}
+    best = min(est, key=lambda p: est[p]["loop_s"])
+    out = dict(label="ESTIMATE (not measured): null loop + dense calls x dense attention + "
+                     "sparse calls x (our builder + the peer's request time)",
+               peers_json=args.peers_json, by_peer=est, best_peer=best,
+               best_loop_s=est[best]["loop_s"])
+    if "loop_s" in loops.get("dynamic", {}):
+        out["speedup_vs_peers_estimate"] = est[best]["loop_s"] / loops["dynamic"]["loop_s"]
+    return out
+
+
 # --- summary and output -----------------------------------------------------------------------
 def summarize(cases: dict) -> dict:
-    """The issue's summary over the cases present (geometric mean over cases where aggregated)."""
+    """The issues' summary over the cases present: static-mask cases (geometric mean over cases
+    where aggregated) and dynamic ones (``summarize_dynamic``)."""
     if not cases:
         return {}
+    dyn = {k: c for k, c in cases.items() if c.get("kind") == "dynamic"}
+    cases = {k: c for k, c in cases.items() if c.get("kind") != "dynamic"}
+    out = _summarize_static(cases) if cases else {}
+    if dyn:
+        out.update(summarize_dynamic(dyn))
+    return out
+
+
+def summarize_dynamic(cases: dict) -> dict:
+    """Issue 17's summary keys over the dynamic cases present (None where not measured)."""
+    def loop(c, v):
+        return c["loops"].get(v, {})
+
+    def pick(fn):
+        vals = {}
+        for k, c in cases.items():
+            try:
+                x = fn(c)
+            except (KeyError, TypeError):
+                x = None
+            if x is not None:
+                vals[k] = x
+        return vals
+
+    ops = pick(lambda c: loop(c, "dynamic")["host_transfer_ops"] if loop(c, "dynamic").get(
+        "transfer_guard_ok") else None)
+    guard_failed = [k for k, c in cases.items() if loop(c, "dynamic").get("transfer_guard_ok") is False]
+    traces = pick(lambda c: loop(c, "dynamic")["trace_count"])
+    vs_dense = pick(lambda c: loop(c, "dynamic")["speedup_vs_dense"])
+    vs_host = pick(lambda c: c["speedup_vs_host_planning"])
+    vs_peers = pick(lambda c: c["peers_estimate"]["speedup_vs_peers_estimate"])
+    hy = [k for k in vs_dense if cases[k]["model"] == "hunyuan"]
+    return dict(
+        host_transfers_in_loop=(None if guard_failed or not ops else max(ops.values())),
+        host_transfers_in_loop_by_case=ops, transfer_guard_failed=guard_failed,
+        compiles_per_loop=max(traces.values()) if traces else None,
+        compiles_per_loop_by_case=traces,
+        wan13b_480p_dynamic_speedup_vs_dense=vs_dense.get("wan13b_480p_vsa"),
+        hunyuan720_dynamic_speedup_vs_dense=vs_dense[hy[0]] if hy else None,
+        dynamic_speedup_vs_dense_by_case=vs_dense,
+        speedup_vs_host_planning_min=min(vs_host.values()) if vs_host else None,
+        speedup_vs_host_planning_by_case=vs_host,
+        speedup_vs_peers_estimate_min=min(vs_peers.values()) if vs_peers else None,
+        speedup_vs_peers_estimate_by_case=vs_peers,
+        dynamic_layers_by_case={k: [c["layers_run"], c["layers_total"]] for k, c in cases.items()},
+        dynamic_steps_by_case={k: [c["dense_steps"], c["steps"]] for k, c in cases.items()},
+        dynamic_density_by_case=pick(lambda c: c["per_call"]["density"]),
+        dynamic_notes=(
+            "Dynamic cases: masks built from q and k inside one compiled loop. "
+            "host_transfers_in_loop: host-transfer sites (callbacks, send/recv, in/outfeed) in "
+            "the compiled dynamic loop, which is also timed under jax.transfer_guard('disallow') "
+            "with its inputs on the device; compiles_per_loop: traces of that loop (compiled "
+            "once, ahead of time, and run for every timed run). speedup_vs_host_planning: the same loop with each mask planned on the host "
+            "(jax.pure_callback -> tj.plan, plans padded to a static capacity derived from the "
+            "shapes) / ours. speedup_vs_peers_estimate is an ESTIMATE, not a measurement: the loop "
+            "measured without self-attention + dense calls x measured dense attention + sparse "
+            "calls x (our builder + the peer's request time from the peers JSON, scaled to the "
+            "case), best peer / ours. Cases with layers_run < layers_total ran a layer subset; "
+            "steps as in dynamic_steps_by_case [dense, total]."),
+    )
+
+
+def _summarize_static(cases: dict) -> dict:
     def gmean(xs):
         return float(math.exp(sum(math.log(x) for x in xs) / len(xs))) if xs else None
 
@@ -418,7 +1065,8 @@ def _environment(args, argv) -> dict:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m tessera_jax.tools.bench_loop", description=__doc__.split("\n")[0])
     p.add_argument("--models", default="wan13b_480p,wan14b_720p,hunyuan15_720p",
-                   help="comma-separated case names: " + ", ".join(CASES))
+                   help="comma-separated case names: " + ", ".join(list(CASES) + list(DYN_CASES))
+                   + "; 'dynamic' names the dynamic ones")
     p.add_argument("--tiny", action="store_true", help="tiny CPU configs (smoke test)")
     p.add_argument("--steps", type=int, default=None, help="override the steps of every case")
     p.add_argument("--layers", type=int, default=None,
@@ -440,6 +1088,20 @@ def parse_args(argv):
     p.add_argument("--mask-seeds", type=int, default=None,
                    help="distinct per-layer masks (layer l uses seed l %% N; 0: one per layer)")
     p.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT}; merges cases)")
+    g = p.add_argument_group("dynamic cases (masks built from q and k inside the loop)")
+    g.add_argument("--variants", default="dense,dynamic,null,host",
+                   help="loops to time: dense (cuDNN), dynamic (ours), null (no self-attention: "
+                        "the peers' estimate), host (plan on the host per call)")
+    g.add_argument("--rule-params", default=None,
+                   help='JSON dict overriding the rule knobs, e.g. \'{"topk": 0.2}\'')
+    g.add_argument("--peers-json", default=os.path.join("benchmarks", "results", "h200-peers.json"),
+                   help="per-call request times of FlashInfer / FlexAttention (benchmarks/peers.py "
+                        "rows, or {'loop_cases': {case: {peer: ms}}})")
+    g.add_argument("--host-bitmap-mb", type=int, default=64,
+                   help="host-planning baseline: MiB of bitmap words in its static plan capacity")
+    g.add_argument("--builder-costs", default=None,
+                   help="instead of loops: time these builder variants at Wan 720p (comma-"
+                        "separated, 'all': " + ", ".join(BUILDER_VARIANTS) + ")")
     args = p.parse_args(argv)
     if args.dense_implementation == "xla":
         args.dense_implementation = None
@@ -447,14 +1109,26 @@ def parse_args(argv):
     args.attn_repeats = args.attn_repeats or (3 if args.tiny else 20)
     args.step_repeats = args.step_repeats or (2 if args.tiny else 5)
     args.out = args.out or DEFAULT_OUT
-    pool = tiny_cases(args.steps or 3) if args.tiny else CASES
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    pool = ({**tiny_cases(args.steps or 3), **tiny_dyn_cases(args.steps or 3)} if args.tiny
+            else {**CASES, **DYN_CASES})
+    names = []
+    for n in (n.strip() for n in args.models.split(",")):
+        names += list(DYN_CASES) if n == "dynamic" else ([n] if n else [])
     unknown = [n for n in names if n not in pool]
     if unknown:
         p.error(f"unknown case(s) {unknown}; known: {sorted(pool)}")
+    if args.builder_costs == "all":
+        args.builder_costs = ",".join(BUILDER_VARIANTS)
+    args.variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    bad = [v for v in args.variants if v not in ("dense", "dynamic", "null", "host")]
+    if bad:
+        p.error(f"unknown variant(s) {bad}")
     cases = []
     for n in names:
         c = pool[n]
+        if isinstance(c, DynCase):
+            cases.append(_dyn_overrides(c, args, p))
+            continue
         if args.steps and not args.tiny:
             c = dataclasses.replace(c, steps=args.steps, dense_steps=min(c.dense_steps, args.steps))
         if args.layers and c.layers_run < c.layers_total:
@@ -474,6 +1148,24 @@ def parse_args(argv):
         cases.append(c)
     args.cases = cases
     return args
+
+
+def _dyn_overrides(c: DynCase, args, p) -> DynCase:
+    """--steps (dense warm-up steps scaled in proportion unless --dense-steps), --layers,
+    --rule-params on a dynamic case."""
+    if args.steps and not args.tiny and args.steps != c.steps:
+        c = dataclasses.replace(c, steps=args.steps,
+                                dense_steps=min(args.steps, round(c.dense_steps * args.steps / c.steps)))
+    if args.dense_steps is not None:
+        c = dataclasses.replace(c, dense_steps=min(args.dense_steps, c.steps))
+    if args.layers and c.layers_run < c.layers_total:
+        c = dataclasses.replace(c, layers_run=min(args.layers, c.layers_total))
+    if args.rule_params:
+        params = json.loads(args.rule_params)
+        if not isinstance(params, dict):
+            p.error("--rule-params must be a JSON object")
+        c = dataclasses.replace(c, rule_params=tuple({**dict(c.rule_params), **params}.items()))
+    return c
 
 
 def main(argv=None) -> dict:
@@ -499,10 +1191,23 @@ def main(argv=None) -> dict:
     doc.setdefault("cases", {})
     doc.setdefault("runs", [])
     env = _environment(args, argv)
+    if args.builder_costs:
+        doc["builder_costs"] = dict(builder_costs(args), environment=env)
+        doc["summary"] = summarize(doc["cases"])
+        doc["summary"]["builder_cost_fraction_by_variant"] = {
+            k: v.get("fraction") for k, v in doc["builder_costs"]["variants"].items()}
+        _write(args.out, doc)
+        print(json.dumps(doc["summary"]["builder_cost_fraction_by_variant"]))
+        return doc
     bar = tqdm(args.cases, desc="bench_loop", unit="case", file=sys.stderr)
     for case in bar:
+        def save(partial, case=case):
+            doc["cases"][case.name] = dict(partial, partial=True, environment=env)
+            doc["summary"] = summarize(doc["cases"])
+            _write(args.out, doc)
         try:
-            res = run_case(case, args, bar)
+            res = (run_dyn_case(case, args, bar, save) if isinstance(case, DynCase)
+                   else run_case(case, args, bar))
         except Exception as e:  # keep the other cases' results; record what failed
             if args.tiny:
                 raise
@@ -513,7 +1218,8 @@ def main(argv=None) -> dict:
             print(f"bench_loop: case {case.name} failed: {e!r}", file=sys.stderr)
             continue
         res["environment"] = env
-        res["family"], res["family_params"] = case.family, dict(case.family_params)
+        if not isinstance(case, DynCase):
+            res["family"], res["family_params"] = case.family, dict(case.family_params)
         doc.get("errors", {}).pop(case.name, None)
         doc["cases"][case.name] = res
         doc["environment"] = env
@@ -521,6 +1227,9 @@ def main(argv=None) -> dict:
         _write(args.out, doc)
     doc["runs"].append(env)
     doc["summary"] = summarize(doc["cases"])
+    if "builder_costs" in doc:
+        doc["summary"]["builder_cost_fraction_by_variant"] = {
+            k: v.get("fraction") for k, v in doc["builder_costs"]["variants"].items()}
     _write(args.out, doc)
     _print_table(doc)
     return doc
@@ -548,16 +1257,46 @@ def merge_files(paths, out) -> dict:
         doc.setdefault("errors", {}).update(d.get("errors", {}))
         if "environment" in d:
             doc["environment"] = d["environment"]
-    for name in doc["cases"]:
-        doc.get("errors", {}).pop(name, None)
+        if "builder_costs" in d:
+            doc["builder_costs"] = d["builder_costs"]
+    for name, c in doc["cases"].items():
+        if not c.get("partial"):
+            doc.get("errors", {}).pop(name, None)
     if not doc.get("errors"):
         doc.pop("errors", None)
     doc["summary"] = summarize(doc["cases"])
+    if "builder_costs" in doc:
+        doc["summary"]["builder_cost_fraction_by_variant"] = {
+            k: v.get("fraction") for k, v in doc["builder_costs"]["variants"].items()}
     _write(out, doc)
     return doc
 
 
 def _print_table(doc):
+    static = {k: c for k, c in doc["cases"].items() if c.get("kind") != "dynamic"}
+    dyn = {k: c for k, c in doc["cases"].items() if c.get("kind") == "dynamic"}
+    if static:
+        _print_static({**doc, "cases": static})
+    if dyn:
+        print(f"{'dynamic case':22s} {'layers':>7s} {'dense s':>9s} {'dynamic s':>9s} "
+              f"{'host s':>9s} {'null s':>9s} {'vs dense':>8s} {'vs host':>8s} {'vs peers*':>9s}")
+        for k, c in dyn.items():
+            lp = c["loops"]
+            sc = c["layers_total"] / c["layers_run"]
+            t = lambda v: f"{lp[v]['loop_s'] * sc:9.3f}" if "loop_s" in lp.get(v, {}) else f"{'-':>9s}"
+            f = lambda x, w=8: f"{x:{w}.3f}" if x is not None else f"{'-':>{w}s}"
+            print(f"{k:22s} {c['layers_run']:>3d}/{c['layers_total']:<3d} {t('dense')} "
+                  f"{t('dynamic')} {t('host')} {t('null')} "
+                  f"{f(lp.get('dynamic', {}).get('speedup_vs_dense'))} "
+                  f"{f(c.get('speedup_vs_host_planning'))} "
+                  f"{f(c.get('peers_estimate', {}).get('speedup_vs_peers_estimate'), 9)}"
+                  + ("  (extrapolated per layer)" if c["extrapolated"] else ""))
+        print("* an estimate (see summary.dynamic_notes)")
+    print("summary:", json.dumps({k: v for k, v in doc.get("summary", {}).items()
+                                  if not k.endswith("_by_case") and "notes" not in k}))
+
+
+def _print_static(doc):
     print(f"{'case':16s} {'layers':>7s} {'dense s':>9s} {'tessera s':>9s} {'fixed s':>9s} "
           f"{'vs dense':>8s} {'vs fixed':>8s} {'attn x':>7s} {'amdahl':>7s} {'share':>6s} {'ovh':>7s}")
     for k, c in doc["cases"].items():
@@ -570,8 +1309,6 @@ def _print_table(doc):
               f"{lp['tessera']['amdahl_speedup']:7.3f} {c['attention_share_of_step']:6.3f} "
               f"{lp['tessera']['overhead_outside_attention']:+7.3f}"
               + ("  (extrapolated per layer)" if c["extrapolated"] else ""))
-    print("summary:", json.dumps({k: v for k, v in doc["summary"].items() if not k.endswith("_by_case")
-                                  and k != "notes"}))
 
 
 if __name__ == "__main__":
