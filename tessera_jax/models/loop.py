@@ -144,7 +144,7 @@ class Sampler:
 
 
 @dataclasses.dataclass(eq=False)
-class DynamicSampler:
+class DynamicSampler(Sampler):
     """A compiled denoising loop with a ``DynamicSchedule``: ``sampler(noise, context) ->
     latent``. Build with ``make_sampler``.
 
@@ -155,24 +155,9 @@ class DynamicSampler:
     ``mode="unroll"``).
     """
 
-    model: nnx.Module
-    schedule: DynamicSchedule
-    sigmas: np.ndarray
-    guidance_scale: float | None
-    mode: str
-    options: AttentionOptions
-    token_order: np.ndarray | None = None
-    trace_count: int = 0
-    traced_forwards: int = 0
-
     def __post_init__(self):
-        self.graphdef = nnx.graphdef(self.model)
-        self._jitted = jax.jit(self._run)
+        super().__post_init__()
         self._table = None
-
-    @property
-    def num_steps(self) -> int:
-        return self.schedule.num_steps
 
     def table_array(self, table=None):
         """The choices as a device array (the schedule's, put on the device once)."""
@@ -206,18 +191,6 @@ class DynamicSampler:
         tokens = int(np.prod([n // p for n, p in zip(noise.shape[1:4], cfg.patch)]))
         L = cfg.self_attention_len(tokens, context.shape[1])
         return (B, L, cfg.num_heads, cfg.head_dim), (B, L, cfg.num_heads, cfg.head_dim)
-
-    def _velocity(self, model, masks, x, t, ctx, neg, cond):
-        self.traced_forwards += 1
-        B = x.shape[0]
-        if self.guidance_scale is None:
-            return model(x, jnp.full((B,), t), ctx, masks=masks, options=self.options, cond=cond,
-                         token_order=self.token_order)
-        x2 = jnp.concatenate([x, x])
-        c2 = None if cond is None else jnp.concatenate([cond, cond])
-        v = model(x2, jnp.full((2 * B,), t), jnp.concatenate([ctx, neg]), masks=masks,
-                  options=self.options, cond=c2, token_order=self.token_order).astype(jnp.float32)
-        return v[B:] + self.guidance_scale * (v[:B] - v[B:])
 
     def _run(self, state, x, ctx, neg, cond, table):
         self.trace_count += 1
