@@ -117,14 +117,20 @@ CASES = {
 }
 
 
-def tiny_cases(steps: int = 3) -> dict[str, Case]:
-    """CPU-sized versions of the cases (2 layers, 2 heads of 16, small grids; wan14b_720p runs
-    1 of its 2 layers to exercise the per-layer extrapolation)."""
+def _tiny_configs():
+    """(Wan, Hunyuan) configs of 2 layers and 2 heads of 16, for the CPU-sized cases."""
     wan = WAN21_1_3B.replace(num_layers=2, num_heads=2, head_dim=16, ffn_dim=64, text_dim=32,
                              text_len=8, in_channels=4, out_channels=4, freq_dim=32)
     hy = HUNYUAN15.replace(num_layers=2, num_heads=2, head_dim=16, mlp_dim=64, text_dim=32,
                            text_len=8, in_channels=4, out_channels=4, freq_dim=32,
                            rope_dims=(4, 6, 6))
+    return wan, hy
+
+
+def tiny_cases(steps: int = 3) -> dict[str, Case]:
+    """CPU-sized versions of the cases (2 layers, 2 heads of 16, small grids; wan14b_720p runs
+    1 of its 2 layers to exercise the per-layer extrapolation)."""
+    wan, hy = _tiny_configs()
     # Wan latent (5, 12, 16) -> grid (5, 6, 8); Hunyuan latent (5, 4, 6) with patch 1 -> (5, 4, 6)
     return {
         "wan13b_480p": Case("wan13b_480p", "wan", wan, 17, 96, 128, 2, steps, 1, "sta",
@@ -463,11 +469,7 @@ _PEER_FAMILY = {"vsa": "vsa", "svg2": "svg2", "sparge": "sparge", "xattn": "xatt
 
 def tiny_dyn_cases(steps: int = 3) -> dict[str, DynCase]:
     """CPU-sized versions of the dynamic cases (1 layer of 2, 2 heads of 16, small grids)."""
-    wan = WAN21_1_3B.replace(num_layers=2, num_heads=2, head_dim=16, ffn_dim=64, text_dim=32,
-                             text_len=8, in_channels=4, out_channels=4, freq_dim=32)
-    hy = HUNYUAN15.replace(num_layers=2, num_heads=2, head_dim=16, mlp_dim=64, text_dim=32,
-                           text_len=8, in_channels=4, out_channels=4, freq_dim=32,
-                           rope_dims=(4, 6, 6))
+    wan, hy = _tiny_configs()
     # Wan latent (5, 12, 16) -> grid (5, 6, 8): 240 tokens; Hunyuan (5, 4, 6) + 8 text: 128
     return {
         "wan13b_480p_vsa": DynCase("wan13b_480p_vsa", "wan", wan, 17, 96, 128, 1, steps, 1,
