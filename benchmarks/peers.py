@@ -21,6 +21,13 @@ size; the halves are session 4's, so ``--families`` draws the same masks):
       > $OUT/merge.log 2>&1; tail -n 2 $OUT/*.log
     tar czf /tmp/r.tgz -C $OUT . && find $OUT -type f -delete && mv /tmp/r.tgz $OUT/
 
+On one ``nvidia-h200`` (session 9's run, masks that start on the GPU, one per family; FlashInfer's
+build ~100 s per fresh machine), with ``carry=[".carry/clean", ".carry/flashinfer_site"]`` and
+``cd .carry/clean``: ``PYTHONPATH=$PWD/../flashinfer_site:$PWD ... python3 benchmarks/peers.py
+--out $OUT/peers-gpu.json --time-budget 500 --reserve 60 --per-family 1 --heads 8 --mask-source
+gpu --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn``
+(the ``tokens`` family is not one of the peers' families), a second call with ``--skip-from``.
+
 Masks a budget cut left out (the logs say "time budget"): put the four part files under
 ``prev/`` in the work tree (untracked, so they travel) and run the same call again with
 ``SKIP="--skip-from prev/peers-q0.json prev/peers-q1.json prev/peers-q2.json prev/peers-q3.json"``
