@@ -28,7 +28,7 @@ from pallas_kernels.templates import Template
 from tessera_jax.mask import BlockMask
 from tessera_jax.planning import planner
 from tessera_jax.planning.planner import POLICIES, Plan
-from tessera_jax.runtime import dense_route, device_route, dispatch, kernel_runner
+from tessera_jax.runtime import autodiff, dense_route, device_route, dispatch, kernel_runner
 from tessera_jax.select import features, ranking
 from tessera_jax.validation import (AttnShape, check_bool, check_mask, check_qkv, check_scale,
                                     check_shapes)
@@ -174,7 +174,9 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
     and masks the device plan can't hold run an exact XLA path). A mask that
     selects everything runs cuDNN's dense attention instead when the backend is left to
     choose (a GPU), no LSE is asked for and no ``template`` or ``policy`` is given
-    (``dense_route``; ``plan(...).dense_route`` tells).
+    (``dense_route``; ``plan(...).dense_route`` tells). Differentiable in reverse mode on every
+    backend (out and lse): a dq pass over the plan and a dk/dv pass over the transposed mask's
+    plan (``runtime.autodiff``).
     """
     shape = check_qkv(q, k, v)
     check_mask(mask, shape)
@@ -195,7 +197,7 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
             dense_route.warn_fallback(e)
     key = (mask, tuple(q.shape), tuple(k.shape), shape.dtype, template, policy, backend)
     p = _planned(key, mask, shape, be, t, policy, auto)
-    return dispatch.run(p, q, k, v, scale, return_lse)
+    return autodiff.run(p, q, k, v, scale, return_lse)      # dispatch.run, differentiable
 
 
 def clear_caches(*, fresh_process: bool = False) -> None:
@@ -206,7 +208,8 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     mask features and block layouts (``select.features``); the ranking's choices per mask
     (``select.ranking``); which masks are all selected (``runtime.dense_route``); the kernel
     runner's prepared plans: mask modes and device copies (``runtime.kernel_runner``); the
-    device route's template choices per static bounds (``runtime.device_route``).
+    device route's template choices per static bounds (``runtime.device_route``); the
+    backward's transposed plans (``runtime.autodiff``).
 
     Kept, unless ``fresh_process``: what a process computes once, whatever the masks: the
     loaded ranking tables and which table this GPU uses, the compiled cuDNN dense calls (and
@@ -222,6 +225,7 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     dense_route.clear_caches(verdicts=fresh_process)
     kernel_runner.clear_cache()
     device_route.clear_caches()
+    autodiff.clear_cache()
     if fresh_process:
         dispatch.clear_warnings()
 

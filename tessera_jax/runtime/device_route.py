@@ -205,8 +205,10 @@ def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template
            for c, x in zip(consts, (mask.q_bounds, mask.kv_bounds, mask.blocks))]
     # With static bounds the fit is known now (``choose``); traced bounds decide on the device.
     decide = consts[0] is None or consts[1] is None
-    return _run(q, k, v, *dyn, consts=consts, template=t.name if t else None,
-                capacity=capacity, decide=decide, scale=scale, return_lse=return_lse)
+    from tessera_jax.runtime import autodiff      # _run under a custom_vjp (it imports us)
+    return autodiff.device_run(q, k, v, *dyn, consts=consts, template=t.name if t else None,
+                               capacity=capacity, decide=decide, scale=scale,
+                               return_lse=return_lse)
 
 
 @functools.partial(jax.jit, static_argnames=("consts", "template", "capacity", "decide",

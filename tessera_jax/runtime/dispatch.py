@@ -102,7 +102,17 @@ def _triton_kernel() -> types.ModuleType:
 
 
 def _run_mosaic(plan, template, q, k, v, scale, return_lse):
-    return kernel_runner.run(_mosaic_kernel(), plan, template, q, k, v, scale, return_lse)
+    if not tracing(q, k, v):
+        return kernel_runner.run(_mosaic_kernel(), plan, template, q, k, v, scale, return_lse)
+    # Traced (vmap among the traces): the vmapped axis is folded into the batch, the kernel
+    # (mpmd_map) has no batching rule of its own for TMA and barriers.
+    from tessera_jax.runtime import batching
+
+    def call(q, k, v, *arrays):
+        return kernel_runner.run(_mosaic_kernel(), batching.with_arrays(plan, arrays), template,
+                                 q, k, v, scale, return_lse)
+
+    return batching.fold_vmap(call, (q, k, v), batching.plan_arrays(plan))
 
 
 def _run_triton(plan, template, q, k, v, scale, return_lse):

@@ -1,0 +1,395 @@
+#!/usr/bin/env python3
+"""Forward+backward of sparse attention on the GPU (issue 18): ours against cuDNN dense and
+torch FlexAttention, gradient errors, and a Wan2.1-1.3B 480p training step sparse vs dense.
+
+1. Kernels, Wan2.1 480p (L = 32,760, 12 heads, D = 128, bf16, B = 1), per mask (128-aligned
+   random at densities 0.1 / 0.25 / 0.5; irregular: VSA-like per-head top-k 64-token cubes,
+   sliding tiles over cubes, variable clusters; ``kernels.py``'s generators): the jitted
+   ``jax.vjp`` of ``tj.sparse_attention`` (backend=None: Mosaic GPU on an H200; out, dq, dk,
+   dv for a random cotangent), cuDNN dense (``jax.nn.dot_product_attention``, same call) and
+   FlexAttention (compiled, same mask, 128 blocks; forward + ``torch.autograd.grad``), all
+   timed under ``timing.KERNEL_RULE`` (CUPTI kernel time, L2 flushed, median of 20).
+   Forward+backward FLOPs = 3.5 x the forward FLOPs of the selected work (4 D per selected
+   interaction, DESIGN.md); efficiency = our effective TFLOP/s / cuDNN dense's.
+2. Gradient error: bf16 gradients of ours against a float32 dense reference
+   (``tj.reference_attention``'s autodiff) at a size the reference fits (``--err-grid``),
+   the same mask families; rel. error = ||g - g_ref|| / ||g_ref||, max over dq, dk, dv.
+3. Training step, Wan2.1-1.3B (30 layers; ``--layers``) at 480p, random weights, bf16
+   parameters, flow-matching MSE, optax AdamW: the jitted step with a VSA-like mask of
+   density 0.125 in every layer (tokens in cube-major order, ``token_order``) against the
+   dense model (cuDNN); step time (median of ``--steps``) and peak memory (the compiled
+   step's memory analysis: arguments + outputs + temporaries - aliases, state donated; and
+   the device's peak_bytes_in_use after each when available). Wall clock per step (one
+   executable, host-dispatched: the same rule for both).
+
+Summary (``h200-backward.json``): fwd_bwd_efficiency_aligned_min, fwd_bwd_speedup_vs_flex_
+irregular_geomean, grad_rel_err_max, train_step_speedup_vs_dense_wan13b_480p,
+train_step_peak_memory_vs_dense.
+
+    PYTHONPATH=. python3 benchmarks/backward.py --out $OUT/h200-backward.json
+    PYTHONPATH=. python3 benchmarks/backward.py --dry-run          # CPU: tiny, XLA, no torch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tessera_jax.tools import timing  # noqa: E402
+
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+# --- masks -----------------------------------------------------------------------------------
+def bench_masks(grid, H, L, seed=0, aligned=(0.1, 0.25, 0.5)):
+    """[(name, family, thunk)]: the kernel benchmark's generators (``kernels.py``)."""
+    import kernels as K
+    out = [(f"rand128_d{d}", "aligned", lambda d=d: K.mask_rand128(L, H, d, seed + 1))
+           for d in aligned]
+    out += [("cubes64_topk", "irregular", lambda: K.mask_cubes_topk(grid, H, 0.13, seed + 2)),
+            ("sta_cubes", "irregular", lambda: K.mask_sta(grid)),
+            ("clusters_var", "irregular", lambda: K.mask_clusters(L, H, 0.18, seed + 3))]
+    return out
+
+
+def cube_order(grid, cube=(4, 4, 4)):
+    """The permutation of raster (t, h, w) tokens into ``kernels.cube_layout``'s cube-major
+    order (the order its masks' blocks refer to)."""
+    T, Hh, W = grid
+    idx = np.arange(T * Hh * W).reshape(T, Hh, W)
+    parts = []
+    for a in range(0, T, cube[0]):
+        for b in range(0, Hh, cube[1]):
+            for c in range(0, W, cube[2]):
+                parts.append(idx[a:a + cube[0], b:b + cube[1], c:c + cube[2]].reshape(-1))
+    return np.concatenate(parts)
+
+
+# --- 1. forward + backward -------------------------------------------------------------------
+def fwd_bwd_fns(mask, backend, dense_impl):
+    """(ours, dense): jitted (q, k, v, do) -> (out, dq, dk, dv)."""
+    import jax
+    import tessera_jax as tj
+
+    def vjp_of(f):
+        def run(q, k, v, do):
+            out, vjp = jax.vjp(f, q, k, v)
+            return (out,) + vjp(do)
+        return jax.jit(run)
+
+    ours = vjp_of(lambda q, k, v: tj.sparse_attention(q, k, v, mask, backend=backend))
+    dense = vjp_of(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, implementation=dense_impl))
+    return ours, dense
+
+
+def flex_fwd_bwd(mask, L, H, D):
+    """FlexAttention forward + backward (torch.autograd.grad) over ``mask``, and its block-mask
+    build time (``kernels.flex_setup``)."""
+    import torch
+    import kernels as K
+    fa, build_ms, how = K.flex_setup(mask, L, H, D)
+
+    def run(q, k, v, do):
+        q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+        out = fa(q, k, v)
+        return (out,) + torch.autograd.grad(out, (q, k, v), do)
+    return run, build_ms, how
+
+
+def inputs(key, B, L, H, D, dtype, n_sets):
+    import jax
+    import jax.numpy as jnp
+    sets = []
+    for i in range(n_sets):
+        ks = jax.random.split(jax.random.fold_in(key, i), 4)
+        sets.append(tuple(jax.random.normal(k_, (B, L, H, D), jnp.float32).astype(dtype)
+                          for k_ in ks))
+    return sets
+
+
+def kernels_section(res, args, rule):
+    import jax
+    import jax.numpy as jnp
+    L, H, D, dtype = args.L, args.heads, args.head_dim, jnp.dtype(args.dtype)
+    sets = inputs(jax.random.key(0), 1, L, H, D, dtype, 2)
+    dense_flops = 3.5 * 4 * D * L * L * H
+    rows = res.setdefault("fwd_bwd", [])
+    dense_t = None
+    for name, family, make in bench_masks(tuple(args.grid), H, L, args.seed):
+        if time.time() > args.deadline:
+            log("budget spent: stopping the kernel section")
+            break
+        mask = make()
+        row = dict(mask=name, family=family, density=mask.density,
+                   selected=mask.selected_interactions(H))
+        if row["selected"] == 0:                  # tiny dry-run grids: nothing to time
+            continue
+        try:
+            ours, dense = fwd_bwd_fns(mask, args.backend, args.dense_impl)
+            if dense_t is None:
+                dense_t = timing.time_kernel(dense, sets, rule=rule)
+                res["dense_fwd_bwd"] = dict(**dense_t.to_json(), tflops=dense_flops
+                                            / dense_t.ms / 1e9, implementation=args.dense_impl)
+                log("dense fwd+bwd", f"{dense_t.ms:.3f} ms",
+                    f"{dense_flops / dense_t.ms / 1e9:.0f} TFLOP/s")
+            t = timing.time_kernel(ours, sets, rule=rule)
+            flops = 3.5 * 4 * D * row["selected"]
+            row.update(ours=dict(**t.to_json(), tflops=flops / t.ms / 1e9),
+                       efficiency=(flops / t.ms) / (dense_flops / dense_t.ms))
+            log(name, "ours", f"{t.ms:.3f} ms", f"eff {row['efficiency']:.2f}")
+            if args.flex:
+                import torch
+                fx, build_ms, how = flex_fwd_bwd(mask, L, H, D)
+                tsets = [[torch.from_dlpack(x).permute(0, 2, 1, 3).contiguous() for x in s]
+                         for s in sets]
+                tf = timing.time_kernel(fx, tsets, rule=rule, framework="torch")
+                row["flex"] = dict(**tf.to_json(), tflops=flops / tf.ms / 1e9,
+                                   block_mask_ms=build_ms, block_mask_how=how)
+                row["speedup_vs_flex"] = tf.ms / t.ms
+                log(name, "flex", f"{tf.ms:.3f} ms", f"ours {row['speedup_vs_flex']:.2f}x")
+        except Exception as e:  # noqa: BLE001  (recorded, the run goes on)
+            row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            log(name, "FAILED", row["error"][:300])
+            traceback.print_exc()
+        rows.append(row)
+
+
+# --- 2. gradient error -----------------------------------------------------------------------
+def grad_error_section(res, args):
+    import jax
+    import jax.numpy as jnp
+    import tessera_jax as tj
+    grid = tuple(args.err_grid)
+    L, H, D = int(np.prod(grid)), args.err_heads, args.head_dim
+    dtype = jnp.dtype(args.dtype)
+    q, k, v, do = inputs(jax.random.key(1), 1, L, H, D, jnp.float32, 1)[0]
+    rows = res.setdefault("grad_error", [])
+    for name, family, make in bench_masks(grid, H, L, args.seed):
+        mask = make()
+        try:
+            def g(f, *xs):
+                return jax.vjp(f, *xs[:3])[1](xs[3])
+            ref = jax.jit(lambda *x: g(lambda q, k, v: tj.reference_attention(q, k, v, mask),
+                                       *x))(q, k, v, do)
+            low = [x.astype(dtype) for x in (q, k, v, do)]
+            got = jax.jit(lambda *x: g(lambda q, k, v: tj.sparse_attention(
+                q, k, v, mask, backend=args.backend), *x))(*low)
+            if mask.selected_interactions(H) == 0:
+                continue
+            errs = [float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+                    for a, b in zip(got, ref)]
+            rows.append(dict(mask=name, family=family, L=L, heads=H, dq=errs[0], dk=errs[1],
+                             dv=errs[2]))
+            log(name, "grad rel err", " ".join(f"{e:.2e}" for e in errs))
+        except Exception as e:  # noqa: BLE001
+            rows.append(dict(mask=name, error=f"{type(e).__name__}: {e}"[:2000]))
+            log(name, "grad error FAILED", repr(e)[:300])
+
+
+# --- 3. training step ------------------------------------------------------------------------
+def memory_of(compiled) -> dict:
+    """Bytes of a compiled executable's memory analysis (peak estimate: arguments + outputs +
+    temporaries - aliased)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    d = {k: int(getattr(m, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                          "temp_size_in_bytes", "alias_size_in_bytes")
+         if hasattr(m, k)}
+    d["peak_estimate_bytes"] = (d.get("argument_size_in_bytes", 0)
+                                + d.get("output_size_in_bytes", 0)
+                                + d.get("temp_size_in_bytes", 0)
+                                - d.get("alias_size_in_bytes", 0))
+    return d
+
+
+def train_step_section(res, args):
+    import flax.nnx as nnx
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import kernels as K
+    from tessera_jax.flax import AttentionOptions
+    from tessera_jax.models import WAN21_1_3B, WanModel
+    if args.dry_run:
+        from tessera_jax.tools.finetune import tiny_config
+        cfg = tiny_config(layers=2, heads=2, head_dim=16)
+        grid = (4, 4, 8)
+    else:
+        cfg = WAN21_1_3B.replace(num_layers=args.layers, dtype="bfloat16",
+                                 param_dtype="bfloat16")
+        grid = tuple(args.grid)
+    latent = (grid[0], 2 * grid[1], 2 * grid[2])             # patch (1, 2, 2)
+    L = int(np.prod(grid))
+    mask = K.mask_cubes_topk(grid, cfg.num_heads, args.train_density, args.seed + 5)
+    order = cube_order(grid)
+    out = res.setdefault("train_step", {})
+    out.update(config=dict(layers=cfg.num_layers, heads=cfg.num_heads, head_dim=cfg.head_dim,
+                           tokens=L, latent=latent, mask_density=mask.density,
+                           param_dtype=cfg.param_dtype))
+    key = jax.random.key(2)
+    x0 = jax.random.normal(key, (1,) + latent + (cfg.in_channels,), jnp.float32)
+    text = jax.random.normal(jax.random.fold_in(key, 1), (1, cfg.text_len, cfg.text_dim),
+                             jnp.float32)
+    for variant in ("sparse", "dense"):
+        if time.time() > args.deadline:
+            log("budget spent: stopping the training section")
+            break
+        try:
+            model = WanModel(cfg, rngs=nnx.Rngs(0))
+            opt = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
+            masks = [mask] * cfg.num_layers if variant == "sparse" else None
+            options = AttentionOptions(dense_implementation=args.dense_impl)
+
+            def loss_fn(model, k):
+                kn, kt = jax.random.split(k)
+                noise = jax.random.normal(kn, x0.shape, x0.dtype)
+                t = jax.random.uniform(kt, (1,))
+                tb = t[:, None, None, None, None]
+                xt = (1 - tb) * x0 + tb * noise
+                v = model(xt, 1000.0 * t, text, masks=masks, options=options,
+                          token_order=order if variant == "sparse" else None)
+                return jnp.mean((v.astype(jnp.float32) - (noise - x0)) ** 2)
+
+            graphdef, state = nnx.split((model, opt))
+
+            def step(state, k):
+                m, o = nnx.merge(graphdef, state)
+                loss, grads = nnx.value_and_grad(loss_fn)(m, k)
+                o.update(m, grads)
+                return loss, nnx.state((m, o))
+
+            ks = [jax.random.fold_in(key, 10 + i) for i in range(args.steps + 1)]
+            t0 = time.perf_counter()
+            compiled = jax.jit(step, donate_argnums=0).lower(state, ks[0]).compile()
+            compile_s = time.perf_counter() - t0
+            try:
+                mem = memory_of(compiled)
+            except Exception as e:  # noqa: BLE001
+                mem = {"error": repr(e)[:500]}
+            loss, state = compiled(state, ks[0])                     # warm-up
+            jax.block_until_ready(loss)
+            samples = []
+            for k_ in ks[1:]:
+                (loss, state), ms = timing.wall_once(lambda: compiled(state, k_),
+                                                     jax.block_until_ready)
+                samples.append(ms)
+            r = loss
+            rule = timing.wall_rule(len(samples), warmup=1)
+            tm = timing.Timing.from_samples(samples, rule, "jax")
+            dev_peak = None
+            try:
+                dev_peak = jax.devices()[0].memory_stats().get("peak_bytes_in_use")
+            except Exception:  # noqa: BLE001
+                pass
+            out[variant] = dict(**tm.to_json(), compile_s=compile_s, memory=mem,
+                                device_peak_bytes_so_far=dev_peak, last_loss=float(r))
+            log("train step", variant, f"{tm.ms:.1f} ms", f"peak est "
+                f"{mem.get('peak_estimate_bytes', 0) / 2**30:.2f} GiB")
+        except Exception as e:  # noqa: BLE001
+            out[variant] = dict(error=f"{type(e).__name__}: {e}"[:2000])
+            log("train step", variant, "FAILED", repr(e)[:300])
+            traceback.print_exc()
+
+
+# --- summary ---------------------------------------------------------------------------------
+def summarize(res) -> dict:
+    rows = [r for r in res.get("fwd_bwd", []) if "efficiency" in r]
+    aligned = [r["efficiency"] for r in rows if r["family"] == "aligned" and r["density"] >= 0.1]
+    flex = [r["speedup_vs_flex"] for r in rows
+            if r["family"] == "irregular" and "speedup_vs_flex" in r]
+    errs = [max(r["dq"], r["dk"], r["dv"]) for r in res.get("grad_error", []) if "dq" in r]
+    tr = res.get("train_step", {})
+    sp, dn = tr.get("sparse", {}), tr.get("dense", {})
+    speed = dn["ms"] / sp["ms"] if "ms" in sp and "ms" in dn else None
+    mem = None
+    try:
+        mem = (sp["memory"]["peak_estimate_bytes"] / dn["memory"]["peak_estimate_bytes"])
+    except (KeyError, TypeError, ZeroDivisionError):
+        pass
+    return dict(
+        fwd_bwd_efficiency_aligned_min=min(aligned) if aligned else None,
+        fwd_bwd_speedup_vs_flex_irregular_geomean=(float(np.exp(np.mean(np.log(flex))))
+                                                   if flex else None),
+        grad_rel_err_max=max(errs) if errs else None,
+        train_step_speedup_vs_dense_wan13b_480p=speed,
+        train_step_peak_memory_vs_dense=mem)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/"
+                    "h200-backward.json; none in --dry-run unless given)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU: tiny shapes, the XLA path, host wall clock, no torch")
+    ap.add_argument("--grid", default="21,30,52", help="token grid T,H,W (Wan 480p)")
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--err-grid", default="5,12,16", help="token grid of the gradient check")
+    ap.add_argument("--err-heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=30, help="Wan2.1-1.3B layers to train")
+    ap.add_argument("--steps", type=int, default=10, help="timed training steps")
+    ap.add_argument("--train-density", type=float, default=0.125)
+    ap.add_argument("--backend", default=None, help="sparse_attention backend (None: best)")
+    ap.add_argument("--no-flex", dest="flex", action="store_false")
+    ap.add_argument("--sections", default="kernels,grad,train")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget-s", type=float, default=540)
+    args = ap.parse_args(argv)
+    import jax
+    on_gpu = jax.default_backend() == "gpu"
+    if args.dry_run:
+        args.grid, args.err_grid, args.heads, args.head_dim = "2,8,12", "2,4,8", 2, 64
+        args.dtype, args.flex, args.steps = "float32", False, 3
+        args.backend = args.backend or "xla"
+    args.grid = [int(x) for x in args.grid.split(",")]
+    args.err_grid = [int(x) for x in args.err_grid.split(",")]
+    args.L = int(np.prod(args.grid))
+    args.dense_impl = "cudnn" if on_gpu else None
+    args.deadline = T0 + args.budget_s
+    if args.flex and not on_gpu:
+        args.flex = False
+    rule = timing.KERNEL_RULE if on_gpu else timing.wall_rule(3 if args.dry_run else 20)
+    res = dict(benchmark="backward" + (" --dry-run" if args.dry_run else ""),
+               command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+               device=str(jax.devices()[0]), platform=platform.platform(),
+               versions=dict(jax=jax.__version__), timing=rule.name,
+               shape=dict(L=args.L, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype))
+    sections = args.sections.split(",")
+    if "kernels" in sections:
+        kernels_section(res, args, rule)
+    if "grad" in sections:
+        grad_error_section(res, args)
+    if "train" in sections:
+        train_step_section(res, args)
+    res["summary"] = summarize(res)
+    out = args.out or (None if args.dry_run else os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", "h200-backward.json"))
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        log("wrote", out)
+    print(json.dumps(res["summary"], indent=1))
+    # Every fwd+bwd time of the comparison under one rule (after saving: a mixed run is kept).
+    timing.assert_same_rule([r[s] for r in res.get("fwd_bwd", []) for s in ("ours", "flex")
+                             if s in r] + [res.get("dense_fwd_bwd")], "fwd+bwd")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Row bookkeeping shared by the backward kernels of every backend (jnp; no kernel code).
+
+The backward of attention over a plan (``pallas_kernels.abi``) runs two passes:
+
+* **dq** over the forward plan: unit u holds rows [q_start, q_start + tile_q) of query head h
+  and visits K/V tiles; it needs each row's ``lse`` and ``delta`` (``unit_rows``) and writes a
+  unit-major dq tile that ``gather_units`` brings back to [B, Lq, Hq, D];
+* **dk/dv** over the *transposed* plan (the plan of the transposed mask: its units are key
+  tiles of query head h, its steps query tiles), writing unit-major dk / dv per query head,
+  brought back to [B, Lkv, Hq, D] and summed over each K/V head's group (``group_sum``).
+
+Conventions every backward kernel takes: ``lse`` [B, Hq, Lq] float32 with **+inf** on rows
+that select no key (``lse_for_backward``: exp(s - lse) is then 0 there, never NaN, and a
+masked score of -inf gives 0 too), ``delta`` [B, Hq, Lq] float32 = rowsum(out * dout) - dlse.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import abi
+
+
+def lse_for_backward(lse):
+    """lse with +inf where a row selects no key (-inf): exp(score - lse) is 0 there."""
+    lse = lse.astype(jnp.float32)
+    return jnp.where(lse == -jnp.inf, jnp.inf, lse)
+
+
+def delta_of(out, dout, dlse=None):
+    """delta [B, Hq, Lq] float32 = rowsum(out * dout) - dlse (dlse: the cotangent of lse, or
+    None). d score_ij = p_ij (dp_ij - delta_i) then carries the LSE's gradient too."""
+    d = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
+    return d if dlse is None else d - dlse.astype(jnp.float32)
+
+
+def pad_rows(x, length: int, value):
+    """[B, H, L] -> [B, H, length], the new columns ``value``."""
+    extra = length - x.shape[-1]
+    return x if extra == 0 else jnp.pad(x, ((0, 0), (0, 0), (0, extra)), constant_values=value)
+
+
+def pad_len(x, length: int):
+    """[B, L, H, D] -> [B, length, H, D] with zero rows."""
+    extra = length - x.shape[1]
+    return x if extra == 0 else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
+
+
+def unit_rows(x, units, tile_q: int):
+    """[B, H, Lp] (padded to cover every unit's tile) -> [B, U, tile_q]: row r of unit u is
+    x[b, head_u, q_start_u + r]."""
+    h = units[:, abi.UNIT_HEAD, None]
+    rows = units[:, abi.UNIT_Q_START, None] + jnp.arange(tile_q, dtype=jnp.int32)[None]
+    return x[:, h, rows]
+
+
+def gather_units(x_units, row_index):
+    """Unit-major [B, U, T, D] -> [B, L, H, D] through ``row_index`` [H, L] (``abi``); rows
+    no unit owns (the sentinel U * T) get 0."""
+    B, U, T, D = x_units.shape
+    flat = x_units.reshape(B, U * T, D)
+    flat = jnp.concatenate([flat, jnp.zeros((B, 1, D), flat.dtype)], axis=1)
+    return jnp.take(flat, row_index.T, axis=1)
+
+
+def group_sum(x, num_kv_heads: int):
+    """[B, L, Hq, D] per query head -> [B, L, Hkv, D] float32, summed over each K/V head's
+    group of Hq // Hkv consecutive query heads (GQA / MQA)."""
+    B, L, Hq, D = x.shape
+    x = x.astype(jnp.float32)
+    if Hq == num_kv_heads:
+        return x
+    return x.reshape(B, L, num_kv_heads, Hq // num_kv_heads, D).sum(axis=3)
+
+
+def row_index(units, row_index_or_none, num_heads: int, length: int, tile_q: int):
+    """The plan's row_index, or made on the device from units when None."""
+    if row_index_or_none is not None:
+        return jnp.asarray(row_index_or_none)
+    return abi.row_index_from_units(units, num_heads, length, tile_q)

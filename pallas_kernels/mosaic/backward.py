@@ -1,0 +1,570 @@
+"""Backward kernels on Mosaic GPU (Hopper, sm_90a): dq over the forward plan, dk/dv over the
+transposed plan (``pallas_kernels.backward_rows`` says which is which).
+
+Modelled on jax's ``ops/gpu/attention_mgpu.py`` backward (separate ``kernel_dq`` and
+``kernel_dkv``, delta computed first, a memory warpgroup streaming tiles through a
+``stages``-deep SMEM ring to two compute warpgroups of 64 rows each, wgmma for the five matrix
+products, exp2 with the row's lse), with the K/V tiles (dq) or query tiles (dk/dv) a unit
+visits and how many read from the plan's ``steps`` at run time, and each step masked as the
+forward masks it (``_masked``: a plain step's rectangle, a grid step's cells, a bitmap step's
+bits; a full step unmasked with mask mode "cond").
+
+* ``dq`` runs the forward plan's template shape: tile_q = 128 (two warpgroups on the two
+  64-row halves of one unit, one K/V ring) or, for ``paired`` templates, tile_q = 64 (each
+  warpgroup its own unit and ring). Per step: S = Q K^T, dP = dO V^T, P = exp2(S c - lse c),
+  dS = P (dP - delta), dQ += dS K (c = log2 e; scores scaled).
+* ``dkv`` runs units of ``DKV_TILES`` (128 keys: two warpgroups of 64 keys) over steps of 64
+  queries of one query head: S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
+  dS^T = P^T (dP^T - delta), dK += dS^T Q; written per query head in the input dtype (as
+  attention_mgpu) and summed over each K/V head's group in float32 outside.
+
+bf16 and f16 (the SMEM buffers are in the input dtype, unlike attention_mgpu's float16
+scratch), head dims 64 and 128, plan starts multiples of 8 (TMA). On CPU, ``interpret=`` runs
+them under the Mosaic GPU interpreter, with the products whose A operand lives in registers
+(dS K, P^T dO, dS^T Q) as plain dots: the interpreter has no rule for run_state nor for
+wgmma with a register A operand (the forward kernel does the same for P V).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import abi
+from pallas_kernels import backward_rows as rows_
+from pallas_kernels import templates as _templates
+from pallas_kernels.mosaic.kernel import _segment_select
+
+__all__ = ["dq", "dkv", "DKV_TILES", "STAGES", "smem_bytes"]
+
+WG_ROWS = 64
+CONSUMERS = 2
+STAGES = 2                      # ring slots of the streamed tiles
+_ALIGN = 8
+_LOG2E = math.log2(math.e)
+#: The transposed plan's (keys per unit, queries per step, key align, query align).
+DKV_TILES = (CONSUMERS * WG_ROWS, 64, _ALIGN, _ALIGN)
+_DTYPES = ("bfloat16", "float16")
+_HEAD_DIMS = (64, 128)
+
+
+def smem_bytes(kernel: str, tile_kv: int, head_dim: int, rings: int = 1) -> int:
+    """SMEM of one CTA (bytes, 2-byte inputs): ``dq``: Q and dO tiles, lse / delta rows and
+    the K/V ring(s) of ``tile_kv`` keys; ``dkv``: K and V tiles, the Q/dO ring and its lse /
+    delta rows. Barriers and alignment add ~3 KB."""
+    rows = CONSUMERS * WG_ROWS
+    if kernel == "dq":
+        return 2 * (2 * rows * head_dim + 2 * rings * STAGES * tile_kv * head_dim) \
+            + 8 * rows + 3072
+    return 2 * (2 * rows * head_dim + 2 * STAGES * DKV_TILES[1] * head_dim) \
+        + 8 * STAGES * DKV_TILES[1] + 3072
+
+
+def _check(q, k, v, do, units, steps, head_dim_ok=True):
+    for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be [B, L, H, D], got shape {tuple(x.shape)}")
+    if jnp.dtype(q.dtype).name not in _DTYPES or not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"the Mosaic GPU backward takes bf16 or f16 q, k, v of one dtype, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[-1] not in _HEAD_DIMS:
+        raise ValueError(f"the Mosaic GPU backward takes head_dim in {_HEAD_DIMS}, got "
+                         f"{q.shape[-1]}")
+    abi.check_plan_arrays(units, steps)
+
+
+# --- shared pieces ---------------------------------------------------------------------------
+def _iota(n: int, dim: int):
+    """int32 iota of n in the WGMMA fragment's row (dim 1 reduced) or column layout."""
+    return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=plgpu.Layout.WGMMA.reduce(dim))
+
+
+def _bcast(vec, shape, dim: int):
+    """A row (dim 0) or column (dim 1) vector broadcast over a [rows, cols] fragment."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(vec, shape, [dim]), plgpu.Layout.WGMMA)
+
+
+def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x):
+    """Scores ``x`` [64, tile_kv] of this warpgroup's rows (tile rows row0 .. row0 + 63) with
+    -inf where step ``s`` selects nothing (``abi.step_mask``): every kind as one test
+    ``row_bits[r] & col_bit[c] != 0`` of a row vector and a column vector (a plain step: 1
+    inside its rectangle; a grid step: its cell row / 1 << key segment, ``abi.grid_mask``; a
+    bitmap step: its row words / 1 << c % 32 per word column). Mode "cond" skips full steps."""
+    if mode == "none":
+        return x
+    rect = steps[s, abi.STEP_RECT]
+    cuts_b = steps[s, abi.STEP_CUTS_B]
+    q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(rect)
+    q_lo, q_hi = q_lo - row0, q_hi - row0
+    rows, cols = _iota(WG_ROWS, 1), _iota(tile_kv, 0)
+    one, zero = jnp.int32(1), jnp.int32(0)
+
+    def plain(x):
+        rb = jnp.where((rows >= q_lo) & (rows < q_hi), one, zero)
+        cb = jnp.where((cols >= kv_lo) & (cols < kv_hi), one, zero)
+        return jnp.where((_bcast(rb, x.shape, 0) & _bcast(cb, x.shape, 1)) != 0, x, -jnp.inf)
+
+    def grid(x):
+        (q1, q2, q3), (k1, k2, k3), _ = abi.unpack_grid(steps[s, abi.STEP_CUTS_A], cuts_b)
+        nibbles = [(cuts_b >> (abi.GRID_BITS_SHIFT + abi.GRID * n)) & 0xF
+                   for n in range(abi.GRID)]
+        rb = _segment_select(rows, q_lo, q_hi, (q1 - row0, q2 - row0, q3 - row0), nibbles)
+        cb = _segment_select(cols, kv_lo, kv_hi, (k1, k2, k3),
+                             [jnp.int32(1 << j) for j in range(abi.GRID)])
+        return jnp.where((_bcast(rb, x.shape, 0) & _bcast(cb, x.shape, 1)) != 0, x, -jnp.inf)
+
+    def bitmap(x):
+        off = steps[s, abi.STEP_CUTS_A]
+        ones = jnp.full(cols.shape, 1, jnp.int32)
+        hit = None
+        for j in range(abi.bitmap_words(tile_kv)):
+            word = plgpu.load(words.at[pl.ds(off + j * tile_q + row0, WG_ROWS)],
+                              layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            in_col = (cols >= j * abi.WORD_BITS) & (cols < (j + 1) * abi.WORD_BITS)
+            cb = jnp.where(in_col, lax.shift_left(ones, cols & (abi.WORD_BITS - 1)), zero)
+            term = _bcast(word, x.shape, 0) & _bcast(cb, x.shape, 1)
+            hit = term if hit is None else hit | term
+        return jnp.where(hit != 0, x, -jnp.inf)
+
+    kind = jnp.where(cuts_b == 0, 0, jnp.where(cuts_b == abi.BITMAP_FLAG, 2, 1))
+    masked = lambda x: lax.switch(kind, [plain, grid, bitmap], x)      # noqa: E731
+    if mode == "cond":
+        full = (q_lo <= 0) & (q_hi >= WG_ROWS) & (kv_lo == 0) & (kv_hi == tile_kv) & (cuts_b == 0)
+        return lax.cond(full, lambda x: x, masked, x)
+    return masked(x)
+
+
+def _mma(a_smem, b_smem_t, shape):
+    """a @ b^T of two SMEM tiles by wgmma, float32 [shape]."""
+    def body(acc):
+        plgpu.wgmma(acc, a_smem, b_smem_t.transpose((1, 0)))
+        return acc[...]
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def _mma_acc(acc, a_regs, b_smem, interpret):
+    """acc + a @ b with a in registers (wgmma's register A operand; a plain dot under the
+    interpreter, which lacks it)."""
+    if interpret:
+        return acc + jnp.dot(a_regs, b_smem[...], preferred_element_type=jnp.float32)
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a_regs, b_smem)
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+# --- dq --------------------------------------------------------------------------------------
+class _Dq(NamedTuple):
+    tile_q: int
+    tile_kv: int
+    paired: bool
+    mode: str
+    num_units: int
+    num_steps: int
+    group: int
+    head_dim: int
+    dtype: Any
+    qk_scale: float
+    scale: float
+    interpret: Any
+    q: Any
+    k: Any
+    v: Any
+    do: Any
+    lse: Any
+    delta: Any
+    units: Any
+    steps: Any
+    words: Any
+    dq: Any
+    q_smem: Any
+    do_smem: Any
+    lse_smem: Any
+    delta_smem: Any
+    k_smem: Any
+    v_smem: Any
+    in_bars: Any               # per consumer warpgroup: Q, dO, lse, delta arrived
+    k_bar: Any
+    v_bar: Any
+    k_consumed: Any
+    v_consumed: Any
+
+
+def _dq_unit(c: _Dq, ring):
+    """(u, b, head, q_start, ptr, cnt, valid) of this CTA's unit (paired: the ring's unit)."""
+    b = lax.axis_index("batch")
+    if c.paired:
+        u = lax.axis_index("unit") * 2 + ring
+        valid = u < c.num_units
+        u = jnp.minimum(u, c.num_units - 1)
+    else:
+        u, valid = lax.axis_index("unit"), True
+    cnt = c.units[u, abi.UNIT_STEP_CNT]
+    if c.paired:
+        cnt = jnp.where(valid, cnt, 0)
+    return (u, b, c.units[u, abi.UNIT_HEAD], c.units[u, abi.UNIT_Q_START],
+            c.units[u, abi.UNIT_STEP_PTR], cnt, valid)
+
+
+def _slot(g, ring):
+    return lax.rem(g, jnp.array(STAGES, g.dtype)) + ring * STAGES
+
+
+def _dq_consumer(c: _Dq, wg):
+    plgpu.set_max_registers(232, action="increase")
+    ring = wg if c.paired else 0
+    row0 = 0 if c.paired else pl.multiple_of(wg * WG_ROWS, WG_ROWS)
+    u, b, head, q_start, ptr, cnt, valid = _dq_unit(c, ring)
+    rows = pl.ds(pl.multiple_of(q_start + row0, _ALIGN), WG_ROWS)
+    q_smem, do_smem = c.q_smem.at[wg], c.do_smem.at[wg]
+    bars = c.in_bars
+    plgpu.copy_gmem_to_smem(c.q.at[b, rows, head], q_smem, bars[0].at[wg])
+    plgpu.copy_gmem_to_smem(c.do.at[b, rows, head], do_smem, bars[1].at[wg])
+    plgpu.copy_gmem_to_smem(c.lse.at[b, u, pl.ds(row0, WG_ROWS)], c.lse_smem.at[wg],
+                            bars[2].at[wg])
+    plgpu.copy_gmem_to_smem(c.delta.at[b, u, pl.ds(row0, WG_ROWS)], c.delta_smem.at[wg],
+                            bars[3].at[wg])
+    for bar in bars:
+        plgpu.barrier_wait(bar.at[wg])
+    lse2 = plgpu.load(c.lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+    delta = plgpu.load(c.delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+    shape = (WG_ROWS, c.tile_kv)
+
+    def step(i, acc):
+        slot = _slot(i, ring)
+        s_row = jnp.minimum(ptr + i, c.num_steps - 1)
+        plgpu.barrier_wait(c.k_bar.at[slot])
+        plgpu.barrier_wait(c.v_bar.at[slot])
+        s = _mma(q_smem, c.k_smem.at[slot], shape)
+        dp = _mma(do_smem, c.v_smem.at[slot], shape)
+        plgpu.barrier_arrive(c.v_consumed.at[slot])
+        s = _masked(c.steps, c.words, s_row, row0, c.tile_q, c.tile_kv, c.mode, s)
+        p = jnp.exp2(s * c.qk_scale - _bcast(lse2, shape, 0))
+        ds = p * (dp - _bcast(delta, shape, 0))
+        acc = _mma_acc(acc, ds.astype(c.dtype), c.k_smem.at[slot], c.interpret)
+        plgpu.barrier_arrive(c.k_consumed.at[slot])
+        return acc
+
+    acc = plgpu.layout_cast(jnp.full((WG_ROWS, c.head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
+    acc = lax.fori_loop(0, cnt, step, acc)
+    q_smem[...] = (acc * c.scale).astype(c.dtype)          # Q is read no more: dQ goes there
+    plgpu.commit_smem()
+
+    def store():
+        plgpu.copy_smem_to_gmem(q_smem, c.dq.at[b, u, pl.ds(row0, WG_ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    if c.paired:
+        pl.when(valid)(store)
+    else:
+        store()
+
+
+def _dq_producer(c: _Dq):
+    plgpu.set_max_registers(40, action="decrease")
+    streams = []
+    for ring in range(2 if c.paired else 1):
+        _, b, head, _, ptr, cnt, _ = _dq_unit(c, ring)
+        streams.append((b, lax.div(head, jnp.array(c.group, head.dtype)), ptr, cnt))
+
+    @pl.loop(0, functools.reduce(jnp.maximum, [s[3] for s in streams]))
+    def _(i):
+        for ring, (b, kv_head, ptr, cnt) in enumerate(streams):
+            @pl.when(i < cnt)
+            def _():
+                slot = _slot(i, ring)
+                kv_start = pl.multiple_of(c.steps[ptr + i, abi.STEP_KV_START], _ALIGN)
+                src = (b, pl.ds(kv_start, c.tile_kv), kv_head)
+
+                @pl.when(i >= STAGES)
+                def _():
+                    plgpu.barrier_wait(c.k_consumed.at[slot])
+                plgpu.copy_gmem_to_smem(c.k.at[src], c.k_smem.at[slot], c.k_bar.at[slot])
+
+                @pl.when(i >= STAGES)
+                def _():
+                    plgpu.barrier_wait(c.v_consumed.at[slot])
+                plgpu.copy_gmem_to_smem(c.v.at[src], c.v_smem.at[slot], c.v_bar.at[slot])
+
+    for ring, (_, _, _, cnt) in enumerate(streams):
+        @pl.loop(jnp.maximum(cnt - STAGES, 0), cnt)
+        def _(g):
+            plgpu.barrier_wait(c.k_consumed.at[_slot(g, ring)])
+            plgpu.barrier_wait(c.v_consumed.at[_slot(g, ring)])
+
+
+def _dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paired, mode,
+             scale, interpret):
+    B, _, Hq, D = q.shape
+    Hkv = k.shape[2]
+    U = units.shape[0]
+    dtype = q.dtype
+    rings = 2 if paired else 1
+    slots = rings * STAGES
+    static = dict(tile_q=tile_q, tile_kv=tile_kv, paired=paired, mode=mode, num_units=U,
+                  num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
+                  qk_scale=float(scale) * _LOG2E, scale=float(scale), interpret=interpret)
+    tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, units_ref, steps_ref, words_ref,
+              dq_ref):
+        def scoped(bufs, in_bars, kv_bars, consumed):
+            c = _Dq(q=q_ref, k=k_ref, v=v_ref, do=do_ref, lse=lse_ref, delta=delta_ref,
+                    units=units_ref, steps=steps_ref, words=words_ref, dq=dq_ref,
+                    q_smem=bufs[0], do_smem=bufs[1], lse_smem=bufs[2], delta_smem=bufs[3],
+                    k_smem=bufs[4], v_smem=bufs[5], in_bars=in_bars, k_bar=kv_bars[0],
+                    v_bar=kv_bars[1], k_consumed=consumed[0], v_consumed=consumed[1],
+                    **static)
+            wg = lax.axis_index("wg")
+            pl.when(wg < CONSUMERS)(functools.partial(_dq_consumer, c, wg))
+            pl.when(wg == CONSUMERS)(functools.partial(_dq_producer, c))
+
+        pl.run_scoped(
+            scoped,
+            (plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
+             plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
+             plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
+             plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
+             plgpu.SMEM((slots, tile_kv, D), dtype, transforms=tr),
+             plgpu.SMEM((slots, tile_kv, D), dtype, transforms=tr)),
+            (plgpu.Barrier(num_barriers=CONSUMERS),) * 4,
+            (plgpu.Barrier(num_barriers=slots),) * 2,
+            # A slot is free once every warpgroup reading it is done with it.
+            (plgpu.Barrier(num_arrivals=1 if paired else CONSUMERS, num_barriers=slots),) * 2,
+            collective_axes="wg",
+        )
+
+    kwargs = {"interpret": interpret} if interpret else {}
+    return plgpu.kernel(
+        entry, out_type=jax.ShapeDtypeStruct((B, U, tile_q, D), dtype),
+        grid=(-(-U // 2) if paired else U, B), grid_names=("unit", "batch"),
+        num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs,
+    )(q, k, v, do, lse_u, delta_u, units, steps, steps.reshape(-1))
+
+
+def dq(q, k, v, do, lse, delta, units, steps, *, template, q_len_padded, kv_len_padded, scale,
+       mask_mode="cond", interpret=None):
+    """dq [B, Lq, Hq, D] (q.dtype) over a forward plan built for the ``mosaic_gpu`` template
+    ``template`` (its ABI arrays, trusted: made by a planner for it). q, do [B, Lq, Hq, D];
+    k, v [B, Lkv, Hkv, D]; lse (+inf on rows with no selected key), delta: [B, Hq, Lq]
+    float32. ``interpret``: a Mosaic GPU interpreter params object (CPU tests)."""
+    t = _templates.get(template)
+    if t.backend != "mosaic_gpu":
+        raise ValueError(f"template {t.name!r} is for backend {t.backend!r}, not mosaic_gpu")
+    _check(q, k, v, do, units, steps)
+    return _dq(q, k, v, do, lse, delta, jnp.asarray(units), jnp.asarray(steps),
+               tile_q=t.tile_q, tile_kv=t.tile_kv, paired=bool(t.kernel.paired),
+               q_len_padded=int(q_len_padded), kv_len_padded=int(kv_len_padded),
+               scale=float(scale), mask_mode=mask_mode, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "paired", "q_len_padded",
+                                             "kv_len_padded", "scale", "mask_mode",
+                                             "interpret"))
+def _dq(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, paired, q_len_padded,
+        kv_len_padded, scale, mask_mode, interpret):
+    Lq, Hq = q.shape[1], q.shape[2]
+    lse_u = rows_.unit_rows(rows_.pad_rows(lse * _LOG2E, q_len_padded, jnp.inf), units, tile_q)
+    delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q)
+    dq_u = _dq_call(rows_.pad_len(q, q_len_padded), rows_.pad_len(k, kv_len_padded),
+                    rows_.pad_len(v, kv_len_padded), rows_.pad_len(do.astype(q.dtype),
+                                                                   q_len_padded),
+                    lse_u, delta_u, units, steps, tile_q=tile_q, tile_kv=tile_kv, paired=paired,
+                    mode=mask_mode, scale=scale, interpret=interpret)
+    return rows_.gather_units(dq_u, abi.row_index_from_units(units, Hq, Lq, tile_q))
+
+
+# --- dk, dv ----------------------------------------------------------------------------------
+class _Dkv(NamedTuple):
+    mode: str
+    num_steps: int
+    group: int
+    head_dim: int
+    dtype: Any
+    qk_scale: float
+    scale: float
+    interpret: Any
+    q: Any
+    k: Any
+    v: Any
+    do: Any
+    lse: Any
+    delta: Any
+    units: Any
+    steps: Any
+    words: Any
+    dk: Any
+    dv: Any
+    k_smem: Any                # [CONSUMERS, 64, D]: K in, dK out
+    v_smem: Any                # [CONSUMERS, 64, D]: V in, dV out
+    q_smem: Any                # [STAGES, 64, D] ring
+    do_smem: Any
+    lse_smem: Any              # [STAGES, 64]
+    delta_smem: Any
+    kv_bars: Any               # per consumer warpgroup: its K, V arrived
+    ring_bars: Any             # per slot: Q, dO, lse, delta arrived
+    consumed: Any              # per slot: both warpgroups are done with it
+
+
+def _dkv_unit(c: _Dkv):
+    u, b = lax.axis_index("unit"), lax.axis_index("batch")
+    return (u, b, c.units[u, abi.UNIT_HEAD], c.units[u, abi.UNIT_Q_START],
+            c.units[u, abi.UNIT_STEP_PTR], c.units[u, abi.UNIT_STEP_CNT])
+
+
+def _dkv_consumer(c: _Dkv, wg):
+    plgpu.set_max_registers(232, action="increase")
+    tile_q, tile_kv = DKV_TILES[:2]
+    row0 = pl.multiple_of(wg * WG_ROWS, WG_ROWS)
+    u, b, head, k_start, ptr, cnt = _dkv_unit(c)
+    kv_head = lax.div(head, jnp.array(c.group, head.dtype))
+    rows = pl.ds(pl.multiple_of(k_start + row0, _ALIGN), WG_ROWS)
+    k_smem, v_smem = c.k_smem.at[wg], c.v_smem.at[wg]
+    plgpu.copy_gmem_to_smem(c.k.at[b, rows, kv_head], k_smem, c.kv_bars[0].at[wg])
+    plgpu.copy_gmem_to_smem(c.v.at[b, rows, kv_head], v_smem, c.kv_bars[1].at[wg])
+    plgpu.barrier_wait(c.kv_bars[0].at[wg])
+    plgpu.barrier_wait(c.kv_bars[1].at[wg])
+    shape = (WG_ROWS, tile_kv)
+
+    def step(i, carry):
+        dk, dv = carry
+        slot = _slot(i, 0)
+        s_row = jnp.minimum(ptr + i, c.num_steps - 1)
+        for bar in c.ring_bars:
+            plgpu.barrier_wait(bar.at[slot])
+        q_s, do_s = c.q_smem.at[slot], c.do_smem.at[slot]
+        st = _mma(k_smem, q_s, shape)                               # S^T [keys, queries]
+        st = _masked(c.steps, c.words, s_row, row0, tile_q, tile_kv, c.mode, st)
+        lse2 = plgpu.load(c.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        pt = jnp.exp2(st * c.qk_scale - _bcast(lse2, shape, 1))
+        dpt = _mma(v_smem, do_s, shape)
+        dv = _mma_acc(dv, pt.astype(c.dtype), do_s, c.interpret)
+        delta = plgpu.load(c.delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        dst = pt * (dpt - _bcast(delta, shape, 1))
+        dk = _mma_acc(dk, dst.astype(c.dtype), q_s, c.interpret)
+        plgpu.barrier_arrive(c.consumed.at[slot])
+        return dk, dv
+
+    zeros = plgpu.layout_cast(jnp.full((WG_ROWS, c.head_dim), 0, jnp.float32),
+                              plgpu.Layout.WGMMA)
+    dk, dv = lax.fori_loop(0, cnt, step, (zeros, zeros))
+    k_smem[...] = (dk * c.scale).astype(c.dtype)           # K, V are read no more
+    v_smem[...] = dv.astype(c.dtype)
+    plgpu.commit_smem()
+    out_rows = pl.ds(row0, WG_ROWS)
+    plgpu.copy_smem_to_gmem(k_smem, c.dk.at[b, u, out_rows], commit_group=False)
+    plgpu.copy_smem_to_gmem(v_smem, c.dv.at[b, u, out_rows], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dkv_producer(c: _Dkv):
+    plgpu.set_max_registers(40, action="decrease")
+    tile_kv = DKV_TILES[1]
+    _, b, head, _, ptr, cnt = _dkv_unit(c)
+
+    @pl.loop(0, cnt)
+    def _(i):
+        slot = _slot(i, 0)
+        q_start = pl.multiple_of(c.steps[ptr + i, abi.STEP_KV_START], _ALIGN)
+        cols = pl.ds(q_start, tile_kv)
+
+        @pl.when(i >= STAGES)
+        def _():
+            plgpu.barrier_wait(c.consumed.at[slot])
+
+        plgpu.copy_gmem_to_smem(c.q.at[b, cols, head], c.q_smem.at[slot], c.ring_bars[0].at[slot])
+        plgpu.copy_gmem_to_smem(c.do.at[b, cols, head], c.do_smem.at[slot],
+                                c.ring_bars[1].at[slot])
+        plgpu.copy_gmem_to_smem(c.lse.at[b, head, cols], c.lse_smem.at[slot],
+                                c.ring_bars[2].at[slot])
+        plgpu.copy_gmem_to_smem(c.delta.at[b, head, cols], c.delta_smem.at[slot],
+                                c.ring_bars[3].at[slot])
+
+    @pl.loop(jnp.maximum(cnt - STAGES, 0), cnt)
+    def _(g):
+        plgpu.barrier_wait(c.consumed.at[_slot(g, 0)])
+
+
+def _dkv_call(q, k, v, do, lse2, delta, units, steps, *, mode, scale, interpret):
+    B, _, Hq, D = q.shape
+    Hkv = k.shape[2]
+    U = units.shape[0]
+    dtype = q.dtype
+    tile_q, tile_kv = DKV_TILES[:2]
+    static = dict(mode=mode, num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
+                  qk_scale=float(scale) * _LOG2E, scale=float(scale), interpret=interpret)
+    tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, units_ref, steps_ref, words_ref,
+              dk_ref, dv_ref):
+        def scoped(bufs, kv_bars, ring_bars, consumed):
+            c = _Dkv(q=q_ref, k=k_ref, v=v_ref, do=do_ref, lse=lse_ref, delta=delta_ref,
+                     units=units_ref, steps=steps_ref, words=words_ref, dk=dk_ref, dv=dv_ref,
+                     k_smem=bufs[0], v_smem=bufs[1], q_smem=bufs[2], do_smem=bufs[3],
+                     lse_smem=bufs[4], delta_smem=bufs[5], kv_bars=kv_bars,
+                     ring_bars=ring_bars, consumed=consumed, **static)
+            wg = lax.axis_index("wg")
+            pl.when(wg < CONSUMERS)(functools.partial(_dkv_consumer, c, wg))
+            pl.when(wg == CONSUMERS)(functools.partial(_dkv_producer, c))
+
+        pl.run_scoped(
+            scoped,
+            (plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
+             plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
+             plgpu.SMEM((STAGES, tile_kv, D), dtype, transforms=tr),
+             plgpu.SMEM((STAGES, tile_kv, D), dtype, transforms=tr),
+             plgpu.SMEM((STAGES, tile_kv), jnp.float32),
+             plgpu.SMEM((STAGES, tile_kv), jnp.float32)),
+            (plgpu.Barrier(num_barriers=CONSUMERS),) * 2,
+            (plgpu.Barrier(num_barriers=STAGES),) * 4,
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),
+            collective_axes="wg",
+        )
+
+    out = jax.ShapeDtypeStruct((B, U, tile_q, D), dtype)
+    kwargs = {"interpret": interpret} if interpret else {}
+    return plgpu.kernel(
+        entry, out_type=(out, out), grid=(U, B), grid_names=("unit", "batch"),
+        num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs,
+    )(q, k, v, do, lse2, delta, units, steps, steps.reshape(-1))
+
+
+def dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
+        scale, mask_mode="cond", interpret=None):
+    """(dk, dv) [B, Lkv, Hkv, D] (k.dtype) over a transposed plan built with ``DKV_TILES``
+    (units of 128 keys, ``q_len_padded`` >= Lkv, of query head UNIT_HEAD; steps of 64
+    queries, ``kv_len_padded`` >= Lq; starts multiples of 8), summed over each K/V head's
+    group. Other arguments as ``dq``."""
+    if (tile_q, tile_kv) != DKV_TILES[:2]:
+        raise ValueError(f"the Mosaic GPU dk/dv kernel runs transposed plans of "
+                         f"{DKV_TILES[0]} x {DKV_TILES[1]} tiles, got {tile_q} x {tile_kv}")
+    _check(q, k, v, do, units, steps)
+    return _dkv(q, k, v, do, lse, delta, jnp.asarray(units), jnp.asarray(steps),
+                q_len_padded=int(q_len_padded), kv_len_padded=int(kv_len_padded),
+                scale=float(scale), mask_mode=mask_mode, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("q_len_padded", "kv_len_padded", "scale",
+                                             "mask_mode", "interpret"))
+def _dkv(q, k, v, do, lse, delta, units, steps, *, q_len_padded, kv_len_padded, scale,
+         mask_mode, interpret):
+    Lkv, Hkv, Hq = k.shape[1], k.shape[2], q.shape[2]
+    lse2 = rows_.pad_rows(lse * _LOG2E, kv_len_padded, jnp.inf)
+    delta_p = rows_.pad_rows(delta, kv_len_padded, 0.0)
+    dk_u, dv_u = _dkv_call(rows_.pad_len(q, kv_len_padded), rows_.pad_len(k, q_len_padded),
+                           rows_.pad_len(v, q_len_padded),
+                           rows_.pad_len(do.astype(q.dtype), kv_len_padded), lse2, delta_p,
+                           units, steps, mode=mask_mode, scale=scale, interpret=interpret)
+    ri = abi.row_index_from_units(units, Hq, Lkv, DKV_TILES[0])
+    dk, dv = (rows_.group_sum(rows_.gather_units(x, ri), Hkv) for x in (dk_u, dv_u))
+    return dk.astype(k.dtype), dv.astype(v.dtype)

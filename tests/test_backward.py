@@ -1,0 +1,408 @@
+"""Gradients of ``tj.sparse_attention`` (``runtime.autodiff``) against a float64 NumPy oracle:
+the XLA backward over host and device plans (property tests), the Triton backward kernels in
+interpret mode and the Mosaic GPU ones under its interpreter, the transforms with
+``backend=None``, and the errors of what is not supported.
+
+The Mosaic GPU interpreter checks the plan walking, the TMA rings and their barriers, the
+wgmma products with SMEM operands, the masking of every step kind and the stores; it runs the
+products whose A operand lives in registers (dS K, P^T dO, dS^T Q) as plain dots and ignores
+SMEM layouts, so those wgmma calls, TMA alignment, register pressure and speed are checked on
+the GPU only (``benchmarks/backward.py``)."""
+
+import functools
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jax
+import jax.numpy as jnp
+
+import tessera_jax as tj
+from pallas_kernels import backward_rows
+from tessera_jax.planning.planner import build_plan
+from tessera_jax.runtime import autodiff, device_route
+
+from strategies import random_qkv
+
+try:
+    from jax._src.pallas.mosaic_gpu.interpret import params as _interp
+    INTERPRET = _interp.InterpretGPUParams()
+except Exception:  # pragma: no cover
+    INTERPRET = None
+
+
+# --- the oracle ------------------------------------------------------------------------------
+def oracle(q, k, v, mask, do, dlse=None, scale=None):
+    """(out, lse, dq, dk, dv) in float64 NumPy: dense attention under the token mask and its
+    gradients for the cotangents do (and dlse), written out by hand (no autodiff)."""
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    B, Lq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    g = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    tm = np.broadcast_to(mask.token_mask(), (Hq,) + (Lq, k.shape[1]))      # [Hq, Lq, Lkv]
+    kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, kr) * scale
+    s = np.where(tm[None], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    l_ = e.sum(-1, keepdims=True)
+    p = e / np.where(l_ > 0, l_, 1.0)
+    lse = np.where(l_[..., 0] > 0, np.log(np.where(l_[..., 0] > 0, l_[..., 0], 1.0))
+                   + m[..., 0], -np.inf)
+    out = np.einsum("bhqk,bkhd->bqhd", p, vr)
+    dp = np.einsum("bqhd,bkhd->bhqk", do, vr)
+    delta = np.einsum("bqhd,bqhd->bhq", out, do)
+    if dlse is not None:
+        delta = delta - np.where(np.isfinite(lse), np.asarray(dlse, np.float64), 0.0)
+    ds = p * (dp - delta[..., None])
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kr) * scale
+    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    dv = np.einsum("bhqk,bqhd->bkhd", p, do)
+    fold = lambda x: x.reshape(B, x.shape[1], Hkv, g, D).sum(3)   # noqa: E731  GQA sum
+    return out, lse, dq, fold(dk), fold(dv)
+
+
+def assert_grads(got, want, tol):
+    """Each of (dq, dk, dv) within ``tol`` of the oracle's, relative to its largest entry."""
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        a = np.asarray(a, np.float64)
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert np.isfinite(a).all(), f"{name} is not finite"
+        err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-6)
+        assert err <= tol, f"{name}: relative error {err:.3g} > {tol}"
+
+
+def grads(fn, q, k, v, mask, do, dlse=None, **kw):
+    """(dq, dk, dv) of ``fn(q, k, v, mask, **kw)`` for the cotangent do (and dlse: the call
+    returns lse too), through jax.vjp."""
+    if dlse is None:
+        _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask, **kw), q, k, v)
+        return vjp(do)
+    _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask, return_lse=True, **kw), q, k, v)
+    return vjp((do, dlse))
+
+
+def cotangents(B, Lq, Hq, D, dtype, seed, with_lse):
+    rng = np.random.default_rng(seed + 1)
+    do = jnp.asarray(rng.standard_normal((B, Lq, Hq, D)), dtype)
+    dlse = jnp.asarray(rng.standard_normal((B, Hq, Lq)), jnp.float32) if with_lse else None
+    return do, dlse
+
+
+def _seed(*key) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+# --- random problems -------------------------------------------------------------------------
+# Fixed shapes per test (masks vary): compiled executables are reused across examples.
+SHAPE = dict(B=2, Lq=37, Lkv=29, Hq=4, Hkv=2)
+
+
+def _bounds(rng, L, n, max_size):
+    """n + 1 strictly increasing bounds from 0 to L with blocks of at most ~max_size tokens
+    (1-token blocks among them); ``n`` fixed so that device masks keep their shapes."""
+    sizes = np.minimum(rng.integers(1, max_size + 1, size=n), L)
+    cuts = np.unique(np.clip(np.cumsum(sizes)[:-1], 1, L - 1))
+    while len(cuts) < n - 1:                                  # refill to n blocks
+        cuts = np.unique(np.r_[cuts, rng.integers(1, L)])
+    return np.r_[0, np.sort(cuts[: n - 1]), L]
+
+
+@st.composite
+def problems(draw, device=False):
+    """Variable bounds (1-token blocks among them), shared or per-head masks (per-head bounds
+    too for device masks), GQA (Hq = 4, Hkv = 2), empty rows, ragged Lq != Lkv, B = 2, lse
+    returned (with its cotangent) or not."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    Lq, Lkv, Hq = SHAPE["Lq"], SHAPE["Lkv"], SHAPE["Hq"]
+    Hm = draw(st.sampled_from([1, Hq])) if not device else Hq
+    nq, nk = (draw(st.integers(1, 9)), draw(st.integers(1, 9))) if not device else (6, 5)
+    size = draw(st.sampled_from([1, 3, 12, 40]))
+    per_head = device and draw(st.booleans())
+    rows = Hm if per_head else 1
+    qb = np.stack([_bounds(rng, Lq, nq, size) for _ in range(rows)])
+    kb = np.stack([_bounds(rng, Lkv, nk, size) for _ in range(rows)])
+    if not per_head:
+        qb, kb = qb[0], kb[0]
+    blocks = rng.random((Hm, nq, nk)) < draw(st.sampled_from([0.2, 0.6, 1.0]))
+    if draw(st.booleans()):
+        blocks[:, rng.integers(nq)] = False                  # a query block with no key
+    return dict(mask=tj.BlockMask(qb, kb, blocks), with_lse=device or draw(st.booleans()),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def _check_problem(case, fn, tol=2e-4, D=8, to_device=None):
+    mask = case["mask"]
+    B, Hq = SHAPE["B"], SHAPE["Hq"]
+    q, k, v = random_qkv(B, mask.Lq, mask.Lkv, Hq, SHAPE["Hkv"], D, "float32", case["seed"])
+    do, dlse = cotangents(B, mask.Lq, Hq, D, jnp.float32, case["seed"], case["with_lse"])
+    want = oracle(q, k, v, mask, do, dlse)
+    m = mask if to_device is None else to_device(mask)
+    assert_grads(grads(fn, q, k, v, m, do, dlse), want[2:], tol)
+
+
+# --- the XLA backward over plans -------------------------------------------------------------
+@settings(max_examples=8)
+@given(problems())
+def test_host_plans_xla_gradients_match_float64(case):
+    _check_problem(case, functools.partial(tj.sparse_attention, backend="xla"))
+
+
+_jitted_xla = jax.jit(functools.partial(tj.sparse_attention, backend="xla"),
+                      static_argnames=("return_lse",))
+
+
+@settings(max_examples=5)
+@given(problems(device=True))
+def test_device_masks_xla_gradients_match_float64(case):
+    """Device masks inside jit (traced blocks and bounds, per-head bounds: one compiled
+    program for every example): the device planner's forward and transposed plans, or the
+    exact path where a tile meets too many blocks for the bitmap capacity."""
+    _check_problem(case, _jitted_xla, to_device=lambda m: tj.BlockMask(
+        jnp.broadcast_to(jnp.asarray(m.q_bounds), (SHAPE["Hq"], m.blocks.shape[1] + 1)),
+        jnp.broadcast_to(jnp.asarray(m.kv_bounds), (SHAPE["Hq"], m.blocks.shape[2] + 1)),
+        jnp.asarray(m.blocks)))
+
+
+def test_exact_path_backward_matches_float64(monkeypatch):
+    """Past the bitmap budget a device mask runs the exact path, forward and backward."""
+    rng = np.random.default_rng(3)
+    qb = np.r_[np.arange(0, 40, 2), 40]
+    kb = np.r_[0, 1, np.arange(3, 33, 3), 33]
+    mask = tj.BlockMask(qb, kb, rng.random((2, len(qb) - 1, len(kb) - 1)) < 0.4)
+    q, k, v = random_qkv(1, 40, 33, 2, 1, 8, "float32", 4)
+    do, dlse = cotangents(1, 40, 2, 8, jnp.float32, 4, True)
+    want = oracle(q, k, v, mask, do, dlse)
+    calls = []
+    monkeypatch.setattr(device_route, "BITMAP_BUDGET_BYTES", 64)
+    monkeypatch.setattr(autodiff, "exact_backward", functools.partial(
+        lambda f, *a, **kw: calls.append(1) or f(*a, **kw), autodiff.exact_backward))
+    device_route.clear_caches()
+    with pytest.warns(UserWarning, match="exact XLA path"):
+        got = grads(tj.sparse_attention, q, k, v, tj.BlockMask(qb, kb, jnp.asarray(mask.blocks)),
+                    do, dlse)
+    assert calls, "the exact backward did not run"
+    assert_grads(got, want[2:], 2e-4)
+    device_route.clear_caches()
+
+
+def test_transposed_plan_selects_the_transposed_mask():
+    """The dk/dv plan is the host planner's plan of the transposed mask: the same selected
+    interactions, keys as rows; cached per forward plan."""
+    rng = np.random.default_rng(5)
+    mask = tj.BlockMask([0, 1, 9, 40, 70], [0, 30, 31, 50], rng.random((3, 4, 3)) < 0.5)
+    p = tj.plan(mask, (1, 70, 3, 16), (1, 50, 1, 16), jnp.float32, backend="xla")
+    tp = autodiff.transposed_plan(p)
+    assert tp is autodiff.transposed_plan(p)
+    assert tp.selected_interactions == p.selected_interactions
+    assert (tp.shape.q_len, tp.shape.kv_len) == (50, 70)
+    np.testing.assert_array_equal(autodiff.transposed_mask(mask).token_mask(),
+                                  np.swapaxes(mask.token_mask(), 1, 2))
+
+
+def test_a_wrong_dk_fails_the_check(monkeypatch):
+    """The checks can fail: dk / dv of the first head of each group only (no GQA sum) are
+    caught, and so is a dq whose lse cotangent is dropped."""
+    from pallas_kernels.xla import backward as xb
+    q, k, v = random_qkv(1, 23, 19, 4, 2, 8, "float32", 9)
+    mask = tj.BlockMask([0, 5, 23], [0, 11, 19], np.array([[[1, 0], [1, 1]]], bool))
+    do, dlse = cotangents(1, 23, 4, 8, jnp.float32, 9, True)
+    want = oracle(q, k, v, mask, do, dlse)
+    fn = functools.partial(tj.sparse_attention, backend="xla")
+    monkeypatch.setattr(backward_rows, "group_sum",
+                        lambda x, hkv: x[:, :, ::x.shape[2] // hkv].astype(jnp.float32))
+    xb._dkv.clear_cache()
+    with pytest.raises(AssertionError, match="dk"):
+        assert_grads(grads(fn, q, k, v, mask, do, dlse), want[2:], 2e-4)
+    monkeypatch.undo()
+    xb._dkv.clear_cache()
+    got = grads(fn, q, k, v, mask, do, dlse)
+    assert_grads(got, want[2:], 2e-4)
+    with pytest.raises(AssertionError, match="dq"):
+        assert_grads(got, oracle(q, k, v, mask, do)[2:], 2e-4)
+
+
+# --- transforms with backend=None ------------------------------------------------------------
+def test_grad_vjp_checkpoint_vmap_jit_with_backend_none():
+    """jax.grad, jax.checkpoint, jax.vmap over jax.grad and jit(grad) of a device mask all give
+    the oracle's gradients (backend=None: the XLA path on CPU; jax.vjp: the tests above)."""
+    rng = np.random.default_rng(6)
+    mask = tj.BlockMask([0, 1, 10, 24], [0, 7, 8, 21], rng.random((2, 3, 3)) < 0.7)
+    q, k, v = random_qkv(3, 24, 21, 2, 1, 8, "float32", 6)
+    w = jnp.asarray(rng.standard_normal(q.shape[1:]), jnp.float32)
+
+    def loss(q, k, v, m=mask):                       # one batch element: [L, H, D]
+        return jnp.sum(tj.sparse_attention(q[None], k[None], v[None], m)[0] * w)
+
+    want = [oracle(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask, w[None])[2:] for i in range(3)]
+    want = [np.concatenate([x[j] for x in want]) for j in range(3)]
+    g = jax.grad(loss, (0, 1, 2))
+    assert_grads([x[None] for x in g(q[0], k[0], v[0])], [x[:1] for x in want], 2e-4)
+    ck = jax.grad(jax.checkpoint(loss), (0, 1, 2))
+    assert_grads([x[None] for x in ck(q[1], k[1], v[1])], [x[1:2] for x in want], 2e-4)
+    assert_grads(jax.vmap(g)(q, k, v), want, 2e-4)
+    dev = tj.BlockMask(mask.q_bounds, mask.kv_bounds, jnp.asarray(mask.blocks))
+    gj = jax.jit(jax.grad(loss, (0, 1, 2)))(q[2], k[2], v[2], dev)
+    assert_grads([x[None] for x in gj], [x[2:] for x in want], 2e-4)
+
+
+def test_check_grads():
+    """jax.test_util.check_grads in reverse mode: the custom_vjp against finite differences."""
+    from jax.test_util import check_grads
+    mask = tj.BlockMask([0, 2, 9], [0, 5, 7], np.array([[[1, 1], [0, 1]]], bool))
+    q, k, v = random_qkv(1, 9, 7, 2, 1, 4, "float32", 8)
+    f = lambda q, k, v: tj.sparse_attention(q, k, v, mask, backend="xla")   # noqa: E731
+    check_grads(f, (q, k, v), order=1, modes=("rev",), eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+# --- the Triton backward (interpret mode) ----------------------------------------------------
+def _fine_mask(rng, Lq, Lkv, Hm):
+    """Blocks of 1 to ~40 tokens: plans of 64- and 128-token tiles hold grid steps (a tile
+    meeting <= 4 blocks per axis) and bitmap steps (the 1-token key blocks)."""
+    qb = np.r_[0, 3, 4, 30, Lq]
+    kb = np.r_[0, 20, 40, 41, 42, 43, 44, 70, Lkv]
+    blocks = rng.random((Hm, len(qb) - 1, len(kb) - 1)) < 0.6
+    blocks[:, 2] = False                                  # rows 4..29 select no key
+    return tj.BlockMask(qb, kb, blocks)
+
+
+def _steps_kinds(*plans):
+    """(grid steps, bitmap steps) summed over plans."""
+    return tuple(sum(p.stats()[key] for p in plans) for key in ("grid_steps", "bitmap_steps"))
+
+
+def test_triton_backward_host_plan():
+    """The Triton kernels (interpret mode) through ``autodiff.run`` on a host plan of a Triton
+    template (grid and bitmap steps, GQA, per-head mask, empty rows, lse cotangent); float32
+    against the float64 oracle."""
+    rng = np.random.default_rng(_seed("triton"))
+    Lq, Lkv, Hq, Hkv, D = 70, 90, 2, 1, 16
+    mask = _fine_mask(rng, Lq, Lkv, Hq)
+    q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, "float32", 10)
+    do, dlse = cotangents(1, Lq, Hq, D, jnp.float32, 10, True)
+    want = oracle(q, k, v, mask, do, dlse, scale=0.3)
+    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q128_kv64_w8_s3_pf_hm")
+    tp = autodiff.transposed_plan(p)
+    assert tp.tile_q == 64 and all(_steps_kinds(p, tp))
+    got = grads(lambda q, k, v, m, return_lse: autodiff.run(p, q, k, v, 0.3, return_lse),
+                q, k, v, mask, do, dlse)
+    assert_grads(got, want[2:], 1e-4)
+
+
+def test_unsupported_derivatives_name_themselves(monkeypatch):
+    """Differentiating a GPU backend's backward (a second-order derivative) raises an error
+    that says so, not jax's 'Differentiation rule for ... not implemented' (the XLA entry
+    marked first-order stands in for a GPU one: the same wrapper; the XLA path itself
+    differentiates again); forward mode is refused by name (jax's custom_vjp message)."""
+    import dataclasses
+    import types
+    mask = tj.BlockMask([0, 5, 16], [0, 16], np.ones((1, 2, 1), bool))
+    q, k, v = random_qkv(1, 16, 16, 1, 1, 8, "float32", 11)
+    table = dict(autodiff.BACKWARD)
+    table["xla"] = dataclasses.replace(table["xla"], name="mosaic_gpu", first_order=True)
+    monkeypatch.setattr(autodiff, "BACKWARD", types.MappingProxyType(table))
+    inner = jax.grad(lambda q: jnp.sum(tj.sparse_attention(q, k, v, mask) ** 2))
+    with pytest.raises(NotImplementedError, match="second-order gradients .* 'mosaic_gpu'"):
+        jax.grad(lambda q: jnp.sum(inner(q)))(q)
+    monkeypatch.undo()
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(lambda q: tj.sparse_attention(q, k, v, mask), (q,), (q,))
+
+
+# --- the Mosaic GPU backward (interpreter) ---------------------------------------------------
+needs_interp = pytest.mark.skipif(INTERPRET is None, reason="no Mosaic GPU interpreter")
+
+
+@pytest.fixture
+def mosaic_interpreted(monkeypatch):
+    """Runs the Mosaic GPU forward and backward under the interpreter."""
+    from pallas_kernels.mosaic import wrapper
+    monkeypatch.setattr(wrapper, "attention",
+                        functools.partial(wrapper.attention, interpret=INTERPRET))
+    monkeypatch.setattr(autodiff, "MOSAIC_INTERPRET", INTERPRET)
+
+
+@needs_interp
+def test_mosaic_backward_host_plan(mosaic_interpreted):
+    """dq over a 128 x 64 forward plan and dk/dv over the 128 x 64 transposed plan, both with
+    grid and bitmap steps; f16, GQA, per-head mask, empty rows, lse cotangent."""
+    rng = np.random.default_rng(_seed("mosaic"))
+    Lq, Lkv, Hq, Hkv, D = 136, 90, 2, 1, 64
+    mask = _fine_mask(rng, Lq, Lkv, Hq)
+    q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, "float16", 12)
+    do, dlse = cotangents(1, Lq, Hq, D, jnp.float16, 12, True)
+    want = oracle(q, k, v, mask, do, dlse)
+    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="mgpu_q128_kv64_s2_hm")
+    tp = autodiff.transposed_plan(p)
+    assert (tp.tile_q, tp.tile_kv) == (128, 64) and all(_steps_kinds(p, tp))
+    got = grads(lambda q, k, v, m, return_lse: autodiff.run(p, q, k, v, D ** -0.5, return_lse),
+                q, k, v, mask, do, dlse)
+    assert_grads(got, want[2:], 1.5e-2)
+
+
+@needs_interp
+def test_mosaic_backward_paired_dq_and_device_route(mosaic_interpreted):
+    """The dq kernel on a paired plan (tile_q = 64, two units per CTA, an odd unit count), the
+    device route (traced blocks) on the kv128 template, and jax.vmap of grad; bf16."""
+    from pallas_kernels import backward_rows as rows
+    from pallas_kernels.mosaic import backward as mb
+    from tessera_jax.validation import check_qkv
+    rng = np.random.default_rng(_seed("paired"))
+    Lq, Lkv, Hq, Hkv, D = 136, 130, 3, 1, 64
+    blocks = rng.random((1, 3, 5)) < 0.6
+    blocks[:, :, 0] = True
+    mask = tj.BlockMask.uniform(Lq, Lkv, 64, 32, blocks)
+    q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, "bfloat16", 13)
+    do, _ = cotangents(1, Lq, Hq, D, jnp.bfloat16, 13, False)
+    want = oracle(q, k, v, mask, do)
+    p = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=64, tile_kv=64, policy="pack",
+                   q_align=8, kv_align=8, template="mgpu_q64x2pp_kv64_s2_hm")
+    assert p.num_units % 2 == 1
+    lse = rows.lse_for_backward(jnp.asarray(want[1], jnp.float32))
+    delta = jnp.asarray(np.einsum("bqhd,bqhd->bhq", want[0], np.asarray(do, np.float64)),
+                        jnp.float32)
+    dq = mb.dq(q, k, v, do, lse, delta, p.units, p.steps, template=p.template,
+               q_len_padded=p.q_len_padded, kv_len_padded=p.kv_len_padded, scale=D ** -0.5,
+               interpret=INTERPRET)
+    assert_grads([dq, want[3], want[4]], want[2:], 2e-2)
+
+    # The device route (plans of traced blocks; two query heads, one K/V head), and a host
+    # plan under jax.vmap over two problems: one folded kernel call of batch 2
+    # (runtime.batching). (The device route under vmap deadlocks the interpreter's simulated
+    # threads: checked on the GPU.)
+    mask = tj.BlockMask.uniform(128, 120, 64, 32, blocks[:, :2, :4])
+    qs, ks, vs, dos = (jnp.stack([x[:, :L, :2], x[:, ::-1][:, :L, :2]])
+                       for x, L in ((q, 128), (k, 120), (v, 120), (do, 128)))
+    t = device_route.dispatch.get_template("mgpu_q128_kv128_s2_hm")
+    dev = tj.BlockMask(mask.q_bounds, mask.kv_bounds, jnp.asarray(mask.blocks))
+    got = grads(lambda q, k, v, m: device_route.attention(
+        q, k, v, m, check_qkv(q, k, v), "mosaic_gpu", t, D ** -0.5, False),
+        qs[0], ks[0], vs[0], dev, dos[0])
+    assert_grads(got, oracle(qs[0], ks[0], vs[0], mask, dos[0])[2:], 2e-2)
+    p = tj.plan(mask, qs[0].shape, ks[0].shape, qs.dtype, template=t.name)
+    fn = lambda q, k, v, m: autodiff.run(p, q, k, v, D ** -0.5, False)      # noqa: E731
+    got = jax.vmap(lambda q, k, v, do: grads(fn, q, k, v, mask, do))(qs, ks, vs, dos)
+    for i in range(2):
+        want = oracle(qs[i], ks[i], vs[i], mask, dos[i])
+        assert_grads([x[i] for x in got], want[2:], 2e-2)
+
+
+def test_fold_vmap_folds_tensors_and_maps_batched_plans():
+    """``runtime.batching.fold_vmap``: batched tensors run one call of the folded batch;
+    batched plan arrays one call per element."""
+    from tessera_jax.runtime import batching
+    calls = []
+
+    def fn(x, y, *plan):
+        calls.append(x.shape)
+        return x * y + (plan[0].sum() if plan else 0)
+
+    x, y, p = jnp.ones((3, 2, 4)), jnp.full((2, 4), 2.0), jnp.arange(3 * 5).reshape(3, 5)
+    out = jax.vmap(lambda x: batching.fold_vmap(fn, (x, y)))(x)
+    assert calls[-1] == (6, 4) and out.shape == (3, 2, 4) and (out == 2).all()
+    out = jax.vmap(lambda x, p: batching.fold_vmap(fn, (x, y), (p,)))(x, p)
+    np.testing.assert_array_equal(out[:, 0, 0], 2 + p.sum(1))
