@@ -200,6 +200,191 @@ def grad_error_section(res, args):
             log(name, "grad error FAILED", repr(e)[:300])
 
 
+# --- 2b. gradient checks of the GPU kernels on random problems -------------------------------
+def _rand_bounds(rng, L, n, max_size):
+    """n + 1 increasing bounds 0..L, blocks of 1..~max_size tokens (1-token blocks among them)."""
+    cuts = np.unique(np.clip(np.cumsum(rng.integers(1, max_size + 1, size=n))[:-1], 1, L - 1))
+    while len(cuts) < n - 1:
+        cuts = np.unique(np.r_[cuts, rng.integers(1, L)])
+    return np.r_[0, np.sort(cuts[: n - 1]), L]
+
+
+def check_cases(seed=0, shrink=1):
+    """[(name, kwargs)]: random problems for the GPU kernels' gradients: variable bounds with
+    1-token blocks, per-head masks and bounds, GQA, empty rows, ragged Lq != Lkv, lse
+    returned with its cotangent, bf16 and f16, host (NumPy) and device (jax) masks."""
+    out = []
+    for i, (Lq, Lkv, Hq, Hkv, D, dtype, size, device, per_head_bounds, lse) in enumerate([
+            (1000, 1000, 4, 4, 128, "bfloat16", 64, False, False, False),
+            (1531, 1210, 8, 2, 128, "bfloat16", 40, False, False, True),
+            (777, 903, 4, 1, 64, "float16", 7, False, False, True),
+            (640, 640, 4, 2, 128, "bfloat16", 1, False, False, False),
+            (1400, 1100, 4, 2, 128, "bfloat16", 90, True, False, True),
+            (1024, 1280, 4, 4, 64, "float16", 60, True, True, False)]):
+        rng = np.random.default_rng(seed + 100 + i)
+        Lq, Lkv, size = Lq // shrink, Lkv // shrink, max(1, size // shrink)
+        nq, nk = max(2, Lq // size), max(2, Lkv // size)
+        nq, nk = min(nq, 640), min(nk, 640)
+        rows = Hq if per_head_bounds else 1
+        qb = np.stack([_rand_bounds(rng, Lq, nq, 2 * size) for _ in range(rows)])
+        kb = np.stack([_rand_bounds(rng, Lkv, nk, 2 * size) for _ in range(rows)])
+        if not per_head_bounds:
+            qb, kb = qb[0], kb[0]
+        blocks = rng.random((Hq, nq, nk)) < 0.3
+        blocks[:, rng.integers(nq)] = False                   # a query block with no key
+        out.append((f"rand{i}_L{Lq}x{Lkv}_H{Hq}/{Hkv}_D{D}_{dtype}_b{size}"
+                    + ("_device" if device else "") + ("_phb" if per_head_bounds else "")
+                    + ("_lse" if lse else ""),
+                    dict(Lq=Lq, Lkv=Lkv, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, qb=qb, kb=kb,
+                         blocks=blocks, device=device, lse=lse, seed=seed + i)))
+    return out
+
+
+def _f32_reference_grads(q, k, v, mask, do, dlse):
+    """(out, dq, dk, dv) of the float32 dense-masked reference, at the highest matmul
+    precision (no TF32)."""
+    import jax
+    import tessera_jax as tj
+    with jax.default_matmul_precision("highest"):
+        if dlse is None:
+            out, vjp = jax.vjp(lambda q, k, v: tj.reference_attention(q, k, v, mask), q, k, v)
+            return (out,) + vjp(do)
+        (out, lse), vjp = jax.vjp(lambda q, k, v: tj.reference_attention(
+            q, k, v, mask, return_lse=True), q, k, v)
+        return (out,) + vjp((do, dlse))
+
+
+def grad_checks_section(res, args):
+    """bf16 / f16 gradients of the GPU kernels (``args.check_backends``) against float32 on
+    random problems (``check_cases``), then jax.grad / checkpoint / vmap-of-grad / jit(grad)
+    with backend=None."""
+    import jax
+    import jax.numpy as jnp
+    import tessera_jax as tj
+    rows = res.setdefault("grad_checks", [])
+    for name, c in check_cases(args.seed, 8 if args.dry_run else 1):
+        ks = jax.random.split(jax.random.key(c["seed"]), 5)
+        q = jax.random.normal(ks[0], (1, c["Lq"], c["Hq"], c["D"]), jnp.float32)
+        k = jax.random.normal(ks[1], (1, c["Lkv"], c["Hkv"], c["D"]), jnp.float32)
+        v = jax.random.normal(ks[2], (1, c["Lkv"], c["Hkv"], c["D"]), jnp.float32)
+        do = jax.random.normal(ks[3], q.shape, jnp.float32)
+        dlse = jax.random.normal(ks[4], (1, c["Hq"], c["Lq"]), jnp.float32) if c["lse"] else None
+        host = tj.BlockMask(c["qb"], c["kb"], c["blocks"]) if c["qb"].ndim == 1 else None
+        for backend in args.check_backends:
+            if time.time() > args.deadline:
+                log("budget spent: stopping the gradient checks")
+                return
+            row = dict(case=name, backend=backend)
+            try:
+                dt = jnp.dtype(c["dtype"])
+                low = [x.astype(dt) for x in (q, k, v, do)]
+                dev = c["device"]
+
+                def f(q, k, v, qb, kb, blocks):
+                    m = tj.BlockMask(qb, kb, blocks)
+                    return tj.sparse_attention(q, k, v, m, backend=backend,
+                                               return_lse=c["lse"])
+                mb = (jnp.asarray(c["qb"]), jnp.asarray(c["kb"]), jnp.asarray(c["blocks"]))
+                if dev:
+                    def run(q, k, v, do, dlse, qb, kb, blocks):
+                        out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, qb, kb, blocks), q, k, v)
+                        return (out,) + vjp(do if dlse is None else (do, dlse))
+                    got = jax.jit(run)(*low, dlse, *mb)
+                else:
+                    def run(q, k, v, do, dlse):
+                        out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, c["qb"], c["kb"],
+                                                            c["blocks"]), q, k, v)
+                        return (out,) + vjp(do if dlse is None else (do, dlse))
+                    got = jax.jit(run)(*low, dlse)
+                if c["qb"].ndim == 1:
+                    want = _f32_reference_grads(q, k, v, host, do, dlse)
+                else:                                # per-head bounds: one head at a time
+                    parts = []
+                    g = c["Hq"] // c["Hkv"]
+                    for h in range(c["Hq"]):
+                        mh = tj.BlockMask(c["qb"][h], c["kb"][h], c["blocks"][h:h + 1])
+                        kh = h // g
+                        parts.append(_f32_reference_grads(
+                            q[:, :, h:h + 1], k[:, :, kh:kh + 1], v[:, :, kh:kh + 1], mh,
+                            do[:, :, h:h + 1], None if dlse is None else dlse[:, h:h + 1]))
+                    out_ = jnp.concatenate([p[0] for p in parts], 2)
+                    dq_ = jnp.concatenate([p[1] for p in parts], 2)
+                    dk_ = sum(jnp.pad(p[2], ((0, 0), (0, 0), (h // g, c["Hkv"] - 1 - h // g),
+                                             (0, 0))) for h, p in enumerate(parts))
+                    dv_ = sum(jnp.pad(p[3], ((0, 0), (0, 0), (h // g, c["Hkv"] - 1 - h // g),
+                                             (0, 0))) for h, p in enumerate(parts))
+                    want = (out_, dq_, dk_, dv_)
+                got_out = got[0][0] if c["lse"] else got[0]
+                errs = {}
+                for nm, a, b in zip(("out", "dq", "dk", "dv"), (got_out,) + tuple(got[1:]),
+                                    want):
+                    a = a.astype(jnp.float32)
+                    errs[nm] = float(jnp.linalg.norm(a - b) / jnp.maximum(
+                        jnp.linalg.norm(b), 1e-30))
+                    errs[nm + "_finite"] = bool(jnp.isfinite(a).all())
+                row.update(errs)
+                log(name, backend, " ".join(f"{n} {errs[n]:.2e}" for n in
+                                            ("out", "dq", "dk", "dv")))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:2000]
+                log(name, backend, "FAILED", row["error"][:400])
+                traceback.print_exc()
+            rows.append(row)
+    transforms_check(res, 256 if args.dry_run else 1024)
+
+
+def transforms_check(res, L):
+    """jax.grad, jax.checkpoint, jax.vmap over jax.grad and jit(grad) of a device mask with
+    backend=None (the GPU's default backend), against the float32 reference's gradients."""
+    import jax
+    import jax.numpy as jnp
+    import tessera_jax as tj
+    out = res.setdefault("transforms", {})
+    rng = np.random.default_rng(7)
+    H, D = 4, 128
+    qb = np.r_[0, np.sort(rng.choice(np.arange(1, L), 20, replace=False)), L]
+    mask = tj.BlockMask(qb, qb, rng.random((H, 21, 21)) < 0.4)
+    ks = jax.random.split(jax.random.key(3), 4)
+    q, k, v = (jax.random.normal(kk, (3, L, H, D), jnp.float32) for kk in ks[:3])
+    w = jax.random.normal(ks[3], (L, H, D), jnp.float32)
+
+    def loss(q, k, v, m=mask):
+        return jnp.sum(tj.sparse_attention(q[None], k[None], v[None], m)[0]
+                       .astype(jnp.float32) * w)
+
+    def ref_loss(q, k, v):
+        with jax.default_matmul_precision("highest"):
+            return jnp.sum(tj.reference_attention(q[None], k[None], v[None], mask)[0] * w)
+
+    want = jax.vmap(jax.grad(ref_loss, (0, 1, 2)))(q, k, v)
+    lo = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    dev = tj.BlockMask(mask.q_bounds, mask.kv_bounds, jnp.asarray(mask.blocks))
+    variants = {
+        "grad": lambda: [x[None] for x in jax.grad(loss, (0, 1, 2))(lo[0][0], lo[1][0],
+                                                                     lo[2][0])],
+        "checkpoint": lambda: [x[None] for x in jax.grad(jax.checkpoint(loss), (0, 1, 2))(
+            lo[0][1], lo[1][1], lo[2][1])],
+        "vmap_grad": lambda: jax.vmap(jax.grad(loss, (0, 1, 2)))(*lo),
+        "jit_grad_device_mask": lambda: [x[None] for x in jax.jit(jax.grad(loss, (0, 1, 2)))(
+            lo[0][2], lo[1][2], lo[2][2], dev)],
+        "vmap_grad_device_mask": lambda: jax.vmap(jax.grad(loss, (0, 1, 2)),
+                                                  in_axes=(0, 0, 0, None))(*lo, dev),
+    }
+    sel = {"grad": slice(0, 1), "checkpoint": slice(1, 2), "vmap_grad": slice(0, 3),
+           "jit_grad_device_mask": slice(2, 3), "vmap_grad_device_mask": slice(0, 3)}
+    for name, fn in variants.items():
+        try:
+            got = fn()
+            errs = [float(jnp.linalg.norm(a.astype(jnp.float32) - b[sel[name]])
+                          / jnp.linalg.norm(b[sel[name]])) for a, b in zip(got, want)]
+            out[name] = dict(dq=errs[0], dk=errs[1], dv=errs[2])
+            log("transform", name, " ".join(f"{e:.2e}" for e in errs))
+        except Exception as e:  # noqa: BLE001
+            out[name] = dict(error=f"{type(e).__name__}: {e}"[:2000])
+            log("transform", name, "FAILED", out[name]["error"][:400])
+            traceback.print_exc()
+
+
 # --- 3. training step ------------------------------------------------------------------------
 def memory_of(compiled) -> dict:
     """Bytes of a compiled executable's memory analysis (peak estimate: arguments + outputs +
@@ -312,7 +497,13 @@ def summarize(res) -> dict:
     aligned = [r["efficiency"] for r in rows if r["family"] == "aligned" and r["density"] >= 0.1]
     flex = [r["speedup_vs_flex"] for r in rows
             if r["family"] == "irregular" and "speedup_vs_flex" in r]
-    errs = [max(r["dq"], r["dk"], r["dv"]) for r in res.get("grad_error", []) if "dq" in r]
+    errs = [max(r["dq"], r["dk"], r["dv"]) for r in res.get("grad_error", []) + res.get(
+        "grad_checks", []) if "dq" in r]
+    errs += [max(t["dq"], t["dk"], t["dv"]) for t in res.get("transforms", {}).values()
+             if "dq" in t]
+    failed = [r.get("case", r.get("mask")) for r in res.get("grad_error", []) + res.get(
+        "grad_checks", []) if "error" in r] + [n for n, t in res.get("transforms", {}).items()
+                                                if "error" in t]
     tr = res.get("train_step", {})
     sp, dn = tr.get("sparse", {}), tr.get("dense", {})
     speed = dn["ms"] / sp["ms"] if "ms" in sp and "ms" in dn else None
@@ -326,6 +517,7 @@ def summarize(res) -> dict:
         fwd_bwd_speedup_vs_flex_irregular_geomean=(float(np.exp(np.mean(np.log(flex))))
                                                    if flex else None),
         grad_rel_err_max=max(errs) if errs else None,
+        grad_checks_failed=failed,
         train_step_speedup_vs_dense_wan13b_480p=speed,
         train_step_peak_memory_vs_dense=mem)
 
@@ -347,7 +539,11 @@ def main(argv=None):
     ap.add_argument("--train-density", type=float, default=0.125)
     ap.add_argument("--backend", default=None, help="sparse_attention backend (None: best)")
     ap.add_argument("--no-flex", dest="flex", action="store_false")
-    ap.add_argument("--sections", default="kernels,grad,train")
+    ap.add_argument("--sections", default="checks,grad,kernels,train",
+                    help="checks (random problems and transforms), grad, kernels, train")
+    ap.add_argument("--check-backends", default=None,
+                    help="backends of the gradient checks (default: mosaic_gpu,triton on a "
+                         "GPU, xla on a CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=540)
     args = ap.parse_args(argv)
@@ -360,6 +556,8 @@ def main(argv=None):
     args.grid = [int(x) for x in args.grid.split(",")]
     args.err_grid = [int(x) for x in args.err_grid.split(",")]
     args.L = int(np.prod(args.grid))
+    args.check_backends = (args.check_backends or ("mosaic_gpu,triton" if on_gpu else "xla")
+                           ).split(",")
     args.dense_impl = "cudnn" if on_gpu else None
     args.deadline = T0 + args.budget_s
     if args.flex and not on_gpu:
@@ -373,6 +571,8 @@ def main(argv=None):
     sections = args.sections.split(",")
     if "kernels" in sections:
         kernels_section(res, args, rule)
+    if "checks" in sections:
+        grad_checks_section(res, args)
     if "grad" in sections:
         grad_error_section(res, args)
     if "train" in sections:
