@@ -124,6 +124,7 @@ def inputs(key, B, L, H, D, dtype, n_sets):
 def kernels_section(res, args, rule):
     import jax
     import jax.numpy as jnp
+    import tessera_jax as tj
     L, H, D, dtype = args.L, args.heads, args.head_dim, jnp.dtype(args.dtype)
     sets = inputs(jax.random.key(0), 1, L, H, D, dtype, 2)
     dense_flops = 3.5 * 4 * D * L * L * H
@@ -136,6 +137,11 @@ def kernels_section(res, args, rule):
         mask = make()
         row = dict(mask=name, family=family, density=mask.density,
                    selected=mask.selected_interactions(H))
+        try:
+            row["template"] = tj.plan(mask, (1, L, H, D), (1, L, H, D), dtype,
+                                      backend=args.backend).template
+        except Exception as e:  # noqa: BLE001
+            row["template"] = repr(e)[:200]
         if row["selected"] == 0:                  # tiny dry-run grids: nothing to time
             continue
         try:
@@ -147,6 +153,10 @@ def kernels_section(res, args, rule):
                 log("dense fwd+bwd", f"{dense_t.ms:.3f} ms",
                     f"{dense_flops / dense_t.ms / 1e9:.0f} TFLOP/s")
             t = timing.time_kernel(ours, sets, rule=rule)
+            fwd = jax.jit(lambda q, k, v, do: tj.sparse_attention(q, k, v, mask,
+                                                                  backend=args.backend))
+            tfw = timing.time_kernel(fwd, sets, rule=rule)
+            row["ours_fwd"] = dict(**tfw.to_json(), tflops=4 * D * row["selected"] / tfw.ms / 1e9)
             flops = 3.5 * 4 * D * row["selected"]
             row.update(ours=dict(**t.to_json(), tflops=flops / t.ms / 1e9),
                        efficiency=(flops / t.ms) / (dense_flops / dense_t.ms))
@@ -160,7 +170,10 @@ def kernels_section(res, args, rule):
                 row["flex"] = dict(**tf.to_json(), tflops=flops / tf.ms / 1e9,
                                    block_mask_ms=build_ms, block_mask_how=how)
                 row["speedup_vs_flex"] = tf.ms / t.ms
-                log(name, "flex", f"{tf.ms:.3f} ms", f"ours {row['speedup_vs_flex']:.2f}x")
+                log(name, "flex", f"{tf.ms:.3f} ms", f"ours {row['speedup_vs_flex']:.2f}x",
+                    f"(ours fwd {tfw.ms:.3f} ms)")
+                del fx, tsets
+                torch.cuda.empty_cache()        # torch's cache would starve the training step
         except Exception as e:  # noqa: BLE001  (recorded, the run goes on)
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
             log(name, "FAILED", row["error"][:300])
@@ -262,7 +275,7 @@ def grad_checks_section(res, args):
     import jax.numpy as jnp
     import tessera_jax as tj
     rows = res.setdefault("grad_checks", [])
-    for name, c in check_cases(args.seed, 8 if args.dry_run else 1):
+    for name, c in check_cases(args.seed, 8 if args.dry_run else 1)[args.check_from:]:
         ks = jax.random.split(jax.random.key(c["seed"]), 5)
         q = jax.random.normal(ks[0], (1, c["Lq"], c["Hq"], c["D"]), jnp.float32)
         k = jax.random.normal(ks[1], (1, c["Lkv"], c["Hkv"], c["D"]), jnp.float32)
@@ -541,6 +554,7 @@ def main(argv=None):
     ap.add_argument("--no-flex", dest="flex", action="store_false")
     ap.add_argument("--sections", default="checks,grad,kernels,train",
                     help="checks (random problems and transforms), grad, kernels, train")
+    ap.add_argument("--check-from", type=int, default=0, help="first check case to run")
     ap.add_argument("--check-backends", default=None,
                     help="backends of the gradient checks (default: mosaic_gpu,triton on a "
                          "GPU, xla on a CPU)")
