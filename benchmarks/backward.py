@@ -436,7 +436,7 @@ def train_step_section(res, args):
     mask = K.mask_cubes_topk(grid, cfg.num_heads, args.train_density, args.seed + 5)
     order = cube_order(grid)
     out = res.setdefault("train_step", {})
-    out.update(config=dict(layers=cfg.num_layers, heads=cfg.num_heads, head_dim=cfg.head_dim,
+    out.update(config=dict(remat_per_block=args.remat, layers=cfg.num_layers, heads=cfg.num_heads, head_dim=cfg.head_dim,
                            tokens=L, latent=latent, mask_density=mask.density,
                            param_dtype=cfg.param_dtype))
     key = jax.random.key(2)
@@ -460,7 +460,8 @@ def train_step_section(res, args):
                 tb = t[:, None, None, None, None]
                 xt = (1 - tb) * x0 + tb * noise
                 v = model(xt, 1000.0 * t, text, masks=masks, options=options,
-                          token_order=order if variant == "sparse" else None)
+                          token_order=order if variant == "sparse" else None,
+                          remat=args.remat)
                 return jnp.mean((v.astype(jnp.float32) - (noise - x0)) ** 2)
 
             graphdef, state = nnx.split((model, opt))
@@ -550,6 +551,10 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=30, help="Wan2.1-1.3B layers to train")
     ap.add_argument("--steps", type=int, default=10, help="timed training steps")
     ap.add_argument("--train-density", type=float, default=0.125)
+    ap.add_argument("--no-remat", dest="remat", action="store_false",
+                    help="keep every block's activations (Wan2.1-1.3B 480p: ~90 GiB, does not "
+                         "fit beside the optimizer state); default: nnx.remat per block, both "
+                         "variants")
     ap.add_argument("--backend", default=None, help="sparse_attention backend (None: best)")
     ap.add_argument("--no-flex", dest="flex", action="store_false")
     ap.add_argument("--sections", default="checks,grad,kernels,train",

@@ -147,9 +147,12 @@ class WanModel(nnx.Module):
         return int(np.prod([n // p for n, p in zip(latent_thw, self.cfg.patch)]))
 
     def __call__(self, x, t, context, *, masks: Sequence[BlockMask | None] | None = None,
-                 options: AttentionOptions = DEFAULT_OPTIONS, cond=None, token_order=None):
+                 options: AttentionOptions = DEFAULT_OPTIONS, cond=None, token_order=None,
+                 remat: bool = False):
         """``masks``: one ``BlockMask | None`` per layer over the T'H'W' video tokens (None: dense),
         or a ``LayerAttention`` (a dynamic schedule's layer: it builds its mask from q and k).
+        ``remat``: recompute each block's activations in the backward (``nnx.remat``), so that
+        training keeps one block's activations at a time (Wan2.1-1.3B at 480p: ~90 GiB without).
 
         ``token_order`` (static int array, a permutation): run the blocks on the tokens in this
         order (the order a mask family's blocks refer to, e.g. tile-major for sliding-tile
@@ -174,7 +177,9 @@ class WanModel(nnx.Module):
         e6 = self.time_projection(jax.nn.silu(e)).reshape(x.shape[0], 6, cfg.dim)
         ctx = self.text_embedding(context.astype(dtype))
         for block, m in zip(self.blocks, masks):
-            h = block(h, e6, ctx, rope, m, options)
+            def run(block, h, e6, ctx, rope, m=m):
+                return block(h, e6, ctx, rope, m, options)
+            h = (nnx.remat(run) if remat else run)(block, h, e6, ctx, rope)
         mod = self.head_modulation[...][None].astype(jnp.float32) + e[:, None].astype(jnp.float32)
         h = (self.head_norm(h).astype(jnp.float32) * (1 + mod[:, 1:2]) + mod[:, 0:1]).astype(dtype)
         out = self.head(h)
