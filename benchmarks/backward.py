@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -443,7 +444,7 @@ def train_step_section(res, args):
     x0 = jax.random.normal(key, (1,) + latent + (cfg.in_channels,), jnp.float32)
     text = jax.random.normal(jax.random.fold_in(key, 1), (1, cfg.text_len, cfg.text_dim),
                              jnp.float32)
-    for variant in ("sparse", "dense"):
+    for variant in args.train_variants.split(","):
         if time.time() > args.deadline:
             log("budget spent: stopping the training section")
             break
@@ -551,6 +552,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=30, help="Wan2.1-1.3B layers to train")
     ap.add_argument("--steps", type=int, default=10, help="timed training steps")
     ap.add_argument("--train-density", type=float, default=0.125)
+    ap.add_argument("--train-variants", default="sparse,dense")
     ap.add_argument("--no-remat", dest="remat", action="store_false",
                     help="keep every block's activations (Wan2.1-1.3B 480p: ~90 GiB, does not "
                          "fit beside the optimizer state); default: nnx.remat per block, both "
@@ -588,21 +590,31 @@ def main(argv=None):
                versions=dict(jax=jax.__version__), timing=rule.name,
                shape=dict(L=args.L, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype))
     sections = args.sections.split(",")
-    if "kernels" in sections:
-        kernels_section(res, args, rule)
-    if "checks" in sections:
-        grad_checks_section(res, args)
-    if "grad" in sections:
-        grad_error_section(res, args)
-    if "train" in sections:
-        train_step_section(res, args)
-    res["summary"] = summarize(res)
     out = args.out or (None if args.dry_run else os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results", "h200-backward.json"))
-    if out:
-        with open(out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-        log("wrote", out)
+
+    def save(final):
+        res["summary"] = summarize(res)
+        res["partial"] = not final
+        if out:
+            with open(out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+            log("wrote", out, "" if final else "(partial)")
+
+    # A run cut by ``timeout`` (SIGTERM) keeps what it measured.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    final = False
+    try:
+        for name, section in (("kernels", lambda: kernels_section(res, args, rule)),
+                              ("checks", lambda: grad_checks_section(res, args)),
+                              ("grad", lambda: grad_error_section(res, args)),
+                              ("train", lambda: train_step_section(res, args))):
+            if name in sections:
+                section()
+                save(False)
+        final = True
+    finally:
+        save(final)
     print(json.dumps(res["summary"], indent=1))
     # Every fwd+bwd time of the comparison under one rule (after saving: a mixed run is kept).
     timing.assert_same_rule([r[s] for r in res.get("fwd_bwd", []) for s in ("ours", "flex")
