@@ -306,6 +306,17 @@ def test_one_device_mesh_is_the_unsharded_call():
             np.testing.assert_array_equal(a, b)
 
 
+def test_clear_caches_forgets_the_per_device_plans():
+    from tessera_jax.parallel import local
+    mask = _skewed(64, 4)
+    q, k, v = _qkv(64, 4, 2)
+    tp.head_parallel_attention(q, k, v, mask, axis_name="x", mesh=_mesh(1))
+    assert local._local_masks.cache_info().currsize > 0
+    tj.clear_caches()
+    assert local._local_masks.cache_info().currsize == 0
+    assert local._device_plans.cache_info().currsize == 0
+
+
 def _tiny_wan(num_heads):
     """A 1-layer Wan2.1 of random weights, built without compiling an initialiser per weight."""
     import flax.nnx as nnx

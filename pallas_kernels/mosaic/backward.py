@@ -161,40 +161,47 @@ def _mma_acc(acc, a_regs, b_smem, interpret):
 
 
 # --- dq --------------------------------------------------------------------------------------
-class _Dq(NamedTuple):
-    tile_q: int
-    tile_kv: int
-    paired: bool
-    mode: str
-    num_units: int
-    num_steps: int
-    group: int
-    head_dim: int
-    dtype: Any
-    qk_scale: float
-    scale: float
-    interpret: Any
-    q: Any
-    k: Any
-    v: Any
-    do: Any
-    lse: Any
-    delta: Any
-    units: Any
-    steps: Any
-    words: Any
-    dq: Any
-    q_smem: Any
-    do_smem: Any
-    lse_smem: Any
-    delta_smem: Any
-    k_smem: Any
-    v_smem: Any
-    in_bars: Any               # per consumer warpgroup: Q, dO, lse, delta arrived
-    k_bar: Any
-    v_bar: Any
-    k_consumed: Any
-    v_consumed: Any
+# Fields of both backward kernels' contexts (built by keyword): statics, then the
+# operands in HBM.
+_SHARED_FIELDS = [
+    ("mode", str),
+    ("num_steps", int),
+    ("group", int),
+    ("head_dim", int),
+    ("dtype", Any),
+    ("qk_scale", float),
+    ("scale", float),
+    ("interpret", Any),
+    ("q", Any),
+    ("k", Any),
+    ("v", Any),
+    ("do", Any),
+    ("lse", Any),
+    ("delta", Any),
+    ("units", Any),
+    ("steps", Any),
+    ("words", Any),
+]
+
+
+_Dq = NamedTuple("_Dq", [
+    ("tile_q", int),
+    ("tile_kv", int),
+    ("paired", bool),
+    ("num_units", int),
+    ("dq", Any),
+    ("q_smem", Any),
+    ("do_smem", Any),
+    ("lse_smem", Any),
+    ("delta_smem", Any),
+    ("k_smem", Any),
+    ("v_smem", Any),
+    ("in_bars", Any),  # per consumer warpgroup: Q, dO, lse, delta arrived
+    ("k_bar", Any),
+    ("v_bar", Any),
+    ("k_consumed", Any),
+    ("v_consumed", Any),
+] + _SHARED_FIELDS)
 
 
 def _dq_unit(c: _Dq, ring):
@@ -383,35 +390,19 @@ def _dq(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, paired, q_len
 
 
 # --- dk, dv ----------------------------------------------------------------------------------
-class _Dkv(NamedTuple):
-    mode: str
-    num_steps: int
-    group: int
-    head_dim: int
-    dtype: Any
-    qk_scale: float
-    scale: float
-    interpret: Any
-    q: Any
-    k: Any
-    v: Any
-    do: Any
-    lse: Any
-    delta: Any
-    units: Any
-    steps: Any
-    words: Any
-    dk: Any
-    dv: Any
-    k_smem: Any                # [CONSUMERS, 64, D]: K in, dK out
-    v_smem: Any                # [CONSUMERS, 64, D]: V in, dV out
-    q_smem: Any                # [STAGES, 64, D] ring
-    do_smem: Any
-    lse_smem: Any              # [STAGES, 64]
-    delta_smem: Any
-    kv_bars: Any               # per consumer warpgroup: its K, V arrived
-    ring_bars: Any             # per slot: Q, dO, lse, delta arrived
-    consumed: Any              # per slot: both warpgroups are done with it
+_Dkv = NamedTuple("_Dkv", [
+    ("dk", Any),
+    ("dv", Any),
+    ("k_smem", Any),  # [CONSUMERS, 64, D]: K in, dK out
+    ("v_smem", Any),  # [CONSUMERS, 64, D]: V in, dV out
+    ("q_smem", Any),  # [STAGES, 64, D] ring
+    ("do_smem", Any),
+    ("lse_smem", Any),  # [STAGES, 64]
+    ("delta_smem", Any),
+    ("kv_bars", Any),  # per consumer warpgroup: its K, V arrived
+    ("ring_bars", Any),  # per slot: Q, dO, lse, delta arrived
+    ("consumed", Any),  # per slot: both warpgroups are done with it
+] + _SHARED_FIELDS)
 
 
 def _dkv_unit(c: _Dkv):

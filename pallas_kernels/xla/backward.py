@@ -52,6 +52,7 @@ def _steps_of(u, steps, M: int):
     return steps[jnp.where(valid, ptr[:, None] + m[None, :], 0)], valid
 
 
+@functools.partial(jax.jit, static_argnames=_STATICS)
 def dq(q, k, v, do, lse, delta, units, steps, row_index=None, *, tile_q, tile_kv,
        q_len_padded, kv_len_padded, max_steps, scale):
     """dq [B, Lq, Hq, D] (q.dtype) over the forward plan (its ABI arrays and statics).
@@ -59,14 +60,6 @@ def dq(q, k, v, do, lse, delta, units, steps, row_index=None, *, tile_q, tile_kv
     q, do: [B, Lq, Hq, D]; k, v: [B, Lkv, Hkv, D]; lse, delta: [B, Hq, Lq] float32 (lse +inf on
     rows with no selected key, ``backward_rows.lse_for_backward``); ``row_index`` None: made
     on the device from units."""
-    return _dq(q, k, v, do, lse, delta, units, steps, row_index, tile_q=tile_q,
-               tile_kv=tile_kv, q_len_padded=q_len_padded, kv_len_padded=kv_len_padded,
-               max_steps=max_steps, scale=scale)
-
-
-@functools.partial(jax.jit, static_argnames=_STATICS)
-def _dq(q, k, v, do, lse, delta, units, steps, row_index, *, tile_q, tile_kv, q_len_padded,
-        kv_len_padded, max_steps, scale):
     B, Lq, Hq, D = q.shape
     group = Hq // k.shape[2]
     f32 = jnp.float32
@@ -98,6 +91,7 @@ def _dq(q, k, v, do, lse, delta, units, steps, row_index, *, tile_q, tile_kv, q_
     return rows_.gather_units(dq_u, ri).astype(q.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=_STATICS)
 def dkv(q, k, v, do, lse, delta, units, steps, row_index=None, *, tile_q, tile_kv,
         q_len_padded, kv_len_padded, max_steps, scale):
     """(dk, dv) [B, Lkv, Hkv, D] (k.dtype) over the *transposed* plan: its units are key
@@ -105,14 +99,6 @@ def dkv(q, k, v, do, lse, delta, units, steps, row_index=None, *, tile_q, tile_k
     tiles (``tile_kv`` queries, ``kv_len_padded`` >= Lq). Per query head, then summed over
     each K/V head's group. Other arguments as ``dq``; ``row_index`` is the transposed plan's
     [Hq, Lkv]."""
-    return _dkv(q, k, v, do, lse, delta, units, steps, row_index, tile_q=tile_q,
-                tile_kv=tile_kv, q_len_padded=q_len_padded, kv_len_padded=kv_len_padded,
-                max_steps=max_steps, scale=scale)
-
-
-@functools.partial(jax.jit, static_argnames=_STATICS)
-def _dkv(q, k, v, do, lse, delta, units, steps, row_index, *, tile_q, tile_kv, q_len_padded,
-         kv_len_padded, max_steps, scale):
     B, Lq, Hq, D = q.shape
     Lkv, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv

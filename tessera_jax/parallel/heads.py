@@ -31,11 +31,7 @@ def head_parallel_attention(q, k, v, mask: BlockMask, *, axis_name="heads", mesh
     """
     shape = check_qkv(q, k, v)
     check_mask(mask, shape)
-    n = _specs.axis_size(mesh, axis_name)
-    for name, h in (("Hq", shape.num_q_heads), ("Hkv", shape.num_kv_heads)):
-        if h % n:
-            raise ValueError(f"{name}={h} heads can't be split over {n} devices of axis "
-                             f"{axis_name!r}: head parallelism needs a multiple of {n}")
+    n = _specs.split_heads(shape, mesh, axis_name, "head parallelism")
     hs = P(None, None, axis_name, None)
     ops, op_specs, rebuild = _specs.mask_operands(mask, axis_name)
 

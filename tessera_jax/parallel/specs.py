@@ -27,6 +27,17 @@ def axis_size(mesh, axis_name) -> int:
     return int(m.shape[axis_name])
 
 
+def split_heads(shape, mesh, axis_name, what: str) -> int:
+    """The size n of ``axis_name``, after checking that Hq and Hkv split evenly over it
+    (whole GQA groups per device); ``what`` names the caller in the error."""
+    n = axis_size(mesh, axis_name)
+    for name, h in (("Hq", shape.num_q_heads), ("Hkv", shape.num_kv_heads)):
+        if h % n:
+            raise ValueError(f"{name}={h} heads can't be split over {n} devices of axis "
+                             f"{axis_name!r}: {what} needs a multiple of {n}")
+    return n
+
+
 def explicit(mesh, spec: P | None = None) -> bool:
     """Whether an axis of ``spec`` (None: of the mesh) is explicit (sharding in types)."""
     m = _mesh(mesh)

@@ -136,11 +136,7 @@ def ulysses_attention(q, k, v, mask: BlockMask, *, axis_name="seq", mesh=None, h
     """
     shape = check_qkv(q, k, v)
     check_mask(mask, shape)
-    n = _specs.axis_size(mesh, axis_name)
-    for name, h in (("Hq", shape.num_q_heads), ("Hkv", shape.num_kv_heads)):
-        if h % n:
-            raise ValueError(f"{name}={h} heads can't be split over {n} devices of axis "
-                             f"{axis_name!r}: Ulysses needs a multiple of {n}")
+    n = _specs.split_heads(shape, mesh, axis_name, "Ulysses")
     group = shape.num_q_heads // shape.num_kv_heads
     heads = _resolve_heads(heads, mask, q, k, n, group, cost, backend)
     Lq, Lkv = shape.q_len, shape.kv_len

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 
 import numpy as np
 
@@ -209,7 +210,8 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     (``select.ranking``); which masks are all selected (``runtime.dense_route``); the kernel
     runner's prepared plans: mask modes and device copies (``runtime.kernel_runner``); the
     device route's template choices per static bounds (``runtime.device_route``); the
-    backward's transposed plans (``runtime.autodiff``).
+    backward's transposed plans (``runtime.autodiff``); the per-device masks and plans of
+    ``tessera_jax.parallel``.
 
     Kept, unless ``fresh_process``: what a process computes once, whatever the masks: the
     loaded ranking tables and which table this GPU uses, the compiled cuDNN dense calls (and
@@ -226,6 +228,9 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     kernel_runner.clear_cache()
     device_route.clear_caches()
     autodiff.clear_cache()
+    par = sys.modules.get("tessera_jax.parallel.local")       # only if it was imported
+    if par is not None:
+        par.clear_caches()
     if fresh_process:
         dispatch.clear_warnings()
 
