@@ -80,6 +80,11 @@ def cube_order(grid, cube=(4, 4, 4)):
 
 
 # --- 1. forward + backward -------------------------------------------------------------------
+#: (name, DKV_POLICIES, PAIRED_DKV_POLICY) forced in the controls of the dk/dv plan's pick.
+DKV_CONTROLS = (("merge128", ("merge",), None), ("pack128", ("pack",), None),
+                ("paired64_pack", (), "pack"))
+
+
 def fwd_bwd_fns(mask, backend, dense_impl):
     """(ours, dense): jitted (q, k, v, do) -> (out, dq, dk, dv)."""
     import jax
@@ -158,20 +163,21 @@ def kernels_section(res, args, rule):
                                                                   backend=args.backend))
             tfw = timing.time_kernel(fwd, sets, rule=rule)
             row["ours_fwd"] = dict(**tfw.to_json(), tflops=4 * D * row["selected"] / tfw.ms / 1e9)
-            if args.dkv_merge_control and row["family"] == "irregular":
-                # The same call with the dk/dv plan limited to policy merge (the control).
+            if args.dkv_controls and row["family"] == "irregular":
+                # The same call with each dk/dv plan choice forced (the controls of the pick).
                 from tessera_jax.runtime import autodiff
-                saved = autodiff.DKV_POLICIES
-                try:
-                    autodiff.DKV_POLICIES = ("merge",)
-                    autodiff.clear_cache()
-                    ctl, _ = fwd_bwd_fns(mask, args.backend, args.dense_impl)
-                    tc = timing.time_kernel(ctl, sets, rule=rule)
-                finally:
-                    autodiff.DKV_POLICIES = saved
-                    autodiff.clear_cache()
-                row["ours_dkv_merge"] = dict(**tc.to_json())
-                log(name, "ours, dk/dv merge only", f"{tc.ms:.3f} ms")
+                saved = autodiff.DKV_POLICIES, autodiff.PAIRED_DKV_POLICY
+                for cname, pols, paired in DKV_CONTROLS:
+                    try:
+                        autodiff.DKV_POLICIES, autodiff.PAIRED_DKV_POLICY = pols, paired
+                        autodiff.clear_cache()
+                        ctl, _ = fwd_bwd_fns(mask, args.backend, args.dense_impl)
+                        tc = timing.time_kernel(ctl, sets, rule=rule)
+                        row.setdefault("dkv_controls", {})[cname] = tc.to_json()
+                        log(name, f"ours, dk/dv {cname}", f"{tc.ms:.3f} ms")
+                    finally:
+                        autodiff.DKV_POLICIES, autodiff.PAIRED_DKV_POLICY = saved
+                        autodiff.clear_cache()
             flops = 3.5 * 4 * D * row["selected"]
             row.update(ours=dict(**t.to_json(), tflops=flops / t.ms / 1e9),
                        efficiency=(flops / t.ms) / (dense_flops / dense_t.ms))
@@ -567,9 +573,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10, help="timed training steps")
     ap.add_argument("--train-density", type=float, default=0.125)
     ap.add_argument("--train-variants", default="sparse,dense")
-    ap.add_argument("--no-dkv-merge-control", dest="dkv_merge_control", action="store_false",
-                    help="skip the irregular masks' control run with dk/dv plans of policy "
-                         "merge only")
+    ap.add_argument("--no-dkv-controls", dest="dkv_controls", action="store_false",
+                    help="skip the irregular masks' control runs with each dk/dv plan choice "
+                         "forced (DKV_CONTROLS)")
     ap.add_argument("--no-remat", dest="remat", action="store_false",
                     help="keep every block's activations (Wan2.1-1.3B 480p: ~90 GiB, does not "
                          "fit beside the optimizer state); default: nnx.remat per block, both "

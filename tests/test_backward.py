@@ -210,13 +210,27 @@ def test_transposed_plan_takes_the_cheapest_policy(monkeypatch):
     mask = tj.BlockMask.uniform(1024, 1024, 64, 64, rng.random((2, 16, 16)) < 0.15)
     p = tj.plan(mask, (1, 1024, 2, 64), (1, 1024, 2, 64), jnp.float32, backend="xla")
     est = {}
+    monkeypatch.setattr(autodiff, "PAIRED_DKV_POLICY", None)
     for pols in (("merge",), ("pack",), ("merge", "pack")):
         monkeypatch.setattr(autodiff, "DKV_POLICIES", pols)
         autodiff.clear_cache()
-        est[pols] = autodiff.transposed_plan(p, "mosaic_gpu").stats()["est_time_us"]
+        est[pols] = autodiff._dkv_score(autodiff.transposed_plan(p, "mosaic_gpu"), 1)
     autodiff.clear_cache()
     assert est[("pack",)] != est[("merge",)]
     assert est[("merge", "pack")] == min(est[("pack",)], est[("merge",)])
+
+
+def test_transposed_plan_pairs_64_token_blocks():
+    """Mosaic GPU's dk/dv plan: paired 64-key units for 64-token blocks (128-key units would
+    compute the union of two blocks' queries), 128-key units for 128-aligned blocks."""
+    rng = np.random.default_rng(12)
+    for block, tile in ((64, 64), (128, 128)):
+        n = 2048 // block
+        mask = tj.BlockMask.uniform(2048, 2048, block, block, rng.random((2, n, n)) < 0.15)
+        p = tj.plan(mask, (1, 2048, 2, 64), (1, 2048, 2, 64), jnp.float32, backend="xla")
+        autodiff.clear_cache()
+        assert autodiff.transposed_plan(p, "mosaic_gpu").tile_q == tile, block
+    autodiff.clear_cache()
 
 
 def test_a_wrong_dk_fails_the_check(monkeypatch):
@@ -357,6 +371,34 @@ def test_mosaic_backward_host_plan(mosaic_interpreted):
     got = grads(lambda q, k, v, m, return_lse: autodiff.run(p, q, k, v, D ** -0.5, return_lse),
                 q, k, v, mask, do, dlse)
     assert_grads(got, want[2:], 1.5e-2)
+
+
+@needs_interp
+def test_mosaic_paired_dkv(mosaic_interpreted):
+    """The paired dk/dv kernel (64-key units, two per CTA, one Q/dO ring per warpgroup) over
+    the transposed mask's 64 x 64 pack plan: an odd unit count, grid and bitmap steps, GQA,
+    per-head mask, empty rows."""
+    from pallas_kernels import backward_rows as rows
+    from pallas_kernels.mosaic import backward as mb
+    rng = np.random.default_rng(_seed("paired dkv"))
+    Lq, Lkv, Hq, Hkv, D = 136, 130, 5, 1, 64
+    mask = _fine_mask(rng, Lq, Lkv, Hq)
+    q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, "bfloat16", 14)
+    do, _ = cotangents(1, Lq, Hq, D, jnp.bfloat16, 14, False)
+    want = oracle(q, k, v, mask, do)
+    tp = build_plan(autodiff.transposed_mask(mask), (1, Lkv, Hq, D), (1, Lq, Hq, D), q.dtype,
+                    tile_q=64, tile_kv=64, policy="pack", q_align=8, kv_align=8,
+                    unit_order="head_major")
+    assert tp.num_units % 2 == 1 and all(_steps_kinds(tp))
+    lse = rows.lse_for_backward(jnp.asarray(want[1], jnp.float32))
+    delta = jnp.asarray(np.einsum("bqhd,bqhd->bhq", want[0], np.asarray(do, np.float64)),
+                        jnp.float32)
+    dk, dv = mb.dkv(q, k, v, do, lse, delta, tp.units, tp.steps, tile_q=64, tile_kv=64,
+                    q_len_padded=tp.q_len_padded, kv_len_padded=tp.kv_len_padded,
+                    scale=D ** -0.5, interpret=INTERPRET)
+    assert_grads([want[2], dk, dv], want[2:], 2e-2)
+    from pallas_kernels.mosaic import kernel as mk
+    assert mb.smem_bytes("dkv", 64, 128, rings=2) <= mk.MAX_SMEM      # two Q/dO rings fit
 
 
 @needs_interp

@@ -13,8 +13,9 @@ bits; a full step unmasked with mask mode "cond").
   64-row halves of one unit, one K/V ring) or, for ``paired`` templates, tile_q = 64 (each
   warpgroup its own unit and ring). Per step: S = Q K^T, dP = dO V^T, P = exp2(S c - lse c),
   dS = P (dP - delta), dQ += dS K (c = log2 e; scores scaled).
-* ``dkv`` runs units of ``DKV_TILES`` (128 keys: two warpgroups of 64 keys) over steps of 64
-  queries of one query head: S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
+* ``dkv`` runs units of ``DKV_TILES`` (128 keys: two warpgroups of 64 keys), or paired units of
+  ``DKV_PAIRED_TILES`` (64 keys, two per CTA, each warpgroup its own unit and Q/dO ring), over
+  steps of 64 queries of one query head: S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
   dS^T = P^T (dP^T - delta), dK += dS^T Q; written per query head in the input dtype (as
   attention_mgpu) and summed over each K/V head's group in float32 outside.
 
@@ -42,7 +43,7 @@ from pallas_kernels import backward_rows as rows_
 from pallas_kernels import templates as _templates
 from pallas_kernels.mosaic.kernel import _segment_select
 
-__all__ = ["dq", "dkv", "DKV_TILES", "STAGES", "smem_bytes"]
+__all__ = ["dq", "dkv", "DKV_TILES", "DKV_PAIRED_TILES", "STAGES", "smem_bytes"]
 
 WG_ROWS = 64
 CONSUMERS = 2
@@ -51,6 +52,9 @@ _ALIGN = 8
 _LOG2E = math.log2(math.e)
 #: The transposed plan's (keys per unit, queries per step, key align, query align).
 DKV_TILES = (CONSUMERS * WG_ROWS, 64, _ALIGN, _ALIGN)
+#: Paired dk/dv units: 64 keys each, two per CTA, each warpgroup streaming its own unit's
+#: queries (two Q/dO rings): for key blocks of <= 64 tokens, as the forward's q64x2.
+DKV_PAIRED_TILES = (WG_ROWS, 64, _ALIGN, _ALIGN)
 _DTYPES = ("bfloat16", "float16")
 _HEAD_DIMS = (64, 128)
 
@@ -63,8 +67,8 @@ def smem_bytes(kernel: str, tile_kv: int, head_dim: int, rings: int = 1) -> int:
     if kernel == "dq":
         return 2 * (2 * rows * head_dim + 2 * rings * STAGES * tile_kv * head_dim) \
             + 8 * rows + 3072
-    return 2 * (2 * rows * head_dim + 2 * STAGES * DKV_TILES[1] * head_dim) \
-        + 8 * STAGES * DKV_TILES[1] + 3072
+    return 2 * (2 * rows * head_dim + 2 * rings * STAGES * DKV_TILES[1] * head_dim) \
+        + 8 * rings * STAGES * DKV_TILES[1] + 3072
 
 
 def _check(q, k, v, do, units, steps, head_dim_ok=True):
@@ -164,6 +168,8 @@ def _mma_acc(acc, a_regs, b_smem, interpret):
 # Fields of both backward kernels' contexts (built by keyword): statics, then the
 # operands in HBM.
 _SHARED_FIELDS = [
+    ("paired", bool),
+    ("num_units", int),
     ("mode", str),
     ("num_steps", int),
     ("group", int),
@@ -187,8 +193,6 @@ _SHARED_FIELDS = [
 _Dq = NamedTuple("_Dq", [
     ("tile_q", int),
     ("tile_kv", int),
-    ("paired", bool),
-    ("num_units", int),
     ("dq", Any),
     ("q_smem", Any),
     ("do_smem", Any),
@@ -204,8 +208,9 @@ _Dq = NamedTuple("_Dq", [
 ] + _SHARED_FIELDS)
 
 
-def _dq_unit(c: _Dq, ring):
-    """(u, b, head, q_start, ptr, cnt, valid) of this CTA's unit (paired: the ring's unit)."""
+def _unit(c, ring):
+    """(u, b, head, row_start, ptr, cnt, valid) of this CTA's unit (paired: the ring's unit;
+    ``valid`` False past the last unit, whose count then reads 0)."""
     b = lax.axis_index("batch")
     if c.paired:
         u = lax.axis_index("unit") * 2 + ring
@@ -228,7 +233,7 @@ def _dq_consumer(c: _Dq, wg):
     plgpu.set_max_registers(232, action="increase")
     ring = wg if c.paired else 0
     row0 = 0 if c.paired else pl.multiple_of(wg * WG_ROWS, WG_ROWS)
-    u, b, head, q_start, ptr, cnt, valid = _dq_unit(c, ring)
+    u, b, head, q_start, ptr, cnt, valid = _unit(c, ring)
     rows = pl.ds(pl.multiple_of(q_start + row0, _ALIGN), WG_ROWS)
     q_smem, do_smem = c.q_smem.at[wg], c.do_smem.at[wg]
     bars = c.in_bars
@@ -278,7 +283,7 @@ def _dq_producer(c: _Dq):
     plgpu.set_max_registers(40, action="decrease")
     streams = []
     for ring in range(2 if c.paired else 1):
-        _, b, head, _, ptr, cnt, _ = _dq_unit(c, ring)
+        _, b, head, _, ptr, cnt, _ = _unit(c, ring)
         streams.append((b, lax.div(head, jnp.array(c.group, head.dtype)), ptr, cnt))
 
     @pl.loop(0, functools.reduce(jnp.maximum, [s[3] for s in streams]))
@@ -391,6 +396,7 @@ def _dq(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, paired, q_len
 
 # --- dk, dv ----------------------------------------------------------------------------------
 _Dkv = NamedTuple("_Dkv", [
+    ("tile_q", int),
     ("dk", Any),
     ("dv", Any),
     ("k_smem", Any),  # [CONSUMERS, 64, D]: K in, dK out
@@ -405,17 +411,12 @@ _Dkv = NamedTuple("_Dkv", [
 ] + _SHARED_FIELDS)
 
 
-def _dkv_unit(c: _Dkv):
-    u, b = lax.axis_index("unit"), lax.axis_index("batch")
-    return (u, b, c.units[u, abi.UNIT_HEAD], c.units[u, abi.UNIT_Q_START],
-            c.units[u, abi.UNIT_STEP_PTR], c.units[u, abi.UNIT_STEP_CNT])
-
-
 def _dkv_consumer(c: _Dkv, wg):
     plgpu.set_max_registers(232, action="increase")
-    tile_q, tile_kv = DKV_TILES[:2]
-    row0 = pl.multiple_of(wg * WG_ROWS, WG_ROWS)
-    u, b, head, k_start, ptr, cnt = _dkv_unit(c)
+    tile_q, tile_kv = c.tile_q, DKV_TILES[1]
+    ring = wg if c.paired else 0
+    row0 = 0 if c.paired else pl.multiple_of(wg * WG_ROWS, WG_ROWS)
+    u, b, head, k_start, ptr, cnt, valid = _unit(c, ring)
     kv_head = lax.div(head, jnp.array(c.group, head.dtype))
     rows = pl.ds(pl.multiple_of(k_start + row0, _ALIGN), WG_ROWS)
     k_smem, v_smem = c.k_smem.at[wg], c.v_smem.at[wg]
@@ -427,7 +428,7 @@ def _dkv_consumer(c: _Dkv, wg):
 
     def step(i, carry):
         dk, dv = carry
-        slot = _slot(i, 0)
+        slot = _slot(i, ring)
         s_row = jnp.minimum(ptr + i, c.num_steps - 1)
         for bar in c.ring_bars:
             plgpu.barrier_wait(bar.at[slot])
@@ -451,47 +452,65 @@ def _dkv_consumer(c: _Dkv, wg):
     v_smem[...] = dv.astype(c.dtype)
     plgpu.commit_smem()
     out_rows = pl.ds(row0, WG_ROWS)
-    plgpu.copy_smem_to_gmem(k_smem, c.dk.at[b, u, out_rows], commit_group=False)
-    plgpu.copy_smem_to_gmem(v_smem, c.dv.at[b, u, out_rows], commit_group=False)
-    plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0)
+
+    def store():
+        plgpu.copy_smem_to_gmem(k_smem, c.dk.at[b, u, out_rows], commit_group=False)
+        plgpu.copy_smem_to_gmem(v_smem, c.dv.at[b, u, out_rows], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    if c.paired:
+        pl.when(valid)(store)
+    else:
+        store()
 
 
 def _dkv_producer(c: _Dkv):
     plgpu.set_max_registers(40, action="decrease")
     tile_kv = DKV_TILES[1]
-    _, b, head, _, ptr, cnt = _dkv_unit(c)
+    streams = []
+    for ring in range(2 if c.paired else 1):
+        _, b, head, _, ptr, cnt, _ = _unit(c, ring)
+        streams.append((b, head, ptr, cnt))
 
-    @pl.loop(0, cnt)
+    @pl.loop(0, functools.reduce(jnp.maximum, [s[3] for s in streams]))
     def _(i):
-        slot = _slot(i, 0)
-        q_start = pl.multiple_of(c.steps[ptr + i, abi.STEP_KV_START], _ALIGN)
-        cols = pl.ds(q_start, tile_kv)
+        for ring, (b, head, ptr, cnt) in enumerate(streams):
+            @pl.when(i < cnt)
+            def _():
+                slot = _slot(i, ring)
+                q_start = pl.multiple_of(c.steps[ptr + i, abi.STEP_KV_START], _ALIGN)
+                cols = pl.ds(q_start, tile_kv)
 
-        @pl.when(i >= STAGES)
-        def _():
-            plgpu.barrier_wait(c.consumed.at[slot])
+                @pl.when(i >= STAGES)
+                def _():
+                    plgpu.barrier_wait(c.consumed.at[slot])
 
-        plgpu.copy_gmem_to_smem(c.q.at[b, cols, head], c.q_smem.at[slot], c.ring_bars[0].at[slot])
-        plgpu.copy_gmem_to_smem(c.do.at[b, cols, head], c.do_smem.at[slot],
-                                c.ring_bars[1].at[slot])
-        plgpu.copy_gmem_to_smem(c.lse.at[b, head, cols], c.lse_smem.at[slot],
-                                c.ring_bars[2].at[slot])
-        plgpu.copy_gmem_to_smem(c.delta.at[b, head, cols], c.delta_smem.at[slot],
-                                c.ring_bars[3].at[slot])
+                plgpu.copy_gmem_to_smem(c.q.at[b, cols, head], c.q_smem.at[slot],
+                                        c.ring_bars[0].at[slot])
+                plgpu.copy_gmem_to_smem(c.do.at[b, cols, head], c.do_smem.at[slot],
+                                        c.ring_bars[1].at[slot])
+                plgpu.copy_gmem_to_smem(c.lse.at[b, head, cols], c.lse_smem.at[slot],
+                                        c.ring_bars[2].at[slot])
+                plgpu.copy_gmem_to_smem(c.delta.at[b, head, cols], c.delta_smem.at[slot],
+                                        c.ring_bars[3].at[slot])
 
-    @pl.loop(jnp.maximum(cnt - STAGES, 0), cnt)
-    def _(g):
-        plgpu.barrier_wait(c.consumed.at[_slot(g, 0)])
+    for ring, (_, _, _, cnt) in enumerate(streams):
+        @pl.loop(jnp.maximum(cnt - STAGES, 0), cnt)
+        def _(g):
+            plgpu.barrier_wait(c.consumed.at[_slot(g, ring)])
 
 
-def _dkv_call(q, k, v, do, lse2, delta, units, steps, *, mode, scale, interpret):
+def _dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, interpret):
     B, _, Hq, D = q.shape
     Hkv = k.shape[2]
     U = units.shape[0]
     dtype = q.dtype
-    tile_q, tile_kv = DKV_TILES[:2]
-    static = dict(mode=mode, num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
+    tile_kv = DKV_TILES[1]
+    paired = tile_q == WG_ROWS
+    slots = (2 if paired else 1) * STAGES
+    static = dict(tile_q=tile_q, paired=paired, num_units=U, mode=mode,
+                  num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
                   qk_scale=float(scale) * _LOG2E, scale=float(scale), interpret=interpret)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -511,20 +530,22 @@ def _dkv_call(q, k, v, do, lse2, delta, units, steps, *, mode, scale, interpret)
             scoped,
             (plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
              plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
-             plgpu.SMEM((STAGES, tile_kv, D), dtype, transforms=tr),
-             plgpu.SMEM((STAGES, tile_kv, D), dtype, transforms=tr),
-             plgpu.SMEM((STAGES, tile_kv), jnp.float32),
-             plgpu.SMEM((STAGES, tile_kv), jnp.float32)),
+             plgpu.SMEM((slots, tile_kv, D), dtype, transforms=tr),
+             plgpu.SMEM((slots, tile_kv, D), dtype, transforms=tr),
+             plgpu.SMEM((slots, tile_kv), jnp.float32),
+             plgpu.SMEM((slots, tile_kv), jnp.float32)),
             (plgpu.Barrier(num_barriers=CONSUMERS),) * 2,
-            (plgpu.Barrier(num_barriers=STAGES),) * 4,
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),
+            (plgpu.Barrier(num_barriers=slots),) * 4,
+            # A slot is free once every warpgroup reading it is done with it.
+            plgpu.Barrier(num_arrivals=1 if paired else CONSUMERS, num_barriers=slots),
             collective_axes="wg",
         )
 
     out = jax.ShapeDtypeStruct((B, U, tile_q, D), dtype)
     kwargs = {"interpret": interpret} if interpret else {}
     return plgpu.kernel(
-        entry, out_type=(out, out), grid=(U, B), grid_names=("unit", "batch"),
+        entry, out_type=(out, out), grid=(-(-U // 2) if paired else U, B),
+        grid_names=("unit", "batch"),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs,
     )(q, k, v, do, lse2, delta, units, steps, steps.reshape(-1))
@@ -536,18 +557,20 @@ def dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded,
     (units of 128 keys, ``q_len_padded`` >= Lkv, of query head UNIT_HEAD; steps of 64
     queries, ``kv_len_padded`` >= Lq; starts multiples of 8), summed over each K/V head's
     group. Other arguments as ``dq``."""
-    if (tile_q, tile_kv) != DKV_TILES[:2]:
+    if (tile_q, tile_kv) not in (DKV_TILES[:2], DKV_PAIRED_TILES[:2]):
         raise ValueError(f"the Mosaic GPU dk/dv kernel runs transposed plans of "
-                         f"{DKV_TILES[0]} x {DKV_TILES[1]} tiles, got {tile_q} x {tile_kv}")
+                         f"{DKV_TILES[0]} x {DKV_TILES[1]} or {DKV_PAIRED_TILES[0]} x "
+                         f"{DKV_PAIRED_TILES[1]} tiles, got {tile_q} x {tile_kv}")
     _check(q, k, v, do, units, steps)
     return _dkv(q, k, v, do, lse, delta, jnp.asarray(units), jnp.asarray(steps),
-                q_len_padded=int(q_len_padded), kv_len_padded=int(kv_len_padded),
+                tile_q=int(tile_q), q_len_padded=int(q_len_padded),
+                kv_len_padded=int(kv_len_padded),
                 scale=float(scale), mask_mode=mask_mode, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("q_len_padded", "kv_len_padded", "scale",
-                                             "mask_mode", "interpret"))
-def _dkv(q, k, v, do, lse, delta, units, steps, *, q_len_padded, kv_len_padded, scale,
+@functools.partial(jax.jit, static_argnames=("tile_q", "q_len_padded", "kv_len_padded",
+                                             "scale", "mask_mode", "interpret"))
+def _dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, q_len_padded, kv_len_padded, scale,
          mask_mode, interpret):
     Lkv, Hkv, Hq = k.shape[1], k.shape[2], q.shape[2]
     lse2 = rows_.pad_rows(lse * _LOG2E, kv_len_padded, jnp.inf)
@@ -555,7 +578,8 @@ def _dkv(q, k, v, do, lse, delta, units, steps, *, q_len_padded, kv_len_padded, 
     dk_u, dv_u = _dkv_call(rows_.pad_len(q, kv_len_padded), rows_.pad_len(k, q_len_padded),
                            rows_.pad_len(v, q_len_padded),
                            rows_.pad_len(do.astype(q.dtype), kv_len_padded), lse2, delta_p,
-                           units, steps, mode=mask_mode, scale=scale, interpret=interpret)
-    ri = abi.row_index_from_units(units, Hq, Lkv, DKV_TILES[0])
+                           units, steps, tile_q=tile_q, mode=mask_mode, scale=scale,
+                           interpret=interpret)
+    ri = abi.row_index_from_units(units, Hq, Lkv, tile_q)
     dk, dv = (rows_.group_sum(rows_.gather_units(x, ri), Hkv) for x in (dk_u, dv_u))
     return dk.astype(k.dtype), dv.astype(v.dtype)

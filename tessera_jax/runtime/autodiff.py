@@ -57,6 +57,8 @@ class Backward:
     dkv_tiles: dkv_tiles(tile_q, tile_kv, shape) -> (tile_q', tile_kv', q_align', kv_align')
                of the transposed plan (tile_q': keys per unit, tile_kv': queries per step)
                for a forward plan of those tiles
+    paired_dkv_tiles: tiles of paired dk/dv units (two units per CTA, one per warpgroup), a
+               host-plan candidate beside dkv_tiles' (None: the backend has none)
     first_order: its kernels can't be differentiated again (GPU kernels)
     fold_vmap: under jax.vmap its kernels run once with the vmapped axis folded into the batch
                (``runtime.batching``; Mosaic GPU kernels have no batching rule to rely on)
@@ -66,6 +68,7 @@ class Backward:
     dq: Callable
     dkv: Callable
     dkv_tiles: Callable
+    paired_dkv_tiles: tuple | None = None
     first_order: bool = True
     fold_vmap: bool = False
 
@@ -133,7 +136,8 @@ def _mosaic_interpret():
 
 #: The backward of each backend of ``dispatch.BACKENDS``.
 BACKWARD: "types.MappingProxyType[str, Backward]" = types.MappingProxyType({b.name: b for b in (
-    Backward("mosaic_gpu", _mosaic_dq, _mosaic_dkv, _mosaic_tiles, fold_vmap=True),
+    Backward("mosaic_gpu", _mosaic_dq, _mosaic_dkv, _mosaic_tiles, fold_vmap=True,
+             paired_dkv_tiles=(64, 64, 8, 8)),
     Backward("triton", _triton_dq, _triton_dkv, _triton_tiles),
     Backward("xla", _xla_dq, _xla_dkv, lambda tq, tk, shape: (tk, tq, 1, 1), first_order=False),
 )})
@@ -203,18 +207,31 @@ def clear_cache() -> None:
     _TRANSPOSED.clear()
 
 
-#: Policies tried for the host dk/dv plan; the plan of least estimated time wins. On the
-#: transposed Wan 480p masks (128 x 64 tiles) pack computes 2.04 / 1.26 / 1.68x the selected
-#: work on top-k cubes / sliding tiles / clusters, merge 2.61 / 2.26 / 2.06x.
+#: Policies tried for the host dk/dv plan with the backend's dk/dv tiles; the plan of least
+#: estimated time (``_dkv_score``) wins, paired units (``PAIRED_DKV_POLICY``) among them. On the transposed
+#: Wan 480p masks (computed / selected on top-k cubes, sliding tiles, clusters): 128 x 64
+#: merge 2.61 / 2.26 / 2.06, pack 2.04 / 1.26 / 1.68; paired 64 x 64 pack 1.23 / 1.04 / 1.46.
 DKV_POLICIES: tuple[str, ...] = ("merge", "pack")
+PAIRED_DKV_POLICY: str | None = "pack"
+
+
+def _dkv_score(tp: planner.Plan, per_sm: int) -> float:
+    """Estimated ns of a dk/dv plan whose units run ``per_sm`` at a time on an SM (the
+    planner's cost constants): the products of its computed work and its Q/dO loads at the
+    SMs' full rate, plus the per-step and per-unit fixed costs, which concurrent units
+    overlap."""
+    s, m = tp.stats(), tp.cost_model
+    work = (s["computed_interactions"] * tp.shape.head_dim * m.mac_ns
+            + s["kv_bytes"] * m.byte_ns + s["partial_tiles"] * m.mask_ns)
+    return (work + (s["tiles"] * m.step_ns + s["units"] * m.unit_ns) / per_sm) / m.num_sms
 
 
 def transposed_plan(plan: planner.Plan, backend: str | None = None) -> planner.Plan:
     """The host plan of the dk/dv pass of ``plan`` (a planner ``Plan`` of a static mask with
     shared bounds) on ``backend`` (None: the plan's template's): the transposed mask planned
-    by the host planner with the backend's dk/dv tiles (head-major units), under the policy
-    of ``DKV_POLICIES`` whose plan has the least estimated time. Cached per forward plan and
-    backend."""
+    by the host planner (head-major units) with the backend's dk/dv tiles under each policy
+    of ``DKV_POLICIES``, and its paired tiles under ``PAIRED_DKV_POLICY``: the plan of least
+    estimated time (``_dkv_score``). Cached per forward plan and backend."""
     backend = backend or _backend_of(plan.template)
     try:
         per = _TRANSPOSED.setdefault(plan, {})
@@ -228,11 +245,18 @@ def transposed_plan(plan: planner.Plan, backend: str | None = None) -> planner.P
     shape = transposed_shape(plan.shape)
     tq, tk, qa, ka = dkv_tiles(backend, plan.tile_q, plan.tile_kv, plan.shape)
     tmask = transposed_mask(plan.mask)
-    cands = [planner.build_unchecked(tmask, shape, tile_q=tq, tile_kv=tk, policy=pol,
-                                     q_align=qa, kv_align=ka,
-                                     template=f"bwd_dkv_{backend}_{tq}x{tk}",
-                                     unit_order="head_major") for pol in DKV_POLICIES]
-    tp = min(cands, key=lambda c: c.stats()["est_time_us"])     # first on ties
+    # (tiles, policy, units an SM runs at once): a paired CTA runs two 64-key units together.
+    opts = [((tq, tk, qa, ka), pol, 1) for pol in DKV_POLICIES]
+    paired = BACKWARD[backend].paired_dkv_tiles
+    if paired is not None and PAIRED_DKV_POLICY is not None:
+        opts.append((paired, PAIRED_DKV_POLICY, 2))
+    opts = opts or [((tq, tk, qa, ka), "merge", 1)]        # nothing asked for: merge
+    cands = [(planner.build_unchecked(tmask, shape, tile_q=t[0], tile_kv=t[1], policy=pol,
+                                      q_align=t[2], kv_align=t[3],
+                                      template=f"bwd_dkv_{backend}_{t[0]}x{t[1]}",
+                                      unit_order="head_major"), per_sm)
+             for t, pol, per_sm in opts]
+    tp = min(cands, key=lambda c: _dkv_score(*c))[0]                   # first on ties
     per[backend] = tp
     return tp
 
