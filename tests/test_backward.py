@@ -374,7 +374,7 @@ def test_mosaic_backward_host_plan(mosaic_interpreted):
 
 
 @needs_interp
-def test_mosaic_paired_dkv(mosaic_interpreted):
+def test_mosaic_paired_dkv(mosaic_interpreted, monkeypatch):
     """The paired dk/dv kernel (64-key units, two per CTA, one Q/dO ring per warpgroup) over
     the transposed mask's 64 x 64 pack plan: an odd unit count, grid and bitmap steps, GQA,
     per-head mask, empty rows."""
@@ -399,6 +399,19 @@ def test_mosaic_paired_dkv(mosaic_interpreted):
     assert_grads([want[2], dk, dv], want[2:], 2e-2)
     from pallas_kernels.mosaic import kernel as mk
     assert mb.smem_bytes("dkv", 64, 128, rings=2) <= mk.MAX_SMEM      # two Q/dO rings fit
+
+    # The device route on a 64-key template plans dk/dv for the paired kernel too.
+    from tessera_jax.validation import check_qkv
+    t = device_route.dispatch.get_template("mgpu_q64x2_kv64_s2_hm")
+    assert autodiff.device_dkv_tiles("mosaic_gpu", t.tile_q, t.tile_kv, None)[:2] == (64, 64)
+    dev = tj.BlockMask(mask.q_bounds, mask.kv_bounds, jnp.asarray(mask.blocks))
+    # The exact fallback gives zeros here, so only the kernels' gradients can pass.
+    monkeypatch.setattr(autodiff, "exact_backward",
+                        lambda q, k, v, *a, **kw: (jnp.zeros_like(q), jnp.zeros_like(k),
+                                                   jnp.zeros_like(v)))
+    got = grads(lambda q, k, v, m: device_route.attention(
+        q, k, v, m, check_qkv(q, k, v), "mosaic_gpu", t, D ** -0.5, False), q, k, v, dev, do)
+    assert_grads(got, want[2:], 2e-2)
 
 
 @needs_interp

@@ -198,6 +198,16 @@ def dkv_tiles(backend: str, tile_q: int, tile_kv: int, shape: AttnShape):
     return tuple(int(x) for x in BACKWARD[backend].dkv_tiles(tile_q, tile_kv, shape))
 
 
+def device_dkv_tiles(backend: str, tile_q: int, tile_kv: int, shape: AttnShape):
+    """The dk/dv tiles of the device route: the backend's paired tiles when its forward
+    template has 64-key tiles (the device route's choice for K/V blocks of <= 64 tokens: a
+    128-key unit would compute the union of two blocks' queries), else ``dkv_tiles``'."""
+    paired = BACKWARD[backend].paired_dkv_tiles
+    if paired is not None and tile_kv <= paired[0]:
+        return tuple(int(x) for x in paired)
+    return dkv_tiles(backend, tile_q, tile_kv, shape)
+
+
 # Per forward plan (weakly held, like the API's plan cache holds it): backend -> transposed plan.
 _TRANSPOSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -372,7 +382,7 @@ def _device_grads(q, k, v, qb, kb, blocks, out, lse, do, dlse, *, spec):
     t = dispatch.get_template(template)
     impl = BACKWARD[t.backend]
     shape = AttnShape(B, Lq, Lkv, Hq, Hkv, D, np.dtype(q.dtype))
-    tq, tk, _, _ = dkv_tiles(t.backend, t.tile_q, t.tile_kv, shape)
+    tq, tk, _, _ = device_dkv_tiles(t.backend, t.tile_q, t.tile_kv, shape)
     Hm, nq, nk = blocks.shape
     # The transposed plan's bitmap capacity, as the forward's (None: past the budget).
     cap_t = device_route._capacity(consts[1], consts[0], (Hm, nk, nq), transposed_shape(shape),
