@@ -9,6 +9,8 @@ with the same mask on the host. Negative controls: the same comparisons fail for
 one (top-k with k - 1, inclusive instead of exclusive cumulative sums).
 """
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
@@ -233,17 +235,28 @@ def test_xattn_mask_equals_numpy_rule(case):
 
 
 # --- SVG2 ----------------------------------------------------------------------------------
-_kmeans_jit = jax.jit(dm.kmeans, static_argnames=("iters",))
+def _kmeans_with(sums, x, c0, *, iters):
+    """``dm.kmeans`` traced with ``dm.KMEANS_SUMS = sums``."""
+    old, dm.KMEANS_SUMS = dm.KMEANS_SUMS, sums
+    try:
+        return dm.kmeans(x, c0, iters=iters)
+    finally:
+        dm.KMEANS_SUMS = old
+
+
+_kmeans_jit = {s: jax.jit(functools.partial(_kmeans_with, s), static_argnames=("iters",))
+               for s in ("scatter", "matmul")}
 
 
 @settings(max_examples=15)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 3]))
-def test_kmeans_equals_numpy(seed, iters):
+@given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 3, 6]),
+       st.sampled_from(["scatter", "matmul"]))
+def test_kmeans_equals_numpy(seed, iters, sums):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((2, 64, 8)) + 2 * rng.integers(0, 3, (2, 64, 1)),
                     jnp.float32)
     c0 = jnp.asarray(np.asarray(x)[:, rng.choice(64, 5, replace=False)])
-    lab, c = _kmeans_jit(x, c0, iters=iters)
+    lab, c = _kmeans_jit[sums](x, c0, iters=iters)
     want_lab, want_c, margin = dm._numpy_kmeans(np.asarray(x), np.asarray(c0), iters)
     assume(margin >= 1e-4)
     np.testing.assert_array_equal(np.asarray(lab), want_lab)

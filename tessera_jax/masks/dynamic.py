@@ -517,12 +517,30 @@ def _assign(x, c):
     return jnp.argmin(cn[None, :] - 2.0 * dots, axis=-1).astype(jnp.int32)
 
 
+#: How k-means sums each cluster's points: "scatter" (``segment_sum``: one atomic add per
+#: element on a GPU) or "matmul" (a one-hot [L, C] matrix in x's dtype times x, float32
+#: accumulation, one head at a time: tensor-core work instead of atomics). Both give the float32
+#: sums up to the order of the additions; ``bench_loop --builder-costs`` times both.
+KMEANS_SUMS = "scatter"
+
+
 def _update(x, labels, c):
-    """Centroids as the means of their points; an empty cluster keeps its centroid."""
-    C = c.shape[0]
-    sums = jax.ops.segment_sum(x.astype(jnp.float32), labels, num_segments=C)
-    counts = jax.ops.segment_sum(jnp.ones(labels.shape, jnp.float32), labels, num_segments=C)
-    return jnp.where(counts[:, None] > 0, sums / jnp.maximum(counts, 1.0)[:, None], c)
+    """Centroids as the means of their points; an empty cluster keeps its centroid.
+    x [H, L, F], labels int32 [H, L], c float32 [H, C, F]."""
+    C = c.shape[1]
+    if KMEANS_SUMS == "matmul":
+        def one(args):
+            xh, lh = args
+            onehot = (lh[:, None] == jnp.arange(C, dtype=lh.dtype)[None]).astype(xh.dtype)
+            sums = jnp.einsum("lc,lf->cf", onehot, xh, preferred_element_type=jnp.float32,
+                              precision=_HI)
+            return sums, jnp.sum(onehot, axis=0, dtype=jnp.float32)
+        sums, counts = jax.lax.map(one, (x, labels))
+    else:
+        seg = jax.vmap(lambda v, lh: jax.ops.segment_sum(v, lh, num_segments=C))
+        sums = seg(x.astype(jnp.float32), labels)
+        counts = seg(jnp.ones(labels.shape, jnp.float32), labels)
+    return jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1.0)[..., None], c)
 
 
 def kmeans(x, centroids, *, iters: int):
@@ -548,16 +566,22 @@ def kmeans(x, centroids, *, iters: int):
                          f"{tuple(x.shape)}: expected [{x.shape[0]}, C, {x.shape[2]}]")
     iters = _check_int(fn, "iters", iters, 0)
     c = centroids.astype(jnp.float32)
-    assign, update = jax.vmap(_assign), jax.vmap(_update)
+    assign = jax.vmap(_assign)
     if iters == 0:
         return assign(x, c), c
 
     def body(_, carry):
         c, _ = carry
         lab = assign(x, c)
-        return update(x, lab, c), lab
+        return _update(x, lab, c), lab
 
-    c, lab = jax.lax.fori_loop(0, iters, body, (c, jnp.zeros(x.shape[:2], jnp.int32)))
+    carry = (c, jnp.zeros(x.shape[:2], jnp.int32))
+    if iters <= 4:                  # the per-step warm starts: unrolled, no device loop
+        for i in range(iters):
+            carry = body(i, carry)
+        c, lab = carry
+    else:
+        c, lab = jax.lax.fori_loop(0, iters, body, carry)
     return lab, c
 
 

@@ -890,6 +890,9 @@ BUILDER_VARIANTS = {
     "vsa": ("vsa", (("keep", 0.125),)),
     "svg2_iters2": ("svg2", (("iters", 2), ("top_p", 0.25), ("min_cluster_tokens", 43))),
     "svg2_iters1": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43))),
+    # The same with k-means' cluster sums as one-hot matmuls instead of a scatter-add.
+    "svg2_iters1_matmul": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43)),
+                           {"KMEANS_SUMS": "matmul"}),
     "sparge_topk": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0))),
     "xattn_s8": ("xattn", (("stride", 8), ("tau", 0.25))),
     "xattn_s64": ("xattn", (("stride", 64), ("tau", 0.25))),
@@ -900,6 +903,7 @@ def builder_costs(args, progress=None) -> dict:
     """Per builder variant at Wan 720p (T'H'W' = 21 x 45 x 80, 40 heads, D 128; ``--tiny``: a
     small grid): the mask-building time alone (permutations included), the time of the whole
     call (building + tessera's attention) and the fraction building / attention."""
+    from tessera_jax.masks import dynamic as dm
     grid, H, D = ((5, 6, 8), 2, 16) if args.tiny else ((21, 45, 80), 40, 128)
     L = int(np.prod(grid))
     out = {}
@@ -908,7 +912,8 @@ def builder_costs(args, progress=None) -> dict:
         if name not in BUILDER_VARIANTS:
             raise SystemExit(f"bench_loop: unknown builder variant {name!r}; known: "
                              f"{sorted(BUILDER_VARIANTS)}")
-        rule_name, params = BUILDER_VARIANTS[name]
+        rule_name, params, *over = BUILDER_VARIANTS[name]
+        over = over[0] if over else {}
         if args.tiny:       # small clusters and blocks for the small grid
             params = dict(params, **{"svg2": {"q_clusters": 6, "kv_clusters": 10, "init_iters": 3,
                                               "min_cluster_tokens": 1},
@@ -921,11 +926,17 @@ def builder_costs(args, progress=None) -> dict:
         if progress is not None:
             progress.set_postfix_str(f"builder {name}")
         opts = AttentionOptions(backend=args.backend)
+        saved = {k: getattr(dm, k) for k in over}          # module switches of the variant
         try:
+            for k, v in over.items():
+                setattr(dm, k, v)
             pc = _per_call(case, rule, L, H, D, args.dtype, opts, args, jax.random.key(args.seed))
         except Exception as e:      # keep the other variants
             out[name] = dict(error=repr(e)[:2000])
             continue
+        finally:
+            for k, v in saved.items():
+                setattr(dm, k, v)
         attn = pc["dynamic_attention_s"] - pc["build_s"]
         out[name] = dict(pc, rule=repr(rule), attention_s=attn,
                          fraction=pc["build_s"] / attn if attn > 0 else None)
