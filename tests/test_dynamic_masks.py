@@ -118,6 +118,26 @@ def test_vsa_mask_equals_numpy_rule(case):
         assert not np.array_equal(np.asarray(m.blocks), wrong)
 
 
+_topk_mask_jit = jax.jit(dm._top_k_mask, static_argnums=1)
+
+
+@settings(max_examples=30)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 150), st.sampled_from(["normal", "ties", "inf"]))
+def test_radix_top_k_equals_lax_top_k(seed, n, kind):
+    """``_top_k_mask`` (radix searches, no sort) selects ``lax.top_k``'s entries, ties to the
+    lower index included (integer-valued rows), +inf entries too."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, n + 1))
+    s = (rng.integers(-3, 3, (3, n)) if kind == "ties" else rng.standard_normal((3, n)))
+    if kind == "inf":
+        s = np.where(rng.random((3, n)) < 0.3, np.inf, s)
+    s = jnp.asarray(s, jnp.float32)
+    _, idx = jax.lax.top_k(s, k)
+    want = np.zeros((3, n), bool)
+    np.put_along_axis(want, np.asarray(idx), True, axis=1)
+    np.testing.assert_array_equal(np.asarray(_topk_mask_jit(s, k)), want)
+
+
 def test_vsa_local_blocks_are_kept_and_count_towards_k():
     q, k, _ = _data(1, 1, 96, 96, 2, 1, 8)
     m = dm.vsa_mask(q, k, block=8, topk=5, local=2)

@@ -888,6 +888,7 @@ def _per_call(case, rule, L, H, D, dtype, opts, args, key) -> dict:
 # run with knobs that land near the papers' densities (docs/dynamic_masks.md).
 BUILDER_VARIANTS = {
     "vsa": ("vsa", (("keep", 0.125),)),
+    "vsa_sort": ("vsa", (("keep", 0.125),), {"TOP_K": "sort"}),      # the control: lax.top_k
     "svg2_iters2": ("svg2", (("iters", 2), ("top_p", 0.25), ("min_cluster_tokens", 43))),
     "svg2_iters1": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43))),
     # The same with k-means' cluster sums as one-hot matmuls instead of a scatter-add.
