@@ -207,7 +207,7 @@ def _scatter_rows(order, keep_sorted):
     return out.reshape(order.shape)
 
 
-#: How ``vsa_mask`` takes each row's top k: "radix" (``_top_k_mask``: radix searches for the
+#: How ``vsa_mask`` and ``sparge_mask(topk=...)`` take each row's top k: "radix" (``_top_k_mask``: radix searches for the
 #: k-th largest, no sort; predicted ~1 ms at Wan 720p) or "sort" (``lax.top_k``, which sorts
 #: each row: 4.1 ms measured at [40, 1180, 1180]). ``bench_loop --builder-costs vsa_sort``.
 TOP_K = "radix"
@@ -415,13 +415,16 @@ def sparge_mask(q, k, *, q_bounds=None, kv_bounds=None, block_q: int = 128, bloc
     e = jnp.where(sim_k[:, None, :], jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     tot = jnp.sum(e, axis=-1, keepdims=True)
     p = e / jnp.where(tot > 0, tot, 1.0)
-    order, ps = _sorted_desc(p)
-    r = jnp.arange(nk)
-    if topk is None:
-        keep_sorted = (jnp.cumsum(ps, axis=-1) <= cdf_threshold) | (r < min_keep)
+    if topk is not None and TOP_K == "radix":        # a row's top k: no sort needed
+        blocks = _top_k_mask(p, max(1, int(topk * nk)))
     else:
-        keep_sorted = jnp.broadcast_to(r < max(1, int(topk * nk)), ps.shape)
-    blocks = _scatter_rows(order, keep_sorted)
+        order, ps = _sorted_desc(p)
+        r = jnp.arange(nk)
+        if topk is None:
+            keep_sorted = (jnp.cumsum(ps, axis=-1) <= cdf_threshold) | (r < min_keep)
+        else:
+            keep_sorted = jnp.broadcast_to(r < max(1, int(topk * nk)), ps.shape)
+        blocks = _scatter_rows(order, keep_sorted)
     blocks = blocks | ~sim_k[:, None, :] | ~sim_q[:, :, None]
     if sink:
         blocks = blocks.at[:, :, 0].set(True)

@@ -895,6 +895,7 @@ BUILDER_VARIANTS = {
     "svg2_iters1_matmul": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43)),
                            {"KMEANS_SUMS": "matmul"}),
     "sparge_topk": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0))),
+    "sparge_topk_sort": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)), {"TOP_K": "sort"}),
     "xattn_s8": ("xattn", (("stride", 8), ("tau", 0.25))),
     "xattn_s64": ("xattn", (("stride", 64), ("tau", 0.25))),
 }
