@@ -4,7 +4,8 @@ one-device call, and cost balancing cuts the imbalance of skewed heads.
 The multi-device tests need 8 devices. jax fixes the CPU device count when it starts, so when
 this process has fewer (the usual case: other test modules share it), those tests run once, all
 together, in a child pytest of this file started with
-``--xla_force_host_platform_device_count=8``, and each test here reports its own outcome there.
+``--xla_force_host_platform_device_count=8`` (one child per session, shared by pytest-xdist's
+workers), and each test here reports its own outcome there.
 Nothing in this process changes.
 """
 
@@ -56,6 +57,27 @@ def _child_outcomes() -> dict:
         return out
 
 
+def _shared_child_outcomes(request) -> dict:
+    """``_child_outcomes`` once per test session: under pytest-xdist the workers share it
+    through a file next to their temporary directories (the first worker to get here runs
+    the child under a lock, the others read its outcomes), instead of a child per worker."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return _child_outcomes()
+    import fcntl
+    import json
+    root = request.getfixturevalue("tmp_path_factory").getbasetemp().parent   # shared by workers
+    path = root / f"parallel_child_{N_DEV}.json"
+    with open(root / f"parallel_child_{N_DEV}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return json.loads(path.read_text())
+        out = _child_outcomes()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out))
+        tmp.replace(path)
+        return out
+
+
 _ON_DEVICES: list = []
 
 
@@ -69,7 +91,8 @@ def on_devices(fn):
     def wrapper(request, **kw):
         if jax.device_count() >= N_DEV:
             return fn(**kw)
-        outcome, text = _child_outcomes().get(request.node.name, ("missing", "not in report"))
+        outcome, text = _shared_child_outcomes(request).get(request.node.name,
+                                                             ("missing", "not in report"))
         if outcome == "skipped":
             pytest.skip(text)
         if outcome != "passed":
