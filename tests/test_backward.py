@@ -441,9 +441,8 @@ def test_mosaic_backward_paired_dq_and_device_route(mosaic_interpreted):
     assert_grads([dq, want[3], want[4]], want[2:], 2e-2)
 
     # The device route (plans of traced blocks; two query heads, one K/V head), and a host
-    # plan under jax.vmap over two problems: one folded kernel call of batch 2
-    # (runtime.batching). (The device route under vmap deadlocks the interpreter's simulated
-    # threads: checked on the GPU.)
+    # plan and the device route under jax.vmap over two problems: one folded kernel call of
+    # batch 2 (runtime.batching).
     mask = tj.BlockMask.uniform(128, 120, 64, 32, blocks[:, :2, :4])
     qs, ks, vs, dos = (jnp.stack([x[:, :L, :2], x[:, ::-1][:, :L, :2]])
                        for x, L in ((q, 128), (k, 120), (v, 120), (do, 128)))
@@ -456,6 +455,12 @@ def test_mosaic_backward_paired_dq_and_device_route(mosaic_interpreted):
     p = tj.plan(mask, qs[0].shape, ks[0].shape, qs.dtype, template=t.name)
     fn = lambda q, k, v, m: autodiff.run(p, q, k, v, D ** -0.5, False)      # noqa: E731
     got = jax.vmap(lambda q, k, v, do: grads(fn, q, k, v, mask, do))(qs, ks, vs, dos)
+    for i in range(2):
+        want = oracle(qs[i], ks[i], vs[i], mask, dos[i])
+        assert_grads([x[i] for x in got], want[2:], 2e-2)
+    fn = lambda q, k, v, m: device_route.attention(                           # noqa: E731
+        q, k, v, m, check_qkv(q, k, v), "mosaic_gpu", t, D ** -0.5, False)
+    got = jax.vmap(lambda q, k, v, do: grads(fn, q, k, v, dev, do))(qs, ks, vs, dos)
     for i in range(2):
         want = oracle(qs[i], ks[i], vs[i], mask, dos[i])
         assert_grads([x[i] for x in got], want[2:], 2e-2)
