@@ -2,12 +2,15 @@
 
 Flow matching as Wan2.1 trains: x_t = (1 - t) x0 + t noise, the model predicts the velocity
 noise - x0 at timestep 1000 t, mean squared error. Every self-attention layer runs
-``tj.sparse_attention`` with one static block mask (a sliding window over blocks of video
-tokens, planned once on the host); its gradients come from the backward over plans
-(``runtime.autodiff``). ``--checkpoint`` wraps the model's forward in ``jax.checkpoint``
+``tj.sparse_attention`` with either one static block mask (``--mask window``: a sliding window
+over blocks of video tokens, planned once on the host) or a VSA-like mask that each layer
+builds from its own q and k at every step (``--mask vsa``: per-head top-k of block-pooled
+scores, planned on the device inside the compiled step); its gradients come from the backward
+over plans (``runtime.autodiff``). ``--checkpoint`` wraps the model's forward in ``jax.checkpoint``
 (``nnx.remat``): activations are recomputed in the backward.
 
     python -m tessera_jax.tools.finetune --steps 40            # tiny model, CPU
+    python -m tessera_jax.tools.finetune --mask vsa --keep 0.25 # masks from q and k
     python -m tessera_jax.tools.finetune --layers 4 --heads 4 --head-dim 64 --latent 5,16,16
 """
 
@@ -23,6 +26,8 @@ import numpy as np
 import optax
 
 import tessera_jax as tj
+from tessera_jax.flax import DynamicSchedule, LayerAttention
+from tessera_jax.masks import dynamic as dm
 from tessera_jax.models import WAN21_1_3B, WanConfig, WanModel
 
 __all__ = ["tiny_config", "window_mask", "make_data", "train"]
@@ -63,20 +68,30 @@ def make_data(cfg: WanConfig, latent, num: int, seed: int = 0):
 
 def train(cfg: WanConfig | None = None, *, latent=(3, 8, 8), steps: int = 30, lr: float = 3e-3,
           batch: int = 2, block: int = 8, width: int = 1, checkpoint: bool = False,
-          seed: int = 0, log=None) -> list[float]:
+          mask: str = "window", keep: float = 0.25, seed: int = 0, log=None) -> list[float]:
     """Fine-tunes a randomly initialised model on ``make_data`` for ``steps`` AdamW steps with
-    the sparse mask in every layer; returns the loss of each step (each step sees the whole
-    dataset of ``batch`` samples with fresh noise and timesteps)."""
+    the sparse mask in every layer (``mask``: "window", static, or "vsa", from q and k with
+    ``keep`` of the key blocks per query block); returns the loss of each step (each step sees
+    the whole dataset of ``batch`` samples with fresh noise and timesteps)."""
     cfg = cfg or tiny_config()
+    if mask not in ("window", "vsa"):
+        raise ValueError(f"mask must be 'window' or 'vsa', got {mask!r}")
     model = WanModel(cfg, rngs=nnx.Rngs(seed))
     tokens = model.num_tokens(latent)
-    mask = window_mask(tokens, block, width, cfg.num_heads)
-    masks = [mask] * cfg.num_layers
+    if mask == "window":
+        static = [window_mask(tokens, block, width, cfg.num_heads)] * cfg.num_layers
+    else:   # one VSA rule for every layer, sparse at every step
+        sched = DynamicSchedule((dm.VSA(block=block, keep=keep),),
+                                np.ones((1, cfg.num_layers), np.int32))
     x0, text = make_data(cfg, latent, batch, seed)
     opt = nnx.Optimizer(model, optax.adamw(lr, weight_decay=1e-4), wrt=nnx.Param)
 
     def forward(model, xt, t, text):
-        return model(xt, t, text, masks=masks)
+        if mask == "window":
+            return model(xt, t, text, masks=static)
+        state = tuple(r.init_state(None, None, None) for r in sched.rules)   # VSA: stateless
+        layers = [LayerAttention(sched, i, 0, state) for i in range(cfg.num_layers)]
+        return model(xt, t, text, masks=layers)
 
     if checkpoint:
         forward = nnx.remat(forward)
@@ -117,11 +132,13 @@ def main(argv=None) -> None:
     ap.add_argument("--latent", default="3,8,8", help="T,H,W of the latent")
     ap.add_argument("--block", type=int, default=8, help="tokens per mask block")
     ap.add_argument("--checkpoint", action="store_true", help="jax.checkpoint the forward")
+    ap.add_argument("--mask", default="window", choices=("window", "vsa"))
+    ap.add_argument("--keep", type=float, default=0.25, help="VSA: key blocks kept per row")
     args = ap.parse_args(argv)
     latent = tuple(int(x) for x in args.latent.split(","))
     losses = train(tiny_config(args.layers, args.heads, args.head_dim), latent=latent,
                    steps=args.steps, lr=args.lr, block=args.block, checkpoint=args.checkpoint,
-                   log=print)
+                   mask=args.mask, keep=args.keep, log=print)
     k = max(1, len(losses) // 5)
     print(f"loss: first {k} steps {np.mean(losses[:k]):.4f} -> last {k} "
           f"{np.mean(losses[-k:]):.4f}")
