@@ -5,11 +5,15 @@ step per (unit, K/V tile) in every plan.
 * ABI: ``pack_bitmap`` / ``unpack_bitmap`` round trips, ``step_mask`` (the one evaluator: NumPy,
   jnp, a per-entry loop of the docstring's rule), ``selected_cells``, the grid view of a bitmap
   row, ``check_plan`` / ``bitmap_problems`` on every broken rule.
-* Planner: ``planner._bitmap_steps`` == its specification ``plan_oracle.bitmap_steps`` array for
-  array (every policy, shared and unshared rows, one and two threads, interpreted and compiled,
-  a unit whose kv_starts decrease); every plan of every policy and template tile shape on masks
-  of 1-8 token blocks (per head, shared, empty rows) visits each (unit, tile) once, covers its
-  mask exactly and computes at most dense; shared masks keep sharing their steps and words.
+* Planner: the bitmap pass (``plan_loops._nb_bm_unit`` on the units that revisit a tile: in
+  split/pack's loops as they write them, or after the loops, ``planner._bitmap_steps``, as
+  keep/merge, ``auto`` and the fallback to split run it; words after all the step rows,
+  ``planner._finish``) == its specification ``plan_oracle.bitmap_steps`` on the oracles' rows,
+  array for array (every policy, shared and unshared rows, every thread path: one, two (a
+  short estimate too), the exact-count path, 4 and 8 threads; interpreted and compiled; words
+  with and without room after the rows), and ``planner._bitmap_steps`` on hand-written rows; every plan of every policy and template tile shape on masks of 1-8 token blocks (per
+  head, shared, empty rows) visits each (unit, tile) once, covers its mask exactly and computes
+  at most dense; shared masks keep sharing their steps and words.
 * Negative controls: a corrupted bitmap (a bit flipped inside or outside its rectangle, a bad
   offset, words over step rows) is caught by the exact-cover check or by ``check_plan``.
 """
@@ -29,7 +33,8 @@ from tessera_jax.planning import loops as plan_loops
 from tessera_jax.planning import planner
 from tessera_jax.planning.planner import POLICIES, build_plan
 from strategies import bounds_from_sizes, heads_and_blocks
-from test_planner import _check_abi, _check_stats, _ctx, _direct_kinds, _on_threads, _plan
+from test_planner import (_assert_same_raw, _check_abi, _check_stats, _ctx, _direct_kinds,
+                          _on_threads, _plan, _with_pass)
 
 TEMPLATE_TILES = [(64, 64), (128, 128), (128, 64), (64, 128)]   # the kept templates' shapes
 ODD_TILES = [(16, 40), (64, 192), (8, 33)]                      # W = 2, 6, 2; nl = 1, 3, 1
@@ -229,53 +234,119 @@ def _assert_pass_matches_spec(raw, tq, tk):
     return got
 
 
+def _revisits(raw):
+    """Steps of a raw plan that visit the K/V tile of the step before in their unit (0: one
+    step per (unit, tile), the steps of a unit coming in non-decreasing kv_start)."""
+    n = 0
+    for f, c in zip(raw.first.tolist(), raw.cnt.tolist()):
+        kv = raw.steps[f: f + c, abi.STEP_KV_START]
+        assert (kv[1:] >= kv[:-1]).all()
+        n += int((kv[1:] == kv[:-1]).sum())
+    return n
+
+
+_ORACLES = {"keep": (plan_oracle._plan_rowgroups_numpy, (False,)),
+            "merge": (plan_oracle._plan_rowgroups_numpy, (True,)),
+            "split": (plan_oracle._plan_grid_numpy, ()),
+            "pack": (plan_oracle._plan_pack_numpy, ())}
+
+
 @given(token_masks(), st.sampled_from(TEMPLATE_TILES + ODD_TILES),
        st.sampled_from([(1, 1), (8, 8)]))
 @settings(max_examples=30, deadline=None)
 def test_bitmap_pass_equals_its_specification(mt, tile, align):
+    """Each policy's compiled loops (grid join and bitmap pass as they write) == the oracle's
+    rows after the pass's specification, shared rows included (words relocated when unshared);
+    and == both stages of the specification from the oracle's pieces. Without the pass
+    (``bitmaps`` False, as ``auto``'s candidates) the loops give the oracle's rows as they are,
+    their revisits counted, and ``_bitmap_steps`` on them the same plan as the loops' pass."""
     mask = mt[0]
     tq, tk = tile
     qal, kal = (a if t % a == 0 else 1 for a, t in zip(align, tile))
     ctx = _ctx(mask, tq, tk, qal, kal)
-    oracles = {"keep": (plan_oracle._plan_rowgroups_numpy, (False,)),
-               "merge": (plan_oracle._plan_rowgroups_numpy, (True,)),
-               "split": (plan_oracle._plan_grid_numpy, ()),
-               "pack": (plan_oracle._plan_pack_numpy, ())}
-    for policy, (oracle, args) in oracles.items():
+    for policy, (oracle, args) in _ORACLES.items():
+        want = oracle(ctx, *args)
+        got = planner._plan_policy(ctx, policy, share=False)
+        _assert_same_raw(got, want, ctx)
+        assert not _revisits(got)
+        shared = planner._plan_policy(ctx, policy, share=True)
+        _assert_same_raw(shared.unshared(), want, ctx)
+        assert shared.num_steps <= got.num_steps and shared.words <= got.words
+        assert not _revisits(shared)
+        assert not shared.steps[shared.num_steps + shared.words:].any()
         for share in (False, True):
-            raw = planner._plan_policy(ctx, policy, share=share)
-            got = _assert_pass_matches_spec(raw, tq, tk)
-            assert not planner._revisit_info(got.steps, got.first, got.cnt)[0].any()
-            if share:
-                continue
-            # Both stages of the spec (grid join, then one step per tile) from the oracle's
-            # pieces: the compiled policy + pass, row for row.
-            pc = plan_oracle.pieces(oracle, ctx, *args)
-            steps, cnt, S = plan_oracle.tiles_once(pc["unit"], pc["kv"], pc["ql"], pc["qh"],
-                                                   pc["kl"], pc["kh"], tile=(tq, tk))
-            np.testing.assert_array_equal(cnt, got.cnt)
-            assert S == got.num_steps
-            n = S + got.words
-            np.testing.assert_array_equal(steps[:n], got.steps[:n])
+            pending = planner._plan_policy(ctx, policy, share=share, bitmaps=False)
+            assert pending.pending and pending.words == 0
+            np.testing.assert_array_equal(pending.rev, got.rev)
+            np.testing.assert_array_equal(pending.visits(), got.cnt)
+            plain = pending.unshared()
+            for f in ("cnt", "nfull", "area", "steps"):
+                np.testing.assert_array_equal(getattr(plain, f), getattr(want, f), err_msg=f)
+            passed = planner._bitmap_steps(pending, tq, tk)
+            assert not passed.pending
+            _assert_same_raw(passed.unshared(), want, ctx)
+        # Both stages of the spec (grid join, then one step per tile) from the oracle's
+        # pieces: the compiled policy + pass, row for row.
+        pc = plan_oracle.pieces(oracle, ctx, *args)
+        steps, cnt, S = plan_oracle.tiles_once(pc["unit"], pc["kv"], pc["ql"], pc["qh"],
+                                               pc["kl"], pc["kh"], tile=(tq, tk))
+        np.testing.assert_array_equal(cnt, got.cnt)
+        assert S == got.num_steps
+        n = S + got.words
+        np.testing.assert_array_equal(steps[:n], got.steps[:n])
 
 
-def test_bitmap_pass_on_two_threads_and_interpreted_equals_one_thread_compiled():
+# Every way the drivers run the step loops (planner attributes as ``_on_threads`` sets them):
+# one thread; two (the second half written past an estimate or the bound, moved down); a short
+# estimate (the first half stops, the rest counted and written after moving the second half);
+# the exact-count path; 4 and 8 threads (chunks counted, written at their offsets, the bitmap
+# pass's gaps closed); the words written where the rows' reservation has room for them (from 0
+# rows on, not only from _ROOM_MIN_ROWS) instead of after a copy of the rows.
+_PATHS = {"one": (1, {}), "two": (2, {}),
+          "short estimate": (2, {"_EST_MARGIN": -0.9, "_SAMPLE_STRIDE": 3, "_EST_SLACK": 0}),
+          "exact": (2, {"_MAX_BOUND_BYTES": 0}), "four": (4, {}), "eight": (8, {}),
+          "room": (2, {"_ROOM_MIN_ROWS": 0})}
+
+
+def test_bitmap_pass_on_every_thread_path():
+    """Every thread path (``_PATHS``) == the oracle's rows after the pass's specification (the
+    specification, the slow part, computed once per mask, tile and policy)."""
     rng = np.random.default_rng(11)
-    masks = [_random_token_mask(rng, 700, 640, 2, 4, 0.3), _random_token_mask(rng, 300, 260, 1, 1,
-                                                                               0.1)]
+    masks = [_random_token_mask(rng, 700, 640, 2, 4, 0.3),
+             _random_token_mask(rng, 300, 260, 1, 1, 0.1),
+             _random_token_mask(rng, 900, 900, 3, 8, 0.2)]
     for mask in masks:
-        for policy in ("split", "pack", "merge"):
-            ctx = _ctx(mask, 64, 64, 1, 1)
-            raw = planner._plan_policy(ctx, policy, share=True)
-            want = _assert_pass_matches_spec(raw, 64, 64)
-            with _on_threads(2):
-                got = planner._bitmap_steps(raw, 64, 64)
-            np.testing.assert_array_equal(got.steps, want.steps)
-            np.testing.assert_array_equal(got.ptr, want.ptr)
-            with _interpreted():
-                got = planner._bitmap_steps(raw, 64, 64)
-            np.testing.assert_array_equal(got.steps, want.steps)
-            np.testing.assert_array_equal(got.cnt, want.cnt)
+        for tq, tk in ((64, 64), (128, 128)):
+            ctx = _ctx(mask, tq, tk, 1, 1)
+            for policy, (oracle, args) in _ORACLES.items():
+                want = oracle(ctx, *args)
+                expect = _with_pass(want, tq, tk)
+                for path, (threads, attrs) in _PATHS.items():
+                    with _on_threads(threads, **attrs):
+                        got = planner._plan_policy(ctx, policy, share=False)
+                        shared = planner._plan_policy(ctx, policy, share=True)
+                        later = planner._bitmap_steps(planner._plan_policy(
+                            ctx, policy, share=True, bitmaps=False), tq, tk)  # (auto's way)
+                    for r in (got, shared.unshared(), later.unshared()):
+                        _assert_same_raw(r, want, ctx, expect)
+                    for r in (shared, later):
+                        assert not r.steps[r.num_steps + r.words:].any(), path
+
+
+def test_bitmap_pass_interpreted_equals_compiled():
+    rng = np.random.default_rng(12)
+    for mask in (_random_token_mask(rng, 300, 260, 2, 1, 0.1),
+                 _random_token_mask(rng, 200, 330, 1, 4, 0.3)):
+        ctx = _ctx(mask, 64, 64, 1, 1)
+        for policy in ("keep", "merge", "split", "pack"):
+            for threads in (1, 2):
+                with _on_threads(threads):
+                    want = planner._plan_policy(ctx, policy, share=True)
+                    with _interpreted():
+                        got = planner._plan_policy(ctx, policy, share=True)
+                assert got.words == want.words > 0
+                for f in ("cnt", "nfull", "area", "rev", "njoin", "ptr", "steps"):
+                    np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
 
 
 @contextlib.contextmanager
@@ -292,34 +363,6 @@ def _interpreted():
             raise AssertionError("a loop was compiled")
         mp.setattr(plan_loops, "compile_all", no_compiling)
         yield
-
-
-def test_a_unit_whose_tiles_are_not_in_order_is_grouped_by_tile():
-    """A range whose kv_starts decrease (no policy makes one) is grouped by a stable sort:
-    one step per tile, the union of its steps, as the spec says."""
-    tq, tk = 64, 64
-    # one unit: tiles 0, 64, 0 (a bitmap each, of disjoint rows), then 128
-    top = np.zeros((tq, tk), bool)
-    top[:20, ::3] = True
-    bottom = np.zeros((tq, tk), bool)
-    bottom[30:, 1::2] = True
-    wr = abi.bitmap_rows(tq, tk)
-    big = np.zeros((4 + 2 * wr, abi.STEP_COLS), np.int32)
-    flat = big.reshape(-1)
-    for k, sel in enumerate((top, bottom)):
-        off = (4 + k * wr) * abi.STEP_COLS
-        flat[off: off + 2 * tq] = abi.pack_bitmap(sel)
-        r, c = np.flatnonzero(sel.any(1)), np.flatnonzero(sel.any(0))
-        big[2 * k] = (0, abi.pack_rect(r[0], r[-1] + 1, c[0], c[-1] + 1), off, abi.BITMAP_FLAG)
-    big[1] = (64, abi.pack_rect(0, 5, 0, 5), 0, 0)
-    big[3] = (128, abi.pack_rect(0, 64, 0, 64), 0, 0)
-    z = np.zeros(1, np.int64)
-    raw = planner._Raw(z, z, z, z + tq, np.array([4]), big, z + 1, z)    # one full step
-    got = _assert_pass_matches_spec(raw, tq, tk)
-    kv = got.steps[: got.stored, abi.STEP_KV_START]
-    assert kv.tolist() == [0, 64, 128]
-    np.testing.assert_array_equal(abi.step_mask(got.steps, 0, tq, tk), top | bottom)
-    assert got.steps[0, abi.STEP_CUTS_B] == abi.BITMAP_FLAG and got.nfull.tolist() == [1]
 
 
 def test_the_union_of_a_revisited_tile_takes_the_cheapest_kind():
@@ -449,7 +492,7 @@ def test_plans_without_revisits_are_left_as_they_were():
     ctx = _ctx(mask, 64, 64, 1, 1)
     for policy in ("keep", "merge", "split", "pack"):
         raw = planner._plan_policy(ctx, policy, share=True)
-        assert not planner._revisit_info(raw.steps, raw.first, raw.cnt)[0].any()
+        assert not raw.rev.any() and raw.words == 0 and not _revisits(raw)
         assert planner._bitmap_steps(raw, 64, 64) is raw
         p = _plan(mask, 2, 2, 64, 64, policy)
         assert p.bitmap_rows == 0 and p.stats()["bitmap_steps"] == 0
@@ -523,11 +566,12 @@ def test_a_corrupted_bitmap_is_caught():
         plan_oracle.check_exact_cover(corrupted(lambda s: s.__setitem__(
             (b, abi.STEP_CUTS_A), 0)))
     # And the compiled pass against its spec: a changed word is a difference.
-    raw = planner._plan_policy(_ctx(mask, 64, 64, 1, 1), "split")
-    got = planner._bitmap_steps(raw, 64, 64)
-    want = plan_oracle.bitmap_steps(raw.steps, raw.first, raw.cnt, 64, 64)[0]
-    want.reshape(-1)[4 * got.stored + 3] ^= 4
-    assert not np.array_equal(got.steps, want)
+    ctx = _ctx(mask, 64, 64, 1, 1)
+    got = planner._plan_policy(ctx, "split")
+    want = _with_pass(plan_oracle._plan_grid_numpy(ctx), 64, 64)[0]
+    np.testing.assert_array_equal(got.steps, want.steps)
+    want.steps.reshape(-1)[4 * got.num_steps + 3] ^= 4
+    assert not np.array_equal(got.steps, want.steps)
 
 
 def _replace(p, steps):

@@ -3,6 +3,8 @@
 tile once: tests/test_tiles_once.py, tests/test_bitmap_steps.py), stats, schedule, executor."""
 
 import contextlib
+import dataclasses
+import inspect
 import itertools
 import time
 
@@ -509,13 +511,41 @@ def test_bit_helpers_match_numpy():
         np.testing.assert_array_equal(e, ee)
 
 
-def _assert_same_raw(got, want):
-    """A compiled policy's raw plan equals the NumPy oracle's, field by field and step by step."""
-    for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area"):
-        np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
-    assert got.steps.shape == want.steps.shape and got.steps.dtype == np.int32
-    np.testing.assert_array_equal(abi.unpack_steps(got.steps), abi.unpack_steps(want.steps))
-    np.testing.assert_array_equal(got.steps, want.steps)
+def _with_pass(raw, tq, tk):
+    """A raw plan of the NumPy oracle (its steps as the policy's loops join them into grid
+    steps) after the bitmap pass's specification (``plan_oracle.bitmap_steps``: one step per
+    (unit, K/V tile), words after the step rows), as the compiled policies leave theirs:
+    (raw, revisits per unit)."""
+    got = plan_oracle.bitmap_steps(raw.steps, raw.first, raw.cnt, tq, tk)
+    if got is None:
+        return raw, np.zeros(len(raw.cnt), np.int64)
+    steps, ptr, cnt, S, W = got
+    full = ((steps[:S, abi.STEP_RECT] == abi.full_rect(tq, tk))
+            & (steps[:S, abi.STEP_CUTS_B] == 0)).astype(np.int64)
+    F = np.r_[0, np.cumsum(full)]
+    assert (ptr == np.cumsum(cnt) - cnt).all()          # oracle rows: consecutive, unshared
+    return dataclasses.replace(raw, cnt=cnt, steps=steps, nfull=F[ptr + cnt] - F[ptr],
+                               words=W), raw.cnt - cnt
+
+
+def _assert_same_raw(got, want, ctx, expect=None):
+    """A compiled policy's raw plan equals the NumPy oracle's after the bitmap pass's
+    specification (``_with_pass``, or ``expect``: its result), field by field and step by step,
+    bitmap words included; its revisits and the full steps the pass made as the
+    specification's. A ``pending`` raw (keep/merge's loops) equals the oracle's rows as they
+    are, its revisits counted."""
+    post, rev = _with_pass(want, ctx.tile_q, ctx.tile_kv) if expect is None else expect
+    np.testing.assert_array_equal(got.rev, rev, err_msg="rev")
+    if got.pending:
+        post = want
+    else:
+        np.testing.assert_array_equal(got.njoin, post.nfull - want.nfull, err_msg="njoin")
+    for f in ("head", "qs", "lo", "hi", "cnt", "nfull", "area", "words"):
+        np.testing.assert_array_equal(getattr(got, f), getattr(post, f), err_msg=f)
+    assert got.steps.shape == post.steps.shape and got.steps.dtype == np.int32
+    n = got.num_steps
+    np.testing.assert_array_equal(abi.unpack_steps(got.steps[:n]), abi.unpack_steps(post.steps[:n]))
+    np.testing.assert_array_equal(got.steps, post.steps)
 
 
 # (NumPy oracle, compiled policy) of split and pack.
@@ -529,7 +559,7 @@ def _assert_split_pack_match_oracle(mask, tilings):
     for tq, tk, qal, kal in tilings:
         ctx = _ctx(mask, tq, tk, qal, kal)
         for numpy_fn, fn in _SPLIT_PACK:
-            _assert_same_raw(fn(ctx), numpy_fn(ctx))
+            _assert_same_raw(fn(ctx), numpy_fn(ctx), ctx)
 
 
 @contextlib.contextmanager
@@ -574,10 +604,10 @@ def test_compiled_keep_merge_equal_numpy_oracle(mt, tile, align, mode):
         with _on_threads(threads, **exact):
             got = planner._plan_rowgroups(ctx, merge, share=False)
             shared = planner._plan_rowgroups(ctx, merge, share=True)
-        _assert_same_raw(got, want)
-        _assert_same_raw(shared.unshared(), want)       # same units, each its own rows again
+        _assert_same_raw(got, want, ctx)
+        _assert_same_raw(shared.unshared(), want, ctx)       # same units, each its own rows again
         assert shared.num_steps <= got.num_steps
-        assert not shared.steps[shared.num_steps:].any()   # rows past the kept ones are zero
+        assert not shared.steps[shared.num_steps + shared.words:].any()   # past: zeros
 
 
 def test_compiled_keep_merge_edge_intervals():
@@ -596,10 +626,10 @@ def test_compiled_keep_merge_edge_intervals():
             ctx = _ctx(m, 64, tk, 8, kal)
             for merge in (False, True):
                 want = plan_oracle._plan_rowgroups_numpy(ctx, merge)
-                _assert_same_raw(planner._plan_rowgroups(ctx, merge, share=False), want)
-                _assert_same_raw(planner._plan_rowgroups(ctx, merge).unshared(), want)
+                _assert_same_raw(planner._plan_rowgroups(ctx, merge, share=False), want, ctx)
+                _assert_same_raw(planner._plan_rowgroups(ctx, merge).unshared(), want, ctx)
             for numpy_fn, fn in _SPLIT_PACK:
-                _assert_same_raw(fn(ctx), numpy_fn(ctx))
+                _assert_same_raw(fn(ctx), numpy_fn(ctx), ctx)
 
 
 def test_compiled_pack_matches_packbits(monkeypatch):
@@ -667,7 +697,7 @@ def test_compiled_split_equals_numpy_oracle(mt, tile, q_align, two):
     want = plan_oracle._plan_grid_numpy(ctx)
     with _on_threads(2 if two else 1):
         got = planner._plan_grid(ctx)
-    _assert_same_raw(got, want)
+    _assert_same_raw(got, want, ctx)
 
 
 @given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (128, 128), (64, 192)]),
@@ -681,7 +711,7 @@ def test_compiled_pack_policy_equals_numpy_oracle(mt, tile, align, two):
     want = plan_oracle._plan_pack_numpy(ctx)
     with _on_threads(2 if two else 1):
         got = planner._plan_pack(ctx)
-    _assert_same_raw(got, want)
+    _assert_same_raw(got, want, ctx)
 
 
 def test_compiled_split_pack_many_groups_per_unit():
@@ -709,7 +739,7 @@ def test_compiled_split_pack_exact_count_path(mt, tile, align, two):
         want = numpy_fn(ctx)
         with _on_threads(2 if two else 1, _MAX_BOUND_BYTES=0):
             got = fn(ctx)
-        _assert_same_raw(got, want)
+        _assert_same_raw(got, want, ctx)
 
 
 @given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (128, 128), (64, 192)]),
@@ -726,9 +756,13 @@ def test_split_pack_step_bound_holds_per_unit(mt, tile, align):
     plan_loops.compile_all()           # the spy wraps the compiled loop, never gets compiled
     real = plan_loops._nb_rects
 
-    def spy(lo, hi, row0, words, gh, gi, r0, r1, ugroups, *rest):
-        end = real(lo, hi, row0, words, gh, gi, r0, r1, ugroups, *rest)
-        seen.append((words, gh, gi, ugroups, rest[-3].copy(), rest[-5], lo, hi))
+    names = list(inspect.signature(plan_loops._PLAIN["_nb_rects"]).parameters)
+
+    def spy(*args):
+        end = real(*args)
+        a = dict(zip(names, args))
+        seen.append((a["words"], a["gh"], a["gi"], a["ugroups"], a["cnt"].copy(), a["write"],
+                     a["lo"], a["hi"]))
         return end
 
     kb = np.asarray(ctx.kb, np.int64)
@@ -767,7 +801,7 @@ def test_compiled_split_pack_two_threads_any_estimate(mt, tile, align, margin, s
         want = numpy_fn(ctx)
         with _on_threads(2, _EST_MARGIN=margin, _SAMPLE_STRIDE=stride, _EST_SLACK=0):
             got = fn(ctx)
-        _assert_same_raw(got, want)
+        _assert_same_raw(got, want, ctx)
 
 
 def test_compiled_split_pack_two_group_units_with_a_gap():
@@ -801,7 +835,7 @@ def test_wide_split_pack_equal_the_oracles(mt, tile, align, threads, pack):
     want = (plan_oracle._plan_pack_numpy if pack else plan_oracle._plan_grid_numpy)(ctx)
     with _on_threads(threads):
         got = (planner._plan_pack if pack else planner._plan_grid)(ctx)
-    _assert_same_raw(got, want)
+    _assert_same_raw(got, want, ctx)
 
 
 @pytest.mark.parametrize("threads", [4, 8])
@@ -822,10 +856,10 @@ def test_wide_keep_merge_run_and_share_on_a_large_mask(threads):
             got = planner._plan_rowgroups(ctx, merge, share=False)
             shared = planner._plan_rowgroups(ctx, merge, share=True)
         assert calls == [1, 1]
-        _assert_same_raw(got, want)
-        _assert_same_raw(shared.unshared(), want)
+        _assert_same_raw(got, want, ctx)
+        _assert_same_raw(shared.unshared(), want, ctx)
         assert shared.num_steps < got.num_steps             # the tall group stored once
-        assert not shared.steps[shared.num_steps:].any()
+        assert not shared.steps[shared.num_steps + shared.words:].any()
 
 
 @pytest.mark.parametrize("threads", [4, 8])
@@ -845,4 +879,4 @@ def test_wide_split_pack_run_and_match_on_a_large_mask(threads):
             mp.setattr(planner, "_rect_steps_wide", lambda *a: calls.append(1) or real(*a))
             got = fn(ctx)
         assert calls == [1]
-        _assert_same_raw(got, oracle(ctx))
+        _assert_same_raw(got, oracle(ctx), ctx)

@@ -6,8 +6,11 @@ Each ``_nb_*`` function is one loop of ``tessera_jax.planning.planner`` over pac
 (``_nb_groups``, ``_nb_units``, ``_nb_pack_units``), the step rows of keep/merge
 (``_nb_fill``, exact counts ``_nb_count``) and of split/pack (``_nb_rects`` and its helpers,
 bound ``_nb_rect_bound``; the pieces of one K/V tile joined into grid steps by
-``_nb_tiles_once``), the bitmap pass that leaves one step per (unit, K/V tile)
-(``_nb_bitmaps``), mask packing (``_nb_pack``) and row_index (``_nb_row_index``).
+``_nb_tiles_once``), the bitmap pass that leaves one step per (unit, K/V tile) (the rows of
+the units that revisit a tile compacted in place, ``_nb_bm_unit``: by split/pack's loop as it
+writes them, or after the loops by ``_nb_bm_ranges``; the steps of the revisited tiles and
+their bitmap words written once all step rows are, ``_nb_bm_pass``), mask packing
+(``_nb_pack``) and row_index (``_nb_row_index``).
 Loops that take (lo, hi) handle units/rows [lo, hi), so the planner can run two halves on
 two threads (they are nogil). Until numba is loaded each ``_nb_*`` name is a ``_Loop``
 stand-in: calls with small arrays (``INTERP_MAX_WORK``, within ``INTERP_BUDGET_S`` per
@@ -90,7 +93,7 @@ def _nb_tiles(js, je, kb, ka, tk, ltk):
 
 
 def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim, write,
-             steps, cnt, upart, ukeys, ptr, share):
+             steps, cnt, upart, ukeys, urev, ptr, share):
     """Step rows of units [lo, hi), written from steps[row0] (or only counted, with ``write``
     False); returns the end row.
 
@@ -100,11 +103,12 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
     non-decreasing kv_start, so a tile two intervals touch (aligned starts, tiles shifted back
     inside kvp) is the row just written: the interval's first tile joins it (tiles once, as
     ``_nb_push`` would: all rows of a unit are [qlo, qhi), so a step holds at most two key runs,
-    a grid of one row segment and key segments run, gap, run). A unit's rows depend
-    only on its group and its rows [qlo, qhi), so with ``share`` a unit equal in those to the
-    one before (the interior units of a tall row group) writes nothing and points at that
-    unit's rows. ``ptr[u]``: the first row of unit u; ``upart[u]``: its steps whose keys are not
-    the whole tile.
+    a grid of one row segment and key segments run, gap, run), else it is a revisit of that
+    tile (``urev[u]`` counts them: the bitmap pass, ``planner._bitmap_steps``, makes one step
+    of them). A unit's rows depend only on its group and its rows [qlo, qhi), so with
+    ``share`` a unit equal in those to the one before (the interior units of a tall row group)
+    writes nothing and points at that unit's rows. ``ptr[u]``: the first row of unit u;
+    ``upart[u]``: its steps whose keys are not the whole tile.
     """
     W = words.shape[2]
     one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
@@ -118,6 +122,7 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
             cnt[u] = cnt[u - 1]
             upart[u] = upart[u - 1]
             ukeys[u] = ukeys[u - 1]
+            urev[u] = urev[u - 1]
             continue
         ptr[u] = s
         s0 = s
@@ -126,6 +131,7 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
         grid_a = qh | (qh << 8) | (qh << 16)   # a two-run step's row cuts (one row segment)
         fullk = 0                          # steps whose keys are the whole tile
         keys = 0
+        rev = 0                            # rows that revisit the tile of the row before
         pk = -1                            # the last row: its kv_start (-1: none yet),
         pa = 0                             # keys [pa, pe), and if ``two`` the gap [pb, pc)
         pb = 0
@@ -191,6 +197,7 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
                     if write:
                         _nb_put(steps, s, kv, rows | (fl << _KV_LO) | (fh << _KV_HI))
                     fullk += (fl == 0) & (fh == tk)
+                    rev += kv == pk
                     pk, pa, pe, two = kv, fl, fh, False
                     s += 1
                 if n > 1:
@@ -212,6 +219,7 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
         cnt[u] = s - s0
         upart[u] = s - s0 - fullk
         ukeys[u] = keys
+        urev[u] = rev
     return s
 
 
@@ -221,7 +229,8 @@ def _nb_count(lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, lim, cnt):
     z = np.zeros(len(cnt), np.int64)
     _nb_fill(lo, hi, 0, words, ugh, ugi, merge, z, z, kb, ka, tk, ltk, lim, False,
              np.zeros((1, 4), np.int32), cnt, np.zeros(len(cnt), np.int64),
-             np.zeros(len(cnt), np.int64), np.zeros(len(cnt), np.int64), False)
+             np.zeros(len(cnt), np.int64), np.zeros(len(cnt), np.int64),
+             np.zeros(len(cnt), np.int64), False)
 
 
 def _nb_pack(lo, hi, b8, out):
@@ -319,12 +328,8 @@ def _nb_store(acc, steps, s):
     nR, nK = acc[2], acc[8]
     ql, qh = acc[3], acc[2 + nR]
     kl, kh = acc[9], acc[8 + nK]
-    steps[s, _KV_START] = acc[1]
-    steps[s, _RECT] = ql | (qh << _Q_HI) | (kl << _KV_LO) | (kh << _KV_HI)
-    if nR == 2 and nK == 2:
-        steps[s, _CUTS_A] = 0
-        steps[s, _CUTS_B] = 0
-    else:
+    _nb_put(steps, s, acc[1], ql | (qh << _Q_HI) | (kl << _KV_LO) | (kh << _KV_HI))
+    if nR > 2 or nK > 2:
         q2 = acc[5] if nR > 3 else qh
         q3 = acc[6] if nR > 4 else qh
         k2 = acc[11] if nK > 3 else kh
@@ -493,7 +498,9 @@ def _nb_tiles_once(src, n, dst, d0, write, tq, tk, acc):
     """Tiles once for the pieces src[:n] of one unit (plain rows in non-decreasing kv_start):
     the pieces of each K/V tile joined into grid steps, the steps written to dst[d0:] (with
     ``write``). Returns (steps, full steps made by joining: a piece that shares its tile is
-    never full, one alone is copied as it is)."""
+    never full, one alone is copied as it is; revisits: steps of a tile after its first, where
+    its pieces need more than one grid; the first step of the first tile revisited, from
+    d0)."""
     r = 1
     while r < n and src[r, _KV_START] != src[r - 1, _KV_START]:
         r += 1
@@ -502,9 +509,11 @@ def _nb_tiles_once(src, n, dst, d0, write, tq, tk, acc):
             for x in range(n):
                 for c in range(4):
                     dst[d0 + x, c] = src[x, c]
-        return n, np.int64(0)
+        return n, np.int64(0), np.int64(0), np.int64(0)
     o = d0
     full = 0
+    rev = 0
+    fr = 0
     if write:
         for x in range(r - 1):
             for c in range(4):
@@ -534,11 +543,14 @@ def _nb_tiles_once(src, n, dst, d0, write, tq, tk, acc):
                     continue
                 if _nb_acc_add(acc, ra, rb, kl, kh):
                     continue
-            if acc[1] >= 0:
+            if acc[1] >= 0:                     # the next step of this tile
+                if rev == 0:
+                    fr = o - d0
                 if write:
                     _nb_store(acc, dst, o)
                 full += _nb_acc_full(acc, tq, tk)
                 o += 1
+                rev += 1
             acc[1] = kv
             acc[2] = 2
             acc[3] = ra
@@ -551,7 +563,7 @@ def _nb_tiles_once(src, n, dst, d0, write, tq, tk, acc):
             _nb_store(acc, dst, o)
         full += _nb_acc_full(acc, tq, tk)
         o += 1
-    return o - d0, np.int64(full)
+    return o - d0, np.int64(full), np.int64(rev), np.int64(fr)
 
 
 def _nb_acc_full(acc, tq, tk):
@@ -561,14 +573,19 @@ def _nb_acc_full(acc, tq, tk):
 
 
 # --- bitmap steps: one step per (unit, K/V tile) ------------------------------------------
-# ``_nb_tiles_once`` leaves several grid steps where a tile's pieces need more than a 4 x 4 grid
-# (1-8 token blocks). ``_nb_bitmaps`` then rewrites the step ranges that revisit a tile: the
-# steps of each revisited tile become one step selecting their union, built in a bitmap bm of
-# 64-key lanes (int64 [nl * tq], nl = ceil(tk / 64); bit c % 64 of bm[(c // 64) * tq + r] is
-# entry (r, c)): a plain step if the union is a rectangle, a grid step if its normalised grid
-# (a cut before each row, or column, unlike the one before it) has at most 4 x 4 cells, else a
-# bitmap step (``abi.BITMAP_FLAG``) whose words (the ABI's 32-key words: lane halves) follow
-# the step rows. The spec, in plain Python: ``plan_oracle.bitmap_steps``.
+# ``_nb_tiles_once`` (and ``_nb_fill``'s join) leave several steps of one tile where its pieces
+# need more than a 4 x 4 grid (1-8 token blocks); the step loops count those revisits as they
+# write. ``_nb_bm_unit`` leaves one row per tile in a unit's rows and logs the steps of each
+# revisited tile: ``_nb_rects`` calls it on a unit that has any as it writes (the rows still in
+# cache), ``_nb_bm_ranges`` on step ranges written before (keep/merge's, and those of the plans
+# whose heads the planner chooses first). Once all step rows are written (and their end
+# known), ``_nb_bm_pass`` makes each logged tile one step selecting their union, built in a
+# bitmap bm of 64-key lanes (int64 [nl * tq], nl = ceil(tk / 64); bit c % 64 of
+# bm[(c // 64) * tq + r] is entry (r, c)): a plain step if the union is a rectangle, a grid
+# step if its normalised grid (a cut before each row, or column, unlike the one before it) has
+# at most 4 x 4 cells, else a bitmap step (``abi.BITMAP_FLAG``), whose words (the ABI's 32-key
+# words: lane halves) follow all the step rows. Units without revisits pay one comparison a
+# row. The spec, in plain Python: ``plan_oracle.bitmap_steps``.
 def _nb_bm_rect(bm, tq, a, b, c, d):
     """ORs rows [a, b) x keys [c, d) into the bitmap bm."""
     if a >= b or c >= d:
@@ -597,44 +614,78 @@ def _nb_bm_cut(lo, c1, c2, c3, hi, i):
     return hi
 
 
-def _nb_bm_add(bm, src, sflat, x, tq, nw):
-    """ORs the selection of step row x of src (``sflat``: its flat view) into bm: a plain
-    step's rectangle, a grid step's selected cells (each clipped to the rectangle, as
-    ``abi.grid_mask``), a bitmap step's words."""
+def _nb_bm_add(bm, src, x, tq, lo, hi):
+    """ORs the selection of step row x of src, in rows [lo, hi), into bm: a plain step's
+    rectangle, a grid step's selected cells (each clipped to the rectangle, as
+    ``abi.grid_mask``)."""
     rect = np.int64(src[x, _RECT])
     ca = np.int64(src[x, _CUTS_A])
     cb = np.int64(src[x, _CUTS_B])
-    ql = rect & 0xFF
-    qh = (rect >> _Q_HI) & 0xFF
+    ql = max(rect & 0xFF, lo)
+    qh = min((rect >> _Q_HI) & 0xFF, hi)
     kl = (rect >> _KV_LO) & 0xFF
     kh = (rect >> _KV_HI) & 0xFF
     if cb == 0:
         _nb_bm_rect(bm, tq, ql, qh, kl, kh)
         return
-    if cb == _BITMAP:
-        for w in range(nw):
-            base = (w >> 1) * tq
-            sh = 32 * (w & 1)
-            for r in range(tq):
-                bm[base + r] |= (np.int64(sflat[ca + w * tq + r]) & 0xFFFFFFFF) << sh
-        return
     q1, q2, q3 = ca & 0xFF, (ca >> 8) & 0xFF, (ca >> 16) & 0xFF
     k1, k2, k3 = (ca >> 24) & 0xFF, cb & 0xFF, (cb >> 8) & 0xFF
     bits = (cb >> _BITS) & 0xFFFF
-    for i in range(4):
-        ra = max(_nb_bm_cut(ql, q1, q2, q3, qh, i), ql)
+    for i in range(4):                         # each row segment: its cells' keys, lane by
+        ra = max(_nb_bm_cut(ql, q1, q2, q3, qh, i), ql)     # lane, ORed into its rows once
         rb = min(_nb_bm_cut(ql, q1, q2, q3, qh, i + 1), qh)
-        for j in range(4):
-            if (bits >> (4 * i + j)) & 1:
-                c0 = max(_nb_bm_cut(kl, k1, k2, k3, kh, j), kl)
-                c1 = min(_nb_bm_cut(kl, k1, k2, k3, kh, j + 1), kh)
-                _nb_bm_rect(bm, tq, ra, rb, c0, c1)
+        sel = (bits >> (4 * i)) & 0xF
+        if ra >= rb or sel == 0 or kl >= kh:
+            continue
+        for ln in range(kl >> 6, ((kh - 1) >> 6) + 1):
+            m = np.int64(0)
+            for j in range(4):
+                if (sel >> j) & 1:
+                    c0 = max(max(_nb_bm_cut(kl, k1, k2, k3, kh, j), kl) - 64 * ln, 0)
+                    c1 = min(min(_nb_bm_cut(kl, k1, k2, k3, kh, j + 1), kh) - 64 * ln, 64)
+                    if c0 < c1:
+                        mm = -(np.int64(1) << c0)           # keys >= c0 of the lane
+                        if c1 < 64:
+                            mm &= (np.int64(1) << c1) - 1
+                        m |= mm
+            if m != 0:
+                base = ln * tq
+                for r in range(ra, rb):
+                    bm[base + r] |= m
 
 
-def _nb_bm_emit(bm, kv, dst, flat, s, off, tq, nw, col, tr, cuts):
-    """Writes the union in bm (non-empty) as step row s of dst: plain or grid where its
-    normalised grid has at most 4 x 4 cells, else a bitmap step with its words at offset
-    ``off`` of ``flat`` (dst's flat view). Clears bm. Returns whether it wrote words."""
+def _nb_bm_union(bm, src, x, y, tq, tk):
+    """ORs the selections of step rows [x, y) of src (one tile's) into bm; returns the bounds
+    of their rectangles (rows [r0, r1), keys [c0, c1)) and whether they are ``uniform``: all of
+    one row segment over the same rows (keep/merge), when only row r0 is written (the union's
+    rows are all alike)."""
+    r0 = tq
+    r1 = 0
+    c0 = tk
+    c1 = 0
+    uniform = True
+    for z in range(x, y):
+        rect = np.int64(src[z, _RECT])
+        a, b = rect & 0xFF, (rect >> _Q_HI) & 0xFF
+        if z > x and (a != r0 or b != r1):
+            uniform = False
+        if (src[z, _CUTS_B] != 0
+                and (np.int64(src[z, _CUTS_A]) & 0xFFFFFF) != b | (b << 8) | (b << 16)):
+            uniform = False
+        r0 = min(r0, a)
+        r1 = max(r1, b)
+        c0 = min(c0, (rect >> _KV_LO) & 0xFF)
+        c1 = max(c1, (rect >> _KV_HI) & 0xFF)
+    for z in range(x, y):
+        _nb_bm_add(bm, src, z, tq, r0, r0 + 1 if uniform else tq)
+    return r0, r1, c0, c1, uniform
+
+
+def _nb_bm_emit(bm, kv, dst, s, tq, col, tr, cuts, r0, r1, l0, l1, uniform):
+    """Writes the union in bm (non-empty, inside rows [r0, r1) and lanes [l0, l1); with
+    ``uniform``, rows [r0, r1) all alike and only row r0 in bm) as step row s of dst: plain or
+    grid where its normalised grid has at most 4 x 4 cells, else a bitmap step (its words'
+    offset left 0: ``_nb_bm_pass``). Returns whether it is a bitmap step."""
     nl = col.shape[0]
     for ln in range(nl):
         col[ln] = 0
@@ -642,11 +693,11 @@ def _nb_bm_emit(bm, kv, dst, flat, s, off, tq, nw, col, tr, cuts):
     ql = -1
     qh = 0
     nd = 0                                     # rows unlike the one before (first 5 kept)
-    for r in range(tq):
+    for r in range(r0, r0 + 1 if uniform else min(r1 + 1, tq)):   # (and the row after it)
         a = np.int64(0)
         carry = np.int64(0)
         diff = False
-        for ln in range(nl):
+        for ln in range(l0, l1):
             x = bm[ln * tq + r]
             a |= x
             col[ln] |= x
@@ -661,6 +712,11 @@ def _nb_bm_emit(bm, kv, dst, flat, s, off, tq, nw, col, tr, cuts):
         if diff:
             if nd < 5:
                 cuts[nd] = r
+            nd += 1
+    if uniform:                                # row r0 all through, then none
+        qh = r1
+        if r1 < tq:
+            cuts[nd] = r1
             nd += 1
     # Row cuts inside the box: the changes but the box's first row (ql > 0) and its end.
     skip = 1 if ql > 0 else 0
@@ -696,13 +752,12 @@ def _nb_bm_emit(bm, kv, dst, flat, s, off, tq, nw, col, tr, cuts):
                     k2 = c
                 elif nk == 3:
                     k3 = c
-    dst[s, _KV_START] = kv
-    dst[s, _RECT] = ql | (qh << _Q_HI) | (kl << _KV_LO) | (kh << _KV_HI)
+    # The bounding box: a plain step if it is all selected (no cut), else cuts or words.
+    _nb_put(dst, s, kv, ql | (qh << _Q_HI) | (kl << _KV_LO) | (kh << _KV_HI))
     words = nr > 3 or nk > 3
-    if not words and nr == 0 and nk == 0:      # the bounding box, whole: a plain step
-        dst[s, _CUTS_A] = 0
-        dst[s, _CUTS_B] = 0
-    elif not words:                            # a grid step: the cell of each segment pair
+    if words:                                  # a bitmap step
+        dst[s, _CUTS_B] = _BITMAP
+    elif nr > 0 or nk > 0:                     # a grid step: the cell of each segment pair
         bits = 0
         for i in range(nr + 1):
             r = _nb_bm_cut(ql, q1, q2, q3, qh, i)
@@ -712,87 +767,136 @@ def _nb_bm_emit(bm, kv, dst, flat, s, off, tq, nw, col, tr, cuts):
                     bits |= 1 << (4 * i + j)
         dst[s, _CUTS_A] = q1 | (q2 << 8) | (q3 << 16) | (k1 << 24)
         dst[s, _CUTS_B] = k2 | (k3 << 8) | (bits << _BITS)
-    else:                                      # a bitmap step: its words at off
-        dst[s, _CUTS_A] = off
-        dst[s, _CUTS_B] = _BITMAP
-        for w in range(nw):
-            base = (w >> 1) * tq
-            sh = 32 * (w & 1)
-            o = off + w * tq
-            for r in range(tq):
-                flat[o + r] = (bm[base + r] >> sh) & 0xFFFFFFFF
-    for ln in range(nl):
-        for r in range(ql, qh):
-            bm[ln * tq + r] = 0
     return words
 
 
-def _nb_bitmaps(lo, hi, row0, src, sflat, rs, rn, rrev, dst, flat, w0, tq, tk, nptr, ncnt,
-                nfull):
-    """Tiles once, with bitmap steps: the step ranges src[rs[i] : rs[i] + rn[i]] (i in [lo,
-    hi): distinct, rrev[i] of their visits revisit a tile) rewritten into dst from row ``row0``,
-    range after range:
-    a range that revisits no tile is copied; in the others, the steps of each K/V tile (equal
-    kv_start: consecutive where the range is in non-decreasing kv_start, else grouped in a
-    stable sort by kv_start) become one step (``_nb_bm_emit``; a tile visited once keeps its
-    row), bitmap words from offset w0 of ``flat`` (dst's flat view) on, each from a row
-    boundary; ``sflat`` is src's flat view. ``nptr[i]`` / ``ncnt[i]``: the new range;
-    ``nfull[i]``: its full steps made by joining (a union that is the whole tile; the steps
-    of a revisited tile are never full, so the range's other full steps are as before).
-    Returns (end row, words written)."""
+def _nb_bm_unit(steps, s0, n, x0, u, log, nlog, ntile):
+    """One step per K/V tile for the rows steps[s0 : s0 + n] of unit u (non-decreasing
+    kv_start, the rows of a revisited tile consecutive, none before row x0), in place: a tile
+    visited once keeps its row, the rows of a revisited tile become one row (its kv_start, the
+    rest left to ``_nb_bm_pass``, which writes the step selecting their union), and the rows
+    freed at the end are zeroed. Each revisited tile is logged in ``log`` from row ``nlog``: a
+    row (its row, its rows' count, u, 0), then its rows (at most 3 n / 2 log rows in all,
+    which the log must have), and counted in ``ntile``. Returns (rows, nlog, ntile). (The log
+    is never grown here: an array reassigned in a compiled loop costs ~1 us a call.)"""
+    end = s0 + n
+    s = x0
+    x = x0
+    while x < end:
+        kv = steps[x, _KV_START]
+        y = x + 1
+        while y < end and steps[y, _KV_START] == kv:
+            y += 1
+        if y == x + 1:                         # visited once: the row as it is
+            if s < x:
+                for c in range(4):
+                    steps[s, c] = steps[x, c]
+        else:                                  # logged; one row for the pass to write
+            if nlog + 1 + y - x > log.shape[0]:     # (never: the callers size it)
+                raise RuntimeError("planner: the bitmap pass's log is too small")
+            log[nlog, 0] = s
+            log[nlog, 1] = y - x
+            log[nlog, 2] = u
+            log[nlog, 3] = 0
+            for z in range(x, y):
+                for c in range(4):
+                    log[nlog + 1 + z - x, c] = steps[z, c]
+            nlog += 1 + y - x
+            ntile += 1
+            _nb_put(steps, s, kv, 0)
+        s += 1
+        x = y
+    for r in range(s, end):
+        for c in range(4):
+            steps[r, c] = 0
+    return s - s0, nlog, ntile
+
+
+def _nb_bm_pass(log, nlog, shift, steps, w0, tq, tk, ujoin):
+    """The steps of the revisited tiles logged by ``_nb_bm_unit`` in log[:nlog]: each the
+    union of its tile's logged rows (``_nb_bm_union``) written at its row (the logged one +
+    ``shift``, where its part of the rows moved) by ``_nb_bm_emit``; a bitmap step's words
+    written one bitmap (``abi.bitmap_rows`` rows) after the other from int32 offset w0 of
+    ``steps`` (a multiple of 4, on zero rows: only the union's rows are written), its CUTS_A
+    that offset; ``ujoin[u]`` counts the unions of unit u that are the whole tile (full
+    steps). Returns the bitmap steps."""
     nw = (tk + 31) >> 5
-    wr = (nw * tq + 3) >> 2                    # rows of one bitmap (``abi.bitmap_rows``)
+    size = 4 * ((nw * tq + 3) >> 2)            # int32s of one bitmap, padded to whole rows
     nl = (tk + 63) >> 6
     bm = np.zeros(nl * tq, np.int64)
     col = np.zeros(nl, np.int64)
     tr = np.zeros(nl, np.int64)
     cuts = np.zeros(5, np.int64)
-    order = np.zeros(0, np.int64)
     full = (tq << _Q_HI) | (tk << _KV_HI)      # STEP_RECT of the whole tile, as an int32
     if full >= 1 << 31:
         full -= 1 << 32
+    flat = steps.reshape(steps.size)           # (C-contiguous: a view)
+    i = 0
+    k = 0
+    while i < nlog:
+        m = log[i, 1]
+        s = log[i, 0] + shift
+        r0, r1, c0, c1, uniform = _nb_bm_union(bm, log, i + 1, i + 1 + m, tq, tk)
+        l0, l1 = c0 >> 6, ((c1 - 1) >> 6) + 1
+        if _nb_bm_emit(bm, log[i + 1, _KV_START], steps, s, tq, col, tr, cuts, r0, r1, l0, l1,
+                       uniform):
+            off = w0 + k * size
+            steps[s, _CUTS_A] = off
+            for w in range(nw):
+                base = (w >> 1) * tq
+                sh = 32 * (w & 1)
+                o = off + w * tq
+                if uniform:
+                    v = (bm[base + r0] >> sh) & 0xFFFFFFFF
+                    for r in range(r0, r1):
+                        flat[o + r] = v
+                else:
+                    for r in range(r0, r1):
+                        flat[o + r] = (bm[base + r] >> sh) & 0xFFFFFFFF
+            k += 1
+        elif steps[s, _CUTS_B] == 0 and np.int64(steps[s, _RECT]) == full:
+            ujoin[log[i, 2]] += 1
+        for ln in range(l0, l1):               # bm back to zeros
+            for r in range(r0, r0 + 1 if uniform else r1):
+                bm[ln * tq + r] = 0
+        i += 1 + m
+    return k
+
+
+def _nb_bm_shift(log, nlog, shift, steps, d):
+    """Subtracts d from the words' offset (CUTS_A) of the bitmap steps logged in log[:nlog]
+    (rows: the logged ones + ``shift``): their words moved d int32s down."""
+    i = 0
+    while i < nlog:
+        s = log[i, 0] + shift
+        if steps[s, _CUTS_B] == _BITMAP:
+            steps[s, _CUTS_A] -= d
+        i += 1 + log[i, 1]
+
+
+def _nb_bm_ranges(lo, hi, src, rs, rn, rrev, dst, row0, nptr, ncnt, wmax):
+    """Rows written without the bitmap pass (``planner._bitmap_steps``) made ready for it: the step ranges src[rs[i] : rs[i] + rn[i]] (i in [lo, hi); rows in
+    non-decreasing kv_start each, rrev[i] revisits) copied to dst one after the other from row
+    row0, those that revisit a tile through ``_nb_bm_unit`` (the range as its unit);
+    ``nptr``, ``ncnt``: each range's first row and rows. Returns (end row, log, log rows,
+    revisited tiles) (the log sized by ``wmax``: at least the rows of the ranges that revisit a
+    tile)."""
+    log = np.empty((((3 * wmax) >> 1) + 1, 4), np.int32)     # lazily backed
+    nlog = 0
+    ntile = 0
     s = row0
-    wpos = 0
     for i in range(lo, hi):
         p = rs[i]
         n = rn[i]
+        for x in range(n):
+            for c in range(4):
+                dst[s + x, c] = src[p + x, c]
         nptr[i] = s
-        nfull[i] = 0
-        if rrev[i] == 0:
-            for x in range(n):                     # the rows as they are
-                for c in range(4):
-                    dst[s + x, c] = src[p + x, c]
-            s += n
-            ncnt[i] = n
-            continue
-        mono = True
-        for x in range(1, n):
-            if src[p + x, _KV_START] < src[p + x - 1, _KV_START]:
-                mono = False
-                break
-        if not mono:
-            order = np.argsort(src[p:p + n, _KV_START], kind="mergesort") + p
-        x = 0
-        while x < n:
-            a = p + x if mono else order[x]
-            kv = src[a, _KV_START]
-            y = x + 1
-            while y < n and src[p + y if mono else order[y], _KV_START] == kv:
-                y += 1
-            if y == x + 1:                     # visited once: the row as it is
-                for c in range(4):
-                    dst[s, c] = src[a, c]
-            else:
-                for z in range(x, y):
-                    _nb_bm_add(bm, src, sflat, p + z if mono else order[z], tq, nw)
-                if _nb_bm_emit(bm, kv, dst, flat, s, w0 + wpos, tq, nw, col, tr, cuts):
-                    wpos += 4 * wr
-                elif dst[s, _CUTS_B] == 0 and np.int64(dst[s, _RECT]) == full:
-                    nfull[i] += 1
-            s += 1
-            x = y
-        ncnt[i] = s - nptr[i]
-    return s, wpos
+        if rrev[i]:
+            n, nlog, ntile = _nb_bm_unit(dst, s, n, s, i, log, nlog, ntile)
+        ncnt[i] = n
+        s += n
+    return s, log, nlog, ntile
 
 
 def _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps):
@@ -815,16 +919,14 @@ def _nb_emit(s, ra, rb, c0, c1, anchor, tq, tk, ltk, kvp, write, steps):
     ts = t0 * tk + anchor
     kl = c0 + anchor - ts                  # only the first tile can start late
     for _ in range(t1 - t0 - 1):           # all tiles but the last end at the tile's end
-        steps[s, _KV_START] = ts
-        steps[s, _RECT] = rows | (kl << _KV_LO) | (tk << _KV_HI)
+        _nb_put(steps, s, ts, rows | (kl << _KV_LO) | (tk << _KV_HI))
         full += rows_full & (kl == 0)
         kl = 0
         ts += tk
         s += 1
     kh = c1 + anchor - ts
     sh = max(ts + tk - kvp, 0)
-    steps[s, _KV_START] = ts - sh
-    steps[s, _RECT] = rows | ((kl + sh) << _KV_LO) | ((kh + sh) << _KV_HI)
+    _nb_put(steps, s, ts - sh, rows | ((kl + sh) << _KV_LO) | ((kh + sh) << _KV_HI))
     full += rows_full & (kl + sh == 0) & (kh + sh == tk)
     return s + 1, full, (rb - ra) * (c1 - c0)
 
@@ -872,8 +974,8 @@ def _nb_emit_tiles(s, xa, xb, nr, c0, c1, anchor, tq, tk, ltk, kvp, write, steps
         sh = max(ts + tk - kvp, 0)
         for r in range(nr):
             ra, rb = xa[r], xb[r]
-            steps[s, _KV_START] = ts - sh
-            steps[s, _RECT] = ra | (rb << _Q_HI) | ((kl + sh) << _KV_LO) | ((kh + sh) << _KV_HI)
+            _nb_put(steps, s, ts - sh,
+                    ra | (rb << _Q_HI) | ((kl + sh) << _KV_LO) | ((kh + sh) << _KV_HI))
             full += (ra == 0) & (rb == tq) & (kl + sh == 0) & (kh + sh == tk)
             s += 1
         ts += tk
@@ -916,9 +1018,8 @@ def _nb_rects_one(u, s, w2, r, ra, rb, kb, ka, grid, tq, tk, ltk, kvp, write, st
                 ts = t0 * tk
                 if c1 - ts <= tk and ts + anchor <= lim:    # one tile, not shifted
                     if write:
-                        steps[s, _KV_START] = ts + anchor
-                        steps[s, _RECT] = (ra | (rb << _Q_HI) | ((c0 - ts) << _KV_LO)
-                                           | ((c1 - ts) << _KV_HI))
+                        _nb_put(steps, s, ts + anchor, (ra | (rb << _Q_HI) | ((c0 - ts) << _KV_LO)
+                                                        | ((c1 - ts) << _KV_HI)))
                         full += (c0 == ts) & (c1 - ts == tk)
                         keys += c1 - c0
                     s += 1
@@ -998,8 +1099,8 @@ def _nb_rects_two(u, s, w2, x0, x1, ra0, rb0, ra1, rb1, touch, kb, ka, grid, tq,
                     if c1 - ts <= tk and ts + anchor <= lim:   # one tile, not shifted
                         if write:
                             kl, kh = c0 - ts, c1 - ts
-                            steps[s, _KV_START] = ts + anchor
-                            steps[s, _RECT] = ra | (rb << _Q_HI) | (kl << _KV_LO) | (kh << _KV_HI)
+                            _nb_put(steps, s, ts + anchor,
+                                    ra | (rb << _Q_HI) | (kl << _KV_LO) | (kh << _KV_HI))
                             full += (ra == 0) & (rb == tq) & (kl == 0) & (kh == tk)
                             sel_area += (rb - ra) * (kh - kl)
                         s += 1
@@ -1083,14 +1184,17 @@ def _nb_rects_wide(u, s, w2, row, g0, g1, r0, r1, q0, olo, ohi, kb, ka, grid, tq
 
 
 def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, ka, grid, tq,
-              tk, ltk, kvp, bound, cap, write, steps, cnt, nfull, area):
+              tk, ltk, kvp, bound, cap, write, steps, cnt, nfull, area, urev, wmax, bitmaps):
     """split / pack: the steps of units [lo, hi), written from steps[row0] in unit order (or
-    only counted, with ``write`` False); returns (end row, end unit). The end unit is hi unless
-    a unit's bound (bound[u + 1] - bound[u]) could cross row ``cap``: it stops before that
-    unit. Unit u holds the row groups
-    [ugroups[u, 0], ugroups[u, 1]), loads rows [uq[u], uq[u] + tq) and owns [uqlo, uqhi) of
-    them; its step count goes to ``cnt``, and when writing its full steps and selected
-    interactions to ``nfull`` and ``area``.
+    only counted, with ``write`` False); returns (end row, end unit, log, log rows, revisited
+    tiles) (``_nb_bm_unit``'s log, sized by ``wmax``: at least the rows the call writes before
+    it; with ``bitmaps`` False the rows as written). The end unit is hi unless a unit's bound
+    (bound[u + 1] - bound[u]) could cross row ``cap``: it stops before that unit. Unit u holds
+    the row groups [ugroups[u, 0], ugroups[u, 1]), loads rows [uq[u], uq[u] + tq) and owns
+    [uqlo, uqhi) of them; its step count (after the bitmap pass) goes to ``cnt`` and its
+    revisits (steps of a tile after its first, before the pass) to ``urev``, and when writing
+    its full steps (but those ``_nb_bm_pass`` makes) and selected interactions to ``nfull``
+    and ``area``.
 
     As ``plan_oracle._unit_rects``: a unit's keys are cut at every run boundary of any of its
     groups (segments where the set of selecting groups is constant); in each segment inside
@@ -1100,7 +1204,8 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
     (pack), tiles crossing kvp shifted back; each tile's rows are clipped to the unit's own
     rows, and dropped if none. The rectangles of a segment are cut tile by tile, so a unit's
     pieces come in non-decreasing kv_start, and those of one K/V tile are joined into grid
-    steps by ``_nb_tiles_once`` (tiles once, as ``plan_oracle.tiles_once``).
+    steps by ``_nb_tiles_once`` (tiles once, as ``plan_oracle.tiles_once``); where a tile keeps
+    several, the unit's steps go through ``_nb_bm_unit`` (one step per tile).
     Units of one or two groups (most: blocks of about tile_q / 2 rows or more) have their own
     loops (``_nb_rects_one``, ``_nb_rects_two``); other units of <= 64 groups take the
     selecting groups as one word, read when a segment opens from the word being decoded;
@@ -1121,6 +1226,9 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
     xa = np.empty(nmax + 1, np.int64)      # the rectangles of one segment (rows)
     xb = np.empty(nmax + 1, np.int64)
     acc = np.zeros(_ACC_LEN, np.int64)     # ``_nb_tiles_once``'s step
+    log = np.empty((((3 * wmax) >> 1) + 1 if write else 1, 4), np.int32)    # lazily backed
+    nlog = 0
+    ntile = 0
     # Each unit's pieces are written to a scratch (in cache), then ``_nb_tiles_once`` writes
     # its steps to steps (or only counts them: counts are exact).
     smax = 1
@@ -1130,7 +1238,7 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
     s = row0
     for u in range(lo, hi):
         if s + bound[u + 1] - bound[u] > cap:
-            return s, u
+            return s, u, log, nlog, ntile
         g0, g1 = ugroups[u, 0], ugroups[u, 1]
         n = g1 - g0
         h = gh[g0]
@@ -1153,12 +1261,18 @@ def _nb_rects(lo, hi, row0, words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, 
         else:
             e = _nb_rects_many(u, b0, w2, row, wb, ca, rlo, rhi, n, g0, r0, r1, q0, olo, ohi,
                                kb, ka, grid, tq, tk, ltk, kvp, buf, nfull, area, xa, xb)
-        e, nf = _nb_tiles_once(scratch, e, steps, s, write, tq, tk, acc)
+        e, nf, rev, fr = _nb_tiles_once(scratch, e, steps, s, write, tq, tk, acc)
+        if rev and bitmaps:                # one row per tile (the rows are in cache)
+            if write:
+                e, nlog, ntile = _nb_bm_unit(steps, s, e, s + fr, u, log, nlog, ntile)
+            else:
+                e -= rev
         if write:
             nfull[u] += nf
         cnt[u] = e
+        urev[u] = rev
         s += e
-    return s, hi
+    return s, hi, log, nlog, ntile
 
 
 def _nb_rects_many(u, s, w2, row, wb, ca, rlo, rhi, n, g0, r0, r1, q0, olo, ohi, kb, ka, grid,
@@ -1218,9 +1332,8 @@ def _nb_rects_many(u, s, w2, row, wb, ca, rlo, rhi, n, g0, r0, r1, q0, olo, ohi,
                     if one_tile:       # one tile, not shifted
                         if write:
                             kl, kh = c0 - ts, c1 - ts
-                            steps[s, _KV_START] = ts + anchor
-                            steps[s, _RECT] = (ra | (rb << _Q_HI) | (kl << _KV_LO)
-                                               | (kh << _KV_HI))
+                            _nb_put(steps, s, ts + anchor, (ra | (rb << _Q_HI) | (kl << _KV_LO)
+                                                            | (kh << _KV_HI)))
                             full += (ra == 0) & (rb == tq) & (kl == 0) & (kh == tk)
                             sel_area += (rb - ra) * (kh - kl)
                         s += 1
@@ -1298,9 +1411,11 @@ _NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_tiles", "_nb_fill",
                "_nb_pack", "_nb_row_index", "_nb_units", "_nb_store", "_nb_acc_bound", "_nb_acc_add",
                "_nb_acc_norm", "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full",
                "_nb_scratch", "_nb_tiles_once", "_nb_bm_rect", "_nb_bm_cut", "_nb_bm_add",
-               "_nb_bm_emit", "_nb_bitmaps", "_nb_emit", "_nb_emit_more", "_nb_emit_tiles",
-               "_nb_rects_one", "_nb_rects_two", "_nb_rects_wide", "_nb_rects_many", "_nb_rects",
-               "_nb_rect_bound", "_nb_pack_units")
+               "_nb_bm_union", "_nb_bm_emit", "_nb_bm_unit", "_nb_bm_pass", "_nb_bm_shift",
+               "_nb_bm_ranges",
+               "_nb_emit", "_nb_emit_more", "_nb_emit_tiles", "_nb_rects_one", "_nb_rects_two",
+               "_nb_rects_wide", "_nb_rects_many", "_nb_rects", "_nb_rect_bound",
+               "_nb_pack_units")
 # Inlined into their callers (numba IR):
 _NB_INLINE = ("_nb_popcount", "_nb_put", "_nb_tiles", "_nb_store", "_nb_acc_bound",
               "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full", "_nb_bm_cut")

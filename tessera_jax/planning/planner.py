@@ -16,16 +16,22 @@ fits a 4 x 4 grid (at most 5 distinct row bounds and 5 distinct key bounds, the 
 normalised), in the step loops themselves (``plan_loops._nb_tiles_once``; keep/merge, whose
 pieces of a unit share their rows, join in ``_nb_fill`` as they write). Where the pieces of a
 tile need more than a 4 x 4 grid (tiles cut by more than 4 blocks per axis: 1-8 token blocks,
-token-level bands, small clusters), that leaves several steps of one tile; ``build_plan``'s last
-pass (``_bitmap_steps``, loop ``plan_loops._nb_bitmaps``; run only when some unit revisits a
-tile, found by a vectorised scan, ``_revisit_info``) makes them one step selecting their union:
-plain if it is a rectangle, a grid if it fits 4 x 4, else a bitmap step (``abi.BITMAP_FLAG``)
-whose words follow the step rows (``Plan.num_steps`` step rows, then ``Plan.bitmap_rows``
-word rows, ``abi.bitmap_rows`` per bitmap). So every plan visits each (unit, K/V tile) once
-(``stats()["tile_revisits"]`` == 0) and computes at most tile_q x tile_kv interactions there,
-whatever the block sizes. Units sharing a step range (shared masks, tall row groups) keep
-sharing it, words included. The specification, in plain Python: ``plan_oracle.tiles_once``
-(the grid join) and ``plan_oracle.bitmap_steps`` (the pass).
+token-level bands, small clusters), that leaves several steps of one tile. The bitmap pass makes
+them one step selecting their union: the step loops count these revisits as they write (a
+comparison a row); split's loops (``plan_loops._nb_rects``) pass the rows of a unit that has
+any, still in cache, to ``plan_loops._nb_bm_unit`` (one row per tile, in place; the steps of
+each revisited tile logged), and once all step rows are written ``_finish``
+(``plan_loops._nb_bm_pass``) writes each logged tile's step: plain if the union is a
+rectangle, a grid if it fits 4 x 4, else a bitmap step (``abi.BITMAP_FLAG``) whose words
+follow the step rows (``Plan.num_steps`` step rows, then ``Plan.bitmap_rows`` word rows,
+``abi.bitmap_rows`` per bitmap). The other policies' plans may lose heads to the fallback to
+split below (``auto``: to its choice among candidates), so their rows go through the same
+pass after that choice, on the kept units only (``_bitmap_steps``, which copies the step ranges
+and compacts those that revisit a tile), and only where some unit revisits a tile. So every
+plan visits each (unit, K/V tile) once (``stats()["tile_revisits"]`` == 0) and computes at
+most tile_q x tile_kv interactions there, whatever the block sizes. Units sharing a step range
+(shared masks, tall row groups) keep sharing it, words included. The specification, in plain
+Python: ``plan_oracle.tiles_once`` (the grid join) and ``plan_oracle.bitmap_steps`` (the pass).
 
 Policies (the tile shape is fixed by the template; ``q_align``/``kv_align`` are honoured by
 rounding tile starts down to a multiple, and tiles that would cross the padded length are
@@ -65,13 +71,13 @@ of the same tiles (``dense_tile_interactions``: ceil(Lq / tile_q) tile_q x ceil(
 tile_kv, which is Lq x Lkv when the tiles divide the lengths). A head whose plan would
 (``keep``/``merge`` anchor a tile at every block start: 1-token blocks computed ~400x dense)
 is planned by ``split`` instead where that computes less (``stats()["fallback_heads"]``,
-``head_policies``; the comparison counts the tiles each unit will visit after the bitmap pass,
-``_Raw.visits``). ``split`` visits each (query tile, key tile) of the global grid at most once,
-so it is always within dense. Bitmap steps do not make the fallback rare: keep/merge give a
-row group shorter than the tile a unit of its own (1-token query blocks: a unit per row, ~350x
-dense), and pack anchors tiles at its groups' key runs, off the grid (4-token blocks 2.5x,
-``masks.svg2("small")`` 8.8x dense at 64 x 64); what bitmap steps remove is split's (and pack's)
-revisits, so the fallback now lands within dense.
+``head_policies``; the comparison counts the tiles each unit visits, after the bitmap pass).
+``split`` visits each (query tile, key tile) of the global grid at most once, so it is always
+within dense. Bitmap steps do not make the fallback rare: keep/merge give a row group shorter
+than the tile a unit of its own (1-token query blocks: a unit per row, ~350x dense), and pack
+anchors tiles at its groups' key runs, off the grid (4-token blocks 2.5x, ``masks.svg2("small")``
+8.8x dense at 64 x 64); what bitmap steps remove is split's (and pack's) revisits, so the
+fallback now lands within dense.
 
 Every tile (step, counted once per unit that visits it) is classified for ``stats()``: it is
 *split* if its selection (a grid step's selected cells) covers only part of a logical block it
@@ -345,20 +351,32 @@ def _chunk(starts, ends, tile, align, limit):
 @dataclasses.dataclass
 class _Raw:
     """Units of one policy before scheduling; steps are laid out in unit order, or, with
-    ``ptr``, unit u's are rows [ptr[u], ptr[u] + cnt[u]) and units may share rows."""
+    ``ptr``, unit u's are rows [ptr[u], ptr[u] + cnt[u]) and units may share rows. The policies'
+    step loops (or ``_bitmap_steps`` after them) leave one step per (unit, K/V tile) (bitmap
+    steps where a grid does not do), ``words`` rows of bitmap words after the step rows; unless
+    ``pending``: then the rows as the loops joined them, ``rev`` revisits among them."""
 
     head: np.ndarray   # mask head of each unit
     qs: np.ndarray     # q_start
     lo: np.ndarray     # owned rows [lo, hi) relative to q_start
     hi: np.ndarray
     cnt: np.ndarray    # steps per unit
-    steps: np.ndarray  # int32 [>= S, STEP_COLS] ABI step rows (the first S are real, rest 0)
+    steps: np.ndarray  # int32 [>= S + words, STEP_COLS]: S step rows, the words, then zeros
     nfull: np.ndarray  # full steps per unit
     area: np.ndarray   # selected interactions per unit
     ptr: np.ndarray | None = None   # first row of each unit (None: consecutive, in unit order)
     stored: int | None = None       # rows of steps in use when ptr is given
-    words: int = 0                  # rows of bitmap words after the step rows (``_bitmap_steps``)
-    revisits: tuple | None = None   # ``_revisit_info`` of these rows, once computed
+    words: int = 0                  # rows of bitmap words after the step rows
+    wr: int = 0                     # rows of one bitmap's words (``abi.bitmap_rows``) if words
+    rev: np.ndarray | None = None   # per unit: its steps that revisited a tile, before the pass
+    njoin: np.ndarray | None = None  # per unit: full steps the pass made (counted in nfull)
+    pending: bool = False           # rows not through the bitmap pass yet (``_bitmap_steps``)
+
+    def __post_init__(self):
+        if self.rev is None:
+            self.rev = np.zeros(len(self.cnt), np.int64)
+        if self.njoin is None:
+            self.njoin = np.zeros(len(self.cnt), np.int64)
 
     @property
     def num_steps(self) -> int:
@@ -371,44 +389,63 @@ class _Raw:
         return np.cumsum(self.cnt) - self.cnt if self.ptr is None else self.ptr
 
     def visits(self) -> np.ndarray:
-        """The K/V tiles each unit visits once ``_bitmap_steps`` has made one step of each
-        (unit, tile): its step count less its revisits."""
-        return self.cnt - self.revisit_info()[0]
-
-    def revisit_info(self):
-        """``_revisit_info`` of the units' step ranges (computed once)."""
-        if self.revisits is None:
-            self.revisits = _revisit_info(self.steps, self.first, self.cnt)
-        return self.revisits
+        """The K/V tiles each unit visits (after the bitmap pass, if ``pending``)."""
+        return self.cnt - self.rev if self.pending else self.cnt
 
     def unshared(self) -> "_Raw":
-        """The same units with every unit's rows of its own, consecutive in unit order."""
+        """The same units with every unit's rows of its own (bitmap words too), consecutive in
+        unit order."""
         if self.ptr is None:
             return self
         S = int(self.cnt.sum())
         idx = np.repeat(self.ptr - (np.cumsum(self.cnt) - self.cnt), self.cnt) + np.arange(S)
-        steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
-        np.take(self.steps, idx, axis=0, out=steps[:S])
-        return dataclasses.replace(self, steps=steps, ptr=None, stored=None, revisits=None)
+        if self.words:
+            steps, words = _gather(self.steps, idx, self.stored, self.wr)
+        else:
+            steps, words = np.zeros((bucket(S), abi.STEP_COLS), np.int32), 0
+            np.take(self.steps, idx, axis=0, out=steps[:S])
+        return dataclasses.replace(self, steps=steps, ptr=None, stored=None, words=words)
 
     def select_heads(self, keep_head: np.ndarray) -> "_Raw":
-        """The units of the kept heads (rows in unit order: ``auto`` plans unshared)."""
-        assert self.ptr is None, "select_heads needs rows in unit order"
+        """The units of the kept heads (rows in unit order, no bitmap words yet: ``auto`` and
+        the fallback to split select heads before the bitmap pass)."""
+        assert self.ptr is None and not self.words, "select_heads: rows in unit order, no words"
         ku = keep_head[self.head]
         ks = np.repeat(ku, self.cnt)
         return _Raw(self.head[ku], self.qs[ku], self.lo[ku], self.hi[ku], self.cnt[ku],
-                    self.steps[: len(ks)][ks], self.nfull[ku], self.area[ku])
+                    self.steps[: len(ks)][ks], self.nfull[ku], self.area[ku],
+                    rev=self.rev[ku], njoin=self.njoin[ku], pending=self.pending)
 
     @staticmethod
     def concat(parts) -> "_Raw":
-        assert all(p.ptr is None for p in parts), "concat needs rows in unit order"
+        assert all(p.ptr is None and not p.words for p in parts), \
+            "concat needs rows in unit order, no bitmap words yet"
+        assert len({p.pending for p in parts}) == 1, "concat of pending and passed rows"
         cat = {f.name: np.concatenate([getattr(p, f.name) for p in parts])
                for f in dataclasses.fields(_Raw)
-               if f.name not in ("steps", "ptr", "stored", "words", "revisits")}
+               if f.name not in ("steps", "ptr", "stored", "words", "wr", "pending")}
         S = int(cat["cnt"].sum())
         steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
         np.concatenate([p.steps[: p.num_steps] for p in parts], out=steps[:S])
-        return _Raw(steps=steps, **cat)
+        return _Raw(steps=steps, pending=parts[0].pending, **cat)
+
+
+def _gather(steps: np.ndarray, rows: np.ndarray, S0: int, wr: int):
+    """The step rows ``rows`` of ``steps`` (step rows [0, S0), then the words of its bitmap
+    steps, ``wr`` rows each, as ``_finish`` lays them out), then the words of their bitmap
+    steps, in the order of those: (int32 [bucket(len(rows) + words), STEP_COLS], word rows)."""
+    x = steps[rows]
+    b = np.flatnonzero(x[:, abi.STEP_CUTS_B] == abi.BITMAP_FLAG)
+    S, words = len(x), len(b) * wr
+    out = np.zeros((bucket(S + words), abi.STEP_COLS), np.int32)
+    out[:S] = x
+    if len(b):
+        old = (x[b, abi.STEP_CUTS_A].astype(np.int64) // abi.STEP_COLS - S0) // wr
+        n = (len(steps) - S0) // wr
+        blocks = steps[S0: S0 + n * wr].reshape(n, wr, abi.STEP_COLS)
+        out[S: S + words] = blocks[old].reshape(-1, abi.STEP_COLS)
+        out[b, abi.STEP_CUTS_A] = (S + np.arange(len(b)) * wr) * abi.STEP_COLS
+    return out, words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,9 +498,13 @@ _MAX_BOUND_BYTES = 1 << 30     # reserve at most this much for the step-row boun
 _POOL = None                   # (pid, one-thread executor) of the second thread
 
 
-def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
-    """(cnt, steps, nfull, area) of ``_nb_rects``'s units, written in one pass into a reserved
-    upper bound, or after an exact counting pass where the bound is too large to reserve.
+def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool,
+                bitmaps: bool = True):
+    """(cnt, steps, nfull, area, rev, njoin, words) of ``_nb_rects``'s units (one step per
+    (unit, K/V tile); ``words`` rows of bitmap words after the step rows, ``_finish``; with
+    ``bitmaps`` False the rows as the loops join them, ``rev`` revisits), written in one pass
+    into a reserved upper bound, or after an exact counting pass where the bound is too large
+    to reserve. (Counting passes count the rows after the bitmap pass and the revisits.)
 
     On PLAN_THREADS threads the second half of the units is written from an estimate of where
     the first half ends (a sampled count, scaled by the bound; the first half stops at any unit
@@ -472,84 +513,101 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool):
     moved up to make room, and the rest written.
     """
     U = len(uq)
-    tk = ctx.tile_kv
+    tq, tk = ctx.tile_q, ctx.tile_kv
     kb = np.array(ctx.kb, np.int64)
     ltk = tk.bit_length() - 1 if tk & (tk - 1) == 0 else -1
     args = (ctx.words, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, kb, kb - kb % ctx.kv_align,
-            grid, ctx.tile_q, tk, ltk, ctx.kvp)
-    cnt = np.empty(U, np.int64)
-    nfull = np.zeros(U, np.int64)
-    area = np.zeros(U, np.int64)
+            grid, tq, tk, ltk, ctx.kvp)
+    cnt, nfull, area, rev, njoin = (np.zeros(U, np.int64) for _ in range(5))
+    per = (cnt, nfull, area, rev)
     cmax = int(((kb[1:] - kb[:-1] + 2 * tk - 2) // tk).max())
     bound = np.empty(U + 1, np.int64)
     _loops._nb_rect_bound(ctx.words, gh, gi, ugroups, cmax, bound)
     B = int(bound[-1])
     big = 1 << 62
     if _wide(U, B):
-        return _rect_steps_wide(args, bound, cnt, nfull, area)
+        steps, words = _rect_steps_wide(args, bound, per, tq, tk, bitmaps, njoin)
+        return cnt, steps, nfull + njoin, area, rev, njoin, words
     two = PLAN_THREADS >= 2 and U >= 2 and B >= _PAR_MIN_ROWS
     mid = min(max(int(np.searchsorted(bound, B // 2)), 1), U - 1) if two else U
     none = np.zeros((1, abi.STEP_COLS), np.int32)
     if bucket(B) * abi.STEP_COLS * 4 > _MAX_BOUND_BYTES:    # count first, then exact offsets
-        _run_split(_loops._nb_rects, U, B, 0, *args, bound, big, False, none, cnt, nfull, area)
-        exact = np.zeros(U + 1, np.int64)      # ``bound`` stays: the loops size by it
-        np.cumsum(cnt, out=exact[1:])
-        B = int(exact[-1])
-        r1 = int(exact[mid])
-    elif two:
-        r1 = min(int(bound[mid]), _first_half_rows(args, bound, mid))
-    steps = np.zeros((bucket(B), abi.STEP_COLS), np.int32)
-    out = (True, steps, cnt, nfull, area)
+        _run_split(_loops._nb_rects, U, B, 0, *args, bound, big, False, none, *per, 0, True)
+        written = cnt + rev                     # rows each unit writes before the bitmap pass
+        B = int(written.sum())
+        r1 = int(written[:mid].sum())
+        steps = np.zeros((_room(B, int(rev.sum()) if bitmaps else 0, tq, tk), abi.STEP_COLS),
+                         np.int32)
+    else:
+        if two:
+            r1 = min(int(bound[mid]), _first_half_rows(args, bound, mid))
+        steps = _reserve(B)
+    out = (True, steps) + per
     if not two:
-        S, _ = _loops._nb_rects(0, U, 0, *args, bound, big, *out)
-        return cnt, steps[: bucket(S)], nfull, area
-    fut = _on_worker(_loops._nb_rects, mid, U, r1, *args, bound, big, *out)
-    e0, stop = _loops._nb_rects(0, mid, 0, *args, bound, r1, *out)
-    e1, _ = fut.result()
+        S, _, log, nlog, nt = _loops._nb_rects(0, U, 0, *args, bound, big, *out, B, bitmaps)
+        steps, words = _finish(steps, S, [(log, nlog, nt, 0)], tq, tk, S, njoin)
+        return cnt, steps, nfull + njoin, area, rev, njoin, words
+    fut = _on_worker(_loops._nb_rects, mid, U, r1, *args, bound, big, *out,
+                     int(bound[U] - bound[mid]), bitmaps)
+    # (Its log by the rows its units write before the pass: the cap r1 is on the rows after.)
+    e0, stop, log0, n0, b0 = _loops._nb_rects(0, mid, 0, *args, bound, r1, *out,
+                                              int(bound[mid]), bitmaps)
+    e1, _, log1, n1, b1 = fut.result()
+    start1 = r1                 # where the second half was written (its log's rows)
+    parts = [(log0, n0, b0, 0)]
     top = e1                    # rows at or past S up to here were written: zeroed at the end
-    row = steps.strides[0]
     if stop < mid:              # the estimate was short: count the rest, make room, write it
         rest = np.empty(U, np.int64)
-        c, _ = _loops._nb_rects(stop, mid, 0, *args, bound, big, False, none, rest, nfull, area)
-        r2 = e0 + c
-        ctypes.memmove(steps.ctypes.data + r2 * row, steps.ctypes.data + r1 * row,
-                       (e1 - r1) * row)
+        rrev = np.zeros(U, np.int64)
+        c = _loops._nb_rects(stop, mid, 0, *args, bound, big, False, none, rest, nfull, area,
+                             rrev, 0, True)[0]
+        r2 = e0 + c + int(rrev[stop:mid].sum())       # its rows before the bitmap pass
+        if not bitmaps:
+            c = r2 - e0
+        _move_rows(steps, r2, r1, e1 - r1)
         if r2 > r1:             # left behind by the move: rows are written on zeros
             steps[r1:r2] = 0
         e1, r1 = r2 + e1 - r1, r2
-        e, _ = _loops._nb_rects(stop, mid, e0, *args, bound, big, *out)
-        if e != r2:
+        top = max(top, e1)
+        e, _, log2, n2, b2 = _loops._nb_rects(stop, mid, e0, *args, bound, big, *out, r2 - e0,
+                                              bitmaps)
+        if e != e0 + c:
             raise RuntimeError("planner: split/pack step count changed between passes")
-        e0 = r2
+        parts.append((log2, n2, b2, 0))
+        e0 = e
     if e0 > r1 or e1 > bucket(B):      # the bound is proven and the cap checked; never seen
         raise RuntimeError("planner: split/pack steps exceeded their bound")
     S = e0 + e1 - r1
-    if r1 > e0:                 # move the second half down
-        ctypes.memmove(steps.ctypes.data + e0 * row, steps.ctypes.data + r1 * row,
-                       (e1 - r1) * row)
-    steps[S:min(top, bucket(S))] = 0           # the rest is outside the view
-    return cnt, steps[: bucket(S)], nfull, area
+    _move_rows(steps, e0, r1, e1 - r1)          # the second half down
+    parts.append((log1, n1, b1, e0 - start1))
+    steps, words = _finish(steps, S, parts, tq, tk, top, njoin)
+    return cnt, steps, nfull + njoin, area, rev, njoin, words
 
 
-def _rect_steps_wide(args, bound, cnt, nfull, area):
+def _rect_steps_wide(args, bound, per, tq: int, tk: int, bitmaps: bool, njoin):
     """``_rect_steps`` on PLAN_THREADS threads: the units in chunks of about equal bound, each
     chunk's rows counted, then each chunk written from its exact offset (both passes in
-    parallel; no estimate, no move)."""
+    parallel; no estimate), the gaps its bitmap pass left closed after. Returns (steps,
+    words)."""
+    cnt, rev = per[0], per[3]
     edges = _wide_edges(bound)
     chunks = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
     big = 1 << 62
     none = np.zeros((1, abi.STEP_COLS), np.int32)
-    counted = _on_threads_wide([(_loops._nb_rects, lo, hi, 0, *args, bound, big, False, none,
-                                 cnt, nfull, area) for lo, hi in chunks])
-    offs = np.zeros(len(chunks) + 1, np.int64)
-    np.cumsum([c for c, _ in counted], out=offs[1:])
-    S = int(offs[-1])
-    steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
+    _on_threads_wide([(_loops._nb_rects, lo, hi, 0, *args, bound, big, False, none, *per, 0,
+                       True) for lo, hi in chunks])
+    offs = np.zeros(len(chunks) + 1, np.int64)     # rows written before the bitmap pass
+    np.cumsum([int(cnt[lo:hi].sum() + rev[lo:hi].sum()) for lo, hi in chunks], out=offs[1:])
+    steps = np.zeros((_room(int(offs[-1]), int(rev.sum()) if bitmaps else 0, tq, tk),
+                      abi.STEP_COLS), np.int32)
     ends = _on_threads_wide([(_loops._nb_rects, lo, hi, int(o), *args, bound, big, True, steps,
-                              cnt, nfull, area) for (lo, hi), o in zip(chunks, offs[:-1])])
-    if [e for e, _ in ends] != offs[1:].tolist():
+                              *per, int(o1 - o), bitmaps)
+                             for (lo, hi), o, o1 in zip(chunks, offs[:-1], offs[1:])])
+    kept = [int(cnt[lo:hi].sum()) for lo, hi in chunks]
+    if [e[0] - int(o) for e, o in zip(ends, offs[:-1])] != kept:
         raise RuntimeError("planner: split/pack step count changed between passes")
-    return cnt, steps, nfull, area
+    S, parts = _close_gaps(steps, offs, ends, kept)
+    return _finish(steps, S, parts, tq, tk, max(e[0] for e in ends), njoin)
 
 
 def _wide_edges(bound: np.ndarray) -> np.ndarray:
@@ -576,6 +634,26 @@ def _on_threads_wide(calls):
 _WIDE_POOL = None       # ((pid, PLAN_THREADS), executor) of the wide split/pack
 
 
+def _close_gaps(steps, offs, ends, kept):
+    """Moves chunk c's ``kept[c]`` rows (written from row offs[c]) down after the rows of the
+    chunks before it (the bitmap pass left the rest of its rows free). Returns (step rows,
+    ``_finish``'s parts: each chunk's log and the move)."""
+    dest = 0
+    parts = []
+    for c, (o, e) in enumerate(zip(offs[:-1].tolist(), ends)):
+        _move_rows(steps, dest, o, kept[c])
+        parts.append((e[-3], e[-2], e[-1], dest - o))
+        dest += kept[c]
+    return dest, parts
+
+
+def _move_rows(steps: np.ndarray, to: int, frm: int, n: int) -> None:
+    """Moves rows [frm, frm + n) of ``steps`` to row ``to`` (the ranges may overlap)."""
+    if to != frm and n > 0:
+        row = steps.strides[0]
+        ctypes.memmove(steps.ctypes.data + to * row, steps.ctypes.data + frm * row, n * row)
+
+
 _SAMPLE_STRIDE = 32     # every this many units of the first half are counted for the estimate
 _EST_MARGIN = 0.02      # relative headroom of the estimate
 _EST_SLACK = 64         # and absolute headroom (rows)
@@ -591,11 +669,84 @@ def _first_half_rows(args, bound, mid: int) -> int:
     np.cumsum(bound[idx + 1] - bound[idx], out=sb[1:])
     c = np.empty(len(idx), np.int64)
     z = np.zeros(len(idx), np.int64)
-    n, _ = _loops._nb_rects(0, len(idx), 0, *sargs, sb, 1 << 62, False,
-                            np.zeros((1, abi.STEP_COLS), np.int32), c, z, z)
+    n = _loops._nb_rects(0, len(idx), 0, *sargs, sb, 1 << 62, False,
+                         np.zeros((1, abi.STEP_COLS), np.int32), c, z, z, z, 0, True)[0]
     if sb[-1] == 0:
         return 0
     return max(int(bound[mid] * (n / sb[-1]) * (1 + _EST_MARGIN)) + _EST_SLACK, 0)
+
+
+# --- the bitmap pass's last stage: after all the step rows -------------------------------
+# ``plan_loops._nb_bm_unit`` leaves one row per (unit, K/V tile) in the rows of the units that
+# revisit a tile (in split/pack's loops as they write, or in ``_bitmap_steps`` after them) and
+# logs the steps of each revisited tile; a bitmap step's words go after all the step rows,
+# whose end is known only once every part of them is written and moved. ``_finish`` then writes each logged tile's step, the union of its logged
+# steps, and the words of the bitmap steps (``plan_loops._nb_bm_pass``), each union built once.
+_ROOM_MIN_ROWS = 1 << 16    # reservations from this many rows get as many again for words
+
+
+def _reserve(rows: int) -> np.ndarray:
+    """Zeros for up to ``rows`` step rows (a bound): int32 [bucket(rows), STEP_COLS], with as
+    many rows again (within _MAX_BOUND_BYTES) from _ROOM_MIN_ROWS rows on, so that the bitmap
+    words after the step rows seldom need the rows copied (``_finish``). The OS backs only the
+    rows written."""
+    n = bucket(rows)
+    if n >= _ROOM_MIN_ROWS:
+        n += max(0, min(n, _MAX_BOUND_BYTES // (abi.STEP_COLS * 4) - n))
+    return np.zeros((n, abi.STEP_COLS), np.int32)
+
+
+def _room(rows: int, revisits: int, tq: int, tk: int) -> int:
+    """Rows for ``rows`` step rows written before the bitmap pass, ``revisits`` of them
+    revisits (the pass leaves rows - revisits): the steps and the most words it can write (a
+    bitmap per revisit), bucketed."""
+    return bucket(rows + revisits * (abi.bitmap_rows(tq, tk) - 1))
+
+
+def _finish(steps: np.ndarray, S: int, parts, tq: int, tk: int, top: int, njoin):
+    """The plan's step array from ``steps``, whose rows [0, S) are the step rows (rows from S
+    up to ``top`` may hold rows left behind: zeroed): the steps of the revisited tiles logged
+    in ``parts`` ((log, log rows, tiles, how far that part's rows moved) per part, in row
+    order) written, their bitmap words after the step rows (``plan_loops._nb_bm_pass``, the
+    parts on threads: each writes its words after room for all the tiles of the parts before,
+    moved down after); ``njoin[u]`` counts unit u's steps made whole (full). Returns (int32
+    [bucket(S + words), STEP_COLS], word rows): a view of ``steps`` where it has the rows,
+    else a copy of the step rows."""
+    T = sum(p[2] for p in parts)
+    if T == 0:
+        out = steps[: bucket(S)]
+        out[S:min(top, len(out))] = 0
+        return out, 0
+    wr = abi.bitmap_rows(tq, tk)
+    need = bucket(S + T * wr)                  # room for a bitmap per tile
+    if need <= steps.shape[0]:
+        work = steps[:need]
+        work[S:min(top, need)] = 0
+    else:
+        work = np.zeros((need, abi.STEP_COLS), np.int32)
+        work[:S] = steps[:S]
+    calls, room = [], []
+    k = 0
+    for log, nlog, n, shift in parts:
+        if n:
+            calls.append((_loops._nb_bm_pass, log, nlog, shift, work,
+                          (S + k * wr) * abi.STEP_COLS, tq, tk, njoin))
+            room.append((log, nlog, shift, S + k * wr))
+        k += n
+    if PLAN_THREADS >= 2 and len(calls) >= 2 and T * wr >= _PAR_MIN_ROWS // 4:
+        made = _on_threads_wide(calls)
+    else:
+        made = [fn(*a) for fn, *a in calls]
+    dest = S
+    for (log, nlog, shift, at), n in zip(room, made):
+        if at > dest and n:            # the words down after those of the parts before
+            _move_rows(work, dest, at, n * wr)
+            _loops._nb_bm_shift(log, nlog, shift, work, (at - dest) * abi.STEP_COLS)
+        dest += n * wr
+    words = dest - S
+    out = work[: bucket(S + words)]
+    out[S + words: min(S + T * wr, len(out))] = 0          # left behind by the moves
+    return out, words
 
 
 def warm_up() -> None:
@@ -616,6 +767,10 @@ def warm_up() -> None:
     for merge in (False, True):
         _plan_rowgroups(ctx, merge)
         _loops._nb_count(0, 1, words, z64, z64, merge, b, b, 8, 3, 0, z64.copy())
+    b = np.arange(9)                    # 1-token blocks, a checkerboard: a bitmap step
+    ctx = _Ctx(b, b, pack_rows((np.add.outer(b[:8], b[:8]) % 2 == 0)[None]), 8, 8, 1, 1, 8, 8)
+    _plan_grid(ctx)
+    _bitmap_steps(_plan_grid(ctx, bitmaps=False), 8, 8)      # (the pass after the loops)
 
 
 def _on_worker(fn, *args):
@@ -648,6 +803,9 @@ SHARE_STEP_LISTS = True
 def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
     """keep / merge: one row group per unit, the group's K/V tiles anchored at interval starts
     (compiled; ``.unshared()`` of the result equals ``plan_oracle._plan_rowgroups_numpy``'s).
+    The rows are ``pending``: the bitmap pass is ``_bitmap_steps``'s (``build_plan`` decides
+    the fallback to split first, which is common on token-level masks: none of the pass is
+    spent on rows it drops).
     ``share`` (default SHARE_STEP_LISTS): the interior units of a tall row group (same group,
     same rows) point at one copy of their step rows, so an all-selected mask stores one list
     per unit height instead of one per unit: a smaller plan to build and to copy to the GPU."""
@@ -667,16 +825,14 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
     cmax = int(((kb[1:] - ka[:-1] + tk - 1) // tk).max())
     bound = np.zeros(U + 1, np.int64)              # cumulative bound on step rows
     np.cumsum(pc[ug] * cmax, out=bound[1:])
-    cnt = np.empty(U, np.int64)
-    upart = np.empty(U, np.int64)
-    ukeys = np.empty(U, np.int64)
-    ptr = np.empty(U, np.int64)
+    cnt, upart, ukeys, rev, ptr = (np.empty(U, np.int64) for _ in range(5))
     B = int(bound[-1])
     common = (words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim)
     if _wide(U, B):
-        steps, S, ptr = _rowgroups_wide(common, bound, cnt, upart, ukeys, share)
+        steps, S, ptr = _rowgroups_wide(common, bound, cnt, upart, ukeys, rev, share)
         nfull = np.where((qlo == 0) & (qhi == tq), cnt - upart, 0)
-        raw = _Raw(ugh, qs, qlo, qhi, cnt, steps, nfull, (qhi - qlo) * ukeys)
+        raw = _Raw(ugh, qs, qlo, qhi, cnt, steps, nfull, (qhi - qlo) * ukeys, rev=rev,
+                   pending=True)
         if share:
             raw.ptr, raw.stored = ptr, S
         return raw
@@ -685,7 +841,7 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
     if bucket(B) * abi.STEP_COLS * 4 <= _MAX_BOUND_BYTES:
         steps = np.zeros((bucket(B), abi.STEP_COLS), np.int32)
         r1 = int(bound[mid])
-        out = (True, steps, cnt, upart, ukeys, ptr, share)
+        out = (True, steps, cnt, upart, ukeys, rev, ptr, share)
         fut = _on_worker(_loops._nb_fill, mid, U, r1, *common, *out) if two else None
         e0 = _loops._nb_fill(0, mid, 0, *common, *out)
         S = e0
@@ -693,9 +849,7 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
             e1 = fut.result()
             S = e0 + e1 - r1
             if r1 > e0:                         # move the second half down, zero the rest
-                row = steps.strides[0]
-                ctypes.memmove(steps.ctypes.data + e0 * row, steps.ctypes.data + r1 * row,
-                               (e1 - r1) * row)
+                _move_rows(steps, e0, r1, e1 - r1)
                 steps[S:min(e1, bucket(S))] = 0        # the rest is outside the view
                 ptr[mid:] -= r1 - e0
         steps = steps[: bucket(S)]     # a view; the OS never backs the bound's untouched rows
@@ -709,19 +863,19 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
         r1 = int(cnt[:mid].sum())
         steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
         share = False           # the halves are placed by exact counts: no rows left out
-        out = (True, steps, cnt, upart, ukeys, ptr, share)
+        out = (True, steps, cnt, upart, ukeys, rev, ptr, share)
         fut = _on_worker(_loops._nb_fill, mid, U, r1, *common, *out) if two else None
         _loops._nb_fill(0, mid, 0, *common, *out)
         if fut is not None:
             fut.result()
     nfull = np.where((qlo == 0) & (qhi == tq), cnt - upart, 0)
-    raw = _Raw(ugh, qs, qlo, qhi, cnt, steps, nfull, (qhi - qlo) * ukeys)
+    raw = _Raw(ugh, qs, qlo, qhi, cnt, steps, nfull, (qhi - qlo) * ukeys, rev=rev, pending=True)
     if share:
         raw.ptr, raw.stored = ptr, S
     return raw
 
 
-def _rowgroups_wide(common, bound, cnt, upart, ukeys, share: bool):
+def _rowgroups_wide(common, bound, cnt, upart, ukeys, rev, share: bool):
     """keep/merge's step rows on PLAN_THREADS threads: the units in chunks of about equal
     bound, each unit's steps counted, then each chunk written from its exact offset (both passes
     in parallel). A chunk's first unit never shares the rows of the unit before it (``_nb_fill``
@@ -745,7 +899,7 @@ def _rowgroups_wide(common, bound, cnt, upart, ukeys, share: bool):
     steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
     ptr = np.empty(U, np.int64)
     ends = _on_threads_wide([(_loops._nb_fill, lo, hi, int(o), *common, True, steps, cnt, upart,
-                              ukeys, ptr, share) for (lo, hi), o in zip(chunks, offs[:-1])])
+                              ukeys, rev, ptr, share) for (lo, hi), o in zip(chunks, offs[:-1])])
     if list(ends) != offs[1:].tolist():
         raise RuntimeError("planner: keep/merge step count changed between passes")
     return steps, S, ptr
@@ -756,7 +910,7 @@ def _empty_raw() -> _Raw:
     return _Raw(z, z, z, z, z, np.zeros((1, abi.STEP_COLS), np.int32), z, z)
 
 
-def _plan_grid(ctx: _Ctx) -> _Raw:
+def _plan_grid(ctx: _Ctx, bitmaps: bool = True) -> _Raw:
     """split: units are the query grid cells, K/V tiles the key grid cells (compiled steps:
     a counting pass, then the rows; the arrays equal ``plan_oracle._plan_grid_numpy``'s)."""
     tq = ctx.tile_q
@@ -772,14 +926,16 @@ def _plan_grid(ctx: _Ctx) -> _Raw:
     ugroups = np.stack([ustart, np.append(ustart[1:], len(gh))], axis=1)
     uq = gcell[ustart]
     z = np.zeros(len(uq), np.int64)
-    cnt, steps, nfull, area = _rect_steps(ctx, gh, gi, r0, r1, ugroups, uq, z, z + tq,
-                                          grid=True)
+    cnt, steps, nfull, area, rev, njoin, words = _rect_steps(ctx, gh, gi, r0, r1, ugroups, uq,
+                                                             z, z + tq, True, bitmaps)
     lo = np.minimum.reduceat(r0, ustart) - uq
     hi = np.maximum.reduceat(r1, ustart) - uq
-    return _Raw(gh[ustart], uq, lo, hi, cnt, steps, nfull, area)
+    return _Raw(gh[ustart], uq, lo, hi, cnt, steps, nfull, area, words=words,
+                wr=abi.bitmap_rows(tq, ctx.tile_kv) if words else 0, rev=rev, njoin=njoin,
+                pending=not bitmaps)
 
 
-def _plan_pack(ctx: _Ctx) -> _Raw:
+def _plan_pack(ctx: _Ctx, bitmaps: bool = True) -> _Raw:
     """pack: consecutive row groups share one unit while they fit in tile_q rows; each unit's
     K/V tiles are anchored at the runs of the union of its groups' key sets (compiled steps;
     the arrays
@@ -795,150 +951,98 @@ def _plan_pack(ctx: _Ctx) -> _Raw:
                                         ctx.tile_q, ctx.q_align, ctx.qp)
     ustart = ugroups[:, 0]
     ugroups = ugroups[cu]
-    cnt, steps, nfull, area = _rect_steps(ctx, gh, gi, r0, r1, ugroups, qs, qlo, qhi,
-                                          grid=False)
+    cnt, steps, nfull, area, rev, njoin, words = _rect_steps(ctx, gh, gi, r0, r1, ugroups, qs,
+                                                             qlo, qhi, False, bitmaps)
     has = cnt > 0
     return _Raw(gh[ustart[cu]][has], qs[has], qlo[has], qhi[has], cnt[has], steps, nfull[has],
-                area[has])
-
-
-def _revisit_info(steps: np.ndarray, first: np.ndarray, cnt: np.ndarray):
-    """(revisits, tiles, unordered) per unit of the step ranges [first, first + cnt) of
-    ``steps``: its visits of a K/V tile it visited before, an upper bound on its tiles visited
-    more than once, and whether its kv_starts ever decrease. A unit's steps come in
-    non-decreasing kv_start (each policy's tiles start at multiples of kv_align at or before
-    their keys, in key order, shifted back to kvp - tile_kv at most), so its revisits are runs
-    of equal consecutive kv_starts. One vectorised pass over the rows finds the rows whose tile
-    does not follow the row before's (a revisit, a decrease, or a range's first row); the rest
-    is per candidate row and per unit (binary searches). A unit whose kv_starts decrease (none
-    so far) is counted exactly, one by one."""
-    U = len(cnt)
-    z = np.zeros(U, np.int64)
-    if U == 0:
-        return z, z.copy(), np.zeros(U, bool)
-    first = np.asarray(first, np.int64)
-    cnt = np.asarray(cnt, np.int64)
-    end = first + cnt
-    R = int(end.max())
-    kv = steps[:R, abi.STEP_KV_START]
-    cand = np.flatnonzero(kv[1:] <= kv[:-1]) + 1        # rows s: kv[s] <= kv[s - 1]
-    if cand.size == 0:
-        return z, z.copy(), np.zeros(U, bool)
-    eq = kv[cand] == kv[cand - 1]
-    down = ~eq
-    # prev_eq: row s - 1 is a candidate repeating its own row before (a run goes on at s).
-    at = np.searchsorted(cand, cand - 1)
-    prev_eq = (at < len(cand)) & (cand[np.minimum(at, len(cand) - 1)] == cand - 1)
-    prev_eq &= eq[np.minimum(at, len(cand) - 1)]
-    start = eq & ~prev_eq                               # a run of equal tiles starts at s
-    Ce, Cd, Cs = (np.r_[0, np.cumsum(x, dtype=np.int64)] for x in (eq, down, start))
-    lo = np.searchsorted(cand, first, side="right")     # candidates s in (first, end)
-    hi = np.searchsorted(cand, end, side="left")
-    hi = np.maximum(hi, lo)
-    rev = Ce[hi] - Ce[lo]
-    unordered = (Cd[hi] - Cd[lo]) > 0
-    # A run starting at first + 1 whose row before (first) repeats the previous unit's tile
-    # was not counted as a start.
-    k = np.minimum(lo, len(cand) - 1)
-    fix = (lo < hi) & (cand[k] == first + 1) & eq[k] & prev_eq[k]
-    tiles = Cs[hi] - Cs[lo] + fix
-    for u in np.flatnonzero(unordered):
-        x = kv[first[u]: end[u]]
-        rev[u] = len(x) - len(np.unique(x))
-        tiles[u] = rev[u]
-    return rev, tiles, unordered
+                area[has], words=words,
+                wr=abi.bitmap_rows(ctx.tile_q, ctx.tile_kv) if words else 0, rev=rev[has],
+                njoin=njoin[has], pending=not bitmaps)
 
 
 def _bitmap_steps(raw: _Raw, tile_q: int, tile_kv: int) -> _Raw:
-    """Tiles once for every unit: where a unit visits a K/V tile more than once (tiles cut by
-    more than 4 blocks per axis, which grid steps cannot hold), the steps of that tile become
-    one step selecting their union (``plan_loops._nb_bitmaps``: plain if a rectangle, a grid
-    where it fits 4 x 4, else a bitmap step). Runs only when some unit revisits a tile (the
-    raw comes back as it is otherwise). Each distinct step range (units sharing rows keep
-    sharing) is rewritten once, in row order, compactly: the step rows first, then the bitmap
-    words (``abi.bitmap_rows`` rows each); the array is re-bucketed."""
+    """The bitmap pass on a raw plan whose rows did not go through it in the step loops
+    (``pending``: keep/merge's, and the policies' whose heads ``build_plan`` chooses first, on
+    the chosen units only; or rows written otherwise, such as tests' hand-written rows): where
+    a unit visits a K/V tile more than once (its rows in non-decreasing kv_start, plain and grid
+    steps), the steps of that tile become one step selecting their union
+    (``plan_loops._nb_bm_unit``, as in split/pack's loops: plain if a rectangle, a grid where
+    it fits 4 x 4, else a bitmap step). Each distinct step range (units sharing rows keep
+    sharing) is rewritten once, in row order, compactly (``plan_loops._nb_bm_ranges``): the
+    step rows first, then the bitmap words (``abi.bitmap_rows`` rows each, ``_finish``). The
+    raw as it is where no unit revisits a tile."""
+    if raw.pending and not raw.rev.any():
+        return dataclasses.replace(raw, pending=False)
     first, cnt = raw.first, raw.cnt
-    rev, tiles, _ = raw.revisit_info()
-    if not rev.any():
-        return raw
     U = len(cnt)
     live = np.flatnonzero(cnt > 0)
     big = int(raw.num_steps) + 1
     key = first[live].astype(np.int64) * big + cnt[live]
     uk, pick, inv = np.unique(key, return_index=True, return_inverse=True)
     rs, rn = uk // big, uk % big
-    rrev, rtiles = rev[live[pick]], tiles[live[pick]]
-    S = int((rn - rrev).sum())                 # one row per distinct (unit, tile)
-    wr = abi.bitmap_rows(tile_q, tile_kv)
-    rows = S + int(rtiles.sum()) * wr           # at most one bitmap per revisited tile
-    if bucket(rows) * abi.STEP_COLS * 4 > _MAX_BOUND_BYTES:
-        raise MemoryError(f"planner: bitmap steps would need {rows} rows of steps")
-    steps = np.zeros((bucket(rows), abi.STEP_COLS), np.int32)
-    nptr = np.empty(len(uk), np.int64)
-    ncnt = np.empty(len(uk), np.int64)
-    njoin = np.empty(len(uk), np.int64)
-    src = np.ascontiguousarray(raw.steps[: int((rs + rn).max())])
+    if raw.pending:                             # revisits counted by the step loops
+        rrev = raw.rev[live[pick]]
+    else:
+        kv = raw.steps[:, abi.STEP_KV_START]
+        same = np.r_[0, np.cumsum(kv[1:] == kv[:-1])]    # rows y <= x like y - 1
+        rrev = same[rs + rn - 1] - same[rs]
+    if not rrev.any():
+        return dataclasses.replace(raw, pending=False) if raw.pending else raw
+    tq, tk = tile_q, tile_kv
     R = len(uk)
-    out = (steps, steps.reshape(-1))
-    args = (src, src.reshape(-1), rs, rn, rrev)
-    # Two halves of about equal work on two threads: the second writes its words after the
-    # first half's bound, moved down after (their offsets too).
+    steps = np.zeros((_room(int(rn.sum()), int(rrev.sum()), tq, tk), abi.STEP_COLS), np.int32)
+    nptr, ncnt, njoin = (np.zeros(R, np.int64) for _ in range(3))
+    # Two halves of about equal work on two threads: the second written after the first's
+    # rows as they were, then moved down.
     work = np.cumsum(np.where(rrev > 0, rn, 0))
     two = PLAN_THREADS >= 2 and R >= 2 and int(work[-1]) >= _PAR_MIN_ROWS // 4
     mid = min(max(int(np.searchsorted(work, work[-1] // 2)), 1), R - 1) if two else R
-    S0 = int((rn[:mid] - rrev[:mid]).sum())
-    B0 = int(rtiles[:mid].sum()) * wr * abi.STEP_COLS     # words the first half may write
-    w0 = S * abi.STEP_COLS
-    fut = (_on_worker(_loops._nb_bitmaps, mid, R, S0, *args, *out, w0 + B0, tile_q, tile_kv,
-                      nptr, ncnt, njoin) if two else None)
-    e0, n0 = _loops._nb_bitmaps(0, mid, 0, *args, *out, w0, tile_q, tile_kv, nptr, ncnt,
-                                njoin)
-    end, nw = e0, n0
+    r1 = int(rn[:mid].sum())
+    args = (raw.steps, rs, rn, rrev, steps)
+    fut = (_on_worker(_loops._nb_bm_ranges, mid, R, *args, r1, nptr, ncnt,
+                      int(rn[mid:][rrev[mid:] > 0].sum())) if two else None)
+    e0, log0, n0, t0 = _loops._nb_bm_ranges(0, mid, *args, 0, nptr, ncnt,
+                                             int(rn[:mid][rrev[:mid] > 0].sum()))
+    S, top, parts = e0, e0, [(log0, n0, t0, 0)]
     if fut is not None:
-        end, n1 = fut.result()
-        if e0 != S0:
-            raise RuntimeError("planner: the bitmap pass wrote other rows than counted")
-        if n0 < B0 and n1:                     # move the second half's words down
-            flat = steps.reshape(-1)
-            ctypes.memmove(flat.ctypes.data + (w0 + n0) * 4, flat.ctypes.data + (w0 + B0) * 4,
-                           n1 * 4)
-            flat[w0 + n0 + n1: w0 + B0 + n1] = 0     # left behind by the move
-            tail = steps[S0:S]
-            bm = tail[:, abi.STEP_CUTS_B] == abi.BITMAP_FLAG
-            tail[bm, abi.STEP_CUTS_A] -= B0 - n0
-        nw = n0 + n1
-    if end != S or nw % abi.STEP_COLS or nw > int(rtiles.sum()) * wr * abi.STEP_COLS:
-        raise RuntimeError("planner: the bitmap pass wrote other rows than counted")
-    words = nw // abi.STEP_COLS
-    steps = steps[: bucket(S + words)]         # a view; the bound's untouched rows are zero
-    ptr = np.zeros(U, np.int64)
-    new_cnt = np.zeros(U, np.int64)
-    nfull = raw.nfull.copy()
+        e1, log1, n1, t1 = fut.result()
+        S, top = e0 + e1 - r1, e1
+        _move_rows(steps, e0, r1, e1 - r1)
+        nptr[mid:] -= r1 - e0
+        parts.append((log1, n1, t1, e0 - r1))
+    out, words = _finish(steps, S, parts, tq, tk, top, njoin)
+    ptr, new_cnt, rev, nj = (np.zeros(U, np.int64) for _ in range(4))
     inv = inv.reshape(-1)
     ptr[live] = nptr[inv]
     new_cnt[live] = ncnt[inv]
-    nfull[live] += njoin[inv]
-    return dataclasses.replace(raw, cnt=new_cnt, steps=steps, nfull=nfull, ptr=ptr, stored=S,
-                               words=words, revisits=None)
+    rev[live] = rrev[inv]
+    nj[live] = njoin[inv]
+    return dataclasses.replace(raw, cnt=new_cnt, steps=out, nfull=raw.nfull + nj, ptr=ptr,
+                               stored=S, words=words, wr=abi.bitmap_rows(tq, tk) if words else 0,
+                               rev=rev, njoin=nj, pending=False)
 
 
 def _raw_costs(raw: _Raw, ctx: _Ctx, shape: AttnShape, model, cnt=None) -> np.ndarray:
     """Estimated ns of each unit of ``raw``; ``cnt``: its step counts if not raw.cnt (the
-    tiles it will visit after ``_bitmap_steps``)."""
+    tiles it will visit after the bitmap pass, ``_Raw.visits``)."""
     cnt = raw.cnt if cnt is None else cnt
     return _sched.unit_costs(cnt, cnt - raw.nfull, tile_q=ctx.tile_q,
                              tile_kv=ctx.tile_kv, head_dim=shape.head_dim,
                              itemsize=np.dtype(shape.dtype).itemsize, model=model)
 
 
-def _plan_policy(ctx: _Ctx, policy: str, share: bool | None = None) -> _Raw:
+def _plan_policy(ctx: _Ctx, policy: str, share: bool | None = None,
+                 bitmaps: bool = True) -> _Raw:
     """The units and steps of one policy (tiles once: the step loops join the pieces of one
-    K/V tile into grid steps as they write them)."""
+    K/V tile into grid steps as they write them; with ``bitmaps`` one step of the steps of
+    each tile a unit revisits, made by split/pack's loops as they write or by
+    ``_bitmap_steps`` after keep/merge's; without, the raw is ``pending``)."""
     if policy == "split":
-        return _plan_grid(ctx)
+        return _plan_grid(ctx, bitmaps)
     if policy == "pack":
-        return _plan_pack(ctx)
-    return _plan_rowgroups(ctx, merge=(policy == "merge"), share=share)
+        return _plan_pack(ctx, bitmaps)
+    raw = _plan_rowgroups(ctx, merge=(policy == "merge"), share=share)
+    return _bitmap_steps(raw, ctx.tile_q, ctx.tile_kv) if bitmaps else raw
 
 
 def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_kv: int,
@@ -1041,9 +1145,11 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     bound = dense_tile_interactions(shape.q_len, shape.kv_len, tile_q, tile_kv)
     mixed = policy == "auto"
     if policy == "auto":
-        # Unshared rows: the heads' policies are mixed by selecting rows in unit order.
-        raws = [_plan_policy(ctx, p, share=False) for p in _AUTO_CANDIDATES]
-        visits = [r.visits() for r in raws]     # steps after _bitmap_steps (below)
+        # Unshared rows: the heads' policies are mixed by selecting rows in unit order; the
+        # bitmap pass runs on the selected units only (below), the candidates counting the
+        # steps it will leave.
+        raws = [_plan_policy(ctx, p, share=False, bitmaps=False) for p in _AUTO_CANDIDATES]
+        visits = [r.visits() for r in raws]
         costs = [_raw_costs(r, ctx, shape, cost_model, v) for r, v in zip(raws, visits)]
         per_head = np.stack([np.bincount(r.head, weights=c, minlength=Hd)
                              for r, c in zip(raws, costs)])
@@ -1052,27 +1158,32 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
                          for r, v in zip(raws, visits)])
         per_head = np.where(over & ~over.all(axis=0), np.inf, per_head)
         choice = np.argmin(per_head, axis=0)            # ties -> the earlier policy
-        raw = _Raw.concat([r.select_heads(choice == k) for k, r in enumerate(raws)])
+        raw = _bitmap_steps(_Raw.concat([r.select_heads(choice == k)
+                                         for k, r in enumerate(raws)]), tile_q, tile_kv)
         head_policies = tuple(_AUTO_CANDIDATES[choice[k]] for k in hmap)
-    else:
+    elif policy == "split":             # always within dense: the step loops' bitmap pass
         raw = _plan_policy(ctx, policy, share=share)
         head_policies = (policy,) * mask.num_heads
-        if policy != "split":
-            # Enforced: a head whose plan computes more than dense takes split's plan, where
-            # that computes less (a mask of 1-token blocks under keep/merge: a tile anchored
-            # at every block start).
-            comp = _head_computed(raw, Hd, tile_q, tile_kv, raw.visits())
-            if (comp > bound).any():
-                alt = _plan_policy(ctx, "split", share=False)
-                use = (comp > bound) & (_head_computed(alt, Hd, tile_q, tile_kv,
-                                                       alt.visits()) < comp)
-                if use.any():
-                    raw = _Raw.concat([raw.unshared().select_heads(~use),
-                                       alt.select_heads(use)])
-                    head_policies = tuple("split" if use[k] else policy for k in hmap)
-                    mixed = True
-    # Tiles once: the steps of a (unit, K/V tile) visited more than once become one step.
-    raw = _bitmap_steps(raw, tile_q, tile_kv)
+    else:
+        # Enforced: a head whose plan computes more than dense takes split's plan, where that
+        # computes less (a mask of 1-token blocks under keep/merge: a tile anchored at every
+        # block start). Token-level masks make such heads common, so the bitmap pass runs
+        # after the choice (``_bitmap_steps``), never on rows that are then dropped; the
+        # comparison counts the tiles each unit will visit after it.
+        raw = _plan_policy(ctx, policy, share=share, bitmaps=False)
+        head_policies = (policy,) * mask.num_heads
+        comp = _head_computed(raw, Hd, tile_q, tile_kv, raw.visits())
+        if (comp > bound).any():
+            alt = _plan_policy(ctx, "split", share=False, bitmaps=False)
+            use = (comp > bound) & (_head_computed(alt, Hd, tile_q, tile_kv, alt.visits())
+                                    < comp)
+            if use.any():
+                raw = _Raw.concat([raw.unshared().select_heads(~use), alt.select_heads(use)])
+                head_policies = tuple("split" if use[k] else policy for k in hmap)
+                mixed = True
+        raw = _bitmap_steps(raw, tile_q, tile_kv)
+    # Tiles once: one step of each (unit, K/V tile), made by split's step loops, else by
+    # _bitmap_steps.
     first = raw.first
     cost = _raw_costs(raw, ctx, shape, cost_model)
     # Selected interactions per unit, from its rectangles (each is computed exactly once).
