@@ -167,9 +167,21 @@ def kernels_section(res, args, rule):
                 # The same call with each dk/dv plan choice forced (the controls of the pick).
                 from tessera_jax.runtime import autodiff
                 saved = autodiff.DKV_POLICIES, autodiff.PAIRED_DKV_POLICY
+
+                def dkv_pick():     # (tile_q, policy) of the dk/dv plan under the settings
+                    autodiff.clear_cache()
+                    tp = autodiff.transposed_plan(tj.plan(mask, (1, L, H, D), (1, L, H, D),
+                                                          dtype, backend=args.backend))
+                    return tp.tile_q, tp.policy
+
+                row["dkv_pick"] = pick = dkv_pick()
                 for cname, pols, paired in DKV_CONTROLS:
                     try:
                         autodiff.DKV_POLICIES, autodiff.PAIRED_DKV_POLICY = pols, paired
+                        if dkv_pick() == pick:          # the pick itself: timed above
+                            row.setdefault("dkv_controls", {})[cname] = dict(
+                                **t.to_json(), same_as_ours=True)
+                            continue
                         autodiff.clear_cache()
                         ctl, _ = fwd_bwd_fns(mask, args.backend, args.dense_impl)
                         tc = timing.time_kernel(ctl, sets, rule=rule)
