@@ -469,8 +469,8 @@ def train_step_section(res, args):
     mask = K.mask_cubes_topk(grid, cfg.num_heads, args.train_density, args.seed + 5)
     order = cube_order(grid)
     out = res.setdefault("train_step", {})
-    out.update(config=dict(remat_per_block=args.remat, layers=cfg.num_layers, heads=cfg.num_heads, head_dim=cfg.head_dim,
-                           tokens=L, latent=latent, mask_density=mask.density,
+    out.update(config=dict(remat_per_block=args.remat, layers=cfg.num_layers,
+                           heads=cfg.num_heads, head_dim=cfg.head_dim, tokens=L, latent=latent, mask_density=mask.density,
                            param_dtype=cfg.param_dtype))
     key = jax.random.key(2)
     x0 = jax.random.normal(key, (1,) + latent + (cfg.in_channels,), jnp.float32)

@@ -207,9 +207,10 @@ def _scatter_rows(order, keep_sorted):
     return out.reshape(order.shape)
 
 
-#: How ``vsa_mask`` and ``sparge_mask(topk=...)`` take each row's top k: "radix" (``_top_k_mask``: radix searches for the
-#: k-th largest, no sort; predicted ~1 ms at Wan 720p) or "sort" (``lax.top_k``, which sorts
-#: each row: 4.1 ms measured at [40, 1180, 1180]). ``bench_loop --builder-costs vsa_sort``.
+#: How ``vsa_mask`` and ``sparge_mask(topk=...)`` take each row's top k: "radix"
+#: (``_top_k_mask``: radix searches for the k-th largest, no sort; predicted ~1 ms at Wan
+#: 720p) or "sort" (``lax.top_k``, which sorts each row: 4.1 ms measured at [40, 1180, 1180]).
+#: ``bench_loop --builder-costs vsa_sort, sparge_topk_sort`` time the sort.
 TOP_K = "radix"
 
 

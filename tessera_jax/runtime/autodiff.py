@@ -137,7 +137,7 @@ def _mosaic_interpret():
 #: The backward of each backend of ``dispatch.BACKENDS``.
 BACKWARD: "types.MappingProxyType[str, Backward]" = types.MappingProxyType({b.name: b for b in (
     Backward("mosaic_gpu", _mosaic_dq, _mosaic_dkv, _mosaic_tiles, fold_vmap=True,
-             paired_dkv_tiles=(64, 64, 8, 8)),
+             paired_dkv_tiles=(64, 64, 8, 8)),       # mosaic.backward.DKV_PAIRED_TILES
     Backward("triton", _triton_dq, _triton_dkv, _triton_tiles),
     Backward("xla", _xla_dq, _xla_dkv, lambda tq, tk, shape: (tk, tq, 1, 1), first_order=False),
 )})
@@ -218,9 +218,10 @@ def clear_cache() -> None:
 
 
 #: Policies tried for the host dk/dv plan with the backend's dk/dv tiles; the plan of least
-#: estimated time (``_dkv_score``) wins, paired units (``PAIRED_DKV_POLICY``) among them. On the transposed
-#: Wan 480p masks (computed / selected on top-k cubes, sliding tiles, clusters): 128 x 64
-#: merge 2.61 / 2.26 / 2.06, pack 2.04 / 1.26 / 1.68; paired 64 x 64 pack 1.23 / 1.04 / 1.46.
+#: estimated time (``_dkv_score``) wins, paired units (``PAIRED_DKV_POLICY``) among them. On
+#: the transposed Wan 480p masks (computed / selected on top-k cubes, sliding tiles,
+#: clusters): 128 x 64 merge 2.61 / 2.26 / 2.06, pack 2.04 / 1.26 / 1.68; paired 64 x 64 pack
+#: 1.23 / 1.04 / 1.46.
 DKV_POLICIES: tuple[str, ...] = ("merge", "pack")
 PAIRED_DKV_POLICY: str | None = "pack"
 
