@@ -225,6 +225,14 @@ def _unit(c, ring):
             c.units[u, abi.UNIT_STEP_PTR], cnt, valid)
 
 
+def _if_valid(c, valid, fn):
+    """Runs ``fn`` (a unit's store) unless a paired CTA's second ring is past the last unit."""
+    if c.paired:
+        pl.when(valid)(fn)
+    else:
+        fn()
+
+
 def _slot(g, ring):
     return lax.rem(g, jnp.array(STAGES, g.dtype)) + ring * STAGES
 
@@ -273,10 +281,7 @@ def _dq_consumer(c: _Dq, wg):
         plgpu.copy_smem_to_gmem(q_smem, c.dq.at[b, u, pl.ds(row0, WG_ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
-    if c.paired:
-        pl.when(valid)(store)
-    else:
-        store()
+    _if_valid(c, valid, store)
 
 
 def _dq_producer(c: _Dq):
@@ -459,10 +464,7 @@ def _dkv_consumer(c: _Dkv, wg):
         plgpu.commit_smem_to_gmem_group()
         plgpu.wait_smem_to_gmem(0)
 
-    if c.paired:
-        pl.when(valid)(store)
-    else:
-        store()
+    _if_valid(c, valid, store)
 
 
 def _dkv_producer(c: _Dkv):

@@ -52,6 +52,16 @@ def _steps_of(u, steps, M: int):
     return steps[jnp.where(valid, ptr[:, None] + m[None, :], 0)], valid
 
 
+def _padded(q, k, v, do, lse, delta, q_rows: int, kv_rows: int):
+    """q, k, v, do, lse, delta in float32, the query side padded to ``q_rows`` (lse with +inf,
+    delta with 0: padded rows select nothing) and the key side to ``kv_rows``."""
+    f32 = jnp.float32
+    qp, dop = (rows_.pad_len(x.astype(f32), q_rows) for x in (q, do))
+    kp, vp = (rows_.pad_len(x.astype(f32), kv_rows) for x in (k, v))
+    return (qp, kp, vp, dop, rows_.pad_rows(lse.astype(f32), q_rows, jnp.inf),
+            rows_.pad_rows(delta.astype(f32), q_rows, 0.0))
+
+
 @functools.partial(jax.jit, static_argnames=_STATICS)
 def dq(q, k, v, do, lse, delta, units, steps, row_index=None, *, tile_q, tile_kv,
        q_len_padded, kv_len_padded, max_steps, scale):
@@ -62,11 +72,8 @@ def dq(q, k, v, do, lse, delta, units, steps, row_index=None, *, tile_q, tile_kv
     on the device from units."""
     B, Lq, Hq, D = q.shape
     group = Hq // k.shape[2]
-    f32 = jnp.float32
-    qp, dop = (rows_.pad_len(x.astype(f32), q_len_padded) for x in (q, do))
-    kp, vp = (rows_.pad_len(x.astype(f32), kv_len_padded) for x in (k, v))
-    lse_p = rows_.pad_rows(lse.astype(f32), q_len_padded, jnp.inf)
-    delta_p = rows_.pad_rows(delta.astype(f32), q_len_padded, 0.0)
+    qp, kp, vp, dop, lse_p, delta_p = _padded(q, k, v, do, lse, delta, q_len_padded,
+                                              kv_len_padded)
     flat = steps.reshape(-1)
     r_t, c_t = jnp.arange(tile_q), jnp.arange(tile_kv)
 
@@ -102,11 +109,9 @@ def dkv(q, k, v, do, lse, delta, units, steps, row_index=None, *, tile_q, tile_k
     B, Lq, Hq, D = q.shape
     Lkv, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    f32 = jnp.float32
-    kp, vp = (rows_.pad_len(x.astype(f32), q_len_padded) for x in (k, v))
-    qp, dop = (rows_.pad_len(x.astype(f32), kv_len_padded) for x in (q, do))
-    lse_p = rows_.pad_rows(lse.astype(f32), kv_len_padded, jnp.inf)
-    delta_p = rows_.pad_rows(delta.astype(f32), kv_len_padded, 0.0)
+    # The transposed plan's rows are keys (q_len_padded), its steps queries (kv_len_padded).
+    qp, kp, vp, dop, lse_p, delta_p = _padded(q, k, v, do, lse, delta, kv_len_padded,
+                                              q_len_padded)
     flat = steps.reshape(-1)
     r_t, c_t = jnp.arange(tile_q), jnp.arange(tile_kv)
 
