@@ -233,6 +233,14 @@ def _if_valid(c, valid, fn):
         fn()
 
 
+def _warpgroups(c, consumer, producer):
+    """The kernel body per warpgroup: ``consumer(c, wg)`` on the CONSUMERS compute
+    warpgroups, ``producer(c)`` on the last (the loads)."""
+    wg = lax.axis_index("wg")
+    pl.when(wg < CONSUMERS)(functools.partial(consumer, c, wg))
+    pl.when(wg == CONSUMERS)(functools.partial(producer, c))
+
+
 def _slot(g, ring):
     return lax.rem(g, jnp.array(STAGES, g.dtype)) + ring * STAGES
 
@@ -339,9 +347,7 @@ def _dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, pair
                     k_smem=bufs[4], v_smem=bufs[5], in_bars=in_bars, k_bar=kv_bars[0],
                     v_bar=kv_bars[1], k_consumed=consumed[0], v_consumed=consumed[1],
                     **static)
-            wg = lax.axis_index("wg")
-            pl.when(wg < CONSUMERS)(functools.partial(_dq_consumer, c, wg))
-            pl.when(wg == CONSUMERS)(functools.partial(_dq_producer, c))
+            _warpgroups(c, _dq_consumer, _dq_producer)
 
         pl.run_scoped(
             scoped,
@@ -524,9 +530,7 @@ def _dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, in
                      k_smem=bufs[0], v_smem=bufs[1], q_smem=bufs[2], do_smem=bufs[3],
                      lse_smem=bufs[4], delta_smem=bufs[5], kv_bars=kv_bars,
                      ring_bars=ring_bars, consumed=consumed, **static)
-            wg = lax.axis_index("wg")
-            pl.when(wg < CONSUMERS)(functools.partial(_dkv_consumer, c, wg))
-            pl.when(wg == CONSUMERS)(functools.partial(_dkv_producer, c))
+            _warpgroups(c, _dkv_consumer, _dkv_producer)
 
         pl.run_scoped(
             scoped,
