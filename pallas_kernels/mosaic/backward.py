@@ -241,6 +241,28 @@ def _warpgroups(c, consumer, producer):
     pl.when(wg == CONSUMERS)(functools.partial(producer, c))
 
 
+def _produce(c, load, drain):
+    """The producer warpgroup of both kernels: for each ring's unit (two when paired), step
+    i's tiles loaded by ``load(slot, i, b, head, start)`` (start: the step's STEP_KV_START;
+    ``load`` waits for the slot to be free), then ``drain(slot)`` on the last STAGES slots,
+    so the CTA ends only after the consumers are done with them."""
+    plgpu.set_max_registers(40, action="decrease")
+    streams = [_unit(c, ring) for ring in range(2 if c.paired else 1)]
+
+    @pl.loop(0, functools.reduce(jnp.maximum, [s[5] for s in streams]))
+    def _(i):
+        for ring, (_, b, head, _, ptr, cnt, _) in enumerate(streams):
+            @pl.when(i < cnt)
+            def _():
+                start = pl.multiple_of(c.steps[ptr + i, abi.STEP_KV_START], _ALIGN)
+                load(_slot(i, ring), i, b, head, start)
+
+    for ring, unit in enumerate(streams):
+        @pl.loop(jnp.maximum(unit[5] - STAGES, 0), unit[5])
+        def _(g):
+            drain(_slot(g, ring))
+
+
 def _slot(g, ring):
     return lax.rem(g, jnp.array(STAGES, g.dtype)) + ring * STAGES
 
@@ -293,36 +315,24 @@ def _dq_consumer(c: _Dq, wg):
 
 
 def _dq_producer(c: _Dq):
-    plgpu.set_max_registers(40, action="decrease")
-    streams = []
-    for ring in range(2 if c.paired else 1):
-        _, b, head, _, ptr, cnt, _ = _unit(c, ring)
-        streams.append((b, lax.div(head, jnp.array(c.group, head.dtype)), ptr, cnt))
+    def load(slot, i, b, head, kv_start):
+        src = (b, pl.ds(kv_start, c.tile_kv), lax.div(head, jnp.array(c.group, head.dtype)))
 
-    @pl.loop(0, functools.reduce(jnp.maximum, [s[3] for s in streams]))
-    def _(i):
-        for ring, (b, kv_head, ptr, cnt) in enumerate(streams):
-            @pl.when(i < cnt)
-            def _():
-                slot = _slot(i, ring)
-                kv_start = pl.multiple_of(c.steps[ptr + i, abi.STEP_KV_START], _ALIGN)
-                src = (b, pl.ds(kv_start, c.tile_kv), kv_head)
+        @pl.when(i >= STAGES)
+        def _():
+            plgpu.barrier_wait(c.k_consumed.at[slot])
+        plgpu.copy_gmem_to_smem(c.k.at[src], c.k_smem.at[slot], c.k_bar.at[slot])
 
-                @pl.when(i >= STAGES)
-                def _():
-                    plgpu.barrier_wait(c.k_consumed.at[slot])
-                plgpu.copy_gmem_to_smem(c.k.at[src], c.k_smem.at[slot], c.k_bar.at[slot])
+        @pl.when(i >= STAGES)
+        def _():
+            plgpu.barrier_wait(c.v_consumed.at[slot])
+        plgpu.copy_gmem_to_smem(c.v.at[src], c.v_smem.at[slot], c.v_bar.at[slot])
 
-                @pl.when(i >= STAGES)
-                def _():
-                    plgpu.barrier_wait(c.v_consumed.at[slot])
-                plgpu.copy_gmem_to_smem(c.v.at[src], c.v_smem.at[slot], c.v_bar.at[slot])
+    def drain(slot):
+        plgpu.barrier_wait(c.k_consumed.at[slot])
+        plgpu.barrier_wait(c.v_consumed.at[slot])
 
-    for ring, (_, _, _, cnt) in enumerate(streams):
-        @pl.loop(jnp.maximum(cnt - STAGES, 0), cnt)
-        def _(g):
-            plgpu.barrier_wait(c.k_consumed.at[_slot(g, ring)])
-            plgpu.barrier_wait(c.v_consumed.at[_slot(g, ring)])
+    _produce(c, load, drain)
 
 
 def _dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paired, mode,
@@ -474,39 +484,20 @@ def _dkv_consumer(c: _Dkv, wg):
 
 
 def _dkv_producer(c: _Dkv):
-    plgpu.set_max_registers(40, action="decrease")
-    tile_kv = DKV_TILES[1]
-    streams = []
-    for ring in range(2 if c.paired else 1):
-        _, b, head, _, ptr, cnt, _ = _unit(c, ring)
-        streams.append((b, head, ptr, cnt))
+    def load(slot, i, b, head, q_start):
+        cols = pl.ds(q_start, DKV_TILES[1])
 
-    @pl.loop(0, functools.reduce(jnp.maximum, [s[3] for s in streams]))
-    def _(i):
-        for ring, (b, head, ptr, cnt) in enumerate(streams):
-            @pl.when(i < cnt)
-            def _():
-                slot = _slot(i, ring)
-                q_start = pl.multiple_of(c.steps[ptr + i, abi.STEP_KV_START], _ALIGN)
-                cols = pl.ds(q_start, tile_kv)
+        @pl.when(i >= STAGES)
+        def _():
+            plgpu.barrier_wait(c.consumed.at[slot])
 
-                @pl.when(i >= STAGES)
-                def _():
-                    plgpu.barrier_wait(c.consumed.at[slot])
+        for src, dst, bar in ((c.q.at[b, cols, head], c.q_smem, c.ring_bars[0]),
+                              (c.do.at[b, cols, head], c.do_smem, c.ring_bars[1]),
+                              (c.lse.at[b, head, cols], c.lse_smem, c.ring_bars[2]),
+                              (c.delta.at[b, head, cols], c.delta_smem, c.ring_bars[3])):
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
 
-                plgpu.copy_gmem_to_smem(c.q.at[b, cols, head], c.q_smem.at[slot],
-                                        c.ring_bars[0].at[slot])
-                plgpu.copy_gmem_to_smem(c.do.at[b, cols, head], c.do_smem.at[slot],
-                                        c.ring_bars[1].at[slot])
-                plgpu.copy_gmem_to_smem(c.lse.at[b, head, cols], c.lse_smem.at[slot],
-                                        c.ring_bars[2].at[slot])
-                plgpu.copy_gmem_to_smem(c.delta.at[b, head, cols], c.delta_smem.at[slot],
-                                        c.ring_bars[3].at[slot])
-
-    for ring, (_, _, _, cnt) in enumerate(streams):
-        @pl.loop(jnp.maximum(cnt - STAGES, 0), cnt)
-        def _(g):
-            plgpu.barrier_wait(c.consumed.at[_slot(g, ring)])
+    _produce(c, load, lambda slot: plgpu.barrier_wait(c.consumed.at[slot]))
 
 
 def _dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, interpret):
