@@ -2,9 +2,10 @@
 # The three one-H200 calls of benchmarks/NOTES.md section 19 (issues 17, 18, 16, 19), each
 # under the 10-minute call limit; every script saves partial results, so a part cut by its
 # `timeout` keeps what it measured. Raw files and logs go to $OUT.
-#   bash benchmarks/h200_session.sh builders   # builder costs, backward kernels + controls, dense train step
-#   bash benchmarks/h200_session.sh loops      # Wan 1.3B 480p VSA (3 repeats, host loop too), HunyuanVideo 720p Sparge
-#   bash benchmarks/h200_session.sh svg2       # Wan 14B 720p SVG2, device planning, multi_gpu --one-device
+#   bash benchmarks/h200_session.sh builders    # builder costs at 720p, backward kernels + dk/dv controls, multi_gpu --one-device
+#   bash benchmarks/h200_session.sh loops       # Wan 1.3B 480p VSA (3 repeats, host loop too), HunyuanVideo 720p Sparge
+#   bash benchmarks/h200_session.sh train-svg2  # Wan 1.3B 480p training step sparse and dense, Wan 14B 720p SVG2 loop
+#   bash benchmarks/h200_session.sh device-planning
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -15,23 +16,27 @@ run() {   # run SECONDS NAME CMD...: one part, its log in $OUT/NAME.log
   timeout "$s" "$@" > "$OUT/$name.log" 2>&1
   echo "[$(date +%T)] $name rc $?"
 }
+# Loops take the builder picks of the `builders` call: SWITCHES="--builder-switch TOP_K=sort ...".
+SW=${SWITCHES:-}
 case "${1:-}" in
 builders)
-  run 170 builders python3 -m tessera_jax.tools.bench_loop --builder-costs all --out $OUT/builders.json
+  run 160 builders python3 -m tessera_jax.tools.bench_loop --out $OUT/builders.json \
+      --builder-costs vsa,vsa_sort,sparge_topk,sparge_topk_sort,svg2_iters1,svg2_iters1_matmul
   run 230 bwd-kernels python3 benchmarks/backward.py --sections kernels --budget-s 215 \
       --out $OUT/bwd-kernels.json
-  run 150 bwd-train-dense python3 benchmarks/backward.py --sections train --train-variants dense \
-      --layers 30 --steps 5 --budget-s 140 --out $OUT/bwd-train-dense.json ;;
+  run 80 multi-gpu-one python3 benchmarks/multi_gpu.py --one-device --out $OUT/h200-one-device.json ;;
 loops)
   run 330 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
-      --loop-repeats 3 --out $OUT/loop-vsa.json
-  run 220 loop-sparge python3 -m tessera_jax.tools.bench_loop --models hunyuan15_720p_sparge \
-      --out $OUT/loop-sparge.json ;;
-svg2)
-  run 330 loop-svg2 python3 -m tessera_jax.tools.bench_loop --models wan14b_720p_svg2 \
-      --out $OUT/loop-svg2.json
+      --loop-repeats 3 $SW --out $OUT/loop-vsa.json
+  run 230 loop-sparge python3 -m tessera_jax.tools.bench_loop --models hunyuan15_720p_sparge \
+      $SW --out $OUT/loop-sparge.json ;;
+train-svg2)
+  run 240 bwd-train python3 benchmarks/backward.py --sections train --train-variants sparse,dense \
+      --layers 30 --steps 5 --budget-s 230 --out $OUT/bwd-train.json
+  run 320 loop-svg2 python3 -m tessera_jax.tools.bench_loop --models wan14b_720p_svg2 \
+      $SW --out $OUT/loop-svg2.json ;;
+device-planning)
   run 150 device-planning python3 benchmarks/device_planning.py --grids wan720 --route-grids wan720 \
-      --families svg2,sparge,natten,ditfastattn --no-checks --budget-s 130 --out $OUT/device-planning.json
-  run 80 multi-gpu-one python3 benchmarks/multi_gpu.py --one-device --out $OUT/h200-one-device.json ;;
-*) echo "usage: OUT=dir bash benchmarks/h200_session.sh builders|loops|svg2" >&2; exit 2 ;;
+      --families svg2,sparge,natten,ditfastattn --no-checks --budget-s 130 --out $OUT/device-planning.json ;;
+*) echo "usage: OUT=dir [SWITCHES=...] bash benchmarks/h200_session.sh builders|loops|train-svg2|device-planning" >&2; exit 2 ;;
 esac

@@ -901,6 +901,10 @@ BUILDER_VARIANTS = {
 }
 
 
+# Module switches of tessera_jax.masks.dynamic a run may set (--builder-switch), with their values.
+BUILDER_SWITCHES = {"TOP_K": ("radix", "sort"), "KMEANS_SUMS": ("scatter", "matmul")}
+
+
 def builder_costs(args, progress=None) -> dict:
     """Per builder variant at Wan 720p (T'H'W' = 21 x 45 x 80, 40 heads, D 128; ``--tiny``: a
     small grid): the mask-building time alone (permutations included), the time of the whole
@@ -1073,6 +1077,8 @@ def _environment(args, argv) -> dict:
         jaxlib=getattr(__import__("jaxlib"), "__version__", None),
         python=platform.python_version(),
         command="python -m tessera_jax.tools.bench_loop " + " ".join(argv),
+        builder_switches={k: getattr(__import__("tessera_jax.masks.dynamic", fromlist=["x"]), k)
+                          for k in BUILDER_SWITCHES},
         date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         tiny=args.tiny)
 
@@ -1117,7 +1123,17 @@ def parse_args(argv):
     g.add_argument("--builder-costs", default=None,
                    help="instead of loops: time these builder variants at Wan 720p (comma-"
                         "separated, 'all': " + ", ".join(BUILDER_VARIANTS) + ")")
+    g.add_argument("--builder-switch", action="append", default=[], metavar="NAME=VALUE",
+                   help="set a builder switch of tessera_jax.masks.dynamic for the loops: "
+                        + ", ".join(f"{k}={'|'.join(v)}" for k, v in BUILDER_SWITCHES.items()))
     args = p.parse_args(argv)
+    args.switches = {}
+    for item in args.builder_switch:
+        k, _, v = item.partition("=")
+        if k not in BUILDER_SWITCHES or v not in BUILDER_SWITCHES[k]:
+            p.error(f"--builder-switch {item!r}: expected one of "
+                    + ", ".join(f"{k}={'|'.join(v)}" for k, v in BUILDER_SWITCHES.items()))
+        args.switches[k] = v
     if args.dense_implementation == "xla":
         args.dense_implementation = None
     args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
@@ -1192,6 +1208,9 @@ def main(argv=None) -> dict:
         _print_table(doc)
         return doc
     args = parse_args(argv)
+    from tessera_jax.masks import dynamic as dm
+    for k, v in args.switches.items():
+        setattr(dm, k, v)
     if not args.tiny and jax.default_backend() != "gpu":
         print("bench_loop: no GPU here; run with --tiny for the CPU smoke run", file=sys.stderr)
     doc: dict = {}
