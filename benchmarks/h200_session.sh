@@ -16,7 +16,19 @@ run() {   # run SECONDS NAME CMD...: one part, its log in $OUT/NAME.log
   timeout "$s" "$@" > "$OUT/$name.log" 2>&1
   echo "[$(date +%T)] $name rc $?"
 }
-# Loops take the builder picks of the `builders` call: SWITCHES="--builder-switch TOP_K=sort ...".
+# The faster of a builder and its control in $OUT/builders.json, as bench_loop's switch:
+#   pick BASE CONTROL KEY BASE_VALUE CONTROL_VALUE (nothing when either was not measured).
+pick() {
+  python3 - "$OUT/builders.json" "$@" <<'PY' 2>/dev/null
+import json, sys
+path, base, ctl, key, vb, vc = sys.argv[1:]
+v = json.load(open(path))["builder_costs"]["variants"]
+tb, tc = v[base].get("build_s"), v[ctl].get("build_s")
+if tb and tc:
+    print(f"--builder-switch {key}={vb if tb <= tc else vc}")
+PY
+}
+# Loops take SWITCHES when given, else the picks of a `builders` part of the same call.
 SW=${SWITCHES:-}
 case "${1:-}" in
 builders)
@@ -25,6 +37,18 @@ builders)
   run 230 bwd-kernels python3 benchmarks/backward.py --sections kernels --budget-s 215 \
       --out $OUT/bwd-kernels.json
   run 80 multi-gpu-one python3 benchmarks/multi_gpu.py --one-device --out $OUT/h200-one-device.json ;;
+builders-vsa)
+  run 150 builders python3 -m tessera_jax.tools.bench_loop --out $OUT/builders.json \
+      --builder-costs vsa,vsa_sort,sparge_topk,sparge_topk_sort,svg2_iters1,svg2_iters1_matmul
+  SW=${SWITCHES:-$(pick vsa vsa_sort TOP_K radix sort)}
+  echo "loop-vsa switches: $SW"
+  run 330 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
+      --loop-repeats 3 $SW --out $OUT/loop-vsa.json ;;
+train-sparge)
+  run 240 bwd-train python3 benchmarks/backward.py --sections train --train-variants sparse,dense \
+      --layers 30 --steps 5 --budget-s 230 --out $OUT/bwd-train.json
+  run 230 loop-sparge python3 -m tessera_jax.tools.bench_loop --models hunyuan15_720p_sparge \
+      $SW --out $OUT/loop-sparge.json ;;
 loops)
   run 330 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
       --loop-repeats 3 $SW --out $OUT/loop-vsa.json
@@ -38,5 +62,5 @@ train-svg2)
 device-planning)
   run 150 device-planning python3 benchmarks/device_planning.py --grids wan720 --route-grids wan720 \
       --families svg2,sparge,natten,ditfastattn --no-checks --budget-s 130 --out $OUT/device-planning.json ;;
-*) echo "usage: OUT=dir [SWITCHES=...] bash benchmarks/h200_session.sh builders|loops|train-svg2|device-planning" >&2; exit 2 ;;
+*) echo "usage: OUT=dir [SWITCHES=...] bash benchmarks/h200_session.sh builders|builders-vsa|train-sparge|loops|train-svg2|device-planning" >&2; exit 2 ;;
 esac

@@ -666,7 +666,7 @@ def _mask_density(mask: BlockMask, Lq: int, Lkv: int):
     sel = jnp.einsum("hij,hi,hj->h", mask.blocks.astype(jnp.float32),
                      jnp.broadcast_to(qs, (mask.blocks.shape[0], qs.shape[1])),
                      jnp.broadcast_to(ks, (mask.blocks.shape[0], ks.shape[1])))
-    return jnp.mean(sel) / (Lq * Lkv)
+    return jnp.mean(sel) / (float(Lq) * float(Lkv))     # Lq * Lkv may exceed int32
 
 
 def _peer_rows(path: str | None):
