@@ -47,6 +47,8 @@ builders-vsa)
 train-sparge)
   run 240 bwd-train python3 benchmarks/backward.py --sections train --train-variants sparse,dense \
       --layers 30 --steps 5 --budget-s 230 --out $OUT/bwd-train.json
+  SW=${SWITCHES:-$(pick sparge_topk sparge_topk_sort TOP_K radix sort)}
+  echo "loop-sparge switches: $SW"
   run 230 loop-sparge python3 -m tessera_jax.tools.bench_loop --models hunyuan15_720p_sparge \
       $SW --out $OUT/loop-sparge.json ;;
 loops)
@@ -57,10 +59,17 @@ loops)
 train-svg2)
   run 240 bwd-train python3 benchmarks/backward.py --sections train --train-variants sparse,dense \
       --layers 30 --steps 5 --budget-s 230 --out $OUT/bwd-train.json
+  SW=${SWITCHES:-$(pick svg2_iters1 svg2_iters1_matmul KMEANS_SUMS scatter matmul)}
+  echo "loop-svg2 switches: $SW"
   run 320 loop-svg2 python3 -m tessera_jax.tools.bench_loop --models wan14b_720p_svg2 \
       $SW --out $OUT/loop-svg2.json ;;
 device-planning)
   run 150 device-planning python3 benchmarks/device_planning.py --grids wan720 --route-grids wan720 \
       --families svg2,sparge,natten,ditfastattn --no-checks --budget-s 130 --out $OUT/device-planning.json ;;
-*) echo "usage: OUT=dir [SWITCHES=...] bash benchmarks/h200_session.sh builders|builders-vsa|train-sparge|loops|train-svg2|device-planning" >&2; exit 2 ;;
+svg2)
+  SW=${SWITCHES:-$(pick svg2_iters1 svg2_iters1_matmul KMEANS_SUMS scatter matmul)}
+  echo "loop-svg2 switches: $SW"
+  run 330 loop-svg2 python3 -m tessera_jax.tools.bench_loop --models wan14b_720p_svg2 \
+      $SW --out $OUT/loop-svg2.json ;;
+*) echo "usage: OUT=dir [SWITCHES=...] bash benchmarks/h200_session.sh builders|builders-vsa|train-sparge|loops|train-svg2|svg2|device-planning" >&2; exit 2 ;;
 esac
