@@ -261,9 +261,7 @@ def run_case(case: Case, args, progress) -> dict:
     tl = case.text_len if case.model == "hunyuan" else cfg.text_len
     context = jax.random.normal(k2, (1, tl, cfg.text_dim), dtype)
 
-    dense_impl = args.dense_implementation
-    if dense_impl == "auto":
-        dense_impl = "cudnn" if jax.default_backend() == "gpu" and dtype != "float32" else None
+    dense_impl = _dense_impl(args, dtype)
     backend = args.backend
     fixed_template = args.fixed_template or _default_template(backend, H, D, dtype, L)
     variants = {
@@ -729,9 +727,7 @@ def run_dyn_case(case: DynCase, args, progress, save) -> dict:
     k1, k2, k3 = jax.random.split(key, 3)
     noise = jax.random.normal(k1, (1, *latent, cfg.in_channels), jnp.float32)
     context = jax.random.normal(k2, (1, tl, cfg.text_dim), dtype)
-    dense_impl = args.dense_implementation
-    if dense_impl == "auto":
-        dense_impl = "cudnn" if jax.default_backend() == "gpu" and dtype != "float32" else None
+    dense_impl = _dense_impl(args, dtype)
     opts = AttentionOptions(backend=args.backend, dense_implementation=dense_impl)
     host_fn = HostPlanned(backend=args.backend, bitmap_budget_bytes=args.host_bitmap_mb << 20)
     host_opts = AttentionOptions(dense_implementation=dense_impl, sparse_fn=host_fn)
@@ -844,6 +840,13 @@ def run_dyn_case(case: DynCase, args, progress, save) -> dict:
     return res
 
 
+def _dense_impl(args, dtype):
+    """--dense-implementation with 'auto' resolved: cuDNN for 16-bit dtypes on a GPU, else XLA."""
+    if args.dense_implementation != "auto":
+        return args.dense_implementation
+    return "cudnn" if jax.default_backend() == "gpu" and dtype != "float32" else None
+
+
 def _per_call(case, rule, L, H, D, dtype, opts, args, key) -> dict:
     """Median seconds per call at the case's shapes: cuDNN dense attention, the rule's mask
     building alone (its permutations included), the rule with tessera's attention, and the
@@ -905,7 +908,7 @@ BUILDER_VARIANTS = {
 BUILDER_SWITCHES = {"TOP_K": ("radix", "sort"), "KMEANS_SUMS": ("scatter", "matmul")}
 
 
-def builder_costs(args, progress=None) -> dict:
+def builder_costs(args, progress=None, save=None) -> dict:
     """Per builder variant at Wan 720p (T'H'W' = 21 x 45 x 80, 40 heads, D 128; ``--tiny``: a
     small grid): the mask-building time alone (permutations included), the time of the whole
     call (building + tessera's attention) and the fraction building / attention."""
@@ -931,7 +934,8 @@ def builder_costs(args, progress=None) -> dict:
         rule, _ = make_rule(case, grid)
         if progress is not None:
             progress.set_postfix_str(f"builder {name}")
-        opts = AttentionOptions(backend=args.backend)
+        opts = AttentionOptions(backend=args.backend,
+                                dense_implementation=_dense_impl(args, args.dtype))
         saved = {k: getattr(dm, k) for k in over}          # module switches of the variant
         try:
             for k, v in over.items():
@@ -946,6 +950,8 @@ def builder_costs(args, progress=None) -> dict:
         attn = pc["dynamic_attention_s"] - pc["build_s"]
         out[name] = dict(pc, rule=repr(rule), attention_s=attn,
                          fraction=pc["build_s"] / attn if attn > 0 else None)
+        if save is not None:
+            save(dict(grid=list(grid), heads=H, head_dim=D, dtype=args.dtype, variants=out))
     return dict(grid=list(grid), heads=H, head_dim=D, dtype=args.dtype, variants=out,
                 note="fraction = build_s / (dynamic_attention_s - build_s): the builder's cost "
                      "over the sparse attention call it feeds; issue 17 asks <= 0.05")
@@ -1226,7 +1232,9 @@ def main(argv=None) -> dict:
     doc.setdefault("runs", [])
     env = _environment(args, argv)
     if args.builder_costs:
-        doc["builder_costs"] = dict(builder_costs(args), environment=env)
+        def save_partial(part):
+            _write(args.out, dict(doc, builder_costs=dict(part, environment=env, partial=True)))
+        doc["builder_costs"] = dict(builder_costs(args, save=save_partial), environment=env)
         doc["summary"] = summarize(doc["cases"])
         doc["summary"]["builder_cost_fraction_by_variant"] = {
             k: v.get("fraction") for k, v in doc["builder_costs"]["variants"].items()}
