@@ -226,15 +226,21 @@ DKV_POLICIES: tuple[str, ...] = ("merge", "pack")
 PAIRED_DKV_POLICY: str | None = "pack"
 
 
+# dk/dv time per computed interaction at head_dim 128, fitted to the H200's times of 9 dk/dv
+# plans (merge128, pack128, paired64 of three irregular masks; benchmarks/NOTES.md section 19):
+# max error 18%, and it orders all three masks' plans as measured. The forward's cost model
+# (K/V bytes, partial steps) mis-ordered clusters' (paired 5.30 vs pack 4.94 ms predicted;
+# 9.67 vs 10.36 ms measured).
+DKV_NS_PER_INTERACTION_D128 = 2.58e-3
+
+
 def _dkv_score(tp: planner.Plan, per_sm: int) -> float:
-    """Estimated ns of a dk/dv plan whose units run ``per_sm`` at a time on an SM (the
-    planner's cost constants): the products of its computed work and its Q/dO loads at the
-    SMs' full rate, plus the per-step and per-unit fixed costs, which concurrent units
-    overlap."""
+    """Estimated ns of a dk/dv plan whose units run ``per_sm`` at a time on an SM: its computed
+    work at the measured dk/dv rate, plus the per-step and per-unit fixed costs of the
+    planner's cost model, which concurrent units overlap (they break ties)."""
     s, m = tp.stats(), tp.cost_model
-    work = (s["computed_interactions"] * tp.shape.head_dim * m.mac_ns
-            + s["kv_bytes"] * m.byte_ns + s["partial_tiles"] * m.mask_ns)
-    return (work + (s["tiles"] * m.step_ns + s["units"] * m.unit_ns) / per_sm) / m.num_sms
+    work = s["computed_interactions"] * tp.shape.head_dim / 128 * DKV_NS_PER_INTERACTION_D128
+    return work + (s["tiles"] * m.step_ns + s["units"] * m.unit_ns) / per_sm / m.num_sms
 
 
 def transposed_plan(plan: planner.Plan, backend: str | None = None) -> planner.Plan:
