@@ -140,6 +140,24 @@ def test_radix_top_k_equals_lax_top_k(seed, n, which_k, kind):
     np.testing.assert_array_equal(np.asarray(_topk_mask_jit(s, k)), want)
 
 
+def test_top_k_switch_auto_picks_by_size_and_both_paths_agree(monkeypatch):
+    """``TOP_K="auto"``: radix from ``TOP_K_RADIX_MIN_ELEMENTS`` score entries, sort below;
+    VSA and SpargeAttn top-k masks are the same either way."""
+    monkeypatch.setattr(dm, "TOP_K", "auto")
+    monkeypatch.setattr(dm, "TOP_K_RADIX_MIN_ELEMENTS", 1000)
+    assert dm._radix_top_k((2, 20, 50)) and not dm._radix_top_k((2, 20, 20))
+    q, k, _ = _data(3, 1, 256, 256, 2, 2, 16)
+    got = {}
+    for mode in ("radix", "sort"):
+        monkeypatch.setattr(dm, "TOP_K", mode)
+        got[mode] = (np.asarray(dm.vsa_mask(q, k, block=8, keep=0.2).blocks),
+                     np.asarray(dm.sparge_mask(q, k, block_q=16, block_kv=8, topk=0.25,
+                                               sim_threshold=-1.0).blocks))
+    for a, b in zip(got["radix"], got["sort"]):
+        np.testing.assert_array_equal(a, b)
+        assert 0 < a.mean() < 1
+
+
 def test_vsa_local_blocks_are_kept_and_count_towards_k():
     q, k, _ = _data(1, 1, 96, 96, 2, 1, 8)
     m = dm.vsa_mask(q, k, block=8, topk=5, local=2)

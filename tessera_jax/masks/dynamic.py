@@ -208,10 +208,21 @@ def _scatter_rows(order, keep_sorted):
 
 
 #: How ``vsa_mask`` and ``sparge_mask(topk=...)`` take each row's top k: "radix"
-#: (``_top_k_mask``: radix searches for the k-th largest, no sort; predicted ~1 ms at Wan
-#: 720p) or "sort" (``lax.top_k``, which sorts each row: 4.1 ms measured at [40, 1180, 1180]).
-#: ``bench_loop --builder-costs vsa_sort, sparge_topk_sort`` time the sort.
-TOP_K = "radix"
+#: (``_top_k_mask``: radix searches for the k-th largest, no sort), "sort" (``lax.top_k``,
+#: which sorts each row) or "auto": radix for score arrays of at least
+#: ``TOP_K_RADIX_MIN_ELEMENTS``, sort below. H200: at Wan 480p VSA ([12, 512, 512], 3.1M) the
+#: whole builder took 0.79 ms with sort, 1.42 ms with radix (radix's passes are launch-bound);
+#: at Wan 720p VSA ([40, 1180, 1180], 56M) lax.top_k alone took 4.1 ms, radix predicted ~1 ms
+#: (not yet measured: ``bench_loop --builder-costs vsa,vsa_sort``).
+TOP_K = "auto"
+TOP_K_RADIX_MIN_ELEMENTS = 16 << 20
+
+
+def _radix_top_k(shape) -> bool:
+    """Whether a top-k over score rows of ``shape`` uses the radix select (``TOP_K``)."""
+    if TOP_K == "auto":
+        return int(np.prod(shape)) >= TOP_K_RADIX_MIN_ELEMENTS
+    return TOP_K == "radix"
 
 
 def _order_key(x):
@@ -327,7 +338,7 @@ def vsa_mask(q, k, *, q_bounds=None, kv_bounds=None, block: int = 64, keep: floa
     s = jnp.einsum("bihd,bjhd->hij", pq, pk, precision=_HI) * (scale / B)
     if forced is not None:
         s = jnp.where(jnp.asarray(forced)[None], jnp.inf, s)
-    if TOP_K == "sort":
+    if not _radix_top_k(s.shape):
         _, idx = jax.lax.top_k(s, kk)
         blocks = jnp.zeros((Hq, nq, nk), bool).at[
             jnp.arange(Hq)[:, None, None], jnp.arange(nq)[None, :, None], idx].set(
@@ -416,7 +427,7 @@ def sparge_mask(q, k, *, q_bounds=None, kv_bounds=None, block_q: int = 128, bloc
     e = jnp.where(sim_k[:, None, :], jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     tot = jnp.sum(e, axis=-1, keepdims=True)
     p = e / jnp.where(tot > 0, tot, 1.0)
-    if topk is not None and TOP_K == "radix":        # a row's top k: no sort needed
+    if topk is not None and _radix_top_k(p.shape):   # a row's top k: no sort needed
         blocks = _top_k_mask(p, max(1, int(topk * nk)))
     else:
         order, ps = _sorted_desc(p)

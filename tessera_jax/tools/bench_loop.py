@@ -890,14 +890,14 @@ def _per_call(case, rule, L, H, D, dtype, opts, args, key) -> dict:
 # the attention call it feeds). Random q and k give near-uniform scores, so the threshold rules
 # run with knobs that land near the papers' densities (docs/dynamic_masks.md).
 BUILDER_VARIANTS = {
-    "vsa": ("vsa", (("keep", 0.125),)),
+    "vsa": ("vsa", (("keep", 0.125),), {"TOP_K": "radix"}),
     "vsa_sort": ("vsa", (("keep", 0.125),), {"TOP_K": "sort"}),      # the control: lax.top_k
     "svg2_iters2": ("svg2", (("iters", 2), ("top_p", 0.25), ("min_cluster_tokens", 43))),
     "svg2_iters1": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43))),
     # The same with k-means' cluster sums as one-hot matmuls instead of a scatter-add.
     "svg2_iters1_matmul": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43)),
                            {"KMEANS_SUMS": "matmul"}),
-    "sparge_topk": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0))),
+    "sparge_topk": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)), {"TOP_K": "radix"}),
     "sparge_topk_sort": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)), {"TOP_K": "sort"}),
     "xattn_s8": ("xattn", (("stride", 8), ("tau", 0.25))),
     "xattn_s64": ("xattn", (("stride", 64), ("tau", 0.25))),
@@ -905,7 +905,7 @@ BUILDER_VARIANTS = {
 
 
 # Module switches of tessera_jax.masks.dynamic a run may set (--builder-switch), with their values.
-BUILDER_SWITCHES = {"TOP_K": ("radix", "sort"), "KMEANS_SUMS": ("scatter", "matmul")}
+BUILDER_SWITCHES = {"TOP_K": ("auto", "radix", "sort"), "KMEANS_SUMS": ("scatter", "matmul")}
 
 
 def builder_costs(args, progress=None, save=None) -> dict:
