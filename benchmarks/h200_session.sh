@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The three one-H200 calls of benchmarks/NOTES.md section 19 (issues 17, 18, 16, 19), each
+# The one-H200 calls of benchmarks/NOTES.md section 20 (issues 17, 18, 16, 19), each
 # under the 10-minute call limit; every script saves partial results, so a part cut by its
 # `timeout` keeps what it measured. Raw files and logs go to $OUT.
 #   bash benchmarks/h200_session.sh builders    # builder costs at 720p, backward kernels + dk/dv controls, multi_gpu --one-device
