@@ -13,7 +13,7 @@ from tessera_jax.flax import AttentionOptions, MaskSchedule
 from tessera_jax.models import (HUNYUAN15, WAN21_14B, WAN21_1_3B, HunyuanModel, WanModel,
                                 extend_with_text, flow_sigmas, make_forward, make_sampler,
                                 patchify, rope_3d, unpatchify)
-from tessera_jax.models.common import apply_rope
+from tessera_jax.models.common import apply_rope, device_init, numpy_init
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -70,6 +70,25 @@ def test_configs_match_published_shapes():
     assert HUNYUAN15.token_grid(121, 720, 1280) == (31, 45, 80)
     with pytest.raises(ValueError, match="rope_dims"):
         HUNYUAN15.replace(rope_dims=(16, 56, 54))
+
+
+def test_device_init_draws_like_numpy_init():
+    """bench_loop's GPU init: the leaves numpy_init makes (paths, shapes, dtypes), drawn on the
+    device with the same scales: matrices N(0, 1/fan_in), vectors 0.1 N(0, 1) (+1 for norm
+    scales), and a different seed gives different weights."""
+    from tessera_jax.tools.finetune import tiny_config
+    cfg = tiny_config(layers=1, heads=2, head_dim=16)
+    got = jax.tree_util.tree_leaves_with_path(nnx.state(device_init(WanModel, cfg, 0)))
+    want = jax.tree_util.tree_leaves_with_path(nnx.state(numpy_init(WanModel, cfg, 0)))
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (p, x), (_, y) in zip(got, want):
+        assert (x.shape, x.dtype) == (y.shape, y.dtype), p
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        if x.size >= 512:
+            assert abs(x.std() / y.std() - 1) < 0.15, p
+            assert abs(x.mean() - y.mean()) < 0.1 * y.std() + 1e-3, p
+    other = jax.tree_util.tree_leaves(nnx.state(device_init(WanModel, cfg, 1)))
+    assert not np.array_equal(np.asarray(other[-1]), np.asarray(got[-1][1]))
 
 
 def test_patchify_roundtrip_and_rope():

@@ -8,6 +8,7 @@ from ``tessera_jax.masks`` must be built over the same order (or the caller perm
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import math
 from typing import Sequence
@@ -19,8 +20,8 @@ import flax.nnx as nnx
 
 from tessera_jax.mask import BlockMask
 
-__all__ = ["MLP", "apply_rope", "check_order", "extend_with_text", "layer_masks", "numpy_init",
-           "patch_grid", "patchify", "rope_3d", "rope_split", "timestep_embedding", "unpatchify"]
+__all__ = ["MLP", "apply_rope", "check_order", "device_init", "extend_with_text", "layer_masks",
+           "numpy_init", "patch_grid", "patchify", "rope_3d", "rope_split", "timestep_embedding", "unpatchify"]
 
 
 def _ints(name: str, val, n: int) -> tuple[int, ...]:
@@ -200,6 +201,26 @@ def numpy_init(cls, cfg, seed: int = 0):
         return jnp.asarray(a, x.dtype)
 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, state))
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "kind"))
+def _draw(key, *, shape, dtype, kind):
+    a = jax.random.normal(key, shape, jnp.float32)
+    a = a / np.sqrt(shape[0]) if kind == "matrix" else 0.1 * a + (kind == "scale")
+    return a.astype(dtype)
+
+
+def device_init(cls, cfg, seed: int = 0):
+    """``cls(cfg)`` with weights drawn on the default device as ``numpy_init`` draws them, one
+    small program per distinct leaf shape: a jitted nnx init of a 30-layer model compiles for
+    minutes on a GPU, this in seconds (benchmarks with random weights)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = [_draw(k, shape=tuple(x.shape), dtype=jnp.dtype(x.dtype),
+                 kind="matrix" if x.ndim >= 2 else ("scale" if "scale" in str(p) else "vector"))
+           for k, (p, x) in zip(keys, leaves)]
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, out))
 
 
 class VideoConfigMixin:

@@ -228,10 +228,10 @@ def _median(xs):
 def _init_model(case: Case, dtype: str, seed: int):
     cfg = case.config.replace(num_layers=case.layers_run, dtype=dtype, param_dtype=dtype)
     cls = WanModel if case.model == "wan" else HunyuanModel
+    from tessera_jax.models.common import device_init, numpy_init
     if jax.default_backend() == "cpu":   # tiny: NumPy-drawn weights, nothing to compile
-        from tessera_jax.models.common import numpy_init
         return numpy_init(cls, cfg, seed), cfg
-    return nnx.jit(lambda: cls(cfg, rngs=nnx.Rngs(seed)))(), cfg   # GPU: one program, on device
+    return device_init(cls, cfg, seed), cfg     # drawn on the device, one program per shape
 
 
 # A --tiny (CPU smoke) run compiles without LLVM's expensive passes: compile time is most of it.
