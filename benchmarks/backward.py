@@ -602,6 +602,9 @@ def main(argv=None):
                          "GPU, xla on a CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=540)
+    ap.add_argument("--mosaic-unpadded", action="store_true",
+                    help="Mosaic GPU launches without padding q, k, v, dO (kernel.PAD_INPUTS "
+                         "False: TMA reads zeros past the end); checks and memory of that")
     args = ap.parse_args(argv)
     import jax
     on_gpu = jax.default_backend() == "gpu"
@@ -616,6 +619,9 @@ def main(argv=None):
                            ).split(",")
     args.dense_impl = "cudnn" if on_gpu else None
     args.deadline = T0 + args.budget_s
+    if args.mosaic_unpadded:
+        from pallas_kernels.mosaic import kernel as mosaic_kernel
+        mosaic_kernel.PAD_INPUTS = False
     if args.flex and not on_gpu:
         args.flex = False
     rule = timing.KERNEL_RULE if on_gpu else timing.wall_rule(3 if args.dry_run else 20)

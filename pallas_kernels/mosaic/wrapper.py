@@ -19,7 +19,7 @@ import numpy as np
 
 from pallas_kernels import abi as plan_abi
 from pallas_kernels import templates as _templates
-from pallas_kernels.mosaic.kernel import MASK_MODES, KernelConfig, forward
+from pallas_kernels.mosaic.kernel import MASK_MODES, KernelConfig, forward, pad_len
 
 __all__ = ["KernelConfig", "attention", "config_from_template", "mask_mode_for",
            "plan_mask_mode", "MASK_MODES"]
@@ -91,20 +91,14 @@ def _check(q, k, v, units, steps, row_index, t, q_len_padded, kv_len_padded, sca
         raise ValueError(f"scale must be a finite positive float, got {scale!r}")
 
 
-def _pad_len(x, length):
-    if x.shape[1] == length:
-        return x
-    return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
-
-
 @functools.partial(jax.jit, static_argnames=("template", "q_len_padded", "kv_len_padded",
                                              "scale", "return_lse", "interpret", "mask_mode"))
 def _attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_len_padded,
                scale, return_lse, interpret, mask_mode=None):
     cfg = config_from_template(template, mask_mode)
-    qp = _pad_len(q, q_len_padded)
-    kp = _pad_len(k, kv_len_padded)
-    vp = _pad_len(v, kv_len_padded)
+    qp = pad_len(q, q_len_padded, interpret)
+    kp = pad_len(k, kv_len_padded, interpret)
+    vp = pad_len(v, kv_len_padded, interpret)
     out_u, lse_u = forward(qp, kp, vp, units, steps, cfg=cfg, scale=scale, interpret=interpret)
     if row_index is None:
         row_index = plan_abi.row_index_from_units(units, q.shape[2], q.shape[1], template.tile_q)
