@@ -745,6 +745,7 @@ def run_dyn_case(case: DynCase, args, progress, save) -> dict:
         schedule=repr(sched), sparse_calls=n_sparse, dense_calls=n_dense,
         dense_implementation=dense_impl, backend=args.backend, loops={}, per_call={},
         timing={"loop": loop_rule(args.loop_repeats, warmup=0).to_json(),
+                "host_loop": loop_rule(args.host_repeats, warmup=0).to_json(),
                 "per_call": loop_rule(args.attn_repeats, 1, 2).to_json()},
         host_capacity=("plans padded to a static capacity derived from the shapes (units "
                        "Hq (nq + ceil(Lq/tile_q)), step rows Hm ceil(Lq/tile_q) ceil(Lkv/tile_kv) "
@@ -789,8 +790,9 @@ def run_dyn_case(case: DynCase, args, progress, save) -> dict:
                            host_transfer_ops=host_transfer_ops(compiled.as_text()))
         res["loops"][vname] = entry
         try:
+            reps = args.host_repeats if vname == "host" else args.loop_repeats
             ts = [x / 1e3 for x in timing.time_request(
-                run_loop, rule=loop_rule(args.loop_repeats, warmup=0)).samples]
+                run_loop, rule=loop_rule(reps, warmup=0)).samples]
         except Exception as e:          # the transfer guard (or a run) failed: say so
             entry.update(error=repr(e)[:2000], transfer_guard_ok=False if guard else None)
             return
@@ -1106,6 +1108,8 @@ def parse_args(argv):
     p.add_argument("--attn-repeats", type=int, default=None, help="attention timing runs (>= 20 on GPU)")
     p.add_argument("--step-repeats", type=int, default=None)
     p.add_argument("--loop-repeats", type=int, default=1, help="timed runs of each compiled loop")
+    p.add_argument("--host-repeats", type=int, default=1,
+                   help="timed runs of the host-planning loop (minutes each at full size)")
     p.add_argument("--shift", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--family", default=None,
