@@ -2,10 +2,11 @@
 # The one-H200 calls of benchmarks/NOTES.md section 20 (issues 17, 18, 16, 19), each
 # under the 10-minute call limit; every script saves partial results, so a part cut by its
 # `timeout` keeps what it measured. Raw files and logs go to $OUT.
-#   bash benchmarks/h200_session.sh builders    # builder costs at 720p, backward kernels + dk/dv controls, multi_gpu --one-device
-#   bash benchmarks/h200_session.sh loops       # Wan 1.3B 480p VSA (3 repeats, host loop too), HunyuanVideo 720p Sparge
-#   bash benchmarks/h200_session.sh train-svg2  # Wan 1.3B 480p training step sparse and dense, Wan 14B 720p SVG2 loop
-#   bash benchmarks/h200_session.sh device-planning
+# Session 12's three calls, in this order (about 1,650 s with one machine start):
+#   bash benchmarks/h200_session.sh builders-vsa  # builder costs at 720p; Wan 1.3B 480p VSA loop (3 runs, host once)
+#   bash benchmarks/h200_session.sh backward      # grad checks (paired dk/dv), unpadded checks + training memory
+#   bash benchmarks/h200_session.sh svg2          # Wan 14B 720p SVG2 loop (host, null); fwd+bwd with the new dk/dv score
+# Other parts: builders | loops | train-sparge | train-svg2 | device-planning.
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -56,7 +57,14 @@ loops)
       --loop-repeats 3 $SW --out $OUT/loop-vsa.json
   run 230 loop-sparge python3 -m tessera_jax.tools.bench_loop --models hunyuan15_720p_sparge \
       $SW --out $OUT/loop-sparge.json ;;
-train-svg2)
+train-backward)
+  run 230 bwd-checks python3 benchmarks/backward.py --sections checks,grad --budget-s 215 \
+      --out $OUT/bwd-checks.json
+  run 150 bwd-unpadded-checks python3 benchmarks/backward.py --sections checks --mosaic-unpadded \
+      --check-backends mosaic_gpu --budget-s 140 --out $OUT/bwd-unpadded-checks.json
+  run 190 bwd-train-unpadded python3 benchmarks/backward.py --sections train --train-variants sparse \
+      --mosaic-unpadded --layers 30 --steps 5 --budget-s 180 --out $OUT/bwd-train-unpadded.json ;;
+svg2)
   run 240 bwd-train python3 benchmarks/backward.py --sections train --train-variants sparse,dense \
       --layers 30 --steps 5 --budget-s 230 --out $OUT/bwd-train.json
   SW=${SWITCHES:-$(pick svg2_iters1 svg2_iters1_matmul KMEANS_SUMS scatter matmul)}
@@ -69,7 +77,9 @@ device-planning)
 svg2)
   SW=${SWITCHES:-$(pick svg2_iters1 svg2_iters1_matmul KMEANS_SUMS scatter matmul)}
   echo "loop-svg2 switches: $SW"
-  run 330 loop-svg2 python3 -m tessera_jax.tools.bench_loop --models wan14b_720p_svg2 \
-      $SW --out $OUT/loop-svg2.json ;;
-*) echo "usage: OUT=dir [SWITCHES=...] bash benchmarks/h200_session.sh builders|builders-vsa|train-sparge|loops|train-svg2|svg2|device-planning" >&2; exit 2 ;;
+  run 400 loop-svg2 python3 -m tessera_jax.tools.bench_loop --models wan14b_720p_svg2 \
+      $SW --out $OUT/loop-svg2.json
+  run 150 bwd-kernels python3 benchmarks/backward.py --sections kernels --no-dkv-controls \
+      --budget-s 140 --out $OUT/bwd-kernels.json ;;
+*) echo "usage: OUT=dir [SWITCHES=...] bash benchmarks/h200_session.sh builders|builders-vsa|train-sparge|loops|train-svg2|backward|svg2|device-planning" >&2; exit 2 ;;
 esac
