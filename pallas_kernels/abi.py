@@ -613,10 +613,9 @@ def gather_rows(out_units, lse_units, row_index):
     import jax.numpy as jnp  # local: keeps this module importable without jax for docs
 
     B, U, T, D = out_units.shape
+    # The sentinel U * T is one past the end: "fill" gives it the value, with no padded copy.
     flat = out_units.reshape(B, U * T, D)
-    flat = jnp.concatenate([flat, jnp.zeros((B, 1, D), flat.dtype)], axis=1)
     lflat = lse_units.reshape(B, U * T).astype(jnp.float32)
-    lflat = jnp.concatenate([lflat, jnp.full((B, 1), -jnp.inf, jnp.float32)], axis=1)
-    out = jnp.take(flat, row_index.T, axis=1)            # [B, Lq, Hq, D]
-    lse = jnp.take(lflat, row_index, axis=1)              # [B, Hq, Lq]
+    out = jnp.take(flat, row_index.T, axis=1, mode="fill", fill_value=0)      # [B, Lq, Hq, D]
+    lse = jnp.take(lflat, row_index, axis=1, mode="fill", fill_value=-jnp.inf)  # [B, Hq, Lq]
     return out, lse

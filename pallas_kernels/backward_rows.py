@@ -58,9 +58,8 @@ def gather_units(x_units, row_index):
     """Unit-major [B, U, T, D] -> [B, L, H, D] through ``row_index`` [H, L] (``abi``); rows
     no unit owns (the sentinel U * T) get 0."""
     B, U, T, D = x_units.shape
-    flat = x_units.reshape(B, U * T, D)
-    flat = jnp.concatenate([flat, jnp.zeros((B, 1, D), flat.dtype)], axis=1)
-    return jnp.take(flat, row_index.T, axis=1)
+    flat = x_units.reshape(B, U * T, D)      # the sentinel is one past the end: "fill" gives 0
+    return jnp.take(flat, row_index.T, axis=1, mode="fill", fill_value=0)
 
 
 def group_sum(x, num_kv_heads: int):
