@@ -356,9 +356,12 @@ def mosaic_interpreted(monkeypatch):
 
 
 @needs_interp
-def test_mosaic_backward_host_plan(mosaic_interpreted):
-    """dq over a 128 x 64 forward plan and dk/dv over the 128 x 64 transposed plan, both with
-    grid and bitmap steps; f16, GQA, per-head mask, empty rows, lse cotangent."""
+def test_mosaic_backward_host_plan(mosaic_interpreted, monkeypatch):
+    """dq over a 128 x 64 forward plan and dk/dv over the 128 x 64 transposed plan (paired
+    units off: ``test_mosaic_paired_dkv`` runs those), both with grid and bitmap steps; f16,
+    GQA, per-head mask, empty rows, lse cotangent."""
+    monkeypatch.setattr(autodiff, "PAIRED_DKV_POLICY", None)
+    autodiff.clear_cache()
     rng = np.random.default_rng(_seed("mosaic"))
     Lq, Lkv, Hq, Hkv, D = 136, 90, 2, 1, 64
     mask = _fine_mask(rng, Lq, Lkv, Hq)
