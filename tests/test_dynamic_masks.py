@@ -337,8 +337,8 @@ def _check_layout(lay, labels_q, labels_k, L, C, m, group):
         perm, bounds = np.asarray(perm), np.asarray(bounds)
         for h in range(perm.shape[0]):
             assert sorted(perm[h].tolist()) == list(range(perm.shape[1]))
-            lab = labels[h][perm[h]]
-            assert (np.diff(lab) >= 0).all()                     # clusters contiguous
+            lab = labels[h][perm[h]]                             # clusters contiguous:
+            assert np.count_nonzero(np.diff(lab)) == len(np.unique(lab)) - 1  # one run each
         for h in range(bounds.shape[0]):
             b = bounds[h]
             assert b[0] == 0 and b[-1] == perm.shape[1] and (np.diff(b) > 0).all()
@@ -367,6 +367,42 @@ def test_svg2_mask_equals_numpy_rule_on_tokens(seed, m):
                            min_cluster_tokens=m, exclusive=False)[0]
     if not np.array_equal(wrong, tok):                        # negative control
         assert not np.array_equal(_token_mask(lay, s["Lq"], s["Lkv"], g), wrong)
+
+
+def test_svg2_kv_group_order_by_popularity(monkeypatch):
+    """Key groups by how many query groups select them (summed over a key head's query heads),
+    ties in label order, empty group ids last; "label" keeps label order."""
+    merged = np.zeros((2, 3, 5), bool)          # 2 query heads on one key head, 4 groups
+    merged[0, :, 2] = True                       # group 2: 3 + 1 selections
+    merged[1, 0, 2] = True
+    merged[0, 0, 1] = merged[1, 1, 1] = True     # group 1: 2
+    merged[1, 2, 3] = True                       # group 3: 1; group 0: 0
+    merged[:, :, 4] = True                       # id 4 >= n_groups: last whatever it holds
+    order = dm._kv_group_order(jnp.asarray(merged), jnp.asarray([4]), 2)
+    np.testing.assert_array_equal(np.asarray(order), [[2, 1, 3, 0, 4]])
+    monkeypatch.setattr(dm, "SVG2_KV_ORDER", "label")
+    np.testing.assert_array_equal(np.asarray(dm._kv_group_order(jnp.asarray(merged),
+                                                                 jnp.asarray([4]), 2)),
+                                  [[0, 1, 2, 3, 4]])
+
+
+def test_svg2_kv_order_keeps_the_token_mask(monkeypatch):
+    """The key-group order moves tokens, never the selection: label and popularity layouts give
+    the same token-level mask, and popularity has no more selected runs per query block."""
+    s = SVG2_SHAPE
+    q, k, _ = _data(3, s["B"], s["Lq"], s["Lkv"], s["Hq"], s["Hkv"], s["D"])
+    state = _svg2_state(q, k, seed=3)
+    g = s["Hq"] // s["Hkv"]
+    toks, runs = {}, {}
+    for order in ("label", "popularity"):
+        monkeypatch.setattr(dm, "SVG2_KV_ORDER", order)
+        lay = dm.svg2_mask(q, k, state, top_p=0.5, min_cluster_tokens=1)
+        toks[order] = _token_mask(lay, s["Lq"], s["Lkv"], g)
+        b = np.asarray(lay.mask.blocks)
+        runs[order] = np.sum(b[..., 1:] & ~b[..., :-1]) + np.sum(b[..., 0])
+    np.testing.assert_array_equal(toks["label"], toks["popularity"])
+    assert 0 < toks["label"].mean() < 1
+    assert runs["popularity"] <= runs["label"]
 
 
 def test_svg2_negative_control_detects_an_off_by_one_rule():
