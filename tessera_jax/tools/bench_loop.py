@@ -899,6 +899,9 @@ BUILDER_VARIANTS = {
     # The same with k-means' cluster sums as one-hot matmuls instead of a scatter-add.
     "svg2_iters1_matmul": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43)),
                            {"KMEANS_SUMS": "matmul"}),
+    # The same with the key groups in k-means label order (the layout before SVG2_KV_ORDER).
+    "svg2_iters1_label": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43)),
+                          {"SVG2_KV_ORDER": "label"}),
     "sparge_topk": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)), {"TOP_K": "radix"}),
     "sparge_topk_sort": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)), {"TOP_K": "sort"}),
     "xattn_s8": ("xattn", (("stride", 8), ("tau", 0.25))),
@@ -907,7 +910,8 @@ BUILDER_VARIANTS = {
 
 
 # Module switches of tessera_jax.masks.dynamic a run may set (--builder-switch), with their values.
-BUILDER_SWITCHES = {"TOP_K": ("auto", "radix", "sort"), "KMEANS_SUMS": ("scatter", "matmul")}
+BUILDER_SWITCHES = {"TOP_K": ("auto", "radix", "sort"), "KMEANS_SUMS": ("scatter", "matmul"),
+                    "SVG2_KV_ORDER": ("popularity", "label")}
 
 
 def builder_costs(args, progress=None, save=None) -> dict:
