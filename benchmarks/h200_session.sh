@@ -72,6 +72,9 @@ svg2)
   run 320 loop-svg2 python3 -m tessera_jax.tools.bench_loop --models wan14b_720p_svg2 \
       $SW --out $OUT/loop-svg2.json ;;
 device-planning)
+  run 90 device-planning-vsa480 python3 benchmarks/device_planning.py --grids wan480 \
+      --route-grids wan480 --heads 12 --families vsa --no-checks --budget-s 80 \
+      --out $OUT/device-planning-vsa480.json
   run 150 device-planning python3 benchmarks/device_planning.py --grids wan720 --route-grids wan720 \
       --families svg2,sparge,natten,ditfastattn --no-checks --budget-s 130 --out $OUT/device-planning.json ;;
 svg2)
