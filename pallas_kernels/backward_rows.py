@@ -63,13 +63,12 @@ def gather_units(x_units, row_index):
 
 
 def group_sum(x, num_kv_heads: int):
-    """[B, L, Hq, D] per query head -> [B, L, Hkv, D] float32, summed over each K/V head's
-    group of Hq // Hkv consecutive query heads (GQA / MQA)."""
+    """[B, L, Hq, D] per query head -> [B, L, Hkv, D], summed in float32 over each K/V head's
+    group of Hq // Hkv consecutive query heads (GQA / MQA); ``x`` itself without groups."""
     B, L, Hq, D = x.shape
-    x = x.astype(jnp.float32)
     if Hq == num_kv_heads:
         return x
-    return x.reshape(B, L, num_kv_heads, Hq // num_kv_heads, D).sum(axis=3)
+    return x.astype(jnp.float32).reshape(B, L, num_kv_heads, Hq // num_kv_heads, D).sum(axis=3)
 
 
 def row_index(units, row_index_or_none, num_heads: int, length: int, tile_q: int):
