@@ -731,7 +731,9 @@ def _layout(labels, gid, counts, n_groups, order, m: int):
     starts = gstart[blk_pos] + (t * g[blk_pos]) // pj
     bounds = jnp.concatenate([starts, jnp.full((1,), L, jnp.int32)]).astype(jnp.int32)
     rank = jnp.zeros((C,), jnp.int32).at[order].set(idx)               # group id -> position
-    perm = jnp.argsort(rank[gid[labels]] * C + labels, stable=True).astype(jnp.int32)
+    # Each cluster's place: by its group's position, then by label; tokens stay in order.
+    place = jnp.zeros((C,), jnp.int32).at[jnp.lexsort((idx, rank[gid]))].set(idx)
+    perm = jnp.argsort(place[labels], stable=True).astype(jnp.int32)
     return perm, bounds, order[blk_pos]
 
 
