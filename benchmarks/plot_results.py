@@ -1,0 +1,99 @@
+"""Plots of the H200 result files, next to them as PNG: forward+backward times per mask
+(``h200-backward.json``) and the compiled loops' times per variant (``h200-loop.json``).
+
+    python benchmarks/plot_results.py benchmarks/results/h200-backward.json \
+        benchmarks/results/h200-loop.json [--out-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_backward(doc: dict, path: str) -> str:
+    """Forward+backward ms per mask: ours, FlexAttention and cuDNN dense, with ours vs Flex."""
+    rows = [r for r in doc.get("fwd_bwd", []) if "ours" in r]
+    dense = doc.get("dense_fwd_bwd", {}).get("ms")
+    names = [r["mask"] for r in rows]
+    ours = [r["ours"]["ms"] for r in rows]
+    flex = [r.get("flex", {}).get("ms") for r in rows]
+    fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 3, 4))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], ours, 0.4, label="tessera_jax")
+    ax.bar([i + 0.2 for i in x], [f or 0 for f in flex], 0.4, label="FlexAttention")
+    for i, (o, f) in enumerate(zip(ours, flex)):
+        if f:
+            ax.annotate(f"{f / o:.2f}x", (i, max(o, f)), ha="center", va="bottom", fontsize=8)
+    if dense:
+        ax.axhline(dense, color="k", ls="--", lw=1, label=f"cuDNN dense {dense:.1f} ms")
+    ax.set_xticks(list(x), [f"{n}\n(d {r['density']:.2f})" for n, r in zip(names, rows)],
+                  fontsize=8)
+    ax.set_ylabel("forward + backward, ms")
+    s = doc.get("summary", {})
+    sh = doc.get("shape", {})
+    ax.set_title(f"H200, L {sh.get('L')}, {sh.get('heads')} heads, D {sh.get('head_dim')}, "
+                 f"{sh.get('dtype')}; vs Flex on irregular masks (geomean): "
+                 f"{s.get('fwd_bwd_speedup_vs_flex_irregular_geomean') or 0:.2f}x", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+_VARIANTS = ("dense", "fixed", "tessera", "dynamic", "host", "null")
+
+
+def plot_loops(doc: dict, path: str) -> str:
+    """Seconds per compiled loop (the whole model, extrapolated per layer where a layer subset
+    ran), each variant a bar, with the speedup over dense."""
+    cases = doc.get("cases", {})
+    fig, axes = plt.subplots(1, len(cases), figsize=(2.6 * len(cases), 3.6), squeeze=False)
+    for ax, (name, c) in zip(axes[0], cases.items()):
+        loops = c.get("loops", {})
+        vs = [v for v in _VARIANTS if "loop_full_model_s" in loops.get(v, {})]
+        ts = [loops[v]["loop_full_model_s"] for v in vs]
+        ax.bar(vs, ts, color=["0.5" if v in ("dense", "null") else "C0" for v in vs])
+        d = loops.get("dense", {}).get("loop_full_model_s")
+        for i, (v, t) in enumerate(zip(vs, ts)):
+            if d and v not in ("dense", "null"):
+                ax.annotate(f"{d / t:.2f}x", (i, t), ha="center", va="bottom", fontsize=8)
+        ax.set_title(name + (" (extrap.)" if c.get("extrapolated") else ""), fontsize=8)
+        ax.tick_params(axis="x", labelsize=7, rotation=30)
+    axes[0][0].set_ylabel("loop, s (whole model)")
+    fig.suptitle("H200 denoising loops: speedup over dense above each bar", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+", help="h200-backward.json and/or h200-loop.json")
+    ap.add_argument("--out-dir", default=None, help="default: next to each file")
+    args = ap.parse_args(argv)
+    out = []
+    for f in args.files:
+        with open(f) as fh:
+            doc = json.load(fh)
+        png = os.path.join(args.out_dir or os.path.dirname(f),
+                           os.path.basename(f).replace(".json", ".png"))
+        if doc.get("benchmark", "").startswith("backward"):
+            out.append(plot_backward(doc, png))
+        elif "cases" in doc:
+            out.append(plot_loops(doc, png))
+        else:
+            raise SystemExit(f"plot_results: {f} is neither a backward nor a loop result file")
+        print(out[-1])
+    return out
+
+
+if __name__ == "__main__":
+    main()
