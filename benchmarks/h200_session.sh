@@ -40,7 +40,7 @@ builders)
   run 80 multi-gpu-one python3 benchmarks/multi_gpu.py --one-device --out $OUT/h200-one-device.json ;;
 builders-vsa)
   run 150 builders python3 -m tessera_jax.tools.bench_loop --out $OUT/builders.json \
-      --builder-costs vsa,vsa_sort,sparge_topk,sparge_topk_sort,svg2_iters1,svg2_iters1_matmul,svg2_iters1_label
+      --builder-costs vsa,vsa_sort,sparge_topk,sparge_topk_sort,svg2_iters1,svg2_iters1_matmul,svg2_iters1_label,svg2_iters1_fused
   SW=${SWITCHES:-$(pick vsa vsa_sort TOP_K radix sort)}
   echo "loop-vsa switches: $SW"
   run 330 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \

@@ -275,32 +275,54 @@ def test_xattn_mask_equals_numpy_rule(case):
 
 
 # --- SVG2 ----------------------------------------------------------------------------------
-def _kmeans_with(sums, x, c0, *, iters):
-    """``dm.kmeans`` traced with ``dm.KMEANS_SUMS = sums``."""
-    old, dm.KMEANS_SUMS = dm.KMEANS_SUMS, sums
+def _kmeans_with(switches, x, c0, *, iters):
+    """``dm.kmeans`` traced with ``dm.KMEANS_SUMS, dm.KMEANS_ASSIGN = switches``."""
+    old = dm.KMEANS_SUMS, dm.KMEANS_ASSIGN
+    dm.KMEANS_SUMS, dm.KMEANS_ASSIGN = switches
     try:
         return dm.kmeans(x, c0, iters=iters)
     finally:
-        dm.KMEANS_SUMS = old
+        dm.KMEANS_SUMS, dm.KMEANS_ASSIGN = old
 
 
 _kmeans_jit = {s: jax.jit(functools.partial(_kmeans_with, s), static_argnames=("iters",))
-               for s in ("scatter", "matmul")}
+               for s in (("scatter", "xla"), ("matmul", "xla"), ("scatter", "pallas"))}
 
 
-@settings(max_examples=15)
+@settings(max_examples=20)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 3, 6]),
-       st.sampled_from(["scatter", "matmul"]))
-def test_kmeans_equals_numpy(seed, iters, sums):
+       st.sampled_from([("scatter", "xla"), ("matmul", "xla"), ("scatter", "pallas")]))
+def test_kmeans_equals_numpy(seed, iters, switches):
+    """k-means against NumPy: both cluster sums, and the Triton assignment kernel (interpreted;
+    70 points and 37 clusters: ragged point and centroid tiles)."""
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((2, 64, 8)) + 2 * rng.integers(0, 3, (2, 64, 1)),
+    x = jnp.asarray(rng.standard_normal((2, 70, 8)) + 2 * rng.integers(0, 3, (2, 70, 1)),
                     jnp.float32)
-    c0 = jnp.asarray(np.asarray(x)[:, rng.choice(64, 5, replace=False)])
-    lab, c = _kmeans_jit[sums](x, c0, iters=iters)
+    C = 37 if switches[1] == "pallas" else 5
+    c0 = jnp.asarray(np.asarray(x)[:, rng.choice(70, C, replace=False)])
+    lab, c = _kmeans_jit[switches](x, c0, iters=iters)
     want_lab, want_c, margin = dm._numpy_kmeans(np.asarray(x), np.asarray(c0), iters)
     assume(margin >= 1e-4)
     np.testing.assert_array_equal(np.asarray(lab), want_lab)
     np.testing.assert_allclose(np.asarray(c), want_c, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_assign_matches_xla_and_breaks_ties_low():
+    """The Triton assignment (interpreted) equals ``_assign`` on ragged bf16 / f32 shapes, and
+    a centroid repeated in a later centroid tile never wins over its first copy."""
+    from pallas_kernels.triton import kmeans as tk
+    rng = np.random.default_rng(4)
+    for dt in (jnp.float32, jnp.bfloat16):
+        x = rng.standard_normal((2, 150, 24))
+        c = rng.standard_normal((2, 100, 24)).astype(np.float32)
+        c[:, 90] = c[:, 3]                       # exact duplicate in the second 64-tile
+        x[:, :5] = c[:, 3:4]                     # points on it
+        x, c = jnp.asarray(x, dt), jnp.asarray(c)
+        got = np.asarray(tk.assign(x, c, interpret=True))
+        np.testing.assert_array_equal(got, np.asarray(jax.vmap(dm._assign)(x, c)))
+        assert (got == 3).any() and not (got == 90).any()
+    with pytest.raises(ValueError, match="assign: x must be"):
+        tk.assign(jnp.zeros((2, 5, 4)), jnp.zeros((2, 3, 8)))
 
 
 SVG2_SHAPE = dict(B=1, Lq=96, Lkv=80, Hq=4, Hkv=2, D=8)

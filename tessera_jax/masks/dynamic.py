@@ -608,6 +608,22 @@ def _update(x, labels, c):
     return jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1.0)[..., None], c)
 
 
+#: How k-means assigns points: "xla" (``_assign``: a matmul, then an argmin over the [L, C]
+#: distances, which go to memory and back: ~24 GB a call at SVG2's Wan 720p key side) or
+#: "pallas" (``pallas_kernels.triton.kmeans.assign``: the argmin kept in registers; the
+#: interpreter off a GPU). Same labels up to float rounding of near ties. Not yet timed on a
+#: GPU (``bench_loop --builder-costs svg2_iters1_fused``); predicted ~8 -> ~2.5 ms a call there.
+KMEANS_ASSIGN = "xla"
+
+
+def _assigner():
+    """The batched assignment [H, L, F] x [H, C, F] -> [H, L] of ``KMEANS_ASSIGN``."""
+    if KMEANS_ASSIGN == "pallas":
+        from pallas_kernels.triton import kmeans as tk
+        return lambda x, c: tk.assign(x, c, interpret=jax.default_backend() != "gpu")
+    return jax.vmap(_assign)
+
+
 def kmeans(x, centroids, *, iters: int):
     """Fixed-iteration k-means (squared Euclidean), batched over heads.
 
@@ -631,7 +647,7 @@ def kmeans(x, centroids, *, iters: int):
                          f"{tuple(x.shape)}: expected [{x.shape[0]}, C, {x.shape[2]}]")
     iters = _check_int(fn, "iters", iters, 0)
     c = centroids.astype(jnp.float32)
-    assign = jax.vmap(_assign)
+    assign = _assigner()
     if iters == 0:
         return assign(x, c), c
 

@@ -899,6 +899,9 @@ BUILDER_VARIANTS = {
     # The same with k-means' cluster sums as one-hot matmuls instead of a scatter-add.
     "svg2_iters1_matmul": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43)),
                            {"KMEANS_SUMS": "matmul"}),
+    # The same with k-means' assignment as one Triton kernel (no [L, C] distances in memory).
+    "svg2_iters1_fused": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43)),
+                          {"KMEANS_ASSIGN": "pallas"}),
     # The same with the key groups in k-means label order (the layout before SVG2_KV_ORDER).
     "svg2_iters1_label": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43)),
                           {"SVG2_KV_ORDER": "label"}),
@@ -911,6 +914,7 @@ BUILDER_VARIANTS = {
 
 # Module switches of tessera_jax.masks.dynamic a run may set (--builder-switch), with their values.
 BUILDER_SWITCHES = {"TOP_K": ("auto", "radix", "sort"), "KMEANS_SUMS": ("scatter", "matmul"),
+                    "KMEANS_ASSIGN": ("xla", "pallas"),
                     "SVG2_KV_ORDER": ("popularity", "label")}
 
 
