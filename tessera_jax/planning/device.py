@@ -306,10 +306,14 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     kj = jnp.asarray(ka)[..., None] + g
     q_in = (qi <= jnp.asarray(qz)[..., None]) & jnp.asarray(qhi > qlo)[..., None]
     k_in = (kj <= jnp.asarray(kz)[..., None]) & jnp.asarray(khi > klo)[..., None]
+    # Cells: only as many segments per axis as a tile can meet (static bounds: known now, e.g.
+    # 2 x 1 for 64-token blocks on 128 x 64 tiles; the others are never inside a tile).
+    gq, gk = (min(abi.GRID, max(1, int(np.max(z - a)) + 1)) if isinstance(a, np.ndarray)
+              else abi.GRID for a, z in ((qa, qz), (ka, kz)))
     heads = jnp.arange(Hm)[:, None, None, None, None]
-    cells = blocks[heads, jnp.minimum(qi, nq - 1)[:, :, None, :, None],
-                   jnp.minimum(kj, nk - 1)[:, None, :, None, :]]   # [Hm, nqt, nkt, 4, 4]
-    cell_ok = q_in[:, :, None, :, None] & k_in[:, None, :, None, :]
+    cells = blocks[heads, jnp.minimum(qi[..., :gq], nq - 1)[:, :, None, :, None],
+                   jnp.minimum(kj[..., :gk], nk - 1)[:, None, :, None, :]]  # [Hm, nqt, nkt, gq, gk]
+    cell_ok = q_in[:, :, None, :gq, None] & k_in[:, None, :, None, :gk]
     cells &= cell_ok
     any_sel = cells.any(axis=(-2, -1))                          # [Hm, nqt, nkt]
     all_sel = (cells | ~cell_ok).all(axis=(-2, -1))
@@ -328,7 +332,7 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     qcut = cuts(qb, qi, q_in, qorg, qlo, qhi, nq)
     kcut = cuts(kb, kj, k_in, korg, klo, khi, nk)
     bits = (cells.astype(jnp.int32)
-            << (abi.GRID * g[:, None] + g[None, :])).sum(axis=(-2, -1))   # [Hm, nqt, nkt]
+            << (abi.GRID * g[:gq, None] + g[None, :gk])).sum(axis=(-2, -1))   # [Hm, nqt, nkt]
     qlo_j, qhi_j = jnp.asarray(qlo, jnp.int32), jnp.asarray(qhi, jnp.int32)
     klo_j, khi_j = jnp.asarray(klo, jnp.int32), jnp.asarray(khi, jnp.int32)
     rect = abi.pack_rect(jnp.broadcast_to(qlo_j[:, :, None], full),
