@@ -6,7 +6,8 @@
 #   bash benchmarks/h200_session.sh builders-vsa  # builder costs at 720p; Wan 1.3B 480p VSA loop (3 runs, host once)
 #   bash benchmarks/h200_session.sh backward      # grad checks (paired dk/dv), unpadded checks + training memory
 #   bash benchmarks/h200_session.sh svg2          # Wan 14B 720p SVG2 loop (host, null); fwd+bwd with the new dk/dv score
-# Other parts: builders | loops | train-sparge | train-svg2 | device-planning.
+#   bash benchmarks/h200_session.sh device-planning  # Wan 480p VSA and Wan 720p device planning + route
+# (Session 11's parts, builders / train-sparge / loops / train-svg2, are in git history.)
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -29,15 +30,9 @@ if tb and tc:
     print(f"--builder-switch {key}={vb if tb <= tc else vc}")
 PY
 }
-# Loops take SWITCHES when given, else the picks of a `builders` part of the same call.
+# Loops take SWITCHES when given, else the picks of the `builders` part of the same call.
 SW=${SWITCHES:-}
 case "${1:-}" in
-builders)
-  run 160 builders python3 -m tessera_jax.tools.bench_loop --out $OUT/builders.json \
-      --builder-costs vsa,vsa_sort,sparge_topk,sparge_topk_sort,svg2_iters1,svg2_iters1_matmul
-  run 230 bwd-kernels python3 benchmarks/backward.py --sections kernels --budget-s 215 \
-      --out $OUT/bwd-kernels.json
-  run 80 multi-gpu-one python3 benchmarks/multi_gpu.py --one-device --out $OUT/h200-one-device.json ;;
 builders-vsa)
   run 150 builders python3 -m tessera_jax.tools.bench_loop --out $OUT/builders.json \
       --builder-costs vsa,vsa_sort,sparge_topk,sparge_topk_sort,svg2_iters1,svg2_iters1_matmul,svg2_iters1_label,svg2_iters1_fused
@@ -45,19 +40,7 @@ builders-vsa)
   echo "loop-vsa switches: $SW"
   run 330 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
       --loop-repeats 3 $SW --out $OUT/loop-vsa.json ;;
-train-sparge)
-  run 240 bwd-train python3 benchmarks/backward.py --sections train --train-variants sparse,dense \
-      --layers 30 --steps 5 --budget-s 230 --out $OUT/bwd-train.json
-  SW=${SWITCHES:-$(pick sparge_topk sparge_topk_sort TOP_K radix sort)}
-  echo "loop-sparge switches: $SW"
-  run 230 loop-sparge python3 -m tessera_jax.tools.bench_loop --models hunyuan15_720p_sparge \
-      $SW --out $OUT/loop-sparge.json ;;
-loops)
-  run 330 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
-      --loop-repeats 3 $SW --out $OUT/loop-vsa.json
-  run 230 loop-sparge python3 -m tessera_jax.tools.bench_loop --models hunyuan15_720p_sparge \
-      $SW --out $OUT/loop-sparge.json ;;
-train-backward)
+backward)
   run 230 bwd-checks python3 benchmarks/backward.py --sections checks,grad --budget-s 215 \
       --out $OUT/bwd-checks.json
   run 150 bwd-unpadded-checks python3 benchmarks/backward.py --sections checks --mosaic-unpadded \
@@ -65,24 +48,17 @@ train-backward)
   run 190 bwd-train-unpadded python3 benchmarks/backward.py --sections train --train-variants sparse \
       --mosaic-unpadded --layers 30 --steps 5 --budget-s 180 --out $OUT/bwd-train-unpadded.json ;;
 svg2)
-  run 240 bwd-train python3 benchmarks/backward.py --sections train --train-variants sparse,dense \
-      --layers 30 --steps 5 --budget-s 230 --out $OUT/bwd-train.json
-  SW=${SWITCHES:-$(pick svg2_iters1 svg2_iters1_matmul KMEANS_SUMS scatter matmul)}
-  echo "loop-svg2 switches: $SW"
-  run 320 loop-svg2 python3 -m tessera_jax.tools.bench_loop --models wan14b_720p_svg2 \
-      $SW --out $OUT/loop-svg2.json ;;
-device-planning)
-  run 90 device-planning-vsa480 python3 benchmarks/device_planning.py --grids wan480 \
-      --route-grids wan480 --heads 12 --families vsa --no-checks --budget-s 80 \
-      --out $OUT/device-planning-vsa480.json
-  run 150 device-planning python3 benchmarks/device_planning.py --grids wan720 --route-grids wan720 \
-      --families svg2,sparge,natten,ditfastattn --no-checks --budget-s 130 --out $OUT/device-planning.json ;;
-svg2)
   SW=${SWITCHES:-$(pick svg2_iters1 svg2_iters1_matmul KMEANS_SUMS scatter matmul)}
   echo "loop-svg2 switches: $SW"
   run 400 loop-svg2 python3 -m tessera_jax.tools.bench_loop --models wan14b_720p_svg2 \
       $SW --out $OUT/loop-svg2.json
   run 150 bwd-kernels python3 benchmarks/backward.py --sections kernels --no-dkv-controls \
       --budget-s 140 --out $OUT/bwd-kernels.json ;;
-*) echo "usage: OUT=dir [SWITCHES=...] bash benchmarks/h200_session.sh builders|builders-vsa|train-sparge|loops|train-svg2|backward|svg2|device-planning" >&2; exit 2 ;;
+device-planning)
+  run 90 device-planning-vsa480 python3 benchmarks/device_planning.py --grids wan480 \
+      --route-grids wan480 --heads 12 --families vsa --no-checks --budget-s 80 \
+      --out $OUT/device-planning-vsa480.json
+  run 150 device-planning python3 benchmarks/device_planning.py --grids wan720 --route-grids wan720 \
+      --families svg2,sparge,natten,ditfastattn --no-checks --budget-s 130 --out $OUT/device-planning.json ;;
+*) echo "usage: OUT=dir [SWITCHES=...] bash benchmarks/h200_session.sh builders-vsa|backward|svg2|device-planning" >&2; exit 2 ;;
 esac
