@@ -40,6 +40,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import abi as plan_abi
+from pallas_kernels import backward_rows as rows_
 from pallas_kernels.templates import CompiledConfig, MosaicConfig
 
 __all__ = ["KernelConfig", "forward", "smem_bytes", "MASK_MODES", "MAX_SMEM"]
@@ -156,11 +157,8 @@ PAD_INPUTS = True
 
 
 def pad_len(x, length: int, interpret=False):
-    """[B, L, H, D] -> [B, length, H, D] with zero rows, unless a GPU launch may skip it."""
-    extra = length - x.shape[1]
-    if extra == 0 or (not PAD_INPUTS and not interpret):
-        return x
-    return jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
+    """``backward_rows.pad_len`` (zero rows up to ``length``), unless a GPU launch may skip it."""
+    return rows_.pad_len(x, length) if PAD_INPUTS or interpret else x
 
 
 def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret=False):
