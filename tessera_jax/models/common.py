@@ -21,7 +21,8 @@ import flax.nnx as nnx
 from tessera_jax.mask import BlockMask
 
 __all__ = ["MLP", "apply_rope", "check_order", "device_init", "extend_with_text", "layer_masks",
-           "numpy_init", "patch_grid", "patchify", "rope_3d", "rope_split", "timestep_embedding", "unpatchify"]
+           "numpy_init", "patch_grid", "patchify", "rope_3d", "rope_split", "timestep_embedding",
+           "unpatchify"]
 
 
 def _ints(name: str, val, n: int) -> tuple[int, ...]:

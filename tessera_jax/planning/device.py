@@ -312,7 +312,7 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
               else abi.GRID for a, z in ((qa, qz), (ka, kz)))
     heads = jnp.arange(Hm)[:, None, None, None, None]
     cells = blocks[heads, jnp.minimum(qi[..., :gq], nq - 1)[:, :, None, :, None],
-                   jnp.minimum(kj[..., :gk], nk - 1)[:, None, :, None, :]]  # [Hm, nqt, nkt, gq, gk]
+                   jnp.minimum(kj[..., :gk], nk - 1)[:, None, :, None, :]]   # [.., gq, gk]
     cell_ok = q_in[:, :, None, :gq, None] & k_in[:, None, :, None, :gk]
     cells &= cell_ok
     any_sel = cells.any(axis=(-2, -1))                          # [Hm, nqt, nkt]

@@ -926,6 +926,7 @@ def builder_costs(args, progress=None, save=None) -> dict:
     grid, H, D = ((5, 6, 8), 2, 16) if args.tiny else ((21, 45, 80), 40, 128)
     L = int(np.prod(grid))
     out = {}
+    doc = dict(grid=list(grid), heads=H, head_dim=D, dtype=args.dtype, variants=out)
     names = [n.strip() for n in args.builder_costs.split(",") if n.strip()]
     for name in names:
         if name not in BUILDER_VARIANTS:
@@ -961,9 +962,8 @@ def builder_costs(args, progress=None, save=None) -> dict:
         out[name] = dict(pc, rule=repr(rule), attention_s=attn,
                          fraction=pc["build_s"] / attn if attn > 0 else None)
         if save is not None:
-            save(dict(grid=list(grid), heads=H, head_dim=D, dtype=args.dtype, variants=out))
-    return dict(grid=list(grid), heads=H, head_dim=D, dtype=args.dtype, variants=out,
-                note="fraction = build_s / (dynamic_attention_s - build_s): the builder's cost "
+            save(doc)
+    return dict(doc, note="fraction = build_s / (dynamic_attention_s - build_s): the builder's cost "
                      "over the sparse attention call it feeds; issue 17 asks <= 0.05")
 
 
@@ -1086,6 +1086,7 @@ def _summarize_static(cases: dict) -> dict:
 
 
 def _environment(args, argv) -> dict:
+    from tessera_jax.masks import dynamic as dm
     dev = jax.devices()[0]
     return dict(
         device=getattr(dev, "device_kind", str(dev)), platform=jax.default_backend(),
@@ -1093,8 +1094,7 @@ def _environment(args, argv) -> dict:
         jaxlib=getattr(__import__("jaxlib"), "__version__", None),
         python=platform.python_version(),
         command="python -m tessera_jax.tools.bench_loop " + " ".join(argv),
-        builder_switches={k: getattr(__import__("tessera_jax.masks.dynamic", fromlist=["x"]), k)
-                          for k in BUILDER_SWITCHES},
+        builder_switches={k: getattr(dm, k) for k in BUILDER_SWITCHES},
         date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         tiny=args.tiny)
 
@@ -1141,16 +1141,15 @@ def parse_args(argv):
     g.add_argument("--builder-costs", default=None,
                    help="instead of loops: time these builder variants at Wan 720p (comma-"
                         "separated, 'all': " + ", ".join(BUILDER_VARIANTS) + ")")
+    choices = ", ".join(f"{k}={'|'.join(v)}" for k, v in BUILDER_SWITCHES.items())
     g.add_argument("--builder-switch", action="append", default=[], metavar="NAME=VALUE",
-                   help="set a builder switch of tessera_jax.masks.dynamic for the loops: "
-                        + ", ".join(f"{k}={'|'.join(v)}" for k, v in BUILDER_SWITCHES.items()))
+                   help=f"set a builder switch of tessera_jax.masks.dynamic for the loops: {choices}")
     args = p.parse_args(argv)
     args.switches = {}
     for item in args.builder_switch:
         k, _, v = item.partition("=")
         if k not in BUILDER_SWITCHES or v not in BUILDER_SWITCHES[k]:
-            p.error(f"--builder-switch {item!r}: expected one of "
-                    + ", ".join(f"{k}={'|'.join(v)}" for k, v in BUILDER_SWITCHES.items()))
+            p.error(f"--builder-switch {item!r}: expected one of {choices}")
         args.switches[k] = v
     if args.dense_implementation == "xla":
         args.dense_implementation = None
