@@ -484,3 +484,10 @@ def test_fold_vmap_folds_tensors_and_maps_batched_plans():
     assert calls[-1] == (6, 4) and out.shape == (3, 2, 4) and (out == 2).all()
     out = jax.vmap(lambda x, p: batching.fold_vmap(fn, (x, y), (p,)))(x, p)
     np.testing.assert_array_equal(out[:, 0, 0], 2 + p.sum(1))
+
+
+def test_paired_dkv_tiles_match_the_mosaic_kernel():
+    """autodiff's copy of the paired dk/dv tiles (kept there so the runtime imports no Mosaic
+    module eagerly) is the kernel's own."""
+    from pallas_kernels.mosaic import backward as mb
+    assert autodiff.BACKWARD["mosaic_gpu"].paired_dkv_tiles == mb.DKV_PAIRED_TILES
