@@ -513,6 +513,11 @@ def train_step_section(res, args):
                 mem = memory_of(compiled)
             except Exception as e:  # noqa: BLE001
                 mem = {"error": repr(e)[:500]}
+            if args.steps == 0:                      # memory only (the compiled estimate)
+                out[variant] = dict(compile_s=compile_s, memory=mem)
+                log("train step", variant, "compiled", f"peak est "
+                    f"{mem.get('peak_estimate_bytes', 0) / 2**30:.2f} GiB")
+                continue
             loss, state = compiled(state, ks[0])                     # warm-up
             jax.block_until_ready(loss)
             samples = []
@@ -582,7 +587,8 @@ def main(argv=None):
     ap.add_argument("--err-grid", default="5,12,16", help="token grid of the gradient check")
     ap.add_argument("--err-heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=30, help="Wan2.1-1.3B layers to train")
-    ap.add_argument("--steps", type=int, default=10, help="timed training steps")
+    ap.add_argument("--steps", type=int, default=10,
+                    help="timed training steps (0: compile only, for the memory estimate)")
     ap.add_argument("--train-density", type=float, default=0.125)
     ap.add_argument("--train-variants", default="sparse,dense")
     ap.add_argument("--no-dkv-controls", dest="dkv_controls", action="store_false",
@@ -602,9 +608,6 @@ def main(argv=None):
                          "GPU, xla on a CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=540)
-    ap.add_argument("--mosaic-unpadded", action="store_true",
-                    help="Mosaic GPU launches without padding q, k, v, dO (kernel.PAD_INPUTS "
-                         "False: TMA reads zeros past the end); checks and memory of that")
     args = ap.parse_args(argv)
     import jax
     on_gpu = jax.default_backend() == "gpu"
@@ -619,9 +622,6 @@ def main(argv=None):
                            ).split(",")
     args.dense_impl = "cudnn" if on_gpu else None
     args.deadline = T0 + args.budget_s
-    if args.mosaic_unpadded:
-        from pallas_kernels.mosaic import kernel as mosaic_kernel
-        mosaic_kernel.PAD_INPUTS = False
     if args.flex and not on_gpu:
         args.flex = False
     rule = timing.KERNEL_RULE if on_gpu else timing.wall_rule(3 if args.dry_run else 20)

@@ -670,15 +670,3 @@ def test_device_plan_runs_on_the_paired_kernel():
                                 interpret=INTERPRET, check_plan=False)
     _check(out, lse, *tj.reference_attention(q, k, v, tj.BlockMask(qb, kb, blocks),
                                              return_lse=True), jnp.float16)
-
-
-def test_pad_inputs_switch(monkeypatch):
-    """``kernel.PAD_INPUTS`` False skips the zero rows only for a GPU launch (TMA reads zeros
-    past the end); the interpreter, whose slices clamp, always pads."""
-    x = jnp.ones((1, 5, 2, 8), jnp.bfloat16)
-    for flag, interpret, rows in ((True, False, 8), (False, False, 5), (False, object(), 8)):
-        monkeypatch.setattr(mosaic_kernel, "PAD_INPUTS", flag)
-        y = mosaic_kernel.pad_len(x, 8, interpret)
-        assert y.shape[1] == rows
-        if rows == 8:
-            assert not np.asarray(y[:, 5:]).any() and np.asarray(y[:, :5]).all()

@@ -41,7 +41,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import abi
 from pallas_kernels import backward_rows as rows_
 from pallas_kernels import templates as _templates
-from pallas_kernels.mosaic.kernel import _segment_select, pad_len
+from pallas_kernels.mosaic.kernel import _segment_select
 
 __all__ = ["dq", "dkv", "DKV_TILES", "DKV_PAIRED_TILES", "STAGES", "smem_bytes"]
 
@@ -407,9 +407,9 @@ def _dq(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, paired, q_len
     Lq, Hq = q.shape[1], q.shape[2]
     lse_u = rows_.unit_rows(rows_.pad_rows(lse * _LOG2E, q_len_padded, jnp.inf), units, tile_q)
     delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q)
-    dq_u = _dq_call(pad_len(q, q_len_padded, interpret), pad_len(k, kv_len_padded, interpret),
-                    pad_len(v, kv_len_padded, interpret),
-                    pad_len(do.astype(q.dtype), q_len_padded, interpret),
+    dq_u = _dq_call(rows_.pad_len(q, q_len_padded), rows_.pad_len(k, kv_len_padded),
+                    rows_.pad_len(v, kv_len_padded),
+                    rows_.pad_len(do.astype(q.dtype), q_len_padded),
                     lse_u, delta_u, units, steps, tile_q=tile_q, tile_kv=tile_kv, paired=paired,
                     mode=mask_mode, scale=scale, interpret=interpret)
     return rows_.gather_units(dq_u, abi.row_index_from_units(units, Hq, Lq, tile_q))
@@ -572,10 +572,10 @@ def _dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, q_len_padded, kv_len_
     Lkv, Hkv, Hq = k.shape[1], k.shape[2], q.shape[2]
     lse2 = rows_.pad_rows(lse * _LOG2E, kv_len_padded, jnp.inf)
     delta_p = rows_.pad_rows(delta, kv_len_padded, 0.0)
-    dk_u, dv_u = _dkv_call(pad_len(q, kv_len_padded, interpret),
-                           pad_len(k, q_len_padded, interpret),
-                           pad_len(v, q_len_padded, interpret),
-                           pad_len(do.astype(q.dtype), kv_len_padded, interpret), lse2, delta_p,
+    dk_u, dv_u = _dkv_call(rows_.pad_len(q, kv_len_padded),
+                           rows_.pad_len(k, q_len_padded),
+                           rows_.pad_len(v, q_len_padded),
+                           rows_.pad_len(do.astype(q.dtype), kv_len_padded), lse2, delta_p,
                            units, steps, tile_q=tile_q, mode=mask_mode, scale=scale,
                            interpret=interpret)
     ri = abi.row_index_from_units(units, Hq, Lkv, tile_q)

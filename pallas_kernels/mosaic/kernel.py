@@ -148,19 +148,6 @@ class _Wg(NamedTuple):
     cnt: Any                   # the unit's step count
 
 
-#: Whether launches pad q, k, v (and dO) to the plan's padded lengths on a GPU. The kernels
-#: read [B, L, H, D] rows by TMA, which reads zeros past an array's end (Mosaic GPU leaves TMA
-#: slices unchecked), the padding's own value; without the copies the backward holds 4 fewer
-#: [B, L, H, D] arrays across its two kernels. The interpreter clamps such slices, so it always
-#: pads. Read when a launch is traced. Not yet run on a GPU: benchmarks/NOTES.md section 19.
-PAD_INPUTS = True
-
-
-def pad_len(x, length: int, interpret=False):
-    """``backward_rows.pad_len`` (zero rows up to ``length``), unless a GPU launch may skip it."""
-    return rows_.pad_len(x, length) if PAD_INPUTS or interpret else x
-
-
 def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret=False):
     """Runs the kernel: q [B, Lqp, Hq, D], k/v [B, Lkvp, Hkv, D] (already padded) ->
     out_units [B, U, tile_q, D] (q.dtype) and lse_units [B, U, tile_q] (float32, natural log)."""

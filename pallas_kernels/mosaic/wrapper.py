@@ -19,7 +19,8 @@ import numpy as np
 
 from pallas_kernels import abi as plan_abi
 from pallas_kernels import templates as _templates
-from pallas_kernels.mosaic.kernel import MASK_MODES, KernelConfig, forward, pad_len
+from pallas_kernels import backward_rows as rows_
+from pallas_kernels.mosaic.kernel import MASK_MODES, KernelConfig, forward
 
 __all__ = ["KernelConfig", "attention", "config_from_template", "mask_mode_for",
            "plan_mask_mode", "MASK_MODES"]
@@ -96,9 +97,9 @@ def _check(q, k, v, units, steps, row_index, t, q_len_padded, kv_len_padded, sca
 def _attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_len_padded,
                scale, return_lse, interpret, mask_mode=None):
     cfg = config_from_template(template, mask_mode)
-    qp = pad_len(q, q_len_padded, interpret)
-    kp = pad_len(k, kv_len_padded, interpret)
-    vp = pad_len(v, kv_len_padded, interpret)
+    qp = rows_.pad_len(q, q_len_padded)
+    kp = rows_.pad_len(k, kv_len_padded)
+    vp = rows_.pad_len(v, kv_len_padded)
     out_u, lse_u = forward(qp, kp, vp, units, steps, cfg=cfg, scale=scale, interpret=interpret)
     if row_index is None:
         row_index = plan_abi.row_index_from_units(units, q.shape[2], q.shape[1], template.tile_q)
