@@ -604,10 +604,32 @@ def row_index_from_units(units, num_q_heads: int, q_len: int, tile_q: int):
     return flat.reshape(num_q_heads, q_len)
 
 
-def gather_rows(out_units, lse_units, row_index):
+_TRANSPOSED: dict = {}
+
+
+def token_major(row_index):
+    """``row_index.T`` [Lq, Hq], contiguous, for a NumPy row_index (cached per array: a host
+    plan's constant), else None. Gathers of [B, Lq, Hq, D] outputs take it: with the
+    transpose inside the program, XLA may gather head-major and transpose after, two
+    [B, Lq, Hq, D] copies (and under ``jax.checkpoint`` the transpose of the constant is not
+    folded away: it runs, and stays live, in every recomputed block)."""
+    if not isinstance(row_index, np.ndarray):
+        return None
+    hit = _TRANSPOSED.get(id(row_index))
+    if hit is not None and hit[0] is row_index:
+        return hit[1]
+    if len(_TRANSPOSED) >= 64:
+        _TRANSPOSED.clear()
+    t = np.ascontiguousarray(row_index.T)
+    _TRANSPOSED[id(row_index)] = (row_index, t)
+    return t
+
+
+def gather_rows(out_units, lse_units, row_index, row_index_t=None):
     """Unit-major kernel outputs -> out [B, Lq, Hq, D] and lse [B, Hq, Lq] (float32).
 
-    out_units: [B, U, tile_q, D]; lse_units: [B, U, tile_q] float32; row_index: int32 [Hq, Lq].
+    out_units: [B, U, tile_q, D]; lse_units: [B, U, tile_q] float32; row_index: int32 [Hq, Lq];
+    row_index_t: its transpose [Lq, Hq] when the caller has it (``token_major``).
     Rows no unit owns get 0 and -inf.
     """
     import jax.numpy as jnp  # local: keeps this module importable without jax for docs
@@ -616,6 +638,7 @@ def gather_rows(out_units, lse_units, row_index):
     # The sentinel U * T is one past the end: "fill" gives it the value, with no padded copy.
     flat = out_units.reshape(B, U * T, D)
     lflat = lse_units.reshape(B, U * T).astype(jnp.float32)
-    out = jnp.take(flat, row_index.T, axis=1, mode="fill", fill_value=0)      # [B, Lq, Hq, D]
+    idx = row_index.T if row_index_t is None else row_index_t
+    out = jnp.take(flat, idx, axis=1, mode="fill", fill_value=0)               # [B, Lq, Hq, D]
     lse = jnp.take(lflat, row_index, axis=1, mode="fill", fill_value=-jnp.inf)  # [B, Hq, Lq]
     return out, lse

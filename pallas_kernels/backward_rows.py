@@ -17,6 +17,7 @@ masked score of -inf gives 0 too), ``delta`` [B, Hq, Lq] float32 = rowsum(out * 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import abi
 
@@ -46,20 +47,35 @@ def pad_len(x, length: int):
     return x if extra == 0 else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
 
 
-def unit_rows(x, units, tile_q: int):
+def unit_rows(x, units, tile_q: int, index=None):
     """[B, H, Lp] (padded to cover every unit's tile) -> [B, U, tile_q]: row r of unit u is
-    x[b, head_u, q_start_u + r]."""
+    x[b, head_u, q_start_u + r]. ``index``: ``host_unit_index``'s constant, when there is one."""
+    if index is not None:
+        return x.reshape(x.shape[0], -1)[:, index]
     h = units[:, abi.UNIT_HEAD, None]
     rows = units[:, abi.UNIT_Q_START, None] + jnp.arange(tile_q, dtype=jnp.int32)[None]
     return x[:, h, rows]
 
 
-def gather_units(x_units, row_index):
-    """Unit-major [B, U, T, D] -> [B, L, H, D] through ``row_index`` [H, L] (``abi``); rows
-    no unit owns (the sentinel U * T) get 0."""
+def host_unit_index(units, tile_q: int, length_padded: int):
+    """``unit_rows``' gather index [U, tile_q] into [H * Lp], on the host for NumPy units
+    (a constant: under ``jax.checkpoint`` index arithmetic on a plan's constants is not
+    folded away, it runs and stays live in every recomputed block); None for device units."""
+    if not isinstance(units, np.ndarray):
+        return None
+    base = (units[:, abi.UNIT_HEAD].astype(np.int64) * length_padded
+            + units[:, abi.UNIT_Q_START])
+    return (base[:, None] + np.arange(tile_q)[None]).astype(np.int32)
+
+
+def gather_units(x_units, row_index, row_index_t=None):
+    """Unit-major [B, U, T, D] -> [B, L, H, D] through ``row_index`` [H, L] (``abi``), or its
+    transpose ``row_index_t`` [L, H] when the caller has it (``abi.token_major``); rows no unit
+    owns (the sentinel U * T) get 0."""
     B, U, T, D = x_units.shape
     flat = x_units.reshape(B, U * T, D)      # the sentinel is one past the end: "fill" gives 0
-    return jnp.take(flat, row_index.T, axis=1, mode="fill", fill_value=0)
+    idx = row_index.T if row_index_t is None else row_index_t
+    return jnp.take(flat, idx, axis=1, mode="fill", fill_value=0)
 
 
 def group_sum(x, num_kv_heads: int):

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 import tessera_jax as tj
@@ -320,6 +321,38 @@ def test_triton_backward_host_plan():
     got = grads(lambda q, k, v, m, return_lse: autodiff.run(p, q, k, v, 0.3, return_lse),
                 q, k, v, mask, do, dlse)
     assert_grads(got, want[2:], 1e-4)
+
+
+def _primitives(jaxpr, out=None):
+    """Names of the primitives in a jaxpr and its sub-jaxprs (not inside Pallas kernels)."""
+    out = set() if out is None else out
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        if eqn.primitive.name != "pallas_call":
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                _primitives(sub, out)
+    return out
+
+
+def test_host_plan_backward_gathers_through_constants(monkeypatch):
+    """Under ``jax.checkpoint`` a host plan's row gathers use host constants (token-major
+    row_index, unit row indices): no scatter rebuilds row_index from units inside the program
+    (XLA ran them, and kept them live, in every recomputed block: ~3 MB a layer at Wan 480p),
+    while a plan without a host row_index still makes it on the device."""
+    rng = np.random.default_rng(_seed("consts"))
+    Lq, Lkv, Hq, Hkv, D = 70, 90, 2, 1, 16
+    mask = _fine_mask(rng, Lq, Lkv, Hq)
+    q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, "float32", 13)
+    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q128_kv64_w8_s3_pf_hm")
+
+    def prims():
+        f = jax.checkpoint(lambda q, k, v: autodiff.run(p, q, k, v, 0.3, False))
+        g = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))
+        return _primitives(jax.make_jaxpr(g)(q, k, v).jaxpr)
+
+    assert "scatter" not in prims()
+    monkeypatch.setattr(autodiff, "_host_rows", lambda plan: None)
+    assert "scatter" in prims()
 
 
 def test_unsupported_derivatives_name_themselves(monkeypatch):

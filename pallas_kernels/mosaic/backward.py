@@ -384,16 +384,19 @@ def _dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, pair
 
 
 def dq(q, k, v, do, lse, delta, units, steps, *, template, q_len_padded, kv_len_padded, scale,
-       mask_mode="cond", interpret=None):
+       mask_mode="cond", interpret=None, row_index=None):
     """dq [B, Lq, Hq, D] (q.dtype) over a forward plan built for the ``mosaic_gpu`` template
     ``template`` (its ABI arrays, trusted: made by a planner for it). q, do [B, Lq, Hq, D];
     k, v [B, Lkv, Hkv, D]; lse (+inf on rows with no selected key), delta: [B, Hq, Lq]
-    float32. ``interpret``: a Mosaic GPU interpreter params object (CPU tests)."""
+    float32. ``row_index``: the plan's (NumPy; None: made on the device from units).
+    ``interpret``: a Mosaic GPU interpreter params object (CPU tests)."""
     t = _templates.get(template)
     if t.backend != "mosaic_gpu":
         raise ValueError(f"template {t.name!r} is for backend {t.backend!r}, not mosaic_gpu")
     _check(q, k, v, do, units, steps)
     return _dq(q, k, v, do, lse, delta, jnp.asarray(units), jnp.asarray(steps),
+               rows_.host_unit_index(units, t.tile_q, int(q_len_padded)),
+               abi.token_major(row_index),
                tile_q=t.tile_q, tile_kv=t.tile_kv, paired=bool(t.kernel.paired),
                q_len_padded=int(q_len_padded), kv_len_padded=int(kv_len_padded),
                scale=float(scale), mask_mode=mask_mode, interpret=interpret)
@@ -402,17 +405,21 @@ def dq(q, k, v, do, lse, delta, units, steps, *, template, q_len_padded, kv_len_
 @functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "paired", "q_len_padded",
                                              "kv_len_padded", "scale", "mask_mode",
                                              "interpret"))
-def _dq(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, paired, q_len_padded,
-        kv_len_padded, scale, mask_mode, interpret):
+def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_q, tile_kv,
+        paired, q_len_padded, kv_len_padded, scale, mask_mode, interpret):
     Lq, Hq = q.shape[1], q.shape[2]
-    lse_u = rows_.unit_rows(rows_.pad_rows(lse * _LOG2E, q_len_padded, jnp.inf), units, tile_q)
-    delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q)
+    lse_u = rows_.unit_rows(rows_.pad_rows(lse * _LOG2E, q_len_padded, jnp.inf), units, tile_q,
+                            unit_index)
+    delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q,
+                              unit_index)
     dq_u = _dq_call(rows_.pad_len(q, q_len_padded), rows_.pad_len(k, kv_len_padded),
                     rows_.pad_len(v, kv_len_padded),
                     rows_.pad_len(do.astype(q.dtype), q_len_padded),
                     lse_u, delta_u, units, steps, tile_q=tile_q, tile_kv=tile_kv, paired=paired,
                     mode=mask_mode, scale=scale, interpret=interpret)
-    return rows_.gather_units(dq_u, abi.row_index_from_units(units, Hq, Lq, tile_q))
+    if row_index_t is None:
+        return rows_.gather_units(dq_u, abi.row_index_from_units(units, Hq, Lq, tile_q))
+    return rows_.gather_units(dq_u, None, row_index_t)
 
 
 # --- dk, dv ----------------------------------------------------------------------------------
@@ -549,7 +556,7 @@ def _dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, in
 
 
 def dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
-        scale, mask_mode="cond", interpret=None):
+        scale, mask_mode="cond", interpret=None, row_index=None):
     """(dk, dv) [B, Lkv, Hkv, D] (k.dtype) over a transposed plan built with ``DKV_TILES``
     (units of 128 keys, ``q_len_padded`` >= Lkv, of query head UNIT_HEAD; steps of 64
     queries, ``kv_len_padded`` >= Lq; starts multiples of 8), summed over each K/V head's
@@ -560,15 +567,15 @@ def dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded,
                          f"{DKV_PAIRED_TILES[1]} tiles, got {tile_q} x {tile_kv}")
     _check(q, k, v, do, units, steps)
     return _dkv(q, k, v, do, lse, delta, jnp.asarray(units), jnp.asarray(steps),
-                tile_q=int(tile_q), q_len_padded=int(q_len_padded),
+                abi.token_major(row_index), tile_q=int(tile_q), q_len_padded=int(q_len_padded),
                 kv_len_padded=int(kv_len_padded),
                 scale=float(scale), mask_mode=mask_mode, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("tile_q", "q_len_padded", "kv_len_padded",
                                              "scale", "mask_mode", "interpret"))
-def _dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, q_len_padded, kv_len_padded, scale,
-         mask_mode, interpret):
+def _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, *, tile_q, q_len_padded,
+         kv_len_padded, scale, mask_mode, interpret):
     Lkv, Hkv, Hq = k.shape[1], k.shape[2], q.shape[2]
     lse2 = rows_.pad_rows(lse * _LOG2E, kv_len_padded, jnp.inf)
     delta_p = rows_.pad_rows(delta, kv_len_padded, 0.0)
@@ -578,6 +585,6 @@ def _dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, q_len_padded, kv_len_
                            rows_.pad_len(do.astype(q.dtype), kv_len_padded), lse2, delta_p,
                            units, steps, tile_q=tile_q, mode=mask_mode, scale=scale,
                            interpret=interpret)
-    ri = abi.row_index_from_units(units, Hq, Lkv, tile_q)
-    dk, dv = (rows_.group_sum(rows_.gather_units(x, ri), Hkv) for x in (dk_u, dv_u))
+    ri = abi.row_index_from_units(units, Hq, Lkv, tile_q) if row_index_t is None else None
+    dk, dv = (rows_.group_sum(rows_.gather_units(x, ri, row_index_t), Hkv) for x in (dk_u, dv_u))
     return dk.astype(k.dtype), dv.astype(v.dtype)

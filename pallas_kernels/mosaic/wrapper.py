@@ -94,8 +94,8 @@ def _check(q, k, v, units, steps, row_index, t, q_len_padded, kv_len_padded, sca
 
 @functools.partial(jax.jit, static_argnames=("template", "q_len_padded", "kv_len_padded",
                                              "scale", "return_lse", "interpret", "mask_mode"))
-def _attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_len_padded,
-               scale, return_lse, interpret, mask_mode=None):
+def _attention(q, k, v, units, steps, row_index, row_index_t=None, *, template, q_len_padded,
+               kv_len_padded, scale, return_lse, interpret, mask_mode=None):
     cfg = config_from_template(template, mask_mode)
     qp = rows_.pad_len(q, q_len_padded)
     kp = rows_.pad_len(k, kv_len_padded)
@@ -103,7 +103,7 @@ def _attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_l
     out_u, lse_u = forward(qp, kp, vp, units, steps, cfg=cfg, scale=scale, interpret=interpret)
     if row_index is None:
         row_index = plan_abi.row_index_from_units(units, q.shape[2], q.shape[1], template.tile_q)
-    out, lse = plan_abi.gather_rows(out_u, lse_u, row_index)
+    out, lse = plan_abi.gather_rows(out_u, lse_u, row_index, row_index_t)
     return (out, lse) if return_lse else out
 
 
@@ -142,7 +142,8 @@ def attention(q, k, v, units, steps, row_index, *, template, q_len_padded, kv_le
     units, steps = (a if isinstance(a, np.ndarray) else jnp.asarray(a) for a in (units, steps))
     if row_index is not None and not isinstance(row_index, np.ndarray):
         row_index = jnp.asarray(row_index)   # None: computed on the device from units
-    return _attention(q, k, v, units, steps, row_index, template=t,
+    return _attention(q, k, v, units, steps, row_index, plan_abi.token_major(row_index),
+                      template=t,
                       q_len_padded=int(q_len_padded), kv_len_padded=int(kv_len_padded),
                       scale=float(scale), return_lse=bool(return_lse), interpret=interpret,
                       mask_mode=mask_mode)

@@ -170,26 +170,31 @@ _STATICS = ("tile_q", "tile_kv", "q_len_padded", "kv_len_padded", "scale", "mask
 
 
 def dq(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
-       scale, mask_mode="cond", interpret=None):
+       scale, mask_mode="cond", interpret=None, row_index=None):
     """dq [B, Lq, Hq, D] (q.dtype) over a forward plan (its ABI arrays, trusted: built by a
     planner for these tiles and padded lengths). q, do [B, Lq, Hq, D]; k, v [B, Lkv, Hkv, D];
     lse (+inf on rows with no selected key), delta: [B, Hq, Lq] float32. ``mask_mode``
-    "none" only for plans whose visited steps are all full."""
+    "none" only for plans whose visited steps are all full. ``row_index``: the plan's (NumPy;
+    None: made on the device from units)."""
     interpret = _check(mask_mode, interpret)
-    return _dq(q, k, v, do, lse, delta, units, steps, tile_q=int(tile_q), tile_kv=int(tile_kv),
+    return _dq(q, k, v, do, lse, delta, units, steps,
+               rows_.host_unit_index(units, int(tile_q), int(q_len_padded)),
+               abi.token_major(row_index), tile_q=int(tile_q), tile_kv=int(tile_kv),
                q_len_padded=int(q_len_padded), kv_len_padded=int(kv_len_padded),
                scale=float(scale), mask_mode=mask_mode, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
-def _dq(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
-        scale, mask_mode, interpret):
+def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_q, tile_kv,
+        q_len_padded, kv_len_padded, scale, mask_mode, interpret):
     B, Lq, Hq, D = q.shape
     Hkv = k.shape[2]
     dp_ = padded_head_dim(D)
     U = units.shape[0]
-    lse_u = rows_.unit_rows(rows_.pad_rows(lse, q_len_padded, jnp.inf), units, tile_q)
-    delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q)
+    lse_u = rows_.unit_rows(rows_.pad_rows(lse, q_len_padded, jnp.inf), units, tile_q,
+                            unit_index)
+    delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q,
+                              unit_index)
     kernel = functools.partial(
         _dq_kernel, tile_q=tile_q, tile_kv=tile_kv, group=Hq // Hkv, scale=scale,
         mode=mask_mode, num_steps=steps.shape[0], precision=_precision(q.dtype))
@@ -206,24 +211,25 @@ def _dq(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded,
         interpret=interpret, name="tessera_triton_dq",
     )(units, steps, _pad(q, q_len_padded, dp_), _pad(k, kv_len_padded, dp_),
       _pad(v, kv_len_padded, dp_), _pad(do, q_len_padded, dp_), lse_u, delta_u)
-    ri = abi.row_index_from_units(units, Hq, Lq, tile_q)
-    return rows_.gather_units(dq_u[..., :D], ri)
+    ri = abi.row_index_from_units(units, Hq, Lq, tile_q) if row_index_t is None else None
+    return rows_.gather_units(dq_u[..., :D], ri, row_index_t)
 
 
 def dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
-        scale, mask_mode="cond", interpret=None):
+        scale, mask_mode="cond", interpret=None, row_index=None):
     """(dk, dv) [B, Lkv, Hkv, D] (k.dtype) over a transposed plan: units of ``tile_q`` keys
     (``q_len_padded`` >= Lkv) of query head UNIT_HEAD, steps of ``tile_kv`` queries
     (``kv_len_padded`` >= Lq); summed over each K/V head's group. Other arguments as ``dq``."""
     interpret = _check(mask_mode, interpret)
-    return _dkv(q, k, v, do, lse, delta, units, steps, tile_q=int(tile_q),
+    return _dkv(q, k, v, do, lse, delta, units, steps, abi.token_major(row_index),
+                tile_q=int(tile_q),
                 tile_kv=int(tile_kv), q_len_padded=int(q_len_padded),
                 kv_len_padded=int(kv_len_padded), scale=float(scale), mask_mode=mask_mode,
                 interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
-def _dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded,
+def _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, *, tile_q, tile_kv, q_len_padded,
          kv_len_padded, scale, mask_mode, interpret):
     B, Lq, Hq, D = q.shape
     Lkv, Hkv = k.shape[1], k.shape[2]
@@ -248,8 +254,9 @@ def _dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded
         interpret=interpret, name="tessera_triton_dkv",
     )(units, steps, _pad(q, kv_len_padded, dp_), _pad(k, q_len_padded, dp_),
       _pad(v, q_len_padded, dp_), _pad(do, kv_len_padded, dp_), lse_p, delta_p)
-    ri = abi.row_index_from_units(units, Hq, Lkv, tile_q)
-    dk, dv = (rows_.group_sum(rows_.gather_units(x[..., :D], ri), Hkv) for x in (dk_u, dv_u))
+    ri = abi.row_index_from_units(units, Hq, Lkv, tile_q) if row_index_t is None else None
+    dk, dv = (rows_.group_sum(rows_.gather_units(x[..., :D], ri, row_index_t), Hkv)
+              for x in (dk_u, dv_u))
     return dk.astype(k.dtype), dv.astype(v.dtype)
 
 

@@ -63,8 +63,8 @@ def default_interpret() -> bool:
 
 @functools.partial(jax.jit, static_argnames=(
     "config", "q_len_padded", "kv_len_padded", "scale", "return_lse", "interpret"))
-def _attention(q, k, v, units, steps, row_index, *, config, q_len_padded, kv_len_padded,
-               scale, return_lse, interpret):
+def _attention(q, k, v, units, steps, row_index, row_index_t=None, *, config, q_len_padded,
+               kv_len_padded, scale, return_lse, interpret):
     B, Lq, Hq, D = q.shape
     d_pad = padded_head_dim(D)
     pad_d = d_pad - D
@@ -82,7 +82,7 @@ def _attention(q, k, v, units, steps, row_index, *, config, q_len_padded, kv_len
         out_units = out_units[..., :D]
     if row_index is None:
         row_index = plan_abi.row_index_from_units(units, Hq, Lq, config.tile_q)
-    out, lse = plan_abi.gather_rows(out_units, lse_units, row_index)
+    out, lse = plan_abi.gather_rows(out_units, lse_units, row_index, row_index_t)
     return (out, lse) if return_lse else out
 
 
@@ -202,6 +202,7 @@ def attention(q, k, v, units, steps, row_index, *, q_len_padded, kv_len_padded, 
     elif not isinstance(interpret, (bool, np.bool_)):
         raise TypeError(f"interpret must be a bool or None, got {type(interpret).__name__}")
 
-    return _attention(q, k, v, units, steps, row_index, config=config,
+    return _attention(q, k, v, units, steps, row_index, plan_abi.token_major(row_index),
+                      config=config,
                       q_len_padded=q_len_padded, kv_len_padded=kv_len_padded, scale=scale,
                       return_lse=bool(return_lse), interpret=bool(interpret))

@@ -73,6 +73,13 @@ class Backward:
     fold_vmap: bool = False
 
 
+def _host_rows(plan):
+    """A host plan's row_index (NumPy: its gathers then use host constants), else None (a
+    device plan's is made from its units inside the program)."""
+    ri = getattr(plan, "row_index", None) if isinstance(plan, planner.Plan) else None
+    return ri if isinstance(ri, np.ndarray) else None
+
+
 def _xla_dq(plan, template, q, k, v, do, lse, delta, scale):
     from pallas_kernels.xla import backward as xb
     return xb.dq(q, k, v, do, lse, delta, plan.units, plan.steps, None, tile_q=plan.tile_q,
@@ -91,14 +98,14 @@ def _triton_dq(plan, template, q, k, v, do, lse, delta, scale):
     from pallas_kernels.triton import backward as tb
     return tb.dq(q, k, v, do, lse, delta, plan.units, plan.steps, tile_q=plan.tile_q,
                  tile_kv=plan.tile_kv, q_len_padded=plan.q_len_padded,
-                 kv_len_padded=plan.kv_len_padded, scale=scale)
+                 kv_len_padded=plan.kv_len_padded, scale=scale, row_index=_host_rows(plan))
 
 
 def _triton_dkv(tp, q, k, v, do, lse, delta, scale):
     from pallas_kernels.triton import backward as tb
     return tb.dkv(q, k, v, do, lse, delta, tp.units, tp.steps, tile_q=tp.tile_q,
                   tile_kv=tp.tile_kv, q_len_padded=tp.q_len_padded,
-                  kv_len_padded=tp.kv_len_padded, scale=scale)
+                  kv_len_padded=tp.kv_len_padded, scale=scale, row_index=_host_rows(tp))
 
 
 def _triton_tiles(tile_q, tile_kv, shape: AttnShape):
@@ -110,14 +117,15 @@ def _mosaic_dq(plan, template, q, k, v, do, lse, delta, scale):
     from pallas_kernels.mosaic import backward as mb
     return mb.dq(q, k, v, do, lse, delta, plan.units, plan.steps, template=template,
                  q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, scale=scale,
-                 interpret=_mosaic_interpret())
+                 interpret=_mosaic_interpret(), row_index=_host_rows(plan))
 
 
 def _mosaic_dkv(tp, q, k, v, do, lse, delta, scale):
     from pallas_kernels.mosaic import backward as mb
     return mb.dkv(q, k, v, do, lse, delta, tp.units, tp.steps, tile_q=tp.tile_q,
                   tile_kv=tp.tile_kv, q_len_padded=tp.q_len_padded,
-                  kv_len_padded=tp.kv_len_padded, scale=scale, interpret=_mosaic_interpret())
+                  kv_len_padded=tp.kv_len_padded, scale=scale, interpret=_mosaic_interpret(),
+                  row_index=_host_rows(tp))
 
 
 def _mosaic_tiles(tile_q, tile_kv, shape: AttnShape):
