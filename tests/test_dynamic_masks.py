@@ -118,44 +118,23 @@ def test_vsa_mask_equals_numpy_rule(case):
         assert not np.array_equal(np.asarray(m.blocks), wrong)
 
 
-_topk_mask_jit = jax.jit(dm._top_k_mask, static_argnums=1)
-
-
-@settings(max_examples=30)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 37, 150]), st.sampled_from([0, 1, 2]),
-       st.sampled_from(["normal", "ties", "inf"]))
-def test_radix_top_k_equals_lax_top_k(seed, n, which_k, kind):
-    """``_top_k_mask`` (radix searches, no sort) selects ``lax.top_k``'s entries, ties to the
-    lower index included (integer-valued rows), +inf entries too. (A few (n, k): each
-    compiles.)"""
-    rng = np.random.default_rng(seed)
-    k = (1, max(1, n // 3), n)[which_k]
-    s = (rng.integers(-3, 3, (3, n)) if kind == "ties" else rng.standard_normal((3, n)))
-    if kind == "inf":
-        s = np.where(rng.random((3, n)) < 0.3, np.inf, s)
-    s = jnp.asarray(s, jnp.float32)
-    _, idx = jax.lax.top_k(s, k)
-    want = np.zeros((3, n), bool)
-    np.put_along_axis(want, np.asarray(idx), True, axis=1)
-    np.testing.assert_array_equal(np.asarray(_topk_mask_jit(s, k)), want)
-
-
-def test_top_k_switch_auto_picks_by_size_and_both_paths_agree(monkeypatch):
-    """``TOP_K="auto"``: radix from ``TOP_K_RADIX_MIN_ELEMENTS`` score entries, sort below;
-    VSA and SpargeAttn top-k masks are the same either way."""
-    monkeypatch.setattr(dm, "TOP_K", "auto")
-    monkeypatch.setattr(dm, "TOP_K_RADIX_MIN_ELEMENTS", 1000)
-    assert dm._radix_top_k((2, 20, 50)) and not dm._radix_top_k((2, 20, 20))
-    q, k, _ = _data(3, 1, 256, 256, 2, 2, 16)
-    got = {}
-    for mode in ("radix", "sort"):
-        monkeypatch.setattr(dm, "TOP_K", mode)
-        got[mode] = (np.asarray(dm.vsa_mask(q, k, block=8, keep=0.2).blocks),
-                     np.asarray(dm.sparge_mask(q, k, block_q=16, block_kv=8, topk=0.25,
-                                               sim_threshold=-1.0).blocks))
-    for a, b in zip(got["radix"], got["sort"]):
-        np.testing.assert_array_equal(a, b)
-        assert 0 < a.mean() < 1
+def test_vsa_top_k_ties_go_to_the_lower_index():
+    """Equal pooled scores (identical key blocks): ``lax.top_k`` keeps the lowest indices, as
+    the NumPy rule's stable sort; +inf (``local``) blocks count towards k."""
+    q, k, _ = _data(2, 1, 64, 64, 2, 1, 8)
+    k = jnp.tile(k[:, :8], (1, 8, 1, 1))                       # 8 equal key blocks of 8
+    b = np.asarray(dm.vsa_mask(q, k, block=8, topk=3).blocks)
+    assert (b[..., :3].all()) and not b[..., 3:].any()
+    b = np.asarray(dm.vsa_mask(q, k, block=8, topk=3, local=1).blocks)
+    i = np.arange(8)
+    forced = np.abs(i[:, None] - i[None, :]) <= 1
+    assert (b.sum(-1) == 3).all() and b[:, forced].all()
+    rest = b & ~forced[None]                                   # the non-forced pick: lowest
+    first_free = np.argmax(~forced, axis=-1)
+    rows = forced.sum(-1) < 3
+    assert (rest[:, rows].sum(-1) == 1).all()
+    np.testing.assert_array_equal(np.argmax(rest[:, rows], axis=-1),
+                                  np.broadcast_to(first_free[rows], (2, rows.sum())))
 
 
 def test_vsa_local_blocks_are_kept_and_count_towards_k():
@@ -210,23 +189,36 @@ def test_sparge_mask_equals_numpy_rule(case):
     kw = {x: y for x, y in case["kw"].items() if x not in ("block_q", "block_kv")}
     want, margin = dm._numpy_sparge(q, k, qb, kb, **kw)
     _compare_rows(m.blocks, want, margin, min_frac=0.3)
-    if "topk" not in kw:                                       # negative control
-        wrong, _ = dm._numpy_sparge(q, k, qb, kb, inclusive=False, **kw)
-        ok = (margin >= DELTA)[..., None] & (want != wrong)
-        if ok.any():
-            assert not np.array_equal(np.asarray(m.blocks)[ok], wrong[ok])
+    # negative control: mass before the block (cdf), or one block fewer a row (topk)
+    wrong, _ = dm._numpy_sparge(q, k, qb, kb, **_off_by_one_sparge(kw, len(kb) - 1))
+    ok = (margin >= DELTA)[..., None] & (want != wrong)
+    if ok.any():
+        assert not np.array_equal(np.asarray(m.blocks)[ok], wrong[ok])
 
 
-def test_sparge_negative_control_detects_an_off_by_one_rule():
-    """The comparison above catches SpargeAttn's rule read as 'mass before the block'."""
-    kw = dict(cdf_threshold=0.9, sim_threshold=0.3, smooth_k=False)
+def _off_by_one_sparge(kw, nk):
+    """``_numpy_sparge`` arguments of a deliberately wrong rule: the exclusive cumulative sum,
+    or with ``topk`` one block fewer per row (int(topk * nk) - 1)."""
+    if "topk" not in kw:
+        return dict(kw, inclusive=False)
+    c = max(1, int(kw["topk"] * nk))
+    assert c > 1
+    return dict(kw, topk=(c - 0.5) / nk)
+
+
+@pytest.mark.parametrize("kw", [{"cdf_threshold": 0.9, "sim_threshold": 0.3, "smooth_k": False},
+                                {"topk": 0.25, "sim_threshold": 0.3, "smooth_k": False}],
+                         ids=["cdf", "topk"])
+def test_sparge_negative_control_detects_an_off_by_one_rule(kw):
+    """The comparison above catches SpargeAttn's rule read as 'mass before the block', and a
+    top-k that keeps one block fewer per row."""
     caught = 0
     for seed in range(3):
         q, k, _ = _data(seed, 1, 120, 100, 2, 1, 16)
         m = _sparge_jit(q, k, block_q=16, block_kv=8, **kw)
         qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
         _, margin = dm._numpy_sparge(q, k, qb, kb, **kw)
-        wrong, _ = dm._numpy_sparge(q, k, qb, kb, inclusive=False, **kw)
+        wrong, _ = dm._numpy_sparge(q, k, qb, kb, **_off_by_one_sparge(kw, len(kb) - 1))
         ok = margin >= DELTA
         caught += not np.array_equal(np.asarray(m.blocks)[ok], wrong[ok])
     assert caught == 3
@@ -275,36 +267,64 @@ def test_xattn_mask_equals_numpy_rule(case):
 
 
 # --- SVG2 ----------------------------------------------------------------------------------
-def _kmeans_with(switches, x, c0, *, iters):
-    """``dm.kmeans`` traced with ``dm.KMEANS_SUMS, dm.KMEANS_ASSIGN = switches``."""
-    old = dm.KMEANS_SUMS, dm.KMEANS_ASSIGN
-    dm.KMEANS_SUMS, dm.KMEANS_ASSIGN = switches
+def _kmeans_with(assign, x, c0, *, iters):
+    """``dm.kmeans`` traced with ``dm.KMEANS_ASSIGN = assign``."""
+    old = dm.KMEANS_ASSIGN
+    dm.KMEANS_ASSIGN = assign
     try:
         return dm.kmeans(x, c0, iters=iters)
     finally:
-        dm.KMEANS_SUMS, dm.KMEANS_ASSIGN = old
+        dm.KMEANS_ASSIGN = old
 
 
 _kmeans_jit = {s: jax.jit(functools.partial(_kmeans_with, s), static_argnames=("iters",))
-               for s in (("scatter", "xla"), ("matmul", "xla"), ("scatter", "pallas"))}
+               for s in ("xla", "pallas")}
 
 
 @settings(max_examples=20)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 3, 6]),
-       st.sampled_from([("scatter", "xla"), ("matmul", "xla"), ("scatter", "pallas")]))
-def test_kmeans_equals_numpy(seed, iters, switches):
-    """k-means against NumPy: both cluster sums, and the Triton assignment kernel (interpreted;
+@given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 3, 6]), st.sampled_from(["xla", "pallas"]))
+def test_kmeans_equals_numpy(seed, iters, assign):
+    """k-means against NumPy: the XLA assignment and the Triton assignment kernel (interpreted;
     70 points and 37 clusters: ragged point and centroid tiles)."""
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((2, 70, 8)) + 2 * rng.integers(0, 3, (2, 70, 1)),
                     jnp.float32)
-    C = 37 if switches[1] == "pallas" else 5
+    C = 37 if assign == "pallas" else 5
     c0 = jnp.asarray(np.asarray(x)[:, rng.choice(70, C, replace=False)])
-    lab, c = _kmeans_jit[switches](x, c0, iters=iters)
+    lab, c = _kmeans_jit[assign](x, c0, iters=iters)
     want_lab, want_c, margin = dm._numpy_kmeans(np.asarray(x), np.asarray(c0), iters)
     assume(margin >= 1e-4)
     np.testing.assert_array_equal(np.asarray(lab), want_lab)
     np.testing.assert_allclose(np.asarray(c), want_c, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend, fused", [("cpu", False), ("gpu", True)])
+def test_kmeans_assign_auto_is_the_kernel_on_a_gpu_only(monkeypatch, backend, fused):
+    """``KMEANS_ASSIGN="auto"`` (the default) traces the Triton kernel on a GPU and the XLA
+    assignment elsewhere; an unknown value is refused."""
+    assert dm.KMEANS_ASSIGN == "auto"
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    x, c0 = jnp.zeros((1, 8, 4)), jnp.zeros((1, 3, 4))
+    text = str(jax.make_jaxpr(functools.partial(dm.kmeans, iters=1))(x, c0))
+    assert ("pallas_call" in text) == fused
+    monkeypatch.setattr(dm, "KMEANS_ASSIGN", "triton")
+    with pytest.raises(ValueError, match="KMEANS_ASSIGN must be one of"):
+        dm.kmeans(x, c0, iters=1)
+
+
+def test_svg2_attention_gradient_with_the_fused_assignment(monkeypatch):
+    """The Triton assignment has no autodiff rule: its inputs are cut from the gradient (the
+    labels are piecewise constant), so gradients through ``svg2_attention`` equal the XLA
+    assignment's."""
+    q, k, v = _data(5, 1, 48, 40, 2, 1, 8)
+    state = _svg2_state(q, k, (3, 4))
+    grads = {}
+    for assign in ("xla", "pallas"):
+        monkeypatch.setattr(dm, "KMEANS_ASSIGN", assign)
+        grads[assign] = jax.grad(lambda q: dm.svg2_attention(q, k, v, state, iters=1,
+                                                             top_p=0.5)[0].sum())(q)
+    assert np.abs(np.asarray(grads["xla"])).sum() > 0
+    np.testing.assert_allclose(np.asarray(grads["pallas"]), np.asarray(grads["xla"]), **TOL)
 
 
 def test_triton_assign_matches_xla_and_breaks_ties_low():
@@ -391,9 +411,9 @@ def test_svg2_mask_equals_numpy_rule_on_tokens(seed, m):
         assert not np.array_equal(_token_mask(lay, s["Lq"], s["Lkv"], g), wrong)
 
 
-def test_svg2_kv_group_order_by_popularity(monkeypatch):
+def test_svg2_kv_group_order_by_popularity():
     """Key groups by how many query groups select them (summed over a key head's query heads),
-    ties in label order, empty group ids last; "label" keeps label order."""
+    ties in label order, empty group ids last."""
     merged = np.zeros((2, 3, 5), bool)          # 2 query heads on one key head, 4 groups
     merged[0, :, 2] = True                       # group 2: 3 + 1 selections
     merged[1, 0, 2] = True
@@ -402,29 +422,37 @@ def test_svg2_kv_group_order_by_popularity(monkeypatch):
     merged[:, :, 4] = True                       # id 4 >= n_groups: last whatever it holds
     order = dm._kv_group_order(jnp.asarray(merged), jnp.asarray([4]), 2)
     np.testing.assert_array_equal(np.asarray(order), [[2, 1, 3, 0, 4]])
-    monkeypatch.setattr(dm, "SVG2_KV_ORDER", "label")
-    np.testing.assert_array_equal(np.asarray(dm._kv_group_order(jnp.asarray(merged),
-                                                                 jnp.asarray([4]), 2)),
-                                  [[0, 1, 2, 3, 4]])
 
 
 def test_svg2_kv_order_keeps_the_token_mask(monkeypatch):
-    """The key-group order moves tokens, never the selection: label and popularity layouts give
-    the same token-level mask, and popularity has no more selected runs per query block."""
+    """The key-group order moves tokens, never the selection: the popularity layout gives the
+    NumPy rule's token-level mask, the same as a layout with the groups in label order (the
+    order substituted here), with no more selected runs per query block than that one."""
     s = SVG2_SHAPE
     q, k, _ = _data(3, s["B"], s["Lq"], s["Lkv"], s["Hq"], s["Hkv"], s["D"])
     state = _svg2_state(q, k, seed=3)
     g = s["Hq"] // s["Hkv"]
+
+    def label_order(merged, n_groups, group):
+        Hq, _, CK = merged.shape
+        return jnp.broadcast_to(jnp.arange(CK, dtype=jnp.int32), (Hq // group, CK))
+
     toks, runs = {}, {}
     for order in ("label", "popularity"):
-        monkeypatch.setattr(dm, "SVG2_KV_ORDER", order)
-        lay = dm.svg2_mask(q, k, state, top_p=0.5, min_cluster_tokens=1)
+        with monkeypatch.context() as mp:
+            if order == "label":
+                mp.setattr(dm, "_kv_group_order", label_order)
+            lay = dm.svg2_mask(q, k, state, top_p=0.5, min_cluster_tokens=1)
         toks[order] = _token_mask(lay, s["Lq"], s["Lkv"], g)
         b = np.asarray(lay.mask.blocks)
         runs[order] = np.sum(b[..., 1:] & ~b[..., :-1]) + np.sum(b[..., 0])
+    tok, *_, margin = dm._numpy_svg2(q, k, state.q_centroids, state.kv_centroids, top_p=0.5,
+                                     min_cluster_tokens=1)
+    assert margin >= DELTA
+    np.testing.assert_array_equal(toks["popularity"], tok)
     np.testing.assert_array_equal(toks["label"], toks["popularity"])
-    assert 0 < toks["label"].mean() < 1
-    assert runs["popularity"] <= runs["label"]
+    assert 0 < tok.mean() < 1
+    assert runs["popularity"] < runs["label"]
 
 
 def test_svg2_negative_control_detects_an_off_by_one_rule():

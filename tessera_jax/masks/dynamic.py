@@ -207,63 +207,11 @@ def _scatter_rows(order, keep_sorted):
     return out.reshape(order.shape)
 
 
-#: How ``vsa_mask`` and ``sparge_mask(topk=...)`` take each row's top k: "radix"
-#: (``_top_k_mask``: radix searches for the k-th largest, no sort), "sort" (``lax.top_k``,
-#: which sorts each row) or "auto": radix for score arrays of at least
-#: ``TOP_K_RADIX_MIN_ELEMENTS``, sort below. H200: at Wan 480p VSA ([12, 512, 512], 3.1M) the
-#: whole builder took 0.79 ms with sort, 1.42 ms with radix (radix's passes are launch-bound);
-#: at Wan 720p VSA ([40, 1180, 1180], 56M) lax.top_k alone took 4.1 ms, radix predicted ~1 ms
-#: (not yet measured: ``bench_loop --builder-costs vsa,vsa_sort``).
-TOP_K = "auto"
-TOP_K_RADIX_MIN_ELEMENTS = 16 << 20
-
-
-def _radix_top_k(shape) -> bool:
-    """Whether a top-k over score rows of ``shape`` uses the radix select (``TOP_K``)."""
-    if TOP_K == "auto":
-        return int(np.prod(shape)) >= TOP_K_RADIX_MIN_ELEMENTS
-    return TOP_K == "radix"
-
-
-def _order_key(x):
-    """uint32 keys of float32 ``x`` in the floats' order (-0.0 below +0.0; no NaN)."""
-    u = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(1 << 31))
-
-
-def _kth_largest(key, k, bits: int, valid=None, radix: int = 4):
-    """Per row of uint32 ``key`` [..., n] (entries with ``valid`` False ignored), the largest
-    t of ``bits`` bits with at least ``k`` [...] entries >= t: the k-th largest key. A radix
-    search from the top bit, ``radix`` bits a pass: each pass counts the entries at or above
-    2^radix - 1 candidates (one fused compare-and-count over the row)."""
-    t = jnp.zeros(key.shape[:-1], jnp.uint32)
-    j = jnp.arange(1, 1 << radix, dtype=jnp.uint32)
-    for shift in range(((bits + radix - 1) // radix - 1) * radix, -1, -radix):
-        cand = t[..., None] | (j << shift)                               # [..., 2^r - 1]
-        ge = key[..., None, :] >= cand[..., :, None]
-        if valid is not None:
-            ge &= valid[..., None, :]
-        cnt = jnp.sum(ge, axis=-1, dtype=jnp.int32)
-        t = t | (jnp.sum(cnt >= k[..., None], axis=-1, dtype=jnp.uint32) << shift)
-    return t
-
-
-def _top_k_mask(s, k: int):
-    """bool [..., n]: the k largest entries of each row of ``s`` (ties to the lower index,
-    as ``lax.top_k``), without sorting: the k-th largest float, then among the entries equal
-    to it the lowest indices (each a radix search, ~11 passes over the row at n = 1440)."""
-    n = s.shape[-1]
-    key = _order_key(s)
-    kk = jnp.full(s.shape[:-1], k, jnp.int32)
-    t = _kth_largest(key, kk, 32)
-    gt = key > t[..., None]
-    eq = key == t[..., None]
-    m = kk - jnp.sum(gt, axis=-1, dtype=jnp.int32)                # ties to take, >= 1
-    # Among the ties, the m with the largest n - 1 - index: the lowest indices.
-    lo = jnp.uint32(n - 1) - jnp.arange(n, dtype=jnp.uint32)
-    lo = jnp.broadcast_to(lo, s.shape)
-    tl = _kth_largest(lo, m, max(1, (n - 1).bit_length()), valid=eq)
-    return gt | (eq & (lo >= tl[..., None]))
+# Each row's top k (``vsa_mask``, ``sparge_mask(topk=...)``) is taken by sorting
+# (``lax.top_k``; SpargeAttn's ``argsort``). A radix select on the float bits (no sort, exact
+# ``lax.top_k`` semantics) was measured slower on the H200 and removed (session 12, builder
+# wall time per call): Wan 720p VSA ([40, 1440, 1440] scores) 8.73 ms radix vs 7.71 ms sort;
+# SpargeAttn top-k at 720p 6.24 vs 5.97 ms; Wan 480p VSA 1.42 vs 0.79 ms (session 11).
 
 
 def _sorted_desc(p):
@@ -338,13 +286,11 @@ def vsa_mask(q, k, *, q_bounds=None, kv_bounds=None, block: int = 64, keep: floa
     s = jnp.einsum("bihd,bjhd->hij", pq, pk, precision=_HI) * (scale / B)
     if forced is not None:
         s = jnp.where(jnp.asarray(forced)[None], jnp.inf, s)
-    if not _radix_top_k(s.shape):
-        _, idx = jax.lax.top_k(s, kk)
-        blocks = jnp.zeros((Hq, nq, nk), bool).at[
-            jnp.arange(Hq)[:, None, None], jnp.arange(nq)[None, :, None], idx].set(
-                True, mode="drop")
-        return BlockMask(qb, kb, blocks)
-    return BlockMask(qb, kb, _top_k_mask(s, kk))
+    _, idx = jax.lax.top_k(s, kk)
+    blocks = jnp.zeros((Hq, nq, nk), bool).at[
+        jnp.arange(Hq)[:, None, None], jnp.arange(nq)[None, :, None], idx].set(
+            True, mode="drop")
+    return BlockMask(qb, kb, blocks)
 
 
 # --- SpargeAttn ----------------------------------------------------------------------------
@@ -392,7 +338,7 @@ def sparge_mask(q, k, *, q_bounds=None, kv_bounds=None, block_q: int = 128, bloc
     B, Lq, Lkv, Hq, Hkv, D = _check_qk(fn, q, k)
     qb = _bounds_or_uniform(fn, "q_bounds", q_bounds, block_q, "block_q", Lq)
     kb = _bounds_or_uniform(fn, "kv_bounds", kv_bounds, block_kv, "block_kv", Lkv)
-    nq, nk = len(qb) - 1, len(kb) - 1
+    nk = len(kb) - 1
     if topk is not None:
         topk = _check_frac(fn, "topk", topk)
     else:
@@ -427,16 +373,13 @@ def sparge_mask(q, k, *, q_bounds=None, kv_bounds=None, block_q: int = 128, bloc
     e = jnp.where(sim_k[:, None, :], jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     tot = jnp.sum(e, axis=-1, keepdims=True)
     p = e / jnp.where(tot > 0, tot, 1.0)
-    if topk is not None and _radix_top_k(p.shape):   # a row's top k: no sort needed
-        blocks = _top_k_mask(p, max(1, int(topk * nk)))
+    order, ps = _sorted_desc(p)
+    r = jnp.arange(nk)
+    if topk is None:
+        keep_sorted = (jnp.cumsum(ps, axis=-1) <= cdf_threshold) | (r < min_keep)
     else:
-        order, ps = _sorted_desc(p)
-        r = jnp.arange(nk)
-        if topk is None:
-            keep_sorted = (jnp.cumsum(ps, axis=-1) <= cdf_threshold) | (r < min_keep)
-        else:
-            keep_sorted = jnp.broadcast_to(r < max(1, int(topk * nk)), ps.shape)
-        blocks = _scatter_rows(order, keep_sorted)
+        keep_sorted = jnp.broadcast_to(r < max(1, int(topk * nk)), ps.shape)
+    blocks = _scatter_rows(order, keep_sorted)
     blocks = blocks | ~sim_k[:, None, :] | ~sim_q[:, :, None]
     if sink:
         blocks = blocks.at[:, :, 0].set(True)
@@ -582,45 +525,41 @@ def _assign(x, c):
     return jnp.argmin(cn[None, :] - 2.0 * dots, axis=-1).astype(jnp.int32)
 
 
-#: How k-means sums each cluster's points: "scatter" (``segment_sum``: one atomic add per
-#: element on a GPU) or "matmul" (a one-hot [L, C] matrix in x's dtype times x, float32
-#: accumulation, one head at a time: tensor-core work instead of atomics). Both give the float32
-#: sums up to the order of the additions; ``bench_loop --builder-costs`` times both.
-KMEANS_SUMS = "scatter"
-
-
 def _update(x, labels, c):
     """Centroids as the means of their points; an empty cluster keeps its centroid.
-    x [H, L, F], labels int32 [H, L], c float32 [H, C, F]."""
+    x [H, L, F], labels int32 [H, L], c float32 [H, C, F]. The sums are a ``segment_sum``
+    (scatter-add); one-hot matmuls per head instead were slower on the H200 and removed
+    (session 12, Wan 720p SVG2 ``iters=1`` builder: 26.05 ms against 14.90 ms)."""
     C = c.shape[1]
-    if KMEANS_SUMS == "matmul":
-        def one(args):
-            xh, lh = args
-            onehot = (lh[:, None] == jnp.arange(C, dtype=lh.dtype)[None]).astype(xh.dtype)
-            sums = jnp.einsum("lc,lf->cf", onehot, xh, preferred_element_type=jnp.float32,
-                              precision=_HI)
-            return sums, jnp.sum(onehot, axis=0, dtype=jnp.float32)
-        sums, counts = jax.lax.map(one, (x, labels))
-    else:
-        seg = jax.vmap(lambda v, lh: jax.ops.segment_sum(v, lh, num_segments=C))
-        sums = seg(x.astype(jnp.float32), labels)
-        counts = seg(jnp.ones(labels.shape, jnp.float32), labels)
+    seg = jax.vmap(lambda v, lh: jax.ops.segment_sum(v, lh, num_segments=C))
+    sums = seg(x.astype(jnp.float32), labels)
+    counts = seg(jnp.ones(labels.shape, jnp.float32), labels)
     return jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1.0)[..., None], c)
 
 
-#: How k-means assigns points: "xla" (``_assign``: a matmul, then an argmin over the [L, C]
-#: distances, which go to memory and back: ~24 GB a call at SVG2's Wan 720p key side) or
-#: "pallas" (``pallas_kernels.triton.kmeans.assign``: the argmin kept in registers; the
-#: interpreter off a GPU). Same labels up to float rounding of near ties. Not yet timed on a
-#: GPU (``bench_loop --builder-costs svg2_iters1_fused``); predicted ~8 -> ~2.5 ms a call there.
-KMEANS_ASSIGN = "xla"
+#: How k-means assigns points: "pallas" (``pallas_kernels.triton.kmeans.assign``: one Triton
+#: kernel, the argmin kept in registers; the interpreter off a GPU, slow), "xla" (``_assign``: a
+#: matmul, then an argmin over the [L, C] distances, which go to memory and back: ~24 GB a call
+#: at SVG2's Wan 720p key side) or "auto", the default: "pallas" on a GPU, "xla" elsewhere. Same
+#: labels up to float rounding of near ties. H200, session 12 (Wan 720p SVG2 ``iters=1``, 40
+#: heads, L = 75,600, one call): builder 9.27 ms fused against 15.17 ms xla, 8.8% of the
+#: attention call it feeds against 14.3%.
+KMEANS_ASSIGN = "auto"
+_KMEANS_ASSIGN_VALUES = ("auto", "xla", "pallas")
 
 
 def _assigner():
     """The batched assignment [H, L, F] x [H, C, F] -> [H, L] of ``KMEANS_ASSIGN``."""
-    if KMEANS_ASSIGN == "pallas":
+    if KMEANS_ASSIGN not in _KMEANS_ASSIGN_VALUES:
+        raise ValueError(f"KMEANS_ASSIGN must be one of {_KMEANS_ASSIGN_VALUES}, got "
+                         f"{KMEANS_ASSIGN!r}")
+    on_gpu = jax.default_backend() == "gpu"
+    if KMEANS_ASSIGN == "pallas" or (KMEANS_ASSIGN == "auto" and on_gpu):
         from pallas_kernels.triton import kmeans as tk
-        return lambda x, c: tk.assign(x, c, interpret=jax.default_backend() != "gpu")
+        # Labels are piecewise constant (zero derivative); the kernel has no autodiff rule, so
+        # its inputs leave the trace of gradients (as the XLA argmin's do implicitly).
+        sg = jax.lax.stop_gradient
+        return lambda x, c: tk.assign(sg(x), sg(c), interpret=not on_gpu)
     return jax.vmap(_assign)
 
 
@@ -753,21 +692,16 @@ def _layout(labels, gid, counts, n_groups, order, m: int):
     return perm, bounds, order[blk_pos]
 
 
-#: Order of the key groups in SVG2's layout: "popularity" (the groups that more query groups
-#: select first: their selected runs merge, and never-selected groups gather at the end) or
-#: "label" (k-means label order). On the Wan 14B 720p bench mask (random weights, 4 heads,
-#: host-counted) popularity takes the 128 x 128 tiles' computed work from 1.98x to 1.52x the
-#: selected pairs (selected runs per query block 112 -> 53); not yet timed on a GPU.
-SVG2_KV_ORDER = "popularity"
-
-
 def _kv_group_order(merged, n_groups, group: int):
-    """[Hkv, CK] key-group order per key head (position -> group id) by ``SVG2_KV_ORDER``,
-    from the group selection ``merged`` [Hq, CQ, CK] of its ``group`` query heads."""
+    """[Hkv, CK] key-group order per key head (position -> group id), from the group selection
+    ``merged`` [Hq, CQ, CK] of its ``group`` query heads: by popularity, the groups that more
+    query groups select first (ties in label order), ids >= ``n_groups`` last. Selected runs
+    merge and never-selected groups gather at the end; the token-level mask is the same in any
+    order. H200, session 12 (Wan 720p SVG2 ``iters=1``, density 0.245): attention 105.1 ms
+    against 136.6 ms with the groups in k-means label order (builder 14.9 vs 15.2 ms), so label
+    order was removed."""
     Hq, _, CK = merged.shape
     idx = jnp.arange(CK, dtype=jnp.int32)
-    if SVG2_KV_ORDER == "label":
-        return jnp.broadcast_to(idx, (Hq // group, CK))
     pop = jnp.sum(merged.astype(jnp.int32), axis=1).reshape(Hq // group, group, CK).sum(axis=1)
     key = jnp.where(idx[None, :] < n_groups[:, None], -pop, jnp.iinfo(jnp.int32).max)
     return jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
@@ -812,8 +746,8 @@ def svg2_mask(q, k, state: SVG2State, *, iters: int = 2, top_p: float = 0.9,
        ``iters`` iterations warm-started from ``state`` (SVG2: 2 per step after 50 at the
        first; ``svg2_init``), no convergence test (nothing goes to the host);
     2. tokens sorted by cluster (stable), so each cluster is contiguous, per head; the key
-       clusters' groups (below) in ``SVG2_KV_ORDER`` (default: the most selected first, so
-       selected runs merge into fewer tiles; the token-level mask does not depend on it);
+       clusters' groups (below) most selected first (``_kv_group_order``: selected runs merge
+       into fewer tiles; the token-level mask does not depend on it);
     3. the score of query cluster i and key cluster j is ``scale * c_i . c_j`` of the
        centroids, ``P_ij`` its softmax over j weighted by the key clusters' sizes; sorted
        descending, a key cluster is kept while the mass before it is <= ``top_p`` (0.9), and
