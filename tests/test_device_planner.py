@@ -12,7 +12,7 @@ from jax.experimental import checkify
 import tessera_jax as tj
 from pallas_kernels import abi
 from pallas_kernels.xla import executor
-from tessera_jax.planning import device
+from tessera_jax.planning import device, schedule
 
 TILES = [(64, 64), (128, 128), (64, 128), (128, 64)]
 
@@ -150,6 +150,13 @@ def test_device_plans_are_exact_valid_and_tiles_once(case):
     Lq, Lkv = int(qb.reshape(-1)[-1]), int(kb.reshape(-1)[-1])
     np.testing.assert_array_equal(token[:, :Lq, :Lkv], want)    # exactly the mask
     assert not token[:, Lq:].any() and not token[:, :, Lkv:].any()
+    # Order: heaviest cost class first, then head, then position (the host's head-major order).
+    part = ((steps[:, abi.STEP_RECT] != abi.full_rect(tq, tk)) | (steps[:, abi.STEP_CUTS_B] != 0))
+    npart = [int(part[u[4]: u[4] + u[5]].sum()) for u in units]
+    cost = schedule.unit_costs(units[:, 5], npart, tile_q=tq, tile_kv=tk, head_dim=128,
+                               itemsize=2)
+    order = schedule.order_units(cost, units[:, 1], units[:, 0], units[:, 0], "head_major")
+    np.testing.assert_array_equal(order, np.arange(len(units)))
     # Work: block-aligned tiles compute at most SLACK^2 x the fixed grid's dense plan.
     fixed = -(-Lq // tq) * tq * (-(-Lkv // tk) * tk)
     computed = np.bincount(units[:, 0], weights=units[:, 5], minlength=Hq) * tq * tk

@@ -48,7 +48,7 @@ __all__ = ["DEVICE_TEMPLATES", "takes", "choose", "attention", "exact_attention"
 
 #: Per backend, the templates a device plan may run, in order of preference (see the module
 #: docstring). q64x2 runs neighbouring 64-row units of the device plan in one CTA, one per
-#: consumer warpgroup (units in plan order: the two halves of a 128-row span).
+#: consumer warpgroup (units heaviest first, so a CTA's two units cost about the same).
 DEVICE_TEMPLATES = types.MappingProxyType({
     "mosaic_gpu": ("mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm"),
     "triton": ("triton_q128_kv128_w8_s3_pf_hm", "triton_q128_kv64_w8_s3_pf_hm",
