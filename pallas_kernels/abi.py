@@ -618,11 +618,16 @@ def token_major(row_index):
     hit = _TRANSPOSED.get(id(row_index))
     if hit is not None and hit[0] is row_index:
         return hit[1]
-    if len(_TRANSPOSED) >= 64:
+    if len(_TRANSPOSED) >= 8:          # a few plans at a time: each entry holds two arrays
         _TRANSPOSED.clear()
     t = np.ascontiguousarray(row_index.T)
     _TRANSPOSED[id(row_index)] = (row_index, t)
     return t
+
+
+def clear_transposed() -> None:
+    """Forgets ``token_major``'s cached transposes (``tessera_jax.clear_caches``)."""
+    _TRANSPOSED.clear()
 
 
 def gather_rows(out_units, lse_units, row_index, row_index_t=None):

@@ -173,3 +173,42 @@ def test_runner_puts_a_large_plan_in_pieces_on_its_first_call(monkeypatch):
         np.testing.assert_allclose(np.asarray(backends.run(p, q, k, v, 0.25, False)), ref,
                                    atol=2e-5, rtol=2e-5)
     assert puts == [p.steps.shape]
+
+
+def test_gathers_take_the_token_major_row_index():
+    """``token_major``: a host row_index's contiguous transpose (the same object for the same
+    array; None for a jax array); the output and unit gathers give the same rows with it,
+    sentinel rows included."""
+    rng = np.random.default_rng(7)
+    H, L, U, T, D = 3, 10, 4, 8, 2
+    ri = rng.integers(0, U * T + 1, (H, L)).astype(np.int32)          # U * T: the sentinel
+    t = plan_abi.token_major(ri)
+    assert t.flags.c_contiguous and (t == ri.T).all() and plan_abi.token_major(ri) is t
+    assert plan_abi.token_major(jnp.asarray(ri)) is None
+    out_u = jnp.asarray(rng.standard_normal((1, U, T, D)), jnp.float32)
+    lse_u = jnp.asarray(rng.standard_normal((1, U, T)), jnp.float32)
+    want = plan_abi.gather_rows(out_u, lse_u, jnp.asarray(ri))
+    got = plan_abi.gather_rows(out_u, lse_u, jnp.asarray(ri), t)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    from pallas_kernels import backward_rows
+    np.testing.assert_array_equal(np.asarray(backward_rows.gather_units(out_u, None, t)),
+                                  np.asarray(want[0]))
+    assert not np.asarray(want[0])[0][ri.T == U * T].any()
+
+
+def test_unit_rows_through_the_host_index():
+    """``host_unit_index`` (NumPy units: a constant) gathers the rows ``unit_rows`` computes
+    from the units on the device; device units get no host index."""
+    from pallas_kernels import backward_rows
+    rng = np.random.default_rng(8)
+    H, Lp, U, T = 3, 48, 7, 16
+    units = np.zeros((U, plan_abi.UNIT_COLS), np.int32)
+    units[:, plan_abi.UNIT_HEAD] = rng.integers(0, H, U)
+    units[:, plan_abi.UNIT_Q_START] = rng.integers(0, Lp - T + 1, U) // 8 * 8
+    x = jnp.asarray(rng.standard_normal((2, H, Lp)), jnp.float32)
+    idx = backward_rows.host_unit_index(units, T, Lp)
+    want = backward_rows.unit_rows(x, jnp.asarray(units), T)
+    np.testing.assert_array_equal(np.asarray(backward_rows.unit_rows(x, units, T, idx)),
+                                  np.asarray(want))
+    assert backward_rows.host_unit_index(jnp.asarray(units), T, Lp) is None

@@ -24,6 +24,7 @@ import sys
 
 import numpy as np
 
+from pallas_kernels import abi as plan_abi
 from pallas_kernels.templates import Template
 
 from tessera_jax.mask import BlockMask
@@ -210,7 +211,8 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     (``select.ranking``); which masks are all selected (``runtime.dense_route``); the kernel
     runner's prepared plans: mask modes and device copies (``runtime.kernel_runner``); the
     device route's template choices per static bounds (``runtime.device_route``); the
-    backward's transposed plans (``runtime.autodiff``); the per-device masks and plans of
+    backward's transposed plans (``runtime.autodiff``) and the plans' token-major row
+    indices (``pallas_kernels.abi.token_major``); the per-device masks and plans of
     ``tessera_jax.parallel``.
 
     Kept, unless ``fresh_process``: what a process computes once, whatever the masks: the
@@ -228,6 +230,7 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     kernel_runner.clear_cache()
     device_route.clear_caches()
     autodiff.clear_cache()
+    plan_abi.clear_transposed()
     par = sys.modules.get("tessera_jax.parallel.local")       # only if it was imported
     if par is not None:
         par.clear_caches()
