@@ -37,8 +37,8 @@ vsa)
       --out $OUT/device-planning-vsa480.json
   run 330 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
       --loop-repeats 3 --out $OUT/loop-vsa.json
-  run 120 builders python3 -m tessera_jax.tools.bench_loop --out $OUT/builders.json \
-      --builder-costs vsa,sparge_topk,svg2_iters1,svg2_iters1_xla ;;
+  run 160 builders python3 -m tessera_jax.tools.bench_loop --out $OUT/builders.json \
+      --builder-costs vsa,vsa_fused,sparge_topk,sparge_topk_fused,svg2_iters1,svg2_iters1_xla ;;
 checks)
   # Gradient checks and transforms with the constants path (session 12 cut them at 215 s).
   run 400 bwd-checks python3 benchmarks/backward.py --sections checks,grad --budget-s 390 \

@@ -65,8 +65,22 @@ def _lowered_has_no_callback(f, *args):
 # compiles the builder once).
 
 # --- VSA -----------------------------------------------------------------------------------
-_vsa_jit = jax.jit(dm.vsa_mask, static_argnames=("q_bounds", "kv_bounds", "block", "keep",
-                                                 "topk", "local"))
+def _with_top_k(top_k, builder):
+    """``builder`` traced with ``dm.TOP_K = top_k`` (a jit per switch: the global is read at
+    trace time)."""
+    def f(*a, **kw):
+        old = dm.TOP_K
+        dm.TOP_K = top_k
+        try:
+            return builder(*a, **kw)
+        finally:
+            dm.TOP_K = old
+    return f
+
+
+_VSA_STATIC = ("q_bounds", "kv_bounds", "block", "keep", "topk", "local")
+_vsa_jit = {t: jax.jit(_with_top_k(t, dm.vsa_mask), static_argnames=_VSA_STATIC)
+            for t in ("xla", "pallas")}
 
 
 @st.composite
@@ -101,12 +115,14 @@ def _vsa_k(n_kv, kw):
     return kw["topk"] if "topk" in kw else max(1, int(np.ceil(keep * n_kv - 1e-9)))
 
 
+@pytest.mark.parametrize("top_k", ["xla", "pallas"])
 @settings(max_examples=20)
-@given(vsa_cases())
-def test_vsa_mask_equals_numpy_rule(case):
+@given(case=vsa_cases())
+def test_vsa_mask_equals_numpy_rule(top_k, case):
+    """Against NumPy, with ``lax.top_k`` and with the fused Triton top-k (interpreted)."""
     q, k, _ = _data(case["seed"], case["B"], case["Lq"], case["Lkv"], case["Hq"], case["Hkv"], 16,
                     case["structured"])
-    m = _vsa_jit(q, k, **case["kw"])
+    m = _vsa_jit[top_k](q, k, **case["kw"])
     assert not m.is_static
     qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
     kk = _vsa_k(len(kb) - 1, case["kw"])
@@ -118,9 +134,12 @@ def test_vsa_mask_equals_numpy_rule(case):
         assert not np.array_equal(np.asarray(m.blocks), wrong)
 
 
-def test_vsa_top_k_ties_go_to_the_lower_index():
-    """Equal pooled scores (identical key blocks): ``lax.top_k`` keeps the lowest indices, as
-    the NumPy rule's stable sort; +inf (``local``) blocks count towards k."""
+@pytest.mark.parametrize("top_k", ["xla", "pallas"])
+def test_vsa_top_k_ties_go_to_the_lower_index(monkeypatch, top_k):
+    """Equal pooled scores (identical key blocks): ``lax.top_k`` (and the fused kernel) keeps
+    the lowest indices, as the NumPy rule's stable sort; +inf (``local``) blocks count towards
+    k."""
+    monkeypatch.setattr(dm, "TOP_K", top_k)
     q, k, _ = _data(2, 1, 64, 64, 2, 1, 8)
     k = jnp.tile(k[:, :8], (1, 8, 1, 1))                       # 8 equal key blocks of 8
     b = np.asarray(dm.vsa_mask(q, k, block=8, topk=3).blocks)
@@ -144,6 +163,117 @@ def test_vsa_local_blocks_are_kept_and_count_towards_k():
     i = np.arange(12)
     assert b[:, np.abs(i[:, None] - i[None, :]) <= 2].all()
     assert (b.sum(-1) == 5).all()
+
+
+# --- the fused top-k (pallas_kernels.triton.topk; TOP_K) --------------------------------------
+def _top_k_set(x, k):
+    """bool mask of the indices ``lax.top_k`` returns."""
+    _, idx = jax.lax.top_k(jnp.asarray(x), k)
+    m = np.zeros(np.shape(x), bool)
+    np.put_along_axis(m, np.asarray(idx), True, axis=-1)
+    return m
+
+
+@st.composite
+def top_k_rows(draw):
+    """Rows [3, n] (n a power of two or not) with many ties, signed zeros, infinities; a k
+    from a small set (k is static: each one compiles the interpreted kernel)."""
+    n = draw(st.sampled_from([1, 5, 16, 37, 130]))
+    k = draw(st.sampled_from(sorted({c for c in (1, 2, n // 3 + 1, n - 1, n) if 1 <= c <= n})))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    kind = draw(st.sampled_from(["ints", "normal", "zeros", "tiny"]))
+    if kind == "ints":                                    # heavy ties
+        x = rng.integers(-2, 3, (3, n)).astype(np.float32)
+    elif kind == "normal":
+        x = rng.standard_normal((3, n)).astype(np.float32)
+    elif kind == "zeros":                                 # +0.0 and -0.0 only: all ties
+        x = np.where(rng.random((3, n)) < 0.5, -0.0, 0.0).astype(np.float32)
+    else:                                                 # subnormals and huge values
+        x = rng.choice(np.array([1e-45, -1e-45, 3e38, -3e38, 1.0, -1.0], np.float32), (3, n))
+    special = np.array([np.inf, -np.inf, -0.0, 0.0], np.float32)
+    hit = rng.random((3, n)) < draw(st.sampled_from([0.0, 0.2]))
+    x = np.where(hit, rng.choice(special, (3, n)), x).astype(np.float32)
+    return x, k
+
+
+@settings(max_examples=30, deadline=None)
+@given(top_k_rows())
+def test_fused_top_k_keeps_the_set_of_lax_top_k(case):
+    """The Triton top-k (interpreted) keeps exactly ``lax.top_k``'s indices: ties (equal
+    values, infinities) to the lower index, -0.0 below +0.0 (``lax.top_k``'s total order), k
+    entries a row."""
+    from pallas_kernels.triton import topk as tt
+    x, k = case
+    got = np.asarray(tt.topk_mask(jnp.asarray(x), k, interpret=True))
+    np.testing.assert_array_equal(got, _top_k_set(x, k))
+    assert (got.sum(-1) == k).all()
+
+
+def test_fused_top_k_ties_go_to_the_lower_index_in_3d():
+    """A batch [H, n, n] of all-equal rows (and of 2-valued rows): the first k per tie group,
+    as ``lax.top_k``; a tie rule picking the higher index fails here."""
+    from pallas_kernels.triton import topk as tt
+    x = np.zeros((2, 3, 40), np.float32)
+    x[1, :, ::4] = 1.0                                    # 10 ones, 30 zeros a row
+    for k in (1, 7, 13, 39):
+        got = np.asarray(tt.topk_mask(jnp.asarray(x), k, interpret=True))
+        np.testing.assert_array_equal(got, _top_k_set(x, k))
+    assert got[0, 0, :39].all() and not got[0, 0, 39]
+    with pytest.raises(ValueError, match="k must be in"):
+        tt.topk_mask(jnp.asarray(x), 41)
+    with pytest.raises(ValueError, match="float32"):
+        tt.topk_mask(jnp.asarray(x, jnp.bfloat16), 3)
+
+
+@pytest.mark.parametrize("backend, top_k, n, fused", [
+    ("cpu", "auto", 8, False), ("gpu", "auto", 8, True), ("cpu", "pallas", 8, True),
+    ("gpu", "xla", 8, False), ("gpu", "auto", 9, False)])
+def test_top_k_switch(monkeypatch, backend, top_k, n, fused):
+    """``TOP_K="auto"`` traces the kernel on a GPU only (the default, "xla", never until it is
+    timed there); rows longer than ``MAX_COLS`` (here patched to 8) take ``lax.top_k``; an
+    unknown value is refused."""
+    from pallas_kernels.triton import topk as tt
+    assert dm.TOP_K == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(tt, "MAX_COLS", 8)
+    monkeypatch.setattr(dm, "TOP_K", top_k)
+    q, k = jnp.zeros((1, 8 * n, 2, 4)), jnp.zeros((1, 8 * n, 2, 4))
+    for f in (lambda q, k: dm.vsa_mask(q, k, block=8, topk=2).blocks,
+              lambda q, k: dm.sparge_mask(q, k, block_q=8, block_kv=8, topk=0.3).blocks):
+        text = str(jax.make_jaxpr(f)(q, k))
+        assert ("pallas_call" in text) == fused
+    monkeypatch.setattr(dm, "TOP_K", "triton")
+    with pytest.raises(ValueError, match="TOP_K must be one of"):
+        dm.vsa_mask(q, k, block=8, topk=2)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sparge_top_k_fused_equals_sort(seed):
+    """``sparge_mask(topk=...)``: the fused top-k (interpreted) keeps the blocks of the stable
+    descending sort exactly (p has ties at 0: blocks that are not self-similar)."""
+    q, k, _ = _data(seed, 1, 120, 100, 4, 2, 16)
+    kw = dict(block_q=16, block_kv=8, topk=0.25, sim_threshold=0.3 + 0.3 * (seed == 2),
+              smooth_k=seed != 1)
+    got = {t: np.asarray(_with_top_k(t, dm.sparge_mask)(q, k, **kw).blocks)
+           for t in ("xla", "pallas")}
+    np.testing.assert_array_equal(got["pallas"], got["xla"])
+
+
+def test_fused_top_k_lowers_to_triton():
+    """No GPU here, but the kernel must lower through the real Triton path (not interpret):
+    lower for CUDA with an abstract H200 and check the Triton custom call is emitted."""
+    import warnings
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+    from pallas_kernels.triton import topk as tt
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    for shape, k in [((12, 624, 624), 78), ((40, 1440, 1440), 180), ((2, 4096), 5)]:
+        f = functools.partial(tt._topk_mask, k=k, interpret=False)
+        with use_abstract_mesh(mesh), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            text = jax.jit(f).trace(jax.ShapeDtypeStruct(shape, jnp.float32)).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text
 
 
 def test_cube_layout_orders_tokens_cube_major():

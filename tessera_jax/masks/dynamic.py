@@ -208,10 +208,40 @@ def _scatter_rows(order, keep_sorted):
 
 
 # Each row's top k (``vsa_mask``, ``sparge_mask(topk=...)``) is taken by sorting
-# (``lax.top_k``; SpargeAttn's ``argsort``). A radix select on the float bits (no sort, exact
-# ``lax.top_k`` semantics) was measured slower on the H200 and removed (session 12, builder
-# wall time per call): Wan 720p VSA ([40, 1440, 1440] scores) 8.73 ms radix vs 7.71 ms sort;
-# SpargeAttn top-k at 720p 6.24 vs 5.97 ms; Wan 480p VSA 1.42 vs 0.79 ms (session 11).
+# (``lax.top_k``; SpargeAttn's ``argsort``) or by one fused Triton kernel (``TOP_K``). A radix
+# select written as XLA ops (no sort, exact ``lax.top_k`` semantics) was measured slower on the
+# H200 and removed (session 12, builder wall time per call): Wan 720p VSA ([40, 1440, 1440]
+# scores) 8.73 ms radix vs 7.71 ms sort; SpargeAttn top-k at 720p 6.24 vs 5.97 ms; Wan 480p VSA
+# 1.42 vs 0.79 ms (session 11): launch-bound. The same select in registers, one kernel, is
+# ``pallas_kernels.triton.topk`` (not yet timed on the GPU).
+
+#: How each row's top k is taken: "pallas" (``pallas_kernels.triton.topk.topk_mask``: one
+#: Triton kernel, a radix select on the float bits in registers, one row a program; the
+#: interpreter off a GPU, slow), "xla" (``lax.top_k`` then a scatter; SpargeAttn's argsort for
+#: ``sparge_mask``) or "auto": "pallas" on a GPU, "xla" elsewhere. Same kept set exactly
+#: (ties to the lower index, -0.0 below +0.0 as ``lax.top_k``; scores have no NaN). Rows
+#: longer than the kernel's ``MAX_COLS`` (4096) always take the "xla" path. The default stays
+#: "xla" until the kernel is timed on the GPU (``bench_loop --builder-costs vsa,vsa_fused``;
+#: predicted top-k ~4 -> ~0.2 ms a call at Wan 720p).
+TOP_K = "xla"
+_TOP_K_VALUES = ("auto", "xla", "pallas")
+
+
+def _fused_topk(n: int):
+    """``topk_mask(x, k)`` of the Triton kernel if ``TOP_K`` picks it for rows of n, else
+    None."""
+    if TOP_K not in _TOP_K_VALUES:
+        raise ValueError(f"TOP_K must be one of {_TOP_K_VALUES}, got {TOP_K!r}")
+    on_gpu = jax.default_backend() == "gpu"
+    if TOP_K == "xla" or (TOP_K == "auto" and not on_gpu):
+        return None
+    from pallas_kernels.triton import topk as tt
+    if n > tt.MAX_COLS:
+        return None
+    # The mask is piecewise constant and the kernel has no autodiff rule: its input leaves the
+    # trace of gradients (as lax.top_k's indices carry none).
+    return lambda x, k: tt.topk_mask(jax.lax.stop_gradient(x.astype(jnp.float32)), k,
+                                     interpret=not on_gpu)
 
 
 def _sorted_desc(p):
@@ -286,6 +316,9 @@ def vsa_mask(q, k, *, q_bounds=None, kv_bounds=None, block: int = 64, keep: floa
     s = jnp.einsum("bihd,bjhd->hij", pq, pk, precision=_HI) * (scale / B)
     if forced is not None:
         s = jnp.where(jnp.asarray(forced)[None], jnp.inf, s)
+    fused = _fused_topk(nk)
+    if fused is not None:
+        return BlockMask(qb, kb, fused(s, kk))
     _, idx = jax.lax.top_k(s, kk)
     blocks = jnp.zeros((Hq, nq, nk), bool).at[
         jnp.arange(Hq)[:, None, None], jnp.arange(nq)[None, :, None], idx].set(
@@ -373,13 +406,18 @@ def sparge_mask(q, k, *, q_bounds=None, kv_bounds=None, block_q: int = 128, bloc
     e = jnp.where(sim_k[:, None, :], jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     tot = jnp.sum(e, axis=-1, keepdims=True)
     p = e / jnp.where(tot > 0, tot, 1.0)
-    order, ps = _sorted_desc(p)
-    r = jnp.arange(nk)
-    if topk is None:
-        keep_sorted = (jnp.cumsum(ps, axis=-1) <= cdf_threshold) | (r < min_keep)
+    kk = None if topk is None else max(1, int(topk * nk))
+    fused = None if kk is None or kk == nk else _fused_topk(nk)
+    if fused is not None:
+        blocks = fused(p, kk)             # the first kk of the stable descending sort
     else:
-        keep_sorted = jnp.broadcast_to(r < max(1, int(topk * nk)), ps.shape)
-    blocks = _scatter_rows(order, keep_sorted)
+        order, ps = _sorted_desc(p)
+        r = jnp.arange(nk)
+        if topk is None:
+            keep_sorted = (jnp.cumsum(ps, axis=-1) <= cdf_threshold) | (r < min_keep)
+        else:
+            keep_sorted = jnp.broadcast_to(r < kk, ps.shape)
+        blocks = _scatter_rows(order, keep_sorted)
     blocks = blocks | ~sim_k[:, None, :] | ~sim_q[:, :, None]
     if sink:
         blocks = blocks.at[:, :, 0].set(True)

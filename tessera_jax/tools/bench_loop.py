@@ -890,7 +890,10 @@ def _per_call(case, rule, L, H, D, dtype, opts, args, key) -> dict:
 # the attention call it feeds). Random q and k give near-uniform scores, so the threshold rules
 # run with knobs that land near the papers' densities (docs/dynamic_masks.md).
 BUILDER_VARIANTS = {
+    # Each row's top k by dm.TOP_K's default, "xla" (lax.top_k + scatter; H200 session 12:
+    # 7.7 ms a call, top_k ~4.1 ms); "_fused": the Triton radix select (not yet timed).
     "vsa": ("vsa", (("keep", 0.125),)),
+    "vsa_fused": ("vsa", (("keep", 0.125),), {"TOP_K": "pallas"}),
     "svg2_iters2": ("svg2", (("iters", 2), ("top_p", 0.25), ("min_cluster_tokens", 43))),
     # k-means' assignment by dm.KMEANS_ASSIGN's default, "auto": the Triton kernel on a GPU.
     "svg2_iters1": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43))),
@@ -901,13 +904,16 @@ BUILDER_VARIANTS = {
     "svg2_iters1_xla": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43)),
                         {"KMEANS_ASSIGN": "xla"}),
     "sparge_topk": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0))),
+    "sparge_topk_fused": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)),
+                          {"TOP_K": "pallas"}),
     "xattn_s8": ("xattn", (("stride", 8), ("tau", 0.25))),
     "xattn_s64": ("xattn", (("stride", 64), ("tau", 0.25))),
 }
 
 
 # Module switches of tessera_jax.masks.dynamic a run may set (--builder-switch), with their values.
-BUILDER_SWITCHES = {"KMEANS_ASSIGN": ("auto", "xla", "pallas")}
+BUILDER_SWITCHES = {"KMEANS_ASSIGN": ("auto", "xla", "pallas"),
+                    "TOP_K": ("auto", "xla", "pallas")}
 
 
 def builder_costs(args, progress=None, save=None) -> dict:
