@@ -31,14 +31,24 @@ train)
 vsa)
   # Issue 17's Wan 480p VSA loop with the device planner's heavy-first units and rectangle
   # steps (predicted ~1.62x dense, peers estimate ~1.24), the route on the corpus mask
-  # (predicted ~4.15 ms against the host kernel's 3.84), the builders at 720p.
+  # (predicted ~4.15 ms against the host kernel's 3.84), the builders at 720p first: the loop
+  # takes the fused top-k (TOP_K=pallas) when it built faster than lax.top_k there.
   run 60 device-planning-vsa480 python3 benchmarks/device_planning.py --grids wan480 \
       --route-grids wan480 --heads 12 --families vsa --no-checks --budget-s 55 \
       --out $OUT/device-planning-vsa480.json
-  run 330 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
-      --loop-repeats 3 --out $OUT/loop-vsa.json
   run 160 builders python3 -m tessera_jax.tools.bench_loop --out $OUT/builders.json \
-      --builder-costs vsa,vsa_fused,sparge_topk,sparge_topk_fused,svg2_iters1,svg2_iters1_xla ;;
+      --builder-costs vsa,vsa_fused,sparge_topk,sparge_topk_fused,svg2_iters1,svg2_iters1_xla
+  SW=$(python3 - "$OUT/builders.json" <<'PY' 2>/dev/null
+import json, sys
+v = json.load(open(sys.argv[1]))["builder_costs"]["variants"]
+a, b = v.get("vsa", {}).get("build_s"), v.get("vsa_fused", {}).get("build_s")
+if a and b and b < a:
+    print("--builder-switch TOP_K=pallas")
+PY
+)
+  echo "loop-vsa switches: ${SW:-none}"
+  run 330 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
+      --loop-repeats 3 $SW --out $OUT/loop-vsa.json ;;
 checks)
   # Gradient checks and transforms with the constants path (session 12 cut them at 215 s).
   run 400 bwd-checks python3 benchmarks/backward.py --sections checks,grad --budget-s 390 \
