@@ -604,30 +604,37 @@ def row_index_from_units(units, num_q_heads: int, q_len: int, tile_q: int):
     return flat.reshape(num_q_heads, q_len)
 
 
-_TRANSPOSED: dict = {}
+_HOST: dict = {}
+
+
+def host_cached(array: np.ndarray, tag, make):
+    """``make(array)``, computed once per host array and ``tag`` (at most 8 kept): a plan's
+    derived constant is then the same object at every call site (one constant per program)."""
+    key = (id(array), tag)
+    hit = _HOST.get(key)
+    if hit is not None and hit[0] is array:
+        return hit[1]
+    if len(_HOST) >= 8:                # a few plans at a time: each entry holds two arrays
+        _HOST.clear()
+    out = make(array)
+    _HOST[key] = (array, out)
+    return out
+
+
+def clear_host_cache() -> None:
+    """Forgets ``host_cached``'s arrays (``tessera_jax.clear_caches``)."""
+    _HOST.clear()
 
 
 def token_major(row_index):
-    """``row_index.T`` [Lq, Hq], contiguous, for a NumPy row_index (cached per array: a host
-    plan's constant), else None. Gathers of [B, Lq, Hq, D] outputs take it: with the
-    transpose inside the program, XLA may gather head-major and transpose after, two
-    [B, Lq, Hq, D] copies (and under ``jax.checkpoint`` the transpose of the constant is not
-    folded away: it runs, and stays live, in every recomputed block)."""
+    """``row_index.T`` [Lq, Hq], contiguous, for a NumPy row_index (a host plan's constant),
+    else None. Gathers of [B, Lq, Hq, D] outputs take it: with the transpose inside the
+    program, XLA may gather head-major and transpose after, two [B, Lq, Hq, D] copies (and
+    under ``jax.checkpoint`` the transpose of the constant is not folded away: it runs, and
+    stays live, in every recomputed block)."""
     if not isinstance(row_index, np.ndarray):
         return None
-    hit = _TRANSPOSED.get(id(row_index))
-    if hit is not None and hit[0] is row_index:
-        return hit[1]
-    if len(_TRANSPOSED) >= 8:          # a few plans at a time: each entry holds two arrays
-        _TRANSPOSED.clear()
-    t = np.ascontiguousarray(row_index.T)
-    _TRANSPOSED[id(row_index)] = (row_index, t)
-    return t
-
-
-def clear_transposed() -> None:
-    """Forgets ``token_major``'s cached transposes (``tessera_jax.clear_caches``)."""
-    _TRANSPOSED.clear()
+    return host_cached(row_index, "T", lambda r: np.ascontiguousarray(r.T))
 
 
 def gather_rows(out_units, lse_units, row_index, row_index_t=None):

@@ -63,25 +63,12 @@ def host_unit_index(units, tile_q: int, length_padded: int):
     folded away, it runs and stays live in every recomputed block); None for device units."""
     if not isinstance(units, np.ndarray):
         return None
-    key = (id(units), tile_q, length_padded)
-    hit = _HOST_INDEX.get(key)
-    if hit is not None and hit[0] is units:      # one constant per plan, whatever the call site
-        return hit[1]
-    if len(_HOST_INDEX) >= 8:
-        _HOST_INDEX.clear()
-    base = (units[:, abi.UNIT_HEAD].astype(np.int64) * length_padded
-            + units[:, abi.UNIT_Q_START])
-    idx = (base[:, None] + np.arange(tile_q)[None]).astype(np.int32)
-    _HOST_INDEX[key] = (units, idx)
-    return idx
 
+    def make(u):
+        base = u[:, abi.UNIT_HEAD].astype(np.int64) * length_padded + u[:, abi.UNIT_Q_START]
+        return (base[:, None] + np.arange(tile_q)[None]).astype(np.int32)
 
-_HOST_INDEX: dict = {}
-
-
-def clear_cache() -> None:
-    """Forgets ``host_unit_index``'s cached indices (``tessera_jax.clear_caches``)."""
-    _HOST_INDEX.clear()
+    return abi.host_cached(units, ("unit_rows", tile_q, length_padded), make)
 
 
 def gather_units(x_units, row_index, row_index_t=None):

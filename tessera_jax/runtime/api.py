@@ -25,7 +25,6 @@ import sys
 import numpy as np
 
 from pallas_kernels import abi as plan_abi
-from pallas_kernels import backward_rows
 from pallas_kernels.templates import Template
 
 from tessera_jax.mask import BlockMask
@@ -213,7 +212,7 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     runner's prepared plans: mask modes and device copies (``runtime.kernel_runner``); the
     device route's template choices per static bounds (``runtime.device_route``); the
     backward's transposed plans (``runtime.autodiff``) and the plans' token-major row and
-    unit indices (``pallas_kernels.abi.token_major``, ``backward_rows.host_unit_index``); the
+    unit indices (``pallas_kernels.abi.host_cached``); the
     per-device masks and plans of
     ``tessera_jax.parallel``.
 
@@ -232,8 +231,7 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     kernel_runner.clear_cache()
     device_route.clear_caches()
     autodiff.clear_cache()
-    plan_abi.clear_transposed()
-    backward_rows.clear_cache()
+    plan_abi.clear_host_cache()
     par = sys.modules.get("tessera_jax.parallel.local")       # only if it was imported
     if par is not None:
         par.clear_caches()
