@@ -95,3 +95,11 @@ def row_index(units, row_index_or_none, num_heads: int, length: int, tile_q: int
     if row_index_or_none is not None:
         return jnp.asarray(row_index_or_none)
     return abi.row_index_from_units(units, num_heads, length, tile_q)
+
+
+def token_rows(units, row_index_t, num_heads: int, length: int, tile_q: int):
+    """The token-major row index [length, num_heads] for ``gather_units``: the host's
+    (``abi.token_major``), or ``row_index``'s made on the device from units when None."""
+    if row_index_t is not None:
+        return row_index_t
+    return abi.row_index_from_units(units, num_heads, length, tile_q).T

@@ -417,9 +417,7 @@ def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_
                     rows_.pad_len(do.astype(q.dtype), q_len_padded),
                     lse_u, delta_u, units, steps, tile_q=tile_q, tile_kv=tile_kv, paired=paired,
                     mode=mask_mode, scale=scale, interpret=interpret)
-    if row_index_t is None:
-        return rows_.gather_units(dq_u, abi.row_index_from_units(units, Hq, Lq, tile_q))
-    return rows_.gather_units(dq_u, None, row_index_t)
+    return rows_.gather_units(dq_u, None, rows_.token_rows(units, row_index_t, Hq, Lq, tile_q))
 
 
 # --- dk, dv ----------------------------------------------------------------------------------
@@ -585,6 +583,6 @@ def _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, *, tile_q, q_len_pa
                            rows_.pad_len(do.astype(q.dtype), kv_len_padded), lse2, delta_p,
                            units, steps, tile_q=tile_q, mode=mask_mode, scale=scale,
                            interpret=interpret)
-    ri = abi.row_index_from_units(units, Hq, Lkv, tile_q) if row_index_t is None else None
-    dk, dv = (rows_.group_sum(rows_.gather_units(x, ri, row_index_t), Hkv) for x in (dk_u, dv_u))
+    ri_t = rows_.token_rows(units, row_index_t, Hq, Lkv, tile_q)
+    dk, dv = (rows_.group_sum(rows_.gather_units(x, None, ri_t), Hkv) for x in (dk_u, dv_u))
     return dk.astype(k.dtype), dv.astype(v.dtype)

@@ -211,8 +211,8 @@ def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_
         interpret=interpret, name="tessera_triton_dq",
     )(units, steps, _pad(q, q_len_padded, dp_), _pad(k, kv_len_padded, dp_),
       _pad(v, kv_len_padded, dp_), _pad(do, q_len_padded, dp_), lse_u, delta_u)
-    ri = abi.row_index_from_units(units, Hq, Lq, tile_q) if row_index_t is None else None
-    return rows_.gather_units(dq_u[..., :D], ri, row_index_t)
+    return rows_.gather_units(dq_u[..., :D], None,
+                              rows_.token_rows(units, row_index_t, Hq, Lq, tile_q))
 
 
 def dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
@@ -254,8 +254,8 @@ def _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, *, tile_q, tile_kv,
         interpret=interpret, name="tessera_triton_dkv",
     )(units, steps, _pad(q, kv_len_padded, dp_), _pad(k, q_len_padded, dp_),
       _pad(v, q_len_padded, dp_), _pad(do, kv_len_padded, dp_), lse_p, delta_p)
-    ri = abi.row_index_from_units(units, Hq, Lkv, tile_q) if row_index_t is None else None
-    dk, dv = (rows_.group_sum(rows_.gather_units(x[..., :D], ri, row_index_t), Hkv)
+    ri_t = rows_.token_rows(units, row_index_t, Hq, Lkv, tile_q)
+    dk, dv = (rows_.group_sum(rows_.gather_units(x[..., :D], None, ri_t), Hkv)
               for x in (dk_u, dv_u))
     return dk.astype(k.dtype), dv.astype(v.dtype)
 
