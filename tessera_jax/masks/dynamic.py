@@ -224,16 +224,23 @@ def _scatter_rows(order, keep_sorted):
 #: "xla" until the kernel is timed on the GPU (``bench_loop --builder-costs vsa,vsa_fused``;
 #: predicted top-k ~4 -> ~0.2 ms a call at Wan 720p).
 TOP_K = "xla"
-_TOP_K_VALUES = ("auto", "xla", "pallas")
+
+#: The values of the kernel switches (``TOP_K``, ``KMEANS_ASSIGN``).
+_KERNEL_SWITCH_VALUES = ("auto", "xla", "pallas")
+
+
+def _use_kernel(name: str, value: str) -> bool:
+    """Whether kernel switch ``name`` set to ``value`` picks its Triton kernel here ("pallas";
+    "auto" on a GPU). Off a GPU the kernel runs in the interpreter."""
+    if value not in _KERNEL_SWITCH_VALUES:
+        raise ValueError(f"{name} must be one of {_KERNEL_SWITCH_VALUES}, got {value!r}")
+    return value == "pallas" or (value == "auto" and jax.default_backend() == "gpu")
 
 
 def _fused_topk(n: int):
     """``topk_mask(x, k)`` of the Triton kernel if ``TOP_K`` picks it for rows of n, else
     None."""
-    if TOP_K not in _TOP_K_VALUES:
-        raise ValueError(f"TOP_K must be one of {_TOP_K_VALUES}, got {TOP_K!r}")
-    on_gpu = jax.default_backend() == "gpu"
-    if TOP_K == "xla" or (TOP_K == "auto" and not on_gpu):
+    if not _use_kernel("TOP_K", TOP_K):
         return None
     from pallas_kernels.triton import topk as tt
     if n > tt.MAX_COLS:
@@ -241,7 +248,7 @@ def _fused_topk(n: int):
     # The mask is piecewise constant and the kernel has no autodiff rule: its input leaves the
     # trace of gradients (as lax.top_k's indices carry none).
     return lambda x, k: tt.topk_mask(jax.lax.stop_gradient(x.astype(jnp.float32)), k,
-                                     interpret=not on_gpu)
+                                     interpret=jax.default_backend() != "gpu")
 
 
 def _sorted_desc(p):
@@ -583,21 +590,16 @@ def _update(x, labels, c):
 #: heads, L = 75,600, one call): builder 9.27 ms fused against 15.17 ms xla, 8.8% of the
 #: attention call it feeds against 14.3%.
 KMEANS_ASSIGN = "auto"
-_KMEANS_ASSIGN_VALUES = ("auto", "xla", "pallas")
 
 
 def _assigner():
     """The batched assignment [H, L, F] x [H, C, F] -> [H, L] of ``KMEANS_ASSIGN``."""
-    if KMEANS_ASSIGN not in _KMEANS_ASSIGN_VALUES:
-        raise ValueError(f"KMEANS_ASSIGN must be one of {_KMEANS_ASSIGN_VALUES}, got "
-                         f"{KMEANS_ASSIGN!r}")
-    on_gpu = jax.default_backend() == "gpu"
-    if KMEANS_ASSIGN == "pallas" or (KMEANS_ASSIGN == "auto" and on_gpu):
+    if _use_kernel("KMEANS_ASSIGN", KMEANS_ASSIGN):
         from pallas_kernels.triton import kmeans as tk
         # Labels are piecewise constant (zero derivative); the kernel has no autodiff rule, so
         # its inputs leave the trace of gradients (as the XLA argmin's do implicitly).
         sg = jax.lax.stop_gradient
-        return lambda x, c: tk.assign(sg(x), sg(c), interpret=not on_gpu)
+        return lambda x, c: tk.assign(sg(x), sg(c), interpret=jax.default_backend() != "gpu")
     return jax.vmap(_assign)
 
 
