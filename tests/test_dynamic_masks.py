@@ -229,11 +229,10 @@ def test_fused_top_k_ties_go_to_the_lower_index_in_3d():
     ("cpu", "auto", 8, False), ("gpu", "auto", 8, True), ("cpu", "pallas", 8, True),
     ("gpu", "xla", 8, False), ("gpu", "auto", 9, False)])
 def test_top_k_switch(monkeypatch, backend, top_k, n, fused):
-    """``TOP_K="auto"`` traces the kernel on a GPU only (the default, "xla", never until it is
-    timed there); rows longer than ``MAX_COLS`` (here patched to 8) take ``lax.top_k``; an
+    """``TOP_K="auto"`` (the default) traces the kernel on a GPU only; rows longer than ``MAX_COLS`` (here patched to 8) take ``lax.top_k``; an
     unknown value is refused."""
     from pallas_kernels.triton import topk as tt
-    assert dm.TOP_K == "xla"
+    assert dm.TOP_K == "auto"
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     monkeypatch.setattr(tt, "MAX_COLS", 8)
     monkeypatch.setattr(dm, "TOP_K", top_k)

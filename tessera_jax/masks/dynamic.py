@@ -207,23 +207,20 @@ def _scatter_rows(order, keep_sorted):
     return out.reshape(order.shape)
 
 
-# Each row's top k (``vsa_mask``, ``sparge_mask(topk=...)``) is taken by sorting
-# (``lax.top_k``; SpargeAttn's ``argsort``) or by one fused Triton kernel (``TOP_K``). A radix
-# select written as XLA ops (no sort, exact ``lax.top_k`` semantics) was measured slower on the
-# H200 and removed (session 12, builder wall time per call): Wan 720p VSA ([40, 1440, 1440]
-# scores) 8.73 ms radix vs 7.71 ms sort; SpargeAttn top-k at 720p 6.24 vs 5.97 ms; Wan 480p VSA
-# 1.42 vs 0.79 ms (session 11): launch-bound. The same select in registers, one kernel, is
-# ``pallas_kernels.triton.topk`` (not yet timed on the GPU).
+# Each row's top k (``vsa_mask``, ``sparge_mask(topk=...)``) is taken by one fused Triton
+# kernel on a GPU (``TOP_K``), else by sorting (``lax.top_k``; SpargeAttn's ``argsort``).
+# Measured on the H200, builder wall time per call at Wan 720p ([40, 1440, 1440] scores;
+# session 13): VSA 7.61 ms with lax.top_k, 3.63 ms with the kernel; SpargeAttn top-k 5.96 vs
+# 3.90 ms. A radix select written as XLA ops was slower than the sort and was removed (session
+# 12: VSA 8.73 vs 7.71 ms; Wan 480p 1.42 vs 0.79 ms, launch-bound).
 
 #: How each row's top k is taken: "pallas" (``pallas_kernels.triton.topk.topk_mask``: one
 #: Triton kernel, a radix select on the float bits in registers, one row a program; the
 #: interpreter off a GPU, slow), "xla" (``lax.top_k`` then a scatter; SpargeAttn's argsort for
-#: ``sparge_mask``) or "auto": "pallas" on a GPU, "xla" elsewhere. Same kept set exactly
-#: (ties to the lower index, -0.0 below +0.0 as ``lax.top_k``; scores have no NaN). Rows
-#: longer than the kernel's ``MAX_COLS`` (4096) always take the "xla" path. The default stays
-#: "xla" until the kernel is timed on the GPU (``bench_loop --builder-costs vsa,vsa_fused``;
-#: predicted top-k ~4 -> ~0.2 ms a call at Wan 720p).
-TOP_K = "xla"
+#: ``sparge_mask``) or "auto" (the default): "pallas" on a GPU, "xla" elsewhere. Same kept set
+#: exactly (ties to the lower index, -0.0 below +0.0 as ``lax.top_k``; scores have no NaN).
+#: Rows longer than the kernel's ``MAX_COLS`` (4096) always take the "xla" path.
+TOP_K = "auto"
 
 #: The values of the kernel switches (``TOP_K``, ``KMEANS_ASSIGN``).
 _KERNEL_SWITCH_VALUES = ("auto", "xla", "pallas")
