@@ -4,7 +4,7 @@
 # `timeout` keeps what it measured. Raw files and logs go to $OUT.
 # Session 13's calls (about 1,500 s with one machine start), back to back:
 #   bash benchmarks/h200_session.sh train     # Wan 1.3B 480p training step, sparse then dense (time, memory)
-#   bash benchmarks/h200_session.sh vsa       # device route at 480p VSA, the Wan 1.3B VSA loop, builders at 720p
+#   bash benchmarks/h200_session.sh vsa       # device route at 480p VSA, builders at 720p, the Wan 1.3B VSA loop
 #   bash benchmarks/h200_session.sh checks    # gradient checks and transforms on the GPU
 #   bash benchmarks/h200_session.sh device-planning  # Wan 480p VSA and Wan 720p device planning + route
 #   bash benchmarks/h200_session.sh diagnose  # training memory's buffer assignment (4 layers), 480p VSA route, fused k-means
@@ -29,26 +29,17 @@ train)
   run 240 bwd-train-dense python3 benchmarks/backward.py --sections train --train-variants dense \
       --layers 30 --steps 5 --budget-s 230 --out $OUT/bwd-train-dense.json ;;
 vsa)
-  # Issue 17's Wan 480p VSA loop with the device planner's heavy-first units and rectangle
-  # steps (predicted ~1.62x dense, peers estimate ~1.24), the route on the corpus mask
-  # (predicted ~4.15 ms against the host kernel's 3.84), the builders at 720p first: the loop
-  # takes the fused top-k (TOP_K=pallas) when it built faster than lax.top_k there.
+  # Issue 17's Wan 480p VSA loop with the device planner's rectangle steps as fused bit ops
+  # (session 13's first run: plan 0.22 -> 1.27 ms from gathers over [.., 4, 4] cells; CPU
+  # temp 174 -> 57 MB) and the fused top-k by default: the route on the corpus mask, the
+  # 720p builders, then the loop without the host-planning variant (measured in call 2).
   run 60 device-planning-vsa480 python3 benchmarks/device_planning.py --grids wan480 \
       --route-grids wan480 --heads 12 --families vsa --no-checks --budget-s 55 \
       --out $OUT/device-planning-vsa480.json
-  run 160 builders python3 -m tessera_jax.tools.bench_loop --out $OUT/builders.json \
-      --builder-costs vsa,vsa_fused,sparge_topk,sparge_topk_fused,svg2_iters1,svg2_iters1_xla
-  SW=$(python3 - "$OUT/builders.json" <<'PY' 2>/dev/null
-import json, sys
-v = json.load(open(sys.argv[1]))["builder_costs"]["variants"]
-a, b = v.get("vsa", {}).get("build_s"), v.get("vsa_fused", {}).get("build_s")
-if a and b and b < a:
-    print("--builder-switch TOP_K=pallas")
-PY
-)
-  echo "loop-vsa switches: ${SW:-none}"
-  run 330 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
-      --loop-repeats 3 $SW --out $OUT/loop-vsa.json ;;
+  run 90 builders python3 -m tessera_jax.tools.bench_loop --out $OUT/builders.json \
+      --builder-costs vsa,sparge_topk
+  run 220 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
+      --loop-repeats 3 --variants dense,dynamic,null --out $OUT/loop-vsa.json ;;
 checks)
   # Gradient checks and transforms with the constants path (session 12 cut them at 215 s).
   run 400 bwd-checks python3 benchmarks/backward.py --sections checks,grad --budget-s 390 \
