@@ -32,14 +32,14 @@ vsa)
   # Issue 17's Wan 480p VSA loop with the device planner's rectangle steps as fused bit ops
   # (session 13's first run: plan 0.22 -> 1.27 ms from gathers over [.., 4, 4] cells; CPU
   # temp 174 -> 57 MB) and the fused top-k by default: the route on the corpus mask, the
-  # 720p builders, then the loop without the host-planning variant (measured in call 2).
-  run 60 device-planning-vsa480 python3 benchmarks/device_planning.py --grids wan480 \
-      --route-grids wan480 --heads 12 --families vsa --no-checks --budget-s 55 \
-      --out $OUT/device-planning-vsa480.json
+  # 720p builders; the loop (without the host-planning variant, measured in call 2) first.
+  run 220 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
+      --loop-repeats 3 --variants dense,dynamic,null --out $OUT/loop-vsa.json
   run 90 builders python3 -m tessera_jax.tools.bench_loop --out $OUT/builders.json \
       --builder-costs vsa,sparge_topk
-  run 220 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
-      --loop-repeats 3 --variants dense,dynamic,null --out $OUT/loop-vsa.json ;;
+  run 60 device-planning-vsa480 python3 benchmarks/device_planning.py --grids wan480 \
+      --route-grids wan480 --heads 12 --families vsa --no-checks --budget-s 55 \
+      --out $OUT/device-planning-vsa480.json ;;
 checks)
   # Gradient checks and transforms with the constants path (session 12 cut them at 215 s).
   run 400 bwd-checks python3 benchmarks/backward.py --sections checks,grad --budget-s 390 \
