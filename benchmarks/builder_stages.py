@@ -1,0 +1,84 @@
+"""The VSA and SpargeAttn builders' stages at Wan 720p (issue 17's 5% builder budget): wall
+time per jitted call of the block pooling (as built and the float32-copy control), the pooled
+scores at each matmul precision, the top-k, and the whole builder, one JSON line each.
+
+    python benchmarks/builder_stages.py --out results.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tessera_jax.masks import dynamic as dm
+from tessera_jax.tools.bench_loop import _median, time_calls
+
+
+def _pool_sum_f32_copy(x, bounds):
+    """The control: the pooling before session 13 (a float32, padded copy of x, gathered)."""
+    sizes = np.diff(bounds)
+    n, L = len(sizes), int(bounds[-1])
+    bmax = int(sizes.max())
+    j = np.arange(bmax)
+    idx = np.where(j[None] < sizes[:, None], bounds[:-1, None] + j[None], L).astype(np.int32)
+    xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 1), (0, 0), (0, 0)))
+    g = jnp.take(xp, jnp.asarray(idx.reshape(-1)), axis=1, mode="clip")
+    return g.reshape(x.shape[0], n, bmax, *x.shape[2:]).sum(axis=2)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--grid", default="21,45,80")
+    ap.add_argument("--heads", type=int, default=40)
+    args = ap.parse_args(argv)
+    grid = tuple(int(x) for x in args.grid.split(","))
+    H, D = args.heads, 128
+    _, b = dm.cube_layout(grid)
+    L, n = int(b[-1]), len(b) - 1
+    kk = int(np.ceil(0.125 * n))
+    keys = jax.random.split(jax.random.key(0), 4)
+    qs = [jax.random.normal(kq, (1, L, H, D), jnp.bfloat16) for kq in keys[:2]]
+    ks = [jax.random.normal(kq, (1, L, H, D), jnp.bfloat16) for kq in keys[2:]]
+    pq = [dm._pool_mean(q, b) for q in qs]
+    scores = [jnp.einsum("bihd,bjhd->hij", p, p, precision=dm._HI) for p in pq]
+    rows = {}
+
+    def rec(name, fn, arg_sets):
+        f = jax.jit(fn)
+        ts = time_calls(f, arg_sets, args.repeats)
+        rows[name] = dict(ms=_median(ts) * 1e3, raw_ms=[t * 1e3 for t in ts])
+        print(json.dumps({name: round(rows[name]["ms"], 4)}), flush=True)
+        with open(args.out, "w") as fh:
+            json.dump(dict(grid=list(grid), heads=H, L=L, blocks=n, topk=kk, stages=rows), fh,
+                      indent=1)
+
+    t0 = time.time()
+    qk = list(zip(qs, ks))
+    rec("pool_qk", lambda q, k: (dm._pool_mean(q, b), dm._pool_mean(k, b)), qk)
+    rec("pool_qk_f32_copy", lambda q, k: (
+        _pool_sum_f32_copy(q, b) / np.diff(b)[None, :, None, None],
+        _pool_sum_f32_copy(k, b) / np.diff(b)[None, :, None, None]), qk)
+    for prec in ("HIGHEST", "HIGH", "DEFAULT"):
+        p = getattr(jax.lax.Precision, prec)
+        rec(f"scores_{prec.lower()}", lambda a, c, p=p: jnp.einsum(
+            "bihd,bjhd->hij", a, c, precision=p), list(zip(pq, pq[::-1])))
+    for mode in ("pallas", "xla"):
+        def topk(s, mode=mode):
+            dm.TOP_K = mode
+            return dm._fused_topk(n)(s, kk) if mode == "pallas" else jax.lax.top_k(s, kk)[1]
+        rec(f"topk_{mode}", topk, [(s,) for s in scores])
+    dm.TOP_K = "auto"
+    rec("vsa_mask", lambda q, k: dm.vsa_mask(q, k, q_bounds=b, keep=0.125).blocks, qk)
+    rec("sparge_topk", lambda q, k: dm.sparge_mask(q, k, topk=0.2, sim_threshold=-1.0).blocks,
+        qk)
+    print(f"done in {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
