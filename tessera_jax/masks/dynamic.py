@@ -166,37 +166,31 @@ def cube_layout(shape, cube=(4, 4, 4)) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _pool_sum(x, bounds: np.ndarray):
-    """Float32 sum of ``x`` [B, L, H, F] (any float dtype, read as is: no float32 copy) over
-    each static block: [B, n, H, F]."""
-    f32 = jnp.float32
+    """Sum of ``x`` [B, L, H, F] (float32) over each static block: [B, n, H, F]."""
     sizes = np.diff(bounds)
     n, L = len(sizes), int(bounds[-1])
     b = int(sizes[0])
     if n == 1 or (np.all(sizes[:-1] == b) and sizes[-1] <= b):
-        xp = x if n * b == L else jnp.pad(x, ((0, 0), (0, n * b - L), (0, 0), (0, 0)))
-        return xp.reshape(x.shape[0], n, b, *x.shape[2:]).sum(axis=2, dtype=f32)
+        xp = jnp.pad(x, ((0, 0), (0, n * b - L), (0, 0), (0, 0)))
+        return xp.reshape(x.shape[0], n, b, *x.shape[2:]).sum(axis=2)
     bmax = int(sizes.max())
     if n * bmax <= 2 * L:
         # Unequal blocks (cube layouts' partial edge cubes): gather each block's tokens into a
-        # row of bmax (past its end: its first token again, zeroed in the sum) and sum the rows.
-        # A scatter-add (segment_sum) costs one atomic per element on a GPU: ~4 ms per tensor
-        # at Wan 480p against ~0.05 here.
+        # row of bmax, zeros past its end, and sum the rows. A scatter-add (segment_sum) costs
+        # one atomic per element on a GPU: ~4 ms per tensor at Wan 480p against ~0.05 here.
         j = np.arange(bmax)
-        inside = j[None] < sizes[:, None]                                   # [n, bmax]
-        idx = (bounds[:-1, None] + np.where(inside, j[None], 0)).astype(np.int32)
-        g = jnp.take(x, jnp.asarray(idx.reshape(-1)), axis=1, mode="clip")
-        g = g.reshape(x.shape[0], n, bmax, *x.shape[2:])
-        keep = jnp.asarray(inside)[None, :, :, None, None]
-        return jnp.where(keep, g.astype(f32), 0.0).sum(axis=2)
+        idx = np.where(j[None] < sizes[:, None], bounds[:-1, None] + j[None], L).astype(np.int32)
+        xp = jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0)))
+        g = jnp.take(xp, jnp.asarray(idx.reshape(-1)), axis=1, mode="clip")
+        return g.reshape(x.shape[0], n, bmax, *x.shape[2:]).sum(axis=2)
     ids = np.repeat(np.arange(n, dtype=np.int32), sizes)
-    s = jax.ops.segment_sum(jnp.moveaxis(x.astype(f32), 1, 0), ids, num_segments=n,
-                            indices_are_sorted=True)
+    s = jax.ops.segment_sum(jnp.moveaxis(x, 1, 0), ids, num_segments=n, indices_are_sorted=True)
     return jnp.moveaxis(s, 0, 1)
 
 
 def _pool_mean(x, bounds: np.ndarray):
     sizes = jnp.asarray(np.diff(bounds), jnp.float32)
-    return _pool_sum(x, bounds) / sizes[None, :, None, None]
+    return _pool_sum(x.astype(jnp.float32), bounds) / sizes[None, :, None, None]
 
 
 def _repeat_heads(x, group: int, axis: int):
@@ -400,7 +394,7 @@ def sparge_mask(q, k, *, q_bounds=None, kv_bounds=None, block_q: int = 128, bloc
     g = Hq // Hkv
 
     pq = _pool_mean(q, qb)                                             # [B, nq, Hq, D]
-    ksum = _pool_sum(k, kb)                        # [B, nk, Hkv, D]
+    ksum = _pool_sum(k.astype(jnp.float32), kb)                        # [B, nk, Hkv, D]
     pk = ksum / jnp.asarray(np.diff(kb), jnp.float32)[None, :, None, None]
     kc = k.astype(jnp.float32)
     if smooth_k:
