@@ -1,6 +1,9 @@
 """The VSA and SpargeAttn builders' stages at Wan 720p (issue 17's 5% builder budget): wall
-time per jitted call of the block pooling (as built and the float32-copy control), the pooled
-scores at each matmul precision, the top-k, and the whole builder, one JSON line each.
+time per jitted call of the block pooling of q and k, the pooled scores at each matmul
+precision, the top-k (kernel and lax.top_k), and the whole builders, one JSON line each.
+H200, session 13: pooling 1.59, scores 0.78 (HIGHEST) / 0.28 (HIGH), top-k 1.01 (kernel)
+against 4.90 ms (lax.top_k) (benchmarks/results/s13/call5-stages.json); VSA builder 3.35 ms
+(call4-builders.json).
 
     python benchmarks/builder_stages.py --out results.json
 """
@@ -16,18 +19,6 @@ import numpy as np
 
 from tessera_jax.masks import dynamic as dm
 from tessera_jax.tools.bench_loop import _median, time_calls
-
-
-def _pool_sum_f32_copy(x, bounds):
-    """The control: the pooling before session 13 (a float32, padded copy of x, gathered)."""
-    sizes = np.diff(bounds)
-    n, L = len(sizes), int(bounds[-1])
-    bmax = int(sizes.max())
-    j = np.arange(bmax)
-    idx = np.where(j[None] < sizes[:, None], bounds[:-1, None] + j[None], L).astype(np.int32)
-    xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 1), (0, 0), (0, 0)))
-    g = jnp.take(xp, jnp.asarray(idx.reshape(-1)), axis=1, mode="clip")
-    return g.reshape(x.shape[0], n, bmax, *x.shape[2:]).sum(axis=2)
 
 
 def main(argv=None):
@@ -61,9 +52,6 @@ def main(argv=None):
     t0 = time.time()
     qk = list(zip(qs, ks))
     rec("pool_qk", lambda q, k: (dm._pool_mean(q, b), dm._pool_mean(k, b)), qk)
-    rec("pool_qk_f32_copy", lambda q, k: (
-        _pool_sum_f32_copy(q, b) / np.diff(b)[None, :, None, None],
-        _pool_sum_f32_copy(k, b) / np.diff(b)[None, :, None, None]), qk)
     for prec in ("HIGHEST", "HIGH", "DEFAULT"):
         p = getattr(jax.lax.Precision, prec)
         rec(f"scores_{prec.lower()}", lambda a, c, p=p: jnp.einsum(
