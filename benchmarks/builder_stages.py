@@ -1,5 +1,5 @@
 """The VSA and SpargeAttn builders' stages at Wan 720p (issue 17's 5% builder budget): wall
-time per jitted call of the block pooling of q and k, the pooled scores at each matmul
+time per jitted call of the block pooling of q and k (XLA's and the Triton kernel's), the pooled scores at each matmul
 precision, the top-k (kernel and lax.top_k), and the whole builders, one JSON line each.
 H200, session 13: pooling 1.59, scores 0.78 (HIGHEST) / 0.28 (HIGH), top-k 1.01 (kernel)
 against 4.90 ms (lax.top_k) (benchmarks/results/s13/call5-stages.json); VSA builder 3.35 ms
@@ -52,6 +52,10 @@ def main(argv=None):
     t0 = time.time()
     qk = list(zip(qs, ks))
     rec("pool_qk", lambda q, k: (dm._pool_mean(q, b), dm._pool_mean(k, b)), qk)
+    from pallas_kernels.triton import pool as tp
+    interp = jax.default_backend() != "gpu"
+    rec("pool_qk_kernel", lambda q, k: (tp.block_sums(q, b, interpret=interp),
+                                        tp.block_sums(k, b, interpret=interp)), qk)
     for prec in ("HIGHEST", "HIGH", "DEFAULT"):
         p = getattr(jax.lax.Precision, prec)
         rec(f"scores_{prec.lower()}", lambda a, c, p=p: jnp.einsum(

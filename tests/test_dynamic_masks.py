@@ -275,6 +275,75 @@ def test_fused_top_k_lowers_to_triton():
         assert "__gpu$xla.gpu.triton" in text
 
 
+# --- the block-pooling kernel (pallas_kernels.triton.pool; POOL) ---------------------------
+@settings(max_examples=12, deadline=None)
+@given(st.data())
+def test_block_sums_kernel_equals_the_sum(data):
+    """``block_sums`` (interpreted) gives each block's float32 sum of bf16 / f32 x (up to the
+    order of the additions), for random partitions (1-token blocks, blocks up to MAX_BLOCK) and
+    column counts that are not a multiple of the chunk."""
+    from pallas_kernels.triton import pool as tp
+    sizes = data.draw(st.lists(st.sampled_from([1, 3, 16, 64, 77, tp.MAX_BLOCK]),
+                               min_size=1, max_size=6))
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    H, F = data.draw(st.sampled_from([(1, 8), (3, 16), (5, 200)]))
+    dtype = data.draw(st.sampled_from([jnp.bfloat16, jnp.float32]))
+    x = jax.random.normal(jax.random.key(data.draw(st.integers(0, 99))),
+                          (2, int(bounds[-1]), H, F), dtype)
+    got = np.asarray(tp.block_sums(x, bounds, interpret=True))
+    want = np.stack([np.asarray(x[:, a:b], np.float32).sum(axis=1)
+                     for a, b in zip(bounds[:-1], bounds[1:])], axis=1)
+    # Float32 sums in another order: ~n * eps * |x| apart (a row missed or added: ~1).
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-4)
+
+
+def test_block_sums_refuses_bad_bounds():
+    from pallas_kernels.triton import pool as tp
+    x = jnp.zeros((1, 10, 1, 4))
+    for b in ([0, 5, 9], [0, 5, 5, 10], [1, 10]):
+        with pytest.raises(ValueError, match="bounds must increase"):
+            tp.block_sums(x, np.array(b))
+    with pytest.raises(ValueError, match="blocks of at most"):
+        tp.block_sums(jnp.zeros((1, tp.MAX_BLOCK + 1, 1, 4)), np.array([0, tp.MAX_BLOCK + 1]))
+
+
+def test_pool_switch_keeps_the_masks():
+    """``POOL="pallas"`` (interpreted) builds the same VSA and SpargeAttn masks as XLA's
+    pooling on cube-layout bounds; "auto" traces the kernel on a GPU only."""
+    _, b = dm.cube_layout((3, 6, 7))
+    q, k, _ = _data(3, 1, int(b[-1]), int(b[-1]), 2, 2, 16)
+    got = {}
+    for mode in ("xla", "pallas"):
+        old = dm.POOL
+        dm.POOL = mode
+        try:
+            got[mode] = (np.asarray(dm.vsa_mask(q, k, q_bounds=b, topk=3).blocks),
+                         np.asarray(dm.sparge_mask(q, k, block_q=16, block_kv=8,
+                                                   topk=0.3).blocks))
+        finally:
+            dm.POOL = old
+    for a, c in zip(got["xla"], got["pallas"]):
+        np.testing.assert_array_equal(a, c)
+    assert dm.POOL == "xla"
+
+
+def test_block_sums_lowers_to_triton():
+    """The pooling kernel lowers through the real Triton path for an abstract H200."""
+    import warnings
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+    from pallas_kernels.triton import pool as tp
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    _, b = dm.cube_layout((21, 45, 80))
+    f = functools.partial(tp._block_sums, bounds=tuple(int(v) for v in b), interpret=False)
+    with use_abstract_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        text = jax.jit(f).trace(jax.ShapeDtypeStruct((1, int(b[-1]), 40, 128),
+                                                     jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
 def test_cube_layout_orders_tokens_cube_major():
     order, bounds = dm.cube_layout((3, 5, 6), (2, 2, 4))
     assert sorted(order.tolist()) == list(range(90))

@@ -894,6 +894,8 @@ BUILDER_VARIANTS = {
     # the control, "_xla": lax.top_k + scatter (H200 session 13: VSA 3.63 vs 7.61 ms a call).
     "vsa": ("vsa", (("keep", 0.125),)),
     "vsa_xla": ("vsa", (("keep", 0.125),), {"TOP_K": "xla"}),
+    # Block pooling by the Triton kernel (dm.POOL; the default "xla" until timed).
+    "vsa_pool": ("vsa", (("keep", 0.125),), {"POOL": "pallas"}),
     "svg2_iters2": ("svg2", (("iters", 2), ("top_p", 0.25), ("min_cluster_tokens", 43))),
     # k-means' assignment by dm.KMEANS_ASSIGN's default, "auto": the Triton kernel on a GPU.
     "svg2_iters1": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43))),
@@ -906,6 +908,8 @@ BUILDER_VARIANTS = {
     "sparge_topk": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0))),
     "sparge_topk_xla": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)),
                         {"TOP_K": "xla"}),
+    "sparge_topk_pool": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)),
+                         {"POOL": "pallas"}),
     "xattn_s8": ("xattn", (("stride", 8), ("tau", 0.25))),
     "xattn_s64": ("xattn", (("stride", 64), ("tau", 0.25))),
 }
@@ -913,7 +917,8 @@ BUILDER_VARIANTS = {
 
 # Module switches of tessera_jax.masks.dynamic a run may set (--builder-switch), with their values.
 BUILDER_SWITCHES = {"KMEANS_ASSIGN": ("auto", "xla", "pallas"),
-                    "TOP_K": ("auto", "xla", "pallas")}
+                    "TOP_K": ("auto", "xla", "pallas"),
+                    "POOL": ("auto", "xla", "pallas")}
 
 
 def builder_costs(args, progress=None, save=None) -> dict:
