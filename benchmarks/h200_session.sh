@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The one-H200 calls of benchmarks/NOTES.md section 22 (issues 17, 18, 16, 19), each
-# under the 10-minute call limit; every script saves partial results, so a part cut by its
-# `timeout` keeps what it measured. Raw files and logs go to $OUT.
-# Session 13's calls (about 1,500 s with one machine start), back to back:
+# The one-H200 calls of benchmarks/NOTES.md section 23 (issues 18, 17), each under the
+# 10-minute call limit; every script saves partial results, so a part cut by its `timeout`
+# keeps what it measured. Raw files and logs go to $OUT.
+# Session 14's calls, back to back:
+#   bash benchmarks/h200_session.sh diagnose  # the training step's buffer assignment (4 layers), the pooling kernel
 #   bash benchmarks/h200_session.sh train     # Wan 1.3B 480p training step, sparse then dense (time, memory)
-#   bash benchmarks/h200_session.sh vsa       # device route at 480p VSA, builders at 720p, the Wan 1.3B VSA loop
+#   bash benchmarks/h200_session.sh vsa       # the Wan 1.3B VSA loop, builders at 720p, device route at 480p VSA
 #   bash benchmarks/h200_session.sh checks    # gradient checks and transforms on the GPU
 #   bash benchmarks/h200_session.sh device-planning  # Wan 480p VSA and Wan 720p device planning + route
-#   bash benchmarks/h200_session.sh diagnose  # training memory's buffer assignment (4 layers), 480p VSA route, fused k-means
 # (Earlier sessions' parts are in git history.)
 set -u
 OUT=${OUT:?set OUT}
@@ -51,8 +51,10 @@ device-planning)
   run 150 device-planning python3 benchmarks/device_planning.py --grids wan720 --route-grids wan720 \
       --families svg2,sparge,natten,ditfastattn --no-checks --budget-s 130 --out $OUT/device-planning.json ;;
 diagnose)
-  # Where the sparse training step's extra 196 MB sit (4 layers, compile only, XLA's buffer
-  # assignment of each variant), the device route's split at Wan 480p VSA, the fused k-means.
+  # Which unit-row array is the sparse training step's extra 101 MB (session 13: 15.673 vs
+  # 15.572 GB; 4 layers, compile only, XLA's buffer assignment of each variant), then the
+  # pooling kernel (dm.POOL; predicted q and k at Wan 720p 1.59 -> ~0.4 ms, VSA builder
+  # 3.35 -> ~2.2 ms) against XLA's pooling in the same call.
   for v in sparse dense; do
     mkdir -p $OUT/xla-$v
     run 80 mem-$v env XLA_FLAGS="--xla_dump_to=$OUT/xla-$v --xla_dump_hlo_module_re=jit_step" \
@@ -62,11 +64,9 @@ diagnose)
         ! -name '*after_optimizations.txt' -delete
   done
   tar -czf $OUT/xla-dumps.tar.gz -C $OUT xla-sparse xla-dense && rm -rf $OUT/xla-sparse $OUT/xla-dense
-  run 90 device-planning-vsa480 python3 benchmarks/device_planning.py --grids wan480 \
-      --route-grids wan480 --heads 12 --families vsa --no-checks --budget-s 80 \
-      --out $OUT/device-planning-vsa480.json
-  run 80 builders-fused python3 -m tessera_jax.tools.bench_loop --out $OUT/builders-fused.json \
-      --builder-costs svg2_iters1,svg2_iters1_fused
+  run 60 stages python3 benchmarks/builder_stages.py --out $OUT/stages.json
+  run 120 builders-pool python3 -m tessera_jax.tools.bench_loop --out $OUT/builders-pool.json \
+      --builder-costs vsa,vsa_pool,sparge_topk,sparge_topk_pool
   tar -czf $OUT/logs.tar.gz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log ;;
 *) echo "usage: OUT=dir bash benchmarks/h200_session.sh train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
 esac
