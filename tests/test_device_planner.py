@@ -286,3 +286,27 @@ def test_device_plan_is_a_pytree_with_static_metadata():
     assert (p.tile_q, p.tile_kv, p.q_len_padded, p.kv_len_padded, p.max_steps) == \
         (64, 64, 128, 128, 2)
     assert [x.shape for x in jax.tree_util.tree_leaves(p)] == [(2, 6), (4, 4), ()]
+
+
+def test_bits_rectangle_over_every_cell_pattern():
+    """``_bits_rectangle`` against a brute-force reading of all 2^16 4 x 4 cell patterns: one
+    rectangle iff the selected cells equal the outer product of their rows and columns, each
+    one run; then its first / last row and column."""
+    from tessera_jax.planning.device import _bits_rectangle
+    g = abi.GRID
+    bits = np.arange(1 << (g * g), dtype=np.int32)
+    one, (r0, r1, c0, c1) = (np.asarray(a) if not isinstance(a, tuple) else tuple(map(
+        np.asarray, a)) for a in _bits_rectangle(jnp.asarray(bits)))
+    cells = ((bits[:, None] >> np.arange(g * g)) & 1).astype(bool).reshape(-1, g, g)
+    rows, cols = cells.any(2), cells.any(1)
+
+    def one_run(m):
+        return m.any(1) & ((m[:, 1:] & ~m[:, :-1]).sum(1) + m[:, 0] == 1)
+
+    want = ((cells == (rows[:, :, None] & cols[:, None, :])).all((1, 2))
+            & one_run(rows) & one_run(cols))
+    np.testing.assert_array_equal(one, want)
+    for got, m, pick in ((r0, rows, np.argmax), (c0, cols, np.argmax)):
+        np.testing.assert_array_equal(got[want], pick(m[want], axis=1))
+    for got, m in ((r1, rows), (c1, cols)):
+        np.testing.assert_array_equal(got[want], g - 1 - np.argmax(m[want][:, ::-1], axis=1))
