@@ -65,8 +65,8 @@ diagnose)
   done
   tar -czf $OUT/xla-dumps.tar.gz -C $OUT xla-sparse xla-dense && rm -rf $OUT/xla-sparse $OUT/xla-dense
   run 60 stages python3 benchmarks/builder_stages.py --out $OUT/stages.json
-  run 120 builders-pool python3 -m tessera_jax.tools.bench_loop --out $OUT/builders-pool.json \
-      --builder-costs vsa,vsa_pool,sparge_topk,sparge_topk_pool
+  run 170 builders-pool python3 -m tessera_jax.tools.bench_loop --out $OUT/builders-pool.json \
+      --builder-costs vsa,vsa_pool,vsa_high,vsa_pool_high,sparge_topk,sparge_topk_pool
   tar -czf $OUT/logs.tar.gz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log ;;
 *) echo "usage: OUT=dir bash benchmarks/h200_session.sh train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
 esac

@@ -327,6 +327,21 @@ def test_pool_switch_keeps_the_masks():
     assert dm.POOL == "xla"
 
 
+def test_score_precision_switch(monkeypatch):
+    """``SCORE_PRECISION`` sets the VSA and SpargeAttn score matmuls' precision; others are
+    refused."""
+    q, k = jnp.ones((1, 32, 2, 8)), jnp.ones((1, 32, 2, 8))
+    for mode, want in (("highest", "HIGHEST"), ("high", "HIGH")):
+        monkeypatch.setattr(dm, "SCORE_PRECISION", mode)
+        for f in (lambda q, k: dm.vsa_mask(q, k, block=8, topk=2).blocks,
+                  lambda q, k: dm.sparge_mask(q, k, block_q=8, block_kv=8, topk=0.5).blocks):
+            text = str(jax.make_jaxpr(f)(q, k))
+            assert f"precision=(Precision.{want}, Precision.{want})" in text, text[:2000]
+    monkeypatch.setattr(dm, "SCORE_PRECISION", "bf16")
+    with pytest.raises(ValueError, match="SCORE_PRECISION must be"):
+        dm.vsa_mask(q, k, block=8, topk=2)
+
+
 def test_block_sums_lowers_to_triton():
     """The pooling kernel lowers through the real Triton path for an abstract H200."""
     import warnings

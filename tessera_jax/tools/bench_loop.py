@@ -896,6 +896,9 @@ BUILDER_VARIANTS = {
     "vsa_xla": ("vsa", (("keep", 0.125),), {"TOP_K": "xla"}),
     # Block pooling by the Triton kernel (dm.POOL; the default "xla" until timed).
     "vsa_pool": ("vsa", (("keep", 0.125),), {"POOL": "pallas"}),
+    # Pooled scores at HIGH precision (dm.SCORE_PRECISION), alone and with the pooling kernel.
+    "vsa_high": ("vsa", (("keep", 0.125),), {"SCORE_PRECISION": "high"}),
+    "vsa_pool_high": ("vsa", (("keep", 0.125),), {"POOL": "pallas", "SCORE_PRECISION": "high"}),
     "svg2_iters2": ("svg2", (("iters", 2), ("top_p", 0.25), ("min_cluster_tokens", 43))),
     # k-means' assignment by dm.KMEANS_ASSIGN's default, "auto": the Triton kernel on a GPU.
     "svg2_iters1": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43))),
@@ -918,7 +921,8 @@ BUILDER_VARIANTS = {
 # Module switches of tessera_jax.masks.dynamic a run may set (--builder-switch), with their values.
 BUILDER_SWITCHES = {"KMEANS_ASSIGN": ("auto", "xla", "pallas"),
                     "TOP_K": ("auto", "xla", "pallas"),
-                    "POOL": ("auto", "xla", "pallas")}
+                    "POOL": ("auto", "xla", "pallas"),
+                    "SCORE_PRECISION": ("highest", "high")}
 
 
 def builder_costs(args, progress=None, save=None) -> dict:
