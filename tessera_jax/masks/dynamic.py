@@ -67,6 +67,8 @@ def _score_precision():
     if SCORE_PRECISION not in ("highest", "high"):
         raise ValueError(f"SCORE_PRECISION must be 'highest' or 'high', got {SCORE_PRECISION!r}")
     return getattr(jax.lax.Precision, SCORE_PRECISION.upper())
+
+
 # Elements of float32 scores one XAttention chunk may hold (256 MiB).
 _XATTN_CHUNK_ELEMS = 1 << 26
 
@@ -419,7 +421,7 @@ def sparge_mask(q, k, *, q_bounds=None, kv_bounds=None, block_q: int = 128, bloc
     g = Hq // Hkv
 
     pq = _pool_mean(q, qb)                                             # [B, nq, Hq, D]
-    ksum = _pool_sum(k, kb)                        # [B, nk, Hkv, D]
+    ksum = _pool_sum(k, kb)                                            # [B, nk, Hkv, D]
     pk = ksum / jnp.asarray(np.diff(kb), jnp.float32)[None, :, None, None]
     kc = k.astype(jnp.float32)
     if smooth_k:
