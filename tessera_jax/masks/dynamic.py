@@ -64,8 +64,9 @@ SCORE_PRECISION = "highest"
 
 
 def _score_precision():
-    if SCORE_PRECISION not in ("highest", "high"):
-        raise ValueError(f"SCORE_PRECISION must be 'highest' or 'high', got {SCORE_PRECISION!r}")
+    if SCORE_PRECISION not in SWITCHES["SCORE_PRECISION"]:
+        raise ValueError(f"SCORE_PRECISION must be one of {SWITCHES['SCORE_PRECISION']}, got "
+                         f"{SCORE_PRECISION!r}")
     return getattr(jax.lax.Precision, SCORE_PRECISION.upper())
 
 
@@ -249,15 +250,16 @@ TOP_K = "auto"
 #: GPU). The default stays "xla" until the kernel is timed there (predicted ~0.35 ms).
 POOL = "xla"
 
-#: The values of the kernel switches (``TOP_K``, ``KMEANS_ASSIGN``, ``POOL``).
-_KERNEL_SWITCH_VALUES = ("auto", "xla", "pallas")
+#: The module's switches and the values each takes (``tools.bench_loop --builder-switch``).
+SWITCHES = {"TOP_K": ("auto", "xla", "pallas"), "POOL": ("auto", "xla", "pallas"),
+            "KMEANS_ASSIGN": ("auto", "xla", "pallas"), "SCORE_PRECISION": ("highest", "high")}
 
 
 def _use_kernel(name: str, value: str) -> bool:
     """Whether kernel switch ``name`` set to ``value`` picks its Triton kernel here ("pallas";
     "auto" on a GPU). Off a GPU the kernel runs in the interpreter."""
-    if value not in _KERNEL_SWITCH_VALUES:
-        raise ValueError(f"{name} must be one of {_KERNEL_SWITCH_VALUES}, got {value!r}")
+    if value not in SWITCHES[name]:
+        raise ValueError(f"{name} must be one of {SWITCHES[name]}, got {value!r}")
     return value == "pallas" or (value == "auto" and jax.default_backend() == "gpu")
 
 

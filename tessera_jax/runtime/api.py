@@ -212,8 +212,7 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     runner's prepared plans: mask modes and device copies (``runtime.kernel_runner``); the
     device route's template choices per static bounds (``runtime.device_route``); the
     backward's transposed plans (``runtime.autodiff``) and the plans' token-major row and
-    unit indices (``pallas_kernels.abi.host_cached``); the
-    per-device masks and plans of
+    unit indices (``pallas_kernels.abi.host_cached``); the per-device masks and plans of
     ``tessera_jax.parallel``.
 
     Kept, unless ``fresh_process``: what a process computes once, whatever the masks: the

@@ -918,13 +918,6 @@ BUILDER_VARIANTS = {
 }
 
 
-# Module switches of tessera_jax.masks.dynamic a run may set (--builder-switch), with their values.
-BUILDER_SWITCHES = {"KMEANS_ASSIGN": ("auto", "xla", "pallas"),
-                    "TOP_K": ("auto", "xla", "pallas"),
-                    "POOL": ("auto", "xla", "pallas"),
-                    "SCORE_PRECISION": ("highest", "high")}
-
-
 def builder_costs(args, progress=None, save=None) -> dict:
     """Per builder variant at Wan 720p (T'H'W' = 21 x 45 x 80, 40 heads, D 128; ``--tiny``: a
     small grid): the mask-building time alone (permutations included), the time of the whole
@@ -1101,7 +1094,7 @@ def _environment(args, argv) -> dict:
         jaxlib=getattr(__import__("jaxlib"), "__version__", None),
         python=platform.python_version(),
         command="python -m tessera_jax.tools.bench_loop " + " ".join(argv),
-        builder_switches={k: getattr(dm, k) for k in BUILDER_SWITCHES},
+        builder_switches={k: getattr(dm, k) for k in dm.SWITCHES},
         date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         tiny=args.tiny)
 
@@ -1148,14 +1141,15 @@ def parse_args(argv):
     g.add_argument("--builder-costs", default=None,
                    help="instead of loops: time these builder variants at Wan 720p (comma-"
                         "separated, 'all': " + ", ".join(BUILDER_VARIANTS) + ")")
-    choices = ", ".join(f"{k}={'|'.join(v)}" for k, v in BUILDER_SWITCHES.items())
+    from tessera_jax.masks import dynamic as dm
+    choices = ", ".join(f"{k}={'|'.join(v)}" for k, v in dm.SWITCHES.items())
     g.add_argument("--builder-switch", action="append", default=[], metavar="NAME=VALUE",
                    help=f"set a builder switch of tessera_jax.masks.dynamic for the loops: {choices}")
     args = p.parse_args(argv)
     args.switches = {}
     for item in args.builder_switch:
         k, _, v = item.partition("=")
-        if k not in BUILDER_SWITCHES or v not in BUILDER_SWITCHES[k]:
+        if k not in dm.SWITCHES or v not in dm.SWITCHES[k]:
             p.error(f"--builder-switch {item!r}: expected one of {choices}")
         args.switches[k] = v
     if args.dense_implementation == "xla":
