@@ -21,6 +21,23 @@ run() {   # run SECONDS NAME CMD...: one part, its log in $OUT/NAME.log
   echo "[$(date +%T)] $name rc $rc"
 }
 case "${1:-}" in
+memfix)
+  # Issue 18's memory with the row-dot kernel (pallas_kernels.triton.delta): session 14's
+  # buffer assignment showed the rematerialised forward's output gathered head-major for
+  # the delta reduce and transposed to token-major for the output projection, both live
+  # (100.6 MB). Predicted: the 4-layer temp 4.449 -> ~4.349 GB (dense 4.347), then the 30-layer
+  # step's ratio 1.0065 -> ~1.0001.
+  mkdir -p $OUT/xla-sparse
+  run 80 mem-sparse env XLA_FLAGS="--xla_dump_to=$OUT/xla-sparse --xla_dump_hlo_module_re=jit_step" \
+      python3 benchmarks/backward.py --sections train --train-variants sparse --layers 4 --steps 0 \
+      --budget-s 75 --out $OUT/mem-sparse.json
+  find $OUT/xla-sparse -type f ! -name '*buffer-assignment*' ! -name '*memory-usage-report*' \
+      ! -name '*after_optimizations.txt' -delete
+  tar -czf $OUT/xla-dumps.tar.gz -C $OUT xla-sparse && rm -rf $OUT/xla-sparse
+  run 260 bwd-train-sparse python3 benchmarks/backward.py --sections train --train-variants sparse \
+      --layers 30 --steps 5 --budget-s 250 --out $OUT/bwd-train-sparse.json
+  run 240 bwd-train-dense python3 benchmarks/backward.py --sections train --train-variants dense \
+      --layers 30 --steps 5 --budget-s 230 --out $OUT/bwd-train-dense.json ;;
 train)
   # Issue 18's memory: the training step with the host plans' gathers through constants
   # (predicted peak <= dense; session 11: 15.77 vs 15.57 GB), sparse then dense.
@@ -68,5 +85,5 @@ diagnose)
   run 170 builders-pool python3 -m tessera_jax.tools.bench_loop --out $OUT/builders-pool.json \
       --builder-costs vsa,vsa_pool,vsa_high,vsa_pool_high,sparge_topk,sparge_topk_pool
   tar -czf $OUT/logs.tar.gz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log ;;
-*) echo "usage: OUT=dir bash benchmarks/h200_session.sh train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
+*) echo "usage: OUT=dir bash benchmarks/h200_session.sh memfix|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
 esac

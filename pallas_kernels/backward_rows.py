@@ -28,10 +28,15 @@ def lse_for_backward(lse):
     return jnp.where(lse == -jnp.inf, jnp.inf, lse)
 
 
-def delta_of(out, dout, dlse=None):
+def delta_of(out, dout, dlse=None, row_dots=None):
     """delta [B, Hq, Lq] float32 = rowsum(out * dout) - dlse (dlse: the cotangent of lse, or
-    None). d score_ij = p_ij (dp_ij - delta_i) then carries the LSE's gradient too."""
-    d = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
+    None). d score_ij = p_ij (dp_ij - delta_i) then carries the LSE's gradient too.
+    ``row_dots(out, dout)``: a kernel for the rowsum (``pallas_kernels.triton.delta``), else
+    jnp."""
+    if row_dots is not None:
+        d = row_dots(out, dout)
+    else:
+        d = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
     return d if dlse is None else d - dlse.astype(jnp.float32)
 
 

@@ -323,6 +323,66 @@ def test_triton_backward_host_plan():
     assert_grads(got, want[2:], 1e-4)
 
 
+# --- the row-dot kernel (pallas_kernels.triton.delta) ----------------------------------------
+@settings(max_examples=10, deadline=None)
+@given(st.data())
+def test_row_dots_kernel_equals_the_rowsum(data):
+    """``row_dots`` (interpreted) is rowsum(out * dout) in float32 for ragged lengths (1 token,
+    across the kernel's row blocks), head dims that are not a power of two and 2-byte dtypes."""
+    from pallas_kernels.triton import delta as td
+    B = data.draw(st.integers(1, 2))
+    L = data.draw(st.sampled_from([1, 5, td.ROWS, td.ROWS + 1, 150]))
+    H = data.draw(st.integers(1, 4))
+    D = data.draw(st.sampled_from([8, 16, 72, 128]))
+    dtype = data.draw(st.sampled_from([jnp.bfloat16, jnp.float16, jnp.float32]))
+    k1, k2 = jax.random.split(jax.random.key(data.draw(st.integers(0, 99))))
+    o, g = (jax.random.normal(k, (B, L, H, D), dtype) for k in (k1, k2))
+    got = np.asarray(td.row_dots(o, g, interpret=True))
+    want = np.einsum("bqhd,bqhd->bhq", np.asarray(o, np.float64), np.asarray(g, np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_row_dots_refuses_bad_input():
+    from pallas_kernels.triton import delta as td
+    x = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="one \\[B, L, H, D\\] shape"):
+        td.row_dots(x, x[:, :4])
+    with pytest.raises(TypeError, match="share a dtype"):
+        td.row_dots(x, x.astype(jnp.float16))
+
+
+def test_row_dots_lowers_with_token_major_operands():
+    """Lowered for CUDA (an abstract H200), the row dots are a Triton custom call whose
+    operands are row-major [B, L, H * D]: XLA must then keep the forward's gathered output
+    token-major (no head-major copy beside it in a rematerialised step)."""
+    import re
+    import warnings
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+    from pallas_kernels.triton import delta as td
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    x = jax.ShapeDtypeStruct((1, 300, 12, 128), jnp.bfloat16)
+    f = functools.partial(td._row_dots, interpret=False)
+    with use_abstract_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        text = jax.jit(f).trace(x, x).lower(lowering_platforms=("cuda",)).as_text()
+    call = next(ln for ln in text.splitlines() if "__gpu$xla.gpu.triton" in ln)
+    assert re.search(r"operand_layouts = \[dense<\[2, 1, 0\]> : tensor<3xindex>, "
+                     r"dense<\[2, 1, 0\]> : tensor<3xindex>\]", call), call
+
+
+@pytest.mark.parametrize("backend", ["triton", "xla"])
+def test_backward_row_dots_by_backend(backend):
+    """The GPU backends' backward takes delta from the row-dot kernel; the XLA one from jnp."""
+    rng = np.random.default_rng(_seed("rowdots"))
+    mask = _fine_mask(rng, 70, 90, 2)
+    q, k, v = random_qkv(1, 70, 90, 2, 1, 16, "float32", 11)
+    tmpl = {"triton": "triton_q128_kv64_w8_s3_pf_hm", "xla": None}[backend]
+    p = tj.plan(mask, q.shape, k.shape, q.dtype, template=tmpl, backend=backend)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda q: autodiff.run(p, q, k, v, 0.3, False).sum()))(q)
+    assert ("tessera_row_dots" in str(jaxpr)) == (backend == "triton")
+
+
 def _primitives(jaxpr, out=None):
     """Names of the primitives in a jaxpr and its sub-jaxprs (not inside Pallas kernels)."""
     out = set() if out is None else out

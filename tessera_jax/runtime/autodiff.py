@@ -62,6 +62,8 @@ class Backward:
     first_order: its kernels can't be differentiated again (GPU kernels)
     fold_vmap: under jax.vmap its kernels run once with the vmapped axis folded into the batch
                (``runtime.batching``; Mosaic GPU kernels have no batching rule to rely on)
+    row_dots:  row_dots(out, do) -> rowsum(out * do) [B, Hq, Lq] float32 as a kernel (None:
+               jnp, ``backward_rows.delta_of``); see ``pallas_kernels.triton.delta``
     """
 
     name: str
@@ -71,6 +73,7 @@ class Backward:
     paired_dkv_tiles: tuple | None = None
     first_order: bool = True
     fold_vmap: bool = False
+    row_dots: Callable | None = None
 
 
 def _host_rows(plan):
@@ -128,6 +131,11 @@ def _mosaic_dkv(tp, q, k, v, do, lse, delta, scale):
                   row_index=_host_rows(tp))
 
 
+def _triton_row_dots(out, do):
+    from pallas_kernels.triton import delta, wrapper
+    return delta.row_dots(out, do, interpret=wrapper.default_interpret())
+
+
 def _mosaic_tiles(tile_q, tile_kv, shape: AttnShape):
     from pallas_kernels.mosaic import backward as mb
     return mb.DKV_TILES
@@ -145,8 +153,9 @@ def _mosaic_interpret():
 #: The backward of each backend of ``dispatch.BACKENDS``.
 BACKWARD: "types.MappingProxyType[str, Backward]" = types.MappingProxyType({b.name: b for b in (
     Backward("mosaic_gpu", _mosaic_dq, _mosaic_dkv, _mosaic_tiles, fold_vmap=True,
-             paired_dkv_tiles=(64, 64, 8, 8)),       # mosaic.backward.DKV_PAIRED_TILES
-    Backward("triton", _triton_dq, _triton_dkv, _triton_tiles),
+             paired_dkv_tiles=(64, 64, 8, 8),        # mosaic.backward.DKV_PAIRED_TILES
+             row_dots=_triton_row_dots),
+    Backward("triton", _triton_dq, _triton_dkv, _triton_tiles, row_dots=_triton_row_dots),
     Backward("xla", _xla_dq, _xla_dkv, lambda tq, tk, shape: (tk, tq, 1, 1), first_order=False),
 )})
 
@@ -317,10 +326,20 @@ def _host_bwd(plan, scale, return_lse, res, g):
 _host.defvjp(_host_fwd, _host_bwd)
 
 
+def _row_dots(impl: Backward):
+    """The backend's row-dot kernel as ``delta_of`` takes it (first-order, vmap folded like
+    its other kernels), or None."""
+    dots = impl.row_dots
+    if dots is None:
+        return None
+    fn = (lambda o, g: batching.fold_vmap(dots, (o, g))) if impl.fold_vmap else dots
+    return lambda o, g: _kernels(impl, fn, o, g)
+
+
 def _backward(impl: Backward, plan, template, tp, q, k, v, out, lse, do, dlse, scale):
     """(dq, dk, dv) from the forward plan and the transposed plan on ``impl``'s kernels."""
     do = do.astype(q.dtype)
-    delta = rows_.delta_of(out, do, dlse)
+    delta = rows_.delta_of(out, do, dlse, _row_dots(impl))
     lse_b = rows_.lse_for_backward(lse)
 
     # A device plan's (traced) arrays travel as operands, so that vmap sees them.
