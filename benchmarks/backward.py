@@ -480,10 +480,16 @@ def train_step_section(res, args):
         if time.time() > args.deadline:
             log("budget spent: stopping the training section")
             break
+        sparse = variant in ("sparse", "sparse_jnp_delta")
+        from tessera_jax.runtime import autodiff
+        saved_row_dots = autodiff._row_dots
+        if variant == "sparse_jnp_delta":
+            # The control of the row-dot kernel: delta by jnp (XLA's reduce).
+            autodiff._row_dots = lambda impl: None
         try:
             model = WanModel(cfg, rngs=nnx.Rngs(0))
             opt = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
-            masks = [mask] * cfg.num_layers if variant == "sparse" else None
+            masks = [mask] * cfg.num_layers if sparse else None
             options = AttentionOptions(dense_implementation=args.dense_impl)
 
             def loss_fn(model, k):
@@ -493,7 +499,7 @@ def train_step_section(res, args):
                 tb = t[:, None, None, None, None]
                 xt = (1 - tb) * x0 + tb * noise
                 v = model(xt, 1000.0 * t, text, masks=masks, options=options,
-                          token_order=order if variant == "sparse" else None,
+                          token_order=order if sparse else None,
                           remat=args.remat)
                 return jnp.mean((v.astype(jnp.float32) - (noise - x0)) ** 2)
 
@@ -541,6 +547,26 @@ def train_step_section(res, args):
             out[variant] = dict(error=f"{type(e).__name__}: {e}"[:2000])
             log("train step", variant, "FAILED", repr(e)[:300])
             traceback.print_exc()
+        finally:
+            autodiff._row_dots = saved_row_dots
+
+
+def row_dots_section(res, args, rule):
+    """The backward's delta = rowsum(out * dout) at the benchmark shape: the Triton row-dot
+    kernel against jnp (XLA's reduce), under one timing rule."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels import backward_rows as rows_
+    from pallas_kernels.triton import delta as td
+    L, H, D, dtype = args.L, args.heads, args.head_dim, jnp.dtype(args.dtype)
+    sets = inputs(jax.random.key(3), 1, L, H, D, dtype, 2)
+    interpret = jax.default_backend() != "gpu"
+    out = res.setdefault("row_dots", {})
+    for name, f in (("kernel", lambda q, k, v, do: td.row_dots(q, do, interpret=interpret)),
+                    ("jnp", lambda q, k, v, do: rows_.delta_of(q, do))):
+        t = timing.time_kernel(jax.jit(f), sets, rule=rule)
+        out[name] = dict(**t.to_json(), gb_per_s=2 * L * H * D * dtype.itemsize / t.ms / 1e6)
+        log("row dots", name, f"{t.ms:.4f} ms", f"{out[name]['gb_per_s']:.0f} GB/s")
 
 
 # --- summary ---------------------------------------------------------------------------------
@@ -590,7 +616,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10,
                     help="timed training steps (0: compile only, for the memory estimate)")
     ap.add_argument("--train-density", type=float, default=0.125)
-    ap.add_argument("--train-variants", default="sparse,dense")
+    ap.add_argument("--train-variants", default="sparse,dense",
+                    help="sparse, dense, sparse_jnp_delta (sparse, delta by jnp: the control "
+                    "of the row-dot kernel)")
     ap.add_argument("--no-dkv-controls", dest="dkv_controls", action="store_false",
                     help="skip the irregular masks' control runs with each dk/dv plan choice "
                          "forced (DKV_CONTROLS)")
@@ -601,7 +629,8 @@ def main(argv=None):
     ap.add_argument("--backend", default=None, help="sparse_attention backend (None: best)")
     ap.add_argument("--no-flex", dest="flex", action="store_false")
     ap.add_argument("--sections", default="checks,grad,kernels,train",
-                    help="checks (random problems and transforms), grad, kernels, train")
+                    help="checks (random problems and transforms), grad, kernels, train, "
+                    "rowdots (the delta kernel against jnp)")
     ap.add_argument("--check-from", type=int, default=0, help="first check case to run")
     ap.add_argument("--check-backends", default=None,
                     help="backends of the gradient checks (default: mosaic_gpu,triton on a "
@@ -649,7 +678,8 @@ def main(argv=None):
         for name, section in (("kernels", lambda: kernels_section(res, args, rule)),
                               ("checks", lambda: grad_checks_section(res, args)),
                               ("grad", lambda: grad_error_section(res, args)),
-                              ("train", lambda: train_step_section(res, args))):
+                              ("train", lambda: train_step_section(res, args)),
+                              ("rowdots", lambda: row_dots_section(res, args, rule))):
             if name in sections:
                 section()
                 save(False)
