@@ -307,24 +307,31 @@ def test_block_sums_refuses_bad_bounds():
         tp.block_sums(jnp.zeros((1, tp.MAX_BLOCK + 1, 1, 4)), np.array([0, tp.MAX_BLOCK + 1]))
 
 
-def test_pool_switch_keeps_the_masks():
+def test_pool_switch_keeps_the_masks(monkeypatch):
     """``POOL="pallas"`` (interpreted) builds the same VSA and SpargeAttn masks as XLA's
-    pooling on cube-layout bounds; "auto" traces the kernel on a GPU only."""
+    pooling on cube-layout bounds, the kernel taking 2-byte q and k only (float32 arrays stay
+    with XLA); "auto" (the default) traces the kernel on a GPU only."""
     _, b = dm.cube_layout((3, 6, 7))
-    q, k, _ = _data(3, 1, int(b[-1]), int(b[-1]), 2, 2, 16)
+    q, k = (x.astype(jnp.bfloat16) for x in _data(3, 1, int(b[-1]), int(b[-1]), 2, 2, 16)[:2])
+
+    def vsa(q, k):
+        return dm.vsa_mask(q, k, q_bounds=b, topk=3).blocks
+
+    def sparge(q, k):
+        return dm.sparge_mask(q, k, block_q=16, block_kv=8, topk=0.3).blocks
+
+    assert dm.POOL == "auto"
     got = {}
     for mode in ("xla", "pallas"):
-        old = dm.POOL
-        dm.POOL = mode
-        try:
-            got[mode] = (np.asarray(dm.vsa_mask(q, k, q_bounds=b, topk=3).blocks),
-                         np.asarray(dm.sparge_mask(q, k, block_q=16, block_kv=8,
-                                                   topk=0.3).blocks))
-        finally:
-            dm.POOL = old
+        monkeypatch.setattr(dm, "POOL", mode)
+        got[mode] = [np.asarray(f(q, k)) for f in (vsa, sparge)]
+        for f in (vsa, sparge):
+            for x, kernel in ((q, mode == "pallas"), (q.astype(jnp.float32), False)):
+                # A new function each time: jax caches traces per function, not per switch.
+                text = str(jax.make_jaxpr(lambda a, c: f(a, c))(x, x))
+                assert ("tessera_block_sums" in text) == kernel, (f.__name__, mode, x.dtype)
     for a, c in zip(got["xla"], got["pallas"]):
         np.testing.assert_array_equal(a, c)
-    assert dm.POOL == "xla"
 
 
 def test_score_precision_switch(monkeypatch):

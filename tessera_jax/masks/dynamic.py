@@ -57,10 +57,11 @@ __all__ = ["cube_layout", "vsa_mask", "sparge_mask", "xattn_mask", "SVG2State", 
 
 _HI = jax.lax.Precision.HIGHEST
 
-#: Matmul precision of the VSA and SpargeAttn pooled block scores: "highest" (float32; the
-#: default) or "high" (three bf16 passes, ~2^-16 relative: rows change only at near-ties;
-#: VSA itself scores in bf16). H200, Wan 720p VSA scores: 0.78 vs 0.28 ms (session 13).
-SCORE_PRECISION = "highest"
+#: Matmul precision of the VSA and SpargeAttn pooled block scores: "high" (the default:
+#: three bf16 passes, ~2^-16 relative, so rows change only at near-ties; VSA itself scores in
+#: bf16) or "highest" (float32). H200, Wan 720p VSA scores: 0.35 vs 0.92 ms; the VSA builder
+#: with the pooling kernel 2.19 ms (4.7% of its attention) against 2.67 (session 14).
+SCORE_PRECISION = "high"
 
 
 def _score_precision():
@@ -182,7 +183,10 @@ def cube_layout(shape, cube=(4, 4, 4)) -> tuple[np.ndarray, np.ndarray]:
 def _pool_sum(x, bounds: np.ndarray):
     """Float32 sum of ``x`` [B, L, H, F] over each static block: [B, n, H, F]."""
     sizes = np.diff(bounds)
-    if _use_kernel("POOL", POOL):
+    # The kernel for 2-byte inputs (q, k), read once in their dtype; float32 arrays the
+    # builder derives (SpargeAttn's unit vectors) stay with XLA, which fuses their making
+    # into the sums (through the kernel they are written out first: 3.96 -> 4.51 ms).
+    if _use_kernel("POOL", POOL) and jnp.dtype(x.dtype).itemsize <= 2:
         from pallas_kernels.triton import pool as tp
         if sizes.max() <= tp.MAX_BLOCK:
             # Mask scores only (piecewise constant): the kernel has no autodiff rule.
@@ -243,12 +247,12 @@ def _scatter_rows(order, keep_sorted):
 #: Rows longer than the kernel's ``MAX_COLS`` (4096) always take the "xla" path.
 TOP_K = "auto"
 
-#: How blocks are pooled (``vsa_mask``, ``sparge_mask``): "pallas"
+#: How blocks of 2-byte q and k are pooled (``vsa_mask``, ``sparge_mask``): "pallas"
 #: (``pallas_kernels.triton.pool.block_sums``: one Triton kernel reading x once in its own
 #: dtype, blocks of at most 256 tokens), "xla" (a padded float32 copy of x gathered into equal
-#: rows and summed: 1.59 ms for q and k at Wan 720p on the H200) or "auto" ("pallas" on a
-#: GPU). The default stays "xla" until the kernel is timed there (predicted ~0.35 ms).
-POOL = "xla"
+#: rows and summed) or "auto" (the default: "pallas" on a GPU). H200, q and k at Wan 720p
+#: (session 14): 0.63 ms against 1.67; the VSA builder 3.56 -> 2.67 ms.
+POOL = "auto"
 
 #: The module's switches and the values each takes (``tools.bench_loop --builder-switch``).
 SWITCHES = {"TOP_K": ("auto", "xla", "pallas"), "POOL": ("auto", "xla", "pallas"),

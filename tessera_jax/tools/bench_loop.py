@@ -890,15 +890,15 @@ def _per_call(case, rule, L, H, D, dtype, opts, args, key) -> dict:
 # the attention call it feeds). Random q and k give near-uniform scores, so the threshold rules
 # run with knobs that land near the papers' densities (docs/dynamic_masks.md).
 BUILDER_VARIANTS = {
-    # Each row's top k by dm.TOP_K's default, "auto" (the Triton radix select on a GPU) and,
-    # the control, "_xla": lax.top_k + scatter (H200 session 13: VSA 3.63 vs 7.61 ms a call).
+    # The defaults: each row's top k by the Triton radix select (dm.TOP_K "auto"), q and k
+    # pooled by the Triton kernel (dm.POOL "auto"), scores at HIGH precision. Controls, one
+    # switch back each (H200, session 13-14): "_xla" lax.top_k + scatter (7.61 vs 3.63 ms a
+    # call), "_pool_xla" XLA's pooling (3.56 vs 2.67 ms, at HIGHEST), "_highest" float32
+    # scores (2.67 vs 2.19 ms with the pooling kernel).
     "vsa": ("vsa", (("keep", 0.125),)),
     "vsa_xla": ("vsa", (("keep", 0.125),), {"TOP_K": "xla"}),
-    # Block pooling by the Triton kernel (dm.POOL; the default "xla" until timed).
-    "vsa_pool": ("vsa", (("keep", 0.125),), {"POOL": "pallas"}),
-    # Pooled scores at HIGH precision (dm.SCORE_PRECISION), alone and with the pooling kernel.
-    "vsa_high": ("vsa", (("keep", 0.125),), {"SCORE_PRECISION": "high"}),
-    "vsa_pool_high": ("vsa", (("keep", 0.125),), {"POOL": "pallas", "SCORE_PRECISION": "high"}),
+    "vsa_pool_xla": ("vsa", (("keep", 0.125),), {"POOL": "xla"}),
+    "vsa_highest": ("vsa", (("keep", 0.125),), {"SCORE_PRECISION": "highest"}),
     "svg2_iters2": ("svg2", (("iters", 2), ("top_p", 0.25), ("min_cluster_tokens", 43))),
     # k-means' assignment by dm.KMEANS_ASSIGN's default, "auto": the Triton kernel on a GPU.
     "svg2_iters1": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43))),
@@ -911,8 +911,8 @@ BUILDER_VARIANTS = {
     "sparge_topk": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0))),
     "sparge_topk_xla": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)),
                         {"TOP_K": "xla"}),
-    "sparge_topk_pool": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)),
-                         {"POOL": "pallas"}),
+    "sparge_topk_pool_xla": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)),
+                             {"POOL": "xla"}),
     "xattn_s8": ("xattn", (("stride", 8), ("tau", 0.25))),
     "xattn_s64": ("xattn", (("stride", 64), ("tau", 0.25))),
 }
