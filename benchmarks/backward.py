@@ -480,15 +480,12 @@ def train_step_section(res, args):
         if time.time() > args.deadline:
             log("budget spent: stopping the training section")
             break
-        sparse = variant in ("sparse", "sparse_jnp_delta", "sparse_fused_gathers")
+        sparse = variant in ("sparse", "sparse_jnp_delta")
         from tessera_jax.runtime import autodiff
-        saved = autodiff._row_dots, autodiff.GRAD_BARRIER
+        saved = autodiff._row_dots
         if variant == "sparse_jnp_delta":
             # The control of the row-dot kernel: delta by jnp (XLA's reduce).
             autodiff._row_dots = lambda impl: None
-        if variant == "sparse_fused_gathers":
-            # The control of the gathers' barrier: XLA may fuse them into their consumers.
-            autodiff.GRAD_BARRIER = False
         try:
             model = WanModel(cfg, rngs=nnx.Rngs(0))
             opt = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
@@ -551,7 +548,7 @@ def train_step_section(res, args):
             log("train step", variant, "FAILED", repr(e)[:300])
             traceback.print_exc()
         finally:
-            autodiff._row_dots, autodiff.GRAD_BARRIER = saved
+            autodiff._row_dots = saved
 
 
 def row_dots_section(res, args, rule):
@@ -621,8 +618,7 @@ def main(argv=None):
     ap.add_argument("--train-density", type=float, default=0.125)
     ap.add_argument("--train-variants", default="sparse,dense",
                     help="sparse, dense, sparse_jnp_delta (sparse, delta by jnp: the control "
-                    "of the row-dot kernel), sparse_fused_gathers (no barrier after the "
-                    "gradients' gathers)")
+                    "of the row-dot kernel)")
     ap.add_argument("--no-dkv-controls", dest="dkv_controls", action="store_false",
                     help="skip the irregular masks' control runs with each dk/dv plan choice "
                          "forced (DKV_CONTROLS)")

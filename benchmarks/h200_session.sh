@@ -39,18 +39,17 @@ memfix)
   run 240 bwd-train-dense python3 benchmarks/backward.py --sections train --train-variants dense \
       --layers 30 --steps 5 --budget-s 230 --out $OUT/bwd-train-dense.json ;;
 train-ab)
-  # After the row-dot kernel (memfix: ratio 0.99985, but the sparse step 1068 -> 1118 ms,
-  # where its HLO fuses the dq/dk/dv gathers into the RMSNorm / RoPE backward's reduction):
-  # the step with the gradients behind a barrier (predicted ~1070 ms, memory unchanged) and
-  # dense, then the controls (no barrier; jnp's delta), on one machine; then the two deltas
-  # alone (predicted ~0.07 ms each at the bound).
+  # The training step with the row-dot kernel and dense on one machine, then the kernel's
+  # control (jnp's delta), then the two deltas alone. Session 14 call 3 also ran the gradients
+  # behind an optimization barrier (1131 ms against 1062 without; removed).
   run 560 bwd-train-ab python3 benchmarks/backward.py --sections train,rowdots \
-      --train-variants sparse,dense,sparse_fused_gathers,sparse_jnp_delta --layers 30 \
+      --train-variants sparse,dense,sparse_jnp_delta --layers 30 \
       --steps 5 --budget-s 530 --out $OUT/bwd-train-ab.json ;;
-checks2)
-  # The gradient checks and transforms with the row-dot kernel and the gradients' barrier.
-  run 330 bwd-checks python3 benchmarks/backward.py --sections checks,grad --budget-s 315 \
-      --out $OUT/bwd-checks.json ;;
+checks-mini)
+  # What 277 device-seconds allow after train-ab: the gradient checks of the default backend
+  # on the bf16 / device-mask / f16 cases (rand3-5) and the transforms, with the row-dot kernel.
+  run 170 bwd-checks python3 benchmarks/backward.py --sections checks --check-backends mosaic_gpu \
+      --check-from 3 --budget-s 160 --out $OUT/bwd-checks.json ;;
 train)
   # Issue 18's memory: the training step with the host plans' gathers through constants
   # (predicted peak <= dense; session 11: 15.77 vs 15.57 GB), sparse then dense.
@@ -98,5 +97,5 @@ diagnose)
   run 170 builders-pool python3 -m tessera_jax.tools.bench_loop --out $OUT/builders-pool.json \
       --builder-costs vsa,vsa_pool_xla,vsa_highest,sparge_topk,sparge_topk_pool_xla
   tar -czf $OUT/logs.tar.gz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log ;;
-*) echo "usage: OUT=dir bash benchmarks/h200_session.sh memfix|train-ab|checks2|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
+*) echo "usage: OUT=dir bash benchmarks/h200_session.sh memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
 esac

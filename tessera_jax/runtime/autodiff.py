@@ -326,14 +326,6 @@ def _host_bwd(plan, scale, return_lse, res, g):
 _host.defvjp(_host_fwd, _host_bwd)
 
 
-#: The GPU backends' gradients leave the backward behind an optimization barrier: without it
-#: XLA fuses the gathers that bring dq, dk, dv from unit rows to token order into the model's
-#: next row reduction (the RMSNorm / RoPE backward over H * D per token), a reduce fusion that
-#: gathers slowly (H200 session 14, Wan2.1-1.3B 480p training step: 1068 -> 1118 ms when that
-#: fusion formed). Read when a backward is traced.
-GRAD_BARRIER = True
-
-
 def _row_dots(impl: Backward):
     """The backend's row-dot kernel as ``delta_of`` takes it (first-order, vmap folded like
     its other kernels), or None."""
@@ -353,14 +345,12 @@ def _backward(impl: Backward, plan, template, tp, q, k, v, out, lse, do, dlse, s
     # A device plan's (traced) arrays travel as operands, so that vmap sees them.
     pa, ta = batching.plan_arrays(plan), batching.plan_arrays(tp)
 
-    barrier = GRAD_BARRIER and impl.first_order
-
     def grads(q, k, v, do, lse_b, delta, *arrays):
         p = batching.with_arrays(plan, arrays[:len(pa)])
         t = batching.with_arrays(tp, arrays[len(pa):])
         dq = impl.dq(p, template, q, k, v, do, lse_b, delta, scale)
         dk, dv = impl.dkv(t, q, k, v, do, lse_b, delta, scale)
-        return jax.lax.optimization_barrier((dq, dk, dv)) if barrier else (dq, dk, dv)
+        return dq, dk, dv
 
     fn = grads
     if impl.fold_vmap:
