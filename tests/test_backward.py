@@ -307,8 +307,8 @@ def _steps_kinds(*plans):
 
 def test_triton_backward_host_plan():
     """The Triton kernels (interpret mode) through ``autodiff.run`` on a host plan of a Triton
-    template (grid and bitmap steps, GQA, per-head mask, empty rows, lse cotangent); float32
-    against the float64 oracle."""
+    template (grid and bitmap steps, GQA, per-head mask, empty rows, lse cotangent), and under
+    jax.vmap; float32 against the float64 oracle."""
     rng = np.random.default_rng(_seed("triton"))
     Lq, Lkv, Hq, Hkv, D = 70, 90, 2, 1, 16
     mask = _fine_mask(rng, Lq, Lkv, Hq)
@@ -321,6 +321,16 @@ def test_triton_backward_host_plan():
     got = grads(lambda q, k, v, m, return_lse: autodiff.run(p, q, k, v, 0.3, return_lse),
                 q, k, v, mask, do, dlse)
     assert_grads(got, want[2:], 1e-4)
+    # jax.vmap of the gradient over two problems (the Pallas kernels' own batching rules,
+    # the row-dot kernel's included).
+    q2, k2, v2 = random_qkv(1, Lq, Lkv, Hq, Hkv, D, "float32", 11)
+    do2, _ = cotangents(1, Lq, Hq, D, jnp.float32, 11, False)
+    fn = lambda q, k, v, m: autodiff.run(p, q, k, v, 0.3, False)            # noqa: E731
+    got = jax.vmap(lambda q, k, v, do: grads(fn, q, k, v, mask, do))(
+        *(jnp.stack([jnp.asarray(a), jnp.asarray(b)]) for a, b in ((q, q2), (k, k2), (v, v2),
+                                                                   (do, do2))))
+    for i, (qi, ki, vi, doi) in enumerate(((q, k, v, do), (q2, k2, v2, do2))):
+        assert_grads([x[i] for x in got], oracle(qi, ki, vi, mask, doi, scale=0.3)[2:], 1e-4)
 
 
 # --- the row-dot kernel (pallas_kernels.triton.delta) ----------------------------------------
