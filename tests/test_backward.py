@@ -366,16 +366,10 @@ def test_row_dots_lowers_with_token_major_operands():
     operands are row-major [B, L, H * D]: XLA must then keep the forward's gathered output
     token-major (no head-major copy beside it in a rematerialised step)."""
     import re
-    import warnings
-    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+    from cuda_lowering import lower_for_h200
     from pallas_kernels.triton import delta as td
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     x = jax.ShapeDtypeStruct((1, 300, 12, 128), jnp.bfloat16)
-    f = functools.partial(td._row_dots, interpret=False)
-    with use_abstract_mesh(mesh), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        text = jax.jit(f).trace(x, x).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_h200(functools.partial(td._row_dots, interpret=False), x, x)
     call = next(ln for ln in text.splitlines() if "__gpu$xla.gpu.triton" in ln)
     assert re.search(r"operand_layouts = \[dense<\[2, 1, 0\]> : tensor<3xindex>, "
                      r"dense<\[2, 1, 0\]> : tensor<3xindex>\]", call), call

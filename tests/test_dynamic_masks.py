@@ -261,18 +261,12 @@ def test_sparge_top_k_fused_equals_sort(seed):
 def test_fused_top_k_lowers_to_triton():
     """No GPU here, but the kernel must lower through the real Triton path (not interpret):
     lower for CUDA with an abstract H200 and check the Triton custom call is emitted."""
-    import warnings
-    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+    from cuda_lowering import lower_for_h200
     from pallas_kernels.triton import topk as tt
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     for shape, k in [((12, 624, 624), 78), ((40, 1440, 1440), 180), ((2, 4096), 5)]:
         f = functools.partial(tt._topk_mask, k=k, interpret=False)
-        with use_abstract_mesh(mesh), warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            text = jax.jit(f).trace(jax.ShapeDtypeStruct(shape, jnp.float32)).lower(
-                lowering_platforms=("cuda",)).as_text()
-        assert "__gpu$xla.gpu.triton" in text
+        assert "__gpu$xla.gpu.triton" in lower_for_h200(f, jax.ShapeDtypeStruct(shape,
+                                                                                 jnp.float32))
 
 
 # --- the block-pooling kernel (pallas_kernels.triton.pool; POOL) ---------------------------
@@ -351,19 +345,12 @@ def test_score_precision_switch(monkeypatch):
 
 def test_block_sums_lowers_to_triton():
     """The pooling kernel lowers through the real Triton path for an abstract H200."""
-    import warnings
-    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+    from cuda_lowering import lower_for_h200
     from pallas_kernels.triton import pool as tp
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     _, b = dm.cube_layout((21, 45, 80))
     f = functools.partial(tp._block_sums, bounds=tuple(int(v) for v in b), interpret=False)
-    with use_abstract_mesh(mesh), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        text = jax.jit(f).trace(jax.ShapeDtypeStruct((1, int(b[-1]), 40, 128),
-                                                     jnp.bfloat16)).lower(
-            lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text
+    x = jax.ShapeDtypeStruct((1, int(b[-1]), 40, 128), jnp.bfloat16)
+    assert "__gpu$xla.gpu.triton" in lower_for_h200(f, x)
 
 
 def test_cube_layout_orders_tokens_cube_major():
