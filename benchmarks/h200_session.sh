@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The one-H200 calls of benchmarks/NOTES.md section 23 (issues 18, 17), each under the
+# The one-H200 calls of benchmarks/NOTES.md sections 23-25 (issues 18, 17), each under the
 # 10-minute call limit; every script saves partial results, so a part cut by its `timeout`
 # keeps what it measured. Raw files and logs go to $OUT.
-# Session 14's calls, back to back:
-#   bash benchmarks/h200_session.sh diagnose  # the training step's buffer assignment (4 layers), the pooling kernel
-#   bash benchmarks/h200_session.sh train     # Wan 1.3B 480p training step, sparse then dense (time, memory)
+# Session 14 ran diagnose, memfix, train-ab, checks-mini (results/README.md: which commit).
+# Next (NOTES section 25):
+#   bash benchmarks/h200_session.sh checks    # gradient checks and transforms on the GPU, complete
 #   bash benchmarks/h200_session.sh vsa       # the Wan 1.3B VSA loop, builders at 720p, device route at 480p VSA
-#   bash benchmarks/h200_session.sh checks    # gradient checks and transforms on the GPU
+# Also here:
+#   bash benchmarks/h200_session.sh train     # Wan 1.3B 480p training step, sparse then dense (time, memory)
+#   bash benchmarks/h200_session.sh train-ab  # the step with the row-dot kernel, dense, jnp's delta; the deltas alone
 #   bash benchmarks/h200_session.sh device-planning  # Wan 480p VSA and Wan 720p device planning + route
 # (Earlier sessions' parts are in git history.)
 set -u
@@ -65,12 +67,13 @@ vsa)
   run 220 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
       --loop-repeats 3 --variants dense,dynamic,null --out $OUT/loop-vsa.json
   run 90 builders python3 -m tessera_jax.tools.bench_loop --out $OUT/builders.json \
-      --builder-costs vsa,sparge_topk
+      --builder-costs vsa,sparge_topk,sparge_topk_pool_xla
   run 60 device-planning-vsa480 python3 benchmarks/device_planning.py --grids wan480 \
       --route-grids wan480 --heads 12 --families vsa --no-checks --budget-s 55 \
       --out $OUT/device-planning-vsa480.json ;;
 checks)
-  # Gradient checks and transforms with the constants path (session 12 cut them at 215 s).
+  # Gradient checks and transforms, complete (session 13: 281 s; session 14's checks-mini ran
+  # rand3-5 and two transforms with the row-dot kernel).
   run 400 bwd-checks python3 benchmarks/backward.py --sections checks,grad --budget-s 390 \
       --out $OUT/bwd-checks.json ;;
 device-planning)
