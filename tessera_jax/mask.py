@@ -7,7 +7,8 @@ blocks of thousands), and each head may have its own partition (bounds ``[Hm, n 
 Two kinds, one class. A mask of NumPy arrays is *static*: validated, immutable and hashed by
 content, so it can be a closure constant or a static argument under ``jax.jit`` (the host
 planner plans it once). A mask holding a jax array (a traced value inside ``jax.jit``
-included) is a *device* mask: shapes and dtypes are checked, values cannot be; it is planned
+included) is a *device* mask: shapes and dtypes are checked, and the bounds' values too when
+they are concrete (outside a trace; traced ones: ``runtime.device_route.check``); it is planned
 inside the compiled program (``runtime.device_route``). ``BlockMask`` is a pytree: a device
 mask's leaves are its arrays (a jit argument, a ``lax.scan`` carry); a static mask has no
 leaves and is its own structure, so under jit it stays a static value. ``to_device`` makes a
@@ -88,9 +89,19 @@ def _host_bounds(name: str, bounds) -> np.ndarray:
     return _as_bounds(name, bounds)
 
 
+def concrete(x) -> np.ndarray | None:
+    """The values of bounds known now: a NumPy array, or a jax array outside a trace (read
+    back to the host); None for traced values."""
+    import jax
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
 def _device_bounds(name: str, bounds):
-    """Shape and dtype checks of device bounds (their values are checked on the device:
-    ``runtime.device_route.check``)."""
+    """Shape and dtype checks of device bounds (values: ``_check_concrete``)."""
     import jax.numpy as jnp
     if not jnp.issubdtype(bounds.dtype, jnp.integer):
         raise TypeError(f"{name} must hold integers, got dtype {bounds.dtype}")
@@ -98,6 +109,16 @@ def _device_bounds(name: str, bounds):
         raise ValueError(f"{name} must be [n + 1] or [Hm, n + 1] with n >= 1, got shape "
                          f"{tuple(bounds.shape)}")
     return bounds
+
+
+def _check_concrete(name: str, bounds) -> None:
+    """Values of jax bounds known now (outside a trace) are validated like NumPy ones;
+    traced values are checked on the device (``runtime.device_route.check`` under
+    ``checkify``) and never read out of bounds."""
+    if not isinstance(bounds, np.ndarray):
+        values = concrete(bounds)
+        if values is not None:
+            _host_bounds(name, values)
 
 
 class BlockMask:
@@ -155,6 +176,8 @@ class BlockMask:
         if jnp.dtype(blocks.dtype) != jnp.bool_:
             raise TypeError(f"blocks must have dtype bool, got {blocks.dtype}")
         self._check_shapes(parts[0], parts[1], tuple(blocks.shape))
+        for name, b in zip(("q_bounds", "kv_bounds"), parts):
+            _check_concrete(name, b)
         if blocks.ndim == 2:
             blocks = blocks[None]
         self._set(parts[0], parts[1], blocks, None)

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from tessera_jax.mask import BlockMask
+from tessera_jax.mask import BlockMask, concrete
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -61,17 +61,20 @@ def check_qkv(q, k, v) -> AttnShape:
 
 
 def check_mask(mask, shape: AttnShape) -> BlockMask:
-    """The mask against the call's shapes; a device mask's traced bounds are checked on the
-    device instead (``runtime.device_route.check``)."""
+    """The mask against the call's shapes (NumPy bounds, and jax bounds outside a trace); a
+    device mask's traced bounds are checked on the device instead (``runtime.device_route.check``)."""
     if not isinstance(mask, BlockMask):
         raise TypeError(f"mask must be a tessera_jax.BlockMask, got {type(mask).__name__}")
     for axis, name, bounds, length in (("Lq", "q", mask.q_bounds, shape.q_len),
-                                       ("Lkv", "k", mask.kv_bounds, shape.kv_len)):
-        if isinstance(bounds, np.ndarray):
-            end = int(bounds.reshape(-1, bounds.shape[-1])[0, -1])
+                                       ("Lkv", "kv", mask.kv_bounds, shape.kv_len)):
+        values = concrete(bounds)
+        if values is not None:
+            end = int(values.reshape(-1, values.shape[-1])[0, -1])
             if end != length:
                 what = "queries" if name == "q" else "keys"
-                raise ValueError(f"mask covers {axis}={end} {what} but {name} has length {length}")
+                arr = "q" if name == "q" else "k"
+                raise ValueError(f"mask covers {axis}={end} {what} but {arr} has length "
+                                 f"{length} (mask.{name}_bounds ends at {end})")
     if mask.num_heads not in (1, shape.num_q_heads):
         raise ValueError(f"mask has {mask.num_heads} heads; it must have 1 (shared) or "
                          f"Hq={shape.num_q_heads} (one per query head); inside a shard_map "

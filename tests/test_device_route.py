@@ -208,19 +208,24 @@ def test_to_device_copies_bit_packed_blocks(monkeypatch):
 def test_bad_device_bounds_give_finite_output_and_fail_the_checkify_check(bad):
     q, k, v = random_qkv(1, 128, 128, 2, 1, 16, "float32", 5)
     blocks = jnp.ones((1, 3, 3), bool)
-    m = tj.BlockMask(jnp.asarray(bad), jnp.asarray([0, 40, 90, 128]), blocks)
-    out = jax.jit(lambda q, k, v, m: tj.sparse_attention(q, k, v, m))(q, k, v, m)
-    assert np.isfinite(np.asarray(out)).all()
+    with pytest.raises(ValueError, match="q_bounds"):        # concrete: checked at once
+        tj.sparse_attention(q, k, v, tj.BlockMask(jnp.asarray(bad), jnp.asarray([0, 40, 90, 128]),
+                                                  blocks))
 
-    def checked(q, k, v, m):
-        device_route.check(m, q.shape[1], k.shape[1])
+    def run(q, k, v, qb, kb, check):
+        m = tj.BlockMask(qb, kb, blocks)                     # traced: the device's check
+        if check:
+            device_route.check(m, q.shape[1], k.shape[1])
         return tj.sparse_attention(q, k, v, m)
 
-    err, _ = jax.jit(checkify.checkify(checked))(q, k, v, m)
+    kb = jnp.asarray([0, 40, 90, 128])
+    out = jax.jit(lambda *a: run(*a, False))(q, k, v, jnp.asarray(bad), kb)
+    assert np.isfinite(np.asarray(out)).all()
+    checked = jax.jit(checkify.checkify(lambda *a: run(*a, True)))
+    err, _ = checked(q, k, v, jnp.asarray(bad), kb)
     with pytest.raises(checkify.JaxRuntimeError, match="q_bounds must increase strictly"):
         err.throw()
-    good = tj.BlockMask(jnp.asarray([0, 40, 90, 128]), jnp.asarray([0, 40, 90, 128]), blocks)
-    err, _ = jax.jit(checkify.checkify(checked))(q, k, v, good)
+    err, _ = checked(q, k, v, kb, kb)
     err.throw()
 
 
