@@ -8,7 +8,7 @@ compile ``kernel``, a typed, frozen, validated config of the template's backend
 (``MosaicConfig``, ``TritonConfig``; None for ``xla``).
 
 The table (``TEMPLATES``) holds only what a ranking table uses or a measurement supports:
-the five Mosaic GPU templates of ``tessera_jax/plan_tables/h200.json``, the two Triton v2
+the five Mosaic GPU templates of ``plan_tables/h200.json``, the two Triton v2
 templates (and one Triton template for head dims 129..256), and the XLA executor's shapes.
 ``benchmarks/NOTES.md`` records the deleted variants and what each measured.
 """
