@@ -7,7 +7,7 @@ share one copy of their step rows). Output: per mask and setting, median wall-cl
 request and of its parts, the plan's bytes, and the output checked against the other setting.
 
     python benchmarks/request_path.py --masks dense:hy720 ssta:hy720 svg2:hy720 --heads 8 \
-        --out benchmarks/results/h200-request-path.json
+        --out results/request-path.json
 """
 
 from __future__ import annotations
