@@ -2,8 +2,8 @@
 time per jitted call of the block pooling of q and k (XLA's and the Triton kernel's), the pooled scores at each matmul
 precision, the top-k (kernel and lax.top_k), and the whole builders, one JSON line each.
 H200, session 13: pooling 1.59, scores 0.78 (HIGHEST) / 0.28 (HIGH), top-k 1.01 (kernel)
-against 4.90 ms (lax.top_k) (benchmarks/results/s13/call5-stages.json); VSA builder 3.35 ms
-(call4-builders.json). Session 14 (s14/call1-stages.json): pooling 1.67 (XLA) / 0.63 (kernel),
+against 4.90 ms (lax.top_k) (s13/call5-stages.json@4ae09b7); VSA builder 3.35 ms
+(h200-loop.json's builder_costs). Session 14 (benchmarks/results/h200-builder-stages.json): pooling 1.67 (XLA) / 0.63 (kernel),
 scores 0.92 / 0.35 / 0.27 (HIGHEST / HIGH / DEFAULT).
 
     python benchmarks/builder_stages.py --out results.json

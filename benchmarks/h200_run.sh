@@ -6,7 +6,7 @@
 #                                         # loops named in LOOPS0 / LOOPS1 (none by default)
 #   bash benchmarks/h200_run.sh final     # both: profile halves + refit; GPU0: peers; GPU1: selection, loops
 # Raw results, logs and the refitted table go to $OUT (copied into benchmarks/results/ and
-# tessera_jax/plan_tables/ afterwards). With one GPU the two halves run one after the other.
+# plan_tables/ afterwards). With one GPU the two halves run one after the other.
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -31,11 +31,11 @@ kernels)
       --budget-s $((B - 30)) --wan720-heads 4 --templates $T --triton ${TRITON_N:-2} ${KERNELS_ARGS:-} > $OUT/kernels.log 2>&1; }
   second() {
     export CUDA_VISIBLE_DEVICES=$gpu1
-    chmod u+w tessera_jax/plan_tables/raw/h200.jsonl tessera_jax/plan_tables/h200.json
+    chmod u+w plan_tables/raw/h200.jsonl plan_tables/h200.json
     timeout $((B * 45 / 100 + 60)) python3 -m tessera_jax.tools.profiler --heads 2 --time-budget $((B * 45 / 100)) \
       --candidates $C > $OUT/profile.log 2>&1
-    cp tessera_jax/plan_tables/h200.json $OUT/h200-table.json; cp tessera_jax/plan_tables/raw/h200.jsonl $OUT/h200-raw.jsonl
-    timeout $((B * 45 / 100 + 40)) python3 benchmarks/selection.py --table tessera_jax/plan_tables/h200.json --heads 2 \
+    cp plan_tables/h200.json $OUT/h200-table.json; cp plan_tables/raw/h200.jsonl $OUT/h200-raw.jsonl
+    timeout $((B * 45 / 100 + 40)) python3 benchmarks/selection.py --table plan_tables/h200.json --heads 2 \
       --no-resume --reuse-times benchmarks/results/h200-selection.json --time-budget $((B * 45 / 100)) \
       --out $OUT/h200-selection.json > $OUT/selection.log 2>&1
   } ;;
@@ -82,7 +82,7 @@ peers)
       --out $OUT/h200-loop.json > $OUT/loop-merge.log 2>&1; } ;;
 final)
   # GPU0 + GPU1: profile the candidates on two halves of the families (own raw files), merge, refit
-  # tessera_jax/plan_tables/h200.json; then GPU0: peers (new table); GPU1: selection benchmark, then the loops.
+  # plan_tables/h200.json; then GPU0: peers (new table); GPU1: selection benchmark, then the loops.
   # FlashInfer's JIT build runs in the background (CPU-bound) during the profiling.
   export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
   FIPATH=${FIPATH:-$PWD/.carry/flashinfer_site}
@@ -92,23 +92,23 @@ final)
   FB=${FAMILIES_B:-ditfastattn moba radial ssta svg vsa}
   (CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$FIPATH:$PYTHONPATH timeout 400 python3 benchmarks/peers.py \
       --fi-warmup-only > $OUT/fi_warmup.log 2>&1) &
-  N0=$(wc -l < tessera_jax/plan_tables/raw/h200.jsonl)
-  for h in A B; do mkdir -p /tmp/raw$h; cat tessera_jax/plan_tables/raw/h200.jsonl > /tmp/raw$h/h200.jsonl; done; chmod u+w tessera_jax/plan_tables/raw/h200.jsonl tessera_jax/plan_tables/h200.json
+  N0=$(wc -l < plan_tables/raw/h200.jsonl)
+  for h in A B; do mkdir -p /tmp/raw$h; cat plan_tables/raw/h200.jsonl > /tmp/raw$h/h200.jsonl; done; chmod u+w plan_tables/raw/h200.jsonl plan_tables/h200.json
   CUDA_VISIBLE_DEVICES=0 timeout $((PB + 60)) python3 -m tessera_jax.tools.profiler --heads 2 --time-budget $PB \
       --candidates $C --families $FA --raw /tmp/rawA --out /tmp/tableA.json > $OUT/profileA.log 2>&1 & pa=$!
   CUDA_VISIBLE_DEVICES=$gpu1 timeout $((PB + 60)) python3 -m tessera_jax.tools.profiler --heads 2 --time-budget $PB \
       --candidates $C --families $FB --raw /tmp/rawB --out /tmp/tableB.json > $OUT/profileB.log 2>&1 & pb=$!
   wait $pa $pb
-  cp /tmp/rawA/h200.jsonl tessera_jax/plan_tables/raw/h200.jsonl
-  tail -n +$((N0 + 1)) /tmp/rawB/h200.jsonl >> tessera_jax/plan_tables/raw/h200.jsonl
+  cp /tmp/rawA/h200.jsonl plan_tables/raw/h200.jsonl
+  tail -n +$((N0 + 1)) /tmp/rawB/h200.jsonl >> plan_tables/raw/h200.jsonl
   python3 -m tessera_jax.tools.profiler --fit-only --heads 2 --candidates $C > $OUT/fit.log 2>&1
-  cp tessera_jax/plan_tables/h200.json $OUT/h200-table.json; cp tessera_jax/plan_tables/raw/h200.jsonl $OUT/h200-raw.jsonl
+  cp plan_tables/h200.json $OUT/h200-table.json; cp plan_tables/raw/h200.jsonl $OUT/h200-raw.jsonl
   first() { CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$FIPATH:$PYTHONPATH timeout $((PEERS_B + 40)) \
       python3 benchmarks/peers.py --out $OUT/h200-peers.json --time-budget $PEERS_B --per-family 2 \
       --heads 8 > $OUT/peers.log 2>&1; }
   second() {
     export CUDA_VISIBLE_DEVICES=$gpu1
-    timeout $((SEL_B + 30)) python3 benchmarks/selection.py --table tessera_jax/plan_tables/h200.json --heads 2 \
+    timeout $((SEL_B + 30)) python3 benchmarks/selection.py --table plan_tables/h200.json --heads 2 \
       --no-resume --time-budget $SEL_B --out $OUT/h200-selection.json > $OUT/selection.log 2>&1
     timeout $LOOP_T python3 -m tessera_jax.tools.bench_loop ${LOOP_ARGS:---models wan13b_480p --steps 25 \
       --dense-steps 6 --loop-repeats 1 --step-repeats 3 --attn-repeats 20} --out $OUT/h200-loop.json \

@@ -31,8 +31,8 @@
 #
 # In $OUT (one archive, results.tgz): h200.jsonl (raw timings: every earlier record plus this
 # call's), h200.json (the table), h200-selection-tokens.json, h200-selection.json, *.log,
-# versions.txt. Copy back: h200.jsonl -> tessera_jax/plan_tables/raw/h200.jsonl, h200.json ->
-# tessera_jax/plan_tables/h200.json, h200-selection*.json -> benchmarks/results/.
+# versions.txt. Copy back: h200.jsonl -> plan_tables/raw/h200.jsonl, h200.json ->
+# plan_tables/h200.json, h200-selection*.json -> benchmarks/results/.
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -61,7 +61,7 @@ python3 -c "import numba, numpy, jax; print('numba', numba.__version__, 'numpy',
 echo "code $(cat .snap_rev 2>/dev/null || git rev-parse HEAD 2>/dev/null)" >> $OUT/versions.txt
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,temperature.gpu --format=csv >> $OUT/versions.txt 2>&1
 mkdir -p $OUT/raw
-cp tessera_jax/plan_tables/raw/h200.jsonl $OUT/raw/h200.jsonl
+cp plan_tables/raw/h200.jsonl $OUT/raw/h200.jsonl
 # PROFILE_ARGS / SELECTION_ARGS: extra arguments (a CPU smoke run: "--iters 1 --warmup 1").
 PROF="python3 -m tessera_jax.tools.profiler --gpu h200 --heads 2 --raw $OUT/raw --out $OUT/h200.json --remeasure-stale ${PROFILE_ARGS:-} --candidates $C"
 

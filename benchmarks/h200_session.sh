@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The one-H200 calls of benchmarks/NOTES.md sections 23-25 (issues 18, 17), each under the
-# 10-minute call limit; every script saves partial results, so a part cut by its `timeout`
-# keeps what it measured. Raw files and logs go to $OUT.
-# Session 14 ran diagnose, memfix, train-ab, checks-mini (results/README.md: which commit).
-# Next (NOTES section 25):
+# One-H200 calls for the backward, training memory and mask builders (benchmarks/NOTES.md
+# #backward, #training-memory, #mask-builders), each under the 10-minute call limit; every
+# script saves partial results, so a part cut by its `timeout` keeps what it measured. Raw
+# files and logs go to $OUT.
+# Session 14 ran diagnose, memfix, train-ab, checks-mini (h200-backward.json's `assembled`).
+# Next (benchmarks/NOTES.md#open):
 #   bash benchmarks/h200_session.sh checks    # gradient checks and transforms on the GPU, complete
 #   bash benchmarks/h200_session.sh vsa       # the Wan 1.3B VSA loop, builders at 720p, device route at 480p VSA
 # Also here:

@@ -16,11 +16,12 @@ as dense per computed entry).
     python3 benchmarks/masked_steps.py --out $OUT/h200-masked-steps.json
     python3 benchmarks/masked_steps.py --interpret --L 256 --heads 2   # CPU smoke run
 
-Runs 1-4 (``results/h200-masked-steps-run{1..4}.json``) also timed variants since deleted or
+Runs 1-4 (``h200-masked-steps-run{1..4}.json@4ae09b7``, in git history) also timed variants since deleted or
 made the default: ``mask_eval`` "vector" (one formula for plain and grid steps) and "early" (the
 mask as a bias built before the QK wgmma's wait), mode "always" (runs 1-2), ``pipeline``
 (FA3's intra-warpgroup pipelining, run 3, templates named "+pipe"), ``rect_mask="rowcol"``
-(run 4, "+rowcol": now the kernel's plain-step mask): NOTES section 13.
+(run 4, "+rowcol": now the kernel's plain-step mask): ``benchmarks/NOTES.md#masked-steps``.
+Run 5 is ``benchmarks/results/h200-masked-steps.json``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Plan bytes and cold planning time on the host, for the H200's choices on a few corpus masks.
 
 For each FAMILY:GRID (the first mask of the corpus test split, its first ``--heads`` heads), the
-(template, policy) that ``selection.select`` picks from ``tessera_jax/plan_tables/h200.json`` for the
+(template, policy) that ``selection.select`` picks from ``plan_tables/h200.json`` for the
 ``mosaic_gpu`` backend is planned cold (planner caches cleared) ``--repeats`` times; reports the
 median planning ms, the bytes of ``units``, ``steps`` and ``row_index``, and the copy time those
 bytes would take at ``--gbps`` (the H200's measured host->device rate for plans, ~5 GB/s).
@@ -38,7 +38,7 @@ def main(argv=None) -> dict:
     from tessera_jax.masks import corpus
     from tessera_jax.validation import check_shapes
 
-    table = selection.load_table("tessera_jax/plan_tables/h200.json")
+    table = selection.load_table("plan_tables/h200.json")
     specs = corpus("test")
     planner.warm_up()
     res = {"step_cols": plan_abi.STEP_COLS, "heads": a.heads, "rows": []}

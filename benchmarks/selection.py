@@ -23,10 +23,10 @@ masks of the corpus (one per family, ``--sel-masks``) and a random 64-token-bloc
 choices cleared, block-bounds tables kept: a new mask of a known layout) and ``cached`` (the
 same mask again). ``summary.selection_ms_wan720`` is the worst mask's cold median.
 
-    python benchmarks/selection.py --table tessera_jax/plan_tables/h200.json \\
+    python benchmarks/selection.py --table plan_tables/h200.json \\
         --out benchmarks/results/h200-selection.json --max-masks 120 --heads 4 --time-budget 500
     python benchmarks/selection.py --tiny --table /tmp/cpu.json --out /tmp/sel.json   # CPU
-    python benchmarks/selection.py --cost-only --table tessera_jax/plan_tables/h200.json   # cost only
+    python benchmarks/selection.py --cost-only --table plan_tables/h200.json   # cost only
 
 ``--cost-only`` times nothing on the device: it measures the selection cost alone (seconds,
 any host) and prints it; it writes a file only when ``--out`` is given.
@@ -136,7 +136,7 @@ def selection_cost(table, backend, *, tiny: bool, n_masks: int, repeats: int, dt
 # --- main -----------------------------------------------------------------------------------
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--table", help="plan table (default: tessera_jax/plan_tables/<gpu>.json)")
+    ap.add_argument("--table", help="plan table (default: plan_tables/<gpu>.json)")
     ap.add_argument("--out", help=f"results file (default {DEFAULT_OUT}; with --cost-only: none)")
     ap.add_argument("--max-masks", type=int, help="sample at most ~N test masks (per family)")
     ap.add_argument("--heads", type=int, default=4, help="first K heads (0: all)")

@@ -8,7 +8,7 @@ compile ``kernel``, a typed, frozen, validated config of the template's backend
 (``MosaicConfig``, ``TritonConfig``; None for ``xla``).
 
 The table (``TEMPLATES``) holds only what a ranking table uses or a measurement supports:
-the five Mosaic GPU templates of ``tessera_jax/plan_tables/h200.json``, the two Triton v2
+the five Mosaic GPU templates of ``plan_tables/h200.json``, the two Triton v2
 templates (and one Triton template for head dims 129..256), and the XLA executor's shapes.
 ``benchmarks/NOTES.md`` records the deleted variants and what each measured.
 """
@@ -298,7 +298,7 @@ _MOSAIC = (
 # --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton -----------------
 # Pointer loads at any row offset, so no alignment; the head dim is padded to a power of two
 # (>= 16) inside the kernel, up to 256.
-# v2 (benchmarks/NOTES.md "Triton kernel v2"): with ``prefetch`` and 3 stages Triton 3.9's
+# v2 (benchmarks/NOTES.md#triton-kernel): with ``prefetch`` and 3 stages Triton 3.9's
 # pipeliner issues a step's K/V copies a full step ahead. SMEM at D=128: 131 KB (kv64),
 # 229,432 of 232,448 bytes (kv128), so D <= 128 only; 238 / 255 registers, no spills: one CTA
 # of 8 warps per SM. Head-major order keeps one head's K/V hot in L2, like Flex's grid. Order

@@ -1,7 +1,8 @@
 """Packaging and fresh-process behaviour (house issue item 5).
 
-* The wheel ships the plan tables (``tessera_jax/plan_tables/*.json``, package data) and an
-  installed, non-editable copy selects by them.
+* The wheel ships the plan tables (the top-level ``plan_tables/*.json``, as
+  ``tessera_jax/plan_tables/``) and an installed, non-editable copy selects by them; the source
+  tree finds the same tables at the top level; ``pyproject.toml`` lists every package.
 * A fresh process plans a small mask without importing numba (its loops run interpreted), and
   the interpreted loops give the golden plans byte for byte.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import tomllib
 import os
 import pathlib
 import shutil
@@ -37,7 +39,7 @@ def _build_wheel(tmp: pathlib.Path) -> pathlib.Path:
     for f in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / f, src / f)
     junk = shutil.ignore_patterns("__pycache__", "*.pyc", "*.nbi", "*.nbc")
-    for pkg in ("tessera_jax", "pallas_kernels"):
+    for pkg in ("tessera_jax", "pallas_kernels", "plan_tables"):
         shutil.copytree(ROOT / pkg, src / pkg, ignore=junk)
     cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-q", "-w",
            str(tmp / "dist")]
@@ -88,6 +90,7 @@ def test_wheel_ships_plan_tables_and_selects_by_them(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "tessera_jax/plan_tables/h200.json" in names
     assert "tessera_jax/plan_tables/README.md" in names
+    assert not [n for n in names if n.startswith("plan_tables/")], "tables ship inside the package"
     assert not [n for n in names if "/raw/" in n], "raw profiler timings must not ship"
 
     site = tmp_path / "site"
@@ -109,6 +112,25 @@ def test_wheel_ships_plan_tables_and_selects_by_them(tmp_path):
     assert out["picks"] == out["with_table"]
     assert all(p in out["candidates"] for p in out["picks"])
     assert out["plan_units"] > 0 and not out["numba"]
+
+
+def test_source_tree_finds_the_top_level_tables(monkeypatch):
+    from tessera_jax.select import ranking
+    monkeypatch.delenv("TESSERA_JAX_PLAN_TABLES", raising=False)
+    assert ranking.table_dir() == ROOT / "plan_tables"
+    path, exact = ranking.find_table("h200", "hopper")
+    assert exact and path == ROOT / "plan_tables" / "h200.json"
+    assert ranking.load_table(path).candidates
+
+
+def test_pyproject_lists_every_package():
+    """``packages`` is a list (``packages.find`` can't map ``plan_tables/``): a new package of
+    the source tree must be added to it, else the wheel leaves it out."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {".".join(f.parent.relative_to(ROOT).parts)
+             for pkg in ("tessera_jax", "pallas_kernels") for f in (ROOT / pkg).rglob("__init__.py")}
+    assert listed == found | {"tessera_jax.plan_tables"}
 
 
 _FIRST_PLAN = r"""

@@ -439,8 +439,8 @@ def _step_mask(c: _Ctx, w: _Wg, rect: _Rect, zero_rows, x):
     (STEP_CUTS_B: 0 plain, BITMAP_FLAG bitmap, else grid). A plain step masks its keys with a
     per-key bias (0 / -inf: one add per entry) and its rows through the softmax (a row penalty
     of +inf: m kept, p = 0): no per-entry compares (0.83 / 0.88 of cuDNN's rate against 0.77 /
-    0.85 with the rectangle's four compares per entry at kv128, NOTES section 13). Grid and
-    bitmap steps mask entries (``_grid_mask``, ``_bitmap_mask``; penalty 0)."""
+    0.85 with the rectangle's four compares per entry at kv128, benchmarks/NOTES.md#masked-steps).
+    Grid and bitmap steps mask entries (``_grid_mask``, ``_bitmap_mask``; penalty 0)."""
     def plain(x):
         cols = plgpu.broadcasted_iota(jnp.int32, (c.cfg.tile_kv,), 0,
                                       layout=plgpu.Layout.WGMMA.reduce(0))

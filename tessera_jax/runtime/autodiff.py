@@ -244,7 +244,7 @@ PAIRED_DKV_POLICY: str | None = "pack"
 
 
 # dk/dv time per computed interaction at head_dim 128, fitted to the H200's times of 9 dk/dv
-# plans (merge128, pack128, paired64 of three irregular masks; benchmarks/NOTES.md section 19):
+# plans (merge128, pack128, paired64 of three irregular masks; benchmarks/NOTES.md#backward):
 # max error 18%, and it orders all three masks' plans as measured. The forward's cost model
 # (K/V bytes, partial steps) mis-ordered clusters' (paired 5.30 vs pack 4.94 ms predicted;
 # 9.67 vs 10.36 ms measured).

@@ -11,7 +11,7 @@ a ``lax.switch`` over ranked templates: the ranking reads mask features the host
 under a trace, a switch would compile every template into every call site, and the device
 planner has one policy (a step per selected tile), for which q128 x kv128 steps run fastest on
 the H200 (full steps 0.97 of cuDNN's rate against 0.79-0.81 at kv64, masked ones 0.69-0.85
-against 0.52-0.66: ``benchmarks/NOTES.md`` section 13). A static mask with per-head bounds
+against 0.52-0.66: ``benchmarks/NOTES.md#masked-steps``). A static mask with per-head bounds
 comes here too (the host planner takes shared bounds only); its arrays become constants of the
 program.
 

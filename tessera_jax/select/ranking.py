@@ -5,10 +5,10 @@ No timing and no search on the request path: ``select`` computes the mask's feat
 table's fitted model (k nearest training masks in standardised feature space, candidates
 ordered by their mean log time relative to the best candidate on those masks) and returns the
 first candidate whose template takes the call (backend, head_dim, dtype). The table format is
-documented in ``tessera_jax/plan_tables/README.md``; tables are written by
+documented in ``plan_tables/README.md``; tables are written by
 ``python -m tessera_jax.tools.profiler``.
 
-Which table: ``tessera_jax/plan_tables/<gpu>.json`` (package data, shipped in the wheel) where
+Which table: ``plan_tables/<gpu>.json`` (shipped in the wheel as ``tessera_jax/plan_tables/``) where
 ``<gpu>`` is the device kind normalised (``"NVIDIA H200"`` -> ``h200``; the directory can be
 moved with ``$TESSERA_JAX_PLAN_TABLES``).
 A GPU without its own table takes a table of the same architecture (H100 -> the H200 table),
@@ -58,8 +58,8 @@ __all__ = ["select", "rank", "heuristic", "load_table", "find_table", "gpu_name"
 TABLE_FORMAT = "tessera_jax.plan_table"
 TABLE_VERSION = 1
 _ENV_DIR = "TESSERA_JAX_PLAN_TABLES"
-_TABLE_PACKAGE = "tessera_jax"       # tables are package data: tessera_jax/plan_tables/
-_TABLE_SUBDIR = "plan_tables"
+_TABLE_PACKAGE = "tessera_jax"       # the wheel ships the tables as tessera_jax/plan_tables/
+_TABLE_SUBDIR = "plan_tables"        # in the source tree: the repository's top-level plan_tables/
 #: log(relative time) charged to a candidate that failed or was not timed on a training mask.
 MISSING_PENALTY = math.log(4.0)
 #: Smallest standardisation scale of a feature (fractions vary by less than this only by noise).
@@ -88,9 +88,9 @@ class TableError(ValueError):
 
 # --- finding tables ------------------------------------------------------------------------
 def table_dir() -> pathlib.Path:
-    """The directory of plan tables: ``$TESSERA_JAX_PLAN_TABLES``, else the package's own
-    ``tessera_jax/plan_tables/`` (package data: shipped in the wheel, found wherever the
-    package is installed)."""
+    """The directory of plan tables: ``$TESSERA_JAX_PLAN_TABLES``, else the shipped tables
+    (``tessera_jax/plan_tables/`` of an installed wheel, else the source tree's top-level
+    ``plan_tables/``)."""
     env = os.environ.get(_ENV_DIR)
     if env:
         return pathlib.Path(env)
@@ -99,10 +99,12 @@ def table_dir() -> pathlib.Path:
 
 @functools.cache
 def _package_table_dir() -> pathlib.Path:
-    """``tessera_jax/plan_tables`` where the package is installed (once: ``select`` asks on
-    every request)."""
-    d = importlib.resources.files(_TABLE_PACKAGE) / _TABLE_SUBDIR
-    return d if isinstance(d, pathlib.Path) else pathlib.Path(str(d))
+    """``tessera_jax/plan_tables`` of an installed wheel (``pyproject.toml`` maps the top-level
+    folder there), else ``plan_tables/`` next to the package in a checkout or an editable
+    install (once: ``select`` asks on every request)."""
+    pkg = pathlib.Path(str(importlib.resources.files(_TABLE_PACKAGE)))
+    shipped = pkg / _TABLE_SUBDIR
+    return shipped if shipped.is_dir() else pkg.parent / _TABLE_SUBDIR
 
 
 def gpu_name(device_kind: str) -> str:

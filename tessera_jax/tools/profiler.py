@@ -1,8 +1,8 @@
 """Offline profiler: times every candidate plan on the training masks and fits the ranking table.
 
-    python -m tessera_jax.tools.profiler --gpu h200 --out tessera_jax/plan_tables/h200.json \\
+    python -m tessera_jax.tools.profiler --gpu h200 --out plan_tables/h200.json \\
         [--raw DIR] [--max-masks N] [--heads K] [--families sta vsa ...] [--time-budget S]
-    python -m tessera_jax.tools.profiler --gpu h200 --out tessera_jax/plan_tables/h200.json --fit-only
+    python -m tessera_jax.tools.profiler --gpu h200 --out plan_tables/h200.json --fit-only
     python -m tessera_jax.tools.profiler --tiny --out /tmp/cpu.json      # CPU smoke run, XLA templates
 
 Masks come from the corpus TRAIN split only (``tessera_jax.masks.corpus("train")``; the test
@@ -508,8 +508,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m tessera_jax.tools.profiler",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", help="table name (default: from the device kind, e.g. h200)")
-    ap.add_argument("--out", help="table path (default tessera_jax/plan_tables/<gpu>.json)")
-    ap.add_argument("--raw", help="directory of raw timings (default tessera_jax/plan_tables/raw)")
+    ap.add_argument("--out", help="table path (default plan_tables/<gpu>.json)")
+    ap.add_argument("--raw", help="directory of raw timings (default plan_tables/raw)")
     ap.add_argument("--max-masks", type=int, help="sample at most ~N masks (per family quota)")
     ap.add_argument("--heads", type=int, default=4, help="profile the first K heads (default 4; "
                     "0: all heads)")
