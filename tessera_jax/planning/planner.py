@@ -196,6 +196,7 @@ class Plan:
     # (``abi.BITMAP_FLAG``): [num_steps, num_steps + bitmap_rows), never visited as steps; the
     # rest of the capacity is zero padding.
     bitmap_rows: int = 0
+    config: PlannerConfig = _config.DEFAULT   # the planner's options it was made with
 
     @functools.cached_property
     def row_index(self) -> np.ndarray:
@@ -205,7 +206,8 @@ class Plan:
         u = self.units[: self.num_units].astype(np.int64)
         out = _row_index(u[:, abi.UNIT_HEAD], u[:, abi.UNIT_Q_START], u[:, abi.UNIT_OWN_LO],
                          u[:, abi.UNIT_OWN_HI], np.arange(self.num_units), self.shape.num_q_heads,
-                         self.shape.q_len, self.tile_q, self.units.shape[0] * self.tile_q)
+                         self.shape.q_len, self.tile_q, self.units.shape[0] * self.tile_q,
+                         self.config)
         out.setflags(write=False)
         return out
 
@@ -1182,7 +1184,7 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
                 max_steps=bucket(int(cnt.max()) if U else 0), bitmap_rows=raw.words,
                 mask_digest=mask.digest, selected_interactions=int(uarea.sum()),
                 mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model,
-                unit_order=unit_order,
+                unit_order=unit_order, config=cfg,
                 maybe_all_full=bool(int(raw.nfull.sum()) >= int(raw.cnt.sum())))
 
 
