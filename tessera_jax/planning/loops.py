@@ -110,8 +110,6 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
     writes nothing and points at that unit's rows. ``ptr[u]``: the first row of unit u;
     ``upart[u]``: its steps whose keys are not the whole tile.
     """
-    W = words.shape[2]
-    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
     s = row0
     for u in range(lo, hi):
         h, i = ugh[u], ugi[u]
@@ -125,102 +123,112 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
             urev[u] = urev[u - 1]
             continue
         ptr[u] = s
-        s0 = s
-        rows = ql | (qh << _Q_HI)          # the rectangle's row bytes (STEP_RECT)
-        mid = rows | (tk << _KV_HI)        # a tile inside an interval: keys [0, tk)
-        grid_a = qh | (qh << 8) | (qh << 16)   # a two-run step's row cuts (one row segment)
-        fullk = 0                          # steps whose keys are the whole tile
-        keys = 0
-        rev = 0                            # rows that revisit the tile of the row before
-        pk = -1                            # the last row: its kv_start (-1: none yet),
-        pa = 0                             # keys [pa, pe), and if ``two`` the gap [pb, pc)
-        pb = 0
-        pc = 0
-        pe = 0
-        two = False
-        carry = zero
-        js = -1
-        for k in range(W + 1):
-            w = words[h, i, k] if k < W else zero
-            if merge:
-                b = w ^ ((w << one) | carry)
-                carry = w >> top
-            else:
-                b = w
-            while b:
-                j = k * 64 + np.int64(_nb_ctz(b))
-                b &= b - one
-                if not merge:
-                    js, je = j, j + 1
-                elif js < 0:
-                    js = j
-                    continue
-                else:
-                    je = j
-                # The interval of key blocks [js, je): keys [ks, ke), tiles from a0.
-                a0 = ka[js]
-                ks = kb[js]
-                ke = kb[je]
-                keys += ke - ks
-                kl0 = ks - a0                  # the first tile's lo
-                khl = ke - a0                  # the last tile's hi, if the first is the last
-                n = 1
-                tl = a0
-                sh = 0
-                if khl <= tk and a0 <= lim:    # one tile, inside the padded length
-                    kv, fl, fh = a0, kl0, khl
-                else:
-                    n = _nb_tiles(js, je, kb, ka, tk, ltk)
-                    tl = a0 + (n - 1) * tk     # the last tile's start, before any shift
-                    khl = ke - tl
-                    sh = tl - lim              # > 0: the last tile is shifted back inside kvp
-                    if n > 1:
-                        kv, fl, fh = a0, kl0, tk
-                    else:
-                        kv, fl, fh = tl - sh, kl0 + sh, khl + sh
-                # The first tile: joins the last row if that is the same tile and fits.
-                if kv == pk and (not two or fl == pe):
-                    if fl == pe:
-                        pe = fh
-                        fullk += (not two) & (pa == 0) & (pe == tk)
-                    else:
-                        two = True
-                        pb = pe
-                        pc = fl
-                        pe = fh
-                    if write:
-                        steps[s - 1, _RECT] = rows | (pa << _KV_LO) | (pe << _KV_HI)
-                        if two:
-                            steps[s - 1, _CUTS_A] = grid_a | (pb << 24)
-                            steps[s - 1, _CUTS_B] = pc | (pe << 8) | (5 << _BITS)
-                else:
-                    if write:
-                        _nb_put(steps, s, kv, rows | (fl << _KV_LO) | (fh << _KV_HI))
-                    fullk += (fl == 0) & (fh == tk)
-                    rev += kv == pk
-                    pk, pa, pe, two = kv, fl, fh, False
-                    s += 1
-                if n > 1:
-                    if write:
-                        for r in range(1, n - 1):
-                            _nb_put(steps, s + r - 1, a0 + r * tk, mid)
-                    s += n - 2
-                    fullk += n - 2
-                    if sh > 0:
-                        kv, fl, fh = tl - sh, sh, khl + sh
-                    else:
-                        kv, fl, fh = tl, 0, khl
-                    if write:
-                        _nb_put(steps, s, kv, rows | (fl << _KV_LO) | (fh << _KV_HI))
-                    fullk += (fl == 0) & (fh == tk)
-                    pk, pa, pe, two = kv, fl, fh, False
-                    s += 1
-                js = -1
-        cnt[u] = s - s0
-        upart[u] = s - s0 - fullk
+        e, fullk, keys, rev = _nb_fill_unit(words, h, i, ql, qh, merge, kb, ka, tk, ltk, lim,
+                                            write, steps, s)
+        cnt[u] = e - s
+        upart[u] = e - s - fullk
         ukeys[u] = keys
         urev[u] = rev
+        s = e
     return s
+
+
+def _nb_fill_unit(words, h, i, ql, qh, merge, kb, ka, tk, ltk, lim, write, steps, s):
+    """``_nb_fill`` of one unit (group (h, i), rows [ql, qh)), its rows written from row s:
+    (end row, steps whose keys are the whole tile, selected keys, revisits). Inlined."""
+    W = words.shape[2]
+    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    rows = ql | (qh << _Q_HI)          # the rectangle's row bytes (STEP_RECT)
+    mid = rows | (tk << _KV_HI)        # a tile inside an interval: keys [0, tk)
+    grid_a = qh | (qh << 8) | (qh << 16)   # a two-run step's row cuts (one row segment)
+    fullk = 0                          # steps whose keys are the whole tile
+    keys = 0
+    rev = 0                            # rows that revisit the tile of the row before
+    pk = -1                            # the last row: its kv_start (-1: none yet),
+    pa = 0                             # keys [pa, pe), and if ``two`` the gap [pb, pc)
+    pb = 0
+    pc = 0
+    pe = 0
+    two = False
+    carry = zero
+    js = -1
+    for k in range(W + 1):
+        w = words[h, i, k] if k < W else zero
+        if merge:
+            b = w ^ ((w << one) | carry)
+            carry = w >> top
+        else:
+            b = w
+        while b:
+            j = k * 64 + np.int64(_nb_ctz(b))
+            b &= b - one
+            if not merge:
+                js, je = j, j + 1
+            elif js < 0:
+                js = j
+                continue
+            else:
+                je = j
+            # The interval of key blocks [js, je): keys [ks, ke), tiles from a0.
+            a0 = ka[js]
+            ks = kb[js]
+            ke = kb[je]
+            keys += ke - ks
+            kl0 = ks - a0                  # the first tile's lo
+            khl = ke - a0                  # the last tile's hi, if the first is the last
+            n = 1
+            tl = a0
+            sh = 0
+            if khl <= tk and a0 <= lim:    # one tile, inside the padded length
+                kv, fl, fh = a0, kl0, khl
+            else:
+                n = _nb_tiles(js, je, kb, ka, tk, ltk)
+                tl = a0 + (n - 1) * tk     # the last tile's start, before any shift
+                khl = ke - tl
+                sh = tl - lim              # > 0: the last tile is shifted back inside kvp
+                if n > 1:
+                    kv, fl, fh = a0, kl0, tk
+                else:
+                    kv, fl, fh = tl - sh, kl0 + sh, khl + sh
+            # The first tile: joins the last row if that is the same tile and fits.
+            if kv == pk and (not two or fl == pe):
+                if fl == pe:
+                    pe = fh
+                    fullk += (not two) & (pa == 0) & (pe == tk)
+                else:
+                    two = True
+                    pb = pe
+                    pc = fl
+                    pe = fh
+                if write:
+                    steps[s - 1, _RECT] = rows | (pa << _KV_LO) | (pe << _KV_HI)
+                    if two:
+                        steps[s - 1, _CUTS_A] = grid_a | (pb << 24)
+                        steps[s - 1, _CUTS_B] = pc | (pe << 8) | (5 << _BITS)
+            else:
+                if write:
+                    _nb_put(steps, s, kv, rows | (fl << _KV_LO) | (fh << _KV_HI))
+                fullk += (fl == 0) & (fh == tk)
+                rev += kv == pk
+                pk, pa, pe, two = kv, fl, fh, False
+                s += 1
+            if n > 1:
+                if write:
+                    for r in range(1, n - 1):
+                        _nb_put(steps, s + r - 1, a0 + r * tk, mid)
+                s += n - 2
+                fullk += n - 2
+                if sh > 0:
+                    kv, fl, fh = tl - sh, sh, khl + sh
+                else:
+                    kv, fl, fh = tl, 0, khl
+                if write:
+                    _nb_put(steps, s, kv, rows | (fl << _KV_LO) | (fh << _KV_HI))
+                fullk += (fl == 0) & (fh == tk)
+                pk, pa, pe, two = kv, fl, fh, False
+                s += 1
+            js = -1
+    return s, fullk, keys, rev
 
 
 def _nb_count(lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, lim, cnt):
@@ -1407,7 +1415,8 @@ def _nb_pack_units(gh, r0, r1, tq, q_align):
     return out[:U]
 
 
-_NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count",
+_NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_tiles", "_nb_fill_unit",
+               "_nb_fill", "_nb_count",
                "_nb_pack", "_nb_row_index", "_nb_units", "_nb_store", "_nb_acc_bound", "_nb_acc_add",
                "_nb_acc_norm", "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full",
                "_nb_scratch", "_nb_tiles_once", "_nb_bm_rect", "_nb_bm_cut", "_nb_bm_add",
@@ -1417,7 +1426,8 @@ _NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_tiles", "_nb_fill",
                "_nb_rects_wide", "_nb_rects_many", "_nb_rects", "_nb_rect_bound",
                "_nb_pack_units")
 # Inlined into their callers (numba IR):
-_NB_INLINE = ("_nb_popcount", "_nb_put", "_nb_tiles", "_nb_store", "_nb_acc_bound",
+_NB_INLINE = ("_nb_popcount", "_nb_put", "_nb_tiles", "_nb_fill_unit", "_nb_store",
+              "_nb_acc_bound",
               "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full", "_nb_bm_cut")
 
 
