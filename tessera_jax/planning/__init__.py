@@ -2,8 +2,8 @@
 
 Host NumPy + numba; knows nothing of Pallas. ``planner`` holds the policies and the ``Plan``,
 ``config`` its options (``PlannerConfig``), ``loops`` the numba-compiled inner loops and
-``schedule`` the cost model and unit order (plots of a plan: ``tessera_jax.viz``); ``device`` plans masks held in jax arrays
-inside jit (jnp; the device planner's core).
+``schedule`` the cost model and unit order (plots of a plan: ``tessera_jax.viz``); ``device``
+plans masks held in jax arrays inside jit (jnp; the device planner's core).
 """
 
 from tessera_jax.planning.config import PlannerConfig

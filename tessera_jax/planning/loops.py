@@ -1416,8 +1416,8 @@ def _nb_pack_units(gh, r0, r1, tq, q_align):
 
 
 _NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_tiles", "_nb_fill_unit",
-               "_nb_fill", "_nb_count",
-               "_nb_pack", "_nb_row_index", "_nb_units", "_nb_store", "_nb_acc_bound", "_nb_acc_add",
+               "_nb_fill", "_nb_count", "_nb_pack", "_nb_row_index", "_nb_units", "_nb_store",
+               "_nb_acc_bound", "_nb_acc_add",
                "_nb_acc_norm", "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full",
                "_nb_scratch", "_nb_tiles_once", "_nb_bm_rect", "_nb_bm_cut", "_nb_bm_add",
                "_nb_bm_union", "_nb_bm_emit", "_nb_bm_unit", "_nb_bm_pass", "_nb_bm_shift",
