@@ -24,11 +24,20 @@ def _str(node) -> str | None:
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
+def _namespace(node) -> bool:
+    """``x.__dict__``, ``vars(x)`` or ``globals()``: a module's attributes as a dict."""
+    return ((isinstance(node, ast.Attribute) and node.attr == "__dict__")
+            or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("vars", "globals")))
+
+
 def constant_assignments(source: str, filename: str = "<test>") -> list[str]:
     """'file:line NAME' for each assignment of an UPPER_CASE attribute in ``source``:
     ``<any>.setattr(obj, "NAME", value)`` (monkeypatch, a MonkeyPatch context) or
-    ``<any>.setattr("pkg.mod.NAME", value)``, the builtin ``setattr(obj, "NAME", value)``, and
-    ``obj.NAME = value`` / ``obj.NAME += value`` (also inside tuples and chained targets)."""
+    ``<any>.setattr("pkg.mod.NAME", value)``, the builtin ``setattr(obj, "NAME", value)``,
+    ``obj.NAME = value`` / ``obj.NAME += value`` (also inside tuples and chained targets), and
+    through the namespace dict: ``<any>.setitem(mod.__dict__, "NAME", value)``,
+    ``vars(mod)["NAME"] = value``."""
     found = []
 
     def hit(node, name):
@@ -38,6 +47,10 @@ def constant_assignments(source: str, filename: str = "<test>") -> list[str]:
     for node in ast.walk(ast.parse(source, filename)):
         if isinstance(node, ast.Call):
             f = node.func
+            if (isinstance(f, ast.Attribute) and f.attr == "setitem" and len(node.args) >= 2
+                    and _namespace(node.args[0])):
+                hit(node, _str(node.args[1]))
+                continue
             is_setattr = ((isinstance(f, ast.Attribute) and f.attr == "setattr")
                           or (isinstance(f, ast.Name) and f.id == "setattr"))
             if not is_setattr or not node.args:
@@ -56,6 +69,8 @@ def constant_assignments(source: str, filename: str = "<test>") -> list[str]:
                     stack.extend(t.elts)
                 elif isinstance(t, ast.Attribute):
                     hit(node, t.attr)
+                elif isinstance(t, ast.Subscript) and _namespace(t.value):
+                    hit(node, _str(t.slice))
     return found
 
 
@@ -72,10 +87,13 @@ def test(monkeypatch):
     a.b.SHARE_STEP_LISTS = False
     planner._PAR_MIN_ROWS += 1
     x, dm.SCORE_PRECISION = 1, None
+    monkeypatch.setitem(route.__dict__, "BITMAP_BUDGET_BYTES", 64)
+    vars(api)["_MAX_PLANS"] = 2
 '''
     names = [f.split()[-1] for f in constant_assignments(snippet)]
     assert sorted(names) == sorted(["PLAN_THREADS", "_JITTED", "TOP_K", "POOL", "KMEANS_ASSIGN",
-                                    "SHARE_STEP_LISTS", "_PAR_MIN_ROWS", "SCORE_PRECISION"])
+                                    "SHARE_STEP_LISTS", "_PAR_MIN_ROWS", "SCORE_PRECISION",
+                                    "BITMAP_BUDGET_BYTES", "_MAX_PLANS"])
 
 
 def test_detector_leaves_functions_and_locals_alone():
@@ -87,6 +105,8 @@ def test(monkeypatch):
     obj.value = 3
     SIZE = 4
     getattr(mod, "TOP_K")
+    monkeypatch.setitem(table, "TOP_K", 3)
+    d["TOP_K"] = 3
 '''
     assert constant_assignments(snippet) == []
 
