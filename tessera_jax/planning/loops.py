@@ -1543,8 +1543,8 @@ def compile_all() -> None:
     """Imports numba and jit-wraps the ``_nb_*`` functions (cached on disk), once per process.
 
     The wrapped functions replace the stand-ins in this module's namespace, which is where
-    numba resolves the names that the kernels call; callers elsewhere must look them up here
-    at call time (``plan_loops._nb_fill(...)``). With numba's cache warm this loads only the
+    numba resolves the names that the kernels call; callers elsewhere look them up through a
+    ``runner`` at call time (``run._nb_fill(...)``). With numba's cache warm this loads only the
     loops a process calls, when it calls them (each ~1-10 ms); the fixed cost is numba's
     (see ``runner`` above).
     """
