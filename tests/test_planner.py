@@ -634,6 +634,8 @@ def test_compiled_pack_matches_packbits():
         want = np.zeros(shape[:-1] + (8 * words.shape[-1],), np.uint8)
         want[..., : pk.shape[-1]] = pk
         np.testing.assert_array_equal(words, want.view(np.uint64))
+        interpreted = planner.pack_rows(rows, dataclasses.replace(cfg, loops="interpreted"))
+        np.testing.assert_array_equal(interpreted, words)
 
 
 def test_unit_order_option_head_major(monkeypatch):
@@ -865,3 +867,38 @@ def test_wide_split_pack_run_and_match_on_a_large_mask(threads):
             got = fn(_on_threads(ctx, threads))
         assert calls == [1]
         _assert_same_raw(got, oracle(ctx), ctx)
+
+
+_LOOP_CHOICE = r"""
+import json, sys
+import numpy as np
+import tessera_jax as tj
+from tessera_jax.planning import PlannerConfig, build_plan
+b = np.arange(0, 257, 64)
+m = tj.BlockMask(b, b, np.tril(np.ones((4, 4), bool))[None].repeat(2, 0))
+cfg = PlannerConfig(**json.loads(sys.argv[1]))
+build_plan(m, (1, 256, 2, 64), (1, 256, 2, 64), "float32", tile_q=64, tile_kv=64, config=cfg)
+print(json.dumps("numba" in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("options,numba", [({}, False), ({"loops": "interpreted"}, False),
+                                           ({"loops": "compiled"}, True),
+                                           ({"interp_budget_work": 0}, True),
+                                           ({"interp_max_work": 0}, True)])
+def test_compiled_or_interpreted_loops_are_an_explicit_choice(tmp_path, options, numba):
+    """A fresh process planning a small mask: its loops run interpreted (numba not imported)
+    by default, compiled where the config asks for it, or where the "auto" thresholds (work
+    per call, work per process) say so, whatever the time the process has spent."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, "-c", _LOOP_CHOICE, json.dumps(options)], cwd=tmp_path,
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) is numba
