@@ -4,7 +4,7 @@ Each sample is a new Python process (``--child``) that imports ``tessera_jax`` a
 mask, timed with ``time.perf_counter``:
 
 * ``small``: 4 x 4 causal blocks of 64 tokens, 2 heads, q/kv (1, 256, 2, 64) float32 (the house
-  issue's "small mask"); its loops run interpreted (``planning.loops.INTERP_MAX_WORK``), so
+  issue's "small mask"); its loops run interpreted (``PlannerConfig.loops`` "auto"), so
   numba is never imported.
 * ``large``: the Wan2.1 720p ``sta`` mask of ``benchmarks/planning.py`` (1,440 cube blocks,
   40 heads, bf16, the default template and policy of the host): it loads numba and the

@@ -16,7 +16,9 @@ Cold = a fresh ``tj.plan`` (planner cache cleared) on a mask whose digest is alr
 in a process that has planned before (the planner's compiled loops are loaded): the cost of a
 new mask. cached = ``tj.plan`` on a digest already planned. Mask construction (blocks + digest)
 is timed separately: it is not planning. The planner's loops run compiled (numba) on
-``planner.PLAN_THREADS`` threads (2 on this host); the default policy is also timed on 1 thread.
+``PlannerConfig().threads`` threads (2 on this host); the default policy is also timed on 1
+thread (planned by ``planner.build_plan`` with ``PlannerConfig(threads=1)`` and the template's
+tiles: the runtime takes no planner options).
 Policies: every one on ``mgpu_q128_kv128_s2_hm``, merge on ``xla_64x64``, and merge / split / pack
 on ``mgpu_q64x2_kv64_s2_hm`` (what the H200 ranking table picks, with pack, for cube masks).
 
@@ -109,35 +111,36 @@ def build_masks(heads=HEADS, seed=0):
 
 def time_plan(mask, q_shape, kv_shape, dtype, template, policy, repeats, cached_calls=2000,
               threads=None):
-    default_threads = planner.PLAN_THREADS
+    """``threads``: the planner's (None: its default, through ``tj.plan``)."""
+    make = lambda: tj.plan(mask, q_shape, kv_shape, dtype, template=template,  # noqa: E731
+                           policy=policy)
     if threads is not None:
-        planner.PLAN_THREADS = threads
-    try:
-        return _time_plan(mask, q_shape, kv_shape, dtype, template, policy, repeats, cached_calls)
-    finally:
-        planner.PLAN_THREADS = default_threads
-
-
-def _time_plan(mask, q_shape, kv_shape, dtype, template, policy, repeats, cached_calls):
+        from tessera_jax.planning import PlannerConfig
+        from tessera_jax.runtime import dispatch
+        t, cfg = dispatch.get_template(template), PlannerConfig(threads=threads)
+        make = lambda: planner.build_plan(  # noqa: E731
+            mask, q_shape, kv_shape, dtype, tile_q=t.tile_q, tile_kv=t.tile_kv, policy=policy,
+            q_align=t.q_align, kv_align=t.kv_align, template=t.name, unit_order=t.unit_order,
+            config=cfg)
     cold, cold_cpu = [], []
     for _ in range(repeats):
         planner._build_cached.cache_clear()
         api._PLANS.clear()
         c0, t0 = time.process_time(), time.perf_counter()
-        p = tj.plan(mask, q_shape, kv_shape, dtype, template=template, policy=policy)
+        p = make()
         cold.append(time.perf_counter() - t0)
         cold_cpu.append(time.process_time() - c0)
-    tj.plan(mask, q_shape, kv_shape, dtype, template=template, policy=policy)
+    make()
     cached = []
     for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(cached_calls):
-            tj.plan(mask, q_shape, kv_shape, dtype, template=template, policy=policy)
+            make()
         cached.append((time.perf_counter() - t0) / cached_calls)
     s = p.stats()
     keep = ("units", "tiles", "full_tiles", "kept", "merged", "split", "waste_fraction",
             "kv_bytes", "max_unit_cost", "est_time_us", "balance", "capacities")
-    return {"template": template, "policy": policy, "threads": planner.PLAN_THREADS,
+    return {"template": template, "policy": policy, "threads": p.config.threads,
             "cold_ms": [round(x * 1e3, 3) for x in cold],
             "cold_ms_median": round(float(np.median(cold)) * 1e3, 3),
             "cold_ms_min": round(float(np.min(cold)) * 1e3, 3),
@@ -230,7 +233,7 @@ def main(argv=None):
         "note": "cold_ms is wall time of a new mask's plan in a process that has planned "
                 "before; cold_cpu_ms is this process's CPU time, summed over threads (the "
                 "host is shared with other jobs, so wall time includes waiting for a core); "
-                "threads: planner.PLAN_THREADS, the threads of the planner's compiled loops",
+                "threads: PlannerConfig.threads, the threads of the planner's compiled loops",
         "first_plan": firsts,
         "warm_up_ms": round(warm_up_ms, 1),
         "host": {"machine": platform.machine(), "processor": platform.processor(),

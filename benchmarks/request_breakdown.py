@@ -98,7 +98,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--plan-threads", type=int, default=None,
-                    help="planner.PLAN_THREADS for this run (default: the planner's, min(8, CPUs))")
+                    help="the planner's threads (PlannerConfig.threads); not available until "
+                         "the runtime takes planner options")
     a = ap.parse_args(argv)
     import jax
     from tqdm import tqdm
@@ -113,12 +114,10 @@ def main(argv=None) -> dict:
     from tessera_jax.validation import check_shapes
 
     if a.plan_threads is not None:
-        if a.plan_threads < 1:
-            raise ValueError(f"--plan-threads must be >= 1, got {a.plan_threads}")
-        planner.PLAN_THREADS = a.plan_threads
+        raise SystemExit("--plan-threads: the runtime takes no PlannerConfig yet")
     planner.warm_up()
     res = {"device": str(jax.devices()[0]), "host": host_info(), "put_probe": put_probe(),
-           "planner_threads": planner.PLAN_THREADS, "rows": []}
+           "planner_threads": planner.PlannerConfig().threads, "rows": []}
     print(json.dumps(res["host"]), flush=True)
     specs = corpus("test")
 

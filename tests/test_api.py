@@ -300,7 +300,7 @@ def test_clear_caches_makes_the_next_call_a_new_mask_request(monkeypatch, tmp_pa
     monkeypatch.setattr(S, "_current_device", lambda: ("cpu", None))
     features = []
     real = F._mask_part
-    monkeypatch.setattr(F, "_mask_part", lambda m: features.append(m.digest) or real(m))
+    monkeypatch.setattr(F, "_mask_part", lambda m, *a: features.append(m.digest) or real(m, *a))
     builds = []
     real_build = planner.build_unchecked     # a request that plans (one policy or more)
     monkeypatch.setattr(planner, "build_unchecked", lambda *a, **kw: builds.append(1)

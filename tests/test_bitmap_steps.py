@@ -296,16 +296,16 @@ def test_bitmap_pass_equals_its_specification(mt, tile, align):
         np.testing.assert_array_equal(steps[:n], got.steps[:n])
 
 
-# Every way the drivers run the step loops (planner attributes as ``_on_threads`` sets them):
+# Every way the drivers run the step loops (``PlannerConfig`` fields as ``_on_threads`` sets them):
 # one thread; two (the second half written past an estimate or the bound, moved down); a short
 # estimate (the first half stops, the rest counted and written after moving the second half);
 # the exact-count path; 4 and 8 threads (chunks counted, written at their offsets, the bitmap
 # pass's gaps closed); the words written where the rows' reservation has room for them (from 0
 # rows on, not only from _ROOM_MIN_ROWS) instead of after a copy of the rows.
 _PATHS = {"one": (1, {}), "two": (2, {}),
-          "short estimate": (2, {"_EST_MARGIN": -0.9, "_SAMPLE_STRIDE": 3, "_EST_SLACK": 0}),
-          "exact": (2, {"_MAX_BOUND_BYTES": 0}), "four": (4, {}), "eight": (8, {}),
-          "room": (2, {"_ROOM_MIN_ROWS": 0})}
+          "short estimate": (2, {"est_margin": -0.9, "sample_stride": 3, "est_slack": 0}),
+          "exact": (2, {"max_bound_bytes": 0}), "four": (4, {}), "eight": (8, {}),
+          "room": (2, {"room_min_rows": 0})}
 
 
 def test_bitmap_pass_on_every_thread_path():
@@ -322,11 +322,11 @@ def test_bitmap_pass_on_every_thread_path():
                 want = oracle(ctx, *args)
                 expect = _with_pass(want, tq, tk)
                 for path, (threads, attrs) in _PATHS.items():
-                    with _on_threads(threads, **attrs):
-                        got = planner._plan_policy(ctx, policy, share=False)
-                        shared = planner._plan_policy(ctx, policy, share=True)
-                        later = planner._bitmap_steps(planner._plan_policy(
-                            ctx, policy, share=True, bitmaps=False), tq, tk)  # (auto's way)
+                    on = _on_threads(ctx, threads, **attrs)
+                    got = planner._plan_policy(on, policy, share=False)
+                    shared = planner._plan_policy(on, policy, share=True)
+                    later = planner._bitmap_steps(planner._plan_policy(
+                        on, policy, share=True, bitmaps=False), tq, tk, on.cfg)  # (auto's way)
                     for r in (got, shared.unshared(), later.unshared()):
                         _assert_same_raw(r, want, ctx, expect)
                     for r in (shared, later):
@@ -340,28 +340,26 @@ def test_bitmap_pass_interpreted_equals_compiled():
         ctx = _ctx(mask, 64, 64, 1, 1)
         for policy in ("keep", "merge", "split", "pack"):
             for threads in (1, 2):
-                with _on_threads(threads):
-                    want = planner._plan_policy(ctx, policy, share=True)
-                    with _interpreted():
-                        got = planner._plan_policy(ctx, policy, share=True)
+                on = _on_threads(ctx, threads, loops="compiled")
+                want = planner._plan_policy(on, policy, share=True)
+                with _no_compiling():
+                    got = planner._plan_policy(_on_threads(ctx, threads, loops="interpreted"),
+                                               policy, share=True)
                 assert got.words == want.words > 0
                 for f in ("cnt", "nfull", "area", "rev", "njoin", "ptr", "steps"):
                     np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
 
 
 @contextlib.contextmanager
-def _interpreted():
-    """Every planner loop run as plain Python (as ``test_packaging`` does)."""
+def _no_compiling():
+    """Fails if a compiled loop is called (``PlannerConfig(loops="interpreted")`` runs every
+    loop as plain Python, as ``test_packaging`` checks)."""
+    def no_compiling(*args):
+        raise AssertionError("a compiled loop was called")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan_loops, "INTERP_MAX_WORK", float("inf"))
-        mp.setattr(plan_loops, "INTERP_BUDGET_S", float("inf"))
-        mp.setattr(plan_loops, "_JITTED", False)
-        for name, fn in plan_loops._PLAIN.items():
-            mp.setattr(plan_loops, name, plan_loops._Loop(fn))
-
-        def no_compiling():
-            raise AssertionError("a loop was compiled")
         mp.setattr(plan_loops, "compile_all", no_compiling)
+        for name in plan_loops._PLAIN:
+            mp.setattr(plan_loops, name, no_compiling)
         yield
 
 

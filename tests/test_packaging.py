@@ -166,17 +166,14 @@ def test_interpreted_loops_give_the_golden_plans(monkeypatch):
     the recorded golden digests, byte for byte (the compiled loops give them too:
     ``test_golden_plans``)."""
     import golden_plans
-    from tessera_jax.planning import loops, planner
+    from tessera_jax.planning import PlannerConfig, loops, planner
 
-    monkeypatch.setattr(loops, "INTERP_MAX_WORK", float("inf"))
-    monkeypatch.setattr(loops, "INTERP_BUDGET_S", float("inf"))
-    monkeypatch.setattr(loops, "_JITTED", False)
-    for name, fn in loops._PLAIN.items():            # stand-ins again, if compiled already
-        monkeypatch.setattr(loops, name, loops._Loop(fn))
-
-    def no_compiling():
-        raise AssertionError("a loop was compiled")
+    def no_compiling(*args):
+        raise AssertionError("a compiled loop was called")
     monkeypatch.setattr(loops, "compile_all", no_compiling)
+    for name in loops._PLAIN:                        # the compiled loops, if loaded already
+        monkeypatch.setattr(loops, name, no_compiling)
+    interpreted = PlannerConfig(loops="interpreted")
 
     want = json.loads(golden_plans.PATH.read_text())
     build = golden_plans._build_plan()
@@ -188,7 +185,7 @@ def test_interpreted_loops_give_the_golden_plans(monkeypatch):
                 for pol in golden_plans.POLICIES:
                     p = build(mask, (1, Lq, Hq, 64), (1, Lk, Hkv, 64), np.float32, tile_q=tq,
                               tile_kv=tk, policy=pol, q_align=qa, kv_align=ka, template=tname,
-                              unit_order=order)
+                              unit_order=order, config=interpreted)
                     p.row_index                    # made by an interpreted loop too
                     key = f"{name}|{tname}|{pol}"
                     if golden_plans.plan_digest(p) != want[key]:

@@ -21,6 +21,7 @@ import plan_oracle
 from strategies import bounds_from_sizes, heads_and_blocks
 from tessera_jax.planning import planner
 from tessera_jax.planning import schedule
+from tessera_jax.planning.config import PlannerConfig
 from tessera_jax.planning.planner import POLICIES, build_plan, bucket
 from tessera_jax.validation import AttnShape
 
@@ -48,9 +49,11 @@ def plan_masks(draw):
     return tj.BlockMask(qb, kb, blocks), Hq, Hkv
 
 
-def _plan(mask, Hq, Hkv, tq, tk, policy, q_align=1, kv_align=1, dtype=jnp.float32, D=16):
+def _plan(mask, Hq, Hkv, tq, tk, policy, q_align=1, kv_align=1, dtype=jnp.float32, D=16,
+          config=None):
     return build_plan(mask, (1, mask.Lq, Hq, D), (1, mask.Lkv, Hkv, D), dtype, tile_q=tq,
-                      tile_kv=tk, policy=policy, q_align=q_align, kv_align=kv_align)
+                      tile_kv=tk, policy=policy, q_align=q_align, kv_align=kv_align,
+                      config=config)
 
 
 def _coverage(plan):
@@ -396,16 +399,9 @@ def test_shared_step_lists_change_only_pointers_and_storage(mt, tile, policy):
     """Consecutive units with equal step lists point at one copy: every unit visits exactly the
     rows it visits without sharing, and the plan stores no more rows."""
     mask, Hq, Hkv = mt
-    planner._build_cached.cache_clear()
     shared = _plan(mask, Hq, Hkv, *tile, policy)
-    assert planner.SHARE_STEP_LISTS
-    planner.SHARE_STEP_LISTS = False
-    try:
-        planner._build_cached.cache_clear()
-        plain = _plan(mask, Hq, Hkv, *tile, policy)
-    finally:
-        planner.SHARE_STEP_LISTS = True
-        planner._build_cached.cache_clear()
+    assert PlannerConfig().share_step_lists
+    plain = _plan(mask, Hq, Hkv, *tile, policy, config=PlannerConfig(share_step_lists=False))
     a_units, a_rows = _unit_lists(shared)
     b_units, b_rows = _unit_lists(plain)
     np.testing.assert_array_equal(a_units, b_units)
@@ -562,17 +558,12 @@ def _assert_split_pack_match_oracle(mask, tilings):
             _assert_same_raw(fn(ctx), numpy_fn(ctx), ctx)
 
 
-@contextlib.contextmanager
-def _on_threads(n, **planner_attrs):
-    """The planner on ``n`` threads, splitting work of any size (no minimum), with any other
-    planner attributes set as given (e.g. ``_MAX_BOUND_BYTES=0`` for the exact-count path)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(planner, "PLAN_THREADS", n)
-        mp.setattr(planner, "_PAR_MIN_ROWS", 0)
-        mp.setattr(planner, "_WIDE_MIN_ROWS", 0)
-        for name, value in planner_attrs.items():
-            mp.setattr(planner, name, value)
-        yield
+def _on_threads(ctx, n, **options):
+    """``ctx`` with the planner on ``n`` threads, splitting work of any size (no minimum), and
+    any other ``PlannerConfig`` fields as given (e.g. ``max_bound_bytes=0`` for the
+    exact-count path)."""
+    cfg = PlannerConfig(threads=n, par_min_rows=0, wide_min_rows=0, **options)
+    return dataclasses.replace(ctx, cfg=cfg)
 
 
 def _ctx(mask, tq, tk, q_align, kv_align, kv_len=None):
@@ -599,11 +590,11 @@ def test_compiled_keep_merge_equal_numpy_oracle(mt, tile, align, mode):
     ctx = _ctx(mask, tq, tk, qal, kal)
     for merge in (False, True):
         want = plan_oracle._plan_rowgroups_numpy(ctx, merge)
-        exact = {"_MAX_BOUND_BYTES": 0} if mode == "exact" else {}
+        exact = {"max_bound_bytes": 0} if mode == "exact" else {}
         threads = {"one": 1, "four": 4, "eight": 8}.get(mode, 2)
-        with _on_threads(threads, **exact):
-            got = planner._plan_rowgroups(ctx, merge, share=False)
-            shared = planner._plan_rowgroups(ctx, merge, share=True)
+        on = _on_threads(ctx, threads, **exact)
+        got = planner._plan_rowgroups(on, merge, share=False)
+        shared = planner._plan_rowgroups(on, merge, share=True)
         _assert_same_raw(got, want, ctx)
         _assert_same_raw(shared.unshared(), want, ctx)       # same units, each its own rows again
         assert shared.num_steps <= got.num_steps
@@ -632,18 +623,19 @@ def test_compiled_keep_merge_edge_intervals():
                 _assert_same_raw(fn(ctx), numpy_fn(ctx), ctx)
 
 
-def test_compiled_pack_matches_packbits(monkeypatch):
-    monkeypatch.setattr(planner, "_PACK_MIN_BYTES", 0)
-    monkeypatch.setattr(planner, "_PAR_MIN_ROWS", 0)
+def test_compiled_pack_matches_packbits():
+    cfg = PlannerConfig(pack_min_bytes=0, par_min_rows=0)
     rng = np.random.default_rng(5)
     for shape, dens in (((3, 5, 8), 0.5), ((2, 7, 64), 0.3), ((4, 3, 136), 0.9),
                         ((1, 9, 1440), 0.1)):
         rows = rng.random(shape) < dens
-        words = planner._pack(rows)
+        words = planner.pack_rows(rows, cfg)
         pk = np.packbits(rows, axis=-1, bitorder="little")
         want = np.zeros(shape[:-1] + (8 * words.shape[-1],), np.uint8)
         want[..., : pk.shape[-1]] = pk
         np.testing.assert_array_equal(words, want.view(np.uint64))
+        interpreted = planner.pack_rows(rows, dataclasses.replace(cfg, loops="interpreted"))
+        np.testing.assert_array_equal(interpreted, words)
 
 
 def test_unit_order_option_head_major(monkeypatch):
@@ -695,8 +687,7 @@ def test_compiled_split_equals_numpy_oracle(mt, tile, q_align, two):
     mask = mt[0]
     ctx = _ctx(mask, *tile, q_align, 1)
     want = plan_oracle._plan_grid_numpy(ctx)
-    with _on_threads(2 if two else 1):
-        got = planner._plan_grid(ctx)
+    got = planner._plan_grid(_on_threads(ctx, 2 if two else 1))
     _assert_same_raw(got, want, ctx)
 
 
@@ -709,8 +700,7 @@ def test_compiled_pack_policy_equals_numpy_oracle(mt, tile, align, two):
     qal, kal = align
     ctx = _ctx(mask, tq, tk, qal, kal if tk % kal == 0 else 1)
     want = plan_oracle._plan_pack_numpy(ctx)
-    with _on_threads(2 if two else 1):
-        got = planner._plan_pack(ctx)
+    got = planner._plan_pack(_on_threads(ctx, 2 if two else 1))
     _assert_same_raw(got, want, ctx)
 
 
@@ -737,8 +727,7 @@ def test_compiled_split_pack_exact_count_path(mt, tile, align, two):
     ctx = _ctx(mask, tq, tk, align[0], align[1] if tk % align[1] == 0 else 1)
     for numpy_fn, fn in _SPLIT_PACK:
         want = numpy_fn(ctx)
-        with _on_threads(2 if two else 1, _MAX_BOUND_BYTES=0):
-            got = fn(ctx)
+        got = fn(_on_threads(ctx, 2 if two else 1, max_bound_bytes=0))
         _assert_same_raw(got, want, ctx)
 
 
@@ -770,9 +759,8 @@ def test_split_pack_step_bound_holds_per_unit(mt, tile, align):
     for fn, oracle in _SPLIT_PACK_BY_POLICY:
         seen.clear()
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(planner, "PLAN_THREADS", 1)
             mp.setattr(plan_loops, "_nb_rects", spy)     # where the drivers look it up
-            fn(ctx)
+            fn(_on_threads(ctx, 1, loops="compiled"))
         assert seen or not ctx.words.any(), "spy not called: not patched where the drivers look"
         if not seen:
             continue
@@ -799,8 +787,7 @@ def test_compiled_split_pack_two_threads_any_estimate(mt, tile, align, margin, s
     ctx = _ctx(mask, tq, tk, align[0], align[1] if tk % align[1] == 0 else 1)
     for numpy_fn, fn in _SPLIT_PACK:
         want = numpy_fn(ctx)
-        with _on_threads(2, _EST_MARGIN=margin, _SAMPLE_STRIDE=stride, _EST_SLACK=0):
-            got = fn(ctx)
+        got = fn(_on_threads(ctx, 2, est_margin=margin, sample_stride=stride, est_slack=0))
         _assert_same_raw(got, want, ctx)
 
 
@@ -833,8 +820,7 @@ def test_wide_split_pack_equal_the_oracles(mt, tile, align, threads, pack):
     qal, kal = align
     ctx = _ctx(mask, tq, tk, qal, kal if tk % kal == 0 else 1)
     want = (plan_oracle._plan_pack_numpy if pack else plan_oracle._plan_grid_numpy)(ctx)
-    with _on_threads(threads):
-        got = (planner._plan_pack if pack else planner._plan_grid)(ctx)
+    got = (planner._plan_pack if pack else planner._plan_grid)(_on_threads(ctx, threads))
     _assert_same_raw(got, want, ctx)
 
 
@@ -851,10 +837,11 @@ def test_wide_keep_merge_run_and_share_on_a_large_mask(threads):
         want = plan_oracle._plan_rowgroups_numpy(ctx, merge)
         calls = []
         real = planner._rowgroups_wide
-        with _on_threads(threads), pytest.MonkeyPatch.context() as mp:
+        on = _on_threads(ctx, threads)
+        with pytest.MonkeyPatch.context() as mp:
             mp.setattr(planner, "_rowgroups_wide", lambda *a: calls.append(1) or real(*a))
-            got = planner._plan_rowgroups(ctx, merge, share=False)
-            shared = planner._plan_rowgroups(ctx, merge, share=True)
+            got = planner._plan_rowgroups(on, merge, share=False)
+            shared = planner._plan_rowgroups(on, merge, share=True)
         assert calls == [1, 1]
         _assert_same_raw(got, want, ctx)
         _assert_same_raw(shared.unshared(), want, ctx)
@@ -875,8 +862,43 @@ def test_wide_split_pack_run_and_match_on_a_large_mask(threads):
     for oracle, fn in _SPLIT_PACK:
         calls = []
         real = planner._rect_steps_wide
-        with _on_threads(threads), pytest.MonkeyPatch.context() as mp:
+        with pytest.MonkeyPatch.context() as mp:
             mp.setattr(planner, "_rect_steps_wide", lambda *a: calls.append(1) or real(*a))
-            got = fn(ctx)
+            got = fn(_on_threads(ctx, threads))
         assert calls == [1]
         _assert_same_raw(got, oracle(ctx), ctx)
+
+
+_LOOP_CHOICE = r"""
+import json, sys
+import numpy as np
+import tessera_jax as tj
+from tessera_jax.planning import PlannerConfig, build_plan
+b = np.arange(0, 257, 64)
+m = tj.BlockMask(b, b, np.tril(np.ones((4, 4), bool))[None].repeat(2, 0))
+cfg = PlannerConfig(**json.loads(sys.argv[1]))
+build_plan(m, (1, 256, 2, 64), (1, 256, 2, 64), "float32", tile_q=64, tile_kv=64, config=cfg)
+print(json.dumps("numba" in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("options,numba", [({}, False), ({"loops": "interpreted"}, False),
+                                           ({"loops": "compiled"}, True),
+                                           ({"interp_budget_work": 0}, True),
+                                           ({"interp_max_work": 0}, True)])
+def test_compiled_or_interpreted_loops_are_an_explicit_choice(tmp_path, options, numba):
+    """A fresh process planning a small mask: its loops run interpreted (numba not imported)
+    by default, compiled where the config asks for it, or where the "auto" thresholds (work
+    per call, work per process) say so, whatever the time the process has spent."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, "-c", _LOOP_CHOICE, json.dumps(options)], cwd=tmp_path,
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) is numba

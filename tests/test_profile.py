@@ -186,12 +186,12 @@ def test_selection_benchmark_tiny(run, tmp_path):
 
 def test_error_streak_stops_and_retry_errors_remeasures(tmp_path, monkeypatch):
     real = P.time_candidate
-    monkeypatch.setattr(P, "MAX_ERROR_STREAK", 2)
 
     def broken(*a, **k):
         raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
     monkeypatch.setattr(P, "time_candidate", broken)
-    out = ARGS + ["--out", str(tmp_path / "d.json"), "--raw", str(tmp_path / "raw")]
+    out = ARGS + ["--out", str(tmp_path / "d.json"), "--raw", str(tmp_path / "raw"),
+                  "--max-error-streak", "2"]
     P.main(out)
     recs = [r for r in _lines(tmp_path / "raw" / "cpu.jsonl") if r["kind"] == "time"]
     assert len(recs) == 2 and all(r["status"] == "error" for r in recs)     # stopped early

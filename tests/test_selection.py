@@ -163,16 +163,16 @@ def test_features_exact_on_small_masks(data):
         assert f[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
 
 
-def _sampled_reference(m):
+def _sampled_reference(m, sampling):
     """The documented sample's features, computed plainly on bool rows: heads evenly spaced
-    (at most MAX_SAMPLE_HEADS), per head P query tokens evenly spaced and staggered, each
+    (at most ``sampling.max_heads``), per head P query tokens evenly spaced and staggered, each
     standing for its block row (weight 1), paired with the next row for same_rows."""
     Hm, nq, nkv = m.blocks.shape
     kb, qs = m.kv_bounds, np.diff(m.q_bounds)
     ks = np.diff(kb)
-    hs = np.unique(np.linspace(0, Hm - 1, min(Hm, F.MAX_SAMPLE_HEADS)).round().astype(int))
+    hs = np.unique(np.linspace(0, Hm - 1, min(Hm, sampling.max_heads)).round().astype(int))
     Hs = len(hs)
-    P = max(F._MIN_PAIRS, F.SAMPLE_BITS // (2 * Hs * nkv))
+    P = max(F._MIN_PAIRS, sampling.bits // (2 * Hs * nkv))
     pos = (np.arange(P)[None, :] + (np.arange(Hs)[:, None] + 0.5) / Hs) * (m.Lq / P)
     rows = np.minimum(np.searchsorted(m.q_bounds, pos.astype(np.int64), side="right") - 1,
                       nq - 2)
@@ -225,31 +225,28 @@ def test_features_sampled_match_definition(data):
     if data.draw(st.booleans()):
         blocks[:, 1::2] = blocks[:, ::2][:, : nq // 2]     # repeated rows
     m = tj.BlockMask(qb, kb, blocks)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(F, "SAMPLE_BITS", data.draw(st.sampled_from([16, 256, 2048])))
-        mp.setattr(F, "MAX_SAMPLE_HEADS", data.draw(st.sampled_from([3, 64])))
-        F.clear_cache()
-        if H * nq * nkv <= F.SAMPLE_BITS:
-            return
-        f = F.mask_features(m)
-        F._CACHE.clear()                   # a new mask of a known layout: same features
-        assert F.mask_features(tj.BlockMask(qb, kb, blocks.copy())) == f
-        ref = _sampled_reference(m)
+    sampling = F.Sampling(bits=data.draw(st.sampled_from([16, 256, 2048])),
+                          max_heads=data.draw(st.sampled_from([3, 64])))
+    F.clear_cache()
+    if H * nq * nkv <= sampling.bits:
+        return
+    f = F.mask_features(m, sampling=sampling)
+    F._CACHE.clear()                       # a new mask of a known layout: same features
+    assert F.mask_features(tj.BlockMask(qb, kb, blocks.copy()), sampling=sampling) == f
+    ref = _sampled_reference(m, sampling)
     F.clear_cache()
     for k, v in ref.items():
         assert f[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
 
 
-def test_features_sampled_close_to_exact(monkeypatch):
+def test_features_sampled_close_to_exact():
     rng = np.random.default_rng(3)
     n = 400
     dens = np.linspace(0.05, 0.3, 8)[:, None, None]
     m = tj.BlockMask.uniform(n * 64, n * 64, 64, 64, rng.random((8, n, n)) < dens)
     assert m.blocks.size > F.SAMPLE_BITS               # the sampled path
     f = F.mask_features(m)
-    F.clear_cache()
-    monkeypatch.setattr(F, "SAMPLE_BITS", 1 << 30)
-    exact = F.mask_features(m)
+    exact = F.mask_features(m, sampling=F.Sampling(bits=1 << 30))
     assert exact["density"] == pytest.approx(m.density)
     for k, tol in (("density", 0.02), ("block_density", 0.02), ("contiguity", 0.03),
                    ("head_density_cv", 0.05), ("same_rows", 0.01)):
@@ -264,6 +261,10 @@ def test_features_cached_and_bad_input():
     assert a == b and m.digest in F._CACHE
     with pytest.raises(TypeError, match="mask"):
         F.mask_features(np.ones((4, 4), bool))
+    with pytest.raises(TypeError, match="sampling"):
+        F.mask_features(m, sampling=1 << 10)
+    with pytest.raises(ValueError, match="bits"):
+        F.Sampling(bits=0)
 
 
 # --- GPU names ----------------------------------------------------------------------------------
@@ -534,15 +535,15 @@ def test_q_tiles_feature_saturates_for_head_subsets():
 
 
 @pytest.mark.parametrize("H,nq,nkv", [(1, 40, 1), (2, 30, 1), (70, 9, 64), (3, 50, 70)])
-def test_features_sampled_edge_layouts(monkeypatch, H, nq, nkv):
+def test_features_sampled_edge_layouts(H, nq, nkv):
     """Sampled path on layouts where rows end near the buffer's end (fewer bytes than a padded
     row), key-block counts of one word exactly, and more heads than MAX_SAMPLE_HEADS."""
-    monkeypatch.setattr(F, "SAMPLE_BITS", 16)
+    sampling = F.Sampling(bits=16)
     rng = np.random.default_rng(H * nq + nkv)
     m = tj.BlockMask(_bounds(rng, nq, "few"), _bounds(rng, nkv, "many"),
                      rng.random((H, nq, nkv)) < 0.4)
-    f = F.mask_features(m)
-    for k, v in _sampled_reference(m).items():
+    f = F.mask_features(m, sampling=sampling)
+    for k, v in _sampled_reference(m, sampling).items():
         assert f[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
 
 

@@ -131,10 +131,6 @@ def frame_layout(grid: Grid, block: int) -> Layout:
     return Layout(row_major(grid), np.append(starts, np.int64(grid.video_tokens)))
 
 
-def _axis_tiles(n: int, tile: int) -> np.ndarray:
-    return uniform_bounds(n, tile)
-
-
 def tile_layout(grid: Grid, tile: tuple[int, int, int]) -> Layout:
     """Tile-major order: tiles of ``tile = (tt, th, tw)`` tokens in row-major tile order, the
     tokens of one tile row-major inside it. One block per tile; edge tiles are partial (real

@@ -12,19 +12,19 @@ writes them, or after the loops by ``_nb_bm_ranges``; the steps of the revisited
 their bitmap words written once all step rows are, ``_nb_bm_pass``), mask packing
 (``_nb_pack``) and row_index (``_nb_row_index``).
 Loops that take (lo, hi) handle units/rows [lo, hi), so the planner can run two halves on
-two threads (they are nogil). Until numba is loaded each ``_nb_*`` name is a ``_Loop``
-stand-in: calls with small arrays (``INTERP_MAX_WORK``, within ``INTERP_BUDGET_S`` per
-process) run the same code interpreted, with numba's integer semantics, so a small plan never
-imports numba; the first other call imports numba and compiles the loops or loads them from
-its on-disk cache (``compile_all()``; the planner's ``warm_up()`` does it ahead of time), and
-``_nb_ctz`` (count trailing zeros) is bound to numba's then. The NumPy oracles the tests
+two threads (they are nogil). The planner calls them through ``runner(mode, ...)``: its
+``PlannerConfig.loops`` chooses compiled loops, plain Python with numba's integer semantics,
+or (the default) small calls interpreted until numba is loaded, so that a small plan never
+imports numba; compiling imports numba and compiles the loops or loads them from its on-disk
+cache (``compile_all()``; the planner's ``warm_up()`` does it ahead of time), and ``_nb_ctz``
+(count trailing zeros) is bound to numba's then. The NumPy oracles the tests
 compare the loops with are in ``plan_oracle``.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-import time
 import types
 
 import numpy as np
@@ -110,8 +110,6 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
     writes nothing and points at that unit's rows. ``ptr[u]``: the first row of unit u;
     ``upart[u]``: its steps whose keys are not the whole tile.
     """
-    W = words.shape[2]
-    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
     s = row0
     for u in range(lo, hi):
         h, i = ugh[u], ugi[u]
@@ -125,102 +123,112 @@ def _nb_fill(lo, hi, row0, words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, li
             urev[u] = urev[u - 1]
             continue
         ptr[u] = s
-        s0 = s
-        rows = ql | (qh << _Q_HI)          # the rectangle's row bytes (STEP_RECT)
-        mid = rows | (tk << _KV_HI)        # a tile inside an interval: keys [0, tk)
-        grid_a = qh | (qh << 8) | (qh << 16)   # a two-run step's row cuts (one row segment)
-        fullk = 0                          # steps whose keys are the whole tile
-        keys = 0
-        rev = 0                            # rows that revisit the tile of the row before
-        pk = -1                            # the last row: its kv_start (-1: none yet),
-        pa = 0                             # keys [pa, pe), and if ``two`` the gap [pb, pc)
-        pb = 0
-        pc = 0
-        pe = 0
-        two = False
-        carry = zero
-        js = -1
-        for k in range(W + 1):
-            w = words[h, i, k] if k < W else zero
-            if merge:
-                b = w ^ ((w << one) | carry)
-                carry = w >> top
-            else:
-                b = w
-            while b:
-                j = k * 64 + np.int64(_nb_ctz(b))
-                b &= b - one
-                if not merge:
-                    js, je = j, j + 1
-                elif js < 0:
-                    js = j
-                    continue
-                else:
-                    je = j
-                # The interval of key blocks [js, je): keys [ks, ke), tiles from a0.
-                a0 = ka[js]
-                ks = kb[js]
-                ke = kb[je]
-                keys += ke - ks
-                kl0 = ks - a0                  # the first tile's lo
-                khl = ke - a0                  # the last tile's hi, if the first is the last
-                n = 1
-                tl = a0
-                sh = 0
-                if khl <= tk and a0 <= lim:    # one tile, inside the padded length
-                    kv, fl, fh = a0, kl0, khl
-                else:
-                    n = _nb_tiles(js, je, kb, ka, tk, ltk)
-                    tl = a0 + (n - 1) * tk     # the last tile's start, before any shift
-                    khl = ke - tl
-                    sh = tl - lim              # > 0: the last tile is shifted back inside kvp
-                    if n > 1:
-                        kv, fl, fh = a0, kl0, tk
-                    else:
-                        kv, fl, fh = tl - sh, kl0 + sh, khl + sh
-                # The first tile: joins the last row if that is the same tile and fits.
-                if kv == pk and (not two or fl == pe):
-                    if fl == pe:
-                        pe = fh
-                        fullk += (not two) & (pa == 0) & (pe == tk)
-                    else:
-                        two = True
-                        pb = pe
-                        pc = fl
-                        pe = fh
-                    if write:
-                        steps[s - 1, _RECT] = rows | (pa << _KV_LO) | (pe << _KV_HI)
-                        if two:
-                            steps[s - 1, _CUTS_A] = grid_a | (pb << 24)
-                            steps[s - 1, _CUTS_B] = pc | (pe << 8) | (5 << _BITS)
-                else:
-                    if write:
-                        _nb_put(steps, s, kv, rows | (fl << _KV_LO) | (fh << _KV_HI))
-                    fullk += (fl == 0) & (fh == tk)
-                    rev += kv == pk
-                    pk, pa, pe, two = kv, fl, fh, False
-                    s += 1
-                if n > 1:
-                    if write:
-                        for r in range(1, n - 1):
-                            _nb_put(steps, s + r - 1, a0 + r * tk, mid)
-                    s += n - 2
-                    fullk += n - 2
-                    if sh > 0:
-                        kv, fl, fh = tl - sh, sh, khl + sh
-                    else:
-                        kv, fl, fh = tl, 0, khl
-                    if write:
-                        _nb_put(steps, s, kv, rows | (fl << _KV_LO) | (fh << _KV_HI))
-                    fullk += (fl == 0) & (fh == tk)
-                    pk, pa, pe, two = kv, fl, fh, False
-                    s += 1
-                js = -1
-        cnt[u] = s - s0
-        upart[u] = s - s0 - fullk
+        e, fullk, keys, rev = _nb_fill_unit(words, h, i, ql, qh, merge, kb, ka, tk, ltk, lim,
+                                            write, steps, s)
+        cnt[u] = e - s
+        upart[u] = e - s - fullk
         ukeys[u] = keys
         urev[u] = rev
+        s = e
     return s
+
+
+def _nb_fill_unit(words, h, i, ql, qh, merge, kb, ka, tk, ltk, lim, write, steps, s):
+    """``_nb_fill`` of one unit (group (h, i), rows [ql, qh)), its rows written from row s:
+    (end row, steps whose keys are the whole tile, selected keys, revisits). Inlined."""
+    W = words.shape[2]
+    one, top, zero = np.uint64(1), np.uint64(63), np.uint64(0)
+    rows = ql | (qh << _Q_HI)          # the rectangle's row bytes (STEP_RECT)
+    mid = rows | (tk << _KV_HI)        # a tile inside an interval: keys [0, tk)
+    grid_a = qh | (qh << 8) | (qh << 16)   # a two-run step's row cuts (one row segment)
+    fullk = 0                          # steps whose keys are the whole tile
+    keys = 0
+    rev = 0                            # rows that revisit the tile of the row before
+    pk = -1                            # the last row: its kv_start (-1: none yet),
+    pa = 0                             # keys [pa, pe), and if ``two`` the gap [pb, pc)
+    pb = 0
+    pc = 0
+    pe = 0
+    two = False
+    carry = zero
+    js = -1
+    for k in range(W + 1):
+        w = words[h, i, k] if k < W else zero
+        if merge:
+            b = w ^ ((w << one) | carry)
+            carry = w >> top
+        else:
+            b = w
+        while b:
+            j = k * 64 + np.int64(_nb_ctz(b))
+            b &= b - one
+            if not merge:
+                js, je = j, j + 1
+            elif js < 0:
+                js = j
+                continue
+            else:
+                je = j
+            # The interval of key blocks [js, je): keys [ks, ke), tiles from a0.
+            a0 = ka[js]
+            ks = kb[js]
+            ke = kb[je]
+            keys += ke - ks
+            kl0 = ks - a0                  # the first tile's lo
+            khl = ke - a0                  # the last tile's hi, if the first is the last
+            n = 1
+            tl = a0
+            sh = 0
+            if khl <= tk and a0 <= lim:    # one tile, inside the padded length
+                kv, fl, fh = a0, kl0, khl
+            else:
+                n = _nb_tiles(js, je, kb, ka, tk, ltk)
+                tl = a0 + (n - 1) * tk     # the last tile's start, before any shift
+                khl = ke - tl
+                sh = tl - lim              # > 0: the last tile is shifted back inside kvp
+                if n > 1:
+                    kv, fl, fh = a0, kl0, tk
+                else:
+                    kv, fl, fh = tl - sh, kl0 + sh, khl + sh
+            # The first tile: joins the last row if that is the same tile and fits.
+            if kv == pk and (not two or fl == pe):
+                if fl == pe:
+                    pe = fh
+                    fullk += (not two) & (pa == 0) & (pe == tk)
+                else:
+                    two = True
+                    pb = pe
+                    pc = fl
+                    pe = fh
+                if write:
+                    steps[s - 1, _RECT] = rows | (pa << _KV_LO) | (pe << _KV_HI)
+                    if two:
+                        steps[s - 1, _CUTS_A] = grid_a | (pb << 24)
+                        steps[s - 1, _CUTS_B] = pc | (pe << 8) | (5 << _BITS)
+            else:
+                if write:
+                    _nb_put(steps, s, kv, rows | (fl << _KV_LO) | (fh << _KV_HI))
+                fullk += (fl == 0) & (fh == tk)
+                rev += kv == pk
+                pk, pa, pe, two = kv, fl, fh, False
+                s += 1
+            if n > 1:
+                if write:
+                    for r in range(1, n - 1):
+                        _nb_put(steps, s + r - 1, a0 + r * tk, mid)
+                s += n - 2
+                fullk += n - 2
+                if sh > 0:
+                    kv, fl, fh = tl - sh, sh, khl + sh
+                else:
+                    kv, fl, fh = tl, 0, khl
+                if write:
+                    _nb_put(steps, s, kv, rows | (fl << _KV_LO) | (fh << _KV_HI))
+                fullk += (fl == 0) & (fh == tk)
+                pk, pa, pe, two = kv, fl, fh, False
+                s += 1
+            js = -1
+    return s, fullk, keys, rev
 
 
 def _nb_count(lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, lim, cnt):
@@ -1407,8 +1415,9 @@ def _nb_pack_units(gh, r0, r1, tq, q_align):
     return out[:U]
 
 
-_NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_tiles", "_nb_fill", "_nb_count",
-               "_nb_pack", "_nb_row_index", "_nb_units", "_nb_store", "_nb_acc_bound", "_nb_acc_add",
+_NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_tiles", "_nb_fill_unit",
+               "_nb_fill", "_nb_count", "_nb_pack", "_nb_row_index", "_nb_units", "_nb_store",
+               "_nb_acc_bound", "_nb_acc_add",
                "_nb_acc_norm", "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full",
                "_nb_scratch", "_nb_tiles_once", "_nb_bm_rect", "_nb_bm_cut", "_nb_bm_add",
                "_nb_bm_union", "_nb_bm_emit", "_nb_bm_unit", "_nb_bm_pass", "_nb_bm_shift",
@@ -1417,23 +1426,24 @@ _NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_tiles", "_nb_fill",
                "_nb_rects_wide", "_nb_rects_many", "_nb_rects", "_nb_rect_bound",
                "_nb_pack_units")
 # Inlined into their callers (numba IR):
-_NB_INLINE = ("_nb_popcount", "_nb_put", "_nb_tiles", "_nb_store", "_nb_acc_bound",
+_NB_INLINE = ("_nb_popcount", "_nb_put", "_nb_tiles", "_nb_fill_unit", "_nb_store",
+              "_nb_acc_bound",
               "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full", "_nb_bm_cut")
 
 
 # --- running the loops: interpreted while small, compiled after --------------------------
-# Until numba is loaded, each ``_nb_*`` name above is bound to a ``_Loop`` stand-in. A call
-# whose array arguments hold at most INTERP_MAX_WORK elements, made while this process has
-# spent less than INTERP_BUDGET_S in interpreted loops, runs the loop as plain Python with
-# numba's semantics (stores into int32 arrays wrap, integer overflow wraps, integer results
-# come back as Python ints); any other call, or ``compile_all()``, imports numba and binds the
-# compiled loops. Loading numba costs ~0.4-0.5 s on a fresh process even with its on-disk
-# cache warm (importing numba, which imports scipy.linalg, and setting up its CPU target),
-# 2-3 s and more with the cache cold (benchmarks/first_plan.py): the first plan of a small
-# mask needs none of it, and a process that plans only small masks never pays it (it spends
-# about INTERP_BUDGET_S more in all at most). Byte-identical plans: tests/test_packaging.py.
-INTERP_MAX_WORK = 1 << 13
-INTERP_BUDGET_S = 0.1
+# The planner calls the loops through ``runner(mode, ...)``, chosen by its ``PlannerConfig``:
+# "compiled" loads numba and binds the compiled loops (``compile_all()``); "interpreted" runs
+# the plain functions as Python with numba's semantics (stores into int32 arrays wrap, integer
+# overflow wraps, integer results come back as Python ints); "auto" (the default) runs a call
+# whose array arguments hold at most ``max_work`` elements interpreted while numba is not
+# loaded and this process has interpreted fewer than ``budget_work`` elements in all, and
+# compiles on any other call. Loading numba costs ~0.4-0.5 s on a fresh process even with its
+# on-disk cache warm (importing numba, which imports scipy.linalg, and setting up its CPU
+# target), 2-3 s and more with the cache cold (benchmarks/first_plan.py): the first plan of a
+# small mask needs none of it, and a process that plans only small masks never pays it.
+# Byte-identical plans either way: tests/test_packaging.py. The module's own ``_nb_*`` names
+# are stand-ins that compile on first call (numba resolves the names the kernels call there).
 
 
 class _Int32Out(np.ndarray):
@@ -1466,22 +1476,55 @@ def _box(x):
     return x
 
 
-def _interpret(name, args):
-    global _interp_s
+def _interpret(name, *args):
+    """The loop ``name`` run as plain Python with numba's integer semantics."""
     args = tuple(a.view(_Int32Out) if type(a) is np.ndarray and a.dtype == np.int32 else a
                  for a in args)
-    t0 = time.perf_counter()
-    try:
-        with np.errstate(over="ignore"):
-            r = _PY_NS[name](*args)
-    finally:
-        _interp_s += time.perf_counter() - t0
+    with np.errstate(over="ignore"):
+        r = _PY_NS[name](*args)
     return tuple(_box(x) for x in r) if isinstance(r, tuple) else _box(r)
 
 
+def _auto(name, max_work, budget_work, *args):
+    """The loop ``name`` interpreted if numba is not loaded, the call holds at most
+    ``max_work`` array elements and the process has interpreted fewer than ``budget_work``;
+    else compiled."""
+    global _interp_work
+    if not _JITTED:
+        work = sum(a.size for a in args if isinstance(a, np.ndarray))
+        if work <= max_work and _interp_work < budget_work:
+            _interp_work += work
+            return _interpret(name, *args)
+        compile_all()
+    return globals()[name](*args)
+
+
+class Runner:
+    """The loops as one mode runs them (see above): ``runner.X(*args)`` calls loop ``X``."""
+
+    def __init__(self, mode: str, max_work: int, budget_work: int):
+        self.mode, self.max_work, self.budget_work = mode, max_work, budget_work
+
+    def __getattr__(self, name):
+        if name not in _PLAIN:
+            raise AttributeError(name)
+        if self.mode == "interpreted":
+            return functools.partial(_interpret, name)
+        if self.mode == "compiled" or _JITTED:
+            if not _JITTED:
+                compile_all()
+            return globals()[name]        # the compiled loop (looked up here: tests spy on it)
+        return functools.partial(_auto, name, self.max_work, self.budget_work)
+
+
+@functools.lru_cache(maxsize=None)
+def runner(mode: str, max_work: int = 0, budget_work: int = 0) -> Runner:
+    """The ``Runner`` of ``mode`` ("auto", "compiled" or "interpreted"; ``PlannerConfig``)."""
+    return Runner(mode, max_work, budget_work)
+
+
 class _Loop:
-    """Stands for the loop ``name`` until ``compile_all()``: small calls run interpreted
-    (see above), the first other call compiles all loops."""
+    """Stands for the loop ``name`` until ``compile_all()``, which a call makes."""
 
     def __init__(self, fn):
         self.name = fn.__name__
@@ -1489,11 +1532,7 @@ class _Loop:
         self.__wrapped__ = fn
 
     def __call__(self, *args):
-        if not _JITTED:
-            if _interp_s < INTERP_BUDGET_S and sum(
-                    a.size for a in args if isinstance(a, np.ndarray)) <= INTERP_MAX_WORK:
-                return _interpret(self.name, args)
-            compile_all()
+        compile_all()
         return _COMPILED[self.name](*args)
 
     def __repr__(self):
@@ -1504,10 +1543,10 @@ def compile_all() -> None:
     """Imports numba and jit-wraps the ``_nb_*`` functions (cached on disk), once per process.
 
     The wrapped functions replace the stand-ins in this module's namespace, which is where
-    numba resolves the names that the kernels call; callers elsewhere must look them up here
-    at call time (``plan_loops._nb_fill(...)``). With numba's cache warm this loads only the
+    numba resolves the names that the kernels call; callers elsewhere look them up through a
+    ``runner`` at call time (``run._nb_fill(...)``). With numba's cache warm this loads only the
     loops a process calls, when it calls them (each ~1-10 ms); the fixed cost is numba's
-    (see INTERP_MAX_WORK above).
+    (see ``runner`` above).
     """
     global _JITTED
     if _JITTED:
@@ -1529,7 +1568,7 @@ def compile_all() -> None:
 _JITTED = False
 _JIT_LOCK = threading.Lock()
 _COMPILED: dict = {}
-_interp_s = 0.0                                   # seconds spent in interpreted loops
+_interp_work = 0                                  # array elements of interpreted calls
 _PLAIN = {name: globals()[name] for name in _NB_KERNELS}     # what numba compiles
 # The interpreted loops: copies of the plain functions over their own namespace, where the
 # loops they call are plain too and ``_nb_ctz`` / ``_nb_popcount`` are Python's.

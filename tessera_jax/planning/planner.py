@@ -99,9 +99,9 @@ Host cost: the work grows with the number of runs and tiles the plan holds, neve
 [H, nq, nkv] temporaries other than the one ``packbits`` pass (``benchmarks/planning.py``).
 ``keep``/``merge`` (the default policy) run as numba-compiled loops that decode each unit's
 key intervals from the packed bits and write its step rows straight into the preallocated
-int32 ``steps``, on two threads, or on ``PLAN_THREADS`` (up to 8) for large plans where
-the host has 4 or more cores; the first plan too large to run them interpreted (small plans
-run the same loops as plain Python, ``plan_loops.INTERP_MAX_WORK``) imports numba and compiles
+int32 ``steps``, on two threads, or on ``PlannerConfig.threads`` (up to 8) for large plans
+where the host has 4 or more cores; the first plan too large to run them interpreted (small
+plans run the same loops as plain Python, ``PlannerConfig.loops``) imports numba and compiles
 the loops or loads them from numba's on-disk cache (``warm_up()`` does it ahead of time).
 ``split``/``pack`` choose their units (NumPy / a compiled greedy pass) and
 write their steps with one compiled loop, once, into a reserved upper bound as keep/merge do.
@@ -111,7 +111,9 @@ Units share step rows where their lists are equal: the heads of a shared mask, a
 the interior units of a tall row group, so an all-selected mask stores one list per unit
 height; this keeps the plan small to build and to copy to the GPU.
 ``build_plan`` is cached by (mask digest, shape, tile shape, policy, alignment, template,
-cost model, unit order, ``SHARE_STEP_LISTS``): a repeated mask costs a dictionary lookup.
+cost model, unit order, ``PlannerConfig``): a repeated mask costs a dictionary lookup. Every
+option is a field of the frozen ``PlannerConfig`` (``tessera_jax.planning.config``) passed as
+``build_plan(config=...)``; none is a module global.
 
 * ``tessera_jax.planning.loops``: the numba-compiled inner loops (``_nb_*``), ``compile_all()``;
   this module keeps the policies, the drivers that run those loops (threads, bounds), the API.
@@ -131,10 +133,12 @@ import numpy as np
 
 from pallas_kernels import abi
 
+from tessera_jax.planning import config as _config
 from tessera_jax.planning import loops as _loops
 from tessera_jax.planning import schedule as _sched
 from tessera_jax.mask import BlockMask
 from tessera_jax.validation import AttnShape, check_mask, check_shapes
+from tessera_jax.planning.config import PlannerConfig
 
 POLICIES = ("keep", "merge", "split", "pack", "auto")
 _BASE_POLICIES = ("keep", "merge", "split", "pack")
@@ -192,6 +196,7 @@ class Plan:
     # (``abi.BITMAP_FLAG``): [num_steps, num_steps + bitmap_rows), never visited as steps; the
     # rest of the capacity is zero padding.
     bitmap_rows: int = 0
+    config: PlannerConfig = _config.DEFAULT   # the planner's options it was made with
 
     @functools.cached_property
     def row_index(self) -> np.ndarray:
@@ -201,7 +206,8 @@ class Plan:
         u = self.units[: self.num_units].astype(np.int64)
         out = _row_index(u[:, abi.UNIT_HEAD], u[:, abi.UNIT_Q_START], u[:, abi.UNIT_OWN_LO],
                          u[:, abi.UNIT_OWN_HI], np.arange(self.num_units), self.shape.num_q_heads,
-                         self.shape.q_len, self.tile_q, self.units.shape[0] * self.tile_q)
+                         self.shape.q_len, self.tile_q, self.units.shape[0] * self.tile_q,
+                         self.config)
         out.setflags(write=False)
         return out
 
@@ -288,19 +294,20 @@ class Plan:
 
 
 # --- bit helpers ------------------------------------------------------------------------
-def pack_rows(rows: np.ndarray) -> np.ndarray:
+def pack_rows(rows: np.ndarray, config: PlannerConfig | None = None) -> np.ndarray:
     """bool [..., n] -> little-endian uint64 words [..., ceil(n / 64)]; bit j%64 of word j//64.
 
     Large C-contiguous masks with n % 8 == 0 are packed by the compiled loop (8 flags at a
-    time, on PLAN_THREADS threads); the rest by ``np.packbits``.
+    time, on ``config.threads`` threads); the rest by ``np.packbits``.
     """
+    cfg = _config.check(config)
     n = rows.shape[-1]
-    if (rows.size >= _PACK_MIN_BYTES and n % 8 == 0 and rows.dtype == np.bool_
+    if (rows.size >= cfg.pack_min_bytes and n % 8 == 0 and rows.dtype == np.bool_
             and rows.flags.c_contiguous):
-        _loops.compile_all()
         b8 = rows.reshape(-1, n).view(np.uint64)
         out = np.empty((b8.shape[0], -(-n // 64)), _U64)
-        _run_split(_loops._nb_pack, b8.shape[0], b8.shape[0] * n, b8, out)
+        run = _runner(cfg) if cfg.loops == "interpreted" else _loops.runner("compiled")
+        _run_split(cfg, run._nb_pack, b8.shape[0], b8.shape[0] * n, b8, out)
         return out.reshape(rows.shape[:-1] + (out.shape[1],))
     pk = np.packbits(rows, axis=-1, bitorder="little")
     nb = pk.shape[-1]
@@ -459,6 +466,16 @@ class _Ctx:
     kv_align: int
     qp: int
     kvp: int
+    cfg: PlannerConfig = _config.DEFAULT
+
+    @property
+    def run(self) -> _loops.Runner:
+        """The loops as ``cfg.loops`` runs them."""
+        return _runner(self.cfg)
+
+
+def _runner(cfg: PlannerConfig) -> _loops.Runner:
+    return _loops.runner(cfg.loops, cfg.interp_max_work, cfg.interp_budget_work)
 
 
 # --- compiled step builders: drivers of the loops in ``plan_loops`` -----------------------
@@ -468,33 +485,35 @@ class _Ctx:
 # before writing, so ``steps`` is allocated (zeroed lazily by the OS) for an upper bound:
 # an interval of blocks J needs at most sum_J ceil((size_j + kv_align - 1) / tile_kv) tiles,
 # so a group needs at most popcount * cmax rows (cmax: that bound's largest term). With
-# PLAN_THREADS == 2 the units are split in two halves of about equal bound; the second half is
+# two threads the units are split in two halves of about equal bound; the second half is
 # written from the first half's bound on a worker thread and moved down after. When the bound
 # is too large to reserve, the step counts are computed exactly in a first pass instead.
 # split/pack (``_nb_rects``) do the same with their own bound (``_nb_rect_bound``): a step is a
 # rectangle x tile, charged to one (group, selected key block) whose keys its tile touches.
 # Mask packing and row_index are compiled too.
 # numba is imported and the loops compiled (or loaded from numba's on-disk cache) on the
-# first loop call too large to run interpreted (``plan_loops.INTERP_MAX_WORK``: a small plan
+# first loop call too large to run interpreted (``PlannerConfig.loops`` "auto": a small plan
 # runs them as plain Python), not at import; ``warm_up()`` does it ahead of time. The drivers
-# look each loop up as ``_loops._nb_*`` at call time: ``plan_loops.compile_all()`` rebinds
-# those names to the compiled functions.
-# Threads of the compiled loops. Most loops use two of them. The step builders (split/pack and
-# keep/merge) use all of them on large plans from _WIDE_MIN threads on: the units in
-# PLAN_THREADS chunks, each counted, then written at its exact offset, both passes in parallel
-# (~1.6x one pass's work, so 2 threads keep the estimate schemes below).
-PLAN_THREADS = min(8, os.cpu_count() or 1)
+# call each loop through ``ctx.run`` (``plan_loops.runner``).
+# Threads of the compiled loops (``PlannerConfig.threads``). Most loops use two of them. The
+# step builders (split/pack and keep/merge) use all of them on large plans from _WIDE_MIN
+# threads on: the units in ``threads`` chunks, each counted, then written at its exact offset,
+# both passes in parallel (~1.6x one pass's work, so 2 threads keep the estimate schemes
+# below). Below ``par_min_rows`` of work (step rows, flags, words), one thread.
 _WIDE_MIN = 4
-_WIDE_MIN_ROWS = 1 << 18       # bound rows from which the wide path pays for its extra pass
 
 
-def _wide(units: int, bound_rows: int) -> bool:
-    """Whether split/pack or keep/merge take the wide (PLAN_THREADS-chunk) path."""
-    return (PLAN_THREADS >= _WIDE_MIN and units >= PLAN_THREADS
-            and bound_rows >= max(_WIDE_MIN_ROWS, _PAR_MIN_ROWS))
-_PAR_MIN_ROWS = 1 << 16        # below this much work (step rows, flags, words), one thread
-_PACK_MIN_BYTES = 1 << 16      # masks from this many flags up are packed by the compiled loop
-_MAX_BOUND_BYTES = 1 << 30     # reserve at most this much for the step-row bound
+def _wide(cfg: PlannerConfig, units: int, bound_rows: int) -> bool:
+    """Whether split/pack or keep/merge take the wide (``cfg.threads``-chunk) path."""
+    return (cfg.threads >= _WIDE_MIN and units >= cfg.threads
+            and bound_rows >= max(cfg.wide_min_rows, cfg.par_min_rows))
+
+
+def _two(cfg: PlannerConfig, n: int, work: int) -> bool:
+    """Whether n items of ``work`` in all are split in two halves on two threads."""
+    return cfg.threads >= 2 and n >= 2 and work >= cfg.par_min_rows
+
+
 _POOL = None                   # (pid, one-thread executor) of the second thread
 
 
@@ -506,13 +525,14 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool,
     into a reserved upper bound, or after an exact counting pass where the bound is too large
     to reserve. (Counting passes count the rows after the bitmap pass and the revisits.)
 
-    On PLAN_THREADS threads the second half of the units is written from an estimate of where
+    On two threads the second half of the units is written from an estimate of where
     the first half ends (a sampled count, scaled by the bound; the first half stops at any unit
     that could cross it), then moved down: the estimate keeps the move in memory already
     touched. Where the first half stopped early, the rest of it is counted, the second half
     moved up to make room, and the rest written.
     """
     U = len(uq)
+    cfg, run = ctx.cfg, ctx.run
     tq, tk = ctx.tile_q, ctx.tile_kv
     kb = np.array(ctx.kb, np.int64)
     ltk = tk.bit_length() - 1 if tk & (tk - 1) == 0 else -1
@@ -522,17 +542,17 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool,
     per = (cnt, nfull, area, rev)
     cmax = int(((kb[1:] - kb[:-1] + 2 * tk - 2) // tk).max())
     bound = np.empty(U + 1, np.int64)
-    _loops._nb_rect_bound(ctx.words, gh, gi, ugroups, cmax, bound)
+    run._nb_rect_bound(ctx.words, gh, gi, ugroups, cmax, bound)
     B = int(bound[-1])
     big = 1 << 62
-    if _wide(U, B):
-        steps, words = _rect_steps_wide(args, bound, per, tq, tk, bitmaps, njoin)
+    if _wide(cfg, U, B):
+        steps, words = _rect_steps_wide(cfg, args, bound, per, tq, tk, bitmaps, njoin)
         return cnt, steps, nfull + njoin, area, rev, njoin, words
-    two = PLAN_THREADS >= 2 and U >= 2 and B >= _PAR_MIN_ROWS
+    two = _two(cfg, U, B)
     mid = min(max(int(np.searchsorted(bound, B // 2)), 1), U - 1) if two else U
     none = np.zeros((1, abi.STEP_COLS), np.int32)
-    if bucket(B) * abi.STEP_COLS * 4 > _MAX_BOUND_BYTES:    # count first, then exact offsets
-        _run_split(_loops._nb_rects, U, B, 0, *args, bound, big, False, none, *per, 0, True)
+    if bucket(B) * abi.STEP_COLS * 4 > cfg.max_bound_bytes:   # count first, then exact offsets
+        _run_split(cfg, run._nb_rects, U, B, 0, *args, bound, big, False, none, *per, 0, True)
         written = cnt + rev                     # rows each unit writes before the bitmap pass
         B = int(written.sum())
         r1 = int(written[:mid].sum())
@@ -540,18 +560,18 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool,
                          np.int32)
     else:
         if two:
-            r1 = min(int(bound[mid]), _first_half_rows(args, bound, mid))
-        steps = _reserve(B)
+            r1 = min(int(bound[mid]), _first_half_rows(ctx, args, bound, mid))
+        steps = _reserve(cfg, B)
     out = (True, steps) + per
     if not two:
-        S, _, log, nlog, nt = _loops._nb_rects(0, U, 0, *args, bound, big, *out, B, bitmaps)
-        steps, words = _finish(steps, S, [(log, nlog, nt, 0)], tq, tk, S, njoin)
+        S, _, log, nlog, nt = run._nb_rects(0, U, 0, *args, bound, big, *out, B, bitmaps)
+        steps, words = _finish(cfg, steps, S, [(log, nlog, nt, 0)], tq, tk, S, njoin)
         return cnt, steps, nfull + njoin, area, rev, njoin, words
-    fut = _on_worker(_loops._nb_rects, mid, U, r1, *args, bound, big, *out,
+    fut = _on_worker(run._nb_rects, mid, U, r1, *args, bound, big, *out,
                      int(bound[U] - bound[mid]), bitmaps)
     # (Its log by the rows its units write before the pass: the cap r1 is on the rows after.)
-    e0, stop, log0, n0, b0 = _loops._nb_rects(0, mid, 0, *args, bound, r1, *out,
-                                              int(bound[mid]), bitmaps)
+    e0, stop, log0, n0, b0 = run._nb_rects(0, mid, 0, *args, bound, r1, *out,
+                                           int(bound[mid]), bitmaps)
     e1, _, log1, n1, b1 = fut.result()
     start1 = r1                 # where the second half was written (its log's rows)
     parts = [(log0, n0, b0, 0)]
@@ -559,8 +579,8 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool,
     if stop < mid:              # the estimate was short: count the rest, make room, write it
         rest = np.empty(U, np.int64)
         rrev = np.zeros(U, np.int64)
-        c = _loops._nb_rects(stop, mid, 0, *args, bound, big, False, none, rest, nfull, area,
-                             rrev, 0, True)[0]
+        c = run._nb_rects(stop, mid, 0, *args, bound, big, False, none, rest, nfull, area,
+                          rrev, 0, True)[0]
         r2 = e0 + c + int(rrev[stop:mid].sum())       # its rows before the bitmap pass
         if not bitmaps:
             c = r2 - e0
@@ -569,8 +589,8 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool,
             steps[r1:r2] = 0
         e1, r1 = r2 + e1 - r1, r2
         top = max(top, e1)
-        e, _, log2, n2, b2 = _loops._nb_rects(stop, mid, e0, *args, bound, big, *out, r2 - e0,
-                                              bitmaps)
+        e, _, log2, n2, b2 = run._nb_rects(stop, mid, e0, *args, bound, big, *out, r2 - e0,
+                                           bitmaps)
         if e != e0 + c:
             raise RuntimeError("planner: split/pack step count changed between passes")
         parts.append((log2, n2, b2, 0))
@@ -580,58 +600,59 @@ def _rect_steps(ctx: _Ctx, gh, gi, r0, r1, ugroups, uq, uqlo, uqhi, grid: bool,
     S = e0 + e1 - r1
     _move_rows(steps, e0, r1, e1 - r1)          # the second half down
     parts.append((log1, n1, b1, e0 - start1))
-    steps, words = _finish(steps, S, parts, tq, tk, top, njoin)
+    steps, words = _finish(cfg, steps, S, parts, tq, tk, top, njoin)
     return cnt, steps, nfull + njoin, area, rev, njoin, words
 
 
-def _rect_steps_wide(args, bound, per, tq: int, tk: int, bitmaps: bool, njoin):
-    """``_rect_steps`` on PLAN_THREADS threads: the units in chunks of about equal bound, each
+def _rect_steps_wide(cfg: PlannerConfig, args, bound, per, tq: int, tk: int, bitmaps: bool,
+                     njoin):
+    """``_rect_steps`` on ``cfg.threads`` threads: the units in chunks of about equal bound, each
     chunk's rows counted, then each chunk written from its exact offset (both passes in
     parallel; no estimate), the gaps its bitmap pass left closed after. Returns (steps,
     words)."""
     cnt, rev = per[0], per[3]
-    edges = _wide_edges(bound)
+    run = _runner(cfg)
+    edges = _wide_edges(bound, cfg.threads)
     chunks = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
     big = 1 << 62
     none = np.zeros((1, abi.STEP_COLS), np.int32)
-    _on_threads_wide([(_loops._nb_rects, lo, hi, 0, *args, bound, big, False, none, *per, 0,
-                       True) for lo, hi in chunks])
+    _on_threads_wide(cfg, [(run._nb_rects, lo, hi, 0, *args, bound, big, False, none, *per, 0,
+                            True) for lo, hi in chunks])
     offs = np.zeros(len(chunks) + 1, np.int64)     # rows written before the bitmap pass
     np.cumsum([int(cnt[lo:hi].sum() + rev[lo:hi].sum()) for lo, hi in chunks], out=offs[1:])
     steps = np.zeros((_room(int(offs[-1]), int(rev.sum()) if bitmaps else 0, tq, tk),
                       abi.STEP_COLS), np.int32)
-    ends = _on_threads_wide([(_loops._nb_rects, lo, hi, int(o), *args, bound, big, True, steps,
-                              *per, int(o1 - o), bitmaps)
-                             for (lo, hi), o, o1 in zip(chunks, offs[:-1], offs[1:])])
+    ends = _on_threads_wide(cfg, [(run._nb_rects, lo, hi, int(o), *args, bound, big, True,
+                                   steps, *per, int(o1 - o), bitmaps)
+                                  for (lo, hi), o, o1 in zip(chunks, offs[:-1], offs[1:])])
     kept = [int(cnt[lo:hi].sum()) for lo, hi in chunks]
     if [e[0] - int(o) for e, o in zip(ends, offs[:-1])] != kept:
         raise RuntimeError("planner: split/pack step count changed between passes")
     S, parts = _close_gaps(steps, offs, ends, kept)
-    return _finish(steps, S, parts, tq, tk, max(e[0] for e in ends), njoin)
+    return _finish(cfg, steps, S, parts, tq, tk, max(e[0] for e in ends), njoin)
 
 
-def _wide_edges(bound: np.ndarray) -> np.ndarray:
-    """Unit indices cutting [0, U) into PLAN_THREADS chunks of about equal bound (the
-    cumulative row bound, length U + 1); empty chunks dropped."""
+def _wide_edges(bound: np.ndarray, n: int) -> np.ndarray:
+    """Unit indices cutting [0, U) into n chunks of about equal bound (the cumulative row
+    bound, length U + 1); empty chunks dropped."""
     U, B = len(bound) - 1, int(bound[-1])
-    n = PLAN_THREADS
     return np.unique(np.r_[0, np.searchsorted(bound, np.arange(1, n) * (B / n)), U])
 
 
-def _on_threads_wide(calls):
+def _on_threads_wide(cfg: PlannerConfig, calls):
     """[fn(*args) for fn, *args in calls], the first on this thread and the rest on the wide
-    pool (the compiled loops release the GIL)."""
+    pool of ``cfg.threads`` - 1 threads (the compiled loops release the GIL)."""
     global _WIDE_POOL
-    if _WIDE_POOL is None or _WIDE_POOL[0] != (os.getpid(), PLAN_THREADS):
+    if _WIDE_POOL is None or _WIDE_POOL[0] != (os.getpid(), cfg.threads):
         import concurrent.futures
-        _WIDE_POOL = ((os.getpid(), PLAN_THREADS), concurrent.futures.ThreadPoolExecutor(
-            max(PLAN_THREADS - 1, 1), thread_name_prefix="tessera-plan-wide"))
+        _WIDE_POOL = ((os.getpid(), cfg.threads), concurrent.futures.ThreadPoolExecutor(
+            max(cfg.threads - 1, 1), thread_name_prefix="tessera-plan-wide"))
     futs = [_WIDE_POOL[1].submit(fn, *a) for fn, *a in calls[1:]]
     first = calls[0][0](*calls[0][1:])
     return [first] + [f.result() for f in futs]
 
 
-_WIDE_POOL = None       # ((pid, PLAN_THREADS), executor) of the wide split/pack
+_WIDE_POOL = None       # ((pid, threads), executor) of the wide split/pack
 
 
 def _close_gaps(steps, offs, ends, kept):
@@ -654,26 +675,23 @@ def _move_rows(steps: np.ndarray, to: int, frm: int, n: int) -> None:
         ctypes.memmove(steps.ctypes.data + to * row, steps.ctypes.data + frm * row, n * row)
 
 
-_SAMPLE_STRIDE = 32     # every this many units of the first half are counted for the estimate
-_EST_MARGIN = 0.02      # relative headroom of the estimate
-_EST_SLACK = 64         # and absolute headroom (rows)
-
-
-def _first_half_rows(args, bound, mid: int) -> int:
-    """An estimate (a little high) of the step rows of units [0, mid): every _SAMPLE_STRIDE-th
-    unit counted, the total scaled by the units' bounds (a ratio estimate)."""
-    idx = np.arange(0, mid, _SAMPLE_STRIDE)
+def _first_half_rows(ctx: _Ctx, args, bound, mid: int) -> int:
+    """An estimate (a little high) of the step rows of units [0, mid): every
+    ``sample_stride``-th unit counted, the total scaled by the units' bounds (a ratio
+    estimate), with ``est_margin`` and ``est_slack`` of headroom (``PlannerConfig``)."""
+    cfg = ctx.cfg
+    idx = np.arange(0, mid, cfg.sample_stride)
     ug, uq, uqlo, uqhi = (np.ascontiguousarray(a[idx]) for a in args[5:9])
     sargs = args[:5] + (ug, uq, uqlo, uqhi) + args[9:]
     sb = np.zeros(len(idx) + 1, np.int64)
     np.cumsum(bound[idx + 1] - bound[idx], out=sb[1:])
     c = np.empty(len(idx), np.int64)
     z = np.zeros(len(idx), np.int64)
-    n = _loops._nb_rects(0, len(idx), 0, *sargs, sb, 1 << 62, False,
-                         np.zeros((1, abi.STEP_COLS), np.int32), c, z, z, z, 0, True)[0]
+    n = ctx.run._nb_rects(0, len(idx), 0, *sargs, sb, 1 << 62, False,
+                          np.zeros((1, abi.STEP_COLS), np.int32), c, z, z, z, 0, True)[0]
     if sb[-1] == 0:
         return 0
-    return max(int(bound[mid] * (n / sb[-1]) * (1 + _EST_MARGIN)) + _EST_SLACK, 0)
+    return max(int(bound[mid] * (n / sb[-1]) * (1 + cfg.est_margin)) + cfg.est_slack, 0)
 
 
 # --- the bitmap pass's last stage: after all the step rows -------------------------------
@@ -682,17 +700,14 @@ def _first_half_rows(args, bound, mid: int) -> int:
 # logs the steps of each revisited tile; a bitmap step's words go after all the step rows,
 # whose end is known only once every part of them is written and moved. ``_finish`` then writes each logged tile's step, the union of its logged
 # steps, and the words of the bitmap steps (``plan_loops._nb_bm_pass``), each union built once.
-_ROOM_MIN_ROWS = 1 << 16    # reservations from this many rows get as many again for words
-
-
-def _reserve(rows: int) -> np.ndarray:
+def _reserve(cfg: PlannerConfig, rows: int) -> np.ndarray:
     """Zeros for up to ``rows`` step rows (a bound): int32 [bucket(rows), STEP_COLS], with as
-    many rows again (within _MAX_BOUND_BYTES) from _ROOM_MIN_ROWS rows on, so that the bitmap
-    words after the step rows seldom need the rows copied (``_finish``). The OS backs only the
-    rows written."""
+    many rows again (within ``max_bound_bytes``) from ``room_min_rows`` rows on, so that the
+    bitmap words after the step rows seldom need the rows copied (``_finish``). The OS backs
+    only the rows written."""
     n = bucket(rows)
-    if n >= _ROOM_MIN_ROWS:
-        n += max(0, min(n, _MAX_BOUND_BYTES // (abi.STEP_COLS * 4) - n))
+    if n >= cfg.room_min_rows:
+        n += max(0, min(n, cfg.max_bound_bytes // (abi.STEP_COLS * 4) - n))
     return np.zeros((n, abi.STEP_COLS), np.int32)
 
 
@@ -703,7 +718,8 @@ def _room(rows: int, revisits: int, tq: int, tk: int) -> int:
     return bucket(rows + revisits * (abi.bitmap_rows(tq, tk) - 1))
 
 
-def _finish(steps: np.ndarray, S: int, parts, tq: int, tk: int, top: int, njoin):
+def _finish(cfg: PlannerConfig, steps: np.ndarray, S: int, parts, tq: int, tk: int, top: int,
+            njoin):
     """The plan's step array from ``steps``, whose rows [0, S) are the step rows (rows from S
     up to ``top`` may hold rows left behind: zeroed): the steps of the revisited tiles logged
     in ``parts`` ((log, log rows, tiles, how far that part's rows moved) per part, in row
@@ -729,19 +745,19 @@ def _finish(steps: np.ndarray, S: int, parts, tq: int, tk: int, top: int, njoin)
     k = 0
     for log, nlog, n, shift in parts:
         if n:
-            calls.append((_loops._nb_bm_pass, log, nlog, shift, work,
+            calls.append((_runner(cfg)._nb_bm_pass, log, nlog, shift, work,
                           (S + k * wr) * abi.STEP_COLS, tq, tk, njoin))
             room.append((log, nlog, shift, S + k * wr))
         k += n
-    if PLAN_THREADS >= 2 and len(calls) >= 2 and T * wr >= _PAR_MIN_ROWS // 4:
-        made = _on_threads_wide(calls)
+    if cfg.threads >= 2 and len(calls) >= 2 and T * wr >= cfg.par_min_rows // 4:
+        made = _on_threads_wide(cfg, calls)
     else:
         made = [fn(*a) for fn, *a in calls]
     dest = S
     for (log, nlog, shift, at), n in zip(room, made):
         if at > dest and n:            # the words down after those of the parts before
             _move_rows(work, dest, at, n * wr)
-            _loops._nb_bm_shift(log, nlog, shift, work, (at - dest) * abi.STEP_COLS)
+            _runner(cfg)._nb_bm_shift(log, nlog, shift, work, (at - dest) * abi.STEP_COLS)
         dest += n * wr
     words = dest - S
     out = work[: bucket(S + words)]
@@ -783,21 +799,15 @@ def _on_worker(fn, *args):
     return _POOL[1].submit(fn, *args)
 
 
-def _run_split(fn, n, work, *args):
-    """fn(lo, hi, *args) over [0, n): in two halves on two threads when PLAN_THREADS >= 2 and
-    the work (a size, for equal items) is large enough to pay for the hand-off."""
-    if PLAN_THREADS < 2 or n < 2 or work < _PAR_MIN_ROWS:
+def _run_split(cfg: PlannerConfig, fn, n, work, *args):
+    """fn(lo, hi, *args) over [0, n): in two halves on two threads when ``cfg.threads`` >= 2
+    and the work (a size, for equal items) is large enough to pay for the hand-off."""
+    if not _two(cfg, n, work):
         fn(0, n, *args)
         return
     fut = _on_worker(fn, n // 2, n, *args)
     fn(0, n // 2, *args)
     fut.result()
-
-
-# keep/merge: equal consecutive units share their step rows. A switch for A/B measurements
-# (benchmarks/request_path.py); ``build_plan`` reads it per call and it is part of the plan
-# cache's key, so flipping it needs no cache clearing.
-SHARE_STEP_LISTS = True
 
 
 def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
@@ -806,20 +816,21 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
     The rows are ``pending``: the bitmap pass is ``_bitmap_steps``'s (``build_plan`` decides
     the fallback to split first, which is common on token-level masks: none of the pass is
     spent on rows it drops).
-    ``share`` (default SHARE_STEP_LISTS): the interior units of a tall row group (same group,
+    ``share`` (default ``ctx.cfg.share_step_lists``): the interior units of a tall row group (same group,
     same rows) point at one copy of their step rows, so an all-selected mask stores one list
     per unit height instead of one per unit: a smaller plan to build and to copy to the GPU."""
-    share = SHARE_STEP_LISTS if share is None else bool(share)
+    share = ctx.cfg.share_step_lists if share is None else bool(share)
+    cfg, run = ctx.cfg, ctx.run
     tq, tk, al = ctx.tile_q, ctx.tile_kv, ctx.kv_align
     words = ctx.words
-    gh, gi, ge, pc = _loops._nb_groups(words, merge)
+    gh, gi, ge, pc = run._nb_groups(words, merge)
     if len(gh) == 0:
         return _empty_raw()
     kb = np.array(ctx.kb, np.int64)                # writable: one compiled specialisation
     ka = kb - kb % al                               # aligned start of each key block
     ltk = tk.bit_length() - 1 if tk & (tk - 1) == 0 else -1
     lim = ctx.kvp - tk                              # a tile starting past lim is shifted
-    ug, qs, qlo, qhi = _loops._nb_units(np.array(ctx.qb, np.int64), gi, ge, tq, ctx.q_align, ctx.qp)
+    ug, qs, qlo, qhi = run._nb_units(np.array(ctx.qb, np.int64), gi, ge, tq, ctx.q_align, ctx.qp)
     U = len(ug)
     ugh, ugi = gh[ug], gi[ug]
     cmax = int(((kb[1:] - ka[:-1] + tk - 1) // tk).max())
@@ -828,22 +839,22 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
     cnt, upart, ukeys, rev, ptr = (np.empty(U, np.int64) for _ in range(5))
     B = int(bound[-1])
     common = (words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim)
-    if _wide(U, B):
-        steps, S, ptr = _rowgroups_wide(common, bound, cnt, upart, ukeys, rev, share)
+    if _wide(cfg, U, B):
+        steps, S, ptr = _rowgroups_wide(cfg, common, bound, cnt, upart, ukeys, rev, share)
         nfull = np.where((qlo == 0) & (qhi == tq), cnt - upart, 0)
         raw = _Raw(ugh, qs, qlo, qhi, cnt, steps, nfull, (qhi - qlo) * ukeys, rev=rev,
                    pending=True)
         if share:
             raw.ptr, raw.stored = ptr, S
         return raw
-    two = PLAN_THREADS >= 2 and U >= 2 and B >= _PAR_MIN_ROWS
+    two = _two(cfg, U, B)
     mid = min(max(int(np.searchsorted(bound, B // 2)), 1), U - 1) if two else U
-    if bucket(B) * abi.STEP_COLS * 4 <= _MAX_BOUND_BYTES:
+    if bucket(B) * abi.STEP_COLS * 4 <= cfg.max_bound_bytes:
         steps = np.zeros((bucket(B), abi.STEP_COLS), np.int32)
         r1 = int(bound[mid])
         out = (True, steps, cnt, upart, ukeys, rev, ptr, share)
-        fut = _on_worker(_loops._nb_fill, mid, U, r1, *common, *out) if two else None
-        e0 = _loops._nb_fill(0, mid, 0, *common, *out)
+        fut = _on_worker(run._nb_fill, mid, U, r1, *common, *out) if two else None
+        e0 = run._nb_fill(0, mid, 0, *common, *out)
         S = e0
         if fut is not None:
             e1 = fut.result()
@@ -855,8 +866,8 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
         steps = steps[: bucket(S)]     # a view; the OS never backs the bound's untouched rows
     else:
         cargs = (words, ugh, ugi, merge, kb, ka, tk, ltk, lim, cnt)
-        fut = _on_worker(_loops._nb_count, mid, U, *cargs) if two else None
-        _loops._nb_count(0, mid, *cargs)
+        fut = _on_worker(run._nb_count, mid, U, *cargs) if two else None
+        run._nb_count(0, mid, *cargs)
         if fut is not None:
             fut.result()
         S = int(cnt.sum())
@@ -864,8 +875,8 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
         steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
         share = False           # the halves are placed by exact counts: no rows left out
         out = (True, steps, cnt, upart, ukeys, rev, ptr, share)
-        fut = _on_worker(_loops._nb_fill, mid, U, r1, *common, *out) if two else None
-        _loops._nb_fill(0, mid, 0, *common, *out)
+        fut = _on_worker(run._nb_fill, mid, U, r1, *common, *out) if two else None
+        run._nb_fill(0, mid, 0, *common, *out)
         if fut is not None:
             fut.result()
     nfull = np.where((qlo == 0) & (qhi == tq), cnt - upart, 0)
@@ -875,18 +886,19 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
     return raw
 
 
-def _rowgroups_wide(common, bound, cnt, upart, ukeys, rev, share: bool):
-    """keep/merge's step rows on PLAN_THREADS threads: the units in chunks of about equal
+def _rowgroups_wide(cfg: PlannerConfig, common, bound, cnt, upart, ukeys, rev, share: bool):
+    """keep/merge's step rows on ``cfg.threads`` threads: the units in chunks of about equal
     bound, each unit's steps counted, then each chunk written from its exact offset (both passes
     in parallel). A chunk's first unit never shares the rows of the unit before it (``_nb_fill``
     shares only inside [lo, hi)), so the rows a chunk stores are known before writing.
     Returns (steps, stored rows, ptr)."""
     words, ugh, ugi, merge, qlo, qhi, kb, ka, tk, ltk, lim = common
     U = len(cnt)
-    edges = _wide_edges(bound)
+    run = _runner(cfg)
+    edges = _wide_edges(bound, cfg.threads)
     chunks = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
-    _on_threads_wide([(_loops._nb_count, lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, lim,
-                       cnt) for lo, hi in chunks])
+    _on_threads_wide(cfg, [(run._nb_count, lo, hi, words, ugh, ugi, merge, kb, ka, tk, ltk, lim,
+                            cnt) for lo, hi in chunks])
     stored = cnt.copy()
     if share and U > 1:         # the rows of a unit equal to the one before are not stored
         same = ((ugh[1:] == ugh[:-1]) & (ugi[1:] == ugi[:-1]) & (qlo[1:] == qlo[:-1])
@@ -898,8 +910,9 @@ def _rowgroups_wide(common, bound, cnt, upart, ukeys, rev, share: bool):
     S = int(offs[-1])
     steps = np.zeros((bucket(S), abi.STEP_COLS), np.int32)
     ptr = np.empty(U, np.int64)
-    ends = _on_threads_wide([(_loops._nb_fill, lo, hi, int(o), *common, True, steps, cnt, upart,
-                              ukeys, rev, ptr, share) for (lo, hi), o in zip(chunks, offs[:-1])])
+    ends = _on_threads_wide(cfg, [(run._nb_fill, lo, hi, int(o), *common, True, steps, cnt,
+                                   upart, ukeys, rev, ptr, share)
+                                  for (lo, hi), o in zip(chunks, offs[:-1])])
     if list(ends) != offs[1:].tolist():
         raise RuntimeError("planner: keep/merge step count changed between passes")
     return steps, S, ptr
@@ -940,14 +953,14 @@ def _plan_pack(ctx: _Ctx, bitmaps: bool = True) -> _Raw:
     K/V tiles are anchored at the runs of the union of its groups' key sets (compiled steps;
     the arrays
     equal ``plan_oracle._plan_pack_numpy``'s)."""
-    gh, gi, ge, _ = _loops._nb_groups(ctx.words, True)
+    gh, gi, ge, _ = ctx.run._nb_groups(ctx.words, True)
     if len(gh) == 0:
         return _empty_raw()
     qb = np.array(ctx.qb, np.int64)
     r0, r1 = qb[gi], qb[ge]
-    ugroups = _loops._nb_pack_units(gh, r0, r1, ctx.tile_q, ctx.q_align)
+    ugroups = ctx.run._nb_pack_units(gh, r0, r1, ctx.tile_q, ctx.q_align)
     # Units: each packed unit's rows in tiles of tile_q (several only for one tall group).
-    cu, qs, qlo, qhi = _loops._nb_units(qb, gi[ugroups[:, 0]], ge[ugroups[:, 1] - 1],
+    cu, qs, qlo, qhi = ctx.run._nb_units(qb, gi[ugroups[:, 0]], ge[ugroups[:, 1] - 1],
                                         ctx.tile_q, ctx.q_align, ctx.qp)
     ustart = ugroups[:, 0]
     ugroups = ugroups[cu]
@@ -960,7 +973,8 @@ def _plan_pack(ctx: _Ctx, bitmaps: bool = True) -> _Raw:
                 njoin=njoin[has], pending=not bitmaps)
 
 
-def _bitmap_steps(raw: _Raw, tile_q: int, tile_kv: int) -> _Raw:
+def _bitmap_steps(raw: _Raw, tile_q: int, tile_kv: int,
+                  cfg: PlannerConfig = _config.DEFAULT) -> _Raw:
     """The bitmap pass on a raw plan whose rows did not go through it in the step loops
     (``pending``: keep/merge's, and the policies' whose heads ``build_plan`` chooses first, on
     the chosen units only; or rows written otherwise, such as tests' hand-written rows): where
@@ -995,14 +1009,15 @@ def _bitmap_steps(raw: _Raw, tile_q: int, tile_kv: int) -> _Raw:
     # Two halves of about equal work on two threads: the second written after the first's
     # rows as they were, then moved down.
     work = np.cumsum(np.where(rrev > 0, rn, 0))
-    two = PLAN_THREADS >= 2 and R >= 2 and int(work[-1]) >= _PAR_MIN_ROWS // 4
+    run = _runner(cfg)
+    two = cfg.threads >= 2 and R >= 2 and int(work[-1]) >= cfg.par_min_rows // 4
     mid = min(max(int(np.searchsorted(work, work[-1] // 2)), 1), R - 1) if two else R
     r1 = int(rn[:mid].sum())
     args = (raw.steps, rs, rn, rrev, steps)
-    fut = (_on_worker(_loops._nb_bm_ranges, mid, R, *args, r1, nptr, ncnt,
+    fut = (_on_worker(run._nb_bm_ranges, mid, R, *args, r1, nptr, ncnt,
                       int(rn[mid:][rrev[mid:] > 0].sum())) if two else None)
-    e0, log0, n0, t0 = _loops._nb_bm_ranges(0, mid, *args, 0, nptr, ncnt,
-                                             int(rn[:mid][rrev[:mid] > 0].sum()))
+    e0, log0, n0, t0 = run._nb_bm_ranges(0, mid, *args, 0, nptr, ncnt,
+                                          int(rn[:mid][rrev[:mid] > 0].sum()))
     S, top, parts = e0, e0, [(log0, n0, t0, 0)]
     if fut is not None:
         e1, log1, n1, t1 = fut.result()
@@ -1010,7 +1025,7 @@ def _bitmap_steps(raw: _Raw, tile_q: int, tile_kv: int) -> _Raw:
         _move_rows(steps, e0, r1, e1 - r1)
         nptr[mid:] -= r1 - e0
         parts.append((log1, n1, t1, e0 - r1))
-    out, words = _finish(steps, S, parts, tq, tk, top, njoin)
+    out, words = _finish(cfg, steps, S, parts, tq, tk, top, njoin)
     ptr, new_cnt, rev, nj = (np.zeros(U, np.int64) for _ in range(4))
     inv = inv.reshape(-1)
     ptr[live] = nptr[inv]
@@ -1042,19 +1057,21 @@ def _plan_policy(ctx: _Ctx, policy: str, share: bool | None = None,
     if policy == "pack":
         return _plan_pack(ctx, bitmaps)
     raw = _plan_rowgroups(ctx, merge=(policy == "merge"), share=share)
-    return _bitmap_steps(raw, ctx.tile_q, ctx.tile_kv) if bitmaps else raw
+    return _bitmap_steps(raw, ctx.tile_q, ctx.tile_kv, ctx.cfg) if bitmaps else raw
 
 
 def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_kv: int,
                policy: str = "merge", q_align: int = 1, kv_align: int = 1,
                template: str | None = None,
                cost_model: _sched.CostModel | None = None,
-               unit_order: str = "interleaved") -> Plan:
+               unit_order: str = "interleaved",
+               config: PlannerConfig | None = None) -> Plan:
     """Plans ``mask`` for q [B, Lq, Hq, D] / k, v [B, Lkv, Hkv, D] with the given tile shape.
 
     ``unit_order``: "interleaved" (default) or "head_major" (``schedule.order_units``); the
     runtime passes its template's ``unit_order``. ``template`` is only the name recorded in the
     plan (default ``f"xla_{tile_q}x{tile_kv}"``): the planner reads no template table.
+    ``config``: the planner's options (``PlannerConfig``; None: ``config.DEFAULT``).
     """
     shape = check_shapes(q_shape, kv_shape, dtype)
     check_mask(mask, shape)
@@ -1081,18 +1098,21 @@ def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_k
         raise ValueError(f"unit_order must be one of {_sched.UNIT_ORDERS}, got {unit_order!r}")
     return build_unchecked(mask, shape, tile_q=tile_q, tile_kv=tile_kv, policy=policy,
                            q_align=q_align, kv_align=kv_align, template=template,
-                           cost_model=cost_model, unit_order=unit_order)
+                           cost_model=cost_model, unit_order=unit_order,
+                           config=_config.check(config))
 
 
 def build_unchecked(mask: BlockMask, shape: AttnShape, *, tile_q: int, tile_kv: int,
                     policy: str, q_align: int, kv_align: int, template: str | None,
-                    unit_order: str, cost_model: _sched.CostModel | None = None) -> Plan:
+                    unit_order: str, cost_model: _sched.CostModel | None = None,
+                    config: PlannerConfig | None = None) -> Plan:
     """``build_plan`` without its argument checks, for a caller that made them (the runtime:
     ``shape`` from ``validation.check_shapes``, the mask checked against it, tiles, alignment,
     policy and unit order from a ``Template``). Cached like ``build_plan``."""
     return _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align,
                          template or f"xla_{tile_q}x{tile_kv}",
-                         cost_model or _sched.DEFAULT_COST_MODEL, unit_order, SHARE_STEP_LISTS)
+                         cost_model or _sched.DEFAULT_COST_MODEL, unit_order,
+                         config or _config.DEFAULT)
 
 
 def clear_cache() -> None:
@@ -1128,102 +1148,114 @@ def _dedupe_heads(words: np.ndarray):
 
 @functools.lru_cache(maxsize=32)
 def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, template,
-                  cost_model, unit_order, share) -> Plan:
-    """The plan (cached by the mask's digest and every argument, ``share`` =
-    ``SHARE_STEP_LISTS`` included); the arguments are checked by the callers."""
-    Hq = shape.num_q_heads
-    group = Hq // shape.num_kv_heads
+                  cost_model, unit_order, cfg) -> Plan:
+    """The plan (cached by the mask's digest and every argument, the ``PlannerConfig``
+    included); the arguments are checked by the callers. Steps: the policy's raw plan of the
+    distinct mask heads (``_policy_raw``), its units expanded to query heads
+    (``_expand_heads``), ordered (``schedule.order_units``) and packed (``_assemble``)."""
     qp = _round_up(max(shape.q_len, tile_q), q_align)
     kvp = _round_up(max(shape.kv_len, tile_kv), kv_align)
-    words, hmap = _dedupe_heads(pack_rows(mask.blocks))
+    words, hmap = _dedupe_heads(pack_rows(mask.blocks, cfg))
     ctx = _Ctx(mask.q_bounds, mask.kv_bounds, words, tile_q, tile_kv, q_align, kv_align,
-               qp, kvp)
-    Hd = words.shape[0]
-
-    # The invariant (``dense_tile_interactions``): a head computes at most what a dense plan
-    # of these tiles computes. The split plan meets it wherever its tiles are visited once.
-    bound = dense_tile_interactions(shape.q_len, shape.kv_len, tile_q, tile_kv)
-    mixed = policy == "auto"
-    if policy == "auto":
-        # Unshared rows: the heads' policies are mixed by selecting rows in unit order; the
-        # bitmap pass runs on the selected units only (below), the candidates counting the
-        # steps it will leave.
-        raws = [_plan_policy(ctx, p, share=False, bitmaps=False) for p in _AUTO_CANDIDATES]
-        visits = [r.visits() for r in raws]
-        costs = [_raw_costs(r, ctx, shape, cost_model, v) for r, v in zip(raws, visits)]
-        per_head = np.stack([np.bincount(r.head, weights=c, minlength=Hd)
-                             for r, c in zip(raws, costs)])
-        # Prefer the candidates within the invariant (computed <= dense) on each head.
-        over = np.stack([_head_computed(r, Hd, tile_q, tile_kv, v) > bound
-                         for r, v in zip(raws, visits)])
-        per_head = np.where(over & ~over.all(axis=0), np.inf, per_head)
-        choice = np.argmin(per_head, axis=0)            # ties -> the earlier policy
-        raw = _bitmap_steps(_Raw.concat([r.select_heads(choice == k)
-                                         for k, r in enumerate(raws)]), tile_q, tile_kv)
-        head_policies = tuple(_AUTO_CANDIDATES[choice[k]] for k in hmap)
-    elif policy == "split":             # always within dense: the step loops' bitmap pass
-        raw = _plan_policy(ctx, policy, share=share)
-        head_policies = (policy,) * mask.num_heads
-    else:
-        # Enforced: a head whose plan computes more than dense takes split's plan, where that
-        # computes less (a mask of 1-token blocks under keep/merge: a tile anchored at every
-        # block start). Token-level masks make such heads common, so the bitmap pass runs
-        # after the choice (``_bitmap_steps``), never on rows that are then dropped; the
-        # comparison counts the tiles each unit will visit after it.
-        raw = _plan_policy(ctx, policy, share=share, bitmaps=False)
-        head_policies = (policy,) * mask.num_heads
-        comp = _head_computed(raw, Hd, tile_q, tile_kv, raw.visits())
-        if (comp > bound).any():
-            alt = _plan_policy(ctx, "split", share=False, bitmaps=False)
-            use = (comp > bound) & (_head_computed(alt, Hd, tile_q, tile_kv, alt.visits())
-                                    < comp)
-            if use.any():
-                raw = _Raw.concat([raw.unshared().select_heads(~use), alt.select_heads(use)])
-                head_policies = tuple("split" if use[k] else policy for k in hmap)
-                mixed = True
-        raw = _bitmap_steps(raw, tile_q, tile_kv)
+               qp, kvp, cfg)
+    raw, head_policies, mixed = _policy_raw(ctx, policy, shape, cost_model, hmap,
+                                            mask.num_heads)
     # Tiles once: one step of each (unit, K/V tile), made by split's step loops, else by
     # _bitmap_steps.
-    first = raw.first
     cost = _raw_costs(raw, ctx, shape, cost_model)
     # Selected interactions per unit, from its rectangles (each is computed exactly once).
-    per_unit = [raw.head, raw.qs, raw.lo, raw.hi, raw.cnt, first, cost, raw.area]
+    per_unit = [raw.head, raw.qs, raw.lo, raw.hi, raw.cnt, raw.first, cost, raw.area]
     if mixed:                             # units of a distinct head must be contiguous
         srt = np.argsort(raw.head, kind="stable")
         per_unit = [x[srt] for x in per_unit]
-    rh = per_unit[0]
-
-    # Expand distinct heads to query heads (units of equal heads share their steps).
+    Hq = shape.num_q_heads
     qmap = np.zeros(Hq, np.int64) if mask.num_heads == 1 else hmap
-    n_d = np.bincount(rh, minlength=Hd)
+    uh, (qs, lo, hi, cnt, first, cost, uarea) = _expand_heads(per_unit, qmap, words.shape[0])
+    order = _sched.order_units(cost, qs, uh // (Hq // shape.num_kv_heads), uh, unit_order)
+    units = _assemble(*(x[order] for x in (uh, qs, lo, hi, first, cnt)))
+    cost = cost[order]
+    for a in (units, raw.steps, cost):
+        a.setflags(write=False)
+    U = len(uh)
+    return Plan(template=template, policy=policy, tile_q=tile_q, tile_kv=tile_kv, shape=shape,
+                q_len_padded=qp, kv_len_padded=kvp, units=units,
+                steps=raw.steps,                # padded to bucket(S) by the policy
+                num_units=U, num_steps=raw.num_steps,
+                max_steps=bucket(int(cnt.max()) if U else 0), bitmap_rows=raw.words,
+                mask_digest=mask.digest, selected_interactions=int(uarea.sum()),
+                mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model,
+                unit_order=unit_order, config=cfg,
+                maybe_all_full=bool(int(raw.nfull.sum()) >= int(raw.cnt.sum())))
+
+
+def _policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap, num_heads: int):
+    """(raw plan of the distinct mask heads after the bitmap pass, policy of each mask head,
+    whether the heads' units come from several policies) under ``policy``, the invariant
+    (``dense_tile_interactions``: a head computes at most what a dense plan of these tiles
+    computes) enforced; the split plan meets it wherever its tiles are visited once."""
+    bound = dense_tile_interactions(shape.q_len, shape.kv_len, ctx.tile_q, ctx.tile_kv)
+    if policy == "auto":
+        raw, choice = _auto_raw(ctx, shape, cost_model, bound)
+        return raw, tuple(_AUTO_CANDIDATES[choice[k]] for k in hmap), True
+    if policy == "split":             # always within dense: the step loops' bitmap pass
+        return _plan_policy(ctx, policy), (policy,) * num_heads, False
+    # Enforced: a head whose plan computes more than dense takes split's plan, where that
+    # computes less (a mask of 1-token blocks under keep/merge: a tile anchored at every
+    # block start). Token-level masks make such heads common, so the bitmap pass runs
+    # after the choice (``_bitmap_steps``), never on rows that are then dropped; the
+    # comparison counts the tiles each unit will visit after it.
+    Hd, tq, tk = ctx.words.shape[0], ctx.tile_q, ctx.tile_kv
+    raw = _plan_policy(ctx, policy, bitmaps=False)
+    head_policies, mixed = (policy,) * num_heads, False
+    comp = _head_computed(raw, Hd, tq, tk, raw.visits())
+    if (comp > bound).any():
+        alt = _plan_policy(ctx, "split", share=False, bitmaps=False)
+        use = (comp > bound) & (_head_computed(alt, Hd, tq, tk, alt.visits()) < comp)
+        if use.any():
+            raw = _Raw.concat([raw.unshared().select_heads(~use), alt.select_heads(use)])
+            head_policies = tuple("split" if use[k] else policy for k in hmap)
+            mixed = True
+    return _bitmap_steps(raw, tq, tk, ctx.cfg), head_policies, mixed
+
+
+def _auto_raw(ctx: _Ctx, shape: AttnShape, cost_model, bound: int):
+    """(raw plan, candidate index of each distinct mask head) of ``auto``: per head the
+    candidate of least estimated cost among those within the invariant (all if none is)."""
+    # Unshared rows: the heads' policies are mixed by selecting rows in unit order; the
+    # bitmap pass runs on the selected units only, the candidates counting the steps it
+    # will leave.
+    Hd, tq, tk = ctx.words.shape[0], ctx.tile_q, ctx.tile_kv
+    raws = [_plan_policy(ctx, p, share=False, bitmaps=False) for p in _AUTO_CANDIDATES]
+    visits = [r.visits() for r in raws]
+    costs = [_raw_costs(r, ctx, shape, cost_model, v) for r, v in zip(raws, visits)]
+    per_head = np.stack([np.bincount(r.head, weights=c, minlength=Hd)
+                         for r, c in zip(raws, costs)])
+    over = np.stack([_head_computed(r, Hd, tq, tk, v) > bound for r, v in zip(raws, visits)])
+    per_head = np.where(over & ~over.all(axis=0), np.inf, per_head)
+    choice = np.argmin(per_head, axis=0)            # ties -> the earlier policy
+    raw = _bitmap_steps(_Raw.concat([r.select_heads(choice == k) for k, r in enumerate(raws)]),
+                        tq, tk, ctx.cfg)
+    return raw, choice
+
+
+def _expand_heads(per_unit, qmap, Hd: int):
+    """(query head of each unit, the other per-unit arrays) with the units of distinct mask
+    head ``qmap[h]`` repeated for each query head h (equal heads share their steps)."""
+    n_d = np.bincount(per_unit[0], minlength=Hd)
     start_d = np.cumsum(n_d) - n_d
     n_q = n_d[qmap]
     take = np.repeat(start_d[qmap] - (np.cumsum(n_q) - n_q), n_q) + np.arange(int(n_q.sum()))
-    uh = np.repeat(np.arange(Hq), n_q)
-    qs, lo, hi, cnt, first, cost, uarea = (x[take] for x in per_unit[1:])
-    selected = int(uarea.sum())
+    uh = np.repeat(np.arange(len(qmap)), n_q)
+    return uh, [x[take] for x in per_unit[1:]]
 
-    order = _sched.order_units(cost, qs, uh // group, uh, unit_order)
-    uh, qs, lo, hi, cnt, first, cost = (x[order] for x in (uh, qs, lo, hi, cnt, first, cost))
-    U, S = len(uh), raw.num_steps
-    U_cap = bucket(U)
-    M = bucket(int(cnt.max()) if U else 0)
 
-    units = np.zeros((U_cap, abi.UNIT_COLS), np.int32)
+def _assemble(uh, qs, lo, hi, first, cnt) -> np.ndarray:
+    """The int32 unit table [bucket(U), UNIT_COLS] of units in schedule order."""
+    units = np.zeros((bucket(len(uh)), abi.UNIT_COLS), np.int32)
     for col, x in ((abi.UNIT_HEAD, uh), (abi.UNIT_Q_START, qs), (abi.UNIT_OWN_LO, lo),
                    (abi.UNIT_OWN_HI, hi), (abi.UNIT_STEP_PTR, first), (abi.UNIT_STEP_CNT, cnt)):
-        units[:U, col] = x
-    steps = raw.steps                   # padded to bucket(S) by the policy
-
-    for a in (units, steps, cost):
-        a.setflags(write=False)
-    return Plan(template=template, policy=policy, tile_q=tile_q, tile_kv=tile_kv, shape=shape,
-                q_len_padded=qp, kv_len_padded=kvp, units=units, steps=steps,
-                num_units=U, num_steps=S, max_steps=M, bitmap_rows=raw.words,
-                mask_digest=mask.digest, selected_interactions=selected,
-                mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model,
-                unit_order=unit_order,
-                maybe_all_full=bool(int(raw.nfull.sum()) >= int(raw.cnt.sum())))
+        units[:len(uh), col] = x
+    return units
 
 
 def dense_tile_interactions(q_len: int, kv_len: int, tile_q: int, tile_kv: int) -> int:
@@ -1241,12 +1273,13 @@ def _head_computed(raw: _Raw, Hd: int, tile_q: int, tile_kv: int, cnt=None) -> n
                        minlength=Hd) * float(tile_q * tile_kv)
 
 
-def _row_index(uh, qs, lo, hi, order, Hq, Lq, tile_q, sentinel):
+def _row_index(uh, qs, lo, hi, order, Hq, Lq, tile_q, sentinel,
+               cfg: PlannerConfig = _config.DEFAULT):
     """row_index [Hq, Lq]: u * tile_q + r for the row r of unit u that owns it, else sentinel.
 
     uh, qs, lo, hi: the units before scheduling, ``order`` the schedule (unit u is
     ``order[u]`` of these). Written head by head in row order (compiled, the query heads split
-    over PLAN_THREADS threads); units arrive in (head, row) order, else are sorted first.
+    over ``cfg.threads`` threads); units arrive in (head, row) order, else are sorted first.
     """
     U = len(uh)
     uidx = np.empty(U, np.int64)
@@ -1256,7 +1289,8 @@ def _row_index(uh, qs, lo, hi, order, Hq, Lq, tile_q, sentinel):
         srt = np.argsort(f0, kind="stable")
         uh, qs, lo, hi, uidx = uh[srt], qs[srt], lo[srt], hi[srt], uidx[srt]
     out = np.empty((Hq, Lq), np.int32)
-    _run_split(_loops._nb_row_index, Hq, Hq * Lq, uh, qs, lo, hi, uidx, tile_q, sentinel, out)
+    _run_split(cfg, _runner(cfg)._nb_row_index, Hq, Hq * Lq, uh, qs, lo, hi, uidx, tile_q,
+               sentinel, out)
     return out
 
 

@@ -6,7 +6,7 @@ budget is <= 1 ms at Wan 720p, 40 heads x 1182 x 1182 blocks, i.e. 56 M booleans
 one pass over the mask costs). Row statistics are averages over query *tokens* (a block row
 counts with its height). They are computed on packed bits: of the whole mask when it has at
 most ``SAMPLE_BITS`` block bits (exact), else of a deterministic sample: at most
-``MAX_SAMPLE_HEADS`` mask heads (evenly spaced) and, per head, block rows at query tokens
+``MAX_SAMPLE_HEADS`` mask heads (both are the defaults of ``Sampling``, an argument) (evenly spaced) and, per head, block rows at query tokens
 evenly spaced along Lq (staggered between heads; a row is drawn in proportion to its tokens),
 each with the row after it for the same-rows statistic. The mask part is cached by digest;
 the call-shape part costs microseconds.
@@ -50,6 +50,7 @@ Features (``FEATURE_NAMES``; all scale-free or log2):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 
 import numpy as np
@@ -57,8 +58,8 @@ import numpy as np
 from tessera_jax.mask import BlockMask
 from tessera_jax.planning.planner import pack_rows  # bool rows -> uint64 words, as the planner packs
 
-__all__ = ["FEATURE_NAMES", "mask_features", "feature_vector", "clear_cache", "SAMPLE_BITS",
-           "MAX_SAMPLE_HEADS", "Q_TILES_CAP"]
+__all__ = ["FEATURE_NAMES", "Sampling", "mask_features", "feature_vector", "clear_cache",
+           "SAMPLE_BITS", "MAX_SAMPLE_HEADS", "Q_TILES_CAP"]
 
 FEATURE_NAMES = (
     "log2_q_tiles", "log2_kv_len", "head_dim",
@@ -73,6 +74,25 @@ FEATURE_NAMES = (
 SAMPLE_BITS = 1 << 19
 #: Most mask heads read per mask.
 MAX_SAMPLE_HEADS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Which block bits the features read: the whole mask up to ``bits`` block bits, else a
+    sample of at most ``max_heads`` heads and about ``bits`` bits (the ranking tables were
+    fitted on the defaults)."""
+
+    bits: int = SAMPLE_BITS
+    max_heads: int = MAX_SAMPLE_HEADS
+
+    def __post_init__(self):
+        for name in ("bits", "max_heads"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"sampling {name} must be a positive int, got {val!r}")
+
+
+DEFAULT_SAMPLING = Sampling()
 _MIN_PAIRS = 4
 #: ``log2_q_tiles`` saturates here (1024 query tiles of 128 rows).
 Q_TILES_CAP = 1024
@@ -130,12 +150,12 @@ def _sizes(a: np.ndarray):
     return base, rest, med, m64 / n, m128 / n
 
 
-def _layout(mask: BlockMask) -> _Layout:
+def _layout(mask: BlockMask, sampling: Sampling = DEFAULT_SAMPLING) -> _Layout:
     """The mask's layout (cached: looked up by shape, then compared bound by bound, which is
     cheaper than hashing the bounds)."""
     qb, kb = mask.q_bounds, mask.kv_bounds
     Hm, nq, nkv = mask.blocks.shape
-    key = (Hm, nq, nkv, int(qb[-1]), int(kb[-1]))
+    key = (Hm, nq, nkv, int(qb[-1]), int(kb[-1]), sampling)
     entries = _LAYOUTS.get(key)
     if entries is None:
         entries = _LAYOUTS[key] = []
@@ -144,14 +164,15 @@ def _layout(mask: BlockMask) -> _Layout:
     for q2, k2, lay in entries:
         if (q2 is qb or np.array_equal(q2, qb)) and (k2 is kb or np.array_equal(k2, kb)):
             return lay
-    lay = _make_layout(mask, Hm, nq, nkv)
+    lay = _make_layout(mask, Hm, nq, nkv, sampling)
     if len(entries) >= 4:
         entries.pop(0)
     entries.append((qb, kb, lay))
     return lay
 
 
-def _make_layout(mask: BlockMask, Hm: int, nq: int, nkv: int) -> _Layout:
+def _make_layout(mask: BlockMask, Hm: int, nq: int, nkv: int,
+                 sampling: Sampling = DEFAULT_SAMPLING) -> _Layout:
     kb, qb = mask.kv_bounds, mask.q_bounds
     ks, qs = kb[1:] - kb[:-1], qb[1:] - qb[:-1]
     lay = _Layout()
@@ -161,46 +182,63 @@ def _make_layout(mask: BlockMask, Hm: int, nq: int, nkv: int) -> _Layout:
     base, rest, k_med, k64, k128 = _sizes(ks)
     lay.static = {"log2_q_block": math.log2(q_med), "log2_kv_block": math.log2(k_med),
                   "q_mult64": q64, "q_mult128": q128, "kv_mult64": k64, "kv_mult128": k128}
-    q_off = (qs & 127) != 0
-    lay.exact = Hm * nq * nkv <= SAMPLE_BITS or nq < 2
+    lay.exact = Hm * nq * nkv <= sampling.bits or nq < 2
     if lay.exact:
-        # Whole mask: every row, weighted by its query tokens; adjacent pairs (i, i + 1).
-        H, R = Hm, nq
-        w = np.broadcast_to(qs.astype(np.float64), (Hm, nq))
-        lay.w, lay.w_sum, lay.w_head = w.reshape(-1), float(w.sum()), w.sum(-1)
-        lay.wq = (w * q_off).reshape(-1)
-        pw = np.array(w)
-        pw[:, -1] = 0.0                   # the last row of a head has no pair
-        lay.pw, lay.pw_sum = pw.reshape(-1), float(pw.sum())
-        lay.idx = None
+        _whole_rows(lay, qs, Hm, nq)
     else:
-        # Sampled: up to MAX_SAMPLE_HEADS heads (evenly spaced) and per head P query *tokens*
-        # evenly spaced along Lq (staggered between heads), each standing for its block row
-        # (rows drawn in proportion to their tokens: weight 1), plus the row after each.
-        if Hm <= MAX_SAMPLE_HEADS:
-            hs = np.arange(Hm)    # what the spacing below gives: linspace(0, Hm - 1, Hm)
-        else:
-            hs = np.unique(np.linspace(0, Hm - 1, MAX_SAMPLE_HEADS).round().astype(np.int64))
-        Hs = len(hs)
-        P = max(_MIN_PAIRS, SAMPLE_BITS // (2 * Hs * nkv))
-        pos = (np.arange(P)[None, :] + (np.arange(Hs)[:, None] + 0.5) / Hs) * (mask.Lq / P)
-        r = np.searchsorted(qb, pos.astype(np.int64), side="right") - 1
-        r = np.minimum(r, nq - 2)                                        # [Hs, P]
-        flat = (hs[:, None] * nq + r).reshape(-1)
-        lay.idx = np.concatenate([flat, flat + 1])                      # [2 Hs P]
-        H, R = Hs, P
-        lay.w, lay.w_sum, lay.w_head = None, float(Hs * P), float(P)
-        lay.wq = q_off[r].reshape(-1).astype(np.float64)
-        lay.pw, lay.pw_sum = None, float(Hs * P)
-        # Rows are read as n64 bytes from their start (bytes past nkv belong to the next row and
-        # are masked off after packing); the rows too close to the end are copied separately.
-        lay.view_rows = max((Hm * nq * nkv - lay.n64) // nkv + 1, 0)
-        lay.tail = (np.flatnonzero(lay.idx >= lay.view_rows)
-                    if int(lay.idx.max()) >= lay.view_rows else None)
-    lay.H, lay.R = H, R
+        _sampled_rows(lay, mask, qs, sampling)
     lay.head_den = np.maximum(np.asarray(lay.w_head, np.float64) * mask.Lkv, 1e-300)
-    M = H * R
     lay.fix = lay.n64 == nkv    # the top bit of a row's last word is a block: no carry across
+    _count_stack(lay, ks, kb, base, rest)
+    return lay
+
+
+def _whole_rows(lay: _Layout, qs: np.ndarray, Hm: int, nq: int) -> None:
+    """The layout reads the whole mask: every row, weighted by its query tokens; adjacent
+    pairs (i, i + 1)."""
+    q_off = (qs & 127) != 0
+    w = np.broadcast_to(qs.astype(np.float64), (Hm, nq))
+    lay.w, lay.w_sum, lay.w_head = w.reshape(-1), float(w.sum()), w.sum(-1)
+    lay.wq = (w * q_off).reshape(-1)
+    pw = np.array(w)
+    pw[:, -1] = 0.0                   # the last row of a head has no pair
+    lay.pw, lay.pw_sum = pw.reshape(-1), float(pw.sum())
+    lay.idx = None
+    lay.H, lay.R = Hm, nq
+
+
+def _sampled_rows(lay: _Layout, mask: BlockMask, qs: np.ndarray, sampling: Sampling) -> None:
+    """The layout reads a sample: up to ``max_heads`` heads (evenly spaced) and per head P
+    query *tokens* evenly spaced along Lq (staggered between heads), each standing for its
+    block row (rows drawn in proportion to their tokens: weight 1), plus the row after each."""
+    Hm, nq, nkv = mask.blocks.shape
+    qb = mask.q_bounds
+    if Hm <= sampling.max_heads:
+        hs = np.arange(Hm)    # what the spacing below gives: linspace(0, Hm - 1, Hm)
+    else:
+        hs = np.unique(np.linspace(0, Hm - 1, sampling.max_heads).round().astype(np.int64))
+    Hs = len(hs)
+    P = max(_MIN_PAIRS, sampling.bits // (2 * Hs * nkv))
+    pos = (np.arange(P)[None, :] + (np.arange(Hs)[:, None] + 0.5) / Hs) * (mask.Lq / P)
+    r = np.searchsorted(qb, pos.astype(np.int64), side="right") - 1
+    r = np.minimum(r, nq - 2)                                        # [Hs, P]
+    flat = (hs[:, None] * nq + r).reshape(-1)
+    lay.idx = np.concatenate([flat, flat + 1])                      # [2 Hs P]
+    lay.w, lay.w_sum, lay.w_head = None, float(Hs * P), float(P)
+    lay.wq = ((qs & 127) != 0)[r].reshape(-1).astype(np.float64)
+    lay.pw, lay.pw_sum = None, float(Hs * P)
+    # Rows are read as n64 bytes from their start (bytes past nkv belong to the next row and
+    # are masked off after packing); the rows too close to the end are copied separately.
+    lay.view_rows = max((Hm * nq * nkv - lay.n64) // nkv + 1, 0)
+    lay.tail = (np.flatnonzero(lay.idx >= lay.view_rows)
+                if int(lay.idx.max()) >= lay.view_rows else None)
+    lay.H, lay.R = Hs, P
+
+
+def _count_stack(lay: _Layout, ks, kb, base: int, rest) -> None:
+    """The layout's popcount stack (``lay.plan``, ``lay.coef``, ``lay.lut``): which counts of
+    a row's words give its tokens, partial blocks, runs and run edges."""
+    nkv, W, M = lay.nkv, lay.W, lay.H * lay.R
     # Rows of the popcount stack: (source, key-block mask or None: all). Sources: 0 words,
     # 1 run edges (bit j: block j differs from block j - 1, i.e. a run starts at j or one
     # ended at j - 1), 3 words ^ the paired row. Tokens per row = sum over key-block size
@@ -276,7 +314,6 @@ def _make_layout(mask: BlockMask, Hm: int, nq: int, nkv: int) -> _Layout:
         lay.lut_base = np.repeat((np.arange(8 * W, dtype=np.intp) * 256)[None], M, 0)
         lay.ones_b = np.ones(8 * W, np.float32)          # row sums < 2^24: exact in float32
     lay.ones_w = np.ones(W, np.float32)
-    return lay
 
 
 def _words(mask: BlockMask, lay: _Layout) -> np.ndarray:
@@ -307,9 +344,9 @@ def _words(mask: BlockMask, lay: _Layout) -> np.ndarray:
     return words
 
 
-def _mask_part(mask: BlockMask) -> dict:
-    """Features that depend only on the mask (cached by digest)."""
-    lay = _layout(mask)
+def _mask_part(mask: BlockMask, sampling: Sampling = DEFAULT_SAMPLING) -> dict:
+    """Features that depend only on the mask (cached by digest and sampling)."""
+    lay = _layout(mask, sampling)
     words = _words(mask, lay)
     A = words if lay.exact else words[0]                                # [M, W]
     M, W = A.shape
@@ -404,13 +441,18 @@ def _mask_part(mask: BlockMask) -> dict:
     return f
 
 
-def _part(mask: BlockMask) -> dict:
+def _part(mask: BlockMask, sampling) -> dict:
     if not isinstance(mask, BlockMask):
         raise TypeError(f"mask must be a BlockMask, got {type(mask).__name__}")
-    key = mask.digest
+    if sampling is None:
+        sampling = DEFAULT_SAMPLING
+    elif not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling must be a features.Sampling or None, got "
+                        f"{type(sampling).__name__}")
+    key = mask.digest if sampling is DEFAULT_SAMPLING else (mask.digest, sampling)
     part = _CACHE.get(key)
     if part is None:
-        part = _mask_part(mask)
+        part = _mask_part(mask, sampling)
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.popitem(last=False)
         _CACHE[key] = part
@@ -426,17 +468,19 @@ def _shape_features(mask: BlockMask, shape) -> tuple[float, float, float]:
             d / 128.0)
 
 
-def mask_features(mask: BlockMask, shape=None) -> dict:
+def mask_features(mask: BlockMask, shape=None, *, sampling: Sampling | None = None) -> dict:
     """Features of ``mask`` (``FEATURE_NAMES``) for a call of ``shape`` (an ``AttnShape`` or
-    None: one query head per mask head, head_dim 128). Cached by mask digest."""
-    part = _part(mask)
+    None: one query head per mask head, head_dim 128), read as ``sampling`` says (None:
+    ``DEFAULT_SAMPLING``). Cached by mask digest and sampling."""
+    part = _part(mask, sampling)
     out = {k: v for k, v in part.items() if not k.startswith("_")}
     out["log2_q_tiles"], out["log2_kv_len"], out["head_dim"] = _shape_features(mask, shape)
     return out
 
 
-def feature_vector(mask: BlockMask, shape=None) -> np.ndarray:
+def feature_vector(mask: BlockMask, shape=None, *, sampling: Sampling | None = None
+                   ) -> np.ndarray:
     """``mask_features`` as float64 [len(FEATURE_NAMES)] in ``FEATURE_NAMES`` order."""
-    v = _part(mask)["_vec"].copy()
+    v = _part(mask, sampling)["_vec"].copy()
     v[_I_QT], v[_I_KV], v[_I_HD] = _shape_features(mask, shape)
     return v

@@ -41,7 +41,7 @@ measured; a rerun skips the (mask, candidate) pairs already there (``--retry-err
 failed ones; ``--remeasure-stale``: except those whose plan changed), so the profile can be
 spread over several shorter GPU runs. ``--families tokens`` profiles one family only; the fit
 still uses every complete mask of the raw file. A run stops after
-``MAX_ERROR_STREAK`` failures in a row (a broken device would otherwise fail every pair). At
+``--max-error-streak`` (``MAX_ERROR_STREAK``) failures in a row (a broken device would otherwise fail every pair). At
 the end (or with ``--fit-only``) the ranking is fitted on every mask whose candidates were all
 attempted (``selection.fit_table``) and written to ``--out``.
 """
@@ -515,6 +515,8 @@ def parse_args(argv=None):
                     "0: all heads)")
     ap.add_argument("--families", nargs="+", help="only these mask families")
     ap.add_argument("--time-budget", type=float, help="stop measuring after S seconds, then fit")
+    ap.add_argument("--max-error-streak", type=int, default=MAX_ERROR_STREAK,
+                    help=f"stop after N failed timings in a row (default {MAX_ERROR_STREAK})")
     ap.add_argument("--fit-only", action="store_true", help="refit the table from the raw file")
     ap.add_argument("--retry-errors", action="store_true", help="measure again the (mask, "
                     "candidate) pairs whose raw record is an error")
@@ -745,7 +747,7 @@ def _measure(a, specs, cands, raw_path, heads):
             log(f"{cur_id} {rec['candidate']}: {rec['error']}")
             streak += 1
         _append(raw_path, rec)
-        if streak >= MAX_ERROR_STREAK:
+        if streak >= a.max_error_streak:
             log(f"{streak} failures in a row: the device may be in a bad state; stopping "
                 f"(rerun with --retry-errors to measure the failed pairs again)")
             stopped = True

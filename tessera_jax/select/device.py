@@ -1,0 +1,183 @@
+"""The device route's template choice: a static rule over what a call site knows when tracing.
+
+A device-route call (a device mask, or per-head bounds) is planned inside the compiled program,
+so its template is chosen once per call site from *static features* (``DeviceFeatures``): the
+shapes, the block counts, and the block bounds where they are NumPy (their block sizes, and the
+tiles that meet more than ``abi.GRID`` blocks). The rule: the first template of the backend's
+list in ``DEVICE_TEMPLATES`` that takes the call and whose plan needs no bitmap steps for the
+static bounds, else the first whose bitmap steps fit ``bitmap_budget_bytes`` (traced bounds:
+the first); static K/V blocks of <= 64 tokens (median) try 64-key tiles first, static query
+blocks of <= 64 tokens 64-row units (q64x2: two per CTA). Why a rule and not the ranking table
+(which the host route reads, ``select.ranking``): the table reads mask features the host does
+not have under a trace, a ``lax.switch`` over ranked templates would compile every template
+into every call site, and the device planner has one policy (a step per selected tile), for
+which q128 x kv128 steps run fastest on the H200 (full steps 0.97 of cuDNN's rate against
+0.79-0.81 at kv64, masked ones 0.69-0.85 against 0.52-0.66: ``benchmarks/NOTES.md`` section
+13). ``select.choose`` is the one entry point of both routes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+
+import jax
+import numpy as np
+
+from pallas_kernels import abi
+from pallas_kernels import templates as _templates
+from pallas_kernels.templates import Template
+
+from tessera_jax.mask import BlockMask
+from tessera_jax.planning import device as _device
+from tessera_jax.validation import AttnShape
+
+__all__ = ["DEVICE_TEMPLATES", "BITMAP_BUDGET_BYTES", "Const", "DeviceFeatures",
+           "device_capable", "capacity", "choose_template", "choose"]
+
+#: Per backend, the templates a device plan may run, in order of preference (see the module
+#: docstring). q64x2 runs neighbouring 64-row units of the device plan in one CTA, one per
+#: consumer warpgroup (units heaviest first, so a CTA's two units cost about the same).
+DEVICE_TEMPLATES = types.MappingProxyType({
+    "mosaic_gpu": ("mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm"),
+    "triton": ("triton_q128_kv128_w8_s3_pf_hm", "triton_q128_kv64_w8_s3_pf_hm",
+               "triton_q64_kv64_w4_s2"),
+    "xla": ("xla_64x64", "xla_128x128", "xla_64x128", "xla_128x64"),
+})
+
+#: Default bytes of bitmap steps a device plan may hold (tiles meeting more than ``abi.GRID``
+#: blocks per axis: 2 KB each at 128 x 128); past it, static bounds take the exact path and
+#: traced bounds take it when the plan overflows (decided on the device).
+BITMAP_BUDGET_BYTES = 512 << 20
+
+
+class Const:
+    """A NumPy array as a hashable static argument, compared by ``key`` (its content by
+    default; a static mask's digest where it has one)."""
+
+    __slots__ = ("array", "_key")
+
+    def __init__(self, array: np.ndarray, key=None):
+        self.array = array
+        self._key = key if key is not None else (array.shape, array.dtype.str, array.tobytes())
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, Const) and other._key == self._key
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFeatures:
+    """What a device-route call site knows when tracing: the block bounds where they are
+    static (``Const``; None: traced), the block counts [Hm, nq, nkv] and the call's shape."""
+
+    q_bounds: Const | None
+    kv_bounds: Const | None
+    block_shape: tuple
+    shape: AttnShape
+
+    @classmethod
+    def of(cls, mask: BlockMask, shape: AttnShape) -> "DeviceFeatures":
+        """The features of ``mask`` (bounds keyed by its digest when it is static)."""
+        parts = (mask.q_bounds, mask.kv_bounds)
+        if mask.is_static:
+            qb, kb = (Const(np.asarray(x), (mask.digest, i)) for i, x in enumerate(parts))
+        else:                   # NumPy bounds of a device mask are static; jax arrays are not
+            qb, kb = (None if isinstance(x, jax.Array) else Const(np.asarray(x)) for x in parts)
+        return cls(qb, kb, tuple(mask.blocks.shape), shape)
+
+
+def _fine_tiles(bounds: Const | None, n: int, length: int, tile: int):
+    """Per bounds row, how many of the device plan's tiles meet more than ``abi.GRID`` blocks
+    (static bounds), or a bound from the block count (traced bounds: a tile meeting more than
+    GRID blocks holds GRID of the n - 1 inner bounds); and the tile count."""
+    if bounds is None:
+        nt = -(-length // tile)
+        return np.array([min(nt, (n - 1) // abi.GRID)]), nt
+    b = np.asarray(bounds.array, np.int32).reshape(-1, bounds.array.shape[-1])
+    org, _, _, first, last, _, _ = _device._axis(b, length, tile, True)
+    return (last - first + 1 > abi.GRID).sum(axis=1), org.shape[1]
+
+
+def capacity(qb: Const | None, kb: Const | None, shape_blocks, shape: AttnShape, t: Template,
+             bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES) -> int | None:
+    """Bitmap steps the device plan of ``t`` needs room for (0: none), or None when that
+    exceeds ``bitmap_budget_bytes`` for static bounds (the exact path runs); traced bounds get
+    what the budget allows (the plan's ``ok`` says on the device whether it sufficed)."""
+    Hm, nq, nk = shape_blocks
+    fq, nqt = _fine_tiles(qb, nq, shape.q_len, t.tile_q)
+    fk, nkt = _fine_tiles(kb, nk, shape.kv_len, t.tile_kv)
+    if not fq.any() and not fk.any():
+        return 0
+    per_row = fq * nkt + nqt * fk - fq * fk
+    pairs = int(per_row.sum() if len(per_row) == Hm else per_row.max() * Hm)
+    per_bitmap = abi.bitmap_rows(t.tile_q, t.tile_kv) * abi.STEP_COLS * 4
+    room = bitmap_budget_bytes // per_bitmap
+    if qb is not None and kb is not None:
+        return pairs if pairs <= room else None
+    return max(1, min(pairs, room))
+
+
+def device_capable(t: Template) -> bool:
+    """Whether a device plan may run ``t`` (one of the device list, or not query-paired)."""
+    return t.name in DEVICE_TEMPLATES[t.backend] or not getattr(t.kernel, "paired", False)
+
+
+def _small(b: Const | None) -> bool:
+    """Static bounds whose median block is <= 64 tokens."""
+    return b is not None and float(np.median(np.diff(np.asarray(b.array), axis=-1))) <= 64
+
+
+@functools.lru_cache(maxsize=512)
+def choose_template(features: DeviceFeatures, backend: str, template: Template | None = None,
+                    bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES
+                    ) -> tuple[Template | None, int]:
+    """(template, bitmap capacity) of a device-route call by the static rule (module
+    docstring); (None, 0): the exact path. ``template``: the caller's (its capacity only)."""
+    f = features
+    if template is not None:
+        cap = capacity(f.q_bounds, f.kv_bounds, f.block_shape, f.shape, template,
+                       bitmap_budget_bytes)
+        return (template, cap) if cap is not None else (None, 0)
+    # K/V blocks of <= 64 tokens: a 128-key tile would hold two, and a sparse per-head
+    # selection keeps one of them most of the time (a masked step at 0.67 of cuDNN's rate
+    # for half the keys, against a full 64-key step at 0.80): 64-key tiles first. Query blocks
+    # of <= 64 tokens likewise: 64-row units (VSA's cubes at Wan 720p: the host's q64x2 plan
+    # ran 76.7 ms against 111.8 for the device's q128 x kv64 one). Otherwise 128-row units.
+    sq, sk = _small(f.q_bounds), _small(f.kv_bounds)
+    ts = sorted((_templates.get(n) for n in DEVICE_TEMPLATES[backend]),
+                key=lambda t: (sq != (t.tile_q <= 64), sk != (t.tile_kv <= 64)))
+    fitting = []
+    for t in ts:
+        if t.supports(f.shape.head_dim, f.shape.dtype):
+            cap = capacity(f.q_bounds, f.kv_bounds, f.block_shape, f.shape, t,
+                           bitmap_budget_bytes)
+            if cap == 0:
+                return t, 0                  # no bitmap steps: the first such template
+            if cap is not None:
+                fitting.append((t, cap))
+    return fitting[0] if fitting else (None, 0)
+
+
+def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template | None = None,
+           *, bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES) -> tuple[Template | None, int]:
+    """``choose_template`` of ``mask``'s static features. A caller's template must be
+    device-capable (ValueError). Memoised per (static bounds, shapes, backend, template,
+    budget)."""
+    if template is not None and not device_capable(template):
+        raise ValueError(f"template {template.name!r} pairs query units; a device mask runs "
+                         f"on one of {DEVICE_TEMPLATES[template.backend]}")
+    if isinstance(bitmap_budget_bytes, bool) or not isinstance(bitmap_budget_bytes, int) \
+            or bitmap_budget_bytes < 0:
+        raise ValueError(f"bitmap_budget_bytes must be a non-negative int, got "
+                         f"{bitmap_budget_bytes!r}")
+    return choose_template(DeviceFeatures.of(mask, shape), backend, template,
+                           bitmap_budget_bytes)
+
+
+def clear_cache() -> None:
+    """Forgets the memoised choices (``tessera_jax.clear_caches`` should call it)."""
+    choose_template.cache_clear()
