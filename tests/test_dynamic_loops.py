@@ -6,6 +6,9 @@ float32 reference loop whose choices are read on the host, and the table as data
 table reuses the executable and changes the result).
 """
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +20,9 @@ from tessera_jax.flax import (AttentionOptions, DynamicSchedule, LayerAttention,
 from tessera_jax.masks import dynamic as dm
 from tessera_jax.models import WAN21_1_3B, WanModel, make_sampler
 from tessera_jax.models.common import numpy_init
-from tessera_jax.tools import bench_loop
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_loop  # noqa: E402  (benchmarks/ is not a package)
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 # CPU compiles of these loops dominate the file's time: skip LLVM's expensive passes (no

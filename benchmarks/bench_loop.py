@@ -1,8 +1,12 @@
 """End-to-end benchmark: the jit-compiled 50-step denoising loop with dense vs sparse attention.
 
-    python -m tessera_jax.tools.bench_loop                      # GPU: all cases -> benchmarks/results/h200-loop.json
-    python -m tessera_jax.tools.bench_loop --models wan13b_480p # one case (results merge into --out)
-    python -m tessera_jax.tools.bench_loop --tiny --out /tmp/x.json   # CPU smoke run, tiny models
+    python benchmarks/bench_loop.py --out /tmp/loop.json         # GPU: all cases
+    python benchmarks/bench_loop.py --models wan13b_480p         # one case, printed only
+    python benchmarks/bench_loop.py --tiny --out /tmp/x.json     # CPU smoke run, tiny models
+
+Results go to ``--out`` only (cases merge into an existing file); without it, the table is
+printed and nothing is written. The official file is ``benchmarks/results/h200-loop.json``:
+name it in ``--out`` to update it.
 
 Per case it times three compiled loops on the same random weights and noise:
   dense  -- every layer and step dense, ``jax.nn.dot_product_attention`` (cuDNN on GPU);
@@ -30,10 +34,12 @@ then per call at the case's shapes: dense attention, the builder alone, builder 
 The peers' loop is an ESTIMATE (labelled so): null loop + dense calls x dense attention +
 sparse calls x (our builder + FlashInfer's / FlexAttention's request time from
 ``--peers-json``). ``--builder-costs all`` instead times each builder variant at Wan 720p
-against the attention call it feeds (issue 17's 5% budget).
+against the attention call it feeds (issue 17's 5% budget). A builder's kernel options are rule
+fields (``tessera_jax.masks.dynamic``): set them with ``--rule-params``, e.g.
+``'{"top_k": "xla"}'``.
 
-    python -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25   # 6/25 dense
-    python -m tessera_jax.tools.bench_loop --builder-costs all --out /tmp/b.json
+    python benchmarks/bench_loop.py --models wan13b_480p_vsa --steps 25   # 6/25 dense
+    python benchmarks/bench_loop.py --builder-costs all --out /tmp/b.json
 
 Cases with a layer subset (``layers_run < layers_total``) report loop times extrapolated per
 layer: ``T_full = T_measured * layers_total / layers_run`` (embedding and head are < 1% of a
@@ -61,6 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 import flax.nnx as nnx
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from tessera_jax.flax import AttentionOptions, MaskSchedule, attention
 from tessera_jax.mask import BlockMask
 from tessera_jax.tools import timing
@@ -72,9 +80,6 @@ try:
 except ImportError:  # pragma: no cover - tqdm is a dependency; keep the bench usable without it
     def tqdm(it=None, **kw):
         return it
-
-DEFAULT_OUT = os.path.join("benchmarks", "results", "h200-loop.json")
-
 
 # --- cases ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
@@ -890,29 +895,28 @@ def _per_call(case, rule, L, H, D, dtype, opts, args, key) -> dict:
 # the attention call it feeds). Random q and k give near-uniform scores, so the threshold rules
 # run with knobs that land near the papers' densities (docs/dynamic_masks.md).
 BUILDER_VARIANTS = {
-    # The defaults: each row's top k by the Triton radix select (dm.TOP_K "auto"), q and k
-    # pooled by the Triton kernel (dm.POOL "auto"), scores at HIGH precision. Controls, one
-    # switch back each (H200, session 13-14): "_xla" lax.top_k + scatter (7.61 vs 3.63 ms a
+    # The defaults: each row's top k by the Triton radix select (rule field top_k "auto"), q
+    # and k pooled by the Triton kernel (pool "auto"), scores at HIGH precision. Controls, one
+    # option back each (H200, session 13-14): "_xla" lax.top_k + scatter (7.61 vs 3.63 ms a
     # call), "_pool_xla" XLA's pooling (3.56 vs 2.67 ms, at HIGHEST), "_highest" float32
     # scores (2.67 vs 2.19 ms with the pooling kernel).
     "vsa": ("vsa", (("keep", 0.125),)),
-    "vsa_xla": ("vsa", (("keep", 0.125),), {"TOP_K": "xla"}),
-    "vsa_pool_xla": ("vsa", (("keep", 0.125),), {"POOL": "xla"}),
-    "vsa_highest": ("vsa", (("keep", 0.125),), {"SCORE_PRECISION": "highest"}),
+    "vsa_xla": ("vsa", (("keep", 0.125), ("top_k", "xla"))),
+    "vsa_pool_xla": ("vsa", (("keep", 0.125), ("pool", "xla"))),
+    "vsa_highest": ("vsa", (("keep", 0.125), ("score_precision", "highest"))),
     "svg2_iters2": ("svg2", (("iters", 2), ("top_p", 0.25), ("min_cluster_tokens", 43))),
-    # k-means' assignment by dm.KMEANS_ASSIGN's default, "auto": the Triton kernel on a GPU.
+    # k-means' assignment by kmeans_assign's default, "auto": the Triton kernel on a GPU.
     "svg2_iters1": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43))),
     # The same with the assignment forced to the Triton kernel (no [L, C] distances in memory)
     # and, the control, to XLA's matmul + argmin (H200 session 12: 9.27 vs 15.17 ms a call).
-    "svg2_iters1_fused": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43)),
-                          {"KMEANS_ASSIGN": "pallas"}),
-    "svg2_iters1_xla": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43)),
-                        {"KMEANS_ASSIGN": "xla"}),
+    "svg2_iters1_fused": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43),
+                                   ("kmeans_assign", "pallas"))),
+    "svg2_iters1_xla": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43),
+                                 ("kmeans_assign", "xla"))),
     "sparge_topk": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0))),
-    "sparge_topk_xla": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)),
-                        {"TOP_K": "xla"}),
-    "sparge_topk_pool_xla": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)),
-                             {"POOL": "xla"}),
+    "sparge_topk_xla": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0), ("top_k", "xla"))),
+    "sparge_topk_pool_xla": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0),
+                                        ("pool", "xla"))),
     "xattn_s8": ("xattn", (("stride", 8), ("tau", 0.25))),
     "xattn_s64": ("xattn", (("stride", 64), ("tau", 0.25))),
 }
@@ -922,7 +926,6 @@ def builder_costs(args, progress=None, save=None) -> dict:
     """Per builder variant at Wan 720p (T'H'W' = 21 x 45 x 80, 40 heads, D 128; ``--tiny``: a
     small grid): the mask-building time alone (permutations included), the time of the whole
     call (building + tessera's attention) and the fraction building / attention."""
-    from tessera_jax.masks import dynamic as dm
     grid, H, D = ((5, 6, 8), 2, 16) if args.tiny else ((21, 45, 80), 40, 128)
     L = int(np.prod(grid))
     out = {}
@@ -932,8 +935,7 @@ def builder_costs(args, progress=None, save=None) -> dict:
         if name not in BUILDER_VARIANTS:
             raise SystemExit(f"bench_loop: unknown builder variant {name!r}; known: "
                              f"{sorted(BUILDER_VARIANTS)}")
-        rule_name, params, *over = BUILDER_VARIANTS[name]
-        over = over[0] if over else {}
+        rule_name, params = BUILDER_VARIANTS[name]
         if args.tiny:       # small clusters and blocks for the small grid
             params = dict(params, **{"svg2": {"q_clusters": 6, "kv_clusters": 10, "init_iters": 3,
                                               "min_cluster_tokens": 1},
@@ -947,17 +949,11 @@ def builder_costs(args, progress=None, save=None) -> dict:
             progress.set_postfix_str(f"builder {name}")
         opts = AttentionOptions(backend=args.backend,
                                 dense_implementation=_dense_impl(args, args.dtype))
-        saved = {k: getattr(dm, k) for k in over}          # module switches of the variant
         try:
-            for k, v in over.items():
-                setattr(dm, k, v)
             pc = _per_call(case, rule, L, H, D, args.dtype, opts, args, jax.random.key(args.seed))
         except Exception as e:      # keep the other variants
             out[name] = dict(error=repr(e)[:2000])
             continue
-        finally:
-            for k, v in saved.items():
-                setattr(dm, k, v)
         attn = pc["dynamic_attention_s"] - pc["build_s"]
         out[name] = dict(pc, rule=repr(rule), attention_s=attn,
                          fraction=pc["build_s"] / attn if attn > 0 else None)
@@ -1086,21 +1082,20 @@ def _summarize_static(cases: dict) -> dict:
 
 
 def _environment(args, argv) -> dict:
-    from tessera_jax.masks import dynamic as dm
     dev = jax.devices()[0]
     return dict(
         device=getattr(dev, "device_kind", str(dev)), platform=jax.default_backend(),
         device_count=jax.device_count(), jax=jax.__version__,
         jaxlib=getattr(__import__("jaxlib"), "__version__", None),
         python=platform.python_version(),
-        command="python -m tessera_jax.tools.bench_loop " + " ".join(argv),
-        builder_switches={k: getattr(dm, k) for k in dm.SWITCHES},
+        command="python benchmarks/bench_loop.py " + " ".join(argv),
         date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         tiny=args.tiny)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m tessera_jax.tools.bench_loop", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_loop.py",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--models", default="wan13b_480p,wan14b_720p,hunyuan15_720p",
                    help="comma-separated case names: " + ", ".join(list(CASES) + list(DYN_CASES))
                    + "; 'dynamic' names the dynamic ones")
@@ -1126,13 +1121,15 @@ def parse_args(argv):
     p.add_argument("--dense-steps", type=int, default=None, help="override the dense warm-up steps")
     p.add_argument("--mask-seeds", type=int, default=None,
                    help="distinct per-layer masks (layer l uses seed l %% N; 0: one per layer)")
-    p.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT}; merges cases)")
+    p.add_argument("--out", default=None,
+                   help="JSON path, cases merged into it (default: none, the table is printed)")
     g = p.add_argument_group("dynamic cases (masks built from q and k inside the loop)")
     g.add_argument("--variants", default="dense,dynamic,null,host",
                    help="loops to time: dense (cuDNN), dynamic (ours), null (no self-attention: "
                         "the peers' estimate), host (plan on the host per call)")
     g.add_argument("--rule-params", default=None,
-                   help='JSON dict overriding the rule knobs, e.g. \'{"topk": 0.2}\'')
+                   help='JSON dict overriding the rule fields, knobs and kernel options, e.g. '
+                        '\'{"topk": 0.2, "top_k": "xla"}\' (tessera_jax.masks.dynamic)')
     g.add_argument("--peers-json", default=os.path.join("benchmarks", "results", "h200-peers.json"),
                    help="per-call request times of FlashInfer / FlexAttention (benchmarks/peers.py "
                         "rows, or {'loop_cases': {case: {peer: ms}}})")
@@ -1141,23 +1138,12 @@ def parse_args(argv):
     g.add_argument("--builder-costs", default=None,
                    help="instead of loops: time these builder variants at Wan 720p (comma-"
                         "separated, 'all': " + ", ".join(BUILDER_VARIANTS) + ")")
-    from tessera_jax.masks import dynamic as dm
-    choices = ", ".join(f"{k}={'|'.join(v)}" for k, v in dm.SWITCHES.items())
-    g.add_argument("--builder-switch", action="append", default=[], metavar="NAME=VALUE",
-                   help=f"set a builder switch of tessera_jax.masks.dynamic for the loops: {choices}")
     args = p.parse_args(argv)
-    args.switches = {}
-    for item in args.builder_switch:
-        k, _, v = item.partition("=")
-        if k not in dm.SWITCHES or v not in dm.SWITCHES[k]:
-            p.error(f"--builder-switch {item!r}: expected one of {choices}")
-        args.switches[k] = v
     if args.dense_implementation == "xla":
         args.dense_implementation = None
     args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
     args.attn_repeats = args.attn_repeats or (3 if args.tiny else 20)
     args.step_repeats = args.step_repeats or (2 if args.tiny else 5)
-    args.out = args.out or DEFAULT_OUT
     pool = ({**tiny_cases(args.steps or 3), **tiny_dyn_cases(args.steps or 3)} if args.tiny
             else {**CASES, **DYN_CASES})
     names = []
@@ -1226,13 +1212,10 @@ def main(argv=None) -> dict:
         _print_table(doc)
         return doc
     args = parse_args(argv)
-    from tessera_jax.masks import dynamic as dm
-    for k, v in args.switches.items():
-        setattr(dm, k, v)
     if not args.tiny and jax.default_backend() != "gpu":
         print("bench_loop: no GPU here; run with --tiny for the CPU smoke run", file=sys.stderr)
     doc: dict = {}
-    if os.path.exists(args.out):
+    if args.out and os.path.exists(args.out):
         try:
             with open(args.out) as f:
                 doc = json.load(f)
@@ -1290,6 +1273,9 @@ def main(argv=None) -> dict:
 
 
 def _write(path, doc):
+    """``doc`` as JSON at ``path`` (atomically); nothing when ``path`` is None."""
+    if path is None:
+        return
     d = os.path.dirname(path)
     if d:
         os.makedirs(d, exist_ok=True)
