@@ -139,6 +139,16 @@ def check_fields(rule, spec: dict):
         object.__setattr__(rule, name, checks[kind](fn, name, v, *args, **kw))
 
 
+def check_pooled_rule(rule, spec: dict):
+    """``check_fields`` of a block-pooling rule (VSA, SpargeAttn): its static bounds, the
+    fields in ``spec`` and the pooling rules' kernel options."""
+    static_bounds_field(rule, "q_bounds")
+    static_bounds_field(rule, "kv_bounds")
+    check_fields(rule, {**spec, "top_k": ("choice", KERNEL_CHOICES),
+                        "pool": ("choice", KERNEL_CHOICES),
+                        "score_precision": ("choice", SCORE_PRECISIONS)})
+
+
 class Stateless:
     """A rule without a loop carry: ``mask(q, k, scale)`` builds the mask, the call runs the
     attention it is given on it."""

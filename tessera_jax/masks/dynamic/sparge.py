@@ -51,13 +51,9 @@ class Sparge(c.Stateless):
     score_precision: str = "high"
 
     def __post_init__(self):
-        c.static_bounds_field(self, "q_bounds")
-        c.static_bounds_field(self, "kv_bounds")
-        c.check_fields(self, {
-            "block_q": ("int",), "block_kv": ("int",), "topk": ("optional_frac",),
-            "min_keep": ("int",), "smooth_k": ("bool",), "sink": ("bool",),
-            "top_k": ("choice", c.KERNEL_CHOICES), "pool": ("choice", c.KERNEL_CHOICES),
-            "score_precision": ("choice", c.SCORE_PRECISIONS)})
+        c.check_pooled_rule(self, {"block_q": ("int",), "block_kv": ("int",),
+                                   "topk": ("optional_frac",), "min_keep": ("int",),
+                                   "smooth_k": ("bool",), "sink": ("bool",)})
         if self.topk is None:
             object.__setattr__(self, "cdf_threshold",
                                c.check_frac("Sparge", "cdf_threshold", self.cdf_threshold))

@@ -84,13 +84,8 @@ class VSA(c.Stateless):
     score_precision: str = "high"
 
     def __post_init__(self):
-        c.static_bounds_field(self, "q_bounds")
-        c.static_bounds_field(self, "kv_bounds")
-        c.check_fields(self, {
-            "block": ("int",), "keep": ("optional_frac",), "topk": ("optional_int",),
-            "local": ("optional_int", 0), "top_k": ("choice", c.KERNEL_CHOICES),
-            "pool": ("choice", c.KERNEL_CHOICES),
-            "score_precision": ("choice", c.SCORE_PRECISIONS)})
+        c.check_pooled_rule(self, {"block": ("int",), "keep": ("optional_frac",),
+                                   "topk": ("optional_int",), "local": ("optional_int", 0)})
         if self.topk is not None and self.keep is not None:
             raise ValueError(f"VSA: give keep or topk, not both (topk={self.topk}, "
                              f"keep={self.keep})")
