@@ -113,7 +113,7 @@ def static_bounds_field(rule, name: str):
     bounds = getattr(rule, name)
     if bounds is None:
         return
-    where = f"{type(rule).__name__}.{name}"
+    where = f"{type(rule).__name__}: {name}"
     if isinstance(bounds, jax.Array):
         raise TypeError(f"{where} must be static (NumPy or a sequence of ints), got a jax array: "
                         f"the block layout of these builders is fixed at trace time")

@@ -124,7 +124,7 @@ class SVG2:
         c.check_fields(self, {
             "q_clusters": ("int",), "kv_clusters": ("int",), "init_iters": ("int", 0),
             "iters": ("int", 0), "top_p": ("frac",), "min_kc_ratio": ("frac", {"lo_open": False}),
-            "min_cluster_tokens": ("int",), "seed": ("int", 0),
+            "min_cluster_tokens": ("int",), "seed": ("int", -2 ** 63),
             "kmeans_assign": ("choice", c.KERNEL_CHOICES), "kv_order": ("choice", KV_ORDERS)})
 
     def init_state(self, q_shape, kv_shape, dtype):
