@@ -298,6 +298,26 @@ def run_case(case: Case, args, progress) -> dict:
     progress.set_postfix_str(f"{case.name}: attention")
     qkv = [tuple(jax.random.normal(k, (1, L, H, D), dtype) for k in jax.random.split(kk, 3))
            for kk in jax.random.split(k3, 2)]
+    attn_t, res["attention"] = _time_attention(sched, variants, qkv, args, (L, H, D, dtype))
+    t_dense_attn = res["attention"]["dense_s"]
+
+    # -- one dense forward (step time) -> attention's share.
+    progress.set_postfix_str(f"{case.name}: step")
+    fwd = make_forward(model, None, options=variants["dense"][1])
+    state = nnx.state(model)
+    t = jnp.full((1,), 500.0, jnp.float32)
+    step_ts = time_calls(lambda x: fwd(state, x, t, context), [(noise,)], args.step_repeats)
+    step_s = _median(step_ts)
+    res["step_dense_s"], res["step_dense_raw_s"] = step_s, step_ts
+    res["attention_share_of_step"] = min(1.0, case.layers_run * t_dense_attn / step_s)
+    _time_loops(case, model, variants, order, (noise, context), attn_t, res, args, progress)
+    return res
+
+
+def _time_attention(sched, variants, qkv, args, shape):
+    """(per-variant call times {mask: [s]}, the ``attention`` entry): dense attention and each
+    distinct mask of ``sched`` through the tessera and fixed-plan variants."""
+    L, H, D, dtype = shape
     distinct = list(dict.fromkeys(m for row in sched.table for m in row if m is not None))
     attn_t: dict = {}
     for vname in ("dense", "tessera", "fixed"):
@@ -311,7 +331,7 @@ def run_case(case: Case, args, progress) -> dict:
             per[m] = ts
         attn_t[vname] = per
     t_dense_attn = _median(attn_t["dense"][None])
-    res["attention"] = {
+    return attn_t, {
         "dense_s": t_dense_attn, "dense_raw_s": attn_t["dense"][None],
         "masks": [dict(digest=m.digest, density=m.density, heads=m.num_heads,
                        tessera_s=_median(attn_t["tessera"][m]), fixed_s=_median(attn_t["fixed"][m]),
@@ -321,17 +341,12 @@ def run_case(case: Case, args, progress) -> dict:
                   for m in distinct],
     }
 
-    # -- one dense forward (step time) -> attention's share.
-    progress.set_postfix_str(f"{case.name}: step")
-    fwd = make_forward(model, None, options=variants["dense"][1])
-    state = nnx.state(model)
-    t = jnp.full((1,), 500.0, jnp.float32)
-    step_ts = time_calls(lambda x: fwd(state, x, t, context), [(noise,)], args.step_repeats)
-    step_s = _median(step_ts)
-    res["step_dense_s"], res["step_dense_raw_s"] = step_s, step_ts
-    res["attention_share_of_step"] = min(1.0, case.layers_run * t_dense_attn / step_s)
 
-    # -- the loops.
+def _time_loops(case, model, variants, order, inputs, attn_t, res, args, progress):
+    """The three compiled loops into ``res["loops"]``, with the Amdahl prediction from the
+    attention times ``attn_t``, then the speedups."""
+    noise, context = inputs
+    t_dense_attn = res["attention"]["dense_s"]
     outs = {}
     for vname, (schedule, opts) in variants.items():
         progress.set_postfix_str(f"{case.name}: loop {vname}")
@@ -377,7 +392,6 @@ def run_case(case: Case, args, progress) -> dict:
         d["max_abs_diff_vs_dense_loop"] = float(jnp.max(jnp.abs(
             outs[vname].astype(jnp.float32) - outs["dense"].astype(jnp.float32))))
     res["speedup_vs_fixed_plan"] = L_["fixed"]["loop_s"] / L_["tessera"]["loop_s"]
-    return res
 
 
 def _default_template(backend, H, D, dtype, L) -> str:
@@ -714,6 +728,28 @@ def run_dyn_case(case: DynCase, args, progress, save) -> dict:
     per-call builder / attention times, then the host-planning loop; the peers' estimate from
     these. ``save(res)`` is called after each part (a case cut by its time limit keeps what it
     measured)."""
+    run = _dyn_setup(case, args)
+    # The slowest part (the host-planning loop) last: a case cut by its time limit keeps the rest.
+    for stage in ("dense", "dynamic", "null", "per_call", "host"):
+        if stage == "per_call":
+            if args.attn_repeats > 0:
+                progress.set_postfix_str(f"{case.name}: per call")
+                run.res["per_call"] = _per_call(case, run.rule, run.L, run.H, run.D, args.dtype,
+                                                run.opts, args, run.key)
+        elif stage in args.variants:
+            _time_dyn_loop(run, stage, args, progress)
+        else:
+            continue
+        _derive_dyn(run, args)
+        save(run.res)
+    return run.res
+
+
+def _dyn_setup(case: DynCase, args):
+    """What a dynamic case's loops share: the model, its inputs, the schedules and options, and
+    the result dict (``res``) with the case's description."""
+    from types import SimpleNamespace
+
     from tessera_jax.flax import DynamicSchedule
     dtype = args.dtype
     model, cfg = _init_model(case, dtype, args.seed)
@@ -754,95 +790,92 @@ def run_dyn_case(case: DynCase, args, progress, save) -> dict:
                        "Hq (nq + ceil(Lq/tile_q)), step rows Hm ceil(Lq/tile_q) ceil(Lkv/tile_kv) "
                        f"+ up to {args.host_bitmap_mb} MiB of bitmap words): a callback's "
                        "results need static shapes"))
-    state = nnx.state(model)
-    outs: dict = {}
+    return SimpleNamespace(case=case, model=model, rule=rule, order=order, sched=sched,
+                           null=null, noise=noise, context=context, opts=opts,
+                           host_opts=host_opts, state=nnx.state(model), key=k3, L=L, H=H, D=D,
+                           res=res, outs={})
 
-    def time_loop(vname):
-        progress.set_postfix_str(f"{case.name}: loop {vname}")
-        if vname == "host":     # numba's loops loaded or compiled before the timed runs
-            from tessera_jax.planning import warm_up
-            warm_up()
-        if vname == "dense":
-            sampler = make_sampler(model, MaskSchedule.dense(case.layers_run, case.steps),
-                                   shift=args.shift, options=opts)
+
+def _time_dyn_loop(run, vname: str, args, progress):
+    """Compiles and times one loop of a dynamic case (``vname``: dense, dynamic, null or host)
+    into ``run.res["loops"][vname]``; its output into ``run.outs``."""
+    case, res = run.case, run.res
+    progress.set_postfix_str(f"{case.name}: loop {vname}")
+    if vname == "host":     # numba's loops loaded or compiled before the timed runs
+        from tessera_jax.planning import warm_up
+        warm_up()
+    if vname == "dense":
+        sampler = make_sampler(run.model, MaskSchedule.dense(case.layers_run, case.steps),
+                               shift=args.shift, options=run.opts)
+    else:
+        sampler = make_sampler(run.model, {"dynamic": run.sched, "null": run.null,
+                                           "host": run.sched}[vname],
+                               shift=args.shift,
+                               options=run.host_opts if vname == "host" else run.opts,
+                               token_order=run.order)
+    t0 = time.perf_counter()
+    lowered = sampler.lower(run.noise, run.context)
+    compiled = _compile(lowered, args)
+    compile_s = time.perf_counter() - t0
+    call_args = ((run.state, run.noise, run.context, None, None) if vname == "dense" else
+                 (run.state, run.noise, run.context, None, None, sampler.table_array()))
+    call_args = jax.device_put(call_args)
+    last: dict = {}
+    guard = vname in ("dynamic", "null")
+
+    def run_loop():
+        if guard:       # inputs are on the device: the loop itself may move nothing
+            with jax.transfer_guard("disallow"):
+                out = compiled(*call_args)
+                jax.block_until_ready(out)
         else:
-            sampler = make_sampler(model, {"dynamic": sched, "null": null, "host": sched}[vname],
-                                   shift=args.shift, options=host_opts if vname == "host" else opts,
-                                   token_order=order)
-        t0 = time.perf_counter()
-        lowered = sampler.lower(noise, context)
-        compiled = _compile(lowered, args)
-        compile_s = time.perf_counter() - t0
-        call_args = ((state, noise, context, None, None) if vname == "dense" else
-                     (state, noise, context, None, None, sampler.table_array()))
-        call_args = jax.device_put(call_args)
-        last: dict = {}
-        guard = vname in ("dynamic", "null")
+            out = _block(compiled(*call_args))
+        last["out"] = out
 
-        def run_loop():
-            if guard:       # inputs are on the device: the loop itself may move nothing
-                with jax.transfer_guard("disallow"):
-                    out = compiled(*call_args)
-                    jax.block_until_ready(out)
-            else:
-                out = _block(compiled(*call_args))
-            last["out"] = out
+    _reset_host_stats()
+    entry: dict = dict(compile_s=compile_s, trace_count=sampler.trace_count,
+                       host_transfer_ops=host_transfer_ops(compiled.as_text()))
+    res["loops"][vname] = entry
+    try:
+        reps = args.host_repeats if vname == "host" else args.loop_repeats
+        ts = [x / 1e3 for x in timing.time_request(
+            run_loop, rule=loop_rule(reps, warmup=0)).samples]
+    except Exception as e:          # the transfer guard (or a run) failed: say so
+        entry.update(error=repr(e)[:2000], transfer_guard_ok=False if guard else None)
+        return
+    run.outs[vname] = last["out"]
+    loop_s = _median(ts)
+    entry.update(loop_s=loop_s, loop_raw_s=ts, loop_full_model_s=loop_s * case.layers_total
+                 / case.layers_run, trace_count=sampler.trace_count,
+                 finite=bool(jnp.all(jnp.isfinite(last["out"].astype(jnp.float32)))))
+    if guard:
+        entry["transfer_guard_ok"] = True
+    if vname == "host":
+        runs = max(1, len(ts))
+        entry["host_callback"] = dict(
+            calls_per_loop=HOST_STATS["calls"] / runs,
+            plan_s_per_loop=HOST_STATS["plan_s"] / runs,
+            overflows=HOST_STATS["overflows"],
+            mean_plan_bytes=HOST_STATS["plan_bytes"] / max(1, HOST_STATS["calls"]),
+            capacity_bytes_per_call=HOST_STATS["capacity_bytes"] / max(1, HOST_STATS["calls"]))
 
-        _reset_host_stats()
-        entry: dict = dict(compile_s=compile_s, trace_count=sampler.trace_count,
-                           host_transfer_ops=host_transfer_ops(compiled.as_text()))
-        res["loops"][vname] = entry
-        try:
-            reps = args.host_repeats if vname == "host" else args.loop_repeats
-            ts = [x / 1e3 for x in timing.time_request(
-                run_loop, rule=loop_rule(reps, warmup=0)).samples]
-        except Exception as e:          # the transfer guard (or a run) failed: say so
-            entry.update(error=repr(e)[:2000], transfer_guard_ok=False if guard else None)
-            return
-        outs[vname] = last["out"]
-        loop_s = _median(ts)
-        entry.update(loop_s=loop_s, loop_raw_s=ts, loop_full_model_s=loop_s * case.layers_total
-                     / case.layers_run, trace_count=sampler.trace_count,
-                     finite=bool(jnp.all(jnp.isfinite(last["out"].astype(jnp.float32)))))
-        if guard:
-            entry["transfer_guard_ok"] = True
-        if vname == "host":
-            runs = max(1, len(ts))
-            entry["host_callback"] = dict(
-                calls_per_loop=HOST_STATS["calls"] / runs,
-                plan_s_per_loop=HOST_STATS["plan_s"] / runs,
-                overflows=HOST_STATS["overflows"],
-                mean_plan_bytes=HOST_STATS["plan_bytes"] / max(1, HOST_STATS["calls"]),
-                capacity_bytes_per_call=HOST_STATS["capacity_bytes"] / max(1, HOST_STATS["calls"]))
 
-    def derive():
-        L_ = res["loops"]
-        for v in outs:
-            if v != "dense" and "dense" in outs:
-                L_[v]["max_abs_diff_vs_dense_loop"] = float(jnp.max(jnp.abs(
-                    outs[v].astype(jnp.float32) - outs["dense"].astype(jnp.float32))))
-        for v in ("dynamic", "host"):
-            if "loop_s" in L_.get(v, {}) and "loop_s" in L_.get("dense", {}):
-                L_[v]["speedup_vs_dense"] = L_["dense"]["loop_s"] / L_[v]["loop_s"]
-        if "loop_s" in L_.get("dynamic", {}) and "loop_s" in L_.get("host", {}):
-            res["speedup_vs_host_planning"] = L_["host"]["loop_s"] / L_["dynamic"]["loop_s"]
-        est = _peers_estimate(case, res, L, H, args)
-        if est:
-            res["peers_estimate"] = est
-
-    # The slowest part (the host-planning loop) last: a case cut by its time limit keeps the rest.
-    for stage in ("dense", "dynamic", "null", "per_call", "host"):
-        if stage == "per_call":
-            if args.attn_repeats > 0:
-                progress.set_postfix_str(f"{case.name}: per call")
-                res["per_call"] = _per_call(case, rule, L, H, D, dtype, opts, args, k3)
-        elif stage in args.variants:
-            time_loop(stage)
-        else:
-            continue
-        derive()
-        save(res)
-    return res
+def _derive_dyn(run, args):
+    """The speedups and the peers' estimate from the loops timed so far."""
+    res, outs = run.res, run.outs
+    L_ = res["loops"]
+    for v in outs:
+        if v != "dense" and "dense" in outs:
+            L_[v]["max_abs_diff_vs_dense_loop"] = float(jnp.max(jnp.abs(
+                outs[v].astype(jnp.float32) - outs["dense"].astype(jnp.float32))))
+    for v in ("dynamic", "host"):
+        if "loop_s" in L_.get(v, {}) and "loop_s" in L_.get("dense", {}):
+            L_[v]["speedup_vs_dense"] = L_["dense"]["loop_s"] / L_[v]["loop_s"]
+    if "loop_s" in L_.get("dynamic", {}) and "loop_s" in L_.get("host", {}):
+        res["speedup_vs_host_planning"] = L_["host"]["loop_s"] / L_["dynamic"]["loop_s"]
+    est = _peers_estimate(run.case, res, run.L, run.H, args)
+    if est:
+        res["peers_estimate"] = est
 
 
 def _dense_impl(args, dtype):
