@@ -458,7 +458,7 @@ def test_sparge_mask_equals_numpy_rule(case):
 
 
 def _off_by_one_sparge(kw, nk):
-    """``_numpy_sparge`` arguments of a deliberately wrong rule: the exclusive cumulative sum,
+    """``oracles.numpy_sparge`` arguments of a deliberately wrong rule: the exclusive cumulative sum,
     or with ``topk`` one block fewer per row (int(topk * nk) - 1)."""
     if "topk" not in kw:
         return dict(kw, inclusive=False)
