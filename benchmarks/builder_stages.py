@@ -6,20 +6,25 @@ against 4.90 ms (lax.top_k) (s13/call5-stages.json@4ae09b7); VSA builder 3.35 ms
 (h200-loop.json's builder_costs). Session 14 (benchmarks/results/h200-builder-stages.json): pooling 1.67 (XLA) / 0.63 (kernel),
 scores 0.92 / 0.35 / 0.27 (HIGHEST / HIGH / DEFAULT).
 
-    python benchmarks/builder_stages.py --out results.json
+    python benchmarks/builder_stages.py --out /tmp/stages.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tessera_jax.masks import dynamic as dm
-from tessera_jax.tools.bench_loop import _median, time_calls
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_loop import _median, time_calls  # noqa: E402  (benchmarks/, the script's folder)
+from tessera_jax.masks import dynamic as dm  # noqa: E402
+from tessera_jax.masks.dynamic import common as dc  # noqa: E402
 
 
 def main(argv=None):
@@ -37,8 +42,8 @@ def main(argv=None):
     keys = jax.random.split(jax.random.key(0), 4)
     qs = [jax.random.normal(kq, (1, L, H, D), jnp.bfloat16) for kq in keys[:2]]
     ks = [jax.random.normal(kq, (1, L, H, D), jnp.bfloat16) for kq in keys[2:]]
-    pq = [dm._pool_mean(q, b) for q in qs]
-    scores = [jnp.einsum("bihd,bjhd->hij", p, p, precision=dm._HI) for p in pq]
+    pq = [dc.pool_mean(q, b) for q in qs]
+    scores = [jnp.einsum("bihd,bjhd->hij", p, p, precision=dc.HI) for p in pq]
     rows = {}
 
     def rec(name, fn, arg_sets):
@@ -52,11 +57,8 @@ def main(argv=None):
 
     t0 = time.time()
     qk = list(zip(qs, ks))
-    # XLA's pooling (dm.POOL's control: the default "auto" takes the kernel on a GPU).
-    pool = dm.POOL
-    dm.POOL = "xla"
-    rec("pool_qk", lambda q, k: (dm._pool_mean(q, b), dm._pool_mean(k, b)), qk)
-    dm.POOL = pool
+    # XLA's pooling (the rules' pool="xla", the control: "auto" takes the kernel on a GPU).
+    rec("pool_qk", lambda q, k: (dc.pool_mean(q, b, "xla"), dc.pool_mean(k, b, "xla")), qk)
     from pallas_kernels.triton import pool as tp
     interp = jax.default_backend() != "gpu"
     rec("pool_qk_kernel", lambda q, k: (tp.block_sums(q, b, interpret=interp),
@@ -67,13 +69,13 @@ def main(argv=None):
             "bihd,bjhd->hij", a, c, precision=p), list(zip(pq, pq[::-1])))
     for mode in ("pallas", "xla"):
         def topk(s, mode=mode):
-            dm.TOP_K = mode
-            return dm._fused_topk(n)(s, kk) if mode == "pallas" else jax.lax.top_k(s, kk)[1]
+            if mode == "pallas":
+                return dc.top_k_rows(s, kk, "pallas", None)
+            return jax.lax.top_k(s, kk)[1]
         rec(f"topk_{mode}", topk, [(s,) for s in scores])
-    dm.TOP_K = "auto"
-    rec("vsa_mask", lambda q, k: dm.vsa_mask(q, k, q_bounds=b, keep=0.125).blocks, qk)
-    rec("sparge_topk", lambda q, k: dm.sparge_mask(q, k, topk=0.2, sim_threshold=-1.0).blocks,
-        qk)
+    vsa, sparge = dm.VSA(q_bounds=b, keep=0.125), dm.Sparge(topk=0.2, sim_threshold=-1.0)
+    rec("vsa_mask", lambda q, k: dm.vsa_mask(q, k, vsa).blocks, qk)
+    rec("sparge_topk", lambda q, k: dm.sparge_mask(q, k, sparge).blocks, qk)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 
 

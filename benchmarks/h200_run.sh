@@ -58,7 +58,7 @@ peers)
       # 25 of 50 steps; Wan's 12/50 dense warm-up steps scaled to 6/25, Hunyuan has none.
       case $m in hunyuan*) dense="" ;; *) dense="--dense-steps 6" ;; esac
       eval "t=\${LOOP_S_$m:-${LOOP_CASE_S:-250}}"  # per-case limit, e.g. LOOP_S_wan13b_480p=280
-      CUDA_VISIBLE_DEVICES=$g timeout $t python3 -m tessera_jax.tools.bench_loop --models $m $dense \
+      CUDA_VISIBLE_DEVICES=$g timeout $t python3 benchmarks/bench_loop.py --models $m $dense \
         ${LOOP_ARGS:---steps 25 --loop-repeats 1 --step-repeats 3 --attn-repeats 10} \
         --out $f >> $OUT/loop-gpu$g.log 2>&1
     done; }
@@ -78,7 +78,7 @@ peers)
       --out $OUT/h200-request-breakdown.json > $OUT/breakdown.log 2>&1; }
   merge() {
     python3 benchmarks/peers.py --merge $OUT/peers-gpu*.json --out $OUT/h200-peers.json > $OUT/peers-merge.log 2>&1
-    ls $OUT/loop-gpu*.json > /dev/null 2>&1 && python3 -m tessera_jax.tools.bench_loop --merge $OUT/loop-gpu*.json \
+    ls $OUT/loop-gpu*.json > /dev/null 2>&1 && python3 benchmarks/bench_loop.py --merge $OUT/loop-gpu*.json \
       --out $OUT/h200-loop.json > $OUT/loop-merge.log 2>&1; } ;;
 final)
   # GPU0 + GPU1: profile the candidates on two halves of the families (own raw files), merge, refit
@@ -110,7 +110,7 @@ final)
     export CUDA_VISIBLE_DEVICES=$gpu1
     timeout $((SEL_B + 30)) python3 benchmarks/selection.py --table plan_tables/h200.json --heads 2 \
       --no-resume --time-budget $SEL_B --out $OUT/h200-selection.json > $OUT/selection.log 2>&1
-    timeout $LOOP_T python3 -m tessera_jax.tools.bench_loop ${LOOP_ARGS:---models wan13b_480p --steps 25 \
+    timeout $LOOP_T python3 benchmarks/bench_loop.py ${LOOP_ARGS:---models wan13b_480p --steps 25 \
       --dense-steps 6 --loop-repeats 1 --step-repeats 3 --attn-repeats 20} --out $OUT/h200-loop.json \
       > $OUT/loop.log 2>&1
   } ;;

@@ -65,9 +65,9 @@ vsa)
   # (session 13's first run: plan 0.22 -> 1.27 ms from gathers over [.., 4, 4] cells; CPU
   # temp 174 -> 57 MB) and the fused top-k by default: the route on the corpus mask, the
   # 720p builders; the loop (without the host-planning variant, measured in call 2) first.
-  run 220 loop-vsa python3 -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25 \
+  run 220 loop-vsa python3 benchmarks/bench_loop.py --models wan13b_480p_vsa --steps 25 \
       --loop-repeats 3 --variants dense,dynamic,null --out $OUT/loop-vsa.json
-  run 90 builders python3 -m tessera_jax.tools.bench_loop --out $OUT/builders.json \
+  run 90 builders python3 benchmarks/bench_loop.py --out $OUT/builders.json \
       --builder-costs vsa,sparge_topk,sparge_topk_pool_xla
   run 60 device-planning-vsa480 python3 benchmarks/device_planning.py --grids wan480 \
       --route-grids wan480 --heads 12 --families vsa --no-checks --budget-s 55 \
@@ -86,7 +86,7 @@ device-planning)
 diagnose)
   # Which unit-row array is the sparse training step's extra 101 MB (session 13: 15.673 vs
   # 15.572 GB; 4 layers, compile only, XLA's buffer assignment of each variant), then the
-  # pooling kernel (dm.POOL; predicted q and k at Wan 720p 1.59 -> ~0.4 ms, VSA builder
+  # pooling kernel (the rules' pool option; predicted q and k at Wan 720p 1.59 -> ~0.4 ms, VSA builder
   # 3.35 -> ~2.2 ms) against XLA's pooling in the same call.
   for v in sparse dense; do
     mkdir -p $OUT/xla-$v
@@ -98,7 +98,7 @@ diagnose)
   done
   tar -czf $OUT/xla-dumps.tar.gz -C $OUT xla-sparse xla-dense && rm -rf $OUT/xla-sparse $OUT/xla-dense
   run 60 stages python3 benchmarks/builder_stages.py --out $OUT/stages.json
-  run 170 builders-pool python3 -m tessera_jax.tools.bench_loop --out $OUT/builders-pool.json \
+  run 170 builders-pool python3 benchmarks/bench_loop.py --out $OUT/builders-pool.json \
       --builder-costs vsa,vsa_pool_xla,vsa_highest,sparge_topk,sparge_topk_pool_xla
   tar -czf $OUT/logs.tar.gz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log ;;
 *) echo "usage: OUT=dir bash benchmarks/h200_session.sh memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;

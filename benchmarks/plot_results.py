@@ -1,5 +1,6 @@
-"""Plots of the H200 result files, next to them as PNG: forward+backward times per mask
-(``h200-backward.json``) and the compiled loops' times per variant (``h200-loop.json``).
+"""Plots of the H200 result files as PNGs in ``--out-dir`` (default /tmp/tessera-plots):
+forward+backward times per mask (``h200-backward.json``) and the compiled loops' times per
+variant (``h200-loop.json``).
 
     python benchmarks/plot_results.py benchmarks/results/h200-backward.json \
         benchmarks/results/h200-loop.json [--out-dir DIR]
@@ -83,13 +84,14 @@ def plot_loops(doc: dict, path: str) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+", help="h200-backward.json and/or h200-loop.json")
-    ap.add_argument("--out-dir", default=None, help="default: next to each file")
+    ap.add_argument("--out-dir", default="/tmp/tessera-plots", help="folder of the PNGs")
     args = ap.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
     out = []
     for f in args.files:
         with open(f) as fh:
             doc = json.load(fh)
-        png = os.path.join(args.out_dir or os.path.dirname(f),
+        png = os.path.join(args.out_dir,
                            os.path.basename(f).replace(".json", ".png"))
         if doc.get("benchmark", "").startswith("backward"):
             out.append(plot_backward(doc, png))

@@ -6,6 +6,9 @@ float32 reference loop whose choices are read on the host, and the table as data
 table reuses the executable and changes the result).
 """
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +20,9 @@ from tessera_jax.flax import (AttentionOptions, DynamicSchedule, LayerAttention,
 from tessera_jax.masks import dynamic as dm
 from tessera_jax.models import WAN21_1_3B, WanModel, make_sampler
 from tessera_jax.models.common import numpy_init
-from tessera_jax.tools import bench_loop
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_loop  # noqa: E402  (benchmarks/ is not a package)
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 # CPU compiles of these loops dominate the file's time: skip LLVM's expensive passes (no
@@ -158,10 +163,9 @@ def test_svg2_rule_carries_its_centroids():
     def two_steps(q1, k1, v1, q2, k2, v2, st0):
         out1, st1 = rule(q1, k1, v1, st0, attend=masked_dense)
         out2, st2 = rule(q2, k2, v2, st1, attend=masked_dense)
-        init = dm.svg2_init(q1, k1, jax.random.key(rule.seed), q_clusters=4, kv_clusters=5,
-                            iters=3)
-        lay1 = dm.svg2_mask(q1, k1, init, iters=1, top_p=0.5)
-        lay2 = dm.svg2_mask(q2, k2, lay1.state, iters=1, top_p=0.5)
+        init = dm.svg2_init(q1, k1, jax.random.key(rule.seed), rule)
+        lay1 = dm.svg2_mask(q1, k1, init, rule)
+        lay2 = dm.svg2_mask(q2, k2, lay1.state, rule)
         want2 = dm.unpermute(masked_dense(dm.permute(q2, lay2.q_perm),
                                           dm.permute(k2, lay2.kv_perm),
                                           dm.permute(v2, lay2.kv_perm), lay2.mask), lay2.q_perm)

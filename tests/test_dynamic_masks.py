@@ -1,15 +1,18 @@
 """Dynamic (content-dependent) mask builders, ``tessera_jax.masks.dynamic`` (issue 17 item 1).
 
 Each builder is exact against a NumPy float64 implementation of the same rule
-(``dynamic._numpy_*``) on random inputs: rows whose decision is within ``DELTA`` of flipping
+(``tests/dynamic_oracles.py``) on random inputs: rows whose decision is within ``DELTA`` of flipping
 (a near-tie of the float32 scores) are left out of the comparison, and most rows must be
 compared. Each runs inside ``jax.jit``, traces once for several inputs, lowers without a host
 callback, and ``tj.sparse_attention`` with the built mask equals ``tj.reference_attention``
 with the same mask on the host. Negative controls: the same comparisons fail for a rule off by
-one (top-k with k - 1, inclusive instead of exclusive cumulative sums).
+one (top-k with k - 1, inclusive instead of exclusive cumulative sums). The kernel options
+(``top_k``, ``pool``, ``score_precision``, ``kmeans_assign``, ``kv_order``) are rule fields,
+set through the rules.
 """
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -18,8 +21,10 @@ from hypothesis import assume, given, settings, strategies as st
 import jax
 import jax.numpy as jnp
 
+import dynamic_oracles as oracles
 import tessera_jax as tj
 from tessera_jax.masks import dynamic as dm
+from tessera_jax.masks.dynamic import clustering, svg2 as svg2_mod
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 DELTA = 2e-5          # rows closer than this to flipping are near-ties of float32 vs float64
@@ -65,22 +70,7 @@ def _lowered_has_no_callback(f, *args):
 # compiles the builder once).
 
 # --- VSA -----------------------------------------------------------------------------------
-def _with_top_k(top_k, builder):
-    """``builder`` traced with ``dm.TOP_K = top_k`` (a jit per switch: the global is read at
-    trace time)."""
-    def f(*a, **kw):
-        old = dm.TOP_K
-        dm.TOP_K = top_k
-        try:
-            return builder(*a, **kw)
-        finally:
-            dm.TOP_K = old
-    return f
-
-
-_VSA_STATIC = ("q_bounds", "kv_bounds", "block", "keep", "topk", "local")
-_vsa_jit = {t: jax.jit(_with_top_k(t, dm.vsa_mask), static_argnames=_VSA_STATIC)
-            for t in ("xla", "pallas")}
+_vsa_jit = jax.jit(dm.vsa_mask, static_argnames="rule")
 
 
 @st.composite
@@ -122,29 +112,28 @@ def test_vsa_mask_equals_numpy_rule(top_k, case):
     """Against NumPy, with ``lax.top_k`` and with the fused Triton top-k (interpreted)."""
     q, k, _ = _data(case["seed"], case["B"], case["Lq"], case["Lkv"], case["Hq"], case["Hkv"], 16,
                     case["structured"])
-    m = _vsa_jit[top_k](q, k, **case["kw"])
+    m = _vsa_jit(q, k, dm.VSA(top_k=top_k, **case["kw"]))
     assert not m.is_static
     qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
     kk = _vsa_k(len(kb) - 1, case["kw"])
-    want, margin = dm._numpy_vsa(q, k, qb, kb, kk, case["kw"].get("local"))
+    want, margin = oracles.numpy_vsa(q, k, qb, kb, kk, case["kw"].get("local"))
     _compare_rows(m.blocks, want, margin)
     assert (np.asarray(m.blocks).sum(-1) == kk).all()             # uniform rows
     if kk > 1:                                                    # negative control: k - 1
-        wrong, _ = dm._numpy_vsa(q, k, qb, kb, kk - 1, case["kw"].get("local"))
+        wrong, _ = oracles.numpy_vsa(q, k, qb, kb, kk - 1, case["kw"].get("local"))
         assert not np.array_equal(np.asarray(m.blocks), wrong)
 
 
 @pytest.mark.parametrize("top_k", ["xla", "pallas"])
-def test_vsa_top_k_ties_go_to_the_lower_index(monkeypatch, top_k):
+def test_vsa_top_k_ties_go_to_the_lower_index(top_k):
     """Equal pooled scores (identical key blocks): ``lax.top_k`` (and the fused kernel) keeps
     the lowest indices, as the NumPy rule's stable sort; +inf (``local``) blocks count towards
     k."""
-    monkeypatch.setattr(dm, "TOP_K", top_k)
     q, k, _ = _data(2, 1, 64, 64, 2, 1, 8)
     k = jnp.tile(k[:, :8], (1, 8, 1, 1))                       # 8 equal key blocks of 8
-    b = np.asarray(dm.vsa_mask(q, k, block=8, topk=3).blocks)
+    b = np.asarray(dm.vsa_mask(q, k, dm.VSA(block=8, topk=3, top_k=top_k)).blocks)
     assert (b[..., :3].all()) and not b[..., 3:].any()
-    b = np.asarray(dm.vsa_mask(q, k, block=8, topk=3, local=1).blocks)
+    b = np.asarray(dm.vsa_mask(q, k, dm.VSA(block=8, topk=3, local=1, top_k=top_k)).blocks)
     i = np.arange(8)
     forced = np.abs(i[:, None] - i[None, :]) <= 1
     assert (b.sum(-1) == 3).all() and b[:, forced].all()
@@ -158,14 +147,14 @@ def test_vsa_top_k_ties_go_to_the_lower_index(monkeypatch, top_k):
 
 def test_vsa_local_blocks_are_kept_and_count_towards_k():
     q, k, _ = _data(1, 1, 96, 96, 2, 1, 8)
-    m = dm.vsa_mask(q, k, block=8, topk=5, local=2)
+    m = dm.vsa_mask(q, k, dm.VSA(block=8, topk=5, local=2))
     b = np.asarray(m.blocks)
     i = np.arange(12)
     assert b[:, np.abs(i[:, None] - i[None, :]) <= 2].all()
     assert (b.sum(-1) == 5).all()
 
 
-# --- the fused top-k (pallas_kernels.triton.topk; TOP_K) --------------------------------------
+# --- the fused top-k (pallas_kernels.triton.topk; the rules' top_k) ---------------------
 def _top_k_set(x, k):
     """bool mask of the indices ``lax.top_k`` returns."""
     _, idx = jax.lax.top_k(jnp.asarray(x), k)
@@ -225,25 +214,104 @@ def test_fused_top_k_ties_go_to_the_lower_index_in_3d():
         tt.topk_mask(jnp.asarray(x, jnp.bfloat16), 3)
 
 
-@pytest.mark.parametrize("backend, top_k, n, fused", [
-    ("cpu", "auto", 8, False), ("gpu", "auto", 8, True), ("cpu", "pallas", 8, True),
-    ("gpu", "xla", 8, False), ("gpu", "auto", 9, False)])
-def test_top_k_switch(monkeypatch, backend, top_k, n, fused):
-    """``TOP_K="auto"`` (the default) traces the kernel on a GPU only; rows longer than ``MAX_COLS`` (here patched to 8) take ``lax.top_k``; an
-    unknown value is refused."""
+def _cpu_hlo(f, *args) -> str:
+    """The optimized CPU HLO of ``jax.jit(f)``, without source metadata."""
+    text = jax.jit(f).lower(*args).compile().as_text()
+    text = re.sub(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n[\s\S]*?\n\n", "",
+                  text, flags=re.M)
+    return re.sub(r", metadata=\{[^}]*\}", "", text)
+
+
+def _vsa_blocks(rule):
+    def blocks(q, k):
+        return dm.vsa_mask(q, k, rule).blocks
+    return blocks
+
+
+def _sparge_blocks(rule):
+    def blocks(q, k):
+        return dm.sparge_mask(q, k, rule).blocks
+    return blocks
+
+
+def _kmeans_labels(assign):
+    def blocks(x, c):
+        return dm.kmeans(x, c, iters=1, assign=assign)[0]
+    return blocks
+
+
+_KERNEL_OPTION_CASES = {
+    "vsa top_k": (lambda o: _vsa_blocks(dm.VSA(block=8, topk=2, top_k=o, pool="xla")), "f32"),
+    "vsa pool": (lambda o: _vsa_blocks(dm.VSA(block=8, topk=2, top_k="xla", pool=o)), "bf16"),
+    "sparge top_k": (lambda o: _sparge_blocks(dm.Sparge(block_q=8, block_kv=8, topk=0.3,
+                                                        top_k=o, pool="xla")), "f32"),
+    "sparge pool": (lambda o: _sparge_blocks(dm.Sparge(block_q=8, block_kv=8, top_k="xla",
+                                                       pool=o)), "bf16"),
+    "kmeans assign": (_kmeans_labels, "kmeans"),
+}
+
+
+def _option_args(kind):
+    if kind == "kmeans":
+        return jnp.zeros((1, 8, 4)), jnp.zeros((1, 3, 4))
+    dt = jnp.bfloat16 if kind == "bf16" else jnp.float32
+    return jnp.zeros((1, 64, 2, 4), dt), jnp.zeros((1, 64, 2, 4), dt)
+
+
+@pytest.mark.parametrize("case", list(_KERNEL_OPTION_CASES))
+def test_kernel_options_auto_follow_the_compilation_platform(case):
+    """A kernel option "auto" (the default) is the Triton kernel when the computation is
+    compiled for a GPU (lowered here for an abstract H200: the Triton call) and exactly XLA's
+    ops elsewhere (CPU: the same optimized HLO as "xla"); "pallas" is the kernel everywhere
+    (interpreted here), "xla" never."""
+    from cuda_lowering import lower_for_h200
+    make, kind = _KERNEL_OPTION_CASES[case]
+    args = _option_args(kind)
+    for option, on_gpu in (("auto", True), ("pallas", True), ("xla", False)):
+        assert ("__gpu$xla.gpu.triton" in lower_for_h200(make(option), *args)) == on_gpu
+    assert "pallas_call" in str(jax.make_jaxpr(make("pallas"))(*args))
+    assert "pallas_call" not in str(jax.make_jaxpr(make("xla"))(*args))
+    assert _cpu_hlo(make("auto"), *args) == _cpu_hlo(make("xla"), *args)
+
+
+def test_kernel_options_are_checked_and_long_rows_take_xla():
+    """Unknown option values are refused naming the field; rows longer than the top-k kernel's
+    ``MAX_COLS`` take ``lax.top_k`` even with ``top_k="pallas"``."""
     from pallas_kernels.triton import topk as tt
-    assert dm.TOP_K == "auto"
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    monkeypatch.setattr(tt, "MAX_COLS", 8)
-    monkeypatch.setattr(dm, "TOP_K", top_k)
-    q, k = jnp.zeros((1, 8 * n, 2, 4)), jnp.zeros((1, 8 * n, 2, 4))
-    for f in (lambda q, k: dm.vsa_mask(q, k, block=8, topk=2).blocks,
-              lambda q, k: dm.sparge_mask(q, k, block_q=8, block_kv=8, topk=0.3).blocks):
-        text = str(jax.make_jaxpr(f)(q, k))
-        assert ("pallas_call" in text) == fused
-    monkeypatch.setattr(dm, "TOP_K", "triton")
-    with pytest.raises(ValueError, match="TOP_K must be one of"):
-        dm.vsa_mask(q, k, block=8, topk=2)
+    for make, field in ((lambda: dm.VSA(top_k="triton"), "top_k"),
+                        (lambda: dm.Sparge(pool="triton"), "pool"),
+                        (lambda: dm.VSA(score_precision="bf16"), "score_precision"),
+                        (lambda: dm.SVG2(kmeans_assign="triton"), "kmeans_assign"),
+                        (lambda: dm.SVG2(kv_order="random"), "kv_order")):
+        with pytest.raises(ValueError, match=f"{field} must be one of"):
+            make()
+    with pytest.raises(ValueError, match="assign must be one of"):
+        dm.kmeans(jnp.zeros((1, 8, 4)), jnp.zeros((1, 3, 4)), iters=1, assign="triton")
+    n = tt.MAX_COLS + 1
+    q = jax.ShapeDtypeStruct((1, n, 1, 4), jnp.float32)
+    for f in (_vsa_blocks(dm.VSA(block=1, topk=2, top_k="pallas", pool="xla")),
+              _sparge_blocks(dm.Sparge(block_q=64, block_kv=1, topk=0.3, top_k="pallas"))):
+        assert "pallas_call" not in str(jax.make_jaxpr(f)(q, q))
+
+
+def test_a_rule_option_changed_between_calls_of_a_jitted_function_takes_effect():
+    """Rules are static arguments (hashable): a changed option is a new cache entry, traced
+    again, whose computation follows it."""
+    traces = []
+
+    @functools.partial(jax.jit, static_argnames="rule")
+    def f(q, k, rule):
+        traces.append(rule)
+        return dm.vsa_mask(q, k, rule).blocks
+
+    q, k, _ = _data(0, 1, 64, 64, 2, 1, 8)
+    high, highest = dm.VSA(block=8, topk=2), dm.VSA(block=8, topk=2, score_precision="highest")
+    f(q, k, high)
+    f(q, k, highest)
+    f(q, k, dm.VSA(block=8, topk=2))                          # equal rule: the cached one
+    assert traces == [high, highest]
+    assert "precision = [HIGHEST" not in f.lower(q, k, high).as_text()
+    assert "precision = [HIGHEST" in f.lower(q, k, highest).as_text()
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -253,7 +321,7 @@ def test_sparge_top_k_fused_equals_sort(seed):
     q, k, _ = _data(seed, 1, 120, 100, 4, 2, 16)
     kw = dict(block_q=16, block_kv=8, topk=0.25, sim_threshold=0.3 + 0.3 * (seed == 2),
               smooth_k=seed != 1)
-    got = {t: np.asarray(_with_top_k(t, dm.sparge_mask)(q, k, **kw).blocks)
+    got = {t: np.asarray(dm.sparge_mask(q, k, dm.Sparge(top_k=t, **kw)).blocks)
            for t in ("xla", "pallas")}
     np.testing.assert_array_equal(got["pallas"], got["xla"])
 
@@ -269,7 +337,7 @@ def test_fused_top_k_lowers_to_triton():
                                                                                  jnp.float32))
 
 
-# --- the block-pooling kernel (pallas_kernels.triton.pool; POOL) ---------------------------
+# --- the block-pooling kernel (pallas_kernels.triton.pool; the rules' pool) ---------------
 @settings(max_examples=12, deadline=None)
 @given(st.data())
 def test_block_sums_kernel_equals_the_sum(data):
@@ -301,46 +369,34 @@ def test_block_sums_refuses_bad_bounds():
         tp.block_sums(jnp.zeros((1, tp.MAX_BLOCK + 1, 1, 4)), np.array([0, tp.MAX_BLOCK + 1]))
 
 
-def test_pool_switch_keeps_the_masks(monkeypatch):
-    """``POOL="pallas"`` (interpreted) builds the same VSA and SpargeAttn masks as XLA's
+def test_pool_option_keeps_the_masks():
+    """``pool="pallas"`` (interpreted) builds the same VSA and SpargeAttn masks as XLA's
     pooling on cube-layout bounds, the kernel taking 2-byte q and k only (float32 arrays stay
-    with XLA); "auto" (the default) traces the kernel on a GPU only."""
+    with XLA)."""
     _, b = dm.cube_layout((3, 6, 7))
     q, k = (x.astype(jnp.bfloat16) for x in _data(3, 1, int(b[-1]), int(b[-1]), 2, 2, 16)[:2])
-
-    def vsa(q, k):
-        return dm.vsa_mask(q, k, q_bounds=b, topk=3).blocks
-
-    def sparge(q, k):
-        return dm.sparge_mask(q, k, block_q=16, block_kv=8, topk=0.3).blocks
-
-    assert dm.POOL == "auto"
     got = {}
     for mode in ("xla", "pallas"):
-        monkeypatch.setattr(dm, "POOL", mode)
-        got[mode] = [np.asarray(f(q, k)) for f in (vsa, sparge)]
-        for f in (vsa, sparge):
+        fs = (_vsa_blocks(dm.VSA(q_bounds=b, topk=3, pool=mode)),
+              _sparge_blocks(dm.Sparge(block_q=16, block_kv=8, topk=0.3, pool=mode)))
+        got[mode] = [np.asarray(f(q, k)) for f in fs]
+        for f in fs:
             for x, kernel in ((q, mode == "pallas"), (q.astype(jnp.float32), False)):
-                # A new function each time: jax caches traces per function, not per switch.
-                text = str(jax.make_jaxpr(lambda a, c: f(a, c))(x, x))
-                assert ("tessera_block_sums" in text) == kernel, (f.__name__, mode, x.dtype)
+                text = str(jax.make_jaxpr(f)(x, x))
+                assert ("tessera_block_sums" in text) == kernel, (mode, x.dtype)
     for a, c in zip(got["xla"], got["pallas"]):
         np.testing.assert_array_equal(a, c)
 
 
-def test_score_precision_switch(monkeypatch):
-    """``SCORE_PRECISION`` sets the VSA and SpargeAttn score matmuls' precision; others are
-    refused."""
+def test_score_precision_option():
+    """``score_precision`` sets the VSA and SpargeAttn score matmuls' precision."""
     q, k = jnp.ones((1, 32, 2, 8)), jnp.ones((1, 32, 2, 8))
     for mode, want in (("highest", "HIGHEST"), ("high", "HIGH")):
-        monkeypatch.setattr(dm, "SCORE_PRECISION", mode)
-        for f in (lambda q, k: dm.vsa_mask(q, k, block=8, topk=2).blocks,
-                  lambda q, k: dm.sparge_mask(q, k, block_q=8, block_kv=8, topk=0.5).blocks):
+        for f in (_vsa_blocks(dm.VSA(block=8, topk=2, score_precision=mode)),
+                  _sparge_blocks(dm.Sparge(block_q=8, block_kv=8, topk=0.5,
+                                           score_precision=mode))):
             text = str(jax.make_jaxpr(f)(q, k))
             assert f"precision=(Precision.{want}, Precision.{want})" in text, text[:2000]
-    monkeypatch.setattr(dm, "SCORE_PRECISION", "bf16")
-    with pytest.raises(ValueError, match="SCORE_PRECISION must be"):
-        dm.vsa_mask(q, k, block=8, topk=2)
 
 
 def test_block_sums_lowers_to_triton():
@@ -365,9 +421,7 @@ def test_cube_layout_orders_tokens_cube_major():
 
 
 # --- SpargeAttn ----------------------------------------------------------------------------
-_sparge_jit = jax.jit(dm.sparge_mask, static_argnames=(
-    "q_bounds", "kv_bounds", "block_q", "block_kv", "cdf_threshold", "topk", "sim_threshold",
-    "min_keep", "smooth_k", "sink"))
+_sparge_jit = jax.jit(dm.sparge_mask, static_argnames="rule")
 
 
 @st.composite
@@ -390,21 +444,21 @@ def sparge_cases(draw):
 def test_sparge_mask_equals_numpy_rule(case):
     Lq, Lkv = 120, 100                                         # partial last blocks
     q, k, _ = _data(case["seed"], case["B"], Lq, Lkv, case["Hq"], case["Hkv"], 16)
-    m = _sparge_jit(q, k, **case["kw"])
+    m = _sparge_jit(q, k, dm.Sparge(**case["kw"]))
     qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
     assert (np.diff(qb[:-1]) == 16).all() and qb[-1] == Lq and kb[-1] == Lkv
     kw = {x: y for x, y in case["kw"].items() if x not in ("block_q", "block_kv")}
-    want, margin = dm._numpy_sparge(q, k, qb, kb, **kw)
+    want, margin = oracles.numpy_sparge(q, k, qb, kb, **kw)
     _compare_rows(m.blocks, want, margin, min_frac=0.3)
     # negative control: mass before the block (cdf), or one block fewer a row (topk)
-    wrong, _ = dm._numpy_sparge(q, k, qb, kb, **_off_by_one_sparge(kw, len(kb) - 1))
+    wrong, _ = oracles.numpy_sparge(q, k, qb, kb, **_off_by_one_sparge(kw, len(kb) - 1))
     ok = (margin >= DELTA)[..., None] & (want != wrong)
     if ok.any():
         assert not np.array_equal(np.asarray(m.blocks)[ok], wrong[ok])
 
 
 def _off_by_one_sparge(kw, nk):
-    """``_numpy_sparge`` arguments of a deliberately wrong rule: the exclusive cumulative sum,
+    """``oracles.numpy_sparge`` arguments of a deliberately wrong rule: the exclusive cumulative sum,
     or with ``topk`` one block fewer per row (int(topk * nk) - 1)."""
     if "topk" not in kw:
         return dict(kw, inclusive=False)
@@ -422,10 +476,10 @@ def test_sparge_negative_control_detects_an_off_by_one_rule(kw):
     caught = 0
     for seed in range(3):
         q, k, _ = _data(seed, 1, 120, 100, 2, 1, 16)
-        m = _sparge_jit(q, k, block_q=16, block_kv=8, **kw)
+        m = _sparge_jit(q, k, dm.Sparge(block_q=16, block_kv=8, **kw))
         qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
-        _, margin = dm._numpy_sparge(q, k, qb, kb, **kw)
-        wrong, _ = dm._numpy_sparge(q, k, qb, kb, **_off_by_one_sparge(kw, len(kb) - 1))
+        _, margin = oracles.numpy_sparge(q, k, qb, kb, **kw)
+        wrong, _ = oracles.numpy_sparge(q, k, qb, kb, **_off_by_one_sparge(kw, len(kb) - 1))
         ok = margin >= DELTA
         caught += not np.array_equal(np.asarray(m.blocks)[ok], wrong[ok])
     assert caught == 3
@@ -434,15 +488,15 @@ def test_sparge_negative_control_detects_an_off_by_one_rule(kw):
 def test_sparge_self_similarity_gives_dense_stripes():
     """Blocks of unrelated tokens (not self-similar) keep full rows / columns."""
     q, k, _ = _data(3, 1, 64, 64, 1, 1, 16, structured=False)  # cosine ~ 1/n: none similar
-    m = dm.sparge_mask(q, k, block_q=16, block_kv=16)
+    m = dm.sparge_mask(q, k, dm.Sparge(block_q=16, block_kv=16))
     assert np.asarray(m.blocks).all()
-    m = dm.sparge_mask(q, k, block_q=16, block_kv=16, sim_threshold=-1.0, cdf_threshold=0.5)
+    m = dm.sparge_mask(q, k, dm.Sparge(block_q=16, block_kv=16, sim_threshold=-1.0,
+                                       cdf_threshold=0.5))
     assert not np.asarray(m.blocks).all()
 
 
 # --- XAttention ----------------------------------------------------------------------------
-_xattn_jit = jax.jit(dm.xattn_mask, static_argnames=(
-    "block", "stride", "tau", "keep_diagonal", "keep_sink", "chunk_blocks"))
+_xattn_jit = jax.jit(dm.xattn_mask, static_argnames="rule")
 
 
 @st.composite
@@ -463,29 +517,18 @@ def xattn_cases(draw):
 def test_xattn_mask_equals_numpy_rule(case):
     q, k, _ = _data(case["seed"], case["B"], case["Lq"], case["Lkv"], case["Hq"], case["Hkv"], 8,
                     case["structured"])
-    m = _xattn_jit(q, k, **case["kw"])
+    m = _xattn_jit(q, k, dm.XAttention(**case["kw"]))
     kw = {x: y for x, y in case["kw"].items() if x != "chunk_blocks"}
-    want, margin = dm._numpy_xattn(q, k, **kw)
+    want, margin = oracles.numpy_xattn(q, k, **kw)
     _compare_rows(m.blocks, want, margin)
-    wrong, _ = dm._numpy_xattn(q, k, exclusive=False, **kw)   # negative control
+    wrong, _ = oracles.numpy_xattn(q, k, exclusive=False, **kw)   # negative control
     differ = (margin >= DELTA)[..., None] & (want != wrong)
     assert differ.any()
     assert not np.array_equal(np.asarray(m.blocks)[differ], wrong[differ])
 
 
 # --- SVG2 ----------------------------------------------------------------------------------
-def _kmeans_with(assign, x, c0, *, iters):
-    """``dm.kmeans`` traced with ``dm.KMEANS_ASSIGN = assign``."""
-    old = dm.KMEANS_ASSIGN
-    dm.KMEANS_ASSIGN = assign
-    try:
-        return dm.kmeans(x, c0, iters=iters)
-    finally:
-        dm.KMEANS_ASSIGN = old
-
-
-_kmeans_jit = {s: jax.jit(functools.partial(_kmeans_with, s), static_argnames=("iters",))
-               for s in ("xla", "pallas")}
+_kmeans_jit = jax.jit(dm.kmeans, static_argnames=("iters", "assign"))
 
 
 @settings(max_examples=20)
@@ -498,28 +541,14 @@ def test_kmeans_equals_numpy(seed, iters, assign):
                     jnp.float32)
     C = 37 if assign == "pallas" else 5
     c0 = jnp.asarray(np.asarray(x)[:, rng.choice(70, C, replace=False)])
-    lab, c = _kmeans_jit[assign](x, c0, iters=iters)
-    want_lab, want_c, margin = dm._numpy_kmeans(np.asarray(x), np.asarray(c0), iters)
+    lab, c = _kmeans_jit(x, c0, iters=iters, assign=assign)
+    want_lab, want_c, margin = oracles.numpy_kmeans(np.asarray(x), np.asarray(c0), iters)
     assume(margin >= 1e-4)
     np.testing.assert_array_equal(np.asarray(lab), want_lab)
     np.testing.assert_allclose(np.asarray(c), want_c, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend, fused", [("cpu", False), ("gpu", True)])
-def test_kmeans_assign_auto_is_the_kernel_on_a_gpu_only(monkeypatch, backend, fused):
-    """``KMEANS_ASSIGN="auto"`` (the default) traces the Triton kernel on a GPU and the XLA
-    assignment elsewhere; an unknown value is refused."""
-    assert dm.KMEANS_ASSIGN == "auto"
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    x, c0 = jnp.zeros((1, 8, 4)), jnp.zeros((1, 3, 4))
-    text = str(jax.make_jaxpr(functools.partial(dm.kmeans, iters=1))(x, c0))
-    assert ("pallas_call" in text) == fused
-    monkeypatch.setattr(dm, "KMEANS_ASSIGN", "triton")
-    with pytest.raises(ValueError, match="KMEANS_ASSIGN must be one of"):
-        dm.kmeans(x, c0, iters=1)
-
-
-def test_svg2_attention_gradient_with_the_fused_assignment(monkeypatch):
+def test_svg2_attention_gradient_with_the_fused_assignment():
     """The Triton assignment has no autodiff rule: its inputs are cut from the gradient (the
     labels are piecewise constant), so gradients through ``svg2_attention`` equal the XLA
     assignment's."""
@@ -527,9 +556,8 @@ def test_svg2_attention_gradient_with_the_fused_assignment(monkeypatch):
     state = _svg2_state(q, k, (3, 4))
     grads = {}
     for assign in ("xla", "pallas"):
-        monkeypatch.setattr(dm, "KMEANS_ASSIGN", assign)
-        grads[assign] = jax.grad(lambda q: dm.svg2_attention(q, k, v, state, iters=1,
-                                                             top_p=0.5)[0].sum())(q)
+        rule = dm.SVG2(iters=1, top_p=0.5, kmeans_assign=assign)
+        grads[assign] = jax.grad(lambda q: dm.svg2_attention(q, k, v, state, rule)[0].sum())(q)
     assert np.abs(np.asarray(grads["xla"])).sum() > 0
     np.testing.assert_allclose(np.asarray(grads["pallas"]), np.asarray(grads["xla"]), **TOL)
 
@@ -546,7 +574,7 @@ def test_triton_assign_matches_xla_and_breaks_ties_low():
         x[:, :5] = c[:, 3:4]                     # points on it
         x, c = jnp.asarray(x, dt), jnp.asarray(c)
         got = np.asarray(tk.assign(x, c, interpret=True))
-        np.testing.assert_array_equal(got, np.asarray(jax.vmap(dm._assign)(x, c)))
+        np.testing.assert_array_equal(got, np.asarray(jax.vmap(clustering._assign)(x, c)))
         assert (got == 3).any() and not (got == 90).any()
     with pytest.raises(ValueError, match="assign: x must be"):
         tk.assign(jnp.zeros((2, 5, 4)), jnp.zeros((2, 3, 8)))
@@ -554,15 +582,15 @@ def test_triton_assign_matches_xla_and_breaks_ties_low():
 
 SVG2_SHAPE = dict(B=1, Lq=96, Lkv=80, Hq=4, Hkv=2, D=8)
 SVG2_C = (5, 7)
-_svg2_jit = jax.jit(dm.svg2_mask, static_argnames=("iters", "top_p", "min_kc_ratio",
-                                                   "min_cluster_tokens"))
+_svg2_jit = jax.jit(dm.svg2_mask, static_argnames="rule")
 
 
-_init_jit = jax.jit(dm.svg2_init, static_argnames=("q_clusters", "kv_clusters", "iters"))
+_init_jit = jax.jit(dm.svg2_init, static_argnames="rule")
 
 
 def _svg2_state(q, k, C=SVG2_C, seed=0):
-    return _init_jit(q, k, jax.random.key(seed), q_clusters=C[0], kv_clusters=C[1], iters=2)
+    return _init_jit(q, k, jax.random.key(seed),
+                     dm.SVG2(q_clusters=C[0], kv_clusters=C[1], init_iters=2))
 
 
 def _token_mask(lay, Lq, Lkv, group):
@@ -603,8 +631,8 @@ def test_svg2_mask_equals_numpy_rule_on_tokens(seed, m):
     s, top_p = SVG2_SHAPE, 0.7
     q, k, _ = _data(seed, s["B"], s["Lq"], s["Lkv"], s["Hq"], s["Hkv"], s["D"])
     state = _svg2_state(q, k, seed=seed % 7)
-    lay = _svg2_jit(q, k, state, top_p=top_p, min_cluster_tokens=m)
-    tok, ql, kl, qc, kc, margin = dm._numpy_svg2(
+    lay = _svg2_jit(q, k, state, dm.SVG2(top_p=top_p, min_cluster_tokens=m))
+    tok, ql, kl, qc, kc, margin = oracles.numpy_svg2(
         q, k, state.q_centroids, state.kv_centroids, top_p=top_p, min_cluster_tokens=m)
     assume(margin >= DELTA)
     g = s["Hq"] // s["Hkv"]
@@ -612,7 +640,7 @@ def test_svg2_mask_equals_numpy_rule_on_tokens(seed, m):
     np.testing.assert_allclose(np.asarray(lay.state.q_centroids), qc, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(lay.state.kv_centroids), kc, atol=1e-5, rtol=1e-5)
     _check_layout(lay, ql, kl, (s["Lq"], s["Lkv"]), SVG2_C, m, g)
-    wrong = dm._numpy_svg2(q, k, state.q_centroids, state.kv_centroids, top_p=top_p,
+    wrong = oracles.numpy_svg2(q, k, state.q_centroids, state.kv_centroids, top_p=top_p,
                            min_cluster_tokens=m, exclusive=False)[0]
     if not np.array_equal(wrong, tok):                        # negative control
         assert not np.array_equal(_token_mask(lay, s["Lq"], s["Lkv"], g), wrong)
@@ -627,34 +655,26 @@ def test_svg2_kv_group_order_by_popularity():
     merged[0, 0, 1] = merged[1, 1, 1] = True     # group 1: 2
     merged[1, 2, 3] = True                       # group 3: 1; group 0: 0
     merged[:, :, 4] = True                       # id 4 >= n_groups: last whatever it holds
-    order = dm._kv_group_order(jnp.asarray(merged), jnp.asarray([4]), 2)
+    order = svg2_mod._kv_group_order(jnp.asarray(merged), jnp.asarray([4]), 2)
     np.testing.assert_array_equal(np.asarray(order), [[2, 1, 3, 0, 4]])
 
 
-def test_svg2_kv_order_keeps_the_token_mask(monkeypatch):
-    """The key-group order moves tokens, never the selection: the popularity layout gives the
-    NumPy rule's token-level mask, the same as a layout with the groups in label order (the
-    order substituted here), with no more selected runs per query block than that one."""
+def test_svg2_kv_order_keeps_the_token_mask():
+    """The key-group order moves tokens, never the selection: the popularity layout (the
+    default ``kv_order``) gives the NumPy rule's token-level mask, the same as the layout with
+    the groups in label order, with no more selected runs per query block than that one."""
     s = SVG2_SHAPE
     q, k, _ = _data(3, s["B"], s["Lq"], s["Lkv"], s["Hq"], s["Hkv"], s["D"])
     state = _svg2_state(q, k, seed=3)
     g = s["Hq"] // s["Hkv"]
-
-    def label_order(merged, n_groups, group):
-        Hq, _, CK = merged.shape
-        return jnp.broadcast_to(jnp.arange(CK, dtype=jnp.int32), (Hq // group, CK))
-
     toks, runs = {}, {}
     for order in ("label", "popularity"):
-        with monkeypatch.context() as mp:
-            if order == "label":
-                mp.setattr(dm, "_kv_group_order", label_order)
-            lay = dm.svg2_mask(q, k, state, top_p=0.5, min_cluster_tokens=1)
+        lay = dm.svg2_mask(q, k, state, dm.SVG2(top_p=0.5, min_cluster_tokens=1, kv_order=order))
         toks[order] = _token_mask(lay, s["Lq"], s["Lkv"], g)
         b = np.asarray(lay.mask.blocks)
         runs[order] = np.sum(b[..., 1:] & ~b[..., :-1]) + np.sum(b[..., 0])
-    tok, *_, margin = dm._numpy_svg2(q, k, state.q_centroids, state.kv_centroids, top_p=0.5,
-                                     min_cluster_tokens=1)
+    tok, *_, margin = oracles.numpy_svg2(q, k, state.q_centroids, state.kv_centroids,
+                                         top_p=0.5, min_cluster_tokens=1)
     assert margin >= DELTA
     np.testing.assert_array_equal(toks["popularity"], tok)
     np.testing.assert_array_equal(toks["label"], toks["popularity"])
@@ -668,8 +688,8 @@ def test_svg2_negative_control_detects_an_off_by_one_rule():
     for seed in range(4):
         q, k, _ = _data(seed, s["B"], s["Lq"], s["Lkv"], s["Hq"], s["Hkv"], s["D"])
         state = _svg2_state(q, k)
-        lay = _svg2_jit(q, k, state, top_p=0.7, min_cluster_tokens=1)
-        wrong = dm._numpy_svg2(q, k, state.q_centroids, state.kv_centroids, top_p=0.7,
+        lay = _svg2_jit(q, k, state, dm.SVG2(top_p=0.7, min_cluster_tokens=1))
+        wrong = oracles.numpy_svg2(q, k, state.q_centroids, state.kv_centroids, top_p=0.7,
                                exclusive=False)[0]
         differs += not np.array_equal(_token_mask(lay, s["Lq"], s["Lkv"], 2), wrong)
     assert differs >= 3
@@ -683,7 +703,7 @@ def test_svg2_layout_never_breaks_on_bad_data():
     state = _svg2_state(q, k)
     q = q.at[0, :10].set(jnp.nan)
     k = k.at[0, 3].set(jnp.inf)
-    lay = _svg2_jit(q, k, state, top_p=0.7, min_cluster_tokens=1)
+    lay = _svg2_jit(q, k, state, dm.SVG2(top_p=0.7, min_cluster_tokens=1))
     for perm, bounds, L in ((lay.q_perm, lay.mask.q_bounds, s["Lq"]),
                             (lay.kv_perm, lay.mask.kv_bounds, s["Lkv"])):
         perm, bounds = np.asarray(perm), np.asarray(bounds)
@@ -723,21 +743,22 @@ def _assert_attention_under_jit(build, shapes, seeds=(0, 1, 2)):
 
 
 def test_vsa_attention_under_jit():
-    _assert_attention_under_jit(lambda q, k: dm.vsa_mask(q, k, block=48, keep=0.4),
+    _assert_attention_under_jit(lambda q, k: dm.vsa_mask(q, k, dm.VSA(block=48, keep=0.4)),
                                 (1, 192, 192, 4, 2, 16))
     order, bounds = dm.cube_layout((2, 6, 10), (2, 4, 4))      # cubes of 32, 16, 24, 12, 8
-    _assert_attention_under_jit(lambda q, k: dm.vsa_mask(q, k, q_bounds=bounds, topk=3),
+    _assert_attention_under_jit(lambda q, k: dm.vsa_mask(q, k, dm.VSA(q_bounds=bounds, topk=3)),
                                 (2, 120, 120, 2, 2, 16), seeds=(3, 4))
 
 
 def test_sparge_attention_under_jit():
-    _assert_attention_under_jit(lambda q, k: dm.sparge_mask(q, k, block_q=64, block_kv=48,
-                                                            cdf_threshold=0.8),
+    rule = dm.Sparge(block_q=64, block_kv=48, cdf_threshold=0.8)
+    _assert_attention_under_jit(lambda q, k: dm.sparge_mask(q, k, rule),
                                 (1, 200, 150, 2, 1, 16))
 
 
 def test_xattn_attention_under_jit():
-    _assert_attention_under_jit(lambda q, k: dm.xattn_mask(q, k, block=64, stride=8, tau=0.8),
+    rule = dm.XAttention(block=64, stride=8, tau=0.8)
+    _assert_attention_under_jit(lambda q, k: dm.xattn_mask(q, k, rule),
                                 (1, 200, 176, 2, 2, 16))
 
 
@@ -753,7 +774,7 @@ def test_svg2_attention_in_a_compiled_loop_equals_the_reference_on_tokens():
         traces.append(1)
 
         def step(st, qkv):
-            out, st2 = dm.svg2_attention(*qkv, st, iters=2, top_p=0.7)
+            out, st2 = dm.svg2_attention(*qkv, st, dm.SVG2(iters=2, top_p=0.7))
             return st2, (out, st.q_centroids, st.kv_centroids)
 
         return jax.lax.scan(step, state, (qs, ks, vs))
@@ -764,7 +785,7 @@ def test_svg2_attention_in_a_compiled_loop_equals_the_reference_on_tokens():
         state = _svg2_state(qs[0], ks[0], seed=seed)
         final, (outs, qcs, kcs) = loop(qs, ks, vs, state)
         for i, (q, k, v) in enumerate(steps):
-            tok, _, _, qc, kc, margin = dm._numpy_svg2(q, k, qcs[i], kcs[i], top_p=0.7)
+            tok, _, _, qc, kc, margin = oracles.numpy_svg2(q, k, qcs[i], kcs[i], top_p=0.7)
             if margin < DELTA:                                 # a near-tie: not comparable
                 continue
             compared += 1
@@ -780,14 +801,15 @@ def test_svg2_attention_in_a_compiled_loop_equals_the_reference_on_tokens():
 
 def test_builders_lower_without_callbacks():
     q, k, _ = _data(0, 1, 64, 64, 2, 1, 8)
-    _lowered_has_no_callback(lambda q, k: dm.vsa_mask(q, k, block=16).blocks, q, k)
-    _lowered_has_no_callback(lambda q, k: dm.sparge_mask(q, k, block_q=16, block_kv=8).blocks,
+    _lowered_has_no_callback(lambda q, k: dm.vsa_mask(q, k, dm.VSA(block=16)).blocks, q, k)
+    _lowered_has_no_callback(_sparge_blocks(dm.Sparge(block_q=16, block_kv=8)),
                              q, k)
-    _lowered_has_no_callback(lambda q, k: dm.xattn_mask(q, k, block=16, stride=4).blocks, q, k)
+    _lowered_has_no_callback(
+        lambda q, k: dm.xattn_mask(q, k, dm.XAttention(block=16, stride=4)).blocks, q, k)
     state = _svg2_state(q, k, (4, 4))
     _lowered_has_no_callback(lambda q, k, s: dm.svg2_mask(q, k, s).mask.blocks, q, k, state)
-    _lowered_has_no_callback(lambda q, k: dm.svg2_init(q, k, jax.random.key(0), q_clusters=4,
-                                                       kv_clusters=4), q, k)
+    _lowered_has_no_callback(lambda q, k: dm.svg2_init(
+        q, k, jax.random.key(0), dm.SVG2(q_clusters=4, kv_clusters=4)), q, k)
 
 
 # --- argument errors name the argument ------------------------------------------------------
@@ -795,32 +817,36 @@ def test_errors_name_the_argument():
     q, k, v = _data(0, 1, 64, 64, 4, 2, 8)
     state = _svg2_state(q, k, (4, 4))
     cases = [
-        (lambda: dm.vsa_mask(q, k, keep=1.5), ValueError, "keep must be in"),
-        (lambda: dm.vsa_mask(q, k, keep=0.2, topk=2), ValueError, "keep or topk, not both"),
-        (lambda: dm.vsa_mask(q, k, block=16, topk=9), ValueError, "topk must be in"),
-        (lambda: dm.vsa_mask(q, k, block=16, topk=2, local=1), ValueError, "local=1"),
-        (lambda: dm.vsa_mask(q, k, q_bounds=jnp.arange(0, 65, 16)), TypeError,
+        (lambda: dm.vsa_mask(q, k, dm.VSA(keep=1.5)), ValueError, "keep must be in"),
+        (lambda: dm.vsa_mask(q, k, dm.VSA(keep=0.2, topk=2)), ValueError, "keep or topk, not both"),
+        (lambda: dm.vsa_mask(q, k, dm.VSA(block=16, topk=9)), ValueError, "topk must be in"),
+        (lambda: dm.vsa_mask(q, k, dm.VSA(block=16, topk=2, local=1)), ValueError, "local=1"),
+        (lambda: dm.vsa_mask(q, k, dm.VSA(q_bounds=jnp.arange(0, 65, 16))), TypeError,
          "q_bounds must be static"),
-        (lambda: dm.vsa_mask(q, k, q_bounds=[0, 32, 60]), ValueError,
+        (lambda: dm.vsa_mask(q, k, dm.VSA(q_bounds=[0, 32, 60])), ValueError,
          "q_bounds must end at the sequence length 64"),
-        (lambda: dm.vsa_mask(q, k, block=0), ValueError, "block must be >= 1"),
+        (lambda: dm.vsa_mask(q, k, dm.VSA(block=0)), ValueError, "block must be >= 1"),
         (lambda: dm.vsa_mask(q[0], k), ValueError, r"q must be \[B, Lq, Hq, D\]"),
         (lambda: dm.vsa_mask(q, k[:, :, :1].repeat(3, 2)), ValueError, "multiple of k's heads"),
         (lambda: dm.vsa_mask(q, k, scale=-1.0), ValueError, "scale must be a positive"),
-        (lambda: dm.sparge_mask(q, k, cdf_threshold=0), ValueError, "cdf_threshold must be in"),
-        (lambda: dm.sparge_mask(q, k, sim_threshold=2), ValueError, "sim_threshold must be in"),
-        (lambda: dm.sparge_mask(q, k, smooth_k=1), TypeError, "smooth_k must be a bool"),
-        (lambda: dm.sparge_mask(q, k, block_kv=16, min_keep=5), ValueError, "min_keep must be"),
-        (lambda: dm.xattn_mask(q, k, block=20, stride=8), ValueError,
+        (lambda: dm.sparge_mask(q, k, dm.Sparge(cdf_threshold=0)), ValueError,
+         "cdf_threshold must be in"),
+        (lambda: dm.sparge_mask(q, k, dm.Sparge(sim_threshold=2)), ValueError,
+         "sim_threshold must be in"),
+        (lambda: dm.sparge_mask(q, k, dm.Sparge(smooth_k=1)), TypeError, "smooth_k must be a bool"),
+        (lambda: dm.sparge_mask(q, k, dm.Sparge(block_kv=16, min_keep=5)), ValueError,
+         "min_keep must be"),
+        (lambda: dm.xattn_mask(q, k, dm.XAttention(block=20, stride=8)), ValueError,
          "block=20 must be a multiple of stride=8"),
-        (lambda: dm.xattn_mask(q, k, tau=1.2), ValueError, "tau must be in"),
-        (lambda: dm.xattn_mask(q, k, stride=2.0), TypeError, "stride must be an int"),
-        (lambda: dm.svg2_init(q, k, jax.random.key(0), q_clusters=65), ValueError,
+        (lambda: dm.xattn_mask(q, k, dm.XAttention(tau=1.2)), ValueError, "tau must be in"),
+        (lambda: dm.xattn_mask(q, k, dm.XAttention(stride=2.0)), TypeError,
+         "stride must be an int"),
+        (lambda: dm.svg2_init(q, k, jax.random.key(0), dm.SVG2(q_clusters=65)), ValueError,
          "q_clusters=65 exceeds the sequence length 64"),
         (lambda: dm.svg2_mask(q, k, (state.q_centroids, state.kv_centroids)), TypeError,
          "state must be an SVG2State"),
-        (lambda: dm.svg2_mask(q, k, state, top_p=0), ValueError, "top_p must be in"),
-        (lambda: dm.svg2_mask(q, k, state, min_cluster_tokens=0), ValueError,
+        (lambda: dm.svg2_mask(q, k, state, dm.SVG2(top_p=0)), ValueError, "top_p must be in"),
+        (lambda: dm.svg2_mask(q, k, state, dm.SVG2(min_cluster_tokens=0)), ValueError,
          "min_cluster_tokens must be >= 1"),
         (lambda: dm.svg2_mask(q, k, dm.SVG2State(state.q_centroids[..., :4],
                                                  state.kv_centroids)), ValueError,
@@ -829,7 +855,7 @@ def test_errors_name_the_argument():
         (lambda: dm.permute(q, jnp.zeros((4, 63), jnp.int32)), ValueError,
          r"perm has shape \(4, 63\)"),
         (lambda: dm.permute(q, jnp.zeros((4, 64))), TypeError, "perm must hold integers"),
-        (lambda: dm.kmeans(dm._features(q), state.q_centroids, iters=-1), ValueError,
+        (lambda: dm.kmeans(svg2_mod._features(q), state.q_centroids, iters=-1), ValueError,
          "iters must be >= 0"),
     ]
     for fn, exc, pattern in cases:

@@ -1,6 +1,9 @@
-"""Video DiTs (Wan2.1, HunyuanVideo-1.5; tiny configs), the compiled Euler loop and bench_loop --tiny."""
+"""Video DiTs (Wan2.1, HunyuanVideo-1.5; tiny configs), the compiled Euler loop and
+benchmarks/bench_loop.py --tiny."""
 
 import json
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,9 @@ from tessera_jax.models import (HUNYUAN15, WAN21_14B, WAN21_1_3B, HunyuanModel, 
                                 extend_with_text, flow_sigmas, make_forward, make_sampler,
                                 patchify, rope_3d, unpatchify)
 from tessera_jax.models.common import apply_rope, device_init, numpy_init
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_loop  # noqa: E402  (benchmarks/ is not a package)
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -252,7 +258,7 @@ def test_hunyuan_i2v_cond_channels_enter_the_input(hunyuan):
 
 # --- the benchmark's CPU mode ---------------------------------------------------------------
 def test_bench_loop_tiny(tmp_path):
-    from tessera_jax.tools import bench_loop
+    assert bench_loop.parse_args(["--tiny"]).out is None      # no --out: nothing written
     out = tmp_path / "loop.json"
     doc = bench_loop.main(["--tiny", "--models", "wan14b_720p", "--steps", "2",
                            "--attn-repeats", "1", "--step-repeats", "1", "--out", str(out)])
@@ -283,7 +289,6 @@ def test_bench_loop_tiny_dynamic(tmp_path):
     """The dynamic cases (VSA, SVG2, SpargeAttn-like) at tiny sizes: every loop runs, the
     dynamic loop under a transfer guard with no host-transfer site and one trace, the
     host-planning baseline through its callback (one site), the issue's summary keys."""
-    from tessera_jax.tools import bench_loop
     out = tmp_path / "dyn.json"
     doc = bench_loop.main(["--tiny", "--models", "dynamic", "--steps", "2", "--attn-repeats",
                            "1", "--out", str(out)])
@@ -309,7 +314,7 @@ def test_host_planned_baseline_matches_the_reference():
     """bench_loop's plan-on-host baseline (pure_callback -> tj.plan -> the kernel on that plan)
     on device masks: static bounds, per-head traced bounds (planned a head at a time, GQA),
     shared traced bounds; each equals the reference attention of the same mask."""
-    from tessera_jax.tools.bench_loop import HOST_STATS, HostPlanned, _reset_host_stats
+    from bench_loop import HOST_STATS, HostPlanned, _reset_host_stats
     rng = np.random.default_rng(0)
     q, k, v = _rand(20, (1, 96, 4, 16)), _rand(21, (1, 96, 2, 16)), _rand(22, (1, 96, 2, 16))
     static_b = np.array([0, 16, 40, 64, 96])

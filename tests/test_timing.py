@@ -168,7 +168,7 @@ _TIMER_NAMES = {"_cupti_init", "_cupti_get_timings", "Event", "elapsed_time", "d
 @pytest.mark.parametrize("path", ["benchmarks/kernels.py", "benchmarks/peers.py",
                                   "benchmarks/peers_lib/timing.py", "benchmarks/selection.py",
                                   "benchmarks/request_breakdown.py", "benchmarks/xla_path.py",
-                                  "tessera_jax/tools/demo.py", "tessera_jax/tools/bench_loop.py",
+                                  "tessera_jax/tools/demo.py", "benchmarks/bench_loop.py",
                                   "tessera_jax/tools/profiler.py"])
 def test_benchmarks_time_through_the_module(path):
     tree = ast.parse((ROOT / path).read_text())

@@ -1,8 +1,12 @@
 """End-to-end benchmark: the jit-compiled 50-step denoising loop with dense vs sparse attention.
 
-    python -m tessera_jax.tools.bench_loop                      # GPU: all cases -> benchmarks/results/h200-loop.json
-    python -m tessera_jax.tools.bench_loop --models wan13b_480p # one case (results merge into --out)
-    python -m tessera_jax.tools.bench_loop --tiny --out /tmp/x.json   # CPU smoke run, tiny models
+    python benchmarks/bench_loop.py --out /tmp/loop.json         # GPU: all cases
+    python benchmarks/bench_loop.py --models wan13b_480p         # one case, printed only
+    python benchmarks/bench_loop.py --tiny --out /tmp/x.json     # CPU smoke run, tiny models
+
+Results go to ``--out`` only (cases merge into an existing file); without it, the table is
+printed and nothing is written. The official file is ``benchmarks/results/h200-loop.json``:
+name it in ``--out`` to update it.
 
 Per case it times three compiled loops on the same random weights and noise:
   dense  -- every layer and step dense, ``jax.nn.dot_product_attention`` (cuDNN on GPU);
@@ -30,10 +34,12 @@ then per call at the case's shapes: dense attention, the builder alone, builder 
 The peers' loop is an ESTIMATE (labelled so): null loop + dense calls x dense attention +
 sparse calls x (our builder + FlashInfer's / FlexAttention's request time from
 ``--peers-json``). ``--builder-costs all`` instead times each builder variant at Wan 720p
-against the attention call it feeds (issue 17's 5% budget).
+against the attention call it feeds (issue 17's 5% budget). A builder's kernel options are rule
+fields (``tessera_jax.masks.dynamic``): set them with ``--rule-params``, e.g.
+``'{"top_k": "xla"}'``.
 
-    python -m tessera_jax.tools.bench_loop --models wan13b_480p_vsa --steps 25   # 6/25 dense
-    python -m tessera_jax.tools.bench_loop --builder-costs all --out /tmp/b.json
+    python benchmarks/bench_loop.py --models wan13b_480p_vsa --steps 25   # 6/25 dense
+    python benchmarks/bench_loop.py --builder-costs all --out /tmp/b.json
 
 Cases with a layer subset (``layers_run < layers_total``) report loop times extrapolated per
 layer: ``T_full = T_measured * layers_total / layers_run`` (embedding and head are < 1% of a
@@ -61,6 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 import flax.nnx as nnx
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from tessera_jax.flax import AttentionOptions, MaskSchedule, attention
 from tessera_jax.mask import BlockMask
 from tessera_jax.tools import timing
@@ -72,9 +80,6 @@ try:
 except ImportError:  # pragma: no cover - tqdm is a dependency; keep the bench usable without it
     def tqdm(it=None, **kw):
         return it
-
-DEFAULT_OUT = os.path.join("benchmarks", "results", "h200-loop.json")
-
 
 # --- cases ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +298,26 @@ def run_case(case: Case, args, progress) -> dict:
     progress.set_postfix_str(f"{case.name}: attention")
     qkv = [tuple(jax.random.normal(k, (1, L, H, D), dtype) for k in jax.random.split(kk, 3))
            for kk in jax.random.split(k3, 2)]
+    attn_t, res["attention"] = _time_attention(sched, variants, qkv, args, (L, H, D, dtype))
+    t_dense_attn = res["attention"]["dense_s"]
+
+    # -- one dense forward (step time) -> attention's share.
+    progress.set_postfix_str(f"{case.name}: step")
+    fwd = make_forward(model, None, options=variants["dense"][1])
+    state = nnx.state(model)
+    t = jnp.full((1,), 500.0, jnp.float32)
+    step_ts = time_calls(lambda x: fwd(state, x, t, context), [(noise,)], args.step_repeats)
+    step_s = _median(step_ts)
+    res["step_dense_s"], res["step_dense_raw_s"] = step_s, step_ts
+    res["attention_share_of_step"] = min(1.0, case.layers_run * t_dense_attn / step_s)
+    _time_loops(case, model, variants, order, (noise, context), attn_t, res, args, progress)
+    return res
+
+
+def _time_attention(sched, variants, qkv, args, shape):
+    """(per-variant call times {mask: [s]}, the ``attention`` entry): dense attention and each
+    distinct mask of ``sched`` through the tessera and fixed-plan variants."""
+    L, H, D, dtype = shape
     distinct = list(dict.fromkeys(m for row in sched.table for m in row if m is not None))
     attn_t: dict = {}
     for vname in ("dense", "tessera", "fixed"):
@@ -306,7 +331,7 @@ def run_case(case: Case, args, progress) -> dict:
             per[m] = ts
         attn_t[vname] = per
     t_dense_attn = _median(attn_t["dense"][None])
-    res["attention"] = {
+    return attn_t, {
         "dense_s": t_dense_attn, "dense_raw_s": attn_t["dense"][None],
         "masks": [dict(digest=m.digest, density=m.density, heads=m.num_heads,
                        tessera_s=_median(attn_t["tessera"][m]), fixed_s=_median(attn_t["fixed"][m]),
@@ -316,17 +341,12 @@ def run_case(case: Case, args, progress) -> dict:
                   for m in distinct],
     }
 
-    # -- one dense forward (step time) -> attention's share.
-    progress.set_postfix_str(f"{case.name}: step")
-    fwd = make_forward(model, None, options=variants["dense"][1])
-    state = nnx.state(model)
-    t = jnp.full((1,), 500.0, jnp.float32)
-    step_ts = time_calls(lambda x: fwd(state, x, t, context), [(noise,)], args.step_repeats)
-    step_s = _median(step_ts)
-    res["step_dense_s"], res["step_dense_raw_s"] = step_s, step_ts
-    res["attention_share_of_step"] = min(1.0, case.layers_run * t_dense_attn / step_s)
 
-    # -- the loops.
+def _time_loops(case, model, variants, order, inputs, attn_t, res, args, progress):
+    """The three compiled loops into ``res["loops"]``, with the Amdahl prediction from the
+    attention times ``attn_t``, then the speedups."""
+    noise, context = inputs
+    t_dense_attn = res["attention"]["dense_s"]
     outs = {}
     for vname, (schedule, opts) in variants.items():
         progress.set_postfix_str(f"{case.name}: loop {vname}")
@@ -372,7 +392,6 @@ def run_case(case: Case, args, progress) -> dict:
         d["max_abs_diff_vs_dense_loop"] = float(jnp.max(jnp.abs(
             outs[vname].astype(jnp.float32) - outs["dense"].astype(jnp.float32))))
     res["speedup_vs_fixed_plan"] = L_["fixed"]["loop_s"] / L_["tessera"]["loop_s"]
-    return res
 
 
 def _default_template(backend, H, D, dtype, L) -> str:
@@ -709,6 +728,28 @@ def run_dyn_case(case: DynCase, args, progress, save) -> dict:
     per-call builder / attention times, then the host-planning loop; the peers' estimate from
     these. ``save(res)`` is called after each part (a case cut by its time limit keeps what it
     measured)."""
+    run = _dyn_setup(case, args)
+    # The slowest part (the host-planning loop) last: a case cut by its time limit keeps the rest.
+    for stage in ("dense", "dynamic", "null", "per_call", "host"):
+        if stage == "per_call":
+            if args.attn_repeats > 0:
+                progress.set_postfix_str(f"{case.name}: per call")
+                run.res["per_call"] = _per_call(case, run.rule, run.L, run.H, run.D, args.dtype,
+                                                run.opts, args, run.key)
+        elif stage in args.variants:
+            _time_dyn_loop(run, stage, args, progress)
+        else:
+            continue
+        _derive_dyn(run, args)
+        save(run.res)
+    return run.res
+
+
+def _dyn_setup(case: DynCase, args):
+    """What a dynamic case's loops share: the model, its inputs, the schedules and options, and
+    the result dict (``res``) with the case's description."""
+    from types import SimpleNamespace
+
     from tessera_jax.flax import DynamicSchedule
     dtype = args.dtype
     model, cfg = _init_model(case, dtype, args.seed)
@@ -749,95 +790,92 @@ def run_dyn_case(case: DynCase, args, progress, save) -> dict:
                        "Hq (nq + ceil(Lq/tile_q)), step rows Hm ceil(Lq/tile_q) ceil(Lkv/tile_kv) "
                        f"+ up to {args.host_bitmap_mb} MiB of bitmap words): a callback's "
                        "results need static shapes"))
-    state = nnx.state(model)
-    outs: dict = {}
+    return SimpleNamespace(case=case, model=model, rule=rule, order=order, sched=sched,
+                           null=null, noise=noise, context=context, opts=opts,
+                           host_opts=host_opts, state=nnx.state(model), key=k3, L=L, H=H, D=D,
+                           res=res, outs={})
 
-    def time_loop(vname):
-        progress.set_postfix_str(f"{case.name}: loop {vname}")
-        if vname == "host":     # numba's loops loaded or compiled before the timed runs
-            from tessera_jax.planning import warm_up
-            warm_up()
-        if vname == "dense":
-            sampler = make_sampler(model, MaskSchedule.dense(case.layers_run, case.steps),
-                                   shift=args.shift, options=opts)
+
+def _time_dyn_loop(run, vname: str, args, progress):
+    """Compiles and times one loop of a dynamic case (``vname``: dense, dynamic, null or host)
+    into ``run.res["loops"][vname]``; its output into ``run.outs``."""
+    case, res = run.case, run.res
+    progress.set_postfix_str(f"{case.name}: loop {vname}")
+    if vname == "host":     # numba's loops loaded or compiled before the timed runs
+        from tessera_jax.planning import warm_up
+        warm_up()
+    if vname == "dense":
+        sampler = make_sampler(run.model, MaskSchedule.dense(case.layers_run, case.steps),
+                               shift=args.shift, options=run.opts)
+    else:
+        sampler = make_sampler(run.model, {"dynamic": run.sched, "null": run.null,
+                                           "host": run.sched}[vname],
+                               shift=args.shift,
+                               options=run.host_opts if vname == "host" else run.opts,
+                               token_order=run.order)
+    t0 = time.perf_counter()
+    lowered = sampler.lower(run.noise, run.context)
+    compiled = _compile(lowered, args)
+    compile_s = time.perf_counter() - t0
+    call_args = ((run.state, run.noise, run.context, None, None) if vname == "dense" else
+                 (run.state, run.noise, run.context, None, None, sampler.table_array()))
+    call_args = jax.device_put(call_args)
+    last: dict = {}
+    guard = vname in ("dynamic", "null")
+
+    def run_loop():
+        if guard:       # inputs are on the device: the loop itself may move nothing
+            with jax.transfer_guard("disallow"):
+                out = compiled(*call_args)
+                jax.block_until_ready(out)
         else:
-            sampler = make_sampler(model, {"dynamic": sched, "null": null, "host": sched}[vname],
-                                   shift=args.shift, options=host_opts if vname == "host" else opts,
-                                   token_order=order)
-        t0 = time.perf_counter()
-        lowered = sampler.lower(noise, context)
-        compiled = _compile(lowered, args)
-        compile_s = time.perf_counter() - t0
-        call_args = ((state, noise, context, None, None) if vname == "dense" else
-                     (state, noise, context, None, None, sampler.table_array()))
-        call_args = jax.device_put(call_args)
-        last: dict = {}
-        guard = vname in ("dynamic", "null")
+            out = _block(compiled(*call_args))
+        last["out"] = out
 
-        def run_loop():
-            if guard:       # inputs are on the device: the loop itself may move nothing
-                with jax.transfer_guard("disallow"):
-                    out = compiled(*call_args)
-                    jax.block_until_ready(out)
-            else:
-                out = _block(compiled(*call_args))
-            last["out"] = out
+    _reset_host_stats()
+    entry: dict = dict(compile_s=compile_s, trace_count=sampler.trace_count,
+                       host_transfer_ops=host_transfer_ops(compiled.as_text()))
+    res["loops"][vname] = entry
+    try:
+        reps = args.host_repeats if vname == "host" else args.loop_repeats
+        ts = [x / 1e3 for x in timing.time_request(
+            run_loop, rule=loop_rule(reps, warmup=0)).samples]
+    except Exception as e:          # the transfer guard (or a run) failed: say so
+        entry.update(error=repr(e)[:2000], transfer_guard_ok=False if guard else None)
+        return
+    run.outs[vname] = last["out"]
+    loop_s = _median(ts)
+    entry.update(loop_s=loop_s, loop_raw_s=ts, loop_full_model_s=loop_s * case.layers_total
+                 / case.layers_run, trace_count=sampler.trace_count,
+                 finite=bool(jnp.all(jnp.isfinite(last["out"].astype(jnp.float32)))))
+    if guard:
+        entry["transfer_guard_ok"] = True
+    if vname == "host":
+        runs = max(1, len(ts))
+        entry["host_callback"] = dict(
+            calls_per_loop=HOST_STATS["calls"] / runs,
+            plan_s_per_loop=HOST_STATS["plan_s"] / runs,
+            overflows=HOST_STATS["overflows"],
+            mean_plan_bytes=HOST_STATS["plan_bytes"] / max(1, HOST_STATS["calls"]),
+            capacity_bytes_per_call=HOST_STATS["capacity_bytes"] / max(1, HOST_STATS["calls"]))
 
-        _reset_host_stats()
-        entry: dict = dict(compile_s=compile_s, trace_count=sampler.trace_count,
-                           host_transfer_ops=host_transfer_ops(compiled.as_text()))
-        res["loops"][vname] = entry
-        try:
-            reps = args.host_repeats if vname == "host" else args.loop_repeats
-            ts = [x / 1e3 for x in timing.time_request(
-                run_loop, rule=loop_rule(reps, warmup=0)).samples]
-        except Exception as e:          # the transfer guard (or a run) failed: say so
-            entry.update(error=repr(e)[:2000], transfer_guard_ok=False if guard else None)
-            return
-        outs[vname] = last["out"]
-        loop_s = _median(ts)
-        entry.update(loop_s=loop_s, loop_raw_s=ts, loop_full_model_s=loop_s * case.layers_total
-                     / case.layers_run, trace_count=sampler.trace_count,
-                     finite=bool(jnp.all(jnp.isfinite(last["out"].astype(jnp.float32)))))
-        if guard:
-            entry["transfer_guard_ok"] = True
-        if vname == "host":
-            runs = max(1, len(ts))
-            entry["host_callback"] = dict(
-                calls_per_loop=HOST_STATS["calls"] / runs,
-                plan_s_per_loop=HOST_STATS["plan_s"] / runs,
-                overflows=HOST_STATS["overflows"],
-                mean_plan_bytes=HOST_STATS["plan_bytes"] / max(1, HOST_STATS["calls"]),
-                capacity_bytes_per_call=HOST_STATS["capacity_bytes"] / max(1, HOST_STATS["calls"]))
 
-    def derive():
-        L_ = res["loops"]
-        for v in outs:
-            if v != "dense" and "dense" in outs:
-                L_[v]["max_abs_diff_vs_dense_loop"] = float(jnp.max(jnp.abs(
-                    outs[v].astype(jnp.float32) - outs["dense"].astype(jnp.float32))))
-        for v in ("dynamic", "host"):
-            if "loop_s" in L_.get(v, {}) and "loop_s" in L_.get("dense", {}):
-                L_[v]["speedup_vs_dense"] = L_["dense"]["loop_s"] / L_[v]["loop_s"]
-        if "loop_s" in L_.get("dynamic", {}) and "loop_s" in L_.get("host", {}):
-            res["speedup_vs_host_planning"] = L_["host"]["loop_s"] / L_["dynamic"]["loop_s"]
-        est = _peers_estimate(case, res, L, H, args)
-        if est:
-            res["peers_estimate"] = est
-
-    # The slowest part (the host-planning loop) last: a case cut by its time limit keeps the rest.
-    for stage in ("dense", "dynamic", "null", "per_call", "host"):
-        if stage == "per_call":
-            if args.attn_repeats > 0:
-                progress.set_postfix_str(f"{case.name}: per call")
-                res["per_call"] = _per_call(case, rule, L, H, D, dtype, opts, args, k3)
-        elif stage in args.variants:
-            time_loop(stage)
-        else:
-            continue
-        derive()
-        save(res)
-    return res
+def _derive_dyn(run, args):
+    """The speedups and the peers' estimate from the loops timed so far."""
+    res, outs = run.res, run.outs
+    L_ = res["loops"]
+    for v in outs:
+        if v != "dense" and "dense" in outs:
+            L_[v]["max_abs_diff_vs_dense_loop"] = float(jnp.max(jnp.abs(
+                outs[v].astype(jnp.float32) - outs["dense"].astype(jnp.float32))))
+    for v in ("dynamic", "host"):
+        if "loop_s" in L_.get(v, {}) and "loop_s" in L_.get("dense", {}):
+            L_[v]["speedup_vs_dense"] = L_["dense"]["loop_s"] / L_[v]["loop_s"]
+    if "loop_s" in L_.get("dynamic", {}) and "loop_s" in L_.get("host", {}):
+        res["speedup_vs_host_planning"] = L_["host"]["loop_s"] / L_["dynamic"]["loop_s"]
+    est = _peers_estimate(run.case, res, run.L, run.H, args)
+    if est:
+        res["peers_estimate"] = est
 
 
 def _dense_impl(args, dtype):
@@ -890,29 +928,28 @@ def _per_call(case, rule, L, H, D, dtype, opts, args, key) -> dict:
 # the attention call it feeds). Random q and k give near-uniform scores, so the threshold rules
 # run with knobs that land near the papers' densities (docs/dynamic_masks.md).
 BUILDER_VARIANTS = {
-    # The defaults: each row's top k by the Triton radix select (dm.TOP_K "auto"), q and k
-    # pooled by the Triton kernel (dm.POOL "auto"), scores at HIGH precision. Controls, one
-    # switch back each (H200, session 13-14): "_xla" lax.top_k + scatter (7.61 vs 3.63 ms a
+    # The defaults: each row's top k by the Triton radix select (rule field top_k "auto"), q
+    # and k pooled by the Triton kernel (pool "auto"), scores at HIGH precision. Controls, one
+    # option back each (H200, session 13-14): "_xla" lax.top_k + scatter (7.61 vs 3.63 ms a
     # call), "_pool_xla" XLA's pooling (3.56 vs 2.67 ms, at HIGHEST), "_highest" float32
     # scores (2.67 vs 2.19 ms with the pooling kernel).
     "vsa": ("vsa", (("keep", 0.125),)),
-    "vsa_xla": ("vsa", (("keep", 0.125),), {"TOP_K": "xla"}),
-    "vsa_pool_xla": ("vsa", (("keep", 0.125),), {"POOL": "xla"}),
-    "vsa_highest": ("vsa", (("keep", 0.125),), {"SCORE_PRECISION": "highest"}),
+    "vsa_xla": ("vsa", (("keep", 0.125), ("top_k", "xla"))),
+    "vsa_pool_xla": ("vsa", (("keep", 0.125), ("pool", "xla"))),
+    "vsa_highest": ("vsa", (("keep", 0.125), ("score_precision", "highest"))),
     "svg2_iters2": ("svg2", (("iters", 2), ("top_p", 0.25), ("min_cluster_tokens", 43))),
-    # k-means' assignment by dm.KMEANS_ASSIGN's default, "auto": the Triton kernel on a GPU.
+    # k-means' assignment by kmeans_assign's default, "auto": the Triton kernel on a GPU.
     "svg2_iters1": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43))),
     # The same with the assignment forced to the Triton kernel (no [L, C] distances in memory)
     # and, the control, to XLA's matmul + argmin (H200 session 12: 9.27 vs 15.17 ms a call).
-    "svg2_iters1_fused": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43)),
-                          {"KMEANS_ASSIGN": "pallas"}),
-    "svg2_iters1_xla": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43)),
-                        {"KMEANS_ASSIGN": "xla"}),
+    "svg2_iters1_fused": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43),
+                                   ("kmeans_assign", "pallas"))),
+    "svg2_iters1_xla": ("svg2", (("iters", 1), ("top_p", 0.25), ("min_cluster_tokens", 43),
+                                 ("kmeans_assign", "xla"))),
     "sparge_topk": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0))),
-    "sparge_topk_xla": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)),
-                        {"TOP_K": "xla"}),
-    "sparge_topk_pool_xla": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0)),
-                             {"POOL": "xla"}),
+    "sparge_topk_xla": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0), ("top_k", "xla"))),
+    "sparge_topk_pool_xla": ("sparge", (("topk", 0.2), ("sim_threshold", -1.0),
+                                        ("pool", "xla"))),
     "xattn_s8": ("xattn", (("stride", 8), ("tau", 0.25))),
     "xattn_s64": ("xattn", (("stride", 64), ("tau", 0.25))),
 }
@@ -922,7 +959,6 @@ def builder_costs(args, progress=None, save=None) -> dict:
     """Per builder variant at Wan 720p (T'H'W' = 21 x 45 x 80, 40 heads, D 128; ``--tiny``: a
     small grid): the mask-building time alone (permutations included), the time of the whole
     call (building + tessera's attention) and the fraction building / attention."""
-    from tessera_jax.masks import dynamic as dm
     grid, H, D = ((5, 6, 8), 2, 16) if args.tiny else ((21, 45, 80), 40, 128)
     L = int(np.prod(grid))
     out = {}
@@ -932,8 +968,7 @@ def builder_costs(args, progress=None, save=None) -> dict:
         if name not in BUILDER_VARIANTS:
             raise SystemExit(f"bench_loop: unknown builder variant {name!r}; known: "
                              f"{sorted(BUILDER_VARIANTS)}")
-        rule_name, params, *over = BUILDER_VARIANTS[name]
-        over = over[0] if over else {}
+        rule_name, params = BUILDER_VARIANTS[name]
         if args.tiny:       # small clusters and blocks for the small grid
             params = dict(params, **{"svg2": {"q_clusters": 6, "kv_clusters": 10, "init_iters": 3,
                                               "min_cluster_tokens": 1},
@@ -947,17 +982,11 @@ def builder_costs(args, progress=None, save=None) -> dict:
             progress.set_postfix_str(f"builder {name}")
         opts = AttentionOptions(backend=args.backend,
                                 dense_implementation=_dense_impl(args, args.dtype))
-        saved = {k: getattr(dm, k) for k in over}          # module switches of the variant
         try:
-            for k, v in over.items():
-                setattr(dm, k, v)
             pc = _per_call(case, rule, L, H, D, args.dtype, opts, args, jax.random.key(args.seed))
         except Exception as e:      # keep the other variants
             out[name] = dict(error=repr(e)[:2000])
             continue
-        finally:
-            for k, v in saved.items():
-                setattr(dm, k, v)
         attn = pc["dynamic_attention_s"] - pc["build_s"]
         out[name] = dict(pc, rule=repr(rule), attention_s=attn,
                          fraction=pc["build_s"] / attn if attn > 0 else None)
@@ -1086,21 +1115,20 @@ def _summarize_static(cases: dict) -> dict:
 
 
 def _environment(args, argv) -> dict:
-    from tessera_jax.masks import dynamic as dm
     dev = jax.devices()[0]
     return dict(
         device=getattr(dev, "device_kind", str(dev)), platform=jax.default_backend(),
         device_count=jax.device_count(), jax=jax.__version__,
         jaxlib=getattr(__import__("jaxlib"), "__version__", None),
         python=platform.python_version(),
-        command="python -m tessera_jax.tools.bench_loop " + " ".join(argv),
-        builder_switches={k: getattr(dm, k) for k in dm.SWITCHES},
+        command="python benchmarks/bench_loop.py " + " ".join(argv),
         date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         tiny=args.tiny)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m tessera_jax.tools.bench_loop", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_loop.py",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--models", default="wan13b_480p,wan14b_720p,hunyuan15_720p",
                    help="comma-separated case names: " + ", ".join(list(CASES) + list(DYN_CASES))
                    + "; 'dynamic' names the dynamic ones")
@@ -1126,13 +1154,15 @@ def parse_args(argv):
     p.add_argument("--dense-steps", type=int, default=None, help="override the dense warm-up steps")
     p.add_argument("--mask-seeds", type=int, default=None,
                    help="distinct per-layer masks (layer l uses seed l %% N; 0: one per layer)")
-    p.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT}; merges cases)")
+    p.add_argument("--out", default=None,
+                   help="JSON path, cases merged into it (default: none, the table is printed)")
     g = p.add_argument_group("dynamic cases (masks built from q and k inside the loop)")
     g.add_argument("--variants", default="dense,dynamic,null,host",
                    help="loops to time: dense (cuDNN), dynamic (ours), null (no self-attention: "
                         "the peers' estimate), host (plan on the host per call)")
     g.add_argument("--rule-params", default=None,
-                   help='JSON dict overriding the rule knobs, e.g. \'{"topk": 0.2}\'')
+                   help='JSON dict overriding the rule fields, knobs and kernel options, e.g. '
+                        '\'{"topk": 0.2, "top_k": "xla"}\' (tessera_jax.masks.dynamic)')
     g.add_argument("--peers-json", default=os.path.join("benchmarks", "results", "h200-peers.json"),
                    help="per-call request times of FlashInfer / FlexAttention (benchmarks/peers.py "
                         "rows, or {'loop_cases': {case: {peer: ms}}})")
@@ -1141,23 +1171,12 @@ def parse_args(argv):
     g.add_argument("--builder-costs", default=None,
                    help="instead of loops: time these builder variants at Wan 720p (comma-"
                         "separated, 'all': " + ", ".join(BUILDER_VARIANTS) + ")")
-    from tessera_jax.masks import dynamic as dm
-    choices = ", ".join(f"{k}={'|'.join(v)}" for k, v in dm.SWITCHES.items())
-    g.add_argument("--builder-switch", action="append", default=[], metavar="NAME=VALUE",
-                   help=f"set a builder switch of tessera_jax.masks.dynamic for the loops: {choices}")
     args = p.parse_args(argv)
-    args.switches = {}
-    for item in args.builder_switch:
-        k, _, v = item.partition("=")
-        if k not in dm.SWITCHES or v not in dm.SWITCHES[k]:
-            p.error(f"--builder-switch {item!r}: expected one of {choices}")
-        args.switches[k] = v
     if args.dense_implementation == "xla":
         args.dense_implementation = None
     args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
     args.attn_repeats = args.attn_repeats or (3 if args.tiny else 20)
     args.step_repeats = args.step_repeats or (2 if args.tiny else 5)
-    args.out = args.out or DEFAULT_OUT
     pool = ({**tiny_cases(args.steps or 3), **tiny_dyn_cases(args.steps or 3)} if args.tiny
             else {**CASES, **DYN_CASES})
     names = []
@@ -1226,13 +1245,10 @@ def main(argv=None) -> dict:
         _print_table(doc)
         return doc
     args = parse_args(argv)
-    from tessera_jax.masks import dynamic as dm
-    for k, v in args.switches.items():
-        setattr(dm, k, v)
     if not args.tiny and jax.default_backend() != "gpu":
         print("bench_loop: no GPU here; run with --tiny for the CPU smoke run", file=sys.stderr)
     doc: dict = {}
-    if os.path.exists(args.out):
+    if args.out and os.path.exists(args.out):
         try:
             with open(args.out) as f:
                 doc = json.load(f)
@@ -1290,6 +1306,9 @@ def main(argv=None) -> dict:
 
 
 def _write(path, doc):
+    """``doc`` as JSON at ``path`` (atomically); nothing when ``path`` is None."""
+    if path is None:
+        return
     d = os.path.dirname(path)
     if d:
         os.makedirs(d, exist_ok=True)
