@@ -13,35 +13,63 @@ import numpy as np
 
 import tessera_jax as tj
 from tessera_jax import masks
-from tessera_jax.tools import timing
+from tessera_jax.tools import cli, timing
 
 
 def _head(mask: tj.BlockMask, h: int) -> tj.BlockMask:
     return tj.BlockMask(mask.q_bounds, mask.kv_bounds, mask.blocks[h if mask.num_heads > 1 else 0])
 
 
+def _work_line(plan) -> str:
+    """The plan's computed work against the bound the planner keeps (``Plan.stats()``): a dense
+    plan of the same tiles, which exceeds Lq x Lkv where the tiles overhang the lengths."""
+    s = plan.stats()
+    done, bound, dense = (s["computed_interactions"], s["dense_tile_interactions"],
+                          s["dense_interactions"])
+    line = (f"work: computed {done:,} interactions = {done / bound:.2f}x a dense plan of the "
+            f"same {plan.tile_q}x{plan.tile_kv} tiles (the planner keeps every head <= 1x)")
+    if bound > dense:
+        line += (f"; {done / dense:.2f}x Lq x Lkv x heads, as the tiles overhang the "
+                 f"{plan.shape.q_len}x{plan.shape.kv_len} lengths")
+    return line
+
+
+def parser() -> cli.Parser:
+    """The demo's options (building it starts nothing: no JAX backend, no planning)."""
+    ap = cli.Parser("tessera_jax.tools.demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu-grid", type=cli.int_tuple("T,H,W"), default=(4, 16, 16),
+                    metavar="T,H,W", help="video token grid used on CPU (frames, height, width "
+                    "in latent patches; default 4,16,16); ignored on a GPU (Wan2.1 480p)")
+    ap.add_argument("--repeats", type=cli.positive_int, default=None,
+                    help="timed calls, median (default 5 on CPU, 20 on a GPU, the least the "
+                    "GPU kernel rule accepts)")
+    return ap
+
+
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu-grid", default="4,16,16", help="T,H,W token grid used on CPU")
-    ap.add_argument("--repeats", type=int, default=None)
+    ap = parser()
     args = ap.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     if on_gpu:
         grid, heads, dim, dtype = masks.get_grid("wan480"), 12, 128, jnp.bfloat16
-        tile, window, repeats = (6, 8, 8), (3, 3, 5), args.repeats or 20
+        tile, window = (6, 8, 8), (3, 3, 5)
+        repeats = 20 if args.repeats is None else args.repeats
     else:
-        t, hh, w = (int(x) for x in args.cpu_grid.split(","))
-        grid, heads, dim, dtype = masks.Grid("demo", t, hh, w, 4), 4, 64, jnp.float32
-        tile, window, repeats = (2, 4, 4), (1, 3, 3), args.repeats or 5
+        grid, heads, dim, dtype = masks.Grid("demo", *args.cpu_grid, 4), 4, 64, jnp.float32
+        tile, window = (2, 4, 4), (1, 3, 3)
+        repeats = 5 if args.repeats is None else args.repeats
     # GPU: the kernel rule of every benchmark (CUPTI kernel time, L2 flushed, median);
     # CPU: host wall clock after one warm-up call.
     try:
         rule = (timing.KERNEL_RULE.replace(repeats=repeats) if on_gpu
                 else timing.wall_rule(repeats, warmup=1))
     except ValueError as e:
-        ap.error(f"--repeats: {e}")
+        ap.error(f"argument --repeats: {e}")
     L = grid.video_tokens
-    mask = masks.sta(grid, heads=heads, tile=tile, window=window)
+    try:
+        mask = masks.sta(grid, heads=heads, tile=tile, window=window)
+    except ValueError as e:
+        ap.error(f"argument --cpu-grid: {e}")
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})")
     print(f"video grid {grid.shape} = {L:,} tokens, {heads} heads, head_dim {dim}, {jnp.dtype(dtype).name}")
     print(f"mask: sliding-tile windows {window} over tiles {tile}: {mask}")
@@ -56,11 +84,13 @@ def main(argv=None) -> None:
     print(f"planning: {t_first:.1f} ms first call (loads backend and table), "
           f"{t_new:.1f} ms for a new mask, {t_cached * 1e3:.1f} us cached")
     print(plan.describe())
+    print(_work_line(plan))
 
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(kk, (1, L, heads, dim), dtype) for kk in keys)
     run = jax.jit(lambda q, k, v: tj.sparse_attention(q, k, v, mask))
-    out = run(q, k, v)
+    with cli.ticking("compiling and running sparse_attention"):
+        out = jax.block_until_ready(run(q, k, v))
 
     # Check against the dense float32 reference (one head on GPU: the dense scores are large).
     h = 0 if not on_gpu else heads // 2
@@ -73,7 +103,8 @@ def main(argv=None) -> None:
     print(f"check vs reference_attention: relative error {err:.2e} "
           f"({'ok' if err <= tol else 'FAILED'}, tolerance {tol:g})")
 
-    ts = timing.time_kernel(lambda: run(q, k, v), rule=rule)
+    with cli.ticking("timing sparse_attention"):
+        ts = timing.time_kernel(lambda: run(q, k, v), rule=rule)
     t_sparse = ts.ms / 1e3
     flops = 4 * dim * mask.selected_interactions(heads)
     rate = flops / t_sparse
@@ -83,11 +114,13 @@ def main(argv=None) -> None:
     if on_gpu:
         dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
                                                                      implementation="cudnn"))
-        td = timing.time_kernel(lambda: dense(q, k, v), rule=rule)
+        with cli.ticking("timing cuDNN dense attention"):
+            td = timing.time_kernel(lambda: dense(q, k, v), rule=rule)
         t_dense = td.ms / 1e3
         print(f"cuDNN dense attention: {t_dense * 1e3:.2f} ms -> speed-up {t_dense / t_sparse:.2f}x")
     else:
-        td = timing.time_kernel(lambda: tj.reference_attention(q, k, v, mask), rule=rule)
+        with cli.ticking("timing the dense reference"):
+            td = timing.time_kernel(lambda: tj.reference_attention(q, k, v, mask), rule=rule)
         t_ref = td.ms / 1e3
         print(f"dense reference: {t_ref * 1e3:.2f} ms -> speed-up {t_ref / t_sparse:.2f}x")
     print(f"timing rule: {timing.assert_same_rule([ts, td], 'demo speed-up')}")

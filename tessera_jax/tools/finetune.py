@@ -16,25 +16,41 @@ over plans (``runtime.autodiff``). ``--checkpoint`` wraps the model's forward in
 
 from __future__ import annotations
 
-import argparse
 import time
 
-import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import tessera_jax as tj
-from tessera_jax.flax import DynamicSchedule, LayerAttention
 from tessera_jax.masks import dynamic as dm
-from tessera_jax.models import WAN21_1_3B, WanConfig, WanModel
+from tessera_jax.tools import cli
+
+PROG = "python -m tessera_jax.tools.finetune"
+try:        # the flax extra (flax brings optax): without it the tool says how to install it
+    import flax.nnx as nnx
+    import optax
+
+    from tessera_jax.flax import DynamicSchedule, LayerAttention
+    from tessera_jax.models import WAN21_1_3B, WanConfig, WanModel
+except ModuleNotFoundError as e:
+    if (e.name or "").split(".")[0] not in ("flax", "optax"):
+        raise
+    MISSING_EXTRA = cli.missing_extra(e.name.split(".")[0], "flax")
+else:
+    MISSING_EXTRA = None
+
+
+def _require_flax() -> None:
+    if MISSING_EXTRA is not None:
+        raise ModuleNotFoundError(f"tessera_jax.tools.finetune: {MISSING_EXTRA}", name="flax")
 
 __all__ = ["tiny_config", "window_mask", "make_data", "train"]
 
 
 def tiny_config(layers=2, heads=2, head_dim=16) -> WanConfig:
     """A Wan2.1 block structure shrunk to CPU size (4 latent channels, 32-dim text)."""
+    _require_flax()
     return WAN21_1_3B.replace(num_layers=layers, num_heads=heads, head_dim=head_dim,
                               ffn_dim=4 * heads * head_dim, text_dim=32, text_len=8,
                               in_channels=4, out_channels=4, freq_dim=32)
@@ -73,6 +89,7 @@ def train(cfg: WanConfig | None = None, *, latent=(3, 8, 8), steps: int = 30, lr
     the sparse mask in every layer (``mask``: "window", static, or "vsa", from q and k with
     ``keep`` of the key blocks per query block); returns the loss of each step (each step sees
     the whole dataset of ``batch`` samples with fresh noise and timesteps)."""
+    _require_flax()
     cfg = cfg or tiny_config()
     if mask not in ("window", "vsa"):
         raise ValueError(f"mask must be 'window' or 'vsa', got {mask!r}")
@@ -122,23 +139,53 @@ def train(cfg: WanConfig | None = None, *, latent=(3, 8, 8), steps: int = 30, lr
     return losses
 
 
+def parser() -> cli.Parser:
+    """The tool's options (building it imports neither flax nor the models)."""
+    ap = cli.Parser("tessera_jax.tools.finetune", description=__doc__.splitlines()[0],
+                    epilog="Needs the flax extra: pip install 'tessera_jax[flax]'.")
+    ap.add_argument("--steps", type=cli.positive_int, default=40,
+                    help="AdamW steps (default %(default)s); the first one compiles")
+    ap.add_argument("--lr", type=cli.positive_float, default=3e-3,
+                    help="learning rate (default %(default)s)")
+    ap.add_argument("--layers", type=cli.positive_int, default=2,
+                    help="transformer blocks (default %(default)s)")
+    ap.add_argument("--heads", type=cli.positive_int, default=2,
+                    help="attention heads (default %(default)s)")
+    ap.add_argument("--head-dim", type=cli.positive_int, default=16,
+                    help="dimension per head (default %(default)s)")
+    ap.add_argument("--latent", type=cli.int_tuple("T,H,W"), default=(3, 8, 8),
+                    metavar="T,H,W", help="latent frames, height, width (default 3,8,8)")
+    ap.add_argument("--block", type=cli.positive_int, default=8,
+                    help="tokens per mask block (default %(default)s)")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="jax.checkpoint (nnx.remat) the forward: recompute in the backward")
+    ap.add_argument("--mask", default="window", choices=("window", "vsa"),
+                    help="window: a static sliding window over blocks; vsa: each layer builds "
+                    "its mask from q and k at every step (default %(default)s)")
+    ap.add_argument("--keep", type=cli.fraction, default=0.25,
+                    help="vsa: fraction of the key blocks kept per query block, in (0, 1] "
+                    "(default %(default)s)")
+    return ap
+
+
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=16)
-    ap.add_argument("--latent", default="3,8,8", help="T,H,W of the latent")
-    ap.add_argument("--block", type=int, default=8, help="tokens per mask block")
-    ap.add_argument("--checkpoint", action="store_true", help="jax.checkpoint the forward")
-    ap.add_argument("--mask", default="window", choices=("window", "vsa"))
-    ap.add_argument("--keep", type=float, default=0.25, help="VSA: key blocks kept per row")
+    if MISSING_EXTRA is not None:     # before parsing: --help too says what to install
+        raise SystemExit(f"{PROG}: error: {MISSING_EXTRA}")
+    ap = parser()
     args = ap.parse_args(argv)
-    latent = tuple(int(x) for x in args.latent.split(","))
-    losses = train(tiny_config(args.layers, args.heads, args.head_dim), latent=latent,
-                   steps=args.steps, lr=args.lr, block=args.block, checkpoint=args.checkpoint,
-                   mask=args.mask, keep=args.keep, log=print)
+    cfg = tiny_config(args.layers, args.heads, args.head_dim)
+    if any(n % p for n, p in zip(args.latent, cfg.patch)):
+        ap.error(f"argument --latent: T,H,W must be multiples of the patch size {cfg.patch}, "
+                 f"got {','.join(map(str, args.latent))}")
+    with cli.ticking("compiling the training step", total=args.steps, unit="step") as bar:
+        def log(msg):
+            bar.set_description("training", refresh=False)
+            bar.update(1)
+            bar.write(msg)
+
+        losses = train(cfg, latent=args.latent,
+                       steps=args.steps, lr=args.lr, block=args.block,
+                       checkpoint=args.checkpoint, mask=args.mask, keep=args.keep, log=log)
     k = max(1, len(losses) // 5)
     print(f"loss: first {k} steps {np.mean(losses[:k]):.4f} -> last {k} "
           f"{np.mean(losses[-k:]):.4f}")

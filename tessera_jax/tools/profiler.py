@@ -503,19 +503,32 @@ def _progress(total, desc):
         return _P()
 
 
+def _candidate(text: str) -> str:
+    """--candidates item: TEMPLATE/POLICY with a known policy (templates are checked by
+    ``parse_candidates`` against the backends' registries)."""
+    from tessera_jax.planning.planner import POLICIES
+    template, sep, policy = text.partition("/")
+    if not sep or not template or policy not in POLICIES:
+        raise argparse.ArgumentTypeError(f"expected TEMPLATE/POLICY with POLICY one of "
+                                         f"{', '.join(POLICIES)}, got {text!r}")
+    return text
+
+
 def parse_args(argv=None):
-    from tessera_jax.tools import timing
-    ap = argparse.ArgumentParser(prog="python -m tessera_jax.tools.profiler",
-                                 description=__doc__.split("\n\n")[0])
+    from tessera_jax.planning.planner import POLICIES
+    from tessera_jax.tools import cli, timing
+    ap = cli.Parser("tessera_jax.tools.profiler", description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", help="table name (default: from the device kind, e.g. h200)")
     ap.add_argument("--out", help="table path (default plan_tables/<gpu>.json)")
     ap.add_argument("--raw", help="directory of raw timings (default plan_tables/raw)")
-    ap.add_argument("--max-masks", type=int, help="sample at most ~N masks (per family quota)")
-    ap.add_argument("--heads", type=int, default=4, help="profile the first K heads (default 4; "
-                    "0: all heads)")
+    ap.add_argument("--max-masks", type=cli.positive_int,
+                    help="sample at most ~N masks (per family quota)")
+    ap.add_argument("--heads", type=cli.nonnegative_int, default=4,
+                    help="profile the first K heads (default 4; 0: all heads)")
     ap.add_argument("--families", nargs="+", help="only these mask families")
-    ap.add_argument("--time-budget", type=float, help="stop measuring after S seconds, then fit")
-    ap.add_argument("--max-error-streak", type=int, default=MAX_ERROR_STREAK,
+    ap.add_argument("--time-budget", type=cli.positive_float,
+                    help="stop measuring after S seconds, then fit")
+    ap.add_argument("--max-error-streak", type=cli.positive_int, default=MAX_ERROR_STREAK,
                     help=f"stop after N failed timings in a row (default {MAX_ERROR_STREAK})")
     ap.add_argument("--fit-only", action="store_true", help="refit the table from the raw file")
     ap.add_argument("--retry-errors", action="store_true", help="measure again the (mask, "
@@ -530,11 +543,15 @@ def parse_args(argv=None):
                     "(default: the first available of mosaic_gpu, triton; e.g. "
                     "--backends mosaic_gpu triton for both)")
     ap.add_argument("--templates", nargs="+", help="explicit template names (overrides --backends)")
-    ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
-    ap.add_argument("--candidates", nargs="+", metavar="TEMPLATE/POLICY",
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(DEFAULT_POLICIES),
+                    help="planner policies of the candidates (default: "
+                    f"{' '.join(DEFAULT_POLICIES)}; --tiny: merge)")
+    ap.add_argument("--candidates", nargs="+", metavar="TEMPLATE/POLICY", type=_candidate,
                     help="explicit candidates (overrides --templates/--policies/--backends)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                    help="q, k, v dtype of the timed calls (default bfloat16)")
+    ap.add_argument("--head-dim", type=cli.positive_int, default=128,
+                    help="head dimension of the timed calls (default 128)")
     timing.add_rule_arguments(ap)
     ap.add_argument("--compilation-cache", help="jax persistent compilation cache directory "
                     "(executables survive between runs on one machine)")

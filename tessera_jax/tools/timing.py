@@ -446,7 +446,8 @@ def wall_rule(repeats: int, warmup: int = 1, l2: str = "none") -> TimingRule:
 def add_rule_arguments(parser) -> None:
     """``--warmup`` / ``--iters`` on an argparse parser: a tool's overrides of the kernel rule
     (``None``: the rule's own values)."""
-    parser.add_argument("--warmup", type=int, default=None,
+    from tessera_jax.tools import cli
+    parser.add_argument("--warmup", type=cli.nonnegative_int, default=None,
                         help="warm-up calls (default: the kernel rule's, timing.KERNEL_RULE)")
-    parser.add_argument("--iters", type=int, default=None,
+    parser.add_argument("--iters", type=cli.positive_int, default=None,
                         help="timed calls, median (default: the kernel rule's; >= 20 on GPU)")
