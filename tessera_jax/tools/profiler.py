@@ -514,7 +514,8 @@ def _candidate(text: str) -> str:
     return text
 
 
-def parse_args(argv=None):
+def parser():
+    """The profiler's options (building it plans and times nothing)."""
     from tessera_jax.planning.planner import POLICIES
     from tessera_jax.tools import cli, timing
     ap = cli.Parser("tessera_jax.tools.profiler", description=__doc__.split("\n\n")[0])
@@ -555,7 +556,11 @@ def parse_args(argv=None):
     timing.add_rule_arguments(ap)
     ap.add_argument("--compilation-cache", help="jax persistent compilation cache directory "
                     "(executables survive between runs on one machine)")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None):
+    return parser().parse_args(argv)
 
 
 def main(argv=None) -> dict:
