@@ -503,20 +503,31 @@ def _progress(total, desc):
         return _P()
 
 
+def _template(text: str) -> str:
+    """--templates item: a template the backends' registries know."""
+    from tessera_jax.runtime import dispatch as backends
+    try:
+        return backends.get_template(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _candidate(text: str) -> str:
-    """--candidates item: TEMPLATE/POLICY with a known policy (templates are checked by
-    ``parse_candidates`` against the backends' registries)."""
+    """--candidates item: TEMPLATE/POLICY, a known template and policy."""
     from tessera_jax.planning.planner import POLICIES
     template, sep, policy = text.partition("/")
     if not sep or not template or policy not in POLICIES:
         raise argparse.ArgumentTypeError(f"expected TEMPLATE/POLICY with POLICY one of "
                                          f"{', '.join(POLICIES)}, got {text!r}")
+    _template(template)
     return text
 
 
 def parser():
     """The profiler's options (building it plans and times nothing)."""
+    from tessera_jax.masks.corpus import FAMILIES
     from tessera_jax.planning.planner import POLICIES
+    from tessera_jax.runtime.dispatch import BACKENDS
     from tessera_jax.tools import cli, timing
     ap = cli.Parser("tessera_jax.tools.profiler", description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", help="table name (default: from the device kind, e.g. h200)")
@@ -526,7 +537,8 @@ def parser():
                     help="sample at most ~N masks (per family quota)")
     ap.add_argument("--heads", type=cli.nonnegative_int, default=4,
                     help="profile the first K heads (default 4; 0: all heads)")
-    ap.add_argument("--families", nargs="+", help="only these mask families")
+    ap.add_argument("--families", nargs="+", choices=sorted(FAMILIES), metavar="FAMILY",
+                    help="only these mask families (of: %(choices)s)")
     ap.add_argument("--time-budget", type=cli.positive_float,
                     help="stop measuring after S seconds, then fit")
     ap.add_argument("--max-error-streak", type=cli.positive_int, default=MAX_ERROR_STREAK,
@@ -540,10 +552,10 @@ def parser():
                     "every pair on this host and print how many a run would time (under the "
                     "GPU rule unless --tiny), with bitmap-step counts; no table")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny masks, XLA templates")
-    ap.add_argument("--backends", nargs="+", help="backends whose templates are candidates "
+    ap.add_argument("--backends", nargs="+", choices=tuple(BACKENDS), help="backends whose templates are candidates "
                     "(default: the first available of mosaic_gpu, triton; e.g. "
                     "--backends mosaic_gpu triton for both)")
-    ap.add_argument("--templates", nargs="+", help="explicit template names (overrides --backends)")
+    ap.add_argument("--templates", nargs="+", type=_template, help="explicit template names (overrides --backends)")
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(DEFAULT_POLICIES),
                     help="planner policies of the candidates (default: "
                     f"{' '.join(DEFAULT_POLICIES)}; --tiny: merge)")
