@@ -170,3 +170,18 @@ def test_demo_states_work_against_the_planners_bound(grid):
     if overhang:        # 105 tokens in 64-token tiles: the whole tile grid, 1.49x Lq x Lkv
         want = s["computed_interactions"] / s["dense_interactions"]
         assert f"{want:.2f}x Lq x Lkv x heads" in line and np.isclose(want, 16384 * 4 / 44100)
+
+
+@pytest.mark.slow
+def test_finetune_shows_progress_while_the_first_step_compiles(monkeypatch, capsys):
+    """``finetune`` on a terminal: the progress line is redrawn while the first step compiles
+    (seconds with nothing else printed), then counts the steps; the loss summary follows."""
+    tty = _Terminal()
+    monkeypatch.setattr(sys, "stderr", tty)
+    finetune.main(["--steps", "2", "--layers", "1"])
+    bar = tty.getvalue()
+    compiling = bar.count("compiling the training step")
+    assert compiling >= 2, bar                      # redrawn during the compile, not once
+    assert "training" in bar and "2/2" in bar
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("step   0  loss") and out[-1].startswith("loss: first 1 steps")
