@@ -154,7 +154,8 @@ def parser() -> cli.Parser:
     ap.add_argument("--head-dim", type=cli.positive_int, default=16,
                     help="dimension per head (default %(default)s)")
     ap.add_argument("--latent", type=cli.int_tuple("T,H,W"), default=(3, 8, 8),
-                    metavar="T,H,W", help="latent frames, height, width (default 3,8,8)")
+                    metavar="T,H,W", help="latent frames, height, width; H and W even (the "
+                    "model's 1x2x2 patch; default 3,8,8)")
     ap.add_argument("--block", type=cli.positive_int, default=8,
                     help="tokens per mask block (default %(default)s)")
     ap.add_argument("--checkpoint", action="store_true",
