@@ -553,8 +553,8 @@ def parser():
                     "GPU rule unless --tiny), with bitmap-step counts; no table")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny masks, XLA templates")
     ap.add_argument("--backends", nargs="+", choices=tuple(BACKENDS),
-                    help="backends whose templates are candidates (default: the first available of mosaic_gpu, triton; e.g. "
-                    "--backends mosaic_gpu triton for both)")
+                    help="backends whose templates are candidates (default: the first "
+                    "available of mosaic_gpu, triton; e.g. --backends mosaic_gpu triton for both)")
     ap.add_argument("--templates", nargs="+", type=_template,
                     help="explicit template names (overrides --backends)")
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(DEFAULT_POLICIES),
