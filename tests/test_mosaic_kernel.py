@@ -661,9 +661,9 @@ def test_device_plan_runs_on_the_paired_kernel():
     blocks[:, 1] = False
     blocks[:, 2, 0] = True
     q, k, v = random_qkv(1, Lq, Lkv, 3, 1, 64, jnp.float16, int(rng.integers(1e9)))
-    p = device.plan_on_device(jnp.asarray(blocks), qb, kb, num_q_heads=3, q_len=Lq,
-                              kv_len=Lkv, tile_q=64, tile_kv=64)
-    assert bool(p.ok) and p.units.shape[0] == 9
+    p, ok = device.plan_on_device(jnp.asarray(blocks), qb, kb, num_q_heads=3, q_len=Lq,
+                                  kv_len=Lkv, tile_q=64, tile_kv=64)
+    assert bool(ok) and p.units.shape[0] == 9
     out, lse = mosaic.attention(q, k, v, p.units, p.steps, None,
                                 template="mgpu_q64x2_kv64_s2_hm", q_len_padded=p.q_len_padded,
                                 kv_len_padded=p.kv_len_padded, return_lse=True,
