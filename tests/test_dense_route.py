@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tessera_jax as tj
-from tessera_jax.runtime import api
+from tessera_jax.runtime import api, core, host_plans
 from tessera_jax.runtime import dispatch
 from tessera_jax.runtime import dense_route
 from tessera_jax.validation import check_shapes
@@ -52,14 +52,15 @@ def fake_gpu(monkeypatch):
         calls["dense"] += 1
         return tj.reference_attention(q, k, v, _full(), scale=scale).astype(q.dtype)
 
-    def run(plan, q, k, v, scale, return_lse):
+    def run(q, k, v, plan, scale, return_lse, options):
         calls["planned"] += 1
         return jnp.zeros_like(q)
 
     monkeypatch.setattr(dispatch, "resolve", lambda backend, shape: backend or "mosaic_gpu")
     monkeypatch.setattr(dense_route, "attention", dense)
     monkeypatch.setattr(api, "_planned", lambda *a, **k: object())
-    monkeypatch.setattr(dispatch, "run", run)
+    monkeypatch.setattr(host_plans, "attention_plan", lambda p, options: p)
+    monkeypatch.setattr(core, "attention", run)
     return calls
 
 
@@ -127,10 +128,12 @@ def test_plan_says_when_the_dense_route_runs(monkeypatch):
     """tj.plan is honest: the plan of a request sparse_attention sends to cuDNN says so
     (Plan.dense_route, describe()), and it is the plan that runs with return_lse=True."""
     monkeypatch.setattr(dispatch, "resolve", lambda backend, shape: backend or "mosaic_gpu")
-    monkeypatch.setattr(api, "_choose_template", lambda m, s, b: ("mgpu_q128_kv64_s2_hm", "merge"))
-    monkeypatch.setattr(api, "_PLANS", api.collections.OrderedDict())
+    monkeypatch.setattr(host_plans, "choose_template",
+                        lambda m, s, b: ("mgpu_q128_kv64_s2_hm", "merge"))
+    tj.clear_caches()
     ran = []
-    monkeypatch.setattr(dispatch, "run", lambda p, q, k, v, s, lse: ran.append(p) or (q, None))
+    monkeypatch.setattr(host_plans, "attention_plan", lambda p, options: p)
+    monkeypatch.setattr(core, "attention", lambda q, k, v, p, *a: ran.append(p) or (q, None))
     q, k, v = random_qkv(1, 90, 80, 4, 2, 64, "bfloat16", 3)
     p = tj.plan(_full(), q.shape, k.shape, q.dtype)
     assert p.dense_route and p.describe().startswith("dense route: sparse_attention runs cuDNN")
@@ -148,6 +151,7 @@ def test_plan_says_when_the_dense_route_runs(monkeypatch):
     assert not tj.plan(holed, q.shape, k.shape, q.dtype).dense_route
     # A backend without cuDNN's route (here: the host) never sets it.
     monkeypatch.setattr(dispatch, "resolve", lambda backend, shape: backend or "xla")
-    monkeypatch.setattr(api, "_choose_template", lambda m, s, b: ("xla_64x64", "merge"))
-    api._PLANS.clear()
+    monkeypatch.setattr(host_plans, "choose_template", lambda m, s, b: ("xla_64x64", "merge"))
+    tj.clear_caches()
     assert not tj.plan(_full(), q.shape, k.shape, q.dtype).dense_route
+    tj.clear_caches()
