@@ -343,25 +343,24 @@ def test_loop_through_the_kernel_backend_runner_compiles_ahead_of_time(wan, monk
 
     from pallas_kernels import templates
 
-    from tessera_jax.runtime import dispatch, kernel_runner
+    from tessera_jax.runtime import dispatch
     from pallas_kernels.xla import executor as xla_backend
     from tessera_jax.flax import attention
 
     seen = []
 
-    def fake_attention(q, k, v, units, steps, row_index, *, template, q_len_padded,
-                       kv_len_padded, scale=None, return_lse=False, mask_mode=None,
-                       check_plan=True):
-        seen.append(type(units).__name__)
-        return xla_backend.execute(q, k, v, units, steps, row_index, tile_q=template.tile_q,
-                                   tile_kv=template.tile_kv, q_len_padded=q_len_padded,
-                                   kv_len_padded=kv_len_padded, max_steps=8,
+    def fake_forward(q, k, v, plan, *, template, scale, return_lse=False, interpret=None,
+                     check_plan=True):
+        seen.append(type(plan.units).__name__)
+        return xla_backend.execute(q, k, v, plan.units, plan.steps, plan.row_index,
+                                   tile_q=template.tile_q, tile_kv=template.tile_kv,
+                                   q_len_padded=plan.q_len_padded,
+                                   kv_len_padded=plan.kv_len_padded, max_steps=8,
                                    scale=scale, return_lse=return_lse)
 
-    mod = types.ModuleType("tessera_fake_kernel")
-    mod.attention = fake_attention
-    mod.mask_mode_for = lambda template, all_full: None
-    fake = dispatch.Backend("triton", None, lambda *a: kernel_runner.run(mod, *a))
+    mod = types.ModuleType("tessera_fake_ops")       # a stand-in contract module
+    mod.forward, mod.FOLD_VMAP, mod.FIRST_ORDER = fake_forward, False, False
+    fake = dispatch.Backend("triton", None, lambda: mod)
     monkeypatch.setattr(dispatch, "BACKENDS",
                         types.MappingProxyType({**dispatch.BACKENDS, "triton": fake}))
     t = templates.Template("fake_triton_16x16", "triton", 16, 16, stages=1, head_dims=(),
