@@ -15,7 +15,7 @@ from pallas_kernels.mosaic import ops as mosaic_ops
 from pallas_kernels.triton import ops as triton_ops
 from pallas_kernels.xla import ops as xla_ops
 from tessera_jax.planning.planner import build_plan
-from tessera_jax.runtime.autodiff import transposed_mask
+from tessera_jax.runtime.host_plans import transposed_mask
 
 from strategies import random_qkv
 from test_backward import _fine_mask, _steps_kinds, assert_grads, cotangents, oracle

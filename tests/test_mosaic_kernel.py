@@ -340,7 +340,8 @@ def attention_calls(monkeypatch):
     def spy(q, k, v, units, steps, row_index, **kw):
         calls.append((isinstance(units, np.ndarray), kw.get("mask_mode"),
                       kw.get("check_plan", True)))
-        return real(q, k, v, units, steps, row_index, interpret=INTERPRET, **kw)
+        kw["interpret"] = INTERPRET
+        return real(q, k, v, units, steps, row_index, **kw)
 
     monkeypatch.setattr(mosaic, "attention", spy)
     return calls
@@ -350,9 +351,15 @@ def test_backend_runner_prepares_each_plan_once(attention_calls, monkeypatch):
     """The backend wrapper picks the mask mode once; a small plan's first call takes its NumPy
     arrays into the jitted call, later calls a device copy made once (no host walk over the
     steps in any eager call)."""
+    from pallas_kernels.mosaic import ops
+    from tessera_jax.planning.plan import host_pass
     from tessera_jax.runtime import kernel_runner as kernel_backends
     calls = attention_calls
-    run = lambda *a: kernel_backends.run(mosaic, *a)    # noqa: E731  (dispatch's mosaic_gpu run)
+
+    def run(plan, t, q, k, v, scale, return_lse):       # dispatch's mosaic_gpu forward
+        return kernel_backends.run(ops, host_pass(plan, kernel_backends.tracing(q)), q, k, v,
+                                   template=t, scale=scale, return_lse=return_lse)
+
     t = templates.get("mgpu_q128_kv64_s2_hm")
     mask = tj.BlockMask.uniform(256, 192, 128, 64, np.random.default_rng(2).random((1, 2, 3)) < .7)
     q, k, v = random_qkv(1, 256, 192, 2, 1, 64, jnp.bfloat16, seed=9)
@@ -366,22 +373,22 @@ def test_backend_runner_prepares_each_plan_once(attention_calls, monkeypatch):
 
     monkeypatch.setattr(plan_abi, "check_plan", no_walk)
     puts = []
-    real_put = kernel_backends._put_plan
-    monkeypatch.setattr(kernel_backends, "_put_plan", lambda *a: puts.append(1) or real_put(*a))
+    real_put = kernel_backends.put_plan
+    monkeypatch.setattr(kernel_backends, "put_plan", lambda *a: puts.append(1) or real_put(*a))
     for _ in range(3):
         out, lse = run(plan, t, q, k, v, 0.125, True)
         _check(out, lse, ref_out, ref_lse, jnp.bfloat16)
     # A planner-built plan is trusted: its fullness comes from Plan.all_full; the first call
     # passes NumPy (copied by the jitted call), the second copies it to the device once.
     assert plan.all_full
-    assert calls == [(True, "none", False), (False, "none", True), (False, "none", True)]
+    assert calls == [(True, "none", False), (False, "none", False), (False, "none", False)]
     assert puts == [1]
     monkeypatch.setattr(plan_abi, "check_plan", real_check)
     # Traced (the plan becomes constants of a jitted caller): the NumPy arrays, not the cached
     # device arrays (jax would hoist those into extra inputs of an AOT-compiled loop).
     out, lse = jax.jit(lambda q: run(plan, t, q, k, v, 0.125, True))(q)
     _check(out, lse, ref_out, ref_lse, jnp.bfloat16)
-    assert calls[3:] == [(True, "none", True)]
+    assert calls[3:] == [(True, "none", False)]
 
 
 def test_backend_runner_takes_traced_plan_arrays(attention_calls, monkeypatch):
@@ -401,7 +408,7 @@ def test_backend_runner_takes_traced_plan_arrays(attention_calls, monkeypatch):
     ref = tj.reference_attention(q, k, v, mask, scale=0.125)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=3e-2, rtol=3e-2)
-    assert calls == [(False, None, True)]
+    assert calls == [(False, t.kernel.mask_mode, False)]
 
 
 def test_bad_input_raises():

@@ -427,15 +427,15 @@ def test_config_and_argument_errors():
 @pytest.mark.parametrize("template,D", [("triton_q128_kv64_w8_s3_pf_hm", 32),
                                         ("triton_q64_kv64_w4_s2", 136)])
 def test_backend_runner_path(template, D):
-    """The lead's wiring: tj.plan with a Triton template, run by backends.run (as on a GPU;
+    """The lead's wiring: tj.plan with a Triton template, run by the core (as on a GPU;
     the runner asks ``plan_mask_mode`` for the mode)."""
     import tessera_jax as tj
-    from tessera_jax.runtime import dispatch as backends
+    from tessera_jax.runtime import core, host_plans
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
                      np.random.default_rng(14).random((1, 3, 3)) < 0.7)
     q, k, v = _inputs(15, 2, 90, 80, 4, 2, D, jnp.bfloat16)
     p = tj.plan(mask, q.shape, k.shape, q.dtype, template=template)
-    out, lse = backends.run(p, q, k, v, 0.2, True)
+    out, lse = core.attention(q, k, v, host_plans.attention_plan(p), 0.2, True)
     ref, ref_lse = reference_attention(q, k, v, mask, scale=0.2, return_lse=True)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=2e-2, rtol=2e-2)
