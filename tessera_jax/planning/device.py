@@ -3,25 +3,27 @@
 The device planner (issue 16): jittable, no host transfer, shapes of the outputs derived from
 the static shapes (and static bounds) alone, so a new mask of the same shapes neither retraces
 nor recompiles. ``tessera_jax.sparse_attention`` runs it for device masks
-(``runtime.device_route``); the kernels take its arrays as traced plan operands.
+(``runtime.device_route``, which plans the forward and the transposed mask's dk/dv pass with
+it); it returns an ``abi.PassPlan`` whose arrays the kernels take as traced plan operands.
 
 Plan it builds (``pallas_kernels.abi``): one unit per (query head, query tile), a step for
 each K/V tile that holds a selected entry, in key order (bounds shared by the heads or each
-head's own); units heaviest first by the cost model, as the host planner orders them. Tiles: with static (NumPy) bounds, block-aligned ones (``_segments``): each starts
-at a block (rounded down to 8 tokens) and owns up to ``abi.GRID`` consecutive blocks that fit
-the tile, a long block cut into tile-long pieces, so a step rarely straddles a block edge
-(Wan 720p STA: 10% fewer steps and no masked ones against the fixed grid); they are used when
-they number at most ``_SEGMENT_SLACK`` (9 / 8) x the fixed grid's, so a plan computes at most
-(9 / 8)^2 x a dense plan of fixed tiles (a fully selected mask; sparse ones compute less than
-the fixed grid). Otherwise, and with traced bounds, the fixed grid of tile-sized tiles. A step
-is plain where every block it meets is selected, else a *grid* step whose cuts are the block
-bounds inside its own range and whose cells are the blocks' flags; every (unit, tile) is
-visited once. Grid steps hold at most 4 x 4 blocks, so every tile must meet at most
-``abi.GRID`` query blocks and ``abi.GRID`` key blocks (fixed tiles: blocks of >= tile / 3
-tokens, or tile-aligned ones of tile / 4). Host (NumPy) bounds are checked when tracing
-(ValueError); device bounds yield ``ok`` = False when broken (a tile meets more blocks,
-bounds not increasing from 0 to the length), with every index clamped, so bad data never
-reads out of bounds; check it with ``checkify`` (``check``).
+head's own); units heaviest first by the cost model, as the host planner orders them.
+Tiles: with static (NumPy) bounds, block-aligned ones (``_segments``): each starts at a block
+(rounded down to 8 tokens) and owns up to ``abi.GRID`` consecutive blocks that fit the tile, a
+long block cut into tile-long pieces, so a step rarely straddles a block edge (Wan 720p STA:
+10% fewer steps and no masked ones against the fixed grid); they are used when they number at
+most ``_SEGMENT_SLACK`` (9 / 8) x the fixed grid's, so a plan computes at most (9 / 8)^2 x a
+dense plan of fixed tiles (a fully selected mask; sparse ones compute less than the fixed
+grid). Otherwise, and with traced bounds, the fixed grid of tile-sized tiles. A step is plain
+where every block it meets is selected, else a *grid* step whose cuts are the block bounds
+inside its own range and whose cells are the blocks' flags; every (unit, tile) is visited once.
+Grid steps hold at most 4 x 4 blocks, so every tile must meet at most ``abi.GRID`` query blocks
+and ``abi.GRID`` key blocks (fixed tiles: blocks of >= tile / 3 tokens, or tile-aligned ones of
+tile / 4). Host (NumPy) bounds are checked when tracing (ValueError); device bounds yield
+``ok`` = False when broken (a tile meets more blocks, bounds not increasing from 0 to the
+length), with every index clamped, so bad data never reads out of bounds; check it with
+``checkify`` (``check``).
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
     if align_blocks and isinstance(bounds, np.ndarray):
         rows = [_segments(b, tile) for b in bounds]
         S = max(len(r) for r in rows)
-        if S <= _SEGMENT_SLACK * nt and all(all(a[0] < c[0] for a, c in zip(r, r[1:])) for r in rows):
+        increasing = all(all(a[0] < c[0] for a, c in zip(r, r[1:])) for r in rows)
+        if S <= _SEGMENT_SLACK * nt and increasing:
             seg = np.zeros((len(rows), S, 3), np.int32)
             used = np.zeros((len(rows), S), bool)
             for h, r in enumerate(rows):

@@ -27,8 +27,8 @@ from tessera_jax.runtime.options import DEFAULT, Options
 from tessera_jax.select import ranking
 from tessera_jax.validation import AttnShape
 
-__all__ = ["choose_template", "build", "attention_plan", "dkv_plan", "dkv_candidates", "dkv_tiles",
-           "dkv_score", "transposed_mask", "transposed_shape", "clear_cache"]
+__all__ = ["choose_template", "build", "attention_plan", "dkv_plan", "dkv_candidates",
+           "dkv_tiles", "dkv_score", "transposed_mask", "transposed_shape", "clear_cache"]
 
 
 def choose_template(mask: BlockMask, shape: AttnShape, backend: str) -> tuple[str, str]:
