@@ -92,20 +92,27 @@ def test_cudnn_refusal_warns_once_and_plans(fake_gpu, monkeypatch):
     assert fake_gpu["planned"] == 1
 
 
-def test_dense_call_gqa_scale_under_jit(monkeypatch):
+@pytest.fixture
+def fresh_verdicts():
+    """The compiled cuDNN calls and refusals per shape forgotten before and after the test."""
+    dense_route.clear_caches(verdicts=True)
+    yield
+    dense_route.clear_caches(verdicts=True)
+
+
+def test_dense_call_gqa_scale_under_jit(monkeypatch, fresh_verdicts):
     """dense_route.attention itself (GQA, a non-default scale, eager and under jit), with
     jax's XLA implementation standing in for cuDNN on this CPU."""
     import jax
     real = dense_route._dense_fn
     monkeypatch.setattr(dense_route, "_dense_fn", lambda implementation="xla": real("xla"))
-    monkeypatch.setattr(dense_route, "_VERDICTS", {})
     q, k, v = random_qkv(2, 90, 80, 6, 2, 32, "float32", 7)
     ref = np.asarray(tj.reference_attention(q, k, v, _full(), scale=0.3))
     for fn in (dense_route.attention, jax.jit(dense_route.attention, static_argnums=3)):
         np.testing.assert_allclose(np.asarray(fn(q, k, v, 0.3)), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_a_call_that_does_not_compile_is_refused_once(monkeypatch):
+def test_a_call_that_does_not_compile_is_refused_once(monkeypatch, fresh_verdicts):
     """A compile-time refusal (not a trace-time check) becomes NotImplementedError, remembered
     per shape, so sparse_attention plans instead."""
     class Broken:
@@ -116,7 +123,6 @@ def test_a_call_that_does_not_compile_is_refused_once(monkeypatch):
             raise RuntimeError("cuDNN is not detected.")
 
     monkeypatch.setattr(dense_route, "_dense_fn", lambda implementation="cudnn": Broken())
-    monkeypatch.setattr(dense_route, "_VERDICTS", {})
     q, k, v = random_qkv(1, 90, 80, 2, 2, 64, "bfloat16", 2)
     for _ in range(2):
         with pytest.raises(NotImplementedError, match="cuDNN is not detected"):
