@@ -161,6 +161,9 @@ def dkv_candidates(plan: planner.Plan, backend: str,
     paired = dispatch.BACKENDS[backend].ops().PAIRED_DKV_TILES
     if paired is not None and options.paired_dkv_policy is not None:
         opts.append((paired, options.paired_dkv_policy, 2))
+    if not opts:
+        raise ValueError(f"Options.dkv_policies is empty and backend {backend!r} has no "
+                         "paired dk/dv units: no dk/dv plan to choose")
     return [(planner.build_unchecked(tmask, shape, tile_q=x[0], tile_kv=x[1], policy=pol,
                                      q_align=x[2], kv_align=x[3],
                                      template=f"bwd_dkv_{backend}_{x[0]}x{x[1]}",

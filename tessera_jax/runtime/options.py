@@ -20,7 +20,8 @@ class Options:
         ``abi.GRID`` blocks per axis: 2 KB each at 128 x 128); past it, static bounds take the
         exact path and traced bounds take it when the plan overflows (decided on the device).
     dkv_policies: the host planner's policies tried for a host dk/dv plan with the backend's
-        dk/dv tiles; the plan of least estimated time wins. On the transposed Wan 480p masks
+        dk/dv tiles (empty: the paired candidate alone); the plan of least estimated time
+        wins. On the transposed Wan 480p masks
         (computed / selected on top-k cubes, sliding tiles, clusters): 128 x 64 merge 2.61 /
         2.26 / 2.06, pack 2.04 / 1.26 / 1.68; paired 64 x 64 pack 1.23 / 1.04 / 1.46.
     paired_dkv_policy: the policy of the paired 64-key dk/dv candidate (backends that have
@@ -44,10 +45,11 @@ class Options:
         if isinstance(b, bool) or not isinstance(b, int) or b < 0:
             raise ValueError(f"bitmap_budget_bytes must be an int >= 0, got {b!r}")
         pols = self.dkv_policies
-        if isinstance(pols, str) or not isinstance(pols, tuple) or not pols \
-                or any(p not in _DKV_POLICIES for p in pols):
-            raise ValueError(f"dkv_policies must be a non-empty tuple of {_DKV_POLICIES}, "
-                             f"got {pols!r}")
+        if not isinstance(pols, tuple) or any(p not in _DKV_POLICIES for p in pols):
+            raise ValueError(f"dkv_policies must be a tuple of {_DKV_POLICIES}, got {pols!r}")
+        if not pols and self.paired_dkv_policy is None:
+            raise ValueError("dkv_policies is empty and paired_dkv_policy is None: no dk/dv "
+                             "plan to choose")
         if self.paired_dkv_policy is not None and self.paired_dkv_policy not in _DKV_POLICIES:
             raise ValueError(f"paired_dkv_policy must be one of {_DKV_POLICIES} or None, got "
                              f"{self.paired_dkv_policy!r}")
