@@ -243,6 +243,12 @@ def unpack_grid(cuts_a, cuts_b):
             (cuts_b >> GRID_BITS_SHIFT) & 0xFFFF)
 
 
+def grid_nibble(cuts_b, n: int):
+    """Row ``n`` of a grid step's GRID x GRID cell matrix from its STEP_CUTS_B: GRID bits,
+    bit j for key segment j (int, NumPy or jnp)."""
+    return (cuts_b >> (GRID_BITS_SHIFT + GRID * n)) & 0xF
+
+
 def grid_mask(rect, cuts_a, cuts_b, rows, cols):
     """Whether entry (rows, cols) of a step's tile is selected (broadcasting ``rows`` against
     ``cols``; NumPy or jnp): the rectangle, and for a grid step (cuts_b != 0) its cell bit.

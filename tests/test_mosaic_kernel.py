@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 import tessera_jax as tj
 from tessera_jax.planning.planner import build_plan
-from pallas_kernels import templates
+from pallas_kernels import contract, templates
 from pallas_kernels.mosaic import kernel as mosaic_kernel
 from pallas_kernels.mosaic import wrapper as mosaic
 from pallas_kernels import abi as plan_abi
@@ -280,14 +280,13 @@ def test_mask_modes_from_the_plan(monkeypatch):
     config says "always" masks every step, all-full plan or not. All match the reference;
     "none" on a plan with partial steps is refused."""
     seen = []
-    real_cfg = mosaic.config_from_template
+    real_call = contract.forward_call
 
-    def spy(template, mask_mode=None):
-        cfg = real_cfg(template, mask_mode)
+    def spy(*args, cfg, **kw):
         seen.append(cfg.mask_mode)
-        return cfg
+        return real_call(*args, cfg=cfg, **kw)
 
-    monkeypatch.setattr(mosaic, "config_from_template", spy)
+    monkeypatch.setattr(contract, "forward_call", spy)
     base = templates.get("mgpu_q128_kv64_s2_hm")
     always = dataclasses.replace(base, name="always_test", kernel=MosaicConfig(mask_mode="always"))
     rng = np.random.default_rng(3)
@@ -479,9 +478,11 @@ def test_lowers_for_cuda(base, kernel, mask_mode):
     args = (sds((1, L, Hq, D), jnp.bfloat16), sds((1, L, Hkv, D), jnp.bfloat16),
             sds((1, L, Hkv, D), jnp.bfloat16), sds(plan.units.shape, jnp.int32),
             sds(plan.steps.shape, jnp.int32), sds(plan.row_index.shape, jnp.int32))
-    f = lambda *a: mosaic._attention(
-        *a, template=t, q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
-        scale=0.1, return_lse=True, interpret=False, mask_mode=mask_mode)
+    f = lambda *a: contract.forward_call(  # noqa: E731
+        *a, kernel=mosaic_kernel.forward,
+        cfg=mosaic_kernel.KernelConfig.from_template(t, mask_mode),
+        q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, head_dim=D,
+        scale=0.1, return_lse=True, interpret=False)
     try:
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     except Exception as e:  # pragma: no cover - depends on the installed jaxlib

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pallas_kernels import templates
+from pallas_kernels import contract, templates
 
 from pallas_kernels import abi as plan_abi
 
@@ -282,9 +282,9 @@ def test_new_plan_same_capacity_does_not_recompile():
     # Again: the first interpret-mode call imports modules that register jax config options,
     # which changes the tracing context (the test alone, not after others, saw 50 -> 51 values).
     _check(q, k, v, m1, p1)
-    before = triton_wrapper._attention._cache_size()
+    before = contract.forward_call._cache_size()
     _check(q, k, v, m2, p2)
-    assert triton_wrapper._attention._cache_size() == before
+    assert contract.forward_call._cache_size() == before
 
 
 def test_templates_and_template_argument():
@@ -457,8 +457,9 @@ def test_lowers_to_triton_for_a_cuda_target(dtype, D, tile_q, tile_kv, mask_mode
             sds((256, plan_abi.STEP_COLS), jnp.int32), sds((Hq, L), jnp.int32))
     cfg = triton_kernel.KernelConfig(tile_q, tile_kv, variant=TritonConfig(prefetch=prefetch),
                                      mask_mode=mask_mode)
-    f = lambda *a: triton_wrapper._attention(*a, config=cfg, q_len_padded=1024, kv_len_padded=L,
-                                             scale=0.1, return_lse=True, interpret=False)
+    f = lambda *a: contract.forward_call(  # noqa: E731
+        *a, kernel=triton_kernel.forward, cfg=cfg, q_len_padded=1024, kv_len_padded=L,
+        head_dim=triton_kernel.padded_head_dim(D), scale=0.1, return_lse=True, interpret=False)
     assert "__gpu$xla.gpu.triton" in lower_for_h200(f, *args)
 
 
