@@ -331,18 +331,18 @@ def test_mask_modes_from_the_plan(monkeypatch):
 
 @pytest.fixture
 def attention_calls(monkeypatch):
-    """mosaic.attention under the interpreter, recording (plan arrays are NumPy, mask_mode)
-    of every call the backend runner makes."""
+    """The Mosaic GPU forward (``ops.run_forward``, after the contract's checks) under the
+    interpreter, recording (plan arrays are NumPy, mask mode) of every call the backend
+    runner makes."""
+    from pallas_kernels.mosaic import ops
     calls = []
-    real = mosaic.attention
+    real = ops.run_forward
 
-    def spy(q, k, v, units, steps, row_index, **kw):
-        calls.append((isinstance(units, np.ndarray), kw.get("mask_mode"),
-                      kw.get("check_plan", True)))
-        kw["interpret"] = INTERPRET
-        return real(q, k, v, units, steps, row_index, **kw)
+    def spy(q, k, v, plan, t, mode, *a):
+        calls.append((isinstance(plan.units, np.ndarray), mode))
+        return real(q, k, v, plan, t, mode, *a)
 
-    monkeypatch.setattr(mosaic, "attention", spy)
+    monkeypatch.setattr(ops, "run_forward", spy)
     return calls
 
 
@@ -380,14 +380,14 @@ def test_backend_runner_prepares_each_plan_once(attention_calls, monkeypatch):
     # A planner-built plan is trusted: its fullness comes from Plan.all_full; the first call
     # passes NumPy (copied by the jitted call), the second copies it to the device once.
     assert plan.all_full
-    assert calls == [(True, "none", False), (False, "none", False), (False, "none", False)]
+    assert calls == [(True, "none"), (False, "none"), (False, "none")]
     assert puts == [1]
     monkeypatch.setattr(plan_abi, "check_plan", real_check)
     # Traced (the plan becomes constants of a jitted caller): the NumPy arrays, not the cached
     # device arrays (jax would hoist those into extra inputs of an AOT-compiled loop).
     out, lse = jax.jit(lambda q: run(plan, t, q, k, v, 0.125, True))(q)
     _check(out, lse, ref_out, ref_lse, jnp.bfloat16)
-    assert calls[3:] == [(True, "none", False)]
+    assert calls[3:] == [(True, "none")]
 
 
 def test_backend_runner_takes_traced_plan_arrays(attention_calls, monkeypatch):
@@ -407,7 +407,7 @@ def test_backend_runner_takes_traced_plan_arrays(attention_calls, monkeypatch):
     ref = tj.reference_attention(q, k, v, mask, scale=0.125)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=3e-2, rtol=3e-2)
-    assert calls == [(False, t.kernel.mask_mode, False)]
+    assert calls == [(False, t.kernel.mask_mode)]
 
 
 def test_bad_input_raises():
