@@ -16,7 +16,6 @@ import functools
 import weakref
 
 import jax
-import numpy as np
 
 from pallas_kernels.abi import PassPlan
 
@@ -83,11 +82,6 @@ def host_pass(plan, rows: bool = False) -> PassPlan:
                                    int(plan.kv_len_padded), int(plan.max_steps),
                                    bool(plan.all_full))
     return hit
-
-
-def is_host(plan: PassPlan) -> bool:
-    """Whether a pass plan's arrays are NumPy (a host plan)."""
-    return isinstance(plan.units, np.ndarray) and isinstance(plan.steps, np.ndarray)
 
 
 def clear_cache() -> None:
