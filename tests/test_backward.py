@@ -571,3 +571,35 @@ def test_fold_vmap_folds_tensors_and_maps_batched_plans():
     assert calls[-1] == (6, 4) and out.shape == (3, 2, 4) and (out == 2).all()
     out = jax.vmap(lambda x, p: batching.fold_vmap(fn, (x, y), (p,)))(x, p)
     np.testing.assert_array_equal(out[:, 0, 0], 2 + p.sum(1))
+
+
+def test_host_dkv_plan_is_made_on_the_first_backward_only(monkeypatch):
+    """A forward-only request (eager or traced) makes no dk/dv plan; the first backward makes
+    it once (cached per forward plan)."""
+    made = []
+    real = host_plans.dkv_plan
+    monkeypatch.setattr(host_plans, "dkv_plan", lambda p, *a: made.append(p) or real(p, *a))
+    rng = np.random.default_rng(21)
+    mask = tj.BlockMask([0, 9, 20, 33], [0, 7, 19, 30], rng.random((2, 3, 3)) < 0.6)
+    q, k, v = random_qkv(1, 33, 30, 2, 1, 8, "float32", 21)
+    f = functools.partial(tj.sparse_attention, mask=mask, backend="xla")
+    f(q, k, v)
+    jax.jit(f)(q, k, v)
+    assert not made
+    g = jax.grad(lambda q: jnp.sum(f(q, k, v) ** 2))
+    g(q)
+    g(q + 1)
+    assert len({id(p) for p in made}) == 1
+
+
+def test_one_custom_vjp_in_the_tree():
+    """The runtime's core (``runtime.core``) is the one ``jax.custom_vjp`` of the library and
+    the kernels: every route differentiates through it."""
+    import pathlib
+    import re
+    root = pathlib.Path(tj.__file__).resolve().parents[1]
+    uses = [f"{p.relative_to(root)}:{i}" for d in ("tessera_jax", "pallas_kernels")
+            for p in sorted((root / d).rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if re.search(r"jax\.custom_vjp\s*[,)(]|@custom_vjp|custom_vjp\(", line)]
+    assert [u.split(":")[0] for u in uses] == ["tessera_jax/runtime/core.py"], uses
