@@ -80,12 +80,13 @@ def cube_order(grid, cube=(4, 4, 4)):
 
 
 # --- 1. forward + backward -------------------------------------------------------------------
-#: (name, DKV_POLICIES, PAIRED_DKV_POLICY) forced in the controls of the dk/dv plan's pick.
+#: (name, Options.dkv_policies, Options.paired_dkv_policy) forced in the controls of the dk/dv
+#: plan's pick.
 DKV_CONTROLS = (("merge128", ("merge",), None), ("pack128", ("pack",), None),
                 ("paired64_pack", (), "pack"))
 
 
-def fwd_bwd_fns(mask, backend, dense_impl):
+def fwd_bwd_fns(mask, backend, dense_impl, options=None):
     """(ours, dense): jitted (q, k, v, do) -> (out, dq, dk, dv)."""
     import jax
     import tessera_jax as tj
@@ -96,7 +97,8 @@ def fwd_bwd_fns(mask, backend, dense_impl):
             return (out,) + vjp(do)
         return jax.jit(run)
 
-    ours = vjp_of(lambda q, k, v: tj.sparse_attention(q, k, v, mask, backend=backend))
+    ours = vjp_of(lambda q, k, v: tj.sparse_attention(q, k, v, mask, backend=backend,
+                                                       options=options))
     dense = vjp_of(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, implementation=dense_impl))
     return ours, dense
@@ -165,31 +167,24 @@ def kernels_section(res, args, rule):
             row["ours_fwd"] = dict(**tfw.to_json(), tflops=4 * D * row["selected"] / tfw.ms / 1e9)
             if args.dkv_controls and row["family"] == "irregular":
                 # The same call with each dk/dv plan choice forced (the controls of the pick).
-                from tessera_jax.runtime import autodiff
-                saved = autodiff.DKV_POLICIES, autodiff.PAIRED_DKV_POLICY
+                from tessera_jax.runtime import host_plans
 
-                def dkv_pick():     # (tile_q, policy) of the dk/dv plan under the settings
-                    autodiff.clear_cache()
-                    tp = autodiff.transposed_plan(tj.plan(mask, (1, L, H, D), (1, L, H, D),
-                                                          dtype, backend=args.backend))
+                def dkv_pick(opts):     # (tile_q, policy) of the dk/dv plan under the options
+                    tp = host_plans.dkv_plan(tj.plan(mask, (1, L, H, D), (1, L, H, D), dtype,
+                                                     backend=args.backend), options=opts)
                     return tp.tile_q, tp.policy
 
-                row["dkv_pick"] = pick = dkv_pick()
+                row["dkv_pick"] = pick = dkv_pick(tj.Options())
                 for cname, pols, paired in DKV_CONTROLS:
-                    try:
-                        autodiff.DKV_POLICIES, autodiff.PAIRED_DKV_POLICY = pols, paired
-                        if dkv_pick() == pick:          # the pick itself: timed above
-                            row.setdefault("dkv_controls", {})[cname] = dict(
-                                **t.to_json(), same_as_ours=True)
-                            continue
-                        autodiff.clear_cache()
-                        ctl, _ = fwd_bwd_fns(mask, args.backend, args.dense_impl)
-                        tc = timing.time_kernel(ctl, sets, rule=rule)
-                        row.setdefault("dkv_controls", {})[cname] = tc.to_json()
-                        log(name, f"ours, dk/dv {cname}", f"{tc.ms:.3f} ms")
-                    finally:
-                        autodiff.DKV_POLICIES, autodiff.PAIRED_DKV_POLICY = saved
-                        autodiff.clear_cache()
+                    opts = tj.Options(dkv_policies=pols, paired_dkv_policy=paired)
+                    if dkv_pick(opts) == pick:          # the pick itself: timed above
+                        row.setdefault("dkv_controls", {})[cname] = dict(
+                            **t.to_json(), same_as_ours=True)
+                        continue
+                    ctl, _ = fwd_bwd_fns(mask, args.backend, args.dense_impl, opts)
+                    tc = timing.time_kernel(ctl, sets, rule=rule)
+                    row.setdefault("dkv_controls", {})[cname] = tc.to_json()
+                    log(name, f"ours, dk/dv {cname}", f"{tc.ms:.3f} ms")
             flops = 3.5 * 4 * D * row["selected"]
             row.update(ours=dict(**t.to_json(), tflops=flops / t.ms / 1e9),
                        efficiency=(flops / t.ms) / (dense_flops / dense_t.ms))
@@ -481,11 +476,11 @@ def train_step_section(res, args):
             log("budget spent: stopping the training section")
             break
         sparse = variant in ("sparse", "sparse_jnp_delta")
-        from tessera_jax.runtime import autodiff
-        saved = autodiff._row_dots
+        from tessera_jax.runtime import core
+        saved = core._row_dots
         if variant == "sparse_jnp_delta":
             # The control of the row-dot kernel: delta by jnp (XLA's reduce).
-            autodiff._row_dots = lambda impl: None
+            core._row_dots = lambda plan, ops, options: None
         try:
             model = WanModel(cfg, rngs=nnx.Rngs(0))
             opt = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
@@ -548,7 +543,7 @@ def train_step_section(res, args):
             log("train step", variant, "FAILED", repr(e)[:300])
             traceback.print_exc()
         finally:
-            autodiff._row_dots = saved
+            core._row_dots = saved
 
 
 def row_dots_section(res, args, rule):

@@ -91,6 +91,10 @@ natural log; -inf for a row with no selected key). The wrapper gathers the owned
 to [B, Lq, Hq, D]; this keeps every kernel store a whole, non-overlapping tile.
 """
 
+import dataclasses
+import functools
+
+import jax
 import numpy as np
 
 UNIT_HEAD, UNIT_Q_START, UNIT_OWN_LO, UNIT_OWN_HI, UNIT_STEP_PTR, UNIT_STEP_CNT = range(6)
@@ -113,6 +117,30 @@ VIEW_KV_START, VIEW_Q_LO, VIEW_Q_HI, VIEW_KV_LO, VIEW_KV_HI = range(5)
 VIEW_COLS = 5
 VIEW_Q1, VIEW_Q2, VIEW_Q3, VIEW_K1, VIEW_K2, VIEW_K3, VIEW_BITS = range(5, 12)
 VIEW_GRID_COLS = 12
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["units", "steps", "row_index"],
+                   meta_fields=["tile_q", "tile_kv", "q_len_padded", "kv_len_padded",
+                                "max_steps", "all_full"])
+@dataclasses.dataclass(frozen=True, eq=False)       # identity hash: caches key on the object
+class PassPlan:
+    """The plan of one kernel pass (a forward, or a backward's dq or dk/dv pass): the ABI
+    arrays above and the static integers a backend compiles against. A pytree: NumPy leaves
+    for a host plan (the planner's, cached, so identity keys device copies), traced leaves for
+    a device plan. ``row_index`` None: made on the device from ``units``. ``all_full``: True /
+    False when the planner knows whether every visited step is full (a *trusted* plan: no
+    backend walks its steps), None when unknown (a concrete plan is then checked)."""
+
+    units: np.ndarray | jax.Array
+    steps: np.ndarray | jax.Array
+    row_index: np.ndarray | jax.Array | None
+    tile_q: int
+    tile_kv: int
+    q_len_padded: int
+    kv_len_padded: int
+    max_steps: int
+    all_full: bool | None = None
 
 
 def bitmap_words(tile_kv: int) -> int:
@@ -213,6 +241,12 @@ def unpack_grid(cuts_a, cuts_b):
     return (((cuts_a & 0xFF), (cuts_a >> 8) & 0xFF, (cuts_a >> 16) & 0xFF),
             ((cuts_a >> 24) & 0xFF, cuts_b & 0xFF, (cuts_b >> 8) & 0xFF),
             (cuts_b >> GRID_BITS_SHIFT) & 0xFFFF)
+
+
+def grid_nibble(cuts_b, n: int):
+    """Row ``n`` of a grid step's GRID x GRID cell matrix from its STEP_CUTS_B: GRID bits,
+    bit j for key segment j (int, NumPy or jnp)."""
+    return (cuts_b >> (GRID_BITS_SHIFT + GRID * n)) & 0xF
 
 
 def grid_mask(rect, cuts_a, cuts_b, rows, cols):

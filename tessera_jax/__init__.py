@@ -5,10 +5,11 @@ from tessera_jax.runtime.api import (clear_caches, enable_compilation_cache, pla
                                      sparse_attention)
 from tessera_jax.mask import BlockMask
 from tessera_jax.planning.planner import Plan
+from tessera_jax.runtime.options import Options
 from tessera_jax.reference import reference_attention
 from tessera_jax import parallel  # several devices: docs/multi_gpu.md
 
-__all__ = ["BlockMask", "Plan", "clear_caches", "enable_compilation_cache", "plan", "precompile",
+__all__ = ["BlockMask", "Options", "Plan", "clear_caches", "enable_compilation_cache", "plan", "precompile",
            "reference_attention", "sparse_attention"]
 __version__ = "0.1.0"
 

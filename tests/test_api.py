@@ -206,23 +206,26 @@ def test_precompile_and_persistent_cache(tmp_path):
         tj.precompile(["m"], (1, 96, 2, 8), (1, 96, 2, 8), jnp.float32)
 
 
-def test_plan_cache_is_bounded_lru(monkeypatch):
-    from tessera_jax.runtime import api
-    monkeypatch.setattr(api, "_PLANS", api.collections.OrderedDict())
-    monkeypatch.setattr(api, "_MAX_PLANS", 3)
+def test_plan_cache_is_bounded_lru():
+    """The front cache (``api.PlanCache``) drops the least recently used plans past its entry
+    count or its bytes of plan arrays; ``tj.plan`` returns its hits."""
+    from tessera_jax.runtime.api import PlanCache
     rng = np.random.default_rng(9)
     ms = [tj.BlockMask.uniform(64, 64, 16, 16, rng.random((1, 4, 4)) < 0.5) for _ in range(5)]
     shape = (1, 64, 2, 8)
-    first = tj.plan(ms[0], shape, shape, jnp.float32)
-    for m in ms[1:3]:
-        tj.plan(m, shape, shape, jnp.float32)
-    assert tj.plan(ms[0], shape, shape, jnp.float32) is first   # a hit refreshes ms[0]
-    tj.plan(ms[3], shape, shape, jnp.float32)                    # evicts ms[1], not ms[0]
-    assert len(api._PLANS) == 3
-    assert [k[0] for k in api._PLANS] == [ms[2], ms[0], ms[3]]
-    monkeypatch.setattr(api, "_MAX_PLAN_BYTES", 1)               # bytes bound: keep only the newest
-    tj.plan(ms[4], shape, shape, jnp.float32)
-    assert [k[0] for k in api._PLANS] == [ms[4]]
+    plans = [tj.plan(m, shape, shape, jnp.float32) for m in ms]
+    assert tj.plan(ms[0], shape, shape, jnp.float32) is plans[0]
+    cache = PlanCache(max_plans=3)
+    for i in range(3):
+        cache.put(i, plans[i])
+    assert cache.get(0) is plans[0]                    # a hit refreshes entry 0
+    cache.put(3, plans[3])                             # evicts 1, not 0
+    assert len(cache) == 3 and cache.keys() == [2, 0, 3]
+    assert cache.get(1) is None and cache.get(None) is None
+    small = PlanCache(max_bytes=1)                     # bytes bound: keep only the newest
+    small.put(0, plans[0])
+    small.put(4, plans[4])
+    assert small.keys() == [4]
 
 
 # --- one way through, one owner of the caches ------------------------------------------------
@@ -242,7 +245,7 @@ def test_backend_table_is_static_and_ordered():
 
 def test_sparse_attention_checks_the_mask_once_and_runs_the_plan_of_tj_plan(monkeypatch):
     from tessera_jax.planning import planner
-    from tessera_jax.runtime import api, dispatch
+    from tessera_jax.runtime import api, host_plans
     from tessera_jax import validation
     checks = []
 
@@ -253,8 +256,8 @@ def test_sparse_attention_checks_the_mask_once_and_runs_the_plan_of_tj_plan(monk
     monkeypatch.setattr(api, "check_mask", counted)
     monkeypatch.setattr(planner, "check_mask", counted)
     ran = []
-    real_run = dispatch.run
-    monkeypatch.setattr(dispatch, "run", lambda p, *a: ran.append(p) or real_run(p, *a))
+    real = host_plans.attention_plan
+    monkeypatch.setattr(host_plans, "attention_plan", lambda p, *a: ran.append(p) or real(p, *a))
     q, k, v = random_qkv(1, 64, 64, 2, 2, 16, "float32", 4)
     m = tj.BlockMask.uniform(64, 64, 16, 16, np.random.default_rng(41).random((2, 4, 4)) < .5)
     tj.sparse_attention(q, k, v, m)                  # a new mask: planned once, checked once

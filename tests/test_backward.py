@@ -1,4 +1,4 @@
-"""Gradients of ``tj.sparse_attention`` (``runtime.autodiff``) against a float64 NumPy oracle:
+"""Gradients of ``tj.sparse_attention`` (``runtime.core``) against a float64 NumPy oracle:
 the XLA backward over host and device plans (property tests), the Triton backward kernels in
 interpret mode and the Mosaic GPU ones under its interpreter, the transforms with
 ``backend=None``, and the errors of what is not supported.
@@ -22,8 +22,9 @@ import jax.numpy as jnp
 
 import tessera_jax as tj
 from pallas_kernels import backward_rows
+from tessera_jax.planning.plan import AttentionPlan, host_pass
 from tessera_jax.planning.planner import build_plan
-from tessera_jax.runtime import autodiff, device_route
+from tessera_jax.runtime import core, device_route, host_plans
 
 from strategies import random_qkv
 
@@ -85,6 +86,12 @@ def grads(fn, q, k, v, mask, do, dlse=None, **kw):
         return vjp(do)
     _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask, return_lse=True, **kw), q, k, v)
     return vjp((do, dlse))
+
+
+def run(p, q, k, v, scale, return_lse, options=None):
+    """The core over a host plan ``p`` (``tj.plan``'s), as ``sparse_attention`` runs it."""
+    opts = options or tj.Options()
+    return core.attention(q, k, v, host_plans.attention_plan(p, opts), scale, return_lse, opts)
 
 
 def cotangents(B, Lq, Hq, D, dtype, seed, with_lse):
@@ -179,16 +186,13 @@ def test_exact_path_backward_matches_float64(monkeypatch):
     do, dlse = cotangents(1, 40, 2, 8, jnp.float32, 4, True)
     want = oracle(q, k, v, mask, do, dlse)
     calls = []
-    monkeypatch.setattr(device_route, "BITMAP_BUDGET_BYTES", 64)
-    monkeypatch.setattr(autodiff, "exact_backward", functools.partial(
-        lambda f, *a, **kw: calls.append(1) or f(*a, **kw), autodiff.exact_backward))
-    device_route.clear_caches()
+    monkeypatch.setattr(core, "exact_backward", functools.partial(
+        lambda f, *a, **kw: calls.append(1) or f(*a, **kw), core.exact_backward))
     with pytest.warns(UserWarning, match="exact XLA path"):
         got = grads(tj.sparse_attention, q, k, v, tj.BlockMask(qb, kb, jnp.asarray(mask.blocks)),
-                    do, dlse)
+                    do, dlse, options=tj.Options(bitmap_budget_bytes=64))
     assert calls, "the exact backward did not run"
     assert_grads(got, want[2:], 2e-4)
-    device_route.clear_caches()
 
 
 def test_transposed_plan_selects_the_transposed_mask():
@@ -197,26 +201,24 @@ def test_transposed_plan_selects_the_transposed_mask():
     rng = np.random.default_rng(5)
     mask = tj.BlockMask([0, 1, 9, 40, 70], [0, 30, 31, 50], rng.random((3, 4, 3)) < 0.5)
     p = tj.plan(mask, (1, 70, 3, 16), (1, 50, 1, 16), jnp.float32, backend="xla")
-    tp = autodiff.transposed_plan(p)
-    assert tp is autodiff.transposed_plan(p)
+    tp = host_plans.dkv_plan(p)
+    assert tp is host_plans.dkv_plan(p)
     assert tp.selected_interactions == p.selected_interactions
     assert (tp.shape.q_len, tp.shape.kv_len) == (50, 70)
-    np.testing.assert_array_equal(autodiff.transposed_mask(mask).token_mask(),
+    np.testing.assert_array_equal(host_plans.transposed_mask(mask).token_mask(),
                                   np.swapaxes(mask.token_mask(), 1, 2))
 
 
-def test_transposed_plan_takes_the_cheapest_policy(monkeypatch):
-    """Of ``DKV_POLICIES`` the dk/dv plan of least estimated time wins, whichever it is."""
+def test_transposed_plan_takes_the_cheapest_policy():
+    """Of ``Options.dkv_policies`` the dk/dv plan of least estimated time wins, whichever it
+    is (cached per options)."""
     rng = np.random.default_rng(11)
     mask = tj.BlockMask.uniform(1024, 1024, 64, 64, rng.random((2, 16, 16)) < 0.15)
     p = tj.plan(mask, (1, 1024, 2, 64), (1, 1024, 2, 64), jnp.float32, backend="xla")
     est = {}
-    monkeypatch.setattr(autodiff, "PAIRED_DKV_POLICY", None)
     for pols in (("merge",), ("pack",), ("merge", "pack")):
-        monkeypatch.setattr(autodiff, "DKV_POLICIES", pols)
-        autodiff.clear_cache()
-        est[pols] = autodiff._dkv_score(autodiff.transposed_plan(p, "mosaic_gpu"), 1)
-    autodiff.clear_cache()
+        opts = tj.Options(dkv_policies=pols, paired_dkv_policy=None)
+        est[pols] = host_plans.dkv_score(host_plans.dkv_plan(p, "mosaic_gpu", opts), 1)
     assert est[("pack",)] != est[("merge",)]
     assert est[("merge", "pack")] == min(est[("pack",)], est[("merge",)])
 
@@ -229,9 +231,7 @@ def test_transposed_plan_pairs_64_token_blocks():
         n = 2048 // block
         mask = tj.BlockMask.uniform(2048, 2048, block, block, rng.random((2, n, n)) < 0.15)
         p = tj.plan(mask, (1, 2048, 2, 64), (1, 2048, 2, 64), jnp.float32, backend="xla")
-        autodiff.clear_cache()
-        assert autodiff.transposed_plan(p, "mosaic_gpu").tile_q == tile, block
-    autodiff.clear_cache()
+        assert host_plans.dkv_plan(p, "mosaic_gpu").tile_q == tile, block
 
 
 def test_a_wrong_dk_fails_the_check(monkeypatch):
@@ -306,7 +306,7 @@ def _steps_kinds(*plans):
 
 
 def test_triton_backward_host_plan():
-    """The Triton kernels (interpret mode) through ``autodiff.run`` on a host plan of a Triton
+    """The Triton kernels (interpret mode) through ``core.attention`` on a host plan of a Triton
     template (grid and bitmap steps, GQA, per-head mask, empty rows, lse cotangent), and under
     jax.vmap; float32 against the float64 oracle."""
     rng = np.random.default_rng(_seed("triton"))
@@ -316,16 +316,16 @@ def test_triton_backward_host_plan():
     do, dlse = cotangents(1, Lq, Hq, D, jnp.float32, 10, True)
     want = oracle(q, k, v, mask, do, dlse, scale=0.3)
     p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q128_kv64_w8_s3_pf_hm")
-    tp = autodiff.transposed_plan(p)
+    tp = host_plans.dkv_plan(p)
     assert tp.tile_q == 64 and all(_steps_kinds(p, tp))
-    got = grads(lambda q, k, v, m, return_lse: autodiff.run(p, q, k, v, 0.3, return_lse),
+    got = grads(lambda q, k, v, m, return_lse: run(p, q, k, v, 0.3, return_lse),
                 q, k, v, mask, do, dlse)
     assert_grads(got, want[2:], 1e-4)
     # jax.vmap of the gradient over two problems (the Pallas kernels' own batching rules,
     # the row-dot kernel's included).
     q2, k2, v2 = random_qkv(1, Lq, Lkv, Hq, Hkv, D, "float32", 11)
     do2, _ = cotangents(1, Lq, Hq, D, jnp.float32, 11, False)
-    fn = lambda q, k, v, m: autodiff.run(p, q, k, v, 0.3, False)            # noqa: E731
+    fn = lambda q, k, v, m: run(p, q, k, v, 0.3, False)                     # noqa: E731
     got = jax.vmap(lambda q, k, v, do: grads(fn, q, k, v, mask, do))(
         *(jnp.stack([jnp.asarray(a), jnp.asarray(b)]) for a, b in ((q, q2), (k, k2), (v, v2),
                                                                    (do, do2))))
@@ -383,7 +383,7 @@ def test_backward_row_dots_by_backend(backend):
     q, k, v = random_qkv(1, 70, 90, 2, 1, 16, "float32", 11)
     tmpl = {"triton": "triton_q128_kv64_w8_s3_pf_hm", "xla": None}[backend]
     p = tj.plan(mask, q.shape, k.shape, q.dtype, template=tmpl, backend=backend)
-    jaxpr = jax.make_jaxpr(jax.grad(lambda q: autodiff.run(p, q, k, v, 0.3, False).sum()))(q)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda q: run(p, q, k, v, 0.3, False).sum()))(q)
     assert ("tessera_row_dots" in str(jaxpr)) == (backend == "triton")
 
 
@@ -398,7 +398,7 @@ def _primitives(jaxpr, out=None):
     return out
 
 
-def test_host_plan_backward_gathers_through_constants(monkeypatch):
+def test_host_plan_backward_gathers_through_constants():
     """Under ``jax.checkpoint`` a host plan's row gathers use host constants (token-major
     row_index, unit row indices): no scatter rebuilds row_index from units inside the program
     (XLA ran them, and kept them live, in every recomputed block: ~3 MB a layer at Wan 480p),
@@ -409,56 +409,46 @@ def test_host_plan_backward_gathers_through_constants(monkeypatch):
     q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, "float32", 13)
     p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q128_kv64_w8_s3_pf_hm")
 
-    def prims():
-        f = jax.checkpoint(lambda q, k, v: autodiff.run(p, q, k, v, 0.3, False))
+    def prims(plan):
+        f = jax.checkpoint(lambda q, k, v: core.attention(q, k, v, plan, 0.3, False))
         g = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))
         return _primitives(jax.make_jaxpr(g)(q, k, v).jaxpr)
 
-    assert "scatter" not in prims()
-    monkeypatch.setattr(autodiff, "_host_rows", lambda plan: None)
-    assert "scatter" in prims()
+    assert "scatter" not in prims(host_plans.attention_plan(p))
+    # The same pass plans without host row maps (as a device plan has them).
+    bare = AttentionPlan(host_pass(p), host_pass(host_plans.dkv_plan(p)), template=p.template,
+                         backend="triton")
+    assert "scatter" in prims(bare)
 
 
-def test_unsupported_derivatives_name_themselves(monkeypatch):
+def test_unsupported_derivatives_name_themselves():
     """Differentiating a GPU backend's backward (a second-order derivative) raises an error
-    that says so, not jax's 'Differentiation rule for ... not implemented' (the XLA entry
-    marked first-order stands in for a GPU one: the same wrapper; the XLA path itself
-    differentiates again); forward mode is refused by name (jax's custom_vjp message)."""
-    import dataclasses
-    import types
+    that says so, not jax's 'Differentiation rule for ... not implemented' (raised when the
+    second derivative is traced, before any kernel runs; the XLA path differentiates again);
+    forward mode is refused by name (jax's custom_vjp message)."""
     mask = tj.BlockMask([0, 5, 16], [0, 16], np.ones((1, 2, 1), bool))
-    q, k, v = random_qkv(1, 16, 16, 1, 1, 8, "float32", 11)
-    table = dict(autodiff.BACKWARD)
-    table["xla"] = dataclasses.replace(table["xla"], name="mosaic_gpu", first_order=True)
-    monkeypatch.setattr(autodiff, "BACKWARD", types.MappingProxyType(table))
-    inner = jax.grad(lambda q: jnp.sum(tj.sparse_attention(q, k, v, mask) ** 2))
-    with pytest.raises(NotImplementedError, match="second-order gradients .* 'mosaic_gpu'"):
+    q, k, v = random_qkv(1, 16, 16, 1, 1, 16, "float32", 11)
+    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q128_kv64_w8_s3_pf_hm")
+    inner = jax.grad(lambda q: jnp.sum(run(p, q, k, v, 0.25, False) ** 2))
+    with pytest.raises(NotImplementedError, match="second-order gradients .* 'triton'"):
         jax.grad(lambda q: jnp.sum(inner(q)))(q)
-    monkeypatch.undo()
+    xla = jax.grad(lambda q: jnp.sum(tj.sparse_attention(q, k, v, mask, backend="xla") ** 2))
+    assert np.isfinite(np.asarray(jax.grad(lambda q: jnp.sum(xla(q)))(q))).all()
     with pytest.raises(TypeError, match="forward-mode"):
         jax.jvp(lambda q: tj.sparse_attention(q, k, v, mask), (q,), (q,))
 
 
 # --- the Mosaic GPU backward (interpreter) ---------------------------------------------------
+# On a CPU the kernels run under the Mosaic GPU interpreter (``Options.interpret`` None).
 needs_interp = pytest.mark.skipif(INTERPRET is None, reason="no Mosaic GPU interpreter")
 
 
-@pytest.fixture
-def mosaic_interpreted(monkeypatch):
-    """Runs the Mosaic GPU forward and backward under the interpreter."""
-    from pallas_kernels.mosaic import wrapper
-    monkeypatch.setattr(wrapper, "attention",
-                        functools.partial(wrapper.attention, interpret=INTERPRET))
-    monkeypatch.setattr(autodiff, "MOSAIC_INTERPRET", INTERPRET)
-
-
 @needs_interp
-def test_mosaic_backward_host_plan(mosaic_interpreted, monkeypatch):
+def test_mosaic_backward_host_plan():
     """dq over a 128 x 64 forward plan and dk/dv over the 128 x 64 transposed plan (paired
     units off: ``test_mosaic_paired_dkv`` runs those), both with grid and bitmap steps; f16,
     GQA, per-head mask, empty rows, lse cotangent."""
-    monkeypatch.setattr(autodiff, "PAIRED_DKV_POLICY", None)
-    autodiff.clear_cache()
+    opts = tj.Options(paired_dkv_policy=None)
     rng = np.random.default_rng(_seed("mosaic"))
     Lq, Lkv, Hq, Hkv, D = 136, 90, 2, 1, 64
     mask = _fine_mask(rng, Lq, Lkv, Hq)
@@ -466,15 +456,15 @@ def test_mosaic_backward_host_plan(mosaic_interpreted, monkeypatch):
     do, dlse = cotangents(1, Lq, Hq, D, jnp.float16, 12, True)
     want = oracle(q, k, v, mask, do, dlse)
     p = tj.plan(mask, q.shape, k.shape, q.dtype, template="mgpu_q128_kv64_s2_hm")
-    tp = autodiff.transposed_plan(p)
+    tp = host_plans.dkv_plan(p, options=opts)
     assert (tp.tile_q, tp.tile_kv) == (128, 64) and all(_steps_kinds(p, tp))
-    got = grads(lambda q, k, v, m, return_lse: autodiff.run(p, q, k, v, D ** -0.5, return_lse),
+    got = grads(lambda q, k, v, m, return_lse: run(p, q, k, v, D ** -0.5, return_lse, opts),
                 q, k, v, mask, do, dlse)
     assert_grads(got, want[2:], 1.5e-2)
 
 
 @needs_interp
-def test_mosaic_paired_dkv(mosaic_interpreted, monkeypatch):
+def test_mosaic_paired_dkv(monkeypatch):
     """The paired dk/dv kernel (64-key units, two per CTA, one Q/dO ring per warpgroup) over
     the transposed mask's 64 x 64 pack plan: an odd unit count, grid and bitmap steps, GQA,
     per-head mask, empty rows."""
@@ -486,7 +476,7 @@ def test_mosaic_paired_dkv(mosaic_interpreted, monkeypatch):
     q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, "bfloat16", 14)
     do, _ = cotangents(1, Lq, Hq, D, jnp.bfloat16, 14, False)
     want = oracle(q, k, v, mask, do)
-    tp = build_plan(autodiff.transposed_mask(mask), (1, Lkv, Hq, D), (1, Lq, Hq, D), q.dtype,
+    tp = build_plan(host_plans.transposed_mask(mask), (1, Lkv, Hq, D), (1, Lq, Hq, D), q.dtype,
                     tile_q=64, tile_kv=64, policy="pack", q_align=8, kv_align=8,
                     unit_order="head_major")
     assert tp.num_units % 2 == 1 and all(_steps_kinds(tp))
@@ -503,10 +493,10 @@ def test_mosaic_paired_dkv(mosaic_interpreted, monkeypatch):
     # The device route on a 64-key template plans dk/dv for the paired kernel too.
     from tessera_jax.validation import check_qkv
     t = device_route.dispatch.get_template("mgpu_q64x2_kv64_s2_hm")
-    assert autodiff.device_dkv_tiles("mosaic_gpu", t.tile_q, t.tile_kv, None)[:2] == (64, 64)
+    assert device_route.dkv_tiles(t, D) == (64, 64)
     dev = tj.BlockMask(mask.q_bounds, mask.kv_bounds, jnp.asarray(mask.blocks))
     # The exact fallback gives zeros here, so only the kernels' gradients can pass.
-    monkeypatch.setattr(autodiff, "exact_backward",
+    monkeypatch.setattr(core, "exact_backward",
                         lambda q, k, v, *a, **kw: (jnp.zeros_like(q), jnp.zeros_like(k),
                                                    jnp.zeros_like(v)))
     got = grads(lambda q, k, v, m: device_route.attention(
@@ -515,7 +505,7 @@ def test_mosaic_paired_dkv(mosaic_interpreted, monkeypatch):
 
 
 @needs_interp
-def test_mosaic_backward_paired_dq_and_device_route(mosaic_interpreted):
+def test_mosaic_backward_paired_dq_and_device_route():
     """The dq kernel on a paired plan (tile_q = 64, two units per CTA, an odd unit count), the
     device route (traced blocks) on the kv128 template, and jax.vmap of grad; bf16."""
     from pallas_kernels import backward_rows as rows
@@ -553,7 +543,7 @@ def test_mosaic_backward_paired_dq_and_device_route(mosaic_interpreted):
         qs[0], ks[0], vs[0], dev, dos[0])
     assert_grads(got, oracle(qs[0], ks[0], vs[0], mask, dos[0])[2:], 2e-2)
     p = tj.plan(mask, qs[0].shape, ks[0].shape, qs.dtype, template=t.name)
-    fn = lambda q, k, v, m: autodiff.run(p, q, k, v, D ** -0.5, False)      # noqa: E731
+    fn = lambda q, k, v, m: run(p, q, k, v, D ** -0.5, False)               # noqa: E731
     got = jax.vmap(lambda q, k, v, do: grads(fn, q, k, v, mask, do))(qs, ks, vs, dos)
     for i in range(2):
         want = oracle(qs[i], ks[i], vs[i], mask, dos[i])
@@ -583,8 +573,33 @@ def test_fold_vmap_folds_tensors_and_maps_batched_plans():
     np.testing.assert_array_equal(out[:, 0, 0], 2 + p.sum(1))
 
 
-def test_paired_dkv_tiles_match_the_mosaic_kernel():
-    """autodiff's copy of the paired dk/dv tiles (kept there so the runtime imports no Mosaic
-    module eagerly) is the kernel's own."""
-    from pallas_kernels.mosaic import backward as mb
-    assert autodiff.BACKWARD["mosaic_gpu"].paired_dkv_tiles == mb.DKV_PAIRED_TILES
+def test_host_dkv_plan_is_made_on_the_first_backward_only(monkeypatch):
+    """A forward-only request (eager or traced) makes no dk/dv plan; the first backward makes
+    it once (cached per forward plan)."""
+    made = []
+    real = host_plans.dkv_plan
+    monkeypatch.setattr(host_plans, "dkv_plan", lambda p, *a: made.append(p) or real(p, *a))
+    rng = np.random.default_rng(21)
+    mask = tj.BlockMask([0, 9, 20, 33], [0, 7, 19, 30], rng.random((2, 3, 3)) < 0.6)
+    q, k, v = random_qkv(1, 33, 30, 2, 1, 8, "float32", 21)
+    f = functools.partial(tj.sparse_attention, mask=mask, backend="xla")
+    f(q, k, v)
+    jax.jit(f)(q, k, v)
+    assert not made
+    g = jax.grad(lambda q: jnp.sum(f(q, k, v) ** 2))
+    g(q)
+    g(q + 1)
+    assert len({id(p) for p in made}) == 1
+
+
+def test_one_custom_vjp_in_the_tree():
+    """The runtime's core (``runtime.core``) is the one ``jax.custom_vjp`` of the library and
+    the kernels: every route differentiates through it."""
+    import pathlib
+    import re
+    root = pathlib.Path(tj.__file__).resolve().parents[1]
+    uses = [f"{p.relative_to(root)}:{i}" for d in ("tessera_jax", "pallas_kernels")
+            for p in sorted((root / d).rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if re.search(r"jax\.custom_vjp\s*[,)(]|@custom_vjp|custom_vjp\(", line)]
+    assert [u.split(":")[0] for u in uses] == ["tessera_jax/runtime/core.py"], uses

@@ -416,7 +416,7 @@ def test_end_to_end_token_mask_xla():
 def test_end_to_end_token_mask_triton_template():
     """The same through a Triton template's plan, run by the backend runner (interpret)."""
     import tessera_jax as tj
-    from tessera_jax.runtime import dispatch
+    from tessera_jax.runtime import core, host_plans
     rng = np.random.default_rng(5)
     Lq, Lkv, Hq, Hkv = 140, 150, 2, 1
     token = rng.random((1, Lq, Lkv)) < 0.2
@@ -424,7 +424,7 @@ def test_end_to_end_token_mask_triton_template():
     q, k, v = _inputs(6, 1, Lq, Lkv, Hq, Hkv, 32, jnp.bfloat16)
     p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q128_kv64_w8_s3_pf_hm")
     assert (p.steps[:p.num_steps, abi.STEP_CUTS_B] == abi.BITMAP_FLAG).any(), p.describe()
-    out, lse = dispatch.run(p, q, k, v, 0.3, True)
+    out, lse = core.attention(q, k, v, host_plans.attention_plan(p), 0.3, True)
     _check(out, lse, *reference_attention(q, k, v, mask, scale=0.3, return_lse=True),
            jnp.bfloat16)
 

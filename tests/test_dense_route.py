@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tessera_jax as tj
-from tessera_jax.runtime import api
+from tessera_jax.runtime import api, core, host_plans
 from tessera_jax.runtime import dispatch
 from tessera_jax.runtime import dense_route
 from tessera_jax.validation import check_shapes
@@ -52,14 +52,15 @@ def fake_gpu(monkeypatch):
         calls["dense"] += 1
         return tj.reference_attention(q, k, v, _full(), scale=scale).astype(q.dtype)
 
-    def run(plan, q, k, v, scale, return_lse):
+    def run(q, k, v, plan, scale, return_lse, options):
         calls["planned"] += 1
         return jnp.zeros_like(q)
 
     monkeypatch.setattr(dispatch, "resolve", lambda backend, shape: backend or "mosaic_gpu")
     monkeypatch.setattr(dense_route, "attention", dense)
     monkeypatch.setattr(api, "_planned", lambda *a, **k: object())
-    monkeypatch.setattr(dispatch, "run", run)
+    monkeypatch.setattr(host_plans, "attention_plan", lambda p, options: p)
+    monkeypatch.setattr(core, "attention", run)
     return calls
 
 
@@ -91,20 +92,27 @@ def test_cudnn_refusal_warns_once_and_plans(fake_gpu, monkeypatch):
     assert fake_gpu["planned"] == 1
 
 
-def test_dense_call_gqa_scale_under_jit(monkeypatch):
+@pytest.fixture
+def fresh_verdicts():
+    """The compiled cuDNN calls and refusals per shape forgotten before and after the test."""
+    dense_route.clear_caches(verdicts=True)
+    yield
+    dense_route.clear_caches(verdicts=True)
+
+
+def test_dense_call_gqa_scale_under_jit(monkeypatch, fresh_verdicts):
     """dense_route.attention itself (GQA, a non-default scale, eager and under jit), with
     jax's XLA implementation standing in for cuDNN on this CPU."""
     import jax
     real = dense_route._dense_fn
     monkeypatch.setattr(dense_route, "_dense_fn", lambda implementation="xla": real("xla"))
-    monkeypatch.setattr(dense_route, "_VERDICTS", {})
     q, k, v = random_qkv(2, 90, 80, 6, 2, 32, "float32", 7)
     ref = np.asarray(tj.reference_attention(q, k, v, _full(), scale=0.3))
     for fn in (dense_route.attention, jax.jit(dense_route.attention, static_argnums=3)):
         np.testing.assert_allclose(np.asarray(fn(q, k, v, 0.3)), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_a_call_that_does_not_compile_is_refused_once(monkeypatch):
+def test_a_call_that_does_not_compile_is_refused_once(monkeypatch, fresh_verdicts):
     """A compile-time refusal (not a trace-time check) becomes NotImplementedError, remembered
     per shape, so sparse_attention plans instead."""
     class Broken:
@@ -115,7 +123,6 @@ def test_a_call_that_does_not_compile_is_refused_once(monkeypatch):
             raise RuntimeError("cuDNN is not detected.")
 
     monkeypatch.setattr(dense_route, "_dense_fn", lambda implementation="cudnn": Broken())
-    monkeypatch.setattr(dense_route, "_VERDICTS", {})
     q, k, v = random_qkv(1, 90, 80, 2, 2, 64, "bfloat16", 2)
     for _ in range(2):
         with pytest.raises(NotImplementedError, match="cuDNN is not detected"):
@@ -127,10 +134,12 @@ def test_plan_says_when_the_dense_route_runs(monkeypatch):
     """tj.plan is honest: the plan of a request sparse_attention sends to cuDNN says so
     (Plan.dense_route, describe()), and it is the plan that runs with return_lse=True."""
     monkeypatch.setattr(dispatch, "resolve", lambda backend, shape: backend or "mosaic_gpu")
-    monkeypatch.setattr(api, "_choose_template", lambda m, s, b: ("mgpu_q128_kv64_s2_hm", "merge"))
-    monkeypatch.setattr(api, "_PLANS", api.collections.OrderedDict())
+    monkeypatch.setattr(host_plans, "choose_template",
+                        lambda m, s, b: ("mgpu_q128_kv64_s2_hm", "merge"))
+    tj.clear_caches()
     ran = []
-    monkeypatch.setattr(dispatch, "run", lambda p, q, k, v, s, lse: ran.append(p) or (q, None))
+    monkeypatch.setattr(host_plans, "attention_plan", lambda p, options: p)
+    monkeypatch.setattr(core, "attention", lambda q, k, v, p, *a: ran.append(p) or (q, None))
     q, k, v = random_qkv(1, 90, 80, 4, 2, 64, "bfloat16", 3)
     p = tj.plan(_full(), q.shape, k.shape, q.dtype)
     assert p.dense_route and p.describe().startswith("dense route: sparse_attention runs cuDNN")
@@ -148,6 +157,7 @@ def test_plan_says_when_the_dense_route_runs(monkeypatch):
     assert not tj.plan(holed, q.shape, k.shape, q.dtype).dense_route
     # A backend without cuDNN's route (here: the host) never sets it.
     monkeypatch.setattr(dispatch, "resolve", lambda backend, shape: backend or "xla")
-    monkeypatch.setattr(api, "_choose_template", lambda m, s, b: ("xla_64x64", "merge"))
-    api._PLANS.clear()
+    monkeypatch.setattr(host_plans, "choose_template", lambda m, s, b: ("xla_64x64", "merge"))
+    tj.clear_caches()
     assert not tj.plan(_full(), q.shape, k.shape, q.dtype).dense_route
+    tj.clear_caches()

@@ -38,13 +38,13 @@ def _bounds(rng, L, tile, aligned, fine=False):
 
 def _run(blocks, qb, kb, q, k, v, tile_q, tile_kv, scale=0.2, align=True, capacity=0):
     Hq = q.shape[2]
-    p = device.plan_on_device(blocks, qb, kb, num_q_heads=Hq, q_len=q.shape[1],
-                              kv_len=k.shape[1], tile_q=tile_q, tile_kv=tile_kv,
-                              align_blocks=align, bitmap_capacity=capacity)
+    p, ok = device.plan_on_device(blocks, qb, kb, num_q_heads=Hq, q_len=q.shape[1],
+                                  kv_len=k.shape[1], tile_q=tile_q, tile_kv=tile_kv,
+                                  align_blocks=align, bitmap_capacity=capacity)
     out, lse = executor.execute(q, k, v, p.units, p.steps, None, tile_q=tile_q, tile_kv=tile_kv,
                                 q_len_padded=p.q_len_padded, kv_len_padded=p.kv_len_padded,
                                 max_steps=p.max_steps, scale=scale, return_lse=True)
-    return out, lse, p
+    return out, lse, (p, ok)
 
 
 def _inputs(rng, Lq, Lkv, Hq, Hkv, D=32):
@@ -112,12 +112,12 @@ def test_device_plans_are_exact_valid_and_tiles_once(case):
     if case["traced_bounds"]:
         cap = Hm * -(-q.shape[1] // tq) * -(-k.shape[1] // tk) if cap else 0
         f = jax.jit(lambda q, k, v, b, qb, kb: _run(b, qb, kb, q, k, v, tq, tk, capacity=cap))
-        out, lse, p = f(q, k, v, jnp.asarray(blocks), jnp.asarray(qb), jnp.asarray(kb))
+        out, lse, (p, ok) = f(q, k, v, jnp.asarray(blocks), jnp.asarray(qb), jnp.asarray(kb))
     else:
         f = jax.jit(lambda q, k, v, b: _run(b, qb, kb, q, k, v, tq, tk, align=case["align"],
                                             capacity=cap))
-        out, lse, p = f(q, k, v, jnp.asarray(blocks))
-    assert bool(p.ok)
+        out, lse, (p, ok) = f(q, k, v, jnp.asarray(blocks))
+    assert bool(ok)
     masks = _masks(qb, kb, blocks)
     if len(masks) == 1:
         ref, ref_lse = tj.reference_attention(q, k, v, masks[0], scale=0.2, return_lse=True)
@@ -215,14 +215,16 @@ def test_bad_device_bounds_flag_not_crash_and_checkify_reports():
     # Not increasing; not ending at the length; five blocks in the first 64-row tile.
     for bad in ([0, 64, 32, 96, 128], [0, 32, 64, 96, 120], [0, 8, 16, 24, 32, 128]):
         blocks = jnp.ones((1, len(bad) - 1, 4), bool)
-        out, _, p = jax.jit(lambda qb: _run(blocks, qb, good, q, k, v, 64, 64))(jnp.asarray(bad))
-        assert not bool(p.ok)
+        out, _, (p, ok) = jax.jit(lambda qb: _run(blocks, qb, good, q, k, v, 64, 64))(
+            jnp.asarray(bad))
+        assert not bool(ok)
         assert not np.isnan(np.asarray(out)).any()
 
     def checked(qb):
-        p = device.plan_on_device(jnp.ones((1, qb.shape[0] - 1, 4), bool), qb, good,
-                                  num_q_heads=1, q_len=128, kv_len=128, tile_q=64, tile_kv=64)
-        device.check(p)
+        p, ok = device.plan_on_device(jnp.ones((1, qb.shape[0] - 1, 4), bool), qb, good,
+                                      num_q_heads=1, q_len=128, kv_len=128, tile_q=64,
+                                      tile_kv=64)
+        device.check(ok)
         return p.steps
 
     err, _ = jax.jit(checkify.checkify(checked))(jnp.asarray([0, 8, 16, 24, 32, 128]))
@@ -266,8 +268,8 @@ def test_mosaic_kernel_runs_a_device_plan():
 
     @jax.jit
     def f(q, k, v, b):
-        p = device.plan_on_device(b, qb, kb, num_q_heads=H, q_len=L, kv_len=L, tile_q=128,
-                                  tile_kv=128)
+        p, _ = device.plan_on_device(b, qb, kb, num_q_heads=H, q_len=L, kv_len=L, tile_q=128,
+                                     tile_kv=128)
         return mosaic.attention(q, k, v, p.units, p.steps, None, template="mgpu_q128_kv128_s2_hm",
                                 q_len_padded=p.q_len_padded, kv_len_padded=p.kv_len_padded,
                                 scale=0.2, interpret=_interp.InterpretGPUParams())
@@ -279,13 +281,17 @@ def test_mosaic_kernel_runs_a_device_plan():
 
 
 def test_device_plan_is_a_pytree_with_static_metadata():
+    """The device planner's plan is an ``abi.PassPlan`` (a pytree: a jitted function may
+    return it), its ``ok`` a bool []."""
     qb = np.arange(0, 129, 32)
     f = jax.jit(lambda b: device.plan_on_device(b, qb, qb, num_q_heads=1, q_len=128,
                                                 kv_len=128, tile_q=64, tile_kv=64))
-    p = f(jnp.ones((1, 4, 4), bool))
+    p, ok = f(jnp.ones((1, 4, 4), bool))
+    assert isinstance(p, abi.PassPlan) and p.row_index is None and p.all_full is None
     assert (p.tile_q, p.tile_kv, p.q_len_padded, p.kv_len_padded, p.max_steps) == \
         (64, 64, 128, 128, 2)
-    assert [x.shape for x in jax.tree_util.tree_leaves(p)] == [(2, 6), (4, 4), ()]
+    assert [x.shape for x in jax.tree_util.tree_leaves(p)] == [(2, 6), (4, 4)]
+    assert ok.shape == () and bool(ok)
 
 
 def test_bits_rectangle_over_every_cell_pattern():

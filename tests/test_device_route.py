@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 import tessera_jax as tj
-from tessera_jax.runtime import device_route
+from tessera_jax.runtime import core, device_route
 from tessera_jax.validation import check_qkv, check_shapes
 
 from strategies import random_qkv
@@ -299,7 +299,8 @@ def test_device_route_through_the_triton_kernel_interpret_mode():
 
 def test_small_blocks_run_bitmap_steps_within_the_budget(monkeypatch):
     """4-token blocks with static bounds run the device plan's bitmap steps (the exact path is
-    never traced), exactly; past the bitmap budget they take the exact path, with a warning."""
+    never traced), exactly; past the bitmap budget (``Options.bitmap_budget_bytes``) they take
+    the exact path, with a warning."""
     rng = np.random.default_rng(11)
     qb = np.r_[np.arange(0, 200, 4), 200]
     blocks = rng.random((2, len(qb) - 1, len(qb) - 1)) < 0.2
@@ -309,16 +310,47 @@ def test_small_blocks_run_bitmap_steps_within_the_budget(monkeypatch):
     def no_exact(*a, **kw):
         raise AssertionError("the exact path ran")
 
-    monkeypatch.setattr(device_route, "exact_attention", no_exact)
-    device_route.clear_caches()
+    monkeypatch.setattr(core, "exact_attention", no_exact)
     out = tj.sparse_attention(q, k, v, tj.BlockMask(qb, qb, jnp.asarray(blocks)))
     np.testing.assert_allclose(out, ref, **TOL)
 
     monkeypatch.undo()
-    monkeypatch.setattr(device_route, "BITMAP_BUDGET_BYTES", 1024)
-    device_route.clear_caches()
     with pytest.warns(UserWarning, match="exact XLA path"):
-        out = tj.sparse_attention(q, k, v, tj.BlockMask(qb, qb, jnp.asarray(blocks[:, ::-1])))
+        out = tj.sparse_attention(q, k, v, tj.BlockMask(qb, qb, jnp.asarray(blocks[:, ::-1])),
+                                  options=tj.Options(bitmap_budget_bytes=1024))
     np.testing.assert_allclose(out, tj.reference_attention(
         q, k, v, tj.BlockMask(qb, qb, blocks[:, ::-1])), **TOL)
-    device_route.clear_caches()
+
+
+def test_an_option_changed_between_calls_of_a_jitted_function_takes_effect(monkeypatch):
+    """``Options`` is hashable: a static argument of jit, so a changed budget compiles anew
+    (the bitmap plan, then the exact path) instead of reusing the first program."""
+    rng = np.random.default_rng(13)
+    qb = np.r_[np.arange(0, 160, 4), 160]
+    blocks = jnp.asarray(rng.random((1, len(qb) - 1, len(qb) - 1)) < 0.3)
+    q, k, v = random_qkv(1, 160, 160, 2, 1, 16, "float32", 14)
+    ref = tj.reference_attention(q, k, v, tj.BlockMask(qb, qb, np.asarray(blocks)))
+    ran = []
+    monkeypatch.setattr(core, "exact_attention",
+                        lambda *a, real=core.exact_attention, **kw: ran.append(1) or real(*a, **kw))
+    f = jax.jit(lambda q, k, v, b, options: tj.sparse_attention(
+        q, k, v, tj.BlockMask(qb, qb, b), options=options), static_argnames="options")
+    np.testing.assert_allclose(f(q, k, v, blocks, options=tj.Options()), ref, **TOL)
+    assert not ran
+    with pytest.warns(UserWarning, match="exact XLA path"):
+        out = f(q, k, v, blocks, options=tj.Options(bitmap_budget_bytes=1024))
+    assert ran
+    np.testing.assert_allclose(out, ref, **TOL)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="bitmap_budget_bytes"):
+        tj.Options(bitmap_budget_bytes=-1)
+    with pytest.raises(ValueError, match="dkv_policies"):
+        tj.Options(dkv_policies=("sliding",))
+    with pytest.raises(TypeError, match="interpret"):
+        tj.Options(interpret="yes")
+    q = jnp.zeros((1, 64, 1, 16))
+    with pytest.raises(TypeError, match="options"):
+        tj.sparse_attention(q, q, q, tj.BlockMask.uniform(64, 64, 32, 32, np.ones((1, 2, 2), bool)),
+                            options={"interpret": True})

@@ -1,18 +1,18 @@
 """The fine-tuning example (``tessera_jax.tools.finetune``) at a tiny size: a Wan-style DiT
 with a sparse mask in every layer trains with optax through jax.checkpoint, the loss falls,
-and the gradients come from the sparse backward (``runtime.autodiff``)."""
+and the gradients come from the sparse backward (``runtime.core``)."""
 
 import numpy as np
 
-from tessera_jax.runtime import autodiff
+from tessera_jax.runtime import core, device_route, host_plans
 from tessera_jax.tools import finetune
 
 
 def test_finetune_loss_falls_through_the_sparse_backward(monkeypatch):
     planned = []
-    orig = autodiff.transposed_plan
-    monkeypatch.setattr(autodiff, "transposed_plan",
-                        lambda p, backend=None: planned.append(p) or orig(p, backend))
+    orig = host_plans.dkv_plan
+    monkeypatch.setattr(host_plans, "dkv_plan",
+                        lambda p, *a: planned.append(p) or orig(p, *a))
     cfg = finetune.tiny_config()
     mask = finetune.window_mask(48, 8, 1, cfg.num_heads)
     assert 0.2 < mask.density < 0.8
@@ -26,13 +26,14 @@ def test_finetune_loss_falls_through_the_sparse_backward(monkeypatch):
 def test_finetune_with_masks_built_from_q_and_k(monkeypatch):
     """``mask="vsa"``: every layer builds its VSA-like mask from q and k inside the compiled
     step; the gradients come from the device route's backward, and the loss falls."""
-    traced = []
-    orig = autodiff._device_grads
-    monkeypatch.setattr(autodiff, "_device_grads",
-                        lambda *a, **kw: traced.append(1) or orig(*a, **kw))
+    traced, exact = [], []
+    orig = device_route.device_plans
+    monkeypatch.setattr(device_route, "device_plans",
+                        lambda *a, **kw: traced.append(orig(*a, **kw)) or traced[-1])
+    monkeypatch.setattr(core, "exact_backward", lambda *a, **kw: exact.append(1))
     losses = finetune.train(finetune.tiny_config(), steps=24, mask="vsa", keep=0.25,
                             checkpoint=True)
-    assert traced
+    assert traced and all(p.dkv is not None for p in traced) and not exact
     assert np.isfinite(losses).all()
     first, last = np.mean(losses[:5]), np.mean(losses[-5:])
     assert last < 0.8 * first, (first, last)

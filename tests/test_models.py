@@ -340,35 +340,30 @@ def test_host_planned_baseline_matches_the_reference():
 def test_loop_through_the_kernel_backend_runner_compiles_ahead_of_time(wan, monkeypatch):
     """The jitted loop, lowered and compiled ahead of time, through the GPU backends' runner
     (``kernel_runner``) after a jitted attention-only call of the same mask, as bench_loop
-    does. A stand-in kernel module computes with the XLA executor, behind a stand-in "triton"
-    entry of the backend table. Regression: the runner once cached the plan's device arrays
-    and handed them to later traces, and the AOT loop failed with "Computation compiled for N
-    inputs but called with M" (H200, session 2)."""
-    import types
-
+    does. The "triton" entry of the backend table runs here (a GPU's compute capability
+    stands in), its forward a stand-in computing with the XLA executor. Regression: the runner
+    once cached the plan's device arrays and handed them to later traces, and the AOT loop
+    failed with "Computation compiled for N inputs but called with M" (H200, session 2)."""
     from pallas_kernels import templates
+    from pallas_kernels.triton import ops as triton_ops
 
-    from tessera_jax.runtime import dispatch, kernel_runner
+    from tessera_jax.runtime import dispatch
     from pallas_kernels.xla import executor as xla_backend
     from tessera_jax.flax import attention
 
     seen = []
 
-    def fake_attention(q, k, v, units, steps, row_index, *, template, q_len_padded,
-                       kv_len_padded, scale=None, return_lse=False, mask_mode=None,
-                       check_plan=True):
-        seen.append(type(units).__name__)
-        return xla_backend.execute(q, k, v, units, steps, row_index, tile_q=template.tile_q,
-                                   tile_kv=template.tile_kv, q_len_padded=q_len_padded,
-                                   kv_len_padded=kv_len_padded, max_steps=8,
+    def fake_forward(q, k, v, plan, *, template, scale, return_lse=False, interpret=None,
+                     check_plan=True):
+        seen.append(type(plan.units).__name__)
+        return xla_backend.execute(q, k, v, plan.units, plan.steps, plan.row_index,
+                                   tile_q=template.tile_q, tile_kv=template.tile_kv,
+                                   q_len_padded=plan.q_len_padded,
+                                   kv_len_padded=plan.kv_len_padded, max_steps=8,
                                    scale=scale, return_lse=return_lse)
 
-    mod = types.ModuleType("tessera_fake_kernel")
-    mod.attention = fake_attention
-    mod.mask_mode_for = lambda template, all_full: None
-    fake = dispatch.Backend("triton", None, lambda *a: kernel_runner.run(mod, *a))
-    monkeypatch.setattr(dispatch, "BACKENDS",
-                        types.MappingProxyType({**dispatch.BACKENDS, "triton": fake}))
+    monkeypatch.setattr(dispatch, "_gpu_capability", lambda: (9, 0))
+    monkeypatch.setattr(triton_ops, "forward", fake_forward)
     t = templates.Template("fake_triton_16x16", "triton", 16, 16, stages=1, head_dims=(),
                            dtypes=("float32",))
     monkeypatch.setitem(templates._REGISTRY, t.name, t)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 import tessera_jax as tj
 from tessera_jax.planning.planner import build_plan
-from pallas_kernels import templates
+from pallas_kernels import contract, templates
 from pallas_kernels.mosaic import kernel as mosaic_kernel
 from pallas_kernels.mosaic import wrapper as mosaic
 from pallas_kernels import abi as plan_abi
@@ -280,14 +280,13 @@ def test_mask_modes_from_the_plan(monkeypatch):
     config says "always" masks every step, all-full plan or not. All match the reference;
     "none" on a plan with partial steps is refused."""
     seen = []
-    real_cfg = mosaic.config_from_template
+    real_call = contract.forward_call
 
-    def spy(template, mask_mode=None):
-        cfg = real_cfg(template, mask_mode)
+    def spy(*args, cfg, **kw):
         seen.append(cfg.mask_mode)
-        return cfg
+        return real_call(*args, cfg=cfg, **kw)
 
-    monkeypatch.setattr(mosaic, "config_from_template", spy)
+    monkeypatch.setattr(contract, "forward_call", spy)
     base = templates.get("mgpu_q128_kv64_s2_hm")
     always = dataclasses.replace(base, name="always_test", kernel=MosaicConfig(mask_mode="always"))
     rng = np.random.default_rng(3)
@@ -332,17 +331,18 @@ def test_mask_modes_from_the_plan(monkeypatch):
 
 @pytest.fixture
 def attention_calls(monkeypatch):
-    """mosaic.attention under the interpreter, recording (plan arrays are NumPy, mask_mode)
-    of every call the backend runner makes."""
+    """The Mosaic GPU forward (``ops.run_forward``, after the contract's checks) under the
+    interpreter, recording (plan arrays are NumPy, mask mode) of every call the backend
+    runner makes."""
+    from pallas_kernels.mosaic import ops
     calls = []
-    real = mosaic.attention
+    real = ops.run_forward
 
-    def spy(q, k, v, units, steps, row_index, **kw):
-        calls.append((isinstance(units, np.ndarray), kw.get("mask_mode"),
-                      kw.get("check_plan", True)))
-        return real(q, k, v, units, steps, row_index, interpret=INTERPRET, **kw)
+    def spy(q, k, v, plan, t, mode, *a):
+        calls.append((isinstance(plan.units, np.ndarray), mode))
+        return real(q, k, v, plan, t, mode, *a)
 
-    monkeypatch.setattr(mosaic, "attention", spy)
+    monkeypatch.setattr(ops, "run_forward", spy)
     return calls
 
 
@@ -350,9 +350,15 @@ def test_backend_runner_prepares_each_plan_once(attention_calls, monkeypatch):
     """The backend wrapper picks the mask mode once; a small plan's first call takes its NumPy
     arrays into the jitted call, later calls a device copy made once (no host walk over the
     steps in any eager call)."""
+    from pallas_kernels.mosaic import ops
+    from tessera_jax.planning.plan import host_pass
     from tessera_jax.runtime import kernel_runner as kernel_backends
     calls = attention_calls
-    run = lambda *a: kernel_backends.run(mosaic, *a)    # noqa: E731  (dispatch's mosaic_gpu run)
+
+    def run(plan, t, q, k, v, scale, return_lse):       # dispatch's mosaic_gpu forward
+        return kernel_backends.run(ops, host_pass(plan, kernel_backends.tracing(q)), q, k, v,
+                                   template=t, scale=scale, return_lse=return_lse)
+
     t = templates.get("mgpu_q128_kv64_s2_hm")
     mask = tj.BlockMask.uniform(256, 192, 128, 64, np.random.default_rng(2).random((1, 2, 3)) < .7)
     q, k, v = random_qkv(1, 256, 192, 2, 1, 64, jnp.bfloat16, seed=9)
@@ -366,22 +372,22 @@ def test_backend_runner_prepares_each_plan_once(attention_calls, monkeypatch):
 
     monkeypatch.setattr(plan_abi, "check_plan", no_walk)
     puts = []
-    real_put = kernel_backends._put_plan
-    monkeypatch.setattr(kernel_backends, "_put_plan", lambda *a: puts.append(1) or real_put(*a))
+    real_put = kernel_backends.put_plan
+    monkeypatch.setattr(kernel_backends, "put_plan", lambda *a: puts.append(1) or real_put(*a))
     for _ in range(3):
         out, lse = run(plan, t, q, k, v, 0.125, True)
         _check(out, lse, ref_out, ref_lse, jnp.bfloat16)
     # A planner-built plan is trusted: its fullness comes from Plan.all_full; the first call
     # passes NumPy (copied by the jitted call), the second copies it to the device once.
     assert plan.all_full
-    assert calls == [(True, "none", False), (False, "none", True), (False, "none", True)]
+    assert calls == [(True, "none"), (False, "none"), (False, "none")]
     assert puts == [1]
     monkeypatch.setattr(plan_abi, "check_plan", real_check)
     # Traced (the plan becomes constants of a jitted caller): the NumPy arrays, not the cached
     # device arrays (jax would hoist those into extra inputs of an AOT-compiled loop).
     out, lse = jax.jit(lambda q: run(plan, t, q, k, v, 0.125, True))(q)
     _check(out, lse, ref_out, ref_lse, jnp.bfloat16)
-    assert calls[3:] == [(True, "none", True)]
+    assert calls[3:] == [(True, "none")]
 
 
 def test_backend_runner_takes_traced_plan_arrays(attention_calls, monkeypatch):
@@ -401,7 +407,7 @@ def test_backend_runner_takes_traced_plan_arrays(attention_calls, monkeypatch):
     ref = tj.reference_attention(q, k, v, mask, scale=0.125)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=3e-2, rtol=3e-2)
-    assert calls == [(False, None, True)]
+    assert calls == [(False, t.kernel.mask_mode)]
 
 
 def test_bad_input_raises():
@@ -472,9 +478,11 @@ def test_lowers_for_cuda(base, kernel, mask_mode):
     args = (sds((1, L, Hq, D), jnp.bfloat16), sds((1, L, Hkv, D), jnp.bfloat16),
             sds((1, L, Hkv, D), jnp.bfloat16), sds(plan.units.shape, jnp.int32),
             sds(plan.steps.shape, jnp.int32), sds(plan.row_index.shape, jnp.int32))
-    f = lambda *a: mosaic._attention(
-        *a, template=t, q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
-        scale=0.1, return_lse=True, interpret=False, mask_mode=mask_mode)
+    f = lambda *a: contract.forward_call(  # noqa: E731
+        *a, kernel=mosaic_kernel.forward,
+        cfg=mosaic_kernel.KernelConfig.from_template(t, mask_mode),
+        q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, head_dim=D,
+        scale=0.1, return_lse=True, interpret=False)
     try:
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     except Exception as e:  # pragma: no cover - depends on the installed jaxlib
@@ -661,9 +669,9 @@ def test_device_plan_runs_on_the_paired_kernel():
     blocks[:, 1] = False
     blocks[:, 2, 0] = True
     q, k, v = random_qkv(1, Lq, Lkv, 3, 1, 64, jnp.float16, int(rng.integers(1e9)))
-    p = device.plan_on_device(jnp.asarray(blocks), qb, kb, num_q_heads=3, q_len=Lq,
-                              kv_len=Lkv, tile_q=64, tile_kv=64)
-    assert bool(p.ok) and p.units.shape[0] == 9
+    p, ok = device.plan_on_device(jnp.asarray(blocks), qb, kb, num_q_heads=3, q_len=Lq,
+                                  kv_len=Lkv, tile_q=64, tile_kv=64)
+    assert bool(ok) and p.units.shape[0] == 9
     out, lse = mosaic.attention(q, k, v, p.units, p.steps, None,
                                 template="mgpu_q64x2_kv64_s2_hm", q_len_padded=p.q_len_padded,
                                 kv_len_padded=p.kv_len_padded, return_lse=True,

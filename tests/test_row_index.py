@@ -16,6 +16,12 @@ from tessera_jax.reference import reference_attention
 from strategies import masks, random_qkv
 
 
+def run_plan(p, q, k, v, scale=0.25):
+    """The core over a planner ``Plan`` (as ``sparse_attention`` runs it)."""
+    from tessera_jax.runtime import core, host_plans
+    return core.attention(q, k, v, host_plans.attention_plan(p), scale, False)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_row_index_from_units_equals_the_planners(data):
@@ -102,31 +108,30 @@ def test_eager_runner_never_makes_the_host_row_index():
     Plan.row_index (a property made on first use) stays unmade; under jit it is a constant."""
     import jax
     import tessera_jax as tj
-    from tessera_jax.runtime import dispatch as backends
     from tessera_jax.mask import BlockMask
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
                      np.random.default_rng(14).random((1, 3, 3)) < 0.7)
     q, k, v = random_qkv(1, 90, 80, 2, 1, 16, "float32", 2)
     p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q128_kv64_w8_s3_pf_hm")
-    out = backends.run(p, q, k, v, 0.25, False)
+    out = run_plan(p, q, k, v)
     assert "row_index" not in vars(p)
     ref = reference_attention(q, k, v, mask, scale=0.25)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
-    jitted = jax.jit(lambda q, k, v: backends.run(p, q, k, v, 0.25, False))
+    jitted = jax.jit(lambda q, k, v: run_plan(p, q, k, v))
     np.testing.assert_allclose(np.asarray(jitted(q, k, v)), np.asarray(ref), atol=2e-5, rtol=2e-5)
     assert "row_index" in vars(p)
 
 
-def test_large_steps_go_to_the_device_in_pieces(monkeypatch):
-    """kernel_backends._put_plan: pieces joined on the device equal the host arrays."""
+def test_large_steps_go_to_the_device_in_pieces():
+    """kernel_runner.put_plan: pieces joined on the device equal the host arrays."""
     from tessera_jax.runtime import kernel_runner as kb
-    monkeypatch.setattr(kb, "_PUT_PIECE_BYTES", 1 << 10)
+    transfers = kb.Transfers(piece_bytes=1 << 10)
     rng = np.random.default_rng(0)
     units = rng.integers(-2**31, 2**31 - 1, (37, plan_abi.UNIT_COLS), dtype=np.int64).astype(np.int32)
     for rows in (10, 700, 1001, 5003):
         steps = rng.integers(-2**31, 2**31 - 1, (rows, plan_abi.STEP_COLS),
                              dtype=np.int64).astype(np.int32)
-        u, s = kb._put_plan(units, steps)
+        u, s = kb.put_plan(units, steps, transfers)
         np.testing.assert_array_equal(np.asarray(u), units)
         np.testing.assert_array_equal(np.asarray(s), steps)
         assert s.dtype == jnp.int32 and s.shape == steps.shape
@@ -137,32 +142,32 @@ def test_runner_under_a_trace_with_concrete_q_caches_nothing_traced():
     that trace (they would be tracers; the next eager call raised UnexpectedTracerError)."""
     import jax
     import tessera_jax as tj
-    from tessera_jax.runtime import dispatch as backends
     from tessera_jax.mask import BlockMask
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
                      np.random.default_rng(4).random((1, 3, 3)) < 0.7)
     q, k, v = random_qkv(1, 90, 80, 2, 1, 16, "float32", 3)
     p = tj.plan(mask, q.shape, k.shape, q.dtype, template="triton_q128_kv64_w8_s3_pf_hm")
     ref = np.asarray(reference_attention(q, k, v, mask, scale=0.25))
-    first = backends.run(p, q, k, v, 0.25, False)                       # NumPy into the call
-    traced = jax.jit(lambda k, v: backends.run(p, q, k, v, 0.25, False))(k, v)
-    again = backends.run(p, q, k, v, 0.25, False)                       # device copies now
-    for out in (first, traced, again, backends.run(p, q, k, v, 0.25, False)):
+    first = run_plan(p, q, k, v)                                        # NumPy into the call
+    traced = jax.jit(lambda k, v: run_plan(p, q, k, v))(k, v)
+    again = run_plan(p, q, k, v)                                        # device copies now
+    for out in (first, traced, again, run_plan(p, q, k, v)):
         np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=2e-5)
 
 
 def test_runner_puts_a_large_plan_in_pieces_on_its_first_call(monkeypatch):
-    """A plan over _DIRECT_MAX_BYTES goes to the device by _put_plan on its first eager call
-    (in pieces), once; the result matches the reference."""
+    """A plan over ``Transfers.direct_max_bytes`` goes to the device by ``put_plan`` on its
+    first eager call (in pieces), once; the result matches the reference."""
     import tessera_jax as tj
-    from tessera_jax.runtime import dispatch as backends
-    from tessera_jax.runtime import kernel_runner as kb
+    from pallas_kernels import templates
+    from pallas_kernels.triton import ops
     from tessera_jax.mask import BlockMask
-    monkeypatch.setattr(kb, "_DIRECT_MAX_BYTES", 0)
-    monkeypatch.setattr(kb, "_PUT_PIECE_BYTES", 16)
+    from tessera_jax.planning.plan import host_pass
+    from tessera_jax.runtime import kernel_runner as kb
+    transfers = kb.Transfers(piece_bytes=16, direct_max_bytes=0)
     puts = []
-    real = kb._put_plan
-    monkeypatch.setattr(kb, "_put_plan", lambda *a: puts.append(a[1].shape) or real(*a))
+    real = kb.put_plan
+    monkeypatch.setattr(kb, "put_plan", lambda *a: puts.append(a[1].shape) or real(*a))
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
                      np.random.default_rng(5).random((2, 3, 3)) < 0.8)
     q, k, v = random_qkv(1, 90, 80, 2, 2, 16, "float32", 4)
@@ -170,8 +175,9 @@ def test_runner_puts_a_large_plan_in_pieces_on_its_first_call(monkeypatch):
     assert p.steps.nbytes >= 2 * 16               # at least two pieces
     ref = np.asarray(reference_attention(q, k, v, mask, scale=0.25))
     for _ in range(2):
-        np.testing.assert_allclose(np.asarray(backends.run(p, q, k, v, 0.25, False)), ref,
-                                   atol=2e-5, rtol=2e-5)
+        out = kb.run(ops, host_pass(p), q, k, v, template=templates.get(p.template), scale=0.25,
+                     return_lse=False, transfers=transfers)
+        np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=2e-5)
     assert puts == [p.steps.shape]
 
 

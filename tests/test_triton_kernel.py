@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pallas_kernels import templates
+from pallas_kernels import contract, templates
 
 from pallas_kernels import abi as plan_abi
 
@@ -282,9 +282,9 @@ def test_new_plan_same_capacity_does_not_recompile():
     # Again: the first interpret-mode call imports modules that register jax config options,
     # which changes the tracing context (the test alone, not after others, saw 50 -> 51 values).
     _check(q, k, v, m1, p1)
-    before = triton_wrapper._attention._cache_size()
+    before = contract.forward_call._cache_size()
     _check(q, k, v, m2, p2)
-    assert triton_wrapper._attention._cache_size() == before
+    assert contract.forward_call._cache_size() == before
 
 
 def test_templates_and_template_argument():
@@ -427,15 +427,15 @@ def test_config_and_argument_errors():
 @pytest.mark.parametrize("template,D", [("triton_q128_kv64_w8_s3_pf_hm", 32),
                                         ("triton_q64_kv64_w4_s2", 136)])
 def test_backend_runner_path(template, D):
-    """The lead's wiring: tj.plan with a Triton template, run by backends.run (as on a GPU;
+    """The lead's wiring: tj.plan with a Triton template, run by the core (as on a GPU;
     the runner asks ``plan_mask_mode`` for the mode)."""
     import tessera_jax as tj
-    from tessera_jax.runtime import dispatch as backends
+    from tessera_jax.runtime import core, host_plans
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
                      np.random.default_rng(14).random((1, 3, 3)) < 0.7)
     q, k, v = _inputs(15, 2, 90, 80, 4, 2, D, jnp.bfloat16)
     p = tj.plan(mask, q.shape, k.shape, q.dtype, template=template)
-    out, lse = backends.run(p, q, k, v, 0.2, True)
+    out, lse = core.attention(q, k, v, host_plans.attention_plan(p), 0.2, True)
     ref, ref_lse = reference_attention(q, k, v, mask, scale=0.2, return_lse=True)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=2e-2, rtol=2e-2)
@@ -457,8 +457,9 @@ def test_lowers_to_triton_for_a_cuda_target(dtype, D, tile_q, tile_kv, mask_mode
             sds((256, plan_abi.STEP_COLS), jnp.int32), sds((Hq, L), jnp.int32))
     cfg = triton_kernel.KernelConfig(tile_q, tile_kv, variant=TritonConfig(prefetch=prefetch),
                                      mask_mode=mask_mode)
-    f = lambda *a: triton_wrapper._attention(*a, config=cfg, q_len_padded=1024, kv_len_padded=L,
-                                             scale=0.1, return_lse=True, interpret=False)
+    f = lambda *a: contract.forward_call(  # noqa: E731
+        *a, kernel=triton_kernel.forward, cfg=cfg, q_len_padded=1024, kv_len_padded=L,
+        head_dim=triton_kernel.padded_head_dim(D), scale=0.1, return_lse=True, interpret=False)
     assert "__gpu$xla.gpu.triton" in lower_for_h200(f, *args)
 
 

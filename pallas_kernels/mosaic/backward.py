@@ -29,7 +29,6 @@ wgmma with a register A operand (the forward kernel does the same for P V).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -39,24 +38,20 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import abi
-from pallas_kernels import backward_rows as rows_
 from pallas_kernels import templates as _templates
-from pallas_kernels.mosaic.kernel import _segment_select
+from pallas_kernels import step_masks
+from pallas_kernels.contract import LOG2E
+from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask, grid_mask,
+                                          iota)
 
 __all__ = ["dq", "dkv", "DKV_TILES", "DKV_PAIRED_TILES", "STAGES", "smem_bytes"]
 
-WG_ROWS = 64
-CONSUMERS = 2
 STAGES = 2                      # ring slots of the streamed tiles
-_ALIGN = 8
-_LOG2E = math.log2(math.e)
 #: The transposed plan's (keys per unit, queries per step, key align, query align).
-DKV_TILES = (CONSUMERS * WG_ROWS, 64, _ALIGN, _ALIGN)
+DKV_TILES = (CONSUMERS * WG_ROWS, 64, ALIGN, ALIGN)
 #: Paired dk/dv units: 64 keys each, two per CTA, each warpgroup streaming its own unit's
 #: queries (two Q/dO rings): for key blocks of <= 64 tokens, as the forward's q64x2.
-DKV_PAIRED_TILES = (WG_ROWS, 64, _ALIGN, _ALIGN)
-_DTYPES = ("bfloat16", "float16")
-_HEAD_DIMS = (64, 128)
+DKV_PAIRED_TILES = (WG_ROWS, 64, ALIGN, ALIGN)
 
 
 def smem_bytes(kernel: str, tile_kv: int, head_dim: int, rings: int = 1) -> int:
@@ -71,30 +66,7 @@ def smem_bytes(kernel: str, tile_kv: int, head_dim: int, rings: int = 1) -> int:
         + 8 * rings * STAGES * DKV_TILES[1] + 3072
 
 
-def _check(q, k, v, do, units, steps, head_dim_ok=True):
-    for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
-        if len(x.shape) != 4:
-            raise ValueError(f"{name} must be [B, L, H, D], got shape {tuple(x.shape)}")
-    if jnp.dtype(q.dtype).name not in _DTYPES or not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"the Mosaic GPU backward takes bf16 or f16 q, k, v of one dtype, got "
-                        f"{q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[-1] not in _HEAD_DIMS:
-        raise ValueError(f"the Mosaic GPU backward takes head_dim in {_HEAD_DIMS}, got "
-                         f"{q.shape[-1]}")
-    abi.check_plan_arrays(units, steps)
-
-
 # --- shared pieces ---------------------------------------------------------------------------
-def _iota(n: int, dim: int):
-    """int32 iota of n in the WGMMA fragment's row (dim 1 reduced) or column layout."""
-    return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=plgpu.Layout.WGMMA.reduce(dim))
-
-
-def _bcast(vec, shape, dim: int):
-    """A row (dim 0) or column (dim 1) vector broadcast over a [rows, cols] fragment."""
-    return plgpu.layout_cast(lax.broadcast_in_dim(vec, shape, [dim]), plgpu.Layout.WGMMA)
-
-
 def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x):
     """Scores ``x`` [64, tile_kv] of this warpgroup's rows (tile rows row0 .. row0 + 63) with
     -inf where step ``s`` selects nothing (``abi.step_mask``): every kind as one test
@@ -107,40 +79,25 @@ def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x):
     cuts_b = steps[s, abi.STEP_CUTS_B]
     q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(rect)
     q_lo, q_hi = q_lo - row0, q_hi - row0
-    rows, cols = _iota(WG_ROWS, 1), _iota(tile_kv, 0)
+    rows, cols = iota(WG_ROWS, 1), iota(tile_kv, 0)
     one, zero = jnp.int32(1), jnp.int32(0)
 
     def plain(x):
         rb = jnp.where((rows >= q_lo) & (rows < q_hi), one, zero)
         cb = jnp.where((cols >= kv_lo) & (cols < kv_hi), one, zero)
-        return jnp.where((_bcast(rb, x.shape, 0) & _bcast(cb, x.shape, 1)) != 0, x, -jnp.inf)
+        return jnp.where((bcast(rb, x.shape, 0) & bcast(cb, x.shape, 1)) != 0, x, -jnp.inf)
 
     def grid(x):
-        (q1, q2, q3), (k1, k2, k3), _ = abi.unpack_grid(steps[s, abi.STEP_CUTS_A], cuts_b)
-        nibbles = [(cuts_b >> (abi.GRID_BITS_SHIFT + abi.GRID * n)) & 0xF
-                   for n in range(abi.GRID)]
-        rb = _segment_select(rows, q_lo, q_hi, (q1 - row0, q2 - row0, q3 - row0), nibbles)
-        cb = _segment_select(cols, kv_lo, kv_hi, (k1, k2, k3),
-                             [jnp.int32(1 << j) for j in range(abi.GRID)])
-        return jnp.where((_bcast(rb, x.shape, 0) & _bcast(cb, x.shape, 1)) != 0, x, -jnp.inf)
+        return grid_mask(steps[s, abi.STEP_CUTS_A], cuts_b, q_lo, q_hi, kv_lo, kv_hi,
+                         lambda: rows, lambda: cols, row0, x)
 
     def bitmap(x):
-        off = steps[s, abi.STEP_CUTS_A]
-        ones = jnp.full(cols.shape, 1, jnp.int32)
-        hit = None
-        for j in range(abi.bitmap_words(tile_kv)):
-            word = plgpu.load(words.at[pl.ds(off + j * tile_q + row0, WG_ROWS)],
-                              layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-            in_col = (cols >= j * abi.WORD_BITS) & (cols < (j + 1) * abi.WORD_BITS)
-            cb = jnp.where(in_col, lax.shift_left(ones, cols & (abi.WORD_BITS - 1)), zero)
-            term = _bcast(word, x.shape, 0) & _bcast(cb, x.shape, 1)
-            hit = term if hit is None else hit | term
-        return jnp.where(hit != 0, x, -jnp.inf)
+        return bitmap_mask(words, steps[s, abi.STEP_CUTS_A], row0, tile_q, tile_kv, cols, x)
 
-    kind = jnp.where(cuts_b == 0, 0, jnp.where(cuts_b == abi.BITMAP_FLAG, 2, 1))
+    kind = step_masks.step_kind(cuts_b)
     masked = lambda x: lax.switch(kind, [plain, grid, bitmap], x)      # noqa: E731
     if mode == "cond":
-        full = (q_lo <= 0) & (q_hi >= WG_ROWS) & (kv_lo == 0) & (kv_hi == tile_kv) & (cuts_b == 0)
+        full = step_masks.rows_full(q_lo, q_hi, kv_lo, kv_hi, cuts_b, WG_ROWS, tile_kv)
         return lax.cond(full, lambda x: x, masked, x)
     return masked(x)
 
@@ -254,7 +211,7 @@ def _produce(c, load, drain):
         for ring, (_, b, head, _, ptr, cnt, _) in enumerate(streams):
             @pl.when(i < cnt)
             def _():
-                start = pl.multiple_of(c.steps[ptr + i, abi.STEP_KV_START], _ALIGN)
+                start = pl.multiple_of(c.steps[ptr + i, abi.STEP_KV_START], ALIGN)
                 load(_slot(i, ring), i, b, head, start)
 
     for ring, unit in enumerate(streams):
@@ -272,7 +229,7 @@ def _dq_consumer(c: _Dq, wg):
     ring = wg if c.paired else 0
     row0 = 0 if c.paired else pl.multiple_of(wg * WG_ROWS, WG_ROWS)
     u, b, head, q_start, ptr, cnt, valid = _unit(c, ring)
-    rows = pl.ds(pl.multiple_of(q_start + row0, _ALIGN), WG_ROWS)
+    rows = pl.ds(pl.multiple_of(q_start + row0, ALIGN), WG_ROWS)
     q_smem, do_smem = c.q_smem.at[wg], c.do_smem.at[wg]
     bars = c.in_bars
     plgpu.copy_gmem_to_smem(c.q.at[b, rows, head], q_smem, bars[0].at[wg])
@@ -296,8 +253,8 @@ def _dq_consumer(c: _Dq, wg):
         dp = _mma(do_smem, c.v_smem.at[slot], shape)
         plgpu.barrier_arrive(c.v_consumed.at[slot])
         s = _masked(c.steps, c.words, s_row, row0, c.tile_q, c.tile_kv, c.mode, s)
-        p = jnp.exp2(s * c.qk_scale - _bcast(lse2, shape, 0))
-        ds = p * (dp - _bcast(delta, shape, 0))
+        p = jnp.exp2(s * c.qk_scale - bcast(lse2, shape, 0))
+        ds = p * (dp - bcast(delta, shape, 0))
         acc = _mma_acc(acc, ds.astype(c.dtype), c.k_smem.at[slot], c.interpret)
         plgpu.barrier_arrive(c.k_consumed.at[slot])
         return acc
@@ -335,7 +292,7 @@ def _dq_producer(c: _Dq):
     _produce(c, load, drain)
 
 
-def _dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paired, mode,
+def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paired, mode,
              scale, interpret):
     B, _, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -345,7 +302,7 @@ def _dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, pair
     slots = rings * STAGES
     static = dict(tile_q=tile_q, tile_kv=tile_kv, paired=paired, mode=mode, num_units=U,
                   num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
-                  qk_scale=float(scale) * _LOG2E, scale=float(scale), interpret=interpret)
+                  qk_scale=float(scale) * LOG2E, scale=float(scale), interpret=interpret)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, units_ref, steps_ref, words_ref,
@@ -383,43 +340,6 @@ def _dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, pair
     )(q, k, v, do, lse_u, delta_u, units, steps, steps.reshape(-1))
 
 
-def dq(q, k, v, do, lse, delta, units, steps, *, template, q_len_padded, kv_len_padded, scale,
-       mask_mode="cond", interpret=None, row_index=None):
-    """dq [B, Lq, Hq, D] (q.dtype) over a forward plan built for the ``mosaic_gpu`` template
-    ``template`` (its ABI arrays, trusted: made by a planner for it). q, do [B, Lq, Hq, D];
-    k, v [B, Lkv, Hkv, D]; lse (+inf on rows with no selected key), delta: [B, Hq, Lq]
-    float32. ``row_index``: the plan's (NumPy; None: made on the device from units).
-    ``interpret``: a Mosaic GPU interpreter params object (CPU tests)."""
-    t = _templates.get(template)
-    if t.backend != "mosaic_gpu":
-        raise ValueError(f"template {t.name!r} is for backend {t.backend!r}, not mosaic_gpu")
-    _check(q, k, v, do, units, steps)
-    return _dq(q, k, v, do, lse, delta, jnp.asarray(units), jnp.asarray(steps),
-               rows_.host_unit_index(units, t.tile_q, int(q_len_padded)),
-               abi.token_major(row_index),
-               tile_q=t.tile_q, tile_kv=t.tile_kv, paired=bool(t.kernel.paired),
-               q_len_padded=int(q_len_padded), kv_len_padded=int(kv_len_padded),
-               scale=float(scale), mask_mode=mask_mode, interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "paired", "q_len_padded",
-                                             "kv_len_padded", "scale", "mask_mode",
-                                             "interpret"))
-def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_q, tile_kv,
-        paired, q_len_padded, kv_len_padded, scale, mask_mode, interpret):
-    Lq, Hq = q.shape[1], q.shape[2]
-    lse_u = rows_.unit_rows(rows_.pad_rows(lse * _LOG2E, q_len_padded, jnp.inf), units, tile_q,
-                            unit_index)
-    delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q,
-                              unit_index)
-    dq_u = _dq_call(rows_.pad_len(q, q_len_padded), rows_.pad_len(k, kv_len_padded),
-                    rows_.pad_len(v, kv_len_padded),
-                    rows_.pad_len(do.astype(q.dtype), q_len_padded),
-                    lse_u, delta_u, units, steps, tile_q=tile_q, tile_kv=tile_kv, paired=paired,
-                    mode=mask_mode, scale=scale, interpret=interpret)
-    return rows_.gather_units(dq_u, None, rows_.token_rows(units, row_index_t, Hq, Lq, tile_q))
-
-
 # --- dk, dv ----------------------------------------------------------------------------------
 _Dkv = NamedTuple("_Dkv", [
     ("tile_q", int),
@@ -444,7 +364,7 @@ def _dkv_consumer(c: _Dkv, wg):
     row0 = 0 if c.paired else pl.multiple_of(wg * WG_ROWS, WG_ROWS)
     u, b, head, k_start, ptr, cnt, valid = _unit(c, ring)
     kv_head = lax.div(head, jnp.array(c.group, head.dtype))
-    rows = pl.ds(pl.multiple_of(k_start + row0, _ALIGN), WG_ROWS)
+    rows = pl.ds(pl.multiple_of(k_start + row0, ALIGN), WG_ROWS)
     k_smem, v_smem = c.k_smem.at[wg], c.v_smem.at[wg]
     plgpu.copy_gmem_to_smem(c.k.at[b, rows, kv_head], k_smem, c.kv_bars[0].at[wg])
     plgpu.copy_gmem_to_smem(c.v.at[b, rows, kv_head], v_smem, c.kv_bars[1].at[wg])
@@ -462,11 +382,11 @@ def _dkv_consumer(c: _Dkv, wg):
         st = _mma(k_smem, q_s, shape)                               # S^T [keys, queries]
         st = _masked(c.steps, c.words, s_row, row0, tile_q, tile_kv, c.mode, st)
         lse2 = plgpu.load(c.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        pt = jnp.exp2(st * c.qk_scale - _bcast(lse2, shape, 1))
+        pt = jnp.exp2(st * c.qk_scale - bcast(lse2, shape, 1))
         dpt = _mma(v_smem, do_s, shape)
         dv = _mma_acc(dv, pt.astype(c.dtype), do_s, c.interpret)
         delta = plgpu.load(c.delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        dst = pt * (dpt - _bcast(delta, shape, 1))
+        dst = pt * (dpt - bcast(delta, shape, 1))
         dk = _mma_acc(dk, dst.astype(c.dtype), q_s, c.interpret)
         plgpu.barrier_arrive(c.consumed.at[slot])
         return dk, dv
@@ -505,7 +425,7 @@ def _dkv_producer(c: _Dkv):
     _produce(c, load, lambda slot: plgpu.barrier_wait(c.consumed.at[slot]))
 
 
-def _dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, interpret):
+def dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, interpret):
     B, _, Hq, D = q.shape
     Hkv = k.shape[2]
     U = units.shape[0]
@@ -515,7 +435,7 @@ def _dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, in
     slots = (2 if paired else 1) * STAGES
     static = dict(tile_q=tile_q, paired=paired, num_units=U, mode=mode,
                   num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
-                  qk_scale=float(scale) * _LOG2E, scale=float(scale), interpret=interpret)
+                  qk_scale=float(scale) * LOG2E, scale=float(scale), interpret=interpret)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, units_ref, steps_ref, words_ref,
@@ -553,36 +473,21 @@ def _dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, in
     )(q, k, v, do, lse2, delta, units, steps, steps.reshape(-1))
 
 
+def dq(q, k, v, do, lse, delta, units, steps, *, template, q_len_padded, kv_len_padded, scale,
+       mask_mode="cond", interpret=None, row_index=None):
+    """Compatibility shim over ops.dq; removed when the runtime uses ops."""
+    from pallas_kernels.mosaic import ops
+    t = _templates.get(template)
+    plan = abi.PassPlan(units, steps, row_index, t.tile_q, t.tile_kv, q_len_padded,
+                        kv_len_padded, 0)
+    return ops.run_dq(q, k, v, do, lse, delta, plan, t, scale, interpret, mask_mode)
+
+
 def dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
         scale, mask_mode="cond", interpret=None, row_index=None):
-    """(dk, dv) [B, Lkv, Hkv, D] (k.dtype) over a transposed plan built with ``DKV_TILES``
-    (units of 128 keys, ``q_len_padded`` >= Lkv, of query head UNIT_HEAD; steps of 64
-    queries, ``kv_len_padded`` >= Lq; starts multiples of 8), summed over each K/V head's
-    group. Other arguments as ``dq``."""
-    if (tile_q, tile_kv) not in (DKV_TILES[:2], DKV_PAIRED_TILES[:2]):
-        raise ValueError(f"the Mosaic GPU dk/dv kernel runs transposed plans of "
-                         f"{DKV_TILES[0]} x {DKV_TILES[1]} or {DKV_PAIRED_TILES[0]} x "
-                         f"{DKV_PAIRED_TILES[1]} tiles, got {tile_q} x {tile_kv}")
-    _check(q, k, v, do, units, steps)
-    return _dkv(q, k, v, do, lse, delta, jnp.asarray(units), jnp.asarray(steps),
-                abi.token_major(row_index), tile_q=int(tile_q), q_len_padded=int(q_len_padded),
-                kv_len_padded=int(kv_len_padded),
-                scale=float(scale), mask_mode=mask_mode, interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("tile_q", "q_len_padded", "kv_len_padded",
-                                             "scale", "mask_mode", "interpret"))
-def _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, *, tile_q, q_len_padded,
-         kv_len_padded, scale, mask_mode, interpret):
-    Lkv, Hkv, Hq = k.shape[1], k.shape[2], q.shape[2]
-    lse2 = rows_.pad_rows(lse * _LOG2E, kv_len_padded, jnp.inf)
-    delta_p = rows_.pad_rows(delta, kv_len_padded, 0.0)
-    dk_u, dv_u = _dkv_call(rows_.pad_len(q, kv_len_padded),
-                           rows_.pad_len(k, q_len_padded),
-                           rows_.pad_len(v, q_len_padded),
-                           rows_.pad_len(do.astype(q.dtype), kv_len_padded), lse2, delta_p,
-                           units, steps, tile_q=tile_q, mode=mask_mode, scale=scale,
-                           interpret=interpret)
-    ri_t = rows_.token_rows(units, row_index_t, Hq, Lkv, tile_q)
-    dk, dv = (rows_.group_sum(rows_.gather_units(x, None, ri_t), Hkv) for x in (dk_u, dv_u))
-    return dk.astype(k.dtype), dv.astype(v.dtype)
+    """Compatibility shim over ops.dkv; removed when the runtime uses ops."""
+    from pallas_kernels.mosaic import ops
+    plan = abi.PassPlan(units, steps, row_index, tile_q, tile_kv, q_len_padded, kv_len_padded, 0)
+    # Any Mosaic GPU template: it checks q / k / v; the kernel's shape comes from the plan.
+    t = _templates.for_backend("mosaic_gpu")[0]
+    return ops.run_dkv(q, k, v, do, lse, delta, plan, t, scale, interpret, mask_mode)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -40,19 +39,14 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import abi as plan_abi
-from pallas_kernels import backward_rows as rows_
+from pallas_kernels import step_masks
+from pallas_kernels.contract import LN2, LOG2E, MASK_MODES
+from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask, grid_mask,
+                                          iota)
 from pallas_kernels.templates import CompiledConfig, MosaicConfig
 
 __all__ = ["KernelConfig", "forward", "smem_bytes", "MASK_MODES", "MAX_SMEM"]
 
-WG_ROWS = 64                       # rows per consumer warpgroup (one wgmma M tile)
-CONSUMERS = 2                      # consumer warpgroups; the producer is warpgroup CONSUMERS
-_ALIGN = 8                         # q_start / kv_start alignment (rows of one SMEM tile)
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-# "cond": mask partial steps only (a cond per step); "always": every step; "none": never
-# (plans whose steps are all full: no masking code, no -inf guard).
-MASK_MODES = ("cond", "always", "none")
 MAX_SMEM = 232448                  # bytes per CTA on sm_90 (the limit Mosaic GPU reports)
 
 
@@ -157,7 +151,7 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
     dtype = q.dtype
     nwg = CONSUMERS
     static = dict(cfg=cfg, batch=B, num_units=U, head_dim=D, group=Hq // Hkv, dtype=dtype,
-                  num_steps=steps.shape[0], qk_scale=float(scale) * _LOG2E,
+                  num_steps=steps.shape[0], qk_scale=float(scale) * LOG2E,
                   interpret=interpret)
 
     def entry(q_ref, k_ref, v_ref, units_ref, steps_ref, words_ref, out_ref, lse_ref):
@@ -267,7 +261,7 @@ def _consumer_unit(c: _Ctx, wg, ring, row0, qo_smem, lse_smem, j, base):
     w = _Wg(wg, ring, row0, qo_smem, lse_smem, base, ptr, cnt)
     # Plan starts are multiples of 8 (templates' q_align/kv_align): tell the layout
     # inference, which must prove TMA starts divisible by the 8-row SMEM tiling.
-    q_row = pl.multiple_of(q_start + row0, _ALIGN)
+    q_row = pl.multiple_of(q_start + row0, ALIGN)
     plgpu.copy_gmem_to_smem(c.q.at[b, pl.ds(q_row, WG_ROWS), head], qo_smem, c.q_bar.at[wg])
     plgpu.barrier_wait(c.q_bar.at[wg])
     m_i = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32),
@@ -369,69 +363,21 @@ def _qk(c: _Ctx, w: _Wg, slot, acc_ref):
     return acc_ref[...]
 
 
-def _segment_select(idx, lo, hi, cuts, vals):
-    """Per entry of ``idx`` (a 1-D int32 iota): ``vals[n]`` for n = the number of ``cuts``
-    (non-decreasing scalars) at or below it, 0 outside [lo, hi). Compares and selects against
-    scalars only (no vector shift): later cuts win, so an empty segment (repeated cut) is
-    skipped exactly as ``abi.grid_mask``'s count (idx >= c1) + (idx >= c2) + (idx >= c3)."""
-    out = jnp.where(idx >= cuts[0], vals[1], vals[0])
-    for cut, val in zip(cuts[1:], vals[2:]):
-        out = jnp.where(idx >= cut, val, out)
-    return jnp.where((idx >= lo) & (idx < hi), out, jnp.int32(0))
-
-
 def _grid_mask(c: _Ctx, w: _Wg, rect: _Rect, x):
-    """A grid step's mask (``abi.grid_mask``): entry (r, col) is kept iff
-    row_bits[r] & col_bit[col] != 0, where row_bits[r] is the 4-bit row of the cell matrix for
-    r's row segment (0 outside the rectangle's rows) and col_bit[col] = 1 << (col's key
-    segment) (0 outside its keys). Both are 1-D vectors in the fragment's row / column
-    layouts (WGMMA.reduce(1) / reduce(0): 2 and tile_kv / 4 values per thread), broadcast to
-    the [64, tile_kv] fragment; per element: one and, one compare, one select. STEP_CUTS_A is
-    read here, on grid steps only."""
+    """A grid step's mask (``common.grid_mask``: a row vector of cell bits and a column vector
+    of key-segment bits in the fragment's layouts, 2 and tile_kv / 4 values per thread).
+    STEP_CUTS_A is read here, on grid steps only."""
     cuts_a = c.steps[rect.s, plan_abi.STEP_CUTS_A]
-    (q1, q2, q3), (k1, k2, k3), _ = plan_abi.unpack_grid(cuts_a, rect.cuts_b)
-    # The four 4-bit rows of the cell matrix (bits 4i..4i+3 of STEP_CUTS_B >> 16): scalars.
-    nibbles = [(rect.cuts_b >> (plan_abi.GRID_BITS_SHIFT + plan_abi.GRID * n)) & 0xF
-               for n in range(plan_abi.GRID)]
-    rows = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0,
-                                  layout=plgpu.Layout.WGMMA.reduce(1))
-    cols = plgpu.broadcasted_iota(jnp.int32, (c.cfg.tile_kv,), 0,
-                                  layout=plgpu.Layout.WGMMA.reduce(0))
-    row_bits = _segment_select(rows, rect.q_lo, rect.q_hi,
-                               (q1 - w.row0, q2 - w.row0, q3 - w.row0), nibbles)
-    col_bit = _segment_select(cols, rect.kv_lo, rect.kv_hi, (k1, k2, k3),
-                              [jnp.int32(1 << j) for j in range(plan_abi.GRID)])
-    row_bits = plgpu.layout_cast(lax.broadcast_in_dim(row_bits, x.shape, [0]),
-                                 plgpu.Layout.WGMMA)
-    col_bit = plgpu.layout_cast(lax.broadcast_in_dim(col_bit, x.shape, [1]),
-                                plgpu.Layout.WGMMA)
-    return jnp.where((row_bits & col_bit) != 0, x, -jnp.inf)
+    return grid_mask(cuts_a, rect.cuts_b, rect.q_lo, rect.q_hi, rect.kv_lo, rect.kv_hi,
+                     lambda: iota(WG_ROWS, 1), lambda: iota(c.cfg.tile_kv, 0), w.row0, x)
 
 
 def _bitmap_mask(c: _Ctx, w: _Wg, rect: _Rect, x):
-    """A bitmap step's mask (``abi.BITMAP_FLAG``): entry (r, col) is kept iff bit col % 32 of
-    word (r, col // 32) is set. Each word column is a 1-D load of this warpgroup's 64 rows
-    (GMEM, the fragment's row layout: 2 rows per thread), and-ed per entry with the column's
-    bit (1 << col % 32 where col // 32 is that column, else 0); bits outside the rectangle
-    are 0 by the ABI, so nothing else is masked."""
+    """A bitmap step's mask (``common.bitmap_mask``: per word column, this warpgroup's 64 row
+    words loaded from GMEM and-ed with each key's bit)."""
     off = c.steps[rect.s, plan_abi.STEP_CUTS_A]
-    cols = plgpu.broadcasted_iota(jnp.int32, (c.cfg.tile_kv,), 0,
-                                  layout=plgpu.Layout.WGMMA.reduce(0))
-    one = jnp.full(cols.shape, 1, jnp.int32)
-    hit = None
-    for j in range(plan_abi.bitmap_words(c.cfg.tile_kv)):
-        start = off + j * c.cfg.tile_q + w.row0
-        row_word = plgpu.load(c.words.at[pl.ds(start, WG_ROWS)],
-                              layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-        in_col = (cols >= j * plan_abi.WORD_BITS) & (cols < (j + 1) * plan_abi.WORD_BITS)
-        col_bit = jnp.where(in_col, lax.shift_left(one, cols & (plan_abi.WORD_BITS - 1)),
-                            jnp.int32(0))
-        term = (plgpu.layout_cast(lax.broadcast_in_dim(row_word, x.shape, [0]),
-                                  plgpu.Layout.WGMMA)
-                & plgpu.layout_cast(lax.broadcast_in_dim(col_bit, x.shape, [1]),
-                                    plgpu.Layout.WGMMA))
-        hit = term if hit is None else hit | term
-    return jnp.where(hit != 0, x, -jnp.inf)
+    return bitmap_mask(c.words, off, w.row0, c.cfg.tile_q, c.cfg.tile_kv,
+                       iota(c.cfg.tile_kv, 0), x)
 
 
 def _step_mask(c: _Ctx, w: _Wg, rect: _Rect, zero_rows, x):
@@ -442,20 +388,15 @@ def _step_mask(c: _Ctx, w: _Wg, rect: _Rect, zero_rows, x):
     0.85 with the rectangle's four compares per entry at kv128, benchmarks/NOTES.md#masked-steps).
     Grid and bitmap steps mask entries (``_grid_mask``, ``_bitmap_mask``; penalty 0)."""
     def plain(x):
-        cols = plgpu.broadcasted_iota(jnp.int32, (c.cfg.tile_kv,), 0,
-                                      layout=plgpu.Layout.WGMMA.reduce(0))
+        cols = iota(c.cfg.tile_kv, 0)
         col_bias = jnp.where((cols >= rect.kv_lo) & (cols < rect.kv_hi), 0.0, -jnp.inf)
-        rows = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0,
-                                      layout=plgpu.Layout.WGMMA.reduce(1))
+        rows = iota(WG_ROWS, 1)
         row_pen = jnp.where((rows >= rect.q_lo) & (rows < rect.q_hi), 0.0, jnp.inf)
-        x = x + plgpu.layout_cast(lax.broadcast_in_dim(col_bias, x.shape, [1]),
-                                  plgpu.Layout.WGMMA)
-        return x, row_pen
+        return x + bcast(col_bias, x.shape, 1), row_pen
 
-    kind = jnp.where(rect.cuts_b == 0, 0, jnp.where(rect.cuts_b == plan_abi.BITMAP_FLAG, 2, 1))
-    return lax.switch(kind, [plain,
-                             lambda x: (_grid_mask(c, w, rect, x), zero_rows),
-                             lambda x: (_bitmap_mask(c, w, rect, x), zero_rows)], x)
+    return lax.switch(step_masks.step_kind(rect.cuts_b),
+                      [plain, lambda x: (_grid_mask(c, w, rect, x), zero_rows),
+                       lambda x: (_bitmap_mask(c, w, rect, x), zero_rows)], x)
 
 
 def _pv(c: _Ctx, w: _Wg, i, slot, p16, acc_ref):
@@ -476,8 +417,8 @@ def _compute_step(c: _Ctx, w: _Wg, mode, i, slot, rect, state):
     if mode == "cond":
         q_lo, q_hi, kv_lo, kv_hi = rect[:4]
         # Full for this warpgroup: a plain step whose rectangle covers its 64 rows, all keys.
-        full = ((q_lo <= 0) & (q_hi >= WG_ROWS) & (kv_lo == 0) & (kv_hi == c.cfg.tile_kv)
-                & (rect.cuts_b == 0))
+        full = step_masks.rows_full(q_lo, q_hi, kv_lo, kv_hi, rect.cuts_b, WG_ROWS,
+                                    c.cfg.tile_kv)
         qk, row_pen = lax.cond(full, lambda x: (x, zero_rows), mask, qk)
     elif mode == "always":
         qk, row_pen = mask(qk)
@@ -538,7 +479,7 @@ def _store(c: _Ctx, w: _Wg, u, b, valid, acc, m_i, l_i):
     l_safe = jnp.where(empty, 1.0, l_i)
     acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
     w.qo_smem[...] = acc.astype(c.dtype)
-    w.lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * _LN2 + jnp.log(l_safe))
+    w.lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
     plgpu.commit_smem()
 
     def store():
@@ -590,7 +531,7 @@ def _load(c: _Ctx, ring, b, kv_head, ptr, i, g):
     """TMA copies of step ``ptr + i``'s K and V tiles into ring slot ``g``, each once the
     consumers released the slot's previous tile."""
     slot = _slot(c, g, ring)
-    kv_start = pl.multiple_of(c.steps[ptr + i, plan_abi.STEP_KV_START], _ALIGN)
+    kv_start = pl.multiple_of(c.steps[ptr + i, plan_abi.STEP_KV_START], ALIGN)
     src = (b, pl.ds(kv_start, c.cfg.tile_kv), kv_head)
 
     @pl.when(g >= c.cfg.stages)

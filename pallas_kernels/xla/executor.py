@@ -19,30 +19,35 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import abi
+from pallas_kernels.templates import Template
 
 # Units per chunk are chosen so that one chunk's scores stay near this many float32 elements.
 _CHUNK_ELEMS = 1 << 22
 
 
+@functools.lru_cache(maxsize=64)
+def _template(tile_q: int, tile_kv: int) -> Template:
+    """An XLA template of these tiles (the executor runs any)."""
+    return Template(f"xla_{tile_q}x{tile_kv}", "xla", tile_q, tile_kv, stages=1, head_dims=(),
+                    dtypes=("float32", "bfloat16", "float16"))
+
+
 def execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
             max_steps, scale, return_lse=False, check_plan=True):
-    """out [B, Lq, Hq, D] (and lse [B, Hq, Lq]) for the plan given by the ABI arrays
-    (``row_index=None``: computed on the device from units). A concrete (NumPy) plan is
-    checked by ``abi.check_plan`` (memoised per plan: an out-of-range index would be clamped
-    by the gathers, silently, and a unit of more than ``max_steps`` steps would lose some);
-    ``check_plan=False``: the caller vouches for it (the planner built it)."""
-    if check_plan and isinstance(units, np.ndarray) and isinstance(steps, np.ndarray):
-        abi.check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded,
-                       num_q_heads=q.shape[2], max_steps=max_steps)
-    return _execute(q, k, v, units, steps, row_index, tile_q=tile_q, tile_kv=tile_kv,
-                    q_len_padded=q_len_padded, kv_len_padded=kv_len_padded,
-                    max_steps=max_steps, scale=scale, return_lse=return_lse)
+    """Compatibility shim over ops.forward; removed when the runtime uses ops."""
+    from pallas_kernels.xla import ops
+    plan = abi.PassPlan(units, steps, row_index, tile_q, tile_kv, q_len_padded, kv_len_padded,
+                        max_steps)
+    return ops.forward(q, k, v, plan, template=_template(int(tile_q), int(tile_kv)),
+                       scale=scale, return_lse=return_lse, check_plan=check_plan)
 
 
 @functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "q_len_padded",
                                              "kv_len_padded", "max_steps", "scale", "return_lse"))
-def _execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
-             max_steps, scale, return_lse=False):
+def execute_plan(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded,
+                 kv_len_padded, max_steps, scale, return_lse=False):
+    """out [B, Lq, Hq, D] (and lse [B, Hq, Lq]) of the plan given by its ABI arrays and
+    statics (``row_index=None``: computed on the device from units); unchecked."""
     B, Lq, Hq, D = q.shape
     Lkv, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -149,4 +154,4 @@ def _selection(st, valid, flat, tile_q, tile_kv):
     return sel.reshape(*sel.shape[:3], W * abi.WORD_BITS)[..., :tile_kv]
 
 
-execute._cache_size = _execute._cache_size      # compiled executables (tests count them)
+execute._cache_size = execute_plan._cache_size    # compiled executables (tests count them)

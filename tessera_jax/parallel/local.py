@@ -9,7 +9,10 @@ mask usually holds all ``Hq`` heads. ``local_attention`` runs this device's head
   the host (``tessera_jax.plan``, cached), the plans are padded to one capacity and stacked
   into ``[n, ...]`` constants, and each device reads its own plan at ``lax.axis_index``. One
   template for all devices (the ranking's choice for the costliest slice), so one kernel is
-  compiled; the plan is an operand of that kernel, not a constant of its own program;
+  compiled; the plan is an operand of that kernel, not a constant of its own program. The
+  runtime's core runs it (``runtime.core``, its one custom_vjp); the backward's dk/dv plans
+  (each slice's, ``host_plans.dkv_candidates``, one choice of tiles and policy for all) are
+  stacked the same way on the first backward;
 * anything else (a device mask holding every head, per-head bounds, an assignment computed on
   the device): this device's rows of the mask are gathered at ``lax.axis_index`` and planned on
   the device (``runtime.device_route``).
@@ -24,14 +27,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.abi import PassPlan
+
 from tessera_jax.mask import BlockMask
-from tessera_jax.runtime import dispatch
+from tessera_jax.planning.plan import AttentionPlan
+from tessera_jax.runtime import core, dispatch, host_plans
+from tessera_jax.runtime.options import Options, check_options
 from tessera_jax.validation import check_bool, check_mask, check_qkv, check_scale
 
 __all__ = ["DevicePlans", "clear_caches", "device_plans", "local_attention", "local_masks"]
@@ -79,15 +85,46 @@ class DevicePlans:
     max_steps: int
     costs: np.ndarray         # estimated ns of each device's plan (planner's cost model)
     plans: tuple              # the per-device ``Plan`` objects
+    dkv: dict = dataclasses.field(default_factory=dict)   # options -> stacked dk/dv plans
 
-    def local(self, index):
-        """The plan-like namespace ``dispatch.run`` takes, for device ``index`` (traced)."""
+    def local(self, index) -> PassPlan:
+        """The pass plan of device ``index`` (traced): its rows of the stacked arrays."""
         pick = functools.partial(jax.lax.dynamic_index_in_dim, index=index, keepdims=False)
-        return types.SimpleNamespace(
-            template=self.template, units=pick(jnp.asarray(self.units)),
-            steps=pick(jnp.asarray(self.steps)), row_index=None, tile_q=self.tile_q,
-            tile_kv=self.tile_kv, q_len_padded=self.q_len_padded,
-            kv_len_padded=self.kv_len_padded, max_steps=self.max_steps)
+        return PassPlan(pick(jnp.asarray(self.units)), pick(jnp.asarray(self.steps)), None,
+                        self.tile_q, self.tile_kv, self.q_len_padded, self.kv_len_padded,
+                        self.max_steps)
+
+    def dkv_plans(self, backend: str, options: Options) -> "DevicePlans":
+        """The stacked dk/dv plans of the slices (made on first use): each slice's candidates
+        (``host_plans.dkv_candidates``); one candidate for all, each slice's cheapest when
+        they agree, else the one of least worst estimated time."""
+        hit = self.dkv.get(options)
+        if hit is None:
+            cands = [host_plans.dkv_candidates(p, backend, options) for p in self.plans]
+            scores = np.array([[host_plans.dkv_score(tp, per_sm, options) for tp, per_sm in c]
+                               for c in cands])
+            best = scores.argmin(axis=1)
+            i = int(best[0]) if (best == best[0]).all() else int(scores.max(axis=0).argmin())
+            hit = self.dkv[options] = _stack([c[i][0] for c in cands], scores[:, i])
+        return hit
+
+
+class _Local:
+    """``AttentionPlan.source`` of stacked plans inside shard_map: this device's forward and
+    dk/dv pass plans, picked at ``lax.axis_index`` where the core asks for them."""
+
+    __slots__ = ("plans", "axis_name", "backend", "options")
+
+    def __init__(self, plans: DevicePlans, axis_name, backend: str, options: Options):
+        self.plans, self.axis_name, self.backend, self.options = \
+            plans, axis_name, backend, options
+
+    def fwd(self, rows: bool) -> PassPlan:
+        return self.plans.local(jax.lax.axis_index(self.axis_name))
+
+    def dkv(self, rows: bool) -> PassPlan:
+        return self.plans.dkv_plans(self.backend, self.options).local(
+            jax.lax.axis_index(self.axis_name))
 
 
 def _cost(p) -> float:
@@ -115,6 +152,11 @@ def _device_plans(mask, heads, q_shape, kv_shape, dtype, backend, template) -> D
         worst = max(plans, key=_cost)
         plans = [api.plan(m, q_shape, kv_shape, dtype, backend=backend,
                           template=worst.template, policy=worst.policy) for m in masks]
+    return _stack(plans, np.array([_cost(p) for p in plans]))
+
+
+def _stack(plans, costs) -> DevicePlans:
+    """Plans of one template (tiles, padded lengths) stacked, padded with zero rows."""
     p0 = plans[0]
     for p in plans:
         if (p.tile_q, p.tile_kv, p.q_len_padded, p.kv_len_padded) != \
@@ -131,8 +173,7 @@ def _device_plans(mask, heads, q_shape, kv_shape, dtype, backend, template) -> D
     for a in (units, steps):
         a.setflags(write=False)
     return DevicePlans(p0.template, units, steps, p0.tile_q, p0.tile_kv, p0.q_len_padded,
-                       p0.kv_len_padded, max(p.max_steps for p in plans),
-                       np.array([_cost(p) for p in plans]), tuple(plans))
+                       p0.kv_len_padded, max(p.max_steps for p in plans), costs, tuple(plans))
 
 
 def clear_caches() -> None:
@@ -142,42 +183,13 @@ def clear_caches() -> None:
     _device_plans.cache_clear()
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _stacked(plans, masks, axis_name, scale, return_lse, q, k, v):
-    """This device's stacked plan: one kernel for every device."""
-    return dispatch.run(plans.local(jax.lax.axis_index(axis_name)), q, k, v, scale, return_lse)
-
-
-def _stacked_fwd(plans, masks, axis_name, scale, return_lse, q, k, v):
-    return _stacked(plans, masks, axis_name, scale, return_lse, q, k, v), (q, k, v)
-
-
-def _stacked_bwd(plans, masks, axis_name, scale, return_lse, res, g):
-    """Each device differentiates its own slice's plain call (one ``lax.switch`` branch per
-    device, the plan the forward ran; the slice's forward is recomputed)."""
-    from tessera_jax.runtime.api import sparse_attention
-
-    def branch(m, p):
-        def grads(q, k, v, g):
-            f = functools.partial(sparse_attention, mask=m, scale=scale, return_lse=return_lse,
-                                  template=p.template, policy=p.policy)
-            return jax.vjp(lambda q, k, v: f(q, k, v), q, k, v)[1](g)
-        return grads
-
-    branches = [branch(m, p) for m, p in zip(masks, plans.plans)]
-    return jax.lax.switch(jax.lax.axis_index(axis_name), branches, *res, g)
-
-
-_stacked.defvjp(_stacked_fwd, _stacked_bwd)
-
-
 def _take(x, rows):
     return jnp.take(jnp.asarray(x), rows, axis=0)
 
 
 def local_attention(q, k, v, mask: BlockMask, *, axis_name, heads=None, scale=None,
                     return_lse: bool = False, backend: str | None = None,
-                    template: str | None = None):
+                    template: str | None = None, options: Options | None = None):
     """Sparse attention of this device's heads, inside ``jax.shard_map`` over ``axis_name``.
 
     q: [B, Lq, Hl, D], k, v: [B, Lkv, Hkvl, D]: this device's heads (whole GQA groups). ``mask``
@@ -185,7 +197,8 @@ def local_attention(q, k, v, mask: BlockMask, *, axis_name, heads=None, scale=No
     device runs the rows ``heads[axis_index]``). ``heads``: [n, Hl] query heads per device (see
     ``assign.assign_heads``; NumPy: static; jax: computed on the device); None: contiguous,
     device d holds heads [d * Hl, (d + 1) * Hl). Returns out [B, Lq, Hl, D] (and lse
-    [B, Hl, Lq] with ``return_lse``), as ``tessera_jax.sparse_attention`` on these heads.
+    [B, Hl, Lq] with ``return_lse``), as ``tessera_jax.sparse_attention`` on these heads
+    (``options`` as there).
     """
     from tessera_jax.runtime.api import sparse_attention
     if not isinstance(mask, BlockMask):
@@ -193,7 +206,8 @@ def local_attention(q, k, v, mask: BlockMask, *, axis_name, heads=None, scale=No
     shape = check_qkv(q, k, v)
     Hl, Hm = shape.num_q_heads, mask.num_heads
     n = jax.lax.axis_size(axis_name)
-    kw = dict(scale=scale, return_lse=return_lse, backend=backend, template=template)
+    kw = dict(scale=scale, return_lse=return_lse, backend=backend, template=template,
+              options=options)
     if Hm != n * Hl:
         if Hm not in (1, Hl):
             raise ValueError(f"mask has {Hm} heads; inside shard_map over {axis_name!r} "
@@ -212,10 +226,14 @@ def local_attention(q, k, v, mask: BlockMask, *, axis_name, heads=None, scale=No
         check_mask(masks[0], shape)
         scale = check_scale(scale, shape.head_dim)
         return_lse = check_bool("return_lse", return_lse)
+        options = check_options(options)
         be = dispatch.resolve(backend, shape)
         plans = device_plans(mask, heads, q.shape, k.shape, shape.dtype, backend=be,
                              template=template)
-        return _stacked(plans, masks, axis_name, scale, return_lse, q, k, v)
+        t = dispatch.get_template(plans.template)
+        plan = AttentionPlan(None, template=t.name, backend=t.backend,
+                             source=_Local(plans, axis_name, t.backend, options))
+        return core.attention(q, k, v, plan, scale, return_lse, options)
     mine = jnp.asarray(heads, jnp.int32)[jax.lax.axis_index(axis_name)]
     qb, kb = (_take(b, mine) if b.ndim == 2 else b for b in (mask.q_bounds, mask.kv_bounds))
     return sparse_attention(q, k, v, BlockMask(qb, kb, _take(mask.blocks, mine)), **kw)

@@ -3,31 +3,33 @@
 The device planner (issue 16): jittable, no host transfer, shapes of the outputs derived from
 the static shapes (and static bounds) alone, so a new mask of the same shapes neither retraces
 nor recompiles. ``tessera_jax.sparse_attention`` runs it for device masks
-(``runtime.device_route``); the kernels take its arrays as traced plan operands.
+(``runtime.device_route``, which plans the forward and the transposed mask's dk/dv pass with
+it); it returns an ``abi.PassPlan`` whose arrays the kernels take as traced plan operands.
 
 Plan it builds (``pallas_kernels.abi``): one unit per (query head, query tile), a step for
 each K/V tile that holds a selected entry, in key order (bounds shared by the heads or each
-head's own); units heaviest first by the cost model, as the host planner orders them. Tiles: with static (NumPy) bounds, block-aligned ones (``_segments``): each starts
-at a block (rounded down to 8 tokens) and owns up to ``abi.GRID`` consecutive blocks that fit
-the tile, a long block cut into tile-long pieces, so a step rarely straddles a block edge
-(Wan 720p STA: 10% fewer steps and no masked ones against the fixed grid); they are used when
-they number at most ``_SEGMENT_SLACK`` (9 / 8) x the fixed grid's, so a plan computes at most
-(9 / 8)^2 x a dense plan of fixed tiles (a fully selected mask; sparse ones compute less than
-the fixed grid). Otherwise, and with traced bounds, the fixed grid of tile-sized tiles. A step
-is plain where every block it meets is selected, else a *grid* step whose cuts are the block
-bounds inside its own range and whose cells are the blocks' flags; every (unit, tile) is
-visited once. Grid steps hold at most 4 x 4 blocks, so every tile must meet at most
-``abi.GRID`` query blocks and ``abi.GRID`` key blocks (fixed tiles: blocks of >= tile / 3
-tokens, or tile-aligned ones of tile / 4). Host (NumPy) bounds are checked when tracing
-(ValueError); device bounds yield ``ok`` = False when broken (a tile meets more blocks,
-bounds not increasing from 0 to the length), with every index clamped, so bad data never
-reads out of bounds; check it with ``checkify`` (``check``).
+head's own); units heaviest first by the cost model, as the host planner orders them.
+Tiles: with static (NumPy) bounds, block-aligned ones (``_segments``): each starts at a block
+(rounded down to 8 tokens) and owns up to ``abi.GRID`` consecutive blocks that fit the tile, a
+long block cut into tile-long pieces, so a step rarely straddles a block edge (Wan 720p STA:
+10% fewer steps and no masked ones against the fixed grid); they are used when they number at
+most ``_SEGMENT_SLACK`` (9 / 8) x the fixed grid's, so a plan computes at most (9 / 8)^2 x a
+dense plan of fixed tiles (a fully selected mask; sparse ones compute less than the fixed
+grid). Otherwise, and with traced bounds, the fixed grid of tile-sized tiles. A step is plain
+where every block it meets is selected, else a *grid* step whose cuts are the block bounds
+inside its own range and whose cells are the blocks' flags; every (unit, tile) is visited once.
+Grid steps hold at most 4 x 4 blocks, so every tile must meet at most ``abi.GRID`` query blocks
+and ``abi.GRID`` key blocks (fixed tiles: blocks of >= tile / 3 tokens, or tile-aligned ones of
+tile / 4). Host (NumPy) bounds are checked when tracing (ValueError); device bounds yield
+``ok`` = False when broken (a tile meets more blocks, bounds not increasing from 0 to the
+length), with every index clamped, so bad data never reads out of bounds; check it with
+``checkify`` (``check``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,25 +38,7 @@ import numpy as np
 from pallas_kernels import abi
 from tessera_jax.planning import schedule
 
-__all__ = ["DevicePlan", "plan_on_device", "bitmap_slots", "check"]
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["units", "steps", "ok"],
-                   meta_fields=["tile_q", "tile_kv", "q_len_padded", "kv_len_padded",
-                                "max_steps"])
-@dataclasses.dataclass(frozen=True)
-class DevicePlan:
-    """The plan ABI arrays (jax arrays, static shapes: the pytree's leaves) and the static
-    values kernels need (its metadata: a jitted function may return the plan)."""
-
-    units: jax.Array          # int32 [Hq * nqt, UNIT_COLS]
-    steps: jax.Array          # int32 [Hm * nqt * nkt, STEP_COLS]; rows past the used ones: 0
-    ok: jax.Array             # bool []: the mask fits the grid steps (and its bounds are valid)
-    tile_q: int
-    tile_kv: int
-    q_len_padded: int
-    kv_len_padded: int
-    max_steps: int            # nkt: the most steps a unit can have
+__all__ = ["plan_on_device", "bitmap_slots", "check"]
 
 
 def _blocks_of(bounds, start, end):
@@ -73,15 +57,6 @@ def _blocks_of(bounds, start, end):
     last = (find(np.maximum(end - 1, start) if isinstance(end, np.ndarray)
                  else jnp.maximum(end - 1, start)) - 1).clip(0, n - 1)
     return first, last
-
-
-def _tile_blocks(bounds, length: int, tile: int, n_tiles: int):
-    """(first, last) block of each fixed tile's tokens inside the length, each [Hb, n_tiles],
-    and the tiles' own extents (tokens below the length) [n_tiles]."""
-    start = np.arange(n_tiles, dtype=np.int32) * tile
-    end = np.minimum(start + tile, length)
-    first, last = _blocks_of(bounds, start[None], end[None])
-    return first, last, end - start
 
 
 def _segments(b: np.ndarray, tile: int, align: int = 8):
@@ -123,7 +98,8 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
     if align_blocks and isinstance(bounds, np.ndarray):
         rows = [_segments(b, tile) for b in bounds]
         S = max(len(r) for r in rows)
-        if S <= _SEGMENT_SLACK * nt and all(all(a[0] < c[0] for a, c in zip(r, r[1:])) for r in rows):
+        increasing = all(all(a[0] < c[0] for a, c in zip(r, r[1:])) for r in rows)
+        if S <= _SEGMENT_SLACK * nt and increasing:
             seg = np.zeros((len(rows), S, 3), np.int32)
             used = np.zeros((len(rows), S), bool)
             for h, r in enumerate(rows):
@@ -246,8 +222,9 @@ def bitmap_slots(q_bounds: np.ndarray, kv_bounds: np.ndarray, num_heads: int, q_
 
 def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int, kv_len: int,
                    tile_q: int, tile_kv: int, align_blocks: bool = True,
-                   bitmap_capacity: int = 0) -> DevicePlan:
-    """The plan of a block mask for these tiles (see the module docstring), in jnp.
+                   bitmap_capacity: int = 0) -> tuple[abi.PassPlan, jax.Array]:
+    """(plan, ok): the pass plan of a block mask for these tiles (see the module docstring),
+    made in jnp, and a bool [] that is False where the mask does not fit it.
 
     blocks: bool [Hm, nq, nk] (Hm = 1: shared by the heads, or Hm = num_q_heads), a jax or
     NumPy array, traced values included; q_bounds [nq + 1] or [Hm, nq + 1] (each head its own
@@ -259,8 +236,33 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     many bitmap steps the plan may hold (static) for tiles that meet more than ``abi.GRID``
     blocks per axis (0: none; such a tile then makes ``ok`` False, or a ValueError for static
     bounds); more of them than the capacity also makes ``ok`` False (``bitmap_slots`` counts
-    what a plan of static bounds needs).
+    what a plan of static bounds needs). The plan's leaves are jax arrays, its ``row_index``
+    None (made from the units where a kernel needs it) and its ``all_full`` None.
     """
+    _check_args(blocks, num_q_heads, q_len, kv_len, tile_q, tile_kv)
+    Hm, nq, nk = blocks.shape
+    qx = _axis_of("q_bounds", q_bounds, blocks.shape, nq, q_len, tile_q, align_blocks,
+                  bitmap_capacity)
+    kx = _axis_of("kv_bounds", kv_bounds, blocks.shape, nk, kv_len, tile_kv, align_blocks,
+                  bitmap_capacity)
+    blocks = jnp.asarray(blocks)
+    rows, any_sel, part, need, n_need = _step_rows(blocks, qx, kx, tile_q, tile_kv,
+                                                   bitmap_capacity)
+    steps, ptr, cnt = _compact(rows, any_sel)
+    if bitmap_capacity:
+        words = _bitmap_words(blocks, need, qx.bounds, kx.bounds, qx.org, qx.lo, qx.hi,
+                              kx.org, kx.lo, kx.hi, tile_q, tile_kv,
+                              bitmap_capacity)                  # [C * rows_b, 4]
+        steps = jnp.concatenate([steps, words], axis=0)
+    units = _units(qx, ptr, cnt, part, num_q_heads, Hm, tile_q, tile_kv)
+    ok = _fits(qx, kx, n_need, bitmap_capacity, nq, nk, q_len, kv_len)
+    plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), int(qx.padded),
+                        int(kx.padded), int(kx.org.shape[1]))
+    return plan, jnp.asarray(ok)
+
+
+def _check_args(blocks, num_q_heads, q_len, kv_len, tile_q, tile_kv) -> None:
+    """``plan_on_device``'s checks of its sizes, tiles and blocks (ValueError / TypeError)."""
     for name, val in (("num_q_heads", num_q_heads), ("q_len", q_len), ("kv_len", kv_len),
                       ("tile_q", tile_q), ("tile_kv", tile_kv)):
         if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
@@ -273,44 +275,73 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
                          f"{getattr(blocks, 'shape', type(blocks).__name__)}")
     if jnp.dtype(blocks.dtype) != jnp.bool_:
         raise TypeError(f"blocks must have dtype bool, got {blocks.dtype}")
-    Hm, nq, nk = blocks.shape
-    if Hm not in (1, num_q_heads):
-        raise ValueError(f"blocks has {Hm} heads; it must have 1 (shared) or "
+    if blocks.shape[0] not in (1, num_q_heads):
+        raise ValueError(f"blocks has {blocks.shape[0]} heads; it must have 1 (shared) or "
                          f"num_q_heads={num_q_heads}")
-    axes = []
-    for name, b, n, length, tile in (("q_bounds", q_bounds, nq, q_len, tile_q),
-                                     ("kv_bounds", kv_bounds, nk, kv_len, tile_kv)):
-        shape = tuple(getattr(b, "shape", ()))
-        if not (shape == (n + 1,) or shape == (Hm, n + 1)):
-            raise ValueError(f"{name} must have shape [{n + 1}] or [{Hm}, {n + 1}] (blocks is "
-                             f"[{Hm}, {nq}, {nk}]), got {shape or type(b).__name__}")
-        if not jnp.issubdtype(b.dtype, jnp.integer):
-            raise TypeError(f"{name} must be an integer array, got {b.dtype}")
-        if isinstance(b, np.ndarray):
-            b = b.astype(np.int32).reshape(-1, n + 1)
-            for h, row in enumerate(b):
-                if row[0] != 0 or row[-1] != length or (np.diff(row) <= 0).any():
-                    at = f"{name}[{h}]" if len(b) > 1 else name
-                    raise ValueError(f"{at} must increase strictly from 0 to {length}")
-        else:
-            b = jnp.asarray(b, jnp.int32).reshape(-1, n + 1)
-        org, lo, hi, first, last, padded, _ = _axis(b, length, tile, align_blocks)
-        if isinstance(b, np.ndarray) and not bitmap_capacity:
-            _check_host_bounds(name, b, length, tile, first, last)
-        axes.append((b, org, lo, hi, first, last, padded))
-    (qb, qorg, qlo, qhi, qa, qz, q_pad), (kb, korg, klo, khi, ka, kz, k_pad) = axes
-    nqt, nkt = qorg.shape[1], korg.shape[1]
-    blocks = jnp.asarray(blocks)
 
+
+class _Axis(NamedTuple):
+    """One axis of a device plan: bounds [Hb, n + 1] (NumPy or jnp), tile origins and own
+    ranges [Hb or 1, nt], first / last blocks met [Hb, nt], the padded length."""
+
+    bounds: object
+    org: object
+    lo: object
+    hi: object
+    first: object
+    last: object
+    padded: int
+
+
+def _axis_of(name, b, blocks_shape, n, length, tile, align_blocks, bitmap_capacity) -> _Axis:
+    """The checked bounds of one axis and its tiles (``_axis``)."""
+    Hm, nq, nk = blocks_shape
+    shape = tuple(getattr(b, "shape", ()))
+    if not (shape == (n + 1,) or shape == (Hm, n + 1)):
+        raise ValueError(f"{name} must have shape [{n + 1}] or [{Hm}, {n + 1}] (blocks is "
+                         f"[{Hm}, {nq}, {nk}]), got {shape or type(b).__name__}")
+    if not jnp.issubdtype(b.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got {b.dtype}")
+    if isinstance(b, np.ndarray):
+        b = b.astype(np.int32).reshape(-1, n + 1)
+        for h, row in enumerate(b):
+            if row[0] != 0 or row[-1] != length or (np.diff(row) <= 0).any():
+                at = f"{name}[{h}]" if len(b) > 1 else name
+                raise ValueError(f"{at} must increase strictly from 0 to {length}")
+    else:
+        b = jnp.asarray(b, jnp.int32).reshape(-1, n + 1)
+    org, lo, hi, first, last, padded, _ = _axis(b, length, tile, align_blocks)
+    if isinstance(b, np.ndarray) and not bitmap_capacity:
+        _check_host_bounds(name, b, length, tile, first, last)
+    return _Axis(b, org, lo, hi, first, last, padded)
+
+
+def _cuts(bounds, idx, inside, org, lo, hi, n):
+    """The block bounds inside each tile's own range (tile rows / keys from its origin),
+    unused ones at the own range's end: [Hb, nt, GRID - 1]."""
+    Hb, nt = idx.shape[:2]
+    at = jnp.minimum(idx[..., 1:], n).reshape(Hb, -1)
+    c = jnp.take_along_axis(jnp.asarray(bounds), at, axis=1).reshape(Hb, nt, abi.GRID - 1)
+    c = c - jnp.asarray(org, jnp.int32)[..., None]
+    lo, hi = jnp.asarray(lo, jnp.int32)[..., None], jnp.asarray(hi, jnp.int32)[..., None]
+    return jnp.where(inside[..., 1:], jnp.clip(c, lo, hi), hi)
+
+
+def _step_rows(blocks, qx: _Axis, kx: _Axis, tile_q, tile_kv, bitmap_capacity):
+    """Every (head, q tile, kv tile)'s step row [Hm, nqt, nkt, STEP_COLS], whether it is
+    visited (``any_sel``) and partial (``part``), and the bitmap steps it needs (``need``,
+    their count; None, None without a bitmap capacity)."""
+    Hm, nq, nk = blocks.shape
+    nqt, nkt = qx.org.shape[1], kx.org.shape[1]
     g = np.arange(abi.GRID, dtype=np.int32)
-    qi = jnp.asarray(qa)[..., None] + g                        # [Hb, nqt, 4]: segment i's block
-    kj = jnp.asarray(ka)[..., None] + g
-    q_in = (qi <= jnp.asarray(qz)[..., None]) & jnp.asarray(qhi > qlo)[..., None]
-    k_in = (kj <= jnp.asarray(kz)[..., None]) & jnp.asarray(khi > klo)[..., None]
+    qi = jnp.asarray(qx.first)[..., None] + g                 # [Hb, nqt, 4]: segment i's block
+    kj = jnp.asarray(kx.first)[..., None] + g
+    q_in = (qi <= jnp.asarray(qx.last)[..., None]) & jnp.asarray(qx.hi > qx.lo)[..., None]
+    k_in = (kj <= jnp.asarray(kx.last)[..., None]) & jnp.asarray(kx.hi > kx.lo)[..., None]
     # Cells: only as many segments per axis as a tile can meet (static bounds: known now, e.g.
     # 2 x 1 for 64-token blocks on 128 x 64 tiles; the others are never inside a tile).
     gq, gk = (min(abi.GRID, max(1, int(np.max(z - a)) + 1)) if isinstance(a, np.ndarray)
-              else abi.GRID for a, z in ((qa, qz), (ka, kz)))
+              else abi.GRID for a, z in ((qx.first, qx.last), (kx.first, kx.last)))
     heads = jnp.arange(Hm)[:, None, None, None, None]
     cells = blocks[heads, jnp.minimum(qi[..., :gq], nq - 1)[:, :, None, :, None],
                    jnp.minimum(kj[..., :gk], nk - 1)[:, None, :, None, :]]   # [.., gq, gk]
@@ -319,23 +350,12 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     any_sel = cells.any(axis=(-2, -1))                          # [Hm, nqt, nkt]
     all_sel = (cells | ~cell_ok).all(axis=(-2, -1))
     full = (Hm, nqt, nkt)
-
-    # Cuts: the block bounds inside the tile's own range (tile rows / keys from its origin),
-    # unused ones at the own range's end; the rectangle is the own range.
-    def cuts(bounds, idx, inside, org, lo, hi, n):
-        Hb, nt = idx.shape[:2]
-        at = jnp.minimum(idx[..., 1:], n).reshape(Hb, -1)
-        c = jnp.take_along_axis(jnp.asarray(bounds), at, axis=1).reshape(Hb, nt, abi.GRID - 1)
-        c = c - jnp.asarray(org, jnp.int32)[..., None]
-        lo, hi = jnp.asarray(lo, jnp.int32)[..., None], jnp.asarray(hi, jnp.int32)[..., None]
-        return jnp.where(inside[..., 1:], jnp.clip(c, lo, hi), hi)   # [Hb, nt, 3]
-
-    qcut = cuts(qb, qi, q_in, qorg, qlo, qhi, nq)
-    kcut = cuts(kb, kj, k_in, korg, klo, khi, nk)
+    qcut = _cuts(qx.bounds, qi, q_in, qx.org, qx.lo, qx.hi, nq)
+    kcut = _cuts(kx.bounds, kj, k_in, kx.org, kx.lo, kx.hi, nk)
     bits = (cells.astype(jnp.int32)
             << (abi.GRID * g[:gq, None] + g[None, :gk])).sum(axis=(-2, -1))   # [Hm, nqt, nkt]
-    qlo_j, qhi_j = jnp.asarray(qlo, jnp.int32), jnp.asarray(qhi, jnp.int32)
-    klo_j, khi_j = jnp.asarray(klo, jnp.int32), jnp.asarray(khi, jnp.int32)
+    qlo_j, qhi_j = jnp.asarray(qx.lo, jnp.int32), jnp.asarray(qx.hi, jnp.int32)
+    klo_j, khi_j = jnp.asarray(kx.lo, jnp.int32), jnp.asarray(kx.hi, jnp.int32)
     rect = abi.pack_rect(jnp.broadcast_to(qlo_j[:, :, None], full),
                          jnp.broadcast_to(qhi_j[:, :, None], full),
                          jnp.broadcast_to(klo_j[:, None, :], full),
@@ -346,24 +366,10 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     grid = ~all_sel                                              # plain where all selected
     cuts_a = jnp.where(grid, cuts_a, 0)
     cuts_b = jnp.where(grid, cuts_b | (bits << abi.GRID_BITS_SHIFT), 0)
-    S = Hm * nqt * nkt
-    words = None
+    need = n_need = None
     if bitmap_capacity:
-        fine = _fine(qa, qz)[:, :, None] | _fine(ka, kz)[:, None, :]      # [Hb, nqt, nkt]
-        count = _block_counts(blocks, qa, qz, ka, kz)                     # [Hm, nqt, nkt]
-        area = (jnp.asarray(qz) - qa + 1)[:, :, None] * (jnp.asarray(kz) - ka + 1)[:, None, :]
-        own = jnp.asarray(qhi > qlo)[:, :, None] & jnp.asarray(khi > klo)[:, None, :]
-        any_sel = jnp.where(fine, (count > 0) & own, any_sel)
-        need = fine & any_sel & (count < area)                         # not all selected
-        need = jnp.broadcast_to(need, full)
-        n_need = need.sum(dtype=jnp.int32)
-        rows_b = abi.bitmap_rows(tile_q, tile_kv)
-        slot = jnp.minimum(jnp.cumsum(need.reshape(-1), dtype=jnp.int32) - 1,
-                           bitmap_capacity - 1).reshape(full)
-        cuts_a = jnp.where(need, (S + slot * rows_b) * abi.STEP_COLS, cuts_a)
-        cuts_b = jnp.where(need, abi.BITMAP_FLAG, cuts_b)
-        words = _bitmap_words(blocks, need, qb, kb, qorg, qlo, qhi, korg, klo, khi,
-                              tile_q, tile_kv, bitmap_capacity)          # [C * rows_b, 4]
+        any_sel, need, n_need, cuts_a, cuts_b = _bitmap_steps(
+            blocks, qx, kx, any_sel, cuts_a, cuts_b, tile_q, tile_kv, bitmap_capacity)
     # A grid step whose selected cells form one rectangle is a plain step over that rectangle
     # (a plain partial step runs at ~0.84 of a full one against ~0.72 for a grid step on the
     # H200; Wan 480p VSA: 89% of the grid steps).
@@ -376,50 +382,87 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     rect = jnp.where(conv, abi.pack_rect(_pick(seg_q, r0), _pick(seg_q, r1 + 1),
                                          _pick(seg_k, c0), _pick(seg_k, c1 + 1)), rect)
     cuts_a, cuts_b = jnp.where(conv, 0, cuts_a), jnp.where(conv, 0, cuts_b)
-    kv_start = jnp.broadcast_to(jnp.asarray(korg, jnp.int32)[:, None, :], full)
+    kv_start = jnp.broadcast_to(jnp.asarray(kx.org, jnp.int32)[:, None, :], full)
     rows = jnp.stack([kv_start, rect, jnp.broadcast_to(cuts_a, full),
                       jnp.broadcast_to(cuts_b, full)], axis=-1)   # [Hm, nqt, nkt, STEP_COLS]
+    full_rect = ((qlo_j == 0) & (qhi_j == tile_q))[:, :, None] & \
+        ((klo_j == 0) & (khi_j == tile_kv))[:, None, :]
+    part = any_sel & ~(all_sel & full_rect)
+    if bitmap_capacity:
+        part |= need
+    return rows, any_sel, part, need, n_need
 
-    # Compaction: the selected tiles of each (head, query tile), in key order.
+
+def _bitmap_steps(blocks, qx: _Axis, kx: _Axis, any_sel, cuts_a, cuts_b, tile_q, tile_kv,
+                  capacity):
+    """Tiles meeting more than ``abi.GRID`` blocks on an axis become bitmap steps (those not
+    all selected: ``need``, slot s of them pointing at the words past the step rows):
+    (any_sel, need, its count, cuts_a, cuts_b) updated."""
+    Hm, nqt, nkt = any_sel.shape
+    full, S = (Hm, nqt, nkt), Hm * nqt * nkt
+    qa, qz, ka, kz = qx.first, qx.last, kx.first, kx.last
+    fine = _fine(qa, qz)[:, :, None] | _fine(ka, kz)[:, None, :]      # [Hb, nqt, nkt]
+    count = _block_counts(blocks, qa, qz, ka, kz)                     # [Hm, nqt, nkt]
+    area = (jnp.asarray(qz) - qa + 1)[:, :, None] * (jnp.asarray(kz) - ka + 1)[:, None, :]
+    own = jnp.asarray(qx.hi > qx.lo)[:, :, None] & jnp.asarray(kx.hi > kx.lo)[:, None, :]
+    any_sel = jnp.where(fine, (count > 0) & own, any_sel)
+    need = fine & any_sel & (count < area)                         # not all selected
+    need = jnp.broadcast_to(need, full)
+    n_need = need.sum(dtype=jnp.int32)
+    rows_b = abi.bitmap_rows(tile_q, tile_kv)
+    slot = jnp.minimum(jnp.cumsum(need.reshape(-1), dtype=jnp.int32) - 1,
+                       capacity - 1).reshape(full)
+    cuts_a = jnp.where(need, (S + slot * rows_b) * abi.STEP_COLS, cuts_a)
+    cuts_b = jnp.where(need, abi.BITMAP_FLAG, cuts_b)
+    return any_sel, need, n_need, cuts_a, cuts_b
+
+
+def _compact(rows, any_sel):
+    """The visited tiles' step rows of each (head, query tile), in key order: steps
+    [Hm * nqt * nkt, STEP_COLS] (rows past the used ones 0), and each (head, q tile)'s first
+    step and count [Hm, nqt]."""
+    S = rows.shape[0] * rows.shape[1] * rows.shape[2]
     cnt = any_sel.sum(axis=-1, dtype=jnp.int32)                  # [Hm, nqt]
     ptr = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(cnt.shape)
     slot = ptr[..., None] + jnp.cumsum(any_sel, axis=-1, dtype=jnp.int32) - 1
     dest = jnp.where(any_sel, slot, S).reshape(-1)               # S: dropped
     steps = jnp.zeros((S, abi.STEP_COLS), jnp.int32).at[dest].set(
         rows.reshape(-1, abi.STEP_COLS), mode="drop")
-    if words is not None:
-        steps = jnp.concatenate([steps, words], axis=0)
+    return steps, ptr, cnt
 
+
+def _units(qx: _Axis, ptr, cnt, part, num_q_heads, Hm, tile_q, tile_kv):
+    """The units [Hq * nqt, UNIT_COLS], heaviest first."""
+    nqt = qx.org.shape[1]
     hm = np.zeros(num_q_heads, np.int32) if Hm == 1 else np.arange(num_q_heads, dtype=np.int32)
-    hq = hm if qorg.shape[0] > 1 else np.zeros(num_q_heads, np.int32)   # bounds row per head
+    hq = hm if qx.org.shape[0] > 1 else np.zeros(num_q_heads, np.int32)   # bounds row per head
+    qlo_j, qhi_j = jnp.asarray(qx.lo, jnp.int32), jnp.asarray(qx.hi, jnp.int32)
     units = jnp.stack([
         jnp.asarray(np.repeat(np.arange(num_q_heads, dtype=np.int32), nqt)),
-        jnp.asarray(qorg, jnp.int32)[hq].reshape(-1),
+        jnp.asarray(qx.org, jnp.int32)[hq].reshape(-1),
         qlo_j[hq].reshape(-1), qhi_j[hq].reshape(-1),
         ptr[hm].reshape(-1), cnt[hm].reshape(-1)], axis=1)
     # Heaviest units first, as the host planner's head-major order (schedule.order_units):
     # in head / position order each head's costliest units (several small query blocks in one
     # tile) came last and the last head's formed the kernel's tail, and q64x2 pairs
     # neighbouring units, which then differ in cost (Wan 480p VSA: ~10% of the kernel).
-    full_rect = ((qlo_j == 0) & (qhi_j == tile_q))[:, :, None] & \
-        ((klo_j == 0) & (khi_j == tile_kv))[:, None, :]
-    part = any_sel & ~(all_sel & full_rect)
-    if bitmap_capacity:
-        part |= need
     npart = part.sum(axis=-1, dtype=jnp.int32)[hm].reshape(-1)
-    units = units[_heavy_first(units, npart, tile_q, tile_kv)]
+    return units[_heavy_first(units, npart, tile_q, tile_kv)]
 
+
+def _fits(qx: _Axis, kx: _Axis, n_need, bitmap_capacity, nq, nk, q_len, kv_len):
+    """Whether the mask fits the plan: its bitmap steps within the capacity (or, without
+    one, every tile meeting at most ``abi.GRID`` blocks per axis) and device bounds valid."""
     if bitmap_capacity:
         ok = n_need <= bitmap_capacity
     else:
-        ok = ((jnp.asarray(qz) - qa + 1).max() <= abi.GRID) & \
-            ((jnp.asarray(kz) - ka + 1).max() <= abi.GRID)
-    for b, n, length in ((qb, nq, q_len), (kb, nk, kv_len)):
+        ok = ((jnp.asarray(qx.last) - qx.first + 1).max() <= abi.GRID) & \
+            ((jnp.asarray(kx.last) - kx.first + 1).max() <= abi.GRID)
+    for b, n, length in ((qx.bounds, nq, q_len), (kx.bounds, nk, kv_len)):
         if not isinstance(b, np.ndarray):
             ok &= (jnp.all(b[:, 0] == 0) & jnp.all(b[:, n] == length)
                    & jnp.all(b[:, 1:] > b[:, :-1]))
-    return DevicePlan(units, steps, jnp.asarray(ok), int(tile_q), int(tile_kv),
-                      int(q_pad), int(k_pad), nkt)
+    return ok
 
 
 def _bits_rectangle(bits):
@@ -470,10 +513,11 @@ def _heavy_first(units, partial, tile_q: int, tile_kv: int):
     return jnp.lexsort((units[:, abi.UNIT_Q_START], units[:, abi.UNIT_HEAD], -cls))
 
 
-def check(plan: DevicePlan) -> None:
-    """A ``checkify`` check that the mask fitted the device planner (run the caller under
-    ``jax.experimental.checkify.checkify`` to surface it; a no-op otherwise)."""
+def check(ok) -> None:
+    """A ``checkify`` check of ``plan_on_device``'s ``ok``: the mask fitted the device planner
+    (run the caller under ``jax.experimental.checkify.checkify`` to surface it; a no-op
+    otherwise)."""
     from jax.experimental import checkify
 
-    checkify.check(plan.ok, f"device plan: a tile meets more than {abi.GRID} blocks per axis, "
+    checkify.check(ok, f"device plan: a tile meets more than {abi.GRID} blocks per axis, "
                    "or the bounds do not increase from 0 to the length")

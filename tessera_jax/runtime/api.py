@@ -7,10 +7,14 @@ The way of a ``sparse_attention`` call, each stop once:
 2. the target (``dispatch``): the backend, and the template when one is given;
 3. the dense route (``dense_route``): an all-selected mask with nothing chosen by the caller
    runs cuDNN's dense attention on a GPU;
-4. the plan (``_planned``): the front cache ``_PLANS``, else template and policy from the
-   ranking (``select.ranking``) and the planner's ``build_unchecked`` (nothing re-validated);
-5. the run (``dispatch.run``): the backend's table entry, then ``kernel_runner`` (GPU) or the
-   XLA executor.
+4. the plan (``_planned``): the front cache ``_PLANS``, else the host chooser
+   (``host_plans.build``: template and policy from the ranking, ``select.ranking``, and the
+   planner's ``build_unchecked``; nothing re-validated);
+5. the run (``core.attention`` of ``host_plans.attention_plan``): the one custom_vjp, then the
+   backend's contract module through ``dispatch.forward`` (``kernel_runner`` on a GPU).
+
+A device mask (or per-head bounds) takes the device route instead (``device_route``: planned
+inside the program, same core). ``Options`` carries what changes a compiled computation.
 
 ``plan`` takes steps 1, 2 and 4 for shapes instead of arrays, so it returns the very plan
 ``sparse_attention`` runs, and says when the dense route runs instead (``Plan.dense_route``).
@@ -30,7 +34,10 @@ from pallas_kernels.templates import Template
 from tessera_jax.mask import BlockMask
 from tessera_jax.planning import planner
 from tessera_jax.planning.planner import POLICIES, Plan
-from tessera_jax.runtime import autodiff, dense_route, device_route, dispatch, kernel_runner
+from tessera_jax.planning import plan as plan_
+from tessera_jax.runtime import (core, dense_route, device_route, dispatch, host_plans,
+                                 kernel_runner)
+from tessera_jax.runtime.options import Options, check_options
 from tessera_jax.select import features, ranking
 from tessera_jax.validation import (AttnShape, check_bool, check_mask, check_qkv, check_scale,
                                     check_shapes)
@@ -59,26 +66,38 @@ def _target(shape: AttnShape, backend, template, *, runs_here: bool) -> tuple[st
     return t.backend, t
 
 
-def _choose_template(mask: BlockMask, shape: AttnShape, backend: str) -> tuple[str, str]:
-    """(template, policy) for a request: the ranking's choice, else the backend's default
-    template (or its first that takes the call) with that template's own policy."""
-    choice = ranking.select(mask, shape, backend)
-    if choice is not None:
-        return choice
-    supported = dispatch.supported_templates(backend, shape)
-    default = dispatch.DEFAULT_TEMPLATE.get(backend)
-    t = next((t for t in supported if t.name == default), supported[0])
-    return t.name, t.policy
+class PlanCache:
+    """The front cache of finished plans, keyed by mask digest and request (the arguments as
+    given): a hit skips template choice and planning and costs a dict look-up. Least recently
+    used plans are dropped past ``max_plans`` entries or ``max_bytes`` of plan arrays (a
+    40-head Wan 720p plan can hold tens of MB)."""
 
+    def __init__(self, max_plans: int = 256, max_bytes: int = 1 << 30):
+        self.max_plans, self.max_bytes = int(max_plans), int(max_bytes)
+        self.plans: collections.OrderedDict = collections.OrderedDict()
 
-# Front cache of finished plans, keyed by mask digest and request (the arguments as given):
-# a hit skips template choice and planning and costs a dict look-up (``plan`` looks before
-# its checks: they passed when the entry was made). Least recently used plans are dropped past
-# _MAX_PLANS entries or _MAX_PLAN_BYTES of plan arrays (a 40-head Wan 720p plan can hold tens
-# of MB).
-_PLANS: collections.OrderedDict = collections.OrderedDict()
-_MAX_PLANS = 256
-_MAX_PLAN_BYTES = 1 << 30
+    def get(self, key) -> Plan | None:
+        hit = self.plans.get(key) if key is not None else None
+        if hit is not None:
+            self.plans.move_to_end(key)
+        return hit
+
+    def put(self, key, p: Plan) -> None:
+        self.plans[key] = p
+        total = sum(_plan_bytes(x) for x in self.plans.values())
+        while len(self.plans) > 1 and (len(self.plans) > self.max_plans
+                                       or total > self.max_bytes):
+            _, old = self.plans.popitem(last=False)
+            total -= _plan_bytes(old)
+
+    def clear(self) -> None:
+        self.plans.clear()
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def keys(self):
+        return list(self.plans)
 
 
 def _plan_bytes(p: Plan) -> int:
@@ -89,12 +108,7 @@ def _plan_bytes(p: Plan) -> int:
                + (mask.blocks.nbytes if mask is not None else 0))
 
 
-def _remember(key, p: Plan) -> None:
-    _PLANS[key] = p
-    total = sum(_plan_bytes(x) for x in _PLANS.values())
-    while len(_PLANS) > 1 and (len(_PLANS) > _MAX_PLANS or total > _MAX_PLAN_BYTES):
-        _, old = _PLANS.popitem(last=False)
-        total -= _plan_bytes(old)
+_PLANS = PlanCache()
 
 
 def _key(mask, q_shape, kv_shape, dtype, template, policy, backend):
@@ -112,21 +126,14 @@ def _planned(key, mask: BlockMask, shape: AttnShape, backend: str, t: Template |
              policy: str | None, auto: bool) -> Plan:
     """The plan of a validated request (``key`` from ``_key``, None: not cached; ``backend``
     resolved, ``t`` the caller's template or None, ``auto``: nothing chosen by the caller)."""
-    hit = _PLANS.get(key) if key is not None else None
+    hit = _PLANS.get(key)
     if hit is not None:
-        _PLANS.move_to_end(key)
         return hit
-    if t is None:
-        name, chosen = _choose_template(mask, shape, backend)
-        t = dispatch.get_template(name)
-        policy = policy or chosen
-    p = planner.build_unchecked(mask, shape, tile_q=t.tile_q, tile_kv=t.tile_kv,
-                                policy=policy or t.policy, q_align=t.q_align,
-                                kv_align=t.kv_align, template=t.name, unit_order=t.unit_order)
+    p = host_plans.build(mask, shape, backend, t, policy)
     if auto and dense_route.takes(mask, shape, backend, False):
         p = dataclasses.replace(p, dense_route=True)   # the planner's cached plan stays as is
     if key is not None:
-        _remember(key, p)
+        _PLANS.put(key, p)
     return p
 
 
@@ -142,11 +149,9 @@ def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
     what runs with ``return_lse=True`` or if cuDNN refuses the call.
     """
     key = _key(mask, q_shape, kv_shape, dtype, template, policy, backend)
-    if key is not None:
-        hit = _PLANS.get(key)
-        if hit is not None:
-            _PLANS.move_to_end(key)
-            return hit
+    hit = _PLANS.get(key)
+    if hit is not None:
+        return hit
     shape = check_shapes(q_shape, kv_shape, dtype)
     check_mask(mask, shape)
     if device_route.takes(mask):
@@ -160,7 +165,8 @@ def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
 
 
 def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, backend=None,
-                     template: str | None = None, policy: str | None = None):
+                     template: str | None = None, policy: str | None = None,
+                     options: Options | None = None):
     """Attention restricted to the mask's selected blocks.
 
     q: [B, Lq, Hq, D]; k, v: [B, Lkv, Hkv, D] with Hq % Hkv == 0. Returns out [B, Lq, Hq, D] in
@@ -178,19 +184,22 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
     choose (a GPU), no LSE is asked for and no ``template`` or ``policy`` is given
     (``dense_route``; ``plan(...).dense_route`` tells). Differentiable in reverse mode on every
     backend (out and lse): a dq pass over the plan and a dk/dv pass over the transposed mask's
-    plan (``runtime.autodiff``).
+    plan (``runtime.core``). ``options`` (``tessera_jax.Options``, None: the defaults): the
+    settings that change what is computed or compiled (bitmap budget of device plans, dk/dv
+    plan candidates, interpret mode); hashable, so a static argument of an enclosing jit.
     """
     shape = check_qkv(q, k, v)
     check_mask(mask, shape)
     scale = check_scale(scale, shape.head_dim)
     return_lse = check_bool("return_lse", return_lse)
     _check_policy(policy)
+    options = check_options(options)
     be, t = _target(shape, backend, template, runs_here=True)
     if device_route.takes(mask):
         if policy is not None:
             raise ValueError("policy applies to host plans only; a device mask (or per-head "
                              f"bounds) has one device plan, got policy={policy!r}")
-        return device_route.attention(q, k, v, mask, shape, be, t, scale, return_lse)
+        return device_route.attention(q, k, v, mask, shape, be, t, scale, return_lse, options)
     auto = template is None and policy is None and backend is None
     if auto and dense_route.takes(mask, shape, be, return_lse):
         try:
@@ -199,7 +208,8 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
             dense_route.warn_fallback(e)
     key = (mask, tuple(q.shape), tuple(k.shape), shape.dtype, template, policy, backend)
     p = _planned(key, mask, shape, be, t, policy, auto)
-    return autodiff.run(p, q, k, v, scale, return_lse)      # dispatch.run, differentiable
+    return core.attention(q, k, v, host_plans.attention_plan(p, options), scale, return_lse,
+                          options)
 
 
 def clear_caches(*, fresh_process: bool = False) -> None:
@@ -211,9 +221,9 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     (``select.ranking``); which masks are all selected (``runtime.dense_route``); the kernel
     runner's prepared plans: mask modes and device copies (``runtime.kernel_runner``); the
     device route's template choices per static bounds (``runtime.device_route``); the
-    backward's transposed plans (``runtime.autodiff``) and the plans' token-major row and
-    unit indices (``pallas_kernels.abi.host_cached``); the per-device masks and plans of
-    ``tessera_jax.parallel``.
+    host pass plans (``planning.plan``), the dk/dv host plans (``runtime.host_plans``) and the
+    plans' token-major row and unit indices (``pallas_kernels.abi.host_cached``); the
+    per-device masks and plans of ``tessera_jax.parallel``.
 
     Kept, unless ``fresh_process``: what a process computes once, whatever the masks: the
     loaded ranking tables and which table this GPU uses, the compiled cuDNN dense calls (and
@@ -229,7 +239,8 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     dense_route.clear_caches(verdicts=fresh_process)
     kernel_runner.clear_cache()
     device_route.clear_caches()
-    autodiff.clear_cache()
+    plan_.clear_cache()
+    host_plans.clear_cache()
     plan_abi.clear_host_cache()
     par = sys.modules.get("tessera_jax.parallel.local")       # only if it was imported
     if par is not None:

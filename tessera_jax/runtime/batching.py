@@ -9,7 +9,7 @@ itself vmapped (a device mask per vmapped element) runs one call per element (``
 
 from __future__ import annotations
 
-import types
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,19 +18,17 @@ __all__ = ["fold_vmap", "plan_arrays", "with_arrays"]
 
 
 def plan_arrays(plan) -> tuple:
-    """The plan's jax arrays (units, steps) that must travel as operands: a device plan's
+    """A pass plan's jax arrays (units, steps) that must travel as operands: a device plan's
     (traced) arrays; a host plan's NumPy arrays are constants (empty tuple)."""
     arrays = (plan.units, plan.steps)
     return arrays if all(isinstance(a, jax.Array) for a in arrays) else ()
 
 
 def with_arrays(plan, arrays: tuple):
-    """``plan`` with its units and steps replaced by ``arrays`` (when given)."""
+    """The pass plan ``plan`` with its units and steps replaced by ``arrays`` (when given)."""
     if not arrays:
         return plan
-    ns = types.SimpleNamespace(**vars(plan))
-    ns.units, ns.steps = arrays
-    return ns
+    return dataclasses.replace(plan, units=arrays[0], steps=arrays[1])
 
 
 def fold_vmap(fn, tensors: tuple, extras: tuple = ()):

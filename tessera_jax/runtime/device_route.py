@@ -4,7 +4,7 @@ the same shapes.
 
 A call site's template is a *static* choice (``choose``): the first template of the backend's
 list in ``DEVICE_TEMPLATES`` that takes the call and whose plan needs no bitmap steps for the
-static bounds, else the first whose bitmap steps fit ``BITMAP_BUDGET_BYTES`` (traced bounds:
+static bounds, else the first whose bitmap steps fit ``Options.bitmap_budget_bytes`` (traced bounds:
 the first); static K/V blocks of <= 64 tokens (median) try 64-key tiles first, static query
 blocks of <= 64 tokens 64-row units (q64x2: two per CTA). Why static, not
 a ``lax.switch`` over ranked templates: the ranking reads mask features the host does not have
@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import types
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +42,15 @@ from pallas_kernels.templates import Template
 
 from tessera_jax.mask import BlockMask
 from tessera_jax.planning import device as _device
-from tessera_jax.runtime import dispatch
+from tessera_jax.planning.plan import AttentionPlan
+from tessera_jax.runtime import core, dispatch
+from tessera_jax.runtime import options as options_
+from tessera_jax.runtime.exact import exact_attention
+from tessera_jax.runtime.options import Options
 from tessera_jax.validation import AttnShape
 
-__all__ = ["DEVICE_TEMPLATES", "takes", "choose", "attention", "exact_attention", "check"]
+__all__ = ["DEVICE_TEMPLATES", "takes", "choose", "attention", "device_plans", "dkv_tiles",
+           "exact_attention", "check"]
 
 #: Per backend, the templates a device plan may run, in order of preference (see the module
 #: docstring). q64x2 runs neighbouring 64-row units of the device plan in one CTA, one per
@@ -55,14 +61,6 @@ DEVICE_TEMPLATES = types.MappingProxyType({
                "triton_q64_kv64_w4_s2"),
     "xla": ("xla_64x64", "xla_128x128", "xla_64x128", "xla_128x64"),
 })
-
-#: Bytes of bitmap steps a device plan may hold (tiles meeting more than ``abi.GRID`` blocks
-#: per axis: 2 KB each at 128 x 128); past it, static bounds take the exact path and traced
-#: bounds take it when the plan overflows (decided on the device).
-BITMAP_BUDGET_BYTES = 512 << 20
-
-# Scores of one chunk of the exact path stay near this many float32 elements.
-_EXACT_CHUNK_ELEMS = 1 << 24
 
 
 def takes(mask: BlockMask) -> bool:
@@ -99,10 +97,11 @@ def _fine_tiles(bounds: _Const | None, n: int, length: int, tile: int):
     return (last - first + 1 > abi.GRID).sum(axis=1), org.shape[1]
 
 
-def _capacity(qb, kb, shape_blocks, shape: AttnShape, t: Template) -> int | None:
-    """Bitmap steps the device plan of ``t`` needs room for (0: none), or None when that
-    exceeds ``BITMAP_BUDGET_BYTES`` for static bounds (the exact path runs); traced bounds get
-    what the budget allows (the plan's ``ok`` says on the device whether it sufficed)."""
+def _capacity(qb, kb, shape_blocks, shape: AttnShape, t, budget: int) -> int | None:
+    """Bitmap steps the device plan of ``t`` (its tile_q, tile_kv) needs room for (0: none),
+    or None when that exceeds ``budget`` bytes for static bounds (the exact path runs); traced
+    bounds get what the budget allows (the plan's ``ok`` says on the device whether it
+    sufficed)."""
     Hm, nq, nk = shape_blocks
     fq, nqt = _fine_tiles(qb, nq, shape.q_len, t.tile_q)
     fk, nkt = _fine_tiles(kb, nk, shape.kv_len, t.tile_kv)
@@ -111,7 +110,7 @@ def _capacity(qb, kb, shape_blocks, shape: AttnShape, t: Template) -> int | None
     per_row = fq * nkt + nqt * fk - fq * fk
     pairs = int(per_row.sum() if len(per_row) == Hm else per_row.max() * Hm)
     per_bitmap = abi.bitmap_rows(t.tile_q, t.tile_kv) * abi.STEP_COLS * 4
-    room = BITMAP_BUDGET_BYTES // per_bitmap
+    room = budget // per_bitmap
     if qb is not None and kb is not None:
         return pairs if pairs <= room else None
     return max(1, min(pairs, room))
@@ -134,10 +133,11 @@ def _consts(mask: BlockMask) -> tuple:
 
 @functools.lru_cache(maxsize=512)
 def _choose(qb: _Const | None, kb: _Const | None, shape_blocks: tuple, shape: AttnShape,
-            backend: str, template: Template | None) -> tuple[Template | None, int]:
+            backend: str, template: Template | None,
+            budget: int = options_.DEFAULT.bitmap_budget_bytes) -> tuple[Template | None, int]:
     """(template, bitmap capacity); (None, 0): the exact path."""
     if template is not None:
-        cap = _capacity(qb, kb, shape_blocks, shape, template)
+        cap = _capacity(qb, kb, shape_blocks, shape, template, budget)
         return (template, cap) if cap is not None else (None, 0)
     names = DEVICE_TEMPLATES[backend]
 
@@ -156,7 +156,7 @@ def _choose(qb: _Const | None, kb: _Const | None, shape_blocks: tuple, shape: At
     for name in names:
         t = dispatch.get_template(name)
         if dispatch.unsupported(t, shape) is None:
-            cap = _capacity(qb, kb, shape_blocks, shape, t)
+            cap = _capacity(qb, kb, shape_blocks, shape, t, budget)
             if cap == 0:
                 return t, 0                  # no bitmap steps: the first such template
             if cap is not None:
@@ -164,8 +164,8 @@ def _choose(qb: _Const | None, kb: _Const | None, shape_blocks: tuple, shape: At
     return fitting[0] if fitting else (None, 0)
 
 
-def choose(mask: BlockMask, shape: AttnShape, backend: str,
-           template: Template | None) -> Template | None:
+def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template | None,
+           options: Options = options_.DEFAULT) -> Template | None:
     """The template of a device-route call, or None: no template's tiles fit the static bounds
     (the exact path runs). A caller's template must be device-capable (ValueError). Memoised
     per (static bounds, shapes, backend, template)."""
@@ -173,7 +173,8 @@ def choose(mask: BlockMask, shape: AttnShape, backend: str,
         raise ValueError(f"template {template.name!r} pairs query units; a device mask runs "
                          f"on one of {DEVICE_TEMPLATES[template.backend]}")
     qb, kb, _ = _consts(mask)
-    return _choose(qb, kb, tuple(mask.blocks.shape), shape, backend, template)[0]
+    return _choose(qb, kb, tuple(mask.blocks.shape), shape, backend, template,
+                   options.bitmap_budget_bytes)[0]
 
 
 _warned: set = set()
@@ -185,19 +186,19 @@ def clear_caches() -> None:
 
 
 def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template: Template | None,
-              scale: float, return_lse: bool):
+              scale: float, return_lse: bool, options: Options = options_.DEFAULT):
     """out (and lse) of a device-route call (arguments validated by the caller)."""
     consts = _consts(mask)
     if template is not None and not _device_capable(template):
         choose(mask, shape, backend, template)              # raises
     t, capacity = _choose(consts[0], consts[1], tuple(mask.blocks.shape), shape, backend,
-                          template)
+                          template, options.bitmap_budget_bytes)
     if t is None:
         key = (tuple(mask.blocks.shape), shape.q_len, shape.kv_len, backend)
         if key not in _warned:
             _warned.add(key)
             warnings.warn(f"tessera_jax: this mask's bitmap steps (tiles meeting more than "
-                          f"{abi.GRID} blocks) exceed device_route.BITMAP_BUDGET_BYTES on "
+                          f"{abi.GRID} blocks) exceed Options.bitmap_budget_bytes on "
                           "every template of the device route; it runs the exact XLA path "
                           "(dense work). Larger blocks, or a static mask with shared bounds "
                           "(host planner), run the kernels", stacklevel=3)
@@ -205,87 +206,65 @@ def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template
            for c, x in zip(consts, (mask.q_bounds, mask.kv_bounds, mask.blocks))]
     # With static bounds the fit is known now (``choose``); traced bounds decide on the device.
     decide = consts[0] is None or consts[1] is None
-    from tessera_jax.runtime import autodiff      # _run under a custom_vjp (it imports us)
-    return autodiff.device_run(q, k, v, *dyn, consts=consts, template=t.name if t else None,
-                               capacity=capacity, decide=decide, scale=scale,
-                               return_lse=return_lse)
+    return _run(q, k, v, *dyn, consts=consts, template=t.name if t else None,
+                capacity=capacity, decide=decide, scale=float(scale),
+                return_lse=bool(return_lse), options=options)
 
 
 @functools.partial(jax.jit, static_argnames=("consts", "template", "capacity", "decide",
-                                             "scale", "return_lse"))
-def _run(q, k, v, qb, kb, blocks, *, consts, template, capacity, decide, scale, return_lse):
+                                             "scale", "return_lse", "options"))
+def _run(q, k, v, qb, kb, blocks, *, consts, template, capacity, decide, scale, return_lse,
+         options):
     qb, kb, blocks = (c.array if c is not None else x for c, x in zip(consts, (qb, kb, blocks)))
-    Lq, Hq, Lkv = q.shape[1], q.shape[2], k.shape[1]
-
-    def exact():
-        return exact_attention(q, k, v, qb, kb, blocks, scale=scale, return_lse=return_lse)
-
     if template is None:
-        return exact()
-    t = dispatch.get_template(template)
-    p = _device.plan_on_device(blocks, qb, kb, num_q_heads=Hq, q_len=Lq, kv_len=Lkv,
-                               tile_q=t.tile_q, tile_kv=t.tile_kv, bitmap_capacity=capacity)
-    plan = types.SimpleNamespace(template=t.name, units=p.units, steps=p.steps, row_index=None,
-                                 tile_q=p.tile_q, tile_kv=p.tile_kv, q_len_padded=p.q_len_padded,
-                                 kv_len_padded=p.kv_len_padded, max_steps=p.max_steps)
-
-    def kernel():
-        return dispatch.run(plan, q, k, v, scale, return_lse)
-
-    return jax.lax.cond(p.ok, kernel, exact) if decide else kernel()
+        plan = AttentionPlan(None, exact=(qb, kb, blocks))
+    else:
+        plan = device_plans(q, k, qb, kb, blocks, consts=consts,
+                            t=dispatch.get_template(template), capacity=capacity,
+                            decide=decide, budget=options.bitmap_budget_bytes)
+    return core.attention(q, k, v, plan, scale, return_lse, options)
 
 
-def _block_ids(bounds, positions):
-    """Block index of each position, per bounds row: [Hb, P], clamped into range (bad bounds
-    give wrong but in-range ids)."""
-    n = bounds.shape[-1] - 1
-    ids = jax.vmap(lambda b: jnp.searchsorted(b, positions, side="right"))(bounds) - 1
-    return jnp.clip(ids, 0, n - 1)
+class _Tiles(NamedTuple):
+    tile_q: int
+    tile_kv: int
 
 
-def exact_attention(q, k, v, q_bounds, kv_bounds, blocks, *, scale, return_lse=False):
-    """Attention under a block mask evaluated per token, in float32, over query chunks (dense
-    work, O(chunk x Lkv) memory): the exact path of masks the device plan can't hold. Bounds
-    [n + 1] or [Hm, n + 1] (NumPy or jax), blocks [Hm, nq, nk]."""
+def dkv_tiles(t: Template, head_dim: int) -> tuple[int, int]:
+    """(keys per unit, queries per step) of a device dk/dv plan for forward template ``t``:
+    the backend's paired tiles when ``t`` has 64-key tiles (the route's choice for K/V blocks
+    of <= 64 tokens: a 128-key unit would compute the union of two blocks' queries), else its
+    dk/dv tiles."""
+    ops = dispatch.BACKENDS[t.backend].ops()
+    paired = ops.PAIRED_DKV_TILES
+    if paired is not None and t.tile_kv <= paired[0]:
+        return int(paired[0]), int(paired[1])
+    tiles = ops.dkv_tiles(t, head_dim)
+    return int(tiles[0]), int(tiles[1])
+
+
+def device_plans(q, k, qb, kb, blocks, *, consts, t: Template, capacity: int, decide: bool,
+                 budget: int) -> AttentionPlan:
+    """The device route's chooser, inside the program: the forward plan of template ``t`` and
+    the dk/dv plan of the transposed mask (``planning.device.plan_on_device``), its bitmap
+    capacity as the forward's (None past the budget: the backward takes the exact path). A
+    forward-only program never uses the dk/dv plan, and XLA removes it."""
     B, Lq, Hq, D = q.shape
-    Lkv, Hkv = k.shape[1], k.shape[2]
+    Lkv = k.shape[1]
+    fwd, ok = _device.plan_on_device(blocks, qb, kb, num_q_heads=Hq, q_len=Lq, kv_len=Lkv,
+                                     tile_q=t.tile_q, tile_kv=t.tile_kv,
+                                     bitmap_capacity=capacity)
+    tq, tk = dkv_tiles(t, D)
     Hm, nq, nk = blocks.shape
-    qb = jnp.asarray(q_bounds, jnp.int32).reshape(-1, nq + 1)
-    kb = jnp.asarray(kv_bounds, jnp.int32).reshape(-1, nk + 1)
-    blocks = jnp.asarray(blocks)
-    kid = _block_ids(kb, jnp.arange(Lkv, dtype=jnp.int32))             # [Hbk, Lkv]
-    C = int(max(8, min(Lq, _EXACT_CHUNK_ELEMS // max(1, B * Hq * Lkv))))
-    n_chunks = -(-Lq // C)
-    qp = jnp.pad(q, ((0, 0), (0, n_chunks * C - Lq), (0, 0), (0, 0)))
-    qc = qp.reshape(B, n_chunks, C, Hq, D).swapaxes(0, 1)
-    kf = jnp.repeat(k.astype(jnp.float32), Hq // Hkv, axis=2)
-    vf = jnp.repeat(v.astype(jnp.float32), Hq // Hkv, axis=2)
-    heads = jnp.arange(Hm)[:, None, None]
-
-    def one(args):
-        i, qx = args
-        rows = i * C + jnp.arange(C, dtype=jnp.int32)
-        qid = _block_ids(qb, rows)                                       # [Hbq, C]
-        sel = blocks[heads, qid[:, :, None], kid[:, None, :]]            # [Hm, C, Lkv]
-        sel = jnp.broadcast_to(sel, (Hq, C, Lkv))
-        s = jnp.einsum("bqhd,bkhd->bhqk", qx.astype(jnp.float32), kf,
-                       precision="highest") * scale
-        s = jnp.where(sel[None], s, -jnp.inf)
-        m = jnp.max(s, axis=-1, keepdims=True)
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        p = jnp.exp(s - m)
-        l = jnp.sum(p, axis=-1, keepdims=True)
-        o = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l > 0, l, 1.0), vf, precision="highest")
-        lse = jnp.where(l[..., 0] > 0, jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0))
-                        + m[..., 0], -jnp.inf)
-        return o, lse
-
-    o, lse = jax.lax.map(one, (jnp.arange(n_chunks, dtype=jnp.int32), qc))
-    out = o.swapaxes(0, 1).reshape(B, n_chunks * C, Hq, D)[:, :Lq].astype(q.dtype)
-    if not return_lse:
-        return out
-    lse = jnp.moveaxis(lse, 0, 2).reshape(B, Hq, n_chunks * C)[:, :, :Lq]
-    return out, lse
+    tshape = AttnShape(B, Lkv, Lq, Hq, Hq, D, np.dtype(q.dtype))
+    cap_t = _capacity(consts[1], consts[0], (Hm, nk, nq), tshape, _Tiles(tq, tk), budget)
+    dkv = dkv_ok = None
+    if cap_t is not None:
+        dkv, dkv_ok = _device.plan_on_device(jnp.swapaxes(jnp.asarray(blocks), 1, 2), kb, qb,
+                                             num_q_heads=Hq, q_len=Lkv, kv_len=Lq, tile_q=tq,
+                                             tile_kv=tk, bitmap_capacity=cap_t)
+    return AttentionPlan(fwd, dkv, ok if decide else None, dkv_ok if decide else None,
+                         exact=(qb, kb, blocks), template=t.name, backend=t.backend)
 
 
 def check(mask: BlockMask, q_len: int, kv_len: int) -> None:

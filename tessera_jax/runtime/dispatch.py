@@ -1,19 +1,20 @@
 """The static table of backends: which implementations exist, which one takes a call, and how
-a plan runs on it.
+a forward pass plan runs on it.
 
 ``BACKENDS`` lists them in priority order (``backend=None`` takes the first one available here
 with a template for the call's head_dim and dtype):
 
-* ``mosaic_gpu``: Hopper or newer (compute capability >= 9.0), ``pallas_kernels.mosaic.wrapper``;
-* ``triton``: Ampere or newer (>= 8.0), ``pallas_kernels.triton.wrapper``;
-* ``xla``: any device, ``pallas_kernels.xla.executor`` (plain JAX: the CPU/TPU path and the
+* ``mosaic_gpu``: Hopper or newer (compute capability >= 9.0), ``pallas_kernels.mosaic.ops``;
+* ``triton``: Ampere or newer (>= 8.0), ``pallas_kernels.triton.ops``;
+* ``xla``: any device, ``pallas_kernels.xla.ops`` (plain JAX: the CPU/TPU path and the
   fallback).
 
-Templates (tile shapes and kernel configurations) come from the static table
-``pallas_kernels.templates``. Each entry imports its kernel module with a plain ``from ...
-import`` inside its functions (Mosaic GPU's imports are slow and absent on CPU); nothing is
-imported by name or registered at import time. The GPU entries hand the plan to
-``kernel_runner`` (device copies, trusted plans, traces).
+Each entry names its family's contract module (``forward``, ``dq``, ``dkv`` over
+``abi.PassPlan``s and the static facts: dk/dv tiles, first-order kernels, vmap folding, the
+row-dot kernel), imported inside its functions (Mosaic GPU's imports are slow and absent on
+CPU); nothing is imported by name or registered at import time. Templates (tile shapes and
+kernel configurations) come from the static table ``pallas_kernels.templates``. The GPU
+entries hand host plans to ``kernel_runner`` (device copies, trusted plans, traces).
 """
 
 from __future__ import annotations
@@ -26,16 +27,17 @@ from typing import Callable
 
 import jax
 
+from pallas_kernels import abi
 from pallas_kernels import templates as _templates
 from pallas_kernels.templates import Template
-from pallas_kernels.xla import executor as _xla
 
-from tessera_jax.runtime import kernel_runner
+from tessera_jax.runtime import batching, kernel_runner
 from tessera_jax.runtime.kernel_runner import tracing
 from tessera_jax.validation import AttnShape
 
 __all__ = ["Backend", "BACKENDS", "DEFAULT_TEMPLATE", "get_template", "templates", "unsupported",
-           "supported_templates", "is_available", "resolve", "run", "tracing", "clear_warnings"]
+           "supported_templates", "is_available", "resolve", "forward", "tracing",
+           "clear_warnings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,15 +46,18 @@ class Backend:
 
     name:    "mosaic_gpu" | "triton" | "xla" (templates name their backend)
     min_compute_capability: lowest (major, minor) CUDA GPU it runs on; None: any device
-    run:     run(plan, template, q, k, v, scale, return_lse) -> out, or (out, lse)
-    kernel:  imports and returns the kernel module (ImportError: not installed here); None
-             when ``run`` needs no module beyond those imported with this one
+    ops:     imports and returns its contract module (``pallas_kernels.<family>.ops``;
+             ImportError: not installed here)
+    runner:  its eager host plans go through ``kernel_runner`` (device copies kept per plan)
+    backward_rows: its dq / dk/dv kernels take a host plan's row maps as constants (else they
+             make them from the units inside the program)
     """
 
     name: str
     min_compute_capability: tuple[int, int] | None
-    run: Callable
-    kernel: Callable[[], types.ModuleType] | None = None
+    ops: Callable[[], types.ModuleType]
+    runner: bool = True
+    backward_rows: bool = True
 
     def available(self) -> bool:
         """Whether this machine runs it: a GPU of the compute capability, the kernel module."""
@@ -60,7 +65,7 @@ class Backend:
             cc = _gpu_capability()
             if cc is None or cc < self.min_compute_capability:
                 return False
-        return self.kernel is None or _imports(self.kernel)
+        return _imports(self.ops)
 
 
 @functools.cache
@@ -90,50 +95,27 @@ def _gpu_capability() -> tuple[int, int] | None:
     return (major, minor)
 
 
-# --- the entries' functions ----------------------------------------------------------------
-def _mosaic_kernel() -> types.ModuleType:
-    from pallas_kernels.mosaic import wrapper
-    return wrapper
+# --- the entries' contract modules ----------------------------------------------------------
+def _mosaic_ops() -> types.ModuleType:
+    from pallas_kernels.mosaic import ops
+    return ops
 
 
-def _triton_kernel() -> types.ModuleType:
-    from pallas_kernels.triton import wrapper
-    return wrapper
+def _triton_ops() -> types.ModuleType:
+    from pallas_kernels.triton import ops
+    return ops
 
 
-def _run_mosaic(plan, template, q, k, v, scale, return_lse):
-    if not tracing(q, k, v):
-        return kernel_runner.run(_mosaic_kernel(), plan, template, q, k, v, scale, return_lse)
-    # Traced (vmap among the traces): the vmapped axis is folded into the batch, the kernel
-    # (mpmd_map) has no batching rule of its own for TMA and barriers.
-    from tessera_jax.runtime import batching
-
-    def call(q, k, v, *arrays):
-        return kernel_runner.run(_mosaic_kernel(), batching.with_arrays(plan, arrays), template,
-                                 q, k, v, scale, return_lse)
-
-    return batching.fold_vmap(call, (q, k, v), batching.plan_arrays(plan))
-
-
-def _run_triton(plan, template, q, k, v, scale, return_lse):
-    return kernel_runner.run(_triton_kernel(), plan, template, q, k, v, scale, return_lse)
-
-
-def _run_xla(plan, template, q, k, v, scale, return_lse):
-    # Eagerly the executor makes row_index from units (nothing to build or copy); under a
-    # trace the host array is a constant of the caller's program.
-    traced = tracing(q, k, v, plan.units)
-    return _xla.execute(
-        q, k, v, plan.units, plan.steps, plan.row_index if traced else None, tile_q=plan.tile_q,
-        tile_kv=plan.tile_kv, q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
-        max_steps=plan.max_steps, scale=scale, return_lse=return_lse)
+def _xla_ops() -> types.ModuleType:
+    from pallas_kernels.xla import ops
+    return ops
 
 
 #: The implementations, in priority order.
 BACKENDS: "types.MappingProxyType[str, Backend]" = types.MappingProxyType({b.name: b for b in (
-    Backend("mosaic_gpu", (9, 0), _run_mosaic, _mosaic_kernel),
-    Backend("triton", (8, 0), _run_triton, _triton_kernel),
-    Backend("xla", None, _run_xla),
+    Backend("mosaic_gpu", (9, 0), _mosaic_ops),
+    Backend("triton", (8, 0), _triton_ops),
+    Backend("xla", None, _xla_ops, runner=False, backward_rows=False),
 )})
 #: A backend's template when no ranking table has an opinion (else its first that takes the call).
 DEFAULT_TEMPLATE = types.MappingProxyType({"xla": "xla_64x64"})
@@ -230,8 +212,25 @@ def resolve(backend: str | None, shape: AttnShape) -> str:
 
 
 # --- running -------------------------------------------------------------------------------
-def run(plan, q, k, v, scale, return_lse):
-    """Runs ``plan`` (a ``Plan``, or a plan-like namespace of its fields) on its template's
-    backend: out [B, Lq, Hq, D], and lse [B, Hq, Lq] with ``return_lse``."""
-    t = get_template(plan.template)
-    return BACKENDS[t.backend].run(plan, t, q, k, v, scale, return_lse)
+def forward(plan: abi.PassPlan, template: Template, q, k, v, scale, return_lse, *,
+            interpret=None):
+    """out [B, Lq, Hq, D], and lse [B, Hq, Lq] with ``return_lse``, of the forward pass plan
+    ``plan`` run with ``template`` on its backend. Eager host plans of the GPU backends go
+    through ``kernel_runner``; under a trace a backend that folds vmap (Mosaic GPU: its kernel,
+    ``mpmd_map``, has no batching rule of its own for TMA and barriers) runs once with the
+    vmapped axis folded into the batch (``batching.fold_vmap``)."""
+    be = BACKENDS[template.backend]
+    ops = be.ops()
+    call = functools.partial(kernel_runner.run if be.runner else _direct, ops, template=template,
+                             scale=scale, return_lse=return_lse, interpret=interpret)
+    if not (ops.FOLD_VMAP and tracing(q, k, v)):
+        return call(plan, q, k, v)
+    return batching.fold_vmap(lambda q, k, v, *a: call(batching.with_arrays(plan, a), q, k, v),
+                              (q, k, v), batching.plan_arrays(plan))
+
+
+def _direct(ops, plan, q, k, v, *, template, scale, return_lse, interpret):
+    """The forward of a backend whose plans need no device copies (XLA: the executor's jitted
+    call takes NumPy arrays as constants or operands as they come)."""
+    return ops.forward(q, k, v, plan, template=template, scale=scale, return_lse=return_lse,
+                       interpret=interpret)

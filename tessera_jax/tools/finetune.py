@@ -6,7 +6,7 @@ noise - x0 at timestep 1000 t, mean squared error. Every self-attention layer ru
 over blocks of video tokens, planned once on the host) or a VSA-like mask that each layer
 builds from its own q and k at every step (``--mask vsa``: per-head top-k of block-pooled
 scores, planned on the device inside the compiled step); its gradients come from the backward
-over plans (``runtime.autodiff``). ``--checkpoint`` wraps the model's forward in ``jax.checkpoint``
+over plans (``runtime.core``). ``--checkpoint`` wraps the model's forward in ``jax.checkpoint``
 (``nnx.remat``): activations are recomputed in the backward.
 
     python -m tessera_jax.tools.finetune --steps 40            # tiny model, CPU

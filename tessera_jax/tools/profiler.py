@@ -60,7 +60,6 @@ import platform
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 
@@ -207,11 +206,11 @@ def _executor(template, tile_q, tile_kv, qp, kvp, max_steps, scale):
 
     from tessera_jax.runtime import dispatch as backends
 
+    from pallas_kernels.abi import PassPlan
+
     def run(q, k, v, units, steps, row_index):
-        p = types.SimpleNamespace(template=template, units=units, steps=steps,
-                                  row_index=row_index, tile_q=tile_q, tile_kv=tile_kv,
-                                  q_len_padded=qp, kv_len_padded=kvp, max_steps=max_steps)
-        return backends.run(p, q, k, v, scale, False)
+        p = PassPlan(units, steps, row_index, tile_q, tile_kv, qp, kvp, max_steps)
+        return backends.forward(p, backends.get_template(template), q, k, v, scale, False)
     return jax.jit(run)
 
 

@@ -1,0 +1,140 @@
+"""The Mosaic GPU family's backend contract (``pallas_kernels.contract``): ``forward``,
+``dq``, ``dkv`` over ``abi.PassPlan``s, and the static facts the runtime's backend table reads.
+
+The kernels: ``kernel`` (forward), ``backward`` (dq, dk/dv). Hopper (sm_90a), bf16 / f16, head
+dims 64 and 128, plan starts multiples of 8 (TMA fills 8-row tiled, swizzled SMEM).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import abi
+from pallas_kernels import backward_rows as rows_
+from pallas_kernels import contract
+from pallas_kernels.mosaic import backward as _backward
+from pallas_kernels.mosaic import kernel as _kernel
+from pallas_kernels.templates import Template
+from pallas_kernels.triton import delta as _delta
+
+__all__ = ["forward", "dq", "dkv", "dkv_tiles", "row_dots", "PAIRED_DKV_TILES", "FIRST_ORDER",
+           "FOLD_VMAP"]
+
+BACKEND = "mosaic_gpu"
+#: Paired dk/dv units (64 keys, two per CTA): a host-plan candidate beside ``dkv_tiles``'.
+PAIRED_DKV_TILES = _backward.DKV_PAIRED_TILES
+FIRST_ORDER = True          # the kernels can't be differentiated again
+FOLD_VMAP = True            # no batching rule for TMA and barriers: vmap folds into the batch
+
+
+def forward(q, k, v, plan: abi.PassPlan, *, template: Template, scale: float,
+            return_lse: bool = False, interpret: bool | None = None, check_plan: bool = True):
+    """out [B, Lq, Hq, D] (q.dtype), or (out, lse [B, Hq, Lq] f32) with return_lse."""
+    t = contract.family_template(template, BACKEND)
+    scale = contract.check_pass(q, k, v, plan, t, scale)
+    mode = contract.forward_mask_mode(plan, t, q.shape[2], check_plan)
+    return run_forward(q, k, v, plan, t, mode, scale, return_lse, interpret)
+
+
+def run_forward(q, k, v, plan: abi.PassPlan, t: Template, mode: str, scale: float,
+                return_lse: bool, interpret):
+    """``forward`` with the mask mode ``mode``, after the checks."""
+    _check_tiles(plan, (t.tile_q, t.tile_kv))
+    units, steps, row_index, row_index_t = contract.plan_operands(plan)
+    return contract.forward_call(
+        q, k, v, units, steps, row_index, row_index_t, kernel=_kernel.forward,
+        cfg=_kernel.KernelConfig.from_template(t, mode), q_len_padded=int(plan.q_len_padded),
+        kv_len_padded=int(plan.kv_len_padded), head_dim=q.shape[-1], scale=float(scale),
+        return_lse=bool(return_lse), interpret=contract.mosaic_interpret(interpret))
+
+
+def _check_tiles(plan: abi.PassPlan, *allowed) -> None:
+    if (plan.tile_q, plan.tile_kv) not in allowed:
+        raise ValueError(f"the Mosaic GPU kernel runs plans of tiles (tile_q, tile_kv) in "
+                         f"{allowed}, got ({plan.tile_q}, {plan.tile_kv})")
+
+
+def dq(q, k, v, do, lse, delta, plan: abi.PassPlan, *, template: Template, scale: float,
+       interpret: bool | None = None):
+    """dq [B, Lq, Hq, D] over the forward pass plan. lse: ``backward_rows.lse_for_backward``
+    (+inf on empty rows); delta: rowsum(out * do) - dlse, [B, Hq, Lq] f32."""
+    return run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret,
+                  contract.BACKWARD_MASK_MODE)
+
+
+def run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
+    """``dq`` with the mask mode ``mode``."""
+    t = contract.family_template(template, BACKEND)
+    scale = contract.check_pass(q, k, v, plan, t, scale, do=do)
+    _check_tiles(plan, (t.tile_q, t.tile_kv))
+    units, steps, _, row_index_t = contract.plan_operands(plan)
+    return _dq(q, k, v, do, lse, delta, units, steps,
+               rows_.host_unit_index(plan.units, t.tile_q, int(plan.q_len_padded)),
+               row_index_t, tile_q=t.tile_q, tile_kv=t.tile_kv, paired=bool(t.kernel.paired),
+               q_len_padded=int(plan.q_len_padded), kv_len_padded=int(plan.kv_len_padded),
+               scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "paired", "q_len_padded",
+                                             "kv_len_padded", "scale", "mask_mode",
+                                             "interpret"))
+def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_q, tile_kv,
+        paired, q_len_padded, kv_len_padded, scale, mask_mode, interpret):
+    lse_u = rows_.unit_rows(rows_.pad_rows(lse * contract.LOG2E, q_len_padded, jnp.inf), units,
+                            tile_q, unit_index)
+    delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q,
+                              unit_index)
+    dq_u = _backward.dq_call(
+        contract.pad(q, q_len_padded), contract.pad(k, kv_len_padded),
+        contract.pad(v, kv_len_padded), contract.pad(do.astype(q.dtype), q_len_padded),
+        lse_u, delta_u, units, steps, tile_q=tile_q, tile_kv=tile_kv, paired=paired,
+        mode=mask_mode, scale=scale, interpret=interpret)
+    return contract.gather_dq(dq_u, units, row_index_t, q.shape, tile_q)
+
+
+def dkv(q, k, v, do, lse, delta, plan: abi.PassPlan, *, template: Template, scale: float,
+        interpret: bool | None = None):
+    """(dk, dv) [B, Lkv, Hkv, D] over the dk/dv pass plan (the transposed mask's plan: units
+    are key tiles of one query head, steps query tiles); template: the forward's; GQA summed."""
+    return run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret,
+                   contract.BACKWARD_MASK_MODE)
+
+
+def run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
+    """``dkv`` with the mask mode ``mode``."""
+    t = contract.family_template(template, BACKEND)
+    scale = contract.check_pass(q, k, v, plan, t, scale, do=do, transposed=True,
+                                aligns=_backward.DKV_TILES[2:])
+    _check_tiles(plan, _backward.DKV_TILES[:2], PAIRED_DKV_TILES[:2])
+    units, steps, _, row_index_t = contract.plan_operands(plan)
+    return _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, tile_q=int(plan.tile_q),
+                q_len_padded=int(plan.q_len_padded), kv_len_padded=int(plan.kv_len_padded),
+                scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("tile_q", "q_len_padded", "kv_len_padded",
+                                             "scale", "mask_mode", "interpret"))
+def _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, *, tile_q, q_len_padded,
+         kv_len_padded, scale, mask_mode, interpret):
+    # The dk/dv plan's rows are keys (q_len_padded), its steps queries (kv_len_padded).
+    lse2 = rows_.pad_rows(lse * contract.LOG2E, kv_len_padded, jnp.inf)
+    delta_p = rows_.pad_rows(delta, kv_len_padded, 0.0)
+    dk_u, dv_u = _backward.dkv_call(
+        contract.pad(q, kv_len_padded), contract.pad(k, q_len_padded),
+        contract.pad(v, q_len_padded), contract.pad(do.astype(q.dtype), kv_len_padded), lse2,
+        delta_p, units, steps, tile_q=tile_q, mode=mask_mode, scale=scale, interpret=interpret)
+    return contract.gather_dkv(dk_u, dv_u, units, row_index_t, q.shape, k, v, tile_q)
+
+
+def dkv_tiles(template: Template, head_dim: int) -> tuple[int, int, int, int]:
+    """(tile_q', tile_kv', q_align', kv_align') of the dk/dv pass plan for this forward
+    template: units of 128 keys, steps of 64 queries, starts multiples of 8."""
+    return _backward.DKV_TILES
+
+
+def row_dots(out, do, *, interpret: bool | None = None):
+    """rowsum(out * do) [B, Hq, Lq] float32 by the Triton row-dot kernel."""
+    return _delta.row_dots(out, do, interpret=contract.triton_interpret(interpret))

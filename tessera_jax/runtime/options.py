@@ -1,0 +1,74 @@
+"""``Options``: the settings of a ``sparse_attention`` call that change what it computes or
+compiles, as one frozen, validated, hashable value (so part of jit's cache key when passed as
+a static argument, and of every cache keyed on a call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Options", "DEFAULT"]
+
+_DKV_POLICIES = ("merge", "pack")        # the host planner's policies a dk/dv plan may use
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Options of a ``sparse_attention`` call (``options=None``: ``Options()``).
+
+    bitmap_budget_bytes: bytes of bitmap steps a device plan may hold (tiles meeting more than
+        ``abi.GRID`` blocks per axis: 2 KB each at 128 x 128); past it, static bounds take the
+        exact path and traced bounds take it when the plan overflows (decided on the device).
+    dkv_policies: the host planner's policies tried for a host dk/dv plan with the backend's
+        dk/dv tiles (empty: the paired candidate alone); the plan of least estimated time
+        wins. On the transposed Wan 480p masks
+        (computed / selected on top-k cubes, sliding tiles, clusters): 128 x 64 merge 2.61 /
+        2.26 / 2.06, pack 2.04 / 1.26 / 1.68; paired 64 x 64 pack 1.23 / 1.04 / 1.46.
+    paired_dkv_policy: the policy of the paired 64-key dk/dv candidate (backends that have
+        paired units), None: no paired candidate.
+    dkv_ns_per_interaction_d128: the dk/dv time per computed interaction at head_dim 128 that
+        scores the dk/dv candidates, fitted to the H200's times of 9 dk/dv plans (merge128,
+        pack128, paired64 of three irregular masks; benchmarks/NOTES.md#backward): max
+        error 18%, and it orders all three masks' plans as measured.
+    interpret: run the Pallas kernels (Mosaic GPU, Triton) in interpret mode; None: exactly
+        when jax's default backend is not a GPU.
+    """
+
+    bitmap_budget_bytes: int = 512 << 20
+    dkv_policies: tuple[str, ...] = _DKV_POLICIES
+    paired_dkv_policy: str | None = "pack"
+    dkv_ns_per_interaction_d128: float = 2.58e-3
+    interpret: bool | None = None
+
+    def __post_init__(self):
+        b = self.bitmap_budget_bytes
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise ValueError(f"bitmap_budget_bytes must be an int >= 0, got {b!r}")
+        pols = self.dkv_policies
+        if not isinstance(pols, tuple) or any(p not in _DKV_POLICIES for p in pols):
+            raise ValueError(f"dkv_policies must be a tuple of {_DKV_POLICIES}, got {pols!r}")
+        if not pols and self.paired_dkv_policy is None:
+            raise ValueError("dkv_policies is empty and paired_dkv_policy is None: no dk/dv "
+                             "plan to choose")
+        if self.paired_dkv_policy is not None and self.paired_dkv_policy not in _DKV_POLICIES:
+            raise ValueError(f"paired_dkv_policy must be one of {_DKV_POLICIES} or None, got "
+                             f"{self.paired_dkv_policy!r}")
+        ns = self.dkv_ns_per_interaction_d128
+        if isinstance(ns, bool) or not isinstance(ns, (int, float)) or not ns > 0:
+            raise ValueError(f"dkv_ns_per_interaction_d128 must be a positive float, got {ns!r}")
+        if self.interpret is not None and not isinstance(self.interpret, bool):
+            raise TypeError(f"interpret must be a bool or None, got "
+                            f"{type(self.interpret).__name__}")
+
+
+DEFAULT = Options()
+
+
+def check_options(options) -> Options:
+    """``options`` as an ``Options`` (None: the defaults); TypeError for anything else."""
+    if options is None:
+        return DEFAULT
+    if not isinstance(options, Options):
+        raise TypeError(f"options must be a tessera_jax.Options or None, got "
+                        f"{type(options).__name__}")
+    return options
