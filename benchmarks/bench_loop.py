@@ -566,11 +566,10 @@ class HostPlanned:
     bitmap_budget_bytes: int = 64 << 20
 
     def __call__(self, q, k, v, mask: BlockMask, scale=None):
-        import types
-
         import tessera_jax as tj
         from pallas_kernels import abi
         from tessera_jax.runtime import device_route, dispatch
+        from tessera_jax.runtime.exact import exact_attention
         from tessera_jax.validation import check_shapes
         B, Lq, Hq, D = q.shape
         Lkv = k.shape[1]
@@ -651,12 +650,10 @@ class HostPlanned:
                      jax.ShapeDtypeStruct((S_cap, abi.STEP_COLS), jnp.int32),
                      jax.ShapeDtypeStruct((), jnp.bool_))
         units, steps, ok = jax.pure_callback(plan_on_host, out_types, qb, kb, packed)
-        plan = types.SimpleNamespace(template=t.name, units=units, steps=steps, row_index=None,
-                                     tile_q=tq, tile_kv=tkv, q_len_padded=qp,
-                                     kv_len_padded=kvp, max_steps=M_cap)
+        plan = abi.PassPlan(units, steps, None, tq, tkv, qp, kvp, M_cap)
         return jax.lax.cond(
-            ok, lambda: dispatch.run(plan, q, k, v, scale, False),
-            lambda: device_route.exact_attention(q, k, v, mask.q_bounds, mask.kv_bounds,
+            ok, lambda: dispatch.forward(plan, t, q, k, v, scale, False),
+            lambda: exact_attention(q, k, v, mask.q_bounds, mask.kv_bounds,
                                                  mask.blocks, scale=scale))
 
 

@@ -200,12 +200,11 @@ def main():
 
             qb = np.asarray(m.q_bounds, np.int32)
             kb = np.asarray(m.kv_bounds, np.int32)
+            from tessera_jax import select
             from tessera_jax.runtime import device_route
             from tessera_jax.validation import check_shapes
-            consts = device_route._consts(tj.BlockMask(qb, kb, jnp.asarray(m.blocks)))
-            dev_t, cap = device_route._choose(consts[0], consts[1], tuple(m.blocks.shape),
-                                              check_shapes(qs, ks, jnp.bfloat16), "mosaic_gpu",
-                                              None)
+            dev_t, cap = select.choose("device", tj.BlockMask(qb, kb, jnp.asarray(m.blocks)),
+                                       check_shapes(qs, ks, jnp.bfloat16), "mosaic_gpu")
             row["bitmap_capacity"] = int(cap)
             fits = dev_t is not None
             row.update(fits=fits, device_template=dev_t.name if fits else "exact path")
@@ -236,7 +235,7 @@ def main():
             k = jnp.asarray(r.standard_normal(ks), jnp.bfloat16)
             v = jnp.asarray(r.standard_normal(ks), jnp.bfloat16)
             shape = check_shapes(qs, ks, jnp.bfloat16)
-            for name in device_route.DEVICE_TEMPLATES["mosaic_gpu"]:
+            for name in select.device.DEVICE_TEMPLATES["mosaic_gpu"]:
                 t = tj.runtime.dispatch.get_template(name)
                 if device_route.choose(tj.BlockMask(qb, kb, variants[0][:1]), shape,
                                        "mosaic_gpu", t) is None:

@@ -800,18 +800,13 @@ def _device_choice(case: "_CaseBase", blocks0) -> tuple[dict, object, int]:
     """(row fields, template or None, bitmap capacity): what the device route runs for this
     call site (``device_route``'s own choice: a static template per bounds and shapes)."""
     import tessera_jax as tj
-    from tessera_jax.runtime import device_route
+    from tessera_jax import select
     from tessera_jax.runtime import dispatch as backends
     from tessera_jax.validation import check_shapes
     shape = check_shapes(case.qj.shape, case.kj.shape, case.qj.dtype)
     be = backends.resolve(None, shape)
     dm = tj.BlockMask(case.mask.q_bounds, case.mask.kv_bounds, blocks0)
-    try:                                   # internals: the template and its bitmap capacity
-        consts = device_route._consts(dm)
-        t, cap = device_route._choose(consts[0], consts[1], tuple(dm.blocks.shape), shape, be,
-                                      None)
-    except Exception:  # noqa: BLE001 - the public choice, capacity unknown
-        t, cap = device_route.choose(dm, shape, be, None), None
+    t, cap = select.choose("device", dm, shape, be)      # the template, its bitmap capacity
     return ({"backend": be, "device_template": t.name if t is not None else "exact path",
              "bitmap_capacity": cap}, t, cap)
 

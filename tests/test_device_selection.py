@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 import tessera_jax as tj
 from pallas_kernels import templates as T
 from tessera_jax import select
-from tessera_jax.runtime import device_route
 from tessera_jax.select import device as D
 from tessera_jax.validation import check_shapes
 
@@ -21,12 +20,6 @@ BACKENDS = ("mosaic_gpu", "triton", "xla")
 
 def _shape(Lq, Lkv, H=2, D_=64, dtype=jnp.bfloat16):
     return check_shapes((1, Lq, H, D_), (1, Lkv, H, D_), dtype)
-
-
-def _old(mask, shape, backend, template=None):
-    """device_route's choice (while it keeps its copy): (template, capacity)."""
-    qb, kb, _ = device_route._consts(mask)
-    return device_route._choose(qb, kb, tuple(mask.blocks.shape), shape, backend, template)
 
 
 @st.composite
@@ -56,16 +49,6 @@ def _device_masks(draw):
     q = jnp.asarray(qb) if kind in ("traced_q", "traced") else qb
     k = jnp.asarray(kb) if kind in ("traced_kv", "traced") else kb
     return tj.BlockMask(q, k, blocks), L
-
-
-@given(_device_masks(), st.sampled_from(BACKENDS), st.sampled_from([64, 128, 96]))
-@settings(max_examples=60, deadline=None)
-def test_same_choice_as_device_route(mt, backend, head_dim):
-    """Identical (template, capacity) to ``device_route._choose`` (a check for while both
-    exist: the lead switches device_route to select.device and drops this test)."""
-    mask, L = mt
-    shape = _shape(L, L, D_=head_dim)
-    assert select.choose("device", mask, shape, backend) == _old(mask, shape, backend)
 
 
 def test_known_choices():

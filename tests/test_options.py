@@ -111,7 +111,6 @@ def test(monkeypatch):
     assert constant_assignments(snippet) == []
 
 
-@pytest.mark.xfail(strict=False, reason="until branches core/dynamic merge")
 def test_no_test_assigns_a_module_constant():
     found = []
     for path in sorted(TESTS.rglob("*.py")):

@@ -38,6 +38,7 @@ from tessera_jax.planning import plan as plan_
 from tessera_jax.runtime import (core, dense_route, device_route, dispatch, host_plans,
                                  kernel_runner)
 from tessera_jax.runtime.options import Options, check_options
+from tessera_jax.select import device as select_device
 from tessera_jax.select import features, ranking
 from tessera_jax.validation import (AttnShape, check_bool, check_mask, check_qkv, check_scale,
                                     check_shapes)
@@ -220,7 +221,7 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     mask features and block layouts (``select.features``); the ranking's choices per mask
     (``select.ranking``); which masks are all selected (``runtime.dense_route``); the kernel
     runner's prepared plans: mask modes and device copies (``runtime.kernel_runner``); the
-    device route's template choices per static bounds (``runtime.device_route``); the
+    device route's template choices per static bounds (``select.device``); the
     host pass plans (``planning.plan``), the dk/dv host plans (``runtime.host_plans``) and the
     plans' token-major row and unit indices (``pallas_kernels.abi.host_cached``); the
     per-device masks and plans of ``tessera_jax.parallel``.
@@ -238,7 +239,7 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     ranking.clear_caches(tables=fresh_process)
     dense_route.clear_caches(verdicts=fresh_process)
     kernel_runner.clear_cache()
-    device_route.clear_caches()
+    select_device.clear_cache()
     plan_.clear_cache()
     host_plans.clear_cache()
     plan_abi.clear_host_cache()

@@ -1,6 +1,6 @@
 """The host route's chooser: a static mask's template, policy and plans.
 
-The forward: the ranking table's (template, policy) for the mask (``select.ranking``), else
+The forward: the selector's host choice for the mask (``select.choose``: the ranking table), else
 the backend's default template with its own policy, planned by the host planner
 (``planner.build_unchecked``). The dk/dv pass: the transposed mask (blocks [Hm, nkv, nq],
 bounds swapped) planned by the same planner (head-major units) with the backend's dk/dv tiles
@@ -24,7 +24,7 @@ from tessera_jax.planning import planner
 from tessera_jax.planning.plan import AttentionPlan, PassPlan, host_pass
 from tessera_jax.runtime import dispatch
 from tessera_jax.runtime.options import DEFAULT, Options
-from tessera_jax.select import ranking
+from tessera_jax import select
 from tessera_jax.validation import AttnShape
 
 __all__ = ["choose_template", "build", "attention_plan", "dkv_plan", "dkv_candidates",
@@ -32,9 +32,9 @@ __all__ = ["choose_template", "build", "attention_plan", "dkv_plan", "dkv_candid
 
 
 def choose_template(mask: BlockMask, shape: AttnShape, backend: str) -> tuple[str, str]:
-    """(template, policy) for a request: the ranking's choice, else the backend's default
-    template (or its first that takes the call) with that template's own policy."""
-    choice = ranking.select(mask, shape, backend)
+    """(template, policy) for a request: the selector's host choice (the ranking table), else
+    the backend's default template (or its first that takes the call) with its own policy."""
+    choice = select.choose("host", mask, shape, backend)
     if choice is not None:
         return choice
     supported = dispatch.supported_templates(backend, shape)
