@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 
 import numpy as np
 
@@ -145,14 +146,22 @@ class TritonConfig:
 _KERNEL_CONFIGS = {"mosaic_gpu": MosaicConfig, "triton": TritonConfig, "xla": type(None)}
 
 
+@dataclasses.dataclass(frozen=True)
 class CompiledConfig:
     """Shared by the backends' compiled kernel configs (``mosaic.kernel.KernelConfig``,
-    ``triton.kernel.KernelConfig``): the tile shape, the backend's typed variant and the mask
-    mode compiled (the backend's own ``MASK_MODES``, which add "none" for all-full plans).
-    Subclasses are frozen dataclasses with fields tile_q, tile_kv, stages, variant, mask_mode."""
+    ``triton.kernel.KernelConfig``): the tile shape, the pipeline depth, the backend's typed
+    variant (subclasses set ``VARIANT`` and the field's default) and the mask mode compiled:
+    "cond" masks partial steps only (a cond per step), "always" every step, "none" never (for
+    plans whose visited steps are all full: no masking code at all)."""
 
-    VARIANT: type = object
-    MASK_MODES: tuple[str, ...] = ()
+    tile_q: int
+    tile_kv: int
+    stages: int = 2
+    variant: typing.Any = None
+    mask_mode: str = "cond"
+
+    VARIANT: typing.ClassVar[type] = object
+    MASK_MODES: typing.ClassVar[tuple[str, ...]] = ("cond", "always", "none")
 
     def __post_init__(self):
         for name in ("tile_q", "tile_kv", "stages"):

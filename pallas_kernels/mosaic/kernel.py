@@ -56,14 +56,9 @@ class KernelConfig(CompiledConfig):
     (tile_q query rows: 128, or 64 with ``paired``; tile_kv keys per step; ``stages`` ring
     slots) and the mask mode compiled ("none" only for plans whose steps are all full)."""
 
-    tile_q: int
-    tile_kv: int
-    stages: int
     variant: MosaicConfig = MosaicConfig()
-    mask_mode: str = "cond"
 
     VARIANT = MosaicConfig
-    MASK_MODES = MASK_MODES
 
     @property
     def paired(self) -> bool:
