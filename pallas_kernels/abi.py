@@ -1,9 +1,11 @@
 """The plan ABI: the int32 arrays a kernel executes, and nothing about masks.
 
-A plan is produced on the host by ``tessera_jax.planning.planner`` and executed by any backend
-(``pallas_kernels.xla.executor``, ``pallas_kernels.triton.wrapper``,
-``pallas_kernels.mosaic.wrapper``). Kernels see only the arrays below plus static integers;
-they never see a mask. ``check_plan`` is the one validator of a concrete (NumPy) plan.
+A plan is produced on the host by ``tessera_jax.planning.planner`` (or on the device by
+``tessera_jax.planning.device``) and executed by any backend family's ``ops`` module
+(``pallas_kernels.{mosaic,triton,xla}.ops``, the contract of ``pallas_kernels.contract``),
+one pass at a time: a ``PassPlan`` holds the arrays below and the static integers. Kernels
+see only those; they never see a mask. ``check_plan`` is the one validator of a concrete
+(NumPy) plan; ``pallas_kernels.step_masks`` decodes a step's mask in the Pallas kernels.
 
 Static parameters (Python ints, part of the compiled executable):
   tile_q        rows of one work unit's query tile (the Q tile height the kernel loads)
@@ -18,7 +20,7 @@ Static parameters (Python ints, part of the compiled executable):
                 compiled executable). The kernels need no particular capacity.
   q_len_padded, kv_len_padded
                 the sequence lengths the plan indexes into. They are >= Lq / Lkv; the
-                wrapper pads q (k, v) with zeros up to them when they differ. Every tile the
+                backend pads q (k, v) with zeros up to them when they differ. Every tile the
                 plan names lies inside them: q_start + tile_q <= q_len_padded and
                 kv_start + tile_kv <= kv_len_padded.
 
@@ -87,7 +89,7 @@ grids launch unit u as program u, so the heaviest units start first).
   rectangle, a grid if it fits GRID x GRID, else a bitmap.
 
 Outputs are *unit-major*: out_units [B, U, tile_q, D] and lse_units [B, U, tile_q] (float32,
-natural log; -inf for a row with no selected key). The wrapper gathers the owned rows back
+natural log; -inf for a row with no selected key). The backend gathers the owned rows back
 to [B, Lq, Hq, D]; this keeps every kernel store a whole, non-overlapping tile.
 """
 

@@ -3,7 +3,7 @@
 A template fixes what a kernel is compiled for (tile shape, pipeline depth, the kernel variant)
 and says what it can take (head dims, dtypes, alignment of tile starts). The planner reads
 ``tile_q``, ``tile_kv``, ``q_align``, ``kv_align`` and ``unit_order`` to build plans a template
-can run; the ranking chooses among the templates that ``supports`` a call; the kernel wrappers
+can run; the ranking chooses among the templates that ``supports`` a call; the families' ``ops``
 compile ``kernel``, a typed, frozen, validated config of the template's backend
 (``MosaicConfig``, ``TritonConfig``; None for ``xla``).
 
@@ -63,7 +63,7 @@ class MosaicConfig:
     pair_pingpong: paired units ping-pong like a tile_q=128 unit's halves (needs ``paired``
         and ``schedule_barrier``).
     mask_mode:  "cond" masks partial steps only (a cond per step; a plan whose steps are all
-        full runs mode "none", no masking code, chosen by the wrapper), "always" every step.
+        full runs mode "none", no masking code, chosen by ``contract``), "always" every step.
     """
 
     schedule_barrier: bool = True
@@ -114,7 +114,7 @@ class TritonConfig:
     prefetch:  the step loop carries the next step's kv_start, so Triton's pipeliner (with
         stages >= 3) issues the K/V copies a full step ahead.
     mask_mode: "cond" masks partial steps only (a plan whose steps are all full runs mode
-        "none", chosen by the wrapper), "always" every step.
+        "none", chosen by ``contract``), "always" every step.
     """
 
     num_warps: int | None = None

@@ -109,3 +109,68 @@ def test_forward_dq_dkv_match_the_oracle(family):
     assert all(_steps_kinds(p, tp))                  # grid and bitmap steps in the plans
     dk, dv = ops.dkv(q, k, v, do, lse, delta, pass_plan(tp), template=t, scale=scale)
     assert_grads([dq, dk, dv], want[2:], 5 * tol)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bad_input_is_refused_by_every_family(family):
+    """The shared checks (``contract.check_pass``) name the argument, whatever the family."""
+    ops, t, tol, mask, (q, k, v, do), p = problem(family)
+    pp = pass_plan(p)
+    kw = dict(template=t, scale=0.125)
+    cases = [
+        ((q[0], k, v, pp), ValueError, "q must have rank 4"),
+        ((q, k, v[:, :-1], pp), ValueError, "v must have the shape of k"),
+        ((q, k.astype(jnp.bfloat16 if q.dtype != jnp.bfloat16 else jnp.float16), v, pp),
+         TypeError, "share one dtype"),
+        ((q.astype(jnp.int32), k, v, pp), TypeError, "q has dtype"),
+        ((q, k, v, p), TypeError, "PassPlan"),
+        ((q, k, v, abi.PassPlan(p.units[:, :5], p.steps, None, p.tile_q, p.tile_kv,
+                                p.q_len_padded, p.kv_len_padded, p.max_steps, True)),
+         ValueError, "units must have shape"),
+        ((q, k, v, abi.PassPlan(p.units, p.steps, None, p.tile_q, p.tile_kv, 8,
+                                p.kv_len_padded, p.max_steps, True)),
+         ValueError, "q_len_padded"),
+    ]
+    for args, err, match in cases:
+        with pytest.raises(err, match=match):
+            ops.forward(*args, **kw)
+    with pytest.raises(ValueError, match="scale"):
+        ops.forward(q, k, v, pp, template=t, scale=-1.0)
+    with pytest.raises(ValueError, match="do must have the shape of q"):
+        ops.dq(q, k, v, do[:, :-1], None, None, pp, **kw)
+
+
+@pytest.mark.parametrize("family", ["mosaic", "triton"])
+@pytest.mark.parametrize("pass_", ["forward", "dq", "dkv"])
+def test_gpu_passes_lower_for_cuda(family, pass_):
+    """Every pass of both GPU families takes the real GPU path (not an interpreter) when
+    lowered for CUDA on an abstract H200 (``interpret=False``), with traced plan arrays."""
+    import jax
+    from cuda_lowering import lower_for_h200
+    ops, name, dtype, _ = FAMILIES[family]
+    t = templates.get(name)
+    sds = jax.ShapeDtypeStruct
+    B, L, Hq, Hkv, D = 1, 384, 4, 2, 128
+    q = sds((B, L, Hq, D), jnp.dtype(dtype))
+    kv = sds((B, L - 40, Hkv, D), jnp.dtype(dtype))
+    units, steps = sds((12, abi.UNIT_COLS), jnp.int32), sds((40, abi.STEP_COLS), jnp.int32)
+    if pass_ == "dkv":
+        tq, tk = ops.dkv_tiles(t, D)[:2]
+    else:
+        tq, tk = t.tile_q, t.tile_kv
+    plan = lambda u, s: abi.PassPlan(u, s, None, tq, tk, L, L, 4)         # noqa: E731
+    fns = {
+        "forward": lambda q, k, v, u, s: ops.forward(q, k, v, plan(u, s), template=t, scale=0.1,
+                                                     return_lse=True, interpret=False),
+        "dq": lambda q, k, v, u, s: ops.dq(q, k, v, q, rows_of(q), rows_of(q), plan(u, s),
+                                           template=t, scale=0.1, interpret=False),
+        "dkv": lambda q, k, v, u, s: ops.dkv(q, k, v, q, rows_of(q), rows_of(q), plan(u, s),
+                                             template=t, scale=0.1, interpret=False),
+    }
+    text = lower_for_h200(fns[pass_], q, kv, kv, units, steps)
+    assert ("mosaic_gpu" if family == "mosaic" else "__gpu$xla.gpu.triton") in text
+
+
+def rows_of(q):
+    """Zero lse / delta rows [B, Hq, Lq] for q."""
+    return jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
