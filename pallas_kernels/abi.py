@@ -97,6 +97,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 UNIT_HEAD, UNIT_Q_START, UNIT_OWN_LO, UNIT_OWN_HI, UNIT_STEP_PTR, UNIT_STEP_CNT = range(6)
@@ -198,8 +199,6 @@ def pack_rect(q_lo, q_hi, kv_lo, kv_hi):
     value); jnp int32 inputs wrap by themselves. Python ints give a NumPy int32 scalar.
     """
     if _is_jax(q_lo, q_hi, kv_lo, kv_hi):
-        import jax.numpy as jnp
-
         a, b, c, d = (jnp.asarray(x, jnp.int32) for x in (q_lo, q_hi, kv_lo, kv_hi))
         return _pack(a, b, c, d)
     a, b, c, d = (np.asarray(x, np.int64) for x in (q_lo, q_hi, kv_lo, kv_hi))
@@ -273,7 +272,6 @@ def step_mask(steps, s, tile_q: int, tile_kv: int):
     The reference rule every kernel implements, and what every test evaluates plans with."""
     xp = np
     if _is_jax(steps, s):
-        import jax.numpy as jnp
         xp = jnp
     else:
         steps, s = np.asarray(steps), np.asarray(s)
@@ -303,7 +301,6 @@ def unpack_steps(steps, *, grid: bool = False):
     selection is in its words (``step_mask``). Pass step rows only: word rows are no steps."""
     xp = np
     if _is_jax(steps):
-        import jax.numpy as jnp
         xp = jnp
     else:
         steps = np.asarray(steps)
@@ -623,8 +620,6 @@ def row_index_from_units(units, num_q_heads: int, q_len: int, tile_q: int):
     Equal to the planner's host array: units of one head own disjoint rows, rows past Lq and
     padding units (own_lo == own_hi) write nothing, every other entry is the sentinel U * tile_q.
     """
-    import jax.numpy as jnp
-
     units = jnp.asarray(units)
     U = units.shape[0]
     r = jnp.arange(tile_q, dtype=jnp.int32)[None, :]
@@ -680,8 +675,6 @@ def gather_rows(out_units, lse_units, row_index, row_index_t=None):
     row_index_t: its transpose [Lq, Hq] when the caller has it (``token_major``).
     Rows no unit owns get 0 and -inf.
     """
-    import jax.numpy as jnp  # local: keeps this module importable without jax for docs
-
     B, U, T, D = out_units.shape
     # The sentinel U * T is one past the end: "fill" gives it the value, with no padded copy.
     flat = out_units.reshape(B, U * T, D)
