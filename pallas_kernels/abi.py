@@ -1,9 +1,11 @@
 """The plan ABI: the int32 arrays a kernel executes, and nothing about masks.
 
-A plan is produced on the host by ``tessera_jax.planning.planner`` and executed by any backend
-(``pallas_kernels.xla.executor``, ``pallas_kernels.triton.wrapper``,
-``pallas_kernels.mosaic.wrapper``). Kernels see only the arrays below plus static integers;
-they never see a mask. ``check_plan`` is the one validator of a concrete (NumPy) plan.
+A plan is produced on the host by ``tessera_jax.planning.planner`` (or on the device by
+``tessera_jax.planning.device``) and executed by any backend family's ``ops`` module
+(``pallas_kernels.{mosaic,triton,xla}.ops``, the contract of ``pallas_kernels.contract``),
+one pass at a time: a ``PassPlan`` holds the arrays below and the static integers. Kernels
+see only those; they never see a mask. ``check_plan`` is the one validator of a concrete
+(NumPy) plan; ``pallas_kernels.step_masks`` decodes a step's mask in the Pallas kernels.
 
 Static parameters (Python ints, part of the compiled executable):
   tile_q        rows of one work unit's query tile (the Q tile height the kernel loads)
@@ -18,7 +20,7 @@ Static parameters (Python ints, part of the compiled executable):
                 compiled executable). The kernels need no particular capacity.
   q_len_padded, kv_len_padded
                 the sequence lengths the plan indexes into. They are >= Lq / Lkv; the
-                wrapper pads q (k, v) with zeros up to them when they differ. Every tile the
+                backend pads q (k, v) with zeros up to them when they differ. Every tile the
                 plan names lies inside them: q_start + tile_q <= q_len_padded and
                 kv_start + tile_kv <= kv_len_padded.
 
@@ -87,7 +89,7 @@ grids launch unit u as program u, so the heaviest units start first).
   rectangle, a grid if it fits GRID x GRID, else a bitmap.
 
 Outputs are *unit-major*: out_units [B, U, tile_q, D] and lse_units [B, U, tile_q] (float32,
-natural log; -inf for a row with no selected key). The wrapper gathers the owned rows back
+natural log; -inf for a row with no selected key). The backend gathers the owned rows back
 to [B, Lq, Hq, D]; this keeps every kernel store a whole, non-overlapping tile.
 """
 
@@ -95,6 +97,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 UNIT_HEAD, UNIT_Q_START, UNIT_OWN_LO, UNIT_OWN_HI, UNIT_STEP_PTR, UNIT_STEP_CNT = range(6)
@@ -196,8 +199,6 @@ def pack_rect(q_lo, q_hi, kv_lo, kv_hi):
     value); jnp int32 inputs wrap by themselves. Python ints give a NumPy int32 scalar.
     """
     if _is_jax(q_lo, q_hi, kv_lo, kv_hi):
-        import jax.numpy as jnp
-
         a, b, c, d = (jnp.asarray(x, jnp.int32) for x in (q_lo, q_hi, kv_lo, kv_hi))
         return _pack(a, b, c, d)
     a, b, c, d = (np.asarray(x, np.int64) for x in (q_lo, q_hi, kv_lo, kv_hi))
@@ -271,7 +272,6 @@ def step_mask(steps, s, tile_q: int, tile_kv: int):
     The reference rule every kernel implements, and what every test evaluates plans with."""
     xp = np
     if _is_jax(steps, s):
-        import jax.numpy as jnp
         xp = jnp
     else:
         steps, s = np.asarray(steps), np.asarray(s)
@@ -301,7 +301,6 @@ def unpack_steps(steps, *, grid: bool = False):
     selection is in its words (``step_mask``). Pass step rows only: word rows are no steps."""
     xp = np
     if _is_jax(steps):
-        import jax.numpy as jnp
         xp = jnp
     else:
         steps = np.asarray(steps)
@@ -621,8 +620,6 @@ def row_index_from_units(units, num_q_heads: int, q_len: int, tile_q: int):
     Equal to the planner's host array: units of one head own disjoint rows, rows past Lq and
     padding units (own_lo == own_hi) write nothing, every other entry is the sentinel U * tile_q.
     """
-    import jax.numpy as jnp
-
     units = jnp.asarray(units)
     U = units.shape[0]
     r = jnp.arange(tile_q, dtype=jnp.int32)[None, :]
@@ -678,8 +675,6 @@ def gather_rows(out_units, lse_units, row_index, row_index_t=None):
     row_index_t: its transpose [Lq, Hq] when the caller has it (``token_major``).
     Rows no unit owns get 0 and -inf.
     """
-    import jax.numpy as jnp  # local: keeps this module importable without jax for docs
-
     B, U, T, D = out_units.shape
     # The sentinel U * T is one past the end: "fill" gives it the value, with no padded copy.
     flat = out_units.reshape(B, U * T, D)

@@ -19,6 +19,7 @@ import numpy as np
 from pallas_kernels import abi
 from pallas_kernels import backward_rows as rows_
 from pallas_kernels import templates as _templates
+from pallas_kernels.templates import Template
 
 __all__ = ["family_template", "default_interpret", "mosaic_interpret", "triton_interpret",
            "check_qkv", "check_padded", "check_scale", "check_pass", "mask_mode_for",
@@ -26,9 +27,7 @@ __all__ = ["family_template", "default_interpret", "mosaic_interpret", "triton_i
            "gather_dq", "gather_dkv", "FLOAT_DTYPES", "MASK_MODES"]
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-# "cond": mask partial steps only (a cond per step); "always": every step; "none": never
-# (plans whose visited steps are all full: no masking code at all).
-MASK_MODES = ("cond", "always", "none")
+MASK_MODES = _templates.CompiledConfig.MASK_MODES     # what a compiled kernel config takes
 #: The mask mode of the backward passes: full steps skip masking by a cond.
 BACKWARD_MASK_MODE = "cond"
 # The kernels' softmax runs in base 2: scores times scale * LOG2E, the lse back times LN2.
@@ -199,6 +198,45 @@ def forward_mask_mode(plan: abi.PassPlan, t, num_q_heads: int, check_plan: bool)
     if check_plan and is_host(plan):
         return mask_mode_for(t, check_pass_plan(plan, t, num_q_heads))
     return t.kernel.mask_mode
+
+
+# --- the contract's entry points -----------------------------------------------------------------
+def forward_op(backend: str, run_forward):
+    """A GPU family's ``forward`` (the contract's signature): the checks, the mask mode
+    (``forward_mask_mode``), then ``run_forward(q, k, v, plan, t, mode, scale, return_lse,
+    interpret)``, the family's."""
+    def forward(q, k, v, plan: abi.PassPlan, *, template: Template, scale: float,
+                return_lse: bool = False, interpret: bool | None = None,
+                check_plan: bool = True):
+        """out [B, Lq, Hq, D] (q.dtype), or (out, lse [B, Hq, Lq] f32) with return_lse."""
+        t = family_template(template, backend)
+        scale = check_pass(q, k, v, plan, t, scale)
+        mode = forward_mask_mode(plan, t, q.shape[2], check_plan)
+        return run_forward(q, k, v, plan, t, mode, scale, return_lse, interpret)
+
+    return forward
+
+
+def backward_ops(run_dq, run_dkv):
+    """A family's ``dq`` and ``dkv`` (the contract's signatures) over its ``run_dq`` /
+    ``run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret, mode)``, which check
+    their inputs, with the backward passes' mask mode."""
+    def dq(q, k, v, do, lse, delta, plan: abi.PassPlan, *, template: Template,
+           scale: float, interpret: bool | None = None):
+        """dq [B, Lq, Hq, D] over the forward pass plan. lse: ``backward_rows.lse_for_backward``
+        (+inf on empty rows); delta: rowsum(out * do) - dlse, [B, Hq, Lq] f32."""
+        return run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret,
+                      BACKWARD_MASK_MODE)
+
+    def dkv(q, k, v, do, lse, delta, plan: abi.PassPlan, *, template: Template,
+            scale: float, interpret: bool | None = None):
+        """(dk, dv) [B, Lkv, Hkv, D] over the dk/dv pass plan (the transposed mask's plan:
+        units are key tiles of one query head, steps query tiles); template: the forward's;
+        summed over each K/V head's group."""
+        return run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret,
+                       BACKWARD_MASK_MODE)
+
+    return dq, dkv
 
 
 # --- padding, the kernel call, gathering --------------------------------------------------------

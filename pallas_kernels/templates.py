@@ -3,7 +3,7 @@
 A template fixes what a kernel is compiled for (tile shape, pipeline depth, the kernel variant)
 and says what it can take (head dims, dtypes, alignment of tile starts). The planner reads
 ``tile_q``, ``tile_kv``, ``q_align``, ``kv_align`` and ``unit_order`` to build plans a template
-can run; the ranking chooses among the templates that ``supports`` a call; the kernel wrappers
+can run; the ranking chooses among the templates that ``supports`` a call; the families' ``ops``
 compile ``kernel``, a typed, frozen, validated config of the template's backend
 (``MosaicConfig``, ``TritonConfig``; None for ``xla``).
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 
 import numpy as np
 
@@ -62,7 +63,7 @@ class MosaicConfig:
     pair_pingpong: paired units ping-pong like a tile_q=128 unit's halves (needs ``paired``
         and ``schedule_barrier``).
     mask_mode:  "cond" masks partial steps only (a cond per step; a plan whose steps are all
-        full runs mode "none", no masking code, chosen by the wrapper), "always" every step.
+        full runs mode "none", no masking code, chosen by ``contract``), "always" every step.
     """
 
     schedule_barrier: bool = True
@@ -113,7 +114,7 @@ class TritonConfig:
     prefetch:  the step loop carries the next step's kv_start, so Triton's pipeliner (with
         stages >= 3) issues the K/V copies a full step ahead.
     mask_mode: "cond" masks partial steps only (a plan whose steps are all full runs mode
-        "none", chosen by the wrapper), "always" every step.
+        "none", chosen by ``contract``), "always" every step.
     """
 
     num_warps: int | None = None
@@ -145,14 +146,22 @@ class TritonConfig:
 _KERNEL_CONFIGS = {"mosaic_gpu": MosaicConfig, "triton": TritonConfig, "xla": type(None)}
 
 
+@dataclasses.dataclass(frozen=True)
 class CompiledConfig:
     """Shared by the backends' compiled kernel configs (``mosaic.kernel.KernelConfig``,
-    ``triton.kernel.KernelConfig``): the tile shape, the backend's typed variant and the mask
-    mode compiled (the backend's own ``MASK_MODES``, which add "none" for all-full plans).
-    Subclasses are frozen dataclasses with fields tile_q, tile_kv, stages, variant, mask_mode."""
+    ``triton.kernel.KernelConfig``): the tile shape, the pipeline depth, the backend's typed
+    variant (subclasses set ``VARIANT`` and the field's default) and the mask mode compiled:
+    "cond" masks partial steps only (a cond per step), "always" every step, "none" never (for
+    plans whose visited steps are all full: no masking code at all)."""
 
-    VARIANT: type = object
-    MASK_MODES: tuple[str, ...] = ()
+    tile_q: int
+    tile_kv: int
+    stages: int = 2
+    variant: typing.Any = None
+    mask_mode: str = "cond"
+
+    VARIANT: typing.ClassVar[type] = object
+    MASK_MODES: typing.ClassVar[tuple[str, ...]] = ("cond", "always", "none")
 
     def __post_init__(self):
         for name in ("tile_q", "tile_kv", "stages"):

@@ -109,3 +109,123 @@ def test_forward_dq_dkv_match_the_oracle(family):
     assert all(_steps_kinds(p, tp))                  # grid and bitmap steps in the plans
     dk, dv = ops.dkv(q, k, v, do, lse, delta, pass_plan(tp), template=t, scale=scale)
     assert_grads([dq, dk, dv], want[2:], 5 * tol)
+
+
+def _with(p, **kw):
+    """A PassPlan of planner Plan ``p`` with some fields replaced (trusted unless all_full)."""
+    f = dict(units=p.units, steps=p.steps, row_index=None, tile_q=p.tile_q, tile_kv=p.tile_kv,
+             q_len_padded=p.q_len_padded, kv_len_padded=p.kv_len_padded,
+             max_steps=p.max_steps, all_full=True)
+    f.update(kw)
+    return abi.PassPlan(**f)
+
+
+def _bad_inputs(family, t, q, k, v, p):
+    """(args of forward, error, match) the shared checks refuse."""
+    other = jnp.bfloat16 if q.dtype != jnp.bfloat16 else jnp.float16
+    k2 = jnp.concatenate([k, k], 2)                # Hkv = 2
+    bad_steps = np.array(p.steps)
+    bad_steps[0, abi.STEP_KV_START] = 3            # not a multiple of kv_align = 8
+    bad_head = np.array(p.units)
+    bad_head[0, abi.UNIT_HEAD] = q.shape[2]
+    past = np.zeros((p.units.shape[0] + 1, abi.UNIT_COLS), np.int32)
+    past[:-1] = p.units
+    past[-1, abi.UNIT_Q_START] = p.q_len_padded    # a padding unit's Q tile past the end
+    cases = [
+        ((q[0], k, v, _with(p)), ValueError, "q must have rank 4"),
+        ((q, k, v[:, :-1], _with(p)), ValueError, "v must have the shape of k"),
+        ((jnp.concatenate([q, q[:, :, :1]], 2), k2, k2, _with(p)), ValueError,
+         "Hq=3 must be a multiple of Hkv=2"),
+        ((q, k.astype(other), v, _with(p)), TypeError, "share one dtype"),
+        ((q.astype(jnp.int32), k, v, _with(p)), TypeError, "q has dtype"),
+        ((q, k, v, p), TypeError, "PassPlan"),
+        ((q, k, v, _with(p, units=p.units[:, :5])), ValueError, "units must have shape"),
+        ((q, k, v, _with(p, steps=abi.unpack_steps(p.steps))), ValueError,
+         rf"steps must have shape \[S >= 1, {abi.STEP_COLS}\]"),
+        ((q, k, v, _with(p, steps=p.steps.astype(np.int64))), TypeError, "steps"),
+        ((q, k, v, _with(p, row_index=p.row_index[:1])), ValueError, "row_index"),
+        ((q, k, v, _with(p, q_len_padded=8)), ValueError, "q_len_padded"),
+        ((q, k, v, _with(p, kv_len_padded=p.kv_len_padded - 1)), ValueError, "kv_len_padded"),
+        ((q, k, v, _with(p, units=bad_head, all_full=None)), ValueError, "a head is outside"),
+        ((q, k, v, _with(p, units=past, all_full=None)), ValueError, "q_len_padded"),
+    ]
+    if t.kv_align > 1:
+        cases.append(((q, k, v, _with(p, steps=bad_steps, all_full=None)), ValueError,
+                      "kv_align"))
+    if "float32" not in t.dtypes:
+        cases.append((tuple(x.astype(jnp.float32) for x in (q, k, v)) + (_with(p),),
+                      ValueError, "dtypes"))
+    if t.head_dims:
+        d = max(t.head_dims) + 8
+        wide = tuple(jnp.zeros(x.shape[:3] + (d,), x.dtype) for x in (q, k, v))
+        cases.append((wide + (_with(p),), ValueError, "head dims"))
+    return cases
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bad_input_is_refused_by_every_family(family):
+    """The shared checks (``contract.check_pass``, ``abi.check_plan`` of an untrusted plan)
+    name the argument, whatever the family."""
+    ops, t, tol, mask, (q, k, v, do), p = problem(family)
+    for args, err, match in _bad_inputs(family, t, q, k, v, p):
+        with pytest.raises(err, match=match):
+            ops.forward(*args, template=t, scale=0.125)
+    pp = pass_plan(p)
+    with pytest.raises(ValueError, match="scale"):
+        ops.forward(q, k, v, pp, template=t, scale=-1.0)
+    with pytest.raises(ValueError, match="unknown template"):
+        ops.forward(q, k, v, pp, template="nope", scale=0.125)
+    with pytest.raises(ValueError, match="do must have the shape of q"):
+        ops.dq(q, k, v, do[:, :-1], None, None, pp, template=t, scale=0.125)
+
+
+@pytest.mark.parametrize("family", ["mosaic", "triton"])
+@pytest.mark.parametrize("pass_", ["forward", "dq", "dkv"])
+def test_gpu_passes_lower_for_cuda(family, pass_):
+    """Every pass of both GPU families takes the real GPU path (not an interpreter) when
+    lowered for CUDA on an abstract H200 (``interpret=False``), with traced plan arrays."""
+    import jax
+    from cuda_lowering import lower_for_h200
+    ops, name, dtype, _ = FAMILIES[family]
+    t = templates.get(name)
+    sds = jax.ShapeDtypeStruct
+    B, L, Hq, Hkv, D = 1, 384, 4, 2, 128
+    q = sds((B, L, Hq, D), jnp.dtype(dtype))
+    kv = sds((B, L - 40, Hkv, D), jnp.dtype(dtype))
+    units, steps = sds((12, abi.UNIT_COLS), jnp.int32), sds((40, abi.STEP_COLS), jnp.int32)
+    if pass_ == "dkv":
+        tq, tk = ops.dkv_tiles(t, D)[:2]
+    else:
+        tq, tk = t.tile_q, t.tile_kv
+    plan = lambda u, s: abi.PassPlan(u, s, None, tq, tk, L, L, 4)         # noqa: E731
+    fns = {
+        "forward": lambda q, k, v, u, s: ops.forward(q, k, v, plan(u, s), template=t, scale=0.1,
+                                                     return_lse=True, interpret=False),
+        "dq": lambda q, k, v, u, s: ops.dq(q, k, v, q, rows_of(q), rows_of(q), plan(u, s),
+                                           template=t, scale=0.1, interpret=False),
+        "dkv": lambda q, k, v, u, s: ops.dkv(q, k, v, q, rows_of(q), rows_of(q), plan(u, s),
+                                             template=t, scale=0.1, interpret=False),
+    }
+    text = lower_for_h200(fns[pass_], q, kv, kv, units, steps)
+    assert ("mosaic_gpu" if family == "mosaic" else "__gpu$xla.gpu.triton") in text
+
+
+def rows_of(q):
+    """Zero lse / delta rows [B, Hq, Lq] for q."""
+    return jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+
+
+def test_a_pass_plan_is_a_pytree_traced_under_jit():
+    """A PassPlan is a jit argument (a device plan): its arrays trace, its statics stay keys
+    of the compiled executable; the forward equals the eager one on the host plan."""
+    import jax
+    ops, t, tol, mask, (q, k, v, do), p = problem("xla")
+    pp = pass_plan(p)
+    leaves, _ = jax.tree_util.tree_flatten(pp)
+    assert len(leaves) == 3                       # units, steps, row_index
+    f = jax.jit(lambda q, k, v, plan: ops.forward(q, k, v, plan, template=t, scale=0.125))
+    want = ops.forward(q, k, v, pp, template=t, scale=0.125)
+    np.testing.assert_array_equal(np.asarray(f(q, k, v, pp)), np.asarray(want))
+    no_rows = abi.PassPlan(p.units, p.steps, None, p.tile_q, p.tile_kv, p.q_len_padded,
+                           p.kv_len_padded, p.max_steps, p.all_full)
+    np.testing.assert_array_equal(np.asarray(f(q, k, v, no_rows)), np.asarray(want))

@@ -410,49 +410,6 @@ def test_backend_runner_takes_traced_plan_arrays(attention_calls, monkeypatch):
     assert calls == [(False, t.kernel.mask_mode)]
 
 
-def test_bad_input_raises():
-    q, k, v = random_qkv(1, 128, 128, 1, 1, 64, jnp.bfloat16, seed=2)
-    mask = tj.BlockMask.uniform(128, 128, 64, 64, np.ones((1, 2, 2), bool))
-    plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=128, tile_kv=64, q_align=8,
-                      kv_align=8)
-    args = (plan.units, plan.steps, plan.row_index)
-    kw = dict(template="mgpu_q128_kv64_s2_hm", q_len_padded=128, kv_len_padded=128)
-    with pytest.raises(ValueError, match="head_dim"):
-        q96 = jnp.zeros((1, 128, 1, 96), jnp.bfloat16)
-        mosaic.attention(q96, q96, q96, *args, **kw)
-    with pytest.raises(ValueError, match="dtypes"):
-        mosaic.attention(q.astype(jnp.float32), k.astype(jnp.float32),
-                         v.astype(jnp.float32), *args, **kw)
-    with pytest.raises(TypeError, match="share one dtype"):
-        mosaic.attention(q, k.astype(jnp.float16), v, *args, **kw)
-    with pytest.raises(ValueError, match="unknown template"):
-        mosaic.attention(q, k, v, *args, **{**kw, "template": "nope"})
-    with pytest.raises(ValueError, match="kv_len_padded"):
-        mosaic.attention(q, k, v, *args, **{**kw, "kv_len_padded": 100})
-    bad = np.array(plan.steps)
-    bad[0, plan_abi.STEP_KV_START] = 3          # not a multiple of kv_align
-    with pytest.raises(ValueError, match="kv_align"):
-        mosaic.attention(q, k, v, plan.units, bad, plan.row_index, **kw)
-    with pytest.raises(ValueError, match="units"):
-        mosaic.attention(q, k, v, plan.units[:, :5], plan.steps, plan.row_index, **kw)
-    cols = plan_abi.STEP_COLS
-    with pytest.raises(ValueError, match=rf"steps must have shape \[S >= 1, {cols}\]"):
-        mosaic.attention(q, k, v, plan.units, plan_abi.unpack_steps(plan.steps),
-                         plan.row_index, **kw)
-    # Rules the Mosaic wrapper took from the Triton one (abi.check_plan, the union of both):
-    # heads in range, and every unit's Q tile in bounds, padding units too (the kernel loads
-    # every unit's Q tile).
-    bad = np.array(plan.units)
-    bad[0, plan_abi.UNIT_HEAD] = 1              # Hq = 1
-    with pytest.raises(ValueError, match="head"):
-        mosaic.attention(q, k, v, bad, plan.steps, plan.row_index, **kw)
-    bad = np.zeros((plan.units.shape[0] + 1, plan_abi.UNIT_COLS), np.int32)
-    bad[:-1] = plan.units
-    bad[-1, plan_abi.UNIT_Q_START] = 64         # a padding unit (no steps) past q_len_padded
-    with pytest.raises(ValueError, match="q_len_padded"):
-        mosaic.attention(q, k, v, bad, plan.steps, plan.row_index, **kw)
-
-
 @pytest.mark.parametrize("base,kernel,mask_mode", [
     ("mgpu_q128_kv128_s2_hm", None, None),
     ("mgpu_q128_kv64_s2_hm", None, "none"),

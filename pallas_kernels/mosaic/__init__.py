@@ -1,5 +1,6 @@
 """Mosaic GPU (Hopper) kernel of plans: TMA, wgmma, warp specialisation.
 
-``wrapper``: plan and input checks, padding, the mask mode, ``attention`` (the entry point);
-``kernel``: the kernel body (``KernelConfig``, ``forward``).
+``ops``: the backend contract (``forward``, ``dq``, ``dkv``; ``pallas_kernels.contract``);
+``kernel``: the forward kernel body (``KernelConfig``, ``forward``); ``backward``: the dq and
+dk/dv kernels; ``common``: what they share; ``wrapper``: the pre-contract ``attention``.
 """

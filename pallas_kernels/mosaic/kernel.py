@@ -9,8 +9,9 @@ barrier (unless the config turns it off) so one warpgroup's softmax overlaps the
 matrix products. What differs from the dense kernel: the K/V tiles a unit visits, and
 how many, come from the plan's ``steps`` (read from GMEM at run time), and the mask is applied
 only on partial steps (a ``lax.cond`` skips it on full ones; mask mode "none", picked by the
-wrapper for a plan whose steps are all full, compiles no masking code; "always" masks every
-step). A ``lax.switch`` on STEP_CUTS_B picks the mask (``_step_mask``): for a plain step a
+backend for a plan whose steps are all full, compiles no masking code; "always" masks every
+step). A ``lax.switch`` on STEP_CUTS_B picks the mask (``_step_mask``, decoding by
+``pallas_kernels.step_masks`` and ``common``): for a plain step a
 per-key bias (0 / -inf) and a per-row penalty that the softmax applies, the cells of the
 grid for a grid step (``_grid_mask``: row and key vectors of the fragment's
 layouts, one and, compare and select per element), a bit per entry for a bitmap step
@@ -23,7 +24,7 @@ Layout of this module: ``KernelConfig`` (the static configuration), ``forward`` 
 launches the kernel), and the kernel's parts as functions of ``_Ctx`` (its static shape, refs
 and barriers): ``_consumer`` / ``_consumer_unit`` / ``_step`` (one K/V step: ``_compute_step``
 or ``_skip_step``) / ``_store`` for the consumer warpgroups, ``_producer`` / ``_load`` /
-``_drain`` for the TMA producer. ``pallas_kernels.mosaic.wrapper`` checks and pads the inputs.
+``_drain`` for the TMA producer. ``pallas_kernels.mosaic.ops`` checks and pads the inputs.
 """
 
 from __future__ import annotations
@@ -56,14 +57,9 @@ class KernelConfig(CompiledConfig):
     (tile_q query rows: 128, or 64 with ``paired``; tile_kv keys per step; ``stages`` ring
     slots) and the mask mode compiled ("none" only for plans whose steps are all full)."""
 
-    tile_q: int
-    tile_kv: int
-    stages: int
     variant: MosaicConfig = MosaicConfig()
-    mask_mode: str = "cond"
 
     VARIANT = MosaicConfig
-    MASK_MODES = MASK_MODES
 
     @property
     def paired(self) -> bool:

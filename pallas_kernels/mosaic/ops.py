@@ -30,15 +30,6 @@ FIRST_ORDER = True          # the kernels can't be differentiated again
 FOLD_VMAP = True            # no batching rule for TMA and barriers: vmap folds into the batch
 
 
-def forward(q, k, v, plan: abi.PassPlan, *, template: Template, scale: float,
-            return_lse: bool = False, interpret: bool | None = None, check_plan: bool = True):
-    """out [B, Lq, Hq, D] (q.dtype), or (out, lse [B, Hq, Lq] f32) with return_lse."""
-    t = contract.family_template(template, BACKEND)
-    scale = contract.check_pass(q, k, v, plan, t, scale)
-    mode = contract.forward_mask_mode(plan, t, q.shape[2], check_plan)
-    return run_forward(q, k, v, plan, t, mode, scale, return_lse, interpret)
-
-
 def run_forward(q, k, v, plan: abi.PassPlan, t: Template, mode: str, scale: float,
                 return_lse: bool, interpret):
     """``forward`` with the mask mode ``mode``, after the checks."""
@@ -55,14 +46,6 @@ def _check_tiles(plan: abi.PassPlan, *allowed) -> None:
     if (plan.tile_q, plan.tile_kv) not in allowed:
         raise ValueError(f"the Mosaic GPU kernel runs plans of tiles (tile_q, tile_kv) in "
                          f"{allowed}, got ({plan.tile_q}, {plan.tile_kv})")
-
-
-def dq(q, k, v, do, lse, delta, plan: abi.PassPlan, *, template: Template, scale: float,
-       interpret: bool | None = None):
-    """dq [B, Lq, Hq, D] over the forward pass plan. lse: ``backward_rows.lse_for_backward``
-    (+inf on empty rows); delta: rowsum(out * do) - dlse, [B, Hq, Lq] f32."""
-    return run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret,
-                  contract.BACKWARD_MASK_MODE)
 
 
 def run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
@@ -95,14 +78,6 @@ def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_
     return contract.gather_dq(dq_u, units, row_index_t, q.shape, tile_q)
 
 
-def dkv(q, k, v, do, lse, delta, plan: abi.PassPlan, *, template: Template, scale: float,
-        interpret: bool | None = None):
-    """(dk, dv) [B, Lkv, Hkv, D] over the dk/dv pass plan (the transposed mask's plan: units
-    are key tiles of one query head, steps query tiles); template: the forward's; GQA summed."""
-    return run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret,
-                   contract.BACKWARD_MASK_MODE)
-
-
 def run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
     """``dkv`` with the mask mode ``mode``."""
     t = contract.family_template(template, BACKEND)
@@ -127,6 +102,10 @@ def _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, *, tile_q, q_len_pa
         contract.pad(v, q_len_padded), contract.pad(do.astype(q.dtype), kv_len_padded), lse2,
         delta_p, units, steps, tile_q=tile_q, mode=mask_mode, scale=scale, interpret=interpret)
     return contract.gather_dkv(dk_u, dv_u, units, row_index_t, q.shape, k, v, tile_q)
+
+
+forward = contract.forward_op(BACKEND, run_forward)
+dq, dkv = contract.backward_ops(run_dq, run_dkv)
 
 
 def dkv_tiles(template: Template, head_dim: int) -> tuple[int, int, int, int]:

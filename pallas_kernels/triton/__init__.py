@@ -1,5 +1,6 @@
 """Pallas Triton-lowering kernel of plans (Ampere/Ada/Hopper).
 
-``wrapper``: plan and input checks, padding, the mask mode, ``attention`` (the entry point);
-``kernel``: the kernel body (``KernelConfig``, ``forward``).
+``ops``: the backend contract (``forward``, ``dq``, ``dkv``; ``pallas_kernels.contract``);
+``kernel``: the forward kernel body (``KernelConfig``, ``forward``); ``backward``: the dq and
+dk/dv kernels; ``delta``: the row dots; ``wrapper``: the pre-contract ``attention``.
 """

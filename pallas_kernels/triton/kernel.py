@@ -55,14 +55,9 @@ class KernelConfig(CompiledConfig):
     mask_mode: ``MASK_MODES``.
     """
 
-    tile_q: int
-    tile_kv: int
-    stages: int = 2
     variant: TritonConfig = TritonConfig()
-    mask_mode: str = "cond"
 
     VARIANT = TritonConfig
-    MASK_MODES = MASK_MODES
 
     @property
     def prefetch(self) -> bool:

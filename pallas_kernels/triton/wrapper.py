@@ -14,7 +14,7 @@ __all__ = ["KernelConfig", "attention", "mask_mode_for", "plan_mask_mode", "defa
            "MASK_MODES"]
 
 
-def _template(template, tile_q, tile_kv, num_warps, num_stages, prefetch):
+def _template_of(template, tile_q, tile_kv, num_warps, num_stages, prefetch):
     """The template given, or one of the direct arguments (num_stages defaults to 2)."""
     if template is None:
         if tile_q is None or tile_kv is None:
@@ -37,7 +37,7 @@ def attention(q, k, v, units, steps, row_index, *, q_len_padded, kv_len_padded, 
     """Compatibility shim over ops.forward; removed when the runtime uses ops."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    t = _template(template, tile_q, tile_kv, num_warps, num_stages, prefetch)
+    t = _template_of(template, tile_q, tile_kv, num_warps, num_stages, prefetch)
     plan = abi.PassPlan(units, steps, row_index, t.tile_q, t.tile_kv, q_len_padded,
                         kv_len_padded, 0)
     return contract.shim_forward(ops.run_forward, q, k, v, plan, t, scale, return_lse,

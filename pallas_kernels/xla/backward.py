@@ -5,7 +5,7 @@ Exact (float32 inside, HIGHEST precision), any device: the CPU/TPU path and the 
 backward kernels are checked against. Like the forward executor it never builds the dense
 [Lq, Lkv] matrix: work goes in chunks of units, each holding O(units x max_steps x tile_q x
 tile_kv) scores, and nothing but the gradients outlives a chunk. Every step kind (plain, grid,
-bitmap) selects what ``abi.step_mask`` says (``executor._selection``).
+bitmap) selects what ``abi.step_mask`` says (``executor.selection``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from jax import lax
 
 from pallas_kernels import abi
 from pallas_kernels import backward_rows as rows_
-from pallas_kernels.xla.executor import _CHUNK_ELEMS, _selection
+from pallas_kernels.xla.executor import CHUNK_ELEMS, selection
 
 _HI = lax.Precision.HIGHEST
 _STATICS = ("tile_q", "tile_kv", "q_len_padded", "kv_len_padded", "max_steps", "scale")
@@ -27,7 +27,7 @@ _STATICS = ("tile_q", "tile_kv", "q_len_padded", "kv_len_padded", "max_steps", "
 def _chunks(units, per_unit: int):
     """(units padded to whole chunks, reshaped [n, C, UNIT_COLS]; U) for ``lax.map``."""
     U = units.shape[0]
-    chunk = max(1, min(U, _CHUNK_ELEMS // max(per_unit, 1)))
+    chunk = max(1, min(U, CHUNK_ELEMS // max(per_unit, 1)))
     n = -(-U // chunk)
     units_p = jnp.pad(units, ((0, n * chunk - U), (0, 0)))   # padding units: no steps
     return units_p.reshape(n, chunk, -1), U
@@ -87,7 +87,7 @@ def dq(q, k, v, do, lse, delta, units, steps, row_index=None, *, tile_q, tile_kv
         kvh = (h // group)[:, None, None]
         kt, vt = kp[:, ki, kvh], vp[:, ki, kvh]                        # [B, C, M, Tk, D]
         s = jnp.einsum("bctd,bcmkd->bctmk", qt, kt, precision=_HI) * scale
-        sel = _selection(st, valid, flat, tile_q, tile_kv)[None]       # [1, C, T, M, Tk]
+        sel = selection(st, valid, flat, tile_q, tile_kv)[None]       # [1, C, T, M, Tk]
         p = jnp.where(sel, jnp.exp(s - lt[..., None, None]), 0.0)
         dp = jnp.einsum("bctd,bcmkd->bctmk", dot_, vt, precision=_HI)
         ds = p * (dp - dt[..., None, None])
@@ -126,7 +126,7 @@ def dkv(q, k, v, do, lse, delta, units, steps, row_index=None, *, tile_q, tile_k
         qt, dot_ = qp[:, qi, hq], dop[:, qi, hq]                       # [B, C, M, Tq, D]
         lt, dt = lse_p[:, hq, qi], delta_p[:, hq, qi]                  # [B, C, M, Tq]
         s = jnp.einsum("bctd,bcmkd->bctmk", kt, qt, precision=_HI) * scale
-        sel = _selection(st, valid, flat, tile_q, tile_kv)[None]       # [1, C, T, M, Tq]
+        sel = selection(st, valid, flat, tile_q, tile_kv)[None]       # [1, C, T, M, Tq]
         p = jnp.where(sel, jnp.exp(s - lt[:, :, None]), 0.0)
         dv = jnp.einsum("bctmk,bcmkd->bctd", p, dot_, precision=_HI)
         dp = jnp.einsum("bctd,bcmkd->bctmk", vt, dot_, precision=_HI)

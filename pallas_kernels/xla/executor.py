@@ -2,7 +2,7 @@
 
 Each step selects what the plan ABI says: its rectangle; for a grid step the selected cells of
 its <= 4 x 4 grid (``abi.grid_mask``); for a bitmap step the bits of its words (read from the
-flat ``steps``). Every kind is evaluated as one bit test per entry (``_selection``).
+flat ``steps``). Every kind is evaluated as one bit test per entry (``selection``).
 
 The CPU/TPU path, the fallback, and the independent check of every plan. It never builds the
 dense [Lq, Lkv] score matrix: memory is O(units x max_steps x tile_q x tile_kv), processed in
@@ -22,7 +22,7 @@ from pallas_kernels import abi
 from pallas_kernels.templates import Template
 
 # Units per chunk are chosen so that one chunk's scores stay near this many float32 elements.
-_CHUNK_ELEMS = 1 << 22
+CHUNK_ELEMS = 1 << 22
 
 
 @functools.lru_cache(maxsize=64)
@@ -57,7 +57,7 @@ def execute_plan(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_pad
     U = units.shape[0]
     M = max_steps
     per_unit = tile_q * M * tile_kv * B
-    chunk = max(1, min(U, _CHUNK_ELEMS // max(per_unit, 1)))
+    chunk = max(1, min(U, CHUNK_ELEMS // max(per_unit, 1)))
     n_chunks = -(-U // chunk)
     pad_u = n_chunks * chunk - U
     units_p = jnp.pad(units, ((0, pad_u), (0, 0)))  # padding units: zero steps, own nothing
@@ -83,7 +83,7 @@ def execute_plan(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_pad
                        preferred_element_type=acc_t, precision=lax.Precision.HIGHEST) * scale
         # The step's selection on [C, T, M, Tk]: row t of the unit's tile, step m, key c of
         # its K/V tile.
-        sel = _selection(st, valid, flat, tile_q, tile_kv)
+        sel = selection(st, valid, flat, tile_q, tile_kv)
         s = jnp.where(sel[None], s, -jnp.inf)
         m = jnp.max(s, axis=(-2, -1), keepdims=True)
         m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
@@ -108,7 +108,7 @@ def execute_plan(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_pad
     return (out, lse) if return_lse else out
 
 
-def _selection(st, valid, flat, tile_q, tile_kv):
+def selection(st, valid, flat, tile_q, tile_kv):
     """[C, T, M, Tk] bool: whether row t of the unit's tile and key c of step m's K/V tile are
     selected, for the steps st [C, M, STEP_COLS] (valid [C, M]: the unit has step m).
 
@@ -116,8 +116,9 @@ def _selection(st, valid, flat, tile_q, tile_kv):
     small arrays ([C, T, M, W] and [C, M, Tk], W = ``abi.bitmap_words(tile_kv)``), so each
     entry costs an and and a compare whatever the plan holds:
       * a grid step (``abi.grid_mask``): row_word = the 4-bit row of its cell matrix for the
-        row's segment, key_bit = 1 << the key's segment (the Triton kernel's ``_grid_keep``);
-        a plain step is the grid of one selected cell (row_word = key_bit = 1);
+        row's segment, key_bit = 1 << the key's segment (as the Pallas kernels'
+        ``step_masks.grid_vectors``); a plain step is the grid of one selected cell (row_word
+        = key_bit = 1);
       * a bitmap step (cuts_b == BITMAP_FLAG): row_word = word(t, w) = flat[off + w * tile_q
         + t] (off = cuts_a, flat = steps.reshape(-1)), key_bit = 1 << (c % 32).
     Both are 0 outside the step's rectangle (rows / keys) and for m >= the unit's step count.

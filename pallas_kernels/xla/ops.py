@@ -39,7 +39,7 @@ def forward(q, k, v, plan: abi.PassPlan, *, template: Template, scale: float,
                                   return_lse=bool(return_lse))
 
 
-def _pass(fn, q, k, v, do, lse, delta, plan: abi.PassPlan, template, scale, transposed):
+def _run(fn, q, k, v, do, lse, delta, plan: abi.PassPlan, template, scale, transposed):
     t = contract.family_template(template, BACKEND)
     scale = contract.check_pass(q, k, v, plan, t, scale, do=do, transposed=transposed)
     return fn(q, k, v, do, lse, delta, plan.units, plan.steps, plan.row_index,
@@ -48,18 +48,17 @@ def _pass(fn, q, k, v, do, lse, delta, plan: abi.PassPlan, template, scale, tran
               max_steps=int(plan.max_steps), scale=scale)
 
 
-def dq(q, k, v, do, lse, delta, plan: abi.PassPlan, *, template: Template, scale: float,
-       interpret: bool | None = None):
-    """dq [B, Lq, Hq, D] over the forward pass plan. lse: ``backward_rows.lse_for_backward``
-    (+inf on empty rows); delta: rowsum(out * do) - dlse, [B, Hq, Lq] f32."""
-    return _pass(_backward.dq, q, k, v, do, lse, delta, plan, template, scale, False)
+def run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret=None, mode=None):
+    """dq by ``backward.dq`` (exact: every step masked as ``abi.step_mask`` says, any mode)."""
+    return _run(_backward.dq, q, k, v, do, lse, delta, plan, template, scale, False)
 
 
-def dkv(q, k, v, do, lse, delta, plan: abi.PassPlan, *, template: Template, scale: float,
-        interpret: bool | None = None):
-    """(dk, dv) [B, Lkv, Hkv, D] over the dk/dv pass plan (the transposed mask's plan: units
-    are key tiles of one query head, steps query tiles); template: the forward's; GQA summed."""
-    return _pass(_backward.dkv, q, k, v, do, lse, delta, plan, template, scale, True)
+def run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret=None, mode=None):
+    """(dk, dv) by ``backward.dkv`` (exact, any mode)."""
+    return _run(_backward.dkv, q, k, v, do, lse, delta, plan, template, scale, True)
+
+
+dq, dkv = contract.backward_ops(run_dq, run_dkv)
 
 
 def dkv_tiles(template: Template, head_dim: int) -> tuple[int, int, int, int]:
