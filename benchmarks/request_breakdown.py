@@ -98,8 +98,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--plan-threads", type=int, default=None,
-                    help="the planner's threads (PlannerConfig.threads); not available until "
-                         "the runtime takes planner options")
+                    help="the planner's threads (tj.Options(planner=PlannerConfig(threads=N)); "
+                         "default: PlannerConfig's)")
     a = ap.parse_args(argv)
     import jax
     from tqdm import tqdm
@@ -107,17 +107,17 @@ def main(argv=None) -> dict:
     import tessera_jax as tj
     from tessera_jax.tools import timing
     from request_cases import bf16_inputs, first_test_mask, forget_request_caches
-    from tessera_jax.runtime import api
     from tessera_jax.runtime import dispatch as backends
-    from tessera_jax.planning import planner
+    from tessera_jax.runtime import host_plans
+    from tessera_jax.planning import PlannerConfig, planner
     from tessera_jax.masks import corpus
     from tessera_jax.validation import check_shapes
 
-    if a.plan_threads is not None:
-        raise SystemExit("--plan-threads: the runtime takes no PlannerConfig yet")
+    config = PlannerConfig() if a.plan_threads is None else PlannerConfig(threads=a.plan_threads)
+    opts = tj.Options(planner=config)
     planner.warm_up()
     res = {"device": str(jax.devices()[0]), "host": host_info(), "put_probe": put_probe(),
-           "planner_threads": planner.PlannerConfig().threads, "rows": []}
+           "planner_threads": config.threads, "rows": []}
     print(json.dumps(res["host"]), flush=True)
     specs = corpus("test")
 
@@ -129,7 +129,7 @@ def main(argv=None) -> dict:
         q, k, v = bf16_inputs(m, H)
         shape = check_shapes(q.shape, k.shape, q.dtype)
         be = backends.resolve(None, shape)
-        call = lambda: tj.sparse_attention(q, k, v, m)  # noqa: E731
+        call = lambda: tj.sparse_attention(q, k, v, m, options=opts)  # noqa: E731
         jax.block_until_ready(call())                       # compiles
         rec = {k_: [] for k_ in ("select_ms", "plan_ms", "put_ms", "dispatch_ms", "request_ms",
                                  "gc_ms", "cached_call_ms", "cached_dispatch_ms")}
@@ -147,10 +147,10 @@ def main(argv=None) -> dict:
             for _ in range(a.iters):
                 clear()
                 t = time.perf_counter()
-                tp, pol = api._choose_template(m, shape, be)
+                tp, pol = host_plans.choose_template(m, shape, be)
                 rec["select_ms"].append((time.perf_counter() - t) * 1e3)
                 t = time.perf_counter()
-                p = tj.plan(m, q.shape, k.shape, q.dtype, template=tp, policy=pol)
+                p = tj.plan(m, q.shape, k.shape, q.dtype, template=tp, policy=pol, options=opts)
                 rec["plan_ms"].append((time.perf_counter() - t) * 1e3)
                 t = time.perf_counter()
                 jax.block_until_ready(jax.device_put((p.units, p.steps)))
@@ -178,7 +178,8 @@ def main(argv=None) -> dict:
         finally:
             gc.callbacks.remove(on_gc)
         # eager (called as given, cached executables): the kernel rule of every benchmark
-        kt = timing.time_kernel(lambda q_, k_, v_: tj.sparse_attention(q_, k_, v_, m), [(q, k, v)],
+        kt = timing.time_kernel(lambda q_, k_, v_: tj.sparse_attention(q_, k_, v_, m, options=opts),
+                                [(q, k, v)],
                                 rule=timing.KERNEL_RULE)
         clear()
         prof = cProfile.Profile()
@@ -188,7 +189,7 @@ def main(argv=None) -> dict:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(25)
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-        p = tj.plan(m, q.shape, k.shape, q.dtype)
+        p = tj.plan(m, q.shape, k.shape, q.dtype, options=opts)
         from tessera_jax.runtime import dense_route
         routed = dense_route.takes(m, shape, be, False)
         row = {"mask": item, "id": spec["id"], "density": m.density, "heads": H,

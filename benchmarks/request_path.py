@@ -24,9 +24,6 @@ def _med(xs):
 
 
 def main(argv=None) -> dict:
-    # The switch is PlannerConfig(share_step_lists=...) now, an argument of planner.build_plan;
-    # the runtime (tj.sparse_attention) takes no planner options yet.
-    raise SystemExit("request_path.py: the runtime takes no PlannerConfig yet (issue 30)")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--masks", nargs="+", default=["dense:hy720", "ssta:hy720", "svg2:hy720"],
                     help="FAMILY:GRID of the corpus test split (its first mask there)")
@@ -40,7 +37,7 @@ def main(argv=None) -> dict:
 
     import tessera_jax as tj
     from request_cases import bf16_inputs, first_test_mask, forget_request_caches
-    from tessera_jax.planning import planner
+    from tessera_jax.planning import PlannerConfig, planner
     from tessera_jax.masks import corpus
 
     specs = corpus("test")
@@ -54,12 +51,13 @@ def main(argv=None) -> dict:
         fam, grid = item.split(":")
         spec, m = first_test_mask(item, a.heads, specs)
         q, k, v = bf16_inputs(m, a.heads)
-        call = lambda: tj.sparse_attention(q, k, v, m)  # noqa: E731
+        opts = {flag: tj.Options(planner=PlannerConfig(share_step_lists=flag))
+                for flag in (False, True)}
         row = {"id": spec["id"], "family": fam, "grid": grid, "density": m.density, "by": {}}
         outs = {}
         for _ in range(a.rounds):
             for flag in (False, True):
-                planner.SHARE_STEP_LISTS = flag
+                call = lambda: tj.sparse_attention(q, k, v, m, options=opts[flag])  # noqa: E731
                 clear()
                 outs[flag] = np.asarray(jax.block_until_ready(call()), np.float32)  # compiles
                 rec = row["by"].setdefault(str(flag), {"request_ms": [], "plan_ms": [],
@@ -71,7 +69,7 @@ def main(argv=None) -> dict:
                     rec["request_ms"].append((time.perf_counter() - t0) * 1e3)
                     clear()
                     t0 = time.perf_counter()
-                    p = tj.plan(m, q.shape, k.shape, q.dtype)
+                    p = tj.plan(m, q.shape, k.shape, q.dtype, options=opts[flag])
                     rec["plan_ms"].append((time.perf_counter() - t0) * 1e3)
                     arrays = (p.units, p.steps)    # what an eager request copies
                     t0 = time.perf_counter()
@@ -99,7 +97,6 @@ def main(argv=None) -> dict:
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(res, f, indent=1)
-    planner.SHARE_STEP_LISTS = True
     return res
 
 

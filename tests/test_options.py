@@ -149,3 +149,23 @@ def test_planner_config_is_validated_and_hashable():
         build_plan(tj.BlockMask.uniform(64, 64, 64, 64, np.ones((1, 1, 1), bool)),
                    (1, 64, 1, 8), (1, 64, 1, 8), jnp.float32, tile_q=64, tile_kv=64,
                    config={"threads": 1})
+
+
+def test_planner_config_travels_in_options():
+    """``tj.Options(planner=...)`` reaches the host planner and keys the plan cache: the two
+    settings give two plans, each made with its config, and the same output."""
+    import jax
+
+    rng = np.random.default_rng(0)
+    m = tj.BlockMask.uniform(512, 512, 64, 64, rng.random((1, 8, 8)) < 0.5)
+    off = tj.Options(planner=PlannerConfig(share_step_lists=False))
+    a = tj.plan(m, (1, 512, 2, 64), (1, 512, 2, 64), "float32", options=off)
+    b = tj.plan(m, (1, 512, 2, 64), (1, 512, 2, 64), "float32")
+    assert a is not b and not a.config.share_step_lists and b.config.share_step_lists
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 512, 2, 64), jnp.float32)
+               for i in range(3))
+    np.testing.assert_array_equal(
+        np.asarray(tj.sparse_attention(q, k, v, m, options=off, backend="xla")),
+        np.asarray(tj.sparse_attention(q, k, v, m, backend="xla")))
+    with pytest.raises(TypeError, match="planner must be"):
+        tj.Options(planner={"threads": 1})

@@ -112,11 +112,12 @@ def _plan_bytes(p: Plan) -> int:
 _PLANS = PlanCache()
 
 
-def _key(mask, q_shape, kv_shape, dtype, template, policy, backend):
+def _key(mask, q_shape, kv_shape, dtype, template, policy, backend, planner_config):
     """The front cache's key of a request, or None when an argument is unhashable (the checks
     then say what is wrong)."""
     try:
-        key = (mask, tuple(q_shape), tuple(kv_shape), np.dtype(dtype), template, policy, backend)
+        key = (mask, tuple(q_shape), tuple(kv_shape), np.dtype(dtype), template, policy, backend,
+               planner_config)
         hash(key)
     except TypeError:
         return None
@@ -124,13 +125,13 @@ def _key(mask, q_shape, kv_shape, dtype, template, policy, backend):
 
 
 def _planned(key, mask: BlockMask, shape: AttnShape, backend: str, t: Template | None,
-             policy: str | None, auto: bool) -> Plan:
+             policy: str | None, auto: bool, options: Options) -> Plan:
     """The plan of a validated request (``key`` from ``_key``, None: not cached; ``backend``
     resolved, ``t`` the caller's template or None, ``auto``: nothing chosen by the caller)."""
     hit = _PLANS.get(key)
     if hit is not None:
         return hit
-    p = host_plans.build(mask, shape, backend, t, policy)
+    p = host_plans.build(mask, shape, backend, t, policy, options)
     if auto and dense_route.takes(mask, shape, backend, False):
         p = dataclasses.replace(p, dense_route=True)   # the planner's cached plan stays as is
     if key is not None:
@@ -139,7 +140,8 @@ def _planned(key, mask: BlockMask, shape: AttnShape, backend: str, t: Template |
 
 
 def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
-         policy: str | None = None, backend: str | None = None) -> Plan:
+         policy: str | None = None, backend: str | None = None,
+         options: Options | None = None) -> Plan:
     """The plan ``sparse_attention`` runs for a call of these shapes and arguments (cached by
     mask digest: the same object ``sparse_attention`` uses).
 
@@ -149,7 +151,8 @@ def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
     says so: ``Plan.dense_route`` is True and ``describe()`` starts with it; the plan is then
     what runs with ``return_lse=True`` or if cuDNN refuses the call.
     """
-    key = _key(mask, q_shape, kv_shape, dtype, template, policy, backend)
+    options = check_options(options)
+    key = _key(mask, q_shape, kv_shape, dtype, template, policy, backend, options.planner)
     hit = _PLANS.get(key)
     if hit is not None:
         return hit
@@ -162,7 +165,7 @@ def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
     _check_policy(policy)
     be, t = _target(shape, backend, template, runs_here=False)
     return _planned(key, mask, shape, be, t, policy,
-                    template is None and policy is None and backend is None)
+                    template is None and policy is None and backend is None, options)
 
 
 def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, backend=None,
@@ -207,8 +210,9 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
             return dense_route.attention(q, k, v, scale)
         except (NotImplementedError, ValueError) as e:   # cuDNN refused this call
             dense_route.warn_fallback(e)
-    key = (mask, tuple(q.shape), tuple(k.shape), shape.dtype, template, policy, backend)
-    p = _planned(key, mask, shape, be, t, policy, auto)
+    key = (mask, tuple(q.shape), tuple(k.shape), shape.dtype, template, policy, backend,
+           options.planner)
+    p = _planned(key, mask, shape, be, t, policy, auto, options)
     return core.attention(q, k, v, host_plans.attention_plan(p, options), scale, return_lse,
                           options)
 

@@ -44,9 +44,10 @@ def choose_template(mask: BlockMask, shape: AttnShape, backend: str) -> tuple[st
 
 
 def build(mask: BlockMask, shape: AttnShape, backend: str, t: Template | None,
-          policy: str | None) -> planner.Plan:
+          policy: str | None, options: Options = DEFAULT) -> planner.Plan:
     """The forward's planner ``Plan`` of a validated request: ``t`` and ``policy`` as given,
-    else chosen (``choose_template``), else the template's own policy."""
+    else chosen (``choose_template``), else the template's own policy; planned with
+    ``options.planner``."""
     if t is None:
         name, chosen = choose_template(mask, shape, backend)
         t = dispatch.get_template(name)
@@ -54,7 +55,7 @@ def build(mask: BlockMask, shape: AttnShape, backend: str, t: Template | None,
     return planner.build_unchecked(mask, shape, tile_q=t.tile_q, tile_kv=t.tile_kv,
                                    policy=policy or t.policy, q_align=t.q_align,
                                    kv_align=t.kv_align, template=t.name,
-                                   unit_order=t.unit_order)
+                                   unit_order=t.unit_order, config=options.planner)
 
 
 class _Passes:
@@ -167,5 +168,5 @@ def dkv_candidates(plan: planner.Plan, backend: str,
     return [(planner.build_unchecked(tmask, shape, tile_q=x[0], tile_kv=x[1], policy=pol,
                                      q_align=x[2], kv_align=x[3],
                                      template=f"bwd_dkv_{backend}_{x[0]}x{x[1]}",
-                                     unit_order="head_major"), per_sm)
+                                     unit_order="head_major", config=plan.config), per_sm)
             for x, pol, per_sm in opts]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tessera_jax.planning.config import PlannerConfig
+
 __all__ = ["Options", "DEFAULT"]
 
 _DKV_POLICIES = ("merge", "pack")        # the host planner's policies a dk/dv plan may use
@@ -32,6 +34,8 @@ class Options:
         error 18%, and it orders all three masks' plans as measured.
     interpret: run the Pallas kernels (Mosaic GPU, Triton) in interpret mode; None: exactly
         when jax's default backend is not a GPU.
+    planner: the host planner's options (``planning.PlannerConfig``) for the forward and the
+        dk/dv plans of static masks.
     """
 
     bitmap_budget_bytes: int = 512 << 20
@@ -39,6 +43,7 @@ class Options:
     paired_dkv_policy: str | None = "pack"
     dkv_ns_per_interaction_d128: float = 2.58e-3
     interpret: bool | None = None
+    planner: PlannerConfig = PlannerConfig()
 
     def __post_init__(self):
         b = self.bitmap_budget_bytes
@@ -56,6 +61,9 @@ class Options:
         ns = self.dkv_ns_per_interaction_d128
         if isinstance(ns, bool) or not isinstance(ns, (int, float)) or not ns > 0:
             raise ValueError(f"dkv_ns_per_interaction_d128 must be a positive float, got {ns!r}")
+        if not isinstance(self.planner, PlannerConfig):
+            raise TypeError(f"planner must be a tessera_jax.planning.PlannerConfig, got "
+                            f"{type(self.planner).__name__}")
         if self.interpret is not None and not isinstance(self.interpret, bool):
             raise TypeError(f"interpret must be a bool or None, got "
                             f"{type(self.interpret).__name__}")
