@@ -265,7 +265,7 @@ def enable_compilation_cache(path: str, min_compile_time_secs: float = 0.0) -> N
 
 
 def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=False,
-               scale=None) -> list[Plan]:
+               scale=None, options: Options | None = None) -> list[Plan]:
     """Plans every mask and compiles the executables they need, off the request path.
 
     One executable per distinct (template, capacity bucket); with
@@ -285,11 +285,12 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
     k = jnp.zeros(tuple(kv_shape), shape.dtype)
     plans, seen = [], set()
     for m in masks:
-        p = plan(m, q_shape, kv_shape, dtype, backend=backend)
+        p = plan(m, q_shape, kv_shape, dtype, backend=backend, options=options)
         plans.append(p)
         key = (p.template, p.capacities)
         if key not in seen:
             seen.add(key)
             jax.block_until_ready(sparse_attention(q, k, k, m, backend=backend, scale=scale,
+                                                   options=options,
                                                    return_lse=return_lse))
     return plans
