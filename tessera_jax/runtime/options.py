@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from tessera_jax.planning.config import PlannerConfig
+from tessera_jax.select.device import BITMAP_BUDGET_BYTES
 
 __all__ = ["Options", "DEFAULT"]
 
@@ -38,7 +39,7 @@ class Options:
         dk/dv plans of static masks.
     """
 
-    bitmap_budget_bytes: int = 512 << 20
+    bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES
     dkv_policies: tuple[str, ...] = _DKV_POLICIES
     paired_dkv_policy: str | None = "pack"
     dkv_ns_per_interaction_d128: float = 2.58e-3
