@@ -3,8 +3,9 @@ kernels: the checks of q / k / v, of a pass plan's padded lengths and of the sca
 interpret-mode rule, the mask mode a plan runs with, the padding and the gathering of the
 unit-major outputs.
 
-Each family's ``ops`` module (``forward``, ``dq``, ``dkv``, one signature for all three) calls
-these, so a rule changes in one place.
+Each family's ``ops`` module gets its ``forward`` (GPU families), ``dq`` and ``dkv`` from
+``forward_op`` / ``backward_ops`` here (one signature for all three families) and supplies only
+its ``run_*`` functions, so a rule changes in one place.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from pallas_kernels import templates as _templates
 from pallas_kernels.templates import Template
 
 __all__ = ["family_template", "default_interpret", "mosaic_interpret", "triton_interpret",
-           "check_qkv", "check_padded", "check_scale", "check_pass", "mask_mode_for",
-           "plan_mask_mode", "forward_mask_mode", "plan_operands", "pad", "forward_call",
-           "gather_dq", "gather_dkv", "FLOAT_DTYPES", "MASK_MODES"]
+           "check_qkv", "check_padded", "check_scale", "check_pass", "check_pass_plan",
+           "mask_mode_for", "plan_mask_mode", "forward_mask_mode", "is_host", "forward_op",
+           "backward_ops", "plan_operands", "pad", "forward_call", "gather_dq", "gather_dkv",
+           "shim_forward", "FLOAT_DTYPES", "MASK_MODES", "BACKWARD_MASK_MODE", "LOG2E", "LN2"]
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 MASK_MODES = _templates.CompiledConfig.MASK_MODES     # what a compiled kernel config takes

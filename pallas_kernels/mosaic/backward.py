@@ -44,7 +44,8 @@ from pallas_kernels.contract import LOG2E
 from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask, grid_mask,
                                           iota)
 
-__all__ = ["dq", "dkv", "DKV_TILES", "DKV_PAIRED_TILES", "STAGES", "smem_bytes"]
+__all__ = ["dq_call", "dkv_call", "dq", "dkv", "DKV_TILES", "DKV_PAIRED_TILES", "STAGES",
+           "smem_bytes"]
 
 STAGES = 2                      # ring slots of the streamed tiles
 #: The transposed plan's (keys per unit, queries per step, key align, query align).
