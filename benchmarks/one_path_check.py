@@ -14,7 +14,7 @@ identical bit for bit.
     bash benchmarks/one_path_check_old.sh
     python3 benchmarks/one_path_check.py --old-root .carry/old --out $OUT/h200-one-path-check.json
 
-Then (``checks``, first in the run) every GPU template of ``pallas_kernels.templates`` and
+Then (``checks``) every GPU template of ``pallas_kernels.templates`` and
 both device routes (shared and per-head bounds) on fresh random masks against the float32
 reference, forward (out, lse) and backward (dq, dk, dv): variable bounds, per-head blocks, an
 empty query block, GQA, head dims 128 and 64.
@@ -218,7 +218,8 @@ def main():
     res = dict(command=" ".join(sys.argv), old_commit="4ae09b7",
                started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                env=dict(python=platform.python_version(), jax=jax.__version__,
-                        device_kind=jax.devices()[0].device_kind),
+                        device_kind=jax.devices()[0].device_kind,
+                        plan_tables=str(tj.select.ranking.table_dir())),
                rule=rule.to_json(), cases=[], checks=[])
 
     def save():
@@ -239,10 +240,6 @@ def main():
     deadline = T0 + args.budget_s
     timings = []
     sections = set(args.sections.split(","))
-    if "checks" in sections:
-        run_checks(jax, jnp, tj, res, save, deadline,
-                   ["xla_64x64"] if args.tiny else CHECK_TEMPLATES,
-                   ["xla"] if args.tiny else ["mosaic_gpu", "triton"])
     for name, mname, route, pss, opts in CASES:
         if "compare" not in sections or (wanted is not None and name not in wanted):
             continue
@@ -285,6 +282,10 @@ def main():
         res["cases"].append(rec)
         save()
 
+    if "checks" in sections:
+        run_checks(jax, jnp, tj, res, save, deadline,
+                   ["xla_64x64"] if args.tiny else CHECK_TEMPLATES,
+                   ["xla"] if args.tiny else ["mosaic_gpu", "triton"])
     done = [c for c in res["cases"] if "new_over_old" in c]
     try:
         rule_used = timing.assert_same_rule(timings, "one-path check")

@@ -569,3 +569,17 @@ def test_selection_benchmark_cost_only(tmp_path, capsys):
                 "selection_ms_wan720_cached"):
         assert isinstance(res["summary"][key], float) and res["summary"][key] > 0, key
     assert "selection_ms_wan720" in capsys.readouterr().out
+
+
+def test_a_stale_table_folder_does_not_hide_the_source_tables(tmp_path):
+    """A checkout with an empty (or raw-only) ``tessera_jax/plan_tables/`` left behind still
+    finds the top-level ``plan_tables/`` (an H200 run once fell back to the heuristic so);
+    a wheel's own folder wins when it holds tables."""
+    from tessera_jax.select import ranking as R
+    pkg = tmp_path / "tessera_jax"
+    (pkg / "plan_tables" / "raw").mkdir(parents=True)
+    (tmp_path / "plan_tables").mkdir()
+    (tmp_path / "plan_tables" / "h200.json").write_text("{}")
+    assert R._table_dir_of(pkg) == tmp_path / "plan_tables"
+    (pkg / "plan_tables" / "h200.json").write_text("{}")
+    assert R._table_dir_of(pkg) == pkg / "plan_tables"

@@ -102,9 +102,15 @@ def _package_table_dir() -> pathlib.Path:
     """``tessera_jax/plan_tables`` of an installed wheel (``pyproject.toml`` maps the top-level
     folder there), else ``plan_tables/`` next to the package in a checkout or an editable
     install (once: ``select`` asks on every request)."""
-    pkg = pathlib.Path(str(importlib.resources.files(_TABLE_PACKAGE)))
-    shipped = pkg / _TABLE_SUBDIR
-    return shipped if shipped.is_dir() else pkg.parent / _TABLE_SUBDIR
+    return _table_dir_of(pathlib.Path(str(importlib.resources.files(_TABLE_PACKAGE))))
+
+
+def _table_dir_of(pkg: pathlib.Path) -> pathlib.Path:
+    """The tables of the package at ``pkg``: its own ``plan_tables/`` when it holds tables (a
+    wheel), else the source tree's top-level one; a folder without tables (a stale one left
+    in a checkout) never hides the source tree's."""
+    shipped, source = pkg / _TABLE_SUBDIR, pkg.parent / _TABLE_SUBDIR
+    return shipped if any(shipped.glob("*.json")) or not source.is_dir() else source
 
 
 def gpu_name(device_kind: str) -> str:
