@@ -160,13 +160,13 @@ def check_case(jax, jnp, tj, rng, *, D, Hq, Hkv, route, opts):
     return rec
 
 
-def run_checks(jax, jnp, tj, res, save, deadline, templates, backends):
+def run_checks(jax, jnp, tj, res, save, deadline, templates, backends, start=0):
     rng = np.random.default_rng(20261204)
     plan = [(dict(template=t), "host", D, heads) for t in templates
             for D, heads in ((128, (4, 2)), (64, (2, 2)))]
     plan += [(dict(backend=b), route, 128, (4, 2)) for b in backends
              for route in ("device", "perhead")]
-    for opts, route, D, (Hq, Hkv) in plan:
+    for opts, route, D, (Hq, Hkv) in plan[start:]:
         rec = dict(options=opts, route=route, D=D, Hq=Hq, Hkv=Hkv)
         if time.time() > deadline:
             rec["skipped"] = "time"
@@ -199,6 +199,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=4, help="alternated rounds per case (even)")
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--cases", default=None, help="comma list of case names (default all)")
+    ap.add_argument("--check-from", type=int, default=0,
+                    help="skip the first N checks (a run cut short continues where it stopped)")
     ap.add_argument("--tiny", action="store_true", help="a CPU smoke run: a small grid, XLA")
     ap.add_argument("--sections", default="compare,checks",
                     help="compare (new against old) and/or checks (every GPU template and "
@@ -285,7 +287,7 @@ def main():
     if "checks" in sections:
         run_checks(jax, jnp, tj, res, save, deadline,
                    ["xla_64x64"] if args.tiny else CHECK_TEMPLATES,
-                   ["xla"] if args.tiny else ["mosaic_gpu", "triton"])
+                   ["xla"] if args.tiny else ["mosaic_gpu", "triton"], args.check_from)
     done = [c for c in res["cases"] if "new_over_old" in c]
     try:
         rule_used = timing.assert_same_rule(timings, "one-path check")

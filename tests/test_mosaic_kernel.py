@@ -334,6 +334,7 @@ def attention_calls(monkeypatch):
     """The Mosaic GPU forward (``ops.run_forward``, after the contract's checks) under the
     interpreter, recording (plan arrays are NumPy, mask mode) of every call the backend
     runner makes."""
+    from pallas_kernels import contract
     from pallas_kernels.mosaic import ops
     calls = []
     real = ops.run_forward
@@ -342,7 +343,7 @@ def attention_calls(monkeypatch):
         calls.append((isinstance(plan.units, np.ndarray), mode))
         return real(q, k, v, plan, t, mode, *a)
 
-    monkeypatch.setattr(ops, "run_forward", spy)
+    monkeypatch.setattr(ops, "forward", contract.forward_op(ops.BACKEND, spy))
     return calls
 
 

@@ -13,7 +13,7 @@ import contextlib
 import sys
 import threading
 
-__all__ = ["Parser", "positive_int", "nonnegative_int", "positive_float", "fraction",
+__all__ = ["Parser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "fraction",
            "int_tuple", "missing_extra", "ticking"]
 
 
@@ -51,6 +51,11 @@ def nonnegative_int(text: str) -> int:
 def positive_float(text: str) -> float:
     """A finite float > 0."""
     return _number(text, float, "a finite number > 0", lambda x: 0 < x < float("inf"))
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite float >= 0."""
+    return _number(text, float, "a finite number >= 0", lambda x: 0 <= x < float("inf"))
 
 
 def fraction(text: str) -> float:

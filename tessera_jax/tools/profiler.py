@@ -538,8 +538,8 @@ def parser():
                     help="profile the first K heads (default 4; 0: all heads)")
     ap.add_argument("--families", nargs="+", choices=sorted(FAMILIES), metavar="FAMILY",
                     help="only these mask families (of: %(choices)s)")
-    ap.add_argument("--time-budget", type=cli.positive_float,
-                    help="stop measuring after S seconds, then fit")
+    ap.add_argument("--time-budget", type=cli.nonnegative_float,
+                    help="stop measuring after S seconds, then fit (0: fit what the raw file has)")
     ap.add_argument("--max-error-streak", type=cli.positive_int, default=MAX_ERROR_STREAK,
                     help=f"stop after N failed timings in a row (default {MAX_ERROR_STREAK})")
     ap.add_argument("--fit-only", action="store_true", help="refit the table from the raw file")
