@@ -13,8 +13,8 @@ import contextlib
 import sys
 import threading
 
-__all__ = ["Parser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "fraction",
-           "int_tuple", "missing_extra", "ticking"]
+__all__ = ["Parser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float",
+           "fraction", "int_tuple", "missing_extra", "ticking"]
 
 
 class Parser(argparse.ArgumentParser):
