@@ -328,3 +328,24 @@ def test_clear_caches_makes_the_next_call_a_new_mask_request(monkeypatch, tmp_pa
             tj.clear_caches(fresh_process="yes")
     finally:
         tj.clear_caches(fresh_process=True)
+
+
+def test_describe_says_how_the_plan_was_chosen_and_for_which_machine():
+    """``describe()`` names the source of the template choice (table, heuristic, default or
+    the caller) and says its time estimate is the cost model's, not this machine's."""
+    import warnings
+
+    from tessera_jax.select import ranking
+    from tessera_jax.validation import check_shapes
+    m = tj.BlockMask.uniform(512, 512, 64, 64, np.random.default_rng(0).random((2, 8, 8)) < .5)
+    shapes = ((1, 512, 2, 64), (1, 512, 2, 64), "float32")
+    d = tj.plan(m, *shapes, backend="xla").describe()
+    assert "chosen by the XLA backend's default template" in d
+    assert "cost model (an H200-class GPU of 132 SMs" in d
+    assert "chosen by the caller's template;" in tj.plan(m, *shapes, template="xla_128x128").describe()
+    assert "caller's template and policy" in tj.plan(m, *shapes, template="xla_128x128",
+                                                     policy="split").describe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # no table for this CPU: warned once
+        src = ranking.source(m, check_shapes(*shapes), "mosaic_gpu")
+    assert src.startswith("the documented heuristic (no usable table for")

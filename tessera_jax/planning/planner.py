@@ -192,6 +192,9 @@ class Plan:
     # GPU, see ``tessera_jax.runtime.dense_route``), so this plan runs only for return_lse=True
     # or where cuDNN refuses the call. ``describe()`` says so.
     dense_route: bool = False
+    # Set by the runtime: where the template and policy came from (a ranking table, the
+    # heuristic, the caller), in words for ``describe()``; "" when the planner was called alone.
+    chosen_by: str = ""
     # Rows of ``steps`` after the num_steps step rows that hold bitmap steps' words
     # (``abi.BITMAP_FLAG``): [num_steps, num_steps + bitmap_rows), never visited as steps; the
     # rest of the capacity is zero padding.
@@ -276,20 +279,22 @@ class Plan:
                  "all-selected mask (no LSE); this plan runs only with return_lse=True or if "
                  "cuDNN refuses the call. " if self.dense_route else "")
         if s["fallback_heads"]:
-            pol += (f"; {s['fallback_heads']} heads planned by split, {self.policy}'s plan "
-                    f"computed more than dense")
+            pol += (f"; {s['fallback_heads']} heads planned by split, where {self.policy} "
+                    f"would compute more than a dense plan of these tiles")
         dense = s["dense_interactions"]
+        chosen = f"chosen by {self.chosen_by}; " if self.chosen_by else ""
         return (
-            f"{route}plan {self.template} ({pol}): tiles {self.tile_q}x{self.tile_kv}, "
+            f"{route}plan {self.template} ({pol}; {chosen}tiles {self.tile_q}x{self.tile_kv}), "
             f"{s['units']} work units, {s['tiles']} tiles "
             f"(kept {s['kept']}, merged {s['merged']}, split {s['split']}; "
             f"{s['partial_tiles']} partial, {s['grid_steps']} grid steps, "
             f"{s['bitmap_steps']} bitmap steps, {s['tile_revisits']} tile revisits); "
             f"selected {s['selected_interactions']:,} interactions, computed "
             f"{s['computed_interactions']:,} (waste {s['waste_fraction']:.1%}; "
-            f"{s['computed_interactions'] / dense if dense else 0.0:.2f}x dense); "
-            f"K/V bytes {s['kv_bytes'] / 2**20:.1f} MiB; est. {s['est_time_us']:.1f} us on "
-            f"{self.cost_model.num_sms} SMs (balance {s['balance']:.2f}); capacities "
+            f"{s['computed_interactions'] / dense if dense else 0.0:.2f}x Lq x Lkv x heads); "
+            f"K/V bytes {s['kv_bytes'] / 2**20:.1f} MiB; the cost model (an H200-class GPU of "
+            f"{self.cost_model.num_sms} SMs, whatever this machine is) estimates "
+            f"{s['est_time_us']:.1f} us (balance {s['balance']:.2f}); capacities "
             f"U={self.capacities[0]} S={self.capacities[1]} M={self.capacities[2]}")
 
 

@@ -132,8 +132,12 @@ def _planned(key, mask: BlockMask, shape: AttnShape, backend: str, t: Template |
     if hit is not None:
         return hit
     p = host_plans.build(mask, shape, backend, t, policy, options)
-    if auto and dense_route.takes(mask, shape, backend, False):
-        p = dataclasses.replace(p, dense_route=True)   # the planner's cached plan stays as is
+    # The planner's cached plan stays as is; the front cache's copy says how it was chosen.
+    p = dataclasses.replace(
+        p, chosen_by=("the caller's template" if t is not None else
+                      ranking.source(mask, shape, backend)) +
+        (" and policy" if policy is not None else ""),
+        dense_route=auto and dense_route.takes(mask, shape, backend, False))
     if key is not None:
         _PLANS.put(key, p)
     return p

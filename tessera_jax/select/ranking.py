@@ -51,7 +51,7 @@ from pallas_kernels import templates as _templates
 from tessera_jax.select import features as _features
 from tessera_jax.mask import BlockMask
 
-__all__ = ["select", "rank", "heuristic", "load_table", "find_table", "gpu_name", "gpu_arch",
+__all__ = ["select", "source", "rank", "heuristic", "load_table", "find_table", "gpu_name", "gpu_arch",
            "table_dir", "TableError", "fit_table", "validate_table", "clear_caches",
            "TABLE_FORMAT", "TABLE_VERSION"]
 
@@ -374,13 +374,7 @@ def select(mask: BlockMask, shape, backend: str, *, table: Table | None = None):
     if not isinstance(mask, BlockMask):
         raise TypeError(f"mask must be a BlockMask, got {type(mask).__name__}")
     if table is None:
-        name, cc = _current_device()
-        quiet = backend == "xla"
-        key = (str(table_dir()), name, quiet)
-        table = _RESOLVED.get(key, _RESOLVED)
-        if table is _RESOLVED:
-            with _lock:
-                table = _RESOLVED[key] = _resolve_table(name, cc, quiet)
+        table = _current_table(backend)
     if table is not None:
         ckey = (mask.digest, tuple(shape), backend, table)   # holds the table: no id reuse
         hit = _CHOICES.get(ckey)
@@ -396,6 +390,32 @@ def select(mask: BlockMask, shape, backend: str, *, table: Table | None = None):
     if backend == "xla":
         return None
     return heuristic(mask, shape, backend)
+
+
+def _current_table(backend: str) -> Table | None:
+    """This GPU's table (resolved once; warnings once), or None."""
+    name, cc = _current_device()
+    quiet = backend == "xla"
+    key = (str(table_dir()), name, quiet)
+    table = _RESOLVED.get(key, _RESOLVED)
+    if table is _RESOLVED:
+        with _lock:
+            table = _RESOLVED[key] = _resolve_table(name, cc, quiet)
+    return table
+
+
+def source(mask: BlockMask, shape, backend: str) -> str:
+    """Where ``select``'s choice for this call comes from, in words (``Plan.describe``): the
+    table file and the GPU it was profiled on, the documented heuristic, or the backend's
+    default. Dictionary look-ups after ``select`` ran for the call."""
+    table = _current_table(backend)
+    if table is not None and (mask.digest, tuple(shape), backend, table) in _CHOICES:
+        where = pathlib.Path(str(table.path)).name if table.path is not None else "a table"
+        return f"ranking table {where} (profiled on {table.gpu.get('name', '?')})"
+    device = _current_device()[0]
+    if backend == "xla":
+        return f"the XLA backend's default template (no table consulted on {device})"
+    return f"the documented heuristic (no usable table for {device})"
 
 
 def heuristic(mask: BlockMask, shape, backend: str):
