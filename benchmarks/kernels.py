@@ -14,7 +14,7 @@
 Selected FLOPs = 4 * D * selected interactions * B; efficiency = effective TFLOP/s / cuDNN dense
 TFLOP/s on the same shape. Every system (ours, cuDNN, attention_mgpu, FlexAttention) is timed
 under one rule, ``tessera_jax.tools.timing.KERNEL_RULE``: CUPTI kernel time of every launch in a
-call (for ours including the plan wrapper's gather; torch's kernels through the same collector),
+call (for ours including the gather of the owned rows; torch's kernels through the same collector),
 the L2 flushed before each call, 3 warm-up calls, the median of 20 calls rotating over two input
 sets. The rule is written into the JSON (``timing``) and checked before the summary (a mixed
 rule, e.g. one system falling back to wall clock, fails the run after saving it). Writes raw
@@ -213,24 +213,29 @@ def plan_for(mask, q_shape, kv_shape, dtype, template):
     return p, (time.perf_counter() - t0) * 1e3
 
 
-def ours_fn(template, plan, return_lse=False):
+def forward_fn(ops, template, plan, return_lse=False, **kw):
+    """``ops.forward`` (a backend's contract) of the planner Plan ``plan`` on ``template``,
+    over device copies of its arrays. The NumPy plan is checked here (``abi.check_plan``) and
+    its fullness trusted, so the mask mode is picked once: "none" when every step is full."""
     import jax
-    from pallas_kernels.mosaic import wrapper as mosaic
-    units, steps, ri = (jax.device_put(a) for a in (plan.units, plan.steps, plan.row_index))
-    kw = dict(template=template, q_len_padded=plan.q_len_padded,
-              kv_len_padded=plan.kv_len_padded, return_lse=return_lse)
-    if INTERPRET is not None:
-        kw["interpret"] = INTERPRET
-    # Checks the NumPy plan and picks mask mode "none" when every step is full (the device
-    # arrays passed below would leave the template's mode).
-    kw["mask_mode"] = mosaic.plan_mask_mode(plan.units, plan.steps, template,
-                                            plan.q_len_padded, plan.kv_len_padded)
-    return lambda q, k, v: mosaic.attention(q, k, v, units, steps, ri, **kw)
+    from pallas_kernels import abi, contract
+    host = abi.PassPlan(plan.units, plan.steps, plan.row_index, plan.tile_q, plan.tile_kv,
+                        plan.q_len_padded, plan.kv_len_padded, plan.max_steps)
+    dev = jax.device_put(dataclasses.replace(
+        host, all_full=contract.check_pass_plan(host, template)))
+    return lambda q, k, v: ops.forward(q, k, v, dev, template=template,
+                                       scale=q.shape[-1] ** -0.5, return_lse=return_lse, **kw)
+
+
+def ours_fn(template, plan, return_lse=False):
+    from pallas_kernels.mosaic import ops
+    kw = {} if INTERPRET is None else {"interpret": INTERPRET}
+    return forward_fn(ops, template, plan, return_lse, **kw)
 
 
 def triton_available():
     try:
-        from pallas_kernels.triton import wrapper  # noqa: F401
+        from pallas_kernels.triton import ops  # noqa: F401
         return True
     except Exception as e:  # noqa: BLE001
         log("pallas_kernels.triton not importable:", repr(e)[:200])
@@ -257,15 +262,8 @@ def triton_templates():
 
 
 def triton_fn(template, plan, return_lse=False):
-    import jax
-    from pallas_kernels.triton import wrapper as triton
-    units, steps, ri = (jax.device_put(a) for a in (plan.units, plan.steps, plan.row_index))
-    kw = dict(template=template, q_len_padded=plan.q_len_padded,
-              kv_len_padded=plan.kv_len_padded, return_lse=return_lse)
-    # As ours_fn: the mask mode of the NumPy plan ("none" when every step is full).
-    kw["mask_mode"] = triton.plan_mask_mode(plan.units, plan.steps, template,
-                                            plan.q_len_padded, plan.kv_len_padded)
-    return lambda q, k, v: triton.attention(q, k, v, units, steps, ri, **kw)
+    from pallas_kernels.triton import ops
+    return forward_fn(ops, template, plan, return_lse)
 
 
 def rand_qkv(key, B, Lq, Lkv, Hq, Hkv, D, dtype, n_sets=1):

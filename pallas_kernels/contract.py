@@ -24,9 +24,9 @@ from pallas_kernels.templates import Template
 
 __all__ = ["family_template", "default_interpret", "mosaic_interpret", "triton_interpret",
            "check_qkv", "check_padded", "check_scale", "check_pass", "check_pass_plan",
-           "mask_mode_for", "plan_mask_mode", "forward_mask_mode", "is_host", "forward_op",
-           "backward_ops", "plan_operands", "pad", "forward_call", "gather_dq", "gather_dkv",
-           "shim_forward", "FLOAT_DTYPES", "MASK_MODES", "BACKWARD_MASK_MODE", "LOG2E", "LN2"]
+           "mask_mode_for", "forward_mask_mode", "is_host", "forward_op", "backward_ops",
+           "plan_operands", "pad", "forward_call", "gather_dq", "gather_dkv", "FLOAT_DTYPES",
+           "MASK_MODES", "BACKWARD_MASK_MODE", "LOG2E", "LN2"]
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 MASK_MODES = _templates.CompiledConfig.MASK_MODES     # what a compiled kernel config takes
@@ -178,15 +178,6 @@ def check_pass_plan(plan: abi.PassPlan, t, num_q_heads=None, *, max_steps=None) 
                           q_align=t.q_align, kv_align=t.kv_align, max_steps=max_steps)
 
 
-def plan_mask_mode(units, steps, template, q_len_padded, kv_len_padded) -> str:
-    """The mask mode a concrete (NumPy) plan runs with on a GPU template (``mask_mode_for``
-    of its fullness), after checking it (``abi.check_plan``)."""
-    t = _templates.get(template)
-    plan = abi.PassPlan(np.asarray(units), np.asarray(steps), None, t.tile_q, t.tile_kv,
-                        int(q_len_padded), int(kv_len_padded), 0)
-    return mask_mode_for(t, check_pass_plan(plan, t))
-
-
 def is_host(plan: abi.PassPlan) -> bool:
     """Whether the plan's arrays are NumPy (a host plan: checkable, constants of a program)."""
     return isinstance(plan.units, np.ndarray) and isinstance(plan.steps, np.ndarray)
@@ -299,24 +290,3 @@ def gather_dkv(dk_u, dv_u, units, row_index_t, q_shape, k, v, tile_q: int):
     dk, dv = (rows_.group_sum(rows_.gather_units(x if x.shape[-1] == D else x[..., :D], None,
                                                  ri_t), Hkv) for x in (dk_u, dv_u))
     return dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-# --- the pre-contract entry points ---------------------------------------------------------------
-def shim_forward(run_forward, q, k, v, plan: abi.PassPlan, t, scale, return_lse, interpret,
-                 mask_mode, check_plan):
-    """The forward of a family's pre-contract ``attention``: ``scale`` None is D ** -0.5; an
-    explicit ``mask_mode`` (``MASK_MODES``) overrides the plan's, checked against a concrete
-    plan ("none" needs every visited step full); ``run_forward``: the family's."""
-    if mask_mode is not None and mask_mode not in MASK_MODES:
-        raise ValueError(f"mask_mode must be None or one of {MASK_MODES}, got {mask_mode!r}")
-    if scale is None:
-        scale = float(q.shape[-1]) ** -0.5 if hasattr(q, "shape") and len(q.shape) == 4 else 1.0
-    scale = check_pass(q, k, v, plan, t, scale)
-    if check_plan and is_host(plan):
-        all_full = check_pass_plan(plan, t, q.shape[2])
-        if mask_mode == "none" and not all_full:
-            raise ValueError("mask_mode='none' needs a plan whose visited steps are all full; "
-                             "this plan has partial steps")
-        mask_mode = mask_mode or mask_mode_for(t, all_full)
-    return run_forward(q, k, v, plan, t, mask_mode or t.kernel.mask_mode, scale, return_lse,
-                       interpret)

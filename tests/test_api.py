@@ -100,10 +100,10 @@ def test_jit_no_retrace_same_mask():
 
 
 def test_new_mask_same_bucket_does_not_recompile():
-    from pallas_kernels.xla import executor as xla_backend
+    from pallas_kernels.xla import executor
     q, k, v = random_qkv(1, 128, 128, 2, 2, 16, "float32", 0)
     rng = np.random.default_rng(5)
-    before = xla_backend.execute._cache_size()
+    before = executor.execute_plan._cache_size()
     seen = set()
     for i in range(6):
         b = np.zeros((2, 8, 8), bool)
@@ -113,7 +113,7 @@ def test_new_mask_same_bucket_does_not_recompile():
         tj.sparse_attention(q, k, v, m, template="xla_64x64", policy="keep")
         seen.add(tj.plan(m, q.shape, k.shape, q.dtype, template="xla_64x64",
                          policy="keep").capacities)
-    assert xla_backend.execute._cache_size() - before == len(seen) < 6
+    assert executor.execute_plan._cache_size() - before == len(seen) < 6
 
 
 # --- bad input --------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def test_plan_contract():
 
 
 def test_precompile_and_persistent_cache(tmp_path):
-    from pallas_kernels.xla import executor as xla_backend
+    from pallas_kernels.xla import executor
     rng = np.random.default_rng(3)
     ms = [tj.BlockMask.uniform(96, 96, 32, 32, rng.random((2, 3, 3)) < 0.7) for _ in range(3)]
     ms = [m for m in ms if m.blocks.any()] or ms
@@ -194,11 +194,11 @@ def test_precompile_and_persistent_cache(tmp_path):
     try:
         plans = tj.precompile(ms, (1, 96, 2, 8), (1, 96, 2, 8), jnp.float32, backend="xla")
         assert len(plans) == len(ms)
-        n = xla_backend.execute._cache_size()
+        n = executor.execute_plan._cache_size()
         q, k, v = random_qkv(1, 96, 96, 2, 2, 8, "float32", 1)
         for m in ms:
             tj.sparse_attention(q, k, v, m, backend="xla")
-        assert xla_backend.execute._cache_size() == n  # nothing new compiled
+        assert executor.execute_plan._cache_size() == n  # nothing new compiled
         assert any(tmp_path.iterdir())                   # executables written to disk
     finally:
         jax.config.update("jax_compilation_cache_dir", None)

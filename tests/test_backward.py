@@ -468,8 +468,10 @@ def test_mosaic_paired_dkv(monkeypatch):
     """The paired dk/dv kernel (64-key units, two per CTA, one Q/dO ring per warpgroup) over
     the transposed mask's 64 x 64 pack plan: an odd unit count, grid and bitmap steps, GQA,
     per-head mask, empty rows."""
+    from pallas_kernels import abi, templates
     from pallas_kernels import backward_rows as rows
     from pallas_kernels.mosaic import backward as mb
+    from pallas_kernels.mosaic import ops as mosaic_ops
     rng = np.random.default_rng(_seed("paired dkv"))
     Lq, Lkv, Hq, Hkv, D = 136, 130, 5, 1, 64
     mask = _fine_mask(rng, Lq, Lkv, Hq)
@@ -483,9 +485,11 @@ def test_mosaic_paired_dkv(monkeypatch):
     lse = rows.lse_for_backward(jnp.asarray(want[1], jnp.float32))
     delta = jnp.asarray(np.einsum("bqhd,bqhd->bhq", want[0], np.asarray(do, np.float64)),
                         jnp.float32)
-    dk, dv = mb.dkv(q, k, v, do, lse, delta, tp.units, tp.steps, tile_q=64, tile_kv=64,
-                    q_len_padded=tp.q_len_padded, kv_len_padded=tp.kv_len_padded,
-                    scale=D ** -0.5, interpret=INTERPRET)
+    tpp = abi.PassPlan(tp.units, tp.steps, None, 64, 64, tp.q_len_padded, tp.kv_len_padded,
+                       tp.max_steps)
+    dk, dv = mosaic_ops.dkv(q, k, v, do, lse, delta, tpp,
+                            template=templates.get("mgpu_q64x2_kv64_s2_hm"), scale=D ** -0.5,
+                            interpret=INTERPRET)
     assert_grads([want[2], dk, dv], want[2:], 2e-2)
     from pallas_kernels.mosaic import kernel as mk
     assert mb.smem_bytes("dkv", 64, 128, rings=2) <= mk.MAX_SMEM      # two Q/dO rings fit
@@ -508,8 +512,9 @@ def test_mosaic_paired_dkv(monkeypatch):
 def test_mosaic_backward_paired_dq_and_device_route():
     """The dq kernel on a paired plan (tile_q = 64, two units per CTA, an odd unit count), the
     device route (traced blocks) on the kv128 template, and jax.vmap of grad; bf16."""
+    from pallas_kernels import abi, templates
     from pallas_kernels import backward_rows as rows
-    from pallas_kernels.mosaic import backward as mb
+    from pallas_kernels.mosaic import ops as mosaic_ops
     from tessera_jax.validation import check_qkv
     rng = np.random.default_rng(_seed("paired"))
     Lq, Lkv, Hq, Hkv, D = 136, 130, 3, 1, 64
@@ -525,9 +530,10 @@ def test_mosaic_backward_paired_dq_and_device_route():
     lse = rows.lse_for_backward(jnp.asarray(want[1], jnp.float32))
     delta = jnp.asarray(np.einsum("bqhd,bqhd->bhq", want[0], np.asarray(do, np.float64)),
                         jnp.float32)
-    dq = mb.dq(q, k, v, do, lse, delta, p.units, p.steps, template=p.template,
-               q_len_padded=p.q_len_padded, kv_len_padded=p.kv_len_padded, scale=D ** -0.5,
-               interpret=INTERPRET)
+    pp = abi.PassPlan(p.units, p.steps, None, p.tile_q, p.tile_kv, p.q_len_padded,
+                      p.kv_len_padded, p.max_steps)
+    dq = mosaic_ops.dq(q, k, v, do, lse, delta, pp, template=templates.get(p.template),
+                       scale=D ** -0.5, interpret=INTERPRET)
     assert_grads([dq, want[3], want[4]], want[2:], 2e-2)
 
     # The device route (plans of traced blocks; two query heads, one K/V head), and a host

@@ -22,10 +22,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pallas_kernels import abi
 from pallas_kernels import templates
-from pallas_kernels.triton import wrapper as triton_wrapper
-from pallas_kernels.xla import executor
+from pallas_kernels.mosaic import ops as mosaic_ops
+from pallas_kernels.triton import ops as triton_ops
+from pallas_kernels.xla import ops as xla_ops
 from tessera_jax.mask import BlockMask
 from tessera_jax.reference import reference_attention
+
+import contract_calls as calls
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
 ENCODINGS = ("abi", "reversed_bits", "row_major_words")
@@ -262,18 +265,21 @@ def _xla(q, k, v, plan, tile_q, tile_kv, scale, check_plan=True):
     negative control's plan breaks the ABI on purpose)."""
     units, steps, row_index, qlp, klp = plan[:5]
     max_steps = int(units[:, abi.UNIT_STEP_CNT].max())
-    return executor.execute(q, k, v, units, steps, row_index, tile_q=tile_q, tile_kv=tile_kv,
-                            q_len_padded=qlp, kv_len_padded=klp, max_steps=max(max_steps, 1),
-                            scale=scale, return_lse=True, check_plan=check_plan)
+    p = abi.PassPlan(units, steps, row_index, tile_q, tile_kv, qlp, klp, max(max_steps, 1))
+    return xla_ops.forward(q, k, v, p, template=calls.xla_template(tile_q, tile_kv),
+                           scale=scale, return_lse=True, check_plan=check_plan)
 
 
-def _triton(q, k, v, plan, tile_q, tile_kv, scale, check_plan=True, **kw):
+def _triton(q, k, v, plan, tile_q, tile_kv, scale, check_plan=True, template=None,
+            mask_mode=None, **kernel):
+    """The Triton forward on a built plan: on ``template``, or on a template of its tiles and
+    the ``TritonConfig`` fields ``kernel``; ``mask_mode``: ``contract_calls.with_mask_mode``."""
     units, steps, row_index, qlp, klp = plan[:5]
-    if "template" not in kw:
-        kw.update(tile_q=tile_q, tile_kv=tile_kv)
-    return triton_wrapper.attention(q, k, v, units, steps, row_index, q_len_padded=qlp,
-                                    kv_len_padded=klp, scale=scale, return_lse=True,
-                                    check_plan=check_plan, **kw)
+    t = template or calls.triton_template(tile_q, tile_kv, **kernel)
+    return calls.forward(triton_ops, q, k, v,
+                         abi.PassPlan(units, steps, row_index, tile_q, tile_kv, qlp, klp, 0), t,
+                         mask_mode=mask_mode, scale=scale, return_lse=True,
+                         check_plan=check_plan)
 
 
 def _case(seed, *, B, Lq, Lkv, Hq, Hkv, D, dtype, tile_q, tile_kv, shared=False,
@@ -442,18 +448,15 @@ def test_mosaic_bitmap_templates(template, Hq, Hkv, shared):
         from jax._src.pallas.mosaic_gpu.interpret import params as _interp
     except Exception as e:  # pragma: no cover
         pytest.skip(f"Mosaic GPU interpreter not importable: {e}")
-    from pallas_kernels.mosaic import wrapper as mosaic_wrapper
-
     t = templates.get(template)
     plan, (q, k, v), (ref, ref_lse) = _case(
         zlib.crc32(template.encode()), B=1, Lq=t.tile_q + 40, Lkv=3 * t.tile_kv + 24, Hq=Hq,
         Hkv=Hkv, D=64, dtype=jnp.bfloat16, tile_q=t.tile_q, tile_kv=t.tile_kv, shared=shared)
     assert plan[-1]["bitmap"] >= 3 and plan[-1]["empty_row"], plan[-1]
     units, steps, row_index, qlp, klp = plan[:5]
-    out, lse = mosaic_wrapper.attention(q, k, v, units, steps, row_index, template=template,
-                                        q_len_padded=qlp, kv_len_padded=klp, scale=0.3,
-                                        return_lse=True,
-                                        interpret=_interp.InterpretGPUParams())
+    out, lse = mosaic_ops.forward(
+        q, k, v, abi.PassPlan(units, steps, row_index, t.tile_q, t.tile_kv, qlp, klp, 0),
+        template=t, scale=0.3, return_lse=True, interpret=_interp.InterpretGPUParams())
     _check(out, lse, ref, ref_lse, jnp.bfloat16)
 
 
@@ -505,20 +508,11 @@ def test_planned_token_level_masks_every_kernel(case):
     # Never above a dense plan of the same tiles (Lq x Lkv when the tiles divide the lengths).
     dense_tiles = -(-mask.Lq // t.tile_q) * t.tile_q * -(-mask.Lkv // t.tile_kv) * t.tile_kv
     assert st_["computed_interactions"] <= dense_tiles * Hq
-    kw = dict(q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, scale=0.3,
-              return_lse=True)
+    kw = dict(scale=0.3, return_lse=True)
     if t.backend == "mosaic_gpu":
         from jax._src.pallas.mosaic_gpu.interpret import params as _interp
-        from pallas_kernels.mosaic import wrapper as mosaic_wrapper
-        out, lse = mosaic_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                            template=t.name, **kw,
-                                            interpret=_interp.InterpretGPUParams())
-    elif t.backend == "triton":
-        out, lse = triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                            template=t.name, **kw)
-    else:
-        out, lse = executor.execute(q, k, v, plan.units, plan.steps, plan.row_index,
-                                    tile_q=t.tile_q, tile_kv=t.tile_kv,
-                                    max_steps=plan.max_steps, **kw)
+        kw["interpret"] = _interp.InterpretGPUParams()
+    ops = {"mosaic_gpu": mosaic_ops, "triton": triton_ops, "xla": xla_ops}[t.backend]
+    out, lse = calls.forward(ops, q, k, v, plan, t, **kw)
     ref, ref_lse = reference_attention(q, k, v, mask, scale=0.3, return_lse=True)
     _check(out, lse, ref, ref_lse, jnp.bfloat16)

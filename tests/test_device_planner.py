@@ -11,8 +11,10 @@ from jax.experimental import checkify
 
 import tessera_jax as tj
 from pallas_kernels import abi
-from pallas_kernels.xla import executor
+from pallas_kernels.xla import ops as xla_ops
 from tessera_jax.planning import device, schedule
+
+import contract_calls as calls
 
 TILES = [(64, 64), (128, 128), (64, 128), (128, 64)]
 
@@ -41,9 +43,8 @@ def _run(blocks, qb, kb, q, k, v, tile_q, tile_kv, scale=0.2, align=True, capaci
     p, ok = device.plan_on_device(blocks, qb, kb, num_q_heads=Hq, q_len=q.shape[1],
                                   kv_len=k.shape[1], tile_q=tile_q, tile_kv=tile_kv,
                                   align_blocks=align, bitmap_capacity=capacity)
-    out, lse = executor.execute(q, k, v, p.units, p.steps, None, tile_q=tile_q, tile_kv=tile_kv,
-                                q_len_padded=p.q_len_padded, kv_len_padded=p.kv_len_padded,
-                                max_steps=p.max_steps, scale=scale, return_lse=True)
+    out, lse = xla_ops.forward(q, k, v, p, template=calls.xla_template(tile_q, tile_kv),
+                               scale=scale, return_lse=True)
     return out, lse, (p, ok)
 
 
@@ -258,7 +259,8 @@ def test_mosaic_kernel_runs_a_device_plan():
         from jax._src.pallas.mosaic_gpu.interpret import params as _interp
     except Exception as e:  # pragma: no cover
         pytest.skip(f"Mosaic GPU interpreter not importable: {e}")
-    from pallas_kernels.mosaic import wrapper as mosaic
+    from pallas_kernels import templates
+    from pallas_kernels.mosaic import ops as mosaic_ops
 
     rng = np.random.default_rng(4)
     L, H = 200, 2
@@ -270,9 +272,8 @@ def test_mosaic_kernel_runs_a_device_plan():
     def f(q, k, v, b):
         p, _ = device.plan_on_device(b, qb, kb, num_q_heads=H, q_len=L, kv_len=L, tile_q=128,
                                      tile_kv=128)
-        return mosaic.attention(q, k, v, p.units, p.steps, None, template="mgpu_q128_kv128_s2_hm",
-                                q_len_padded=p.q_len_padded, kv_len_padded=p.kv_len_padded,
-                                scale=0.2, interpret=_interp.InterpretGPUParams())
+        return mosaic_ops.forward(q, k, v, p, template=templates.get("mgpu_q128_kv128_s2_hm"),
+                                  scale=0.2, interpret=_interp.InterpretGPUParams())
 
     out = f(q, k, v, jnp.asarray(blocks))
     ref = tj.reference_attention(q, k, v, tj.BlockMask(qb, kb, blocks), scale=0.2)

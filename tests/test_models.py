@@ -348,19 +348,18 @@ def test_loop_through_the_kernel_backend_runner_compiles_ahead_of_time(wan, monk
     from pallas_kernels.triton import ops as triton_ops
 
     from tessera_jax.runtime import dispatch
-    from pallas_kernels.xla import executor as xla_backend
+    from pallas_kernels.xla import ops as xla_ops
     from tessera_jax.flax import attention
+
+    from contract_calls import xla_template
 
     seen = []
 
     def fake_forward(q, k, v, plan, *, template, scale, return_lse=False, interpret=None,
                      check_plan=True):
         seen.append(type(plan.units).__name__)
-        return xla_backend.execute(q, k, v, plan.units, plan.steps, plan.row_index,
-                                   tile_q=template.tile_q, tile_kv=template.tile_kv,
-                                   q_len_padded=plan.q_len_padded,
-                                   kv_len_padded=plan.kv_len_padded, max_steps=8,
-                                   scale=scale, return_lse=return_lse)
+        return xla_ops.forward(q, k, v, plan, template=xla_template(plan.tile_q, plan.tile_kv),
+                               scale=scale, return_lse=return_lse, check_plan=check_plan)
 
     monkeypatch.setattr(dispatch, "_gpu_capability", lambda: (9, 0))
     monkeypatch.setattr(triton_ops, "forward", fake_forward)

@@ -23,10 +23,11 @@ import tessera_jax as tj
 from tessera_jax.planning.planner import build_plan
 from pallas_kernels import contract, templates
 from pallas_kernels.mosaic import kernel as mosaic_kernel
-from pallas_kernels.mosaic import wrapper as mosaic
+from pallas_kernels.mosaic import ops as mosaic_ops
 from pallas_kernels import abi as plan_abi
 from pallas_kernels.templates import MosaicConfig
 
+import contract_calls as calls
 from strategies import random_qkv
 from test_triton_kernel import dense_reference, grid_plan
 
@@ -61,15 +62,18 @@ def _check(out, lse, ref_out, ref_lse, dtype):
     assert np.all(out.transpose(0, 2, 1, 3)[empty] == 0)
 
 
+def _run(q, k, v, plan, template, **kw):
+    """Mosaic GPU ``ops.forward`` of ``plan`` (``contract_calls.forward``) under the
+    interpreter."""
+    return calls.forward(mosaic_ops, q, k, v, plan, template, interpret=INTERPRET, **kw)
+
+
 def _run_planned(mask, B, Lq, Lkv, Hq, Hkv, D, dtype, template, seed, policy="merge"):
     t = templates.get(template)
     q, k, v = random_qkv(B, Lq, Lkv, Hq, Hkv, D, dtype, seed)
     plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=t.tile_q, tile_kv=t.tile_kv,
                       policy=policy, q_align=t.q_align, kv_align=t.kv_align, template=t.name)
-    out, lse = mosaic.attention(
-        q, k, v, plan.units, plan.steps, plan.row_index, template=t.name,
-        q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, return_lse=True,
-        interpret=INTERPRET)
+    out, lse = _run(q, k, v, plan, t, return_lse=True)
     ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
     _check(out, lse, ref_out, ref_lse, dtype)
     return plan
@@ -166,10 +170,8 @@ def test_hand_plan_shuffled_rectangles():
     units, steps, row_index, qlp, klp = _hand_plan(mask.token_mask(), Hq, 128, 64, seed=5)
     assert len(steps) > 2 * units.shape[0]
     q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, dtype, seed=21)
-    out, lse = mosaic.attention(q, k, v, units, steps, row_index,
-                                template="mgpu_q128_kv64_s2_hm", q_len_padded=qlp,
-                                kv_len_padded=klp, scale=0.3, return_lse=True,
-                                interpret=INTERPRET)
+    out, lse = _run(q, k, v, plan_abi.PassPlan(units, steps, row_index, 128, 64, qlp, klp, 0),
+                    "mgpu_q128_kv64_s2_hm", scale=0.3, return_lse=True)
     ref_out, ref_lse = tj.reference_attention(q, k, v, mask, scale=0.3, return_lse=True)
     _check(out, lse, ref_out, ref_lse, dtype)
 
@@ -179,11 +181,7 @@ def test_empty_mask_gives_zero_and_neg_inf():
     q, k, v = random_qkv(1, 130, 70, 1, 1, 64, jnp.bfloat16, seed=1)
     plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=128, tile_kv=64, q_align=8,
                       kv_align=8)
-    out, lse = mosaic.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                template="mgpu_q128_kv64_s2_hm",
-                                q_len_padded=plan.q_len_padded,
-                                kv_len_padded=plan.kv_len_padded, return_lse=True,
-                                interpret=INTERPRET)
+    out, lse = _run(q, k, v, plan, "mgpu_q128_kv64_s2_hm", return_lse=True)
     assert np.all(np.asarray(out, np.float32) == 0) and np.all(np.isneginf(np.asarray(lse)))
 
 
@@ -231,10 +229,8 @@ def test_paired_units_odd_count_and_uneven_steps(template):
     cnt = units[:, plan_abi.UNIT_STEP_CNT]
     assert len(set(cnt[:-3].tolist())) > 1
     q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, dtype, seed=41)
-    out, lse = mosaic.attention(q, k, v, units, steps, row_index,
-                                template=template, q_len_padded=qlp,
-                                kv_len_padded=klp, scale=0.2, return_lse=True,
-                                interpret=INTERPRET)
+    out, lse = _run(q, k, v, plan_abi.PassPlan(units, steps, row_index, 64, 64, qlp, klp, 0),
+                    template, scale=0.2, return_lse=True)
     ref_out, ref_lse = tj.reference_attention(q, k, v, mask, scale=0.2, return_lse=True)
     _check(out, lse, ref_out, ref_lse, dtype)
 
@@ -262,14 +258,11 @@ def test_wg_skip_on_packed_halves(sched):
     if sched:
         t = dataclasses.replace(t, name="skip_sched_test",
                                 kernel=dataclasses.replace(t.kernel, schedule_barrier=True))
-    assert mosaic.config_from_template(t).pingpong == sched
+    assert mosaic_kernel.KernelConfig.from_template(t).pingpong == sched
     plan, one_half = _pack_plan(mask, Hq, Hkv, D, dtype, t)
     assert one_half.mean() > 0.5                    # most steps cover only one warpgroup
     q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, dtype, seed=31 + sched)
-    out, lse = mosaic.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                template=t, q_len_padded=plan.q_len_padded,
-                                kv_len_padded=plan.kv_len_padded, return_lse=True,
-                                interpret=INTERPRET)
+    out, lse = _run(q, k, v, plan, t, return_lse=True)
     ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
     _check(out, lse, ref_out, ref_lse, dtype)
 
@@ -277,8 +270,8 @@ def test_wg_skip_on_packed_halves(sched):
 def test_mask_modes_from_the_plan(monkeypatch):
     """A plan whose steps are all full runs without masking code ("none", chosen from the
     concrete plan); otherwise the per-step cond ("cond", the default); a template whose
-    config says "always" masks every step, all-full plan or not. All match the reference;
-    "none" on a plan with partial steps is refused."""
+    config says "always" masks every step, all-full plan or not. All match the reference,
+    with the plan untrusted (checked, the mode picked) or trusted (its all_full)."""
     seen = []
     real_call = contract.forward_call
 
@@ -303,30 +296,22 @@ def test_mask_modes_from_the_plan(monkeypatch):
         q, k, v = random_qkv(1, 256, Lkv, Hq, Hkv, D, dtype, seed=int(rng.integers(1e9)))
         plan = build_plan(mask, q.shape, k.shape, dtype, tile_q=128, tile_kv=64, q_align=8,
                           kv_align=8)
-        assert mosaic.plan_mask_mode(plan.units, plan.steps, template, plan.q_len_padded,
-                                     plan.kv_len_padded) == want
-        assert mosaic.mask_mode_for(template, plan.all_full) == want
-        seen.clear()
-        out, lse = mosaic.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                    template=template, q_len_padded=plan.q_len_padded,
-                                    kv_len_padded=plan.kv_len_padded, return_lse=True,
-                                    interpret=INTERPRET)
-        assert seen == [want]
+        assert contract.forward_mask_mode(calls.pass_plan(plan), template, Hq, True) == want
+        assert contract.mask_mode_for(template, plan.all_full) == want
         ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
-        _check(out, lse, ref_out, ref_lse, dtype)
-        if want == "cond":
-            with pytest.raises(ValueError, match="all full"):
-                mosaic.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                 template=template, q_len_padded=plan.q_len_padded,
-                                 kv_len_padded=plan.kv_len_padded, mask_mode="none")
+        for all_full in (None, plan.all_full):          # untrusted, trusted
+            seen.clear()
+            out, lse = mosaic_ops.forward(q, k, v, calls.pass_plan(plan, all_full),
+                                          template=template, scale=D ** -0.5,
+                                          return_lse=True, interpret=INTERPRET)
+            assert seen == [want]
+            _check(out, lse, ref_out, ref_lse, dtype)
     # "always" stays "always" on an all-full plan; "cond" stays "cond" on a partial one.
-    assert [mosaic.mask_mode_for(always, f) for f in (True, False)] == ["always", "always"]
-    assert [mosaic.mask_mode_for(base, f) for f in (True, False)] == ["none", "cond"]
+    assert [contract.mask_mode_for(always, f) for f in (True, False)] == ["always", "always"]
+    assert [contract.mask_mode_for(base, f) for f in (True, False)] == ["none", "cond"]
     for bad in ("sometimes", "unit"):           # "unit" was deleted with its templates
         with pytest.raises(ValueError, match="mask_mode"):
-            mosaic.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                             template=base, q_len_padded=plan.q_len_padded,
-                             kv_len_padded=plan.kv_len_padded, mask_mode=bad)
+            calls.with_mask_mode(base, bad)
 
 
 @pytest.fixture
@@ -348,7 +333,7 @@ def attention_calls(monkeypatch):
 
 
 def test_backend_runner_prepares_each_plan_once(attention_calls, monkeypatch):
-    """The backend wrapper picks the mask mode once; a small plan's first call takes its NumPy
+    """The kernel runner picks the mask mode once; a small plan's first call takes its NumPy
     arrays into the jitted call, later calls a device copy made once (no host walk over the
     steps in any eager call)."""
     from pallas_kernels.mosaic import ops
@@ -456,7 +441,7 @@ def test_templates_and_kernel_configs():
     assert names == ["mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm",
                      "mgpu_q128_kv64_s2_skip", "mgpu_q64x2pp_kv64_s2_hm"]
     for t in templates.for_backend("mosaic_gpu"):
-        cfg = mosaic.config_from_template(t)
+        cfg = mosaic_kernel.KernelConfig.from_template(t)
         assert (cfg.tile_q, cfg.tile_kv, cfg.stages) == (t.tile_q, t.tile_kv, t.stages)
         assert cfg.variant is t.kernel and cfg.mask_mode == "cond"
         assert cfg.wg_skip == t.name.endswith("_skip")
@@ -465,21 +450,22 @@ def test_templates_and_kernel_configs():
         assert t.policy == ("pack" if t.tile_q == 64 or cfg.wg_skip else "merge")
         for d in t.head_dims:
             assert mosaic_kernel.smem_bytes(cfg, d) <= mosaic_kernel.MAX_SMEM, (t.name, d)
-    assert mosaic_kernel.smem_bytes(mosaic.KernelConfig(128, 128, 3), 128) > \
+    assert mosaic_kernel.smem_bytes(mosaic_kernel.KernelConfig(128, 128, 3), 128) > \
         mosaic_kernel.MAX_SMEM
     # Ping-pong: on 128-row units unless turned off; on paired units only with pair_pingpong.
-    pingpong = {t.name: mosaic.config_from_template(t).pingpong
+    pingpong = {t.name: mosaic_kernel.KernelConfig.from_template(t).pingpong
                 for t in templates.for_backend("mosaic_gpu")}
     assert pingpong == {"mgpu_q128_kv128_s2_hm": True, "mgpu_q128_kv64_s2_hm": True,
                         "mgpu_q64x2_kv64_s2_hm": False, "mgpu_q128_kv64_s2_skip": False,
                         "mgpu_q64x2pp_kv64_s2_hm": True}
-    assert mosaic.config_from_template("mgpu_q128_kv64_s2_hm", "none").mask_mode == "none"
+    t = templates.get("mgpu_q128_kv64_s2_hm")
+    assert mosaic_kernel.KernelConfig.from_template(t, "none").mask_mode == "none"
     with pytest.raises(ValueError, match="mosaic_gpu"):
-        mosaic.config_from_template("triton_q128_kv64_w8_s3_pf_hm")
+        contract.family_template("triton_q128_kv64_w8_s3_pf_hm", mosaic_ops.BACKEND)
 
 
 def test_kernel_config_validates():
-    K = mosaic.KernelConfig
+    K = mosaic_kernel.KernelConfig
     with pytest.raises(ValueError, match="tile_q"):
         K(96, 64, 2)
     with pytest.raises(ValueError, match="tile_kv"):
@@ -511,11 +497,10 @@ def _run_grid_plan(template, seed, *, Hq, Hkv, D, dtype, shared=False, half_rows
         rng, Lq=Lq, Lkv=Lkv, Hq=Hq, tile_q=t.tile_q, tile_kv=t.tile_kv, align=t.kv_align,
         shared=shared, half_rows=half_rows)
     assert seen["grid_steps"] >= min_grid, seen
-    assert mosaic.plan_mask_mode(units, steps, t, qlp, klp) == t.kernel.mask_mode
+    plan = plan_abi.PassPlan(units, steps, row_index, t.tile_q, t.tile_kv, qlp, klp, 0)
+    assert contract.forward_mask_mode(plan, t, Hq, True) == t.kernel.mask_mode
     q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, dtype, seed=seed + 1)
-    out, lse = mosaic.attention(q, k, v, units, steps, row_index, template=t, q_len_padded=qlp,
-                                kv_len_padded=klp, scale=0.25, return_lse=True,
-                                interpret=INTERPRET)
+    out, lse = _run(q, k, v, plan, t, scale=0.25, return_lse=True)
     _check(out, lse, *dense_reference(q, k, v, token, 0.25), dtype)
     return units, steps, seen
 
@@ -568,7 +553,7 @@ def test_grid_steps_wg_skip(sched):
 
 def test_grid_plan_never_runs_unmasked():
     """A plan whose rectangles are all the whole tile but with a grid step is partial: it runs
-    "cond" (the full-step test includes STEP_CUTS_B == 0), and "none" is refused."""
+    "cond" (the full-step test includes STEP_CUTS_B == 0)."""
     T, Tk = 128, 64
     t = templates.get("mgpu_q128_kv64_s2_hm")
     full = plan_abi.full_rect(T, Tk)
@@ -579,15 +564,12 @@ def test_grid_plan_never_runs_unmasked():
     token[0, :, :Tk] = token[0, :, 2 * Tk:] = True
     token[0, :, Tk:2 * Tk] = plan_abi.grid_mask(full, a, b, np.arange(T)[:, None],
                                                 np.arange(Tk)[None, :])
-    assert mosaic.plan_mask_mode(units, steps, t, T, 3 * Tk) == "cond"
-    q, k, v = random_qkv(1, T, 3 * Tk, 1, 1, 64, jnp.float16, seed=3)
     row_index = np.arange(T, dtype=np.int32)[None]
-    kw = dict(template=t, q_len_padded=T, kv_len_padded=3 * Tk)
-    out, lse = mosaic.attention(q, k, v, units, steps, row_index, scale=0.2, return_lse=True,
-                                interpret=INTERPRET, **kw)
+    plan = plan_abi.PassPlan(units, steps, row_index, T, Tk, T, 3 * Tk, 0)
+    assert contract.forward_mask_mode(plan, t, 1, True) == "cond"
+    q, k, v = random_qkv(1, T, 3 * Tk, 1, 1, 64, jnp.float16, seed=3)
+    out, lse = _run(q, k, v, plan, t, scale=0.2, return_lse=True)
     _check(out, lse, *dense_reference(q, k, v, token, 0.2), jnp.float16)
-    with pytest.raises(ValueError, match="all full"):
-        mosaic.attention(q, k, v, units, steps, row_index, mask_mode="none", **kw)
 
 
 @pytest.mark.parametrize("template,policy,dtype,D,Hq,Hkv", [
@@ -630,9 +612,8 @@ def test_device_plan_runs_on_the_paired_kernel():
     p, ok = device.plan_on_device(jnp.asarray(blocks), qb, kb, num_q_heads=3, q_len=Lq,
                                   kv_len=Lkv, tile_q=64, tile_kv=64)
     assert bool(ok) and p.units.shape[0] == 9
-    out, lse = mosaic.attention(q, k, v, p.units, p.steps, None,
-                                template="mgpu_q64x2_kv64_s2_hm", q_len_padded=p.q_len_padded,
-                                kv_len_padded=p.kv_len_padded, return_lse=True,
-                                interpret=INTERPRET, check_plan=False)
+    out, lse = mosaic_ops.forward(q, k, v, p, template=templates.get("mgpu_q64x2_kv64_s2_hm"),
+                                  scale=64 ** -0.5, return_lse=True, interpret=INTERPRET,
+                                  check_plan=False)
     _check(out, lse, *tj.reference_attention(q, k, v, tj.BlockMask(qb, kb, blocks),
                                              return_lse=True), jnp.float16)

@@ -138,13 +138,13 @@ def test_check_plan_accepts_a_valid_plan_and_reports_fullness():
 
 
 @pytest.mark.parametrize("what,edit,match", [
-    # From the Mosaic GPU wrapper's old check: alignment (TMA's 8-row SMEM tiles).
+    # Alignment (the Mosaic GPU kernels' TMA fills 8-row SMEM tiles).
     ("q_align", lambda u, s: u.__setitem__((0, abi.UNIT_Q_START), 4), "q_align=8"),
     ("kv_align", lambda u, s: s.__setitem__((1, abi.STEP_KV_START), 60), "kv_align=8"),
-    # From the Triton wrapper's old check: heads, negative counts.
+    # Heads and step counts in range.
     ("head", lambda u, s: u.__setitem__((1, abi.UNIT_HEAD), 2), "head"),
     ("count", lambda u, s: u.__setitem__((1, abi.UNIT_STEP_CNT), -1), "negative"),
-    # Both: tiles inside the padded lengths, step ranges inside steps.
+    # Tiles inside the padded lengths, step ranges inside steps.
     ("q bounds", lambda u, s: u.__setitem__((1, abi.UNIT_Q_START), 72), "q_len_padded=128"),
     ("kv bounds", lambda u, s: s.__setitem__((1, abi.STEP_KV_START), 72), "kv_len_padded=128"),
     ("range", lambda u, s: u.__setitem__((1, abi.UNIT_STEP_PTR), 4), "step range"),

@@ -8,11 +8,12 @@ from hypothesis import strategies as st
 
 from pallas_kernels import abi as plan_abi
 
-from pallas_kernels.triton import wrapper as triton_wrapper
-from pallas_kernels.xla import executor as xla_backend
+from pallas_kernels.triton import ops as triton_ops
+from pallas_kernels.xla import ops as xla_ops
 from tessera_jax.planning.planner import build_plan
 from tessera_jax.reference import reference_attention
 
+import contract_calls as calls
 from strategies import masks, random_qkv
 
 
@@ -58,16 +59,12 @@ def test_kernels_take_row_index_none(backend):
     mask = BlockMask([0, 20, 64, 75], [0, 7, 50, 90], rng.random((Hq, 3, 3)) < 0.6)
     q, k, v = random_qkv(B, Lq, Lkv, Hq, Hkv, D, "float32", 4)
     plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=32, tile_kv=32, policy="merge")
-    if backend == "xla":
-        run = lambda ri: xla_backend.execute(  # noqa: E731
-            q, k, v, plan.units, plan.steps, ri, tile_q=32, tile_kv=32,
-            q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
-            max_steps=plan.max_steps, scale=0.25, return_lse=True)
-    else:
-        run = lambda ri: triton_wrapper.attention(  # noqa: E731
-            q, k, v, plan.units, plan.steps, ri, tile_q=32, tile_kv=32,
-            q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, scale=0.25,
-            return_lse=True)
+    ops, t = ((xla_ops, calls.xla_template(32, 32)) if backend == "xla"
+              else (triton_ops, calls.triton_template(32, 32)))
+    run = lambda ri: ops.forward(  # noqa: E731
+        q, k, v, plan_abi.PassPlan(plan.units, plan.steps, ri, 32, 32, plan.q_len_padded,
+                                   plan.kv_len_padded, plan.max_steps),
+        template=t, scale=0.25, return_lse=True)
     out, lse = run(None)
     out_h, lse_h = run(plan.row_index)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(out_h))
@@ -85,7 +82,7 @@ def test_mosaic_kernel_takes_row_index_none():
     except Exception as e:  # pragma: no cover
         pytest.skip(f"Mosaic GPU interpreter not importable: {e!r}")
     from pallas_kernels import templates
-    from pallas_kernels.mosaic import wrapper as mosaic
+    from pallas_kernels.mosaic import ops as mosaic_ops
     from tessera_jax.mask import BlockMask
     t = templates.get("mgpu_q128_kv64_s2_hm")
     B, Lq, Lkv, Hq, Hkv, D = 1, 200, 140, 2, 1, 64
@@ -94,9 +91,10 @@ def test_mosaic_kernel_takes_row_index_none():
     q, k, v = random_qkv(B, Lq, Lkv, Hq, Hkv, D, "bfloat16", 6)
     plan = build_plan(mask, q.shape, k.shape, q.dtype, tile_q=t.tile_q, tile_kv=t.tile_kv,
                       policy="merge", q_align=t.q_align, kv_align=t.kv_align, template=t.name)
-    run = lambda ri: mosaic.attention(  # noqa: E731
-        q, k, v, plan.units, plan.steps, ri, template=t.name, q_len_padded=plan.q_len_padded,
-        kv_len_padded=plan.kv_len_padded, return_lse=True, interpret=interp)
+    run = lambda ri: mosaic_ops.forward(  # noqa: E731
+        q, k, v, plan_abi.PassPlan(plan.units, plan.steps, ri, t.tile_q, t.tile_kv,
+                                   plan.q_len_padded, plan.kv_len_padded, plan.max_steps),
+        template=t, scale=D ** -0.5, return_lse=True, interpret=interp)
     out, lse = run(None)
     out_h, lse_h = run(plan.row_index)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_h, np.float32))

@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 import plan_oracle
 import tessera_jax as tj
 from pallas_kernels import abi
-from pallas_kernels.xla import executor
+from pallas_kernels.xla import ops as xla_ops
 from tessera_jax.planning import planner
 from tessera_jax.planning.planner import POLICIES, build_plan
+from contract_calls import xla_template
 from strategies import heads_and_blocks
 from test_planner import TILES, _ctx, _plan, plan_masks
 
@@ -201,9 +202,9 @@ def test_executor_evaluates_hand_written_grid_steps_exactly(tq, tk):
     k = rng.standard_normal((1, tk, 1, D)).astype(np.float32)
     v = rng.standard_normal((1, tk, 1, D)).astype(np.float32)
     row_index = (np.arange(n)[:, None] * tq + np.arange(tq)[None, :]).astype(np.int32)
-    out, lse = executor.execute(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), units, steps,
-                                jnp.asarray(row_index), tile_q=tq, tile_kv=tk, q_len_padded=tq,
-                                kv_len_padded=tk, max_steps=1, scale=0.5, return_lse=True)
+    plan = abi.PassPlan(units, steps, jnp.asarray(row_index), tq, tk, tq, tk, 1)
+    out, lse = xla_ops.forward(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), plan,
+                               template=xla_template(tq, tk), scale=0.5, return_lse=True)
     for i in range(n):
         sel = _cells_by_loop(steps[i], tq, tk)
         s = 0.5 * q[0, :, i] @ k[0, :, 0].T

@@ -18,10 +18,12 @@ from pallas_kernels import abi as plan_abi
 
 from pallas_kernels.templates import TritonConfig
 from pallas_kernels.triton import kernel as triton_kernel
-from pallas_kernels.triton import wrapper as triton_wrapper
+from pallas_kernels.triton import ops as triton_ops
 from tessera_jax.mask import BlockMask
 from tessera_jax.planning.planner import build_plan
 from tessera_jax.reference import reference_attention
+
+import contract_calls as calls
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
 
@@ -40,11 +42,13 @@ def _inputs(seed, B, Lq, Lkv, Hq, Hkv, D, dtype):
     return mk(B, Lq, Hq, D), mk(B, Lkv, Hkv, D), mk(B, Lkv, Hkv, D)
 
 
-def _run(q, k, v, plan, **kw):
-    return triton_wrapper.attention(
-        q, k, v, plan.units, plan.steps, plan.row_index, tile_q=plan.tile_q,
-        tile_kv=plan.tile_kv, q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded,
-        **kw)
+def _run(q, k, v, plan, *, template=None, mask_mode=None, stages=2, scale=None, **kw):
+    """Triton ``ops.forward`` of ``plan`` (``contract_calls.pass_plan``) on ``template``, or on
+    a template of the plan's tiles, ``stages`` and the ``TritonConfig`` fields among ``kw``
+    (num_warps, prefetch); ``mask_mode``: ``contract_calls.with_mask_mode``."""
+    kernel = {f: kw.pop(f) for f in ("num_warps", "prefetch") if f in kw}
+    t = template or calls.triton_template(plan.tile_q, plan.tile_kv, stages, **kernel)
+    return calls.forward(triton_ops, q, k, v, plan, t, mask_mode=mask_mode, scale=scale, **kw)
 
 
 def _check(q, k, v, mask, plan, scale=None, **kw):
@@ -135,13 +139,14 @@ def test_full_and_partial_steps_gqa_per_head(mask_mode, prefetch):
     full = ((steps[:, 1] == 0) & (steps[:, 2] == 32) & (steps[:, 3] == 0) & (steps[:, 4] == 32))
     assert full.any() and (~full).any()
     _check(q, k, v, mask, plan, scale=0.3, mask_mode=mask_mode, prefetch=prefetch, num_warps=4,
-           num_stages=3)
+           stages=3)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_all_full_plan_runs_without_masking_code(prefetch):
-    """A plan whose visited steps are all full runs mask mode "none" (automatically for a
-    concrete plan); "none" on a plan with partial steps is refused."""
+    """A plan whose visited steps are all full runs mask mode "none" (picked for an untrusted
+    concrete plan, or from a trusted plan's all_full, traced arrays too); a plan with partial
+    steps runs "cond"."""
     B, L, Hq, Hkv, D = 1, 256, 2, 1, 16
     rng = np.random.default_rng(21)
     blocks = rng.random((Hq, 2, 4)) < 0.5
@@ -150,11 +155,10 @@ def test_all_full_plan_runs_without_masking_code(prefetch):
     q, k, v = _inputs(22, B, L, L, Hq, Hkv, D, jnp.float32)
     t = templates.get("triton_q128_kv64_w8_s3_pf_hm")
     plan = make_plan(mask, q, k, tile_q=t.tile_q, tile_kv=t.tile_kv)
-    assert triton_wrapper.plan_mask_mode(plan.units, plan.steps, t, plan.q_len_padded,
-                                         plan.kv_len_padded) == "none"
-    _check(q, k, v, mask, plan, prefetch=prefetch)                          # auto "none"
-    _check(q, k, v, mask, plan, mask_mode="none", prefetch=prefetch)
-    # Traced plan arrays take the mode as given: "none" is right here, too.
+    assert contract.forward_mask_mode(calls.pass_plan(plan), t, Hq, True) == "none"
+    _check(q, k, v, mask, plan, prefetch=prefetch)                          # picked "none"
+    _check(q, k, v, mask, plan, mask_mode="none", prefetch=prefetch)        # trusted all-full
+    # Traced plan arrays of a trusted all-full plan: "none" is right here, too.
     f = jax.jit(lambda u, s, r: _run(q, k, v, types.SimpleNamespace(
         units=u, steps=s, row_index=r, tile_q=t.tile_q, tile_kv=t.tile_kv,
         q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded),
@@ -166,14 +170,11 @@ def test_all_full_plan_runs_without_masking_code(prefetch):
     odd_blocks[0, 1, 2] = False                   # rows 64..99 miss keys 100..255: partial steps
     odd = BlockMask([0, 64, 100, 256], [0, 64, 100, 256], odd_blocks)
     p2 = make_plan(odd, q, k, tile_q=t.tile_q, tile_kv=t.tile_kv)
-    assert triton_wrapper.plan_mask_mode(p2.units, p2.steps, t, p2.q_len_padded,
-                                         p2.kv_len_padded) == "cond"
-    assert [triton_wrapper.mask_mode_for(t, f) for f in (True, False)] == ["none", "cond"]
+    assert contract.forward_mask_mode(calls.pass_plan(p2), t, Hq, True) == "cond"
+    assert [contract.mask_mode_for(t, f) for f in (True, False)] == ["none", "cond"]
     always = dataclasses.replace(t, name="always_test", kernel=TritonConfig(mask_mode="always"))
-    assert [triton_wrapper.mask_mode_for(always, f) for f in (True, False)] == ["always"] * 2
+    assert [contract.mask_mode_for(always, f) for f in (True, False)] == ["always"] * 2
     _check(q, k, v, odd, p2, prefetch=prefetch)
-    with pytest.raises(ValueError, match="partial steps"):
-        _run(q, k, v, p2, mask_mode="none")
 
 
 def _packed(view):
@@ -317,40 +318,31 @@ def test_templates_and_template_argument():
                      np.random.default_rng(12).random((2, 3, 3)) < 0.6)
     q, k, v = _inputs(13, 1, 100, 130, 2, 1, 16, jnp.float32)
     plan = make_plan(mask, q, k, tile_q=t.tile_q, tile_kv=t.tile_kv, policy="auto")
-    out, lse = triton_wrapper.attention(
-        q, k, v, plan.units, plan.steps, plan.row_index, template=t.name,
-        q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, return_lse=True)
+    out, lse = _run(q, k, v, plan, template=t, return_lse=True)
     ref, ref_lse = reference_attention(q, k, v, mask, return_lse=True)
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(lse, ref_lse, atol=1e-5, rtol=1e-5)
-    kw = dict(q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded)
-    with pytest.raises(ValueError, match="contradicts"):
-        triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                 template=t.name, tile_q=64, **kw)
-    with pytest.raises(ValueError, match="contradicts"):
-        triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                 template=t.name, prefetch=False, **kw)
+    with pytest.raises(ValueError, match="tiles"):         # the plan's tiles are the template's
+        _run(q, k, v, plan, template=dataclasses.replace(t, name="q64_test", tile_q=64))
     with pytest.raises(ValueError, match="backend"):
-        triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                 template="xla_64x64", **kw)
+        _run(q, k, v, plan, template=templates.get("xla_64x64"))
     with pytest.raises(ValueError, match="head dims"):     # D=16: not for the w4 template
-        triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index,
-                                 template="triton_q64_kv64_w4_s2", **kw)
+        _run(q, k, v, plan, template=templates.get("triton_q64_kv64_w4_s2"))
 
 
 def test_jit_with_traced_plan_arrays():
     mask = BlockMask.uniform(40, 40, 8, 8, np.random.default_rng(9).random((1, 5, 5)) < 0.5)
     q, k, v = _inputs(10, 1, 40, 40, 1, 1, 16, jnp.float32)
     plan = make_plan(mask, q, k, tile_q=16, tile_kv=16)
-    f = jax.jit(lambda q, k, v, u, s, r: triton_wrapper.attention(
-        q, k, v, u, s, r, tile_q=16, tile_kv=16, q_len_padded=plan.q_len_padded,
-        kv_len_padded=plan.kv_len_padded, scale=None))
+    f = jax.jit(lambda q, k, v, u, s, r: _run(q, k, v, types.SimpleNamespace(
+        units=u, steps=s, row_index=r, tile_q=16, tile_kv=16, q_len_padded=plan.q_len_padded,
+        kv_len_padded=plan.kv_len_padded)))
     out = f(q, k, v, plan.units, plan.steps, plan.row_index)
     np.testing.assert_allclose(out, reference_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
 
 
 def test_interpret_default_on_cpu():
-    assert triton_wrapper.default_interpret() == (jax.default_backend() != "gpu")
+    assert contract.default_interpret() == (jax.default_backend() != "gpu")
 
 
 def test_config_and_argument_errors():
@@ -382,9 +374,6 @@ def test_config_and_argument_errors():
     plan = make_plan(mask, q, k, tile_q=16, tile_kv=16)
     with pytest.raises(ValueError, match="head_dim"):
         _run(*_inputs(11, 1, 32, 32, 2, 1, 300, jnp.float32), plan)
-    with pytest.raises(ValueError, match="template or both"):
-        triton_wrapper.attention(q, k, v, plan.units, plan.steps, plan.row_index, tile_q=16,
-                                 q_len_padded=32, kv_len_padded=32)
     with pytest.raises(ValueError, match="mask_mode"):
         _run(q, k, v, plan, mask_mode="prefix")
     # The checks every family shares: tests/test_backend_contract.py.
@@ -394,7 +383,7 @@ def test_config_and_argument_errors():
                                         ("triton_q64_kv64_w4_s2", 136)])
 def test_backend_runner_path(template, D):
     """The lead's wiring: tj.plan with a Triton template, run by the core (as on a GPU;
-    the runner asks ``plan_mask_mode`` for the mode)."""
+    the runner's trusted plan gives the mode)."""
     import tessera_jax as tj
     from tessera_jax.runtime import core, host_plans
     mask = BlockMask([0, 30, 64, 90], [0, 20, 64, 80],
@@ -618,10 +607,8 @@ def _run_grid_plan(seed, *, B, Lq, Lkv, Hq, Hkv, D, dtype, tile_q, tile_kv, scal
         rng, Lq=Lq, Lkv=Lkv, Hq=Hq, tile_q=tile_q, tile_kv=tile_kv, align=align, shared=shared)
     assert seen["grid_steps"] >= min_grid, seen
     q, k, v = _inputs(seed + 1, B, Lq, Lkv, Hq, Hkv, D, dtype)
-    if "template" not in kw:
-        kw.update(tile_q=tile_q, tile_kv=tile_kv)
-    out, lse = triton_wrapper.attention(q, k, v, units, steps, row_index, q_len_padded=qlp,
-                                        kv_len_padded=klp, scale=scale, return_lse=True, **kw)
+    plan = plan_abi.PassPlan(units, steps, row_index, tile_q, tile_kv, qlp, klp, 0)
+    out, lse = _run(q, k, v, plan, scale=scale, return_lse=True, **kw)
     _check_dense(out, lse, *dense_reference(q, k, v, token, scale), dtype)
     return seen
 
@@ -639,7 +626,7 @@ def test_grid_steps_templates(template, dtype, D, Hq, Hkv, shared):
     t = templates.get(template)
     seen = _run_grid_plan(zlib.crc32(template.encode()), B=1, Lq=2 * t.tile_q + 24,
                           Lkv=4 * t.tile_kv + 20, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype,
-                          tile_q=t.tile_q, tile_kv=t.tile_kv, shared=shared, template=template)
+                          tile_q=t.tile_q, tile_kv=t.tile_kv, shared=shared, template=t)
     assert seen["plain"] + seen["split"] > 0 and seen["full"] > 0
 
 
@@ -653,12 +640,12 @@ def test_grid_steps_small_tiles(seed):
                    Hq=2, Hkv=1 + seed % 2, D=(16, 32)[seed % 2], dtype=jnp.float32,
                    tile_q=tile_q, tile_kv=tile_kv, shared=seed % 3 == 2, min_grid=2,
                    mask_mode=("cond", "always")[seed % 2], prefetch=seed % 4 < 2, num_warps=4,
-                   num_stages=2 + seed % 2)
+                   stages=2 + seed % 2)
 
 
 def test_grid_step_with_full_rectangle_is_not_full():
     """A grid step whose bounding rectangle is the whole tile is partial: mask mode "cond"
-    (never "none"), and "none" is refused for the plan."""
+    (never "none")."""
     T = 32
     Lq, Lkv = 2 * T, 2 * T
     units = np.array([[0, 0, 0, T, 0, 2], [0, T, 0, T, 2, 1]], np.int32)
@@ -672,15 +659,12 @@ def test_grid_step_with_full_rectangle_is_not_full():
     assert 0 < g.sum() < T * T
     row_index = np.arange(Lq, dtype=np.int32)[None]
     q, k, v = _inputs(41, 1, Lq, Lkv, 1, 1, 16, jnp.float32)
-    kw = dict(q_len_padded=Lq, kv_len_padded=Lkv, tile_q=T, tile_kv=T)
+    plan = plan_abi.PassPlan(units, steps, row_index, T, T, Lq, Lkv, 0)
     t = dataclasses.replace(templates.get("triton_q64_kv64_w4_s2"), name="grid_full_test",
                             tile_q=T, tile_kv=T, head_dims=())
-    assert triton_wrapper.plan_mask_mode(units, steps, t, Lq, Lkv) == "cond"
-    out, lse = triton_wrapper.attention(q, k, v, units, steps, row_index, scale=0.5,
-                                        return_lse=True, **kw)
+    assert contract.forward_mask_mode(plan, t, 1, True) == "cond"
+    out, lse = _run(q, k, v, plan, scale=0.5, return_lse=True)
     _check_dense(out, lse, *dense_reference(q, k, v, token, 0.5), jnp.float32)
-    with pytest.raises(ValueError, match="partial steps"):
-        triton_wrapper.attention(q, k, v, units, steps, row_index, mask_mode="none", **kw)
 
 
 @pytest.mark.parametrize("template,policy,tiles,dtype", [
@@ -705,11 +689,8 @@ def test_planned_small_blocks_grid_steps(template, policy, tiles, dtype):
         q, k, v = _inputs(int(rng.integers(1e9)), 1, Lq, Lkv, Hq, Hkv, 32, dtype)
         plan = make_plan(mask, q, k, tile_q=tile_q, tile_kv=tile_kv, policy=policy)
         grid_steps += int((plan.steps[:, plan_abi.STEP_CUTS_B] != 0).sum())
-        kw = {"template": template} if template else {}
-        out, lse = triton_wrapper.attention(
-            q, k, v, plan.units, plan.steps, plan.row_index, q_len_padded=plan.q_len_padded,
-            kv_len_padded=plan.kv_len_padded, return_lse=True, scale=0.3,
-            **(kw or dict(tile_q=tile_q, tile_kv=tile_kv)))
+        out, lse = _run(q, k, v, plan, template=template and templates.get(template),
+                        return_lse=True, scale=0.3)
         ref, ref_lse = reference_attention(q, k, v, mask, scale=0.3, return_lse=True)
         _check_dense(out, lse, np.asarray(ref, np.float32), np.asarray(ref_lse), dtype)
     if not grid_steps:

@@ -2,5 +2,5 @@
 
 ``ops``: the backend contract (``forward``, ``dq``, ``dkv``; ``pallas_kernels.contract``);
 ``kernel``: the forward kernel body (``KernelConfig``, ``forward``); ``backward``: the dq and
-dk/dv kernels; ``common``: what they share; ``wrapper``: the pre-contract ``attention``.
+dk/dv kernels; ``common``: what they share.
 """

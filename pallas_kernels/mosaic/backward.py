@@ -38,13 +38,12 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import abi
-from pallas_kernels import templates as _templates
 from pallas_kernels import step_masks
 from pallas_kernels.contract import LOG2E
 from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask, grid_mask,
                                           iota)
 
-__all__ = ["dq_call", "dkv_call", "dq", "dkv", "DKV_TILES", "DKV_PAIRED_TILES", "STAGES",
+__all__ = ["dq_call", "dkv_call", "DKV_TILES", "DKV_PAIRED_TILES", "STAGES",
            "smem_bytes"]
 
 STAGES = 2                      # ring slots of the streamed tiles
@@ -472,23 +471,3 @@ def dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, int
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs,
     )(q, k, v, do, lse2, delta, units, steps, steps.reshape(-1))
-
-
-def dq(q, k, v, do, lse, delta, units, steps, *, template, q_len_padded, kv_len_padded, scale,
-       mask_mode="cond", interpret=None, row_index=None):
-    """Compatibility shim over ops.dq; removed when the runtime uses ops."""
-    from pallas_kernels.mosaic import ops
-    t = _templates.get(template)
-    plan = abi.PassPlan(units, steps, row_index, t.tile_q, t.tile_kv, q_len_padded,
-                        kv_len_padded, 0)
-    return ops.run_dq(q, k, v, do, lse, delta, plan, t, scale, interpret, mask_mode)
-
-
-def dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
-        scale, mask_mode="cond", interpret=None, row_index=None):
-    """Compatibility shim over ops.dkv; removed when the runtime uses ops."""
-    from pallas_kernels.mosaic import ops
-    plan = abi.PassPlan(units, steps, row_index, tile_q, tile_kv, q_len_padded, kv_len_padded, 0)
-    # Any Mosaic GPU template: it checks q / k / v; the kernel's shape comes from the plan.
-    t = _templates.for_backend("mosaic_gpu")[0]
-    return ops.run_dkv(q, k, v, do, lse, delta, plan, t, scale, interpret, mask_mode)

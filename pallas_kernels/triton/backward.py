@@ -30,7 +30,7 @@ from pallas_kernels import step_masks
 from pallas_kernels.contract import LOG2E
 from pallas_kernels.triton.kernel import padded_head_dim
 
-__all__ = ["dq", "dkv", "dq_call", "dkv_call", "dkv_tiles"]
+__all__ = ["dq_call", "dkv_call", "dkv_tiles"]
 
 
 
@@ -172,21 +172,3 @@ def dkv_call(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, mode, sc
 
 def _precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
-def dq(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
-       scale, mask_mode="cond", interpret=None, row_index=None):
-    """Compatibility shim over ops.dq; removed when the runtime uses ops."""
-    from pallas_kernels.triton import ops
-    plan = abi.PassPlan(units, steps, row_index, tile_q, tile_kv, q_len_padded, kv_len_padded, 0)
-    t = ops.direct_template(int(tile_q), int(tile_kv))
-    return ops.run_dq(q, k, v, do, lse, delta, plan, t, scale, interpret, mask_mode)
-
-
-def dkv(q, k, v, do, lse, delta, units, steps, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
-        scale, mask_mode="cond", interpret=None, row_index=None):
-    """Compatibility shim over ops.dkv; removed when the runtime uses ops."""
-    from pallas_kernels.triton import ops
-    plan = abi.PassPlan(units, steps, row_index, tile_q, tile_kv, q_len_padded, kv_len_padded, 0)
-    t = ops.direct_template(int(tile_q), int(tile_kv))
-    return ops.run_dkv(q, k, v, do, lse, delta, plan, t, scale, interpret, mask_mode)

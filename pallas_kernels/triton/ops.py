@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from pallas_kernels import abi
 from pallas_kernels import backward_rows as rows_
 from pallas_kernels import contract
-from pallas_kernels.templates import Template, TritonConfig
+from pallas_kernels.templates import Template
 from pallas_kernels.triton import backward as _backward
 from pallas_kernels.triton import delta as _delta
 from pallas_kernels.triton import kernel as _kernel
@@ -28,16 +28,6 @@ BACKEND = "triton"
 PAIRED_DKV_TILES = None     # no paired dk/dv units
 FIRST_ORDER = True          # the kernels can't be differentiated again
 FOLD_VMAP = False           # pallas_call's own batching rule
-
-
-@functools.lru_cache(maxsize=64)
-def direct_template(tile_q: int, tile_kv: int, stages: int = 2, num_warps=None,
-                    prefetch: bool = False) -> Template:
-    """A Triton template of these parameters outside the table (any head dim, dtype): for
-    the pre-contract entry points, which configure the kernel directly."""
-    return Template(f"triton_direct_q{tile_q}_kv{tile_kv}_s{stages}", BACKEND, tile_q, tile_kv,
-                    stages, head_dims=(), dtypes=contract.FLOAT_DTYPES,
-                    kernel=TritonConfig(num_warps=num_warps, prefetch=prefetch))
 
 
 def _check_head_dim(q) -> int:

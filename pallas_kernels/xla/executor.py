@@ -19,27 +19,9 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import abi
-from pallas_kernels.templates import Template
 
 # Units per chunk are chosen so that one chunk's scores stay near this many float32 elements.
 CHUNK_ELEMS = 1 << 22
-
-
-@functools.lru_cache(maxsize=64)
-def _template(tile_q: int, tile_kv: int) -> Template:
-    """An XLA template of these tiles (the executor runs any)."""
-    return Template(f"xla_{tile_q}x{tile_kv}", "xla", tile_q, tile_kv, stages=1, head_dims=(),
-                    dtypes=("float32", "bfloat16", "float16"))
-
-
-def execute(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_padded, kv_len_padded,
-            max_steps, scale, return_lse=False, check_plan=True):
-    """Compatibility shim over ops.forward; removed when the runtime uses ops."""
-    from pallas_kernels.xla import ops
-    plan = abi.PassPlan(units, steps, row_index, tile_q, tile_kv, q_len_padded, kv_len_padded,
-                        max_steps)
-    return ops.forward(q, k, v, plan, template=_template(int(tile_q), int(tile_kv)),
-                       scale=scale, return_lse=return_lse, check_plan=check_plan)
 
 
 @functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "q_len_padded",
@@ -154,5 +136,3 @@ def selection(st, valid, flat, tile_q, tile_kv):
     sel = (row_word[..., None] & key_bit) != 0
     return sel.reshape(*sel.shape[:3], W * abi.WORD_BITS)[..., :tile_kv]
 
-
-execute._cache_size = execute_plan._cache_size    # compiled executables (tests count them)
