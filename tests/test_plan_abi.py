@@ -85,12 +85,26 @@ def test_pack_unpack_grid_round_trip(cuts, bits):
     assert [int(v) for v in gj[0]] == qc and [int(v) for v in gj[1]] == kc and int(gj[2]) == bits
     gi = abi.unpack_grid(int(ca), int(cb))            # plain (possibly negative) Python ints
     assert [int(v) for v in gi[0]] == qc and [int(v) for v in gi[1]] == kc and gi[2] == bits
-    # The grid view and step_cells agree with grid_mask.
+    # The grid view and step_cells agree with grid_mask, and grid_mask with a brute-force
+    # reading of the cells (cell (i, j) covers rows [qb[i], qb[i+1]) x cols [kb[j], kb[j+1])).
     rect = abi.pack_rect(0, 255, 0, 255)
     steps = np.array([[0, rect, ca, cb]], np.int32)
     g = abi.unpack_steps(steps, grid=True)[0]
     assert list(g[abi.VIEW_Q1:abi.VIEW_Q3 + 1]) == qc and list(g[abi.VIEW_K1:abi.VIEW_K3 + 1]) == kc
     assert g[abi.VIEW_BITS] == bits
+    rows, cols = np.arange(255)[:, None], np.arange(255)[None, :]
+    got = abi.grid_mask(rect, ca, cb, rows, cols)
+    qb, kb = [0] + qc + [255], [0] + kc + [255]
+    want = np.zeros((255, 255), bool)
+    for i in range(4):
+        for j in range(4):
+            if bits >> (4 * i + j) & 1:
+                want[qb[i]:qb[i + 1], kb[j]:kb[j + 1]] = True
+    np.testing.assert_array_equal(got, want)
+    cells = np.zeros((255, 255), bool)
+    for _, a, b, c, d in zip(*abi.step_cells([rect], [ca], [cb])):
+        cells[a:b, c:d] = True
+    np.testing.assert_array_equal(cells, want)
 
 
 def test_tiles_above_255_are_rejected():
