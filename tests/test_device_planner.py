@@ -213,8 +213,10 @@ def test_bad_device_bounds_flag_not_crash_and_checkify_reports():
     rng = np.random.default_rng(3)
     q, k, v = _inputs(rng, 128, 128, 1, 1)
     good = jnp.asarray([0, 32, 64, 96, 128])
-    # Not increasing; not ending at the length; five blocks in the first 64-row tile.
-    for bad in ([0, 64, 32, 96, 128], [0, 32, 64, 96, 120], [0, 8, 16, 24, 32, 128]):
+    # Not increasing; equal neighbours; not ending at the length; five blocks in the first
+    # 64-row tile.
+    for bad in ([0, 64, 32, 96, 128], [0, 32, 32, 96, 128], [0, 32, 64, 96, 120],
+                [0, 8, 16, 24, 32, 128]):
         blocks = jnp.ones((1, len(bad) - 1, 4), bool)
         out, _, (p, ok) = jax.jit(lambda qb: _run(blocks, qb, good, q, k, v, 64, 64))(
             jnp.asarray(bad))
