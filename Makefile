@@ -4,7 +4,7 @@ PYTHON ?= $(if $(PYENV_PY),$(PYENV_PY),python3.12)
 VENV := .venv
 VPY := $(VENV)/bin/python
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-gpu clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,13 @@ demo: setup
 
 test: setup
 	$(VPY) -m pytest -q -n 2 --durations=15 $(PYTEST_ARGS)
+
+# The compiled kernels on this machine's GPU against the reference (tests/gpu; they skip without
+# a GPU). The project's venv when there is one, else the machine's python3 (a GPU image with
+# jax[cuda13], pytest and hypothesis; no install, so it runs on machines without a network).
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(if $(wildcard $(VPY)),$(VPY),python3) -m pytest -q -p no:cacheprovider \
+		-m gpu tests/gpu $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -14,10 +14,9 @@ identical bit for bit.
     bash benchmarks/one_path_check_old.sh
     python3 benchmarks/one_path_check.py --old-root .carry/old --out $OUT/h200-one-path-check.json
 
-Then (``checks``) every GPU template of ``pallas_kernels.templates`` and
-both device routes (shared and per-head bounds) on fresh random masks against the float32
-reference, forward (out, lse) and backward (dq, dk, dv): variable bounds, per-head blocks, an
-empty query block, GQA, head dims 128 and 64.
+Then (``checks``) the cases of ``tessera_jax.tools.gpu_check`` (what ``make test-gpu`` runs):
+every GPU template and both device routes (shared and per-head bounds) on fresh random masks
+against the float32 reference, forward (out, lse) and backward (dq, dk, dv).
 
 Summary keys: ``time_ratio_max`` / ``time_ratio_min`` (new / old, ratio of medians per case),
 ``noise`` (median relative spread of one system between rounds), ``outputs_identical``,
@@ -106,80 +105,23 @@ def build_fn(jax, tj, mask, route, pss, opts):
     return lambda q, k, v, do: f(q, k, v, do, blocks)
 
 
-# Every GPU template, each on fresh random masks against the float32 reference.
-CHECK_TEMPLATES = ["mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm",
-                   "mgpu_q128_kv64_s2_skip", "mgpu_q64x2pp_kv64_s2_hm",
-                   "triton_q128_kv64_w8_s3_pf_hm", "triton_q128_kv128_w8_s3_pf_hm",
-                   "triton_q64_kv64_w4_s2"]
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def check_case(jax, jnp, tj, rng, *, D, Hq, Hkv, route, opts):
-    """Forward (out, lse) and the three gradients of one fresh random mask against the float32
-    reference: variable bounds, per-head blocks, an empty query block, GQA; route "host"
-    (NumPy mask), "device" (jax blocks, jitted) or "perhead" (per-head bounds, jitted)."""
-    L = int(rng.integers(700, 1500))
-    n = 20 + 1
-    qb = np.stack([np.r_[0, np.sort(rng.choice(np.arange(1, L), n - 1, replace=False)), L]
-                   for _ in range(Hq if route == "perhead" else 1)])
-    qb = qb if route == "perhead" else qb[0]
-    blocks = rng.random((Hq, n, n)) < 0.4
-    blocks[:, 3] = False                                              # empty rows
-    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
-    q = jax.random.normal(ks[0], (1, L, Hq, D), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (1, L, Hkv, D), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (1, L, Hkv, D), jnp.bfloat16)
-    do = jax.random.normal(ks[3], (1, L, Hq, D), jnp.bfloat16)
-    host = tj.BlockMask(qb, qb, blocks)
-
-    def ours(q, k, v, b):
-        m = host if route == "host" else tj.BlockMask(qb, qb, b)
-        return tj.sparse_attention(q, k, v, m, return_lse=True, **opts)
-
-    def fwd_bwd(q, k, v, b):
-        (out, lse), vjp = jax.vjp(lambda q, k, v: ours(q, k, v, b), q, k, v)
-        return out, lse, vjp((do, jnp.zeros_like(lse)))
-
-    out, lse, grads = jax.jit(fwd_bwd)(q, k, v, jnp.asarray(blocks))
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    (rout, rlse), rvjp = jax.vjp(
-        lambda q, k, v: tj.reference_attention(q, k, v, host, return_lse=True), *f32)
-    rgrads = rvjp((do.astype(jnp.float32), jnp.zeros_like(rlse)))
-    fin = np.isfinite(np.asarray(rlse))
-    rec = dict(L=L, rel_out=rel(out, rout),
-               lse_max_err=float(np.max(np.abs(np.asarray(lse)[fin] - np.asarray(rlse)[fin]))),
-               empty_rows_ok=bool(np.all(np.isneginf(np.asarray(lse)[~fin]))
-                                  and not np.isnan(np.asarray(out, np.float32)).any()),
-               rel_grads=[rel(g, r) for g, r in zip(grads, rgrads)])
-    rec["ok"] = (rec["rel_out"] < 1e-2 and rec["lse_max_err"] < 1e-2 and rec["empty_rows_ok"]
-                 and max(rec["rel_grads"]) < 2e-2)
-    return rec
-
-
-def run_checks(jax, jnp, tj, res, save, deadline, templates, backends, start=0):
+def run_checks(res, save, deadline, backends, start=0):
+    """``tessera_jax.tools.gpu_check``'s cases of ``backends`` (from the ``start``-th), each
+    recorded; those past the deadline are recorded as skipped."""
+    from tessera_jax.tools import gpu_check
     rng = np.random.default_rng(20261204)
-    plan = [(dict(template=t), "host", D, heads) for t in templates
-            for D, heads in ((128, (4, 2)), (64, (2, 2)))]
-    plan += [(dict(backend=b), route, 128, (4, 2)) for b in backends
-             for route in ("device", "perhead")]
-    for opts, route, D, (Hq, Hkv) in plan[start:]:
-        rec = dict(options=opts, route=route, D=D, Hq=Hq, Hkv=Hkv)
+    for name, opts, route, D, Hq, Hkv in gpu_check.cases(backends)[start:]:
+        rec = dict(case=name, options=opts, route=route, D=D, Hq=Hq, Hkv=Hkv)
         if time.time() > deadline:
             rec["skipped"] = "time"
         else:
             try:
-                rec.update(check_case(jax, jnp, tj, rng, D=D, Hq=Hq, Hkv=Hkv, route=route,
-                                      opts=opts))
-            except ValueError as e:                 # the template doesn't take this head dim
-                rec["skipped"] = repr(e)[:300]
+                rec.update(gpu_check.check_case(rng, D=D, Hq=Hq, Hkv=Hkv, route=route,
+                                                options=opts))
             except Exception as e:  # noqa: BLE001
                 rec["error"], rec["ok"] = repr(e)[:800], False
                 traceback.print_exc()
-        log("check", opts, route, f"D={D}", rec.get("ok", rec.get("skipped", "")[:60]),
+        log("check", name, rec.get("ok", rec.get("skipped", "")),
             f"out {rec.get('rel_out', float('nan')):.1e}",
             f"grads {max(rec.get('rel_grads', [float('nan')])):.1e}")
         res["checks"].append(rec)
@@ -285,9 +227,8 @@ def main():
         save()
 
     if "checks" in sections:
-        run_checks(jax, jnp, tj, res, save, deadline,
-                   ["xla_64x64"] if args.tiny else CHECK_TEMPLATES,
-                   ["xla"] if args.tiny else ["mosaic_gpu", "triton"], args.check_from)
+        run_checks(res, save, deadline, ["xla"] if args.tiny else ["mosaic_gpu", "triton"],
+                   args.check_from)
     done = [c for c in res["cases"] if "new_over_old" in c]
     try:
         rule_used = timing.assert_same_rule(timings, "one-path check")

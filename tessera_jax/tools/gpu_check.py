@@ -1,0 +1,119 @@
+"""The compiled kernels against the float32 reference on fresh random masks, on this GPU.
+
+One case (``check_case``) draws a mask (variable bounds, per-head blocks, an empty query
+block, GQA), runs ``sparse_attention`` forward (out, lse) and backward (dq, dk, dv) inside one
+jitted ``jax.vjp`` and compares each with ``reference_attention`` in float32. ``cases`` lists
+what a GPU should pass: every template of the GPU backends available here (head dims 128 and
+64 where the template takes them) through the host route, and the device route with shared
+and with per-head bounds per backend. ``make test-gpu`` runs them as tests
+(``tests/gpu/``); ``python -m tessera_jax.tools.gpu_check`` prints them as a table.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+__all__ = ["ROUTES", "cases", "check_case", "main"]
+
+ROUTES = ("host", "device", "perhead")
+#: Tolerances of bf16 kernels against the float32 reference (relative Frobenius error).
+OUT_TOL, LSE_TOL, GRAD_TOL = 1e-2, 1e-2, 2e-2
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _mask_parts(rng, L: int, Hq: int, route: str, n: int = 20):
+    """(q_bounds, blocks): n variable blocks per axis (per head for "perhead"), ~40% of the
+    blocks selected per head, query block 3 empty."""
+    qb = np.stack([np.r_[0, np.sort(rng.choice(np.arange(1, L), n - 1, replace=False)), L]
+                   for _ in range(Hq if route == "perhead" else 1)])
+    blocks = rng.random((Hq, n, n)) < 0.4
+    blocks[:, 3] = False
+    return (qb if route == "perhead" else qb[0]), blocks
+
+
+def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> dict:
+    """Errors of one fresh case against the reference and ``ok``; ``options``:
+    ``sparse_attention`` keywords (a template or a backend)."""
+    import jax
+    import jax.numpy as jnp
+
+    import tessera_jax as tj
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    L = int(rng.integers(700, 1500))
+    qb, blocks = _mask_parts(rng, L, Hq, route)
+    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
+    q = jax.random.normal(ks[0], (1, L, Hq, D), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (1, L, Hkv, D), jnp.bfloat16) for x in ks[1:3])
+    do = jax.random.normal(ks[3], (1, L, Hq, D), jnp.bfloat16)
+    host = tj.BlockMask(qb, qb, blocks)
+
+    def fwd_bwd(q, k, v, b):
+        m = host if route == "host" else tj.BlockMask(qb, qb, b)
+        (out, lse), vjp = jax.vjp(
+            lambda q, k, v: tj.sparse_attention(q, k, v, m, return_lse=True, **options), q, k, v)
+        return out, lse, vjp((do, jnp.zeros_like(lse)))
+
+    out, lse, grads = jax.jit(fwd_bwd)(q, k, v, jnp.asarray(blocks))
+    (rout, rlse), rvjp = jax.vjp(
+        lambda q, k, v: tj.reference_attention(q, k, v, host, return_lse=True),
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    rgrads = rvjp((do.astype(jnp.float32), jnp.zeros_like(rlse)))
+    lse, rlse = np.asarray(lse), np.asarray(rlse)
+    fin = np.isfinite(rlse)
+    rec = dict(L=L, rel_out=_rel(out, rout),
+               lse_max_err=float(np.max(np.abs(lse[fin] - rlse[fin]))),
+               empty_rows_ok=bool(np.all(np.isneginf(lse[~fin]))
+                                  and not np.isnan(np.asarray(out, np.float32)).any()),
+               rel_grads=[_rel(g, r) for g, r in zip(grads, rgrads)])
+    rec["ok"] = (rec["rel_out"] < OUT_TOL and rec["lse_max_err"] < LSE_TOL
+                 and rec["empty_rows_ok"] and max(rec["rel_grads"]) < GRAD_TOL)
+    return rec
+
+
+def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
+    """(id, sparse_attention keywords, route, D, Hq, Hkv) of every check for ``backends``
+    (None: the GPU backends available here)."""
+    from pallas_kernels import templates
+    from tessera_jax.runtime import dispatch
+    if backends is None:
+        backends = [b for b in ("mosaic_gpu", "triton") if dispatch.is_available(b)]
+    out = []
+    for b in backends:
+        for t in templates.for_backend(b):
+            for D, Hq, Hkv in ((128, 4, 2), (64, 2, 2)):
+                if t.supports(D, np.dtype("bfloat16")):
+                    out.append((f"{t.name}-host-D{D}", dict(template=t.name), "host", D, Hq, Hkv))
+        for route in ("device", "perhead"):
+            out.append((f"{b}-{route}-D128", dict(backend=b), route, 128, 4, 2))
+    return out
+
+
+def main(argv=None) -> int:
+    """Runs every case of this machine, prints a line each; exit status 1 if one fails."""
+    from tessera_jax.tools import cli
+    p = cli.Parser("tessera_jax.tools.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--seed", type=cli.nonnegative_int, default=0, help="the masks' seed")
+    args = p.parse_args(argv)
+    todo = cases()
+    if not todo:
+        print("no GPU backend available here: nothing to check")
+        return 0
+    rng, failed = np.random.default_rng(args.seed), 0
+    for name, opts, route, D, Hq, Hkv in todo:
+        rec = check_case(rng, D=D, Hq=Hq, Hkv=Hkv, route=route, options=opts)
+        failed += not rec["ok"]
+        print(f"{'ok  ' if rec['ok'] else 'FAIL'} {name:<40} out {rec['rel_out']:.1e} "
+              f"lse {rec['lse_max_err']:.1e} grads {max(rec['rel_grads']):.1e}", flush=True)
+    print(f"{len(todo) - failed} passed, {failed} failed")
+    return int(failed > 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
