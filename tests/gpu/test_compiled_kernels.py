@@ -11,10 +11,10 @@ import pytest
 
 from tessera_jax.tools import gpu_check
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
+ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a GPU")]
 
-CASES = gpu_check.cases() if jax.default_backend() == "gpu" else []
+CASES = gpu_check.cases() if ON_GPU else []
 
 
 @pytest.mark.parametrize("name,options,route,D,Hq,Hkv", CASES, ids=[c[0] for c in CASES])
