@@ -23,8 +23,9 @@ test: setup
 # The compiled kernels on this machine's GPU against the reference (tests/gpu; they skip without
 # a GPU). The project's venv when there is one, else the machine's python3 (a GPU image with
 # jax[cuda13], pytest and hypothesis; no install, so it runs on machines without a network).
+# JAX_PLATFORMS is emptied: tests/conftest.py pins the CPU suite to the CPU otherwise.
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(if $(wildcard $(VPY)),$(VPY),python3) -m pytest -q -p no:cacheprovider \
+	JAX_PLATFORMS= PYTHONPATH=$(CURDIR) $(if $(wildcard $(VPY)),$(VPY),python3) -m pytest -q -p no:cacheprovider \
 		-m gpu tests/gpu $(PYTEST_ARGS)
 
 clean:
