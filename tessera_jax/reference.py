@@ -25,8 +25,18 @@ def _reference(q, k, v, token, scale, return_lse, group):
     qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
     kf = jnp.repeat(kf, group, axis=2)
     vf = jnp.repeat(vf, group, axis=2)
+    o, lse = masked_attention(qf, kf, vf, token[None], scale)
+    o = o.astype(q.dtype)
+    return (o, lse) if return_lse else o
+
+
+def masked_attention(qf, kf, vf, sel, scale):
+    """(out [B, Lq, H, D], lse [B, H, Lq]) in float32 of q [B, Lq, H, D] against k, v
+    [B, Lkv, H, D] (float32, k and v already repeated to q's heads) where ``sel`` (bool,
+    broadcast against the scores [B, H, Lq, Lkv]) selects; a row selecting nothing gives 0 and
+    lse -inf. The reference's rule, also the device route's exact path (per query chunk)."""
     s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision="highest") * scale
-    s = jnp.where(token[None], s, -jnp.inf)
+    s = jnp.where(sel, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m_safe)
@@ -34,5 +44,4 @@ def _reference(q, k, v, token, scale, return_lse, group):
     o = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l > 0, l, 1.0), vf, precision="highest")
     lse = jnp.where(l[..., 0] > 0, jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0)) + m_safe[..., 0],
                     -jnp.inf)
-    o = o.astype(q.dtype)
-    return (o, lse) if return_lse else o
+    return o, lse

@@ -41,7 +41,6 @@ from tessera_jax.runtime import options as options_
 from tessera_jax.runtime.exact import exact_attention
 from tessera_jax.runtime.options import Options
 from tessera_jax.select import device as select_device
-from tessera_jax.select.device import Const
 from tessera_jax.validation import AttnShape
 
 __all__ = ["takes", "choose", "attention", "device_plans", "dkv_tiles", "exact_attention",
@@ -51,17 +50,6 @@ __all__ = ["takes", "choose", "attention", "device_plans", "dkv_tiles", "exact_a
 def takes(mask: BlockMask) -> bool:
     """Whether a mask goes the device route: a device mask, or per-head bounds."""
     return not mask.is_static or mask.per_head_bounds
-
-
-def _consts(mask: BlockMask) -> tuple:
-    """The mask's NumPy parts as static arguments (None for a jax array), keyed by the mask's
-    digest when it is static (no hashing of its arrays per call). A device mask's NumPy blocks
-    are not made static (they would be hashed every call): they go in as an operand."""
-    parts = (mask.q_bounds, mask.kv_bounds, mask.blocks)
-    if mask.is_static:
-        return tuple(Const(np.asarray(x), (mask.digest, i)) for i, x in enumerate(parts))
-    return tuple(Const(np.asarray(x)) if i < 2 and not isinstance(x, jax.Array) else None
-                 for i, x in enumerate(parts))
 
 
 def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template | None,
@@ -90,7 +78,7 @@ _warned: set = set()
 def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template: Template | None,
               scale: float, return_lse: bool, options: Options = options_.DEFAULT):
     """out (and lse) of a device-route call (arguments validated by the caller)."""
-    consts = _consts(mask)
+    consts = select_device.static_parts(mask)
     t, capacity = _choose(consts, mask, shape, backend, template, options.bitmap_budget_bytes)
     if t is None:
         key = (tuple(mask.blocks.shape), shape.q_len, shape.kv_len, backend)

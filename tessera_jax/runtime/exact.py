@@ -13,6 +13,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import backward_rows as rows_
 
+from tessera_jax.reference import masked_attention
+
 __all__ = ["exact_attention", "exact_backward"]
 
 # Scores of one chunk of the exact path stay near this many float32 elements.
@@ -52,17 +54,7 @@ def exact_attention(q, k, v, q_bounds, kv_bounds, blocks, *, scale, return_lse=F
         qid = _block_ids(qb, rows)                                       # [Hbq, C]
         sel = blocks[heads, qid[:, :, None], kid[:, None, :]]            # [Hm, C, Lkv]
         sel = jnp.broadcast_to(sel, (Hq, C, Lkv))
-        s = jnp.einsum("bqhd,bkhd->bhqk", qx.astype(jnp.float32), kf,
-                       precision="highest") * scale
-        s = jnp.where(sel[None], s, -jnp.inf)
-        m = jnp.max(s, axis=-1, keepdims=True)
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        p = jnp.exp(s - m)
-        l = jnp.sum(p, axis=-1, keepdims=True)
-        o = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l > 0, l, 1.0), vf, precision="highest")
-        lse = jnp.where(l[..., 0] > 0, jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0))
-                        + m[..., 0], -jnp.inf)
-        return o, lse
+        return masked_attention(qx.astype(jnp.float32), kf, vf, sel[None], scale)
 
     o, lse = jax.lax.map(one, (jnp.arange(n_chunks, dtype=jnp.int32), qc))
     out = o.swapaxes(0, 1).reshape(B, n_chunks * C, Hq, D)[:, :Lq].astype(q.dtype)

@@ -33,7 +33,7 @@ from tessera_jax.mask import BlockMask
 from tessera_jax.planning import device as _device
 from tessera_jax.validation import AttnShape
 
-__all__ = ["DEVICE_TEMPLATES", "BITMAP_BUDGET_BYTES", "Const", "DeviceFeatures",
+__all__ = ["DEVICE_TEMPLATES", "BITMAP_BUDGET_BYTES", "Const", "DeviceFeatures", "static_parts",
            "device_capable", "capacity", "choose_template", "choose"]
 
 #: Per backend, the templates a device plan may run, in order of preference (see the module
@@ -81,13 +81,21 @@ class DeviceFeatures:
 
     @classmethod
     def of(cls, mask: BlockMask, shape: AttnShape) -> "DeviceFeatures":
-        """The features of ``mask`` (bounds keyed by its digest when it is static)."""
-        parts = (mask.q_bounds, mask.kv_bounds)
-        if mask.is_static:
-            qb, kb = (Const(np.asarray(x), (mask.digest, i)) for i, x in enumerate(parts))
-        else:                   # NumPy bounds of a device mask are static; jax arrays are not
-            qb, kb = (None if isinstance(x, jax.Array) else Const(np.asarray(x)) for x in parts)
+        """The features of ``mask`` (its static bounds, ``static_parts``)."""
+        qb, kb, _ = static_parts(mask)
         return cls(qb, kb, tuple(mask.blocks.shape), shape)
+
+
+def static_parts(mask: BlockMask) -> tuple:
+    """(q_bounds, kv_bounds, blocks) of ``mask`` as ``Const``s where they are NumPy (None for a
+    jax array), keyed by the mask's digest when it is static (no hashing of its arrays per
+    call). A device mask's NumPy blocks are not made static (they would be hashed every call):
+    they go into the program as an operand."""
+    parts = (mask.q_bounds, mask.kv_bounds, mask.blocks)
+    if mask.is_static:
+        return tuple(Const(np.asarray(x), (mask.digest, i)) for i, x in enumerate(parts))
+    return tuple(Const(np.asarray(x)) if i < 2 and not isinstance(x, jax.Array) else None
+                 for i, x in enumerate(parts))
 
 
 def _fine_tiles(bounds: Const | None, n: int, length: int, tile: int):
