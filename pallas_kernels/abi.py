@@ -77,6 +77,26 @@ grids launch unit u as program u, so the heaviest units start first).
                  tile_kv] selection; ``step_mask`` evaluates any step (plain, grid, bitmap).
                  The planner emits a bitmap step only for a (unit, tile) whose selection needs
                  more than a GRID x GRID grid (``tile_once`` below); a bitmap step is never full.
+  STEP_CUTS_B == GATHER_FLAG (= 2) or GATHER_FULL_FLAG (= 3) marks a *gathered step*: its
+                 K/V tile is not one run of keys but G = tile_kv / GATHER_ROWS chunks of
+                 GATHER_ROWS (= 8) keys each, from anywhere (a TMA copy per chunk fills the
+                 8-row tiled SMEM layout), and it selects a row set x key set of that tile.
+                 STEP_CUTS_A = ``off`` (as a bitmap's: a multiple of 4 into the flat view, in rows
+                 no unit visits), and ``gather_words(tile_q, tile_kv)`` words from there:
+                   chunk starts  G words: key c of the tile is k[start[c // 8] + c % 8];
+                                 each start a multiple of GATHER_ROWS, start + 8 <= kv_len_padded
+                   key bits      W = bitmap_words(tile_kv) words: key c selected iff bit c % 32
+                                 of word c // 32
+                   row bits      bitmap_words(tile_q) words: tile row r selected iff bit r % 32
+                                 of word r // 32
+                 (r, c) is selected iff both bits are set (``pack_gather`` / ``unpack_gather``):
+                 one rank-one selection, so a kernel masks it with a per-key bias and a per-row
+                 penalty, no per-entry test. GATHER_FULL_FLAG: every bit is set (no mask at
+                 all). The rectangle is the bounding box of the selection; STEP_KV_START is the
+                 first chunk's start (kernels ignore it). Unused chunks repeat a start, with no
+                 key bit set. Only backends whose kernels gather take such steps
+                 (``check_plan(..., gather=True)``); the host planner's ``gather`` policy emits
+                 them.
   A step selects exactly those entries; every other entry of the tile is masked (-inf before
   the softmax). A step is *full* when it is plain and the rectangle is the whole tile,
   rect == pack_rect(0, tile_q, 0, tile_kv) (``full_rect``) and cuts_b == 0: kernels may skip
@@ -108,6 +128,9 @@ GRID = 4                # a grid step has at most GRID row segments and GRID key
 GRID_BITS_SHIFT = 16    # the cell bits' offset in STEP_CUTS_B
 BITMAP_FLAG = 1         # STEP_CUTS_B of a bitmap step (bits in words past the step rows)
 WORD_BITS = 32          # keys per bitmap word
+GATHER_FLAG = 2         # STEP_CUTS_B of a gathered step (chunked K/V tile, row x key bits)
+GATHER_FULL_FLAG = 3    # ... of a gathered step selecting its whole tile (no mask)
+GATHER_ROWS = 8         # keys per chunk of a gathered step's tile
 MAX_TILE = 255          # the largest tile_q / tile_kv: a rectangle bound must fit one byte
 # Bit offsets of the four bytes of STEP_RECT: rect = q_lo << RECT_Q_LO_SHIFT | q_hi <<
 # RECT_Q_HI_SHIFT | kv_lo << RECT_KV_LO_SHIFT | kv_hi << RECT_KV_HI_SHIFT. Plain ints, so
@@ -178,6 +201,86 @@ def unpack_bitmap(words, tile_q: int, tile_kv: int):
     w = np.asarray(words).astype(np.int64).reshape(np.shape(words)[:-1] + (W, tile_q)) & 0xFFFFFFFF
     c = np.arange(tile_kv)
     return ((np.swapaxes(w, -1, -2)[..., c // WORD_BITS] >> (c % WORD_BITS)) & 1) == 1
+
+
+def gather_chunks(tile_kv: int) -> int:
+    """G: the chunks of a gathered step's K/V tile (tile_kv / GATHER_ROWS)."""
+    if int(tile_kv) % GATHER_ROWS:
+        raise ValueError(f"gathered steps need tile_kv a multiple of {GATHER_ROWS}, got {tile_kv}")
+    return int(tile_kv) // GATHER_ROWS
+
+
+def gather_words(tile_q: int, tile_kv: int) -> int:
+    """Words of one gathered step: chunk starts, key bits, row bits."""
+    return gather_chunks(tile_kv) + bitmap_words(tile_kv) + bitmap_words(tile_q)
+
+
+def gather_word_rows(tile_q: int, tile_kv: int) -> int:
+    """Rows of ``steps`` one gathered step's words fill (from a row boundary)."""
+    return -(-gather_words(tile_q, tile_kv) // STEP_COLS)
+
+
+def _bits(sel):
+    sel = np.asarray(sel, bool)
+    n = sel.shape[-1]
+    W = bitmap_words(n)
+    pad = np.zeros(sel.shape[:-1] + (W * WORD_BITS,), bool)
+    pad[..., :n] = sel
+    b = pad.reshape(sel.shape[:-1] + (W, WORD_BITS)).astype(np.uint64)
+    return (b << np.arange(WORD_BITS, dtype=np.uint64)).sum(-1).astype(np.uint32).view(np.int32)
+
+
+def _unbits(words, n: int):
+    w = np.asarray(words).astype(np.int64) & 0xFFFFFFFF
+    c = np.arange(n)
+    return ((w[..., c // WORD_BITS] >> (c % WORD_BITS)) & 1) == 1
+
+
+def pack_gather(starts, key_sel, row_sel):
+    """The ``gather_words`` words (int32, NumPy) of a gathered step: chunk ``starts`` [..., G]
+    (multiples of GATHER_ROWS), ``key_sel`` bool [..., tile_kv], ``row_sel`` bool [..., tile_q]."""
+    starts = np.asarray(starts, np.int64)
+    key_sel, row_sel = np.asarray(key_sel, bool), np.asarray(row_sel, bool)
+    if starts.shape[-1] != gather_chunks(key_sel.shape[-1]):
+        raise ValueError(f"pack_gather: {starts.shape[-1]} chunk starts for a tile of "
+                         f"{key_sel.shape[-1]} keys")
+    return np.concatenate([starts.astype(np.int32), _bits(key_sel), _bits(row_sel)], axis=-1)
+
+
+def unpack_gather(words, tile_q: int, tile_kv: int):
+    """(starts [..., G], key_sel bool [..., tile_kv], row_sel bool [..., tile_q]) of
+    gathered-step words [..., gather_words] (NumPy)."""
+    words = np.asarray(words)
+    G, W = gather_chunks(tile_kv), bitmap_words(tile_kv)
+    return (words[..., :G].astype(np.int64), _unbits(words[..., G:G + W], tile_kv),
+            _unbits(words[..., G + W:G + W + bitmap_words(tile_q)], tile_q))
+
+
+def is_gather(cuts_b):
+    """Whether STEP_CUTS_B values mark gathered steps (NumPy or jnp)."""
+    return (cuts_b == GATHER_FLAG) | (cuts_b == GATHER_FULL_FLAG)
+
+
+def step_keys(steps, s, tile_kv: int):
+    """int [*shape(s), tile_kv]: the key row each key of step ``s``'s K/V tile reads:
+    kv_start + c, or for a gathered step start[c // GATHER_ROWS] + c % GATHER_ROWS (NumPy or
+    jnp; a jnp read of other steps' words is clamped and unused)."""
+    if not _is_jax(steps, s):
+        steps, s = np.asarray(steps), np.asarray(s)
+    return tile_keys(steps[s], steps.reshape(-1), tile_kv)
+
+
+def tile_keys(st, flat, tile_kv: int):
+    """``step_keys`` of step rows ``st`` [..., STEP_COLS] whose words are in ``flat``
+    (``steps.reshape(-1)``)."""
+    xp = jnp if _is_jax(st, flat) else np
+    c = xp.arange(tile_kv)
+    plain = st[..., STEP_KV_START, None] + c
+    if tile_kv % GATHER_ROWS:
+        return plain
+    idx = xp.clip(st[..., STEP_CUTS_A, None] + c // GATHER_ROWS, 0, flat.shape[0] - 1)
+    gathered = flat[idx] + c % GATHER_ROWS
+    return xp.where(is_gather(st[..., STEP_CUTS_B, None]), gathered, plain)
 
 
 def check_tiles(tile_q, tile_kv) -> None:
@@ -269,6 +372,7 @@ def step_mask(steps, s, tile_q: int, tile_kv: int):
     a plain step's rectangle, a grid step's cells (``grid_mask``), a bitmap step's bits (bit
     c % 32 of steps.reshape(-1)[off + (c // 32) * tile_q + r], inside its rectangle). NumPy or
     jnp (a jnp gather, clamped: another step's cuts_a is no offset, its words are unused).
+    A gathered step: its row bits x key bits (over the keys of its chunks, ``step_keys``).
     The reference rule every kernel implements, and what every test evaluates plans with."""
     xp = np
     if _is_jax(steps, s):
@@ -284,11 +388,20 @@ def step_mask(steps, s, tile_q: int, tile_kv: int):
     q_lo, q_hi, kv_lo, kv_hi = unpack_rect(rect)
     inside = (rows >= q_lo) & (rows < q_hi) & (cols >= kv_lo) & (cols < kv_hi)
     flat = steps.reshape(-1)
+    last = flat.shape[0] - 1
     idx = xp.where(bitmap, ca, 0) + (cols // WORD_BITS) * tile_q + rows
-    idx = xp.clip(idx, 0, flat.shape[0] - 1)
+    idx = xp.clip(idx, 0, last)
     word = flat[idx]
     bit = ((word >> (cols % WORD_BITS)) & 1) == 1
-    return sel | (bitmap & inside & bit)
+    sel = sel | (bitmap & inside & bit)
+    if tile_kv % GATHER_ROWS:
+        return sel
+    gather = is_gather(cb)
+    kw = ca + gather_chunks(tile_kv)
+    rw = kw + bitmap_words(tile_kv)
+    key = (flat[xp.clip(kw + cols // WORD_BITS, 0, last)] >> (cols % WORD_BITS)) & 1
+    row = (flat[xp.clip(rw + rows // WORD_BITS, 0, last)] >> (rows % WORD_BITS)) & 1
+    return xp.where(gather, inside & (key == 1) & (row == 1), sel)
 
 
 def unpack_steps(steps, *, grid: bool = False):
@@ -297,7 +410,7 @@ def unpack_steps(steps, *, grid: bool = False):
     ``grid=True``: [S, VIEW_GRID_COLS], the same five columns then q1, q2, q3, k1, k2, k3, bits
     (``VIEW_Q1`` ... ``VIEW_BITS``); a plain step (cuts_b == 0) reads as the grid of one
     selected cell (cuts at q_hi / kv_hi, bits 1), so every plain or grid row is evaluated by one
-    rule. A bitmap step (cuts_b == BITMAP_FLAG) reads as cuts at q_hi / kv_hi and bits 0: its
+    rule. A bitmap or gathered step reads as cuts at q_hi / kv_hi and bits 0: its
     selection is in its words (``step_mask``). Pass step rows only: word rows are no steps."""
     xp = np
     if _is_jax(steps):
@@ -311,7 +424,7 @@ def unpack_steps(steps, *, grid: bool = False):
     cols = [steps[:, STEP_KV_START], *rect]
     if grid:
         cb = steps[:, STEP_CUTS_B]
-        bitmap = cb == BITMAP_FLAG
+        bitmap = (cb == BITMAP_FLAG) | is_gather(cb)
         plain = (cb == 0) | bitmap
         (q1, q2, q3), (k1, k2, k3), bits = unpack_grid(steps[:, STEP_CUTS_A], cb)
         q_hi, kv_hi = rect[1], rect[3]
@@ -327,9 +440,9 @@ def step_cells(rect, cuts_a, cuts_b):
     cell, in step order (a plain step: its rectangle, if not empty). The selections of
     ``grid_mask``. ValueError for a bitmap step (its cells need its words: ``selected_cells``)."""
     rect, ca, cb = (np.asarray(x, np.int64).reshape(-1) for x in (rect, cuts_a, cuts_b))
-    if (cb == BITMAP_FLAG).any():
-        raise ValueError("step_cells: a bitmap step's selection is in its words; use "
-                         "selected_cells(steps, s, tile_q, tile_kv)")
+    if ((cb == BITMAP_FLAG) | is_gather(cb)).any():
+        raise ValueError("step_cells: a bitmap or gathered step's selection is in its words; "
+                         "use selected_cells(steps, s, tile_q, tile_kv)")
     q_lo, q_hi, kv_lo, kv_hi = unpack_rect(rect)
     (q1, q2, q3), (k1, k2, k3), bits = unpack_grid(ca, cb)
     plain = cb == 0
@@ -356,13 +469,14 @@ _CELL_CHUNK = 1 << 22     # entries of bitmap selections decoded at a time
 def selected_cells(steps, s, tile_q: int, tile_kv: int):
     """The selected cells of steps ``s`` (indices into ``steps``, every kind) as rectangles:
     (i, q_lo, q_hi, kv_lo, kv_hi) int64 arrays, ``i`` the position in ``s`` (NumPy), sorted by
-    i. Plain and grid steps as ``step_cells``; a bitmap step's runs of selected keys in each
-    row, a run repeated in the rows below it merged into one rectangle. Disjoint within a step;
-    their union is ``step_mask``."""
+    i. Plain and grid steps as ``step_cells``; a bitmap or gathered step's runs of selected
+    keys in each row, a run repeated in the rows below it merged into one rectangle (keys of
+    the step's tile: a gathered step's are mapped to key rows by ``step_keys``). Disjoint within
+    a step; their union is ``step_mask``."""
     steps = np.asarray(steps)
     s = np.asarray(s, np.int64).reshape(-1)
     st = steps[s].astype(np.int64)
-    bm = st[:, STEP_CUTS_B] == BITMAP_FLAG
+    bm = (st[:, STEP_CUTS_B] == BITMAP_FLAG) | is_gather(st[:, STEP_CUTS_B])
     parts = []
     g = np.flatnonzero(~bm)
     if g.size:
@@ -407,7 +521,8 @@ def grid_problems(steps) -> list[str]:
     plain = st[:, STEP_CUTS_B] == 0
     if ((st[:, STEP_CUTS_A] != 0) & plain).any():
         bad.append("steps: a plain step (cuts_b == 0) has cuts_a != 0")
-    g = np.flatnonzero(~plain & (st[:, STEP_CUTS_B] != BITMAP_FLAG))
+    g = np.flatnonzero(~plain & (st[:, STEP_CUTS_B] != BITMAP_FLAG)
+                       & ~is_gather(st[:, STEP_CUTS_B]))
     if g.size:
         sg = st[g].astype(np.int64)
         q_lo, q_hi, kv_lo, kv_hi = unpack_rect(sg[:, STEP_RECT])
@@ -488,6 +603,62 @@ def bitmap_problems(steps, rows, tile_q: int, tile_kv: int, visited=None):
     return bad, words_at
 
 
+def _word_rows(S: int, off, n: int):
+    """(bool [S]: the rows of ``steps`` that n words at each offset ``off`` fill, first rows,
+    end rows)."""
+    r0, r1 = off // STEP_COLS, -(-(off + n) // STEP_COLS)
+    edges = np.bincount(r0, minlength=S + 1) - np.bincount(r1, minlength=S + 1)
+    return np.cumsum(edges[:S], dtype=np.int32) > 0, r0, r1
+
+
+def gather_problems(steps, rows, tile_q: int, tile_kv: int, kv_len_padded: int, visited=None):
+    """(what is wrong, word rows) for the gathered steps at rows ``rows`` of ``steps`` (NumPy;
+    other rows ignored), as ``bitmap_problems``: off = cuts_a a multiple of STEP_COLS, its
+    ``gather_words`` words inside ``steps`` and in no ``visited`` row; chunk starts multiples of
+    GATHER_ROWS with start + GATHER_ROWS <= kv_len_padded; the rectangle the bounding box of
+    the row and key bits; GATHER_FULL_FLAG only with every bit set."""
+    st = np.asarray(steps)
+    S = st.shape[0]
+    rows = np.asarray(rows, np.int64).reshape(-1)
+    rows = rows[is_gather(st[rows, STEP_CUTS_B])]
+    if rows.size == 0:
+        return [], np.zeros(S, bool)
+    b = st[rows].astype(np.int64)
+    off = b[:, STEP_CUTS_A]
+    n = gather_words(tile_q, tile_kv)
+    bad = []
+    ok = (off % STEP_COLS == 0) & (off >= 0) & (off + n <= S * STEP_COLS)
+    if not ok.all():
+        bad.append(f"steps: a gathered step's offset (cuts_a) is not a multiple of {STEP_COLS} "
+                   f"or its {n} words leave the {S} rows of steps")
+    b, off = b[ok], off[ok]
+    words_at, r0, r1 = _word_rows(S, off, n)
+    if visited is not None:
+        vc = np.zeros(S + 1, np.int32)
+        np.cumsum(np.asarray(visited, bool), dtype=np.int32, out=vc[1:])
+        if ((vc[r1] - vc[r0]) > 0).any():
+            bad.append("steps: a gathered step's words lie in rows a unit visits as steps")
+    flat = st.reshape(-1)
+    starts, keys, rws = unpack_gather(flat[off[:, None] + np.arange(n)], tile_q, tile_kv)
+    if ((starts % GATHER_ROWS != 0) | (starts < 0)
+            | (starts + GATHER_ROWS > kv_len_padded)).any():
+        bad.append(f"steps: a gathered step's chunk start is not a multiple of {GATHER_ROWS} "
+                   f"in [0, kv_len_padded - {GATHER_ROWS}] (kv_len_padded={kv_len_padded})")
+    q_lo, q_hi, kv_lo, kv_hi = unpack_rect(b[:, STEP_RECT])
+    if not (keys.any(1) & rws.any(1)).all():
+        bad.append("steps: a gathered step selects nothing (no row or no key bit set)")
+    else:
+        first_r, last_r = rws.argmax(1), tile_q - rws[:, ::-1].argmax(1)
+        first_c, last_c = keys.argmax(1), tile_kv - keys[:, ::-1].argmax(1)
+        if ((first_r != q_lo) | (last_r != q_hi) | (first_c != kv_lo) | (last_c != kv_hi)).any():
+            bad.append("steps: a gathered step's rectangle is not the bounding box of its "
+                       "row and key bits")
+    full = b[:, STEP_CUTS_B] == GATHER_FULL_FLAG
+    if (full & ~(keys.all(1) & rws.all(1))).any():
+        bad.append("steps: a GATHER_FULL_FLAG step does not select every row and key")
+    return bad, words_at
+
+
 def check_plan_arrays(units, steps, row_index=None, *, num_q_heads=None, q_len=None) -> None:
     """TypeError / ValueError unless ``units`` is int32 [U >= 1, UNIT_COLS], ``steps`` int32
     [S >= 1, STEP_COLS] and ``row_index`` (None: made on the device from units) int32
@@ -516,7 +687,8 @@ _CHECKED_MAX = 64
 
 
 def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
-               num_q_heads=None, q_align=1, kv_align=1, max_steps=None) -> bool:
+               num_q_heads=None, q_align=1, kv_align=1, max_steps=None,
+               gather=False) -> bool:
     """Validates a concrete (NumPy) plan for a backend that compiles it with these static
     parameters; returns whether every step a unit visits is full (``full_rect``), i.e. whether
     mask mode "none" (no masking code) can run it. Every backend checks concrete plans with it.
@@ -537,8 +709,12 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
       * every visited bitmap step (``bitmap_problems``): its offset a multiple of STEP_COLS,
         its words inside ``steps`` and in no visited row, no bit outside its rectangle or at a
         key >= tile_kv, the rectangle non-empty and a bit set. The rows its words fill are
-        word rows (not steps: not checked as steps).
-    A visited grid or bitmap step is never full (it masks by its cells / bits). ValueError
+        word rows (not steps: not checked as steps);
+      * a visited gathered step only with ``gather`` (a backend whose kernels gather), and
+        ``gather_problems``: its words as a bitmap's, chunk starts aligned and inside
+        kv_len_padded (its kv_start is not checked), its bits tight in its rectangle.
+    A visited grid or bitmap step is never full (it masks by its cells / bits); a gathered one
+    is full with GATHER_FULL_FLAG. ValueError
     naming each broken rule. Memoised per array pair (held, so ids stay unique): a
     plan checked once costs a dict look-up per call; change a checked plan's arrays in place
     and it is not checked again.
@@ -546,13 +722,13 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
     check_plan_arrays(units, steps)
     statics = tuple(None if x is None else int(x) for x in (
         tile_q, tile_kv, q_len_padded, kv_len_padded, num_q_heads, q_align, kv_align,
-        max_steps))
+        max_steps, bool(gather)))
     key = (id(units), id(steps)) + statics
     hit = _CHECKED.get(key)
     if hit is not None and hit[0] is units and hit[1] is steps:
         return hit[2]
-    tile_q, tile_kv, q_len_padded, kv_len_padded, num_q_heads, q_align, kv_align, max_steps = \
-        statics
+    (tile_q, tile_kv, q_len_padded, kv_len_padded, num_q_heads, q_align, kv_align, max_steps,
+     gather) = statics
     u, st = np.asarray(units, np.int64), np.asarray(steps)
     S = st.shape[0]
     head, qs = u[:, UNIT_HEAD], u[:, UNIT_Q_START]
@@ -580,8 +756,17 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
     visited = np.cumsum(edges[:S], dtype=np.int32) > 0
     vb = np.flatnonzero(visited & (st[:, STEP_CUTS_B] == BITMAP_FLAG))
     more, words_at = bitmap_problems(st, vb, tile_q, tile_kv, visited)
+    vis_gather = visited & is_gather(st[:, STEP_CUTS_B])
+    if vis_gather.any() and not gather:
+        bad.append("steps: a gathered step (cuts_b == GATHER_FLAG / GATHER_FULL_FLAG) in a "
+                   "plan for kernels that do not gather")
+    elif vis_gather.any():
+        g_bad, g_at = gather_problems(st, np.flatnonzero(vis_gather), tile_q, tile_kv,
+                                      kv_len_padded, visited)
+        more += g_bad
+        words_at = words_at | g_at
     rows = ~words_at                      # step rows (visited or not): the rest hold words
-    kvs = st[rows, STEP_KV_START].astype(np.int64)
+    kvs = st[rows & ~vis_gather, STEP_KV_START].astype(np.int64)   # a gathered kv_start: none
     if ((kvs < 0) | (kvs + tile_kv > kv_len_padded)).any():
         bad.append(f"steps: a K/V tile [kv_start, kv_start + {tile_kv}) leaves "
                    f"[0, kv_len_padded={kv_len_padded})")
@@ -592,8 +777,9 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
     if bad:
         _raise(bad)
     vis = st[visited]
-    all_full = bool(((vis[:, STEP_RECT] == full_rect(tile_q, tile_kv))
-                     & (vis[:, STEP_CUTS_B] == 0)).all())
+    all_full = bool((((vis[:, STEP_RECT] == full_rect(tile_q, tile_kv))
+                      & (vis[:, STEP_CUTS_B] == 0))
+                     | (vis[:, STEP_CUTS_B] == GATHER_FULL_FLAG)).all())
     if len(_CHECKED) >= _CHECKED_MAX:
         _CHECKED.pop(next(iter(_CHECKED)))
     _CHECKED[key] = (units, steps, all_full)

@@ -75,7 +75,7 @@ def dq(q, k, v, do, lse, delta, units, steps, row_index=None, *, tile_q, tile_kv
     qp, kp, vp, dop, lse_p, delta_p = _padded(q, k, v, do, lse, delta, q_len_padded,
                                               kv_len_padded)
     flat = steps.reshape(-1)
-    r_t, c_t = jnp.arange(tile_q), jnp.arange(tile_kv)
+    r_t = jnp.arange(tile_q)
 
     def chunk(u):
         h = u[:, abi.UNIT_HEAD]
@@ -83,7 +83,7 @@ def dq(q, k, v, do, lse, delta, units, steps, row_index=None, *, tile_q, tile_kv
         qi = u[:, abi.UNIT_Q_START, None] + r_t                       # [C, T]
         qt, dot_ = qp[:, qi, h[:, None]], dop[:, qi, h[:, None]]       # [B, C, T, D]
         lt, dt = lse_p[:, h[:, None], qi], delta_p[:, h[:, None], qi]  # [B, C, T]
-        ki = st[..., abi.STEP_KV_START, None] + c_t                    # [C, M, Tk]
+        ki = abi.tile_keys(st, flat, tile_kv)                          # [C, M, Tk]
         kvh = (h // group)[:, None, None]
         kt, vt = kp[:, ki, kvh], vp[:, ki, kvh]                        # [B, C, M, Tk, D]
         s = jnp.einsum("bctd,bcmkd->bctmk", qt, kt, precision=_HI) * scale
@@ -113,7 +113,7 @@ def dkv(q, k, v, do, lse, delta, units, steps, row_index=None, *, tile_q, tile_k
     qp, kp, vp, dop, lse_p, delta_p = _padded(q, k, v, do, lse, delta, kv_len_padded,
                                               q_len_padded)
     flat = steps.reshape(-1)
-    r_t, c_t = jnp.arange(tile_q), jnp.arange(tile_kv)
+    r_t = jnp.arange(tile_q)
 
     def chunk(u):
         h = u[:, abi.UNIT_HEAD]                                        # query head
@@ -121,7 +121,7 @@ def dkv(q, k, v, do, lse, delta, units, steps, row_index=None, *, tile_q, tile_k
         ki = u[:, abi.UNIT_Q_START, None] + r_t                        # keys [C, T]
         kvh = (h // group)[:, None]
         kt, vt = kp[:, ki, kvh], vp[:, ki, kvh]                        # [B, C, T, D]
-        qi = st[..., abi.STEP_KV_START, None] + c_t                    # queries [C, M, Tq]
+        qi = abi.tile_keys(st, flat, tile_kv)                          # queries [C, M, Tq]
         hq = h[:, None, None]
         qt, dot_ = qp[:, qi, hq], dop[:, qi, hq]                       # [B, C, M, Tq, D]
         lt, dt = lse_p[:, hq, qi], delta_p[:, hq, qi]                  # [B, C, M, Tq]

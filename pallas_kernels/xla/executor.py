@@ -44,7 +44,6 @@ def execute_plan(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_pad
     pad_u = n_chunks * chunk - U
     units_p = jnp.pad(units, ((0, pad_u), (0, 0)))  # padding units: zero steps, own nothing
     r_t = jnp.arange(tile_q)
-    c_t = jnp.arange(tile_kv)
     m_idx = jnp.arange(M)
     acc_t = jnp.float32
     flat = steps.reshape(-1)            # the flat view a bitmap step's words are read from
@@ -57,7 +56,7 @@ def execute_plan(q, k, v, units, steps, row_index, *, tile_q, tile_kv, q_len_pad
         st = steps[sidx]                                  # [C, M, STEP_COLS]
         qi = u[:, abi.UNIT_Q_START, None] + r_t[None]     # [C, T]
         qt = q[:, qi, h[:, None]]                         # [B, C, T, D]
-        ki = st[..., abi.STEP_KV_START, None] + c_t       # [C, M, Tk]
+        ki = abi.tile_keys(st, flat, tile_kv)             # [C, M, Tk]
         kvh = (h // group)[:, None, None]
         kt = k[:, ki, kvh]                                # [B, C, M, Tk, D]
         vt = v[:, ki, kvh]
@@ -102,13 +101,16 @@ def selection(st, valid, flat, tile_q, tile_kv):
         ``step_masks.grid_vectors``); a plain step is the grid of one selected cell (row_word
         = key_bit = 1);
       * a bitmap step (cuts_b == BITMAP_FLAG): row_word = word(t, w) = flat[off + w * tile_q
-        + t] (off = cuts_a, flat = steps.reshape(-1)), key_bit = 1 << (c % 32).
+        + t] (off = cuts_a, flat = steps.reshape(-1)), key_bit = 1 << (c % 32);
+      * a gathered step (``abi.is_gather``): row_word = its key words where row t's bit is set,
+        else 0; key_bit = 1 << (c % 32) (its keys are gathered by ``abi.tile_keys``).
     Both are 0 outside the step's rectangle (rows / keys) and for m >= the unit's step count.
     """
     rect, ca, cb = st[..., abi.STEP_RECT], st[..., abi.STEP_CUTS_A], st[..., abi.STEP_CUTS_B]
     q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(rect)                # each [C, M]
     (q1, q2, q3), (k1, k2, k3), bits = abi.unpack_grid(ca, cb)
     plain, bitmap = cb == 0, cb == abi.BITMAP_FLAG
+    gather = abi.is_gather(cb)
     W = abi.bitmap_words(tile_kv)
     # Rows: [C, T, M] (x[:, None]: a step's value against the row iota t [1, T, 1]).
     t = np.arange(tile_q, dtype=np.int32)[None, :, None]
@@ -119,14 +121,22 @@ def selection(st, valid, flat, tile_q, tile_kv):
     # is no offset; its words are read in bounds and unused).
     idx = (np.arange(W, dtype=np.int32) * tile_q)[:, None] + np.arange(tile_q, dtype=np.int32)
     words = jnp.transpose(jnp.take(flat, ca[:, :, None, None] + idx, mode="clip"), (0, 3, 1, 2))
-    row_word = jnp.where(rows_in[..., None],
-                         jnp.where(bitmap[:, None, :, None], words, nibble[..., None]), 0)
+    row_word = jnp.where(bitmap[:, None, :, None], words, nibble[..., None])
+    if tile_kv % abi.GATHER_ROWS == 0:
+        # A gathered step: row t's words are the key words where its row bit is set.
+        kw = ca + abi.gather_chunks(tile_kv)                              # [C, M]
+        key_words = jnp.take(flat, kw[..., None] + np.arange(W, dtype=np.int32), mode="clip")
+        rw = kw[:, None, :] + W + t // abi.WORD_BITS                      # [C, T, M]
+        row_bit = (jnp.take(flat, rw, mode="clip") >> (t % abi.WORD_BITS)) & 1
+        row_word = jnp.where(gather[:, None, :, None],
+                             jnp.where(row_bit[..., None] == 1, key_words[:, None], 0), row_word)
+    row_word = jnp.where(rows_in[..., None], row_word, 0)
     # Keys: [C, M, Tk] (x[..., None]: a step's value against the key iota c [1, 1, Tk]).
     c = np.arange(tile_kv, dtype=np.int32)[None, None, :]
     j = (c >= k1[..., None]).astype(jnp.int32) + (c >= k2[..., None]) + (c >= k3[..., None])
     word_bit = np.left_shift(np.int32(1), c % abi.WORD_BITS)        # int32: bit 31 is < 0
     key_bit = jnp.where(plain[..., None], 1,
-                        jnp.where(bitmap[..., None], word_bit, jnp.left_shift(1, j)))
+                        jnp.where((bitmap | gather)[..., None], word_bit, jnp.left_shift(1, j)))
     key_bit = jnp.where((c >= kv_lo[..., None]) & (c < kv_hi[..., None]), key_bit, 0)
     # Key c = 32 w + b tests row_word[..., w] against key_bit [C, M, W, 32]: [C, T, M, W, 32]
     # -> [C, T, M, W * 32] -> the first Tk keys.

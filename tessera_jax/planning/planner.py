@@ -134,13 +134,14 @@ import numpy as np
 from pallas_kernels import abi
 
 from tessera_jax.planning import config as _config
+from tessera_jax.planning import gather as _gather_policy
 from tessera_jax.planning import loops as _loops
 from tessera_jax.planning import schedule as _sched
 from tessera_jax.mask import BlockMask
 from tessera_jax.validation import AttnShape, check_mask, check_shapes
 from tessera_jax.planning.config import PlannerConfig
 
-POLICIES = ("keep", "merge", "split", "pack", "auto")
+POLICIES = ("keep", "merge", "split", "pack", "auto", "gather")
 _BASE_POLICIES = ("keep", "merge", "split", "pack")
 _AUTO_CANDIDATES = ("merge", "split", "pack")
 _U64 = np.dtype("<u8")
@@ -253,13 +254,15 @@ class Plan:
         # Cells of each distinct step once (units of a shared mask visit the same rows).
         us, inv = np.unique(t["step"], return_inverse=True)
         i, r0, r1, c0, c1 = abi.selected_cells(self.steps, us, self.tile_q, self.tile_kv)
+        i, r0, r1, c0, c1 = _gathered_cells(self.steps, us, i, r0, r1, c0, c1, self.tile_kv)
         per = np.bincount(i, minlength=len(us))
         first = np.cumsum(per) - per
         n = per[inv.reshape(-1)]
         v = np.repeat(np.arange(len(inv)), n)
         x = np.repeat(first[inv.reshape(-1)] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
         r0, r1, c0, c1 = r0[x], r1[x], c0[x], c1[x]
-        q0, k0 = t["q0"][v], t["k0"][v]
+        q0 = t["q0"][v]
+        k0 = np.where(t["gather"][v], 0, t["k0"][v])     # gathered cells: absolute already
         return {"visit": v, "unit": t["unit"][v], "head": t["head"][v], "r0": q0 + r0,
                 "r1": q0 + r1, "c0": k0 + c0, "c1": k0 + c1}
 
@@ -1199,6 +1202,12 @@ def _policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap, num_
     (``dense_tile_interactions``: a head computes at most what a dense plan of these tiles
     computes) enforced; the split plan meets it wherever its tiles are visited once."""
     bound = dense_tile_interactions(shape.q_len, shape.kv_len, ctx.tile_q, ctx.tile_kv)
+    if policy == "gather":
+        raw = _gather_raw(ctx, shape)
+        if (_head_computed(raw, ctx.words.shape[0], ctx.tile_q, ctx.tile_kv) <= bound).all():
+            return raw, (policy,) * num_heads, False
+        # Many small classes per window (token-level masks): split's plan, whole.
+        return _plan_policy(ctx, "split"), ("split",) * num_heads, False
     if policy == "auto":
         raw, choice = _auto_raw(ctx, shape, cost_model, bound)
         return raw, tuple(_AUTO_CANDIDATES[choice[k]] for k in hmap), True
@@ -1221,6 +1230,17 @@ def _policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap, num_
             head_policies = tuple("split" if use[k] else policy for k in hmap)
             mixed = True
     return _bitmap_steps(raw, tq, tk, ctx.cfg), head_policies, mixed
+
+
+def _gather_raw(ctx: _Ctx, shape: AttnShape) -> _Raw:
+    """The ``gather`` policy's raw plan (``planning.gather``): a unit owns its window."""
+    nk = len(ctx.kb) - 1
+    blocks = np.unpackbits(np.ascontiguousarray(ctx.words).view(np.uint8), axis=-1,
+                           bitorder="little")[..., :nk].astype(bool)
+    g = _gather_policy.plan_gather(ctx.qb, ctx.kb, blocks, ctx.tile_q, ctx.tile_kv, shape.q_len,
+                                   ctx.qp)
+    return _Raw(g.head, g.qs, g.lo, g.hi, g.cnt, g.steps, g.nfull, g.area,
+                words=g.word_rows, wr=abi.gather_word_rows(ctx.tile_q, ctx.tile_kv))
 
 
 def _auto_raw(ctx: _Ctx, shape: AttnShape, cost_model, bound: int):
@@ -1299,6 +1319,31 @@ def _row_index(uh, qs, lo, hi, order, Hq, Lq, tile_q, sentinel,
     return out
 
 
+def _gathered_cells(steps, us, i, r0, r1, c0, c1, tile_kv: int):
+    """The cells of ``abi.selected_cells`` with those of gathered steps cut at chunk bounds
+    and moved to absolute keys (start[c // GATHER_ROWS] + c % GATHER_ROWS)."""
+    g = abi.is_gather(steps[us[i], abi.STEP_CUTS_B]) if len(i) else np.zeros(0, bool)
+    if not g.any():
+        return i, r0, r1, c0, c1
+    A = abi.GATHER_ROWS
+    gi = np.flatnonzero(g)
+    a, b = c0[gi] // A, -(-c1[gi] // A)
+    n = b - a
+    rep = np.repeat(gi, n)
+    ch = np.repeat(a, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+    lo = np.maximum(c0[rep], ch * A)
+    hi = np.minimum(c1[rep], ch * A + A)
+    off = steps[us[i[rep]], abi.STEP_CUTS_A].astype(np.int64)
+    start = steps.reshape(-1)[off + ch].astype(np.int64)
+    keep = np.flatnonzero(~g)
+    cat = lambda x, y: np.concatenate([x[keep], y])      # noqa: E731
+    i2 = cat(i, i[rep])
+    out = (i2, cat(r0, r0[rep]), cat(r1, r1[rep]), cat(c0, start + lo - ch * A),
+           cat(c1, start + hi - ch * A))
+    o = np.argsort(i2, kind="stable")
+    return tuple(x[o] for x in out)
+
+
 def _tile_rects(plan: Plan) -> dict:
     u = plan.units[: plan.num_units].astype(np.int64)
     cnt = u[:, abi.UNIT_STEP_CNT]
@@ -1311,11 +1356,12 @@ def _tile_rects(plan: Plan) -> dict:
     q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(st[:, abi.STEP_RECT].astype(np.int64))
     cb = st[:, abi.STEP_CUTS_B].astype(np.int64)
     bitmap = cb == abi.BITMAP_FLAG
+    gather = abi.is_gather(cb)
     return {"unit": unit, "step": step, "head": u[unit, abi.UNIT_HEAD],
             "q0": q0, "q1": q0 + plan.tile_q, "k0": k0, "k1": k0 + plan.tile_kv,
             "r0": q0 + q_lo, "r1": q0 + q_hi, "c0": k0 + kv_lo, "c1": k0 + kv_hi,
             "cuts_a": st[:, abi.STEP_CUTS_A].astype(np.int64), "cuts_b": cb,
-            "grid": (cb != 0) & ~bitmap, "bitmap": bitmap}
+            "grid": (cb != 0) & ~bitmap & ~gather, "bitmap": bitmap, "gather": gather}
 
 
 def tile_kinds(plan: Plan, rects: dict | None = None) -> np.ndarray:
@@ -1439,12 +1485,18 @@ def _stats(plan: Plan) -> dict:
     sel = plan.selected_interactions
     itemsize = np.dtype(plan.shape.dtype).itemsize
     rects = _tile_rects(plan)
-    kinds = np.bincount(tile_kinds(plan, rects), minlength=3)     # plans hold their mask
+    gathered = rects["gather"]
+    if gathered.any():          # kept / merged / split say how blocks map to fixed tiles
+        kinds = np.zeros(3, np.int64)
+    else:
+        kinds = np.bincount(tile_kinds(plan, rects), minlength=3)     # plans hold their mask
     full = ((rects["r0"] == rects["q0"]) & (rects["r1"] == rects["q1"])
             & (rects["c0"] == rects["k0"]) & (rects["c1"] == rects["k1"]) & (rects["cuts_b"] == 0))
-    nfull = int(full.sum())
-    # Visits of a K/V tile the unit visited before (visits come in unit order).
+    nfull = int(full.sum()) + int((rects["cuts_b"] == abi.GATHER_FULL_FLAG).sum())
+    # Visits of a K/V tile the unit visited before (visits come in unit order; a gathered
+    # step's tile is its chunks, not a run from kv_start).
     by = np.lexsort((rects["k0"], rects["unit"]))
+    by = by[~gathered[by]]
     ku, kk = rects["unit"][by], rects["k0"][by]
     revisits = int(((ku[1:] == ku[:-1]) & (kk[1:] == kk[:-1])).sum())
     Hq, Lq, Lkv = plan.shape.num_q_heads, plan.shape.q_len, plan.shape.kv_len
@@ -1475,6 +1527,7 @@ def _stats(plan: Plan) -> dict:
         "tile_revisits": revisits,
         "grid_steps": int(rects["grid"].sum()),
         "bitmap_steps": int(rects["bitmap"].sum()),
+        "gather_steps": int(gathered.sum()),
         "fallback_heads": int(fallback),
         "waste_fraction": float(1.0 - sel / computed) if computed else 0.0,
         "kv_bytes": int(tiles * 2 * plan.tile_kv * plan.shape.head_dim * itemsize),

@@ -1,0 +1,159 @@
+"""The ``gather`` policy: physical K/V tiles assembled from the selected keys, wherever they lie.
+
+Units are the query windows [w * tile_q, (w + 1) * tile_q) of each head. In a window, every
+selected key block gets a *signature*: the set of the window's query blocks that select it.
+Key blocks of one signature form a *class*, a rank-one selection (those rows x those keys);
+its keys are covered by chunks of ``abi.GATHER_ROWS`` keys aligned to GATHER_ROWS, and each
+tile_kv / GATHER_ROWS chunks of a class make one gathered step (``abi.GATHER_FLAG``: chunk
+starts, key bits, row bits). A chunk that two classes share (a block boundary inside it) is
+loaded by both, each masking the other's keys by its key bits. So a step is never cut by
+more than the window's rows and the chunk rounding: the waste is the rows of the window no
+class member owns and the keys its chunks hold for another class, not the blocks' offsets
+from a fixed tile grid. Full chunks come first in a class, so its leading steps are whole
+(``abi.GATHER_FULL_FLAG`` when every row of the window selects them).
+
+NumPy on the host; knows nothing of Pallas. ``planner`` calls ``plan_gather`` for the
+``gather`` policy and wraps the result like its other policies' raw plans.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_kernels import abi
+
+__all__ = ["plan_gather", "GatherRaw"]
+
+
+class GatherRaw:
+    """Units (in head, window order) and their steps: step rows, then the words of each."""
+
+    def __init__(self, head, qs, lo, hi, cnt, nfull, area, steps, num_steps, word_rows):
+        self.head, self.qs, self.lo, self.hi, self.cnt = head, qs, lo, hi, cnt
+        self.nfull, self.area = nfull, area
+        self.steps, self.num_steps, self.word_rows = steps, num_steps, word_rows
+
+
+def _window_classes(blk, kb, row_block, tile_q: int, G: int):
+    """The steps of one window: (starts [n, G], key_sel [n, G * 8], row_sel [n, tile_q]) and
+    the selected interactions. ``blk``: bool [nb, nk], the selections of the window's query
+    blocks; ``row_block``: the window row -> index into ``blk`` (-1: past the query length)."""
+    A = abi.GATHER_ROWS
+    js = np.flatnonzero(blk.any(axis=0))
+    if js.size == 0:
+        return None
+    sig = np.packbits(blk[:, js].T, axis=1)                       # [nj, ceil(nb / 8)]
+    _, first, inv = np.unique(sig, axis=0, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    ncls = len(first)
+    members = blk[:, js[first]]                                   # [nb, ncls]
+    row_sel = np.zeros((ncls, tile_q), bool)
+    live = row_block >= 0
+    row_sel[:, live] = members[row_block[live]].T
+    # Chunk entries of every selected key block: (class, chunk, bits of its 8 keys).
+    a, b = kb[js], kb[js + 1]
+    c0, c1 = a // A, -(-b // A)
+    n = c1 - c0
+    ch = np.repeat(c0, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+    lo = np.clip(np.repeat(a, n) - ch * A, 0, A)
+    hi = np.clip(np.repeat(b, n) - ch * A, 0, A)
+    bits = (np.left_shift(1, hi) - np.left_shift(1, lo)).astype(np.int64)
+    cls = np.repeat(inv, n)
+    key = cls * (int(ch.max()) + 1) + ch
+    o = np.argsort(key, kind="stable")
+    key, bits, cls, ch = key[o], bits[o], cls[o], ch[o]
+    new = np.r_[True, key[1:] != key[:-1]]
+    at = np.flatnonzero(new)
+    bits = np.bitwise_or.reduceat(bits, at)
+    cls, ch = cls[at], ch[at]
+    # Per class, full chunks first (so whole steps come first), then by position.
+    o = np.lexsort((ch, bits != (1 << A) - 1, cls))
+    cls, ch, bits = cls[o], ch[o], bits[o]
+    per = np.bincount(cls, minlength=ncls)
+    steps_per = -(-per // G)
+    ns = int(steps_per.sum())
+    # Slot of each chunk: step (class's first step + i // G), position i % G.
+    i = np.arange(len(cls)) - np.repeat(np.cumsum(per) - per, per)
+    step = np.repeat(np.cumsum(steps_per) - steps_per, per) + i // G
+    pos = i % G
+    starts = np.repeat((ch[np.r_[0, np.cumsum(per)[:-1]]] * A)[:, None], steps_per, axis=0)
+    starts = np.repeat(starts, G, axis=1)                         # unused slots: a real start
+    starts[step, pos] = ch * A
+    key_bits = np.zeros((ns, G), np.int64)
+    key_bits[step, pos] = bits
+    key_sel = ((key_bits[:, :, None] >> np.arange(A)) & 1).astype(bool).reshape(ns, G * A)
+    step_cls = np.repeat(np.arange(ncls), steps_per)
+    rows = row_sel.sum(axis=1)
+    keys = np.zeros(ncls, np.int64)
+    np.add.at(keys, cls, _popcount8(bits))
+    return starts, key_sel, row_sel[step_cls], int((rows * keys).sum())
+
+
+def _popcount8(x):
+    x = x.astype(np.uint8)
+    return np.unpackbits(x[:, None], axis=1).sum(axis=1).astype(np.int64)
+
+
+def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
+                q_len_padded: int) -> GatherRaw:
+    """The gather policy's units and steps for the distinct mask heads ``blocks`` (bool [Hd, nq,
+    nk]) over block bounds ``qb`` / ``kb``: one unit per (head, window with a selected key),
+    the steps of its classes (``_window_classes``), steps in unit order, then their words
+    (``abi.gather_word_rows`` rows each). The last window's tile is moved back inside
+    ``q_len_padded`` (a multiple of the alignment), owning only its own rows."""
+    qb, kb = np.asarray(qb, np.int64), np.asarray(kb, np.int64)
+    G = abi.gather_chunks(tile_kv)
+    Hd = blocks.shape[0]
+    nwin = -(-q_len // tile_q)
+    head, qs, lo, hi, cnt, nfull, area = [], [], [], [], [], [], []
+    parts = []
+    for h in range(Hd):
+        for w in range(nwin):
+            w0, w1 = w * tile_q, min((w + 1) * tile_q, q_len)
+            s0 = min(w0, q_len_padded - tile_q)          # the tile's first row
+            i0 = int(np.searchsorted(qb, w0, side="right")) - 1
+            i1 = int(np.searchsorted(qb, w1, side="left"))
+            blk = blocks[h, i0:i1]
+            r = np.arange(s0, s0 + tile_q)
+            row_block = np.where((r >= w0) & (r < w1),
+                                 np.searchsorted(qb, r, side="right") - 1 - i0, -1)
+            got = _window_classes(blk, kb, row_block, tile_q, G)
+            if got is None:
+                continue
+            starts, key_sel, row_sel, sel = got
+            full = key_sel.all(axis=1) & row_sel.all(axis=1)
+            parts.append((starts, key_sel, row_sel, full))
+            head.append(h)
+            qs.append(s0)
+            lo.append(w0 - s0)
+            hi.append(w1 - s0)
+            cnt.append(len(starts))
+            nfull.append(int(full.sum()))
+            area.append(sel)
+    return _assemble(parts, np.array(head, np.int64), np.array(qs, np.int64),
+                     np.array(lo, np.int64), np.array(hi, np.int64), np.array(cnt, np.int64), np.array(nfull, np.int64),
+                     np.array(area, np.int64), tile_q, tile_kv)
+
+
+def _assemble(parts, head, qs, lo, hi, cnt, nfull, area, tile_q, tile_kv) -> GatherRaw:
+    from tessera_jax.planning.planner import bucket
+
+    S = int(cnt.sum())
+    wr = abi.gather_word_rows(tile_q, tile_kv)
+    steps = np.zeros((bucket(S + S * wr), abi.STEP_COLS), np.int32)
+    if S:
+        starts = np.concatenate([p[0] for p in parts])
+        key_sel = np.concatenate([p[1] for p in parts])
+        row_sel = np.concatenate([p[2] for p in parts])
+        full = np.concatenate([p[3] for p in parts])
+        words = abi.pack_gather(starts, key_sel, row_sel)             # [S, n]
+        block = np.zeros((S, wr * abi.STEP_COLS), np.int32)
+        block[:, : words.shape[1]] = words
+        steps[S: S + S * wr] = block.reshape(S * wr, abi.STEP_COLS)
+        q_lo, q_hi = row_sel.argmax(1), tile_q - row_sel[:, ::-1].argmax(1)
+        kv_lo, kv_hi = key_sel.argmax(1), tile_kv - key_sel[:, ::-1].argmax(1)
+        steps[:S, abi.STEP_KV_START] = starts[:, 0]
+        steps[:S, abi.STEP_RECT] = abi.pack_rect(q_lo, q_hi, kv_lo, kv_hi)
+        steps[:S, abi.STEP_CUTS_A] = (S + np.arange(S) * wr) * abi.STEP_COLS
+        steps[:S, abi.STEP_CUTS_B] = np.where(full, abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)
+    return GatherRaw(head, qs, lo, hi, cnt, nfull, area, steps, S, S * wr)
