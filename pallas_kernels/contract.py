@@ -175,7 +175,13 @@ def check_pass_plan(plan: abi.PassPlan, t, num_q_heads=None, *, max_steps=None) 
     every visited step is full."""
     return abi.check_plan(plan.units, plan.steps, plan.tile_q, plan.tile_kv,
                           plan.q_len_padded, plan.kv_len_padded, num_q_heads=num_q_heads,
-                          q_align=t.q_align, kv_align=t.kv_align, max_steps=max_steps)
+                          q_align=t.q_align, kv_align=t.kv_align, max_steps=max_steps,
+                          gather=gathers(t))
+
+
+def gathers(t) -> bool:
+    """Whether template ``t``'s kernels run gathered steps (``abi.GATHER_FLAG``)."""
+    return t.backend == "xla" or bool(getattr(t.kernel, "gather", False))
 
 
 def is_host(plan: abi.PassPlan) -> bool:

@@ -25,7 +25,7 @@ __all__ = ["Template", "MosaicConfig", "TritonConfig", "TEMPLATES", "get", "all_
            "for_backend"]
 
 BACKENDS = ("mosaic_gpu", "triton", "xla")
-POLICIES = ("keep", "merge", "split", "pack", "auto")       # tessera_jax.planning.planner's
+POLICIES = ("keep", "merge", "split", "pack", "auto", "gather")   # planning.planner's
 UNIT_ORDERS = ("interleaved", "head_major")                 # tessera_jax.planning.schedule's
 _DTYPE_NAMES = ("bfloat16", "float16", "float32")
 MAX_TILE = 255      # pallas_kernels.abi.MAX_TILE (a rectangle bound is one byte)
@@ -64,6 +64,9 @@ class MosaicConfig:
         and ``schedule_barrier``).
     mask_mode:  "cond" masks partial steps only (a cond per step; a plan whose steps are all
         full runs mode "none", no masking code, chosen by ``contract``), "always" every step.
+    gather:     the producer fills every K/V stage by tile_kv / 8 copies of 8 keys issued from
+        its four warps (``abi.GATHER_FLAG`` steps: chunks from the step's words; other steps:
+        kv_start + 8 j), so plans may hold gathered steps (tile_q=128, not paired).
     """
 
     schedule_barrier: bool = True
@@ -71,12 +74,16 @@ class MosaicConfig:
     paired: bool = False
     pair_pingpong: bool = False
     mask_mode: str = "cond"
+    gather: bool = False
 
     MASK_MODES = ("cond", "always")
 
     def __post_init__(self):
-        for name in ("schedule_barrier", "wg_skip", "paired", "pair_pingpong"):
+        for name in ("schedule_barrier", "wg_skip", "paired", "pair_pingpong", "gather"):
             _check_bool("MosaicConfig", name, getattr(self, name))
+        if self.gather and (self.paired or self.wg_skip):
+            raise ValueError("MosaicConfig.gather runs one 128-row unit per CTA with both "
+                             "warpgroups on every step: not with paired or wg_skip")
         _check_choice("MosaicConfig", "mask_mode", self.mask_mode, self.MASK_MODES)
         if self.pair_pingpong and not (self.paired and self.schedule_barrier):
             raise ValueError("MosaicConfig.pair_pingpong needs paired=True (two units per CTA) "
@@ -302,6 +309,10 @@ _MOSAIC = (
     Template("mgpu_q64x2pp_kv64_s2_hm", tile_q=64, tile_kv=64, policy="pack",
              unit_order="head_major", kernel=MosaicConfig(paired=True, pair_pingpong=True),
              **_MGPU),
+    # Gathered K/V stages (16 copies of 8 keys from the producer's four warps: 0.926 of the
+    # one-copy step, benchmarks/NOTES.md#gathered-steps) for ``gather`` plans.
+    Template("mgpu_q128_kv128_s2_gather", tile_q=128, tile_kv=128, policy="gather",
+             unit_order="head_major", kernel=MosaicConfig(gather=True), **_MGPU),
 )
 
 # --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton -----------------

@@ -31,7 +31,7 @@ import tessera_jax as tj
 from pallas_kernels import abi
 from tessera_jax.planning import loops as plan_loops
 from tessera_jax.planning import planner
-from tessera_jax.planning.planner import POLICIES, build_plan
+from tessera_jax.planning.planner import TILE_POLICIES as POLICIES, build_plan
 from strategies import bounds_from_sizes, heads_and_blocks
 from test_planner import (_assert_same_raw, _check_abi, _check_stats, _ctx, _direct_kinds,
                           _on_threads, _plan, _with_pass)

@@ -436,11 +436,17 @@ def test_lowers_for_cuda(base, kernel, mask_mode):
 
 
 def test_templates_and_kernel_configs():
-    """The Mosaic templates are the H200 ranking table's candidates; their configs fit SMEM."""
+    """The Mosaic templates are the H200 ranking table's candidates and the gathering one
+    (not profiled yet); their configs fit SMEM."""
     names = [t.name for t in templates.for_backend("mosaic_gpu")]
     assert names == ["mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm",
-                     "mgpu_q128_kv64_s2_skip", "mgpu_q64x2pp_kv64_s2_hm"]
+                     "mgpu_q128_kv64_s2_skip", "mgpu_q64x2pp_kv64_s2_hm",
+                     "mgpu_q128_kv128_s2_gather"]
+    gather = templates.get("mgpu_q128_kv128_s2_gather")
+    assert gather.kernel.gather and gather.policy == "gather"
     for t in templates.for_backend("mosaic_gpu"):
+        if t is gather:
+            continue
         cfg = mosaic_kernel.KernelConfig.from_template(t)
         assert (cfg.tile_q, cfg.tile_kv, cfg.stages) == (t.tile_q, t.tile_kv, t.stages)
         assert cfg.variant is t.kernel and cfg.mask_mode == "cond"
@@ -457,7 +463,7 @@ def test_templates_and_kernel_configs():
                 for t in templates.for_backend("mosaic_gpu")}
     assert pingpong == {"mgpu_q128_kv128_s2_hm": True, "mgpu_q128_kv64_s2_hm": True,
                         "mgpu_q64x2_kv64_s2_hm": False, "mgpu_q128_kv64_s2_skip": False,
-                        "mgpu_q64x2pp_kv64_s2_hm": True}
+                        "mgpu_q64x2pp_kv64_s2_hm": True, "mgpu_q128_kv128_s2_gather": True}
     t = templates.get("mgpu_q128_kv64_s2_hm")
     assert mosaic_kernel.KernelConfig.from_template(t, "none").mask_mode == "none"
     with pytest.raises(ValueError, match="mosaic_gpu"):

@@ -22,7 +22,7 @@ from strategies import bounds_from_sizes, heads_and_blocks
 from tessera_jax.planning import planner
 from tessera_jax.planning import schedule
 from tessera_jax.planning.config import PlannerConfig
-from tessera_jax.planning.planner import POLICIES, build_plan, bucket
+from tessera_jax.planning.planner import TILE_POLICIES as POLICIES, build_plan, bucket
 from tessera_jax.validation import AttnShape
 
 TILES = [(tq, tk) for tq in (64, 128) for tk in (64, 128, 192)]   # kv_hi >= 128: bit 31

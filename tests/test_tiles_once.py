@@ -25,7 +25,7 @@ import tessera_jax as tj
 from pallas_kernels import abi
 from pallas_kernels.xla import ops as xla_ops
 from tessera_jax.planning import planner
-from tessera_jax.planning.planner import POLICIES, build_plan
+from tessera_jax.planning.planner import TILE_POLICIES as POLICIES, build_plan
 from contract_calls import xla_template
 from strategies import heads_and_blocks
 from test_planner import TILES, _ctx, _plan, plan_masks

@@ -169,10 +169,13 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
                      schedule_barrier=schedule_barrier, **static)
             _kernel(c)
 
+        # A gathering producer arrives once per chunk copy (abi.GATHER_ROWS keys each).
+        copies = plan_abi.gather_chunks(cfg.tile_kv) if cfg.variant.gather else 1
         pl.run_scoped(
             scoped,
             (qo, kbuf, vbuf, lse),
-            (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots),
+            (plgpu.Barrier(num_arrivals=copies, num_barriers=slots),
+             plgpu.Barrier(num_arrivals=copies, num_barriers=slots),
              plgpu.Barrier(num_barriers=nwg)),
             # A slot is free once every warpgroup that reads it is done with it.
             (plgpu.Barrier(num_arrivals=1 if cfg.paired else nwg, num_barriers=slots),) * 2,
@@ -390,9 +393,34 @@ def _step_mask(c: _Ctx, w: _Wg, rect: _Rect, zero_rows, x):
         row_pen = jnp.where((rows >= rect.q_lo) & (rows < rect.q_hi), 0.0, jnp.inf)
         return x + bcast(col_bias, x.shape, 1), row_pen
 
-    return lax.switch(step_masks.step_kind(rect.cuts_b),
-                      [plain, lambda x: (_grid_mask(c, w, rect, x), zero_rows),
-                       lambda x: (_bitmap_mask(c, w, rect, x), zero_rows)], x)
+    branches = [plain, lambda x: (_grid_mask(c, w, rect, x), zero_rows),
+                lambda x: (_bitmap_mask(c, w, rect, x), zero_rows)]
+    kind = step_masks.step_kind(rect.cuts_b)
+    if c.cfg.variant.gather:
+        branches.append(functools.partial(_gather_mask, c, w, rect))
+        kind = jnp.where(plan_abi.is_gather(rect.cuts_b), 3, kind)
+    return lax.switch(kind, branches, x)
+
+
+def _gather_mask(c: _Ctx, w: _Wg, rect: _Rect, x):
+    """A gathered step's mask: its key bits as a per-key bias (0 / -inf, one add per entry)
+    and this warpgroup's row bits as the softmax's row penalty (+inf: m kept, p = 0)."""
+    G, W = plan_abi.gather_chunks(c.cfg.tile_kv), plan_abi.bitmap_words(c.cfg.tile_kv)
+    kw = c.steps[rect.s, plan_abi.STEP_CUTS_A] + G
+    cols = iota(c.cfg.tile_kv, 0)
+    word = c.words[kw]
+    for j in range(1, W):
+        word = jnp.where(cols >= j * plan_abi.WORD_BITS, c.words[kw + j], word)
+    one = jnp.full(cols.shape, 1, jnp.int32)
+    key_on = (word & lax.shift_left(one, cols & (plan_abi.WORD_BITS - 1))) != 0
+    col_bias = jnp.where(key_on, 0.0, -jnp.inf)
+    rows = iota(WG_ROWS, 1)                    # this warpgroup's rows, 0..63
+    rw = kw + W + w.row0 // plan_abi.WORD_BITS
+    rword = jnp.where(rows >= plan_abi.WORD_BITS, c.words[rw + 1], c.words[rw])
+    one_r = jnp.full(rows.shape, 1, jnp.int32)
+    row_on = (rword & lax.shift_left(one_r, rows & (plan_abi.WORD_BITS - 1))) != 0
+    row_pen = jnp.where(row_on, 0.0, jnp.inf)
+    return x + bcast(col_bias, x.shape, 1), row_pen
 
 
 def _pv(c: _Ctx, w: _Wg, i, slot, p16, acc_ref):
@@ -415,6 +443,8 @@ def _compute_step(c: _Ctx, w: _Wg, mode, i, slot, rect, state):
         # Full for this warpgroup: a plain step whose rectangle covers its 64 rows, all keys.
         full = step_masks.rows_full(q_lo, q_hi, kv_lo, kv_hi, rect.cuts_b, WG_ROWS,
                                     c.cfg.tile_kv)
+        if c.cfg.variant.gather:
+            full = full | (rect.cuts_b == plan_abi.GATHER_FULL_FLAG)
         qk, row_pen = lax.cond(full, lambda x: (x, zero_rows), mask, qk)
     elif mode == "always":
         qk, row_pen = mask(qk)
@@ -527,6 +557,9 @@ def _load(c: _Ctx, ring, b, kv_head, ptr, i, g):
     """TMA copies of step ``ptr + i``'s K and V tiles into ring slot ``g``, each once the
     consumers released the slot's previous tile."""
     slot = _slot(c, g, ring)
+    if c.cfg.variant.gather:
+        _load_chunks(c, b, kv_head, ptr + i, g, slot)
+        return
     kv_start = pl.multiple_of(c.steps[ptr + i, plan_abi.STEP_KV_START], ALIGN)
     src = (b, pl.ds(kv_start, c.cfg.tile_kv), kv_head)
 
@@ -541,6 +574,32 @@ def _load(c: _Ctx, ring, b, kv_head, ptr, i, g):
         plgpu.barrier_wait(c.v_consumed.at[slot])
 
     plgpu.copy_gmem_to_smem(c.v.at[src], c.v_smem.at[slot], c.v_bar.at[slot])
+
+
+def _load_chunks(c: _Ctx, b, kv_head, s, g, slot):
+    """A gathering producer's K and V stages of step ``s``: one TMA copy per chunk of
+    abi.GATHER_ROWS keys, copy j issued by warp j % 4 (one issuing thread is too slow for 16
+    copies a step), at the step's chunk starts (a gathered step) or kv_start + 8 j."""
+    A = plan_abi.GATHER_ROWS
+    G = plan_abi.gather_chunks(c.cfg.tile_kv)
+    kv_start = c.steps[s, plan_abi.STEP_KV_START]
+    gathered = plan_abi.is_gather(c.steps[s, plan_abi.STEP_CUTS_B])
+    off = jnp.where(gathered, c.steps[s, plan_abi.STEP_CUTS_A], 0)
+    starts = [pl.multiple_of(jnp.where(gathered, c.words[off + j], kv_start + j * A), ALIGN)
+              for j in range(G)]
+    for ref, smem, bar, consumed in ((c.k, c.k_smem, c.k_bar, c.k_consumed),
+                                     (c.v, c.v_smem, c.v_bar, c.v_consumed)):
+        @pl.when(g >= c.cfg.stages)
+        def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+        def issue(w, ref=ref, smem=smem, bar=bar):
+            for j in range(G):
+                pl.when(w == j % 4)(functools.partial(
+                    plgpu.copy_gmem_to_smem, ref.at[b, pl.ds(starts[j], A), kv_head],
+                    smem.at[slot, pl.ds(j * A, A)], bar.at[slot]))
+
+        plgpu.warp_map(issue)
 
 
 def _drain(c: _Ctx, ring, total):

@@ -51,6 +51,11 @@ def _check_tiles(plan: abi.PassPlan, *allowed) -> None:
 def run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
     """``dq`` with the mask mode ``mode``."""
     t = contract.family_template(template, BACKEND)
+    if t.kernel.gather:
+        # The dq kernel's producer loads one run of keys per step: a plan of a gathering
+        # template may hold gathered steps, whose dq runs in XLA (exact, slower) for now.
+        from pallas_kernels.xla import ops as _xla_ops
+        return _xla_ops.run_dq(q, k, v, do, lse, delta, plan, _xla_template(plan), scale)
     scale = contract.check_pass(q, k, v, plan, t, scale, do=do)
     _check_tiles(plan, (t.tile_q, t.tile_kv))
     units, steps, _, row_index_t = contract.plan_operands(plan)
@@ -76,6 +81,11 @@ def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_
         lse_u, delta_u, units, steps, tile_q=tile_q, tile_kv=tile_kv, paired=paired,
         mode=mask_mode, scale=scale, interpret=interpret)
     return contract.gather_dq(dq_u, units, row_index_t, q.shape, tile_q)
+
+
+def _xla_template(plan: abi.PassPlan):
+    from pallas_kernels import templates as _templates
+    return _templates.get(f"xla_{plan.tile_q}x{plan.tile_kv}")
 
 
 def run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):

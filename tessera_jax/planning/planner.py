@@ -141,7 +141,10 @@ from tessera_jax.mask import BlockMask
 from tessera_jax.validation import AttnShape, check_mask, check_shapes
 from tessera_jax.planning.config import PlannerConfig
 
-POLICIES = ("keep", "merge", "split", "pack", "auto", "gather")
+# Policies that cut the selected set at runs of keys (tiles once, bitmap pass); ``gather``
+# assembles K/V tiles from 8-key chunks instead (``planning.gather``).
+TILE_POLICIES = ("keep", "merge", "split", "pack", "auto")
+POLICIES = TILE_POLICIES + ("gather",)
 _BASE_POLICIES = ("keep", "merge", "split", "pack")
 _AUTO_CANDIDATES = ("merge", "split", "pack")
 _U64 = np.dtype("<u8")
@@ -222,8 +225,9 @@ class Plan:
         if not self.maybe_all_full:
             return False
         st = self.steps[: self.num_steps]            # step rows (bitmap words follow)
-        return bool(np.all((st[:, abi.STEP_RECT] == abi.full_rect(self.tile_q, self.tile_kv))
-                           & (st[:, abi.STEP_CUTS_B] == 0)))
+        return bool(np.all(((st[:, abi.STEP_RECT] == abi.full_rect(self.tile_q, self.tile_kv))
+                            & (st[:, abi.STEP_CUTS_B] == 0))
+                           | (st[:, abi.STEP_CUTS_B] == abi.GATHER_FULL_FLAG)))
 
     @property
     def capacities(self) -> tuple[int, int, int]:
@@ -833,7 +837,7 @@ def _plan_rowgroups(ctx: _Ctx, merge: bool, share: bool | None = None) -> _Raw:
     words = ctx.words
     gh, gi, ge, pc = run._nb_groups(words, merge)
     if len(gh) == 0:
-        return _empty_raw()
+        return _empty_raw(pending=True)
     kb = np.array(ctx.kb, np.int64)                # writable: one compiled specialisation
     ka = kb - kb % al                               # aligned start of each key block
     ltk = tk.bit_length() - 1 if tk & (tk - 1) == 0 else -1
@@ -926,9 +930,10 @@ def _rowgroups_wide(cfg: PlannerConfig, common, bound, cnt, upart, ukeys, rev, s
     return steps, S, ptr
 
 
-def _empty_raw() -> _Raw:
+def _empty_raw(pending: bool = False) -> _Raw:
+    """No units (an empty mask); ``pending`` as the policy's rows would be."""
     z = np.zeros(0, np.int64)
-    return _Raw(z, z, z, z, z, np.zeros((1, abi.STEP_COLS), np.int32), z, z)
+    return _Raw(z, z, z, z, z, np.zeros((1, abi.STEP_COLS), np.int32), z, z, pending=pending)
 
 
 def _plan_grid(ctx: _Ctx, bitmaps: bool = True) -> _Raw:
@@ -939,7 +944,7 @@ def _plan_grid(ctx: _Ctx, bitmaps: bool = True) -> _Raw:
     own_q, cell, plo, phi = _chunk(ctx.qb[:-1], ctx.qb[1:], tq, tq, ctx.qp)
     gh, gp = np.nonzero(nonempty[:, own_q])
     if len(gh) == 0:
-        return _empty_raw()
+        return _empty_raw(pending=not bitmaps)
     gcell, gi = cell[gp], own_q[gp]
     r0, r1 = gcell + plo[gp], gcell + phi[gp]
     new = np.r_[True, (gh[1:] != gh[:-1]) | (gcell[1:] != gcell[:-1])]
@@ -963,7 +968,7 @@ def _plan_pack(ctx: _Ctx, bitmaps: bool = True) -> _Raw:
     equal ``plan_oracle._plan_pack_numpy``'s)."""
     gh, gi, ge, _ = ctx.run._nb_groups(ctx.words, True)
     if len(gh) == 0:
-        return _empty_raw()
+        return _empty_raw(pending=not bitmaps)
     qb = np.array(ctx.qb, np.int64)
     r0, r1 = qb[gi], qb[ge]
     ugroups = ctx.run._nb_pack_units(gh, r0, r1, ctx.tile_q, ctx.q_align)

@@ -422,8 +422,9 @@ def heuristic(mask: BlockMask, shape, backend: str):
     """The documented fallback (module docstring): (template, policy), or None if the backend
     has no template that takes the call."""
     f = _features.mask_features(mask, shape)
+    # Gathering templates run their own policy, chosen by a ranking table or by the caller.
     supported = [t for t in _templates.for_backend(backend)
-                 if t.supports(shape.head_dim, shape.dtype)]
+                 if t.supports(shape.head_dim, shape.dtype) and t.policy != "gather"]
     if not supported:
         return None
     run_tokens = 2.0 ** f["log2_run_tokens"] if f["runs_per_row"] > 0 else 0.0

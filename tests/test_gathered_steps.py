@@ -1,0 +1,252 @@
+"""Gathered steps (``abi.GATHER_FLAG``) and the host planner's ``gather`` policy: the ABI's
+words and checks, exact cover of random block masks (variable and 1-token blocks, per-head
+masks, empty rows, Lq != Lkv), the XLA executor's forward and backward against the float64
+reference, and the Mosaic GPU kernel (interpret mode) on a gathered plan with GQA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax
+import jax.numpy as jnp
+
+import tessera_jax as tj
+from pallas_kernels import abi
+from pallas_kernels.xla import executor
+from tessera_jax.planning import planner
+from strategies import bounds_from_sizes, heads_and_blocks
+
+
+def _coverage(p):
+    """int [Hq, Lq, Lkv]: how many steps select each entry (step_mask over step_keys)."""
+    Hq, Lq, Lkv = p.shape.num_q_heads, p.shape.q_len, p.shape.kv_len
+    cov = np.zeros((Hq, p.q_len_padded, p.kv_len_padded), np.int64)
+    for h, q0, lo, hi, ptr, n in p.units[: p.num_units].astype(np.int64):
+        s = np.arange(ptr, ptr + n)
+        sel = abi.step_mask(p.steps, s, p.tile_q, p.tile_kv)          # [n, T, Tk]
+        keys = abi.step_keys(p.steps, s, p.tile_kv)                   # [n, Tk]
+        r = np.arange(p.tile_q)
+        sel &= ((r >= lo) & (r < hi))[None, :, None]
+        for m, kk in zip(sel, keys):
+            np.add.at(cov[h, q0: q0 + p.tile_q], (slice(None), kk), m)
+    assert not cov[:, Lq:].any() and not cov[:, :, Lkv:].any(), "a step selects padding"
+    return cov[:, :Lq, :Lkv]
+
+
+@st.composite
+def gather_masks(draw):
+    """(mask, Hq, Hkv): variable blocks, some of 1 token, per head or shared, empty rows."""
+    def sizes():
+        return draw(st.lists(st.one_of(st.integers(1, 1), st.integers(2, 12),
+                                       st.integers(13, 200)), min_size=2, max_size=24))
+    qb, kb = bounds_from_sizes(sizes(), 700), bounds_from_sizes(sizes(), 700)
+    Hq, Hkv, blocks, rng = heads_and_blocks(draw, len(qb) - 1, len(kb) - 1, [0.05, 0.2, 0.5])
+    if blocks.shape[1] > 1 and draw(st.booleans()):
+        blocks[:, rng.integers(blocks.shape[1])] = False             # an empty query block
+    return tj.BlockMask(qb, kb, blocks), Hq, Hkv
+
+
+@given(gather_masks(), st.sampled_from([(128, 128), (64, 128), (128, 64), (64, 64)]))
+@settings(max_examples=40, deadline=None)
+def test_gather_plans_cover_the_mask_exactly_once(mt, tiles):
+    mask, Hq, Hkv = mt
+    tq, tk = tiles
+    p = planner.build_plan(mask, (1, mask.Lq, Hq, 16), (1, mask.Lkv, Hkv, 16), np.float32,
+                           tile_q=tq, tile_kv=tk, policy="gather", q_align=8, kv_align=8)
+    abi.check_plan(p.units, p.steps, tq, tk, p.q_len_padded, p.kv_len_padded, num_q_heads=Hq,
+                   q_align=8, kv_align=8, max_steps=p.max_steps, gather=True)
+    want = mask.head_blocks(Hq)
+    tok = np.zeros((Hq, mask.Lq, mask.Lkv), np.int64)
+    qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
+    for h in range(Hq):
+        tok[h] = want[h][np.searchsorted(qb, np.arange(mask.Lq), "right") - 1][
+            :, np.searchsorted(kb, np.arange(mask.Lkv), "right") - 1]
+    np.testing.assert_array_equal(_coverage(p), tok)
+    c = p.tile_cells()                       # the same cover, as absolute rectangles
+    cells = np.zeros_like(tok)
+    for h, a, b, c0, c1 in zip(c["head"], c["r0"], c["r1"], c["c0"], c["c1"]):
+        cells[h, a:b, c0:c1] += 1
+    np.testing.assert_array_equal(cells, tok)
+    s = p.stats()
+    assert s["selected_interactions"] == tok.sum()
+    assert s["computed_interactions"] <= s["dense_tile_interactions"]
+
+
+def _clusters(L, Lk, H, seed, q_mean=60, kv_mean=20, density=0.2):
+    rng = np.random.default_rng(seed)
+
+    def bounds(n, mean):
+        s = np.maximum(1, rng.lognormal(np.log(mean) - 0.8, 1.3, 8 * n // mean + 64).astype(int))
+        b = np.r_[0, np.cumsum(s)]
+        b = b[b < n]
+        return np.r_[b, n]
+
+    qb, kb = bounds(L, q_mean), bounds(Lk, kv_mean)
+    cq = (qb[:-1] + qb[1:]) / 2 / L
+    ck = (kb[:-1] + kb[1:]) / 2 / Lk
+    ksz = np.diff(kb)
+    blocks = np.zeros((H, len(cq), len(ck)), bool)
+    for h in range(H):       # per head: the nearest key clusters (noisy) up to ``density``
+        s = -np.abs(cq[:, None] - ck[None, :]) * rng.uniform(5, 40) + rng.gumbel(
+            size=(len(cq), len(ck)))
+        order = np.argsort(-s, axis=1)
+        sel = np.cumsum(ksz[order], axis=1) <= density * Lk
+        sel[:, 0] = True
+        np.put_along_axis(blocks[h], order, sel, axis=1)
+    return tj.BlockMask(qb, kb, blocks)
+
+
+def test_gather_beats_split_on_variable_clusters():
+    """The point of the policy: on variable clusters (four masks) it computes less than split,
+    the best of the other policies there."""
+    kw = dict(tile_q=128, tile_kv=128, q_align=8, kv_align=8)
+    ratio = {"gather": [], "split": []}
+    for seed in range(4):
+        m = _clusters(8192, 8192, 2, seed, q_mean=110, kv_mean=40)
+        for pol in ratio:
+            s = planner.build_plan(m, (1, 8192, 2, 64), (1, 8192, 2, 64), np.float32,
+                                   policy=pol, **kw).stats()
+            ratio[pol].append(s["computed_interactions"] / s["selected_interactions"])
+    assert np.mean(ratio["gather"]) < 0.92 * np.mean(ratio["split"]), ratio
+
+
+def test_pack_gather_round_trip():
+    rng = np.random.default_rng(0)
+    for tq, tk in ((128, 128), (64, 128), (64, 64)):
+        G = abi.gather_chunks(tk)
+        starts = rng.integers(0, 100, (3, G)) * 8
+        keys, rows = rng.random((3, tk)) < 0.5, rng.random((3, tq)) < 0.5
+        w = abi.pack_gather(starts, keys, rows)
+        assert w.shape == (3, abi.gather_words(tq, tk)) and w.dtype == np.int32
+        s2, k2, r2 = abi.unpack_gather(w, tq, tk)
+        np.testing.assert_array_equal(s2, starts)
+        np.testing.assert_array_equal(k2, keys)
+        np.testing.assert_array_equal(r2, rows)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        abi.gather_chunks(60)
+
+
+def _one_step_plan(tq=128, tk=128, kvp=512):
+    """A unit of one gathered step: chunks at random aligned starts, random row and key bits."""
+    rng = np.random.default_rng(1)
+    G, wr = abi.gather_chunks(tk), abi.gather_word_rows(tq, tk)
+    starts = rng.integers(0, kvp // 8, G) * 8
+    keys = rng.random(tk) < 0.6
+    rows = rng.random(tq) < 0.6
+    keys[[3, tk - 2]] = rows[[1, tq - 3]] = True
+    keys[[0, 1, 2, tk - 1]] = rows[[0, tq - 2, tq - 1]] = False
+    steps = np.zeros((1 + wr, abi.STEP_COLS), np.int32)
+    steps.reshape(-1)[4: 4 + abi.gather_words(tq, tk)] = abi.pack_gather(starts, keys, rows)
+    steps[0] = (starts[0], abi.pack_rect(1, tq - 2, 3, tk - 1), 4, abi.GATHER_FLAG)
+    units = np.array([[0, 0, 0, tq, 0, 1]], np.int32)
+    return units, steps, starts, keys, rows
+
+
+def test_check_plan_catches_every_broken_gather_rule():
+    units, steps, *_ = _one_step_plan()
+    check = lambda st, **kw: abi.check_plan(units, st, 128, 128, 128, 512, q_align=8,   # noqa
+                                            kv_align=8, **{"gather": True, **kw})
+    assert check(steps) is False
+    with pytest.raises(ValueError, match="kernels that do not gather"):
+        check(steps, gather=False)
+    bad = steps.copy()
+    bad.reshape(-1)[4 + 2] += 4
+    with pytest.raises(ValueError, match="chunk start is not a multiple"):
+        check(bad)
+    bad = steps.copy()
+    bad.reshape(-1)[4 + 2] = 512
+    with pytest.raises(ValueError, match="chunk start"):
+        check(bad)
+    bad = steps.copy()
+    bad[0, abi.STEP_RECT] = abi.pack_rect(0, 126, 3, 127)
+    with pytest.raises(ValueError, match="bounding box"):
+        check(bad)
+    bad = steps.copy()
+    bad[0, abi.STEP_CUTS_B] = abi.GATHER_FULL_FLAG
+    with pytest.raises(ValueError, match="GATHER_FULL_FLAG"):
+        check(bad)
+    bad = steps.copy()
+    bad[0, abi.STEP_CUTS_A] = 0                     # its words would be its own step row
+    with pytest.raises(ValueError, match="rows a unit visits"):
+        check(bad)
+    bad = steps.copy()
+    bad[0, abi.STEP_CUTS_A] = 6
+    with pytest.raises(ValueError, match="offset"):
+        check(bad)
+
+
+def test_step_mask_and_keys_of_a_gathered_step():
+    units, steps, starts, keys, rows = _one_step_plan()
+    sel = abi.step_mask(steps, 0, 128, 128)
+    np.testing.assert_array_equal(sel, rows[:, None] & keys[None, :])
+    np.testing.assert_array_equal(abi.step_mask(jnp.asarray(steps), jnp.int32(0), 128, 128), sel)
+    kk = abi.step_keys(steps, 0, 128)
+    np.testing.assert_array_equal(kk, np.repeat(starts, 8) + np.tile(np.arange(8), 16))
+
+
+def _ref64(q, k, v, m, scale):
+    """Float64 NumPy attention under the mask's token-level selection (rows with no key: 0)."""
+    q, k, v = (np.asarray(x, np.float64)[0] for x in (q, k, v))     # [L, H, D]
+    Hq, g = q.shape[1], q.shape[1] // k.shape[1]
+    blocks = m.head_blocks(Hq)
+    qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
+    rq = np.searchsorted(qb, np.arange(q.shape[0]), "right") - 1
+    rk = np.searchsorted(kb, np.arange(k.shape[0]), "right") - 1
+    out = np.zeros_like(q)
+    for h in range(Hq):
+        sel = blocks[h][rq][:, rk]
+        s = np.where(sel, q[:, h] @ k[:, h // g].T * scale, -np.inf)
+        mx = np.max(s, axis=1, keepdims=True)
+        p = np.where(sel, np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0)
+        den = p.sum(1, keepdims=True)
+        out[:, h] = (p / np.where(den > 0, den, 1)) @ v[:, h // g]
+    return out[None]
+
+
+@pytest.mark.parametrize("gqa", [1, 2])
+def test_xla_runs_gather_plans_forward_and_backward(gqa):
+    Lq, Lk, H, D = 700, 530, 4, 16
+    m = _clusters(Lq, Lk, H, 3)
+    p = tj.plan(m, (1, Lq, H, D), (1, Lk, H // gqa, D), jnp.float32, template="xla_128x128",
+                policy="gather")
+    assert p.stats()["gather_steps"] > 0
+    ks = jax.random.split(jax.random.key(gqa), 4)
+    q = jax.random.normal(ks[0], (1, Lq, H, D))
+    k, v = (jax.random.normal(x, (1, Lk, H // gqa, D)) for x in ks[1:3])
+    do = jax.random.normal(ks[3], (1, Lq, H, D))
+    f = lambda q, k, v: tj.sparse_attention(q, k, v, m, template="xla_128x128",   # noqa
+                                            policy="gather", scale=0.3)
+    out, vjp = jax.vjp(f, q, k, v)
+    ref, rvjp = jax.vjp(lambda q, k, v: tj.reference_attention(q, k, v, m, scale=0.3), q, k, v)
+    np.testing.assert_allclose(out, _ref64(q, k, v, m, 0.3), atol=2e-5)
+    for a, b in zip(vjp(do), rvjp(do)):
+        np.testing.assert_allclose(a, b, atol=5e-5)
+
+
+def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode():
+    from jax._src.pallas.mosaic_gpu.interpret import params as _p
+    from pallas_kernels import templates as T
+    from pallas_kernels.mosaic import ops as mops
+
+    Lq, Lk, H, D = 520, 600, 4, 64
+    m = _clusters(Lq, Lk, H, 5, q_mean=110, kv_mean=40, density=0.15)
+    p = planner.build_plan(m, (1, Lq, H, D), (1, Lk, H // 2, D), jnp.bfloat16, tile_q=128,
+                           tile_kv=128, policy="gather", q_align=8, kv_align=8)
+    st_ = p.stats()
+    assert st_["gather_steps"] > 0 and p.head_policies[0] == "gather"
+    ks = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(ks[0], (1, Lq, H, D)).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(x, (1, Lk, H // 2, D)).astype(jnp.bfloat16) for x in ks[1:])
+    plan = abi.PassPlan(p.units, p.steps, None, 128, 128, p.q_len_padded, p.kv_len_padded,
+                        p.max_steps, None)
+    out = mops.forward(q, k, v, plan, template=T.get("mgpu_q128_kv128_s2_gather"), scale=0.125,
+                       interpret=_p.InterpretGPUParams())
+    ref = _ref64(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), m, 0.125)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=2e-2)
+    # A plan with a gathered step is refused by a template that does not gather.
+    with pytest.raises(ValueError, match="do not gather"):
+        mops.forward(q, k, v, plan, template=T.get("mgpu_q128_kv128_s2_hm"), scale=0.125,
+                     interpret=_p.InterpretGPUParams())
