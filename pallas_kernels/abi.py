@@ -180,27 +180,37 @@ def bitmap_rows(tile_q: int, tile_kv: int) -> int:
     return -(-bitmap_words(tile_kv) * int(tile_q) // STEP_COLS)
 
 
+def _bits(sel):
+    """int32 words [..., ceil(n / 32)] of bool [..., n]: bit i % 32 of word i // 32."""
+    sel = np.asarray(sel, bool)
+    n = sel.shape[-1]
+    W = bitmap_words(n)
+    pad = np.zeros(sel.shape[:-1] + (W * WORD_BITS,), bool)
+    pad[..., :n] = sel
+    b = pad.reshape(sel.shape[:-1] + (W, WORD_BITS)).astype(np.uint64)
+    return (b << np.arange(WORD_BITS, dtype=np.uint64)).sum(-1).astype(np.uint32).view(np.int32)
+
+
+def _unbits(words, n: int):
+    """bool [..., n] of ``_bits``' words [..., ceil(n / 32)]."""
+    w = np.asarray(words).astype(np.int64) & 0xFFFFFFFF
+    c = np.arange(n)
+    return ((w[..., c // WORD_BITS] >> (c % WORD_BITS)) & 1) == 1
+
+
 def pack_bitmap(sel):
     """The W * tile_q words (int32, NumPy) of a bitmap step selecting ``sel`` (bool [tile_q,
     tile_kv], or [..., tile_q, tile_kv] for several: words [..., W * tile_q]): word(r, w) at
     w * tile_q + r holds bit c % 32 for key c = 32 w + c % 32."""
-    sel = np.asarray(sel, bool)
-    tq, tk = sel.shape[-2:]
-    W = bitmap_words(tk)
-    pad = np.zeros(sel.shape[:-1] + (W * WORD_BITS,), bool)
-    pad[..., :tk] = sel
-    b = pad.reshape(sel.shape[:-1] + (W, WORD_BITS)).astype(np.uint64)
-    w = (b << np.arange(WORD_BITS, dtype=np.uint64)).sum(-1).astype(np.uint32)  # [..., T, W]
-    return np.ascontiguousarray(np.swapaxes(w, -1, -2)).view(np.int32).reshape(
-        sel.shape[:-2] + (W * tq,))
+    w = _bits(sel)                                                       # [..., T, W]
+    return np.ascontiguousarray(np.swapaxes(w, -1, -2)).reshape(w.shape[:-2] + (-1,))
 
 
 def unpack_bitmap(words, tile_q: int, tile_kv: int):
     """bool [..., tile_q, tile_kv]: the selection of bitmap words [..., W * tile_q] (NumPy)."""
     W = bitmap_words(tile_kv)
-    w = np.asarray(words).astype(np.int64).reshape(np.shape(words)[:-1] + (W, tile_q)) & 0xFFFFFFFF
-    c = np.arange(tile_kv)
-    return ((np.swapaxes(w, -1, -2)[..., c // WORD_BITS] >> (c % WORD_BITS)) & 1) == 1
+    w = np.asarray(words).reshape(np.shape(words)[:-1] + (W, tile_q))
+    return _unbits(np.swapaxes(w, -1, -2), tile_kv)
 
 
 def gather_chunks(tile_kv: int) -> int:
@@ -218,22 +228,6 @@ def gather_words(tile_q: int, tile_kv: int) -> int:
 def gather_word_rows(tile_q: int, tile_kv: int) -> int:
     """Rows of ``steps`` one gathered step's words fill (from a row boundary)."""
     return -(-gather_words(tile_q, tile_kv) // STEP_COLS)
-
-
-def _bits(sel):
-    sel = np.asarray(sel, bool)
-    n = sel.shape[-1]
-    W = bitmap_words(n)
-    pad = np.zeros(sel.shape[:-1] + (W * WORD_BITS,), bool)
-    pad[..., :n] = sel
-    b = pad.reshape(sel.shape[:-1] + (W, WORD_BITS)).astype(np.uint64)
-    return (b << np.arange(WORD_BITS, dtype=np.uint64)).sum(-1).astype(np.uint32).view(np.int32)
-
-
-def _unbits(words, n: int):
-    w = np.asarray(words).astype(np.int64) & 0xFFFFFFFF
-    c = np.arange(n)
-    return ((w[..., c // WORD_BITS] >> (c % WORD_BITS)) & 1) == 1
 
 
 def pack_gather(starts, key_sel, row_sel):
@@ -569,14 +563,9 @@ def bitmap_problems(steps, rows, tile_q: int, tile_kv: int, visited=None):
         bad.append("steps: a bitmap step's rectangle is empty")
     b, off = b[ok], off[ok]
     q_lo, q_hi, kv_lo, kv_hi = q_lo[ok], q_hi[ok], kv_lo[ok], kv_hi[ok]
-    r0, r1 = off // STEP_COLS, -(-(off + n) // STEP_COLS)
-    edges = np.bincount(r0, minlength=S + 1) - np.bincount(r1, minlength=S + 1)
-    words_at = np.cumsum(edges[:S], dtype=np.int32) > 0
-    if visited is not None:
-        vc = np.zeros(S + 1, np.int32)
-        np.cumsum(np.asarray(visited, bool), dtype=np.int32, out=vc[1:])
-        if ((vc[r1] - vc[r0]) > 0).any():
-            bad.append("steps: a bitmap step's words lie in rows a unit visits as steps")
+    words_at, r0, r1 = _word_rows(S, off, n)
+    if _in_visited(visited, r0, r1):
+        bad.append("steps: a bitmap step's words lie in rows a unit visits as steps")
     wr = bitmap_rows(tile_q, tile_kv)
     w = np.arange(W)
     r = np.arange(int(tile_q))
@@ -611,6 +600,15 @@ def _word_rows(S: int, off, n: int):
     return np.cumsum(edges[:S], dtype=np.int32) > 0, r0, r1
 
 
+def _in_visited(visited, r0, r1) -> bool:
+    """Whether some row range [r0, r1) holds a ``visited`` row (None: no check)."""
+    if visited is None:
+        return False
+    vc = np.zeros(len(visited) + 1, np.int32)
+    np.cumsum(np.asarray(visited, bool), dtype=np.int32, out=vc[1:])
+    return bool(((vc[r1] - vc[r0]) > 0).any())
+
+
 def gather_problems(steps, rows, tile_q: int, tile_kv: int, kv_len_padded: int, visited=None):
     """(what is wrong, word rows) for the gathered steps at rows ``rows`` of ``steps`` (NumPy;
     other rows ignored), as ``bitmap_problems``: off = cuts_a a multiple of STEP_COLS, its
@@ -633,11 +631,8 @@ def gather_problems(steps, rows, tile_q: int, tile_kv: int, kv_len_padded: int, 
                    f"or its {n} words leave the {S} rows of steps")
     b, off = b[ok], off[ok]
     words_at, r0, r1 = _word_rows(S, off, n)
-    if visited is not None:
-        vc = np.zeros(S + 1, np.int32)
-        np.cumsum(np.asarray(visited, bool), dtype=np.int32, out=vc[1:])
-        if ((vc[r1] - vc[r0]) > 0).any():
-            bad.append("steps: a gathered step's words lie in rows a unit visits as steps")
+    if _in_visited(visited, r0, r1):
+        bad.append("steps: a gathered step's words lie in rows a unit visits as steps")
     flat = st.reshape(-1)
     starts, keys, rws = unpack_gather(flat[off[:, None] + np.arange(n)], tile_q, tile_kv)
     if ((starts % GATHER_ROWS != 0) | (starts < 0)

@@ -13,11 +13,20 @@ from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 
+import sys
+from pathlib import Path
+
 import tessera_jax as tj
 from pallas_kernels import abi
 from pallas_kernels.xla import executor
 from tessera_jax.planning import planner
 from strategies import bounds_from_sizes, heads_and_blocks
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+from gather import mask_var_clusters  # noqa: E402   (the H200 benchmark's clusters)
 
 
 def _coverage(p):
@@ -75,37 +84,13 @@ def test_gather_plans_cover_the_mask_exactly_once(mt, tiles):
     assert s["computed_interactions"] <= s["dense_tile_interactions"]
 
 
-def _clusters(L, Lk, H, seed, q_mean=60, kv_mean=20, density=0.2):
-    rng = np.random.default_rng(seed)
-
-    def bounds(n, mean):
-        s = np.maximum(1, rng.lognormal(np.log(mean) - 0.8, 1.3, 8 * n // mean + 64).astype(int))
-        b = np.r_[0, np.cumsum(s)]
-        b = b[b < n]
-        return np.r_[b, n]
-
-    qb, kb = bounds(L, q_mean), bounds(Lk, kv_mean)
-    cq = (qb[:-1] + qb[1:]) / 2 / L
-    ck = (kb[:-1] + kb[1:]) / 2 / Lk
-    ksz = np.diff(kb)
-    blocks = np.zeros((H, len(cq), len(ck)), bool)
-    for h in range(H):       # per head: the nearest key clusters (noisy) up to ``density``
-        s = -np.abs(cq[:, None] - ck[None, :]) * rng.uniform(5, 40) + rng.gumbel(
-            size=(len(cq), len(ck)))
-        order = np.argsort(-s, axis=1)
-        sel = np.cumsum(ksz[order], axis=1) <= density * Lk
-        sel[:, 0] = True
-        np.put_along_axis(blocks[h], order, sel, axis=1)
-    return tj.BlockMask(qb, kb, blocks)
-
-
 def test_gather_beats_split_on_variable_clusters():
     """The point of the policy: on variable clusters (four masks) it computes less than split,
     the best of the other policies there."""
     kw = dict(tile_q=128, tile_kv=128, q_align=8, kv_align=8)
     ratio = {"gather": [], "split": []}
     for seed in range(4):
-        m = _clusters(8192, 8192, 2, seed, q_mean=110, kv_mean=40)
+        m = mask_var_clusters(8192, 2, seed=seed)
         for pol in ratio:
             s = planner.build_plan(m, (1, 8192, 2, 64), (1, 8192, 2, 64), np.float32,
                                    policy=pol, **kw).stats()
@@ -209,7 +194,7 @@ def _ref64(q, k, v, m, scale):
 @pytest.mark.parametrize("gqa", [1, 2])
 def test_xla_runs_gather_plans_forward_and_backward(gqa):
     Lq, Lk, H, D = 700, 530, 4, 16
-    m = _clusters(Lq, Lk, H, 3)
+    m = mask_var_clusters(Lq, H, q_mean=60, kv_mean=20, seed=3, kv_len=Lk)
     p = tj.plan(m, (1, Lq, H, D), (1, Lk, H // gqa, D), jnp.float32, template="xla_128x128",
                 policy="gather")
     assert p.stats()["gather_steps"] > 0
@@ -232,7 +217,7 @@ def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode():
     from pallas_kernels.mosaic import ops as mops
 
     Lq, Lk, H, D = 520, 600, 4, 64
-    m = _clusters(Lq, Lk, H, 5, q_mean=110, kv_mean=40, density=0.15)
+    m = mask_var_clusters(Lq, H, density=0.15, seed=5, kv_len=Lk)
     p = planner.build_plan(m, (1, Lq, H, D), (1, Lk, H // 2, D), jnp.bfloat16, tile_q=128,
                            tile_kv=128, policy="gather", q_align=8, kv_align=8)
     st_ = p.stats()

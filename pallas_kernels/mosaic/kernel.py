@@ -407,19 +407,15 @@ def _gather_mask(c: _Ctx, w: _Wg, rect: _Rect, x):
     and this warpgroup's row bits as the softmax's row penalty (+inf: m kept, p = 0)."""
     G, W = plan_abi.gather_chunks(c.cfg.tile_kv), plan_abi.bitmap_words(c.cfg.tile_kv)
     kw = c.steps[rect.s, plan_abi.STEP_CUTS_A] + G
-    cols = iota(c.cfg.tile_kv, 0)
-    word = c.words[kw]
-    for j in range(1, W):
-        word = jnp.where(cols >= j * plan_abi.WORD_BITS, c.words[kw + j], word)
-    one = jnp.full(cols.shape, 1, jnp.int32)
-    key_on = (word & lax.shift_left(one, cols & (plan_abi.WORD_BITS - 1))) != 0
-    col_bias = jnp.where(key_on, 0.0, -jnp.inf)
-    rows = iota(WG_ROWS, 1)                    # this warpgroup's rows, 0..63
-    rw = kw + W + w.row0 // plan_abi.WORD_BITS
-    rword = jnp.where(rows >= plan_abi.WORD_BITS, c.words[rw + 1], c.words[rw])
-    one_r = jnp.full(rows.shape, 1, jnp.int32)
-    row_on = (rword & lax.shift_left(one_r, rows & (plan_abi.WORD_BITS - 1))) != 0
-    row_pen = jnp.where(row_on, 0.0, jnp.inf)
+    rw = kw + W + w.row0 // plan_abi.WORD_BITS       # this warpgroup's two row words
+
+    def bits_on(first, iota_, n):
+        # The bitmap decoder on a vector: word j's scalar against the bit of each index.
+        return step_masks.bitmap_hits(lambda j: c.words[first + j], lambda v, shape, dim: v,
+                                      iota_, iota_.shape, n) != 0
+
+    col_bias = jnp.where(bits_on(kw, iota(c.cfg.tile_kv, 0), c.cfg.tile_kv), 0.0, -jnp.inf)
+    row_pen = jnp.where(bits_on(rw, iota(WG_ROWS, 1), WG_ROWS), 0.0, jnp.inf)
     return x + bcast(col_bias, x.shape, 1), row_pen
 
 

@@ -18,6 +18,8 @@ NumPy on the host; knows nothing of Pallas. ``planner`` calls ``plan_gather`` fo
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from pallas_kernels import abi
@@ -25,13 +27,19 @@ from pallas_kernels import abi
 __all__ = ["plan_gather", "GatherRaw"]
 
 
-class GatherRaw:
-    """Units (in head, window order) and their steps: step rows, then the words of each."""
+class GatherRaw(NamedTuple):
+    """Units (in head, window order) and their steps: cnt.sum() step rows, then ``word_rows``
+    rows of their words."""
 
-    def __init__(self, head, qs, lo, hi, cnt, nfull, area, steps, num_steps, word_rows):
-        self.head, self.qs, self.lo, self.hi, self.cnt = head, qs, lo, hi, cnt
-        self.nfull, self.area = nfull, area
-        self.steps, self.num_steps, self.word_rows = steps, num_steps, word_rows
+    head: np.ndarray
+    qs: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    cnt: np.ndarray
+    nfull: np.ndarray
+    area: np.ndarray
+    steps: np.ndarray
+    word_rows: int
 
 
 def _window_classes(blk, kb, row_block, tile_q: int, G: int):
@@ -85,13 +93,8 @@ def _window_classes(blk, kb, row_block, tile_q: int, G: int):
     step_cls = np.repeat(np.arange(ncls), steps_per)
     rows = row_sel.sum(axis=1)
     keys = np.zeros(ncls, np.int64)
-    np.add.at(keys, cls, _popcount8(bits))
+    np.add.at(keys, cls, np.bitwise_count(bits))
     return starts, key_sel, row_sel[step_cls], int((rows * keys).sum())
-
-
-def _popcount8(x):
-    x = x.astype(np.uint8)
-    return np.unpackbits(x[:, None], axis=1).sum(axis=1).astype(np.int64)
 
 
 def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
@@ -156,4 +159,4 @@ def _assemble(parts, head, qs, lo, hi, cnt, nfull, area, tile_q, tile_kv) -> Gat
         steps[:S, abi.STEP_RECT] = abi.pack_rect(q_lo, q_hi, kv_lo, kv_hi)
         steps[:S, abi.STEP_CUTS_A] = (S + np.arange(S) * wr) * abi.STEP_COLS
         steps[:S, abi.STEP_CUTS_B] = np.where(full, abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)
-    return GatherRaw(head, qs, lo, hi, cnt, nfull, area, steps, S, S * wr)
+    return GatherRaw(head, qs, lo, hi, cnt, nfull, area, steps, S * wr)
