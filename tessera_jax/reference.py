@@ -11,7 +11,10 @@ from tessera_jax.validation import check_bool, check_mask, check_qkv, check_scal
 
 
 def reference_attention(q, k, v, mask: BlockMask, scale=None, return_lse=False):
-    """Materialises the [B, Hq, Lq, Lkv] scores; a row with no selected key gives 0 / -inf."""
+    """Materialises the [B, Hq, Lq, Lkv] scores; a row with no selected key gives 0 / -inf.
+    Masking by selection: keys a row does not select never reach it, whatever their values;
+    a row is NaN (out and lse) exactly when it selects a key whose k or v holds a NaN or an
+    inf, or when its own q does and it selects any key (``nonfinite_rows``)."""
     shape = check_qkv(q, k, v)
     check_mask(mask, shape)
     scale = check_scale(scale, shape.head_dim)
@@ -25,7 +28,9 @@ def _reference(q, k, v, token, scale, return_lse, group):
     qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
     kf = jnp.repeat(kf, group, axis=2)
     vf = jnp.repeat(vf, group, axis=2)
-    o, lse = masked_attention(qf, kf, vf, token[None], scale)
+    rows = nonfinite_rows(nonfinite(qf), nonfinite(kf) | nonfinite(vf), token[None])
+    o, lse = masked_attention(*(finite_or_zero(x) for x in (qf, kf, vf)), token[None], scale)
+    o, lse = set_rows_nan(o, lse, rows)
     o = o.astype(q.dtype)
     return (o, lse) if return_lse else o
 
@@ -45,3 +50,34 @@ def masked_attention(qf, kf, vf, sel, scale):
     lse = jnp.where(l[..., 0] > 0, jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0)) + m_safe[..., 0],
                     -jnp.inf)
     return o, lse
+
+
+# --- non-finite inputs: the rule, also applied by ``Options.check_finite`` (runtime.finite) ---
+def nonfinite_rows(bad_q, bad_kv, sel):
+    """bool [B, H, Lq]: the rows that masking by selection makes NaN, those that select a key
+    of ``bad_kv`` (bool [B, Lkv, H]) or hold a query of ``bad_q`` (bool [B, Lq, H]) and select
+    any key; ``sel`` as in ``masked_attention``."""
+    hit = jnp.any(sel & jnp.swapaxes(bad_kv, 1, 2)[:, :, None, :], axis=-1)
+    return hit | (jnp.swapaxes(bad_q, 1, 2) & jnp.any(sel, axis=-1))
+
+
+def nonfinite(x):
+    """bool x.shape[:-1]: the vectors (last axis) of x that hold a NaN or an inf."""
+    return ~jnp.isfinite(x).all(-1)
+
+
+@jax.custom_jvp
+def finite_or_zero(x):
+    """x with its NaN and inf entries replaced by 0 (same dtype). Its tangent passes through
+    unchanged: what reaches a non-finite entry is 0 anyway (no row that selects it passes a
+    gradient, the others give it p = 0), and the backward then keeps no mask of x."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+finite_or_zero.defjvp(lambda primals, tangents: (finite_or_zero(*primals), tangents[0]))
+
+
+def set_rows_nan(out, lse, rows):
+    """(out [B, Lq, H, D], lse [B, H, Lq] or None) with the rows of ``rows`` [B, H, Lq] NaN."""
+    out = jnp.where(jnp.swapaxes(rows, 1, 2)[..., None], jnp.nan, out)
+    return out, (None if lse is None else jnp.where(rows, jnp.nan, lse))
