@@ -1,4 +1,6 @@
-"""Non-finite values at keys a row does not select never reach it: ``tj.reference_attention``,
+"""Non-finite values at keys a row does not select never reach it: ``tj.reference_attention``
+always, ``tj.sparse_attention`` with ``Options(check_finite=True)`` on every route (host plans,
+device masks, per-head bounds) and backend (XLA; Triton and Mosaic GPU in interpret mode),
 forward and gradients. The expected NaN rows come from the mask's token mask (NumPy); the
 other rows must equal the reference on the clean inputs."""
 
@@ -9,9 +11,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import tessera_jax as tj
+from tessera_jax.runtime import dispatch
 
 from strategies import random_qkv
 
+FINITE = tj.Options(check_finite=True)
 TOL = dict(atol=2e-5, rtol=2e-5)
 
 # The issue's layout: blocks that no 64-key tile respects, keys 200-255 selected by no row.
@@ -66,7 +70,22 @@ def reference(q, k, v, mask):
     return tj.reference_attention(q, k, v, mask, return_lse=True)
 
 
-ROUTES = {"reference": reference}
+def xla_host(q, k, v, mask):
+    assert mask.is_static
+    return tj.sparse_attention(q, k, v, mask, return_lse=True, backend="xla", options=FINITE)
+
+
+@jax.jit
+def _device(q, k, v, mask):
+    return tj.sparse_attention(q, k, v, mask, return_lse=True, options=FINITE)
+
+
+def xla_device(q, k, v, mask):
+    return _device(q, k, v, tj.BlockMask(*(jnp.asarray(x) for x in (
+        mask.q_bounds, mask.kv_bounds, mask.blocks))))
+
+
+ROUTES = {"reference": reference, "xla_host": xla_host, "xla_device": xla_device}
 
 
 # --- the issue's two cases -------------------------------------------------------------------
@@ -142,6 +161,17 @@ def test_reference_masks_by_selection(case):
     _check_case(case, reference)
 
 
+@settings(max_examples=10)
+@given(cases())
+def test_check_finite_masks_by_selection_on_every_route(case):
+    """Static masks with shared bounds (host plans), per-head bounds (the device route,
+    eagerly) and device masks under jit, on the XLA backend."""
+    _check_case(case, xla_host if case["mask"].is_static else xla_device)
+    if case["mask"].per_head_bounds:
+        return
+    _check_case(case, xla_device)
+
+
 # --- gradients ---------------------------------------------------------------------------------
 def _loss(fn, w):
     """Sum of the finite outputs, weighted (NaN rows pass no gradient)."""
@@ -149,3 +179,84 @@ def _loss(fn, w):
         out = fn(q, k, v, mask)[0]
         return jnp.sum(jnp.where(jnp.isnan(out), 0.0, out) * w)
     return loss
+
+
+@pytest.mark.parametrize("route", ["xla_host", "xla_device"])
+def test_gradients_ignore_what_no_row_selects_and_rows_set_to_nan(route):
+    """Non-finite k, v at keys no row selects: the gradients are the clean ones; at key 100,
+    which some rows select: finite, the reference's, and 0 at key 100 (the rows that select
+    it are NaN and pass no gradient)."""
+    mask = _issue_mask()
+    q, k, v = random_qkv(1, L, L, HQ, HKV, D, "float32", 3)
+    w = jnp.cos(jnp.arange(D, dtype=jnp.float32))
+    grad = lambda fn, *a: jax.grad(_loss(fn, w), argnums=(0, 1, 2))(*a, mask)   # noqa: E731
+    want = grad(reference, q, k, v)
+    got = grad(ROUTES[route], q, k.at[:, 230:].set(jnp.inf), v.at[:, 200:].set(jnp.nan))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+    bad = (q, k.at[:, 100, 0, 1].set(-jnp.inf), v.at[:, 100].set(jnp.nan))
+    got, want = grad(ROUTES[route], *bad), grad(reference, *bad)
+    for a, b in zip(got, want):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert not np.asarray(got[1])[:, 100].any() and not np.asarray(got[2])[:, 100].any()
+
+
+# --- the Pallas kernels (interpret mode) -------------------------------------------------------
+@pytest.mark.parametrize("template,dtype,tol", [
+    pytest.param("triton_q128_kv64_w8_s3_pf_hm", "float32", 2e-3),
+    pytest.param("mgpu_q128_kv64_s2_hm", "float16", 2e-2, marks=pytest.mark.slow)])
+def test_pallas_backends_with_check_finite(monkeypatch, template, dtype, tol):
+    """Triton and Mosaic GPU kernels (interpret mode, as if on a Hopper GPU): a host plan and
+    a device mask, NaN in v at keys no row selects and at key 100."""
+    monkeypatch.setattr(dispatch, "_gpu_capability", lambda: (9, 0))
+    backend = dispatch.get_template(template).backend
+    mask = _issue_mask()
+    q, k, v = random_qkv(1, L, L, HQ, HKV, 64, dtype, 4)
+    clean = reference(q, k, v, mask)
+    bad_v = v.at[:, 200:].set(jnp.nan).at[:, 100].set(jnp.inf)
+    rows = mask.token_mask()[None, :, :, 100]
+    dev = tj.BlockMask(*(jnp.asarray(x) for x in (QB, KB, mask.blocks)))
+    for m in (mask, dev):
+        res = tj.sparse_attention(q, k, bad_v, m, return_lse=True, backend=backend,
+                                  template=template, options=FINITE)
+        assert_by_selection(res, clean, rows, dict(atol=tol, rtol=tol))
+
+
+def test_check_finite_is_a_checked_bool():
+    with pytest.raises(TypeError, match="check_finite"):
+        tj.Options(check_finite=1)
+    assert tj.Options(check_finite=True) != tj.Options()
+    assert not tj.Options().check_finite
+
+
+def test_eager_calls_copy_a_static_mask_once_and_clear_caches_forgets_it(monkeypatch):
+    """The row marks of an eager call read a static mask's device copy, made once per mask
+    (not a copy of its NumPy arrays per call); ``tj.clear_caches`` forgets it."""
+    made = []
+    real = tj.BlockMask.to_device
+    monkeypatch.setattr(tj.BlockMask, "to_device",
+                        lambda self, *a: made.append(self.digest) or real(self, *a))
+    mask = _issue_mask()
+    q, k, v = random_qkv(1, L, L, HQ, HKV, D, "float32", 5)
+    tj.clear_caches()                                # an equal mask of an earlier test
+    for _ in range(2):
+        xla_host(q, k, v, mask)
+    assert made == [mask.digest]
+    jax.jit(xla_host, static_argnums=3)(q, k, v, mask)       # traced: constants, no copy
+    assert made == [mask.digest]
+    tj.clear_caches()
+    xla_host(q, k, v, mask)
+    assert made == [mask.digest] * 2
+
+
+def test_check_finite_changed_between_calls_of_a_jitted_function_takes_effect():
+    """``Options`` is a static argument of jit: turning ``check_finite`` on compiles anew."""
+    mask = _issue_mask()
+    q, k, v = random_qkv(1, L, L, HQ, HKV, D, "float32", 6)
+    f = jax.jit(lambda q, k, v, options: tj.sparse_attention(
+        q, k, v, mask, backend="xla", options=options), static_argnames="options")
+    bad_v = v.at[:, 200:].set(jnp.nan)
+    assert np.isnan(np.asarray(f(q, k, bad_v, options=tj.Options()))).any()
+    np.testing.assert_allclose(f(q, k, bad_v, options=FINITE), reference(q, k, v, mask)[0],
+                               **TOL)

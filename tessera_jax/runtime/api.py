@@ -14,7 +14,9 @@ The way of a ``sparse_attention`` call, each stop once:
    backend's contract module through ``dispatch.forward`` (``kernel_runner`` on a GPU).
 
 A device mask (or per-head bounds) takes the device route instead (``device_route``: planned
-inside the program, same core). ``Options`` carries what changes a compiled computation.
+inside the program, same core). ``Options`` carries what changes a compiled computation;
+with ``Options.check_finite`` steps 3-5 run on q, k, v with non-finite entries zeroed and the
+rows that select one are set to NaN (``finite``).
 
 ``plan`` takes steps 1, 2 and 4 for shapes instead of arrays, so it returns the very plan
 ``sparse_attention`` runs, and says when the dense route runs instead (``Plan.dense_route``).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import sys
 
 import numpy as np
@@ -35,8 +38,8 @@ from tessera_jax.mask import BlockMask
 from tessera_jax.planning import planner
 from tessera_jax.planning.planner import POLICIES, Plan
 from tessera_jax.planning import plan as plan_
-from tessera_jax.runtime import (core, dense_route, device_route, dispatch, host_plans,
-                                 kernel_runner)
+from tessera_jax.runtime import (core, dense_route, device_route, dispatch, finite,
+                                 host_plans, kernel_runner)
 from tessera_jax.runtime.options import Options, check_options
 from tessera_jax.select import device as select_device
 from tessera_jax.select import features, ranking
@@ -194,7 +197,17 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
     backend (out and lse): a dq pass over the plan and a dk/dv pass over the transposed mask's
     plan (``runtime.core``). ``options`` (``tessera_jax.Options``, None: the defaults): the
     settings that change what is computed or compiled (bitmap budget of device plans, dk/dv
-    plan candidates, interpret mode); hashable, so a static argument of an enclosing jit.
+    plan candidates, interpret mode, ``check_finite``); hashable, so a static argument of an
+    enclosing jit.
+
+    Non-finite inputs: by default a NaN or inf in k or v may reach rows that do not select it
+    (the kernels compute whole tiles; 0 * NaN is NaN). With ``Options(check_finite=True)``
+    keys a row does not select never reach it, on every backend and route: row i of head h
+    is NaN (out and lse) exactly when it selects a key whose k or v holds a NaN or inf, or
+    when its own q does and it selects any key; a row selecting nothing stays 0 / -inf; the
+    rows set to NaN pass no gradient, so gradients stay finite. ``tj.reference_attention``
+    follows that rule always. It costs a read and write of q, k, v and out
+    (benchmarks/NOTES.md#inputs).
     """
     shape = check_qkv(q, k, v)
     check_mask(mask, shape)
@@ -203,20 +216,34 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
     _check_policy(policy)
     options = check_options(options)
     be, t = _target(shape, backend, template, runs_here=True)
+    if device_route.takes(mask) and policy is not None:
+        raise ValueError("policy applies to host plans only; a device mask (or per-head "
+                         f"bounds) has one device plan, got policy={policy!r}")
+    route = functools.partial(_route, mask=mask, shape=shape, backend=be, t=t, scale=scale,
+                              return_lse=return_lse, options=options,
+                              asked=(template, policy, backend))
+    if options.check_finite:
+        return finite.attention(route, q, k, v, mask, return_lse)
+    return route(q, k, v)
+
+
+def _route(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, t: Template | None,
+           scale: float, return_lse: bool, options: Options, asked: tuple):
+    """A validated call on its route: the device route, cuDNN's dense attention, or the host
+    plan on the core (``backend`` resolved; ``asked``: template, policy, backend as given)."""
     if device_route.takes(mask):
-        if policy is not None:
-            raise ValueError("policy applies to host plans only; a device mask (or per-head "
-                             f"bounds) has one device plan, got policy={policy!r}")
-        return device_route.attention(q, k, v, mask, shape, be, t, scale, return_lse, options)
-    auto = template is None and policy is None and backend is None
-    if auto and dense_route.takes(mask, shape, be, return_lse):
+        return device_route.attention(q, k, v, mask, shape, backend, t, scale, return_lse,
+                                      options)
+    template, policy, asked_backend = asked
+    auto = template is None and policy is None and asked_backend is None
+    if auto and dense_route.takes(mask, shape, backend, return_lse):
         try:
             return dense_route.attention(q, k, v, scale)
         except (NotImplementedError, ValueError) as e:   # cuDNN refused this call
             dense_route.warn_fallback(e)
-    key = (mask, tuple(q.shape), tuple(k.shape), shape.dtype, template, policy, backend,
+    key = (mask, tuple(q.shape), tuple(k.shape), shape.dtype, template, policy, asked_backend,
            options.planner)
-    p = _planned(key, mask, shape, be, t, policy, auto, options)
+    p = _planned(key, mask, shape, backend, t, policy, auto, options)
     return core.attention(q, k, v, host_plans.attention_plan(p, options), scale, return_lse,
                           options)
 
@@ -231,7 +258,8 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     runner's prepared plans: mask modes and device copies (``runtime.kernel_runner``); the
     device route's template choices per static bounds (``select.device``); the
     host pass plans (``planning.plan``), the dk/dv host plans (``runtime.host_plans``) and the
-    plans' token-major row and unit indices (``pallas_kernels.abi.host_cached``); the
+    plans' token-major row and unit indices (``pallas_kernels.abi.host_cached``); the device
+    copies of static masks that ``Options.check_finite`` keeps (``runtime.finite``); the
     per-device masks and plans of ``tessera_jax.parallel``.
 
     Kept, unless ``fresh_process``: what a process computes once, whatever the masks: the
@@ -250,6 +278,7 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     select_device.clear_cache()
     plan_.clear_cache()
     host_plans.clear_cache()
+    finite.clear_cache()
     plan_abi.clear_host_cache()
     par = sys.modules.get("tessera_jax.parallel.local")       # only if it was imported
     if par is not None:

@@ -37,6 +37,12 @@ class Options:
         when jax's default backend is not a GPU.
     planner: the host planner's options (``planning.PlannerConfig``) for the forward and the
         dk/dv plans of static masks.
+    check_finite: keys a row does not select never reach it, whatever their values, on every
+        backend and route (``runtime.finite``): the call runs on q, k, v with non-finite
+        entries replaced by 0, and a row that selects a key whose k or v is non-finite, or
+        whose own q is (and selects any key), is NaN (out and lse). Off by default: it reads
+        and writes q, k, v and out once more (benchmarks/NOTES.md#inputs); without it a NaN or
+        inf in k or v may reach rows of the tiles it shares (0 * NaN in P @ V).
     """
 
     bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES
@@ -45,6 +51,7 @@ class Options:
     dkv_ns_per_interaction_d128: float = 2.58e-3
     interpret: bool | None = None
     planner: PlannerConfig = PlannerConfig()
+    check_finite: bool = False
 
     def __post_init__(self):
         b = self.bitmap_budget_bytes
@@ -68,6 +75,9 @@ class Options:
         if self.interpret is not None and not isinstance(self.interpret, bool):
             raise TypeError(f"interpret must be a bool or None, got "
                             f"{type(self.interpret).__name__}")
+        if not isinstance(self.check_finite, bool):
+            raise TypeError(f"check_finite must be a bool, got "
+                            f"{type(self.check_finite).__name__}")
 
 
 DEFAULT = Options()
