@@ -384,3 +384,26 @@ def test_gradients_equal_one_device():
                                                     heads="lpt"))(q, k, v)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, **TOL)
+
+
+@on_devices
+def test_check_finite_through_the_stacked_per_device_plans():
+    """``Options(check_finite=True)`` in a user's shard_map over heads whose static per-head
+    mask runs as stacked per-device plans: exactly the rows that select the NaN key are NaN,
+    the others are the clean call's."""
+    mask = _skewed(256, 16)
+    q, k, v = _qkv(256, 16, 16)
+    mesh = _mesh(explicit=False)
+    hs = jax.sharding.PartitionSpec(None, None, "x", None)
+    opts = tj.Options(check_finite=True)
+
+    def local(q, k, v):
+        return tp.local_attention(q, k, v, mask, axis_name="x", options=opts)
+
+    out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(hs,) * 3, out_specs=hs))(
+        q, k, v.at[:, 100].set(jnp.nan))
+    rows = mask.token_mask()[:, :, 100].T[None]                        # [1, Lq, Hq]
+    assert 0 < rows.sum() < rows.size
+    out = np.asarray(out)
+    np.testing.assert_array_equal(np.isnan(out).any(-1), rows)
+    np.testing.assert_allclose(out[~rows], np.asarray(_ref(256, 16, 16))[~rows], **TOL)

@@ -36,7 +36,7 @@ from pallas_kernels.abi import PassPlan
 
 from tessera_jax.mask import BlockMask
 from tessera_jax.planning.plan import AttentionPlan
-from tessera_jax.runtime import core, dispatch, host_plans
+from tessera_jax.runtime import core, dispatch, finite, host_plans
 from tessera_jax.runtime.options import Options, check_options
 from tessera_jax.validation import check_bool, check_mask, check_qkv, check_scale
 
@@ -233,7 +233,15 @@ def local_attention(q, k, v, mask: BlockMask, *, axis_name, heads=None, scale=No
         t = dispatch.get_template(plans.template)
         plan = AttentionPlan(None, template=t.name, backend=t.backend,
                              source=_Local(plans, axis_name, t.backend, options))
-        return core.attention(q, k, v, plan, scale, return_lse, options)
+
+        def attend(q, k, v):
+            return core.attention(q, k, v, plan, scale, return_lse, options)
+
+        if not options.check_finite:
+            return attend(q, k, v)
+        mine = jnp.asarray(heads, jnp.int32)[jax.lax.axis_index(axis_name)]
+        here = BlockMask(mask.q_bounds, mask.kv_bounds, _take(mask.blocks, mine))
+        return finite.attention(attend, q, k, v, here, return_lse)
     mine = jnp.asarray(heads, jnp.int32)[jax.lax.axis_index(axis_name)]
     qb, kb = (_take(b, mine) if b.ndim == 2 else b for b in (mask.q_bounds, mask.kv_bounds))
     return sparse_attention(q, k, v, BlockMask(qb, kb, _take(mask.blocks, mine)), **kw)
