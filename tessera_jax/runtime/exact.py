@@ -39,7 +39,7 @@ def exact_attention(q, k, v, q_bounds, kv_bounds, blocks, *, scale, return_lse=F
     qb = jnp.asarray(q_bounds, jnp.int32).reshape(-1, nq + 1)
     kb = jnp.asarray(kv_bounds, jnp.int32).reshape(-1, nk + 1)
     blocks = jnp.asarray(blocks)
-    kid = block_ids(kb, jnp.arange(Lkv, dtype=jnp.int32))             # [Hbk, Lkv]
+    kid = block_ids(kb, jnp.arange(Lkv, dtype=jnp.int32))              # [Hbk, Lkv]
     C = int(max(8, min(Lq, _EXACT_CHUNK_ELEMS // max(1, B * Hq * Lkv))))
     n_chunks = -(-Lq // C)
     qp = jnp.pad(q, ((0, 0), (0, n_chunks * C - Lq), (0, 0), (0, 0)))
@@ -51,7 +51,7 @@ def exact_attention(q, k, v, q_bounds, kv_bounds, blocks, *, scale, return_lse=F
     def one(args):
         i, qx = args
         rows = i * C + jnp.arange(C, dtype=jnp.int32)
-        qid = block_ids(qb, rows)                                       # [Hbq, C]
+        qid = block_ids(qb, rows)                                        # [Hbq, C]
         sel = blocks[heads, qid[:, :, None], kid[:, None, :]]            # [Hm, C, Lkv]
         sel = jnp.broadcast_to(sel, (Hq, C, Lkv))
         return masked_attention(qx.astype(jnp.float32), kf, vf, sel[None], scale)
@@ -75,7 +75,7 @@ def exact_backward(q, k, v, q_bounds, kv_bounds, blocks, out, lse, do, dlse=None
     qb = jnp.asarray(q_bounds, jnp.int32).reshape(-1, nq + 1)
     kb = jnp.asarray(kv_bounds, jnp.int32).reshape(-1, nk + 1)
     blocks = jnp.asarray(blocks)
-    kid = block_ids(kb, jnp.arange(Lkv, dtype=jnp.int32))      # [Hbk, Lkv]
+    kid = block_ids(kb, jnp.arange(Lkv, dtype=jnp.int32))       # [Hbk, Lkv]
     delta = rows_.delta_of(out, do, dlse)
     lse = rows_.lse_for_backward(lse)
     C = int(max(8, min(Lq, _EXACT_CHUNK_ELEMS // max(1, B * Hq * Lkv))))

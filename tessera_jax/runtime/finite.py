@@ -68,8 +68,8 @@ def marked_rows(bad_q, bad_kv, q_bounds, kv_bounds, blocks):
     hit = jnp.any(sel[None] & bad_block[:, :, None, :], axis=-1)          # [B, Hq, nq]
     some = jnp.any(sel, axis=-1)                                          # [Hq, nq]
     qid = block_ids(qb, jnp.arange(Lq, dtype=jnp.int32))[_head_rows(qb.shape[0], Hq)]
-    qid = (heads[:, None], qid)                                           # [Hq, Lq] each
-    return hit[:, qid[0], qid[1]] | (jnp.swapaxes(bad_q, 1, 2) & some[qid][None])
+    h = heads[:, None]                                                    # with qid: [Hq, Lq]
+    return hit[:, h, qid] | (jnp.swapaxes(bad_q, 1, 2) & some[h, qid][None])
 
 
 def _head_rows(n: int, num_q_heads: int) -> np.ndarray:
