@@ -80,7 +80,11 @@ def masks(small: bool):
     ]
 
 
-VARIANTS = [("default", None, None), ("gather", "mgpu_q128_kv128_s2_gather", "gather")]
+VARIANTS = {"default": (None, None), "gather": ("mgpu_q128_kv128_s2_gather", "gather"),
+            "gather32": ("mgpu_q128_kv128_s2_gather32", "gather32"),
+            "p64": ("mgpu_q64x2pp_kv128_s1_gather", "gather"),
+            "p64_run32": ("mgpu_q64x2pp_kv128_s1_gather32", "gather32"),
+            "p64_run64": ("mgpu_q64x2pp_kv128_s1_gather64", "gather64")}
 
 
 def main():
@@ -89,6 +93,9 @@ def main():
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--budget-s", type=float, default=520)
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    ap.add_argument("--masks", default=None, help="comma-separated subset of the mask names")
     args = ap.parse_args()
 
     import jax
@@ -110,13 +117,17 @@ def main():
             q, k, v, scale=scale, implementation="cudnn"))
         res["dense_ms"] = timing.time_kernel(dense, [(q, k, v)]).ms
         log(f"cuDNN dense {res['dense_ms']:.3f} ms")
+    want = set(args.masks.split(",")) if args.masks else None
+    variants = [(v, *VARIANTS[v]) for v in args.variants.split(",")]
     for name, make in cases:
+        if want is not None and name not in want:
+            continue
         m = make()
         m0 = tj.BlockMask(m.q_bounds, m.kv_bounds, np.asarray(m.blocks)[:1])
         ref = tj.reference_attention(q[:, :, :1].astype(jnp.float32),
                                      k[:, :, :1].astype(jnp.float32),
                                      v[:, :, :1].astype(jnp.float32), m0, scale=scale)
-        for var, template, policy in VARIANTS:
+        for var, template, policy in variants:
             if time.time() - T0 > args.budget_s:
                 log("budget reached")
                 break

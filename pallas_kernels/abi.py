@@ -220,6 +220,28 @@ def gather_chunks(tile_kv: int) -> int:
     return int(tile_kv) // GATHER_ROWS
 
 
+def gather_run(gather) -> int:
+    """Keys a kernel copies at once of a ``check_plan`` ``gather`` value (0: no gathering;
+    True: GATHER_ROWS)."""
+    if gather is True:
+        return GATHER_ROWS
+    if not gather:
+        return 0
+    if isinstance(gather, (int, np.integer)) and gather > 0 and gather % GATHER_ROWS == 0:
+        return int(gather)
+    raise ValueError(f"gather must be a bool or a positive multiple of {GATHER_ROWS} keys, "
+                     f"got {gather!r}")
+
+
+def gather_run_chunks(tile_kv: int, run: int) -> int:
+    """Chunks of one copy run of ``run`` keys (a multiple of GATHER_ROWS dividing tile_kv)."""
+    if isinstance(run, bool) or not isinstance(run, (int, np.integer)) or run <= 0 \
+            or run % GATHER_ROWS or gather_chunks(tile_kv) % (run // GATHER_ROWS):
+        raise ValueError(f"gather run must be a positive multiple of {GATHER_ROWS} keys "
+                         f"dividing tile_kv={tile_kv}, got {run!r}")
+    return int(run) // GATHER_ROWS
+
+
 def gather_words(tile_q: int, tile_kv: int) -> int:
     """Words of one gathered step: chunk starts, key bits, row bits."""
     return gather_chunks(tile_kv) + bitmap_words(tile_kv) + bitmap_words(tile_q)
@@ -609,11 +631,13 @@ def _in_visited(visited, r0, r1) -> bool:
     return bool(((vc[r1] - vc[r0]) > 0).any())
 
 
-def gather_problems(steps, rows, tile_q: int, tile_kv: int, kv_len_padded: int, visited=None):
+def gather_problems(steps, rows, tile_q: int, tile_kv: int, kv_len_padded: int, visited=None,
+                    run: int = GATHER_ROWS):
     """(what is wrong, word rows) for the gathered steps at rows ``rows`` of ``steps`` (NumPy;
     other rows ignored), as ``bitmap_problems``: off = cuts_a a multiple of STEP_COLS, its
     ``gather_words`` words inside ``steps`` and in no ``visited`` row; chunk starts multiples of
-    GATHER_ROWS with start + GATHER_ROWS <= kv_len_padded; the rectangle the bounding box of
+    GATHER_ROWS with start + GATHER_ROWS <= kv_len_padded, in runs of ``run`` consecutive keys
+    (chunks j..j + run / 8 - 1 for j a multiple of run / 8); the rectangle the bounding box of
     the row and key bits; GATHER_FULL_FLAG only with every bit set."""
     st = np.asarray(steps)
     S = st.shape[0]
@@ -639,6 +663,11 @@ def gather_problems(steps, rows, tile_q: int, tile_kv: int, kv_len_padded: int, 
             | (starts + GATHER_ROWS > kv_len_padded)).any():
         bad.append(f"steps: a gathered step's chunk start is not a multiple of {GATHER_ROWS} "
                    f"in [0, kv_len_padded - {GATHER_ROWS}] (kv_len_padded={kv_len_padded})")
+    m = gather_run_chunks(tile_kv, run)
+    runs = starts.reshape(len(starts), gather_chunks(tile_kv) // m, m)
+    if m > 1 and (runs != runs[:, :, :1] + GATHER_ROWS * np.arange(m)).any():
+        bad.append(f"steps: a gathered step's chunks are not in runs of {run} consecutive "
+                   f"keys (the copies of kernels that gather {run} keys at once)")
     q_lo, q_hi, kv_lo, kv_hi = unpack_rect(b[:, STEP_RECT])
     if not (keys.any(1) & rws.any(1)).all():
         bad.append("steps: a gathered step selects nothing (no row or no key bit set)")
@@ -683,7 +712,7 @@ _CHECKED_MAX = 64
 
 def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
                num_q_heads=None, q_align=1, kv_align=1, max_steps=None,
-               gather=False) -> bool:
+               gather: bool | int = False) -> bool:
     """Validates a concrete (NumPy) plan for a backend that compiles it with these static
     parameters; returns whether every step a unit visits is full (``full_rect``), i.e. whether
     mask mode "none" (no masking code) can run it. Every backend checks concrete plans with it.
@@ -705,9 +734,11 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
         its words inside ``steps`` and in no visited row, no bit outside its rectangle or at a
         key >= tile_kv, the rectangle non-empty and a bit set. The rows its words fill are
         word rows (not steps: not checked as steps);
-      * a visited gathered step only with ``gather`` (a backend whose kernels gather), and
+      * a visited gathered step only with ``gather`` (a backend whose kernels gather: True,
+        or the keys its kernels copy at once, a multiple of GATHER_ROWS), and
         ``gather_problems``: its words as a bitmap's, chunk starts aligned and inside
-        kv_len_padded (its kv_start is not checked), its bits tight in its rectangle.
+        kv_len_padded (its kv_start is not checked), in runs of consecutive keys at stage
+        positions aligned to the copy, its bits tight in its rectangle.
     A visited grid or bitmap step is never full (it masks by its cells / bits); a gathered one
     is full with GATHER_FULL_FLAG. ValueError
     naming each broken rule. Memoised per array pair (held, so ids stay unique): a
@@ -717,7 +748,7 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
     check_plan_arrays(units, steps)
     statics = tuple(None if x is None else int(x) for x in (
         tile_q, tile_kv, q_len_padded, kv_len_padded, num_q_heads, q_align, kv_align,
-        max_steps, bool(gather)))
+        max_steps, gather_run(gather)))
     key = (id(units), id(steps)) + statics
     hit = _CHECKED.get(key)
     if hit is not None and hit[0] is units and hit[1] is steps:
@@ -757,7 +788,7 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
                    "plan for kernels that do not gather")
     elif vis_gather.any():
         g_bad, g_at = gather_problems(st, np.flatnonzero(vis_gather), tile_q, tile_kv,
-                                      kv_len_padded, visited)
+                                      kv_len_padded, visited, run=gather)
         more += g_bad
         words_at = words_at | g_at
     rows = ~words_at                      # step rows (visited or not): the rest hold words

@@ -179,9 +179,12 @@ def check_pass_plan(plan: abi.PassPlan, t, num_q_heads=None, *, max_steps=None) 
                           gather=gathers(t))
 
 
-def gathers(t) -> bool:
-    """Whether template ``t``'s kernels run gathered steps (``abi.GATHER_FLAG``)."""
-    return t.backend == "xla" or bool(getattr(t.kernel, "gather", False))
+def gathers(t) -> int:
+    """The keys template ``t``'s kernels copy at once on gathered steps (``abi.GATHER_FLAG``;
+    0: they do not gather). The XLA executor reads any chunk layout."""
+    if t.backend == "xla":
+        return abi.GATHER_ROWS
+    return t.kernel.gather_run if getattr(t.kernel, "gather", False) else 0
 
 
 def is_host(plan: abi.PassPlan) -> bool:

@@ -25,7 +25,7 @@ __all__ = ["Template", "MosaicConfig", "TritonConfig", "TEMPLATES", "get", "all_
            "for_backend"]
 
 BACKENDS = ("mosaic_gpu", "triton", "xla")
-POLICIES = ("keep", "merge", "split", "pack", "auto", "gather")   # planning.planner's
+POLICIES = ("keep", "merge", "split", "pack", "auto", "gather", "gather32", "gather64")
 UNIT_ORDERS = ("interleaved", "head_major")                 # tessera_jax.planning.schedule's
 _DTYPE_NAMES = ("bfloat16", "float16", "float32")
 MAX_TILE = 255      # pallas_kernels.abi.MAX_TILE (a rectangle bound is one byte)
@@ -66,7 +66,9 @@ class MosaicConfig:
         full runs mode "none", no masking code, chosen by ``contract``), "always" every step.
     gather:     the producer fills every K/V stage by tile_kv / 8 copies of 8 keys issued from
         its four warps (``abi.GATHER_FLAG`` steps: chunks from the step's words; other steps:
-        kv_start + 8 j), so plans may hold gathered steps (tile_q=128, not paired).
+        kv_start + 8 j), so plans may hold gathered steps (not with ``wg_skip``).
+    gather_run: keys one copy loads (a multiple of 8 dividing tile_kv): plans for it hold
+        chunks in runs of that many consecutive keys (policies gather / gather32 / gather64).
     """
 
     schedule_barrier: bool = True
@@ -75,16 +77,21 @@ class MosaicConfig:
     pair_pingpong: bool = False
     mask_mode: str = "cond"
     gather: bool = False
+    gather_run: int = 8
 
     MASK_MODES = ("cond", "always")
 
     def __post_init__(self):
         for name in ("schedule_barrier", "wg_skip", "paired", "pair_pingpong", "gather"):
             _check_bool("MosaicConfig", name, getattr(self, name))
-        if self.gather and (self.paired or self.wg_skip):
-            raise ValueError("MosaicConfig.gather runs one 128-row unit per CTA with both "
-                             "warpgroups on every step: not with paired or wg_skip")
+        if self.gather and self.wg_skip:
+            raise ValueError("MosaicConfig.gather runs every step on both warpgroups of a unit: "
+                             "not with wg_skip")
         _check_choice("MosaicConfig", "mask_mode", self.mask_mode, self.MASK_MODES)
+        _check_int("MosaicConfig", "gather_run", self.gather_run, 8)
+        if self.gather_run % 8:
+            raise ValueError(f"MosaicConfig.gather_run must be a multiple of 8 keys (TMA fills "
+                             f"8-row SMEM tiles), got {self.gather_run}")
         if self.pair_pingpong and not (self.paired and self.schedule_barrier):
             raise ValueError("MosaicConfig.pair_pingpong needs paired=True (two units per CTA) "
                              "and schedule_barrier=True")
@@ -100,12 +107,16 @@ class MosaicConfig:
         if tile_kv % 64 or not 0 < tile_kv <= MAX_TILE:
             raise ValueError(f"tile_kv must be a positive multiple of 64 up to {MAX_TILE} (the "
                              f"plan ABI packs rectangle bounds in bytes), got {tile_kv}")
-        if stages < 2:
-            raise ValueError(f"stages must be at least 2 for the Mosaic GPU kernel, got {stages}")
+        if stages < (1 if self.paired else 2):
+            raise ValueError(f"stages must be at least 2 for the Mosaic GPU kernel (1 with "
+                             f"paired=True: each unit its own ring), got {stages}")
         if self.wg_skip and tile_q != 128:
             raise ValueError("MosaicConfig.wg_skip needs two consumer warpgroups on one unit "
                              "(tile_q=128): with tile_q=64 every step's rows are the "
                              "warpgroup's rows")
+        if self.gather and tile_kv % self.gather_run:
+            raise ValueError(f"MosaicConfig.gather_run={self.gather_run} must divide "
+                             f"tile_kv={tile_kv}")
         if self.paired and tile_q != 64:
             raise ValueError("MosaicConfig.paired (two 64-row units per CTA) needs tile_q=64")
         if tile_q == 64 and not self.paired:
@@ -313,6 +324,15 @@ _MOSAIC = (
     # one-copy step, benchmarks/NOTES.md#gathered-steps) for ``gather`` plans.
     Template("mgpu_q128_kv128_s2_gather", tile_q=128, tile_kv=128, policy="gather",
              unit_order="head_major", kernel=MosaicConfig(gather=True), **_MGPU),
+    # 64-row gathered units: paired, each warpgroup its own K/V ring of one 128-key slot (two
+    # rings of two slots do not fit SMEM at D=128); ping-pong as the 128-row kernel.
+    *(Template(f"mgpu_q64x2pp_kv128_s1_{pol}", tile_q=64, tile_kv=128, policy=pol,
+               unit_order="head_major",
+               kernel=MosaicConfig(paired=True, pair_pingpong=True, gather=True, gather_run=run),
+               **dict(_MGPU, stages=1))
+      for pol, run in (("gather", 8), ("gather32", 32), ("gather64", 64))),
+    Template("mgpu_q128_kv128_s2_gather32", tile_q=128, tile_kv=128, policy="gather32",
+             unit_order="head_major", kernel=MosaicConfig(gather=True, gather_run=32), **_MGPU),
 )
 
 # --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton -----------------

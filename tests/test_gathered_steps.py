@@ -19,7 +19,7 @@ from pathlib import Path
 import tessera_jax as tj
 from pallas_kernels import abi
 from pallas_kernels.xla import executor
-from tessera_jax.planning import planner
+from tessera_jax.planning import gather as gather_policy, planner
 from strategies import bounds_from_sizes, heads_and_blocks
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -58,15 +58,18 @@ def gather_masks(draw):
     return tj.BlockMask(qb, kb, blocks), Hq, Hkv
 
 
-@given(gather_masks(), st.sampled_from([(128, 128), (64, 128), (128, 64), (64, 64)]))
-@settings(max_examples=40, deadline=None)
-def test_gather_plans_cover_the_mask_exactly_once(mt, tiles):
+@given(gather_masks(), st.sampled_from([(128, 128), (64, 128), (128, 64), (64, 64)]),
+       st.sampled_from(sorted(planner.GATHER_RUNS)))
+@settings(max_examples=60, deadline=None)
+def test_gather_plans_cover_the_mask_exactly_once(mt, tiles, policy):
     mask, Hq, Hkv = mt
     tq, tk = tiles
+    run = planner.GATHER_RUNS[policy]
     p = planner.build_plan(mask, (1, mask.Lq, Hq, 16), (1, mask.Lkv, Hkv, 16), np.float32,
-                           tile_q=tq, tile_kv=tk, policy="gather", q_align=8, kv_align=8)
+                           tile_q=tq, tile_kv=tk, policy=policy, q_align=8, kv_align=8)
+    # Chunks in runs of the policy's copy size, checked as a kernel copying that many keys.
     abi.check_plan(p.units, p.steps, tq, tk, p.q_len_padded, p.kv_len_padded, num_q_heads=Hq,
-                   q_align=8, kv_align=8, max_steps=p.max_steps, gather=True)
+                   q_align=8, kv_align=8, max_steps=p.max_steps, gather=run)
     want = mask.head_blocks(Hq)
     tok = np.zeros((Hq, mask.Lq, mask.Lkv), np.int64)
     qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
@@ -82,6 +85,38 @@ def test_gather_plans_cover_the_mask_exactly_once(mt, tiles):
     s = p.stats()
     assert s["selected_interactions"] == tok.sum()
     assert s["computed_interactions"] <= s["dense_tile_interactions"]
+
+
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=30), st.sampled_from([64, 128]))
+@settings(max_examples=200, deadline=None)
+def test_segments_pack_whole_blocks_into_aligned_tiles(sizes, tile_q):
+    qb = np.r_[0, np.cumsum(sizes)]
+    L = int(qb[-1])
+    segs = gather_policy.segments(qb, tile_q, L)
+    assert segs[0][0] == 0 and segs[-1][1] == L
+    assert all(a < b for a, b in segs) and all(x[1] == y[0] for x, y in zip(segs, segs[1:]))
+    assert all(b - (a - a % 8) <= tile_q for a, b in segs)        # fits its tile
+    cuts = {b for _, b in segs[:-1]} - set(qb.tolist())
+    for c in cuts:                       # a block is cut only where it fits no tile of its own
+        i = int(np.searchsorted(qb, c, "right")) - 1
+        assert qb[i + 1] - (qb[i] - qb[i] % 8) > tile_q, (c, qb[i], qb[i + 1])
+
+
+def test_copy_runs_are_checked():
+    """A plan of 8-key chunks is refused by kernels copying 32 keys at once where its chunks
+    are not in runs; the gather32 plan of the same mask passes."""
+    m = mask_var_clusters(1024, 2, q_mean=60, kv_mean=20, seed=2)
+    kw = dict(tile_q=128, tile_kv=128, q_align=8, kv_align=8)
+    shp = (1, 1024, 2, 16)
+    p8 = planner.build_plan(m, shp, shp, np.float32, policy="gather", **kw)
+    p32 = planner.build_plan(m, shp, shp, np.float32, policy="gather32", **kw)
+    check = lambda p, run: abi.check_plan(p.units, p.steps, 128, 128, p.q_len_padded,  # noqa
+                                          p.kv_len_padded, q_align=8, kv_align=8, gather=run)
+    check(p8, 8), check(p32, 32), check(p32, 8)
+    with pytest.raises(ValueError, match="runs of 32 consecutive keys"):
+        check(p8, 32)
+    with pytest.raises(ValueError, match="gather run"):
+        check(p32, 24)
 
 
 def test_gather_beats_split_on_variable_clusters():
@@ -211,24 +246,26 @@ def test_xla_runs_gather_plans_forward_and_backward(gqa):
         np.testing.assert_allclose(a, b, atol=5e-5)
 
 
-def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode():
+@pytest.mark.parametrize("template", ["mgpu_q128_kv128_s2_gather",
+                                      "mgpu_q128_kv128_s2_gather32"])
+def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode(template):
     from jax._src.pallas.mosaic_gpu.interpret import params as _p
     from pallas_kernels import templates as T
     from pallas_kernels.mosaic import ops as mops
 
+    t = T.get(template)
     Lq, Lk, H, D = 520, 600, 4, 64
     m = mask_var_clusters(Lq, H, density=0.15, seed=5, kv_len=Lk)
-    p = planner.build_plan(m, (1, Lq, H, D), (1, Lk, H // 2, D), jnp.bfloat16, tile_q=128,
-                           tile_kv=128, policy="gather", q_align=8, kv_align=8)
+    p = planner.build_plan(m, (1, Lq, H, D), (1, Lk, H // 2, D), jnp.bfloat16, tile_q=t.tile_q,
+                           tile_kv=t.tile_kv, policy=t.policy, q_align=8, kv_align=8)
     st_ = p.stats()
-    assert st_["gather_steps"] > 0 and p.head_policies[0] == "gather"
+    assert st_["gather_steps"] > 0 and p.head_policies[0] == t.policy
     ks = jax.random.split(jax.random.key(7), 3)
     q = jax.random.normal(ks[0], (1, Lq, H, D)).astype(jnp.bfloat16)
     k, v = (jax.random.normal(x, (1, Lk, H // 2, D)).astype(jnp.bfloat16) for x in ks[1:])
-    plan = abi.PassPlan(p.units, p.steps, None, 128, 128, p.q_len_padded, p.kv_len_padded,
-                        p.max_steps, None)
-    out = mops.forward(q, k, v, plan, template=T.get("mgpu_q128_kv128_s2_gather"), scale=0.125,
-                       interpret=_p.InterpretGPUParams())
+    plan = abi.PassPlan(p.units, p.steps, None, t.tile_q, t.tile_kv, p.q_len_padded,
+                        p.kv_len_padded, p.max_steps, None)
+    out = mops.forward(q, k, v, plan, template=t, scale=0.125, interpret=_p.InterpretGPUParams())
     ref = _ref64(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), m, 0.125)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=2e-2)
     # A plan with a gathered step is refused by a template that does not gather.

@@ -169,8 +169,8 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
                      schedule_barrier=schedule_barrier, **static)
             _kernel(c)
 
-        # A gathering producer arrives once per chunk copy (abi.GATHER_ROWS keys each).
-        copies = plan_abi.gather_chunks(cfg.tile_kv) if cfg.variant.gather else 1
+        # A gathering producer arrives once per copy (gather_run keys each).
+        copies = cfg.tile_kv // cfg.variant.gather_run if cfg.variant.gather else 1
         pl.run_scoped(
             scoped,
             (qo, kbuf, vbuf, lse),
@@ -519,6 +519,9 @@ def _store(c: _Ctx, w: _Wg, u, b, valid, acc, m_i, l_i):
 # --- TMA producer ------------------------------------------------------------------------------
 def _producer(c: _Ctx):
     plgpu.set_max_registers(40, action="decrease")
+    if c.cfg.variant.gather:
+        _gather_producer(c)
+        return
     if c.cfg.paired:
         # Both units' tiles in step order, one of each in turn, each in its own ring.
         streams = []
@@ -549,13 +552,42 @@ def _producer(c: _Ctx):
     _drain(c, 0, lax.fori_loop(0, 1, do_unit, jnp.int32(0)))
 
 
+def _gather_producer(c: _Ctx):
+    """The producer of a gathering kernel: each unit's (paired: both units', in turn) steps in
+    order, the copy starts of a unit's next step read while its current step's copies wait
+    for their slot (the two dependent GMEM reads of a gathered step's starts are off the
+    path from a released slot to its next copies: with one slot per ring they cost 0.94 ->
+    0.75 of cuDNN's rate, benchmarks/NOTES.md#gathered-steps)."""
+    rings = c.cfg.rings
+    streams = []
+    for ring in range(rings):
+        _, b, head, _, ptr, cnt, _ = _unit_of(c, ring)
+        streams.append((b, lax.div(head, jnp.array(c.group, head.dtype)), ptr, cnt))
+    total = jnp.maximum(streams[0][3], streams[-1][3])
+
+    def next_starts(ptr, cnt, i):
+        # Clamped: past a unit's last step the read is of a real row, and unused.
+        return _copy_starts(c, jnp.minimum(ptr + jnp.minimum(i, jnp.maximum(cnt - 1, 0)),
+                                           c.num_steps - 1))
+
+    def body(i, carry):
+        out = []
+        for ring, ((b, kv_head, ptr, cnt), starts) in enumerate(zip(streams, carry)):
+            pl.when(i < cnt)(functools.partial(_load_chunks, c, b, kv_head, starts, i,
+                                               _slot(c, i, ring)))
+            out.append(next_starts(ptr, cnt, i + 1))
+        return tuple(out)
+
+    lax.fori_loop(0, total, body, tuple(next_starts(ptr, cnt, jnp.int32(0))
+                                        for _, _, ptr, cnt in streams))
+    for ring, (_, _, _, cnt) in enumerate(streams):
+        _drain(c, ring, cnt)
+
+
 def _load(c: _Ctx, ring, b, kv_head, ptr, i, g):
     """TMA copies of step ``ptr + i``'s K and V tiles into ring slot ``g``, each once the
     consumers released the slot's previous tile."""
     slot = _slot(c, g, ring)
-    if c.cfg.variant.gather:
-        _load_chunks(c, b, kv_head, ptr + i, g, slot)
-        return
     kv_start = pl.multiple_of(c.steps[ptr + i, plan_abi.STEP_KV_START], ALIGN)
     src = (b, pl.ds(kv_start, c.cfg.tile_kv), kv_head)
 
@@ -572,17 +604,25 @@ def _load(c: _Ctx, ring, b, kv_head, ptr, i, g):
     plgpu.copy_gmem_to_smem(c.v.at[src], c.v_smem.at[slot], c.v_bar.at[slot])
 
 
-def _load_chunks(c: _Ctx, b, kv_head, s, g, slot):
-    """A gathering producer's K and V stages of step ``s``: one TMA copy per chunk of
-    abi.GATHER_ROWS keys, copy j issued by warp j % 4 (one issuing thread is too slow for 16
-    copies a step), at the step's chunk starts (a gathered step) or kv_start + 8 j."""
-    A = plan_abi.GATHER_ROWS
-    G = plan_abi.gather_chunks(c.cfg.tile_kv)
+def _copy_starts(c: _Ctx, s):
+    """The start of each copy of step ``s``'s K/V stage (``gather_run`` keys each): from the
+    step's words (a gathered step) or kv_start + gather_run j."""
+    A = c.cfg.variant.gather_run
+    m = A // plan_abi.GATHER_ROWS
     kv_start = c.steps[s, plan_abi.STEP_KV_START]
     gathered = plan_abi.is_gather(c.steps[s, plan_abi.STEP_CUTS_B])
     off = jnp.where(gathered, c.steps[s, plan_abi.STEP_CUTS_A], 0)
-    starts = [pl.multiple_of(jnp.where(gathered, c.words[off + j], kv_start + j * A), ALIGN)
-              for j in range(G)]
+    return tuple(jnp.where(gathered, c.words[off + j * m], kv_start + j * A)
+                 for j in range(c.cfg.tile_kv // A))
+
+
+def _load_chunks(c: _Ctx, b, kv_head, starts, g, slot):
+    """A gathering producer's K and V stages of its ``g``-th step: one TMA copy per run of
+    ``gather_run`` keys (the plan's chunks come in such runs: ``abi.check_plan``) at
+    ``starts`` (``_copy_starts``), copy j issued by warp j % 4 (one issuing thread is too
+    slow for 16 copies a step)."""
+    A = c.cfg.variant.gather_run
+    starts = [pl.multiple_of(x, ALIGN) for x in starts]
     for ref, smem, bar, consumed in ((c.k, c.k_smem, c.k_bar, c.k_consumed),
                                      (c.v, c.v_smem, c.v_bar, c.v_consumed)):
         @pl.when(g >= c.cfg.stages)
@@ -590,7 +630,7 @@ def _load_chunks(c: _Ctx, b, kv_head, s, g, slot):
             plgpu.barrier_wait(consumed.at[slot])
 
         def issue(w, ref=ref, smem=smem, bar=bar):
-            for j in range(G):
+            for j in range(len(starts)):
                 pl.when(w == j % 4)(functools.partial(
                     plgpu.copy_gmem_to_smem, ref.at[b, pl.ds(starts[j], A), kv_head],
                     smem.at[slot, pl.ds(j * A, A)], bar.at[slot]))

@@ -1,7 +1,10 @@
 """The ``gather`` policy: physical K/V tiles assembled from the selected keys, wherever they lie.
 
-Units are the query windows [w * tile_q, (w + 1) * tile_q) of each head. In a window, every
-selected key block gets a *signature*: the set of the window's query blocks that select it.
+Units are query *segments* of each head: runs of whole query blocks that fit one tile of
+tile_q rows starting at the segment's first row rounded down to the alignment (a block longer
+than that is cut into pieces), so a tile's rows mostly share their keys wherever the blocks lie;
+the unit owns its segment's rows (``abi.UNIT_OWN_LO`` / ``UNIT_OWN_HI``). In a segment, every
+selected key block gets a *signature*: the set of the segment's query blocks that select it.
 Key blocks of one signature form a *class*, a rank-one selection (those rows x those keys);
 its keys are covered by chunks of ``abi.GATHER_ROWS`` keys aligned to GATHER_ROWS, and each
 tile_kv / GATHER_ROWS chunks of a class make one gathered step (``abi.GATHER_FLAG``: chunk
@@ -24,7 +27,7 @@ import numpy as np
 
 from pallas_kernels import abi
 
-__all__ = ["plan_gather", "GatherRaw"]
+__all__ = ["plan_gather", "segments", "GatherRaw"]
 
 
 class GatherRaw(NamedTuple):
@@ -42,10 +45,12 @@ class GatherRaw(NamedTuple):
     word_rows: int
 
 
-def _window_classes(blk, kb, row_block, tile_q: int, G: int):
-    """The steps of one window: (starts [n, G], key_sel [n, G * 8], row_sel [n, tile_q]) and
-    the selected interactions. ``blk``: bool [nb, nk], the selections of the window's query
-    blocks; ``row_block``: the window row -> index into ``blk`` (-1: past the query length)."""
+def _window_classes(blk, kb, row_block, tile_q: int, G: int, m: int, nchunks: int):
+    """The steps of one unit: (starts [n, G], key_sel [n, G * 8], row_sel [n, tile_q]) and
+    the selected interactions. ``blk``: bool [nb, nk], the selections of the unit's query
+    blocks; ``row_block``: the tile row -> index into ``blk`` (-1: not the unit's). ``m``:
+    chunks per copy (a *run*: m chunks of consecutive keys, at stage positions aligned to m),
+    ``nchunks``: chunks of the padded keys."""
     A = abi.GATHER_ROWS
     js = np.flatnonzero(blk.any(axis=0))
     if js.size == 0:
@@ -74,22 +79,38 @@ def _window_classes(blk, kb, row_block, tile_q: int, G: int):
     at = np.flatnonzero(new)
     bits = np.bitwise_or.reduceat(bits, at)
     cls, ch = cls[at], ch[at]
-    # Per class, full chunks first (so whole steps come first), then by position.
-    o = np.lexsort((ch, bits != (1 << A) - 1, cls))
-    cls, ch, bits = cls[o], ch[o], bits[o]
-    per = np.bincount(cls, minlength=ncls)
-    steps_per = -(-per // G)
+    # Copy runs: a class's consecutive chunks cut every m chunks from where they start (a run
+    # near the end moved back inside the padded keys); each chunk lies in one run.
+    brk = np.r_[True, (cls[1:] != cls[:-1]) | (ch[1:] != ch[:-1] + 1)]
+    rs = np.maximum.accumulate(np.where(brk, np.arange(len(ch)), 0))   # its stretch's first
+    t = (ch - ch[rs]) // m
+    seg_first = brk | (t != np.r_[-1, t[:-1]])
+    seg = np.cumsum(seg_first) - 1                                      # run of each chunk
+    s_ch = np.minimum(ch[seg_first], nchunks - m)                       # run's first chunk
+    s_cls = cls[seg_first]
+    nseg = len(s_ch)
+    run_bits = np.zeros((nseg, m), np.int64)
+    run_bits[seg, ch - s_ch[seg]] = bits
+    # Per class, whole runs first (so whole steps come first), then by position.
+    whole = (run_bits == (1 << A) - 1).all(axis=1)
+    o = np.lexsort((s_ch, ~whole, s_cls))
+    s_ch, s_cls, run_bits = s_ch[o], s_cls[o], run_bits[o]
+    R = G // m                                                          # runs a step
+    per = np.bincount(s_cls, minlength=ncls)
+    steps_per = -(-per // R)
     ns = int(steps_per.sum())
-    # Slot of each chunk: step (class's first step + i // G), position i % G.
-    i = np.arange(len(cls)) - np.repeat(np.cumsum(per) - per, per)
-    step = np.repeat(np.cumsum(steps_per) - steps_per, per) + i // G
-    pos = i % G
-    starts = np.repeat((ch[np.r_[0, np.cumsum(per)[:-1]]] * A)[:, None], steps_per, axis=0)
-    starts = np.repeat(starts, G, axis=1)                         # unused slots: a real start
-    starts[step, pos] = ch * A
-    key_bits = np.zeros((ns, G), np.int64)
-    key_bits[step, pos] = bits
-    key_sel = ((key_bits[:, :, None] >> np.arange(A)) & 1).astype(bool).reshape(ns, G * A)
+    i = np.arange(nseg) - np.repeat(np.cumsum(per) - per, per)
+    step = np.repeat(np.cumsum(steps_per) - steps_per, per) + i // R
+    pos = i % R
+    # Unused runs of a class's last step: its first run again, no keys.
+    fill = np.repeat(s_ch[np.r_[0, np.cumsum(per)[:-1]]][:, None], steps_per, axis=0)
+    run_start = np.repeat(fill, R, axis=1)
+    run_start[step, pos] = s_ch
+    starts = ((run_start[:, :, None] + np.arange(m)) * A).reshape(ns, G)
+    key_bits = np.zeros((ns, R, m), np.int64)
+    key_bits[step, pos] = run_bits
+    key_sel = ((key_bits.reshape(ns, G)[:, :, None] >> np.arange(A)) & 1).astype(bool)
+    key_sel = key_sel.reshape(ns, G * A)
     step_cls = np.repeat(np.arange(ncls), steps_per)
     rows = row_sel.sum(axis=1)
     keys = np.zeros(ncls, np.int64)
@@ -97,30 +118,57 @@ def _window_classes(blk, kb, row_block, tile_q: int, G: int):
     return starts, key_sel, row_sel[step_cls], int((rows * keys).sum())
 
 
+def segments(qb, tile_q: int, q_len: int, align: int = abi.GATHER_ROWS):
+    """[(a, b)]: the owned row ranges of a head's units, in order, covering [0, q_len). Whole
+    query blocks are packed while they fit a tile starting at ``a`` rounded down to ``align``;
+    a block is cut only where it fits no tile of its own, its first piece filling the current
+    tile (later pieces start aligned). Packing never computes more: keys that blocks share
+    are loaded once."""
+    out, a, end = [], 0, 0
+    for e in np.minimum(np.asarray(qb, np.int64)[1:], q_len):
+        e = int(e)
+        while e - (a - a % align) > tile_q:
+            if end > a and e - (end - end % align) <= tile_q:
+                out.append((a, end))             # the block fits a tile of its own
+                a = end
+            else:                                # it must be cut: fill this tile first
+                cut = a - a % align + tile_q
+                out.append((a, cut))
+                a = end = cut
+        end = e
+    if end > a:
+        out.append((a, end))
+    return out
+
+
 def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
-                q_len_padded: int) -> GatherRaw:
+                q_len_padded: int, kv_len_padded: int, run: int = abi.GATHER_ROWS) -> GatherRaw:
     """The gather policy's units and steps for the distinct mask heads ``blocks`` (bool [Hd, nq,
-    nk]) over block bounds ``qb`` / ``kb``: one unit per (head, window with a selected key),
-    the steps of its classes (``_window_classes``), steps in unit order, then their words
-    (``abi.gather_word_rows`` rows each). The last window's tile is moved back inside
-    ``q_len_padded`` (a multiple of the alignment), owning only its own rows."""
+    nk]) over block bounds ``qb`` / ``kb``: one unit per (head, segment with a selected key;
+    ``segments``), the steps of its classes (``_window_classes``), steps in unit order, then
+    their words (``abi.gather_word_rows`` rows each). A tile that would pass ``q_len_padded``
+    (a multiple of the alignment) is moved back inside it, owning only its segment's rows.
+    ``run``: keys a copy loads (a multiple of GATHER_ROWS dividing tile_kv): chunks come in
+    runs of consecutive keys at stage positions aligned to it (``abi.check_plan``'s
+    ``gather_run``), so a kernel copies a run at once."""
     qb, kb = np.asarray(qb, np.int64), np.asarray(kb, np.int64)
     G = abi.gather_chunks(tile_kv)
+    m = abi.gather_run_chunks(tile_kv, run)
     Hd = blocks.shape[0]
-    nwin = -(-q_len // tile_q)
+    segs = segments(qb, tile_q, q_len)
     head, qs, lo, hi, cnt, nfull, area = [], [], [], [], [], [], []
     parts = []
     for h in range(Hd):
-        for w in range(nwin):
-            w0, w1 = w * tile_q, min((w + 1) * tile_q, q_len)
-            s0 = min(w0, q_len_padded - tile_q)          # the tile's first row
+        for w0, w1 in segs:
+            s0 = min(w0 - w0 % abi.GATHER_ROWS, q_len_padded - tile_q)    # the tile's first row
             i0 = int(np.searchsorted(qb, w0, side="right")) - 1
             i1 = int(np.searchsorted(qb, w1, side="left"))
             blk = blocks[h, i0:i1]
             r = np.arange(s0, s0 + tile_q)
             row_block = np.where((r >= w0) & (r < w1),
                                  np.searchsorted(qb, r, side="right") - 1 - i0, -1)
-            got = _window_classes(blk, kb, row_block, tile_q, G)
+            got = _window_classes(blk, kb, row_block, tile_q, G, m,
+                                  kv_len_padded // abi.GATHER_ROWS)
             if got is None:
                 continue
             starts, key_sel, row_sel, sel = got
@@ -134,8 +182,8 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
             nfull.append(int(full.sum()))
             area.append(sel)
     return _assemble(parts, np.array(head, np.int64), np.array(qs, np.int64),
-                     np.array(lo, np.int64), np.array(hi, np.int64), np.array(cnt, np.int64), np.array(nfull, np.int64),
-                     np.array(area, np.int64), tile_q, tile_kv)
+                     np.array(lo, np.int64), np.array(hi, np.int64), np.array(cnt, np.int64),
+                     np.array(nfull, np.int64), np.array(area, np.int64), tile_q, tile_kv)
 
 
 def _assemble(parts, head, qs, lo, hi, cnt, nfull, area, tile_q, tile_kv) -> GatherRaw:

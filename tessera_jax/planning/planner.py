@@ -141,10 +141,12 @@ from tessera_jax.mask import BlockMask
 from tessera_jax.validation import AttnShape, check_mask, check_shapes
 from tessera_jax.planning.config import PlannerConfig
 
-# Policies that cut the selected set at runs of keys (tiles once, bitmap pass); ``gather``
-# assembles K/V tiles from 8-key chunks instead (``planning.gather``).
+# Policies that cut the selected set at runs of keys (tiles once, bitmap pass); the gather
+# policies assemble K/V tiles from 8-key chunks instead (``planning.gather``), in copy runs of
+# this many keys.
 TILE_POLICIES = ("keep", "merge", "split", "pack", "auto")
-POLICIES = TILE_POLICIES + ("gather",)
+GATHER_RUNS = {"gather": 8, "gather32": 32, "gather64": 64}
+POLICIES = TILE_POLICIES + tuple(GATHER_RUNS)
 _BASE_POLICIES = ("keep", "merge", "split", "pack")
 _AUTO_CANDIDATES = ("merge", "split", "pack")
 _U64 = np.dtype("<u8")
@@ -1207,8 +1209,8 @@ def _policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap, num_
     (``dense_tile_interactions``: a head computes at most what a dense plan of these tiles
     computes) enforced; the split plan meets it wherever its tiles are visited once."""
     bound = dense_tile_interactions(shape.q_len, shape.kv_len, ctx.tile_q, ctx.tile_kv)
-    if policy == "gather":
-        raw = _gather_raw(ctx, shape)
+    if policy in GATHER_RUNS:
+        raw = _gather_raw(ctx, shape, GATHER_RUNS[policy])
         if (_head_computed(raw, ctx.words.shape[0], ctx.tile_q, ctx.tile_kv) <= bound).all():
             return raw, (policy,) * num_heads, False
         # Many small classes per window (token-level masks): split's plan, whole.
@@ -1237,13 +1239,13 @@ def _policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap, num_
     return _bitmap_steps(raw, tq, tk, ctx.cfg), head_policies, mixed
 
 
-def _gather_raw(ctx: _Ctx, shape: AttnShape) -> _Raw:
-    """The ``gather`` policy's raw plan (``planning.gather``): a unit owns its window."""
+def _gather_raw(ctx: _Ctx, shape: AttnShape, run: int) -> _Raw:
+    """A gather policy's raw plan (``planning.gather``): a unit owns its segment's rows."""
     nk = len(ctx.kb) - 1
     blocks = np.unpackbits(np.ascontiguousarray(ctx.words).view(np.uint8), axis=-1,
                            bitorder="little")[..., :nk].astype(bool)
     g = _gather_policy.plan_gather(ctx.qb, ctx.kb, blocks, ctx.tile_q, ctx.tile_kv, shape.q_len,
-                                   ctx.qp)
+                                   ctx.qp, ctx.kvp, run)
     return _Raw(g.head, g.qs, g.lo, g.hi, g.cnt, g.steps, g.nfull, g.area,
                 words=g.word_rows, wr=abi.gather_word_rows(ctx.tile_q, ctx.tile_kv))
 

@@ -424,7 +424,7 @@ def heuristic(mask: BlockMask, shape, backend: str):
     f = _features.mask_features(mask, shape)
     # Gathering templates run their own policy, chosen by a ranking table or by the caller.
     supported = [t for t in _templates.for_backend(backend)
-                 if t.supports(shape.head_dim, shape.dtype) and t.policy != "gather"]
+                 if t.supports(shape.head_dim, shape.dtype) and not t.policy.startswith("gather")]
     if not supported:
         return None
     run_tokens = 2.0 ** f["log2_run_tokens"] if f["runs_per_row"] > 0 else 0.0
