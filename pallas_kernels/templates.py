@@ -324,15 +324,6 @@ _MOSAIC = (
     # one-copy step, benchmarks/NOTES.md#gathered-steps) for ``gather`` plans.
     Template("mgpu_q128_kv128_s2_gather", tile_q=128, tile_kv=128, policy="gather",
              unit_order="head_major", kernel=MosaicConfig(gather=True), **_MGPU),
-    # 64-row gathered units: paired, each warpgroup its own K/V ring of one 128-key slot (two
-    # rings of two slots do not fit SMEM at D=128); ping-pong as the 128-row kernel.
-    *(Template(f"mgpu_q64x2pp_kv128_s1_{pol}", tile_q=64, tile_kv=128, policy=pol,
-               unit_order="head_major",
-               kernel=MosaicConfig(paired=True, pair_pingpong=True, gather=True, gather_run=run),
-               **dict(_MGPU, stages=1))
-      for pol, run in (("gather", 8), ("gather32", 32), ("gather64", 64))),
-    Template("mgpu_q128_kv128_s2_gather32", tile_q=128, tile_kv=128, policy="gather32",
-             unit_order="head_major", kernel=MosaicConfig(gather=True, gather_run=32), **_MGPU),
 )
 
 # --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton -----------------

@@ -246,14 +246,27 @@ def test_xla_runs_gather_plans_forward_and_backward(gqa):
         np.testing.assert_allclose(a, b, atol=5e-5)
 
 
-@pytest.mark.parametrize("template", ["mgpu_q128_kv128_s2_gather",
-                                      "mgpu_q128_kv128_s2_gather32"])
-def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode(template):
+def _run_templates():
+    """The gather template, and kernel variants no table template uses (measured slower,
+    benchmarks/NOTES.md#gathered-steps) but the kernel keeps: 32-key copy runs, paired 64-row
+    units with one kv128 slot per ring."""
+    import dataclasses
+    from pallas_kernels import templates as T
+
+    t = T.get("mgpu_q128_kv128_s2_gather")
+    return [t, dataclasses.replace(t, name="run32", policy="gather32",
+                                   kernel=T.MosaicConfig(gather=True, gather_run=32)),
+            dataclasses.replace(t, name="paired", tile_q=64, stages=1, kernel=T.MosaicConfig(
+                paired=True, pair_pingpong=True, gather=True))]
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode(which):
     from jax._src.pallas.mosaic_gpu.interpret import params as _p
     from pallas_kernels import templates as T
     from pallas_kernels.mosaic import ops as mops
 
-    t = T.get(template)
+    t = _run_templates()[which]
     Lq, Lk, H, D = 520, 600, 4, 64
     m = mask_var_clusters(Lq, H, density=0.15, seed=5, kv_len=Lk)
     p = planner.build_plan(m, (1, Lq, H, D), (1, Lk, H // 2, D), jnp.bfloat16, tile_q=t.tile_q,
