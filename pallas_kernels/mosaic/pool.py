@@ -26,8 +26,9 @@ __all__ = ["block_sums", "supports", "MAX_BLOCK", "MAX_CLASSES"]
 MAX_BLOCK = 256
 #: Most distinct block sizes (one TMA box, one branch of the copy's switch, each).
 MAX_CLASSES = 16
-#: Columns a CTA sums (a TMA box's row: at most 256 elements), 2 per thread.
-_CHUNK, _VEC = 256, 2
+#: Columns a CTA sums (a TMA box's row: at most 256 elements), 2 per thread; rows summed per
+#: loop step.
+_CHUNK, _VEC, _UNROLL = 256, 2, 4
 
 
 def supports(shape, dtype, bounds) -> bool:
@@ -87,11 +88,17 @@ def _block_sums(x, bounds, *, interpret):
             lax.switch(cls_ref[j], [functools.partial(copy, r) for r in classes])
             plgpu.barrier_wait(bar.at[0])
 
-            def row(r, acc):
-                return acc + plgpu.load(x_smem.at[r], layout=layout).astype(jnp.float32)
+            def load(r):
+                return plgpu.load(x_smem.at[r], layout=layout).astype(jnp.float32)
+
+            def rows(i, acc):                  # _UNROLL independent loads: latency overlaps
+                part = [load(i * _UNROLL + u) for u in range(_UNROLL)]
+                return acc + functools.reduce(lambda a, b: a + b, part)
 
             zero = plgpu.layout_cast(jnp.zeros((_CHUNK,), jnp.float32), layout)
-            o_smem[...] = lax.fori_loop(0, size, row, zero)
+            full = lax.div(size, _UNROLL)
+            acc = lax.fori_loop(0, full, rows, zero)
+            o_smem[...] = lax.fori_loop(full * _UNROLL, size, lambda r, a: a + load(r), acc)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bb, j, pl.ds(col0, _CHUNK)])
             plgpu.wait_smem_to_gmem(0)
