@@ -79,7 +79,7 @@ BUILDERS = {
 @pytest.mark.parametrize("builder", list(BUILDERS))
 def test_dynamic_mask_builders_lower_no_triton_kernel(hopper, builder):
     """Each builder on its default rule: pooling, top-k and the k-means assignment take the
-    Mosaic GPU kernels (2-byte q and k, H * D a multiple of 256, D a multiple of 64)."""
+    Mosaic GPU kernels (2-byte q and k, H * D a multiple of 128, D a multiple of 64)."""
     _assert_hopper_path(lower_for_h200(BUILDERS[builder], _sds(B, L, H, D), _sds(B, L, H, D)))
 
 

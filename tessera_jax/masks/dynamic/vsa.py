@@ -64,7 +64,7 @@ class VSA(c.Stateless):
         for Ampere/Ada), "xla" (``lax.top_k`` then a scatter) or "auto" (the default: on a
         GPU the Mosaic kernel, the Triton one before Hopper). Same kept set.
       pool: how blocks of 2-byte q and k are pooled: "mosaic" (``pallas_kernels.mosaic.pool``:
-        x read once in its dtype by one TMA copy a block; H * F a multiple of 256, blocks of
+        x read once in its dtype by one TMA copy a block; H * F a multiple of 128, blocks of
         at most 256 tokens in at most 16 sizes), "triton" (or "pallas":
         ``pallas_kernels.triton.pool``, blocks of at most 256 tokens), "xla" (a padded float32
         copy gathered into equal rows and summed) or "auto" (the default: on a GPU the Mosaic
