@@ -31,8 +31,8 @@ def lse_for_backward(lse):
 def delta_of(out, dout, dlse=None, row_dots=None):
     """delta [B, Hq, Lq] float32 = rowsum(out * dout) - dlse (dlse: the cotangent of lse, or
     None). d score_ij = p_ij (dp_ij - delta_i) then carries the LSE's gradient too.
-    ``row_dots(out, dout)``: a kernel for the rowsum (``pallas_kernels.triton.delta``), else
-    jnp."""
+    ``row_dots(out, dout)``: a kernel for the rowsum (``pallas_kernels.mosaic.delta``,
+    ``pallas_kernels.triton.delta``), else jnp."""
     if row_dots is not None:
         d = row_dots(out, dout)
     else:

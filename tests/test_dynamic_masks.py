@@ -250,48 +250,79 @@ _KERNEL_OPTION_CASES = {
     "kmeans assign": (_kmeans_labels, "kmeans"),
 }
 
+_TRITON_CALL, _MOSAIC_CALL = "__gpu$xla.gpu.triton", "@mosaic_gpu"
+
 
 def _option_args(kind):
+    """Arguments each kernel takes (the Mosaic ones: 2-byte inputs, H * F a multiple of 256
+    for pooling, F a multiple of 64 for the assignment)."""
     if kind == "kmeans":
-        return jnp.zeros((1, 8, 4)), jnp.zeros((1, 3, 4))
+        return jnp.zeros((1, 64, 64), jnp.bfloat16), jnp.zeros((1, 3, 64))
     dt = jnp.bfloat16 if kind == "bf16" else jnp.float32
-    return jnp.zeros((1, 64, 2, 4), dt), jnp.zeros((1, 64, 2, 4), dt)
+    return jnp.zeros((1, 64, 2, 128), dt), jnp.zeros((1, 64, 2, 128), dt)
 
 
 @pytest.mark.parametrize("case", list(_KERNEL_OPTION_CASES))
-def test_kernel_options_auto_follow_the_compilation_platform(case):
-    """A kernel option "auto" (the default) is the Triton kernel when the computation is
-    compiled for a GPU (lowered here for an abstract H200: the Triton call) and exactly XLA's
-    ops elsewhere (CPU: the same optimized HLO as "xla"); "pallas" is the kernel everywhere
-    (interpreted here), "xla" never."""
+def test_kernel_options_auto_follow_the_compilation_platform(case, monkeypatch):
+    """A kernel option "auto" (the default) is the Mosaic GPU kernel when the computation is
+    compiled for a GPU (lowered here for an abstract H200: a Mosaic GPU call, no Triton call)
+    and exactly XLA's ops elsewhere (CPU: the same optimized HLO as "xla"); "triton" (or its
+    old name "pallas") is the Triton kernel everywhere (interpreted off a GPU), "mosaic" the
+    Mosaic one (interpreted in a process without a GPU: a GPU process stands in for the
+    lowering), "xla" never a kernel."""
     from cuda_lowering import lower_for_h200
+    from pallas_kernels import contract
     make, kind = _KERNEL_OPTION_CASES[case]
     args = _option_args(kind)
-    for option, on_gpu in (("auto", True), ("pallas", True), ("xla", False)):
-        assert ("__gpu$xla.gpu.triton" in lower_for_h200(make(option), *args)) == on_gpu
+    for option, want in (("auto", _MOSAIC_CALL), ("triton", _TRITON_CALL),
+                         ("pallas", _TRITON_CALL), ("xla", None)):
+        text = lower_for_h200(make(option), *args)
+        for call in (_TRITON_CALL, _MOSAIC_CALL):
+            assert (call in text) == (call == want), (option, call)
     assert "pallas_call" in str(jax.make_jaxpr(make("pallas"))(*args))
     assert "pallas_call" not in str(jax.make_jaxpr(make("xla"))(*args))
     assert _cpu_hlo(make("auto"), *args) == _cpu_hlo(make("xla"), *args)
+    with monkeypatch.context() as m:
+        m.setattr(contract, "default_interpret", lambda: False)
+        text = lower_for_h200(make("mosaic"), *args)
+    assert _MOSAIC_CALL in text and _TRITON_CALL not in text
+
+
+def test_kernel_option_auto_takes_triton_before_hopper(monkeypatch):
+    """On a GPU older than Hopper (compute capability 8.x: Ampere/Ada) "auto" takes the
+    Triton kernels, which run there; on Hopper and without a visible GPU, Mosaic GPU's."""
+    from cuda_lowering import lower_for_h200
+    from tessera_jax.runtime import dispatch
+    make, kind = _KERNEL_OPTION_CASES["vsa top_k"]
+    args = _option_args(kind)
+    calls = {"triton": _TRITON_CALL, "mosaic": _MOSAIC_CALL}
+    for cc, family in (((8, 9), "triton"), ((8, 0), "triton"), ((9, 0), "mosaic"),
+                       (None, "mosaic")):
+        monkeypatch.setattr(dispatch, "_gpu_capability", lambda cc=cc: cc)
+        assert dm.common.kernel_family("auto") == family
+        text = lower_for_h200(make("auto"), *args)
+        assert [f for f, call in calls.items() if call in text] == [family], cc
 
 
 def test_kernel_options_are_checked_and_long_rows_take_xla():
-    """Unknown option values are refused naming the field; rows longer than the top-k kernel's
-    ``MAX_COLS`` take ``lax.top_k`` even with ``top_k="pallas"``."""
+    """Unknown option values are refused naming the field; rows longer than the top-k kernels'
+    ``MAX_COLS`` take ``lax.top_k`` even with a kernel named."""
     from pallas_kernels.triton import topk as tt
-    for make, field in ((lambda: dm.VSA(top_k="triton"), "top_k"),
-                        (lambda: dm.Sparge(pool="triton"), "pool"),
+    for make, field in ((lambda: dm.VSA(top_k="cuda"), "top_k"),
+                        (lambda: dm.Sparge(pool="mgpu"), "pool"),
                         (lambda: dm.VSA(score_precision="bf16"), "score_precision"),
-                        (lambda: dm.SVG2(kmeans_assign="triton"), "kmeans_assign"),
+                        (lambda: dm.SVG2(kmeans_assign="kernel"), "kmeans_assign"),
                         (lambda: dm.SVG2(kv_order="random"), "kv_order")):
         with pytest.raises(ValueError, match=f"{field} must be one of"):
             make()
     with pytest.raises(ValueError, match="assign must be one of"):
-        dm.kmeans(jnp.zeros((1, 8, 4)), jnp.zeros((1, 3, 4)), iters=1, assign="triton")
+        dm.kmeans(jnp.zeros((1, 8, 4)), jnp.zeros((1, 3, 4)), iters=1, assign="cuda")
     n = tt.MAX_COLS + 1
     q = jax.ShapeDtypeStruct((1, n, 1, 4), jnp.float32)
-    for f in (_vsa_blocks(dm.VSA(block=1, topk=2, top_k="pallas", pool="xla")),
-              _sparge_blocks(dm.Sparge(block_q=64, block_kv=1, topk=0.3, top_k="pallas"))):
-        assert "pallas_call" not in str(jax.make_jaxpr(f)(q, q))
+    for option in ("pallas", "mosaic"):
+        for f in (_vsa_blocks(dm.VSA(block=1, topk=2, top_k=option, pool="xla")),
+                  _sparge_blocks(dm.Sparge(block_q=64, block_kv=1, topk=0.3, top_k=option))):
+            assert "pallas_call" not in str(jax.make_jaxpr(f)(q, q))
 
 
 def test_a_rule_option_changed_between_calls_of_a_jitted_function_takes_effect():

@@ -17,8 +17,8 @@ from pallas_kernels import backward_rows as rows_
 from pallas_kernels import contract
 from pallas_kernels.mosaic import backward as _backward
 from pallas_kernels.mosaic import kernel as _kernel
+from pallas_kernels.mosaic import delta as _delta
 from pallas_kernels.templates import Template
-from pallas_kernels.triton import delta as _delta
 
 __all__ = ["forward", "dq", "dkv", "dkv_tiles", "row_dots", "PAIRED_DKV_TILES", "FIRST_ORDER",
            "FOLD_VMAP"]
@@ -125,5 +125,9 @@ def dkv_tiles(template: Template, head_dim: int) -> tuple[int, int, int, int]:
 
 
 def row_dots(out, do, *, interpret: bool | None = None):
-    """rowsum(out * do) [B, Hq, Lq] float32 by the Triton row-dot kernel."""
-    return _delta.row_dots(out, do, interpret=contract.triton_interpret(interpret))
+    """rowsum(out * do) [B, Hq, Lq] float32 by the Mosaic GPU row-dot kernel (``delta``; no
+    Triton kernel on Hopper's path), or by jnp for shapes it does not take (``delta.supports``:
+    lengths not a multiple of 8 or below 64)."""
+    if not _delta.supports(out.shape, out.dtype) or out.dtype != do.dtype:
+        return jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+    return _delta.row_dots(out, do, interpret=contract.mosaic_interpret(interpret) is not False)

@@ -37,7 +37,7 @@ from tessera_jax.validation import AttnShape
 
 __all__ = ["Backend", "BACKENDS", "DEFAULT_TEMPLATE", "get_template", "templates", "unsupported",
            "supported_templates", "is_available", "resolve", "forward", "tracing",
-           "clear_warnings"]
+           "clear_warnings", "gpu_capability"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +93,13 @@ def _gpu_capability() -> tuple[int, int] | None:
     except (TypeError, ValueError):
         return (0, 0)
     return (major, minor)
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """(major, minor) of this process's first CUDA GPU, (0, 0) if unreadable, None without a
+    GPU (a fact of the machine, read once): what picks a GPU kernel family where no backend is
+    named (``masks.dynamic.common.kernel_family``)."""
+    return _gpu_capability()
 
 
 # --- the entries' contract modules ----------------------------------------------------------

@@ -26,9 +26,10 @@ A rule is also the form a ``tessera_jax.flax.DynamicSchedule`` takes: ``rule(q, 
 carry to the next step (SVG2's centroids), so a compiled denoising loop calls it at every step
 and layer. Every option that changes the compiled computation is a rule field, so part of
 jit's cache key: e.g. ``VSA(top_k="xla", pool="xla", score_precision="highest")``. The kernel
-options ("auto" by default) pick the Triton kernel when the computation is compiled for a GPU
-and XLA's ops elsewhere, by the platform of the compilation (``lax.platform_dependent``), not
-the process's default backend.
+options ("auto" by default) pick a kernel when the computation is compiled for a GPU and XLA's
+ops elsewhere, by the platform of the compilation (``lax.platform_dependent``), not the
+process's default backend: the Mosaic GPU kernel (Hopper), or the Triton one where the
+process's GPU predates Hopper (``common.KERNEL_CHOICES``: "mosaic" and "triton" name one).
 
 Batch: ``BlockMask`` has no batch axis, so the B elements of a call share one mask; every
 rule is applied to the batch mean of its score (SpargeAttn's self-similarity: the batch

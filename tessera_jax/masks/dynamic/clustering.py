@@ -1,5 +1,6 @@
 """Fixed-iteration k-means batched over heads (SVG2's clustering), its assignment by XLA or by
-one Triton kernel (``kmeans``)."""
+one GPU kernel (``pallas_kernels.mosaic.kmeans`` on Hopper, ``pallas_kernels.triton.kmeans``
+on Ampere/Ada)."""
 
 from __future__ import annotations
 
@@ -30,12 +31,20 @@ def _update(x, labels, c):
     return jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1.0)[..., None], c)
 
 
-def _kernel_assign(x, cent, interpret):
+def _kernels(x):
+    """The assignment kernels by family (``common.kernel_or_xla``), None where one does not
+    take points of x's shape and dtype (the Mosaic GPU kernel: 2-byte points, F a multiple of
+    64). Labels are piecewise constant (zero derivative); the kernels have no autodiff rule, so
+    their inputs leave the trace of gradients (as the XLA argmin's do implicitly)."""
     from pallas_kernels.triton import kmeans as tk
-    # Labels are piecewise constant (zero derivative); the kernel has no autodiff rule, so
-    # its inputs leave the trace of gradients (as the XLA argmin's do implicitly).
+    mk = c.mosaic_module("kmeans")
     sg = jax.lax.stop_gradient
-    return tk.assign(sg(x), sg(cent), interpret=interpret)
+
+    def run(mod):
+        return lambda x, cent, interpret: mod.assign(sg(x), sg(cent), interpret=interpret)
+
+    return {"triton": run(tk),
+            "mosaic": run(mk) if mk and mk.supports(x.shape, x.dtype) else None}
 
 
 def kmeans(x, centroids, *, iters: int, assign: str = "auto"):
@@ -49,13 +58,15 @@ def kmeans(x, centroids, *, iters: int, assign: str = "auto"):
       x: [H, L, F] points (any float dtype: the distance matmul runs in it, float32 sums).
       centroids: float32 [H, C, F], the warm start.
       iters: static int >= 0.
-      assign: how points are assigned (``common.KERNEL_CHOICES``): "pallas"
-        (``pallas_kernels.triton.kmeans.assign``: one Triton kernel, the argmin kept in
-        registers), "xla" (a matmul, then an argmin over the [L, C] distances, which go to
-        memory and back: ~24 GB a call at SVG2's Wan 720p key side) or "auto" (the default:
-        the kernel when compiled for a GPU). Same labels up to float rounding of near ties.
-        H200, session 12 (Wan 720p SVG2 ``iters=1``, 40 heads, L = 75,600, one call): builder
-        9.27 ms with the kernel against 15.17 ms with XLA.
+      assign: how points are assigned (``common.KERNEL_CHOICES``): "mosaic"
+        (``pallas_kernels.mosaic.kmeans.assign``: one Mosaic GPU kernel, wgmma and the argmin
+        in registers; 2-byte points with F a multiple of 64, else XLA), "triton" (or
+        "pallas": ``pallas_kernels.triton.kmeans.assign``, the same in one Triton kernel),
+        "xla" (a matmul, then an argmin over the [L, C] distances, which go to memory and
+        back: ~24 GB a call at SVG2's Wan 720p key side) or "auto" (the default: on a GPU the
+        Mosaic kernel, the Triton one before Hopper). Same labels up to float rounding of near
+        ties. H200, session 12 (Wan 720p SVG2 ``iters=1``, 40 heads, L = 75,600, one call):
+        builder 9.27 ms with the Triton kernel against 15.17 ms with XLA.
     Returns:
       (labels int32 [H, L]: the last iteration's assignment, centroids float32 [H, C, F]: the
       means of those clusters). ``iters == 0``: the assignment to ``centroids``, unchanged.
@@ -71,7 +82,7 @@ def kmeans(x, centroids, *, iters: int, assign: str = "auto"):
     cent = centroids.astype(jnp.float32)
 
     def labels(x, cent):
-        return c.kernel_or_xla(assign, _kernel_assign, jax.vmap(_assign), x, cent)
+        return c.kernel_or_xla(assign, _kernels(x), jax.vmap(_assign), x, cent)
 
     if iters == 0:
         return labels(x, cent), cent

@@ -1,5 +1,6 @@
 """What the dynamic mask builders share: argument checks, the rules' typed options, the choice
-between a Triton kernel and XLA's ops, block pooling and each row's top k."""
+between a GPU kernel (Mosaic GPU on Hopper, Triton on Ampere/Ada) and XLA's ops, block pooling
+and each row's top k."""
 
 from __future__ import annotations
 
@@ -14,10 +15,17 @@ from tessera_jax.mask import _as_bounds
 
 HI = jax.lax.Precision.HIGHEST
 
-#: Values of a kernel option (``top_k``, ``pool``, ``kmeans_assign``): "pallas" (the Triton
-#: kernel; the interpreter when compiled for another platform, slow), "xla" (XLA's ops) or
-#: "auto" (the kernel when the computation is compiled for a GPU, XLA's ops elsewhere).
-KERNEL_CHOICES = ("auto", "xla", "pallas")
+#: Values of a kernel option (``top_k``, ``pool``, ``kmeans_assign``): "mosaic" (the Mosaic
+#: GPU kernel, ``pallas_kernels.mosaic``: Hopper), "triton" (the Pallas Triton kernel,
+#: ``pallas_kernels.triton``: Ampere/Ada; "pallas" is its old name, the same computation),
+#: "xla" (XLA's ops) or "auto" (the default: when the computation is compiled for a GPU, the
+#: Mosaic GPU kernel, or the Triton one where this process's GPU predates Hopper; XLA's ops
+#: elsewhere). A Triton kernel named explicitly runs under its interpreter when compiled for
+#: another platform, a Mosaic one when the process has no GPU (slow); a kernel that does not
+#: take the call's shape leaves it to XLA.
+KERNEL_CHOICES = ("auto", "xla", "mosaic", "triton", "pallas")
+#: The kernel family each explicit value names.
+_FAMILY = {"mosaic": "mosaic", "triton": "triton", "pallas": "triton"}
 #: Values of ``score_precision``: the matmul precision of pooled block scores.
 SCORE_PRECISIONS = ("high", "highest")
 
@@ -161,15 +169,48 @@ class Stateless:
 
 
 # --- kernel or XLA ---------------------------------------------------------------------------
-def kernel_or_xla(option: str, kernel, xla, *args):
-    """``kernel(*args, interpret=...)`` or ``xla(*args)`` by a kernel option ("xla", "pallas",
-    "auto"). The platform is that of the compilation (``lax.platform_dependent``: resolved when
-    lowering, so a computation compiled for a GPU runs the kernel whatever the process's default
-    backend, and nothing of the other branch is compiled)."""
+def kernel_family(option: str) -> str | None:
+    """The kernel family ("mosaic" or "triton") a kernel option runs on a GPU, None for "xla".
+    "auto" takes Mosaic GPU unless this process's GPU predates Hopper (compute capability
+    below 9.0: Ampere/Ada run the Triton kernels); without a visible GPU (a computation
+    lowered here for another machine) it takes Mosaic GPU, Hopper's path."""
     if option == "xla":
+        return None
+    if option != "auto":
+        return _FAMILY[option]
+    from tessera_jax.runtime import dispatch
+    cc = dispatch.gpu_capability()
+    return "triton" if cc is not None and cc < (9, 0) else "mosaic"
+
+
+def mosaic_module(name: str):
+    """``pallas_kernels.mosaic.<name>``, or None where Mosaic GPU is not installed."""
+    import importlib
+    try:
+        return importlib.import_module(f"pallas_kernels.mosaic.{name}")
+    except ImportError:
+        return None
+
+
+def kernel_or_xla(option: str, kernels: dict, xla, *args):
+    """``kernel(*args, interpret=...)`` or ``xla(*args)`` by a kernel option (``KERNEL_CHOICES``).
+    ``kernels``: family ("mosaic", "triton") -> kernel, or None where that kernel does not take
+    these arguments (then XLA's ops serve). The platform is that of the compilation
+    (``lax.platform_dependent``: resolved when lowering, so a computation compiled for a GPU
+    runs the kernel whatever the process's default backend, and nothing of the other branch is
+    compiled)."""
+    family = kernel_family(option)
+    kernel = None if family is None else kernels.get(family)
+    if kernel is None:
         return xla(*args)
+    if option == "mosaic":
+        # The Mosaic GPU interpreter calls back to the host (ordered effects), which a branch
+        # of platform_dependent left out of the lowering cannot carry: a named Mosaic kernel
+        # is interpreted when the process has no GPU (the Mosaic attention kernels' rule).
+        from pallas_kernels import contract
+        return kernel(*args, interpret=contract.default_interpret())
     on_gpu = functools.partial(kernel, interpret=False)
-    off_gpu = functools.partial(kernel, interpret=True) if option == "pallas" else xla
+    off_gpu = xla if option == "auto" else functools.partial(kernel, interpret=True)
     return jax.lax.platform_dependent(*args, cuda=on_gpu, rocm=on_gpu, default=off_gpu)
 
 
@@ -179,19 +220,27 @@ def score_precision(option: str):
 
 # --- pooling -------------------------------------------------------------------------------
 def pool_sum(x, bounds: np.ndarray, pool: str = "auto"):
-    """Float32 sum of ``x`` [B, L, H, F] over each static block: [B, n, H, F]. ``pool``: the
-    Triton kernel (2-byte inputs, blocks of at most its ``MAX_BLOCK`` tokens) or XLA."""
-    # The kernel for 2-byte inputs (q, k), read once in their dtype; float32 arrays the
+    """Float32 sum of ``x`` [B, L, H, F] over each static block: [B, n, H, F]. ``pool``: a
+    kernel (2-byte inputs; Mosaic GPU: ``pallas_kernels.mosaic.pool``, Triton:
+    ``pallas_kernels.triton.pool``, each within its limits) or XLA."""
+    # The kernels for 2-byte inputs (q, k), read once in their dtype; float32 arrays the
     # builder derives (SpargeAttn's unit vectors) stay with XLA, which fuses their making
-    # into the sums (through the kernel they are written out first: 3.96 -> 4.51 ms).
-    if pool != "xla" and jnp.dtype(x.dtype).itemsize <= 2:
-        from pallas_kernels.triton import pool as tp
-        if np.diff(bounds).max() <= tp.MAX_BLOCK:
-            # Mask scores only (piecewise constant): the kernel has no autodiff rule.
-            def kernel(x, interpret):
-                return tp.block_sums(jax.lax.stop_gradient(x), bounds, interpret=interpret)
-            return kernel_or_xla(pool, kernel, lambda x: _pool_sum_xla(x, bounds), x)
-    return _pool_sum_xla(x, bounds)
+    # into the sums (through the Triton kernel they are written out first: 3.96 -> 4.51 ms).
+    if pool == "xla" or jnp.dtype(x.dtype).itemsize > 2:
+        return _pool_sum_xla(x, bounds)
+    from pallas_kernels.triton import pool as tp
+    mp = mosaic_module("pool")
+
+    # Mask scores only (piecewise constant): the kernels have no autodiff rule.
+    def triton(x, interpret):
+        return tp.block_sums(jax.lax.stop_gradient(x), bounds, interpret=interpret)
+
+    def mosaic(x, interpret):
+        return mp.block_sums(jax.lax.stop_gradient(x), bounds, interpret=interpret)
+
+    kernels = {"triton": triton if np.diff(bounds).max() <= tp.MAX_BLOCK else None,
+               "mosaic": mosaic if mp and mp.supports(x.shape, x.dtype, bounds) else None}
+    return kernel_or_xla(pool, kernels, lambda x: _pool_sum_xla(x, bounds), x)
 
 
 def _pool_sum_xla(x, bounds: np.ndarray):
@@ -243,23 +292,30 @@ def sorted_desc(p):
     return order, jnp.take_along_axis(p, order, axis=-1, mode="clip")
 
 
-# Each row's top k (``vsa_mask``, ``sparge_mask`` with ``topk``) is taken by one fused Triton
-# kernel on a GPU (``top_k`` option), else by XLA (``lax.top_k``; SpargeAttn's ``argsort``).
-# Measured on the H200, builder wall time per call at Wan 720p ([40, 1440, 1440] scores;
-# session 13): VSA 7.61 ms with lax.top_k, 3.63 ms with the kernel; SpargeAttn top-k 5.96 vs
-# 3.90 ms. A radix select written as XLA ops was slower than the sort and was removed (session
-# 12: VSA 8.73 vs 7.71 ms; Wan 480p 1.42 vs 0.79 ms, launch-bound). Same kept set exactly
-# (ties to the lower index, -0.0 below +0.0 as ``lax.top_k``; scores have no NaN). Rows longer
-# than the kernel's ``MAX_COLS`` (4096) always take XLA's path.
+# Each row's top k (``vsa_mask``, ``sparge_mask`` with ``topk``) is taken by one fused kernel on
+# a GPU (``top_k`` option: Mosaic GPU on Hopper, ``pallas_kernels.mosaic.topk``; Triton on
+# Ampere/Ada, ``pallas_kernels.triton.topk``), else by XLA (``lax.top_k``; SpargeAttn's
+# ``argsort``). Measured on the H200, builder wall time per call at Wan 720p ([40, 1440, 1440]
+# scores; session 13): VSA 7.61 ms with lax.top_k, 3.63 ms with the Triton kernel; SpargeAttn
+# top-k 5.96 vs 3.90 ms. A radix select written as XLA ops was slower than the sort and was
+# removed (session 12: VSA 8.73 vs 7.71 ms; Wan 480p 1.42 vs 0.79 ms, launch-bound). Same kept
+# set exactly (ties to the lower index, -0.0 below +0.0 as ``lax.top_k``; scores have no NaN).
+# Rows longer than the kernels' ``MAX_COLS`` (4096) always take XLA's path.
 def top_k_rows(x, k: int, top_k: str, xla):
-    """bool mask of each row's top k of ``x`` [..., n]: the Triton kernel or ``xla(x)`` (the
-    same set) by the ``top_k`` option."""
+    """bool mask of each row's top k of ``x`` [..., n]: a fused kernel or ``xla(x)`` (the same
+    set) by the ``top_k`` option."""
     from pallas_kernels.triton import topk as tt
-    if top_k == "xla" or x.shape[-1] > tt.MAX_COLS:
-        return xla(x)
+    mt = mosaic_module("topk")
+    n = x.shape[-1]
 
-    # The mask is piecewise constant and the kernel has no autodiff rule: its input leaves the
-    # trace of gradients (as lax.top_k's indices carry none).
-    def kernel(x, interpret):
-        return tt.topk_mask(jax.lax.stop_gradient(x.astype(jnp.float32)), k, interpret=interpret)
-    return kernel_or_xla(top_k, kernel, xla, x)
+    # The mask is piecewise constant and the kernels have no autodiff rule: their input leaves
+    # the trace of gradients (as lax.top_k's indices carry none).
+    def run(mod):
+        def kernel(x, interpret):
+            return mod.topk_mask(jax.lax.stop_gradient(x.astype(jnp.float32)), k,
+                                 interpret=interpret)
+        return kernel
+
+    kernels = {"triton": run(tt) if n <= tt.MAX_COLS else None,
+               "mosaic": run(mt) if mt and n <= mt.MAX_COLS else None}
+    return kernel_or_xla(top_k, kernels, xla, x)

@@ -58,15 +58,19 @@ class VSA(c.Stateless):
       local: if given (>= 0), key blocks with ``|i - j| <= local`` are always kept and count
         towards k (the rest of the row is the top of the other blocks): rows stay uniform.
         Needs nq == nkv and 2 * local + 1 <= k. Not in VSA (default None).
-      top_k: how each row's top k is taken (``common.KERNEL_CHOICES``): "pallas"
-        (``pallas_kernels.triton.topk``: a radix select in registers, one row a program), "xla"
-        (``lax.top_k`` then a scatter) or "auto" (the default: the kernel when compiled for a
-        GPU). Same kept set.
-      pool: how blocks of 2-byte q and k are pooled: "pallas" (``pallas_kernels.triton.pool``:
-        x read once in its dtype, blocks of at most 256 tokens), "xla" (a padded float32 copy
-        gathered into equal rows and summed) or "auto" (the default: the kernel when compiled
-        for a GPU). H200, q and k at Wan 720p (session 14): 0.63 ms against 1.67; the builder
-        3.56 -> 2.67 ms.
+      top_k: how each row's top k is taken (``common.KERNEL_CHOICES``): "mosaic"
+        (``pallas_kernels.mosaic.topk``: a radix select in registers, one row a warpgroup, on
+        Hopper), "triton" (or "pallas": ``pallas_kernels.triton.topk``, the same in Triton,
+        for Ampere/Ada), "xla" (``lax.top_k`` then a scatter) or "auto" (the default: on a
+        GPU the Mosaic kernel, the Triton one before Hopper). Same kept set.
+      pool: how blocks of 2-byte q and k are pooled: "mosaic" (``pallas_kernels.mosaic.pool``:
+        x read once in its dtype by one TMA copy a block; H * F a multiple of 128, blocks of
+        at most 256 tokens in at most 16 sizes), "triton" (or "pallas":
+        ``pallas_kernels.triton.pool``, blocks of at most 256 tokens), "xla" (a padded float32
+        copy gathered into equal rows and summed) or "auto" (the default: on a GPU the Mosaic
+        kernel, the Triton one before Hopper; XLA where the kernel does not take the shape).
+        H200, q and k at Wan 720p (session 14): Triton 0.63 ms against XLA's 1.67; the
+        builder 3.56 -> 2.67 ms.
       score_precision: matmul precision of the pooled scores: "high" (the default: three bf16
         passes, ~2^-16 relative, so rows change only at near-ties; VSA itself scores in bf16)
         or "highest" (float32). H200, Wan 720p scores: 0.35 vs 0.92 ms; the builder with the
