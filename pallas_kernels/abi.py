@@ -185,10 +185,12 @@ def _bits(sel):
     sel = np.asarray(sel, bool)
     n = sel.shape[-1]
     W = bitmap_words(n)
-    pad = np.zeros(sel.shape[:-1] + (W * WORD_BITS,), bool)
-    pad[..., :n] = sel
-    b = pad.reshape(sel.shape[:-1] + (W, WORD_BITS)).astype(np.uint64)
-    return (b << np.arange(WORD_BITS, dtype=np.uint64)).sum(-1).astype(np.uint32).view(np.int32)
+    if n != W * WORD_BITS:
+        pad = np.zeros(sel.shape[:-1] + (W * WORD_BITS,), bool)
+        pad[..., :n] = sel
+        sel = pad
+    packed = np.packbits(sel, axis=-1, bitorder="little")            # [..., 4 W] bytes
+    return np.ascontiguousarray(packed).view("<i4").astype(np.int32)
 
 
 def _unbits(words, n: int):

@@ -63,7 +63,7 @@ _NATTEN_FRACS = ((0.6, 0.5, 0.3), (0.3, 0.3, 0.3), (1.0, 0.2, 0.2), (0.2, 0.6, 0
 
 
 def _family_params(grid: str) -> dict[str, list[dict[str, Any]]]:
-    """Per family, the (params, seed) list of one grid (video_masks.md section 4)."""
+    """Per family, the (params, seed) list of one grid (docs/masks.md, "Corpus")."""
     g = GRIDS[grid]
     P: dict[str, list[dict[str, Any]]] = {}
     text_kv = g.cross_text if not g.joint else None

@@ -1,4 +1,4 @@
-"""One deterministic generator per video sparse-attention mask family (video_masks.md, section 2).
+"""One deterministic generator per video sparse-attention mask family (docs/masks.md, "Families").
 
 Every generator has the signature ``fn(grid, *, heads=None, seed=0, step=0, text=0, **params)``
 and returns a ``BlockMask`` over the joint sequence: the video tokens in the family's order (see

@@ -1,4 +1,4 @@
-"""Synthetic attention scores for the dynamic mask families (video_masks.md, section 4).
+"""Synthetic attention scores for the dynamic mask families (docs/masks.md, "Synthetic scores").
 
 Per head ``h``, the block-pooled logit of query block ``i`` and key block ``j`` is
 

@@ -113,8 +113,7 @@ def _window_classes(blk, kb, row_block, tile_q: int, G: int, m: int, nchunks: in
     key_sel = key_sel.reshape(ns, G * A)
     step_cls = np.repeat(np.arange(ncls), steps_per)
     rows = row_sel.sum(axis=1)
-    keys = np.zeros(ncls, np.int64)
-    np.add.at(keys, cls, np.bitwise_count(bits))
+    keys = np.bincount(cls, weights=np.bitwise_count(bits), minlength=ncls).astype(np.int64)
     return starts, key_sel, row_sel[step_cls], int((rows * keys).sum())
 
 
