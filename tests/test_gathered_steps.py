@@ -285,3 +285,56 @@ def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode(which):
     with pytest.raises(ValueError, match="do not gather"):
         mops.forward(q, k, v, plan, template=T.get("mgpu_q128_kv128_s2_hm"), scale=0.125,
                      interpret=_p.InterpretGPUParams())
+
+
+@pytest.mark.parametrize("which", [0, 2])
+def test_mosaic_dq_runs_a_gather_plan_in_interpret_mode(which):
+    """The dq kernel's gathered stages (8-key chunks; paired 64-row units) against the
+    gradient of the reference, GQA."""
+    from jax._src.pallas.mosaic_gpu.interpret import params as _p
+    from pallas_kernels import backward_rows as rows
+    from pallas_kernels.mosaic import ops as mops
+
+    t = _run_templates()[which]
+    Lq, Lk, H, D = 264, 300, 4, 64
+    m = mask_var_clusters(Lq, H, q_mean=60, kv_mean=20, density=0.3, seed=6, kv_len=Lk)
+    p = planner.build_plan(m, (1, Lq, H, D), (1, Lk, H // 2, D), jnp.bfloat16, tile_q=t.tile_q,
+                           tile_kv=t.tile_kv, policy=t.policy, q_align=8, kv_align=8)
+    assert p.stats()["gather_steps"] > 0
+    ks = jax.random.split(jax.random.key(9), 4)
+    q = jax.random.normal(ks[0], (1, Lq, H, D)).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(x, (1, Lk, H // 2, D)).astype(jnp.bfloat16) for x in ks[1:3])
+    do = jax.random.normal(ks[3], (1, Lq, H, D)).astype(jnp.bfloat16)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    out, lse = tj.reference_attention(*f32, m, scale=0.125, return_lse=True)
+    want = jax.vjp(lambda q: tj.reference_attention(q, *f32[1:], m, scale=0.125), f32[0])[1](
+        do.astype(jnp.float32))[0]
+    delta = jnp.einsum("bqhd,bqhd->bhq", out, do.astype(jnp.float32))
+    plan = abi.PassPlan(p.units, p.steps, None, t.tile_q, t.tile_kv, p.q_len_padded,
+                        p.kv_len_padded, p.max_steps, None)
+    got = mops.dq(q, k, v, do, rows.lse_for_backward(lse), delta, plan, template=t,
+                  scale=0.125, interpret=_p.InterpretGPUParams())
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2)
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("pass_", ["forward", "dq"])
+def test_gathering_kernels_lower_for_cuda(which, pass_):
+    """The gathering forward and dq kernels (8-key chunks, 32-key runs, paired units) lower
+    for an abstract H200 (``interpret=False``): Mosaic GPU's lowering refuses what it cannot
+    compile (e.g. a negation in warp code) before any GPU sees it."""
+    from cuda_lowering import lower_for_h200
+    from pallas_kernels.mosaic import ops as mops
+
+    t = _run_templates()[which]
+    sds = jax.ShapeDtypeStruct
+    L, D = 384, 128
+    q, kv = sds((1, L, 4, D), jnp.bfloat16), sds((1, L, 2, D), jnp.bfloat16)
+    units, steps = sds((12, abi.UNIT_COLS), jnp.int32), sds((40, abi.STEP_COLS), jnp.int32)
+    plan = lambda u, s: abi.PassPlan(u, s, None, t.tile_q, t.tile_kv, L, L, 4)   # noqa: E731
+    rows = jnp.zeros((1, 4, L), jnp.float32)
+    fn = {"forward": lambda q, k, v, u, s: mops.forward(q, k, v, plan(u, s), template=t,
+                                                        scale=0.1, interpret=False),
+          "dq": lambda q, k, v, u, s: mops.dq(q, k, v, q, rows, rows, plan(u, s), template=t,
+                                              scale=0.1, interpret=False)}[pass_]
+    assert "mosaic_gpu" in lower_for_h200(fn, q, kv, kv, units, steps)

@@ -40,8 +40,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import abi
 from pallas_kernels import step_masks
 from pallas_kernels.contract import LOG2E
-from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask, grid_mask,
-                                          iota)
+from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask,
+                                          copy_starts, gather_vectors, grid_mask, iota,
+                                          load_gathered)
 
 __all__ = ["dq_call", "dkv_call", "DKV_TILES", "DKV_PAIRED_TILES", "STAGES",
            "smem_bytes"]
@@ -54,25 +55,28 @@ DKV_TILES = (CONSUMERS * WG_ROWS, 64, ALIGN, ALIGN)
 DKV_PAIRED_TILES = (WG_ROWS, 64, ALIGN, ALIGN)
 
 
-def smem_bytes(kernel: str, tile_kv: int, head_dim: int, rings: int = 1) -> int:
+def smem_bytes(kernel: str, tile_kv: int, head_dim: int, rings: int = 1,
+               stages: int = STAGES) -> int:
     """SMEM of one CTA (bytes, 2-byte inputs): ``dq``: Q and dO tiles, lse / delta rows and
-    the K/V ring(s) of ``tile_kv`` keys; ``dkv``: K and V tiles, the Q/dO ring and its lse /
-    delta rows. Barriers and alignment add ~3 KB."""
+    the K/V ring(s) of ``tile_kv`` keys (``stages`` slots each); ``dkv``: K and V tiles, the
+    Q/dO ring and its lse / delta rows. Barriers and alignment add ~3 KB."""
     rows = CONSUMERS * WG_ROWS
     if kernel == "dq":
-        return 2 * (2 * rows * head_dim + 2 * rings * STAGES * tile_kv * head_dim) \
+        return 2 * (2 * rows * head_dim + 2 * rings * stages * tile_kv * head_dim) \
             + 8 * rows + 3072
     return 2 * (2 * rows * head_dim + 2 * rings * STAGES * DKV_TILES[1] * head_dim) \
         + 8 * rings * STAGES * DKV_TILES[1] + 3072
 
 
 # --- shared pieces ---------------------------------------------------------------------------
-def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x):
+def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x, gather=False):
     """Scores ``x`` [64, tile_kv] of this warpgroup's rows (tile rows row0 .. row0 + 63) with
     -inf where step ``s`` selects nothing (``abi.step_mask``): every kind as one test
     ``row_bits[r] & col_bit[c] != 0`` of a row vector and a column vector (a plain step: 1
     inside its rectangle; a grid step: its cell row / 1 << key segment, ``abi.grid_mask``; a
-    bitmap step: its row words / 1 << c % 32 per word column). Mode "cond" skips full steps."""
+    bitmap step: its row words / 1 << c % 32 per word column), and with ``gather`` a gathered
+    step as a key bias plus a row bias (0 / -inf, ``common.gather_vectors``). Mode "cond"
+    skips full steps."""
     if mode == "none":
         return x
     rect = steps[s, abi.STEP_RECT]
@@ -94,10 +98,21 @@ def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x):
     def bitmap(x):
         return bitmap_mask(words, steps[s, abi.STEP_CUTS_A], row0, tile_q, tile_kv, cols, x)
 
+    def gathered(x):
+        keys, rws = gather_vectors(words, steps[s, abi.STEP_CUTS_A], row0, tile_kv)
+        x = x + bcast(jnp.where(keys, 0.0, -jnp.inf), x.shape, 1)
+        return x + bcast(jnp.where(rws, 0.0, -jnp.inf), x.shape, 0)
+
     kind = step_masks.step_kind(cuts_b)
-    masked = lambda x: lax.switch(kind, [plain, grid, bitmap], x)      # noqa: E731
+    branches = [plain, grid, bitmap]
+    if gather:
+        branches.append(gathered)
+        kind = jnp.where(abi.is_gather(cuts_b), 3, kind)
+    masked = lambda x: lax.switch(kind, branches, x)      # noqa: E731
     if mode == "cond":
         full = step_masks.rows_full(q_lo, q_hi, kv_lo, kv_hi, cuts_b, WG_ROWS, tile_kv)
+        if gather:
+            full = full | (cuts_b == abi.GATHER_FULL_FLAG)
         return lax.cond(full, lambda x: x, masked, x)
     return masked(x)
 
@@ -150,6 +165,8 @@ _SHARED_FIELDS = [
 _Dq = NamedTuple("_Dq", [
     ("tile_q", int),
     ("tile_kv", int),
+    ("gather_run", int),  # keys a copy of a gathered stage loads (0: steps are runs of keys)
+    ("stages", int),      # K/V ring slots per ring
     ("dq", Any),
     ("q_smem", Any),
     ("do_smem", Any),
@@ -220,8 +237,8 @@ def _produce(c, load, drain):
             drain(_slot(g, ring))
 
 
-def _slot(g, ring):
-    return lax.rem(g, jnp.array(STAGES, g.dtype)) + ring * STAGES
+def _slot(g, ring, stages: int = STAGES):
+    return lax.rem(g, jnp.array(stages, g.dtype)) + ring * stages
 
 
 def _dq_consumer(c: _Dq, wg):
@@ -245,14 +262,15 @@ def _dq_consumer(c: _Dq, wg):
     shape = (WG_ROWS, c.tile_kv)
 
     def step(i, acc):
-        slot = _slot(i, ring)
+        slot = _slot(i, ring, c.stages)
         s_row = jnp.minimum(ptr + i, c.num_steps - 1)
         plgpu.barrier_wait(c.k_bar.at[slot])
         plgpu.barrier_wait(c.v_bar.at[slot])
         s = _mma(q_smem, c.k_smem.at[slot], shape)
         dp = _mma(do_smem, c.v_smem.at[slot], shape)
         plgpu.barrier_arrive(c.v_consumed.at[slot])
-        s = _masked(c.steps, c.words, s_row, row0, c.tile_q, c.tile_kv, c.mode, s)
+        s = _masked(c.steps, c.words, s_row, row0, c.tile_q, c.tile_kv, c.mode, s,
+                    gather=c.gather_run > 0)
         p = jnp.exp2(s * c.qk_scale - bcast(lse2, shape, 0))
         ds = p * (dp - bcast(delta, shape, 0))
         acc = _mma_acc(acc, ds.astype(c.dtype), c.k_smem.at[slot], c.interpret)
@@ -272,6 +290,10 @@ def _dq_consumer(c: _Dq, wg):
 
 
 def _dq_producer(c: _Dq):
+    if c.gather_run:
+        _dq_gather_producer(c)
+        return
+
     def load(slot, i, b, head, kv_start):
         src = (b, pl.ds(kv_start, c.tile_kv), lax.div(head, jnp.array(c.group, head.dtype)))
 
@@ -292,16 +314,55 @@ def _dq_producer(c: _Dq):
     _produce(c, load, drain)
 
 
+def _dq_gather_producer(c: _Dq):
+    """The dq producer of a gathering plan: each ring's unit's K/V stages by runs of
+    ``gather_run`` keys (``common.load_gathered``), the next step's copy starts read while
+    the current copies wait for their slot (as the forward's gathering producer)."""
+    plgpu.set_max_registers(40, action="decrease")
+    streams = [_unit(c, ring) for ring in range(2 if c.paired else 1)]
+    total = functools.reduce(jnp.maximum, [s[5] for s in streams])
+
+    def next_starts(ptr, cnt, i):
+        # Clamped: past a unit's last step the read is of a real row, and unused.
+        return copy_starts(c.steps, c.words, jnp.minimum(
+            ptr + jnp.minimum(i, jnp.maximum(cnt - 1, 0)), c.num_steps - 1), c.tile_kv,
+            c.gather_run)
+
+    def body(i, carry):
+        out = []
+        for ring, ((_, b, head, _, ptr, cnt, _), starts) in enumerate(zip(streams, carry)):
+            kv_head = lax.div(head, jnp.array(c.group, head.dtype))
+            pl.when(i < cnt)(functools.partial(
+                load_gathered, (c.k, c.v), (c.k_smem, c.v_smem), (c.k_bar, c.v_bar),
+                (c.k_consumed, c.v_consumed), b, kv_head, starts, c.gather_run,
+                _slot(i, ring, c.stages), i >= c.stages))
+            out.append(next_starts(ptr, cnt, i + 1))
+        return tuple(out)
+
+    lax.fori_loop(0, total, body, tuple(next_starts(s[4], s[5], jnp.int32(0))
+                                        for s in streams))
+    for ring, unit in enumerate(streams):
+        @pl.loop(jnp.maximum(unit[5] - c.stages, 0), unit[5])
+        def _(g):
+            plgpu.barrier_wait(c.k_consumed.at[_slot(g, ring, c.stages)])
+            plgpu.barrier_wait(c.v_consumed.at[_slot(g, ring, c.stages)])
+
+
 def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paired, mode,
-             scale, interpret):
+             scale, interpret, gather_run: int = 0, stages: int = STAGES):
+    """dQ per unit [B, U, tile_q, D] over the forward plan; ``gather_run``: keys a copy loads
+    on gathered steps (0: a plan without them, one copy a stage); ``stages``: K/V ring slots
+    per ring (a gathering producer's; the other keeps STAGES)."""
+    if not gather_run and stages != STAGES:
+        raise ValueError(f"dq_call: stages={stages} needs a gathering producer (gather_run)")
     B, _, Hq, D = q.shape
     Hkv = k.shape[2]
     U = units.shape[0]
     dtype = q.dtype
     rings = 2 if paired else 1
-    slots = rings * STAGES
-    static = dict(tile_q=tile_q, tile_kv=tile_kv, paired=paired, mode=mode, num_units=U,
-                  num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
+    slots = rings * stages
+    static = dict(tile_q=tile_q, tile_kv=tile_kv, gather_run=gather_run, stages=stages,
+                  paired=paired, mode=mode, num_units=U, num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
                   qk_scale=float(scale) * LOG2E, scale=float(scale), interpret=interpret)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -325,7 +386,9 @@ def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paire
              plgpu.SMEM((slots, tile_kv, D), dtype, transforms=tr),
              plgpu.SMEM((slots, tile_kv, D), dtype, transforms=tr)),
             (plgpu.Barrier(num_barriers=CONSUMERS),) * 4,
-            (plgpu.Barrier(num_barriers=slots),) * 2,
+            # A gathering producer arrives once per copy.
+            (plgpu.Barrier(num_arrivals=tile_kv // gather_run if gather_run else 1,
+                           num_barriers=slots),) * 2,
             # A slot is free once every warpgroup reading it is done with it.
             (plgpu.Barrier(num_arrivals=1 if paired else CONSUMERS, num_barriers=slots),) * 2,
             collective_axes="wg",

@@ -1,14 +1,17 @@
-"""Constants, register-layout helpers and the grid / bitmap step masks shared by the Mosaic GPU
-kernels (``kernel``: the forward, ``backward``: dq and dk/dv)."""
+"""Constants, register-layout helpers, the grid / bitmap / gathered step masks and the gathered
+stage loads shared by the Mosaic GPU kernels (``kernel``: the forward, ``backward``: dq and
+dk/dv)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import step_masks
+from pallas_kernels import abi, step_masks
 
 WG_ROWS = 64                       # rows per consumer warpgroup (one wgmma M tile)
 CONSUMERS = 2                      # consumer warpgroups; the producer is warpgroup CONSUMERS
@@ -46,3 +49,51 @@ def bitmap_mask(words, off, row0, tile_q: int, tile_kv: int, cols, x):
 
     hit = step_masks.bitmap_hits(load, bcast, cols, x.shape, tile_kv)
     return jnp.where(hit != 0, x, -jnp.inf)
+
+
+def gather_vectors(words, off, row0, tile_kv: int):
+    """(key bool [tile_kv] in the column layout, row bool [64] in the row layout) of a
+    gathered step whose words start at ``off`` in ``words`` (``abi.pack_gather``: chunk
+    starts, key bits, row bits), for the warpgroup of tile rows row0 .. row0 + 63."""
+    G, W = abi.gather_chunks(tile_kv), abi.bitmap_words(tile_kv)
+    kw = off + G
+    rw = kw + W + row0 // abi.WORD_BITS              # the warpgroup's two row words
+
+    def bits_on(first, iota_, n):
+        # The bitmap decoder on a vector: word j's scalar against the bit of each index.
+        return step_masks.bitmap_hits(lambda j: words[first + j], lambda v, shape, dim: v,
+                                      iota_, iota_.shape, n) != 0
+
+    return bits_on(kw, iota(tile_kv, 0), tile_kv), bits_on(rw, iota(WG_ROWS, 1), WG_ROWS)
+
+
+def copy_starts(steps, words, s, tile_kv: int, run: int):
+    """The first key of each copy of step ``s``'s K/V stage (``run`` keys each, a multiple of
+    abi.GATHER_ROWS): from the step's words (a gathered step) or kv_start + run j."""
+    m = run // abi.GATHER_ROWS
+    kv_start = steps[s, abi.STEP_KV_START]
+    gathered = abi.is_gather(steps[s, abi.STEP_CUTS_B])
+    off = jnp.where(gathered, steps[s, abi.STEP_CUTS_A], 0)
+    return tuple(jnp.where(gathered, words[off + j * m], kv_start + j * run)
+                 for j in range(tile_kv // run))
+
+
+def load_gathered(srcs, smems, bars, consumed, b, head, starts, run: int, slot, wait):
+    """A gathering producer's stages of one step (``srcs`` [B, L, H, D] in GMEM, e.g. K and V,
+    each into ``smems[i].at[slot]``): one TMA copy per run of ``run`` keys at ``starts``
+    (``copy_starts``), copy j issued by warp j % 4 (one issuing thread is too slow for 16
+    copies a step), each stage once ``consumed[i].at[slot]`` says the slot is free (when
+    ``wait``); ``bars[i].at[slot]`` expects tile / run arrivals."""
+    starts = [pl.multiple_of(x, ALIGN) for x in starts]
+    for ref, smem, bar, done in zip(srcs, smems, bars, consumed):
+        @pl.when(wait)
+        def _():
+            plgpu.barrier_wait(done.at[slot])
+
+        def issue(w, ref=ref, smem=smem, bar=bar):
+            for j in range(len(starts)):
+                pl.when(w == j % 4)(functools.partial(
+                    plgpu.copy_gmem_to_smem, ref.at[b, pl.ds(starts[j], run), head],
+                    smem.at[slot, pl.ds(j * run, run)], bar.at[slot]))
+
+        plgpu.warp_map(issue)

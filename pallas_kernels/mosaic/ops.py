@@ -51,11 +51,6 @@ def _check_tiles(plan: abi.PassPlan, *allowed) -> None:
 def run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
     """``dq`` with the mask mode ``mode``."""
     t = contract.family_template(template, BACKEND)
-    if t.kernel.gather:
-        # The dq kernel's producer loads one run of keys per step: a plan of a gathering
-        # template may hold gathered steps, whose dq runs in XLA (exact, slower) for now.
-        from pallas_kernels.xla import ops as _xla_ops
-        return _xla_ops.run_dq(q, k, v, do, lse, delta, plan, _xla_template(plan), scale)
     scale = contract.check_pass(q, k, v, plan, t, scale, do=do)
     _check_tiles(plan, (t.tile_q, t.tile_kv))
     units, steps, _, row_index_t = contract.plan_operands(plan)
@@ -63,14 +58,16 @@ def run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
                rows_.host_unit_index(plan.units, t.tile_q, int(plan.q_len_padded)),
                row_index_t, tile_q=t.tile_q, tile_kv=t.tile_kv, paired=bool(t.kernel.paired),
                q_len_padded=int(plan.q_len_padded), kv_len_padded=int(plan.kv_len_padded),
-               scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret))
+               scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret),
+               gather_run=contract.gathers(t),
+               stages=t.stages if contract.gathers(t) else _backward.STAGES)
 
 
 @functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "paired", "q_len_padded",
                                              "kv_len_padded", "scale", "mask_mode",
-                                             "interpret"))
+                                             "interpret", "gather_run", "stages"))
 def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_q, tile_kv,
-        paired, q_len_padded, kv_len_padded, scale, mask_mode, interpret):
+        paired, q_len_padded, kv_len_padded, scale, mask_mode, interpret, gather_run, stages):
     lse_u = rows_.unit_rows(rows_.pad_rows(lse * contract.LOG2E, q_len_padded, jnp.inf), units,
                             tile_q, unit_index)
     delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q,
@@ -79,13 +76,8 @@ def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_
         contract.pad(q, q_len_padded), contract.pad(k, kv_len_padded),
         contract.pad(v, kv_len_padded), contract.pad(do.astype(q.dtype), q_len_padded),
         lse_u, delta_u, units, steps, tile_q=tile_q, tile_kv=tile_kv, paired=paired,
-        mode=mask_mode, scale=scale, interpret=interpret)
+        mode=mask_mode, scale=scale, interpret=interpret, gather_run=gather_run, stages=stages)
     return contract.gather_dq(dq_u, units, row_index_t, q.shape, tile_q)
-
-
-def _xla_template(plan: abi.PassPlan):
-    from pallas_kernels import templates as _templates
-    return _templates.get(f"xla_{plan.tile_q}x{plan.tile_kv}")
 
 
 def run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
