@@ -10,7 +10,13 @@ timed with cuDNN dense in the same process under ``tools.timing.KERNEL_RULE``. `
 = (selected interactions / time) / (dense interactions / cuDNN's time).
 
     python3 benchmarks/gather.py --out $OUT/h200-gather-fwd.json
+    python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
+        --out $OUT/h200-gather-fwd-bwd.json            # forward + backward (jax.vjp)
     python3 benchmarks/gather.py --small --interpret     # CPU smoke run (L 1,024)
+
+With ``--backward`` every case is the forward + backward (the vjp of q, k, v for a random
+cotangent) against cuDNN's forward + backward in the same process, its dq / dk / dv checked
+against the reference's on head 0.
 """
 
 from __future__ import annotations
@@ -94,6 +100,8 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated subset of {', '.join(VARIANTS)}")
     ap.add_argument("--masks", default=None, help="comma-separated subset of the mask names")
+    ap.add_argument("--backward", action="store_true",
+                    help="time forward + backward (vjp of q, k, v) instead of the forward")
     args = ap.parse_args()
 
     import jax
@@ -110,8 +118,18 @@ def main():
     opts = tj.Options(interpret=True) if args.interpret else None
     res = {"device": str(jax.devices()[0].device_kind), "L": L, "heads": H, "D": D,
            "jax": jax.__version__, "rule": timing.KERNEL_RULE.to_json(), "rows": []}
+    do = jax.random.normal(jax.random.key(1), q.shape, jnp.float32).astype(q.dtype)
+    res["pass"] = "forward+backward" if args.backward else "forward"
+
+    def timed(attn):
+        """The timed function of an attention ``attn(q, k, v)``: itself, or with
+        ``--backward`` its forward and the vjp of (q, k, v) for ``do``."""
+        if not args.backward:
+            return jax.jit(attn)
+        return jax.jit(lambda q, k, v: jax.vjp(attn, q, k, v)[1](do))
+
     if gpu:
-        dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        dense = timed(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, scale=scale, implementation="cudnn"))
         res["dense_ms"] = timing.time_kernel(dense, [(q, k, v)]).ms
         log(f"cuDNN dense {res['dense_ms']:.3f} ms")
@@ -122,9 +140,10 @@ def main():
             continue
         m = make()
         m0 = tj.BlockMask(m.q_bounds, m.kv_bounds, np.asarray(m.blocks)[:1])
-        ref = tj.reference_attention(q[:, :, :1].astype(jnp.float32),
-                                     k[:, :, :1].astype(jnp.float32),
-                                     v[:, :, :1].astype(jnp.float32), m0, scale=scale)
+        h0 = [x[:, :, :1].astype(jnp.float32) for x in (q, k, v)]
+        ref_fn = lambda q, k, v: tj.reference_attention(q, k, v, m0, scale=scale)  # noqa: E731
+        ref = (jax.vjp(ref_fn, *h0)[1](do[:, :, :1].astype(jnp.float32)) if args.backward
+               else [ref_fn(*h0)])
         for var, template, policy in variants:
             if time.time() - T0 > args.budget_s:
                 log("budget reached")
@@ -139,11 +158,14 @@ def main():
                            / s["selected_interactions"],
                            selected_fraction=s["selected_interactions"] / s["dense_interactions"],
                            gather_steps=s["gather_steps"], tiles=s["tiles"])
-                fn = jax.jit(lambda q, k, v, t=template, po=policy: tj.sparse_attention(
+                fn = timed(lambda q, k, v, t=template, po=policy: tj.sparse_attention(
                     q, k, v, m, scale=scale, template=t, policy=po, options=opts))
                 out = fn(q, k, v)
-                got = out[:, :, :1].astype(jnp.float32)
-                row["max_err"] = float(jnp.abs(got - ref).max())
+                got = out if args.backward else [out]
+                # Relative to the largest reference entry (gradients are not O(1)).
+                row["max_err"] = max(
+                    float(jnp.abs(g[:, :, :1].astype(jnp.float32) - r).max()
+                          / max(float(jnp.abs(r).max()), 1e-6)) for g, r in zip(got, ref))
                 row["ok"] = bool(row["max_err"] < 3e-2)
                 if gpu:
                     row["ms"] = timing.time_kernel(fn, [(q, k, v)]).ms
