@@ -10,7 +10,8 @@ timed with cuDNN dense in the same process under ``tools.timing.KERNEL_RULE``. `
 = (selected interactions / time) / (dense interactions / cuDNN's time).
 
     python3 benchmarks/gather.py --out $OUT/h200-gather-fwd.json
-    python3 benchmarks/gather.py --small --interpret     # CPU smoke run (L 1,024)
+    python3 benchmarks/gather.py --small --variants default   # CPU smoke run (L 1,024, XLA;
+                                                              # Mosaic templates need a GPU)
 """
 
 from __future__ import annotations
