@@ -12,7 +12,8 @@ timed with cuDNN dense in the same process under ``tools.timing.KERNEL_RULE``. `
     python3 benchmarks/gather.py --out $OUT/h200-gather-fwd.json
     python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
         --out $OUT/h200-gather-fwd-bwd.json            # forward + backward (jax.vjp)
-    python3 benchmarks/gather.py --small --interpret     # CPU smoke run (L 1,024)
+    python3 benchmarks/gather.py --small --variants default   # CPU smoke run (L 1,024, XLA;
+                                                              # Mosaic templates need a GPU)
 
 With ``--backward`` every case is the forward + backward (the vjp of q, k, v for a random
 cotangent) against cuDNN's forward + backward in the same process, its dq / dk / dv checked
