@@ -11,6 +11,10 @@
 #   bash benchmarks/h200_session.sh train     # Wan 1.3B 480p training step, sparse then dense (time, memory)
 #   bash benchmarks/h200_session.sh train-ab  # the step with the row-dot kernel, dense, jnp's delta; the deltas alone
 #   bash benchmarks/h200_session.sh device-planning  # Wan 480p VSA and Wan 720p device planning + route
+#   bash benchmarks/h200_session.sh gather-dq # the gathering dq compiled against the reference, then
+#                                             # forward + backward of gather plans vs cuDNN's
+#   bash benchmarks/h200_session.sh test-gpu  # make test-gpu in two parts (Mosaic, Triton), logs in $OUT
+#   bash benchmarks/h200_session.sh memory    # the training step's peak memory with the Mosaic row dots
 # (Earlier sessions' parts are in git history.)
 set -u
 OUT=${OUT:?set OUT}
@@ -24,6 +28,26 @@ run() {   # run SECONDS NAME CMD...: one part, its log in $OUT/NAME.log
   echo "[$(date +%T)] $name rc $rc"
 }
 case "${1:-}" in
+gather-dq)
+  # Issue 31: the dq kernel's gathered stages (branch gather-dq) on the compiled GPU path:
+  # the gather template's make-test-gpu cases (host route, D 64 and 128, fwd + bwd), then
+  # forward + backward of default and gather plans on the irregular masks against cuDNN's.
+  run 200 test-gpu-gather env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/gpu -k mgpu_q128_kv128_s2_gather
+  run 330 gather-fwd-bwd python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
+      --budget-s 300 --out $OUT/h200-gather-fwd-bwd.json ;;
+test-gpu)
+  # Issue 32 item 6: the complete make test-gpu, split under the 10-minute call limit.
+  run 290 test-gpu-mosaic env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/gpu -k "mgpu_ or mosaic_gpu- or aux or something"
+  run 290 test-gpu-triton env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/gpu -k "triton" ;;
+memory)
+  # Issue 32 item 3: the 4-layer training step's peak memory with the Mosaic row dots
+  # (expected to hold session 14's 0.99985x dense; compile only).
+  run 200 train-memory python3 benchmarks/backward.py --sections train --steps 0 --layers 4 \
+      --train-variants sparse,dense,sparse_jnp_delta --budget-s 190 \
+      --out $OUT/h200-train-memory.json ;;
 memfix)
   # Issue 18's memory with the row-dot kernel (pallas_kernels.triton.delta): session 14's
   # buffer assignment showed the rematerialised forward's output gathered head-major for
