@@ -184,7 +184,9 @@ def gathers(t) -> int:
     0: they do not gather). The XLA executor reads any chunk layout."""
     if t.backend == "xla":
         return abi.GATHER_ROWS
-    return t.kernel.gather_run if getattr(t.kernel, "gather", False) else 0
+    if not getattr(t.kernel, "gather", False):
+        return 0
+    return getattr(t.kernel, "gather_run", abi.GATHER_ROWS)     # Triton: any 8-key chunks
 
 
 def is_host(plan: abi.PassPlan) -> bool:

@@ -133,11 +133,14 @@ class TritonConfig:
         stages >= 3) issues the K/V copies a full step ahead.
     mask_mode: "cond" masks partial steps only (a plan whose steps are all full runs mode
         "none", chosen by ``contract``), "always" every step.
+    gather:    the forward and dq kernels load a gathered step's keys by index
+        (``abi.GATHER_FLAG``: its chunks' rows), so plans may hold gathered steps.
     """
 
     num_warps: int | None = None
     prefetch: bool = False
     mask_mode: str = "cond"
+    gather: bool = False
 
     MASK_MODES = ("cond", "always")
     NUM_WARPS = (1, 2, 4, 8, 16)
@@ -149,6 +152,10 @@ class TritonConfig:
                 raise ValueError(f"TritonConfig.num_warps must be None or one of "
                                  f"{self.NUM_WARPS}, got {self.num_warps}")
         _check_bool("TritonConfig", "prefetch", self.prefetch)
+        _check_bool("TritonConfig", "gather", self.gather)
+        if self.gather and self.prefetch:
+            raise ValueError("TritonConfig.gather reads each step's keys in its iteration: "
+                             "not with prefetch (which carries a kv_start)")
         _check_choice("TritonConfig", "mask_mode", self.mask_mode, self.MASK_MODES)
 
     def check_tiles(self, tile_q: int, tile_kv: int, stages: int) -> None:
@@ -346,6 +353,9 @@ _TRITON_TEMPLATES = (
     # dims 129..256 (v1 grid, 4 warps, 2 stages: small tiles leave registers for D = 256).
     Template("triton_q64_kv64_w4_s2", tile_q=64, tile_kv=64, stages=2,
              head_dims=tuple(range(129, 257)), kernel=TritonConfig(num_warps=4), **_TRITON),
+    # Gathered steps by index (``gather`` plans; keys read per step, so no prefetch).
+    Template("triton_q128_kv128_w8_s3_gather", tile_q=128, tile_kv=128, policy="gather",
+             **dict(_TRITON_V2, kernel=TritonConfig(num_warps=8, gather=True))),
 )
 
 # --- XLA executor (plain JAX: CPU/TPU, the fallback): pallas_kernels.xla.executor ---------

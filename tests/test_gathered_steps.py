@@ -317,24 +317,71 @@ def test_mosaic_dq_runs_a_gather_plan_in_interpret_mode(which):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2)
 
 
-@pytest.mark.parametrize("which", [0, 1, 2])
-@pytest.mark.parametrize("pass_", ["forward", "dq"])
-def test_gathering_kernels_lower_for_cuda(which, pass_):
-    """The gathering forward and dq kernels (8-key chunks, 32-key runs, paired units) lower
-    for an abstract H200 (``interpret=False``): Mosaic GPU's lowering refuses what it cannot
-    compile (e.g. a negation in warp code) before any GPU sees it."""
+def _lower(ops, t, pass_, family):
+    """Forward or dq of template ``t`` lowered for an abstract H200 (``interpret=False``),
+    with traced plan arrays: the text names the family's custom call."""
     from cuda_lowering import lower_for_h200
-    from pallas_kernels.mosaic import ops as mops
 
-    t = _run_templates()[which]
     sds = jax.ShapeDtypeStruct
     L, D = 384, 128
     q, kv = sds((1, L, 4, D), jnp.bfloat16), sds((1, L, 2, D), jnp.bfloat16)
     units, steps = sds((12, abi.UNIT_COLS), jnp.int32), sds((40, abi.STEP_COLS), jnp.int32)
     plan = lambda u, s: abi.PassPlan(u, s, None, t.tile_q, t.tile_kv, L, L, 4)   # noqa: E731
     rows = jnp.zeros((1, 4, L), jnp.float32)
-    fn = {"forward": lambda q, k, v, u, s: mops.forward(q, k, v, plan(u, s), template=t,
-                                                        scale=0.1, interpret=False),
-          "dq": lambda q, k, v, u, s: mops.dq(q, k, v, q, rows, rows, plan(u, s), template=t,
-                                              scale=0.1, interpret=False)}[pass_]
-    assert "mosaic_gpu" in lower_for_h200(fn, q, kv, kv, units, steps)
+    fn = {"forward": lambda q, k, v, u, s: ops.forward(q, k, v, plan(u, s), template=t,
+                                                       scale=0.1, interpret=False),
+          "dq": lambda q, k, v, u, s: ops.dq(q, k, v, q, rows, rows, plan(u, s), template=t,
+                                             scale=0.1, interpret=False)}[pass_]
+    assert family in lower_for_h200(fn, q, kv, kv, units, steps)
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("pass_", ["forward", "dq"])
+def test_gathering_kernels_lower_for_cuda(which, pass_):
+    """The gathering forward and dq kernels (8-key chunks, 32-key runs, paired units) lower
+    for an abstract H200: Mosaic GPU's lowering refuses what it cannot compile (e.g. a
+    negation in warp code, a ring past shared memory) before any GPU sees it."""
+    from pallas_kernels.mosaic import ops as mops
+
+    _lower(mops, _run_templates()[which], pass_, "mosaic_gpu")
+
+
+def _triton_gather_template():
+    from pallas_kernels import templates as T
+
+    return T.get("triton_q128_kv128_w8_s3_gather")
+
+
+def test_triton_kernels_gather_by_index():
+    """The Triton forward and dq load a gathered step's keys by index: against the reference
+    and its gradient (interpret mode), GQA, f32."""
+    from pallas_kernels import backward_rows as rows
+    from pallas_kernels.triton import ops as tops
+
+    t = _triton_gather_template()
+    Lq, Lk, H, D = 264, 300, 4, 32
+    m = mask_var_clusters(Lq, H, q_mean=60, kv_mean=20, density=0.3, seed=6, kv_len=Lk)
+    p = planner.build_plan(m, (1, Lq, H, D), (1, Lk, H // 2, D), jnp.float32, tile_q=t.tile_q,
+                           tile_kv=t.tile_kv, policy="gather")
+    assert p.stats()["gather_steps"] > 0
+    ks = jax.random.split(jax.random.key(11), 4)
+    q = jax.random.normal(ks[0], (1, Lq, H, D))
+    k, v = (jax.random.normal(x, (1, Lk, H // 2, D)) for x in ks[1:3])
+    do = jax.random.normal(ks[3], (1, Lq, H, D))
+    out_ref, lse = tj.reference_attention(q, k, v, m, scale=0.2, return_lse=True)
+    dq_ref = jax.vjp(lambda q: tj.reference_attention(q, k, v, m, scale=0.2), q)[1](do)[0]
+    plan = abi.PassPlan(p.units, p.steps, None, t.tile_q, t.tile_kv, p.q_len_padded,
+                        p.kv_len_padded, p.max_steps, None)
+    out = tops.forward(q, k, v, plan, template=t, scale=0.2, interpret=True)
+    np.testing.assert_allclose(out, _ref64(q, k, v, m, 0.2), atol=2e-5)
+    delta = jnp.einsum("bqhd,bqhd->bhq", out_ref, do)
+    dq = tops.dq(q, k, v, do, rows.lse_for_backward(lse), delta, plan, template=t, scale=0.2,
+                 interpret=True)
+    np.testing.assert_allclose(dq, dq_ref, atol=5e-5)
+
+
+@pytest.mark.parametrize("pass_", ["forward", "dq"])
+def test_triton_gather_lowers_for_cuda(pass_):
+    from pallas_kernels.triton import ops as tops
+
+    _lower(tops, _triton_gather_template(), pass_, "triton")
