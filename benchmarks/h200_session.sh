@@ -33,7 +33,7 @@ gather-dq)
   # the gather template's make-test-gpu cases (host route, D 64 and 128, fwd + bwd), then
   # forward + backward of default and gather plans on the irregular masks against cuDNN's.
   run 200 test-gpu-gather env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/gpu -k mgpu_q128_kv128_s2_gather
+      tests/gpu -k "mgpu_q128_kv128_s2_gather or triton_q128_kv128_w8_s3_gather"
   run 330 gather-fwd-bwd python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
       --budget-s 300 --out $OUT/h200-gather-fwd-bwd.json ;;
 test-gpu)
