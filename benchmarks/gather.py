@@ -89,7 +89,10 @@ def masks(small: bool):
 
 # The paired 64-row and 32-key-run templates of results/h200-gather-fwd.json (commit f5463ea)
 # were deleted: never the best on any mask (benchmarks/NOTES.md#gathered-steps).
-VARIANTS = {"default": (None, None), "gather": ("mgpu_q128_kv128_s2_gather", "gather")}
+VARIANTS = {"default": (None, None), "gather": ("mgpu_q128_kv128_s2_gather", "gather"),
+            # The same template on the device route: the selection a traced argument (a
+            # device mask, bounds static), planned inside the program.
+            "gather_device": ("mgpu_q128_kv128_s2_gather", None)}
 
 
 def main():
@@ -127,7 +130,8 @@ def main():
         ``--backward`` its forward and the vjp of (q, k, v) for ``do``."""
         if not args.backward:
             return jax.jit(attn)
-        return jax.jit(lambda q, k, v: jax.vjp(attn, q, k, v)[1](do))
+        return jax.jit(lambda q, k, v, *extra: jax.vjp(
+            lambda q, k, v: attn(q, k, v, *extra), q, k, v)[1](do))
 
     if gpu:
         dense = timed(lambda q, k, v: jax.nn.dot_product_attention(
@@ -159,9 +163,17 @@ def main():
                            / s["selected_interactions"],
                            selected_fraction=s["selected_interactions"] / s["dense_interactions"],
                            gather_steps=s["gather_steps"], tiles=s["tiles"])
-                fn = timed(lambda q, k, v, t=template, po=policy: tj.sparse_attention(
-                    q, k, v, m, scale=scale, template=t, policy=po, options=opts))
-                out = fn(q, k, v)
+                if var.endswith("_device"):
+                    qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
+                    fn = timed(lambda q, k, v, b, t=template: tj.sparse_attention(
+                        q, k, v, tj.BlockMask(qb, kb, b), scale=scale, template=t,
+                        options=opts))
+                    call = (q, k, v, jnp.asarray(m.blocks))
+                else:
+                    fn = timed(lambda q, k, v, t=template, po=policy: tj.sparse_attention(
+                        q, k, v, m, scale=scale, template=t, policy=po, options=opts))
+                    call = (q, k, v)
+                out = fn(*call)
                 got = out if args.backward else [out]
                 # Relative to the largest reference entry (gradients are not O(1)).
                 row["max_err"] = max(
@@ -169,7 +181,7 @@ def main():
                           / max(float(jnp.abs(r).max()), 1e-6)) for g, r in zip(got, ref))
                 row["ok"] = bool(row["max_err"] < 3e-2)
                 if gpu:
-                    row["ms"] = timing.time_kernel(fn, [(q, k, v)]).ms
+                    row["ms"] = timing.time_kernel(fn, [call]).ms
                     row["efficiency"] = row["selected_fraction"] * res["dense_ms"] / row["ms"]
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -180,6 +192,11 @@ def main():
         if "efficiency" in r and r.get("ok"):
             key = f"efficiency_{r['mask']}_{r['variant']}"
             eff[key] = r["efficiency"]
+    ms = {(r["mask"], r["variant"]): r["ms"] for r in res["rows"] if r.get("ok") and "ms" in r}
+    ratios = [ms[(mk, "gather_device")] / ms[(mk, "gather")] for mk, var in ms
+              if var == "gather_device" and (mk, "gather") in ms]
+    if ratios:
+        eff["device_vs_host_max"] = max(ratios)
     res["summary"] = eff
     log(json.dumps(eff))
     if args.out:

@@ -117,24 +117,26 @@ def _window_classes(blk, kb, row_block, tile_q: int, G: int, m: int, nchunks: in
     return starts, key_sel, row_sel[step_cls], int((rows * keys).sum())
 
 
-def segments(qb, tile_q: int, q_len: int, align: int = abi.GATHER_ROWS):
+def segments(qb, tile_q: int, q_len: int, align: int = abi.GATHER_ROWS,
+             max_blocks: int | None = None):
     """[(a, b)]: the owned row ranges of a head's units, in order, covering [0, q_len). Whole
-    query blocks are packed while they fit a tile starting at ``a`` rounded down to ``align``;
-    a block is cut only where it fits no tile of its own, its first piece filling the current
-    tile (later pieces start aligned). Packing never computes more: keys that blocks share
-    are loaded once."""
-    out, a, end = [], 0, 0
+    query blocks are packed while they fit a tile starting at ``a`` rounded down to ``align``
+    (and, with ``max_blocks``, while the run holds fewer blocks or pieces); a block is cut only
+    where it fits no tile of its own, its first piece filling the current tile (later pieces
+    start aligned). Packing never computes more: keys that blocks share are loaded once."""
+    out, a, end, nb = [], 0, 0, 0
+    full = (lambda: nb >= max_blocks) if max_blocks else (lambda: False)    # noqa: E731
     for e in np.minimum(np.asarray(qb, np.int64)[1:], q_len):
         e = int(e)
-        while e - (a - a % align) > tile_q:
-            if end > a and e - (end - end % align) <= tile_q:
+        while e - (a - a % align) > tile_q or full():
+            if end > a and (e - (end - end % align) <= tile_q or full()):
                 out.append((a, end))             # the block fits a tile of its own
-                a = end
+                a, nb = end, 0
             else:                                # it must be cut: fill this tile first
                 cut = a - a % align + tile_q
                 out.append((a, cut))
-                a = end = cut
-        end = e
+                a, end, nb = cut, cut, 0
+        end, nb = e, nb + 1
     if end > a:
         out.append((a, end))
     return out

@@ -1,0 +1,188 @@
+"""The ``gather`` policy on the device: a block mask in jax arrays -> a plan of gathered steps.
+
+The host policy (``planning.gather``) inside jit, for masks whose selection is traced and whose
+bounds are static (NumPy, shared by the heads): everything but the selection bits is then known
+when tracing. Units are the host policy's query segments (``gather.segments``, at most
+``max_blocks`` query blocks each), one per (query head, segment). In a segment a key block's
+*signature* is the max_blocks bits of the local query blocks selecting it; the classes are the
+2^max_blocks - 1 signature values, and a class's chunks (``abi.GATHER_ROWS`` keys) come from
+the (key block, chunk) pairs whose block has that signature: sorted by (class, chunk) per
+segment, equal pairs' bits summed (the key blocks of one chunk hold disjoint keys), ranked in
+their class, 16 to a step. The steps of all units are compacted into ``capacity`` rows (static);
+more make ``ok`` False and the excess is dropped. Steps come in unit order, a unit's in class
+order: the host policy's plan up to the order of its classes and of its full chunks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels import abi
+from tessera_jax.planning import gather as _gather
+
+__all__ = ["plan_gather_on_device", "step_bound"]
+
+
+def _static(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
+            max_blocks: int):
+    """The mask's static structure: segments, their local query blocks and rows, the
+    (key block, chunk, bits) pairs, the padded lengths."""
+    qb = np.asarray(q_bounds, np.int64).reshape(-1)
+    kb = np.asarray(kv_bounds, np.int64).reshape(-1)
+    A = abi.GATHER_ROWS
+    qp = -(-q_len // tile_q) * tile_q
+    kvp = -(-kv_len // tile_kv) * tile_kv
+    segs = np.array(_gather.segments(qb, tile_q, q_len, max_blocks=max_blocks),
+                    np.int64).reshape(-1, 2)
+    w0, w1 = segs[:, 0], segs[:, 1]
+    s0 = np.minimum(w0 - w0 % A, qp - tile_q)
+    i0 = np.searchsorted(qb, w0, side="right") - 1
+    nbs = np.searchsorted(qb, w1, side="left") - i0
+    r = s0[:, None] + np.arange(tile_q)
+    local = np.searchsorted(qb, r, side="right") - 1 - i0[:, None]
+    local = np.where((r >= w0[:, None]) & (r < w1[:, None]), local, -1)      # [S, tile_q]
+    a, b = kb[:-1], kb[1:]
+    c0, c1 = a // A, -(-b // A)
+    n = c1 - c0
+    pj = np.repeat(np.arange(len(a)), n)
+    pch = np.repeat(c0, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+    lo = np.clip(a[pj] - pch * A, 0, A)
+    hi = np.clip(b[pj] - pch * A, 0, A)
+    pbits = (np.left_shift(1, hi) - np.left_shift(1, lo)).astype(np.int32)
+    dup = int(np.bincount(pch).max())              # most pairs of one chunk
+    return dict(qp=int(qp), kvp=int(kvp), w0=w0, w1=w1, s0=s0, i0=i0, nbs=nbs, local=local,
+                pj=pj, pch=pch, pbits=pbits, dup=dup, nchunks=int(kvp // A))
+
+
+def step_bound(q_bounds, kv_bounds, *, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
+               max_blocks: int = 4) -> tuple[int, int]:
+    """(most steps one unit can have, most steps a mask head's units can have): every pair a
+    class of its own run of chunks, each class one partial step."""
+    st = _static(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks)
+    per_unit = -(-len(st["pj"]) // abi.gather_chunks(tile_kv)) + (1 << max_blocks) - 1
+    return per_unit, per_unit * len(st["s0"])
+
+
+def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
+                          kv_len: int, tile_q: int, tile_kv: int, capacity: int,
+                          max_blocks: int = 4) -> tuple[abi.PassPlan, jax.Array]:
+    """(plan, ok) of the gather policy for ``blocks`` bool [Hm, nq, nk] (jax or NumPy; Hm = 1
+    or num_q_heads) over static shared bounds ``q_bounds`` / ``kv_bounds`` (NumPy [n + 1] or
+    [1, n + 1]): at most ``capacity`` steps (static; ``step_bound`` gives enough for any
+    selection), ``ok`` False when the selection needs more. The plan's leaves are jax arrays,
+    its ``row_index`` None and ``all_full`` None."""
+    for name, b in (("q_bounds", q_bounds), ("kv_bounds", kv_bounds)):
+        if not isinstance(b, np.ndarray) or (b.ndim == 2 and b.shape[0] != 1) or b.ndim > 2:
+            raise ValueError(f"{name}: the gather policy on the device needs static (NumPy) "
+                             f"bounds shared by the heads, got {type(b).__name__} "
+                             f"{getattr(b, 'shape', None)}")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+    if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) \
+            or not 1 <= max_blocks <= 8:
+        raise ValueError(f"max_blocks must be an int in [1, 8], got {max_blocks!r}")
+    Hm, nq, nk = blocks.shape
+    if Hm not in (1, num_q_heads):
+        raise ValueError(f"blocks has {Hm} heads: 1 (shared) or num_q_heads={num_q_heads}")
+    st = _static(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks)
+    A, G = abi.GATHER_ROWS, abi.gather_chunks(tile_kv)
+    C, S, P, NCH = max_blocks, len(st["s0"]), len(st["pj"]), st["nchunks"]
+    blocks = jnp.asarray(blocks, bool)
+
+    # Signatures: bit l of a key block's is local query block l of the segment selecting it.
+    li = np.arange(C)
+    rows = np.minimum(st["i0"][:, None] + li, nq - 1)                      # [S, C]
+    valid = li[None, :] < st["nbs"][:, None]
+    sel = blocks[:, rows, :] & jnp.asarray(valid)[None, :, :, None]        # [Hm, S, C, nk]
+    sig = jnp.sum(sel.astype(jnp.int32) << jnp.asarray(li)[None, None, :, None], axis=2)
+    psig = sig[:, :, st["pj"]]                                             # [Hm, S, P]
+    big = jnp.int32((1 << C) * NCH)
+    key = jnp.where(psig > 0, psig * NCH + jnp.asarray(st["pch"], jnp.int32), big)
+    bits = jnp.broadcast_to(jnp.asarray(st["pbits"]), key.shape)
+    key, bits = lax.sort((key, bits), dimension=2, num_keys=1)
+    # Equal (class, chunk) pairs: their bits summed into the first.
+    shifted = lambda x, d, fill: jnp.concatenate(                          # noqa: E731
+        [x[..., d:], jnp.full(x.shape[:-1] + (d,), fill, x.dtype)], axis=-1)
+    comb = bits
+    for d in range(1, st["dup"]):
+        comb = comb + jnp.where(shifted(key, d, -1) == key, shifted(bits, d, 0), 0)
+    prev = jnp.concatenate([jnp.full(key.shape[:-1] + (1,), -1, key.dtype), key[..., :-1]],
+                           axis=-1)
+    ent = (key != prev) & (key < big)                                      # one per chunk
+    cls, ch = key // NCH, key % NCH
+    idx = jnp.cumsum(ent, axis=-1) - 1                                     # entry index
+    pcls = jnp.concatenate([jnp.full(cls.shape[:-1] + (1,), -1, cls.dtype), cls[..., :-1]],
+                           axis=-1)
+    first = lax.cummax(jnp.where(ent & (cls != pcls), idx, -1), axis=2)
+    rank = idx - first                                                     # in its class
+    new_step = ent & (rank % G == 0)
+    step_in = jnp.cumsum(new_step, axis=-1) - 1                            # in its unit
+    nsteps = jnp.sum(new_step, axis=-1)                                    # [Hm, S]
+    base = jnp.cumsum(nsteps.reshape(-1)) - nsteps.reshape(-1)
+    total = jnp.sum(nsteps)
+    gstep = base.reshape(Hm, S)[:, :, None] + step_in                      # [Hm, S, P]
+    tgt = jnp.where(ent & (gstep < capacity), gstep, capacity)             # capacity: dropped
+    slot = rank % G
+    starts = jnp.full((capacity + 1, G), -1, jnp.int32).at[tgt, slot].set(ch * A)
+    kbits = jnp.zeros((capacity + 1, G), jnp.int32).at[tgt, slot].set(comb)
+    lead = jnp.where(new_step, tgt, capacity)
+    hs = jnp.arange(Hm * S, dtype=jnp.int32).reshape(Hm, S)[:, :, None]
+    step_cls = jnp.zeros(capacity + 1, jnp.int32).at[lead].set(cls)[:capacity]
+    step_hs = jnp.zeros(capacity + 1, jnp.int32).at[lead].set(
+        jnp.broadcast_to(hs, lead.shape))[:capacity]
+    starts, kbits = starts[:capacity], kbits[:capacity]
+    starts = jnp.where(starts < 0, starts[:, :1], starts)                  # unused: slot 0's
+    starts = jnp.maximum(starts, 0)                                        # an empty row
+    # Row bits: the tile rows of the step's segment whose local block is in its class.
+    loc = jnp.asarray(st["local"])[step_hs % S]                            # [cap, tile_q]
+    row_sel = (loc >= 0) & (((step_cls[:, None] >> jnp.maximum(loc, 0)) & 1) == 1)
+    key_sel = ((kbits[:, :, None] >> jnp.arange(A)) & 1).astype(bool).reshape(capacity, -1)
+    live = jnp.arange(capacity) < total
+    row_sel, key_sel = row_sel & live[:, None], key_sel & live[:, None]
+    words = jnp.concatenate([starts, _pack(key_sel), _pack(row_sel)], axis=1)
+    wr = abi.gather_word_rows(tile_q, tile_kv)
+    words = jnp.pad(words, ((0, 0), (0, wr * abi.STEP_COLS - words.shape[1])))
+    q_lo, q_hi = _first_last(row_sel)
+    kv_lo, kv_hi = _first_last(key_sel)
+    full = jnp.all(row_sel, axis=1) & jnp.all(key_sel, axis=1)
+    head = jnp.stack([starts[:, 0], abi.pack_rect(q_lo, q_hi, kv_lo, kv_hi),
+                      (capacity + jnp.arange(capacity, dtype=jnp.int32) * wr) * abi.STEP_COLS,
+                      jnp.where(full, abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)], axis=1)
+    head = jnp.where(live[:, None], head, jnp.zeros_like(head))
+    steps = jnp.concatenate([head.astype(jnp.int32),
+                             words.reshape(capacity * wr, abi.STEP_COLS)], axis=0)
+    # Units: one per (query head, segment), its mask head's steps.
+    hq = np.arange(num_q_heads)
+    hm = hq if Hm > 1 else np.zeros_like(hq)
+    ptr = jnp.minimum(base.reshape(Hm, S)[hm], capacity)                   # [Hq, S]
+    cnt = jnp.clip(capacity - ptr, 0, nsteps[hm])
+    units = jnp.stack([jnp.asarray(np.repeat(hq, S)), jnp.asarray(np.tile(st["s0"], len(hq))),
+                       jnp.asarray(np.tile(st["w0"] - st["s0"], len(hq))),
+                       jnp.asarray(np.tile(st["w1"] - st["s0"], len(hq))),
+                       ptr.reshape(-1), cnt.reshape(-1)], axis=1).astype(jnp.int32)
+    per_unit, _ = step_bound(q_bounds, kv_bounds, q_len=q_len, kv_len=kv_len, tile_q=tile_q,
+                             tile_kv=tile_kv, max_blocks=max_blocks)
+    plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), st["qp"], st["kvp"],
+                        int(min(per_unit, capacity)))
+    return plan, total <= capacity
+
+
+def _pack(sel):
+    """int32 words [n, ceil(m / 32)] of bool [n, m]: bit i % 32 of word i // 32."""
+    n, m = sel.shape
+    W = abi.bitmap_words(m)
+    sel = jnp.pad(sel, ((0, 0), (0, W * abi.WORD_BITS - m))).reshape(n, W, abi.WORD_BITS)
+    w = jnp.sum(sel.astype(jnp.uint32) << jnp.arange(abi.WORD_BITS, dtype=jnp.uint32), axis=2)
+    return lax.bitcast_convert_type(w.astype(jnp.uint32), jnp.int32)
+
+
+def _first_last(sel):
+    """(first set index, last + 1) per row of bool [n, m] (0, 0 where none is set)."""
+    m = sel.shape[1]
+    anyset = jnp.any(sel, axis=1)
+    lo = jnp.argmax(sel, axis=1)
+    hi = m - jnp.argmax(sel[:, ::-1], axis=1)
+    return jnp.where(anyset, lo, 0), jnp.where(anyset, hi, 0)

@@ -1,0 +1,168 @@
+"""The gather policy on the device (``planning.device_gather``): plans of traced selections
+over static bounds cover the mask exactly (variable and 1-token blocks, shared and per-head
+masks, empty rows, Lq != Lkv), pass the ABI's checks, trace once for new selections, report
+overflow, and run on the XLA executor against the float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax
+import jax.numpy as jnp
+
+import tessera_jax as tj
+from pallas_kernels import abi, templates
+from pallas_kernels.xla import ops as xla_ops
+from tessera_jax.planning import device_gather as dg, planner
+from strategies import bounds_from_sizes, heads_and_blocks
+from test_gathered_steps import _coverage, _ref64
+
+
+@st.composite
+def masks(draw):
+    def sizes():
+        return draw(st.lists(st.one_of(st.integers(1, 1), st.integers(2, 12),
+                                       st.integers(13, 200)), min_size=2, max_size=20))
+    qb, kb = bounds_from_sizes(sizes(), 600), bounds_from_sizes(sizes(), 600)
+    Hq, Hkv, blocks, rng = heads_and_blocks(draw, len(qb) - 1, len(kb) - 1, [0.05, 0.3, 0.7])
+    if blocks.shape[1] > 1 and draw(st.booleans()):
+        blocks[:, rng.integers(blocks.shape[1])] = False             # an empty query block
+    return tj.BlockMask(qb, kb, blocks), Hq, Hkv
+
+
+def _plan(mask, Hq, tq, tk, max_blocks=4, capacity=None):
+    qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
+    kw = dict(q_len=mask.Lq, kv_len=mask.Lkv, tile_q=tq, tile_kv=tk, max_blocks=max_blocks)
+    if capacity is None:
+        capacity = dg.step_bound(qb, kb, **kw)[1] * mask.blocks.shape[0]
+    # jit: one compile per shape is faster than the eager ops.
+    return jax.jit(lambda b: dg.plan_gather_on_device(b, qb, kb, num_q_heads=Hq,
+                                                      capacity=capacity, **kw))(
+        jnp.asarray(mask.blocks))
+
+
+class _Shape:                  # what tests/test_gathered_steps._coverage reads of a plan
+    def __init__(self, p, mask, Hq):
+        self.units, self.steps = np.asarray(p.units), np.asarray(p.steps)
+        self.num_units = len(self.units)
+        self.tile_q, self.tile_kv = p.tile_q, p.tile_kv
+        self.q_len_padded, self.kv_len_padded = p.q_len_padded, p.kv_len_padded
+        self.shape = type("S", (), dict(num_q_heads=Hq, q_len=mask.Lq, kv_len=mask.Lkv))
+
+
+def _token_mask(mask, Hq):
+    want = mask.head_blocks(Hq)
+    qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
+    rq = np.searchsorted(qb, np.arange(mask.Lq), "right") - 1
+    rk = np.searchsorted(kb, np.arange(mask.Lkv), "right") - 1
+    return np.stack([w[rq][:, rk] for w in want]).astype(np.int64)
+
+
+@given(masks(), st.sampled_from([(128, 128), (64, 128), (128, 64), (64, 64)]),
+       st.sampled_from([2, 4]))
+@settings(max_examples=30, deadline=None)
+def test_device_gather_plans_cover_the_mask_exactly_once(mt, tiles, max_blocks):
+    mask, Hq, _ = mt
+    tq, tk = tiles
+    p, ok = _plan(mask, Hq, tq, tk, max_blocks)
+    assert bool(ok)
+    abi.check_plan(np.asarray(p.units), np.asarray(p.steps), tq, tk, p.q_len_padded,
+                   p.kv_len_padded, num_q_heads=Hq, q_align=8, kv_align=8,
+                   max_steps=p.max_steps, gather=True)
+    np.testing.assert_array_equal(_coverage(_Shape(p, mask, Hq)), _token_mask(mask, Hq))
+
+
+def test_traced_selections_share_one_trace_and_overflow_is_reported():
+    rng = np.random.default_rng(3)
+    qb = np.r_[0, np.cumsum(rng.integers(20, 90, 8))]
+    kb = np.r_[0, np.cumsum(rng.integers(5, 40, 12))]
+    Lq, Lk = int(qb[-1]), int(kb[-1])
+    kw = dict(num_q_heads=2, q_len=Lq, kv_len=Lk, tile_q=128, tile_kv=128, capacity=64)
+    traces = []
+
+    @jax.jit
+    def plan(blocks):
+        traces.append(1)
+        p, ok = dg.plan_gather_on_device(blocks, qb, kb, **kw)
+        return p.units, p.steps, ok
+
+    for seed in range(3):
+        blocks = np.random.default_rng(seed).random((2, 8, 12)) < 0.4
+        units, steps, ok = plan(jnp.asarray(blocks))
+        eager, ok2 = dg.plan_gather_on_device(jnp.asarray(blocks), qb, kb, **kw)
+        np.testing.assert_array_equal(units, eager.units)
+        np.testing.assert_array_equal(steps, eager.steps)
+        assert bool(ok) and bool(ok2)
+    assert len(traces) == 1
+    dense = np.ones((2, 8, 12), bool)
+    p, ok = dg.plan_gather_on_device(jnp.asarray(dense), qb, kb, **dict(kw, capacity=2))
+    assert not bool(ok)              # past capacity: reported, and what is kept reads in bounds
+    abi.check_plan(np.asarray(p.units), np.asarray(p.steps), 128, 128, p.q_len_padded,
+                   p.kv_len_padded, num_q_heads=2, q_align=8, kv_align=8, gather=True)
+    with pytest.raises(ValueError, match="static .NumPy. bounds"):
+        dg.plan_gather_on_device(jnp.asarray(dense), jnp.asarray(qb), kb, **kw)
+
+
+@pytest.mark.parametrize("gqa", [1, 2])
+def test_device_gather_plan_runs_on_the_xla_executor(gqa):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gather import mask_var_clusters
+
+    Lq, Lk, H, D = 700, 530, 4, 16
+    m = mask_var_clusters(Lq, H, q_mean=60, kv_mean=20, seed=3, kv_len=Lk)
+    p, ok = _plan(m, H, 128, 128)
+    assert bool(ok)
+    ks = jax.random.split(jax.random.key(gqa), 3)
+    q = jax.random.normal(ks[0], (1, Lq, H, D))
+    k, v = (jax.random.normal(x, (1, Lk, H // gqa, D)) for x in ks[1:])
+    out = xla_ops.forward(q, k, v, p, template=templates.get("xla_128x128"), scale=0.3)
+    np.testing.assert_allclose(out, _ref64(q, k, v, m, 0.3), atol=2e-5)
+    # Computed no more than the host policy's plan at the same segments.
+    host = planner.build_plan(m, q.shape, k.shape, q.dtype, tile_q=128, tile_kv=128,
+                              policy="gather").stats()["computed_interactions"]
+    dev = int(np.sum(np.asarray(p.units)[:, abi.UNIT_STEP_CNT])) * 128 * 128
+    assert dev <= 1.25 * host, (dev, host)
+
+
+def test_device_route_plans_gather_templates_with_static_bounds():
+    """A device mask (traced blocks, static shared bounds) on the gather template: the route
+    plans the forward with the gather policy (gathered steps), and forward and gradients match
+    the reference (Mosaic GPU in interpret mode: forward and dq gather; dk/dv over the
+    transposed plan)."""
+    pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret")
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gather import mask_var_clusters
+    from tessera_jax.runtime import device_route, dispatch
+    from tessera_jax.select import device as select_device
+    from tessera_jax.validation import check_qkv
+
+    Lq, Lk, H, D = 264, 300, 2, 64
+    m = mask_var_clusters(Lq, H, q_mean=60, kv_mean=20, density=0.3, seed=6, kv_len=Lk)
+    dev = tj.BlockMask(m.q_bounds, m.kv_bounds, jnp.asarray(m.blocks))
+    t = dispatch.get_template("mgpu_q128_kv128_s2_gather")
+    consts = select_device.static_parts(dev)
+    assert device_route._gathers_on_device(t, consts)
+    ks = jax.random.split(jax.random.key(4), 3)
+    q, k, v = (jax.random.normal(x, (1, L, H, D)).astype(jnp.bfloat16)
+               for x, L in zip(ks, (Lq, Lk, Lk)))
+    plan = device_route.device_plans(q, k, *(c.array for c in consts[:2]), dev.blocks,
+                                     consts=consts, t=t, capacity=0, decide=False,
+                                     budget=0)
+    cb = np.asarray(plan.fwd.steps)[np.asarray(plan.fwd.units)[:, abi.UNIT_STEP_PTR]]
+    assert abi.is_gather(cb[:, abi.STEP_CUTS_B]).any()
+    f = lambda q, k, v: device_route.attention(q, k, v, dev, check_qkv(q, k, v),   # noqa
+                                               "mosaic_gpu", t, 0.125, False)
+    out, vjp = jax.vjp(f, q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref, rvjp = jax.vjp(lambda q, k, v: tj.reference_attention(q, k, v, m, scale=0.125), *f32)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-2)
+    do = jax.random.normal(jax.random.key(5), out.shape).astype(out.dtype)
+    for a, b in zip(vjp(do), rvjp(do.astype(jnp.float32))):
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=5e-2)
