@@ -13,6 +13,7 @@
 #   bash benchmarks/h200_session.sh device-planning  # Wan 480p VSA and Wan 720p device planning + route
 #   bash benchmarks/h200_session.sh gather-dq # the gathering dq compiled against the reference, then
 #                                             # forward + backward of gather plans vs cuDNN's
+#   bash benchmarks/h200_session.sh gather-device  # device-route gather plans vs host plans
 #   bash benchmarks/h200_session.sh test-gpu  # make test-gpu in two parts (Mosaic, Triton), logs in $OUT
 #   bash benchmarks/h200_session.sh memory    # the training step's peak memory with the Mosaic row dots
 # (Earlier sessions' parts are in git history.)
@@ -36,6 +37,11 @@ gather-dq)
       tests/gpu -k "mgpu_q128_kv128_s2_gather or triton_q128_kv128_w8_s3_gather"
   run 330 gather-fwd-bwd python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
       --budget-s 300 --out $OUT/h200-gather-fwd-bwd.json ;;
+gather-device)
+  # Issue 31: the device route's gather plans (traced selections, static bounds) against the
+  # host plans of the same template, forward (summary.device_vs_host_max <= 1.05).
+  run 330 gather-device python3 benchmarks/gather.py --variants default,gather,gather_device \
+      --budget-s 300 --out $OUT/h200-gather-device.json ;;
 test-gpu)
   # Issue 32 item 6: the complete make test-gpu, split under the 10-minute call limit.
   run 290 test-gpu-mosaic env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
