@@ -193,6 +193,12 @@ def _bits(sel):
     return np.ascontiguousarray(packed).view("<i4").astype(np.int32)
 
 
+def pack_bits(sel):
+    """int32 words [..., ceil(n / 32)] of bool [..., n], bit i % 32 of word i // 32: the
+    packing of every word layout here (bitmap steps, gathered steps' key and row bits)."""
+    return _bits(sel)
+
+
 def _unbits(words, n: int):
     """bool [..., n] of ``_bits``' words [..., ceil(n / 32)]."""
     w = np.asarray(words).astype(np.int64) & 0xFFFFFFFF

@@ -136,18 +136,22 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
     starts, kbits = starts[:capacity], kbits[:capacity]
     starts = jnp.where(starts < 0, starts[:, :1], starts)                  # unused: slot 0's
     starts = jnp.maximum(starts, 0)                                        # an empty row
-    # Row bits: the tile rows of the step's segment whose local block is in its class.
-    loc = jnp.asarray(st["local"])[step_hs % S]                            # [cap, tile_q]
-    row_sel = (loc >= 0) & (((step_cls[:, None] >> jnp.maximum(loc, 0)) & 1) == 1)
-    key_sel = ((kbits[:, :, None] >> jnp.arange(A)) & 1).astype(bool).reshape(capacity, -1)
+    # Row bits depend on (segment, class) alone: static tables, gathered per step.
     live = jnp.arange(capacity) < total
-    row_sel, key_sel = row_sel & live[:, None], key_sel & live[:, None]
-    words = jnp.concatenate([starts, _pack(key_sel), _pack(row_sel)], axis=1)
+    rt = _row_tables(st["local"], C)
+    sc = (step_hs % S, step_cls)
+    rw = jnp.where(live[:, None], jnp.asarray(rt["words"])[sc], 0)
+    q_lo, q_hi = jnp.asarray(rt["lo"])[sc], jnp.asarray(rt["hi"])[sc]
+    # Key bits: 8 a chunk, four chunks a word.
+    kbits = jnp.where(live[:, None], kbits, 0)
+    kw = jnp.sum(kbits.reshape(capacity, -1, 4).astype(jnp.uint32)
+                 << (8 * jnp.arange(4, dtype=jnp.uint32)), axis=2)
+    kw = lax.bitcast_convert_type(kw, jnp.int32)
+    kv_lo, kv_hi = _key_span(kbits)
+    words = jnp.concatenate([starts, kw, rw], axis=1)
     wr = abi.gather_word_rows(tile_q, tile_kv)
     words = jnp.pad(words, ((0, 0), (0, wr * abi.STEP_COLS - words.shape[1])))
-    q_lo, q_hi = _first_last(row_sel)
-    kv_lo, kv_hi = _first_last(key_sel)
-    full = jnp.all(row_sel, axis=1) & jnp.all(key_sel, axis=1)
+    full = jnp.all(kbits == (1 << A) - 1, axis=1) & jnp.asarray(rt["full"])[sc]
     head = jnp.stack([starts[:, 0], abi.pack_rect(q_lo, q_hi, kv_lo, kv_hi),
                       (capacity + jnp.arange(capacity, dtype=jnp.int32) * wr) * abi.STEP_COLS,
                       jnp.where(full, abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)], axis=1)
@@ -170,19 +174,31 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
     return plan, total <= capacity
 
 
-def _pack(sel):
-    """int32 words [n, ceil(m / 32)] of bool [n, m]: bit i % 32 of word i // 32."""
-    n, m = sel.shape
-    W = abi.bitmap_words(m)
-    sel = jnp.pad(sel, ((0, 0), (0, W * abi.WORD_BITS - m))).reshape(n, W, abi.WORD_BITS)
-    w = jnp.sum(sel.astype(jnp.uint32) << jnp.arange(abi.WORD_BITS, dtype=jnp.uint32), axis=2)
-    return lax.bitcast_convert_type(w.astype(jnp.uint32), jnp.int32)
+def _row_tables(local: np.ndarray, C: int) -> dict:
+    """Per (segment, class): the row words (``abi.pack_gather``'s), the first and last + 1
+    selected row, whether every row is selected. ``local`` [S, tile_q]: each tile row's local
+    query block (-1: not the segment's)."""
+    cls = np.arange(1 << C)
+    sel = (local[:, None, :] >= 0) & (
+        (cls[None, :, None] >> np.maximum(local[:, None, :], 0)) & 1 == 1)     # [S, 2^C, T]
+    T = local.shape[1]
+    any_ = sel.any(axis=2)
+    lo = np.where(any_, sel.argmax(axis=2), 0)
+    hi = np.where(any_, T - sel[:, :, ::-1].argmax(axis=2), 0)
+    return dict(words=abi.pack_bits(sel), lo=lo.astype(np.int32), hi=hi.astype(np.int32),
+                full=sel.all(axis=2))
 
 
-def _first_last(sel):
-    """(first set index, last + 1) per row of bool [n, m] (0, 0 where none is set)."""
-    m = sel.shape[1]
-    anyset = jnp.any(sel, axis=1)
-    lo = jnp.argmax(sel, axis=1)
-    hi = m - jnp.argmax(sel[:, ::-1], axis=1)
-    return jnp.where(anyset, lo, 0), jnp.where(anyset, hi, 0)
+def _key_span(kbits):
+    """(first selected key, last + 1) of chunks' 8-bit key masks [n, G] (0, 0: none)."""
+    A = abi.GATHER_ROWS
+    G = kbits.shape[1]
+    nz = kbits != 0
+    any_ = jnp.any(nz, axis=1)
+    j0 = jnp.argmax(nz, axis=1)
+    j1 = G - 1 - jnp.argmax(nz[:, ::-1], axis=1)
+    b0 = jnp.take_along_axis(kbits, j0[:, None], axis=1)[:, 0]
+    b1 = jnp.take_along_axis(kbits, j1[:, None], axis=1)[:, 0]
+    low = lax.population_count((b0 & -b0) - 1)                  # index of the lowest set bit
+    high = 32 - lax.clz(b1)                                     # index of the highest + 1
+    return jnp.where(any_, A * j0 + low, 0), jnp.where(any_, A * j1 + high, 0)
