@@ -23,13 +23,14 @@ from jax import lax
 from pallas_kernels import abi
 from tessera_jax.planning import gather as _gather
 
-__all__ = ["plan_gather_on_device", "step_bound"]
+__all__ = ["plan_gather_on_device", "step_bound", "fits"]
 
 
 def _static(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
             max_blocks: int):
-    """The mask's static structure: segments, their local query blocks and rows, the
-    (key block, chunk, bits) pairs, the padded lengths."""
+    """The structure of a mask with static shared bounds (``_structure``'s fields, one bounds
+    head): the host policy's segments, their local query blocks and rows, the (key block,
+    chunk, bits) pairs, the padded lengths."""
     qb = np.asarray(q_bounds, np.int64).reshape(-1)
     kb = np.asarray(kv_bounds, np.int64).reshape(-1)
     A = abi.GATHER_ROWS
@@ -52,56 +53,141 @@ def _static(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: 
     lo = np.clip(a[pj] - pch * A, 0, A)
     hi = np.clip(b[pj] - pch * A, 0, A)
     pbits = (np.left_shift(1, hi) - np.left_shift(1, lo)).astype(np.int32)
-    dup = int(np.bincount(pch).max())              # most pairs of one chunk
-    return dict(qp=int(qp), kvp=int(kvp), w0=w0, w1=w1, s0=s0, i0=i0, nbs=nbs, local=local,
-                pj=pj, pch=pch, pbits=pbits, dup=dup, nchunks=int(kvp // A))
+    li = np.arange(max_blocks)
+    return dict(qp=int(qp), kvp=int(kvp), w0=w0, w1=w1, s0=s0, nchunks=int(kvp // A),
+                rows=np.minimum(i0[:, None] + li, len(qb) - 2)[None],
+                valid=(li[None, :] < nbs[:, None])[None], local=local[None],
+                pj=pj[None], pch=pch, pbits=pbits[None], pvalid=np.ones((1, len(pj)), bool),
+                dup=int(np.bincount(pch).max()), ok=True)
+
+
+def _traced(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
+            max_blocks: int, max_pairs: int):
+    """The structure of a mask whose bounds are traced (or per head: [Hb, n + 1]): fixed
+    tiles of tile_q rows, their first ``max_blocks`` local query blocks, and per chunk of
+    8 keys the first ``max_pairs`` key blocks meeting it; ``ok`` False where a tile meets
+    more query blocks, a chunk more key blocks, or the bounds are not increasing from 0 to
+    the lengths (every index clamped: never an out-of-bounds read)."""
+    A = abi.GATHER_ROWS
+    qb = jnp.asarray(q_bounds, jnp.int32).reshape(-1, q_bounds.shape[-1])
+    kb = jnp.asarray(kv_bounds, jnp.int32).reshape(-1, kv_bounds.shape[-1])
+    nq, nk = qb.shape[1] - 1, kb.shape[1] - 1
+    qp = -(-q_len // tile_q) * tile_q
+    kvp = -(-kv_len // tile_kv) * tile_kv
+    S, NCH = qp // tile_q, kvp // A
+    w0 = np.arange(S) * tile_q
+    w1 = np.minimum(w0 + tile_q, q_len)
+    find = jax.vmap(lambda b, x: jnp.searchsorted(b, x, side="right"))
+    i0 = jnp.clip(find(qb, jnp.broadcast_to(jnp.asarray(w0, jnp.int32), (len(qb), S))) - 1,
+                  0, nq - 1)                                               # [Hb, S]
+    r = (w0[:, None] + np.arange(tile_q)).reshape(-1)
+    rb = find(qb, jnp.broadcast_to(jnp.asarray(r, jnp.int32), (len(qb), len(r)))) - 1
+    local = rb.reshape(len(qb), S, tile_q) - i0[:, :, None]
+    inside = jnp.asarray((r < np.repeat(w1, tile_q)).reshape(S, tile_q))[None]
+    ok = jnp.all(jnp.where(inside, local < max_blocks, True))
+    local = jnp.where(inside & (local < max_blocks), local, -1)
+    last = jnp.clip(find(qb, jnp.broadcast_to(jnp.asarray(w1 - 1, jnp.int32),
+                                              (len(qb), S))) - 1, 0, nq - 1)   # [Hb, S]
+    li = jnp.arange(max_blocks)
+    rows = jnp.minimum(i0[:, :, None] + li, nq - 1)
+    valid = (i0[:, :, None] + li) <= last[:, :, None]      # the blocks meeting the tile
+    D = int(min(nk, max_pairs))
+    pch = np.repeat(np.arange(NCH), D)
+    fb = find(kb, jnp.broadcast_to(jnp.asarray(np.arange(NCH) * A, jnp.int32),
+                                   (len(kb), NCH))) - 1                    # [Hb, NCH]
+    pj_raw = fb[:, pch] + jnp.asarray(np.tile(np.arange(D), NCH))
+    pj = jnp.clip(pj_raw, 0, nk - 1)
+    a = jnp.take_along_axis(kb, pj, axis=1)
+    b = jnp.take_along_axis(kb, pj + 1, axis=1)
+    lo = jnp.clip(a - jnp.asarray(pch * A), 0, A)
+    hi = jnp.clip(b - jnp.asarray(pch * A), 0, A)
+    pvalid = (pj_raw < nk) & (lo < hi)
+    pbits = jnp.where(pvalid, (1 << hi) - (1 << lo), 0)
+    # Every key of a chunk covered by its first D blocks; increasing bounds from 0 to L.
+    nxt = jnp.take_along_axis(kb, jnp.clip(fb + D, 0, nk), axis=1)
+    ok &= jnp.all((nxt >= jnp.minimum(jnp.asarray(np.arange(NCH) * A + A), kv_len))
+                  | (fb + D >= nk))
+    for bnd, n in ((qb, q_len), (kb, kv_len)):
+        ok &= jnp.all(bnd[:, 1:] > bnd[:, :-1]) & jnp.all(bnd[:, 0] == 0) \
+            & jnp.all(bnd[:, -1] == n)
+    return dict(qp=int(qp), kvp=int(kvp), w0=w0, w1=w1, s0=w0, nchunks=int(NCH), rows=rows,
+                valid=valid, local=local, pj=pj, pch=pch, pbits=pbits, pvalid=pvalid, dup=D,
+                ok=ok)
+
+
+def _structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks, max_pairs):
+    """``_static`` for static bounds shared by the heads, else ``_traced``."""
+    static = all(isinstance(b, np.ndarray) and (b.ndim == 1 or b.shape[0] == 1)
+                 for b in (q_bounds, kv_bounds))
+    if static:
+        return _static(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks)
+    return _traced(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks, max_pairs)
+
+
+def fits(q_bounds, kv_bounds, *, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
+         max_blocks: int = 4, max_pairs: int = 2) -> bool:
+    """Whether static (NumPy) bounds fit the policy's limits (shared ones always do; per-head
+    ones: every tile meets at most ``max_blocks`` query blocks, every chunk ``max_pairs`` key
+    blocks)."""
+    return bool(_structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks,
+                           max_pairs)["ok"])
 
 
 def step_bound(q_bounds, kv_bounds, *, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
-               max_blocks: int = 4) -> tuple[int, int]:
+               max_blocks: int = 4, max_pairs: int = 2) -> tuple[int, int]:
     """(most steps one unit can have, most steps a mask head's units can have): every pair a
     class of its own run of chunks, each class one partial step."""
-    st = _static(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks)
-    per_unit = -(-len(st["pj"]) // abi.gather_chunks(tile_kv)) + (1 << max_blocks) - 1
+    st = _structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks,
+                    max_pairs)
+    per_unit = -(-len(st["pch"]) // abi.gather_chunks(tile_kv)) + (1 << max_blocks) - 1
     return per_unit, per_unit * len(st["s0"])
 
 
 def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
                           kv_len: int, tile_q: int, tile_kv: int, capacity: int,
-                          max_blocks: int = 4) -> tuple[abi.PassPlan, jax.Array]:
+                          max_blocks: int = 4, max_pairs: int = 2
+                          ) -> tuple[abi.PassPlan, jax.Array]:
     """(plan, ok) of the gather policy for ``blocks`` bool [Hm, nq, nk] (jax or NumPy; Hm = 1
-    or num_q_heads) over static shared bounds ``q_bounds`` / ``kv_bounds`` (NumPy [n + 1] or
-    [1, n + 1]): at most ``capacity`` steps (static; ``step_bound`` gives enough for any
-    selection), ``ok`` False when the selection needs more. The plan's leaves are jax arrays,
-    its ``row_index`` None and ``all_full`` None."""
-    for name, b in (("q_bounds", q_bounds), ("kv_bounds", kv_bounds)):
-        if not isinstance(b, np.ndarray) or (b.ndim == 2 and b.shape[0] != 1) or b.ndim > 2:
-            raise ValueError(f"{name}: the gather policy on the device needs static (NumPy) "
-                             f"bounds shared by the heads, got {type(b).__name__} "
-                             f"{getattr(b, 'shape', None)}")
+    or num_q_heads) over bounds ``q_bounds`` / ``kv_bounds``: static and shared (NumPy [n + 1]
+    or [1, n + 1]: the host policy's segments), or traced or per head ([Hm, n + 1]: tiles of
+    tile_q rows meeting at most ``max_blocks`` query blocks, chunks at most ``max_pairs`` key
+    blocks). At most ``capacity`` steps (static; ``step_bound`` gives enough for any
+    selection). ``ok`` False when the selection needs more steps or traced bounds break
+    those limits (or are not increasing from 0 to the lengths); every index is clamped. The
+    plan's leaves are jax arrays, its ``row_index`` None and ``all_full`` None."""
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
-    if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) \
-            or not 1 <= max_blocks <= 8:
-        raise ValueError(f"max_blocks must be an int in [1, 8], got {max_blocks!r}")
+    for name, val in (("max_blocks", max_blocks), ("max_pairs", max_pairs)):
+        if isinstance(val, bool) or not isinstance(val, int) or not 1 <= val <= 8:
+            raise ValueError(f"{name} must be an int in [1, 8], got {val!r}")
     Hm, nq, nk = blocks.shape
     if Hm not in (1, num_q_heads):
         raise ValueError(f"blocks has {Hm} heads: 1 (shared) or num_q_heads={num_q_heads}")
-    st = _static(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks)
+    for name, b, n in (("q_bounds", q_bounds, nq), ("kv_bounds", kv_bounds, nk)):
+        if np.ndim(b) not in (1, 2) or np.shape(b)[-1] != n + 1 \
+                or (np.ndim(b) == 2 and np.shape(b)[0] not in (1, Hm)):
+            raise ValueError(f"{name} must be [{n + 1}] or [1 or {Hm}, {n + 1}], got shape "
+                             f"{np.shape(b)}")
+    st = _structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks,
+                    max_pairs)
     A, G = abi.GATHER_ROWS, abi.gather_chunks(tile_kv)
-    C, S, P, NCH = max_blocks, len(st["s0"]), len(st["pj"]), st["nchunks"]
+    C, S, P, NCH = max_blocks, len(st["s0"]), len(st["pch"]), st["nchunks"]
     blocks = jnp.asarray(blocks, bool)
+    Hb = st["rows"].shape[0]
+    per_head = lambda x: jnp.broadcast_to(jnp.asarray(x), (Hm,) + np.shape(x)[1:])  # noqa
 
     # Signatures: bit l of a key block's is local query block l of the segment selecting it.
     li = np.arange(C)
-    rows = np.minimum(st["i0"][:, None] + li, nq - 1)                      # [S, C]
-    valid = li[None, :] < st["nbs"][:, None]
-    sel = blocks[:, rows, :] & jnp.asarray(valid)[None, :, :, None]        # [Hm, S, C, nk]
+    rows = per_head(st["rows"]).reshape(Hm, S * C)
+    sel = jnp.take_along_axis(blocks, rows[:, :, None], axis=1).reshape(Hm, S, C, nk)
+    sel = sel & per_head(st["valid"])[..., None]                          # [Hm, S, C, nk]
     sig = jnp.sum(sel.astype(jnp.int32) << jnp.asarray(li)[None, None, :, None], axis=2)
-    psig = sig[:, :, st["pj"]]                                             # [Hm, S, P]
+    pj = jnp.broadcast_to(per_head(st["pj"])[:, None, :], (Hm, S, P))
+    psig = jnp.take_along_axis(sig, pj, axis=2)                            # [Hm, S, P]
     big = jnp.int32((1 << C) * NCH)
-    key = jnp.where(psig > 0, psig * NCH + jnp.asarray(st["pch"], jnp.int32), big)
-    bits = jnp.broadcast_to(jnp.asarray(st["pbits"]), key.shape)
+    key = jnp.where((psig > 0) & per_head(st["pvalid"])[:, None, :],
+                    psig * NCH + jnp.asarray(st["pch"], jnp.int32), big)
+    bits = jnp.broadcast_to(per_head(st["pbits"])[:, None, :], key.shape)
     key, bits = lax.sort((key, bits), dimension=2, num_keys=1)
     # Equal (class, chunk) pairs: their bits summed into the first.
     shifted = lambda x, d, fill: jnp.concatenate(                          # noqa: E731
@@ -139,7 +225,7 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
     # Row bits depend on (segment, class) alone: static tables, gathered per step.
     live = jnp.arange(capacity) < total
     rt = _row_tables(st["local"], C)
-    sc = (step_hs % S, step_cls)
+    sc = ((step_hs // S) if Hb > 1 else 0, step_hs % S, step_cls)
     rw = jnp.where(live[:, None], jnp.asarray(rt["words"])[sc], 0)
     q_lo, q_hi = jnp.asarray(rt["lo"])[sc], jnp.asarray(rt["hi"])[sc]
     # Key bits: 8 a chunk, four chunks a word.
@@ -167,26 +253,33 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
                        jnp.asarray(np.tile(st["w0"] - st["s0"], len(hq))),
                        jnp.asarray(np.tile(st["w1"] - st["s0"], len(hq))),
                        ptr.reshape(-1), cnt.reshape(-1)], axis=1).astype(jnp.int32)
-    per_unit, _ = step_bound(q_bounds, kv_bounds, q_len=q_len, kv_len=kv_len, tile_q=tile_q,
-                             tile_kv=tile_kv, max_blocks=max_blocks)
+    per_unit = -(-P // G) + (1 << C) - 1
     plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), st["qp"], st["kvp"],
                         int(min(per_unit, capacity)))
-    return plan, total <= capacity
+    return plan, (total <= capacity) & jnp.asarray(st["ok"])
 
 
-def _row_tables(local: np.ndarray, C: int) -> dict:
-    """Per (segment, class): the row words (``abi.pack_gather``'s), the first and last + 1
-    selected row, whether every row is selected. ``local`` [S, tile_q]: each tile row's local
-    query block (-1: not the segment's)."""
-    cls = np.arange(1 << C)
-    sel = (local[:, None, :] >= 0) & (
-        (cls[None, :, None] >> np.maximum(local[:, None, :], 0)) & 1 == 1)     # [S, 2^C, T]
-    T = local.shape[1]
-    any_ = sel.any(axis=2)
-    lo = np.where(any_, sel.argmax(axis=2), 0)
-    hi = np.where(any_, T - sel[:, :, ::-1].argmax(axis=2), 0)
-    return dict(words=abi.pack_bits(sel), lo=lo.astype(np.int32), hi=hi.astype(np.int32),
-                full=sel.all(axis=2))
+def _row_tables(local, C: int) -> dict:
+    """Per (bounds head, segment, class): the row words (``abi.pack_gather``'s), the first and
+    last + 1 selected row, whether every row is selected. ``local`` [Hb, S, tile_q]: each tile
+    row's local query block (-1: not the segment's); NumPy (static) or jnp."""
+    xp = np if isinstance(local, np.ndarray) else jnp
+    cls = xp.arange(1 << C)
+    sel = (local[:, :, None, :] >= 0) & (
+        (cls[None, None, :, None] >> xp.maximum(local[:, :, None, :], 0)) & 1 == 1)
+    T = local.shape[-1]
+    any_ = sel.any(axis=-1)
+    lo = xp.where(any_, sel.argmax(axis=-1), 0)
+    hi = xp.where(any_, T - sel[..., ::-1].argmax(axis=-1), 0)
+    if xp is np:
+        words = abi.pack_bits(sel)
+    else:
+        W = abi.bitmap_words(T)
+        b = sel.reshape(sel.shape[:-1] + (W, abi.WORD_BITS)).astype(jnp.uint32)
+        words = lax.bitcast_convert_type(
+            jnp.sum(b << jnp.arange(abi.WORD_BITS, dtype=jnp.uint32), axis=-1), jnp.int32)
+    return dict(words=words, lo=lo.astype(xp.int32), hi=hi.astype(xp.int32),
+                full=sel.all(axis=-1))
 
 
 def _key_span(kbits):

@@ -6,7 +6,8 @@ A call site's template is a *static* choice, made by the selector's device rule
 (``select.device``: the call site's static features, ``Options.bitmap_budget_bytes``); then
 ``device_plans``, the route's chooser inside the program, makes the forward and the dk/dv pass
 plans together (``planning.device.plan_on_device``; a template of the gather policy gets
-``planning.device_gather``'s forward plan where both bounds are static and shared) and
+``planning.device_gather``'s forward plan: traced or per-head bounds decide on the device,
+static ones that break its limits take ``plan_on_device``'s) and
 ``runtime.core`` runs them. A static
 mask with per-head bounds comes here too (the host planner takes shared bounds only); its
 arrays become constants of the program.
@@ -141,13 +142,13 @@ def device_plans(q, k, qb, kb, blocks, *, consts, t: Template, capacity: int, de
     forward-only program never uses the dk/dv plan, and XLA removes it."""
     B, Lq, Hq, D = q.shape
     Lkv = k.shape[1]
-    if _gathers_on_device(t, consts):
-        # Static shared bounds: the gather policy in jnp (``planning.device_gather``), with
-        # room for any selection, so its ``ok`` always holds.
-        sb = tuple(np.asarray(c.array).reshape(-1) for c in consts[:2])
-        kw = dict(q_len=Lq, kv_len=Lkv, tile_q=t.tile_q, tile_kv=t.tile_kv)
-        cap = _device_gather.step_bound(*sb, **kw)[1] * blocks.shape[0]
-        fwd, ok = _device_gather.plan_gather_on_device(blocks, *sb, num_q_heads=Hq,
+    bounds = tuple(c.array if c is not None else x for c, x in zip(consts[:2], (qb, kb)))
+    kw = dict(q_len=Lq, kv_len=Lkv, tile_q=t.tile_q, tile_kv=t.tile_kv)
+    if _gathers_on_device(t) and (decide or _device_gather.fits(*bounds, **kw)):
+        # The gather policy in jnp (``planning.device_gather``), with room for any selection:
+        # its ``ok`` holds for static bounds that fit, and decides for traced ones.
+        cap = _device_gather.step_bound(*bounds, **kw)[1] * blocks.shape[0]
+        fwd, ok = _device_gather.plan_gather_on_device(blocks, *bounds, num_q_heads=Hq,
                                                        capacity=cap, **kw)
     else:
         fwd, ok = _device.plan_on_device(blocks, qb, kb, num_q_heads=Hq, q_len=Lq,
@@ -167,13 +168,11 @@ def device_plans(q, k, qb, kb, blocks, *, consts, t: Template, capacity: int, de
                          exact=(qb, kb, blocks), template=t.name, backend=t.backend)
 
 
-def _gathers_on_device(t: Template, consts) -> bool:
+def _gathers_on_device(t: Template) -> bool:
     """Whether the forward plan is the gather policy's (``t`` runs gathered steps of 8-key
-    chunks; both bounds static and shared by the heads); otherwise ``plan_on_device``."""
+    chunks); static bounds that do not fit it take ``plan_on_device``'s."""
     from pallas_kernels import contract
-    shared = all(c is not None and (np.ndim(c.array) == 1 or np.shape(c.array)[0] == 1)
-                 for c in consts[:2])
-    return t.policy == "gather" and contract.gathers(t) == abi.GATHER_ROWS and shared
+    return t.policy == "gather" and contract.gathers(t) == abi.GATHER_ROWS
 
 
 def check(mask: BlockMask, q_len: int, kv_len: int) -> None:
