@@ -28,6 +28,17 @@ def lse_for_backward(lse):
     return jnp.where(lse == -jnp.inf, jnp.inf, lse)
 
 
+def check_row_dots_args(out, dout) -> None:
+    """The checks every row-dot kernel (``mosaic.delta``, ``triton.delta``) makes of its
+    operands: one [B, L, H, D] shape (ValueError) and one dtype (TypeError)."""
+    if out.ndim != 4 or out.shape != dout.shape:
+        raise ValueError(f"row_dots: out and dout must be one [B, L, H, D] shape, got "
+                         f"{out.shape} and {dout.shape}")
+    if out.dtype != dout.dtype:
+        raise TypeError(f"row_dots: out and dout must share a dtype, got {out.dtype} and "
+                        f"{dout.dtype}")
+
+
 def delta_of(out, dout, dlse=None, row_dots=None):
     """delta [B, Hq, Lq] float32 = rowsum(out * dout) - dlse (dlse: the cotangent of lse, or
     None). d score_ij = p_ij (dp_ij - delta_i) then carries the LSE's gradient too.

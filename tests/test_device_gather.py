@@ -17,20 +17,7 @@ import tessera_jax as tj
 from pallas_kernels import abi, templates
 from pallas_kernels.xla import ops as xla_ops
 from tessera_jax.planning import device_gather as dg, planner
-from strategies import bounds_from_sizes, heads_and_blocks
-from test_gathered_steps import _coverage, _ref64
-
-
-@st.composite
-def masks(draw):
-    def sizes():
-        return draw(st.lists(st.one_of(st.integers(1, 1), st.integers(2, 12),
-                                       st.integers(13, 200)), min_size=2, max_size=20))
-    qb, kb = bounds_from_sizes(sizes(), 600), bounds_from_sizes(sizes(), 600)
-    Hq, Hkv, blocks, rng = heads_and_blocks(draw, len(qb) - 1, len(kb) - 1, [0.05, 0.3, 0.7])
-    if blocks.shape[1] > 1 and draw(st.booleans()):
-        blocks[:, rng.integers(blocks.shape[1])] = False             # an empty query block
-    return tj.BlockMask(qb, kb, blocks), Hq, Hkv
+from test_gathered_steps import _coverage, _ref64, gather_masks as masks
 
 
 def _plan(mask, Hq, tq, tk, max_blocks=4, capacity=None):

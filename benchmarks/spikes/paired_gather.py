@@ -27,6 +27,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+from gather_copies import reference  # noqa: E402  (the same float32 check of gathered keys)
 T0 = time.time()
 
 
@@ -64,19 +66,6 @@ def dense_plan(L, H, tile_q, tile_kv, gathered, rng, random_chunks):
     units = np.array([(h, t * tile_q, 0, tile_q, 0, nk) for h in range(H) for t in range(nq)],
                      np.int32)
     return units, steps, np.concatenate(keys)
-
-
-def reference(q, k, v, key_index, heads, scale):
-    import jax.numpy as jnp
-
-    outs = []
-    for h in heads:
-        qh = q[0, :, h].astype(jnp.float32)
-        kh, vh = (x[0, key_index, h].astype(jnp.float32) for x in (k, v))
-        s = (qh @ kh.T) * scale
-        p = jnp.exp(s - s.max(-1, keepdims=True))
-        outs.append((p / p.sum(-1, keepdims=True)) @ vh)
-    return jnp.stack(outs, 1)
 
 
 def variants():

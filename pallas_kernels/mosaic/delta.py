@@ -21,6 +21,8 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels import backward_rows
+
 __all__ = ["row_dots", "supports", "ROWS"]
 
 #: Token rows a CTA reads (of one head): one wgmma fragment's rows.
@@ -43,12 +45,7 @@ def supports(shape, dtype) -> bool:
 def row_dots(out, dout, *, interpret: bool = False):
     """float32 [B, H, L]: the dot of out and dout [B, L, H, D] (one 2-byte dtype) over D per
     row. ``interpret``: run under the Mosaic GPU interpreter (CPU tests)."""
-    if out.ndim != 4 or out.shape != dout.shape:
-        raise ValueError(f"row_dots: out and dout must be one [B, L, H, D] shape, got "
-                         f"{out.shape} and {dout.shape}")
-    if out.dtype != dout.dtype:
-        raise TypeError(f"row_dots: out and dout must share a dtype, got {out.dtype} and "
-                        f"{dout.dtype}")
+    backward_rows.check_row_dots_args(out, dout)
     if not supports(out.shape, out.dtype):
         raise ValueError(f"row_dots: the Mosaic kernel takes bf16 / f16 [B, L, H, D] with L a "
                          f"multiple of {_ALIGN} and >= {ROWS}, D a multiple of {_COLS}; got "

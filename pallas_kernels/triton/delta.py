@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import backward_rows
+
 #: Token rows a program reads (of one head).
 ROWS = 64
 NUM_WARPS = 4
@@ -36,12 +38,7 @@ def _kernel(o_ref, g_ref, d_ref, *, rows: int, width: int, length: int, head_dim
 
 def row_dots(out, dout, *, interpret: bool = False):
     """float32 [B, H, L]: the dot of out and dout [B, L, H, D] (one dtype) over D per row."""
-    if out.ndim != 4 or out.shape != dout.shape:
-        raise ValueError(f"row_dots: out and dout must be one [B, L, H, D] shape, got "
-                         f"{out.shape} and {dout.shape}")
-    if out.dtype != dout.dtype:
-        raise TypeError(f"row_dots: out and dout must share a dtype, got {out.dtype} and "
-                        f"{dout.dtype}")
+    backward_rows.check_row_dots_args(out, dout)
     if out.size >= 2 ** 31:
         raise ValueError(f"row_dots: at most 2**31 - 1 elements (int32 offsets), got {out.size}")
     return _row_dots(out, dout, interpret=bool(interpret))

@@ -38,7 +38,7 @@ import numpy as np
 from pallas_kernels import abi
 from tessera_jax.planning import schedule
 
-__all__ = ["plan_on_device", "bitmap_slots", "check"]
+__all__ = ["plan_on_device", "bitmap_slots", "check", "pack_words"]
 
 
 def _blocks_of(bounds, start, end):
@@ -182,12 +182,12 @@ def _bitmap_words(blocks, need, qb, kb, qorg, qlo, qhi, korg, klo, khi, tile_q, 
         kid_all = jnp.broadcast_to(kid_all, (Hm,) + kid_all.shape[1:])
         pat = blocks[jnp.arange(Hm)[:, None, None, None], jnp.arange(nq)[None, :, None, None],
                      kid_all[:, None]]                                  # [Hm, nq, nkt, Tk]
-        pat = _pack(pat, W)                                             # [Hm, nq, nkt, W]
-        keys_w = _pack(keys_in, W)                                      # [C, W]
+        pat = pack_words(pat, W)                                        # [Hm, nq, nkt, W]
+        keys_w = pack_words(keys_in, W)                                 # [C, W]
         w = pat[h[:, None], qid, kt[:, None]] & keys_w[:, None, :]      # [C, Tq, W]
     else:
         sel = blocks[h[:, None, None], qid[:, :, None], kid[:, None, :]] & keys_in[:, None, :]
-        w = _pack(sel, W)                                               # [C, Tq, W]
+        w = pack_words(sel, W)                                          # [C, Tq, W]
     w = jnp.where(rows_in[..., None] & used[:, None, None], w, 0)
     w = jnp.swapaxes(w, 1, 2).reshape(capacity, W * tile_q)            # word(r, w) at w*Tq + r
     rows_b = abi.bitmap_rows(tile_q, tile_kv)
@@ -195,7 +195,7 @@ def _bitmap_words(blocks, need, qb, kb, qorg, qlo, qhi, korg, klo, khi, tile_q, 
     return w.reshape(capacity * rows_b, abi.STEP_COLS)
 
 
-def _pack(bits, W):
+def pack_words(bits, W):
     """bool [..., Tk] -> int32 words [..., W] (bit b of word w: key 32 w + b)."""
     pad = W * abi.WORD_BITS - bits.shape[-1]
     b = jnp.pad(bits, [(0, 0)] * (bits.ndim - 1) + [(0, pad)]).astype(jnp.uint32)

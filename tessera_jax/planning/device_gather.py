@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import abi
+from tessera_jax.planning import device as _device
 from tessera_jax.planning import gather as _gather
 
 __all__ = ["plan_gather_on_device", "step_bound", "fits"]
@@ -45,14 +46,8 @@ def _static(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: 
     r = s0[:, None] + np.arange(tile_q)
     local = np.searchsorted(qb, r, side="right") - 1 - i0[:, None]
     local = np.where((r >= w0[:, None]) & (r < w1[:, None]), local, -1)      # [S, tile_q]
-    a, b = kb[:-1], kb[1:]
-    c0, c1 = a // A, -(-b // A)
-    n = c1 - c0
-    pj = np.repeat(np.arange(len(a)), n)
-    pch = np.repeat(c0, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
-    lo = np.clip(a[pj] - pch * A, 0, A)
-    hi = np.clip(b[pj] - pch * A, 0, A)
-    pbits = (np.left_shift(1, hi) - np.left_shift(1, lo)).astype(np.int32)
+    pj, pch, pbits = _gather.chunk_pairs(kb[:-1], kb[1:])
+    pbits = pbits.astype(np.int32)
     li = np.arange(max_blocks)
     return dict(qp=int(qp), kvp=int(kvp), w0=w0, w1=w1, s0=s0, nchunks=int(kvp // A),
                 rows=np.minimum(i0[:, None] + li, len(qb) - 2)[None],
@@ -188,23 +183,7 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
     key = jnp.where((psig > 0) & per_head(st["pvalid"])[:, None, :],
                     psig * NCH + jnp.asarray(st["pch"], jnp.int32), big)
     bits = jnp.broadcast_to(per_head(st["pbits"])[:, None, :], key.shape)
-    key, bits = lax.sort((key, bits), dimension=2, num_keys=1)
-    # Equal (class, chunk) pairs: their bits summed into the first.
-    shifted = lambda x, d, fill: jnp.concatenate(                          # noqa: E731
-        [x[..., d:], jnp.full(x.shape[:-1] + (d,), fill, x.dtype)], axis=-1)
-    comb = bits
-    for d in range(1, st["dup"]):
-        comb = comb + jnp.where(shifted(key, d, -1) == key, shifted(bits, d, 0), 0)
-    prev = jnp.concatenate([jnp.full(key.shape[:-1] + (1,), -1, key.dtype), key[..., :-1]],
-                           axis=-1)
-    ent = (key != prev) & (key < big)                                      # one per chunk
-    cls, ch = key // NCH, key % NCH
-    idx = jnp.cumsum(ent, axis=-1) - 1                                     # entry index
-    pcls = jnp.concatenate([jnp.full(cls.shape[:-1] + (1,), -1, cls.dtype), cls[..., :-1]],
-                           axis=-1)
-    first = lax.cummax(jnp.where(ent & (cls != pcls), idx, -1), axis=2)
-    rank = idx - first                                                     # in its class
-    new_step = ent & (rank % G == 0)
+    ent, cls, ch, comb, rank, new_step = _class_entries(key, bits, big, NCH, G, st["dup"])
     step_in = jnp.cumsum(new_step, axis=-1) - 1                            # in its unit
     nsteps = jnp.sum(new_step, axis=-1)                                    # [Hm, S]
     base = jnp.cumsum(nsteps.reshape(-1)) - nsteps.reshape(-1)
@@ -259,6 +238,32 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
     return plan, (total <= capacity) & jnp.asarray(st["ok"])
 
 
+def _shift(x, d: int, fill):
+    """x moved d places along its last axis (d > 0: x[..., i + d] at i; d < 0: toward higher
+    indices), ``fill`` where nothing comes."""
+    pad = jnp.full(x.shape[:-1] + (abs(d),), fill, x.dtype)
+    return (jnp.concatenate([x[..., d:], pad], axis=-1) if d > 0
+            else jnp.concatenate([pad, x[..., :d]], axis=-1))
+
+
+def _class_entries(key, bits, big, NCH: int, G: int, dup: int):
+    """The (class, chunk) entries of each unit's pairs (``key`` = class * NCH + chunk, ``big``:
+    no class; [..., P]), sorted along the last axis: (entry flags, class, chunk, the entry's
+    bits, its rank in its class, whether it starts a step of G chunks); equal pairs (at most
+    ``dup`` a chunk) have their bits summed into the first."""
+    key, bits = lax.sort((key, bits), dimension=key.ndim - 1, num_keys=1)
+    comb = bits
+    for d in range(1, dup):
+        comb = comb + jnp.where(_shift(key, d, -1) == key, _shift(bits, d, 0), 0)
+    ent = (key != _shift(key, -1, -1)) & (key < big)                       # one per chunk
+    cls, ch = key // NCH, key % NCH
+    idx = jnp.cumsum(ent, axis=-1) - 1                                     # entry index
+    first = lax.cummax(jnp.where(ent & (cls != _shift(cls, -1, -1)), idx, -1),
+                       axis=key.ndim - 1)
+    rank = idx - first                                                     # in its class
+    return ent, cls, ch, comb, rank, ent & (rank % G == 0)
+
+
 def _row_tables(local, C: int) -> dict:
     """Per (bounds head, segment, class): the row words (``abi.pack_gather``'s), the first and
     last + 1 selected row, whether every row is selected. ``local`` [Hb, S, tile_q]: each tile
@@ -271,13 +276,7 @@ def _row_tables(local, C: int) -> dict:
     any_ = sel.any(axis=-1)
     lo = xp.where(any_, sel.argmax(axis=-1), 0)
     hi = xp.where(any_, T - sel[..., ::-1].argmax(axis=-1), 0)
-    if xp is np:
-        words = abi.pack_bits(sel)
-    else:
-        W = abi.bitmap_words(T)
-        b = sel.reshape(sel.shape[:-1] + (W, abi.WORD_BITS)).astype(jnp.uint32)
-        words = lax.bitcast_convert_type(
-            jnp.sum(b << jnp.arange(abi.WORD_BITS, dtype=jnp.uint32), axis=-1), jnp.int32)
+    words = abi.pack_bits(sel) if xp is np else _device.pack_words(sel, abi.bitmap_words(T))
     return dict(words=words, lo=lo.astype(xp.int32), hi=hi.astype(xp.int32),
                 full=sel.all(axis=-1))
 

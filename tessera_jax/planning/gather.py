@@ -27,7 +27,7 @@ import numpy as np
 
 from pallas_kernels import abi
 
-__all__ = ["plan_gather", "segments", "GatherRaw"]
+__all__ = ["plan_gather", "segments", "chunk_pairs", "GatherRaw"]
 
 
 class GatherRaw(NamedTuple):
@@ -43,6 +43,19 @@ class GatherRaw(NamedTuple):
     area: np.ndarray
     steps: np.ndarray
     word_rows: int
+
+
+def chunk_pairs(a, b):
+    """(block, chunk, bits) of each (key block, chunk of abi.GATHER_ROWS keys it meets), for
+    blocks [a, b) (int arrays), in block order: bit i of ``bits`` is key GATHER_ROWS * chunk + i."""
+    A = abi.GATHER_ROWS
+    c0, c1 = a // A, -(-b // A)
+    n = c1 - c0
+    blk = np.repeat(np.arange(len(a)), n)
+    ch = c0[blk] + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+    lo = np.clip(a[blk] - ch * A, 0, A)
+    hi = np.clip(b[blk] - ch * A, 0, A)
+    return blk, ch, (np.left_shift(1, hi) - np.left_shift(1, lo)).astype(np.int64)
 
 
 def _window_classes(blk, kb, row_block, tile_q: int, G: int, m: int, nchunks: int):
@@ -64,14 +77,8 @@ def _window_classes(blk, kb, row_block, tile_q: int, G: int, m: int, nchunks: in
     live = row_block >= 0
     row_sel[:, live] = members[row_block[live]].T
     # Chunk entries of every selected key block: (class, chunk, bits of its 8 keys).
-    a, b = kb[js], kb[js + 1]
-    c0, c1 = a // A, -(-b // A)
-    n = c1 - c0
-    ch = np.repeat(c0, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
-    lo = np.clip(np.repeat(a, n) - ch * A, 0, A)
-    hi = np.clip(np.repeat(b, n) - ch * A, 0, A)
-    bits = (np.left_shift(1, hi) - np.left_shift(1, lo)).astype(np.int64)
-    cls = np.repeat(inv, n)
+    blk, ch, bits = chunk_pairs(kb[js], kb[js + 1])
+    cls = inv[blk]
     key = cls * (int(ch.max()) + 1) + ch
     o = np.argsort(key, kind="stable")
     key, bits, cls, ch = key[o], bits[o], cls[o], ch[o]
