@@ -14,6 +14,7 @@
 #   bash benchmarks/h200_session.sh gather-dq # the gathering dq compiled against the reference, then
 #                                             # forward + backward of gather plans vs cuDNN's
 #   bash benchmarks/h200_session.sh gather-device  # device-route gather plans vs host plans
+#   bash benchmarks/h200_session.sh gather-skip    # gather templates with warpgroup skipping, forward
 #   bash benchmarks/h200_session.sh test-gpu  # make test-gpu in two parts (Mosaic, Triton), logs in $OUT
 #   bash benchmarks/h200_session.sh memory    # the training step's peak memory with the Mosaic row dots
 # (Earlier sessions' parts are in git history.)
@@ -42,6 +43,17 @@ gather-device)
   # host plans of the same template, forward (summary.device_vs_host_max <= 1.05).
   run 330 gather-device python3 benchmarks/gather.py --variants default,gather,gather_device \
       --budget-s 300 --out $OUT/h200-gather-device.json ;;
+gather-skip)
+  # Issue 31: gathered steps with warpgroup skipping (computed / selected with 64-row groups:
+  # clusters 1.442 -> 1.300, cubes 2.005 -> 1.203, sliding 1.321 -> 1.069). Predicted: a
+  # one-half step costs 0.5-0.7 of a full one, so clusters 0.62 -> 0.66-0.69, cubes
+  # 0.44 -> 0.58-0.73, sliding 0.65 -> 0.73-0.80 of cuDNN (half steps: 20%, 80%, 38%).
+  # The compiled templates against the reference first (make test-gpu's cases), then every
+  # mask, checked and timed.
+  run 150 test-gpu-skip env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/gpu -k "gather_skip"
+  run 420 gather-skip python3 benchmarks/gather.py --variants default,gather,gather_skip,gather_skip_nopp \
+      --budget-s 400 --out $OUT/h200-gather-skip.json ;;
 test-gpu)
   # Issue 32 item 6: the complete make test-gpu, split under the 10-minute call limit.
   run 290 test-gpu-mosaic env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \

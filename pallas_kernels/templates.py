@@ -66,7 +66,7 @@ class MosaicConfig:
         full runs mode "none", no masking code, chosen by ``contract``), "always" every step.
     gather:     the producer fills every K/V stage by tile_kv / 8 copies of 8 keys issued from
         its four warps (``abi.GATHER_FLAG`` steps: chunks from the step's words; other steps:
-        kv_start + 8 j), so plans may hold gathered steps (not with ``wg_skip``).
+        kv_start + 8 j), so plans may hold gathered steps.
     gather_run: keys one copy loads (a multiple of 8 dividing tile_kv): plans for it hold
         chunks in runs of that many consecutive keys (policies gather / gather32 / gather64).
     """
@@ -84,9 +84,6 @@ class MosaicConfig:
     def __post_init__(self):
         for name in ("schedule_barrier", "wg_skip", "paired", "pair_pingpong", "gather"):
             _check_bool("MosaicConfig", name, getattr(self, name))
-        if self.gather and self.wg_skip:
-            raise ValueError("MosaicConfig.gather runs every step on both warpgroups of a unit: "
-                             "not with wg_skip")
         _check_choice("MosaicConfig", "mask_mode", self.mask_mode, self.MASK_MODES)
         _check_int("MosaicConfig", "gather_run", self.gather_run, 8)
         if self.gather_run % 8:
@@ -331,6 +328,15 @@ _MOSAIC = (
     # one-copy step, benchmarks/NOTES.md#gathered-steps) for ``gather`` plans.
     Template("mgpu_q128_kv128_s2_gather", tile_q=128, tile_kv=128, policy="gather",
              unit_order="head_major", kernel=MosaicConfig(gather=True), **_MGPU),
+    # The same with warpgroup step skipping: a gathered step of a class whose rows lie in one
+    # 64-row half runs on that half's warpgroup only (Wan 480p computed / selected, 128-row
+    # steps -> 64-row groups met: clusters 1.442 -> 1.300, cubes 2.005 -> 1.203, sliding
+    # 1.321 -> 1.069). With and without the ping-pong barrier (to measure: benchmarks/gather.py).
+    Template("mgpu_q128_kv128_s2_gather_skip", tile_q=128, tile_kv=128, policy="gather",
+             unit_order="head_major", kernel=MosaicConfig(gather=True, wg_skip=True), **_MGPU),
+    Template("mgpu_q128_kv128_s2_gather_skip_nopp", tile_q=128, tile_kv=128, policy="gather",
+             unit_order="head_major",
+             kernel=MosaicConfig(gather=True, wg_skip=True, schedule_barrier=False), **_MGPU),
 )
 
 # --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton -----------------

@@ -249,7 +249,8 @@ def test_xla_runs_gather_plans_forward_and_backward(gqa):
 def _run_templates():
     """The gather template, and kernel variants no table template uses (measured slower,
     benchmarks/NOTES.md#gathered-steps) but the kernel keeps: 32-key copy runs, paired 64-row
-    units with one kv128 slot per ring."""
+    units with one kv128 slot per ring; then the gather templates with warpgroup skipping
+    (with and without the ping-pong barrier)."""
     import dataclasses
     from pallas_kernels import templates as T
 
@@ -257,10 +258,11 @@ def _run_templates():
     return [t, dataclasses.replace(t, name="run32", policy="gather32",
                                    kernel=T.MosaicConfig(gather=True, gather_run=32)),
             dataclasses.replace(t, name="paired", tile_q=64, stages=1, kernel=T.MosaicConfig(
-                paired=True, pair_pingpong=True, gather=True))]
+                paired=True, pair_pingpong=True, gather=True)),
+            T.get("mgpu_q128_kv128_s2_gather_skip"), T.get("mgpu_q128_kv128_s2_gather_skip_nopp")]
 
 
-@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("which", [0, 1, 2, 3, 4])
 def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode(which):
     from jax._src.pallas.mosaic_gpu.interpret import params as _p
     from pallas_kernels import templates as T
@@ -273,6 +275,10 @@ def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode(which):
                            tile_kv=t.tile_kv, policy=t.policy, q_align=8, kv_align=8)
     st_ = p.stats()
     assert st_["gather_steps"] > 0 and p.head_policies[0] == t.policy
+    if t.kernel.wg_skip:         # some steps' rows lie in one half: one warpgroup skips them
+        rect = p.steps[: p.num_steps, abi.STEP_RECT].astype(np.int64)
+        q_lo, q_hi = abi.unpack_rect(rect)[:2]
+        assert ((q_hi <= 64) | (q_lo >= 64)).any()
     ks = jax.random.split(jax.random.key(7), 3)
     q = jax.random.normal(ks[0], (1, Lq, H, D)).astype(jnp.bfloat16)
     k, v = (jax.random.normal(x, (1, Lk, H // 2, D)).astype(jnp.bfloat16) for x in ks[1:])
@@ -335,7 +341,7 @@ def _lower(ops, t, pass_, family):
     assert family in lower_for_h200(fn, q, kv, kv, units, steps)
 
 
-@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("which", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("pass_", ["forward", "dq"])
 def test_gathering_kernels_lower_for_cuda(which, pass_):
     """The gathering forward and dq kernels (8-key chunks, 32-key runs, paired units) lower
