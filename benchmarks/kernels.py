@@ -209,7 +209,8 @@ def plan_for(mask, q_shape, kv_shape, dtype, template):
     p = build_plan(mask, q_shape, kv_shape, dtype, tile_q=template.tile_q,
                    tile_kv=template.tile_kv, policy=template.policy,
                    q_align=template.q_align, kv_align=template.kv_align,
-                   template=template.name.split("+")[0], unit_order=template.unit_order)
+                   template=template.name.split("+")[0], unit_order=template.unit_order,
+                   row_group=template.row_group)
     return p, (time.perf_counter() - t0) * 1e3
 
 

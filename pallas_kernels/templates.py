@@ -96,6 +96,11 @@ class MosaicConfig:
             raise ValueError("MosaicConfig.wg_skip needs two warpgroups on one unit; paired "
                              "gives each warpgroup a unit of its own")
 
+    def row_group(self, tile_q: int) -> int:
+        """Rows of a tile the kernel computes as one: a warpgroup's 64 with ``wg_skip`` (it
+        skips a step whose rectangle misses them), else the tile."""
+        return 64 if self.wg_skip else tile_q
+
     def check_tiles(self, tile_q: int, tile_kv: int, stages: int) -> None:
         """ValueError unless the kernel variant can be compiled for this tile shape."""
         if tile_q not in (64, 128):
@@ -275,6 +280,12 @@ class Template:
             raise ValueError(f"Template.q_align / kv_align of a mosaic_gpu template must be "
                              f"multiples of 8 (TMA fills 8-row SMEM tiles), got "
                              f"{self.q_align} / {self.kv_align}")
+
+    @property
+    def row_group(self) -> int:
+        """Rows of a tile the kernel computes as one (``planner.build_plan(row_group=)``)."""
+        group = getattr(self.kernel, "row_group", None)
+        return group(self.tile_q) if group is not None else self.tile_q
 
     def supports(self, head_dim: int, dtype) -> bool:
         """Whether this template can run a call with this head dim and dtype."""

@@ -474,6 +474,9 @@ def test_describe_and_stats_keys():
     (dict(tile_q=64, q_align=48), ValueError, "q_align"),
     (dict(tile_q=True), ValueError, "tile_q"),
     (dict(cost_model="fast"), TypeError, "cost_model"),
+    (dict(row_group=48), ValueError, "row_group"),
+    (dict(row_group=0), ValueError, "row_group"),
+    (dict(row_group=True), ValueError, "row_group"),
 ])
 def test_bad_arguments(kwargs, exc, match):
     m = tj.BlockMask.uniform(128, 128, 64, 64, np.ones((2, 2), bool))
@@ -902,3 +905,57 @@ def test_compiled_or_interpreted_loops_are_an_explicit_choice(tmp_path, options,
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) is numba
+
+
+def _computed_by_visit(plan, group):
+    """Interactions computed, visit by visit from the units' step rows: tile_kv x group rows
+    per row group of the tile that the step's rectangle meets."""
+    total = 0
+    for u in plan.units[: plan.num_units]:
+        for s in range(u[abi.UNIT_STEP_PTR], u[abi.UNIT_STEP_PTR] + u[abi.UNIT_STEP_CNT]):
+            q_lo, q_hi, _, _ = abi.unpack_rect(int(plan.steps[s, abi.STEP_RECT]))
+            total += sum(plan.tile_kv * group for g0 in range(0, plan.tile_q, group)
+                         if q_lo < q_hi and q_lo < g0 + group and q_hi > g0)
+    return total
+
+
+@given(plan_masks(), st.sampled_from(["merge", "pack", "split", "gather"]),
+       st.sampled_from([32, 64]))
+@settings(max_examples=25, deadline=None)
+def test_row_groups_count_only_the_groups_a_step_meets(mt, policy, group):
+    """With row groups (a kernel that skips a step's groups its rectangle misses), computed
+    interactions are counted per group met: never fewer than selected, never more than whole
+    tiles, and the plan's arrays are those of the plan without groups."""
+    mask, Hq, Hkv = mt
+    D = 16
+    args = dict(tile_q=128, tile_kv=64, policy=policy, q_align=8, kv_align=8)
+    whole = build_plan(mask, (1, mask.Lq, Hq, D), (1, mask.Lkv, Hkv, D), jnp.float32, **args)
+    grouped = build_plan(mask, (1, mask.Lq, Hq, D), (1, mask.Lkv, Hkv, D), jnp.float32,
+                         row_group=group, **args)
+    assert grouped.row_group == group and whole.row_group == 128
+    np.testing.assert_array_equal(grouped.steps, whole.steps)
+    np.testing.assert_array_equal(grouped.units, whole.units)
+    s, w = grouped.stats(), whole.stats()
+    assert s["row_group"] == group and w["row_group"] == 128
+    assert s["computed_interactions"] == _computed_by_visit(grouped, group)
+    assert w["computed_interactions"] == _computed_by_visit(whole, 128)
+    assert s["selected_interactions"] <= s["computed_interactions"] <= w["computed_interactions"]
+
+
+def test_templates_pass_their_row_groups():
+    """A template whose kernel skips a warpgroup's rows (``wg_skip``) plans with 64-row
+    groups; the others with the whole tile."""
+    from pallas_kernels import templates
+
+    for t in templates.TEMPLATES:
+        want = 64 if getattr(t.kernel, "wg_skip", False) else t.tile_q
+        assert t.row_group == want, t.name
+    skip = [t for t in templates.TEMPLATES if t.row_group < t.tile_q]
+    assert skip, "no template computes row groups"
+    t = skip[0]
+    m = tj.BlockMask(np.array([0, 64, 256]), np.array([0, 128, 256]),
+                     np.array([[True, False], [False, True]]))
+    p = tj.plan(m, (1, 256, 2, 64), (1, 256, 2, 64), jnp.bfloat16, template=t.name)
+    assert p.row_group == 64
+    s = p.stats()
+    assert s["computed_interactions"] < s["tiles"] * t.tile_q * t.tile_kv

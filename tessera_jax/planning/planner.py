@@ -206,6 +206,10 @@ class Plan:
     # rest of the capacity is zero padding.
     bitmap_rows: int = 0
     config: PlannerConfig = _config.DEFAULT   # the planner's options it was made with
+    # Rows of a tile the kernel computes as one (0: the whole tile): a step's row groups that
+    # its rectangle misses are skipped (Mosaic GPU ``wg_skip``: 64), so ``stats()`` counts
+    # only the groups it meets.
+    row_group: int = 0
 
     @functools.cached_property
     def row_index(self) -> np.ndarray:
@@ -1080,13 +1084,17 @@ def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_k
                template: str | None = None,
                cost_model: _sched.CostModel | None = None,
                unit_order: str = "interleaved",
-               config: PlannerConfig | None = None) -> Plan:
+               config: PlannerConfig | None = None,
+               row_group: int | None = None) -> Plan:
     """Plans ``mask`` for q [B, Lq, Hq, D] / k, v [B, Lkv, Hkv, D] with the given tile shape.
 
     ``unit_order``: "interleaved" (default) or "head_major" (``schedule.order_units``); the
     runtime passes its template's ``unit_order``. ``template`` is only the name recorded in the
     plan (default ``f"xla_{tile_q}x{tile_kv}"``): the planner reads no template table.
     ``config``: the planner's options (``PlannerConfig``; None: ``config.DEFAULT``).
+    ``row_group``: rows of a tile the kernel computes as one (a divisor of tile_q; None: the
+    tile), so ``stats()`` counts a step's row groups its rectangle meets (a kernel that skips
+    the others, like a Mosaic GPU template with ``wg_skip``: 64).
     """
     shape = check_shapes(q_shape, kv_shape, dtype)
     check_mask(mask, shape)
@@ -1111,23 +1119,27 @@ def build_plan(mask: BlockMask, q_shape, kv_shape, dtype, *, tile_q: int, tile_k
                         f"got {type(template).__name__}")
     if unit_order not in _sched.UNIT_ORDERS:
         raise ValueError(f"unit_order must be one of {_sched.UNIT_ORDERS}, got {unit_order!r}")
+    if row_group is not None and (isinstance(row_group, bool) or not isinstance(row_group, int)
+                                  or row_group <= 0 or tile_q % row_group):
+        raise ValueError(f"row_group must be None or a positive int dividing tile_q={tile_q}, "
+                         f"got {row_group!r}")
     return build_unchecked(mask, shape, tile_q=tile_q, tile_kv=tile_kv, policy=policy,
                            q_align=q_align, kv_align=kv_align, template=template,
                            cost_model=cost_model, unit_order=unit_order,
-                           config=_config.check(config))
+                           config=_config.check(config), row_group=row_group)
 
 
 def build_unchecked(mask: BlockMask, shape: AttnShape, *, tile_q: int, tile_kv: int,
                     policy: str, q_align: int, kv_align: int, template: str | None,
                     unit_order: str, cost_model: _sched.CostModel | None = None,
-                    config: PlannerConfig | None = None) -> Plan:
+                    config: PlannerConfig | None = None, row_group: int | None = None) -> Plan:
     """``build_plan`` without its argument checks, for a caller that made them (the runtime:
     ``shape`` from ``validation.check_shapes``, the mask checked against it, tiles, alignment,
     policy and unit order from a ``Template``). Cached like ``build_plan``."""
     return _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align,
                          template or f"xla_{tile_q}x{tile_kv}",
                          cost_model or _sched.DEFAULT_COST_MODEL, unit_order,
-                         config or _config.DEFAULT)
+                         config or _config.DEFAULT, row_group or tile_q)
 
 
 def clear_cache() -> None:
@@ -1163,7 +1175,7 @@ def _dedupe_heads(words: np.ndarray):
 
 @functools.lru_cache(maxsize=32)
 def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, template,
-                  cost_model, unit_order, cfg) -> Plan:
+                  cost_model, unit_order, cfg, row_group) -> Plan:
     """The plan (cached by the mask's digest and every argument, the ``PlannerConfig``
     included); the arguments are checked by the callers. Steps: the policy's raw plan of the
     distinct mask heads (``_policy_raw``), its units expanded to query heads
@@ -1199,7 +1211,7 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
                 max_steps=bucket(int(cnt.max()) if U else 0), bitmap_rows=raw.words,
                 mask_digest=mask.digest, selected_interactions=int(uarea.sum()),
                 mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model,
-                unit_order=unit_order, config=cfg,
+                unit_order=unit_order, config=cfg, row_group=row_group,
                 maybe_all_full=bool(int(raw.nfull.sum()) >= int(raw.cnt.sum())))
 
 
@@ -1484,14 +1496,26 @@ def _grid_kinds(qb, kb, r0, r1, c0, c1, cuts_a, cuts_b, q0, k0) -> np.ndarray:
     return np.where(split, 2, np.where(merged, 1, 0)).astype(np.int8)
 
 
+def _computed(plan: Plan, rects: dict, tiles: int) -> int:
+    """Interactions the kernel computes: tile_q x tile_kv a visit, or with row groups
+    (``Plan.row_group``) row_group x tile_kv per group the step's rectangle meets (a step
+    whose rectangle is empty computes none)."""
+    g = plan.row_group or plan.tile_q
+    if g >= plan.tile_q:
+        return tiles * plan.tile_q * plan.tile_kv
+    lo, hi = rects["r0"] - rects["q0"], rects["r1"] - rects["q0"]
+    groups = np.where(hi > lo, -(-hi // g) - lo // g, 0)
+    return int(groups.sum()) * g * plan.tile_kv
+
+
 def _stats(plan: Plan) -> dict:
     U = plan.num_units
     cnt = plan.step_counts().astype(np.int64)
     tiles = int(cnt.sum())
-    computed = tiles * plan.tile_q * plan.tile_kv
     sel = plan.selected_interactions
     itemsize = np.dtype(plan.shape.dtype).itemsize
     rects = _tile_rects(plan)
+    computed = _computed(plan, rects, tiles)
     gathered = rects["gather"]
     if gathered.any():          # kept / merged / split say how blocks map to fixed tiles
         kinds = np.zeros(3, np.int64)
@@ -1522,6 +1546,7 @@ def _stats(plan: Plan) -> dict:
         "head_policies": hp,
         "tile_q": plan.tile_q,
         "tile_kv": plan.tile_kv,
+        "row_group": plan.row_group or plan.tile_q,
         "units": U,
         "tiles": tiles,
         "full_tiles": nfull,

@@ -55,7 +55,8 @@ def build(mask: BlockMask, shape: AttnShape, backend: str, t: Template | None,
     return planner.build_unchecked(mask, shape, tile_q=t.tile_q, tile_kv=t.tile_kv,
                                    policy=policy or t.policy, q_align=t.q_align,
                                    kv_align=t.kv_align, template=t.name,
-                                   unit_order=t.unit_order, config=options.planner)
+                                   unit_order=t.unit_order, config=options.planner,
+                                   row_group=t.row_group)
 
 
 class _Passes:
