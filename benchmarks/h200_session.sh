@@ -15,6 +15,8 @@
 #                                             # forward + backward of gather plans vs cuDNN's
 #   bash benchmarks/h200_session.sh gather-device  # device-route gather plans vs host plans
 #   bash benchmarks/h200_session.sh gather-skip    # gather templates with warpgroup skipping, forward
+#   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
+#   bash benchmarks/h200_session.sh accept-480     # issue 31's acceptance file, Wan 480p (then accept-720)
 #   bash benchmarks/h200_session.sh test-gpu  # make test-gpu in two parts (Mosaic, Triton), logs in $OUT
 #   bash benchmarks/h200_session.sh memory    # the training step's peak memory with the Mosaic row dots
 # (Earlier sessions' parts are in git history.)
@@ -54,6 +56,28 @@ gather-skip)
       tests/gpu -k "gather_skip"
   run 420 gather-skip python3 benchmarks/gather.py --variants default,gather,gather_skip,gather_skip_nopp \
       --budget-s 400 --out $OUT/h200-gather-skip.json ;;
+profile-gather)
+  # Issue 31 item 4: the ranking table learns when gathering pays. The table's masks (first 5
+  # specs of each corpus family, tokens included; 2 heads) and its 7 candidates plus the gather
+  # templates, under the one timing rule (the committed records predate rules:
+  # --remeasure-stale re-times them). ~70 masks x 10 candidates x ~1.2 s: two calls; the
+  # second resumes from the raw file this one leaves in $OUT/raw (copy it to plan_tables/raw
+  # first). Then copy $OUT/h200.json to plan_tables/h200.json and run selection.py.
+  mkdir -p $OUT/raw && cp plan_tables/raw/h200.jsonl $OUT/raw/
+  run 570 profile python3 -m tessera_jax.tools.profiler --gpu h200 --raw $OUT/raw \
+      --out $OUT/h200.json --max-masks 70 --heads 2 --remeasure-stale --time-budget 540 \
+      --candidates mgpu_q128_kv128_s2_hm/merge mgpu_q128_kv128_s2_hm/split \
+      mgpu_q128_kv64_s2_hm/merge mgpu_q64x2_kv64_s2_hm/pack mgpu_q64x2_kv64_s2_hm/merge \
+      mgpu_q128_kv64_s2_skip/pack mgpu_q64x2pp_kv64_s2_hm/pack \
+      mgpu_q128_kv128_s2_gather/gather mgpu_q128_kv128_s2_gather_skip/gather \
+      mgpu_q128_kv128_s2_gather_skip_nopp/gather ;;
+accept-480|accept-720)
+  # Issue 31's acceptance (h200-gather.json): the runtime's own choice, host / device /
+  # per-head-bounds masks and fwd+bwd, against cuDNN in the same run; one grid a call, then
+  # python3 benchmarks/gather_acceptance.py --merge <both> --out benchmarks/results/h200-gather.json
+  g=wan${1#accept-}
+  run 580 accept-$g python3 benchmarks/gather_acceptance.py --grids $g --budget-s 560 \
+      --out $OUT/h200-gather-$g.json ;;
 test-gpu)
   # Issue 32 item 6: the complete make test-gpu, split under the 10-minute call limit.
   run 290 test-gpu-mosaic env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \

@@ -24,6 +24,7 @@ from pallas_kernels.templates import Template
 
 __all__ = ["family_template", "default_interpret", "mosaic_interpret", "triton_interpret",
            "check_qkv", "check_padded", "check_scale", "check_pass", "check_pass_plan",
+           "check_dkv_gathers",
            "mask_mode_for", "forward_mask_mode", "is_host", "forward_op", "backward_ops",
            "plan_operands", "pad", "forward_call", "gather_dq", "gather_dkv", "FLOAT_DTYPES",
            "MASK_MODES", "BACKWARD_MASK_MODE", "LOG2E", "LN2"]
@@ -187,6 +188,18 @@ def gathers(t) -> int:
     if not getattr(t.kernel, "gather", False):
         return 0
     return getattr(t.kernel, "gather_run", abi.GATHER_ROWS)     # Triton: any 8-key chunks
+
+
+def check_dkv_gathers(plan: abi.PassPlan, gather_run: int) -> None:
+    """ValueError when a host dk/dv plan holds gathered steps and the kernel does not gather
+    (it would read each such step as one run of queries: wrong gradients). Traced plans are
+    the device planner's, which emits none for such kernels."""
+    if gather_run or not is_host(plan) or not len(plan.steps):
+        return
+    if abi.is_gather(np.asarray(plan.steps)[:, abi.STEP_CUTS_B]).any():
+        raise ValueError("this dk/dv plan has gathered steps (abi.GATHER_FLAG), but the "
+                         "template's dk/dv kernel does not gather: plan dk/dv without the "
+                         "gather policy, or use a gathering template")
 
 
 def is_host(plan: abi.PassPlan) -> bool:

@@ -323,6 +323,76 @@ def test_mosaic_dq_runs_a_gather_plan_in_interpret_mode(which):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2)
 
 
+def test_mosaic_dkv_runs_a_gather_plan_in_interpret_mode():
+    """The dk/dv kernel's gathered Q / dO / lse / delta stages (the transposed mask's gather
+    plan: units of 128 keys, steps of 8-query chunks) against the gradients of the reference,
+    GQA, per-head clusters; a template whose dk/dv kernel does not gather refuses the plan;
+    the host plans dk/dv of a gathering template with the gather policy among its candidates."""
+    from jax._src.pallas.mosaic_gpu.interpret import params as _p
+    from pallas_kernels import backward_rows as rows
+    from pallas_kernels import templates as T
+    from pallas_kernels.mosaic import ops as mops
+    from tessera_jax.runtime import host_plans
+
+    t = T.get("mgpu_q128_kv128_s2_gather")
+    Lq, Lk, H, D = 264, 300, 4, 64
+    m = mask_var_clusters(Lq, H, q_mean=60, kv_mean=20, density=0.3, seed=8, kv_len=Lk)
+    tm = host_plans.transposed_mask(m)
+    p = planner.build_plan(tm, (1, Lk, H, D), (1, Lq, H, D), jnp.bfloat16, tile_q=128,
+                           tile_kv=64, policy="gather", q_align=8, kv_align=8,
+                           unit_order="head_major")
+    assert p.stats()["gather_steps"] > 0
+    ks = jax.random.split(jax.random.key(10), 4)
+    q = jax.random.normal(ks[0], (1, Lq, H, D)).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(x, (1, Lk, H // 2, D)).astype(jnp.bfloat16) for x in ks[1:3])
+    do = jax.random.normal(ks[3], (1, Lq, H, D)).astype(jnp.bfloat16)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    out, lse = tj.reference_attention(*f32, m, scale=0.125, return_lse=True)
+    want = jax.vjp(lambda k, v: tj.reference_attention(f32[0], k, v, m, scale=0.125),
+                   *f32[1:])[1](do.astype(jnp.float32))
+    delta = jnp.einsum("bqhd,bqhd->bhq", out, do.astype(jnp.float32))
+    plan = abi.PassPlan(p.units, p.steps, None, 128, 64, p.q_len_padded, p.kv_len_padded,
+                        p.max_steps, None)
+    got = mops.dkv(q, k, v, do, rows.lse_for_backward(lse), delta, plan, template=t,
+                   scale=0.125, interpret=_p.InterpretGPUParams())
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), atol=3e-2)
+    with pytest.raises(ValueError, match="does not gather"):
+        mops.dkv(q, k, v, do, rows.lse_for_backward(lse), delta, plan,
+                 template=T.get("mgpu_q128_kv128_s2_hm"), scale=0.125,
+                 interpret=_p.InterpretGPUParams())
+    fwd = tj.plan(m, q.shape, k.shape, q.dtype, template=t.name, policy="gather")
+    pols = [c.policy for c, _ in host_plans.dkv_candidates(fwd, "mosaic_gpu")]
+    assert "gather" in pols
+    plain = tj.plan(m, q.shape, k.shape, q.dtype, template="mgpu_q128_kv128_s2_hm")
+    assert "gather" not in [c.policy for c, _ in host_plans.dkv_candidates(plain, "mosaic_gpu")]
+
+
+def _dkv_lower(t):
+    """The dk/dv kernel of template ``t``'s family lowered for an abstract H200."""
+    from cuda_lowering import lower_for_h200
+    from pallas_kernels.mosaic import ops as mops
+
+    sds = jax.ShapeDtypeStruct
+    L, D = 384, 128
+    q, kv = sds((1, L, 4, D), jnp.bfloat16), sds((1, L, 2, D), jnp.bfloat16)
+    units, steps = sds((12, abi.UNIT_COLS), jnp.int32), sds((40, abi.STEP_COLS), jnp.int32)
+    rows = jnp.zeros((1, 4, L), jnp.float32)
+    plan = lambda u, s: abi.PassPlan(u, s, None, 128, 64, L, L, 4)   # noqa: E731
+    return lower_for_h200(lambda q, k, v, u, s: mops.dkv(q, k, v, q, rows, rows, plan(u, s),
+                                                          template=t, scale=0.1,
+                                                          interpret=False),
+                          q, kv, kv, units, steps)
+
+
+def test_gathering_dkv_lowers_for_cuda():
+    """The gathering dk/dv kernel (Q / dO tiles and lse / delta vectors by 8-row copies)
+    lowers for an abstract H200."""
+    from pallas_kernels import templates as T
+
+    assert "mosaic_gpu" in _dkv_lower(T.get("mgpu_q128_kv128_s2_gather"))
+
+
 def _lower(ops, t, pass_, family):
     """Forward or dq of template ``t`` lowered for an abstract H200 (``interpret=False``),
     with traced plan arrays: the text names the family's custom call."""

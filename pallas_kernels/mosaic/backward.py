@@ -42,7 +42,7 @@ from pallas_kernels import step_masks
 from pallas_kernels.contract import LOG2E
 from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask,
                                           copy_starts, gather_vectors, grid_mask, iota,
-                                          load_gathered)
+                                          load_gathered, rows_of)
 
 __all__ = ["dq_call", "dkv_call", "DKV_TILES", "DKV_PAIRED_TILES", "STAGES",
            "smem_bytes"]
@@ -333,8 +333,8 @@ def _dq_gather_producer(c: _Dq):
         for ring, ((_, b, head, _, ptr, cnt, _), starts) in enumerate(zip(streams, carry)):
             kv_head = lax.div(head, jnp.array(c.group, head.dtype))
             pl.when(i < cnt)(functools.partial(
-                load_gathered, (c.k, c.v), (c.k_smem, c.v_smem), (c.k_bar, c.v_bar),
-                (c.k_consumed, c.v_consumed), b, kv_head, starts, c.gather_run,
+                load_gathered, rows_of((c.k, c.v), b, kv_head), (c.k_smem, c.v_smem),
+                (c.k_bar, c.v_bar), (c.k_consumed, c.v_consumed), starts, c.gather_run,
                 _slot(i, ring, c.stages), i >= c.stages))
             out.append(next_starts(ptr, cnt, i + 1))
         return tuple(out)
@@ -406,6 +406,7 @@ def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paire
 # --- dk, dv ----------------------------------------------------------------------------------
 _Dkv = NamedTuple("_Dkv", [
     ("tile_q", int),
+    ("gather_run", int),  # queries a copy of a gathered stage loads (0: steps are runs)
     ("dk", Any),
     ("dv", Any),
     ("k_smem", Any),  # [CONSUMERS, 64, D]: K in, dK out
@@ -443,7 +444,8 @@ def _dkv_consumer(c: _Dkv, wg):
             plgpu.barrier_wait(bar.at[slot])
         q_s, do_s = c.q_smem.at[slot], c.do_smem.at[slot]
         st = _mma(k_smem, q_s, shape)                               # S^T [keys, queries]
-        st = _masked(c.steps, c.words, s_row, row0, tile_q, tile_kv, c.mode, st)
+        st = _masked(c.steps, c.words, s_row, row0, tile_q, tile_kv, c.mode, st,
+                     gather=c.gather_run > 0)
         lse2 = plgpu.load(c.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         pt = jnp.exp2(st * c.qk_scale - bcast(lse2, shape, 1))
         dpt = _mma(v_smem, do_s, shape)
@@ -472,6 +474,10 @@ def _dkv_consumer(c: _Dkv, wg):
 
 
 def _dkv_producer(c: _Dkv):
+    if c.gather_run:
+        _dkv_gather_producer(c)
+        return
+
     def load(slot, i, b, head, q_start):
         cols = pl.ds(q_start, DKV_TILES[1])
 
@@ -488,7 +494,46 @@ def _dkv_producer(c: _Dkv):
     _produce(c, load, lambda slot: plgpu.barrier_wait(c.consumed.at[slot]))
 
 
-def dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, interpret):
+def _dkv_gather_producer(c: _Dkv):
+    """The dk/dv producer of a gathering plan (units of keys, steps of gathered queries): each
+    ring's unit's Q, dO, lse and delta stages by runs of ``gather_run`` queries
+    (``common.load_gathered``; one slot-free wait for the four), the next step's copy starts
+    read while the current copies wait for their slot."""
+    plgpu.set_max_registers(40, action="decrease")
+    streams = [_unit(c, ring) for ring in range(2 if c.paired else 1)]
+    total = functools.reduce(jnp.maximum, [s[5] for s in streams])
+    tile_kv = DKV_TILES[1]
+
+    def next_starts(ptr, cnt, i):
+        # Clamped: past a unit's last step the read is of a real row, and unused.
+        return copy_starts(c.steps, c.words, jnp.minimum(
+            ptr + jnp.minimum(i, jnp.maximum(cnt - 1, 0)), c.num_steps - 1), tile_kv,
+            c.gather_run)
+
+    def body(i, carry):
+        out = []
+        for ring, ((_, b, head, _, ptr, cnt, _), starts) in enumerate(zip(streams, carry)):
+            views = rows_of((c.q, c.do), b, head) + rows_of((c.lse, c.delta), b, head,
+                                                             token_major=False)
+            pl.when(i < cnt)(functools.partial(
+                load_gathered, views, (c.q_smem, c.do_smem, c.lse_smem, c.delta_smem),
+                c.ring_bars, (c.consumed, None, None, None), starts, c.gather_run,
+                _slot(i, ring), i >= STAGES))
+            out.append(next_starts(ptr, cnt, i + 1))
+        return tuple(out)
+
+    lax.fori_loop(0, total, body, tuple(next_starts(s[4], s[5], jnp.int32(0))
+                                        for s in streams))
+    for ring, unit in enumerate(streams):
+        @pl.loop(jnp.maximum(unit[5] - STAGES, 0), unit[5])
+        def _(g):
+            plgpu.barrier_wait(c.consumed.at[_slot(g, ring)])
+
+
+def dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, interpret,
+             gather_run: int = 0):
+    """(dK, dV) per unit [B, U, tile_q, D] over the dk/dv plan; ``gather_run``: queries a copy
+    loads on gathered steps (0: a plan without them, one copy a stage)."""
     B, _, Hq, D = q.shape
     Hkv = k.shape[2]
     U = units.shape[0]
@@ -496,7 +541,7 @@ def dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, int
     tile_kv = DKV_TILES[1]
     paired = tile_q == WG_ROWS
     slots = (2 if paired else 1) * STAGES
-    static = dict(tile_q=tile_q, paired=paired, num_units=U, mode=mode,
+    static = dict(tile_q=tile_q, gather_run=gather_run, paired=paired, num_units=U, mode=mode,
                   num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
                   qk_scale=float(scale) * LOG2E, scale=float(scale), interpret=interpret)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -520,7 +565,9 @@ def dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, int
              plgpu.SMEM((slots, tile_kv), jnp.float32),
              plgpu.SMEM((slots, tile_kv), jnp.float32)),
             (plgpu.Barrier(num_barriers=CONSUMERS),) * 2,
-            (plgpu.Barrier(num_barriers=slots),) * 4,
+            # A gathering producer arrives once per copy.
+            (plgpu.Barrier(num_arrivals=tile_kv // gather_run if gather_run else 1,
+                           num_barriers=slots),) * 4,
             # A slot is free once every warpgroup reading it is done with it.
             plgpu.Barrier(num_arrivals=1 if paired else CONSUMERS, num_barriers=slots),
             collective_axes="wg",

@@ -78,22 +78,33 @@ def copy_starts(steps, words, s, tile_kv: int, run: int):
                  for j in range(tile_kv // run))
 
 
-def load_gathered(srcs, smems, bars, consumed, b, head, starts, run: int, slot, wait):
-    """A gathering producer's stages of one step (``srcs`` [B, L, H, D] in GMEM, e.g. K and V,
-    each into ``smems[i].at[slot]``): one TMA copy per run of ``run`` keys at ``starts``
-    (``copy_starts``), copy j issued by warp j % 4 (one issuing thread is too slow for 16
-    copies a step), each stage once ``consumed[i].at[slot]`` says the slot is free (when
-    ``wait``); ``bars[i].at[slot]`` expects tile / run arrivals."""
-    starts = [pl.multiple_of(x, ALIGN) for x in starts]
-    for ref, smem, bar, done in zip(srcs, smems, bars, consumed):
-        @pl.when(wait)
-        def _():
-            plgpu.barrier_wait(done.at[slot])
+def rows_of(refs, b, head, token_major: bool = True):
+    """For each ref, a function of a ``pl.ds`` of rows -> those rows of batch ``b`` and head
+    ``head``: refs [B, L, H, D] (``token_major``) or row vectors [B, H, L] (lse, delta)."""
+    if token_major:
+        return tuple(functools.partial(lambda ref, rows: ref.at[b, rows, head], r) for r in refs)
+    return tuple(functools.partial(lambda ref, rows: ref.at[b, head, rows], r) for r in refs)
 
-        def issue(w, ref=ref, smem=smem, bar=bar):
+
+def load_gathered(views, smems, bars, consumed, starts, run: int, slot, wait):
+    """A gathering producer's stages of one step: for each ``views[i]`` (a function of a
+    ``pl.ds`` of rows -> the GMEM ref's rows, e.g. K's of one batch and head, or a row vector
+    of lse), one TMA copy per run of ``run`` rows at ``starts`` (``copy_starts``) into
+    ``smems[i].at[slot]``, copy j issued by warp j % 4 (one issuing thread is too slow for 16
+    copies a step); each stage once ``consumed[i].at[slot]`` says the slot is free (when
+    ``wait``; None: the stage shares the previous one's); ``bars[i].at[slot]`` expects
+    tile / run arrivals."""
+    starts = [pl.multiple_of(x, ALIGN) for x in starts]
+    for view, smem, bar, done in zip(views, smems, bars, consumed):
+        if done is not None:
+            @pl.when(wait)
+            def _(done=done):
+                plgpu.barrier_wait(done.at[slot])
+
+        def issue(w, view=view, smem=smem, bar=bar):
             for j in range(len(starts)):
                 pl.when(w == j % 4)(functools.partial(
-                    plgpu.copy_gmem_to_smem, ref.at[b, pl.ds(starts[j], run), head],
+                    plgpu.copy_gmem_to_smem, view(pl.ds(starts[j], run)),
                     smem.at[slot, pl.ds(j * run, run)], bar.at[slot]))
 
         plgpu.warp_map(issue)

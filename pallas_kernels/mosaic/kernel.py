@@ -44,7 +44,7 @@ from pallas_kernels import step_masks
 from pallas_kernels.contract import LN2, LOG2E, MASK_MODES
 from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask,
                                           copy_starts, gather_vectors, grid_mask, iota,
-                                          load_gathered)
+                                          load_gathered, rows_of)
 from pallas_kernels.templates import CompiledConfig, MosaicConfig
 
 __all__ = ["KernelConfig", "forward", "smem_bytes", "MASK_MODES", "MAX_SMEM"]
@@ -569,9 +569,9 @@ def _gather_producer(c: _Ctx):
         out = []
         for ring, ((b, kv_head, ptr, cnt), starts) in enumerate(zip(streams, carry)):
             pl.when(i < cnt)(functools.partial(
-                load_gathered, (c.k, c.v), (c.k_smem, c.v_smem), (c.k_bar, c.v_bar),
-                (c.k_consumed, c.v_consumed), b, kv_head, starts, c.cfg.variant.gather_run,
-                _slot(c, i, ring), i >= c.cfg.stages))
+                load_gathered, rows_of((c.k, c.v), b, kv_head), (c.k_smem, c.v_smem),
+                (c.k_bar, c.v_bar), (c.k_consumed, c.v_consumed), starts,
+                c.cfg.variant.gather_run, _slot(c, i, ring), i >= c.cfg.stages))
             out.append(next_starts(ptr, cnt, i + 1))
         return tuple(out)
 

@@ -86,28 +86,37 @@ def run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
     scale = contract.check_pass(q, k, v, plan, t, scale, do=do, transposed=True,
                                 aligns=_backward.DKV_TILES[2:])
     _check_tiles(plan, _backward.DKV_TILES[:2], PAIRED_DKV_TILES[:2])
+    gather_run = abi.GATHER_ROWS if contract.gathers(t) else 0
+    contract.check_dkv_gathers(plan, gather_run)
     units, steps, _, row_index_t = contract.plan_operands(plan)
     return _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, tile_q=int(plan.tile_q),
                 q_len_padded=int(plan.q_len_padded), kv_len_padded=int(plan.kv_len_padded),
-                scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret))
+                scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret),
+                gather_run=gather_run)
 
 
 @functools.partial(jax.jit, static_argnames=("tile_q", "q_len_padded", "kv_len_padded",
-                                             "scale", "mask_mode", "interpret"))
+                                             "scale", "mask_mode", "interpret", "gather_run"))
 def _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, *, tile_q, q_len_padded,
-         kv_len_padded, scale, mask_mode, interpret):
+         kv_len_padded, scale, mask_mode, interpret, gather_run):
     # The dk/dv plan's rows are keys (q_len_padded), its steps queries (kv_len_padded).
     lse2 = rows_.pad_rows(lse * contract.LOG2E, kv_len_padded, jnp.inf)
     delta_p = rows_.pad_rows(delta, kv_len_padded, 0.0)
     dk_u, dv_u = _backward.dkv_call(
         contract.pad(q, kv_len_padded), contract.pad(k, q_len_padded),
         contract.pad(v, q_len_padded), contract.pad(do.astype(q.dtype), kv_len_padded), lse2,
-        delta_p, units, steps, tile_q=tile_q, mode=mask_mode, scale=scale, interpret=interpret)
+        delta_p, units, steps, tile_q=tile_q, mode=mask_mode, scale=scale, interpret=interpret,
+        gather_run=gather_run)
     return contract.gather_dkv(dk_u, dv_u, units, row_index_t, q.shape, k, v, tile_q)
 
 
 forward = contract.forward_op(BACKEND, run_forward)
 dq, dkv = contract.backward_ops(run_dq, run_dkv)
+
+
+#: The dk/dv kernel of a gathering template runs plans with gathered steps (8-query chunks:
+#: the ``gather`` policy on the transposed mask), so the host may plan dk/dv with it.
+DKV_GATHERS = True
 
 
 def dkv_tiles(template: Template, head_dim: int) -> tuple[int, int, int, int]:

@@ -93,6 +93,7 @@ def run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
     scale = contract.check_pass(q, k, v, plan, t, scale, do=do, transposed=True,
                                 aligns=(1, 1))
     d_pad = _check_head_dim(q)
+    contract.check_dkv_gathers(plan, 0)
     units, steps, _, row_index_t = contract.plan_operands(plan)
     return _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, tile_q=int(plan.tile_q),
                 tile_kv=int(plan.tile_kv), d_pad=d_pad, q_len_padded=int(plan.q_len_padded),
