@@ -293,10 +293,10 @@ def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode(which):
                      interpret=_p.InterpretGPUParams())
 
 
-@pytest.mark.parametrize("which", [0, 2])
+@pytest.mark.parametrize("which", [0, 2, 3])
 def test_mosaic_dq_runs_a_gather_plan_in_interpret_mode(which):
-    """The dq kernel's gathered stages (8-key chunks; paired 64-row units) against the
-    gradient of the reference, GQA."""
+    """The dq kernel's gathered stages (8-key chunks; paired 64-row units; warpgroup
+    skipping) against the gradient of the reference, GQA."""
     from jax._src.pallas.mosaic_gpu.interpret import params as _p
     from pallas_kernels import backward_rows as rows
     from pallas_kernels.mosaic import ops as mops
@@ -323,7 +323,8 @@ def test_mosaic_dq_runs_a_gather_plan_in_interpret_mode(which):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2)
 
 
-def test_mosaic_dkv_runs_a_gather_plan_in_interpret_mode():
+@pytest.mark.parametrize("name", ["mgpu_q128_kv128_s2_gather", "mgpu_q128_kv128_s2_gather_skip"])
+def test_mosaic_dkv_runs_a_gather_plan_in_interpret_mode(name):
     """The dk/dv kernel's gathered Q / dO / lse / delta stages (the transposed mask's gather
     plan: units of 128 keys, steps of 8-query chunks) against the gradients of the reference,
     GQA, per-head clusters; a template whose dk/dv kernel does not gather refuses the plan;
@@ -334,7 +335,7 @@ def test_mosaic_dkv_runs_a_gather_plan_in_interpret_mode():
     from pallas_kernels.mosaic import ops as mops
     from tessera_jax.runtime import host_plans
 
-    t = T.get("mgpu_q128_kv128_s2_gather")
+    t = T.get(name)
     Lq, Lk, H, D = 264, 300, 4, 64
     m = mask_var_clusters(Lq, H, q_mean=60, kv_mean=20, density=0.3, seed=8, kv_len=Lk)
     tm = host_plans.transposed_mask(m)
@@ -342,6 +343,8 @@ def test_mosaic_dkv_runs_a_gather_plan_in_interpret_mode():
                            tile_kv=64, policy="gather", q_align=8, kv_align=8,
                            unit_order="head_major")
     assert p.stats()["gather_steps"] > 0
+    q_lo, q_hi = abi.unpack_rect(p.steps[: p.num_steps, abi.STEP_RECT].astype(np.int64))[:2]
+    assert ((q_hi <= 64) | (q_lo >= 64)).any()     # steps a skipping warpgroup skips
     ks = jax.random.split(jax.random.key(10), 4)
     q = jax.random.normal(ks[0], (1, Lq, H, D)).astype(jnp.bfloat16)
     k, v = (jax.random.normal(x, (1, Lk, H // 2, D)).astype(jnp.bfloat16) for x in ks[1:3])
@@ -362,8 +365,10 @@ def test_mosaic_dkv_runs_a_gather_plan_in_interpret_mode():
                  template=T.get("mgpu_q128_kv128_s2_hm"), scale=0.125,
                  interpret=_p.InterpretGPUParams())
     fwd = tj.plan(m, q.shape, k.shape, q.dtype, template=t.name, policy="gather")
-    pols = [c.policy for c, _ in host_plans.dkv_candidates(fwd, "mosaic_gpu")]
-    assert "gather" in pols
+    cands = host_plans.dkv_candidates(fwd, "mosaic_gpu")
+    assert "gather" in [c.policy for c, _ in cands]
+    assert {c.row_group for c, per_sm in cands if per_sm == 1} == {
+        64 if t.kernel.wg_skip else 128}
     plain = tj.plan(m, q.shape, k.shape, q.dtype, template="mgpu_q128_kv128_s2_hm")
     assert "gather" not in [c.policy for c, _ in host_plans.dkv_candidates(plain, "mosaic_gpu")]
 
@@ -385,12 +390,13 @@ def _dkv_lower(t):
                           q, kv, kv, units, steps)
 
 
-def test_gathering_dkv_lowers_for_cuda():
-    """The gathering dk/dv kernel (Q / dO tiles and lse / delta vectors by 8-row copies)
-    lowers for an abstract H200."""
+@pytest.mark.parametrize("name", ["mgpu_q128_kv128_s2_gather", "mgpu_q128_kv128_s2_gather_skip"])
+def test_gathering_dkv_lowers_for_cuda(name):
+    """The gathering dk/dv kernel (Q / dO tiles and lse / delta vectors by 8-row copies; with
+    warpgroup skipping) lowers for an abstract H200."""
     from pallas_kernels import templates as T
 
-    assert "mosaic_gpu" in _dkv_lower(T.get("mgpu_q128_kv128_s2_gather"))
+    assert "mosaic_gpu" in _dkv_lower(T.get(name))
 
 
 def _lower(ops, t, pass_, family):

@@ -117,6 +117,17 @@ def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x, gath
     return masked(x)
 
 
+def _skipping(c, s, row0, compute, skip, state):
+    """``compute(state)`` for step ``s``, or with ``c.wg_skip`` ``skip(state)`` (only the
+    slot's releases: the data barriers were waited for, so releases keep the ring's phases)
+    when the step's rectangle misses this warpgroup's 64 rows (tile rows row0 ..)."""
+    if not c.wg_skip:
+        return compute(state)
+    q_lo, q_hi = abi.unpack_rect(c.steps[s, abi.STEP_RECT])[:2]
+    active = (q_lo < row0 + WG_ROWS) & (q_hi > row0) & (q_lo < q_hi)
+    return lax.cond(active, compute, skip, state)
+
+
 def _mma(a_smem, b_smem_t, shape):
     """a @ b^T of two SMEM tiles by wgmma, float32 [shape]."""
     def body(acc):
@@ -141,6 +152,7 @@ def _mma_acc(acc, a_regs, b_smem, interpret):
 # operands in HBM.
 _SHARED_FIELDS = [
     ("paired", bool),
+    ("wg_skip", bool),  # a warpgroup skips the steps whose rectangle misses its 64 rows
     ("num_units", int),
     ("mode", str),
     ("num_steps", int),
@@ -266,16 +278,25 @@ def _dq_consumer(c: _Dq, wg):
         s_row = jnp.minimum(ptr + i, c.num_steps - 1)
         plgpu.barrier_wait(c.k_bar.at[slot])
         plgpu.barrier_wait(c.v_bar.at[slot])
-        s = _mma(q_smem, c.k_smem.at[slot], shape)
-        dp = _mma(do_smem, c.v_smem.at[slot], shape)
-        plgpu.barrier_arrive(c.v_consumed.at[slot])
-        s = _masked(c.steps, c.words, s_row, row0, c.tile_q, c.tile_kv, c.mode, s,
-                    gather=c.gather_run > 0)
-        p = jnp.exp2(s * c.qk_scale - bcast(lse2, shape, 0))
-        ds = p * (dp - bcast(delta, shape, 0))
-        acc = _mma_acc(acc, ds.astype(c.dtype), c.k_smem.at[slot], c.interpret)
-        plgpu.barrier_arrive(c.k_consumed.at[slot])
-        return acc
+
+        def compute(acc):
+            s = _mma(q_smem, c.k_smem.at[slot], shape)
+            dp = _mma(do_smem, c.v_smem.at[slot], shape)
+            plgpu.barrier_arrive(c.v_consumed.at[slot])
+            s = _masked(c.steps, c.words, s_row, row0, c.tile_q, c.tile_kv, c.mode, s,
+                        gather=c.gather_run > 0)
+            p = jnp.exp2(s * c.qk_scale - bcast(lse2, shape, 0))
+            ds = p * (dp - bcast(delta, shape, 0))
+            acc = _mma_acc(acc, ds.astype(c.dtype), c.k_smem.at[slot], c.interpret)
+            plgpu.barrier_arrive(c.k_consumed.at[slot])
+            return acc
+
+        def skip(acc):
+            plgpu.barrier_arrive(c.v_consumed.at[slot])
+            plgpu.barrier_arrive(c.k_consumed.at[slot])
+            return acc
+
+        return _skipping(c, s_row, row0, compute, skip, acc)
 
     acc = plgpu.layout_cast(jnp.full((WG_ROWS, c.head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
     acc = lax.fori_loop(0, cnt, step, acc)
@@ -349,10 +370,13 @@ def _dq_gather_producer(c: _Dq):
 
 
 def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paired, mode,
-             scale, interpret, gather_run: int = 0, stages: int = STAGES):
+             scale, interpret, gather_run: int = 0, stages: int = STAGES, wg_skip: bool = False):
     """dQ per unit [B, U, tile_q, D] over the forward plan; ``gather_run``: keys a copy loads
     on gathered steps (0: a plan without them, one copy a stage); ``stages``: K/V ring slots
-    per ring (a gathering producer's; the other keeps STAGES)."""
+    per ring (a gathering producer's; the other keeps STAGES); ``wg_skip``: a warpgroup skips
+    the steps whose rectangle misses its rows (tile_q 128)."""
+    if wg_skip and paired:
+        raise ValueError("dq_call: wg_skip needs two warpgroups on one unit (not paired)")
     if not gather_run and stages != STAGES:
         raise ValueError(f"dq_call: stages={stages} needs a gathering producer (gather_run)")
     B, _, Hq, D = q.shape
@@ -362,7 +386,8 @@ def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paire
     rings = 2 if paired else 1
     slots = rings * stages
     static = dict(tile_q=tile_q, tile_kv=tile_kv, gather_run=gather_run, stages=stages,
-                  paired=paired, mode=mode, num_units=U, num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
+                  paired=paired, wg_skip=wg_skip, mode=mode, num_units=U,
+                  num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
                   qk_scale=float(scale) * LOG2E, scale=float(scale), interpret=interpret)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -437,24 +462,32 @@ def _dkv_consumer(c: _Dkv, wg):
     shape = (WG_ROWS, tile_kv)
 
     def step(i, carry):
-        dk, dv = carry
         slot = _slot(i, ring)
         s_row = jnp.minimum(ptr + i, c.num_steps - 1)
         for bar in c.ring_bars:
             plgpu.barrier_wait(bar.at[slot])
-        q_s, do_s = c.q_smem.at[slot], c.do_smem.at[slot]
-        st = _mma(k_smem, q_s, shape)                               # S^T [keys, queries]
-        st = _masked(c.steps, c.words, s_row, row0, tile_q, tile_kv, c.mode, st,
-                     gather=c.gather_run > 0)
-        lse2 = plgpu.load(c.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        pt = jnp.exp2(st * c.qk_scale - bcast(lse2, shape, 1))
-        dpt = _mma(v_smem, do_s, shape)
-        dv = _mma_acc(dv, pt.astype(c.dtype), do_s, c.interpret)
-        delta = plgpu.load(c.delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        dst = pt * (dpt - bcast(delta, shape, 1))
-        dk = _mma_acc(dk, dst.astype(c.dtype), q_s, c.interpret)
-        plgpu.barrier_arrive(c.consumed.at[slot])
-        return dk, dv
+
+        def compute(carry):
+            dk, dv = carry
+            q_s, do_s = c.q_smem.at[slot], c.do_smem.at[slot]
+            st = _mma(k_smem, q_s, shape)                           # S^T [keys, queries]
+            st = _masked(c.steps, c.words, s_row, row0, tile_q, tile_kv, c.mode, st,
+                         gather=c.gather_run > 0)
+            lse2 = plgpu.load(c.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            pt = jnp.exp2(st * c.qk_scale - bcast(lse2, shape, 1))
+            dpt = _mma(v_smem, do_s, shape)
+            dv = _mma_acc(dv, pt.astype(c.dtype), do_s, c.interpret)
+            delta = plgpu.load(c.delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            dst = pt * (dpt - bcast(delta, shape, 1))
+            dk = _mma_acc(dk, dst.astype(c.dtype), q_s, c.interpret)
+            plgpu.barrier_arrive(c.consumed.at[slot])
+            return dk, dv
+
+        def skip(carry):
+            plgpu.barrier_arrive(c.consumed.at[slot])
+            return carry
+
+        return _skipping(c, s_row, row0, compute, skip, carry)
 
     zeros = plgpu.layout_cast(jnp.full((WG_ROWS, c.head_dim), 0, jnp.float32),
                               plgpu.Layout.WGMMA)
@@ -531,9 +564,10 @@ def _dkv_gather_producer(c: _Dkv):
 
 
 def dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, interpret,
-             gather_run: int = 0):
+             gather_run: int = 0, wg_skip: bool = False):
     """(dK, dV) per unit [B, U, tile_q, D] over the dk/dv plan; ``gather_run``: queries a copy
-    loads on gathered steps (0: a plan without them, one copy a stage)."""
+    loads on gathered steps (0: a plan without them, one copy a stage); ``wg_skip``: a
+    warpgroup skips the steps whose rectangle misses its 64 keys (128-key units)."""
     B, _, Hq, D = q.shape
     Hkv = k.shape[2]
     U = units.shape[0]
@@ -541,7 +575,8 @@ def dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, int
     tile_kv = DKV_TILES[1]
     paired = tile_q == WG_ROWS
     slots = (2 if paired else 1) * STAGES
-    static = dict(tile_q=tile_q, gather_run=gather_run, paired=paired, num_units=U, mode=mode,
+    static = dict(tile_q=tile_q, gather_run=gather_run, paired=paired,
+                  wg_skip=wg_skip and not paired, num_units=U, mode=mode,
                   num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
                   qk_scale=float(scale) * LOG2E, scale=float(scale), interpret=interpret)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

@@ -60,14 +60,16 @@ def run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
                q_len_padded=int(plan.q_len_padded), kv_len_padded=int(plan.kv_len_padded),
                scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret),
                gather_run=contract.gathers(t),
-               stages=t.stages if contract.gathers(t) else _backward.STAGES)
+               stages=t.stages if contract.gathers(t) else _backward.STAGES,
+               wg_skip=bool(t.kernel.wg_skip))
 
 
 @functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "paired", "q_len_padded",
                                              "kv_len_padded", "scale", "mask_mode",
-                                             "interpret", "gather_run", "stages"))
+                                             "interpret", "gather_run", "stages", "wg_skip"))
 def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_q, tile_kv,
-        paired, q_len_padded, kv_len_padded, scale, mask_mode, interpret, gather_run, stages):
+        paired, q_len_padded, kv_len_padded, scale, mask_mode, interpret, gather_run, stages,
+        wg_skip):
     lse_u = rows_.unit_rows(rows_.pad_rows(lse * contract.LOG2E, q_len_padded, jnp.inf), units,
                             tile_q, unit_index)
     delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q,
@@ -76,7 +78,8 @@ def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_
         contract.pad(q, q_len_padded), contract.pad(k, kv_len_padded),
         contract.pad(v, kv_len_padded), contract.pad(do.astype(q.dtype), q_len_padded),
         lse_u, delta_u, units, steps, tile_q=tile_q, tile_kv=tile_kv, paired=paired,
-        mode=mask_mode, scale=scale, interpret=interpret, gather_run=gather_run, stages=stages)
+        mode=mask_mode, scale=scale, interpret=interpret, gather_run=gather_run, stages=stages,
+        wg_skip=wg_skip)
     return contract.gather_dq(dq_u, units, row_index_t, q.shape, tile_q)
 
 
@@ -92,13 +95,14 @@ def run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
     return _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, tile_q=int(plan.tile_q),
                 q_len_padded=int(plan.q_len_padded), kv_len_padded=int(plan.kv_len_padded),
                 scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret),
-                gather_run=gather_run)
+                gather_run=gather_run, wg_skip=bool(t.kernel.wg_skip))
 
 
 @functools.partial(jax.jit, static_argnames=("tile_q", "q_len_padded", "kv_len_padded",
-                                             "scale", "mask_mode", "interpret", "gather_run"))
+                                             "scale", "mask_mode", "interpret", "gather_run",
+                                             "wg_skip"))
 def _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, *, tile_q, q_len_padded,
-         kv_len_padded, scale, mask_mode, interpret, gather_run):
+         kv_len_padded, scale, mask_mode, interpret, gather_run, wg_skip):
     # The dk/dv plan's rows are keys (q_len_padded), its steps queries (kv_len_padded).
     lse2 = rows_.pad_rows(lse * contract.LOG2E, kv_len_padded, jnp.inf)
     delta_p = rows_.pad_rows(delta, kv_len_padded, 0.0)
@@ -106,7 +110,7 @@ def _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, *, tile_q, q_len_pa
         contract.pad(q, kv_len_padded), contract.pad(k, q_len_padded),
         contract.pad(v, q_len_padded), contract.pad(do.astype(q.dtype), kv_len_padded), lse2,
         delta_p, units, steps, tile_q=tile_q, mode=mask_mode, scale=scale, interpret=interpret,
-        gather_run=gather_run)
+        gather_run=gather_run, wg_skip=wg_skip)
     return contract.gather_dkv(dk_u, dv_u, units, row_index_t, q.shape, k, v, tile_q)
 
 

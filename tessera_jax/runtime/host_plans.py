@@ -172,8 +172,13 @@ def dkv_candidates(plan: planner.Plan, backend: str,
     if not opts:
         raise ValueError(f"Options.dkv_policies is empty and backend {backend!r} has no "
                          "paired dk/dv units: no dk/dv plan to choose")
+    # A skipping template's dk/dv kernel skips a 128-key unit's steps on the warpgroup whose
+    # 64 keys they miss: its plans count 64-row groups.
+    group = 64 if t.backend == backend and getattr(t.kernel, "wg_skip", False) else None
     return [(planner.build_unchecked(tmask, shape, tile_q=x[0], tile_kv=x[1], policy=pol,
                                      q_align=x[2], kv_align=x[3],
                                      template=f"bwd_dkv_{backend}_{x[0]}x{x[1]}",
-                                     unit_order="head_major", config=plan.config), per_sm)
+                                     unit_order="head_major", config=plan.config,
+                                     row_group=group if per_sm == 1 and x[0] > 64 else None),
+             per_sm)
             for x, pol, per_sm in opts]
