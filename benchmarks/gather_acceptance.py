@@ -185,8 +185,15 @@ def main():
                             q, k, v, m, scale=scale, options=opts)
                         call = (q, k, v)
                     else:
+                        from tessera_jax.runtime import device_route, dispatch
+                        from tessera_jax.validation import check_shapes
                         b = jnp.asarray(np.broadcast_to(blocks, (H,) + blocks.shape[1:])
                                         if route == "perhead" else blocks)
+                        if route == "device":        # the device route's static choice
+                            sh = check_shapes(q.shape, k.shape, q.dtype)
+                            ch = device_route.choose(tj.BlockMask(qb, kb, b), sh,
+                                                     dispatch.resolve(None, sh), None)
+                            row["template"] = ch.name if ch is not None else None
                         if route == "perhead":
                             qbh = jnp.asarray(np.broadcast_to(qb, (H, len(qb))).copy())
                             kbh = jnp.asarray(np.broadcast_to(kb, (H, len(kb))).copy())

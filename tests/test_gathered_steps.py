@@ -467,3 +467,33 @@ def test_triton_gather_lowers_for_cuda(pass_):
     from pallas_kernels.triton import ops as tops
 
     _lower(tops, _triton_gather_template(), pass_, "triton")
+
+
+def test_acceptance_summary_keys_and_merge(tmp_path):
+    """``benchmarks/gather_acceptance``: the summary's minima and maxima over families,
+    routes and grids, each ratio within one run; a failed check leaves its row out; merged
+    runs keep the extreme of each key."""
+    import json
+    import gather_acceptance as GA
+
+    def row(grid, fam, route, ms, eff, ok=True):
+        return dict(grid=grid, family=fam, route=route, ms=ms, efficiency=eff, ok=ok)
+
+    rows = [row("a", "clusters", "host", 2.0, 0.7), row("a", "clusters", "device", 2.2, 0.64),
+            row("a", "clusters", "perhead", 2.4, 0.6), row("a", "clusters", "fwd_bwd", 9.0, 0.66),
+            row("a", "cubes", "host", 1.0, 0.9), row("a", "cubes", "device", 0.5, 0.3, ok=False),
+            row("a", "aligned", "fwd_bwd", 1.0, 0.1)]
+    s = GA.summarize(rows)
+    assert s["efficiency_clusters_min"] == 0.64 and s["efficiency_cubes_min"] == 0.9
+    assert s["device_vs_host_max"] == pytest.approx(1.1)
+    assert s["perhead_bounds_vs_shared_max"] == pytest.approx(1.2)
+    assert s["fwd_bwd_efficiency_irregular_min"] == 0.66      # aligned is not irregular
+    other = GA.summarize([row("b", "clusters", "host", 1.0, 0.8),
+                          row("b", "clusters", "device", 1.5, 0.5)])
+    paths = []
+    for i, summ in enumerate((s, other)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps({"summary": summ, "rows": []}))
+    GA.merge([str(p) for p in paths], str(tmp_path / "m.json"))
+    m = json.loads((tmp_path / "m.json").read_text())["summary"]
+    assert m["efficiency_clusters_min"] == 0.5 and m["device_vs_host_max"] == 1.5
