@@ -485,6 +485,7 @@ class _Ctx:
     qp: int
     kvp: int
     cfg: PlannerConfig = _config.DEFAULT
+    row_group: int = 0         # rows the kernel computes as one (0: the tile)
 
     @property
     def run(self) -> _loops.Runner:
@@ -1184,7 +1185,7 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     kvp = _round_up(max(shape.kv_len, tile_kv), kv_align)
     words, hmap = _dedupe_heads(pack_rows(mask.blocks, cfg))
     ctx = _Ctx(mask.q_bounds, mask.kv_bounds, words, tile_q, tile_kv, q_align, kv_align,
-               qp, kvp, cfg)
+               qp, kvp, cfg, row_group)
     raw, head_policies, mixed = _policy_raw(ctx, policy, shape, cost_model, hmap,
                                             mask.num_heads)
     # Tiles once: one step of each (unit, K/V tile), made by split's step loops, else by
@@ -1257,7 +1258,7 @@ def _gather_raw(ctx: _Ctx, shape: AttnShape, run: int) -> _Raw:
     blocks = np.unpackbits(np.ascontiguousarray(ctx.words).view(np.uint8), axis=-1,
                            bitorder="little")[..., :nk].astype(bool)
     g = _gather_policy.plan_gather(ctx.qb, ctx.kb, blocks, ctx.tile_q, ctx.tile_kv, shape.q_len,
-                                   ctx.qp, ctx.kvp, run)
+                                   ctx.qp, ctx.kvp, run, row_group=ctx.row_group)
     return _Raw(g.head, g.qs, g.lo, g.hi, g.cnt, g.steps, g.nfull, g.area,
                 words=g.word_rows, wr=abi.gather_word_rows(ctx.tile_q, ctx.tile_kv))
 
