@@ -4,13 +4,14 @@ and second request on a new host mask, synchronous against tiered.
 Two sections, one JSON:
 
 * ``fit``: host planning (``tj.plan`` with every cache cleared: template choice + planner;
-  min of --repeats) over corpus test masks (--fit-families x --fit-grids, --heads heads), and
+  min of --fit-repeats) over corpus test masks (--fit-families x --fit-grids, --heads heads), and
   the device route's planner alone (jitted, compiled; traced bounds, as tiered calls run it)
   over --families x --fit-grids; non-negative least squares of ``tier_costs.TierCosts``' host
   and device-planning terms. The kernel terms and compile time come from ``requests``.
 * ``requests``: per --families mask at --grid, executables of both routes compiled first (a
   new mask of known shapes): host planning, the host plan's call, the device route's call
-  (mask already on the device) and its planner; then, each after ``tj.clear_caches()``, the
+  (mask already on the device) and its planner, host planning beside a Python thread (the
+  GIL: ``gil_probe``); then, each after ``tj.clear_caches()``, the
   first and the second request (the second right after the first returns) under "sync",
   "tiered" (the rule's choice, with the constants in the tree) and "device_first" (always
   the device route first), with the route each ran and the rule's prediction.
@@ -18,7 +19,7 @@ Two sections, one JSON:
 CPU box (what ``benchmarks/results/cpu-tiered.json`` holds; XLA backend, so head_dim 8 and
 float32 to keep a Wan 480p call to seconds):
 
-    python benchmarks/tiered.py --head-dim 8 --dtype float32 \\
+    python benchmarks/tiered.py --head-dim 8 --dtype float32 --repeats 2 \\
         --out benchmarks/results/cpu-tiered.json
 
 H200 (a GPU session; Wan 480p as served: head_dim 128, bfloat16):
@@ -75,6 +76,40 @@ def host_plan_ms(mask, shape, repeats: int) -> float:
     return float(min(ts))
 
 
+def _spin(stop) -> int:
+    """Pure-Python iterations (the GIL held) until ``stop()``."""
+    n = 0
+    while not stop():
+        for _ in range(1000):
+            n += 1
+    return n
+
+
+def gil_probe(mask, shape, repeats: int) -> dict:
+    """Host planning on a background thread while this thread runs pure Python (holding the
+    GIL between switches): the plan's ms against alone, and the Python rate this thread keeps
+    against alone (1.0: planning released the GIL throughout; ~0.5 on a full core: it held
+    it). The min over ``repeats``."""
+    import concurrent.futures
+    import tessera_jax as tj
+    alone = host_plan_ms(mask, shape, repeats)
+    t0 = time.perf_counter()
+    n = _spin(lambda: time.perf_counter() - t0 > alone / 1e3)
+    solo_rate = n / (time.perf_counter() - t0)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    plan_ms, rate = [], []
+    for _ in range(repeats):
+        tj.clear_caches()
+        fut = pool.submit(host_plan_ms, mask, shape, 1)      # clears, then plans
+        t0 = time.perf_counter()
+        n = _spin(fut.done)
+        rate.append(n / (time.perf_counter() - t0) / solo_rate)
+        plan_ms.append(fut.result())
+    pool.shutdown()
+    return {"plan_alone_ms": alone, "plan_beside_python_ms": float(min(plan_ms)),
+            "python_rate_beside_plan": float(max(rate))}
+
+
 def device_planner(mask, shape, backend: str, budget: int):
     """(fn() running the device route's planner on ``mask`` with traced bounds, template,
     capacity)."""
@@ -117,14 +152,17 @@ def best_of(fn, repeats: int):
 
 def _nnls(rows, cols, target):
     """Non-negative least squares of ``target`` on the columns ``cols`` of ``rows`` (a
-    column of ones first): (coefficients, max relative error)."""
+    column of ones first; unweighted, so the large masks, where the rule's choice matters,
+    fit best): (coefficients, {median, max} of max(predicted / measured, its inverse))."""
     from scipy.optimize import nnls
     A = np.array([[1.0] + [float(r[c]) for c in cols] for r in rows])
     y = np.array([float(r[target]) for r in rows])
-    w = 1.0 / np.maximum(y, 1e-3)               # relative error: small masks count too
-    x, _ = nnls(A * w[:, None], y * w)
+    x, _ = nnls(A, y)
     pred = A @ x
-    return x, float(np.max(np.abs(pred - y) / np.maximum(y, 1e-9)))
+    for r, p_ in zip(rows, pred):
+        r["predicted_" + target] = float(p_)
+    ratio = np.maximum(pred / y, y / np.maximum(pred, 1e-9))
+    return x, {"median_ratio": float(np.median(ratio)), "max_ratio": float(ratio.max())}
 
 
 def fit_section(a, specs, backend: str) -> dict:
@@ -140,26 +178,29 @@ def fit_section(a, specs, backend: str) -> dict:
         except StopIteration:
             continue
         shape = _shape(m, a.heads, a.head_dim, a.dtype)
+        sel = int(np.count_nonzero(m.blocks))
         host_rows.append({"mask": f"{fam}:{grid}", "blocks": int(np.prod(m.shape)),
-                          "selected": int(np.count_nonzero(m.blocks)),
-                          "host_plan_ms": host_plan_ms(m, shape, a.repeats)})
+                          "selected": sel,
+                          "pairs": sel * m.Lq / m.shape[1] * m.Lkv / m.shape[2],
+                          "host_plan_ms": host_plan_ms(m, shape, a.fit_repeats)})
     for fam, grid in tqdm([(f, g) for g in a.fit_grids for f in a.families],
                           desc="fit: device planning"):
         _, m = first_test_mask(f"{fam}:{grid}", a.heads, specs)
         shape = _shape(m, a.heads, a.head_dim, a.dtype)
         fn, t, cap = device_planner(m, shape, backend, budget)
-        first, best = timed(fn, a.repeats)
+        first, best = timed(fn, a.fit_repeats)
         nqt, nkt = -(-shape.q_len // t.tile_q), -(-shape.kv_len // t.tile_kv)
         dev_rows.append({"mask": f"{fam}:{grid}", "template": t.name,
                          "tiles": a.heads * nqt * nkt, "bitmaps": int(cap),
                          "device_plan_first_ms": first, "device_plan_ms": best})
-    hx, herr = _nnls(host_rows, ("blocks", "selected"), "host_plan_ms")
+    hx, herr = _nnls(host_rows, ("blocks", "selected", "pairs"), "host_plan_ms")
     dx, derr = _nnls(dev_rows, ("tiles", "bitmaps"), "device_plan_ms")
     return {"host": host_rows, "device": dev_rows,
             "host_fit": {"host_ms": hx[0], "host_ns_per_block": hx[1] * 1e6,
-                         "host_ns_per_selected": hx[2] * 1e6, "max_rel_error": herr},
+                         "host_ns_per_selected": hx[2] * 1e6, "host_ns_per_pair": hx[3] * 1e6,
+                         **herr},
             "device_fit": {"device_ms": dx[0], "device_ns_per_tile": dx[1] * 1e6,
-                           "device_ns_per_bitmap": dx[2] * 1e6, "max_rel_error": derr}}
+                           "device_ns_per_bitmap": dx[2] * 1e6, **derr}}
 
 
 def _route_of(before: dict, after: dict) -> str:
@@ -203,6 +244,7 @@ def request_section(a, specs, backend: str) -> list:
         tiered.wait()
         # Parts (executables compiled above).
         row["host_plan_ms"] = host_plan_ms(m, shape, a.repeats)
+        row["gil"] = gil_probe(m, shape, a.repeats)
         call(opts["sync"])                       # plan cached again
         row["host_call_ms"] = best_of(lambda: jax.block_until_ready(call(opts["sync"])),
                                       a.repeats)[0]
@@ -278,6 +320,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fit-repeats", type=int, default=5)
     ap.add_argument("--fit-families", nargs="+", default=FIT_FAMILIES)
     ap.add_argument("--fit-grids", nargs="+", default=["wan480", "hy480", "wan720"])
     ap.add_argument("--skip-fit", action="store_true")

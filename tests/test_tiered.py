@@ -240,7 +240,8 @@ def test_check_finite_with_tiering():
 
 # --- the rule ----------------------------------------------------------------------------
 def _costs(**kw):
-    base = dict(host_ms=0.0, host_ns_per_block=0.0, host_ns_per_selected=0.0, device_ms=0.0,
+    base = dict(host_ms=0.0, host_ns_per_block=0.0, host_ns_per_selected=0.0,
+                host_ns_per_pair=0.0, device_ms=0.0,
                 device_ns_per_tile=0.0, device_ns_per_bitmap=0.0,
                 kernel_ns_per_interaction=0.0, kernel_excess=0.0, compile_ms=0.0,
                 source="test")

@@ -36,8 +36,10 @@ __all__ = ["TierCosts", "MaskSize", "CPU", "H200", "COSTS", "costs_for", "size_o
 class TierCosts:
     """Measured constants of one (platform, backend): ms, and ns per unit.
 
-    host_ms, host_ns_per_block, host_ns_per_selected: host planning (template choice and the
-        planner) of a mask of Hm x nq x nkv blocks, ``selected`` of them selected.
+    host_ms, host_ns_per_block, host_ns_per_selected, host_ns_per_pair: host planning
+        (template choice and the planner) of a mask of Hm x nq x nkv blocks, ``selected`` of
+        them, covering ``pairs`` (query, key) token pairs over the mask heads (large blocks
+        make many steps).
     device_ms, device_ns_per_tile, device_ns_per_bitmap: device planning inside the program,
         per (query head, query tile, key tile) of the device plan and per bitmap step of its
         capacity (traced bounds: what the budget allows).
@@ -50,6 +52,7 @@ class TierCosts:
     host_ms: float
     host_ns_per_block: float
     host_ns_per_selected: float
+    host_ns_per_pair: float
     device_ms: float
     device_ns_per_tile: float
     device_ns_per_bitmap: float
@@ -71,11 +74,12 @@ class TierCosts:
 @dataclasses.dataclass(frozen=True)
 class MaskSize:
     """What the rule reads of a request: blocks (Hm x nq x nkv), selected blocks, estimated
-    selected (query, key) pairs over the query heads, times head_dim; the device plan's tiles
-    (Hq x q tiles x kv tiles) and bitmap capacity."""
+    selected (query, key) token pairs over the mask heads, and over the query heads times
+    head_dim; the device plan's tiles (Hq x q tiles x kv tiles) and bitmap capacity."""
 
     blocks: int
     selected: int
+    pairs: float
     interactions_d: float
     tiles: int
     bitmaps: int
@@ -86,10 +90,11 @@ class MaskSize:
 # planning over 9 (svg2/vsa/sparge x the same grids), the kernels and compile at Wan 480p
 # (head_dim 16, float32). Device planning with traced bounds costs 0.4-0.6 s here against
 # 2-53 ms on the host: the rule never tiers on this machine.
-CPU = TierCosts(host_ms=0.0, host_ns_per_block=0.0, host_ns_per_selected=0.0, device_ms=0.0,
-                device_ns_per_tile=0.0, device_ns_per_bitmap=0.0,
-                kernel_ns_per_interaction=0.0, kernel_excess=0.0, compile_ms=0.0,
-                source="placeholder")
+CPU = TierCosts(host_ms=0.217, host_ns_per_block=0.0, host_ns_per_selected=10.4,
+                host_ns_per_pair=1.14e-4, device_ms=0.0, device_ns_per_tile=189.0,
+                device_ns_per_bitmap=2340.0, kernel_ns_per_interaction=2.69,
+                kernel_excess=3.56, compile_ms=9700.0,
+                source="CPU box, first fit (to be replaced by cpu-tiered.json's)")
 
 # H200 (mosaic_gpu): PROVISIONAL, from earlier H200 numbers in benchmarks/NOTES.md, not from
 # a fit: host planning of Wan 480p VSA (12 heads, 4.7 M blocks, 1.17 M selected) 20-29 ms
@@ -98,7 +103,8 @@ CPU = TierCosts(host_ms=0.0, host_ns_per_block=0.0, host_ns_per_selected=0.0, de
 # plan's on a fixed tile grid (traced bounds), taken as 1.5x; cuDNN dense at Wan 480p 11 ms
 # for 12.9 G pairs x D 128. compile_ms is a guess. Replace with the "fit" of
 # benchmarks/tiered.py on the H200 (command in NOTES).
-H200 = TierCosts(host_ms=1.0, host_ns_per_block=2.0, host_ns_per_selected=12.0, device_ms=0.3,
+H200 = TierCosts(host_ms=1.0, host_ns_per_block=2.0, host_ns_per_selected=12.0,
+                 host_ns_per_pair=0.0, device_ms=0.3,
                  device_ns_per_tile=0.0, device_ns_per_bitmap=0.0,
                  kernel_ns_per_interaction=11e6 / (12.9e9 * 128), kernel_excess=0.5,
                  compile_ms=3000.0, source="provisional (NOTES numbers, not fitted)")
@@ -136,9 +142,9 @@ def size_of(mask: BlockMask, shape: AttnShape, backend: str,
     if need > cap:
         return None
     selected = int(np.count_nonzero(mask.blocks))
-    per_block = shape.q_len / nq * shape.kv_len / nk * shape.num_q_heads / Hm
-    return MaskSize(blocks=Hm * nq * nk, selected=selected,
-                    interactions_d=selected * per_block * shape.head_dim,
+    pairs = selected * (shape.q_len / nq) * (shape.kv_len / nk)      # mean block sizes
+    return MaskSize(blocks=Hm * nq * nk, selected=selected, pairs=pairs,
+                    interactions_d=pairs * shape.num_q_heads / Hm * shape.head_dim,
                     tiles=shape.num_q_heads * nqt * nkt, bitmaps=int(cap))
 
 
@@ -146,7 +152,8 @@ def predict(size: MaskSize, costs: TierCosts, compiled: bool) -> tuple[float, fl
     """(host planning ms, the device route's extra ms over the host plan's run)."""
     c = costs
     host = c.host_ms + 1e-6 * (c.host_ns_per_block * size.blocks
-                               + c.host_ns_per_selected * size.selected)
+                               + c.host_ns_per_selected * size.selected
+                               + c.host_ns_per_pair * size.pairs)
     device = c.device_ms + 1e-6 * (c.device_ns_per_tile * size.tiles
                                    + c.device_ns_per_bitmap * size.bitmaps
                                    + c.kernel_excess * c.kernel_ns_per_interaction
