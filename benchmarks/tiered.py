@@ -165,32 +165,41 @@ def _nnls(rows, cols, target):
     return x, {"median_ratio": float(np.median(ratio)), "max_ratio": float(ratio.max())}
 
 
+def _uniform(L: int, heads: int):
+    """A small per-head mask (64-token blocks, 30% selected): anchors the fits' fixed costs."""
+    import tessera_jax as tj
+    n = -(-L // 64)
+    rng = np.random.default_rng(L)
+    return tj.BlockMask.uniform(L, L, 64, 64, rng.random((heads, n, n)) < 0.3)
+
+
 def fit_section(a, specs, backend: str) -> dict:
     from tqdm import tqdm
     from request_cases import first_test_mask
     from tessera_jax.runtime import options as options_
     budget = options_.DEFAULT.bitmap_budget_bytes
     host_rows, dev_rows = [], []
-    items = [(f, g) for g in a.fit_grids for f in a.fit_families]
-    for fam, grid in tqdm(items, desc="fit: host planning"):
+    masks = {}
+    for fam, grid in [(f, g) for g in a.fit_grids for f in a.fit_families]:
         try:
-            _, m = first_test_mask(f"{fam}:{grid}", a.heads, specs)
+            masks[f"{fam}:{grid}"] = first_test_mask(f"{fam}:{grid}", a.heads, specs)[1]
         except StopIteration:
             continue
+    small = {f"uniform:L{L}": _uniform(L, a.heads) for L in a.fit_small}
+    for name, m in tqdm({**masks, **small}.items(), desc="fit: host planning"):
         shape = _shape(m, a.heads, a.head_dim, a.dtype)
         sel = int(np.count_nonzero(m.blocks))
-        host_rows.append({"mask": f"{fam}:{grid}", "blocks": int(np.prod(m.shape)),
+        host_rows.append({"mask": name, "blocks": int(np.prod(m.shape)),
                           "selected": sel,
                           "pairs": sel * m.Lq / m.shape[1] * m.Lkv / m.shape[2],
                           "host_plan_ms": host_plan_ms(m, shape, a.fit_repeats)})
-    for fam, grid in tqdm([(f, g) for g in a.fit_grids for f in a.families],
-                          desc="fit: device planning"):
-        _, m = first_test_mask(f"{fam}:{grid}", a.heads, specs)
+    dev = {f"{f}:{g}": masks[f"{f}:{g}"] for g in a.fit_grids for f in a.families}
+    for name, m in tqdm({**dev, **small}.items(), desc="fit: device planning"):
         shape = _shape(m, a.heads, a.head_dim, a.dtype)
         fn, t, cap = device_planner(m, shape, backend, budget)
         first, best = timed(fn, a.fit_repeats)
         nqt, nkt = -(-shape.q_len // t.tile_q), -(-shape.kv_len // t.tile_kv)
-        dev_rows.append({"mask": f"{fam}:{grid}", "template": t.name,
+        dev_rows.append({"mask": name, "template": t.name,
                          "tiles": a.heads * nqt * nkt, "bitmaps": int(cap),
                          "device_plan_first_ms": first, "device_plan_ms": best})
     hx, herr = _nnls(host_rows, ("blocks", "selected", "pairs"), "host_plan_ms")
@@ -323,6 +332,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--fit-repeats", type=int, default=5)
     ap.add_argument("--fit-families", nargs="+", default=FIT_FAMILIES)
     ap.add_argument("--fit-grids", nargs="+", default=["wan480", "hy480", "wan720"])
+    ap.add_argument("--fit-small", nargs="*", type=int, default=[256, 1024, 4096, 8192],
+                    help="lengths of small uniform masks added to both fits")
     ap.add_argument("--skip-fit", action="store_true")
     ap.add_argument("--skip-requests", action="store_true")
     ap.add_argument("--out", default=None)

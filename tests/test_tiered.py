@@ -274,11 +274,45 @@ def test_the_rule_skips_masks_the_device_route_runs_exactly():
     assert tier_costs.size_of(m, shape, "xla", 1 << 12) is None
 
 
-def test_tiered_on_this_cpu_keeps_the_host_plan():
-    """On the CPU box the measured device planning costs more than host planning: the rule
-    plans on the host (and says so in ``stats``)."""
-    m, (q, k, v) = _mask(9), _qkv()
+def test_a_new_shape_counts_its_compile():
+    """A block-count shape whose device route this process has not run pays a compile
+    (seconds on the CPU box): the rule keeps the host plan, and ``stats`` says so."""
+    rng = np.random.default_rng(12)
+    m = tj.BlockMask.uniform(L, L, 48, 48, rng.random((H, 4, 4)) < 0.5)   # [2, 4, 4]: new
+    q, k, v = _qkv()
+    assert not tiered.compiled(q, k, m, "xla", D ** -0.5, False, TIERED)
     before = tiered.stats().get("declined", 0)
     out, route = _routes(lambda: tj.sparse_attention(q, k, v, m, options=TIERED))
     assert route == "host" and tiered.stats()["declined"] == before + 1
     np.testing.assert_allclose(out, tj.reference_attention(q, k, v, m), **TOL)
+
+
+def test_the_cpu_rule_keeps_wan480_masks_on_the_host():
+    """On the CPU box the device planner costs seconds at Wan 480p against milliseconds of
+    host planning: no tiering, even with the route compiled."""
+    from tessera_jax.masks import families
+    budget = tj.Options().bitmap_budget_bytes
+
+    def size(m):
+        shape = check_shapes((1, m.Lq, 12, 128), (1, m.Lkv, 12, 128), "float32")
+        return tier_costs.size_of(m, shape, "xla", budget)
+
+    s = size(families.vsa("wan480", heads=12))
+    host, device = tier_costs.predict(s, tier_costs.CPU, compiled=True)
+    assert device > 10 * host and not tier_costs.tiers(s, tier_costs.CPU, True)
+    # 1,000 key clusters of ~33 tokens: more fine tiles than the traced capacity (exact path)
+    assert size(families.svg2("wan480", heads=12)) is None
+    assert size(families.svg2("wan480", heads=12, q_clusters=100, kv_clusters=500)) is not None
+
+
+def test_precompile_compiles_the_tiered_device_route():
+    """With a tiered ``Options``, ``tj.precompile`` also runs the device route of each mask
+    shape, so the rule stops counting a compile for them."""
+    m, (q, k, v) = _mask(10), _qkv()
+    scale = D ** -0.5
+    other = tj.Options(host_planning="tiered", bitmap_budget_bytes=1 << 28)   # a new executable
+    assert not tiered.compiled(q, k, m, "xla", scale, False, other)
+    tj.precompile([m, _mask(11)], q.shape, k.shape, q.dtype, backend="xla", options=other)
+    assert tiered.compiled(q, k, m, "xla", scale, False, other)
+    assert not tiered.compiled(q, k, m, "xla", scale, True, other)
+    assert tiered.pending() == 0

@@ -16,9 +16,9 @@ The way of a ``sparse_attention`` call, each stop once:
 A device mask (or per-head bounds) takes the device route instead (``device_route``: planned
 inside the program, same core). With ``Options(host_planning="tiered")`` an eager call whose
 host plan is not cached may take it too while step 4 runs on a background thread
-(``tiered``, when ``tier_costs`` predicts that faster). ``Options`` carries what changes a compiled computation;
-with ``Options.check_finite`` steps 3-5 run on q, k, v with non-finite entries zeroed and the
-rows that select one are set to NaN (``finite``).
+(``tiered``, when ``tier_costs`` predicts that faster). ``Options`` carries what changes a
+compiled computation; with ``Options.check_finite`` steps 3-5 run on q, k, v with non-finite
+entries zeroed and the rows that select one are set to NaN (``finite``).
 
 ``plan`` takes steps 1, 2 and 4 for shapes instead of arrays, so it returns the very plan
 ``sparse_attention`` runs, and says when the dense route runs instead (``Plan.dense_route``).
@@ -335,7 +335,9 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
     """Plans every mask and compiles the executables they need, off the request path.
 
     One executable per distinct (template, capacity bucket); with
-    ``enable_compilation_cache`` they are also stored on disk for later processes. Returns the
+    ``enable_compilation_cache`` they are also stored on disk for later processes. With
+    ``Options(host_planning="tiered")`` also the device route's executable per mask shape that
+    tiered calls run (its rule counts a compile for shapes not compiled yet). Returns the
     plans.
     """
     import jax
@@ -359,4 +361,12 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
             jax.block_until_ready(sparse_attention(q, k, k, m, backend=backend, scale=scale,
                                                    options=options,
                                                    return_lse=return_lse))
+    options = check_options(options)
+    if options.host_planning != "sync":
+        be = dispatch.resolve(backend, shape)
+        sc = check_scale(scale, shape.head_dim)
+        for m in {m.shape: m for m in masks if not device_route.takes(m)}.values():
+            jax.block_until_ready(tiered.precompile(q, k, k, mask=m, shape=shape, backend=be,
+                                                 scale=sc, return_lse=bool(return_lse),
+                                                 options=options))
     return plans

@@ -85,16 +85,19 @@ class MaskSize:
     bitmaps: int
 
 
-# CPU box (2 cores, XLA backend; the fit of benchmarks/results/cpu-tiered.json, "fit"):
-# host planning over 33 corpus masks (11 families x wan480/hy480/wan720, 12 heads), device
-# planning over 9 (svg2/vsa/sparge x the same grids), the kernels and compile at Wan 480p
-# (head_dim 16, float32). Device planning with traced bounds costs 0.4-0.6 s here against
-# 2-53 ms on the host: the rule never tiers on this machine.
-CPU = TierCosts(host_ms=0.217, host_ns_per_block=0.0, host_ns_per_selected=10.4,
-                host_ns_per_pair=1.14e-4, device_ms=0.0, device_ns_per_tile=189.0,
-                device_ns_per_bitmap=2340.0, kernel_ns_per_interaction=2.69,
-                kernel_excess=3.56, compile_ms=9700.0,
-                source="CPU box, first fit (to be replaced by cpu-tiered.json's)")
+# CPU box (2 cores, loaded; XLA backend): benchmarks/results/cpu-tiered.json. Host planning:
+# its "fit" over 37 masks (11 corpus families x wan480 / hy480 / wan720 and 4 small uniform
+# ones, 12 heads; predicted / measured median 1.40x, worst 9.4x: svg2 wan720's 12.6 ms); the
+# device planner over 13 (svg2 / vsa / sparge x the same grids and the small ones; median
+# 1.46x, at Wan sizes within 1.6x); the kernel and compile terms from its "kernel_fit" at Wan
+# 480p (head_dim 8, float32; excess the median of 0.48 / 0.87 / 11.9). Device planning with
+# traced bounds costs 0.26-1.1 s at Wan sizes here against 0.4-40 ms on the host: the rule
+# keeps those on the host; tiny masks with a compiled route are near a tie.
+CPU = TierCosts(host_ms=0.383, host_ns_per_block=0.0, host_ns_per_selected=5.62,
+                host_ns_per_pair=7.84e-5, device_ms=0.0, device_ns_per_tile=67.7,
+                device_ns_per_bitmap=1880.0, kernel_ns_per_interaction=0.962,
+                kernel_excess=0.875, compile_ms=7530.0,
+                source="CPU box, benchmarks/results/cpu-tiered.json")
 
 # H200 (mosaic_gpu): PROVISIONAL, from earlier H200 numbers in benchmarks/NOTES.md, not from
 # a fit: host planning of Wan 480p VSA (12 heads, 4.7 M blocks, 1.17 M selected) 20-29 ms

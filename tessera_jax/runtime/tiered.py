@@ -32,7 +32,7 @@ from tessera_jax.runtime import device_route, tier_costs
 from tessera_jax.runtime.options import Options
 from tessera_jax.validation import AttnShape
 
-__all__ = ["attention", "wait_for", "wait", "clear", "pending", "stats"]
+__all__ = ["attention", "precompile", "compiled", "wait_for", "wait", "clear", "pending", "stats"]
 
 
 class _Entry:
@@ -75,8 +75,7 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
     (``cache`` holds it now, or the rule says the host plan is faster; the caller plans).
     ``key``: the front cache's key of the request; ``build()``: its host plan; ``cache``:
     the front cache (``get``, ``put``). Raises a failed background plan's exception."""
-    compiled_key = (tuple(q.shape), tuple(k.shape), str(q.dtype), mask.shape, backend,
-                    float(scale), bool(return_lse), _untiered(options))
+    compiled_key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
     with _LOCK:
         if cache.get(key) is not None:
             return None
@@ -100,11 +99,38 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
     dm = e.device_mask
     if dm is None:
         dm = e.device_mask = mask.to_device()
+    return _device_route(q, k, v, dm, shape, backend, scale, return_lse, options, compiled_key)
+
+
+def _device_route(q, k, v, dm, shape, backend, scale, return_lse, options, compiled_key):
     out = device_route.attention(q, k, v, dm, shape, backend, None, scale, return_lse,
                                  _untiered(options))
     with _LOCK:
         _COMPILED.add(compiled_key)
     return out
+
+
+def _compiled_key(q, k, mask: BlockMask, backend, scale, return_lse, options) -> tuple:
+    """What picks the device route's executable of a tiered call (its bounds are traced)."""
+    return (tuple(q.shape), tuple(k.shape), str(q.dtype), mask.shape, backend, float(scale),
+            bool(return_lse), _untiered(options))
+
+
+def precompile(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, scale: float,
+            return_lse: bool, options: Options):
+    """Runs (so compiles) the device route a tiered call of this mask's shapes would run, so
+    the rule no longer counts a compile for them (``tj.precompile`` with a tiered
+    ``Options``); its output."""
+    return _device_route(q, k, v, mask.to_device(), shape, backend, scale, return_lse, options,
+                         _compiled_key(q, k, mask, backend, scale, return_lse, options))
+
+
+def compiled(q, k, mask: BlockMask, backend: str, scale: float, return_lse: bool,
+             options: Options) -> bool:
+    """Whether this process has run the device route of a tiered call of these shapes."""
+    key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
+    with _LOCK:
+        return key in _COMPILED
 
 
 def _rule(mask, shape, backend, options, compiled, q) -> bool:
