@@ -91,8 +91,8 @@ class MaskSize:
 # device planner over 13 (svg2 / vsa / sparge x the same grids and the small ones; median
 # 1.46x, at Wan sizes within 1.6x); the kernel and compile terms from its "kernel_fit" at Wan
 # 480p (head_dim 8, float32; excess the median of 0.48 / 0.87 / 11.9). Device planning with
-# traced bounds costs 0.26-1.1 s at Wan sizes here against 0.4-40 ms on the host: the rule
-# keeps those on the host; tiny masks with a compiled route are near a tie.
+# traced bounds costs 0.26-1.9 s at Wan sizes here (two runs) against 0.4-40 ms on the host:
+# the rule keeps those on the host; tiny masks with a compiled route are near a tie.
 CPU = TierCosts(host_ms=0.383, host_ns_per_block=0.0, host_ns_per_selected=5.62,
                 host_ns_per_pair=7.84e-5, device_ms=0.0, device_ns_per_tile=67.7,
                 device_ns_per_bitmap=1880.0, kernel_ns_per_interaction=0.962,
