@@ -14,9 +14,11 @@ The way of a ``sparse_attention`` call, each stop once:
    backend's contract module through ``dispatch.forward`` (``kernel_runner`` on a GPU).
 
 A device mask (or per-head bounds) takes the device route instead (``device_route``: planned
-inside the program, same core). ``Options`` carries what changes a compiled computation;
-with ``Options.check_finite`` steps 3-5 run on q, k, v with non-finite entries zeroed and the
-rows that select one are set to NaN (``finite``).
+inside the program, same core). With ``Options(host_planning="tiered")`` an eager call whose
+host plan is not cached may take it too while step 4 runs on a background thread
+(``tiered``, when ``tier_costs`` predicts that faster). ``Options`` carries what changes a
+compiled computation; with ``Options.check_finite`` steps 3-5 run on q, k, v with non-finite
+entries zeroed and the rows that select one are set to NaN (``finite``).
 
 ``plan`` takes steps 1, 2 and 4 for shapes instead of arrays, so it returns the very plan
 ``sparse_attention`` runs, and says when the dense route runs instead (``Plan.dense_route``).
@@ -28,6 +30,7 @@ import collections
 import dataclasses
 import functools
 import sys
+import threading
 
 import numpy as np
 
@@ -39,7 +42,7 @@ from tessera_jax.planning import planner
 from tessera_jax.planning.planner import POLICIES, Plan
 from tessera_jax.planning import plan as plan_
 from tessera_jax.runtime import (core, dense_route, device_route, dispatch, finite,
-                                 host_plans, kernel_runner)
+                                 host_plans, kernel_runner, tiered)
 from tessera_jax.runtime.options import Options, check_options
 from tessera_jax.select import device as select_device
 from tessera_jax.select import features, ranking
@@ -79,29 +82,36 @@ class PlanCache:
     def __init__(self, max_plans: int = 256, max_bytes: int = 1 << 30):
         self.max_plans, self.max_bytes = int(max_plans), int(max_bytes)
         self.plans: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()      # tiered planning puts plans from its worker
 
     def get(self, key) -> Plan | None:
-        hit = self.plans.get(key) if key is not None else None
-        if hit is not None:
-            self.plans.move_to_end(key)
+        if key is None:
+            return None
+        with self._lock:
+            hit = self.plans.get(key)
+            if hit is not None:
+                self.plans.move_to_end(key)
         return hit
 
     def put(self, key, p: Plan) -> None:
-        self.plans[key] = p
-        total = sum(_plan_bytes(x) for x in self.plans.values())
-        while len(self.plans) > 1 and (len(self.plans) > self.max_plans
-                                       or total > self.max_bytes):
-            _, old = self.plans.popitem(last=False)
-            total -= _plan_bytes(old)
+        with self._lock:
+            self.plans[key] = p
+            total = sum(_plan_bytes(x) for x in self.plans.values())
+            while len(self.plans) > 1 and (len(self.plans) > self.max_plans
+                                           or total > self.max_bytes):
+                _, old = self.plans.popitem(last=False)
+                total -= _plan_bytes(old)
 
     def clear(self) -> None:
-        self.plans.clear()
+        with self._lock:
+            self.plans.clear()
 
     def __len__(self) -> int:
         return len(self.plans)
 
     def keys(self):
-        return list(self.plans)
+        with self._lock:
+            return list(self.plans)
 
 
 def _plan_bytes(p: Plan) -> int:
@@ -134,16 +144,24 @@ def _planned(key, mask: BlockMask, shape: AttnShape, backend: str, t: Template |
     hit = _PLANS.get(key)
     if hit is not None:
         return hit
+    p = tiered.wait_for(key) if key is not None else None      # planning in the background
+    if p is None:
+        p = _plan_now(mask, shape, backend, t, policy, auto, options)
+    if key is not None:
+        _PLANS.put(key, p)
+    return p
+
+
+def _plan_now(mask: BlockMask, shape: AttnShape, backend: str, t: Template | None,
+              policy: str | None, auto: bool, options: Options) -> Plan:
+    """The host plan of a validated request, made now (``_planned``'s arguments)."""
     p = host_plans.build(mask, shape, backend, t, policy, options)
     # The planner's cached plan stays as is; the front cache's copy says how it was chosen.
-    p = dataclasses.replace(
+    return dataclasses.replace(
         p, chosen_by=("the caller's template" if t is not None else
                       ranking.source(mask, shape, backend)) +
         (" and policy" if policy is not None else ""),
         dense_route=auto and dense_route.takes(mask, shape, backend, False))
-    if key is not None:
-        _PLANS.put(key, p)
-    return p
 
 
 def plan(mask: BlockMask, q_shape, kv_shape, dtype, template: str | None = None,
@@ -197,8 +215,11 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
     backend (out and lse): a dq pass over the plan and a dk/dv pass over the transposed mask's
     plan (``runtime.core``). ``options`` (``tessera_jax.Options``, None: the defaults): the
     settings that change what is computed or compiled (bitmap budget of device plans, dk/dv
-    plan candidates, interpret mode, ``check_finite``); hashable, so a static argument of an
-    enclosing jit.
+    plan candidates, interpret mode, ``check_finite``, ``host_planning``); hashable, so a
+    static argument of an enclosing jit. ``Options(host_planning="tiered")``: an eager call on
+    a static mask whose host plan is not made yet may run the device route while the host
+    plan is made in the background (``runtime.tiered``), when measured costs predict that
+    faster (``runtime.tier_costs``); later calls run the host plan once it is ready.
 
     Non-finite inputs: by default a NaN or inf in k or v may reach rows that do not select it
     (the kernels compute whole tiles; 0 * NaN is NaN). With ``Options(check_finite=True)``
@@ -243,6 +264,15 @@ def _route(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, t: Templ
             dense_route.warn_fallback(e)
     key = (mask, tuple(q.shape), tuple(k.shape), shape.dtype, template, policy, asked_backend,
            options.planner)
+    if options.host_planning != "sync" and template is None and policy is None \
+            and _PLANS.get(key) is None and not kernel_runner.tracing(q, k, v):
+        out = tiered.attention(q, k, v, key=key, mask=mask, shape=shape, backend=backend,
+                               scale=scale, return_lse=return_lse, options=options,
+                               build=functools.partial(_plan_now, mask, shape, backend, t,
+                                                       policy, auto, options),
+                               cache=_PLANS)
+        if out is not None:
+            return out
     p = _planned(key, mask, shape, backend, t, policy, auto, options)
     return core.attention(q, k, v, host_plans.attention_plan(p, options), scale, return_lse,
                           options)
@@ -252,7 +282,9 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     """Forgets what earlier calls computed from their masks, so that the next call on any mask
     costs what a request on a new mask costs (benchmarks call it between requests).
 
-    Cleared: the front plan cache (``runtime.api._PLANS``) and the planner's plan cache;
+    Cleared: the background plans of ``Options(host_planning="tiered")`` (``runtime.tiered``:
+    those not started are cancelled, running ones awaited and dropped); the front plan cache
+    (``runtime.api._PLANS``) and the planner's plan cache;
     mask features and block layouts (``select.features``); the ranking's choices per mask
     (``select.ranking``); which masks are all selected (``runtime.dense_route``); the kernel
     runner's prepared plans: mask modes and device copies (``runtime.kernel_runner``); the
@@ -269,6 +301,7 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     (GPU model, compute capability).
     """
     fresh_process = check_bool("fresh_process", fresh_process)
+    tiered.clear()              # first: no background plan may fill a cache cleared below
     _PLANS.clear()
     planner.clear_cache()
     features.clear_cache()
@@ -302,7 +335,9 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
     """Plans every mask and compiles the executables they need, off the request path.
 
     One executable per distinct (template, capacity bucket); with
-    ``enable_compilation_cache`` they are also stored on disk for later processes. Returns the
+    ``enable_compilation_cache`` they are also stored on disk for later processes. With
+    ``Options(host_planning="tiered")`` also the device route's executable per mask shape that
+    tiered calls run (its rule counts a compile for shapes not compiled yet). Returns the
     plans.
     """
     import jax
@@ -326,4 +361,12 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
             jax.block_until_ready(sparse_attention(q, k, k, m, backend=backend, scale=scale,
                                                    options=options,
                                                    return_lse=return_lse))
+    options = check_options(options)
+    if options.host_planning != "sync":
+        be = dispatch.resolve(backend, shape)
+        sc = check_scale(scale, shape.head_dim)
+        for m in {m.shape: m for m in masks if not device_route.takes(m)}.values():
+            jax.block_until_ready(tiered.precompile(q, k, k, mask=m, shape=shape, backend=be,
+                                                 scale=sc, return_lse=bool(return_lse),
+                                                 options=options))
     return plans

@@ -10,9 +10,11 @@ import dataclasses
 from tessera_jax.planning.config import PlannerConfig
 from tessera_jax.select.device import BITMAP_BUDGET_BYTES
 
-__all__ = ["Options", "DEFAULT"]
+__all__ = ["Options", "DEFAULT", "HOST_PLANNING"]
 
 _DKV_POLICIES = ("merge", "pack")        # the host planner's policies a dk/dv plan may use
+#: ``Options.host_planning``'s values (``runtime.tiered``).
+HOST_PLANNING = ("sync", "tiered", "device_first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,13 @@ class Options:
         whose own q is (and selects any key), is NaN (out and lse). Off by default: it reads
         and writes q, k, v and out once more (benchmarks/NOTES.md#inputs); without it a NaN or
         inf in k or v may reach rows of the tiles it shares (0 * NaN in P @ V).
+    host_planning: how an eager call plans a host mask whose host plan is not cached yet
+        (``runtime.tiered``). "sync" (default): on the host, before the call runs. "tiered":
+        when the measured cost model (``runtime.tier_costs``) predicts host planning slower
+        than the device route, the call runs the device route and the host plan is made on a
+        background thread, used from the first call that finds it ready. "device_first":
+        every such call tiers (benchmarks, tests). Calls under a jax trace, and calls naming
+        a template or policy, plan on the host as with "sync".
     """
 
     bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES
@@ -52,6 +61,7 @@ class Options:
     interpret: bool | None = None
     planner: PlannerConfig = PlannerConfig()
     check_finite: bool = False
+    host_planning: str = "sync"
 
     def __post_init__(self):
         b = self.bitmap_budget_bytes
@@ -78,6 +88,9 @@ class Options:
         if not isinstance(self.check_finite, bool):
             raise TypeError(f"check_finite must be a bool, got "
                             f"{type(self.check_finite).__name__}")
+        if not isinstance(self.host_planning, str) or self.host_planning not in HOST_PLANNING:
+            raise ValueError(f"host_planning must be one of {HOST_PLANNING}, got "
+                             f"{self.host_planning!r}")
 
 
 DEFAULT = Options()

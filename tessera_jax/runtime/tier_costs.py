@@ -1,0 +1,172 @@
+"""The rule of tiered planning (``Options.host_planning="tiered"``): whether a new host mask
+runs the device route first, predicted from measured costs of the mask's size, never by
+planning both ways.
+
+Tier when the predicted host planning time exceeds the predicted extra time of the device
+route over the host plan's run: device planning, the device plan's kernel excess (traced
+bounds tile a fixed grid, not the blocks), and the compile of the route's executable when
+this process has not compiled it for these shapes. A mask whose device plan would take the
+exact XLA path (bitmap steps past the traced capacity) or that no device template takes
+never tiers. Inputs cost one ``count_nonzero`` of the blocks and NumPy over the bounds.
+
+Constants per (platform, backend), from ``benchmarks/tiered.py`` (its ``fit`` section;
+benchmarks/NOTES.md#request-path): ``CPU`` measured on the 2-core CPU box; ``H200``
+provisional until a GPU session runs the command in NOTES. No entry: never tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import numpy as np
+
+from pallas_kernels import abi
+
+from tessera_jax.mask import BlockMask
+from tessera_jax.planning import device as _device
+from tessera_jax.select import device as select_device
+from tessera_jax.validation import AttnShape
+
+__all__ = ["TierCosts", "MaskSize", "CPU", "H200", "COSTS", "costs_for", "size_of", "predict",
+           "tiers"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TierCosts:
+    """Measured constants of one (platform, backend): ms, and ns per unit.
+
+    host_ms, host_ns_per_block, host_ns_per_selected, host_ns_per_pair: host planning
+        (template choice and the planner) of a mask of Hm x nq x nkv blocks, ``selected`` of
+        them, covering ``pairs`` (query, key) token pairs over the mask heads (large blocks
+        make many steps).
+    device_ms, device_ns_per_tile, device_ns_per_bitmap: device planning inside the program,
+        per (query head, query tile, key tile) of the device plan and per bitmap step of its
+        capacity (traced bounds: what the budget allows).
+    kernel_ns_per_interaction: the host plan's kernel per selected (query, key) pair and
+        head_dim unit; kernel_excess: the device route's kernel time over the host plan's, - 1.
+    compile_ms: the first call of a device-route executable (trace and compile).
+    source: where the numbers come from.
+    """
+
+    host_ms: float
+    host_ns_per_block: float
+    host_ns_per_selected: float
+    host_ns_per_pair: float
+    device_ms: float
+    device_ns_per_tile: float
+    device_ns_per_bitmap: float
+    kernel_ns_per_interaction: float
+    kernel_excess: float
+    compile_ms: float
+    source: str
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "source":
+                if not isinstance(v, str):
+                    raise TypeError(f"source must be a str, got {type(v).__name__}")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{f.name} must be a float >= 0, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSize:
+    """What the rule reads of a request: blocks (Hm x nq x nkv), selected blocks, estimated
+    selected (query, key) token pairs over the mask heads, and over the query heads times
+    head_dim; the device plan's tiles (Hq x q tiles x kv tiles) and bitmap capacity."""
+
+    blocks: int
+    selected: int
+    pairs: float
+    interactions_d: float
+    tiles: int
+    bitmaps: int
+
+
+# CPU box (2 cores, loaded; XLA backend): benchmarks/results/cpu-tiered.json. Host planning:
+# its "fit" over 37 masks (11 corpus families x wan480 / hy480 / wan720 and 4 small uniform
+# ones, 12 heads; predicted / measured median 1.40x, worst 9.4x: svg2 wan720's 12.6 ms); the
+# device planner over 13 (svg2 / vsa / sparge x the same grids and the small ones; median
+# 1.46x, at Wan sizes within 1.6x); the kernel and compile terms from its "kernel_fit" at Wan
+# 480p (head_dim 8, float32; excess the median of 0.48 / 0.87 / 11.9). Device planning with
+# traced bounds costs 0.26-1.9 s at Wan sizes here (two runs) against 0.4-40 ms on the host:
+# the rule keeps those on the host; tiny masks with a compiled route are near a tie.
+CPU = TierCosts(host_ms=0.383, host_ns_per_block=0.0, host_ns_per_selected=5.62,
+                host_ns_per_pair=7.84e-5, device_ms=0.0, device_ns_per_tile=67.7,
+                device_ns_per_bitmap=1880.0, kernel_ns_per_interaction=0.962,
+                kernel_excess=0.875, compile_ms=7530.0,
+                source="CPU box, benchmarks/results/cpu-tiered.json")
+
+# H200 (mosaic_gpu): PROVISIONAL, from earlier H200 numbers in benchmarks/NOTES.md, not from
+# a fit: host planning of Wan 480p VSA (12 heads, 4.7 M blocks, 1.17 M selected) 20-29 ms
+# (issue 33), svg2 / jenga 4-9 ms (host planner, 8 threads); device planning 0.32 ms (VSA
+# Wan 480p, static bounds) to 1.5 ms (Wan 720p); the route's kernel 0.90-1.76x the host
+# plan's on a fixed tile grid (traced bounds), taken as 1.5x; cuDNN dense at Wan 480p 11 ms
+# for 12.9 G pairs x D 128. compile_ms is a guess. Replace with the "fit" of
+# benchmarks/tiered.py on the H200 (command in NOTES).
+H200 = TierCosts(host_ms=1.0, host_ns_per_block=2.0, host_ns_per_selected=12.0,
+                 host_ns_per_pair=0.0, device_ms=0.3,
+                 device_ns_per_tile=0.0, device_ns_per_bitmap=0.0,
+                 kernel_ns_per_interaction=11e6 / (12.9e9 * 128), kernel_excess=0.5,
+                 compile_ms=3000.0, source="provisional (NOTES numbers, not fitted)")
+
+#: (platform, backend) -> constants; a pair without an entry never tiers.
+COSTS = types.MappingProxyType({("cpu", "xla"): CPU, ("gpu", "mosaic_gpu"): H200})
+
+
+def costs_for(platform: str, backend: str) -> TierCosts | None:
+    """The constants of ``backend`` on ``platform`` (jax's platform name), or None."""
+    return COSTS.get(("gpu" if platform in ("gpu", "cuda", "rocm") else platform, backend))
+
+
+def _fine(bounds: np.ndarray, length: int, tile: int) -> tuple[int, int]:
+    """(tiles meeting more than ``abi.GRID`` blocks, tiles) of one axis on the fixed grid of
+    ``tile`` (what the device plan of traced bounds uses)."""
+    b = np.asarray(bounds, np.int32).reshape(1, -1)
+    _, _, _, first, last, _, _ = _device._axis(b, length, tile, False)
+    return int((last - first + 1 > abi.GRID).sum()), int(first.shape[1])
+
+
+def size_of(mask: BlockMask, shape: AttnShape, backend: str,
+            bitmap_budget_bytes: int) -> MaskSize | None:
+    """The rule's inputs of a static mask with shared bounds sent to the device route with
+    traced bounds; None where that route would not run the kernels (no template, or more tile
+    pairs needing bitmap steps than its capacity: the exact path)."""
+    Hm, nq, nk = mask.shape
+    feats = select_device.DeviceFeatures(None, None, (Hm, nq, nk), shape)
+    t, cap = select_device.choose_template(feats, backend, None, bitmap_budget_bytes)
+    if t is None:
+        return None
+    fq, nqt = _fine(mask.q_bounds, shape.q_len, t.tile_q)
+    fk, nkt = _fine(mask.kv_bounds, shape.kv_len, t.tile_kv)
+    need = (fq * nkt + nqt * fk - fq * fk) * Hm
+    if need > cap:
+        return None
+    selected = int(np.count_nonzero(mask.blocks))
+    pairs = selected * (shape.q_len / nq) * (shape.kv_len / nk)      # mean block sizes
+    return MaskSize(blocks=Hm * nq * nk, selected=selected, pairs=pairs,
+                    interactions_d=pairs * shape.num_q_heads / Hm * shape.head_dim,
+                    tiles=shape.num_q_heads * nqt * nkt, bitmaps=int(cap))
+
+
+def predict(size: MaskSize, costs: TierCosts, compiled: bool) -> tuple[float, float]:
+    """(host planning ms, the device route's extra ms over the host plan's run)."""
+    c = costs
+    host = c.host_ms + 1e-6 * (c.host_ns_per_block * size.blocks
+                               + c.host_ns_per_selected * size.selected
+                               + c.host_ns_per_pair * size.pairs)
+    device = c.device_ms + 1e-6 * (c.device_ns_per_tile * size.tiles
+                                   + c.device_ns_per_bitmap * size.bitmaps
+                                   + c.kernel_excess * c.kernel_ns_per_interaction
+                                   * size.interactions_d)
+    return host, device + (0.0 if compiled else c.compile_ms)
+
+
+def tiers(size: MaskSize | None, costs: TierCosts | None, compiled: bool) -> bool:
+    """Whether the rule sends the request to the device route first."""
+    if size is None or costs is None:
+        return False
+    host, device = predict(size, costs, compiled)
+    return host > device

@@ -1,0 +1,216 @@
+"""Tiered host planning (``Options.host_planning``): an eager call on a host mask whose host
+plan is not made yet runs the device route while the host plan is made on a background
+thread; the first call of the request that finds the plan ready, and every call after, runs
+the host plan (the API's front cache).
+
+The device route gets the mask copied to the device (``BlockMask.to_device``: blocks packed,
+bounds as jax arrays, so traced: one executable serves every mask of these shapes); its
+output agrees with the host plan's within the kernels' tolerance (other tiles, same math).
+
+Rules: one background plan per request key (concurrent calls on one new mask share it, and a
+synchronous plan of that key waits for it: ``wait_for``); a finished plan goes into the front
+cache from the worker; a failed one is kept and re-raised, once, by the next call of its key
+(which then forgets it, so the call after plans again); ``clear`` (``tj.clear_caches``)
+cancels the plans not started, waits for the running ones and drops what they made, so no
+plan lands in a cache after it was cleared. One worker thread: the planner's loops already
+use a second thread (its own helper pool), which plans running side by side would queue on.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import os
+import threading
+
+import jax
+
+from tessera_jax.mask import BlockMask
+from tessera_jax.runtime import device_route, tier_costs
+from tessera_jax.runtime.options import Options
+from tessera_jax.validation import AttnShape
+
+__all__ = ["attention", "precompile", "compiled", "wait_for", "wait", "clear", "pending", "stats"]
+
+
+class _Entry:
+    """A background plan: its future, the mask's device copy (made by the first call that
+    needs it), the generation of ``clear`` it belongs to."""
+
+    __slots__ = ("future", "device_mask", "gen")
+
+    def __init__(self, gen: int):
+        self.future, self.device_mask, self.gen = None, None, gen
+
+
+_LOCK = threading.Lock()             # guards everything below
+_PENDING: dict = {}                  # request key -> _Entry (running, or failed)
+_GEN = 0                             # bumped by clear(): older jobs publish nothing
+_COMPILED: set = set()               # device-route executables this process has run
+_COUNTS: collections.Counter = collections.Counter()
+_POOL = None                         # (pid, executor), made on first use and after a fork
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The worker (called under ``_LOCK``)."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(),
+                 concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tessera-tiered"))
+    return _POOL[1]
+
+
+@functools.lru_cache(maxsize=64)
+def _untiered(options: Options) -> Options:
+    """``options`` with the default ``host_planning``: the device route's executable does not
+    depend on it, so tiered calls share it with device-mask calls."""
+    return dataclasses.replace(options, host_planning="sync")
+
+
+def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, scale: float,
+              return_lse: bool, options: Options, build, cache):
+    """out (and lse) of a tiered call on the device route, or None: run the host plan
+    (``cache`` holds it now, or the rule says the host plan is faster; the caller plans).
+    ``key``: the front cache's key of the request; ``build()``: its host plan; ``cache``:
+    the front cache (``get``, ``put``). Raises a failed background plan's exception."""
+    compiled_key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
+    with _LOCK:
+        if cache.get(key) is not None:
+            return None
+        e = _PENDING.get(key)
+        if e is not None and e.future.done():
+            del _PENDING[key]
+            exc = None if e.future.cancelled() else e.future.exception()
+            if exc is not None:
+                _COUNTS["reraised"] += 1
+                raise exc
+            return None
+        if e is None:
+            if options.host_planning == "tiered" and not _rule(
+                    mask, shape, backend, options, compiled_key in _COMPILED, q):
+                _COUNTS["declined"] += 1
+                return None
+            e = _PENDING[key] = _Entry(_GEN)
+            e.future = _executor().submit(_job, key, build, cache, e)
+            _COUNTS["started"] += 1
+        _COUNTS["device_route"] += 1
+    dm = e.device_mask
+    if dm is None:
+        dm = e.device_mask = mask.to_device()
+    return _device_route(q, k, v, dm, shape, backend, scale, return_lse, options, compiled_key)
+
+
+def _device_route(q, k, v, dm, shape, backend, scale, return_lse, options, compiled_key):
+    out = device_route.attention(q, k, v, dm, shape, backend, None, scale, return_lse,
+                                 _untiered(options))
+    with _LOCK:
+        _COMPILED.add(compiled_key)
+    return out
+
+
+def _compiled_key(q, k, mask: BlockMask, backend, scale, return_lse, options) -> tuple:
+    """What picks the device route's executable of a tiered call (its bounds are traced)."""
+    return (tuple(q.shape), tuple(k.shape), str(q.dtype), mask.shape, backend, float(scale),
+            bool(return_lse), _untiered(options))
+
+
+def precompile(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, scale: float,
+            return_lse: bool, options: Options):
+    """Runs (so compiles) the device route a tiered call of this mask's shapes would run, so
+    the rule no longer counts a compile for them (``tj.precompile`` with a tiered
+    ``Options``); its output."""
+    return _device_route(q, k, v, mask.to_device(), shape, backend, scale, return_lse, options,
+                         _compiled_key(q, k, mask, backend, scale, return_lse, options))
+
+
+def compiled(q, k, mask: BlockMask, backend: str, scale: float, return_lse: bool,
+             options: Options) -> bool:
+    """Whether this process has run the device route of a tiered call of these shapes."""
+    key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
+    with _LOCK:
+        return key in _COMPILED
+
+
+def _rule(mask, shape, backend, options, compiled, q) -> bool:
+    """``tier_costs.tiers`` for this request on this machine."""
+    platform = next(iter(q.devices())).platform if hasattr(q, "devices") \
+        else jax.default_backend()
+    costs = tier_costs.costs_for(platform, backend)
+    if costs is None:
+        return False
+    size = tier_costs.size_of(mask, shape, backend, options.bitmap_budget_bytes)
+    return tier_costs.tiers(size, costs, compiled)
+
+
+def _job(key, build, cache, entry: _Entry):
+    """The background plan: made, then put in the front cache unless ``clear`` ran since."""
+    try:
+        p = build()
+    except BaseException:
+        with _LOCK:
+            _COUNTS["failed"] += 1
+        raise
+    with _LOCK:
+        if entry.gen == _GEN:
+            cache.put(key, p)
+            if _PENDING.get(key) is entry:
+                del _PENDING[key]
+            entry.device_mask = None
+            _COUNTS["published"] += 1
+    return p
+
+
+def wait_for(key):
+    """The background plan of ``key`` once made (waiting for it), or None: none pending.
+    Raises its exception if it failed (and forgets it)."""
+    with _LOCK:
+        e = _PENDING.get(key)
+    if e is None:
+        return None
+    try:
+        return e.future.result()
+    except concurrent.futures.CancelledError:
+        return None
+    except BaseException:
+        with _LOCK:
+            if _PENDING.get(key) is e:
+                del _PENDING[key]
+                _COUNTS["reraised"] += 1
+        raise
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Waits until no background plan runs (failed ones stay to be re-raised); True unless
+    ``timeout`` (seconds) passed first. For benchmarks and tests."""
+    with _LOCK:
+        futs = [e.future for e in _PENDING.values()]
+    _, not_done = concurrent.futures.wait(futs, timeout)
+    return not not_done
+
+
+def clear() -> None:
+    """Cancels the background plans not started, waits for running ones and drops them all
+    (``tj.clear_caches``; the compiled-executable record stays: jax keeps them)."""
+    global _GEN
+    with _LOCK:
+        _GEN += 1
+        entries = list(_PENDING.values())
+        _PENDING.clear()
+    for e in entries:
+        e.future.cancel()
+    concurrent.futures.wait([e.future for e in entries])
+
+
+def pending() -> int:
+    """Background plans running or failed and not re-raised yet."""
+    with _LOCK:
+        return len(_PENDING)
+
+
+def stats() -> dict:
+    """Counts since the process started: calls that ran the device route, background plans
+    started / published / failed / re-raised, calls the rule sent to the host plan."""
+    with _LOCK:
+        return dict(_COUNTS)

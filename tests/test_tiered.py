@@ -1,0 +1,318 @@
+"""Tiered planning (``Options(host_planning=...)``, ``runtime.tiered``, ``runtime.tier_costs``):
+a new host mask runs the device route while its host plan is made in the background; outputs
+agree with the synchronous path and the reference, the next call runs the host plan, jit is
+untouched, failures surface, concurrent calls plan once, ``tj.clear_caches`` drops pending
+plans."""
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jax
+import jax.numpy as jnp
+
+import tessera_jax as tj
+from tessera_jax.runtime import api, host_plans, tier_costs, tiered
+from tessera_jax.validation import check_shapes
+
+from strategies import random_qkv
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+L, H, D, N = 192, 2, 16, 6             # one block-count shape: the device route compiles once
+FIRST = tj.Options(host_planning="device_first")
+TIERED = tj.Options(host_planning="tiered")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    tj.clear_caches()
+    yield
+    tj.clear_caches()
+
+
+def _mask(seed: int, Hm: int = H, density: float = 0.4) -> tj.BlockMask:
+    rng = np.random.default_rng(seed)
+    qb, kb = (np.r_[0, np.sort(rng.choice(np.arange(1, L), N - 1, replace=False)), L]
+              for _ in range(2))
+    return tj.BlockMask(qb, kb, rng.random((Hm, N, N)) < density)
+
+
+def _qkv(seed: int = 0):
+    return random_qkv(1, L, L, H, H, D, "float32", seed)
+
+
+def _routes(fn):
+    """(fn(), 'device' or 'host': the route the call took, from ``tiered.stats``)."""
+    before = tiered.stats().get("device_route", 0)
+    out = fn()
+    return out, "device" if tiered.stats().get("device_route", 0) > before else "host"
+
+
+def test_host_planning_is_validated_and_hashable():
+    for bad in ("async", "", None, 1):
+        with pytest.raises(ValueError, match="host_planning"):
+            tj.Options(host_planning=bad)
+    assert hash(TIERED) != hash(tj.Options()) and TIERED == tj.Options(host_planning="tiered")
+
+
+@settings(max_examples=8)
+@given(seed=st.integers(0, 2**31 - 1), Hm=st.sampled_from([1, H]),
+       density=st.sampled_from([0.2, 0.6, 1.0]))
+def test_first_call_runs_the_device_route_then_the_host_plan(seed, Hm, density):
+    """Any bounds (1-token blocks included), shared or per-head blocks: the first call runs
+    the device route and matches the reference; once the background plan is in, the next
+    call runs it and gives exactly the synchronous path's output, from the same plan."""
+    tj.clear_caches()
+    m = _mask(seed, Hm, density)
+    q, k, v = _qkv(seed % 7)
+    ref, ref_lse = tj.reference_attention(q, k, v, m, return_lse=True)
+    (out, lse), route = _routes(lambda: tj.sparse_attention(q, k, v, m, return_lse=True,
+                                                            options=FIRST))
+    assert route == "device"
+    np.testing.assert_allclose(out, ref, **TOL)
+    np.testing.assert_allclose(lse, ref_lse, **TOL)
+    assert tiered.wait(60)
+    (out2, lse2), route = _routes(lambda: tj.sparse_attention(q, k, v, m, return_lse=True,
+                                                              options=FIRST))
+    assert route == "host"
+    tiered_plan = tj.plan(m, q.shape, k.shape, q.dtype)
+    tj.clear_caches()
+    sync_out, sync_lse = tj.sparse_attention(q, k, v, m, return_lse=True)
+    sync_plan = tj.plan(m, q.shape, k.shape, q.dtype)
+    np.testing.assert_array_equal(out2, sync_out)
+    np.testing.assert_array_equal(lse2, sync_lse)
+    assert tiered_plan is not sync_plan
+    for a in ("units", "steps", "template", "policy", "chosen_by", "dense_route"):
+        np.testing.assert_array_equal(getattr(tiered_plan, a), getattr(sync_plan, a))
+
+
+def test_a_second_call_before_the_plan_is_ready_stays_on_the_device(monkeypatch):
+    """The host plan is used once ready, never waited for by a tiered call."""
+    release = threading.Event()
+    build = host_plans.build
+
+    def slow(*a, **kw):
+        release.wait(60)
+        return build(*a, **kw)
+
+    monkeypatch.setattr(host_plans, "build", slow)
+    m, (q, k, v) = _mask(1), _qkv()
+    outs = [_routes(lambda: tj.sparse_attention(q, k, v, m, options=FIRST)) for _ in range(2)]
+    assert [r for _, r in outs] == ["device", "device"] and tiered.pending() == 1
+    release.set()
+    assert tiered.wait(60) and tiered.pending() == 0
+    out, route = _routes(lambda: tj.sparse_attention(q, k, v, m, options=FIRST))
+    assert route == "host"
+    np.testing.assert_allclose(out, outs[0][0], **TOL)
+
+
+def test_under_jit_the_option_changes_nothing():
+    """Under a trace the mask is a constant planned at trace time: the same program, no
+    background plan, no device route."""
+    m, (q, k, v) = _mask(2), _qkv()
+
+    def f(opts):
+        return lambda q, k, v: tj.sparse_attention(q, k, v, m, options=opts)
+
+    before = tiered.stats()
+    for opts in (FIRST, TIERED):
+        tj.clear_caches()
+        tiered_jaxpr = str(jax.make_jaxpr(f(opts))(q, k, v))
+        tj.clear_caches()
+        assert tiered_jaxpr == str(jax.make_jaxpr(f(tj.Options()))(q, k, v))
+        out = jax.jit(f(opts))(q, k, v)
+        np.testing.assert_array_equal(out, jax.jit(f(tj.Options()))(q, k, v))
+        grads = jax.grad(lambda q: f(opts)(q, k, v).sum())(q)
+        np.testing.assert_array_equal(grads, jax.grad(lambda q: f(None)(q, k, v).sum())(q))
+    assert tiered.stats() == before and tiered.pending() == 0
+
+
+def test_a_named_template_or_policy_plans_on_the_host():
+    m, (q, k, v) = _mask(3), _qkv()
+    _, route = _routes(lambda: tj.sparse_attention(q, k, v, m, policy="merge", options=FIRST))
+    assert route == "host" and tiered.pending() == 0
+    _, route = _routes(lambda: tj.sparse_attention(q, k, v, m, template="xla_64x64",
+                                                   options=FIRST))
+    assert route == "host" and tiered.pending() == 0
+
+
+def test_a_background_failure_is_raised_by_the_next_call(monkeypatch):
+    """The next call of the mask re-raises it, once; the call after plans again."""
+    def broken(*a, **kw):
+        raise RuntimeError("planner broke")
+
+    monkeypatch.setattr(host_plans, "build", broken)
+    m, (q, k, v) = _mask(4), _qkv()
+    out, route = _routes(lambda: tj.sparse_attention(q, k, v, m, options=FIRST))
+    assert route == "device"
+    assert tiered.wait(60)
+    with pytest.raises(RuntimeError, match="planner broke"):
+        tj.sparse_attention(q, k, v, m, options=FIRST)
+    assert tiered.stats()["reraised"] >= 1 and tiered.pending() == 0
+    monkeypatch.undo()
+    out2 = tj.sparse_attention(q, k, v, m, options=FIRST)      # plans again, in background
+    assert tiered.wait(60)
+    np.testing.assert_allclose(out2, out, **TOL)
+    # A synchronous plan of a failed key raises too.
+    monkeypatch.setattr(host_plans, "build", broken)
+    tj.clear_caches()
+    tj.sparse_attention(q, k, v, m, options=FIRST)
+    assert tiered.wait(60)
+    with pytest.raises(RuntimeError, match="planner broke"):
+        tj.plan(m, q.shape, k.shape, q.dtype)
+
+
+def test_concurrent_calls_on_a_new_mask_plan_it_once(monkeypatch):
+    """Threads calling the same new mask share one background plan; a synchronous plan of
+    that mask meanwhile waits for it instead of planning again."""
+    release = threading.Event()
+    calls = []
+    build = host_plans.build
+
+    def counted(*a, **kw):
+        calls.append(1)
+        release.wait(60)
+        return build(*a, **kw)
+
+    monkeypatch.setattr(host_plans, "build", counted)
+    m, (q, k, v) = _mask(5), _qkv()
+    outs, errors = [None] * 6, []
+
+    def worker(i):
+        try:
+            outs[i] = np.asarray(tj.sparse_attention(q, k, v, m, options=FIRST))
+        except BaseException as e:          # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(outs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    planner = threading.Thread(target=lambda: outs.append(tj.plan(m, q.shape, k.shape,
+                                                                  q.dtype)))
+    planner.start()
+    release.set()
+    planner.join(60)
+    assert tiered.wait(60)
+    assert len(calls) == 1
+    assert outs[-1] is tj.plan(m, q.shape, k.shape, q.dtype)
+    for o in outs[1:6]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
+def test_clear_caches_drops_pending_plans(monkeypatch):
+    """A plan running when the caches are cleared lands in no cache; the next call starts
+    a new one."""
+    started, release = threading.Event(), threading.Event()
+    build = host_plans.build
+
+    def slow(*a, **kw):
+        started.set()
+        release.wait(60)
+        return build(*a, **kw)
+
+    monkeypatch.setattr(host_plans, "build", slow)
+    m, (q, k, v) = _mask(6), _qkv()
+    tj.sparse_attention(q, k, v, m, options=FIRST)
+    assert started.wait(60) and tiered.pending() == 1
+    threading.Timer(0.2, release.set).start()
+    tj.clear_caches()                      # waits for the running plan, publishes nothing
+    assert tiered.pending() == 0 and len(api._PLANS) == 0
+    n = tiered.stats().get("started", 0)
+    _, route = _routes(lambda: tj.sparse_attention(q, k, v, m, options=FIRST))
+    assert route == "device" and tiered.stats()["started"] == n + 1
+    assert tiered.wait(60) and len(api._PLANS) == 1
+
+
+def test_check_finite_with_tiering():
+    m, (q, k, v) = _mask(7), _qkv()
+    k = k.at[0, 5, 0, 0].set(jnp.nan)
+    opts = tj.Options(host_planning="device_first", check_finite=True)
+    out, route = _routes(lambda: tj.sparse_attention(q, k, v, m, options=opts))
+    assert route == "device"
+    ref = tj.reference_attention(q, k, v, m)
+    np.testing.assert_allclose(out, ref, **TOL)                       # NaN rows where equal
+
+
+# --- the rule ----------------------------------------------------------------------------
+def _costs(**kw):
+    base = dict(host_ms=0.0, host_ns_per_block=0.0, host_ns_per_selected=0.0,
+                host_ns_per_pair=0.0, device_ms=0.0,
+                device_ns_per_tile=0.0, device_ns_per_bitmap=0.0,
+                kernel_ns_per_interaction=0.0, kernel_excess=0.0, compile_ms=0.0,
+                source="test")
+    return tier_costs.TierCosts(**{**base, **kw})
+
+
+def test_the_rule_compares_predicted_costs():
+    m = _mask(8)
+    shape = check_shapes((1, L, H, D), (1, L, H, D), "float32")
+    size = tier_costs.size_of(m, shape, "xla", tj.Options().bitmap_budget_bytes)
+    assert size.blocks == H * N * N and size.selected == int(m.blocks.sum())
+    slow_host = _costs(host_ns_per_block=1e6, device_ms=0.5, compile_ms=100.0)
+    assert tier_costs.predict(size, slow_host, True) == pytest.approx((H * N * N, 0.5))
+    assert tier_costs.tiers(size, slow_host, compiled=True)
+    assert not tier_costs.tiers(size, slow_host, compiled=False)      # + 100 ms compile
+    assert not tier_costs.tiers(size, _costs(device_ms=1.0), compiled=True)
+    assert not tier_costs.tiers(size, None, compiled=True)
+    assert not tier_costs.tiers(None, slow_host, compiled=True)
+    assert tier_costs.costs_for("tpu", "xla") is None
+    with pytest.raises(ValueError, match="compile_ms"):
+        _costs(compile_ms=-1.0)
+
+
+def test_the_rule_skips_masks_the_device_route_runs_exactly():
+    """1-token blocks need more bitmap steps than the traced capacity holds: the device route
+    would run the exact XLA path, so the rule keeps the host plan."""
+    b = np.arange(L + 1)
+    m = tj.BlockMask(b, b, np.eye(L, dtype=bool)[None])
+    shape = check_shapes((1, L, H, D), (1, L, H, D), "float32")
+    assert tier_costs.size_of(m, shape, "xla", 1 << 12) is None
+
+
+def test_a_new_shape_counts_its_compile():
+    """A block-count shape whose device route this process has not run pays a compile
+    (seconds on the CPU box): the rule keeps the host plan, and ``stats`` says so."""
+    rng = np.random.default_rng(12)
+    m = tj.BlockMask.uniform(L, L, 48, 48, rng.random((H, 4, 4)) < 0.5)   # [2, 4, 4]: new
+    q, k, v = _qkv()
+    assert not tiered.compiled(q, k, m, "xla", D ** -0.5, False, TIERED)
+    before = tiered.stats().get("declined", 0)
+    out, route = _routes(lambda: tj.sparse_attention(q, k, v, m, options=TIERED))
+    assert route == "host" and tiered.stats()["declined"] == before + 1
+    np.testing.assert_allclose(out, tj.reference_attention(q, k, v, m), **TOL)
+
+
+def test_the_cpu_rule_keeps_wan480_masks_on_the_host():
+    """On the CPU box the device planner costs seconds at Wan 480p against milliseconds of
+    host planning: no tiering, even with the route compiled."""
+    from tessera_jax.masks import families
+    budget = tj.Options().bitmap_budget_bytes
+
+    def size(m):
+        shape = check_shapes((1, m.Lq, 12, 128), (1, m.Lkv, 12, 128), "float32")
+        return tier_costs.size_of(m, shape, "xla", budget)
+
+    s = size(families.vsa("wan480", heads=12))
+    host, device = tier_costs.predict(s, tier_costs.CPU, compiled=True)
+    assert device > 10 * host and not tier_costs.tiers(s, tier_costs.CPU, True)
+    # 1,000 key clusters of ~33 tokens: more fine tiles than the traced capacity (exact path)
+    assert size(families.svg2("wan480", heads=12)) is None
+    assert size(families.svg2("wan480", heads=12, q_clusters=100, kv_clusters=500)) is not None
+
+
+def test_precompile_compiles_the_tiered_device_route():
+    """With a tiered ``Options``, ``tj.precompile`` also runs the device route of each mask
+    shape, so the rule stops counting a compile for them."""
+    m, (q, k, v) = _mask(10), _qkv()
+    scale = D ** -0.5
+    other = tj.Options(host_planning="tiered", bitmap_budget_bytes=1 << 28)   # a new executable
+    assert not tiered.compiled(q, k, m, "xla", scale, False, other)
+    tj.precompile([m, _mask(11)], q.shape, k.shape, q.dtype, backend="xla", options=other)
+    assert tiered.compiled(q, k, m, "xla", scale, False, other)
+    assert not tiered.compiled(q, k, m, "xla", scale, True, other)
+    assert tiered.pending() == 0
