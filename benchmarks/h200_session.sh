@@ -17,6 +17,7 @@
 #   bash benchmarks/h200_session.sh gather-skip    # gather templates with warpgroup skipping, forward
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh accept-480     # issue 31's acceptance file, Wan 480p (then accept-720)
+#   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
 #   bash benchmarks/h200_session.sh test-gpu  # make test-gpu in two parts (Mosaic, Triton), logs in $OUT
 #   bash benchmarks/h200_session.sh memory    # the training step's peak memory with the Mosaic row dots
 # (Earlier sessions' parts are in git history.)
@@ -78,6 +79,10 @@ accept-480|accept-720)
   g=wan${1#accept-}
   run 580 accept-$g python3 benchmarks/gather_acceptance.py --grids $g --budget-s 560 \
       --out $OUT/h200-gather-$g.json ;;
+tiered)
+  # Issue 33 item 3: the tiered rule's fit on the H200 (copy fit.host_fit, fit.device_fit and
+  # kernel_fit into runtime/tier_costs.H200), first and second requests per mode.
+  run 560 tiered python3 benchmarks/tiered.py --out $OUT/h200-tiered.json ;;
 test-gpu)
   # Issue 32 item 6: the complete make test-gpu, split under the 10-minute call limit.
   run 290 test-gpu-mosaic env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
