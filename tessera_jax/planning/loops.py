@@ -1,5 +1,6 @@
-"""numba-compiled inner loops of the planner; small calls run them as plain Python until
-``compile_all()`` (the first larger call).
+"""numba-compiled inner loops of the planner; small calls run them as plain Python, and until
+they are compiled (in the background: ``start_warm_up``) the planner makes larger plans with
+its NumPy tier (``planning.vectorised``).
 
 Each ``_nb_*`` function is one loop of ``tessera_jax.planning.planner`` over packed mask words
 (uint64, bit j%64 of word j//64 = key block j), group and unit arrays: row groups and units
@@ -14,11 +15,12 @@ their bitmap words written once all step rows are, ``_nb_bm_pass``), mask packin
 Loops that take (lo, hi) handle units/rows [lo, hi), so the planner can run two halves on
 two threads (they are nogil). The planner calls them through ``runner(mode, ...)``: its
 ``PlannerConfig.loops`` chooses compiled loops, plain Python with numba's integer semantics,
-or (the default) small calls interpreted until numba is loaded, so that a small plan never
-imports numba; compiling imports numba and compiles the loops or loads them from its on-disk
-cache (``compile_all()``; the planner's ``warm_up()`` does it ahead of time), and ``_nb_ctz``
-(count trailing zeros) is bound to numba's then. The NumPy oracles the tests
-compare the loops with are in ``plan_oracle``.
+or (the default) small calls interpreted until the compiled loops are ready (``ready()``), so
+that a small plan never imports numba, and ``NotReady`` for a larger call before then;
+compiling imports numba and compiles the loops or loads them from its on-disk cache
+(``compile_all()``; the planner's ``warm_up()`` does it ahead of time), and ``_nb_ctz`` (count
+trailing zeros) is bound to numba's then. The NumPy oracles the tests compare the loops with
+are in ``plan_oracle``.
 """
 
 from __future__ import annotations
@@ -1434,17 +1436,21 @@ _NB_INLINE = ("_nb_popcount", "_nb_put", "_nb_tiles", "_nb_fill_unit", "_nb_stor
 
 # --- running the loops: interpreted while small, compiled after --------------------------
 # The planner calls the loops through ``runner(mode, ...)``, chosen by its ``PlannerConfig``:
-# "compiled" loads numba and binds the compiled loops (``compile_all()``); "interpreted" runs
-# the plain functions as Python with numba's semantics (stores into int32 arrays wrap, integer
-# overflow wraps, integer results come back as Python ints); "auto" (the default) runs a call
-# whose array arguments hold at most ``max_work`` elements interpreted while numba is not
-# loaded and this process has interpreted fewer than ``budget_work`` elements in all, and
-# compiles on any other call. Loading numba costs ~0.4-0.5 s on a fresh process even with its
-# on-disk cache warm (importing numba, which imports scipy.linalg, and setting up its CPU
-# target), 2-3 s and more with the cache cold (benchmarks/first_plan.py): the first plan of a
-# small mask needs none of it, and a process that plans only small masks never pays it.
-# Byte-identical plans either way: tests/test_packaging.py. The module's own ``_nb_*`` names
-# are stand-ins that compile on first call (numba resolves the names the kernels call there).
+# "compiled" loads numba and binds the compiled loops (``compile_all()``); "interpreted" (and
+# "vectorised", for what its NumPy tier lacks) runs the plain functions as Python with numba's
+# semantics (stores into int32 arrays wrap, integer overflow wraps, integer results come back
+# as Python ints); "auto" (the default) runs the compiled loops once ``ready()``, before that a
+# call whose array arguments hold at most ``max_work`` elements interpreted while this process
+# has interpreted fewer than ``budget_work`` elements in all, and raises ``NotReady`` on any
+# other call: the planner then makes the plan with its NumPy tier and compiles the loops in the
+# background (``start_warm_up``), or compiles them first (``ensure_compiled``). Loading numba
+# costs ~0.4-0.5 s on a fresh process even with its on-disk cache warm (importing numba, which
+# imports scipy.linalg, and setting up its CPU target), and compiling split/pack's loops 12-25
+# s on the 2-core CPU box (merge's ~1.5 s; benchmarks/first_plan.py --fresh-install): the first
+# plan of a small mask needs none of it, and a process that plans only small masks never pays
+# it. Byte-identical plans either way: tests/test_packaging.py, tests/test_vectorised.py. The
+# module's own ``_nb_*`` names are stand-ins that compile on first call (numba resolves the
+# names the kernels call there).
 
 
 class _Int32Out(np.ndarray):

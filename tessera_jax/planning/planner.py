@@ -100,9 +100,11 @@ Host cost: the work grows with the number of runs and tiles the plan holds, neve
 ``keep``/``merge`` (the default policy) run as numba-compiled loops that decode each unit's
 key intervals from the packed bits and write its step rows straight into the preallocated
 int32 ``steps``, on two threads, or on ``PlannerConfig.threads`` (up to 8) for large plans
-where the host has 4 or more cores; the first plan too large to run them interpreted (small
-plans run the same loops as plain Python, ``PlannerConfig.loops``) imports numba and compiles
-the loops or loads them from numba's on-disk cache (``warm_up()`` does it ahead of time).
+where the host has 4 or more cores. Small plans run the same loops as plain Python
+(``PlannerConfig.loops``); until numba has compiled them (12-25 s on a fresh install, for
+split/pack), the NumPy tier (``planning.vectorised``) makes the larger plans, the same plans
+byte for byte, and the first of those starts compiling the loops in the background
+(``warm_up()`` compiles them ahead of time).
 ``split``/``pack`` choose their units (NumPy / a compiled greedy pass) and
 write their steps with one compiled loop, once, into a reserved upper bound as keep/merge do.
 The NumPy versions of the three step builders (``plan_oracle``) are the tests' oracles.
@@ -512,10 +514,11 @@ def _runner(cfg: PlannerConfig) -> _loops.Runner:
 # split/pack (``_nb_rects``) do the same with their own bound (``_nb_rect_bound``): a step is a
 # rectangle x tile, charged to one (group, selected key block) whose keys its tile touches.
 # Mask packing and row_index are compiled too.
-# numba is imported and the loops compiled (or loaded from numba's on-disk cache) on the
-# first loop call too large to run interpreted (``PlannerConfig.loops`` "auto": a small plan
-# runs them as plain Python), not at import; ``warm_up()`` does it ahead of time. The drivers
-# call each loop through ``ctx.run`` (``plan_loops.runner``).
+# numba is imported and the loops compiled (or loaded from numba's on-disk cache) in the
+# background after the first plan with a loop call too large to run interpreted (that plan,
+# and those until the loops are ready, are the NumPy tier's: ``_tiered_policy_raw``), not at
+# import; ``warm_up()`` does it ahead of time. The drivers call each loop through ``ctx.run``
+# (``plan_loops.runner``).
 # Threads of the compiled loops (``PlannerConfig.threads``). Most loops use two of them. The
 # step builders (split/pack and keep/merge) use all of them on large plans from _WIDE_MIN
 # threads on: the units in ``threads`` chunks, each counted, then written at its exact offset,
@@ -787,9 +790,10 @@ def _finish(cfg: PlannerConfig, steps: np.ndarray, S: int, parts, tq: int, tk: i
 
 
 def warm_up() -> None:
-    """Imports numba and compiles (or loads from numba's on-disk cache) the planner's loops
-    now, so that no plan of the process pays for it: ~0.4 s with the cache warm, seconds cold.
-    Without it, small plans run the loops interpreted and the first larger one loads numba."""
+    """Imports numba and compiles (or loads from numba's on-disk cache) every loop of the
+    planner now, with the argument types plans pass them: ~0.4 s with the cache warm, 15-25 s
+    cold (2-core CPU box). Without it, small plans run the loops interpreted, and larger ones
+    are made by the NumPy tier while this runs in the background (``loops.start_warm_up``)."""
     _loops.compile_all()
     cfg = PlannerConfig(loops="compiled")
     z64 = np.zeros(1, np.int64)

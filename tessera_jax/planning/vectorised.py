@@ -603,22 +603,41 @@ def _policy(ctx, policy: str, share: bool) -> _Policy | None:
 
 
 # --- layout: the raw plan ----------------------------------------------------------------
-class _Chunk:
-    """One chunk's emitted step rows (int32 [n, STEP_COLS]) and its bitmap steps' segments."""
+class _Out:
+    """The plan's step array being written: S step rows, then bitmap words (``wr`` rows each)
+    from row S, in a zeroed reservation the OS backs only where written (room for a bitmap
+    per step, within ``max_bytes``), grown by doubling past it."""
 
-    def __init__(self, cols, bitmap_rows, segs, first, end):
-        self.cols, self.bitmap_rows, self.segs, self.first, self.end = (cols, bitmap_rows,
-                                                                        segs, first, end)
+    def __init__(self, S: int, wr: int, max_bytes: int):
+        self.S, self.wr, self.nb = S, wr, 0
+        room = max(0, min(S * wr, max_bytes // (abi.STEP_COLS * 4) - S))
+        self.steps = np.zeros((_pl.bucket(S + room), abi.STEP_COLS), np.int32)
+
+    def words(self, k: int) -> np.ndarray:
+        """The next k bitmaps' words (int32 [k, wr * STEP_COLS]); their CUTS_A offsets."""
+        end = self.S + (self.nb + k) * self.wr
+        if end > len(self.steps):
+            grown = np.zeros((_pl.bucket(max(end, 2 * len(self.steps))), abi.STEP_COLS),
+                             np.int32)
+            grown[:self.S + self.nb * self.wr] = self.steps[:self.S + self.nb * self.wr]
+            self.steps = grown
+        at = self.S + self.nb * self.wr
+        self.nb += k
+        offs = (at + np.arange(k) * self.wr) * abi.STEP_COLS
+        return self.steps[at:end].reshape(k, self.wr * abi.STEP_COLS), offs
+
+    def done(self) -> np.ndarray:
+        return self.steps[:_pl.bucket(self.S + self.nb * self.wr)]
 
 
-def _emit(pol: _Policy, sel: np.ndarray, shared: bool):
-    """The step rows of ``pol``'s units ``sel`` (``_raw``), chunk by chunk: (chunks, steps,
-    full steps and selected interactions of each selected unit)."""
+def _emit(pol: _Policy, sel: np.ndarray, shared: bool, out: _Out, s0: int):
+    """Writes the step rows of ``pol``'s units ``sel`` (``_raw``) from row s0 of ``out``, and
+    their bitmap words, chunk by chunk; returns (steps, full steps, selected interactions) of
+    each selected unit."""
     U = len(pol.head)
     src = _source(pol.share)
     emit = sel & ~pol.share if shared else sel
     full, area = np.zeros(U, np.int64), np.zeros(U, np.int64)
-    chunks = []
     stored = np.flatnonzero(~pol.share)
     ends = np.append(stored[1:], U)                # a chunk starts at a unit storing its rows
     for c0, c1 in _row_chunks(pol.cnt[stored], pol.chunk):
@@ -632,64 +651,57 @@ def _emit(pol: _Policy, sel: np.ndarray, shared: bool):
         made = np.bincount(st.unit - u0, minlength=u1 - u0)
         if not np.array_equal(made, np.where(pol.share[u0:u1], 0, pol.cnt[u0:u1])):
             raise RuntimeError("planner: the NumPy tier's steps differ from its counts")
-        first = np.zeros(u1 - u0 + 1, np.int64)      # each unit's steps in st
-        np.cumsum(made, out=first[1:])
-        e = u0 + np.flatnonzero(emit[u0:u1])
-        n = pol.cnt[e]
-        idx = np.repeat(first[src[e] - u0] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
-        whole = np.array_equal(emit[u0:u1], ~pol.share[u0:u1])   # each stored step, in order
-        cols = st.cols if whole else st.cols[idx]
-        bm = np.flatnonzero(st.bitmap if whole else st.bitmap[idx])
-        b = bm if whole else idx[bm]
-        chunks.append(_Chunk(cols, bm, segs, st.first[b], st.end[b]))
+        if np.array_equal(emit[u0:u1], ~pol.share[u0:u1]):   # each stored step, in order
+            cols, at = st.cols, np.flatnonzero(st.bitmap)
+            b = at
+        else:                      # some units left out, or each its own copy of shared rows
+            first = np.zeros(u1 - u0 + 1, np.int64)          # each unit's steps in st
+            np.cumsum(made, out=first[1:])
+            e = u0 + np.flatnonzero(emit[u0:u1])
+            n = pol.cnt[e]
+            idx = (np.repeat(first[src[e] - u0] - (np.cumsum(n) - n), n)
+                   + np.arange(int(n.sum())))
+            cols, at = st.cols[idx], np.flatnonzero(st.bitmap[idx])
+            b = idx[at]
+        out.steps[s0:s0 + len(cols)] = cols
+        words, offs = out.words(len(b))
+        out.steps[s0 + at, abi.STEP_CUTS_A] = offs
+        _bitmap_words(segs, st.first[b], st.end[b], words, pol.tq, pol.tk)
+        s0 += len(cols)
     full, area = full[src], area[src]
-    return chunks, full[sel], area[sel]
+    return full[sel], area[sel]
 
 
-def _raw(parts, shared: bool) -> "_pl._Raw":
+def _raw(parts, shared: bool, max_bytes: int) -> "_pl._Raw":
     """The raw plan of ``parts`` ((policy, unit selection) pairs, concatenated in order): step
     rows in unit order, then the bitmap words in step order, padded to ``bucket``. ``shared``:
     units that share step rows keep sharing them (a unit's ``ptr`` is the rows before it), as
     the loops lay out one policy's plan; else each unit has its own copy (``_Raw.unshared``,
-    as the fallback to split concatenates plans)."""
+    as the fallback to split concatenates plans). ``max_bytes``: most bytes reserved for the
+    words ahead (``PlannerConfig.max_bound_bytes``)."""
+    parts = [(pol, sel) for pol, sel in parts if sel.any()]
+    if not parts:
+        return _pl._empty_raw()
+    S = sum(int(pol.cnt[sel & ~pol.share if shared else sel].sum()) for pol, sel in parts)
+    out = _Out(S, abi.bitmap_rows(parts[0][0].tq, parts[0][0].tk), max_bytes)
     per = {k: [] for k in ("head", "qs", "lo", "hi", "cnt", "nfull", "area", "share")}
-    chunks = []
-    tiles = None
+    s0 = 0
     for pol, sel in parts:
-        if not sel.any():
-            continue
-        tiles = pol.tq, pol.tk
-        got, full, area = _emit(pol, sel, shared)
-        chunks += got
+        full, area = _emit(pol, sel, shared, out, s0)
+        s0 += int(pol.cnt[sel & ~pol.share if shared else sel].sum())
         for k, v in (("head", pol.head[sel]), ("qs", pol.qs[sel]), ("lo", pol.lo[sel]),
                      ("hi", pol.hi[sel]), ("cnt", pol.cnt[sel]), ("nfull", full),
                      ("area", area), ("share", (pol.share & shared)[sel])):
             per[k].append(v)
-    if tiles is None:
-        return _pl._empty_raw()
     head, qs, lo, hi, cnt, nfull, area, share = (np.concatenate(per[k]) for k in (
         "head", "qs", "lo", "hi", "cnt", "nfull", "area", "share"))
-    tq, tk = tiles
-    wr = abi.bitmap_rows(tq, tk)
-    S = sum(len(c.cols) for c in chunks)
-    nb = sum(len(c.bitmap_rows) for c in chunks)
-    steps = np.zeros((_pl.bucket(S + nb * wr), abi.STEP_COLS), np.int32)
-    words = steps[S:S + nb * wr].reshape(nb, wr * abi.STEP_COLS)
-    s0 = b0 = 0
-    for c in chunks:
-        n, k = len(c.cols), len(c.bitmap_rows)
-        steps[s0:s0 + n] = c.cols
-        steps[s0 + c.bitmap_rows, abi.STEP_CUTS_A] = (S + (b0 + np.arange(k)) * wr) * \
-            abi.STEP_COLS
-        _bitmap_words(c.segs, c.first, c.end, words[b0:b0 + k], tq, tk)
-        s0, b0 = s0 + n, b0 + k
     ptr = None
     if share.any():
         stored = np.where(share, 0, cnt)
         ptr = (np.cumsum(stored) - stored)[_source(share)]
-    return _pl._Raw(head, qs, lo, hi, cnt, steps, nfull, area, ptr=ptr,
-                    stored=S if ptr is not None else None, words=nb * wr,
-                    wr=wr if nb else 0)
+    return _pl._Raw(head, qs, lo, hi, cnt, out.done(), nfull, area, ptr=ptr,
+                    stored=S if ptr is not None else None, words=out.nb * out.wr,
+                    wr=out.wr if out.nb else 0)
 
 
 def _head_tiles(pol: _Policy, Hd: int) -> np.ndarray:
@@ -717,9 +729,9 @@ def policy_raw(ctx, policy: str, shape, hmap, num_heads: int):
             use = (comp > bound) & (_head_tiles(alt, Hd) * float(tq * tk) < comp)
             if use.any():
                 parts = [(pol, ~use[pol.head]), (alt, use[alt.head])]
-                return (_raw(parts, shared=False),
+                return (_raw(parts, False, ctx.cfg.max_bound_bytes),
                         tuple("split" if use[k] else policy for k in hmap), True)
-    return _raw([(pol, every)], shared=True), (policy,) * num_heads, False
+    return _raw([(pol, every)], True, ctx.cfg.max_bound_bytes), (policy,) * num_heads, False
 
 
 def split_raw(ctx):
@@ -727,7 +739,7 @@ def split_raw(ctx):
     pol = _grid_policy(ctx)
     if pol is None:
         return _pl._empty_raw()
-    return _raw([(pol, np.ones(len(pol.head), bool))], shared=True)
+    return _raw([(pol, np.ones(len(pol.head), bool))], True, ctx.cfg.max_bound_bytes)
 
 
 # --- row_index --------------------------------------------------------------------------------
