@@ -1553,7 +1553,7 @@ _ELSEWHERE = """
 import os, sys, threading, time
 def _watch(parent):
     while os.getppid() == parent:
-        time.sleep(0.5)
+        time.sleep(0.2)
     os._exit(0)
 threading.Thread(target=_watch, args=(int(sys.argv[1]),), daemon=True).start()
 from {module} import {name}
