@@ -264,7 +264,7 @@ def _per_row(row, n_rows: int):
 
 # --- the canonical step of each (unit, tile) -------------------------------------------------
 class _Steps:
-    """Canonical steps of sorted segments: per step its unit, the int64 step columns, whether
+    """Canonical steps of sorted segments: per step its unit, its int32 step row, whether
     it is full (the whole tile, plain) or a bitmap step, and its segments [first, end)."""
 
     def __init__(self, unit, cols, full, bitmap, first, end):
@@ -387,6 +387,8 @@ def _bitmap_words(s: _Segs, first, end, out: np.ndarray, tq: int, tk: int) -> No
     one ``np.repeat`` of the rows' runs (gap, segment, gap, ..., gap to tq)."""
     nw = abi.bitmap_words(tk)
     nb = len(first)
+    if not nb:
+        return
     halves = np.zeros((len(s.x) + 1, 2 * s.x.shape[1]), np.uint32)   # row 0: no segment
     halves[1:] = s.x.view(np.uint32).reshape(len(s.x), -1)           # little-endian words
     per = max(1, _BITMAP_CHUNK // tq)
