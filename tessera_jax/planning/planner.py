@@ -129,6 +129,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import math
 import os
 
 import numpy as np
@@ -1203,7 +1204,9 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     distinct mask heads (``_policy_raw``), its units expanded to query heads
     (``_expand_heads``), ordered (``schedule.order_units``) and packed (``_assemble``)."""
     qp = _round_up(max(shape.q_len, tile_q), q_align)
-    kvp = _round_up(max(shape.kv_len, tile_kv), kv_align)
+    # Gathered steps copy chunks of GATHER_ROWS keys: the padded keys hold whole chunks.
+    kv_step = math.lcm(kv_align, abi.GATHER_ROWS) if policy in GATHER_RUNS else kv_align
+    kvp = _round_up(max(shape.kv_len, tile_kv), kv_step)
     words, hmap = _dedupe_heads(pack_rows(mask.blocks, cfg))
     ctx = _Ctx(mask.q_bounds, mask.kv_bounds, words, tile_q, tile_kv, q_align, kv_align,
                qp, kvp, cfg, row_group)
