@@ -87,8 +87,11 @@ def _build_plan():
     return build_plan
 
 
-def all_digests(only_corpus: bool = False) -> dict[str, str]:
+def all_digests(only_corpus: bool = False, config=None) -> dict[str, str]:
+    """Every golden plan's digest; ``config``: the planner's ``PlannerConfig`` (None: the
+    default)."""
     build_plan = _build_plan()
+    kw = {} if config is None else {"config": config}
     cases = []
     for name, mask, Hq, Hkv in corpus_masks():
         Lq, Lk = int(mask.q_bounds[-1]), int(mask.kv_bounds[-1])
@@ -101,7 +104,7 @@ def all_digests(only_corpus: bool = False) -> dict[str, str]:
             for pol in POLICIES:
                 p = build_plan(mask, (1, Lq, Hq, 64), (1, Lk, Hkv, 64), np.float32, tile_q=tq,
                                tile_kv=tk, policy=pol, q_align=qa, kv_align=ka, template=tname,
-                               unit_order=order)
+                               unit_order=order, **kw)
                 out[f"{name}|{tname}|{pol}"] = plan_digest(p)
     return out
 

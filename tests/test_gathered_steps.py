@@ -59,17 +59,21 @@ def gather_masks(draw):
 
 
 @given(gather_masks(), st.sampled_from([(128, 128), (64, 128), (128, 64), (64, 64)]),
-       st.sampled_from(sorted(planner.GATHER_RUNS)))
+       st.sampled_from(sorted(planner.GATHER_RUNS)), st.sampled_from([(8, 8), (1, 1), (8, 1)]))
 @settings(max_examples=60, deadline=None)
-def test_gather_plans_cover_the_mask_exactly_once(mt, tiles, policy):
+def test_gather_plans_cover_the_mask_exactly_once(mt, tiles, policy, aligns):
+    """Every selected (query, key) exactly once, whatever the tiles and the alignment (the
+    XLA templates' 1: the padded keys still hold whole 8-key chunks)."""
     mask, Hq, Hkv = mt
     tq, tk = tiles
     run = planner.GATHER_RUNS[policy]
     p = planner.build_plan(mask, (1, mask.Lq, Hq, 16), (1, mask.Lkv, Hkv, 16), np.float32,
-                           tile_q=tq, tile_kv=tk, policy=policy, q_align=8, kv_align=8)
+                           tile_q=tq, tile_kv=tk, policy=policy, q_align=aligns[0],
+                           kv_align=aligns[1])
+    assert p.kv_len_padded % abi.GATHER_ROWS == 0
     # Chunks in runs of the policy's copy size, checked as a kernel copying that many keys.
     abi.check_plan(p.units, p.steps, tq, tk, p.q_len_padded, p.kv_len_padded, num_q_heads=Hq,
-                   q_align=8, kv_align=8, max_steps=p.max_steps, gather=run)
+                   q_align=aligns[0], kv_align=aligns[1], max_steps=p.max_steps, gather=run)
     want = mask.head_blocks(Hq)
     tok = np.zeros((Hq, mask.Lq, mask.Lkv), np.int64)
     qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)

@@ -881,18 +881,24 @@ b = np.arange(0, 257, 64)
 m = tj.BlockMask(b, b, np.tril(np.ones((4, 4), bool))[None].repeat(2, 0))
 cfg = PlannerConfig(**json.loads(sys.argv[1]))
 build_plan(m, (1, 256, 2, 64), (1, 256, 2, 64), "float32", tile_q=64, tile_kv=64, config=cfg)
-print(json.dumps("numba" in sys.modules))
+from tessera_jax.planning import loops
+print(json.dumps("numba" in sys.modules or loops.warming()))
 """
 
 
 @pytest.mark.parametrize("options,numba", [({}, False), ({"loops": "interpreted"}, False),
+                                           ({"loops": "vectorised"}, False),
                                            ({"loops": "compiled"}, True),
                                            ({"interp_budget_work": 0}, True),
-                                           ({"interp_max_work": 0}, True)])
+                                           ({"interp_max_work": 0}, True),
+                                           ({"interp_max_work": 0,
+                                             "background_compile": False}, True)])
 def test_compiled_or_interpreted_loops_are_an_explicit_choice(tmp_path, options, numba):
     """A fresh process planning a small mask: its loops run interpreted (numba not imported)
     by default, compiled where the config asks for it, or where the "auto" thresholds (work
-    per call, work per process) say so, whatever the time the process has spent."""
+    per call, work per process) say so, whatever the time the process has spent: numba then
+    loads or compiles in the background after the plan (the NumPy tier made it), or, without
+    ``background_compile``, for the plan."""
     import json
     import os
     import pathlib

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-LOOP_MODES = ("auto", "compiled", "interpreted")
+LOOP_MODES = ("auto", "compiled", "interpreted", "vectorised")
 
 
 def _default_threads() -> int:
@@ -27,11 +27,22 @@ class PlannerConfig:
         its own rows (``benchmarks/request_path.py`` measures both).
     threads: threads of the compiled loops (two halves from ``par_min_rows`` of work on; the
         step builders on all of them, in chunks, from 4 threads and ``wide_min_rows`` on).
-    loops: "auto" runs a loop call of at most ``interp_max_work`` array elements as plain
-        Python while numba is not loaded and this process has interpreted fewer than
-        ``interp_budget_work`` elements in all (about 0.1 s at ~0.6 us an element), so a small
-        plan never imports numba; any other call loads numba and compiles the loops.
-        "compiled" always compiles them; "interpreted" never does (plain Python throughout).
+    loops: "auto" runs the compiled loops once they are ready (``loops.ready()``); before,
+        a loop call of at most ``interp_max_work`` array elements runs as plain Python while
+        this process has interpreted fewer than ``interp_budget_work`` elements in all (about
+        0.1 s at ~0.6 us an element), so a small plan never imports numba, and a plan with a
+        larger call is the NumPy tier's (``planning.vectorised``), which starts compiling the
+        loops (``background_compile``). "compiled" always compiles them; "interpreted" never
+        does (plain Python throughout); "vectorised" plans keep/merge/split/pack with the
+        NumPy tier, the rest interpreted.
+    background_compile: "auto"'s first plan too large to interpret is planned by the NumPy
+        tier (a fresh install: <= ~1-2 s, not the 12-25 s numba takes to compile split/pack)
+        and then starts compiling the loops in the background (``loops.start_warm_up``: a
+        Python subprocess fills numba's cache, then a thread loads it); False: that plan
+        compiles them first.
+    tier_chunk_steps: the NumPy tier makes a plan's steps this many at a time (and counts
+        them this many mask words at a time): its temporaries stay a few MB, reused, since
+        new memory costs a fresh process ~2 ms a MB on a VM.
     pack_min_bytes: masks from this many flags up are packed by the compiled loop.
     max_bound_bytes: most bytes reserved for a step-row bound; above, an exact counting pass.
     room_min_rows: reservations from this many rows get as many again for bitmap words.
@@ -42,10 +53,12 @@ class PlannerConfig:
     share_step_lists: bool = True
     threads: int = dataclasses.field(default_factory=_default_threads)
     loops: str = "auto"
+    background_compile: bool = True
     interp_max_work: int = 1 << 13
     interp_budget_work: int = 1 << 17
     par_min_rows: int = 1 << 16
     wide_min_rows: int = 1 << 18
+    tier_chunk_steps: int = 1 << 17
     pack_min_bytes: int = 1 << 16
     max_bound_bytes: int = 1 << 30
     room_min_rows: int = 1 << 16
@@ -54,11 +67,12 @@ class PlannerConfig:
     est_slack: int = 64
 
     def __post_init__(self):
-        if not isinstance(self.share_step_lists, bool):
-            raise TypeError(f"share_step_lists must be a bool, got {self.share_step_lists!r}")
+        for name in ("share_step_lists", "background_compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.loops not in LOOP_MODES:
             raise ValueError(f"loops must be one of {LOOP_MODES}, got {self.loops!r}")
-        for name in ("threads", "sample_stride"):
+        for name in ("threads", "sample_stride", "tier_chunk_steps"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")

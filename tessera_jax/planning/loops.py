@@ -1,5 +1,6 @@
-"""numba-compiled inner loops of the planner; small calls run them as plain Python until
-``compile_all()`` (the first larger call).
+"""numba-compiled inner loops of the planner; small calls run them as plain Python, and until
+they are compiled (in the background: ``start_warm_up``) the planner makes larger plans with
+its NumPy tier (``planning.vectorised``).
 
 Each ``_nb_*`` function is one loop of ``tessera_jax.planning.planner`` over packed mask words
 (uint64, bit j%64 of word j//64 = key block j), group and unit arrays: row groups and units
@@ -14,16 +15,18 @@ their bitmap words written once all step rows are, ``_nb_bm_pass``), mask packin
 Loops that take (lo, hi) handle units/rows [lo, hi), so the planner can run two halves on
 two threads (they are nogil). The planner calls them through ``runner(mode, ...)``: its
 ``PlannerConfig.loops`` chooses compiled loops, plain Python with numba's integer semantics,
-or (the default) small calls interpreted until numba is loaded, so that a small plan never
-imports numba; compiling imports numba and compiles the loops or loads them from its on-disk
-cache (``compile_all()``; the planner's ``warm_up()`` does it ahead of time), and ``_nb_ctz``
-(count trailing zeros) is bound to numba's then. The NumPy oracles the tests
-compare the loops with are in ``plan_oracle``.
+or (the default) small calls interpreted until the compiled loops are ready (``ready()``), so
+that a small plan never imports numba, and ``NotReady`` for a larger call before then;
+compiling imports numba and compiles the loops or loads them from its on-disk cache
+(``compile_all()``; the planner's ``warm_up()`` does it ahead of time), and ``_nb_ctz`` (count
+trailing zeros) is bound to numba's then. The NumPy oracles the tests compare the loops with
+are in ``plan_oracle``.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import types
 
@@ -1433,17 +1436,21 @@ _NB_INLINE = ("_nb_popcount", "_nb_put", "_nb_tiles", "_nb_fill_unit", "_nb_stor
 
 # --- running the loops: interpreted while small, compiled after --------------------------
 # The planner calls the loops through ``runner(mode, ...)``, chosen by its ``PlannerConfig``:
-# "compiled" loads numba and binds the compiled loops (``compile_all()``); "interpreted" runs
-# the plain functions as Python with numba's semantics (stores into int32 arrays wrap, integer
-# overflow wraps, integer results come back as Python ints); "auto" (the default) runs a call
-# whose array arguments hold at most ``max_work`` elements interpreted while numba is not
-# loaded and this process has interpreted fewer than ``budget_work`` elements in all, and
-# compiles on any other call. Loading numba costs ~0.4-0.5 s on a fresh process even with its
-# on-disk cache warm (importing numba, which imports scipy.linalg, and setting up its CPU
-# target), 2-3 s and more with the cache cold (benchmarks/first_plan.py): the first plan of a
-# small mask needs none of it, and a process that plans only small masks never pays it.
-# Byte-identical plans either way: tests/test_packaging.py. The module's own ``_nb_*`` names
-# are stand-ins that compile on first call (numba resolves the names the kernels call there).
+# "compiled" loads numba and binds the compiled loops (``compile_all()``); "interpreted" (and
+# "vectorised", for what its NumPy tier lacks) runs the plain functions as Python with numba's
+# semantics (stores into int32 arrays wrap, integer overflow wraps, integer results come back
+# as Python ints); "auto" (the default) runs the compiled loops once ``ready()``, before that a
+# call whose array arguments hold at most ``max_work`` elements interpreted while this process
+# has interpreted fewer than ``budget_work`` elements in all, and raises ``NotReady`` on any
+# other call: the planner then makes the plan with its NumPy tier and compiles the loops in the
+# background (``start_warm_up``), or compiles them first (``ensure_compiled``). Loading numba
+# costs ~0.4-0.5 s on a fresh process even with its on-disk cache warm (importing numba, which
+# imports scipy.linalg, and setting up its CPU target), and compiling split/pack's loops 12-25
+# s on the 2-core CPU box (merge's ~1.5 s; benchmarks/first_plan.py --fresh-install): the first
+# plan of a small mask needs none of it, and a process that plans only small masks never pays
+# it. Byte-identical plans either way: tests/test_packaging.py, tests/test_vectorised.py. The
+# module's own ``_nb_*`` names are stand-ins that compile on first call (numba resolves the
+# names the kernels call there).
 
 
 class _Int32Out(np.ndarray):
@@ -1485,18 +1492,105 @@ def _interpret(name, *args):
     return tuple(_box(x) for x in r) if isinstance(r, tuple) else _box(r)
 
 
+class NotReady(Exception):
+    """An "auto" loop call too large to interpret while the compiled loops are not ready
+    (``ready()``): the planner plans with its NumPy tier instead, or compiles first."""
+
+
 def _auto(name, max_work, budget_work, *args):
-    """The loop ``name`` interpreted if numba is not loaded, the call holds at most
-    ``max_work`` array elements and the process has interpreted fewer than ``budget_work``;
-    else compiled."""
+    """The loop ``name`` compiled once the loops are ready; until then interpreted if the call
+    holds at most ``max_work`` array elements and the process has interpreted fewer than
+    ``budget_work``, else ``NotReady``."""
     global _interp_work
-    if not _JITTED:
+    if not ready():
         work = sum(a.size for a in args if isinstance(a, np.ndarray))
         if work <= max_work and _interp_work < budget_work:
             _interp_work += work
             return _interpret(name, *args)
-        compile_all()
+        raise NotReady(name)
     return globals()[name](*args)
+
+
+def ready() -> bool:
+    """Whether "auto" runs the compiled loops: numba loaded and no background warm-up
+    running (a plan in the meantime would wait for numba's compile lock)."""
+    return _JITTED and not warming()
+
+
+def warming() -> bool:
+    """Whether a background warm-up (``start_warm_up``) of this process is still running."""
+    w = _WARMING
+    return w is not None and w[0] == os.getpid() and w[1].is_alive()
+
+
+def start_warm_up(warm) -> None:
+    """Compiles the loops in the background, once per process, unless they are ready or a
+    warm-up failed: a daemon thread first waits for a Python subprocess that compiles every
+    loop into numba's on-disk cache (another core, none of this process's GIL: plans made
+    meanwhile run at full speed), then runs ``warm`` (the planner's ``warm_up``), which loads
+    each loop from that cache (~0.5 s), or compiles it where the cache did not take."""
+    global _WARMING
+    with _JIT_LOCK:
+        if _JITTED or warming() or _WARM_ERROR:
+            return
+        t = threading.Thread(target=_warm, args=(warm,), name="tessera-plan-compile",
+                             daemon=True)
+        _WARMING = (os.getpid(), t)
+        t.start()
+
+
+def _warm(warm) -> None:
+    try:
+        _compile_elsewhere(warm)
+        warm()
+    except BaseException as e:      # (no numba, a compile error): "auto" keeps its NumPy tier
+        _WARM_ERROR.append(repr(e))
+
+
+# The subprocess of ``_compile_elsewhere``: runs the warm-up, and leaves as soon as the
+# process that started it is gone (a short-lived process must not leave a compile behind).
+_ELSEWHERE = """
+import os, sys, threading, time
+def _watch(parent):
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(0)
+threading.Thread(target=_watch, args=(int(sys.argv[1]),), daemon=True).start()
+from {module} import {name}
+{name}()
+"""
+
+
+def _compile_elsewhere(warm) -> bool:
+    """Runs ``warm`` (by module and name) in a new Python process that shares numba's cache
+    location (the same package and environment); whether it succeeded."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    code = _ELSEWHERE.format(module=warm.__module__, name=warm.__name__)
+    try:
+        return subprocess.run([sys.executable, "-c", code, str(os.getpid())], env=env,
+                              cwd=root, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL).returncode == 0
+    except OSError:
+        return False
+
+
+def wait_ready(timeout: float | None = None) -> bool:
+    """Waits for a background warm-up of this process; returns ``ready()``."""
+    w = _WARMING
+    if w is not None and w[0] == os.getpid():
+        w[1].join(timeout)
+    return ready()
+
+
+def ensure_compiled() -> None:
+    """The compiled loops ready now: waits for a background warm-up, else loads numba and
+    jit-wraps the loops (each compiles, or loads from numba's cache, on its first call)."""
+    wait_ready()
+    compile_all()
 
 
 class Runner:
@@ -1508,9 +1602,9 @@ class Runner:
     def __getattr__(self, name):
         if name not in _PLAIN:
             raise AttributeError(name)
-        if self.mode == "interpreted":
+        if self.mode in ("interpreted", "vectorised"):
             return functools.partial(_interpret, name)
-        if self.mode == "compiled" or _JITTED:
+        if self.mode == "compiled" or ready():
             if not _JITTED:
                 compile_all()
             return globals()[name]        # the compiled loop (looked up here: tests spy on it)
@@ -1566,7 +1660,9 @@ def compile_all() -> None:
 
 
 _JITTED = False
-_JIT_LOCK = threading.Lock()
+_JIT_LOCK = threading.RLock()
+_WARMING = None                                   # (pid, thread) of a background warm-up
+_WARM_ERROR: list = []                            # why a background warm-up failed
 _COMPILED: dict = {}
 _interp_work = 0                                  # array elements of interpreted calls
 _PLAIN = {name: globals()[name] for name in _NB_KERNELS}     # what numba compiles

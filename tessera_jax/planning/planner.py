@@ -100,9 +100,11 @@ Host cost: the work grows with the number of runs and tiles the plan holds, neve
 ``keep``/``merge`` (the default policy) run as numba-compiled loops that decode each unit's
 key intervals from the packed bits and write its step rows straight into the preallocated
 int32 ``steps``, on two threads, or on ``PlannerConfig.threads`` (up to 8) for large plans
-where the host has 4 or more cores; the first plan too large to run them interpreted (small
-plans run the same loops as plain Python, ``PlannerConfig.loops``) imports numba and compiles
-the loops or loads them from numba's on-disk cache (``warm_up()`` does it ahead of time).
+where the host has 4 or more cores. Small plans run the same loops as plain Python
+(``PlannerConfig.loops``); until numba has compiled them (12-25 s on a fresh install, for
+split/pack), the NumPy tier (``planning.vectorised``) makes the larger plans, the same plans
+byte for byte, and the first of those starts compiling the loops in the background
+(``warm_up()`` compiles them ahead of time).
 ``split``/``pack`` choose their units (NumPy / a compiled greedy pass) and
 write their steps with one compiled loop, once, into a reserved upper bound as keep/merge do.
 The NumPy versions of the three step builders (``plan_oracle``) are the tests' oracles.
@@ -127,6 +129,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import math
 import os
 
 import numpy as np
@@ -216,9 +219,10 @@ class Plan:
         """int32 [Hq, Lq] (``plan_abi``), made from ``units`` on first use: a request on the
         GPU never needs it (kernels make it on the device), so planning skips it (it was 20-50%
         of planning time on 8-head Wan/Hunyuan masks, CPU box)."""
-        u = self.units[: self.num_units].astype(np.int64)
-        out = _row_index(u[:, abi.UNIT_HEAD], u[:, abi.UNIT_Q_START], u[:, abi.UNIT_OWN_LO],
-                         u[:, abi.UNIT_OWN_HI], np.arange(self.num_units), self.shape.num_q_heads,
+        # Contiguous columns: the compiled loop's one specialisation (``warm_up`` makes it).
+        u = np.ascontiguousarray(self.units[: self.num_units].T, np.int64)
+        out = _row_index(u[abi.UNIT_HEAD], u[abi.UNIT_Q_START], u[abi.UNIT_OWN_LO],
+                         u[abi.UNIT_OWN_HI], np.arange(self.num_units), self.shape.num_q_heads,
                          self.shape.q_len, self.tile_q, self.units.shape[0] * self.tile_q,
                          self.config)
         out.setflags(write=False)
@@ -316,12 +320,14 @@ def pack_rows(rows: np.ndarray, config: PlannerConfig | None = None) -> np.ndarr
     """bool [..., n] -> little-endian uint64 words [..., ceil(n / 64)]; bit j%64 of word j//64.
 
     Large C-contiguous masks with n % 8 == 0 are packed by the compiled loop (8 flags at a
-    time, on ``config.threads`` threads); the rest by ``np.packbits``.
+    time, on ``config.threads`` threads) where ``config.loops`` runs compiled loops (not
+    before they are ready, for "auto"); the rest by ``np.packbits`` (the same words).
     """
     cfg = _config.check(config)
     n = rows.shape[-1]
     if (rows.size >= cfg.pack_min_bytes and n % 8 == 0 and rows.dtype == np.bool_
-            and rows.flags.c_contiguous):
+            and rows.flags.c_contiguous and (cfg.loops in ("compiled", "interpreted")
+                                             or (cfg.loops == "auto" and _loops.ready()))):
         b8 = rows.reshape(-1, n).view(np.uint64)
         out = np.empty((b8.shape[0], -(-n // 64)), _U64)
         run = _runner(cfg) if cfg.loops == "interpreted" else _loops.runner("compiled")
@@ -510,10 +516,11 @@ def _runner(cfg: PlannerConfig) -> _loops.Runner:
 # split/pack (``_nb_rects``) do the same with their own bound (``_nb_rect_bound``): a step is a
 # rectangle x tile, charged to one (group, selected key block) whose keys its tile touches.
 # Mask packing and row_index are compiled too.
-# numba is imported and the loops compiled (or loaded from numba's on-disk cache) on the
-# first loop call too large to run interpreted (``PlannerConfig.loops`` "auto": a small plan
-# runs them as plain Python), not at import; ``warm_up()`` does it ahead of time. The drivers
-# call each loop through ``ctx.run`` (``plan_loops.runner``).
+# numba is imported and the loops compiled (or loaded from numba's on-disk cache) in the
+# background after the first plan with a loop call too large to run interpreted (that plan,
+# and those until the loops are ready, are the NumPy tier's: ``_tiered_policy_raw``), not at
+# import; ``warm_up()`` does it ahead of time. The drivers call each loop through ``ctx.run``
+# (``plan_loops.runner``).
 # Threads of the compiled loops (``PlannerConfig.threads``). Most loops use two of them. The
 # step builders (split/pack and keep/merge) use all of them on large plans from _WIDE_MIN
 # threads on: the units in ``threads`` chunks, each counted, then written at its exact offset,
@@ -785,10 +792,12 @@ def _finish(cfg: PlannerConfig, steps: np.ndarray, S: int, parts, tq: int, tk: i
 
 
 def warm_up() -> None:
-    """Imports numba and compiles (or loads from numba's on-disk cache) the planner's loops
-    now, so that no plan of the process pays for it: ~0.4 s with the cache warm, seconds cold.
-    Without it, small plans run the loops interpreted and the first larger one loads numba."""
+    """Imports numba and compiles (or loads from numba's on-disk cache) every loop of the
+    planner now, with the argument types plans pass them: ~0.4 s with the cache warm, 15-25 s
+    cold (2-core CPU box). Without it, small plans run the loops interpreted, and larger ones
+    are made by the NumPy tier while this runs in the background (``loops.start_warm_up``)."""
     _loops.compile_all()
+    cfg = PlannerConfig(loops="compiled")
     z64 = np.zeros(1, np.int64)
     flags = np.zeros((1, 1), _U64)
     flags.setflags(write=False)                     # as a mask's blocks
@@ -796,16 +805,17 @@ def warm_up() -> None:
     _loops._nb_row_index(0, 1, z64, z64, z64, z64 + 1, z64, 8, 8, np.empty((1, 1), np.int32))
     b = np.array([0, 1, 2])
     words = pack_rows(np.ones((1, 2, 2), bool))
-    ctx = _Ctx(b, b, words, 8, 8, 1, 1, 8, 8)
+    ctx = _Ctx(b, b, words, 8, 8, 1, 1, 8, 8, cfg)
     _plan_grid(ctx)
     _plan_pack(ctx)
     for merge in (False, True):
         _plan_rowgroups(ctx, merge)
         _loops._nb_count(0, 1, words, z64, z64, merge, b, b, 8, 3, 0, z64.copy())
     b = np.arange(9)                    # 1-token blocks, a checkerboard: a bitmap step
-    ctx = _Ctx(b, b, pack_rows((np.add.outer(b[:8], b[:8]) % 2 == 0)[None]), 8, 8, 1, 1, 8, 8)
+    ctx = _Ctx(b, b, pack_rows((np.add.outer(b[:8], b[:8]) % 2 == 0)[None]), 8, 8, 1, 1, 8, 8,
+               cfg)
     _plan_grid(ctx)
-    _bitmap_steps(_plan_grid(ctx, bitmaps=False), 8, 8)      # (the pass after the loops)
+    _bitmap_steps(_plan_grid(ctx, bitmaps=False), 8, 8, cfg)      # (the pass after the loops)
 
 
 def _on_worker(fn, *args):
@@ -947,25 +957,37 @@ def _plan_grid(ctx: _Ctx, bitmaps: bool = True) -> _Raw:
     """split: units are the query grid cells, K/V tiles the key grid cells (compiled steps:
     a counting pass, then the rows; the arrays equal ``plan_oracle._plan_grid_numpy``'s)."""
     tq = ctx.tile_q
+    g = _grid_groups(ctx)
+    if g is None:
+        return _empty_raw(pending=not bitmaps)
+    gh, gi, r0, r1, ustart, uq, lo, hi = g
+    ugroups = np.stack([ustart, np.append(ustart[1:], len(gh))], axis=1)
+    z = np.zeros(len(uq), np.int64)
+    cnt, steps, nfull, area, rev, njoin, words = _rect_steps(ctx, gh, gi, r0, r1, ugroups, uq,
+                                                             z, z + tq, True, bitmaps)
+    return _Raw(gh[ustart], uq, lo, hi, cnt, steps, nfull, area, words=words,
+                wr=abi.bitmap_rows(tq, ctx.tile_kv) if words else 0, rev=rev, njoin=njoin,
+                pending=not bitmaps)
+
+
+def _grid_groups(ctx: _Ctx):
+    """split's row groups and units (None: no units): (head, query block, rows [r0, r1)) of
+    each query block's piece in a query grid cell, the first group of each unit (head, cell),
+    and each unit's q_start and owned rows [lo, hi)."""
+    tq = ctx.tile_q
     nonempty = ctx.words.any(axis=-1)                          # [Hm, nq]
     own_q, cell, plo, phi = _chunk(ctx.qb[:-1], ctx.qb[1:], tq, tq, ctx.qp)
     gh, gp = np.nonzero(nonempty[:, own_q])
     if len(gh) == 0:
-        return _empty_raw(pending=not bitmaps)
+        return None
     gcell, gi = cell[gp], own_q[gp]
     r0, r1 = gcell + plo[gp], gcell + phi[gp]
     new = np.r_[True, (gh[1:] != gh[:-1]) | (gcell[1:] != gcell[:-1])]
     ustart = np.flatnonzero(new)
-    ugroups = np.stack([ustart, np.append(ustart[1:], len(gh))], axis=1)
     uq = gcell[ustart]
-    z = np.zeros(len(uq), np.int64)
-    cnt, steps, nfull, area, rev, njoin, words = _rect_steps(ctx, gh, gi, r0, r1, ugroups, uq,
-                                                             z, z + tq, True, bitmaps)
     lo = np.minimum.reduceat(r0, ustart) - uq
     hi = np.maximum.reduceat(r1, ustart) - uq
-    return _Raw(gh[ustart], uq, lo, hi, cnt, steps, nfull, area, words=words,
-                wr=abi.bitmap_rows(tq, ctx.tile_kv) if words else 0, rev=rev, njoin=njoin,
-                pending=not bitmaps)
+    return gh, gi, r0, r1, ustart, uq, lo, hi
 
 
 def _plan_pack(ctx: _Ctx, bitmaps: bool = True) -> _Raw:
@@ -1182,12 +1204,15 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     distinct mask heads (``_policy_raw``), its units expanded to query heads
     (``_expand_heads``), ordered (``schedule.order_units``) and packed (``_assemble``)."""
     qp = _round_up(max(shape.q_len, tile_q), q_align)
-    kvp = _round_up(max(shape.kv_len, tile_kv), kv_align)
+    # Gathered steps copy chunks of GATHER_ROWS keys: the padded keys hold whole chunks.
+    kv_step = math.lcm(kv_align, abi.GATHER_ROWS) if policy in GATHER_RUNS else kv_align
+    kvp = _round_up(max(shape.kv_len, tile_kv), kv_step)
     words, hmap = _dedupe_heads(pack_rows(mask.blocks, cfg))
     ctx = _Ctx(mask.q_bounds, mask.kv_bounds, words, tile_q, tile_kv, q_align, kv_align,
                qp, kvp, cfg, row_group)
-    raw, head_policies, mixed = _policy_raw(ctx, policy, shape, cost_model, hmap,
-                                            mask.num_heads)
+    raw, head_policies, mixed, compile_later = _tiered_policy_raw(ctx, policy, shape,
+                                                                  cost_model, hmap,
+                                                                  mask.num_heads)
     # Tiles once: one step of each (unit, K/V tile), made by split's step loops, else by
     # _bitmap_steps.
     cost = _raw_costs(raw, ctx, shape, cost_model)
@@ -1205,6 +1230,8 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
     for a in (units, raw.steps, cost):
         a.setflags(write=False)
     U = len(uh)
+    if compile_later:                     # after this plan: it never waits for numba
+        _loops.start_warm_up(warm_up)
     return Plan(template=template, policy=policy, tile_q=tile_q, tile_kv=tile_kv, shape=shape,
                 q_len_padded=qp, kv_len_padded=kvp, units=units,
                 steps=raw.steps,                # padded to bucket(S) by the policy
@@ -1214,6 +1241,45 @@ def _build_cached(mask, shape, tile_q, tile_kv, policy, q_align, kv_align, templ
                 mask=mask, head_policies=head_policies, unit_cost=cost, cost_model=cost_model,
                 unit_order=unit_order, config=cfg, row_group=row_group,
                 maybe_all_full=bool(int(raw.nfull.sum()) >= int(raw.cnt.sum())))
+
+
+def _tiered_policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap,
+                       num_heads: int):
+    """``_policy_raw``'s (raw, head policies, mixed), by the tier ``ctx.cfg.loops`` picks (the
+    same plan from each), and whether to start compiling the loops once the plan is built.
+    "vectorised": the NumPy tier (``planning.vectorised``; the ``auto`` policy: interpreted
+    loops). "auto": the loops, compiled once ready; a loop call too large to interpret before
+    that (``loops.NotReady``) makes the whole plan the NumPy tier's, and the loops compile
+    in the background after it (``background_compile``, ``loops.start_warm_up``; without
+    it, or for the ``auto`` policy, the plan compiles them first)."""
+    cfg = ctx.cfg
+    if cfg.loops == "vectorised":
+        got = _vectorised_policy_raw(ctx, policy, shape, hmap, num_heads)
+        if got is None:
+            got = _policy_raw(ctx, policy, shape, cost_model, hmap, num_heads)
+        return (*got, False)
+    try:
+        return (*_policy_raw(ctx, policy, shape, cost_model, hmap, num_heads), False)
+    except _loops.NotReady:
+        pass
+    got = (_vectorised_policy_raw(ctx, policy, shape, hmap, num_heads)
+           if cfg.background_compile else None)
+    if got is None:
+        _loops.ensure_compiled()
+        return (*_policy_raw(ctx, policy, shape, cost_model, hmap, num_heads), False)
+    return (*got, True)
+
+
+def _vectorised_policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, hmap, num_heads: int):
+    """``_policy_raw`` by the NumPy tier, or None for ``auto`` (which it lacks)."""
+    from tessera_jax.planning import vectorised
+    if policy in GATHER_RUNS:
+        raw = _gather_raw(ctx, shape, GATHER_RUNS[policy])
+        bound = dense_tile_interactions(shape.q_len, shape.kv_len, ctx.tile_q, ctx.tile_kv)
+        if (_head_computed(raw, ctx.words.shape[0], ctx.tile_q, ctx.tile_kv) <= bound).all():
+            return raw, (policy,) * num_heads, False
+        return vectorised.split_raw(ctx), ("split",) * num_heads, False
+    return vectorised.policy_raw(ctx, policy, shape, hmap, num_heads)
 
 
 def _policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap, num_heads: int):
@@ -1333,10 +1399,16 @@ def _row_index(uh, qs, lo, hi, order, Hq, Lq, tile_q, sentinel,
     if U and not np.all(f0[1:] > f0[:-1]):
         srt = np.argsort(f0, kind="stable")
         uh, qs, lo, hi, uidx = uh[srt], qs[srt], lo[srt], hi[srt], uidx[srt]
-    out = np.empty((Hq, Lq), np.int32)
-    _run_split(cfg, _runner(cfg)._nb_row_index, Hq, Hq * Lq, uh, qs, lo, hi, uidx, tile_q,
-               sentinel, out)
-    return out
+    if cfg.loops != "vectorised":
+        out = np.empty((Hq, Lq), np.int32)
+        try:
+            _run_split(cfg, _runner(cfg)._nb_row_index, Hq, Hq * Lq, uh, qs, lo, hi, uidx,
+                       tile_q, sentinel, out)
+            return out
+        except _loops.NotReady:         # "auto" before the loops are ready: the NumPy tier's
+            pass
+    from tessera_jax.planning import vectorised
+    return vectorised.row_index(uh, qs, lo, hi, uidx, Hq, Lq, tile_q, sentinel)
 
 
 def _gathered_cells(steps, us, i, r0, r1, c0, c1, tile_kv: int):
