@@ -18,6 +18,7 @@
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh accept-480     # issue 31's acceptance file, Wan 480p (then accept-720)
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
+#   bash benchmarks/h200_session.sh first-plan     # issue 33: the cold first plan on the H200 host
 #   bash benchmarks/h200_session.sh test-gpu  # make test-gpu in two parts (Mosaic, Triton), logs in $OUT
 #   bash benchmarks/h200_session.sh memory    # the training step's peak memory with the Mosaic row dots
 # (Earlier sessions' parts are in git history.)
@@ -83,6 +84,11 @@ tiered)
   # Issue 33 item 3: the tiered rule's fit on the H200 (copy fit.host_fit, fit.device_fit and
   # kernel_fit into runtime/tier_costs.H200), first and second requests per mode.
   run 560 tiered python3 benchmarks/tiered.py --out $OUT/h200-tiered.json ;;
+first-plan)
+  # Issue 33: first plan per corpus family at Wan 480p and 8-token blocks, a fresh process
+  # with an empty numba cache each, planning alone (summary.first_plan_fresh_install_max_s
+  # <= 2.0; 0.53 s on the 2-core CPU box, results/cpu-first-plan.json).
+  run 400 first-plan python3 benchmarks/first_plan.py --fresh-install --out $OUT/h200-first-plan.json ;;
 test-gpu)
   # Issue 32 item 6: the complete make test-gpu, split under the 10-minute call limit.
   run 290 test-gpu-mosaic env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
