@@ -337,8 +337,25 @@ def _dq_producer(c: _Dq):
 
 def _dq_gather_producer(c: _Dq):
     """The dq producer of a gathering plan: each ring's unit's K/V stages by runs of
-    ``gather_run`` keys (``common.load_gathered``), the next step's copy starts read while
-    the current copies wait for their slot (as the forward's gathering producer)."""
+    ``gather_run`` keys (``common.load_gathered``; ``_gather_produce``)."""
+    def load(b, head, starts, slot, wait):
+        load_gathered(rows_of((c.k, c.v), b, lax.div(head, jnp.array(c.group, head.dtype))),
+                      (c.k_smem, c.v_smem), (c.k_bar, c.v_bar), (c.k_consumed, c.v_consumed),
+                      starts, c.gather_run, slot, wait)
+
+    def drain(slot):
+        plgpu.barrier_wait(c.k_consumed.at[slot])
+        plgpu.barrier_wait(c.v_consumed.at[slot])
+
+    _gather_produce(c, c.tile_kv, c.stages, load, drain)
+
+
+def _gather_produce(c, tile: int, stages: int, load, drain):
+    """The producer warpgroup of a gathering plan (both kernels): for each ring's unit (two
+    when paired), step i's stages by ``load(b, head, starts, slot, wait)`` (``starts``: its
+    copies' first rows, ``common.copy_starts`` of ``tile`` rows; ``wait``: the slot was used
+    before), the next step's starts read while the current copies wait for their slot; then
+    ``drain(slot)`` on each ring's last ``stages`` slots."""
     plgpu.set_max_registers(40, action="decrease")
     streams = [_unit(c, ring) for ring in range(2 if c.paired else 1)]
     total = functools.reduce(jnp.maximum, [s[5] for s in streams])
@@ -346,27 +363,23 @@ def _dq_gather_producer(c: _Dq):
     def next_starts(ptr, cnt, i):
         # Clamped: past a unit's last step the read is of a real row, and unused.
         return copy_starts(c.steps, c.words, jnp.minimum(
-            ptr + jnp.minimum(i, jnp.maximum(cnt - 1, 0)), c.num_steps - 1), c.tile_kv,
+            ptr + jnp.minimum(i, jnp.maximum(cnt - 1, 0)), c.num_steps - 1), tile,
             c.gather_run)
 
     def body(i, carry):
         out = []
         for ring, ((_, b, head, _, ptr, cnt, _), starts) in enumerate(zip(streams, carry)):
-            kv_head = lax.div(head, jnp.array(c.group, head.dtype))
-            pl.when(i < cnt)(functools.partial(
-                load_gathered, rows_of((c.k, c.v), b, kv_head), (c.k_smem, c.v_smem),
-                (c.k_bar, c.v_bar), (c.k_consumed, c.v_consumed), starts, c.gather_run,
-                _slot(i, ring, c.stages), i >= c.stages))
+            pl.when(i < cnt)(functools.partial(load, b, head, starts,
+                                               _slot(i, ring, stages), i >= stages))
             out.append(next_starts(ptr, cnt, i + 1))
         return tuple(out)
 
     lax.fori_loop(0, total, body, tuple(next_starts(s[4], s[5], jnp.int32(0))
                                         for s in streams))
     for ring, unit in enumerate(streams):
-        @pl.loop(jnp.maximum(unit[5] - c.stages, 0), unit[5])
+        @pl.loop(jnp.maximum(unit[5] - stages, 0), unit[5])
         def _(g):
-            plgpu.barrier_wait(c.k_consumed.at[_slot(g, ring, c.stages)])
-            plgpu.barrier_wait(c.v_consumed.at[_slot(g, ring, c.stages)])
+            drain(_slot(g, ring, stages))
 
 
 def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paired, mode,
@@ -530,37 +543,15 @@ def _dkv_producer(c: _Dkv):
 def _dkv_gather_producer(c: _Dkv):
     """The dk/dv producer of a gathering plan (units of keys, steps of gathered queries): each
     ring's unit's Q, dO, lse and delta stages by runs of ``gather_run`` queries
-    (``common.load_gathered``; one slot-free wait for the four), the next step's copy starts
-    read while the current copies wait for their slot."""
-    plgpu.set_max_registers(40, action="decrease")
-    streams = [_unit(c, ring) for ring in range(2 if c.paired else 1)]
-    total = functools.reduce(jnp.maximum, [s[5] for s in streams])
-    tile_kv = DKV_TILES[1]
+    (``common.load_gathered``; one slot-free wait for the four; ``_gather_produce``)."""
+    def load(b, head, starts, slot, wait):
+        views = rows_of((c.q, c.do), b, head) + rows_of((c.lse, c.delta), b, head,
+                                                         token_major=False)
+        load_gathered(views, (c.q_smem, c.do_smem, c.lse_smem, c.delta_smem), c.ring_bars,
+                      (c.consumed, None, None, None), starts, c.gather_run, slot, wait)
 
-    def next_starts(ptr, cnt, i):
-        # Clamped: past a unit's last step the read is of a real row, and unused.
-        return copy_starts(c.steps, c.words, jnp.minimum(
-            ptr + jnp.minimum(i, jnp.maximum(cnt - 1, 0)), c.num_steps - 1), tile_kv,
-            c.gather_run)
-
-    def body(i, carry):
-        out = []
-        for ring, ((_, b, head, _, ptr, cnt, _), starts) in enumerate(zip(streams, carry)):
-            views = rows_of((c.q, c.do), b, head) + rows_of((c.lse, c.delta), b, head,
-                                                             token_major=False)
-            pl.when(i < cnt)(functools.partial(
-                load_gathered, views, (c.q_smem, c.do_smem, c.lse_smem, c.delta_smem),
-                c.ring_bars, (c.consumed, None, None, None), starts, c.gather_run,
-                _slot(i, ring), i >= STAGES))
-            out.append(next_starts(ptr, cnt, i + 1))
-        return tuple(out)
-
-    lax.fori_loop(0, total, body, tuple(next_starts(s[4], s[5], jnp.int32(0))
-                                        for s in streams))
-    for ring, unit in enumerate(streams):
-        @pl.loop(jnp.maximum(unit[5] - STAGES, 0), unit[5])
-        def _(g):
-            plgpu.barrier_wait(c.consumed.at[_slot(g, ring)])
+    _gather_produce(c, DKV_TILES[1], STAGES, load,
+                    lambda slot: plgpu.barrier_wait(c.consumed.at[slot]))
 
 
 def dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, interpret,
