@@ -24,6 +24,7 @@ import numpy as np
 
 from pallas_kernels import abi
 
+from tessera_jax.planning import vectorised
 from tessera_jax.planning.planner import _U64, _chunk, _Ctx, _empty_raw, _Raw, bucket
 
 _CHUNK = 1 << 16        # step rows expanded at a time (about 1.3 MB, cache-sized)
@@ -625,22 +626,10 @@ def _plan_pack_numpy(ctx: _Ctx) -> _Raw:
     if G == 0:
         return _empty_raw()
     r0, r1 = qb[gi], qb[ge]
-    a = (r0 // ctx.q_align) * ctx.q_align
-    # Greedy packing per head: a unit starting at group g takes the following groups of its
-    # head while their rows end within a[g] + tile_q. Chains are followed for all heads at once.
-    big = ctx.qp + tq + 1
-    nxt = np.searchsorted(gh * big + r1, gh * big + a + tq, side="right")
-    nxt = np.maximum(nxt, np.arange(1, G + 1))
-    is_start = np.zeros(G, bool)
-    cur = np.flatnonzero(np.r_[True, gh[1:] != gh[:-1]])
-    while cur.size:
-        is_start[cur] = True
-        nx = nxt[cur]
-        ok = nx < G
-        ok[ok] = gh[nx[ok]] == gh[cur[ok]]
-        cur = nx[ok]
-    ustart = np.flatnonzero(is_start)
-    uend = np.append(ustart[1:], G)
+    # Greedy packing per head (the NumPy tier's, itself checked against the loops by
+    # tests/test_vectorised.py): a unit at group g takes the following groups of its head
+    # while their rows end within g's aligned start + tile_q.
+    ustart, uend = vectorised.pack_units(gh, r0, r1, tq, ctx.q_align).T
     Ul = len(ustart)
     ru, ra, rb, j0, j1, union = _unit_rects(ctx.words[gh, gi], r0, r1, ustart, uend, kb)
     c0, c1 = kb[j0], kb[j1]

@@ -570,11 +570,14 @@ def _on_threads(ctx, n, **options):
 
 
 def _ctx(mask, tq, tk, q_align, kv_align, kv_len=None):
+    """A planner context whose loops run compiled (these tests compare the compiled loops with
+    their oracles; "auto" would raise ``NotReady`` on a large call before they are ready)."""
     kv_len = mask.Lkv if kv_len is None else kv_len
     qp = planner._round_up(max(mask.Lq, tq), q_align)
     kvp = planner._round_up(max(kv_len, tk), kv_align)
     words, _ = planner._dedupe_heads(planner._pack(mask.blocks))
-    return planner._Ctx(mask.q_bounds, mask.kv_bounds, words, tq, tk, q_align, kv_align, qp, kvp)
+    return planner._Ctx(mask.q_bounds, mask.kv_bounds, words, tq, tk, q_align, kv_align, qp, kvp,
+                        PlannerConfig(loops="compiled"))
 
 
 @given(plan_masks(), st.sampled_from([(64, 64), (128, 96), (128, 128), (64, 192)]),

@@ -1274,11 +1274,8 @@ def _vectorised_policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, hmap, num_h
     """``_policy_raw`` by the NumPy tier, or None for ``auto`` (which it lacks)."""
     from tessera_jax.planning import vectorised
     if policy in GATHER_RUNS:
-        raw = _gather_raw(ctx, shape, GATHER_RUNS[policy])
-        bound = dense_tile_interactions(shape.q_len, shape.kv_len, ctx.tile_q, ctx.tile_kv)
-        if (_head_computed(raw, ctx.words.shape[0], ctx.tile_q, ctx.tile_kv) <= bound).all():
-            return raw, (policy,) * num_heads, False
-        return vectorised.split_raw(ctx), ("split",) * num_heads, False
+        return _gather_policy_raw(ctx, policy, shape, num_heads,
+                                  lambda: vectorised.split_raw(ctx))
     return vectorised.policy_raw(ctx, policy, shape, hmap, num_heads)
 
 
@@ -1287,13 +1284,10 @@ def _policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap, num_
     whether the heads' units come from several policies) under ``policy``, the invariant
     (``dense_tile_interactions``: a head computes at most what a dense plan of these tiles
     computes) enforced; the split plan meets it wherever its tiles are visited once."""
-    bound = dense_tile_interactions(shape.q_len, shape.kv_len, ctx.tile_q, ctx.tile_kv)
     if policy in GATHER_RUNS:
-        raw = _gather_raw(ctx, shape, GATHER_RUNS[policy])
-        if (_head_computed(raw, ctx.words.shape[0], ctx.tile_q, ctx.tile_kv) <= bound).all():
-            return raw, (policy,) * num_heads, False
-        # Many small classes per window (token-level masks): split's plan, whole.
-        return _plan_policy(ctx, "split"), ("split",) * num_heads, False
+        return _gather_policy_raw(ctx, policy, shape, num_heads,
+                                  lambda: _plan_policy(ctx, "split"))
+    bound = dense_tile_interactions(shape.q_len, shape.kv_len, ctx.tile_q, ctx.tile_kv)
     if policy == "auto":
         raw, choice = _auto_raw(ctx, shape, cost_model, bound)
         return raw, tuple(_AUTO_CANDIDATES[choice[k]] for k in hmap), True
@@ -1316,6 +1310,17 @@ def _policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap, num_
             head_policies = tuple("split" if use[k] else policy for k in hmap)
             mixed = True
     return _bitmap_steps(raw, tq, tk, ctx.cfg), head_policies, mixed
+
+
+def _gather_policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, num_heads: int, split):
+    """``_policy_raw`` of a gather policy: its plan where every head computes at most what a
+    dense plan of these tiles computes, else ``split()``'s plan, whole (many small classes
+    per window: token-level masks)."""
+    raw = _gather_raw(ctx, shape, GATHER_RUNS[policy])
+    bound = dense_tile_interactions(shape.q_len, shape.kv_len, ctx.tile_q, ctx.tile_kv)
+    if (_head_computed(raw, ctx.words.shape[0], ctx.tile_q, ctx.tile_kv) <= bound).all():
+        return raw, (policy,) * num_heads, False
+    return split(), ("split",) * num_heads, False
 
 
 def _gather_raw(ctx: _Ctx, shape: AttnShape, run: int) -> _Raw:
