@@ -191,15 +191,29 @@ def gathers(t) -> int:
 
 
 def check_dkv_gathers(plan: abi.PassPlan, gather_run: int) -> None:
-    """ValueError when a host dk/dv plan holds gathered steps and the kernel does not gather
-    (it would read each such step as one run of queries: wrong gradients). Traced plans are
-    the device planner's, which emits none for such kernels."""
-    if gather_run or not is_host(plan) or not len(plan.steps):
+    """ValueError when a host dk/dv plan holds gathered steps the kernel cannot copy: it does
+    not gather (it would read each such step as one run of queries), or it copies
+    ``gather_run`` queries at once and a step's chunks are not in such runs (wrong gradients
+    either way). Traced plans are the device planner's, which emits none for such kernels."""
+    if not is_host(plan) or not len(plan.steps):
         return
-    if abi.is_gather(np.asarray(plan.steps)[:, abi.STEP_CUTS_B]).any():
+    st = np.asarray(plan.steps)
+    g = abi.is_gather(st[:, abi.STEP_CUTS_B])
+    if not g.any():
+        return
+    if not gather_run:
         raise ValueError("this dk/dv plan has gathered steps (abi.GATHER_FLAG), but the "
                          "template's dk/dv kernel does not gather: plan dk/dv without the "
                          "gather policy, or use a gathering template")
+    n, m = abi.gather_chunks(plan.tile_kv), abi.gather_run_chunks(plan.tile_kv, gather_run)
+    if m == 1:
+        return
+    starts = st.reshape(-1)[st[g, abi.STEP_CUTS_A].astype(np.int64)[:, None] + np.arange(n)]
+    runs = starts.reshape(-1, n // m, m)
+    if (runs != runs[:, :, :1] + abi.GATHER_ROWS * np.arange(m)).any():
+        raise ValueError(f"this dk/dv plan's gathered steps are not in runs of {gather_run} "
+                         f"consecutive queries, the copies of the template's dk/dv kernel: "
+                         f"plan dk/dv with the gather{gather_run} policy")
 
 
 def is_host(plan: abi.PassPlan) -> bool:

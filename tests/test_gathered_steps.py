@@ -329,10 +329,11 @@ def test_mosaic_dq_runs_a_gather_plan_in_interpret_mode(which):
 
 @pytest.mark.parametrize("name", ["mgpu_q128_kv128_s2_gather", "mgpu_q128_kv128_s2_gather_skip"])
 def test_mosaic_dkv_runs_a_gather_plan_in_interpret_mode(name):
-    """The dk/dv kernel's gathered Q / dO / lse / delta stages (the transposed mask's gather
-    plan: units of 128 keys, steps of 8-query chunks) against the gradients of the reference,
-    GQA, per-head clusters; a template whose dk/dv kernel does not gather refuses the plan;
-    the host plans dk/dv of a gathering template with the gather policy among its candidates."""
+    """The dk/dv kernel's gathered Q / dO / lse / delta stages (the transposed mask's gather32
+    plan: units of 128 keys, steps of 32-query runs) against the gradients of the reference,
+    GQA, per-head clusters; a template whose dk/dv kernel does not gather refuses the plan, and
+    the gathering one refuses 8-query chunks (lse / delta copies of 32 bytes: misaligned for
+    TMA); the host plans dk/dv of a gathering template with gather32 among its candidates."""
     from jax._src.pallas.mosaic_gpu.interpret import params as _p
     from pallas_kernels import backward_rows as rows
     from pallas_kernels import templates as T
@@ -344,7 +345,7 @@ def test_mosaic_dkv_runs_a_gather_plan_in_interpret_mode(name):
     m = mask_var_clusters(Lq, H, q_mean=60, kv_mean=20, density=0.3, seed=8, kv_len=Lk)
     tm = host_plans.transposed_mask(m)
     p = planner.build_plan(tm, (1, Lk, H, D), (1, Lq, H, D), jnp.bfloat16, tile_q=128,
-                           tile_kv=64, policy="gather", q_align=8, kv_align=8,
+                           tile_kv=64, policy="gather32", q_align=8, kv_align=8,
                            unit_order="head_major")
     assert p.stats()["gather_steps"] > 0
     q_lo, q_hi = abi.unpack_rect(p.steps[: p.num_steps, abi.STEP_RECT].astype(np.int64))[:2]
@@ -364,17 +365,26 @@ def test_mosaic_dkv_runs_a_gather_plan_in_interpret_mode(name):
                    scale=0.125, interpret=_p.InterpretGPUParams())
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), atol=3e-2)
+    p8 = planner.build_plan(tm, (1, Lk, H, D), (1, Lq, H, D), jnp.bfloat16, tile_q=128,
+                            tile_kv=64, policy="gather", q_align=8, kv_align=8,
+                            unit_order="head_major")
+    plan8 = abi.PassPlan(p8.units, p8.steps, None, 128, 64, p8.q_len_padded, p8.kv_len_padded,
+                         p8.max_steps, None)
+    with pytest.raises(ValueError, match="runs of 32"):
+        mops.dkv(q, k, v, do, rows.lse_for_backward(lse), delta, plan8, template=t,
+                 scale=0.125, interpret=_p.InterpretGPUParams())
     with pytest.raises(ValueError, match="does not gather"):
         mops.dkv(q, k, v, do, rows.lse_for_backward(lse), delta, plan,
                  template=T.get("mgpu_q128_kv128_s2_hm"), scale=0.125,
                  interpret=_p.InterpretGPUParams())
     fwd = tj.plan(m, q.shape, k.shape, q.dtype, template=t.name, policy="gather")
     cands = host_plans.dkv_candidates(fwd, "mosaic_gpu")
-    assert "gather" in [c.policy for c, _ in cands]
+    assert "gather32" in [c.policy for c, _ in cands]
     assert {c.row_group for c, per_sm in cands if per_sm == 1} == {
         64 if t.kernel.wg_skip else 128}
     plain = tj.plan(m, q.shape, k.shape, q.dtype, template="mgpu_q128_kv128_s2_hm")
-    assert "gather" not in [c.policy for c, _ in host_plans.dkv_candidates(plain, "mosaic_gpu")]
+    assert not {"gather", "gather32"} & {
+        c.policy for c, _ in host_plans.dkv_candidates(plain, "mosaic_gpu")}
 
 
 def _dkv_lower(t):
@@ -396,11 +406,33 @@ def _dkv_lower(t):
 
 @pytest.mark.parametrize("name", ["mgpu_q128_kv128_s2_gather", "mgpu_q128_kv128_s2_gather_skip"])
 def test_gathering_dkv_lowers_for_cuda(name):
-    """The gathering dk/dv kernel (Q / dO tiles and lse / delta vectors by 8-row copies; with
+    """The gathering dk/dv kernel (Q / dO tiles and lse / delta vectors by 32-row copies; with
     warpgroup skipping) lowers for an abstract H200."""
     from pallas_kernels import templates as T
 
     assert "mosaic_gpu" in _dkv_lower(T.get(name))
+
+
+def test_gathered_copies_refuse_misaligned_smem():
+    """A gathered stage whose copies land at SMEM offsets that are not multiples of 128 bytes
+    (8-query lse / delta copies: 32 bytes) is refused when the kernel is traced: the H200
+    faulted on it (CUDA_ERROR_MISALIGNED_ADDRESS) while interpret mode ran it."""
+    from cuda_lowering import lower_for_h200
+    from pallas_kernels.mosaic import backward as mb
+
+    sds = jax.ShapeDtypeStruct
+    L, D = 384, 128
+    q, kv = sds((1, L, 4, D), jnp.bfloat16), sds((1, L, 2, D), jnp.bfloat16)
+    units, steps = sds((12, abi.UNIT_COLS), jnp.int32), sds((40, abi.STEP_COLS), jnp.int32)
+    rows = sds((1, 4, L), jnp.float32)
+
+    def dkv(run):
+        return lambda q, k, v, lse, u, s: mb.dkv_call(q, k, v, q, lse, lse, u, s, tile_q=128,
+                                                      mode="cond", scale=0.1, interpret=False,
+                                                      gather_run=run)
+    with pytest.raises(ValueError, match="multiples of 128 bytes"):
+        lower_for_h200(dkv(8), q, kv, kv, rows, units, steps)
+    assert "mosaic_gpu" in lower_for_h200(dkv(mb.DKV_GATHER_RUN), q, kv, kv, rows, units, steps)
 
 
 def _lower(ops, t, pass_, family):

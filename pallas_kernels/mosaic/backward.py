@@ -53,6 +53,10 @@ DKV_TILES = (CONSUMERS * WG_ROWS, 64, ALIGN, ALIGN)
 #: Paired dk/dv units: 64 keys each, two per CTA, each warpgroup streaming its own unit's
 #: queries (two Q/dO rings): for key blocks of <= 64 tokens, as the forward's q64x2.
 DKV_PAIRED_TILES = (WG_ROWS, 64, ALIGN, ALIGN)
+#: Queries one copy of a gathered dk/dv stage loads: 32, so each copy of lse / delta (f32) is
+#: 128 bytes, TMA's SMEM alignment (8-query copies put lse at 32-byte offsets: the H200 raised
+#: CUDA_ERROR_MISALIGNED_ADDRESS, benchmarks/NOTES.md#gathered-steps).
+DKV_GATHER_RUN = 32
 
 
 def smem_bytes(kernel: str, tile_kv: int, head_dim: int, rings: int = 1,

@@ -5,6 +5,7 @@ dk/dv)."""
 from __future__ import annotations
 
 import functools
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -16,6 +17,7 @@ from pallas_kernels import abi, step_masks
 WG_ROWS = 64                       # rows per consumer warpgroup (one wgmma M tile)
 CONSUMERS = 2                      # consumer warpgroups; the producer is warpgroup CONSUMERS
 ALIGN = 8                          # q_start / kv_start alignment (rows of one SMEM tile)
+TMA_SMEM_ALIGN = 128               # bytes: a TMA copy's SMEM destination
 
 
 def iota(n: int, dim: int):
@@ -95,6 +97,12 @@ def load_gathered(views, smems, bars, consumed, starts, run: int, slot, wait):
     ``wait``; None: the stage shares the previous one's); ``bars[i].at[slot]`` expects
     tile / run arrivals."""
     starts = [pl.multiple_of(x, ALIGN) for x in starts]
+    for smem in smems:
+        row_bytes = math.prod(smem.shape[2:]) * jnp.dtype(smem.dtype).itemsize
+        if run * row_bytes % TMA_SMEM_ALIGN:
+            raise ValueError(f"load_gathered: copies of {run} rows of {row_bytes} bytes land at "
+                             f"SMEM offsets that are not multiples of {TMA_SMEM_ALIGN} bytes "
+                             "(TMA's alignment: the GPU faults with a misaligned address)")
     for view, smem, bar, done in zip(views, smems, bars, consumed):
         if done is not None:
             @pl.when(wait)

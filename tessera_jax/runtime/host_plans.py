@@ -152,8 +152,8 @@ def dkv_candidates(plan: planner.Plan, backend: str,
                    options: Options = DEFAULT) -> list[tuple[planner.Plan, int]]:
     """The dk/dv plans ``dkv_plan`` chooses from, each with the units an SM runs at once (a
     paired CTA runs two 64-key units together): the backend's dk/dv tiles under each of
-    ``options.dkv_policies`` (and ``gather`` for a gathering template on a backend whose dk/dv
-    kernel gathers too: ``DKV_GATHERS``), then its paired tiles under
+    ``options.dkv_policies`` (and, for a gathering template on a backend whose dk/dv kernel
+    gathers too, that kernel's ``DKV_GATHER_POLICY``), then its paired tiles under
     ``options.paired_dkv_policy``."""
     if plan.mask is None:
         raise ValueError("a dk/dv plan needs a plan that holds its mask (planner.Plan.mask)")
@@ -163,9 +163,10 @@ def dkv_candidates(plan: planner.Plan, backend: str,
     tmask = transposed_mask(plan.mask)
     opts = [(tiles, pol, 1) for pol in options.dkv_policies]
     ops = dispatch.BACKENDS[backend].ops()
-    if (getattr(ops, "DKV_GATHERS", False) and t.backend == backend
-            and getattr(t.kernel, "gather", False) and "gather" not in options.dkv_policies):
-        opts.append((tiles, "gather", 1))      # a gathering template's dk/dv kernel gathers too
+    gather_pol = getattr(ops, "DKV_GATHER_POLICY", None)
+    if (gather_pol and t.backend == backend and getattr(t.kernel, "gather", False)
+            and gather_pol not in options.dkv_policies):
+        opts.append((tiles, gather_pol, 1))    # a gathering template's dk/dv kernel gathers too
     paired = ops.PAIRED_DKV_TILES
     if paired is not None and options.paired_dkv_policy is not None:
         opts.append((paired, options.paired_dkv_policy, 2))
