@@ -14,7 +14,7 @@
 #   bash benchmarks/h200_session.sh gather-dq # the gathering dq compiled against the reference, then
 #                                             # forward + backward of gather plans vs cuDNN's
 #   bash benchmarks/h200_session.sh gather-device  # device-route gather plans vs host plans
-#   bash benchmarks/h200_session.sh gather-skip    # gather templates with warpgroup skipping, forward
+#   bash benchmarks/h200_session.sh gather-runs-skip  # spike: copy runs of 32 / 64 keys with skipping
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh accept-480     # issue 31's acceptance file, Wan 480p (then accept-720)
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
@@ -39,7 +39,8 @@ gather-dq)
   # the gather template's make-test-gpu cases (host route, D 64 and 128, fwd + bwd), then
   # forward + backward of default and gather plans on the irregular masks against cuDNN's.
   run 200 test-gpu-gather env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/gpu -k "mgpu_q128_kv128_s2_gather or triton_q128_kv128_w8_s3_gather"
+      tests/gpu -k "gather"
+  run 150 gather-diag python3 benchmarks/gather_diag.py --budget-s 140 --out $OUT/gather-diag.jsonl
   run 330 gather-fwd-bwd python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
       --budget-s 300 --out $OUT/h200-gather-fwd-bwd.json ;;
 gather-device)
@@ -47,22 +48,16 @@ gather-device)
   # host plans of the same template, forward (summary.device_vs_host_max <= 1.05).
   run 330 gather-device python3 benchmarks/gather.py --variants default,gather,gather_device \
       --budget-s 300 --out $OUT/h200-gather-device.json ;;
-gather-skip)
-  # Issue 31: gathered steps with warpgroup skipping (computed / selected with 64-row groups:
-  # clusters 1.442 -> 1.300, cubes 2.005 -> 1.203, sliding 1.321 -> 1.069). Predicted: a
-  # one-half step costs 0.5-0.7 of a full one, so clusters 0.62 -> 0.66-0.69, cubes
-  # 0.44 -> 0.58-0.73, sliding 0.65 -> 0.73-0.80 of cuDNN (half steps: 20%, 80%, 38%).
-  # The compiled templates against the reference first (make test-gpu's cases), then every
-  # mask, checked and timed.
-  run 150 test-gpu-skip env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/gpu -k "gather_skip"
-  run 420 gather-skip python3 benchmarks/gather.py --variants default,gather,gather_skip,gather_skip_nopp \
-      --budget-s 400 --out $OUT/h200-gather-skip.json ;;
+gather-runs-skip)
+  # Issue 31 spike: gathered copy runs of 32 / 64 keys with warpgroup skipping (stand-in
+  # templates; kill criterion in the script: cubes below 0.65 of cuDNN).
+  run 300 gather-runs-skip python3 benchmarks/spikes/gather_runs_skip.py \
+      --masks cubes,sliding,clusters --budget-s 280 --out $OUT/h200-gather-runs-skip.json ;;
 profile-gather)
   # Issue 31 item 4: the ranking table learns when gathering pays. The table's masks (first 5
   # specs of each corpus family, tokens included; 2 heads) and its 7 candidates plus the gather
   # templates, under the one timing rule (the committed records predate rules:
-  # --remeasure-stale re-times them). ~70 masks x 10 candidates x ~1.2 s: two calls; the
+  # --remeasure-stale re-times them). ~70 masks x 8 candidates x ~1.2 s: two calls; the
   # second resumes from the raw file this one leaves in $OUT/raw (copy it to plan_tables/raw
   # first). Then copy $OUT/h200.json to plan_tables/h200.json and run selection.py.
   mkdir -p $OUT/raw && cp plan_tables/raw/h200.jsonl $OUT/raw/
@@ -71,8 +66,7 @@ profile-gather)
       --candidates mgpu_q128_kv128_s2_hm/merge mgpu_q128_kv128_s2_hm/split \
       mgpu_q128_kv64_s2_hm/merge mgpu_q64x2_kv64_s2_hm/pack mgpu_q64x2_kv64_s2_hm/merge \
       mgpu_q128_kv64_s2_skip/pack mgpu_q64x2pp_kv64_s2_hm/pack \
-      mgpu_q128_kv128_s2_gather/gather mgpu_q128_kv128_s2_gather_skip/gather \
-      mgpu_q128_kv128_s2_gather_skip_nopp/gather ;;
+      mgpu_q128_kv128_s2_gather/gather ;;
 accept-480|accept-720)
   # Issue 31's acceptance (h200-gather.json): the runtime's own choice, host / device /
   # per-head-bounds masks and fwd+bwd, against cuDNN in the same run; one grid a call, then

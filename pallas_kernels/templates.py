@@ -339,15 +339,6 @@ _MOSAIC = (
     # one-copy step, benchmarks/NOTES.md#gathered-steps) for ``gather`` plans.
     Template("mgpu_q128_kv128_s2_gather", tile_q=128, tile_kv=128, policy="gather",
              unit_order="head_major", kernel=MosaicConfig(gather=True), **_MGPU),
-    # The same with warpgroup step skipping: a gathered step of a class whose rows lie in one
-    # 64-row half runs on that half's warpgroup only (Wan 480p computed / selected, 128-row
-    # steps -> 64-row groups met: clusters 1.442 -> 1.300, cubes 2.005 -> 1.203, sliding
-    # 1.321 -> 1.069). With and without the ping-pong barrier (to measure: benchmarks/gather.py).
-    Template("mgpu_q128_kv128_s2_gather_skip", tile_q=128, tile_kv=128, policy="gather",
-             unit_order="head_major", kernel=MosaicConfig(gather=True, wg_skip=True), **_MGPU),
-    Template("mgpu_q128_kv128_s2_gather_skip_nopp", tile_q=128, tile_kv=128, policy="gather",
-             unit_order="head_major",
-             kernel=MosaicConfig(gather=True, wg_skip=True, schedule_barrier=False), **_MGPU),
 )
 
 # --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton -----------------
