@@ -24,6 +24,7 @@ from pallas_kernels import templates as T  # noqa: E402
 
 base = T.get("mgpu_q128_kv128_s2_gather")
 SPIKE = {
+    "g8_skip": ("gather", dict(wg_skip=True)),
     "g32": ("gather32", dict(gather_run=32)),
     "g64": ("gather64", dict(gather_run=64)),
     "g32_skip": ("gather32", dict(gather_run=32, wg_skip=True)),
