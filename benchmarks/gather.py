@@ -92,7 +92,10 @@ def masks(small: bool):
 VARIANTS = {"default": (None, None), "gather": ("mgpu_q128_kv128_s2_gather", "gather"),
             # The same template on the device route: the selection a traced argument (a
             # device mask, bounds static), planned inside the program.
-            "gather_device": ("mgpu_q128_kv128_s2_gather", None)}
+            "gather_device": ("mgpu_q128_kv128_s2_gather", None),
+            # Warpgroup skipping on gathered steps (a class's rows in one 64-row half run on
+            # that half's warpgroup), without the ping-pong barrier.
+            "gather_skip_nopp": ("mgpu_q128_kv128_s2_gather_skip_nopp", "gather")}
 
 
 def main():

@@ -57,7 +57,7 @@ profile-gather)
   # Issue 31 item 4: the ranking table learns when gathering pays. The table's masks (first 5
   # specs of each corpus family, tokens included; 2 heads) and its 7 candidates plus the gather
   # templates, under the one timing rule (the committed records predate rules:
-  # --remeasure-stale re-times them). ~70 masks x 8 candidates x ~1.2 s: two calls; the
+  # --remeasure-stale re-times them). ~70 masks x 9 candidates x ~1.2 s: two calls; the
   # second resumes from the raw file this one leaves in $OUT/raw (copy it to plan_tables/raw
   # first). Then copy $OUT/h200.json to plan_tables/h200.json and run selection.py.
   mkdir -p $OUT/raw && cp plan_tables/raw/h200.jsonl $OUT/raw/
@@ -66,7 +66,7 @@ profile-gather)
       --candidates mgpu_q128_kv128_s2_hm/merge mgpu_q128_kv128_s2_hm/split \
       mgpu_q128_kv64_s2_hm/merge mgpu_q64x2_kv64_s2_hm/pack mgpu_q64x2_kv64_s2_hm/merge \
       mgpu_q128_kv64_s2_skip/pack mgpu_q64x2pp_kv64_s2_hm/pack \
-      mgpu_q128_kv128_s2_gather/gather ;;
+      mgpu_q128_kv128_s2_gather/gather mgpu_q128_kv128_s2_gather_skip_nopp/gather ;;
 accept-480|accept-720)
   # Issue 31's acceptance (h200-gather.json): the runtime's own choice, host / device /
   # per-head-bounds masks and fwd+bwd, against cuDNN in the same run; one grid a call, then

@@ -339,6 +339,15 @@ _MOSAIC = (
     # one-copy step, benchmarks/NOTES.md#gathered-steps) for ``gather`` plans.
     Template("mgpu_q128_kv128_s2_gather", tile_q=128, tile_kv=128, policy="gather",
              unit_order="head_major", kernel=MosaicConfig(gather=True), **_MGPU),
+    # The same with warpgroup step skipping, without the ping-pong barrier: a gathered step
+    # of a class whose rows lie in one 64-row half runs on that half's warpgroup only, the
+    # halves' steps interleaved (Wan 480p computed / selected, 128-row steps -> 64-row groups
+    # met: clusters 1.442 -> 1.300, cubes 2.005 -> 1.203, sliding 1.321 -> 1.069). Measured
+    # against gather: clusters 0.98x, cubes 1.20x, sliding 1.06x; below the default plan on
+    # all three (benchmarks/NOTES.md#gathered-steps): a table candidate.
+    Template("mgpu_q128_kv128_s2_gather_skip_nopp", tile_q=128, tile_kv=128, policy="gather",
+             unit_order="head_major",
+             kernel=MosaicConfig(gather=True, wg_skip=True, schedule_barrier=False), **_MGPU),
 )
 
 # --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton -----------------

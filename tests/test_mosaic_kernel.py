@@ -441,7 +441,7 @@ def test_templates_and_kernel_configs():
     names = [t.name for t in templates.for_backend("mosaic_gpu")]
     assert names == ["mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm",
                      "mgpu_q128_kv64_s2_skip", "mgpu_q64x2pp_kv64_s2_hm",
-                     "mgpu_q128_kv128_s2_gather"]
+                     "mgpu_q128_kv128_s2_gather", "mgpu_q128_kv128_s2_gather_skip_nopp"]
     for t in templates.for_backend("mosaic_gpu"):
         if t.kernel.gather:
             assert t.policy == "gather" and "_gather" in t.name
@@ -464,7 +464,8 @@ def test_templates_and_kernel_configs():
                 for t in templates.for_backend("mosaic_gpu")}
     assert pingpong == {"mgpu_q128_kv128_s2_hm": True, "mgpu_q128_kv64_s2_hm": True,
                         "mgpu_q64x2_kv64_s2_hm": False, "mgpu_q128_kv64_s2_skip": False,
-                        "mgpu_q64x2pp_kv64_s2_hm": True, "mgpu_q128_kv128_s2_gather": True}
+                        "mgpu_q64x2pp_kv64_s2_hm": True, "mgpu_q128_kv128_s2_gather": True,
+                        "mgpu_q128_kv128_s2_gather_skip_nopp": False}
     t = templates.get("mgpu_q128_kv64_s2_hm")
     assert mosaic_kernel.KernelConfig.from_template(t, "none").mask_mode == "none"
     with pytest.raises(ValueError, match="mosaic_gpu"):

@@ -27,7 +27,7 @@ import numpy as np
 
 from pallas_kernels import abi
 
-__all__ = ["plan_gather", "segments", "chunk_pairs", "GatherRaw"]
+__all__ = ["plan_gather", "segments", "chunk_pairs", "interleave_groups", "GatherRaw"]
 
 
 class GatherRaw(NamedTuple):
@@ -149,8 +149,26 @@ def segments(qb, tile_q: int, q_len: int, align: int = abi.GATHER_ROWS,
     return out
 
 
+def interleave_groups(row_sel: np.ndarray, group: int) -> np.ndarray:
+    """The order of a unit's steps (``row_sel``: bool [n, tile_q]) for a kernel that runs a
+    step only on the ``group``-row groups it meets: steps meeting one group alternate between
+    the groups (so each group's warpgroup computes while the other skips: a ring of two
+    stages keeps both busy), then the steps meeting several, each kind in its order."""
+    n, tile_q = row_sel.shape
+    meets = row_sel.reshape(n, tile_q // group, group).any(axis=2)
+    one = meets.sum(axis=1) == 1
+    which = np.where(one, meets.argmax(axis=1), -1)
+    # Rank of each single-group step within its group: sorting by (rank, group) alternates.
+    rank = np.zeros(n, np.int64)
+    for g in range(tile_q // group):
+        sel = which == g
+        rank[sel] = np.arange(int(sel.sum()))
+    return np.lexsort((np.arange(n), which, np.where(one, rank, n), ~one))
+
+
 def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
-                q_len_padded: int, kv_len_padded: int, run: int = abi.GATHER_ROWS) -> GatherRaw:
+                q_len_padded: int, kv_len_padded: int, run: int = abi.GATHER_ROWS,
+                row_group: int | None = None) -> GatherRaw:
     """The gather policy's units and steps for the distinct mask heads ``blocks`` (bool [Hd, nq,
     nk]) over block bounds ``qb`` / ``kb``: one unit per (head, segment with a selected key;
     ``segments``), the steps of its classes (``_window_classes``), steps in unit order, then
@@ -158,7 +176,9 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
     (a multiple of the alignment) is moved back inside it, owning only its segment's rows.
     ``run``: keys a copy loads (a multiple of GATHER_ROWS dividing tile_kv): chunks come in
     runs of consecutive keys at stage positions aligned to it (``abi.check_plan``'s
-    ``gather_run``), so a kernel copies a run at once."""
+    ``gather_run``), so a kernel copies a run at once. ``row_group``: rows a kernel computes
+    as one (it skips a step's groups that no row of it selects; None: the tile): a unit's
+    steps are ordered by ``interleave_groups``."""
     qb, kb = np.asarray(qb, np.int64), np.asarray(kb, np.int64)
     G = abi.gather_chunks(tile_kv)
     m = abi.gather_run_chunks(tile_kv, run)
@@ -180,6 +200,9 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
             if got is None:
                 continue
             starts, key_sel, row_sel, sel = got
+            if row_group and row_group < tile_q:
+                o = interleave_groups(row_sel, row_group)
+                starts, key_sel, row_sel = starts[o], key_sel[o], row_sel[o]
             full = key_sel.all(axis=1) & row_sel.all(axis=1)
             parts.append((starts, key_sel, row_sel, full))
             head.append(h)

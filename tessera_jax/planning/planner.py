@@ -1329,7 +1329,7 @@ def _gather_raw(ctx: _Ctx, shape: AttnShape, run: int) -> _Raw:
     blocks = np.unpackbits(np.ascontiguousarray(ctx.words).view(np.uint8), axis=-1,
                            bitorder="little")[..., :nk].astype(bool)
     g = _gather_policy.plan_gather(ctx.qb, ctx.kb, blocks, ctx.tile_q, ctx.tile_kv, shape.q_len,
-                                   ctx.qp, ctx.kvp, run)
+                                   ctx.qp, ctx.kvp, run, row_group=ctx.row_group)
     return _Raw(g.head, g.qs, g.lo, g.hi, g.cnt, g.steps, g.nfull, g.area,
                 words=g.word_rows, wr=abi.gather_word_rows(ctx.tile_q, ctx.tile_kv))
 
