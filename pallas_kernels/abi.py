@@ -630,6 +630,20 @@ def _word_rows(S: int, off, n: int):
     return np.cumsum(edges[:S], dtype=np.int32) > 0, r0, r1
 
 
+def visited_rows(units, num_rows: int) -> np.ndarray:
+    """bool [num_rows]: the rows of ``steps`` some unit visits as a step; the others hold a
+    bitmap or gathered step's words, or padding, whose columns mean nothing as a step. Units'
+    ranges must lie inside the rows (``check_plan`` checks it first)."""
+    u = np.asarray(units, np.int64)
+    ptr, cnt = u[:, UNIT_STEP_PTR], u[:, UNIT_STEP_CNT]
+    real = cnt > 0
+    # +1 at each range start, -1 at its end, prefix sum (O(U + S), no per-visit index array:
+    # units of a shared mask visit the same rows).
+    edges = (np.bincount(ptr[real], minlength=num_rows + 1)
+             - np.bincount((ptr + cnt)[real], minlength=num_rows + 1))
+    return np.cumsum(edges[:num_rows], dtype=np.int32) > 0
+
+
 def _in_visited(visited, r0, r1) -> bool:
     """Whether some row range [r0, r1) holds a ``visited`` row (None: no check)."""
     if visited is None:
@@ -783,11 +797,7 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
     if ((ptr < 0) | (ptr + cnt > S))[real].any():
         bad.append(f"units: a step range [ptr, ptr + cnt) leaves the {S} rows of steps")
         _raise(bad)
-    # Rows some unit visits: +1 at each range start, -1 at its end, prefix sum (O(U + S), no
-    # per-visit index array: units of a shared mask visit the same rows).
-    edges = (np.bincount(ptr[real], minlength=S + 1)
-             - np.bincount((ptr + cnt)[real], minlength=S + 1))
-    visited = np.cumsum(edges[:S], dtype=np.int32) > 0
+    visited = visited_rows(u, S)
     vb = np.flatnonzero(visited & (st[:, STEP_CUTS_B] == BITMAP_FLAG))
     more, words_at = bitmap_problems(st, vb, tile_q, tile_kv, visited)
     vis_gather = visited & is_gather(st[:, STEP_CUTS_B])

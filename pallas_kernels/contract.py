@@ -198,7 +198,7 @@ def check_dkv_gathers(plan: abi.PassPlan, gather_run: int) -> None:
     if not is_host(plan) or not len(plan.steps):
         return
     st = np.asarray(plan.steps)
-    g = abi.is_gather(st[:, abi.STEP_CUTS_B])
+    g = abi.visited_rows(plan.units, len(st)) & abi.is_gather(st[:, abi.STEP_CUTS_B])
     if not g.any():
         return
     if not gather_run:

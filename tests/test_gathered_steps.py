@@ -426,6 +426,40 @@ def test_gathering_dkv_lowers_for_cuda(skip):
                                       else T.get("mgpu_q128_kv128_s2_gather"))
 
 
+def test_dkv_gather_check_reads_only_visited_rows():
+    """``check_dkv_gathers`` looks at the rows units visit: a bitmap step's word rows may hold
+    a gather flag's bits in their cuts_b column (the compiled check of a skipping gather
+    template on the H200 was refused by that, session 19). Every dk/dv candidate of that
+    case passes the kernel's check; a gathered 8-query plan is still refused."""
+    import zlib
+
+    from pallas_kernels import contract
+    from pallas_kernels.mosaic import backward as mb
+    from tessera_jax.runtime import host_plans
+    from tessera_jax.tools import gpu_check
+
+    name = "mgpu_q128_kv128_s2_gather_skip_nopp-host-D128"
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    L = int(rng.integers(700, 1500))
+    qb, blocks = gpu_check._mask_parts(rng, L, 4, "host")
+    fwd = tj.plan(tj.BlockMask(qb, qb, blocks), (1, L, 4, 128), (1, L, 2, 128), jnp.bfloat16,
+                  template="mgpu_q128_kv128_s2_gather_skip_nopp")
+    cands = [c for c, _ in host_plans.dkv_candidates(fwd, "mosaic_gpu")]
+    flagged = 0
+    for c in cands:
+        st = np.asarray(c.steps)
+        flagged += int((abi.is_gather(st[:, abi.STEP_CUTS_B])
+                        & ~abi.visited_rows(c.units, len(st))).any())
+        contract.check_dkv_gathers(c, mb.DKV_GATHER_RUN)
+    assert flagged, "no candidate has a flagged word row: the test would not catch the bug"
+    tm = host_plans.transposed_mask(tj.BlockMask(qb, qb, blocks))
+    p8 = planner.build_plan(tm, (1, L, 4, 128), (1, L, 4, 128), jnp.bfloat16, tile_q=128,
+                            tile_kv=64, policy="gather", q_align=8, kv_align=8)
+    assert p8.stats()["gather_steps"] > 0
+    with pytest.raises(ValueError, match="runs of 32"):
+        contract.check_dkv_gathers(p8, mb.DKV_GATHER_RUN)
+
+
 def test_gathered_copies_refuse_misaligned_smem():
     """A gathered stage whose copies land at SMEM offsets that are not multiples of 128 bytes
     (8-query lse / delta copies: 32 bytes) is refused when the kernel is traced: the H200
