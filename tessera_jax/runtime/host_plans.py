@@ -148,6 +148,13 @@ def dkv_plan(plan: planner.Plan, backend: str | None = None,
     return tp
 
 
+def dkv_gather_policy(t, backend: str) -> str | None:
+    """The gathered dk/dv policy of template ``t`` on ``backend`` (None: its dk/dv kernel
+    does not gather)."""
+    pol = getattr(dispatch.BACKENDS[backend].ops(), "DKV_GATHER_POLICY", None)
+    return pol if pol and t.backend == backend and getattr(t.kernel, "gather", False) else None
+
+
 def dkv_candidates(plan: planner.Plan, backend: str,
                    options: Options = DEFAULT) -> list[tuple[planner.Plan, int]]:
     """The dk/dv plans ``dkv_plan`` chooses from, each with the units an SM runs at once (a
@@ -161,11 +168,15 @@ def dkv_candidates(plan: planner.Plan, backend: str,
     shape = transposed_shape(plan.shape)
     tiles = dkv_tiles(backend, t, plan.shape.head_dim)
     tmask = transposed_mask(plan.mask)
-    opts = [(tiles, pol, 1) for pol in options.dkv_policies]
     ops = dispatch.BACKENDS[backend].ops()
-    gather_pol = getattr(ops, "DKV_GATHER_POLICY", None)
-    if (gather_pol and t.backend == backend and getattr(t.kernel, "gather", False)
-            and gather_pol not in options.dkv_policies):
+    gather_pol = dkv_gather_policy(t, backend)
+    for pol in options.dkv_policies:
+        if pol.startswith("gather") and pol != gather_pol:
+            raise ValueError(f"Options.dkv_policies names {pol!r}, but template {t.name!r} on "
+                             f"backend {backend!r} has no dk/dv kernel that runs it (only a "
+                             "gathering Mosaic GPU template's dk/dv kernel gathers)")
+    opts = [(tiles, pol, 1) for pol in options.dkv_policies]
+    if gather_pol and gather_pol not in options.dkv_policies:
         opts.append((tiles, gather_pol, 1))    # a gathering template's dk/dv kernel gathers too
     paired = ops.PAIRED_DKV_TILES
     if paired is not None and options.paired_dkv_policy is not None:
