@@ -3,24 +3,18 @@
 # #backward, #training-memory, #mask-builders), each under the 10-minute call limit; every
 # script saves partial results, so a part cut by its `timeout` keeps what it measured. Raw
 # files and logs go to $OUT.
-# Session 14 ran diagnose, memfix, train-ab, checks-mini (h200-backward.json's `assembled`).
-# Next (benchmarks/NOTES.md#open):
-#   bash benchmarks/h200_session.sh checks    # gradient checks and transforms on the GPU, complete
-#   bash benchmarks/h200_session.sh vsa       # the Wan 1.3B VSA loop, builders at 720p, device route at 480p VSA
-# Also here:
-#   bash benchmarks/h200_session.sh train     # Wan 1.3B 480p training step, sparse then dense (time, memory)
-#   bash benchmarks/h200_session.sh train-ab  # the step with the row-dot kernel, dense, jnp's delta; the deltas alone
-#   bash benchmarks/h200_session.sh device-planning  # Wan 480p VSA and Wan 720p device planning + route
-#   bash benchmarks/h200_session.sh gather-dq # the gathering dq compiled against the reference, then
-#                                             # forward + backward of gather plans vs cuDNN's
-#   bash benchmarks/h200_session.sh gather-device  # device-route gather plans vs host plans
+# Session 19 ran first-plan and memory (results/h200-first-plan.json, h200-train-memory.json),
+# the gather-skip forward (h200-gather-skip.json) and gather_diag.py (the dk/dv misalignment).
+# Next, in this order (benchmarks/NOTES.md#gathered-steps), one call each:
+#   bash benchmarks/h200_session.sh gather-dq   # make test-gpu without Triton (gathered steps too)
+#   bash benchmarks/h200_session.sh gather-dq-2 # its Triton cases, then fwd + bwd of gather plans
+#     (both pass: branch gather-fix lands on main, their two logs as results/h200-test-gpu.log)
 #   bash benchmarks/h200_session.sh gather-runs-skip  # spike: copy runs of 32 / 64 keys with skipping
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh accept-480     # issue 31's acceptance file, Wan 480p (then accept-720)
+#   bash benchmarks/h200_session.sh gather-device  # device-route gather plans vs host plans
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
-#   bash benchmarks/h200_session.sh first-plan     # issue 33: the cold first plan on the H200 host
-#   bash benchmarks/h200_session.sh test-gpu  # make test-gpu in two parts (Mosaic, Triton), logs in $OUT
-#   bash benchmarks/h200_session.sh memory    # the training step's peak memory with the Mosaic row dots
+# Also here: first-plan, memory, and the session-14 parts (train, train-ab, checks, vsa, ...).
 # (Earlier sessions' parts are in git history.)
 set -u
 OUT=${OUT:?set OUT}
@@ -35,14 +29,20 @@ run() {   # run SECONDS NAME CMD...: one part, its log in $OUT/NAME.log
 }
 case "${1:-}" in
 gather-dq)
-  # Issue 31: the dq kernel's gathered stages (branch gather-dq) on the compiled GPU path:
-  # the gather template's make-test-gpu cases (host route, D 64 and 128, fwd + bwd), then
-  # forward + backward of default and gather plans on the irregular masks against cuDNN's.
-  run 200 test-gpu-gather env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/gpu -k "gather"
-  run 150 gather-diag python3 benchmarks/gather_diag.py --budget-s 140 --out $OUT/gather-diag.jsonl
+  # Issue 31 and 32 item 6, call 1 of 2: make test-gpu without the Triton cases (aux kernels,
+  # every Mosaic template on the host route, the gathering ones on clusters with gathered
+  # dq and forced gathered dk/dv steps, both device routes; ~20 s a case).
+  run 570 test-gpu-mosaic env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/gpu -k "not triton" -rA --durations=0 ;;
+gather-dq-2)
+  # Call 2 of 2: the Triton cases, then forward + backward of the default, gather and
+  # skipping gather plans on the irregular masks at Wan 480p against cuDNN's (dq, dk, dv
+  # checked against the reference on head 0).
+  run 220 test-gpu-triton env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/gpu -k "triton" -rA --durations=0
   run 330 gather-fwd-bwd python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
-      --budget-s 300 --out $OUT/h200-gather-fwd-bwd.json ;;
+      --variants default,gather,gather_skip_nopp --budget-s 300 \
+      --out $OUT/h200-gather-fwd-bwd.json ;;
 gather-device)
   # Issue 31: the device route's gather plans (traced selections, static bounds) against the
   # host plans of the same template, forward (summary.device_vs_host_max <= 1.05).
@@ -84,11 +84,8 @@ first-plan)
   # <= 2.0; 0.53 s on the 2-core CPU box, results/cpu-first-plan.json).
   run 400 first-plan python3 benchmarks/first_plan.py --fresh-install --out $OUT/h200-first-plan.json ;;
 test-gpu)
-  # Issue 32 item 6: the complete make test-gpu, split under the 10-minute call limit.
-  run 290 test-gpu-mosaic env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/gpu -k "mgpu_ or mosaic_gpu- or aux or something"
-  run 290 test-gpu-triton env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/gpu -k "triton" ;;
+  # Issue 32 item 6: the complete make test-gpu is the two gather-dq calls' logs together.
+  echo "run the gather-dq and gather-dq-2 parts (one call each)" >&2; exit 2 ;;
 memory)
   # Issue 32 item 3: the 4-layer training step's peak memory with the Mosaic row dots
   # (expected to hold session 14's 0.99985x dense; compile only).
