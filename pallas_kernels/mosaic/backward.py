@@ -41,7 +41,7 @@ from pallas_kernels import abi
 from pallas_kernels import step_masks
 from pallas_kernels.contract import LOG2E
 from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask,
-                                          copy_starts, gather_vectors, grid_mask, iota,
+                                          gather_produce, gather_vectors, grid_mask, iota,
                                           load_gathered, rows_of)
 
 __all__ = ["dq_call", "dkv_call", "DKV_TILES", "DKV_PAIRED_TILES", "STAGES",
@@ -355,35 +355,12 @@ def _dq_gather_producer(c: _Dq):
 
 
 def _gather_produce(c, tile: int, stages: int, load, drain):
-    """The producer warpgroup of a gathering plan (both kernels): for each ring's unit (two
-    when paired), step i's stages by ``load(b, head, starts, slot, wait)`` (``starts``: its
-    copies' first rows, ``common.copy_starts`` of ``tile`` rows; ``wait``: the slot was used
-    before), the next step's starts read while the current copies wait for their slot; then
-    ``drain(slot)`` on each ring's last ``stages`` slots."""
+    """The producer warpgroup of a gathering plan (both kernels): ``common.gather_produce``
+    over each ring's unit (two when paired)."""
     plgpu.set_max_registers(40, action="decrease")
-    streams = [_unit(c, ring) for ring in range(2 if c.paired else 1)]
-    total = functools.reduce(jnp.maximum, [s[5] for s in streams])
-
-    def next_starts(ptr, cnt, i):
-        # Clamped: past a unit's last step the read is of a real row, and unused.
-        return copy_starts(c.steps, c.words, jnp.minimum(
-            ptr + jnp.minimum(i, jnp.maximum(cnt - 1, 0)), c.num_steps - 1), tile,
-            c.gather_run)
-
-    def body(i, carry):
-        out = []
-        for ring, ((_, b, head, _, ptr, cnt, _), starts) in enumerate(zip(streams, carry)):
-            pl.when(i < cnt)(functools.partial(load, b, head, starts,
-                                               _slot(i, ring, stages), i >= stages))
-            out.append(next_starts(ptr, cnt, i + 1))
-        return tuple(out)
-
-    lax.fori_loop(0, total, body, tuple(next_starts(s[4], s[5], jnp.int32(0))
-                                        for s in streams))
-    for ring, unit in enumerate(streams):
-        @pl.loop(jnp.maximum(unit[5] - stages, 0), unit[5])
-        def _(g):
-            drain(_slot(g, ring, stages))
+    streams = [_unit(c, ring)[1:6:] for ring in range(2 if c.paired else 1)]
+    gather_produce([(b, head, ptr, cnt) for b, head, _, ptr, cnt in streams], c.steps,
+                   c.words, c.num_steps, tile, c.gather_run, stages, load, drain)
 
 
 def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paired, mode,

@@ -116,3 +116,39 @@ def load_gathered(views, smems, bars, consumed, starts, run: int, slot, wait):
                     smem.at[slot, pl.ds(j * run, run)], bar.at[slot]))
 
         plgpu.warp_map(issue)
+
+
+def gather_produce(streams, steps, words, num_steps: int, tile: int, run: int, stages: int,
+                   load, drain_slot):
+    """The producer loop of a gathering kernel (forward, dq, dk/dv): ``streams`` holds per
+    ring (b, head, step_ptr, step_count) of its unit; step i of each ring's unit by
+    ``load(b, head, starts, slot, wait)`` (``starts``: its copies' first rows,
+    ``copy_starts`` of ``tile`` rows in runs of ``run``; ``wait``: the slot was used before),
+    the next step's starts read while the current copies wait for their slot (the two
+    dependent GMEM reads of a gathered step's starts stay off the path from a released slot to
+    its next copies: with one slot per ring they cost 0.94 -> 0.75 of cuDNN's rate,
+    benchmarks/NOTES.md#gathered-steps); then ``drain_slot(slot)`` on each ring's last
+    ``stages`` slots, so every barrier phase is waited for before the barriers go away."""
+    def slot(g, ring):
+        return lax.rem(g, jnp.array(stages, g.dtype)) + ring * stages
+
+    def next_starts(ptr, cnt, i):
+        # Clamped: past a unit's last step the read is of a real row, and unused.
+        return copy_starts(steps, words, jnp.minimum(
+            ptr + jnp.minimum(i, jnp.maximum(cnt - 1, 0)), num_steps - 1), tile, run)
+
+    def body(i, carry):
+        out = []
+        for ring, ((b, head, ptr, cnt), starts) in enumerate(zip(streams, carry)):
+            pl.when(i < cnt)(functools.partial(load, b, head, starts, slot(i, ring),
+                                               i >= stages))
+            out.append(next_starts(ptr, cnt, i + 1))
+        return tuple(out)
+
+    total = functools.reduce(jnp.maximum, [cnt for _, _, _, cnt in streams])
+    lax.fori_loop(0, total, body, tuple(next_starts(ptr, cnt, jnp.int32(0))
+                                        for _, _, ptr, cnt in streams))
+    for ring, (_, _, _, cnt) in enumerate(streams):
+        @pl.loop(jnp.maximum(cnt - stages, 0), cnt)
+        def _(g, ring=ring):
+            drain_slot(slot(g, ring))

@@ -43,7 +43,7 @@ from pallas_kernels import abi as plan_abi
 from pallas_kernels import step_masks
 from pallas_kernels.contract import LN2, LOG2E, MASK_MODES
 from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask,
-                                          copy_starts, gather_vectors, grid_mask, iota,
+                                          gather_produce, gather_vectors, grid_mask, iota,
                                           load_gathered, rows_of)
 from pallas_kernels.templates import CompiledConfig, MosaicConfig
 
@@ -548,37 +548,23 @@ def _producer(c: _Ctx):
 
 def _gather_producer(c: _Ctx):
     """The producer of a gathering kernel: each unit's (paired: both units', in turn) steps in
-    order, the copy starts of a unit's next step read while its current step's copies wait
-    for their slot (the two dependent GMEM reads of a gathered step's starts are off the
-    path from a released slot to its next copies: with one slot per ring they cost 0.94 ->
-    0.75 of cuDNN's rate, benchmarks/NOTES.md#gathered-steps)."""
-    rings = c.cfg.rings
+    order (``common.gather_produce``)."""
     streams = []
-    for ring in range(rings):
+    for ring in range(c.cfg.rings):
         _, b, head, _, ptr, cnt, _ = _unit_of(c, ring)
         streams.append((b, lax.div(head, jnp.array(c.group, head.dtype)), ptr, cnt))
-    total = jnp.maximum(streams[0][3], streams[-1][3])
 
-    def next_starts(ptr, cnt, i):
-        # Clamped: past a unit's last step the read is of a real row, and unused.
-        return copy_starts(c.steps, c.words, jnp.minimum(
-            ptr + jnp.minimum(i, jnp.maximum(cnt - 1, 0)), c.num_steps - 1), c.cfg.tile_kv,
-            c.cfg.variant.gather_run)
+    def load(b, kv_head, starts, slot, wait):
+        load_gathered(rows_of((c.k, c.v), b, kv_head), (c.k_smem, c.v_smem),
+                      (c.k_bar, c.v_bar), (c.k_consumed, c.v_consumed), starts,
+                      c.cfg.variant.gather_run, slot, wait)
 
-    def body(i, carry):
-        out = []
-        for ring, ((b, kv_head, ptr, cnt), starts) in enumerate(zip(streams, carry)):
-            pl.when(i < cnt)(functools.partial(
-                load_gathered, rows_of((c.k, c.v), b, kv_head), (c.k_smem, c.v_smem),
-                (c.k_bar, c.v_bar), (c.k_consumed, c.v_consumed), starts,
-                c.cfg.variant.gather_run, _slot(c, i, ring), i >= c.cfg.stages))
-            out.append(next_starts(ptr, cnt, i + 1))
-        return tuple(out)
+    def drain(slot):
+        plgpu.barrier_wait(c.k_consumed.at[slot])
+        plgpu.barrier_wait(c.v_consumed.at[slot])
 
-    lax.fori_loop(0, total, body, tuple(next_starts(ptr, cnt, jnp.int32(0))
-                                        for _, _, ptr, cnt in streams))
-    for ring, (_, _, _, cnt) in enumerate(streams):
-        _drain(c, ring, cnt)
+    gather_produce(streams, c.steps, c.words, c.num_steps, c.cfg.tile_kv,
+                   c.cfg.variant.gather_run, c.cfg.stages, load, drain)
 
 
 def _load(c: _Ctx, ring, b, kv_head, ptr, i, g):
