@@ -68,7 +68,9 @@ peers)
     CUDA_VISIBLE_DEVICES=$1 FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws$1 PYTHONPATH=$FIPATH:$PYTHONPATH \
       timeout $((B + 60)) python3 benchmarks/peers.py --out $OUT/peers-gpu$1.json --time-budget $B \
       --per-family ${PER_FAMILY:-2} --heads 8 --families $2 ${PEERS_ARGS:-} > $OUT/peers-gpu$1.log 2>&1; }
-  first() { peers_half 0 ${FAMILIES_A:-dense,jenga,natten,sparge,sta,svg2,xattn}
+  # GPU0's half also measures issue 33's first plan of a fresh install (peers.py --first-plan).
+  first() { PEERS_ARGS="${PEERS_ARGS:-} --first-plan ${FIRST_PLAN_S:-150}" \
+      peers_half 0 ${FAMILIES_A:-dense,jenga,natten,sparge,sta,svg2,xattn}
     [ -n "${LOOPS0:-}" ] && loops 0 $OUT/loop-gpu0.json $LOOPS0; }
   second() { peers_half $gpu1 ${FAMILIES_B:-ditfastattn,moba,radial,ssta,svg,vsa}
     [ -n "${LOOPS1:-}" ] && loops $gpu1 $OUT/loop-gpu1.json $LOOPS1
@@ -105,7 +107,7 @@ final)
   cp plan_tables/h200.json $OUT/h200-table.json; cp plan_tables/raw/h200.jsonl $OUT/h200-raw.jsonl
   first() { CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$FIPATH:$PYTHONPATH timeout $((PEERS_B + 40)) \
       python3 benchmarks/peers.py --out $OUT/h200-peers.json --time-budget $PEERS_B --per-family 2 \
-      --heads 8 > $OUT/peers.log 2>&1; }
+      --heads 8 --first-plan ${FIRST_PLAN_S:-150} > $OUT/peers.log 2>&1; }
   second() {
     export CUDA_VISIBLE_DEVICES=$gpu1
     timeout $((SEL_B + 30)) python3 benchmarks/selection.py --table plan_tables/h200.json --heads 2 \

@@ -1229,6 +1229,33 @@ def versions(ctx: Ctx | None) -> dict:
     return out
 
 
+def first_plan_run(budget_s: float, cases=None) -> dict:
+    """Issue 33's first plan of a fresh install, in this run: ``first_plan.py --fresh-install``
+    (a fresh process and empty numba cache per corpus family and 8-token blocks, planning
+    alone) as a subprocess; its summary, or the error."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "first_plan.json"
+        cmd = [sys.executable, str(HERE / "first_plan.py"), "--fresh-install", "--cases",
+               "--out", str(out)] + (["--fresh-cases", *cases] if cases else [])
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s)
+        except subprocess.TimeoutExpired:
+            return {"command": " ".join(cmd), "error": f"over its {budget_s:.0f} s budget"}
+        if p.returncode or not out.exists():
+            return {"command": " ".join(cmd), "error": p.stderr[-2000:]}
+        d = json.loads(out.read_text())
+    return {"command": " ".join(cmd), "summary": d["summary"], "host": d.get("host")}
+
+
+def with_first_plan(summary: dict, doc: dict) -> dict:
+    """``summary`` with ``first_plan_fresh_install_max_s`` when this run measured it."""
+    fp = (doc.get("first_plan") or {}).get("summary") or {}
+    if "first_plan_fresh_install_max_s" in fp:
+        summary["first_plan_fresh_install_max_s"] = fp["first_plan_fresh_install_max_s"]
+    return summary
+
+
 def merge_docs(paths, out: str, png: str | None = None) -> dict:
     """One result from several processes' files (e.g. one GPU per half of the families): rows
     concatenated (later files win on a repeated mask id), summary and figure recomputed; each
@@ -1246,7 +1273,8 @@ def merge_docs(paths, out: str, png: str | None = None) -> dict:
     doc["command"] = " && ".join(str(d.get("command")) for d in docs)
     doc["elapsed_s"] = max((d.get("elapsed_s") or 0.0) for d in docs) if docs else 0.0
     ok = [r for r in doc["rows"] if "peers" in r]
-    doc["summary"] = summarize(ok)
+    doc["first_plan"] = next((d["first_plan"] for d in docs if d.get("first_plan")), None)
+    doc["summary"] = with_first_plan(summarize(ok), doc)
     png = png or str(Path(out).with_suffix(".png"))
     src = primary_source(ok)
     doc["figure"] = figure(ok, png, title=f"tessera_jax vs peers, "
@@ -1298,6 +1326,11 @@ def gpu_main(args) -> int:
                       "request": request_rule(args).to_json()},
            "rows": [], "notes": []}
     log("versions:", json.dumps(doc["versions"]))
+    if args.first_plan:
+        log("first plan of a fresh install (first_plan.py --fresh-install) ...")
+        doc["first_plan"] = first_plan_run(args.first_plan)
+        log("first plan:", json.dumps(doc["first_plan"].get("summary")
+                                      or doc["first_plan"].get("error"))[:400])
     if not args.smoke and any(p.startswith("flashinfer") for p in peers):
         log("FlashInfer warm-up (JIT build of its prefill module on first use) ...")
         doc["flashinfer_warmup"] = fi_warmup(ctx, args)
@@ -1313,7 +1346,7 @@ def gpu_main(args) -> int:
 
     def save():
         ok = [r for r in doc["rows"] if "peers" in r]
-        doc["summary"] = summarize(ok)
+        doc["summary"] = with_first_plan(summarize(ok), doc)
         out_path.write_text(json.dumps(doc, indent=1, default=str))   # partial results survive
         try:
             figure(ok, png, title=title)
@@ -1387,7 +1420,7 @@ def gpu_main(args) -> int:
             if not args.smoke:
                 ctx.torch.cuda.empty_cache()
         save()
-    doc["summary"] = summarize([r for r in doc["rows"] if "peers" in r])
+    doc["summary"] = with_first_plan(summarize([r for r in doc["rows"] if "peers" in r]), doc)
     doc["elapsed_s"] = time.time() - T0
     doc["figure"] = figure([r for r in doc["rows"] if "peers" in r], png, title=title)
     out_path.write_text(json.dumps(doc, indent=1, default=str))
@@ -1617,6 +1650,9 @@ def parse_args(argv=None):
                          "--families picks the same masks; shards balanced by mask size: "
                          "shard_specs), e.g. one process per GPU")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--first-plan", type=float, default=0.0, metavar="SECONDS",
+                    help="also measure issue 33's first plan of a fresh install in this run "
+                         "(summary.first_plan_fresh_install_max_s), within SECONDS; 0: not")
     ap.add_argument("--skip-from", nargs="+", default=None, metavar="JSON",
                     help="skip the (mask, source) rows these earlier result files hold")
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny masks, conversions only")

@@ -287,6 +287,26 @@ def test_merge_of_two_gpu_halves(tmp_path):
         peers.main(["--merge", str(out)])
 
 
+def test_first_plan_in_the_same_run(tmp_path):
+    """``--first-plan`` measures issue 33's first plan of a fresh install inside the peers
+    run (one fresh process per case; here one family), its key in the summary; a merge keeps
+    it; a run without it has no such key."""
+    fp = peers.first_plan_run(300, cases=["dense"])
+    assert "error" not in fp, fp
+    got = fp["summary"]["first_plan_fresh_install_max_s"]
+    assert 0 < got < 60 and fp["summary"]["cases_counted"] == ["dense"]
+    assert peers.with_first_plan({}, {"first_plan": fp}) == {
+        "first_plan_fresh_install_max_s": got}
+    assert peers.with_first_plan({}, {}) == {}
+    a = {"command": "a", "rows": [dict(_row("sta", 1.0, fi_var=4.0), id="m1")],
+         "first_plan": fp}
+    b = {"command": "b", "rows": [dict(_row("vsa", 1.0, fi_var=2.0), id="m2")]}
+    for n, d in (("a", a), ("b", b)):
+        (tmp_path / f"{n}.json").write_text(json.dumps(d))
+    doc = peers.merge_docs([tmp_path / "b.json", tmp_path / "a.json"], str(tmp_path / "m.json"))
+    assert doc["summary"]["first_plan_fresh_install_max_s"] == got
+
+
 def test_sampling_is_stratified_and_test_only():
     specs, avail = peers.sample_specs(2, seed=0)
     fams = [s["family"] for s in specs]
