@@ -9,6 +9,7 @@
 #   bash benchmarks/h200_session.sh gather-dq   # make test-gpu without Triton (gathered steps too)
 #   bash benchmarks/h200_session.sh gather-dq-2 # its Triton cases, then fwd + bwd of gather plans
 #     (both pass: branch gather-fix lands on main, their two logs as results/h200-test-gpu.log)
+#   bash benchmarks/h200_session.sh stage-tx    # spike: copies without arrivals, bytes expected per stage
 #   bash benchmarks/h200_session.sh gather-runs-skip  # spike: copy runs of 32 / 64 keys with skipping
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh accept-480     # issue 31's acceptance file, Wan 480p (then accept-720)
@@ -48,6 +49,12 @@ gather-device)
   # host plans of the same template, forward (summary.device_vs_host_max <= 1.05).
   run 330 gather-device python3 benchmarks/gather.py --variants default,gather,gather_device \
       --budget-s 300 --out $OUT/h200-gather-device.json ;;
+stage-tx)
+  # Issue 31 spike (benchmarks/spikes/stage_tx.py; kill criterion there): gathered stages whose
+  # copies make no barrier arrivals, one warp's arrivals expecting the stage's bytes. A wrong
+  # arrival count hangs the kernel: the timeout ends it, the log keeps the cases before.
+  run 420 stage-tx python3 benchmarks/spikes/stage_tx.py --masks clusters,cubes,sliding \
+      --budget-s 380 --out $OUT/h200-stage-tx.json ;;
 gather-runs-skip)
   # Issue 31 spike: gathered copy runs of 32 / 64 keys with warpgroup skipping (stand-in
   # templates; kill criterion in the script: cubes below 0.65 of cuDNN).
