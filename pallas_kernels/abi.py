@@ -280,6 +280,15 @@ def unpack_gather(words, tile_q: int, tile_kv: int):
             _unbits(words[..., G + W:G + W + bitmap_words(tile_q)], tile_q))
 
 
+def gather_runs_ok(starts, tile_kv: int, run: int) -> bool:
+    """Whether gathered steps' chunk starts (int [n, tile_kv / GATHER_ROWS]) come in runs of
+    ``run`` consecutive keys at stage positions aligned to it, as a kernel copying ``run``
+    keys at once reads them."""
+    m = gather_run_chunks(tile_kv, run)
+    runs = np.asarray(starts).reshape(len(starts), gather_chunks(tile_kv) // m, m)
+    return bool((runs == runs[:, :, :1] + GATHER_ROWS * np.arange(m)).all())
+
+
 def is_gather(cuts_b):
     """Whether STEP_CUTS_B values mark gathered steps (NumPy or jnp)."""
     return (cuts_b == GATHER_FLAG) | (cuts_b == GATHER_FULL_FLAG)
@@ -685,9 +694,7 @@ def gather_problems(steps, rows, tile_q: int, tile_kv: int, kv_len_padded: int, 
             | (starts + GATHER_ROWS > kv_len_padded)).any():
         bad.append(f"steps: a gathered step's chunk start is not a multiple of {GATHER_ROWS} "
                    f"in [0, kv_len_padded - {GATHER_ROWS}] (kv_len_padded={kv_len_padded})")
-    m = gather_run_chunks(tile_kv, run)
-    runs = starts.reshape(len(starts), gather_chunks(tile_kv) // m, m)
-    if m > 1 and (runs != runs[:, :, :1] + GATHER_ROWS * np.arange(m)).any():
+    if not gather_runs_ok(starts, tile_kv, run):
         bad.append(f"steps: a gathered step's chunks are not in runs of {run} consecutive "
                    f"keys (the copies of kernels that gather {run} keys at once)")
     q_lo, q_hi, kv_lo, kv_hi = unpack_rect(b[:, STEP_RECT])

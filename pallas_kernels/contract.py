@@ -205,12 +205,9 @@ def check_dkv_gathers(plan: abi.PassPlan, gather_run: int) -> None:
         raise ValueError("this dk/dv plan has gathered steps (abi.GATHER_FLAG), but the "
                          "template's dk/dv kernel does not gather: plan dk/dv without the "
                          "gather policy, or use a gathering template")
-    n, m = abi.gather_chunks(plan.tile_kv), abi.gather_run_chunks(plan.tile_kv, gather_run)
-    if m == 1:
-        return
+    n = abi.gather_chunks(plan.tile_kv)
     starts = st.reshape(-1)[st[g, abi.STEP_CUTS_A].astype(np.int64)[:, None] + np.arange(n)]
-    runs = starts.reshape(-1, n // m, m)
-    if (runs != runs[:, :, :1] + abi.GATHER_ROWS * np.arange(m)).any():
+    if not abi.gather_runs_ok(starts, plan.tile_kv, gather_run):
         raise ValueError(f"this dk/dv plan's gathered steps are not in runs of {gather_run} "
                          f"consecutive queries, the copies of the template's dk/dv kernel: "
                          f"plan dk/dv with the gather{gather_run} policy")
