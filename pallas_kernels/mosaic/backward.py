@@ -358,9 +358,12 @@ def _gather_produce(c, tile: int, stages: int, load, drain):
     """The producer warpgroup of a gathering plan (both kernels): ``common.gather_produce``
     over each ring's unit (two when paired)."""
     plgpu.set_max_registers(40, action="decrease")
-    streams = [_unit(c, ring)[1:6:] for ring in range(2 if c.paired else 1)]
-    gather_produce([(b, head, ptr, cnt) for b, head, _, ptr, cnt in streams], c.steps,
-                   c.words, c.num_steps, tile, c.gather_run, stages, load, drain)
+    streams = []
+    for ring in range(2 if c.paired else 1):
+        _, b, head, _, ptr, cnt, _ = _unit(c, ring)
+        streams.append((b, head, ptr, cnt))
+    gather_produce(streams, c.steps, c.words, c.num_steps, tile, c.gather_run, stages, load,
+                   drain)
 
 
 def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paired, mode,

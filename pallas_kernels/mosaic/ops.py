@@ -89,7 +89,7 @@ def run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
     scale = contract.check_pass(q, k, v, plan, t, scale, do=do, transposed=True,
                                 aligns=_backward.DKV_TILES[2:])
     _check_tiles(plan, _backward.DKV_TILES[:2], PAIRED_DKV_TILES[:2])
-    gather_run = _backward.DKV_GATHER_RUN if contract.gathers(t) else 0
+    gather_run = DKV_GATHER_RUN if contract.gathers(t) else 0
     contract.check_dkv_gathers(plan, gather_run)
     units, steps, _, row_index_t = contract.plan_operands(plan)
     return _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, tile_q=int(plan.tile_q),
@@ -118,9 +118,9 @@ forward = contract.forward_op(BACKEND, run_forward)
 dq, dkv = contract.backward_ops(run_dq, run_dkv)
 
 
-#: The policy of a gathering template's host dk/dv candidate: its dk/dv kernel runs gathered
-#: steps whose chunks come in runs of ``backward.DKV_GATHER_RUN`` (32) queries.
-DKV_GATHER_POLICY = "gather32"
+#: Queries one copy of a gathering template's dk/dv kernel loads: its dk/dv plans may hold
+#: gathered steps whose chunks come in runs of that many (0 where a backend's do not gather).
+DKV_GATHER_RUN = _backward.DKV_GATHER_RUN
 
 
 def dkv_tiles(template: Template, head_dim: int) -> tuple[int, int, int, int]:

@@ -149,10 +149,13 @@ def dkv_plan(plan: planner.Plan, backend: str | None = None,
 
 
 def dkv_gather_policy(t, backend: str) -> str | None:
-    """The gathered dk/dv policy of template ``t`` on ``backend`` (None: its dk/dv kernel
-    does not gather)."""
-    pol = getattr(dispatch.BACKENDS[backend].ops(), "DKV_GATHER_POLICY", None)
-    return pol if pol and t.backend == backend and getattr(t.kernel, "gather", False) else None
+    """The gathered dk/dv policy of template ``t`` on ``backend``: the gather policy of the
+    runs its dk/dv kernel copies (the backend's ``DKV_GATHER_RUN``); None where it does not
+    gather."""
+    run = getattr(dispatch.BACKENDS[backend].ops(), "DKV_GATHER_RUN", 0)
+    if not (run and t.backend == backend and getattr(t.kernel, "gather", False)):
+        return None
+    return next(p for p, r in planner.GATHER_RUNS.items() if r == run)
 
 
 def dkv_candidates(plan: planner.Plan, backend: str,
@@ -160,7 +163,7 @@ def dkv_candidates(plan: planner.Plan, backend: str,
     """The dk/dv plans ``dkv_plan`` chooses from, each with the units an SM runs at once (a
     paired CTA runs two 64-key units together): the backend's dk/dv tiles under each of
     ``options.dkv_policies`` (and, for a gathering template on a backend whose dk/dv kernel
-    gathers too, that kernel's ``DKV_GATHER_POLICY``), then its paired tiles under
+    gathers too, that kernel's ``dkv_gather_policy``), then its paired tiles under
     ``options.paired_dkv_policy``."""
     if plan.mask is None:
         raise ValueError("a dk/dv plan needs a plan that holds its mask (planner.Plan.mask)")
@@ -168,7 +171,6 @@ def dkv_candidates(plan: planner.Plan, backend: str,
     shape = transposed_shape(plan.shape)
     tiles = dkv_tiles(backend, t, plan.shape.head_dim)
     tmask = transposed_mask(plan.mask)
-    ops = dispatch.BACKENDS[backend].ops()
     gather_pol = dkv_gather_policy(t, backend)
     for pol in options.dkv_policies:
         if pol.startswith("gather") and pol != gather_pol:
@@ -178,7 +180,7 @@ def dkv_candidates(plan: planner.Plan, backend: str,
     opts = [(tiles, pol, 1) for pol in options.dkv_policies]
     if gather_pol and gather_pol not in options.dkv_policies:
         opts.append((tiles, gather_pol, 1))    # a gathering template's dk/dv kernel gathers too
-    paired = ops.PAIRED_DKV_TILES
+    paired = dispatch.BACKENDS[backend].ops().PAIRED_DKV_TILES
     if paired is not None and options.paired_dkv_policy is not None:
         opts.append((paired, options.paired_dkv_policy, 2))
     if not opts:
