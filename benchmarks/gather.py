@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -41,34 +40,14 @@ def log(*a):
     print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
 
 
-def _sizes(rng, L, mean):
-    s = []
-    while sum(s) < L:
-        s.append(int(np.clip(rng.lognormal(math.log(mean) - 0.8, 1.3), 1, 4096)))
-    s[-1] -= sum(s) - L
-    return np.array([x for x in s if x > 0])
-
-
 def mask_var_clusters(L, H, q_mean=110, kv_mean=40, density=0.2, seed=3, kv_len=None):
-    """SVG2-like variable clusters: separate query and key clusterings (lognormal sizes) of L
-    queries and ``kv_len`` (default L) keys, per head the key clusters nearest a query cluster
-    (with noise) up to ``density`` of the keys."""
+    """SVG2-like variable clusters (``gpu_check.cluster_parts``) of L queries and ``kv_len``
+    (default L) keys, from ``seed``."""
     import tessera_jax as tj
+    from tessera_jax.tools import gpu_check
 
-    Lk = L if kv_len is None else kv_len
-    rng = np.random.default_rng(seed)
-    qs, ks = _sizes(rng, L, q_mean), _sizes(rng, Lk, kv_mean)
-    qb, kb = np.r_[0, np.cumsum(qs)], np.r_[0, np.cumsum(ks)]
-    cq, ck = (qb[:-1] + qb[1:]) / 2 / L, (kb[:-1] + kb[1:]) / 2 / Lk
-    blocks = np.zeros((H, len(qs), len(ks)), bool)
-    for h in range(H):
-        s = -np.abs(cq[:, None] - ck[None, :]) * rng.uniform(5, 40) + rng.gumbel(
-            size=(len(qs), len(ks)))
-        order = np.argsort(-s, axis=1)
-        sel = np.cumsum(ks[order], axis=1) <= density * Lk
-        sel[:, 0] = True
-        np.put_along_axis(blocks[h], order, sel, axis=1)
-    return tj.BlockMask(qb, kb, blocks)
+    return tj.BlockMask(*gpu_check.cluster_parts(np.random.default_rng(seed), L, H, q_mean,
+                                                 kv_mean, density, kv_len))
 
 
 def masks(small: bool):

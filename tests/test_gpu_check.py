@@ -58,7 +58,7 @@ def test_gathering_cases_run_gathered_steps(case):
     name, options, route, D, Hq, Hkv = case
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     L = int(rng.integers(700, 1500))
-    qb, kb, blocks = gpu_check._cluster_parts(rng, L, Hq)
+    qb, kb, blocks = gpu_check._cluster_case(rng, L, Hq)
     assert not blocks[:, 1].any()                              # an empty query cluster
     opts = options.get("options") or tj.Options()
     p = tj.plan(tj.BlockMask(qb, kb, blocks), (1, L, Hq, D), (1, L, Hkv, D), jnp.bfloat16,

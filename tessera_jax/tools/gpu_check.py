@@ -1,8 +1,9 @@
 """The compiled kernels against the float32 reference on fresh random masks, on this GPU.
 
 One case (``check_case``) draws a mask (variable bounds, per-head blocks, an empty query
-block, GQA; clusters for gathering templates, whose plans must hold gathered steps), runs ``sparse_attention`` forward (out, lse) and backward (dq, dk, dv) inside one
-jitted ``jax.vjp`` and compares each with ``reference_attention`` in float32. ``cases`` lists
+block, GQA; clusters for gathering templates, whose plans must hold gathered steps), runs
+``sparse_attention`` forward (out, lse) and backward (dq, dk, dv) inside one jitted
+``jax.vjp`` and compares each with ``reference_attention`` in float32. ``cases`` lists
 what a GPU should pass: every template of the GPU backends available here (head dims 128 and
 64 where the template takes them) through the host route, and the device route with shared
 and with per-head bounds per backend. ``make test-gpu`` runs them as tests
@@ -15,7 +16,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["ROUTES", "cases", "check_case", "main"]
+__all__ = ["ROUTES", "cases", "check_case", "cluster_parts", "main"]
 
 ROUTES = ("host", "device", "perhead")
 #: Tolerances of bf16 kernels against the float32 reference (relative Frobenius error).
@@ -38,29 +39,39 @@ def _mask_parts(rng, L: int, Hq: int, route: str, n: int = 20):
 
 
 def _sizes(rng, L: int, mean: float) -> np.ndarray:
+    """Lognormal sizes (median ~mean / 2.2, at most 4,096) summing to L."""
     s = []
     while sum(s) < L:
-        s.append(int(np.clip(rng.lognormal(np.log(mean) - 0.8, 1.3), 1, L)))
+        s.append(int(np.clip(rng.lognormal(np.log(mean) - 0.8, 1.3), 1, 4096)))
     s[-1] -= sum(s) - L
     return np.array([x for x in s if x > 0])
 
 
-def _cluster_parts(rng, L: int, Hq: int, density: float = 0.2):
-    """(q_bounds, kv_bounds, blocks) of SVG2-like clusters (queries ~110 tokens, keys ~40,
-    lognormal sizes): per head, each query cluster selects the key clusters nearest it, with
-    noise, up to ``density`` of the keys; query cluster 1 empty. Small sparse classes per
-    128-row window: the gather policy's plans hold gathered steps on them."""
-    qs, ks = _sizes(rng, L, 110), _sizes(rng, L, 40)
+def cluster_parts(rng, L: int, H: int, q_mean: float = 110, kv_mean: float = 40,
+                  density: float = 0.2, kv_len: int | None = None):
+    """(q_bounds, kv_bounds, blocks) of SVG2-like variable clusters: separate query and key
+    clusterings (lognormal sizes) of L queries and ``kv_len`` (default L) keys; per head,
+    each query cluster selects the key clusters nearest it, with noise, up to ``density`` of
+    the keys. Small sparse classes per 128-row window: gather plans hold gathered steps on
+    them (also the H200 benchmark's clusters, benchmarks/gather.py)."""
+    Lk = L if kv_len is None else kv_len
+    qs, ks = _sizes(rng, L, q_mean), _sizes(rng, Lk, kv_mean)
     qb, kb = np.r_[0, np.cumsum(qs)], np.r_[0, np.cumsum(ks)]
-    cq, ck = (qb[:-1] + qb[1:]) / 2 / L, (kb[:-1] + kb[1:]) / 2 / L
-    blocks = np.zeros((Hq, len(qs), len(ks)), bool)
-    for h in range(Hq):
+    cq, ck = (qb[:-1] + qb[1:]) / 2 / L, (kb[:-1] + kb[1:]) / 2 / Lk
+    blocks = np.zeros((H, len(qs), len(ks)), bool)
+    for h in range(H):
         s = -np.abs(cq[:, None] - ck[None, :]) * rng.uniform(5, 40) + rng.gumbel(
             size=(len(qs), len(ks)))
         order = np.argsort(-s, axis=1)
-        sel = np.cumsum(ks[order], axis=1) <= density * L
+        sel = np.cumsum(ks[order], axis=1) <= density * Lk
         sel[:, 0] = True
         np.put_along_axis(blocks[h], order, sel, axis=1)
+    return qb, kb, blocks
+
+
+def _cluster_case(rng, L: int, Hq: int):
+    """A gathering template's case mask: ``cluster_parts``, query cluster 1 empty."""
+    qb, kb, blocks = cluster_parts(rng, L, Hq)
     blocks[:, 1] = False
     return qb, kb, blocks
 
@@ -74,7 +85,7 @@ def _gathers(options: dict) -> bool:
 def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> dict:
     """Errors of one fresh case against the reference and ``ok``; ``options``:
     ``sparse_attention`` keywords (a template or a backend). A gathering template's case
-    draws clusters (``_cluster_parts``), so that its plans hold gathered steps, and
+    draws clusters (``_cluster_case``), so that its plans hold gathered steps, and
     fails if the forward plan, or a dk/dv plan forced to gather (``Options.dkv_policies``),
     holds none: a check that never runs a gathered step could not fail on one."""
     import jax
@@ -86,7 +97,7 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
     L = int(rng.integers(700, 1500))
     gathers = route == "host" and _gathers(options)
     if gathers:
-        qb, kb, blocks = _cluster_parts(rng, L, Hq)
+        qb, kb, blocks = _cluster_case(rng, L, Hq)
     else:
         qb, blocks = _mask_parts(rng, L, Hq, route)
         kb = qb
@@ -143,10 +154,9 @@ def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
     for b in backends:
         for t in templates.for_backend(b):
             kw = dict(template=t.name)
-            if host_plans.dkv_gather_policy(t, b):
-                # The dk/dv pass gathers too, forced: the chosen plan may not.
-                kw["options"] = tj.Options(dkv_policies=(host_plans.dkv_gather_policy(t, b),),
-                                           paired_dkv_policy=None)
+            pol = host_plans.dkv_gather_policy(t, b)
+            if pol:         # the dk/dv pass gathers too, forced: the chosen plan may not
+                kw["options"] = tj.Options(dkv_policies=(pol,), paired_dkv_policy=None)
             for D, Hq, Hkv in ((128, 4, 2), (64, 2, 2)):
                 if t.supports(D, np.dtype("bfloat16")):
                     out.append((f"{t.name}-host-D{D}", kw, "host", D, Hq, Hkv))
