@@ -1256,6 +1256,12 @@ def with_first_plan(summary: dict, doc: dict) -> dict:
     return summary
 
 
+def doc_summary(doc: dict) -> dict:
+    """A result document's ``summary``: its timed rows' (``summarize``) and this run's first
+    plan of a fresh install (``with_first_plan``)."""
+    return with_first_plan(summarize([r for r in doc["rows"] if "peers" in r]), doc)
+
+
 def merge_docs(paths, out: str, png: str | None = None) -> dict:
     """One result from several processes' files (e.g. one GPU per half of the families): rows
     concatenated (later files win on a repeated mask id), summary and figure recomputed; each
@@ -1274,7 +1280,7 @@ def merge_docs(paths, out: str, png: str | None = None) -> dict:
     doc["elapsed_s"] = max((d.get("elapsed_s") or 0.0) for d in docs) if docs else 0.0
     ok = [r for r in doc["rows"] if "peers" in r]
     doc["first_plan"] = next((d["first_plan"] for d in docs if d.get("first_plan")), None)
-    doc["summary"] = with_first_plan(summarize(ok), doc)
+    doc["summary"] = doc_summary(doc)
     png = png or str(Path(out).with_suffix(".png"))
     src = primary_source(ok)
     doc["figure"] = figure(ok, png, title=f"tessera_jax vs peers, "
@@ -1346,7 +1352,7 @@ def gpu_main(args) -> int:
 
     def save():
         ok = [r for r in doc["rows"] if "peers" in r]
-        doc["summary"] = with_first_plan(summarize(ok), doc)
+        doc["summary"] = doc_summary(doc)
         out_path.write_text(json.dumps(doc, indent=1, default=str))   # partial results survive
         try:
             figure(ok, png, title=title)
@@ -1420,7 +1426,7 @@ def gpu_main(args) -> int:
             if not args.smoke:
                 ctx.torch.cuda.empty_cache()
         save()
-    doc["summary"] = with_first_plan(summarize([r for r in doc["rows"] if "peers" in r]), doc)
+    doc["summary"] = doc_summary(doc)
     doc["elapsed_s"] = time.time() - T0
     doc["figure"] = figure([r for r in doc["rows"] if "peers" in r], png, title=title)
     out_path.write_text(json.dumps(doc, indent=1, default=str))
