@@ -6,6 +6,8 @@
 # Session 19 ran first-plan and memory (results/h200-first-plan.json, h200-train-memory.json),
 # the gather-skip forward (h200-gather-skip.json) and gather_diag.py (the dk/dv misalignment).
 # Next, in this order (benchmarks/NOTES.md#gathered-steps), one call each:
+#   bash benchmarks/h200_session.sh gpu-checks  # make test-gpu (-n 6) and the gathered fwd + bwd
+#     (or the two calls it replaces: gather-dq, gather-dq-2)
 #   bash benchmarks/h200_session.sh gather-dq   # make test-gpu without Triton (gathered steps too)
 #   bash benchmarks/h200_session.sh gather-dq-2 # its Triton cases, then fwd + bwd of gather plans
 #     (both pass: branch gather-fix lands on main, their two logs as results/h200-test-gpu.log)
@@ -29,6 +31,15 @@ run() {   # run SECONDS NAME CMD...: one part, its log in $OUT/NAME.log
   echo "[$(date +%T)] $name rc $rc"
 }
 case "${1:-}" in
+gpu-checks)
+  # Issue 31 and 32 item 6 in one call: the complete make test-gpu, six pytest-xdist workers
+  # sharing the GPU (compiling is what takes the time: ~20 s a case alone), then forward +
+  # backward of the default, gather and skipping gather plans on the irregular masks at Wan
+  # 480p against cuDNN's (dq, dk, dv checked against the reference on head 0).
+  run 330 test-gpu make test-gpu PYTEST_ARGS="-n 6 -rA --durations=0"
+  run 240 gather-fwd-bwd python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
+      --variants default,gather,gather_skip_nopp --budget-s 220 \
+      --out $OUT/h200-gather-fwd-bwd.json ;;
 gather-dq)
   # Issue 31 and 32 item 6, call 1 of 2: make test-gpu without the Triton cases (aux kernels,
   # every Mosaic template on the host route, the gathering ones on clusters with gathered
