@@ -10,15 +10,20 @@ timed with cuDNN dense in the same process under ``tools.timing.KERNEL_RULE``. `
 = (selected interactions / time) / (dense interactions / cuDNN's time).
 
     python3 benchmarks/gather.py --out $OUT/h200-gather-fwd.json
+    python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
+        --out $OUT/h200-gather-fwd-bwd.json            # forward + backward (jax.vjp)
     python3 benchmarks/gather.py --small --variants default   # CPU smoke run (L 1,024, XLA;
                                                               # Mosaic templates need a GPU)
+
+With ``--backward`` every case is the forward + backward (the vjp of q, k, v for a random
+cotangent) against cuDNN's forward + backward in the same process, its dq / dk / dv checked
+against the reference's on head 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -35,34 +40,14 @@ def log(*a):
     print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
 
 
-def _sizes(rng, L, mean):
-    s = []
-    while sum(s) < L:
-        s.append(int(np.clip(rng.lognormal(math.log(mean) - 0.8, 1.3), 1, 4096)))
-    s[-1] -= sum(s) - L
-    return np.array([x for x in s if x > 0])
-
-
 def mask_var_clusters(L, H, q_mean=110, kv_mean=40, density=0.2, seed=3, kv_len=None):
-    """SVG2-like variable clusters: separate query and key clusterings (lognormal sizes) of L
-    queries and ``kv_len`` (default L) keys, per head the key clusters nearest a query cluster
-    (with noise) up to ``density`` of the keys."""
+    """SVG2-like variable clusters (``gpu_check.cluster_parts``) of L queries and ``kv_len``
+    (default L) keys, from ``seed``."""
     import tessera_jax as tj
+    from tessera_jax.tools import gpu_check
 
-    Lk = L if kv_len is None else kv_len
-    rng = np.random.default_rng(seed)
-    qs, ks = _sizes(rng, L, q_mean), _sizes(rng, Lk, kv_mean)
-    qb, kb = np.r_[0, np.cumsum(qs)], np.r_[0, np.cumsum(ks)]
-    cq, ck = (qb[:-1] + qb[1:]) / 2 / L, (kb[:-1] + kb[1:]) / 2 / Lk
-    blocks = np.zeros((H, len(qs), len(ks)), bool)
-    for h in range(H):
-        s = -np.abs(cq[:, None] - ck[None, :]) * rng.uniform(5, 40) + rng.gumbel(
-            size=(len(qs), len(ks)))
-        order = np.argsort(-s, axis=1)
-        sel = np.cumsum(ks[order], axis=1) <= density * Lk
-        sel[:, 0] = True
-        np.put_along_axis(blocks[h], order, sel, axis=1)
-    return tj.BlockMask(qb, kb, blocks)
+    return tj.BlockMask(*gpu_check.cluster_parts(np.random.default_rng(seed), L, H, q_mean,
+                                                 kv_mean, density, kv_len))
 
 
 def masks(small: bool):
@@ -86,7 +71,10 @@ def masks(small: bool):
 VARIANTS = {"default": (None, None), "gather": ("mgpu_q128_kv128_s2_gather", "gather"),
             # The same template on the device route: the selection a traced argument (a
             # device mask, bounds static), planned inside the program.
-            "gather_device": ("mgpu_q128_kv128_s2_gather", None)}
+            "gather_device": ("mgpu_q128_kv128_s2_gather", None),
+            # Warpgroup skipping on gathered steps (a class's rows in one 64-row half run on
+            # that half's warpgroup), without the ping-pong barrier.
+            "gather_skip_nopp": ("mgpu_q128_kv128_s2_gather_skip_nopp", "gather")}
 
 
 def main():
@@ -98,6 +86,8 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated subset of {', '.join(VARIANTS)}")
     ap.add_argument("--masks", default=None, help="comma-separated subset of the mask names")
+    ap.add_argument("--backward", action="store_true",
+                    help="time forward + backward (vjp of q, k, v) instead of the forward")
     args = ap.parse_args()
 
     import jax
@@ -114,8 +104,19 @@ def main():
     opts = tj.Options(interpret=True) if args.interpret else None
     res = {"device": str(jax.devices()[0].device_kind), "L": L, "heads": H, "D": D,
            "jax": jax.__version__, "rule": timing.KERNEL_RULE.to_json(), "rows": []}
+    do = jax.random.normal(jax.random.key(1), q.shape, jnp.float32).astype(q.dtype)
+    res["pass"] = "forward+backward" if args.backward else "forward"
+
+    def timed(attn):
+        """The timed function of an attention ``attn(q, k, v)``: itself, or with
+        ``--backward`` its forward and the vjp of (q, k, v) for ``do``."""
+        if not args.backward:
+            return jax.jit(attn)
+        return jax.jit(lambda q, k, v, *extra: jax.vjp(
+            lambda q, k, v: attn(q, k, v, *extra), q, k, v)[1](do))
+
     if gpu:
-        dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        dense = timed(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, scale=scale, implementation="cudnn"))
         res["dense_ms"] = timing.time_kernel(dense, [(q, k, v)]).ms
         log(f"cuDNN dense {res['dense_ms']:.3f} ms")
@@ -126,9 +127,10 @@ def main():
             continue
         m = make()
         m0 = tj.BlockMask(m.q_bounds, m.kv_bounds, np.asarray(m.blocks)[:1])
-        ref = tj.reference_attention(q[:, :, :1].astype(jnp.float32),
-                                     k[:, :, :1].astype(jnp.float32),
-                                     v[:, :, :1].astype(jnp.float32), m0, scale=scale)
+        h0 = [x[:, :, :1].astype(jnp.float32) for x in (q, k, v)]
+        ref_fn = lambda q, k, v: tj.reference_attention(q, k, v, m0, scale=scale)  # noqa: E731
+        ref = (jax.vjp(ref_fn, *h0)[1](do[:, :, :1].astype(jnp.float32)) if args.backward
+               else [ref_fn(*h0)])
         for var, template, policy in variants:
             if time.time() - T0 > args.budget_s:
                 log("budget reached")
@@ -145,18 +147,20 @@ def main():
                            gather_steps=s["gather_steps"], tiles=s["tiles"])
                 if var.endswith("_device"):
                     qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
-                    blocks = jnp.asarray(m.blocks)
-                    fn = jax.jit(lambda q, k, v, b, t=template: tj.sparse_attention(
+                    fn = timed(lambda q, k, v, b, t=template: tj.sparse_attention(
                         q, k, v, tj.BlockMask(qb, kb, b), scale=scale, template=t,
                         options=opts))
-                    call = (q, k, v, blocks)
+                    call = (q, k, v, jnp.asarray(m.blocks))
                 else:
-                    fn = jax.jit(lambda q, k, v, t=template, po=policy: tj.sparse_attention(
+                    fn = timed(lambda q, k, v, t=template, po=policy: tj.sparse_attention(
                         q, k, v, m, scale=scale, template=t, policy=po, options=opts))
                     call = (q, k, v)
                 out = fn(*call)
-                got = out[:, :, :1].astype(jnp.float32)
-                row["max_err"] = float(jnp.abs(got - ref).max())
+                got = out if args.backward else [out]
+                # Relative to the largest reference entry (gradients are not O(1)).
+                row["max_err"] = max(
+                    float(jnp.abs(g[:, :, :1].astype(jnp.float32) - r).max()
+                          / max(float(jnp.abs(r).max()), 1e-6)) for g, r in zip(got, ref))
                 row["ok"] = bool(row["max_err"] < 3e-2)
                 if gpu:
                     row["ms"] = timing.time_kernel(fn, [call]).ms

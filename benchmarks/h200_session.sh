@@ -3,14 +3,21 @@
 # #backward, #training-memory, #mask-builders), each under the 10-minute call limit; every
 # script saves partial results, so a part cut by its `timeout` keeps what it measured. Raw
 # files and logs go to $OUT.
-# Session 14 ran diagnose, memfix, train-ab, checks-mini (h200-backward.json's `assembled`).
-# Next (benchmarks/NOTES.md#open):
-#   bash benchmarks/h200_session.sh checks    # gradient checks and transforms on the GPU, complete
-#   bash benchmarks/h200_session.sh vsa       # the Wan 1.3B VSA loop, builders at 720p, device route at 480p VSA
-# Also here:
-#   bash benchmarks/h200_session.sh train     # Wan 1.3B 480p training step, sparse then dense (time, memory)
-#   bash benchmarks/h200_session.sh train-ab  # the step with the row-dot kernel, dense, jnp's delta; the deltas alone
-#   bash benchmarks/h200_session.sh device-planning  # Wan 480p VSA and Wan 720p device planning + route
+# Session 19 ran first-plan and memory (results/h200-first-plan.json, h200-train-memory.json),
+# the gather-skip forward (h200-gather-skip.json) and gather_diag.py (the dk/dv misalignment).
+# Next, in this order (benchmarks/NOTES.md#gathered-steps), one call each:
+#   bash benchmarks/h200_session.sh gpu-checks  # make test-gpu (-n 6) and the gathered fwd + bwd
+#     (or the two calls it replaces: gather-dq, gather-dq-2)
+#   bash benchmarks/h200_session.sh gather-dq   # make test-gpu without Triton (gathered steps too)
+#   bash benchmarks/h200_session.sh gather-dq-2 # its Triton cases, then fwd + bwd of gather plans
+#     (both pass: branch gather-fix lands on main, their two logs as results/h200-test-gpu.log)
+#   bash benchmarks/h200_session.sh stage-tx    # spike: copies without arrivals, bytes expected per stage
+#   bash benchmarks/h200_session.sh gather-runs-skip  # spike: copy runs of 32 / 64 keys with skipping
+#   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
+#   bash benchmarks/h200_session.sh accept-480     # issue 31's acceptance file, Wan 480p (then accept-720)
+#   bash benchmarks/h200_session.sh gather-device  # device-route gather plans vs host plans
+#   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
+# Also here: first-plan, memory, and the session-14 parts (train, train-ab, checks, vsa, ...).
 # (Earlier sessions' parts are in git history.)
 set -u
 OUT=${OUT:?set OUT}
@@ -24,6 +31,85 @@ run() {   # run SECONDS NAME CMD...: one part, its log in $OUT/NAME.log
   echo "[$(date +%T)] $name rc $rc"
 }
 case "${1:-}" in
+gpu-checks)
+  # Issue 31 and 32 item 6 in one call: the complete make test-gpu, six pytest-xdist workers
+  # sharing the GPU (compiling is what takes the time: ~20 s a case alone), then forward +
+  # backward of the default, gather and skipping gather plans on the irregular masks at Wan
+  # 480p against cuDNN's (dq, dk, dv checked against the reference on head 0).
+  run 330 test-gpu make test-gpu PYTEST_ARGS="-n 6 -rA --durations=0"
+  run 240 gather-fwd-bwd python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
+      --variants default,gather,gather_skip_nopp --budget-s 220 \
+      --out $OUT/h200-gather-fwd-bwd.json ;;
+gather-dq)
+  # Issue 31 and 32 item 6, call 1 of 2: make test-gpu without the Triton cases (aux kernels,
+  # every Mosaic template on the host route, the gathering ones on clusters with gathered
+  # dq and forced gathered dk/dv steps, both device routes; ~20 s a case).
+  run 570 test-gpu-mosaic env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/gpu -k "not triton" -rA --durations=0 ;;
+gather-dq-2)
+  # Call 2 of 2: the Triton cases, then forward + backward of the default, gather and
+  # skipping gather plans on the irregular masks at Wan 480p against cuDNN's (dq, dk, dv
+  # checked against the reference on head 0).
+  run 220 test-gpu-triton env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/gpu -k "triton" -rA --durations=0
+  run 330 gather-fwd-bwd python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
+      --variants default,gather,gather_skip_nopp --budget-s 300 \
+      --out $OUT/h200-gather-fwd-bwd.json ;;
+gather-device)
+  # Issue 31: the device route's gather plans (traced selections, static bounds) against the
+  # host plans of the same template, forward (summary.device_vs_host_max <= 1.05).
+  run 330 gather-device python3 benchmarks/gather.py --variants default,gather,gather_device \
+      --budget-s 300 --out $OUT/h200-gather-device.json ;;
+stage-tx)
+  # Issue 31 spike (benchmarks/spikes/stage_tx.py; kill criterion there): gathered stages whose
+  # copies make no barrier arrivals, one warp's arrivals expecting the stage's bytes. A wrong
+  # arrival count hangs the kernel: the timeout ends it, the log keeps the cases before.
+  run 420 stage-tx python3 benchmarks/spikes/stage_tx.py --masks clusters,cubes,sliding \
+      --budget-s 380 --out $OUT/h200-stage-tx.json ;;
+gather-runs-skip)
+  # Issue 31 spike: gathered copy runs of 32 / 64 keys with warpgroup skipping (stand-in
+  # templates; kill criterion in the script: cubes below 0.65 of cuDNN).
+  run 300 gather-runs-skip python3 benchmarks/spikes/gather_runs_skip.py \
+      --masks cubes,sliding,clusters --budget-s 280 --out $OUT/h200-gather-runs-skip.json ;;
+profile-gather)
+  # Issue 31 item 4: the ranking table learns when gathering pays. The table's masks (first 5
+  # specs of each corpus family, tokens included; 2 heads) and its 7 candidates plus the gather
+  # templates, under the one timing rule (the committed records predate rules:
+  # --remeasure-stale re-times them). ~70 masks x 9 candidates x ~1.2 s: two calls; the
+  # second resumes from the raw file this one leaves in $OUT/raw (copy it to plan_tables/raw
+  # first). Then copy $OUT/h200.json to plan_tables/h200.json and run selection.py.
+  mkdir -p $OUT/raw && cp plan_tables/raw/h200.jsonl $OUT/raw/
+  run 570 profile python3 -m tessera_jax.tools.profiler --gpu h200 --raw $OUT/raw \
+      --out $OUT/h200.json --max-masks 70 --heads 2 --remeasure-stale --time-budget 540 \
+      --candidates mgpu_q128_kv128_s2_hm/merge mgpu_q128_kv128_s2_hm/split \
+      mgpu_q128_kv64_s2_hm/merge mgpu_q64x2_kv64_s2_hm/pack mgpu_q64x2_kv64_s2_hm/merge \
+      mgpu_q128_kv64_s2_skip/pack mgpu_q64x2pp_kv64_s2_hm/pack \
+      mgpu_q128_kv128_s2_gather/gather mgpu_q128_kv128_s2_gather_skip_nopp/gather ;;
+accept-480|accept-720)
+  # Issue 31's acceptance (h200-gather.json): the runtime's own choice, host / device /
+  # per-head-bounds masks and fwd+bwd, against cuDNN in the same run; one grid a call, then
+  # python3 benchmarks/gather_acceptance.py --merge <both> --out benchmarks/results/h200-gather.json
+  g=wan${1#accept-}
+  run 580 accept-$g python3 benchmarks/gather_acceptance.py --grids $g --budget-s 560 \
+      --out $OUT/h200-gather-$g.json ;;
+tiered)
+  # Issue 33 item 3: the tiered rule's fit on the H200 (copy fit.host_fit, fit.device_fit and
+  # kernel_fit into runtime/tier_costs.H200), first and second requests per mode.
+  run 560 tiered python3 benchmarks/tiered.py --out $OUT/h200-tiered.json ;;
+first-plan)
+  # Issue 33: first plan per corpus family at Wan 480p and 8-token blocks, a fresh process
+  # with an empty numba cache each, planning alone (summary.first_plan_fresh_install_max_s
+  # <= 2.0; 0.53 s on the 2-core CPU box, results/cpu-first-plan.json).
+  run 400 first-plan python3 benchmarks/first_plan.py --fresh-install --out $OUT/h200-first-plan.json ;;
+test-gpu)
+  # Issue 32 item 6: the complete make test-gpu is the two gather-dq calls' logs together.
+  echo "run the gather-dq and gather-dq-2 parts (one call each)" >&2; exit 2 ;;
+memory)
+  # Issue 32 item 3: the 4-layer training step's peak memory with the Mosaic row dots
+  # (expected to hold session 14's 0.99985x dense; compile only).
+  run 200 train-memory python3 benchmarks/backward.py --sections train --steps 0 --layers 4 \
+      --train-variants sparse,dense,sparse_jnp_delta --budget-s 190 \
+      --out $OUT/h200-train-memory.json ;;
 memfix)
   # Issue 18's memory with the row-dot kernel (pallas_kernels.triton.delta): session 14's
   # buffer assignment showed the rematerialised forward's output gathered head-major for

@@ -280,6 +280,15 @@ def unpack_gather(words, tile_q: int, tile_kv: int):
             _unbits(words[..., G + W:G + W + bitmap_words(tile_q)], tile_q))
 
 
+def gather_runs_ok(starts, tile_kv: int, run: int) -> bool:
+    """Whether gathered steps' chunk starts (int [n, tile_kv / GATHER_ROWS]) come in runs of
+    ``run`` consecutive keys at stage positions aligned to it, as a kernel copying ``run``
+    keys at once reads them."""
+    m = gather_run_chunks(tile_kv, run)
+    runs = np.asarray(starts).reshape(len(starts), gather_chunks(tile_kv) // m, m)
+    return bool((runs == runs[:, :, :1] + GATHER_ROWS * np.arange(m)).all())
+
+
 def is_gather(cuts_b):
     """Whether STEP_CUTS_B values mark gathered steps (NumPy or jnp)."""
     return (cuts_b == GATHER_FLAG) | (cuts_b == GATHER_FULL_FLAG)
@@ -630,6 +639,20 @@ def _word_rows(S: int, off, n: int):
     return np.cumsum(edges[:S], dtype=np.int32) > 0, r0, r1
 
 
+def visited_rows(units, num_rows: int) -> np.ndarray:
+    """bool [num_rows]: the rows of ``steps`` some unit visits as a step; the others hold a
+    bitmap or gathered step's words, or padding, whose columns mean nothing as a step. Units'
+    ranges must lie inside the rows (``check_plan`` checks it first)."""
+    u = np.asarray(units, np.int64)
+    ptr, cnt = u[:, UNIT_STEP_PTR], u[:, UNIT_STEP_CNT]
+    real = cnt > 0
+    # +1 at each range start, -1 at its end, prefix sum (O(U + S), no per-visit index array:
+    # units of a shared mask visit the same rows).
+    edges = (np.bincount(ptr[real], minlength=num_rows + 1)
+             - np.bincount((ptr + cnt)[real], minlength=num_rows + 1))
+    return np.cumsum(edges[:num_rows], dtype=np.int32) > 0
+
+
 def _in_visited(visited, r0, r1) -> bool:
     """Whether some row range [r0, r1) holds a ``visited`` row (None: no check)."""
     if visited is None:
@@ -671,9 +694,7 @@ def gather_problems(steps, rows, tile_q: int, tile_kv: int, kv_len_padded: int, 
             | (starts + GATHER_ROWS > kv_len_padded)).any():
         bad.append(f"steps: a gathered step's chunk start is not a multiple of {GATHER_ROWS} "
                    f"in [0, kv_len_padded - {GATHER_ROWS}] (kv_len_padded={kv_len_padded})")
-    m = gather_run_chunks(tile_kv, run)
-    runs = starts.reshape(len(starts), gather_chunks(tile_kv) // m, m)
-    if m > 1 and (runs != runs[:, :, :1] + GATHER_ROWS * np.arange(m)).any():
+    if not gather_runs_ok(starts, tile_kv, run):
         bad.append(f"steps: a gathered step's chunks are not in runs of {run} consecutive "
                    f"keys (the copies of kernels that gather {run} keys at once)")
     q_lo, q_hi, kv_lo, kv_hi = unpack_rect(b[:, STEP_RECT])
@@ -783,11 +804,7 @@ def check_plan(units, steps, tile_q, tile_kv, q_len_padded, kv_len_padded, *,
     if ((ptr < 0) | (ptr + cnt > S))[real].any():
         bad.append(f"units: a step range [ptr, ptr + cnt) leaves the {S} rows of steps")
         _raise(bad)
-    # Rows some unit visits: +1 at each range start, -1 at its end, prefix sum (O(U + S), no
-    # per-visit index array: units of a shared mask visit the same rows).
-    edges = (np.bincount(ptr[real], minlength=S + 1)
-             - np.bincount((ptr + cnt)[real], minlength=S + 1))
-    visited = np.cumsum(edges[:S], dtype=np.int32) > 0
+    visited = visited_rows(u, S)
     vb = np.flatnonzero(visited & (st[:, STEP_CUTS_B] == BITMAP_FLAG))
     more, words_at = bitmap_problems(st, vb, tile_q, tile_kv, visited)
     vis_gather = visited & is_gather(st[:, STEP_CUTS_B])

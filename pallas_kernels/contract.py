@@ -24,6 +24,7 @@ from pallas_kernels.templates import Template
 
 __all__ = ["family_template", "default_interpret", "mosaic_interpret", "triton_interpret",
            "check_qkv", "check_padded", "check_scale", "check_pass", "check_pass_plan",
+           "check_dkv_gathers",
            "mask_mode_for", "forward_mask_mode", "is_host", "forward_op", "backward_ops",
            "plan_operands", "pad", "forward_call", "gather_dq", "gather_dkv", "FLOAT_DTYPES",
            "MASK_MODES", "BACKWARD_MASK_MODE", "LOG2E", "LN2"]
@@ -184,7 +185,32 @@ def gathers(t) -> int:
     0: they do not gather). The XLA executor reads any chunk layout."""
     if t.backend == "xla":
         return abi.GATHER_ROWS
-    return t.kernel.gather_run if getattr(t.kernel, "gather", False) else 0
+    if not getattr(t.kernel, "gather", False):
+        return 0
+    return getattr(t.kernel, "gather_run", abi.GATHER_ROWS)     # Triton: any 8-key chunks
+
+
+def check_dkv_gathers(plan: abi.PassPlan, gather_run: int) -> None:
+    """ValueError when a host dk/dv plan holds gathered steps the kernel cannot copy: it does
+    not gather (it would read each such step as one run of queries), or it copies
+    ``gather_run`` queries at once and a step's chunks are not in such runs (wrong gradients
+    either way). Traced plans are the device planner's, which emits none for such kernels."""
+    if not is_host(plan) or not len(plan.steps):
+        return
+    st = np.asarray(plan.steps)
+    g = abi.visited_rows(plan.units, len(st)) & abi.is_gather(st[:, abi.STEP_CUTS_B])
+    if not g.any():
+        return
+    if not gather_run:
+        raise ValueError("this dk/dv plan has gathered steps (abi.GATHER_FLAG), but the "
+                         "template's dk/dv kernel does not gather: plan dk/dv without the "
+                         "gather policy, or use a gathering template")
+    n = abi.gather_chunks(plan.tile_kv)
+    starts = st.reshape(-1)[st[g, abi.STEP_CUTS_A].astype(np.int64)[:, None] + np.arange(n)]
+    if not abi.gather_runs_ok(starts, plan.tile_kv, gather_run):
+        raise ValueError(f"this dk/dv plan's gathered steps are not in runs of {gather_run} "
+                         f"consecutive queries, the copies of the template's dk/dv kernel: "
+                         f"plan dk/dv with the gather{gather_run} policy")
 
 
 def is_host(plan: abi.PassPlan) -> bool:

@@ -8,18 +8,20 @@ their primitives do: the Mosaic GPU kernels hold 64-row fragments in register la
 build a row vector and a column vector and broadcast them (``grid_vectors``,
 ``bitmap_hits`` with the kernel's ``load`` / ``bcast``; ``step_kind`` picks a ``lax.switch``
 branch); the Triton kernels work on [tile_q, tile_kv] blocks against row / column iotas
-(``grid_keep``, ``bitmap_keep``, ``masked_block``: branches by ``lax.cond``).
+(``grid_keep``, ``bitmap_keep``, ``gather_keep``, ``masked_block``: branches by
+``lax.cond``; ``step_key_rows``: a gathered step's keys as an index vector).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from pallas_kernels import abi
 
 __all__ = ["segment_select", "grid_vectors", "bitmap_hits", "step_kind", "rows_full",
-           "grid_keep", "bitmap_keep", "masked_block"]
+           "grid_keep", "bitmap_keep", "gather_keep", "step_key_rows", "masked_block"]
 
 assert abi.STEP_COLS == 4      # bitmap_keep: flat index f is steps[f >> 2, f & 3]
 
@@ -118,12 +120,43 @@ def bitmap_keep(steps_ref, row, col, rect, off, *, tile_q: int, tile_kv: int, nu
     return (word & col_bit) != 0
 
 
+def _word(steps_ref, f, num_steps: int):
+    """Word ``f`` of ``steps.reshape(-1)`` (any shape of flat indices; clamped into the array,
+    so an invalid offset reads wrong words, never out of bounds)."""
+    f = jnp.clip(f, 0, abi.STEP_COLS * num_steps - 1)
+    return steps_ref[f >> 2, f & 3]
+
+
+def step_key_rows(steps_ref, s, col, *, tile_kv: int, num_steps: int, gather: bool):
+    """The key rows of step ``s``'s K/V tile: ``pl.ds(kv_start, tile_kv)``, or with ``gather``
+    an index vector [tile_kv] (a gathered step's start[c // 8] + c % 8: one gather of its
+    chunk starts; other steps kv_start + c). ``col``: the key iota [1, tile_kv]."""
+    kv_start = steps_ref[s, abi.STEP_KV_START]
+    if not gather:
+        return pl.ds(kv_start, tile_kv)
+    A = abi.GATHER_ROWS
+    gathered = abi.is_gather(steps_ref[s, abi.STEP_CUTS_B])
+    start = _word(steps_ref, steps_ref[s, abi.STEP_CUTS_A] + col // A, num_steps)
+    return jnp.where(gathered, start + col % A, kv_start + col)[0]
+
+
+def gather_keep(steps_ref, row, col, off, *, tile_q: int, tile_kv: int, num_steps: int):
+    """A gathered step's selection (words at ``off``: chunk starts, key bits, row bits) on the
+    [tile_q, tile_kv] block: row r's bit and key c's bit both set (two gathers of words)."""
+    G, W = abi.gather_chunks(tile_kv), abi.bitmap_words(tile_kv)
+    bit = lambda words, i: (words >> (i & (abi.WORD_BITS - 1))) & 1      # noqa: E731
+    key = bit(_word(steps_ref, off + G + col // abi.WORD_BITS, num_steps), col)
+    rows = bit(_word(steps_ref, off + G + W + row // abi.WORD_BITS, num_steps), row)
+    return (rows & key) != 0
+
+
 def masked_block(steps_ref, s, x, row, col, *, mode: str, tile_q: int, tile_kv: int,
-                 num_steps: int):
+                 num_steps: int, gather: bool = False):
     """Scores ``x`` [tile_q, tile_kv] of step ``s`` with -inf where the step selects nothing:
     a branch on STEP_CUTS_B between a plain step's rectangle (alone) and the others, which
-    branch again between a grid's cells and a bitmap's bits; mode "cond" skips full steps,
-    "none" masks nothing (plans whose visited steps are all full)."""
+    branch again between a grid's cells and a bitmap's bits (with ``gather``, and a gathered
+    step's row x key bits); mode "cond" skips full steps, "none" masks nothing (plans whose
+    visited steps are all full)."""
     if mode == "none":
         return x
     rect = steps_ref[s, abi.STEP_RECT]
@@ -145,8 +178,18 @@ def masked_block(steps_ref, s, x, row, col, *, mode: str, tile_q: int, tile_kv: 
         return jnp.where(keep, x, -jnp.inf)
 
     cells = lambda x: lax.cond(cuts_b == abi.BITMAP_FLAG, bitmap_mask, grid_mask, x)  # noqa: E731
+    if gather:
+        def gather_mask(x):
+            keep = gather_keep(steps_ref, row, col, steps_ref[s, abi.STEP_CUTS_A],
+                               tile_q=tile_q, tile_kv=tile_kv, num_steps=num_steps)
+            return jnp.where(keep, x, -jnp.inf)
+
+        cells_only = cells
+        cells = lambda x: lax.cond(abi.is_gather(cuts_b), gather_mask, cells_only, x)  # noqa: E731
     masked = lambda x: lax.cond(plain, rect_mask, cells, x)                           # noqa: E731
     if mode == "cond":
         full = (rect == jnp.int32(abi.full_rect(tile_q, tile_kv))) & plain
+        if gather:
+            full = full | (cuts_b == abi.GATHER_FULL_FLAG)
         return lax.cond(full, lambda x: x, masked, x)
     return masked(x)

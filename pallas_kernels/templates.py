@@ -66,7 +66,7 @@ class MosaicConfig:
         full runs mode "none", no masking code, chosen by ``contract``), "always" every step.
     gather:     the producer fills every K/V stage by tile_kv / 8 copies of 8 keys issued from
         its four warps (``abi.GATHER_FLAG`` steps: chunks from the step's words; other steps:
-        kv_start + 8 j), so plans may hold gathered steps (not with ``wg_skip``).
+        kv_start + 8 j), so plans may hold gathered steps.
     gather_run: keys one copy loads (a multiple of 8 dividing tile_kv): plans for it hold
         chunks in runs of that many consecutive keys (policies gather / gather32 / gather64).
     """
@@ -84,9 +84,6 @@ class MosaicConfig:
     def __post_init__(self):
         for name in ("schedule_barrier", "wg_skip", "paired", "pair_pingpong", "gather"):
             _check_bool("MosaicConfig", name, getattr(self, name))
-        if self.gather and self.wg_skip:
-            raise ValueError("MosaicConfig.gather runs every step on both warpgroups of a unit: "
-                             "not with wg_skip")
         _check_choice("MosaicConfig", "mask_mode", self.mask_mode, self.MASK_MODES)
         _check_int("MosaicConfig", "gather_run", self.gather_run, 8)
         if self.gather_run % 8:
@@ -138,11 +135,14 @@ class TritonConfig:
         stages >= 3) issues the K/V copies a full step ahead.
     mask_mode: "cond" masks partial steps only (a plan whose steps are all full runs mode
         "none", chosen by ``contract``), "always" every step.
+    gather:    the forward and dq kernels load a gathered step's keys by index
+        (``abi.GATHER_FLAG``: its chunks' rows), so plans may hold gathered steps.
     """
 
     num_warps: int | None = None
     prefetch: bool = False
     mask_mode: str = "cond"
+    gather: bool = False
 
     MASK_MODES = ("cond", "always")
     NUM_WARPS = (1, 2, 4, 8, 16)
@@ -154,6 +154,10 @@ class TritonConfig:
                 raise ValueError(f"TritonConfig.num_warps must be None or one of "
                                  f"{self.NUM_WARPS}, got {self.num_warps}")
         _check_bool("TritonConfig", "prefetch", self.prefetch)
+        _check_bool("TritonConfig", "gather", self.gather)
+        if self.gather and self.prefetch:
+            raise ValueError("TritonConfig.gather reads each step's keys in its iteration: "
+                             "not with prefetch (which carries a kv_start)")
         _check_choice("TritonConfig", "mask_mode", self.mask_mode, self.MASK_MODES)
 
     def check_tiles(self, tile_q: int, tile_kv: int, stages: int) -> None:
@@ -335,6 +339,15 @@ _MOSAIC = (
     # one-copy step, benchmarks/NOTES.md#gathered-steps) for ``gather`` plans.
     Template("mgpu_q128_kv128_s2_gather", tile_q=128, tile_kv=128, policy="gather",
              unit_order="head_major", kernel=MosaicConfig(gather=True), **_MGPU),
+    # The same with warpgroup step skipping, without the ping-pong barrier: a gathered step
+    # of a class whose rows lie in one 64-row half runs on that half's warpgroup only, the
+    # halves' steps interleaved (Wan 480p computed / selected, 128-row steps -> 64-row groups
+    # met: clusters 1.442 -> 1.300, cubes 2.005 -> 1.203, sliding 1.321 -> 1.069). Measured
+    # against gather: clusters 0.98x, cubes 1.20x, sliding 1.06x; below the default plan on
+    # all three (benchmarks/NOTES.md#gathered-steps): a table candidate.
+    Template("mgpu_q128_kv128_s2_gather_skip_nopp", tile_q=128, tile_kv=128, policy="gather",
+             unit_order="head_major",
+             kernel=MosaicConfig(gather=True, wg_skip=True, schedule_barrier=False), **_MGPU),
 )
 
 # --- Triton lowering (portable: Ampere/Ada/Hopper): pallas_kernels.triton -----------------
@@ -357,6 +370,9 @@ _TRITON_TEMPLATES = (
     # dims 129..256 (v1 grid, 4 warps, 2 stages: small tiles leave registers for D = 256).
     Template("triton_q64_kv64_w4_s2", tile_q=64, tile_kv=64, stages=2,
              head_dims=tuple(range(129, 257)), kernel=TritonConfig(num_warps=4), **_TRITON),
+    # Gathered steps by index (``gather`` plans; keys read per step, so no prefetch).
+    Template("triton_q128_kv128_w8_s3_gather", tile_q=128, tile_kv=128, policy="gather",
+             **dict(_TRITON_V2, kernel=TritonConfig(num_warps=8, gather=True))),
 )
 
 # --- XLA executor (plain JAX: CPU/TPU, the fallback): pallas_kernels.xla.executor ---------

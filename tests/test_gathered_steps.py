@@ -253,7 +253,8 @@ def test_xla_runs_gather_plans_forward_and_backward(gqa):
 def _run_templates():
     """The gather template, and kernel variants no table template uses (measured slower,
     benchmarks/NOTES.md#gathered-steps) but the kernel keeps: 32-key copy runs, paired 64-row
-    units with one kv128 slot per ring."""
+    units with one kv128 slot per ring; then the gather templates with warpgroup skipping
+    (with and without the ping-pong barrier)."""
     import dataclasses
     from pallas_kernels import templates as T
 
@@ -261,10 +262,22 @@ def _run_templates():
     return [t, dataclasses.replace(t, name="run32", policy="gather32",
                                    kernel=T.MosaicConfig(gather=True, gather_run=32)),
             dataclasses.replace(t, name="paired", tile_q=64, stages=1, kernel=T.MosaicConfig(
-                paired=True, pair_pingpong=True, gather=True))]
+                paired=True, pair_pingpong=True, gather=True)),
+            _skip_template(), T.get("mgpu_q128_kv128_s2_gather_skip_nopp")]
 
 
-@pytest.mark.parametrize("which", [0, 1, 2])
+def _skip_template():
+    """The gather template with warpgroup skipping and the ping-pong barrier (deleted from the
+    table: slower than the variant without it on cubes and sliding tiles,
+    benchmarks/NOTES.md#gathered-steps; the kernel keeps it)."""
+    import dataclasses
+    from pallas_kernels import templates as T
+
+    return dataclasses.replace(T.get("mgpu_q128_kv128_s2_gather"), name="gather_skip_pp",
+                               kernel=T.MosaicConfig(gather=True, wg_skip=True))
+
+
+@pytest.mark.parametrize("which", [0, 1, 2, 3, 4])
 def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode(which):
     from jax._src.pallas.mosaic_gpu.interpret import params as _p
     from pallas_kernels import templates as T
@@ -277,6 +290,10 @@ def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode(which):
                            tile_kv=t.tile_kv, policy=t.policy, q_align=8, kv_align=8)
     st_ = p.stats()
     assert st_["gather_steps"] > 0 and p.head_policies[0] == t.policy
+    if t.kernel.wg_skip:         # some steps' rows lie in one half: one warpgroup skips them
+        rect = p.steps[: p.num_steps, abi.STEP_RECT].astype(np.int64)
+        q_lo, q_hi = abi.unpack_rect(rect)[:2]
+        assert ((q_hi <= 64) | (q_lo >= 64)).any()
     ks = jax.random.split(jax.random.key(7), 3)
     q = jax.random.normal(ks[0], (1, Lq, H, D)).astype(jnp.bfloat16)
     k, v = (jax.random.normal(x, (1, Lk, H // 2, D)).astype(jnp.bfloat16) for x in ks[1:])
@@ -289,3 +306,297 @@ def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode(which):
     with pytest.raises(ValueError, match="do not gather"):
         mops.forward(q, k, v, plan, template=T.get("mgpu_q128_kv128_s2_hm"), scale=0.125,
                      interpret=_p.InterpretGPUParams())
+
+
+@pytest.mark.parametrize("which", [0, 2, 3])
+def test_mosaic_dq_runs_a_gather_plan_in_interpret_mode(which):
+    """The dq kernel's gathered stages (8-key chunks; paired 64-row units; warpgroup
+    skipping) against the gradient of the reference, GQA."""
+    from jax._src.pallas.mosaic_gpu.interpret import params as _p
+    from pallas_kernels import backward_rows as rows
+    from pallas_kernels.mosaic import ops as mops
+
+    t = _run_templates()[which]
+    Lq, Lk, H, D = 264, 300, 4, 64
+    m = mask_var_clusters(Lq, H, q_mean=60, kv_mean=20, density=0.3, seed=6, kv_len=Lk)
+    p = planner.build_plan(m, (1, Lq, H, D), (1, Lk, H // 2, D), jnp.bfloat16, tile_q=t.tile_q,
+                           tile_kv=t.tile_kv, policy=t.policy, q_align=8, kv_align=8)
+    assert p.stats()["gather_steps"] > 0
+    ks = jax.random.split(jax.random.key(9), 4)
+    q = jax.random.normal(ks[0], (1, Lq, H, D)).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(x, (1, Lk, H // 2, D)).astype(jnp.bfloat16) for x in ks[1:3])
+    do = jax.random.normal(ks[3], (1, Lq, H, D)).astype(jnp.bfloat16)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    out, lse = tj.reference_attention(*f32, m, scale=0.125, return_lse=True)
+    want = jax.vjp(lambda q: tj.reference_attention(q, *f32[1:], m, scale=0.125), f32[0])[1](
+        do.astype(jnp.float32))[0]
+    delta = jnp.einsum("bqhd,bqhd->bhq", out, do.astype(jnp.float32))
+    plan = abi.PassPlan(p.units, p.steps, None, t.tile_q, t.tile_kv, p.q_len_padded,
+                        p.kv_len_padded, p.max_steps, None)
+    got = mops.dq(q, k, v, do, rows.lse_for_backward(lse), delta, plan, template=t,
+                  scale=0.125, interpret=_p.InterpretGPUParams())
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_mosaic_dkv_runs_a_gather_plan_in_interpret_mode(skip, monkeypatch):
+    """The dk/dv kernel's gathered Q / dO / lse / delta stages (the transposed mask's gather32
+    plan: units of 128 keys, steps of 32-query runs) against the gradients of the reference,
+    GQA, per-head clusters; a template whose dk/dv kernel does not gather refuses the plan, and
+    the gathering one refuses 8-query chunks (lse / delta copies of 32 bytes: misaligned for
+    TMA); the host plans dk/dv of a gathering template with gather32 among its candidates."""
+    from jax._src.pallas.mosaic_gpu.interpret import params as _p
+    from pallas_kernels import backward_rows as rows
+    from pallas_kernels import templates as T
+    from pallas_kernels.mosaic import ops as mops
+    from tessera_jax.runtime import host_plans
+
+    t = _skip_template() if skip else T.get("mgpu_q128_kv128_s2_gather")
+    monkeypatch.setitem(T._REGISTRY, t.name, t)      # tj.plan(template=t.name) below
+    Lq, Lk, H, D = 264, 300, 4, 64
+    m = mask_var_clusters(Lq, H, q_mean=60, kv_mean=20, density=0.3, seed=8, kv_len=Lk)
+    tm = host_plans.transposed_mask(m)
+    p = planner.build_plan(tm, (1, Lk, H, D), (1, Lq, H, D), jnp.bfloat16, tile_q=128,
+                           tile_kv=64, policy="gather32", q_align=8, kv_align=8,
+                           unit_order="head_major")
+    assert p.stats()["gather_steps"] > 0
+    q_lo, q_hi = abi.unpack_rect(p.steps[: p.num_steps, abi.STEP_RECT].astype(np.int64))[:2]
+    assert ((q_hi <= 64) | (q_lo >= 64)).any()     # steps a skipping warpgroup skips
+    ks = jax.random.split(jax.random.key(10), 4)
+    q = jax.random.normal(ks[0], (1, Lq, H, D)).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(x, (1, Lk, H // 2, D)).astype(jnp.bfloat16) for x in ks[1:3])
+    do = jax.random.normal(ks[3], (1, Lq, H, D)).astype(jnp.bfloat16)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    out, lse = tj.reference_attention(*f32, m, scale=0.125, return_lse=True)
+    want = jax.vjp(lambda k, v: tj.reference_attention(f32[0], k, v, m, scale=0.125),
+                   *f32[1:])[1](do.astype(jnp.float32))
+    delta = jnp.einsum("bqhd,bqhd->bhq", out, do.astype(jnp.float32))
+    plan = abi.PassPlan(p.units, p.steps, None, 128, 64, p.q_len_padded, p.kv_len_padded,
+                        p.max_steps, None)
+    got = mops.dkv(q, k, v, do, rows.lse_for_backward(lse), delta, plan, template=t,
+                   scale=0.125, interpret=_p.InterpretGPUParams())
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), atol=3e-2)
+    p8 = planner.build_plan(tm, (1, Lk, H, D), (1, Lq, H, D), jnp.bfloat16, tile_q=128,
+                            tile_kv=64, policy="gather", q_align=8, kv_align=8,
+                            unit_order="head_major")
+    plan8 = abi.PassPlan(p8.units, p8.steps, None, 128, 64, p8.q_len_padded, p8.kv_len_padded,
+                         p8.max_steps, None)
+    with pytest.raises(ValueError, match="runs of 32"):
+        mops.dkv(q, k, v, do, rows.lse_for_backward(lse), delta, plan8, template=t,
+                 scale=0.125, interpret=_p.InterpretGPUParams())
+    with pytest.raises(ValueError, match="does not gather"):
+        mops.dkv(q, k, v, do, rows.lse_for_backward(lse), delta, plan,
+                 template=T.get("mgpu_q128_kv128_s2_hm"), scale=0.125,
+                 interpret=_p.InterpretGPUParams())
+    fwd = tj.plan(m, q.shape, k.shape, q.dtype, template=t.name, policy="gather")
+    cands = host_plans.dkv_candidates(fwd, "mosaic_gpu")
+    assert "gather32" in [c.policy for c, _ in cands]
+    assert {c.row_group for c, per_sm in cands if per_sm == 1} == {
+        64 if t.kernel.wg_skip else 128}
+    plain = tj.plan(m, q.shape, k.shape, q.dtype, template="mgpu_q128_kv128_s2_hm")
+    assert not {"gather", "gather32"} & {
+        c.policy for c, _ in host_plans.dkv_candidates(plain, "mosaic_gpu")}
+
+
+def _dkv_lower(t):
+    """The dk/dv kernel of template ``t``'s family lowered for an abstract H200."""
+    from cuda_lowering import lower_for_h200
+    from pallas_kernels.mosaic import ops as mops
+
+    sds = jax.ShapeDtypeStruct
+    L, D = 384, 128
+    q, kv = sds((1, L, 4, D), jnp.bfloat16), sds((1, L, 2, D), jnp.bfloat16)
+    units, steps = sds((12, abi.UNIT_COLS), jnp.int32), sds((40, abi.STEP_COLS), jnp.int32)
+    rows = jnp.zeros((1, 4, L), jnp.float32)
+    plan = lambda u, s: abi.PassPlan(u, s, None, 128, 64, L, L, 4)   # noqa: E731
+    return lower_for_h200(lambda q, k, v, u, s: mops.dkv(q, k, v, q, rows, rows, plan(u, s),
+                                                          template=t, scale=0.1,
+                                                          interpret=False),
+                          q, kv, kv, units, steps)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_gathering_dkv_lowers_for_cuda(skip):
+    """The gathering dk/dv kernel (Q / dO tiles and lse / delta vectors by 32-row copies; with
+    warpgroup skipping) lowers for an abstract H200."""
+    from pallas_kernels import templates as T
+
+    assert "mosaic_gpu" in _dkv_lower(_skip_template() if skip
+                                      else T.get("mgpu_q128_kv128_s2_gather"))
+
+
+def test_dkv_gather_check_reads_only_visited_rows():
+    """``check_dkv_gathers`` looks at the rows units visit: a bitmap step's word rows may hold
+    a gather flag's bits in their cuts_b column (the compiled check of a skipping gather
+    template on the H200 was refused by that, session 19). Every dk/dv candidate of that
+    case passes the kernel's check; a gathered 8-query plan is still refused."""
+    import zlib
+
+    from pallas_kernels import contract
+    from pallas_kernels.mosaic import backward as mb
+    from tessera_jax.runtime import host_plans
+    from tessera_jax.tools import gpu_check
+
+    name = "mgpu_q128_kv128_s2_gather_skip_nopp-host-D128"
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    L = int(rng.integers(700, 1500))
+    qb, blocks = gpu_check._mask_parts(rng, L, 4, "host")
+    fwd = tj.plan(tj.BlockMask(qb, qb, blocks), (1, L, 4, 128), (1, L, 2, 128), jnp.bfloat16,
+                  template="mgpu_q128_kv128_s2_gather_skip_nopp")
+    cands = [c for c, _ in host_plans.dkv_candidates(fwd, "mosaic_gpu")]
+    flagged = 0
+    for c in cands:
+        st = np.asarray(c.steps)
+        flagged += int((abi.is_gather(st[:, abi.STEP_CUTS_B])
+                        & ~abi.visited_rows(c.units, len(st))).any())
+        contract.check_dkv_gathers(c, mb.DKV_GATHER_RUN)
+    assert flagged, "no candidate has a flagged word row: the test would not catch the bug"
+    tm = host_plans.transposed_mask(tj.BlockMask(qb, qb, blocks))
+    p8 = planner.build_plan(tm, (1, L, 4, 128), (1, L, 4, 128), jnp.bfloat16, tile_q=128,
+                            tile_kv=64, policy="gather", q_align=8, kv_align=8)
+    assert p8.stats()["gather_steps"] > 0
+    with pytest.raises(ValueError, match="runs of 32"):
+        contract.check_dkv_gathers(p8, mb.DKV_GATHER_RUN)
+
+
+def test_stage_tx_spike_lowers_for_cuda(monkeypatch):
+    """The stage-wide expected-bytes spike (benchmarks/spikes/stage_tx.py: jax's own copy
+    lowering without the lanes' arrivals, one warp's arrivals for a stage) lowers for an
+    abstract H200, with and without skipping, and changes the kernel it lowers to."""
+    from pathlib import Path
+    from pallas_kernels import templates as T
+    from pallas_kernels.mosaic import ops as mops
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    monkeypatch.syspath_prepend(bench)
+    before = _lower(mops, T.get("mgpu_q128_kv128_s2_gather"), "forward", "mosaic_gpu")
+    from spikes import stage_tx
+    stage_tx.install(setattr=monkeypatch.setattr, setitem=monkeypatch.setitem)
+    for name in ("spike_stage_tx", "spike_stage_tx_skip"):
+        _lower(mops, T.get(name), "forward", "mosaic_gpu")
+    after = _lower(mops, T.get("mgpu_q128_kv128_s2_gather"), "forward", "mosaic_gpu")
+    assert after != before
+
+
+def test_gathered_copies_refuse_misaligned_smem():
+    """A gathered stage whose copies land at SMEM offsets that are not multiples of 128 bytes
+    (8-query lse / delta copies: 32 bytes) is refused when the kernel is traced: the H200
+    faulted on it (CUDA_ERROR_MISALIGNED_ADDRESS) while interpret mode ran it."""
+    from cuda_lowering import lower_for_h200
+    from pallas_kernels.mosaic import backward as mb
+
+    sds = jax.ShapeDtypeStruct
+    L, D = 384, 128
+    q, kv = sds((1, L, 4, D), jnp.bfloat16), sds((1, L, 2, D), jnp.bfloat16)
+    units, steps = sds((12, abi.UNIT_COLS), jnp.int32), sds((40, abi.STEP_COLS), jnp.int32)
+    rows = sds((1, 4, L), jnp.float32)
+
+    def dkv(run):
+        return lambda q, k, v, lse, u, s: mb.dkv_call(q, k, v, q, lse, lse, u, s, tile_q=128,
+                                                      mode="cond", scale=0.1, interpret=False,
+                                                      gather_run=run)
+    with pytest.raises(ValueError, match="multiples of 128 bytes"):
+        lower_for_h200(dkv(8), q, kv, kv, rows, units, steps)
+    assert "mosaic_gpu" in lower_for_h200(dkv(mb.DKV_GATHER_RUN), q, kv, kv, rows, units, steps)
+
+
+def _lower(ops, t, pass_, family):
+    """Forward or dq of template ``t`` lowered for an abstract H200 (``interpret=False``),
+    with traced plan arrays: the text names the family's custom call."""
+    from cuda_lowering import lower_for_h200
+
+    sds = jax.ShapeDtypeStruct
+    L, D = 384, 128
+    q, kv = sds((1, L, 4, D), jnp.bfloat16), sds((1, L, 2, D), jnp.bfloat16)
+    units, steps = sds((12, abi.UNIT_COLS), jnp.int32), sds((40, abi.STEP_COLS), jnp.int32)
+    plan = lambda u, s: abi.PassPlan(u, s, None, t.tile_q, t.tile_kv, L, L, 4)   # noqa: E731
+    rows = jnp.zeros((1, 4, L), jnp.float32)
+    fn = {"forward": lambda q, k, v, u, s: ops.forward(q, k, v, plan(u, s), template=t,
+                                                       scale=0.1, interpret=False),
+          "dq": lambda q, k, v, u, s: ops.dq(q, k, v, q, rows, rows, plan(u, s), template=t,
+                                             scale=0.1, interpret=False)}[pass_]
+    txt = lower_for_h200(fn, q, kv, kv, units, steps)
+    assert family in txt
+    return txt
+
+
+@pytest.mark.parametrize("which", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("pass_", ["forward", "dq"])
+def test_gathering_kernels_lower_for_cuda(which, pass_):
+    """The gathering forward and dq kernels (8-key chunks, 32-key runs, paired units) lower
+    for an abstract H200: Mosaic GPU's lowering refuses what it cannot compile (e.g. a
+    negation in warp code, a ring past shared memory) before any GPU sees it."""
+    from pallas_kernels.mosaic import ops as mops
+
+    _lower(mops, _run_templates()[which], pass_, "mosaic_gpu")
+
+
+def _triton_gather_template():
+    from pallas_kernels import templates as T
+
+    return T.get("triton_q128_kv128_w8_s3_gather")
+
+
+def test_triton_kernels_gather_by_index():
+    """The Triton forward and dq load a gathered step's keys by index: against the reference
+    and its gradient (interpret mode), GQA, f32."""
+    from pallas_kernels import backward_rows as rows
+    from pallas_kernels.triton import ops as tops
+
+    t = _triton_gather_template()
+    Lq, Lk, H, D = 264, 300, 4, 32
+    m = mask_var_clusters(Lq, H, q_mean=60, kv_mean=20, density=0.3, seed=6, kv_len=Lk)
+    p = planner.build_plan(m, (1, Lq, H, D), (1, Lk, H // 2, D), jnp.float32, tile_q=t.tile_q,
+                           tile_kv=t.tile_kv, policy="gather")
+    assert p.stats()["gather_steps"] > 0
+    ks = jax.random.split(jax.random.key(11), 4)
+    q = jax.random.normal(ks[0], (1, Lq, H, D))
+    k, v = (jax.random.normal(x, (1, Lk, H // 2, D)) for x in ks[1:3])
+    do = jax.random.normal(ks[3], (1, Lq, H, D))
+    out_ref, lse = tj.reference_attention(q, k, v, m, scale=0.2, return_lse=True)
+    dq_ref = jax.vjp(lambda q: tj.reference_attention(q, k, v, m, scale=0.2), q)[1](do)[0]
+    plan = abi.PassPlan(p.units, p.steps, None, t.tile_q, t.tile_kv, p.q_len_padded,
+                        p.kv_len_padded, p.max_steps, None)
+    out = tops.forward(q, k, v, plan, template=t, scale=0.2, interpret=True)
+    np.testing.assert_allclose(out, _ref64(q, k, v, m, 0.2), atol=2e-5)
+    delta = jnp.einsum("bqhd,bqhd->bhq", out_ref, do)
+    dq = tops.dq(q, k, v, do, rows.lse_for_backward(lse), delta, plan, template=t, scale=0.2,
+                 interpret=True)
+    np.testing.assert_allclose(dq, dq_ref, atol=5e-5)
+
+
+@pytest.mark.parametrize("pass_", ["forward", "dq"])
+def test_triton_gather_lowers_for_cuda(pass_):
+    from pallas_kernels.triton import ops as tops
+
+    _lower(tops, _triton_gather_template(), pass_, "triton")
+
+
+def test_acceptance_summary_keys_and_merge(tmp_path):
+    """``benchmarks/gather_acceptance``: the summary's minima and maxima over families,
+    routes and grids, each ratio within one run; a failed check leaves its row out; merged
+    runs keep the extreme of each key."""
+    import json
+    import gather_acceptance as GA
+
+    def row(grid, fam, route, ms, eff, ok=True):
+        return dict(grid=grid, family=fam, route=route, ms=ms, efficiency=eff, ok=ok)
+
+    rows = [row("a", "clusters", "host", 2.0, 0.7), row("a", "clusters", "device", 2.2, 0.64),
+            row("a", "clusters", "perhead", 2.4, 0.6), row("a", "clusters", "fwd_bwd", 9.0, 0.66),
+            row("a", "cubes", "host", 1.0, 0.9), row("a", "cubes", "device", 0.5, 0.3, ok=False),
+            row("a", "aligned", "fwd_bwd", 1.0, 0.1)]
+    s = GA.summarize(rows)
+    assert s["efficiency_clusters_min"] == 0.64 and s["efficiency_cubes_min"] == 0.9
+    assert s["device_vs_host_max"] == pytest.approx(1.1)
+    assert s["perhead_bounds_vs_shared_max"] == pytest.approx(1.2)
+    assert s["fwd_bwd_efficiency_irregular_min"] == 0.66      # aligned is not irregular
+    other = GA.summarize([row("b", "clusters", "host", 1.0, 0.8),
+                          row("b", "clusters", "device", 1.5, 0.5)])
+    paths = []
+    for i, summ in enumerate((s, other)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps({"summary": summ, "rows": []}))
+    GA.merge([str(p) for p in paths], str(tmp_path / "m.json"))
+    m = json.loads((tmp_path / "m.json").read_text())["summary"]
+    assert m["efficiency_clusters_min"] == 0.5 and m["device_vs_host_max"] == 1.5

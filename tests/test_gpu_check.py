@@ -39,3 +39,54 @@ def test_unknown_route_is_refused():
     with pytest.raises(ValueError, match="route"):
         gpu_check.check_case(np.random.default_rng(0), D=32, Hq=1, Hkv=1, route="elsewhere",
                              options={})
+
+
+@pytest.mark.parametrize("case", [c for c in gpu_check.cases(["mosaic_gpu", "triton"])
+                                  if c[0].startswith(("mgpu_", "triton_")) and "gather" in c[0]],
+                         ids=lambda c: c[0])
+def test_gathering_cases_run_gathered_steps(case):
+    """A gathering template's case draws its mask as ``check_case`` does (the test's seed,
+    then L, then clusters) and plans it: the forward plan, and the dk/dv plan where the case
+    forces the gathered one, hold gathered steps, so the compiled check runs them (random
+    blocks gave none: the gather policy fell back to split)."""
+    import zlib
+
+    import jax.numpy as jnp
+    import tessera_jax as tj
+    from tessera_jax.runtime import host_plans
+
+    name, options, route, D, Hq, Hkv = case
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    L = int(rng.integers(700, 1500))
+    qb, kb, blocks = gpu_check._cluster_case(rng, L, Hq)
+    assert not blocks[:, 1].any()                              # an empty query cluster
+    opts = options.get("options") or tj.Options()
+    p = tj.plan(tj.BlockMask(qb, kb, blocks), (1, L, Hq, D), (1, L, Hkv, D), jnp.bfloat16,
+                template=options["template"], options=opts)
+    assert p.stats()["gather_steps"] > 0
+    if name.startswith("mgpu_"):
+        assert opts.dkv_policies == ("gather32",) and opts.paired_dkv_policy is None
+        d = host_plans.dkv_plan(p, options=opts)
+        assert d.policy == "gather32" and d.stats()["gather_steps"] > 0
+
+
+def test_gathered_dkv_policy_needs_a_gathering_kernel():
+    """``Options.dkv_policies`` may name gather32; a template whose dk/dv kernel does not
+    gather refuses it, naming the option."""
+    import jax.numpy as jnp
+    import tessera_jax as tj
+    from pallas_kernels import templates
+    from tessera_jax.runtime import host_plans
+
+    opts = tj.Options(dkv_policies=("gather32",), paired_dkv_policy=None)
+    with pytest.raises(ValueError, match="dkv_policies"):
+        tj.Options(dkv_policies=("gather",))
+    m = tj.BlockMask(np.array([0, 128, 256]), np.array([0, 128, 256]),
+                     np.array([[True, False], [True, True]]))
+    for t in ("mgpu_q128_kv128_s2_hm", "triton_q128_kv128_w8_s3_gather"):
+        p = tj.plan(m, (1, 256, 2, 64), (1, 256, 2, 64), jnp.bfloat16, template=t)
+        with pytest.raises(ValueError, match="Options.dkv_policies names 'gather32'"):
+            host_plans.dkv_candidates(p, templates.get(t).backend, opts)
+    p = tj.plan(m, (1, 256, 2, 64), (1, 256, 2, 64), jnp.bfloat16,
+                template="mgpu_q128_kv128_s2_gather")
+    assert [c.policy for c, _ in host_plans.dkv_candidates(p, "mosaic_gpu", opts)] == ["gather32"]

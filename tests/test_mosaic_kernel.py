@@ -441,11 +441,12 @@ def test_templates_and_kernel_configs():
     names = [t.name for t in templates.for_backend("mosaic_gpu")]
     assert names == ["mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm",
                      "mgpu_q128_kv64_s2_skip", "mgpu_q64x2pp_kv64_s2_hm",
-                     "mgpu_q128_kv128_s2_gather"]
-    gather = templates.get("mgpu_q128_kv128_s2_gather")
-    assert gather.kernel.gather and gather.policy == "gather"
+                     "mgpu_q128_kv128_s2_gather", "mgpu_q128_kv128_s2_gather_skip_nopp"]
     for t in templates.for_backend("mosaic_gpu"):
-        if t is gather:
+        if t.kernel.gather:
+            assert t.policy == "gather" and "_gather" in t.name
+            assert t.kernel.wg_skip == ("_skip" in t.name)
+            assert t.row_group == (64 if t.kernel.wg_skip else 128)
             continue
         cfg = mosaic_kernel.KernelConfig.from_template(t)
         assert (cfg.tile_q, cfg.tile_kv, cfg.stages) == (t.tile_q, t.tile_kv, t.stages)
@@ -463,7 +464,8 @@ def test_templates_and_kernel_configs():
                 for t in templates.for_backend("mosaic_gpu")}
     assert pingpong == {"mgpu_q128_kv128_s2_hm": True, "mgpu_q128_kv64_s2_hm": True,
                         "mgpu_q64x2_kv64_s2_hm": False, "mgpu_q128_kv64_s2_skip": False,
-                        "mgpu_q64x2pp_kv64_s2_hm": True, "mgpu_q128_kv128_s2_gather": True}
+                        "mgpu_q64x2pp_kv64_s2_hm": True, "mgpu_q128_kv128_s2_gather": True,
+                        "mgpu_q128_kv128_s2_gather_skip_nopp": False}
     t = templates.get("mgpu_q128_kv64_s2_hm")
     assert mosaic_kernel.KernelConfig.from_template(t, "none").mask_mode == "none"
     with pytest.raises(ValueError, match="mosaic_gpu"):

@@ -263,9 +263,9 @@ def test_every_planner_plan_passes_check_plan():
 KEPT = {
     "mosaic_gpu": ["mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm",
                    "mgpu_q128_kv64_s2_skip", "mgpu_q64x2pp_kv64_s2_hm",
-                   "mgpu_q128_kv128_s2_gather"],
+                   "mgpu_q128_kv128_s2_gather", "mgpu_q128_kv128_s2_gather_skip_nopp"],
     "triton": ["triton_q128_kv64_w8_s3_pf_hm", "triton_q128_kv128_w8_s3_pf_hm",
-               "triton_q64_kv64_w4_s2"],
+               "triton_q64_kv64_w4_s2", "triton_q128_kv128_w8_s3_gather"],
     "xla": ["xla_64x64", "xla_128x128", "xla_64x128", "xla_128x64"],
 }
 

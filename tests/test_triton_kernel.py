@@ -293,8 +293,10 @@ def test_templates_and_template_argument():
     names = [t.name for t in templates.for_backend("triton")]
     # benchmarks/kernels.py times and checks the first Triton templates: the v2 pair.
     assert names == ["triton_q128_kv64_w8_s3_pf_hm", "triton_q128_kv128_w8_s3_pf_hm",
-                     "triton_q64_kv64_w4_s2"]
-    for t in templates.for_backend("triton"):
+                     "triton_q64_kv64_w4_s2", "triton_q128_kv128_w8_s3_gather"]
+    g = templates.get("triton_q128_kv128_w8_s3_gather")     # tests/test_gathered_steps.py
+    assert g.kernel.gather and not g.kernel.prefetch and g.policy == "gather"
+    for t in templates.for_backend("triton")[:3]:
         cfg = triton_kernel.KernelConfig.from_template(t)
         assert (cfg.tile_q, cfg.tile_kv, cfg.stages) == (t.tile_q, t.tile_kv, t.stages)
         assert cfg.variant is t.kernel and cfg.mask_mode == "cond"

@@ -40,8 +40,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import abi
 from pallas_kernels import step_masks
 from pallas_kernels.contract import LOG2E
-from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask, grid_mask,
-                                          iota)
+from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask,
+                                          gather_produce, gather_vectors, grid_mask, iota,
+                                          load_gathered, rows_of)
 
 __all__ = ["dq_call", "dkv_call", "DKV_TILES", "DKV_PAIRED_TILES", "STAGES",
            "smem_bytes"]
@@ -52,27 +53,34 @@ DKV_TILES = (CONSUMERS * WG_ROWS, 64, ALIGN, ALIGN)
 #: Paired dk/dv units: 64 keys each, two per CTA, each warpgroup streaming its own unit's
 #: queries (two Q/dO rings): for key blocks of <= 64 tokens, as the forward's q64x2.
 DKV_PAIRED_TILES = (WG_ROWS, 64, ALIGN, ALIGN)
+#: Queries one copy of a gathered dk/dv stage loads: 32, so each copy of lse / delta (f32) is
+#: 128 bytes, TMA's SMEM alignment (8-query copies put lse at 32-byte offsets: the H200 raised
+#: CUDA_ERROR_MISALIGNED_ADDRESS, benchmarks/NOTES.md#gathered-steps).
+DKV_GATHER_RUN = 32
 
 
-def smem_bytes(kernel: str, tile_kv: int, head_dim: int, rings: int = 1) -> int:
+def smem_bytes(kernel: str, tile_kv: int, head_dim: int, rings: int = 1,
+               stages: int = STAGES) -> int:
     """SMEM of one CTA (bytes, 2-byte inputs): ``dq``: Q and dO tiles, lse / delta rows and
-    the K/V ring(s) of ``tile_kv`` keys; ``dkv``: K and V tiles, the Q/dO ring and its lse /
-    delta rows. Barriers and alignment add ~3 KB."""
+    the K/V ring(s) of ``tile_kv`` keys (``stages`` slots each); ``dkv``: K and V tiles, the
+    Q/dO ring and its lse / delta rows. Barriers and alignment add ~3 KB."""
     rows = CONSUMERS * WG_ROWS
     if kernel == "dq":
-        return 2 * (2 * rows * head_dim + 2 * rings * STAGES * tile_kv * head_dim) \
+        return 2 * (2 * rows * head_dim + 2 * rings * stages * tile_kv * head_dim) \
             + 8 * rows + 3072
     return 2 * (2 * rows * head_dim + 2 * rings * STAGES * DKV_TILES[1] * head_dim) \
         + 8 * rings * STAGES * DKV_TILES[1] + 3072
 
 
 # --- shared pieces ---------------------------------------------------------------------------
-def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x):
+def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x, gather=False):
     """Scores ``x`` [64, tile_kv] of this warpgroup's rows (tile rows row0 .. row0 + 63) with
     -inf where step ``s`` selects nothing (``abi.step_mask``): every kind as one test
     ``row_bits[r] & col_bit[c] != 0`` of a row vector and a column vector (a plain step: 1
     inside its rectangle; a grid step: its cell row / 1 << key segment, ``abi.grid_mask``; a
-    bitmap step: its row words / 1 << c % 32 per word column). Mode "cond" skips full steps."""
+    bitmap step: its row words / 1 << c % 32 per word column), and with ``gather`` a gathered
+    step as a key bias plus a row bias (0 / -inf, ``common.gather_vectors``). Mode "cond"
+    skips full steps."""
     if mode == "none":
         return x
     rect = steps[s, abi.STEP_RECT]
@@ -94,12 +102,34 @@ def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x):
     def bitmap(x):
         return bitmap_mask(words, steps[s, abi.STEP_CUTS_A], row0, tile_q, tile_kv, cols, x)
 
+    def gathered(x):
+        keys, rws = gather_vectors(words, steps[s, abi.STEP_CUTS_A], row0, tile_kv)
+        x = x + bcast(jnp.where(keys, 0.0, -jnp.inf), x.shape, 1)
+        return x + bcast(jnp.where(rws, 0.0, -jnp.inf), x.shape, 0)
+
     kind = step_masks.step_kind(cuts_b)
-    masked = lambda x: lax.switch(kind, [plain, grid, bitmap], x)      # noqa: E731
+    branches = [plain, grid, bitmap]
+    if gather:
+        branches.append(gathered)
+        kind = jnp.where(abi.is_gather(cuts_b), 3, kind)
+    masked = lambda x: lax.switch(kind, branches, x)      # noqa: E731
     if mode == "cond":
         full = step_masks.rows_full(q_lo, q_hi, kv_lo, kv_hi, cuts_b, WG_ROWS, tile_kv)
+        if gather:
+            full = full | (cuts_b == abi.GATHER_FULL_FLAG)
         return lax.cond(full, lambda x: x, masked, x)
     return masked(x)
+
+
+def _skipping(c, s, row0, compute, skip, state):
+    """``compute(state)`` for step ``s``, or with ``c.wg_skip`` ``skip(state)`` (only the
+    slot's releases: the data barriers were waited for, so releases keep the ring's phases)
+    when the step's rectangle misses this warpgroup's 64 rows (tile rows row0 ..)."""
+    if not c.wg_skip:
+        return compute(state)
+    q_lo, q_hi = abi.unpack_rect(c.steps[s, abi.STEP_RECT])[:2]
+    active = (q_lo < row0 + WG_ROWS) & (q_hi > row0) & (q_lo < q_hi)
+    return lax.cond(active, compute, skip, state)
 
 
 def _mma(a_smem, b_smem_t, shape):
@@ -126,6 +156,7 @@ def _mma_acc(acc, a_regs, b_smem, interpret):
 # operands in HBM.
 _SHARED_FIELDS = [
     ("paired", bool),
+    ("wg_skip", bool),  # a warpgroup skips the steps whose rectangle misses its 64 rows
     ("num_units", int),
     ("mode", str),
     ("num_steps", int),
@@ -150,6 +181,8 @@ _SHARED_FIELDS = [
 _Dq = NamedTuple("_Dq", [
     ("tile_q", int),
     ("tile_kv", int),
+    ("gather_run", int),  # keys a copy of a gathered stage loads (0: steps are runs of keys)
+    ("stages", int),      # K/V ring slots per ring
     ("dq", Any),
     ("q_smem", Any),
     ("do_smem", Any),
@@ -220,8 +253,8 @@ def _produce(c, load, drain):
             drain(_slot(g, ring))
 
 
-def _slot(g, ring):
-    return lax.rem(g, jnp.array(STAGES, g.dtype)) + ring * STAGES
+def _slot(g, ring, stages: int = STAGES):
+    return lax.rem(g, jnp.array(stages, g.dtype)) + ring * stages
 
 
 def _dq_consumer(c: _Dq, wg):
@@ -245,19 +278,29 @@ def _dq_consumer(c: _Dq, wg):
     shape = (WG_ROWS, c.tile_kv)
 
     def step(i, acc):
-        slot = _slot(i, ring)
+        slot = _slot(i, ring, c.stages)
         s_row = jnp.minimum(ptr + i, c.num_steps - 1)
         plgpu.barrier_wait(c.k_bar.at[slot])
         plgpu.barrier_wait(c.v_bar.at[slot])
-        s = _mma(q_smem, c.k_smem.at[slot], shape)
-        dp = _mma(do_smem, c.v_smem.at[slot], shape)
-        plgpu.barrier_arrive(c.v_consumed.at[slot])
-        s = _masked(c.steps, c.words, s_row, row0, c.tile_q, c.tile_kv, c.mode, s)
-        p = jnp.exp2(s * c.qk_scale - bcast(lse2, shape, 0))
-        ds = p * (dp - bcast(delta, shape, 0))
-        acc = _mma_acc(acc, ds.astype(c.dtype), c.k_smem.at[slot], c.interpret)
-        plgpu.barrier_arrive(c.k_consumed.at[slot])
-        return acc
+
+        def compute(acc):
+            s = _mma(q_smem, c.k_smem.at[slot], shape)
+            dp = _mma(do_smem, c.v_smem.at[slot], shape)
+            plgpu.barrier_arrive(c.v_consumed.at[slot])
+            s = _masked(c.steps, c.words, s_row, row0, c.tile_q, c.tile_kv, c.mode, s,
+                        gather=c.gather_run > 0)
+            p = jnp.exp2(s * c.qk_scale - bcast(lse2, shape, 0))
+            ds = p * (dp - bcast(delta, shape, 0))
+            acc = _mma_acc(acc, ds.astype(c.dtype), c.k_smem.at[slot], c.interpret)
+            plgpu.barrier_arrive(c.k_consumed.at[slot])
+            return acc
+
+        def skip(acc):
+            plgpu.barrier_arrive(c.v_consumed.at[slot])
+            plgpu.barrier_arrive(c.k_consumed.at[slot])
+            return acc
+
+        return _skipping(c, s_row, row0, compute, skip, acc)
 
     acc = plgpu.layout_cast(jnp.full((WG_ROWS, c.head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
     acc = lax.fori_loop(0, cnt, step, acc)
@@ -272,6 +315,10 @@ def _dq_consumer(c: _Dq, wg):
 
 
 def _dq_producer(c: _Dq):
+    if c.gather_run:
+        _dq_gather_producer(c)
+        return
+
     def load(slot, i, b, head, kv_start):
         src = (b, pl.ds(kv_start, c.tile_kv), lax.div(head, jnp.array(c.group, head.dtype)))
 
@@ -292,15 +339,51 @@ def _dq_producer(c: _Dq):
     _produce(c, load, drain)
 
 
+def _dq_gather_producer(c: _Dq):
+    """The dq producer of a gathering plan: each ring's unit's K/V stages by runs of
+    ``gather_run`` keys (``common.load_gathered``; ``_gather_produce``)."""
+    def load(b, head, starts, slot, wait):
+        load_gathered(rows_of((c.k, c.v), b, lax.div(head, jnp.array(c.group, head.dtype))),
+                      (c.k_smem, c.v_smem), (c.k_bar, c.v_bar), (c.k_consumed, c.v_consumed),
+                      starts, c.gather_run, slot, wait)
+
+    def drain(slot):
+        plgpu.barrier_wait(c.k_consumed.at[slot])
+        plgpu.barrier_wait(c.v_consumed.at[slot])
+
+    _gather_produce(c, c.tile_kv, c.stages, load, drain)
+
+
+def _gather_produce(c, tile: int, stages: int, load, drain):
+    """The producer warpgroup of a gathering plan (both kernels): ``common.gather_produce``
+    over each ring's unit (two when paired)."""
+    plgpu.set_max_registers(40, action="decrease")
+    streams = []
+    for ring in range(2 if c.paired else 1):
+        _, b, head, _, ptr, cnt, _ = _unit(c, ring)
+        streams.append((b, head, ptr, cnt))
+    gather_produce(streams, c.steps, c.words, c.num_steps, tile, c.gather_run, stages, load,
+                   drain)
+
+
 def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paired, mode,
-             scale, interpret):
+             scale, interpret, gather_run: int = 0, stages: int = STAGES, wg_skip: bool = False):
+    """dQ per unit [B, U, tile_q, D] over the forward plan; ``gather_run``: keys a copy loads
+    on gathered steps (0: a plan without them, one copy a stage); ``stages``: K/V ring slots
+    per ring (a gathering producer's; the other keeps STAGES); ``wg_skip``: a warpgroup skips
+    the steps whose rectangle misses its rows (tile_q 128)."""
+    if wg_skip and paired:
+        raise ValueError("dq_call: wg_skip needs two warpgroups on one unit (not paired)")
+    if not gather_run and stages != STAGES:
+        raise ValueError(f"dq_call: stages={stages} needs a gathering producer (gather_run)")
     B, _, Hq, D = q.shape
     Hkv = k.shape[2]
     U = units.shape[0]
     dtype = q.dtype
     rings = 2 if paired else 1
-    slots = rings * STAGES
-    static = dict(tile_q=tile_q, tile_kv=tile_kv, paired=paired, mode=mode, num_units=U,
+    slots = rings * stages
+    static = dict(tile_q=tile_q, tile_kv=tile_kv, gather_run=gather_run, stages=stages,
+                  paired=paired, wg_skip=wg_skip, mode=mode, num_units=U,
                   num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
                   qk_scale=float(scale) * LOG2E, scale=float(scale), interpret=interpret)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -325,7 +408,9 @@ def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paire
              plgpu.SMEM((slots, tile_kv, D), dtype, transforms=tr),
              plgpu.SMEM((slots, tile_kv, D), dtype, transforms=tr)),
             (plgpu.Barrier(num_barriers=CONSUMERS),) * 4,
-            (plgpu.Barrier(num_barriers=slots),) * 2,
+            # A gathering producer arrives once per copy.
+            (plgpu.Barrier(num_arrivals=tile_kv // gather_run if gather_run else 1,
+                           num_barriers=slots),) * 2,
             # A slot is free once every warpgroup reading it is done with it.
             (plgpu.Barrier(num_arrivals=1 if paired else CONSUMERS, num_barriers=slots),) * 2,
             collective_axes="wg",
@@ -343,6 +428,7 @@ def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paire
 # --- dk, dv ----------------------------------------------------------------------------------
 _Dkv = NamedTuple("_Dkv", [
     ("tile_q", int),
+    ("gather_run", int),  # queries a copy of a gathered stage loads (0: steps are runs)
     ("dk", Any),
     ("dv", Any),
     ("k_smem", Any),  # [CONSUMERS, 64, D]: K in, dK out
@@ -373,23 +459,32 @@ def _dkv_consumer(c: _Dkv, wg):
     shape = (WG_ROWS, tile_kv)
 
     def step(i, carry):
-        dk, dv = carry
         slot = _slot(i, ring)
         s_row = jnp.minimum(ptr + i, c.num_steps - 1)
         for bar in c.ring_bars:
             plgpu.barrier_wait(bar.at[slot])
-        q_s, do_s = c.q_smem.at[slot], c.do_smem.at[slot]
-        st = _mma(k_smem, q_s, shape)                               # S^T [keys, queries]
-        st = _masked(c.steps, c.words, s_row, row0, tile_q, tile_kv, c.mode, st)
-        lse2 = plgpu.load(c.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        pt = jnp.exp2(st * c.qk_scale - bcast(lse2, shape, 1))
-        dpt = _mma(v_smem, do_s, shape)
-        dv = _mma_acc(dv, pt.astype(c.dtype), do_s, c.interpret)
-        delta = plgpu.load(c.delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        dst = pt * (dpt - bcast(delta, shape, 1))
-        dk = _mma_acc(dk, dst.astype(c.dtype), q_s, c.interpret)
-        plgpu.barrier_arrive(c.consumed.at[slot])
-        return dk, dv
+
+        def compute(carry):
+            dk, dv = carry
+            q_s, do_s = c.q_smem.at[slot], c.do_smem.at[slot]
+            st = _mma(k_smem, q_s, shape)                           # S^T [keys, queries]
+            st = _masked(c.steps, c.words, s_row, row0, tile_q, tile_kv, c.mode, st,
+                         gather=c.gather_run > 0)
+            lse2 = plgpu.load(c.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            pt = jnp.exp2(st * c.qk_scale - bcast(lse2, shape, 1))
+            dpt = _mma(v_smem, do_s, shape)
+            dv = _mma_acc(dv, pt.astype(c.dtype), do_s, c.interpret)
+            delta = plgpu.load(c.delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            dst = pt * (dpt - bcast(delta, shape, 1))
+            dk = _mma_acc(dk, dst.astype(c.dtype), q_s, c.interpret)
+            plgpu.barrier_arrive(c.consumed.at[slot])
+            return dk, dv
+
+        def skip(carry):
+            plgpu.barrier_arrive(c.consumed.at[slot])
+            return carry
+
+        return _skipping(c, s_row, row0, compute, skip, carry)
 
     zeros = plgpu.layout_cast(jnp.full((WG_ROWS, c.head_dim), 0, jnp.float32),
                               plgpu.Layout.WGMMA)
@@ -409,6 +504,10 @@ def _dkv_consumer(c: _Dkv, wg):
 
 
 def _dkv_producer(c: _Dkv):
+    if c.gather_run:
+        _dkv_gather_producer(c)
+        return
+
     def load(slot, i, b, head, q_start):
         cols = pl.ds(q_start, DKV_TILES[1])
 
@@ -425,7 +524,25 @@ def _dkv_producer(c: _Dkv):
     _produce(c, load, lambda slot: plgpu.barrier_wait(c.consumed.at[slot]))
 
 
-def dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, interpret):
+def _dkv_gather_producer(c: _Dkv):
+    """The dk/dv producer of a gathering plan (units of keys, steps of gathered queries): each
+    ring's unit's Q, dO, lse and delta stages by runs of ``gather_run`` queries
+    (``common.load_gathered``; one slot-free wait for the four; ``_gather_produce``)."""
+    def load(b, head, starts, slot, wait):
+        views = rows_of((c.q, c.do), b, head) + rows_of((c.lse, c.delta), b, head,
+                                                         token_major=False)
+        load_gathered(views, (c.q_smem, c.do_smem, c.lse_smem, c.delta_smem), c.ring_bars,
+                      (c.consumed, None, None, None), starts, c.gather_run, slot, wait)
+
+    _gather_produce(c, DKV_TILES[1], STAGES, load,
+                    lambda slot: plgpu.barrier_wait(c.consumed.at[slot]))
+
+
+def dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, interpret,
+             gather_run: int = 0, wg_skip: bool = False):
+    """(dK, dV) per unit [B, U, tile_q, D] over the dk/dv plan; ``gather_run``: queries a copy
+    loads on gathered steps (0: a plan without them, one copy a stage); ``wg_skip``: a
+    warpgroup skips the steps whose rectangle misses its 64 keys (128-key units)."""
     B, _, Hq, D = q.shape
     Hkv = k.shape[2]
     U = units.shape[0]
@@ -433,7 +550,8 @@ def dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, int
     tile_kv = DKV_TILES[1]
     paired = tile_q == WG_ROWS
     slots = (2 if paired else 1) * STAGES
-    static = dict(tile_q=tile_q, paired=paired, num_units=U, mode=mode,
+    static = dict(tile_q=tile_q, gather_run=gather_run, paired=paired,
+                  wg_skip=wg_skip and not paired, num_units=U, mode=mode,
                   num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
                   qk_scale=float(scale) * LOG2E, scale=float(scale), interpret=interpret)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -457,7 +575,9 @@ def dkv_call(q, k, v, do, lse2, delta, units, steps, *, tile_q, mode, scale, int
              plgpu.SMEM((slots, tile_kv), jnp.float32),
              plgpu.SMEM((slots, tile_kv), jnp.float32)),
             (plgpu.Barrier(num_barriers=CONSUMERS),) * 2,
-            (plgpu.Barrier(num_barriers=slots),) * 4,
+            # A gathering producer arrives once per copy.
+            (plgpu.Barrier(num_arrivals=tile_kv // gather_run if gather_run else 1,
+                           num_barriers=slots),) * 4,
             # A slot is free once every warpgroup reading it is done with it.
             plgpu.Barrier(num_arrivals=1 if paired else CONSUMERS, num_barriers=slots),
             collective_axes="wg",

@@ -1,18 +1,23 @@
-"""Constants, register-layout helpers and the grid / bitmap step masks shared by the Mosaic GPU
-kernels (``kernel``: the forward, ``backward``: dq and dk/dv)."""
+"""Constants, register-layout helpers, the grid / bitmap / gathered step masks and the gathered
+stage loads shared by the Mosaic GPU kernels (``kernel``: the forward, ``backward``: dq and
+dk/dv)."""
 
 from __future__ import annotations
+
+import functools
+import math
 
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import step_masks
+from pallas_kernels import abi, step_masks
 
 WG_ROWS = 64                       # rows per consumer warpgroup (one wgmma M tile)
 CONSUMERS = 2                      # consumer warpgroups; the producer is warpgroup CONSUMERS
 ALIGN = 8                          # q_start / kv_start alignment (rows of one SMEM tile)
+TMA_SMEM_ALIGN = 128               # bytes: a TMA copy's SMEM destination
 
 
 def iota(n: int, dim: int):
@@ -46,3 +51,104 @@ def bitmap_mask(words, off, row0, tile_q: int, tile_kv: int, cols, x):
 
     hit = step_masks.bitmap_hits(load, bcast, cols, x.shape, tile_kv)
     return jnp.where(hit != 0, x, -jnp.inf)
+
+
+def gather_vectors(words, off, row0, tile_kv: int):
+    """(key bool [tile_kv] in the column layout, row bool [64] in the row layout) of a
+    gathered step whose words start at ``off`` in ``words`` (``abi.pack_gather``: chunk
+    starts, key bits, row bits), for the warpgroup of tile rows row0 .. row0 + 63."""
+    G, W = abi.gather_chunks(tile_kv), abi.bitmap_words(tile_kv)
+    kw = off + G
+    rw = kw + W + row0 // abi.WORD_BITS              # the warpgroup's two row words
+
+    def bits_on(first, iota_, n):
+        # The bitmap decoder on a vector: word j's scalar against the bit of each index.
+        return step_masks.bitmap_hits(lambda j: words[first + j], lambda v, shape, dim: v,
+                                      iota_, iota_.shape, n) != 0
+
+    return bits_on(kw, iota(tile_kv, 0), tile_kv), bits_on(rw, iota(WG_ROWS, 1), WG_ROWS)
+
+
+def copy_starts(steps, words, s, tile_kv: int, run: int):
+    """The first key of each copy of step ``s``'s K/V stage (``run`` keys each, a multiple of
+    abi.GATHER_ROWS): from the step's words (a gathered step) or kv_start + run j."""
+    m = run // abi.GATHER_ROWS
+    kv_start = steps[s, abi.STEP_KV_START]
+    gathered = abi.is_gather(steps[s, abi.STEP_CUTS_B])
+    off = jnp.where(gathered, steps[s, abi.STEP_CUTS_A], 0)
+    return tuple(jnp.where(gathered, words[off + j * m], kv_start + j * run)
+                 for j in range(tile_kv // run))
+
+
+def rows_of(refs, b, head, token_major: bool = True):
+    """For each ref, a function of a ``pl.ds`` of rows -> those rows of batch ``b`` and head
+    ``head``: refs [B, L, H, D] (``token_major``) or row vectors [B, H, L] (lse, delta)."""
+    if token_major:
+        return tuple(functools.partial(lambda ref, rows: ref.at[b, rows, head], r) for r in refs)
+    return tuple(functools.partial(lambda ref, rows: ref.at[b, head, rows], r) for r in refs)
+
+
+def load_gathered(views, smems, bars, consumed, starts, run: int, slot, wait):
+    """A gathering producer's stages of one step: for each ``views[i]`` (a function of a
+    ``pl.ds`` of rows -> the GMEM ref's rows, e.g. K's of one batch and head, or a row vector
+    of lse), one TMA copy per run of ``run`` rows at ``starts`` (``copy_starts``) into
+    ``smems[i].at[slot]``, copy j issued by warp j % 4 (one issuing thread is too slow for 16
+    copies a step); each stage once ``consumed[i].at[slot]`` says the slot is free (when
+    ``wait``; None: the stage shares the previous one's); ``bars[i].at[slot]`` expects
+    tile / run arrivals."""
+    starts = [pl.multiple_of(x, ALIGN) for x in starts]
+    for smem in smems:
+        row_bytes = math.prod(smem.shape[2:]) * jnp.dtype(smem.dtype).itemsize
+        if run * row_bytes % TMA_SMEM_ALIGN:
+            raise ValueError(f"load_gathered: copies of {run} rows of {row_bytes} bytes land at "
+                             f"SMEM offsets that are not multiples of {TMA_SMEM_ALIGN} bytes "
+                             "(TMA's alignment: the GPU faults with a misaligned address)")
+    for view, smem, bar, done in zip(views, smems, bars, consumed):
+        if done is not None:
+            @pl.when(wait)
+            def _(done=done):
+                plgpu.barrier_wait(done.at[slot])
+
+        def issue(w, view=view, smem=smem, bar=bar):
+            for j in range(len(starts)):
+                pl.when(w == j % 4)(functools.partial(
+                    plgpu.copy_gmem_to_smem, view(pl.ds(starts[j], run)),
+                    smem.at[slot, pl.ds(j * run, run)], bar.at[slot]))
+
+        plgpu.warp_map(issue)
+
+
+def gather_produce(streams, steps, words, num_steps: int, tile: int, run: int, stages: int,
+                   load, drain_slot):
+    """The producer loop of a gathering kernel (forward, dq, dk/dv): ``streams`` holds per
+    ring (b, head, step_ptr, step_count) of its unit; step i of each ring's unit by
+    ``load(b, head, starts, slot, wait)`` (``starts``: its copies' first rows,
+    ``copy_starts`` of ``tile`` rows in runs of ``run``; ``wait``: the slot was used before),
+    the next step's starts read while the current copies wait for their slot (the two
+    dependent GMEM reads of a gathered step's starts stay off the path from a released slot to
+    its next copies: with one slot per ring they cost 0.94 -> 0.75 of cuDNN's rate,
+    benchmarks/NOTES.md#gathered-steps); then ``drain_slot(slot)`` on each ring's last
+    ``stages`` slots, so every barrier phase is waited for before the barriers go away."""
+    def slot(g, ring):
+        return lax.rem(g, jnp.array(stages, g.dtype)) + ring * stages
+
+    def next_starts(ptr, cnt, i):
+        # Clamped: past a unit's last step the read is of a real row, and unused.
+        return copy_starts(steps, words, jnp.minimum(
+            ptr + jnp.minimum(i, jnp.maximum(cnt - 1, 0)), num_steps - 1), tile, run)
+
+    def body(i, carry):
+        out = []
+        for ring, ((b, head, ptr, cnt), starts) in enumerate(zip(streams, carry)):
+            pl.when(i < cnt)(functools.partial(load, b, head, starts, slot(i, ring),
+                                               i >= stages))
+            out.append(next_starts(ptr, cnt, i + 1))
+        return tuple(out)
+
+    total = functools.reduce(jnp.maximum, [cnt for _, _, _, cnt in streams])
+    lax.fori_loop(0, total, body, tuple(next_starts(ptr, cnt, jnp.int32(0))
+                                        for _, _, ptr, cnt in streams))
+    for ring, (_, _, _, cnt) in enumerate(streams):
+        @pl.loop(jnp.maximum(cnt - stages, 0), cnt)
+        def _(g, ring=ring):
+            drain_slot(slot(g, ring))

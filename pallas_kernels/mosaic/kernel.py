@@ -42,8 +42,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import abi as plan_abi
 from pallas_kernels import step_masks
 from pallas_kernels.contract import LN2, LOG2E, MASK_MODES
-from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask, grid_mask,
-                                          iota)
+from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask,
+                                          gather_produce, gather_vectors, grid_mask, iota,
+                                          load_gathered, rows_of)
 from pallas_kernels.templates import CompiledConfig, MosaicConfig
 
 __all__ = ["KernelConfig", "forward", "smem_bytes", "MASK_MODES", "MAX_SMEM"]
@@ -405,17 +406,10 @@ def _step_mask(c: _Ctx, w: _Wg, rect: _Rect, zero_rows, x):
 def _gather_mask(c: _Ctx, w: _Wg, rect: _Rect, x):
     """A gathered step's mask: its key bits as a per-key bias (0 / -inf, one add per entry)
     and this warpgroup's row bits as the softmax's row penalty (+inf: m kept, p = 0)."""
-    G, W = plan_abi.gather_chunks(c.cfg.tile_kv), plan_abi.bitmap_words(c.cfg.tile_kv)
-    kw = c.steps[rect.s, plan_abi.STEP_CUTS_A] + G
-    rw = kw + W + w.row0 // plan_abi.WORD_BITS       # this warpgroup's two row words
-
-    def bits_on(first, iota_, n):
-        # The bitmap decoder on a vector: word j's scalar against the bit of each index.
-        return step_masks.bitmap_hits(lambda j: c.words[first + j], lambda v, shape, dim: v,
-                                      iota_, iota_.shape, n) != 0
-
-    col_bias = jnp.where(bits_on(kw, iota(c.cfg.tile_kv, 0), c.cfg.tile_kv), 0.0, -jnp.inf)
-    row_pen = jnp.where(bits_on(rw, iota(WG_ROWS, 1), WG_ROWS), 0.0, jnp.inf)
+    keys, rows = gather_vectors(c.words, c.steps[rect.s, plan_abi.STEP_CUTS_A], w.row0,
+                                c.cfg.tile_kv)
+    col_bias = jnp.where(keys, 0.0, -jnp.inf)
+    row_pen = jnp.where(rows, 0.0, jnp.inf)
     return x + bcast(col_bias, x.shape, 1), row_pen
 
 
@@ -554,34 +548,23 @@ def _producer(c: _Ctx):
 
 def _gather_producer(c: _Ctx):
     """The producer of a gathering kernel: each unit's (paired: both units', in turn) steps in
-    order, the copy starts of a unit's next step read while its current step's copies wait
-    for their slot (the two dependent GMEM reads of a gathered step's starts are off the
-    path from a released slot to its next copies: with one slot per ring they cost 0.94 ->
-    0.75 of cuDNN's rate, benchmarks/NOTES.md#gathered-steps)."""
-    rings = c.cfg.rings
+    order (``common.gather_produce``)."""
     streams = []
-    for ring in range(rings):
+    for ring in range(c.cfg.rings):
         _, b, head, _, ptr, cnt, _ = _unit_of(c, ring)
         streams.append((b, lax.div(head, jnp.array(c.group, head.dtype)), ptr, cnt))
-    total = jnp.maximum(streams[0][3], streams[-1][3])
 
-    def next_starts(ptr, cnt, i):
-        # Clamped: past a unit's last step the read is of a real row, and unused.
-        return _copy_starts(c, jnp.minimum(ptr + jnp.minimum(i, jnp.maximum(cnt - 1, 0)),
-                                           c.num_steps - 1))
+    def load(b, kv_head, starts, slot, wait):
+        load_gathered(rows_of((c.k, c.v), b, kv_head), (c.k_smem, c.v_smem),
+                      (c.k_bar, c.v_bar), (c.k_consumed, c.v_consumed), starts,
+                      c.cfg.variant.gather_run, slot, wait)
 
-    def body(i, carry):
-        out = []
-        for ring, ((b, kv_head, ptr, cnt), starts) in enumerate(zip(streams, carry)):
-            pl.when(i < cnt)(functools.partial(_load_chunks, c, b, kv_head, starts, i,
-                                               _slot(c, i, ring)))
-            out.append(next_starts(ptr, cnt, i + 1))
-        return tuple(out)
+    def drain(slot):
+        plgpu.barrier_wait(c.k_consumed.at[slot])
+        plgpu.barrier_wait(c.v_consumed.at[slot])
 
-    lax.fori_loop(0, total, body, tuple(next_starts(ptr, cnt, jnp.int32(0))
-                                        for _, _, ptr, cnt in streams))
-    for ring, (_, _, _, cnt) in enumerate(streams):
-        _drain(c, ring, cnt)
+    gather_produce(streams, c.steps, c.words, c.num_steps, c.cfg.tile_kv,
+                   c.cfg.variant.gather_run, c.cfg.stages, load, drain)
 
 
 def _load(c: _Ctx, ring, b, kv_head, ptr, i, g):
@@ -602,40 +585,6 @@ def _load(c: _Ctx, ring, b, kv_head, ptr, i, g):
         plgpu.barrier_wait(c.v_consumed.at[slot])
 
     plgpu.copy_gmem_to_smem(c.v.at[src], c.v_smem.at[slot], c.v_bar.at[slot])
-
-
-def _copy_starts(c: _Ctx, s):
-    """The start of each copy of step ``s``'s K/V stage (``gather_run`` keys each): from the
-    step's words (a gathered step) or kv_start + gather_run j."""
-    A = c.cfg.variant.gather_run
-    m = A // plan_abi.GATHER_ROWS
-    kv_start = c.steps[s, plan_abi.STEP_KV_START]
-    gathered = plan_abi.is_gather(c.steps[s, plan_abi.STEP_CUTS_B])
-    off = jnp.where(gathered, c.steps[s, plan_abi.STEP_CUTS_A], 0)
-    return tuple(jnp.where(gathered, c.words[off + j * m], kv_start + j * A)
-                 for j in range(c.cfg.tile_kv // A))
-
-
-def _load_chunks(c: _Ctx, b, kv_head, starts, g, slot):
-    """A gathering producer's K and V stages of its ``g``-th step: one TMA copy per run of
-    ``gather_run`` keys (the plan's chunks come in such runs: ``abi.check_plan``) at
-    ``starts`` (``_copy_starts``), copy j issued by warp j % 4 (one issuing thread is too
-    slow for 16 copies a step)."""
-    A = c.cfg.variant.gather_run
-    starts = [pl.multiple_of(x, ALIGN) for x in starts]
-    for ref, smem, bar, consumed in ((c.k, c.k_smem, c.k_bar, c.k_consumed),
-                                     (c.v, c.v_smem, c.v_bar, c.v_consumed)):
-        @pl.when(g >= c.cfg.stages)
-        def _():
-            plgpu.barrier_wait(consumed.at[slot])
-
-        def issue(w, ref=ref, smem=smem, bar=bar):
-            for j in range(len(starts)):
-                pl.when(w == j % 4)(functools.partial(
-                    plgpu.copy_gmem_to_smem, ref.at[b, pl.ds(starts[j], A), kv_head],
-                    smem.at[slot, pl.ds(j * A, A)], bar.at[slot]))
-
-        plgpu.warp_map(issue)
 
 
 def _drain(c: _Ctx, ring, total):

@@ -51,11 +51,6 @@ def _check_tiles(plan: abi.PassPlan, *allowed) -> None:
 def run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
     """``dq`` with the mask mode ``mode``."""
     t = contract.family_template(template, BACKEND)
-    if t.kernel.gather:
-        # The dq kernel's producer loads one run of keys per step: a plan of a gathering
-        # template may hold gathered steps, whose dq runs in XLA (exact, slower) for now.
-        from pallas_kernels.xla import ops as _xla_ops
-        return _xla_ops.run_dq(q, k, v, do, lse, delta, plan, _xla_template(plan), scale)
     scale = contract.check_pass(q, k, v, plan, t, scale, do=do)
     _check_tiles(plan, (t.tile_q, t.tile_kv))
     units, steps, _, row_index_t = contract.plan_operands(plan)
@@ -63,14 +58,18 @@ def run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
                rows_.host_unit_index(plan.units, t.tile_q, int(plan.q_len_padded)),
                row_index_t, tile_q=t.tile_q, tile_kv=t.tile_kv, paired=bool(t.kernel.paired),
                q_len_padded=int(plan.q_len_padded), kv_len_padded=int(plan.kv_len_padded),
-               scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret))
+               scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret),
+               gather_run=contract.gathers(t),
+               stages=t.stages if contract.gathers(t) else _backward.STAGES,
+               wg_skip=bool(t.kernel.wg_skip))
 
 
 @functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "paired", "q_len_padded",
                                              "kv_len_padded", "scale", "mask_mode",
-                                             "interpret"))
+                                             "interpret", "gather_run", "stages", "wg_skip"))
 def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_q, tile_kv,
-        paired, q_len_padded, kv_len_padded, scale, mask_mode, interpret):
+        paired, q_len_padded, kv_len_padded, scale, mask_mode, interpret, gather_run, stages,
+        wg_skip):
     lse_u = rows_.unit_rows(rows_.pad_rows(lse * contract.LOG2E, q_len_padded, jnp.inf), units,
                             tile_q, unit_index)
     delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q,
@@ -79,13 +78,9 @@ def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_
         contract.pad(q, q_len_padded), contract.pad(k, kv_len_padded),
         contract.pad(v, kv_len_padded), contract.pad(do.astype(q.dtype), q_len_padded),
         lse_u, delta_u, units, steps, tile_q=tile_q, tile_kv=tile_kv, paired=paired,
-        mode=mask_mode, scale=scale, interpret=interpret)
+        mode=mask_mode, scale=scale, interpret=interpret, gather_run=gather_run, stages=stages,
+        wg_skip=wg_skip)
     return contract.gather_dq(dq_u, units, row_index_t, q.shape, tile_q)
-
-
-def _xla_template(plan: abi.PassPlan):
-    from pallas_kernels import templates as _templates
-    return _templates.get(f"xla_{plan.tile_q}x{plan.tile_kv}")
 
 
 def run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
@@ -94,28 +89,38 @@ def run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
     scale = contract.check_pass(q, k, v, plan, t, scale, do=do, transposed=True,
                                 aligns=_backward.DKV_TILES[2:])
     _check_tiles(plan, _backward.DKV_TILES[:2], PAIRED_DKV_TILES[:2])
+    gather_run = DKV_GATHER_RUN if contract.gathers(t) else 0
+    contract.check_dkv_gathers(plan, gather_run)
     units, steps, _, row_index_t = contract.plan_operands(plan)
     return _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, tile_q=int(plan.tile_q),
                 q_len_padded=int(plan.q_len_padded), kv_len_padded=int(plan.kv_len_padded),
-                scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret))
+                scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret),
+                gather_run=gather_run, wg_skip=bool(t.kernel.wg_skip))
 
 
 @functools.partial(jax.jit, static_argnames=("tile_q", "q_len_padded", "kv_len_padded",
-                                             "scale", "mask_mode", "interpret"))
+                                             "scale", "mask_mode", "interpret", "gather_run",
+                                             "wg_skip"))
 def _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, *, tile_q, q_len_padded,
-         kv_len_padded, scale, mask_mode, interpret):
+         kv_len_padded, scale, mask_mode, interpret, gather_run, wg_skip):
     # The dk/dv plan's rows are keys (q_len_padded), its steps queries (kv_len_padded).
     lse2 = rows_.pad_rows(lse * contract.LOG2E, kv_len_padded, jnp.inf)
     delta_p = rows_.pad_rows(delta, kv_len_padded, 0.0)
     dk_u, dv_u = _backward.dkv_call(
         contract.pad(q, kv_len_padded), contract.pad(k, q_len_padded),
         contract.pad(v, q_len_padded), contract.pad(do.astype(q.dtype), kv_len_padded), lse2,
-        delta_p, units, steps, tile_q=tile_q, mode=mask_mode, scale=scale, interpret=interpret)
+        delta_p, units, steps, tile_q=tile_q, mode=mask_mode, scale=scale, interpret=interpret,
+        gather_run=gather_run, wg_skip=wg_skip)
     return contract.gather_dkv(dk_u, dv_u, units, row_index_t, q.shape, k, v, tile_q)
 
 
 forward = contract.forward_op(BACKEND, run_forward)
 dq, dkv = contract.backward_ops(run_dq, run_dkv)
+
+
+#: Queries one copy of a gathering template's dk/dv kernel loads: its dk/dv plans may hold
+#: gathered steps whose chunks come in runs of that many (0 where a backend's do not gather).
+DKV_GATHER_RUN = _backward.DKV_GATHER_RUN
 
 
 def dkv_tiles(template: Template, head_dim: int) -> tuple[int, int, int, int]:

@@ -47,7 +47,7 @@ def _warps(tile_q: int) -> int:
 
 def _dq_kernel(units_ref, steps_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
                *, tile_q: int, tile_kv: int, group: int, scale: float, mode: str,
-               num_steps: int, precision):
+               num_steps: int, precision, gather: bool):
     u = pl.program_id(0)
     head = units_ref[u, abi.UNIT_HEAD]
     q_start = units_ref[u, abi.UNIT_Q_START]
@@ -62,12 +62,13 @@ def _dq_kernel(units_ref, steps_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
     qk_scale = scale * LOG2E
 
     def body(s, acc):
-        kv_start = steps_ref[s, abi.STEP_KV_START]
-        k = k_ref[pl.ds(kv_start, tile_kv), kv_head, :]              # [tile_kv, Dp]
-        v = v_ref[pl.ds(kv_start, tile_kv), kv_head, :]
+        keys = step_masks.step_key_rows(steps_ref, s, col, tile_kv=tile_kv,
+                                        num_steps=num_steps, gather=gather)
+        k = k_ref[keys, kv_head, :]                                  # [tile_kv, Dp]
+        v = v_ref[keys, kv_head, :]
         qk = plgpu.dot(q, k, trans_b=True, precision=precision)      # f32 [tile_q, tile_kv]
         qk = step_masks.masked_block(steps_ref, s, qk, row, col, mode=mode, tile_q=tile_q,
-                                     tile_kv=tile_kv, num_steps=num_steps)
+                                     tile_kv=tile_kv, num_steps=num_steps, gather=gather)
         p = jnp.exp2(qk * qk_scale - lse2[:, None])
         dp = plgpu.dot(do, v, trans_b=True, precision=precision)
         ds = p * (dp - delta[:, None])
@@ -123,15 +124,16 @@ def _specs(units, steps, d_pad: int):
 
 
 def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, mode, scale,
-            interpret):
+            interpret, gather: bool = False):
     """The dq kernel over grid (units, B): q, k, v, do padded (lengths and head dim), lse_u
-    and delta_u [B, U, tile_q] per unit row -> unit-major dq [B, U, tile_q, Dp] (q.dtype)."""
+    and delta_u [B, U, tile_q] per unit row -> unit-major dq [B, U, tile_q, Dp] (q.dtype);
+    ``gather``: the plan may hold gathered steps (keys loaded by index)."""
     B, Lqp, Hq, d_pad = q.shape
     Lkvp, Hkv = k.shape[1], k.shape[2]
     U = units.shape[0]
     kernel = functools.partial(
         _dq_kernel, tile_q=tile_q, tile_kv=tile_kv, group=Hq // Hkv, scale=scale,
-        mode=mode, num_steps=steps.shape[0], precision=_precision(q.dtype))
+        mode=mode, num_steps=steps.shape[0], precision=_precision(q.dtype), gather=gather)
     plan_specs, seq = _specs(units, steps, d_pad)
     per_unit = pl.BlockSpec((None, None, tile_q), lambda u, b: (b, u, 0))
     return pl.pallas_call(

@@ -71,7 +71,7 @@ class KernelConfig(CompiledConfig):
 
 def _fwd_kernel(units_ref, steps_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, tile_q: int,
                 tile_kv: int, group: int, qk_scale: float, mask_mode: str, prefetch: int,
-                num_steps: int, precision):
+                num_steps: int, precision, gather: bool):
     """One work unit x one batch element: Q tile vs. the unit's steps, online softmax (exp2)."""
     u = pl.program_id(0)
     head = units_ref[u, plan_abi.UNIT_HEAD]
@@ -87,11 +87,14 @@ def _fwd_kernel(units_ref, steps_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, ti
 
     def step(s, kv_start, carry, masking):
         acc, m_prev, l_prev = carry
-        k = k_ref[pl.ds(kv_start, tile_kv), kv_head, :]             # [tile_kv, Dp]
-        v = v_ref[pl.ds(kv_start, tile_kv), kv_head, :]
+        keys = (step_masks.step_key_rows(steps_ref, s, col, tile_kv=tile_kv,
+                                         num_steps=num_steps, gather=True) if gather
+                else pl.ds(kv_start, tile_kv))
+        k = k_ref[keys, kv_head, :]                                 # [tile_kv, Dp]
+        v = v_ref[keys, kv_head, :]
         qk = plgpu.dot(q, k, trans_b=True, precision=precision)     # f32 [tile_q, tile_kv]
         qk = step_masks.masked_block(steps_ref, s, qk, row, col, mode=masking, tile_q=tile_q,
-                                     tile_kv=tile_kv, num_steps=num_steps)
+                                     tile_kv=tile_kv, num_steps=num_steps, gather=gather)
         # Scores in log2 units: s = qk * scale * log2(e); max commutes with the positive scale,
         # so exp2(qk * c - m) is one FMA per element.
         m_cur = jnp.max(qk, axis=-1) * qk_scale
@@ -151,7 +154,7 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
     kernel = functools.partial(
         _fwd_kernel, tile_q=tq, tile_kv=tkv, group=Hq // Hkv, qk_scale=scale * LOG2E,
         mask_mode=cfg.mask_mode, prefetch=int(cfg.prefetch), num_steps=steps.shape[0],
-        precision=precision)
+        precision=precision, gather=bool(cfg.variant.gather))
     whole = lambda shape: pl.BlockSpec(shape, lambda u, b: (0,) * len(shape))
     plan_ops = [units, steps]
     return pl.pallas_call(

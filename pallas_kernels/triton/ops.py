@@ -64,16 +64,17 @@ def run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
                rows_.host_unit_index(plan.units, int(plan.tile_q), int(plan.q_len_padded)),
                row_index_t, tile_q=int(plan.tile_q), tile_kv=int(plan.tile_kv), d_pad=d_pad,
                q_len_padded=int(plan.q_len_padded), kv_len_padded=int(plan.kv_len_padded),
-               scale=scale, mask_mode=mode, interpret=contract.triton_interpret(interpret))
+               scale=scale, mask_mode=mode, interpret=contract.triton_interpret(interpret),
+               gather=bool(contract.gathers(t)))
 
 
 _STATICS = ("tile_q", "tile_kv", "d_pad", "q_len_padded", "kv_len_padded", "scale",
             "mask_mode", "interpret")
 
 
-@functools.partial(jax.jit, static_argnames=_STATICS)
+@functools.partial(jax.jit, static_argnames=_STATICS + ("gather",))
 def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_q, tile_kv,
-        d_pad, q_len_padded, kv_len_padded, scale, mask_mode, interpret):
+        d_pad, q_len_padded, kv_len_padded, scale, mask_mode, interpret, gather):
     lse_u = rows_.unit_rows(rows_.pad_rows(lse, q_len_padded, jnp.inf), units, tile_q,
                             unit_index)
     delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q,
@@ -82,7 +83,7 @@ def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_
         contract.pad(q, q_len_padded, d_pad), contract.pad(k, kv_len_padded, d_pad),
         contract.pad(v, kv_len_padded, d_pad), contract.pad(do, q_len_padded, d_pad), lse_u,
         delta_u, units, steps, tile_q=tile_q, tile_kv=tile_kv, mode=mask_mode, scale=scale,
-        interpret=interpret)
+        interpret=interpret, gather=gather)
     return contract.gather_dq(dq_u, units, row_index_t, q.shape, tile_q)
 
 
@@ -92,6 +93,7 @@ def run_dkv(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
     scale = contract.check_pass(q, k, v, plan, t, scale, do=do, transposed=True,
                                 aligns=(1, 1))
     d_pad = _check_head_dim(q)
+    contract.check_dkv_gathers(plan, 0)
     units, steps, _, row_index_t = contract.plan_operands(plan)
     return _dkv(q, k, v, do, lse, delta, units, steps, row_index_t, tile_q=int(plan.tile_q),
                 tile_kv=int(plan.tile_kv), d_pad=d_pad, q_len_padded=int(plan.q_len_padded),

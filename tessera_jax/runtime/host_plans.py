@@ -148,26 +148,51 @@ def dkv_plan(plan: planner.Plan, backend: str | None = None,
     return tp
 
 
+def dkv_gather_policy(t, backend: str) -> str | None:
+    """The gathered dk/dv policy of template ``t`` on ``backend``: the gather policy of the
+    runs its dk/dv kernel copies (the backend's ``DKV_GATHER_RUN``); None where it does not
+    gather."""
+    run = getattr(dispatch.BACKENDS[backend].ops(), "DKV_GATHER_RUN", 0)
+    if not (run and t.backend == backend and getattr(t.kernel, "gather", False)):
+        return None
+    return next(p for p, r in planner.GATHER_RUNS.items() if r == run)
+
+
 def dkv_candidates(plan: planner.Plan, backend: str,
                    options: Options = DEFAULT) -> list[tuple[planner.Plan, int]]:
     """The dk/dv plans ``dkv_plan`` chooses from, each with the units an SM runs at once (a
     paired CTA runs two 64-key units together): the backend's dk/dv tiles under each of
-    ``options.dkv_policies``, then its paired tiles under ``options.paired_dkv_policy``."""
+    ``options.dkv_policies`` (and, for a gathering template on a backend whose dk/dv kernel
+    gathers too, that kernel's ``dkv_gather_policy``), then its paired tiles under
+    ``options.paired_dkv_policy``."""
     if plan.mask is None:
         raise ValueError("a dk/dv plan needs a plan that holds its mask (planner.Plan.mask)")
     t = dispatch.get_template(plan.template)
     shape = transposed_shape(plan.shape)
     tiles = dkv_tiles(backend, t, plan.shape.head_dim)
     tmask = transposed_mask(plan.mask)
+    gather_pol = dkv_gather_policy(t, backend)
+    for pol in options.dkv_policies:
+        if pol.startswith("gather") and pol != gather_pol:
+            raise ValueError(f"Options.dkv_policies names {pol!r}, but template {t.name!r} on "
+                             f"backend {backend!r} has no dk/dv kernel that runs it (only a "
+                             "gathering Mosaic GPU template's dk/dv kernel gathers)")
     opts = [(tiles, pol, 1) for pol in options.dkv_policies]
+    if gather_pol and gather_pol not in options.dkv_policies:
+        opts.append((tiles, gather_pol, 1))    # a gathering template's dk/dv kernel gathers too
     paired = dispatch.BACKENDS[backend].ops().PAIRED_DKV_TILES
     if paired is not None and options.paired_dkv_policy is not None:
         opts.append((paired, options.paired_dkv_policy, 2))
     if not opts:
         raise ValueError(f"Options.dkv_policies is empty and backend {backend!r} has no "
                          "paired dk/dv units: no dk/dv plan to choose")
+    # A skipping template's dk/dv kernel skips a 128-key unit's steps on the warpgroup whose
+    # 64 keys they miss: its plans count 64-row groups.
+    group = 64 if t.backend == backend and getattr(t.kernel, "wg_skip", False) else None
     return [(planner.build_unchecked(tmask, shape, tile_q=x[0], tile_kv=x[1], policy=pol,
                                      q_align=x[2], kv_align=x[3],
                                      template=f"bwd_dkv_{backend}_{x[0]}x{x[1]}",
-                                     unit_order="head_major", config=plan.config), per_sm)
+                                     unit_order="head_major", config=plan.config,
+                                     row_group=group if per_sm == 1 and x[0] > 64 else None),
+             per_sm)
             for x, pol, per_sm in opts]

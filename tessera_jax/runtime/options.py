@@ -13,6 +13,8 @@ from tessera_jax.select.device import BITMAP_BUDGET_BYTES
 __all__ = ["Options", "DEFAULT", "HOST_PLANNING"]
 
 _DKV_POLICIES = ("merge", "pack")        # the host planner's policies a dk/dv plan may use
+#: Also in ``dkv_policies``: the gathered dk/dv plan of a gathering template (runs of 32 queries).
+_DKV_GATHER_POLICIES = ("gather32",)
 #: ``Options.host_planning``'s values (``runtime.tiered``).
 HOST_PLANNING = ("sync", "tiered", "device_first")
 
@@ -29,6 +31,9 @@ class Options:
         wins. On the transposed Wan 480p masks
         (computed / selected on top-k cubes, sliding tiles, clusters): 128 x 64 merge 2.61 /
         2.26 / 2.06, pack 2.04 / 1.26 / 1.68; paired 64 x 64 pack 1.23 / 1.04 / 1.46.
+        "gather32" (gathered runs of 32 queries) only with a gathering template whose
+        backend's dk/dv kernel gathers (Mosaic GPU), which offers it as a candidate anyway;
+        naming it alone, with ``paired_dkv_policy=None``, forces it (the GPU checks do).
     paired_dkv_policy: the policy of the paired 64-key dk/dv candidate (backends that have
         paired units), None: no paired candidate.
     dkv_ns_per_interaction_d128: the dk/dv time per computed interaction at head_dim 128 that
@@ -68,8 +73,9 @@ class Options:
         if isinstance(b, bool) or not isinstance(b, int) or b < 0:
             raise ValueError(f"bitmap_budget_bytes must be an int >= 0, got {b!r}")
         pols = self.dkv_policies
-        if not isinstance(pols, tuple) or any(p not in _DKV_POLICIES for p in pols):
-            raise ValueError(f"dkv_policies must be a tuple of {_DKV_POLICIES}, got {pols!r}")
+        allowed = _DKV_POLICIES + _DKV_GATHER_POLICIES
+        if not isinstance(pols, tuple) or any(p not in allowed for p in pols):
+            raise ValueError(f"dkv_policies must be a tuple of {allowed}, got {pols!r}")
         if not pols and self.paired_dkv_policy is None:
             raise ValueError("dkv_policies is empty and paired_dkv_policy is None: no dk/dv "
                              "plan to choose")

@@ -1,8 +1,9 @@
 """The compiled kernels against the float32 reference on fresh random masks, on this GPU.
 
 One case (``check_case``) draws a mask (variable bounds, per-head blocks, an empty query
-block, GQA), runs ``sparse_attention`` forward (out, lse) and backward (dq, dk, dv) inside one
-jitted ``jax.vjp`` and compares each with ``reference_attention`` in float32. ``cases`` lists
+block, GQA; clusters for gathering templates, whose plans must hold gathered steps), runs
+``sparse_attention`` forward (out, lse) and backward (dq, dk, dv) inside one jitted
+``jax.vjp`` and compares each with ``reference_attention`` in float32. ``cases`` lists
 what a GPU should pass: every template of the GPU backends available here (head dims 128 and
 64 where the template takes them) through the host route, and the device route with shared
 and with per-head bounds per backend. ``make test-gpu`` runs them as tests
@@ -15,7 +16,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["ROUTES", "cases", "check_case", "main"]
+__all__ = ["ROUTES", "cases", "check_case", "cluster_parts", "main"]
 
 ROUTES = ("host", "device", "perhead")
 #: Tolerances of bf16 kernels against the float32 reference (relative Frobenius error).
@@ -37,9 +38,56 @@ def _mask_parts(rng, L: int, Hq: int, route: str, n: int = 20):
     return (qb if route == "perhead" else qb[0]), blocks
 
 
+def _sizes(rng, L: int, mean: float) -> np.ndarray:
+    """Lognormal sizes (median ~mean / 2.2, at most 4,096) summing to L."""
+    s = []
+    while sum(s) < L:
+        s.append(int(np.clip(rng.lognormal(np.log(mean) - 0.8, 1.3), 1, 4096)))
+    s[-1] -= sum(s) - L
+    return np.array([x for x in s if x > 0])
+
+
+def cluster_parts(rng, L: int, H: int, q_mean: float = 110, kv_mean: float = 40,
+                  density: float = 0.2, kv_len: int | None = None):
+    """(q_bounds, kv_bounds, blocks) of SVG2-like variable clusters: separate query and key
+    clusterings (lognormal sizes) of L queries and ``kv_len`` (default L) keys; per head,
+    each query cluster selects the key clusters nearest it, with noise, up to ``density`` of
+    the keys. Small sparse classes per 128-row window: gather plans hold gathered steps on
+    them (also the H200 benchmark's clusters, benchmarks/gather.py)."""
+    Lk = L if kv_len is None else kv_len
+    qs, ks = _sizes(rng, L, q_mean), _sizes(rng, Lk, kv_mean)
+    qb, kb = np.r_[0, np.cumsum(qs)], np.r_[0, np.cumsum(ks)]
+    cq, ck = (qb[:-1] + qb[1:]) / 2 / L, (kb[:-1] + kb[1:]) / 2 / Lk
+    blocks = np.zeros((H, len(qs), len(ks)), bool)
+    for h in range(H):
+        s = -np.abs(cq[:, None] - ck[None, :]) * rng.uniform(5, 40) + rng.gumbel(
+            size=(len(qs), len(ks)))
+        order = np.argsort(-s, axis=1)
+        sel = np.cumsum(ks[order], axis=1) <= density * Lk
+        sel[:, 0] = True
+        np.put_along_axis(blocks[h], order, sel, axis=1)
+    return qb, kb, blocks
+
+
+def _cluster_case(rng, L: int, Hq: int):
+    """A gathering template's case mask: ``cluster_parts``, query cluster 1 empty."""
+    qb, kb, blocks = cluster_parts(rng, L, Hq)
+    blocks[:, 1] = False
+    return qb, kb, blocks
+
+
+def _gathers(options: dict) -> bool:
+    from pallas_kernels import templates
+    t = options.get("template")
+    return t is not None and bool(getattr(templates.get(t).kernel, "gather", False))
+
+
 def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> dict:
     """Errors of one fresh case against the reference and ``ok``; ``options``:
-    ``sparse_attention`` keywords (a template or a backend)."""
+    ``sparse_attention`` keywords (a template or a backend). A gathering template's case
+    draws clusters (``_cluster_case``), so that its plans hold gathered steps, and
+    fails if the forward plan, or a dk/dv plan forced to gather (``Options.dkv_policies``),
+    holds none: a check that never runs a gathered step could not fail on one."""
     import jax
     import jax.numpy as jnp
 
@@ -47,15 +95,20 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     L = int(rng.integers(700, 1500))
-    qb, blocks = _mask_parts(rng, L, Hq, route)
+    gathers = route == "host" and _gathers(options)
+    if gathers:
+        qb, kb, blocks = _cluster_case(rng, L, Hq)
+    else:
+        qb, blocks = _mask_parts(rng, L, Hq, route)
+        kb = qb
     ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
     q = jax.random.normal(ks[0], (1, L, Hq, D), jnp.bfloat16)
     k, v = (jax.random.normal(x, (1, L, Hkv, D), jnp.bfloat16) for x in ks[1:3])
     do = jax.random.normal(ks[3], (1, L, Hq, D), jnp.bfloat16)
-    host = tj.BlockMask(qb, qb, blocks)
+    host = tj.BlockMask(qb, kb, blocks)
 
     def fwd_bwd(q, k, v, b):
-        m = host if route == "host" else tj.BlockMask(qb, qb, b)
+        m = host if route == "host" else tj.BlockMask(qb, kb, b)
         (out, lse), vjp = jax.vjp(
             lambda q, k, v: tj.sparse_attention(q, k, v, m, return_lse=True, **options), q, k, v)
         return out, lse, vjp((do, jnp.zeros_like(lse)))
@@ -74,6 +127,17 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
                rel_grads=[_rel(g, r) for g, r in zip(grads, rgrads)])
     rec["ok"] = (rec["rel_out"] < OUT_TOL and rec["lse_max_err"] < LSE_TOL
                  and rec["empty_rows_ok"] and max(rec["rel_grads"]) < GRAD_TOL)
+    if gathers:
+        from tessera_jax.runtime import host_plans
+        opts = options.get("options") or tj.Options()
+        fwd = tj.plan(host, q.shape, k.shape, q.dtype, template=options["template"],
+                      options=opts)
+        rec["gather_steps"] = int(fwd.stats()["gather_steps"])
+        rec["ok"] &= rec["gather_steps"] > 0
+        if any(p.startswith("gather") for p in opts.dkv_policies):
+            dkv = host_plans.dkv_plan(fwd, options=opts)
+            rec["dkv_gather_steps"] = int(dkv.stats()["gather_steps"])
+            rec["ok"] &= rec["dkv_gather_steps"] > 0
     return rec
 
 
@@ -85,11 +149,17 @@ def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
     if backends is None:
         backends = [b for b in ("mosaic_gpu", "triton") if dispatch.is_available(b)]
     out = []
+    import tessera_jax as tj
+    from tessera_jax.runtime import host_plans
     for b in backends:
         for t in templates.for_backend(b):
+            kw = dict(template=t.name)
+            pol = host_plans.dkv_gather_policy(t, b)
+            if pol:         # the dk/dv pass gathers too, forced: the chosen plan may not
+                kw["options"] = tj.Options(dkv_policies=(pol,), paired_dkv_policy=None)
             for D, Hq, Hkv in ((128, 4, 2), (64, 2, 2)):
                 if t.supports(D, np.dtype("bfloat16")):
-                    out.append((f"{t.name}-host-D{D}", dict(template=t.name), "host", D, Hq, Hkv))
+                    out.append((f"{t.name}-host-D{D}", kw, "host", D, Hq, Hkv))
         for route in ("device", "perhead"):
             out.append((f"{b}-{route}-D128", dict(backend=b), route, 128, 4, 2))
     return out
