@@ -1069,6 +1069,10 @@ def summarize_dynamic(cases: dict) -> dict:
         dynamic_layers_by_case={k: [c["layers_run"], c["layers_total"]] for k, c in cases.items()},
         dynamic_steps_by_case={k: [c["dense_steps"], c["steps"]] for k, c in cases.items()},
         dynamic_density_by_case=pick(lambda c: c["per_call"]["density"]),
+        # The run each case's ratios come from (all its loops are timed in that one call).
+        dynamic_run_by_case={k: {f: c.get("environment", {}).get(f)
+                                 for f in ("date_utc", "commit", "command")}
+                             for k, c in cases.items()},
         dynamic_notes=(
             "Dynamic cases: masks built from q and k inside one compiled loop. "
             "host_transfers_in_loop: host-transfer sites (callbacks, send/recv, in/outfeed) in "
@@ -1111,6 +1115,20 @@ def _summarize_static(cases: dict) -> dict:
     return s
 
 
+def _commit() -> str | None:
+    """This tree's git commit (with "+dirty" when it has changes), None outside a checkout."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True,
+                              capture_output=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, text=True, capture_output=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def _environment(args, argv) -> dict:
     dev = jax.devices()[0]
     return dict(
@@ -1118,7 +1136,7 @@ def _environment(args, argv) -> dict:
         device_count=jax.device_count(), jax=jax.__version__,
         jaxlib=getattr(__import__("jaxlib"), "__version__", None),
         python=platform.python_version(),
-        command="python benchmarks/bench_loop.py " + " ".join(argv),
+        command="python benchmarks/bench_loop.py " + " ".join(argv), commit=_commit(),
         date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         tiny=args.tiny)
 
