@@ -5,18 +5,19 @@
 # files and logs go to $OUT.
 # Session 19 ran first-plan and memory (results/h200-first-plan.json, h200-train-memory.json),
 # the gather-skip forward (h200-gather-skip.json) and gather_diag.py (the dk/dv misalignment).
-# Next, in this order (benchmarks/NOTES.md#gathered-steps), one call each:
-#   bash benchmarks/h200_session.sh gpu-checks  # make test-gpu (-n 6) and the gathered fwd + bwd
-#     (or the two calls it replaces: gather-dq, gather-dq-2)
-#   bash benchmarks/h200_session.sh gather-dq   # make test-gpu without Triton (gathered steps too)
-#   bash benchmarks/h200_session.sh gather-dq-2 # its Triton cases, then fwd + bwd of gather plans
-#     (both pass: branch gather-fix lands on main, their two logs as results/h200-test-gpu.log)
-#   bash benchmarks/h200_session.sh stage-tx    # spike: copies without arrivals, bytes expected per stage
+# Session 20 ran gpu-checks (make test-gpu 29/29: branch gather-fix landed) and the gathered
+# fwd + bwd (results/h200-test-gpu.log, h200-gather-fwd-bwd.json); stage_tx's first build
+# faulted (benchmarks/NOTES.md#open), its fix waits for its first compiled run.
+# Next, in this order (benchmarks/NOTES.md#gathered-steps), one call each (first apply branch
+# stage-tx: git apply benchmarks/pending/stage-tx.diff; its parts need it):
+#   bash benchmarks/h200_session.sh stage-tx    # MosaicConfig.stage_tx: check, fwd, fwd + bwd
+#     (passes and wins: branch stage-tx lands; then stage_tx templates into the table)
 #   bash benchmarks/h200_session.sh gather-runs-skip  # spike: copy runs of 32 / 64 keys with skipping
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh accept-480     # issue 31's acceptance file, Wan 480p (then accept-720)
 #   bash benchmarks/h200_session.sh gather-device  # device-route gather plans vs host plans
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
+#   bash benchmarks/h200_session.sh gpu-checks     # make test-gpu before a kernel change lands
 # Also here: first-plan, memory, and the session-14 parts (train, train-ab, checks, vsa, ...).
 # (Earlier sessions' parts are in git history.)
 set -u
@@ -32,28 +33,15 @@ run() {   # run SECONDS NAME CMD...: one part, its log in $OUT/NAME.log
 }
 case "${1:-}" in
 gpu-checks)
-  # Issue 31 and 32 item 6 in one call: the complete make test-gpu, six pytest-xdist workers
-  # sharing the GPU (compiling is what takes the time: ~20 s a case alone), then forward +
-  # backward of the default, gather and skipping gather plans on the irregular masks at Wan
-  # 480p against cuDNN's (dq, dk, dv checked against the reference on head 0).
-  run 330 test-gpu make test-gpu PYTEST_ARGS="-n 6 -rA --durations=0"
-  run 240 gather-fwd-bwd python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
-      --variants default,gather,gather_skip_nopp --budget-s 220 \
-      --out $OUT/h200-gather-fwd-bwd.json ;;
-gather-dq)
-  # Issue 31 and 32 item 6, call 1 of 2: make test-gpu without the Triton cases (aux kernels,
-  # every Mosaic template on the host route, the gathering ones on clusters with gathered
-  # dq and forced gathered dk/dv steps, both device routes; ~20 s a case).
-  run 570 test-gpu-mosaic env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/gpu -k "not triton" -rA --durations=0 ;;
-gather-dq-2)
-  # Call 2 of 2: the Triton cases, then forward + backward of the default, gather and
-  # skipping gather plans on the irregular masks at Wan 480p against cuDNN's (dq, dk, dv
-  # checked against the reference on head 0).
-  run 220 test-gpu-triton env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/gpu -k "triton" -rA --durations=0
-  run 330 gather-fwd-bwd python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
-      --variants default,gather,gather_skip_nopp --budget-s 300 \
+  # make test-gpu with six pytest-xdist workers sharing the GPU (compiling is what takes the
+  # time; 29 cases in 267 s in session 20).
+  run 330 test-gpu make test-gpu PYTEST_ARGS="-n 6 -rA --durations=0" ;;
+gather-fwd-bwd)
+  # Forward + backward of the default, gather and skipping gather plans on the irregular
+  # masks at Wan 480p against cuDNN's (dq, dk, dv checked against the reference on head 0).
+  # (through the spike script, which registers the stage_tx variants)
+  run 560 gather-fwd-bwd python3 benchmarks/spikes/stage_tx.py --backward --masks clusters,cubes,sliding \
+      --variants default,gather,gather_skip_nopp,stage_tx,stage_tx_skip --budget-s 520 \
       --out $OUT/h200-gather-fwd-bwd.json ;;
 gather-device)
   # Issue 31: the device route's gather plans (traced selections, static bounds) against the
@@ -61,11 +49,19 @@ gather-device)
   run 330 gather-device python3 benchmarks/gather.py --variants default,gather,gather_device \
       --budget-s 300 --out $OUT/h200-gather-device.json ;;
 stage-tx)
-  # Issue 31 spike (benchmarks/spikes/stage_tx.py; kill criterion there): gathered stages whose
-  # copies make no barrier arrivals, one warp's arrivals expecting the stage's bytes. A wrong
-  # arrival count hangs the kernel: the timeout ends it, the log keeps the cases before.
-  run 420 stage-tx python3 benchmarks/spikes/stage_tx.py --masks clusters,cubes,sliding \
-      --budget-s 380 --out $OUT/h200-stage-tx.json ;;
+  # Issue 31 spike (benchmarks/spikes/stage_tx.py; kill criterion there): MosaicConfig.stage_tx,
+  # gathered stages whose copies make no barrier arrivals, one arrival per stage expecting its
+  # bytes. First a small compiled check in its own process (a wrong barrier count faults or
+  # hangs the kernel: session 20's first build faulted), then the forward on the three masks,
+  # then forward + backward of the skipping variants (dq, dk/dv with stage_tx too).
+  run 80 stage-tx-diag python3 benchmarks/spikes/stage_tx_diag.py lib
+  grep -q "RESULT lib.*ok" $OUT/stage-tx-diag.log || { echo "stage_tx check failed"; exit 1; }
+  run 200 stage-tx python3 benchmarks/spikes/stage_tx.py --masks cubes,sliding,clusters \
+      --variants gather,gather_skip_nopp,stage_tx,stage_tx_skip --budget-s 180 \
+      --out $OUT/h200-stage-tx.json
+  run 200 stage-tx-bwd python3 benchmarks/spikes/stage_tx.py --backward \
+      --masks cubes,sliding,clusters --variants gather_skip_nopp,stage_tx_skip --budget-s 180 \
+      --out $OUT/h200-stage-tx-bwd.json ;;
 gather-runs-skip)
   # Issue 31 spike: gathered copy runs of 32 / 64 keys with warpgroup skipping (stand-in
   # templates; kill criterion in the script: cubes below 0.65 of cuDNN).
@@ -101,9 +97,6 @@ first-plan)
   # with an empty numba cache each, planning alone (summary.first_plan_fresh_install_max_s
   # <= 2.0; 0.53 s on the 2-core CPU box, results/cpu-first-plan.json).
   run 400 first-plan python3 benchmarks/first_plan.py --fresh-install --out $OUT/h200-first-plan.json ;;
-test-gpu)
-  # Issue 32 item 6: the complete make test-gpu is the two gather-dq calls' logs together.
-  echo "run the gather-dq and gather-dq-2 parts (one call each)" >&2; exit 2 ;;
 memory)
   # Issue 32 item 3: the 4-layer training step's peak memory with the Mosaic row dots
   # (expected to hold session 14's 0.99985x dense; compile only).
