@@ -68,8 +68,13 @@ def _window_classes(blk, kb, row_block, tile_q: int, G: int, m: int, nchunks: in
     js = np.flatnonzero(blk.any(axis=0))
     if js.size == 0:
         return None
-    sig = np.packbits(blk[:, js].T, axis=1)                       # [nj, ceil(nb / 8)]
-    _, first, inv = np.unique(sig, axis=0, return_index=True, return_inverse=True)
+    nb = blk.shape[0]
+    if nb <= 62:    # signatures as integers, in the order of their packed bits (block 0 high)
+        sig = blk[:, js].T.astype(np.int64) @ (np.int64(1) << np.arange(nb - 1, -1, -1))
+        _, first, inv = np.unique(sig, return_index=True, return_inverse=True)
+    else:
+        sig = np.packbits(blk[:, js].T, axis=1)                   # [nj, ceil(nb / 8)]
+        _, first, inv = np.unique(sig, axis=0, return_index=True, return_inverse=True)
     inv = inv.reshape(-1)
     ncls = len(first)
     members = blk[:, js[first]]                                   # [nb, ncls]
@@ -82,16 +87,16 @@ def _window_classes(blk, kb, row_block, tile_q: int, G: int, m: int, nchunks: in
     key = cls * (int(ch.max()) + 1) + ch
     o = np.argsort(key, kind="stable")
     key, bits, cls, ch = key[o], bits[o], cls[o], ch[o]
-    new = np.r_[True, key[1:] != key[:-1]]
+    new = np.concatenate(([True], key[1:] != key[:-1]))
     at = np.flatnonzero(new)
     bits = np.bitwise_or.reduceat(bits, at)
     cls, ch = cls[at], ch[at]
     # Copy runs: a class's consecutive chunks cut every m chunks from where they start (a run
     # near the end moved back inside the padded keys); each chunk lies in one run.
-    brk = np.r_[True, (cls[1:] != cls[:-1]) | (ch[1:] != ch[:-1] + 1)]
+    brk = np.concatenate(([True], (cls[1:] != cls[:-1]) | (ch[1:] != ch[:-1] + 1)))
     rs = np.maximum.accumulate(np.where(brk, np.arange(len(ch)), 0))   # its stretch's first
     t = (ch - ch[rs]) // m
-    seg_first = brk | (t != np.r_[-1, t[:-1]])
+    seg_first = brk | (t != np.concatenate(([-1], t[:-1])))
     seg = np.cumsum(seg_first) - 1                                      # run of each chunk
     s_ch = np.minimum(ch[seg_first], nchunks - m)                       # run's first chunk
     s_cls = cls[seg_first]
@@ -110,7 +115,7 @@ def _window_classes(blk, kb, row_block, tile_q: int, G: int, m: int, nchunks: in
     step = np.repeat(np.cumsum(steps_per) - steps_per, per) + i // R
     pos = i % R
     # Unused runs of a class's last step: its first run again, no keys.
-    fill = np.repeat(s_ch[np.r_[0, np.cumsum(per)[:-1]]][:, None], steps_per, axis=0)
+    fill = np.repeat(s_ch[np.cumsum(per) - per][:, None], steps_per, axis=0)
     run_start = np.repeat(fill, R, axis=1)
     run_start[step, pos] = s_ch
     starts = ((run_start[:, :, None] + np.arange(m)) * A).reshape(ns, G)
