@@ -91,6 +91,23 @@ def test_gather_plans_cover_the_mask_exactly_once(mt, tiles, policy, aligns):
     assert s["computed_interactions"] <= s["dense_tile_interactions"]
 
 
+def test_gather_plans_of_windows_with_many_blocks():
+    """Windows of more than 62 query blocks (1-token blocks: signatures as packed rows, not
+    integers) cover the mask exactly once too."""
+    rng = np.random.default_rng(5)
+    qb = np.arange(301)
+    kb = np.r_[0, np.sort(rng.choice(np.arange(1, 2000), 29, replace=False)), 2000]
+    # Query clusters of 40 one-token blocks sharing their key blocks: few classes a window.
+    blocks = np.repeat(rng.random((2, 8, 30)) < 0.15, 40, axis=1)[:, :300]
+    mask = tj.BlockMask(qb, kb, blocks)
+    p = planner.build_plan(mask, (1, 300, 2, 16), (1, 2000, 2, 16), np.float32, tile_q=128,
+                           tile_kv=128, policy="gather", q_align=8, kv_align=8)
+    assert p.stats()["gather_steps"] > 0
+    tok = np.stack([blocks[h][:, np.searchsorted(kb, np.arange(2000), "right") - 1]
+                    for h in range(2)])
+    np.testing.assert_array_equal(_coverage(p), tok)
+
+
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=30), st.sampled_from([64, 128]))
 @settings(max_examples=200, deadline=None)
 def test_segments_pack_whole_blocks_into_aligned_tiles(sizes, tile_q):
