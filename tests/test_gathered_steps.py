@@ -91,6 +91,33 @@ def test_gather_plans_cover_the_mask_exactly_once(mt, tiles, policy, aligns):
     assert s["computed_interactions"] <= s["dense_tile_interactions"]
 
 
+_CLUSTERS = st.tuples(st.integers(300, 700), st.integers(0, 2**16)).map(
+    lambda a: (mask_var_clusters(a[0], 2, q_mean=60, kv_mean=24, seed=a[1], kv_len=a[0] + 37),
+               2, 1))
+
+
+@given(st.one_of(gather_masks(), _CLUSTERS), st.sampled_from([(128, 128), (64, 128)]),
+       st.sampled_from([8, 32]), st.sampled_from([None, 64]))
+@settings(max_examples=25, deadline=None)
+def test_compiled_gather_window_matches_numpy(mt, tiles, run, row_group):
+    """The gather policy's units from the numba loop (``loops._nb_gather_window``, compiled and
+    interpreted) are NumPy's, byte for byte."""
+    from tessera_jax.planning import loops
+    mask, Hq, Hkv = mt
+    tq, tk = tiles
+    if row_group and row_group >= tq:
+        row_group = None
+    qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
+    blocks = mask.head_blocks(Hq)
+    qp, kp = -(-mask.Lq // tq) * tq, -(-mask.Lkv // tk) * tk
+    want = gather_policy.plan_gather(qb, kb, blocks, tq, tk, mask.Lq, qp, kp, run, row_group)
+    for mode in ("compiled", "interpreted"):
+        got = gather_policy.plan_gather(qb, kb, blocks, tq, tk, mask.Lq, qp, kp, run, row_group,
+                                        window=loops.runner(mode)._nb_gather_window)
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_gather_plans_of_windows_with_many_blocks():
     """Windows of more than 62 query blocks (1-token blocks: signatures as packed rows, not
     integers) cover the mask exactly once too."""

@@ -173,7 +173,7 @@ def interleave_groups(row_sel: np.ndarray, group: int) -> np.ndarray:
 
 def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
                 q_len_padded: int, kv_len_padded: int, run: int = abi.GATHER_ROWS,
-                row_group: int | None = None) -> GatherRaw:
+                row_group: int | None = None, window=None) -> GatherRaw:
     """The gather policy's units and steps for the distinct mask heads ``blocks`` (bool [Hd, nq,
     nk]) over block bounds ``qb`` / ``kb``: one unit per (head, segment with a selected key;
     ``segments``), the steps of its classes (``_window_classes``), steps in unit order, then
@@ -183,7 +183,9 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
     runs of consecutive keys at stage positions aligned to it (``abi.check_plan``'s
     ``gather_run``), so a kernel copies a run at once. ``row_group``: rows a kernel computes
     as one (it skips a step's groups that no row of it selects; None: the tile): a unit's
-    steps are ordered by ``interleave_groups``."""
+    steps are ordered by ``interleave_groups``. ``window``: a compiled ``_window_classes``
+    for units of at most 62 query blocks (``loops._nb_gather_window``, the same steps byte for
+    byte), or None (NumPy)."""
     qb, kb = np.asarray(qb, np.int64), np.asarray(kb, np.int64)
     G = abi.gather_chunks(tile_kv)
     m = abi.gather_run_chunks(tile_kv, run)
@@ -200,8 +202,12 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
             r = np.arange(s0, s0 + tile_q)
             row_block = np.where((r >= w0) & (r < w1),
                                  np.searchsorted(qb, r, side="right") - 1 - i0, -1)
-            got = _window_classes(blk, kb, row_block, tile_q, G, m,
-                                  kv_len_padded // abi.GATHER_ROWS)
+            if window is not None and blk.shape[0] <= 62:
+                n, *got = window(blk, kb, row_block, G, m, kv_len_padded // abi.GATHER_ROWS)
+                got = got if n else None
+            else:
+                got = _window_classes(blk, kb, row_block, tile_q, G, m,
+                                      kv_len_padded // abi.GATHER_ROWS)
             if got is None:
                 continue
             starts, key_sel, row_sel, sel = got

@@ -1418,7 +1418,164 @@ def _nb_pack_units(gh, r0, r1, tq, q_align):
     return out[:U]
 
 
-_NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_tiles", "_nb_fill_unit",
+def _nb_gather_window(blk, kb, row_block, G, m, nchunks):
+    """One unit of the gather policy (``planning.gather._window_classes``, byte for byte;
+    at most 62 query blocks): (steps, starts int64 [n, G], key_sel bool [n, G * 8], row_sel
+    bool [n, tile_q], selected interactions). ``blk``: bool [nb, nk] selections of the
+    unit's query blocks; ``row_block``: tile row -> index into ``blk`` (-1: not the unit's);
+    ``m``: chunks a copy run holds; ``nchunks``: 8-key chunks of the padded keys."""
+    nb, nk = blk.shape
+    tq = row_block.shape[0]
+    js = np.empty(nk, np.int64)
+    nj = 0
+    for j in range(nk):
+        for r in range(nb):
+            if blk[r, j]:
+                js[nj] = j
+                nj += 1
+                break
+    if nj == 0:
+        return (0, np.empty((0, G), np.int64), np.empty((0, G * 8), np.bool_),
+                np.empty((0, tq), np.bool_), 0)
+    # Signatures (query block 0 the high bit, as packed rows order), classes in their order.
+    sig = np.empty(nj, np.int64)
+    for i in range(nj):
+        x = 0
+        for r in range(nb):
+            x = x * 2 + (1 if blk[r, js[i]] else 0)
+        sig[i] = x
+    o = np.argsort(sig, kind="mergesort")
+    inv = np.empty(nj, np.int64)
+    first = np.empty(nj, np.int64)
+    ncls = 0
+    for k in range(nj):
+        i = o[k]
+        if k == 0 or sig[i] != sig[o[k - 1]]:
+            first[ncls] = i
+            ncls += 1
+        inv[i] = ncls - 1
+    row_sel = np.zeros((ncls, tq), np.bool_)
+    rows = np.zeros(ncls, np.int64)
+    for c in range(ncls):
+        jc = js[first[c]]
+        for t in range(tq):
+            b = row_block[t]
+            if b >= 0 and blk[b, jc]:
+                row_sel[c, t] = True
+                rows[c] += 1
+    # Chunk entries (class, chunk, bits of its 8 keys) of every selected key block.
+    ne = 0
+    for i in range(nj):
+        a, e = kb[js[i]], kb[js[i] + 1]
+        ne += (e + 7) // 8 - a // 8
+    ecls = np.empty(ne, np.int64)
+    ech = np.empty(ne, np.int64)
+    ebits = np.empty(ne, np.int64)
+    k = 0
+    for i in range(nj):
+        a, e = kb[js[i]], kb[js[i] + 1]
+        for ch in range(a // 8, (e + 7) // 8):
+            lo = min(max(a - ch * 8, 0), 8)
+            hi = min(max(e - ch * 8, 0), 8)
+            ecls[k] = inv[i]
+            ech[k] = ch
+            ebits[k] = (1 << hi) - (1 << lo)
+            k += 1
+    # By (class, chunk): a class's entries already come in chunk order (key blocks in order,
+    # their chunks too), so a stable counting sort by class; equal ones OR-ed.
+    at = np.zeros(ncls + 1, np.int64)
+    for k in range(ne):
+        at[ecls[k] + 1] += 1
+    for c in range(ncls):
+        at[c + 1] += at[c]
+    o = np.empty(ne, np.int64)
+    for k in range(ne):
+        o[at[ecls[k]]] = k
+        at[ecls[k]] += 1
+    cls = np.empty(ne, np.int64)
+    chs = np.empty(ne, np.int64)
+    bits = np.empty(ne, np.int64)
+    keys = np.zeros(ncls, np.int64)
+    n = 0
+    for k in range(ne):
+        i = o[k]
+        if n > 0 and ecls[i] == cls[n - 1] and ech[i] == chs[n - 1]:
+            bits[n - 1] |= ebits[i]
+        else:
+            cls[n], chs[n], bits[n] = ecls[i], ech[i], ebits[i]
+            n += 1
+    for k in range(n):
+        keys[cls[k]] += _nb_popcount(np.uint64(bits[k]))
+    # Copy runs: a class's consecutive chunks cut every m chunks from where they start (a run
+    # near the end moved back inside the padded keys).
+    seg = np.empty(n, np.int64)
+    s_ch = np.empty(n, np.int64)
+    s_cls = np.empty(n, np.int64)
+    ns = 0
+    rs = 0
+    tprev = -1
+    for k in range(n):
+        brk = k == 0 or cls[k] != cls[k - 1] or chs[k] != chs[k - 1] + 1
+        if brk:
+            rs = k
+        t = (chs[k] - chs[rs]) // m
+        if brk or t != tprev:
+            s_ch[ns] = min(chs[k], nchunks - m)
+            s_cls[ns] = cls[k]
+            ns += 1
+        tprev = t
+        seg[k] = ns - 1
+    run_bits = np.zeros((ns, m), np.int64)
+    for k in range(n):
+        run_bits[seg[k], chs[k] - s_ch[seg[k]]] = bits[k]
+    # Per class, whole runs first, then by position (stable).
+    skey = np.empty(ns, np.int64)
+    for s in range(ns):
+        whole = True
+        for q in range(m):
+            if run_bits[s, q] != 255:
+                whole = False
+        skey[s] = (s_cls[s] * 2 + (0 if whole else 1)) * (nchunks + 1) + s_ch[s]
+    o = np.argsort(skey, kind="mergesort")
+    R = G // m
+    per = np.zeros(ncls, np.int64)
+    for s in range(ns):
+        per[s_cls[s]] += 1
+    nst = 0
+    for c in range(ncls):
+        nst += (per[c] + R - 1) // R
+    starts = np.empty((nst, G), np.int64)
+    key_sel = np.zeros((nst, G * 8), np.bool_)
+    rsel = np.empty((nst, tq), np.bool_)
+    step = -1
+    i = 0
+    f0 = 0
+    for k in range(ns):
+        s = o[k]
+        if k == 0 or s_cls[s] != s_cls[o[k - 1]]:
+            i = 0
+            f0 = s_ch[s]                  # unused runs of a class's last step: its first run
+        if i % R == 0:
+            step += 1
+            for p in range(R):
+                for q in range(m):
+                    starts[step, p * m + q] = (f0 + q) * 8
+            for t in range(tq):
+                rsel[step, t] = row_sel[s_cls[s], t]
+        pos = i % R
+        for q in range(m):
+            starts[step, pos * m + q] = (s_ch[s] + q) * 8
+            b = run_bits[s, q]
+            for x in range(8):
+                key_sel[step, (pos * m + q) * 8 + x] = ((b >> x) & 1) == 1
+        i += 1
+    sel = 0
+    for c in range(ncls):
+        sel += rows[c] * keys[c]
+    return nst, starts, key_sel, rsel, sel
+
+
+_NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_gather_window", "_nb_tiles", "_nb_fill_unit",
                "_nb_fill", "_nb_count", "_nb_pack", "_nb_row_index", "_nb_units", "_nb_store",
                "_nb_acc_bound", "_nb_acc_add",
                "_nb_acc_norm", "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full",

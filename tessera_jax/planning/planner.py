@@ -816,6 +816,8 @@ def warm_up() -> None:
                cfg)
     _plan_grid(ctx)
     _bitmap_steps(_plan_grid(ctx, bitmaps=False), 8, 8, cfg)      # (the pass after the loops)
+    _loops._nb_gather_window(np.ones((1, 1), bool), np.array([0, 8]), np.zeros(8, np.int64),
+                             1, 1, 1)
 
 
 def _on_worker(fn, *args):
@@ -1286,7 +1288,8 @@ def _policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap, num_
     computes) enforced; the split plan meets it wherever its tiles are visited once."""
     if policy in GATHER_RUNS:
         return _gather_policy_raw(ctx, policy, shape, num_heads,
-                                  lambda: _plan_policy(ctx, "split"))
+                                  lambda: _plan_policy(ctx, "split"),
+                                  window=_runner(ctx.cfg)._nb_gather_window)
     bound = dense_tile_interactions(shape.q_len, shape.kv_len, ctx.tile_q, ctx.tile_kv)
     if policy == "auto":
         raw, choice = _auto_raw(ctx, shape, cost_model, bound)
@@ -1312,24 +1315,27 @@ def _policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap, num_
     return _bitmap_steps(raw, tq, tk, ctx.cfg), head_policies, mixed
 
 
-def _gather_policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, num_heads: int, split):
+def _gather_policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, num_heads: int, split,
+                       window=None):
     """``_policy_raw`` of a gather policy: its plan where every head computes at most what a
     dense plan of these tiles computes, else ``split()``'s plan, whole (many small classes
     per window: token-level masks)."""
-    raw = _gather_raw(ctx, shape, GATHER_RUNS[policy])
+    raw = _gather_raw(ctx, shape, GATHER_RUNS[policy], window)
     bound = dense_tile_interactions(shape.q_len, shape.kv_len, ctx.tile_q, ctx.tile_kv)
     if (_head_computed(raw, ctx.words.shape[0], ctx.tile_q, ctx.tile_kv) <= bound).all():
         return raw, (policy,) * num_heads, False
     return split(), ("split",) * num_heads, False
 
 
-def _gather_raw(ctx: _Ctx, shape: AttnShape, run: int) -> _Raw:
-    """A gather policy's raw plan (``planning.gather``): a unit owns its segment's rows."""
+def _gather_raw(ctx: _Ctx, shape: AttnShape, run: int, window=None) -> _Raw:
+    """A gather policy's raw plan (``planning.gather``): a unit owns its segment's rows.
+    ``window``: the loop of one unit (``loops._nb_gather_window``; None: NumPy's)."""
     nk = len(ctx.kb) - 1
     blocks = np.unpackbits(np.ascontiguousarray(ctx.words).view(np.uint8), axis=-1,
                            bitorder="little")[..., :nk].astype(bool)
     g = _gather_policy.plan_gather(ctx.qb, ctx.kb, blocks, ctx.tile_q, ctx.tile_kv, shape.q_len,
-                                   ctx.qp, ctx.kvp, run, row_group=ctx.row_group)
+                                   ctx.qp, ctx.kvp, run, row_group=ctx.row_group,
+                                   window=window)
     return _Raw(g.head, g.qs, g.lo, g.hi, g.cnt, g.steps, g.nfull, g.area,
                 words=g.word_rows, wr=abi.gather_word_rows(ctx.tile_q, ctx.tile_kv))
 
