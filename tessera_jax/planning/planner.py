@@ -1289,7 +1289,7 @@ def _policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap, num_
     if policy in GATHER_RUNS:
         return _gather_policy_raw(ctx, policy, shape, num_heads,
                                   lambda: _plan_policy(ctx, "split"),
-                                  window=_runner(ctx.cfg)._nb_gather_window)
+                                  window=_gather_window(ctx))
     bound = dense_tile_interactions(shape.q_len, shape.kv_len, ctx.tile_q, ctx.tile_kv)
     if policy == "auto":
         raw, choice = _auto_raw(ctx, shape, cost_model, bound)
@@ -1313,6 +1313,20 @@ def _policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap, num_
             head_policies = tuple("split" if use[k] else policy for k in hmap)
             mixed = True
     return _bitmap_steps(raw, tq, tk, ctx.cfg), head_policies, mixed
+
+
+def _gather_window(ctx: _Ctx):
+    """The gather policy's unit loop for the loops' tier: the compiled loop once it is ready;
+    before that, NumPy's (None) for a small mask, else ``NotReady`` (the NumPy tier plans it
+    and the loops compile meanwhile: interpreted, the loop is slower than NumPy's); NumPy's
+    under "interpreted" and "vectorised"."""
+    cfg = ctx.cfg
+    if cfg.loops == "compiled" or (cfg.loops == "auto" and _loops.ready()):
+        return _runner(cfg)._nb_gather_window
+    if cfg.loops == "auto" and ctx.words.shape[0] * ctx.words.shape[1] * (len(ctx.kb) - 1) \
+            > cfg.interp_max_work:
+        raise _loops.NotReady("_nb_gather_window")
+    return None
 
 
 def _gather_policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, num_heads: int, split,
