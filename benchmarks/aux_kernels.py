@@ -44,8 +44,8 @@ import argparse
 import json
 import math
 import os
+import pathlib
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -294,14 +294,6 @@ def summarize(res) -> dict:
     return out
 
 
-def _git_commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
-                              capture_output=True, timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="results JSON")
@@ -320,6 +312,7 @@ def main(argv=None):
     import jax
     from tessera_jax.masks import dynamic as dm
     from tessera_jax.tools import timing
+    from tessera_jax.tools.profiler import code_revision   # git HEAD, or a snapshot's .snap_rev
 
     cfg = SMALL if args.small else FULL
     gpu = jax.default_backend() == "gpu"
@@ -330,8 +323,9 @@ def main(argv=None):
     shape = (1, L, H, D)
     dev = jax.devices()[0]
     res = dict(device=str(getattr(dev, "device_kind", dev.platform)), jax=jax.__version__,
-               commit=_git_commit(), small=args.small, L=L, heads=H, head_dim=D,
-               grid=list(cfg["grid"]), rule=rule.to_json(), rounds=args.rounds, bound=BOUND)
+               commit=code_revision(pathlib.Path(HERE).parent), small=args.small, L=L, heads=H,
+               head_dim=D, grid=list(cfg["grid"]), rule=rule.to_json(), rounds=args.rounds,
+               bound=BOUND)
     b = Bench(args, rule, res)
     log(f"{res['device']}, jax {jax.__version__}, L {L}, heads {H}, D {D}, "
         f"interpret={interpret}, sections {sections}")

@@ -55,6 +55,7 @@ import datetime
 import json
 import math
 import os
+import pathlib
 import platform
 import re
 import statistics
@@ -72,6 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tessera_jax.flax import AttentionOptions, MaskSchedule, attention
 from tessera_jax.mask import BlockMask
 from tessera_jax.tools import timing
+from tessera_jax.tools.profiler import code_revision   # git HEAD, or a snapshot's .snap_rev
 from tessera_jax.models import (HUNYUAN15, WAN21_14B, WAN21_1_3B, HunyuanModel, WanModel,
                                 make_forward, make_sampler)
 
@@ -1115,20 +1117,6 @@ def _summarize_static(cases: dict) -> dict:
     return s
 
 
-def _commit() -> str | None:
-    """This tree's git commit (with "+dirty" when it has changes), None outside a checkout."""
-    import subprocess
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True,
-                              capture_output=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=here, text=True, capture_output=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head + ("+dirty" if dirty else "")
-
-
 def _environment(args, argv) -> dict:
     dev = jax.devices()[0]
     return dict(
@@ -1136,7 +1124,8 @@ def _environment(args, argv) -> dict:
         device_count=jax.device_count(), jax=jax.__version__,
         jaxlib=getattr(__import__("jaxlib"), "__version__", None),
         python=platform.python_version(),
-        command="python benchmarks/bench_loop.py " + " ".join(argv), commit=_commit(),
+        command="python benchmarks/bench_loop.py " + " ".join(argv),
+        commit=code_revision(pathlib.Path(__file__).resolve().parents[1]),
         date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         tiny=args.tiny)
 
