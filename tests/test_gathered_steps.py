@@ -504,24 +504,6 @@ def test_dkv_gather_check_reads_only_visited_rows():
         contract.check_dkv_gathers(p8, mb.DKV_GATHER_RUN)
 
 
-def test_stage_tx_spike_lowers_for_cuda(monkeypatch):
-    """The stage-wide expected-bytes spike (benchmarks/spikes/stage_tx.py: jax's own copy
-    lowering without the lanes' arrivals, one warp's arrivals for a stage) lowers for an
-    abstract H200, with and without skipping, and changes the kernel it lowers to."""
-    from pathlib import Path
-    from pallas_kernels import templates as T
-    from pallas_kernels.mosaic import ops as mops
-    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    monkeypatch.syspath_prepend(bench)
-    before = _lower(mops, T.get("mgpu_q128_kv128_s2_gather"), "forward", "mosaic_gpu")
-    from spikes import stage_tx
-    stage_tx.install(setattr=monkeypatch.setattr, setitem=monkeypatch.setitem)
-    for name in ("spike_stage_tx", "spike_stage_tx_skip"):
-        _lower(mops, T.get(name), "forward", "mosaic_gpu")
-    after = _lower(mops, T.get("mgpu_q128_kv128_s2_gather"), "forward", "mosaic_gpu")
-    assert after != before
-
-
 def test_gathered_copies_refuse_misaligned_smem():
     """A gathered stage whose copies land at SMEM offsets that are not multiples of 128 bytes
     (8-query lse / delta copies: 32 bytes) is refused when the kernel is traced: the H200
