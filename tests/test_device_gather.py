@@ -98,11 +98,13 @@ def test_traced_selections_share_one_trace_and_overflow_is_reported():
         dg.plan_gather_on_device(jnp.asarray(dense), qb[:-1], kb, **kw)
 
 
-@given(masks(), st.sampled_from([(128, 128), (64, 128)]), st.booleans())
-@settings(max_examples=15, deadline=None)
-def test_traced_and_per_head_bounds(mt, tiles, per_head):
-    """Traced bounds (and per-head ones: each head its own partition of the same lengths):
-    fixed tiles, exact where ``ok``; every plan reads in bounds."""
+@given(masks(), st.sampled_from([(128, 128), (64, 128)]), st.booleans(),
+       st.sampled_from([1, 2, 4]))
+@settings(max_examples=25, deadline=None)
+def test_traced_and_per_head_bounds(mt, tiles, per_head, max_blocks):
+    """Traced bounds (and per-head ones: each head its own partition of the same lengths),
+    any block sizes (tiles meeting more than ``max_blocks`` query blocks split into units):
+    ``ok`` and exact."""
     mask, Hq, _ = mt
     tq, tk = tiles
     qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
@@ -116,8 +118,7 @@ def test_traced_and_per_head_bounds(mt, tiles, per_head):
     else:
         qbs = qb[None]
     kbs = np.broadcast_to(kb, (qbs.shape[0], len(kb)))
-    kw = dict(q_len=mask.Lq, kv_len=mask.Lkv, tile_q=tq, tile_kv=tk, max_blocks=8,
-              max_pairs=8)
+    kw = dict(q_len=mask.Lq, kv_len=mask.Lkv, tile_q=tq, tile_kv=tk, max_blocks=max_blocks)
     cap = dg.step_bound(jnp.asarray(qbs), jnp.asarray(kbs), **kw)[1] * Hm
     p, ok = jax.jit(lambda b, q, k: dg.plan_gather_on_device(b, q, k, num_q_heads=Hq,
                                                              capacity=cap, **kw))(
@@ -125,10 +126,10 @@ def test_traced_and_per_head_bounds(mt, tiles, per_head):
     abi.check_plan(np.asarray(p.units), np.asarray(p.steps), tq, tk, p.q_len_padded,
                    p.kv_len_padded, num_q_heads=Hq, q_align=8, kv_align=8,
                    max_steps=p.max_steps, gather=True)
-    if bool(ok):
-        want = tj.BlockMask(qbs if qbs.shape[0] > 1 else qb, kbs if qbs.shape[0] > 1 else kb,
-                            blocks)
-        np.testing.assert_array_equal(_coverage(_Shape(p, want, Hq)), _token_mask(want, Hq))
+    assert bool(ok)
+    want = tj.BlockMask(qbs if qbs.shape[0] > 1 else qb, kbs if qbs.shape[0] > 1 else kb,
+                        blocks)
+    np.testing.assert_array_equal(_coverage(_Shape(p, want, Hq)), _token_mask(want, Hq))
 
 
 @pytest.mark.parametrize("gqa", [1, 2])

@@ -49,112 +49,127 @@ def _static(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: 
     pj, pch, pbits = _gather.chunk_pairs(kb[:-1], kb[1:])
     pbits = pbits.astype(np.int32)
     li = np.arange(max_blocks)
-    return dict(qp=int(qp), kvp=int(kvp), w0=w0, w1=w1, s0=s0, nchunks=int(kvp // A),
-                rows=np.minimum(i0[:, None] + li, len(qb) - 2)[None],
+    return dict(qp=int(qp), kvp=int(kvp), w0=w0[None], w1=w1[None], s0=s0[None],
+                nchunks=int(kvp // A), rows=np.minimum(i0[:, None] + li, len(qb) - 2)[None],
                 valid=(li[None, :] < nbs[:, None])[None], local=local[None],
-                pj=pj[None], pch=pch, pbits=pbits[None], pvalid=np.ones((1, len(pj)), bool),
-                dup=int(np.bincount(pch).max()), ok=True)
+                pj=pj[None], pch=pch[None], pbits=pbits[None],
+                pvalid=np.ones((1, len(pj)), bool), dup=int(np.bincount(pch).max()), ok=True)
 
 
 def _traced(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
-            max_blocks: int, max_pairs: int):
-    """The structure of a mask whose bounds are traced (or per head: [Hb, n + 1]): fixed
-    tiles of tile_q rows, their first ``max_blocks`` local query blocks, and per chunk of
-    8 keys the first ``max_pairs`` key blocks meeting it; ``ok`` False where a tile meets
-    more query blocks, a chunk more key blocks, or the bounds are not increasing from 0 to
-    the lengths (every index clamped: never an out-of-bounds read)."""
-    A = abi.GATHER_ROWS
+            max_blocks: int):
+    """The structure of a mask whose bounds are traced (or per head: [Hb, n + 1]), for any
+    block sizes. Query side: fixed tiles of tile_q rows; a tile meeting more than
+    ``max_blocks`` query blocks gets one unit per ``max_blocks`` of them (its *sub-units*,
+    each owning its blocks' rows of the tile), at most ``nt + (nq - 1) // max_blocks`` units
+    in all (``nt`` tiles, ``nq`` blocks; unused ones are padding). Key side: every (key
+    block, chunk of 8 keys) it meets, at most ``nchunks + nk - 1`` pairs. ``ok`` False only
+    on bounds not increasing from 0 to the lengths (every index clamped: never an
+    out-of-bounds read)."""
+    A, C = abi.GATHER_ROWS, max_blocks
     qb = jnp.asarray(q_bounds, jnp.int32).reshape(-1, q_bounds.shape[-1])
     kb = jnp.asarray(kv_bounds, jnp.int32).reshape(-1, kv_bounds.shape[-1])
-    nq, nk = qb.shape[1] - 1, kb.shape[1] - 1
+    Hb, nq, nk = qb.shape[0], qb.shape[1] - 1, kb.shape[1] - 1
     qp = -(-q_len // tile_q) * tile_q
     kvp = -(-kv_len // tile_kv) * tile_kv
-    S, NCH = qp // tile_q, kvp // A
-    w0 = np.arange(S) * tile_q
-    w1 = np.minimum(w0 + tile_q, q_len)
+    NT, NCH = qp // tile_q, kvp // A
+    S, P = NT + (nq - 1) // C, NCH + nk - 1
     find = jax.vmap(lambda b, x: jnp.searchsorted(b, x, side="right"))
-    i0 = jnp.clip(find(qb, jnp.broadcast_to(jnp.asarray(w0, jnp.int32), (len(qb), S))) - 1,
-                  0, nq - 1)                                               # [Hb, S]
-    r = (w0[:, None] + np.arange(tile_q)).reshape(-1)
-    rb = find(qb, jnp.broadcast_to(jnp.asarray(r, jnp.int32), (len(qb), len(r)))) - 1
-    local = rb.reshape(len(qb), S, tile_q) - i0[:, :, None]
-    inside = jnp.asarray((r < np.repeat(w1, tile_q)).reshape(S, tile_q))[None]
-    ok = jnp.all(jnp.where(inside, local < max_blocks, True))
-    local = jnp.where(inside & (local < max_blocks), local, -1)
-    last = jnp.clip(find(qb, jnp.broadcast_to(jnp.asarray(w1 - 1, jnp.int32),
-                                              (len(qb), S))) - 1, 0, nq - 1)   # [Hb, S]
-    li = jnp.arange(max_blocks)
-    rows = jnp.minimum(i0[:, :, None] + li, nq - 1)
-    valid = (i0[:, :, None] + li) <= last[:, :, None]      # the blocks meeting the tile
-    D = int(min(nk, max_pairs))
-    pch = np.repeat(np.arange(NCH), D)
-    fb = find(kb, jnp.broadcast_to(jnp.asarray(np.arange(NCH) * A, jnp.int32),
-                                   (len(kb), NCH))) - 1                    # [Hb, NCH]
-    pj_raw = fb[:, pch] + jnp.asarray(np.tile(np.arange(D), NCH))
-    pj = jnp.clip(pj_raw, 0, nk - 1)
-    a = jnp.take_along_axis(kb, pj, axis=1)
-    b = jnp.take_along_axis(kb, pj + 1, axis=1)
-    lo = jnp.clip(a - jnp.asarray(pch * A), 0, A)
-    hi = jnp.clip(b - jnp.asarray(pch * A), 0, A)
-    pvalid = (pj_raw < nk) & (lo < hi)
+    t0 = np.arange(NT) * tile_q
+    # Query side: the blocks meeting each tile, its sub-units, each sub-unit's tile and blocks.
+    i0 = jnp.clip(find(qb, jnp.broadcast_to(jnp.asarray(t0, jnp.int32), (Hb, NT))) - 1,
+                  0, nq - 1)                                               # [Hb, NT]
+    last = jnp.clip(find(qb, jnp.broadcast_to(jnp.asarray(np.minimum(t0 + tile_q, q_len) - 1,
+                                                          jnp.int32), (Hb, NT))) - 1,
+                    i0, nq - 1)
+    subs = (last - i0) // C + 1
+    cum = jnp.cumsum(subs, axis=1)                                         # [Hb, NT]
+    j = jnp.arange(S, dtype=jnp.int32)
+    used = j[None] < cum[:, -1:]                                           # [Hb, S]
+    t = jnp.minimum(find(cum, jnp.broadcast_to(j, (Hb, S))), NT - 1)
+    b0 = jnp.take_along_axis(i0, t, 1) + C * (j[None] - jnp.take_along_axis(cum - subs, t, 1))
+    b0 = jnp.clip(b0, 0, nq - 1)
+    s0 = t * tile_q
+    bound = lambda i: jnp.take_along_axis(qb, jnp.clip(i, 0, nq), 1)       # noqa: E731
+    w0 = jnp.where(used, jnp.maximum(s0, bound(b0)), s0)
+    w1 = jnp.where(used, jnp.minimum(jnp.minimum(s0 + tile_q, q_len), bound(b0 + C)), s0)
+    r = (t0[:, None] + np.arange(tile_q)).reshape(-1)
+    rb = (find(qb, jnp.broadcast_to(jnp.asarray(r, jnp.int32), (Hb, len(r)))) - 1
+          ).reshape(Hb, NT, tile_q)
+    row = s0[:, :, None] + jnp.arange(tile_q)
+    local = jnp.where((row >= w0[:, :, None]) & (row < w1[:, :, None]),
+                      jnp.take_along_axis(rb, t[:, :, None], 1) - b0[:, :, None], -1)
+    li = jnp.arange(C)
+    rows = jnp.minimum(b0[:, :, None] + li, nq - 1)
+    valid = used[:, :, None] & ((b0[:, :, None] + li)
+                                <= jnp.take_along_axis(last, t, 1)[:, :, None])
+    # Key side: block j meets chunks [a_j // A, ceil(b_j / A)); the pairs in block order.
+    a, b = kb[:, :-1], kb[:, 1:]
+    c0 = a // A
+    n = jnp.maximum(-(-b // A) - c0, 0)
+    ncum = jnp.cumsum(n, axis=1)                                           # [Hb, nk]
+    p = jnp.arange(P, dtype=jnp.int32)
+    pj = jnp.minimum(find(ncum, jnp.broadcast_to(p, (Hb, P))), nk - 1)
+    pch = jnp.take_along_axis(c0, pj, 1) + p - jnp.take_along_axis(ncum - n, pj, 1)
+    pvalid = p[None] < ncum[:, -1:]
+    pch = jnp.where(pvalid, jnp.clip(pch, 0, NCH - 1), 0)
+    lo = jnp.clip(jnp.take_along_axis(a, pj, 1) - pch * A, 0, A)
+    hi = jnp.clip(jnp.take_along_axis(b, pj, 1) - pch * A, 0, A)
     pbits = jnp.where(pvalid, (1 << hi) - (1 << lo), 0)
-    # Every key of a chunk covered by its first D blocks; increasing bounds from 0 to L.
-    nxt = jnp.take_along_axis(kb, jnp.clip(fb + D, 0, nk), axis=1)
-    ok &= jnp.all((nxt >= jnp.minimum(jnp.asarray(np.arange(NCH) * A + A), kv_len))
-                  | (fb + D >= nk))
-    for bnd, n in ((qb, q_len), (kb, kv_len)):
+    ok = jnp.asarray(True)
+    for bnd, length in ((qb, q_len), (kb, kv_len)):
         ok &= jnp.all(bnd[:, 1:] > bnd[:, :-1]) & jnp.all(bnd[:, 0] == 0) \
-            & jnp.all(bnd[:, -1] == n)
-    return dict(qp=int(qp), kvp=int(kvp), w0=w0, w1=w1, s0=w0, nchunks=int(NCH), rows=rows,
-                valid=valid, local=local, pj=pj, pch=pch, pbits=pbits, pvalid=pvalid, dup=D,
-                ok=ok)
+            & jnp.all(bnd[:, -1] == length)
+    return dict(qp=int(qp), kvp=int(kvp), w0=w0, w1=w1, s0=s0, nchunks=int(NCH), rows=rows,
+                valid=valid, local=local, pj=pj, pch=pch, pbits=pbits, pvalid=pvalid,
+                dup=int(min(A, nk)), ok=ok)
 
 
-def _structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks, max_pairs):
-    """``_static`` for static bounds shared by the heads, else ``_traced``."""
+def _structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks):
+    """``_static`` for static bounds shared by the heads, else ``_traced``. Per-segment fields
+    (``w0``, ``w1``, ``s0``: [Hb, S]; ``rows``, ``valid``, ``local``) and per-pair ones
+    (``pj``, ``pch``, ``pbits``, ``pvalid``: [Hb, P]) have a bounds-head axis (1: shared)."""
     static = all(isinstance(b, np.ndarray) and (b.ndim == 1 or b.shape[0] == 1)
                  for b in (q_bounds, kv_bounds))
     if static:
         return _static(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks)
-    return _traced(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks, max_pairs)
+    return _traced(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks)
 
 
 def fits(q_bounds, kv_bounds, *, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
-         max_blocks: int = 4, max_pairs: int = 2) -> bool:
-    """Whether static (NumPy) bounds fit the policy's limits (shared ones always do; per-head
-    ones: every tile meets at most ``max_blocks`` query blocks, every chunk ``max_pairs`` key
-    blocks)."""
-    return bool(_structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks,
-                           max_pairs)["ok"])
+         max_blocks: int = 4) -> bool:
+    """Whether static (NumPy) bounds are valid for the policy: increasing from 0 to the
+    lengths (any block sizes fit)."""
+    return bool(_structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv,
+                           max_blocks)["ok"])
 
 
 def step_bound(q_bounds, kv_bounds, *, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
-               max_blocks: int = 4, max_pairs: int = 2) -> tuple[int, int]:
+               max_blocks: int = 4) -> tuple[int, int]:
     """(most steps one unit can have, most steps a mask head's units can have): every pair a
     class of its own run of chunks, each class one partial step."""
-    st = _structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks,
-                    max_pairs)
-    per_unit = -(-len(st["pch"]) // abi.gather_chunks(tile_kv)) + (1 << max_blocks) - 1
-    return per_unit, per_unit * len(st["s0"])
+    st = _structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks)
+    per_unit = -(-st["pch"].shape[-1] // abi.gather_chunks(tile_kv)) + (1 << max_blocks) - 1
+    return per_unit, per_unit * st["s0"].shape[-1]
 
 
 def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
                           kv_len: int, tile_q: int, tile_kv: int, capacity: int,
-                          max_blocks: int = 4, max_pairs: int = 2
-                          ) -> tuple[abi.PassPlan, jax.Array]:
+                          max_blocks: int = 4) -> tuple[abi.PassPlan, jax.Array]:
     """(plan, ok) of the gather policy for ``blocks`` bool [Hm, nq, nk] (jax or NumPy; Hm = 1
     or num_q_heads) over bounds ``q_bounds`` / ``kv_bounds``: static and shared (NumPy [n + 1]
-    or [1, n + 1]: the host policy's segments), or traced or per head ([Hm, n + 1]: tiles of
-    tile_q rows meeting at most ``max_blocks`` query blocks, chunks at most ``max_pairs`` key
-    blocks). At most ``capacity`` steps (static; ``step_bound`` gives enough for any
-    selection). ``ok`` False when the selection needs more steps or traced bounds break
-    those limits (or are not increasing from 0 to the lengths); every index is clamped. The
-    plan's leaves are jax arrays, its ``row_index`` None and ``all_full`` None."""
+    or [1, n + 1]: the host policy's segments of at most ``max_blocks`` query blocks), or
+    traced or per head ([Hm, n + 1]: fixed tiles of tile_q rows, a tile meeting more than
+    ``max_blocks`` query blocks split into units of that many; any block sizes). At most
+    ``capacity`` steps (static; ``step_bound`` gives enough for any selection). ``ok``
+    False when the selection needs more steps or traced bounds are not increasing from 0 to
+    the lengths; every index is clamped. The plan's leaves are jax arrays, its
+    ``row_index`` None and ``all_full`` None."""
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
-    for name, val in (("max_blocks", max_blocks), ("max_pairs", max_pairs)):
-        if isinstance(val, bool) or not isinstance(val, int) or not 1 <= val <= 8:
-            raise ValueError(f"{name} must be an int in [1, 8], got {val!r}")
+    if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) \
+            or not 1 <= max_blocks <= 8:
+        raise ValueError(f"max_blocks must be an int in [1, 8], got {max_blocks!r}")
     Hm, nq, nk = blocks.shape
     if Hm not in (1, num_q_heads):
         raise ValueError(f"blocks has {Hm} heads: 1 (shared) or num_q_heads={num_q_heads}")
@@ -163,10 +178,9 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
                 or (np.ndim(b) == 2 and np.shape(b)[0] not in (1, Hm)):
             raise ValueError(f"{name} must be [{n + 1}] or [1 or {Hm}, {n + 1}], got shape "
                              f"{np.shape(b)}")
-    st = _structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks,
-                    max_pairs)
+    st = _structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks)
     A, G = abi.GATHER_ROWS, abi.gather_chunks(tile_kv)
-    C, S, P, NCH = max_blocks, len(st["s0"]), len(st["pch"]), st["nchunks"]
+    C, S, P, NCH = max_blocks, st["s0"].shape[-1], st["pch"].shape[-1], st["nchunks"]
     blocks = jnp.asarray(blocks, bool)
     Hb = st["rows"].shape[0]
     per_head = lambda x: jnp.broadcast_to(jnp.asarray(x), (Hm,) + np.shape(x)[1:])  # noqa
@@ -181,7 +195,7 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
     psig = jnp.take_along_axis(sig, pj, axis=2)                            # [Hm, S, P]
     big = jnp.int32((1 << C) * NCH)
     key = jnp.where((psig > 0) & per_head(st["pvalid"])[:, None, :],
-                    psig * NCH + jnp.asarray(st["pch"], jnp.int32), big)
+                    psig * NCH + per_head(st["pch"]).astype(jnp.int32)[:, None, :], big)
     bits = jnp.broadcast_to(per_head(st["pbits"])[:, None, :], key.shape)
     ent, cls, ch, comb, rank, new_step = _class_entries(key, bits, big, NCH, G, st["dup"])
     step_in = jnp.cumsum(new_step, axis=-1) - 1                            # in its unit
@@ -228,9 +242,9 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
     hm = hq if Hm > 1 else np.zeros_like(hq)
     ptr = jnp.minimum(base.reshape(Hm, S)[hm], capacity)                   # [Hq, S]
     cnt = jnp.clip(capacity - ptr, 0, nsteps[hm])
-    units = jnp.stack([jnp.asarray(np.repeat(hq, S)), jnp.asarray(np.tile(st["s0"], len(hq))),
-                       jnp.asarray(np.tile(st["w0"] - st["s0"], len(hq))),
-                       jnp.asarray(np.tile(st["w1"] - st["s0"], len(hq))),
+    hb = hm if Hb > 1 else np.zeros_like(hq)
+    s0, w0, w1 = (jnp.asarray(st[f])[hb].reshape(-1) for f in ("s0", "w0", "w1"))
+    units = jnp.stack([jnp.asarray(np.repeat(hq, S)), s0, w0 - s0, w1 - s0,
                        ptr.reshape(-1), cnt.reshape(-1)], axis=1).astype(jnp.int32)
     per_unit = -(-P // G) + (1 << C) - 1
     plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), st["qp"], st["kvp"],
