@@ -12,6 +12,8 @@
 # stage-tx: git apply benchmarks/pending/stage-tx.diff; its parts need it):
 #   bash benchmarks/h200_session.sh stage-tx    # MosaicConfig.stage_tx: check, fwd, fwd + bwd
 #     (passes and wins: branch stage-tx lands; then stage_tx templates into the table)
+#   bash benchmarks/h200_session.sh device-gather-check  # device route: plain vs gather templates
+#     on static / per-head bounds, and gather planning main vs branch dg-blockrank
 #   bash benchmarks/h200_session.sh gather-runs-skip  # spike: copy runs of 32 / 64 keys with skipping
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh accept-480     # issue 31's acceptance file, Wan 480p (then accept-720)
@@ -62,6 +64,17 @@ stage-tx)
   run 200 stage-tx-bwd python3 benchmarks/spikes/stage_tx.py --backward \
       --masks cubes,sliding,clusters --variants gather_skip_nopp,stage_tx_skip --budget-s 180 \
       --out $OUT/h200-stage-tx-bwd.json ;;
+device-gather-check)
+  # Issue 31 (device_vs_host, perhead_bounds_vs_shared): the device route's plain and gather
+  # templates on clusters, cubes, sliding, static and per-head bounds, against the host plan
+  # and cuDNN; the gather planning alone, this tree's and branch dg-blockrank's
+  # (benchmarks/pending/device_gather_blockrank.py; plans compared). Predicted (NOTES
+  # #device-planner): per-head plain 0.20 / 0.22 / 0.18 of cuDNN, per-head gather ~0.58 /
+  # 0.42 / 0.61 (computed / selected 1.33 / 1.44 / 1.16 with 64-row groups); static device
+  # gather ~ the host gather plan's time + planning; blockrank planning >= 1.3x faster.
+  run 580 device-gather-check python3 benchmarks/device_gather_check.py --budget-s 560 \
+      --alt-planner benchmarks/pending/device_gather_blockrank.py \
+      --out $OUT/h200-device-gather-check.json ;;
 gather-runs-skip)
   # Issue 31 spike: gathered copy runs of 32 / 64 keys with warpgroup skipping (stand-in
   # templates; kill criterion in the script: cubes below 0.65 of cuDNN).

@@ -626,3 +626,26 @@ def test_acceptance_summary_keys_and_merge(tmp_path):
     GA.merge([str(p) for p in paths], str(tmp_path / "m.json"))
     m = json.loads((tmp_path / "m.json").read_text())["summary"]
     assert m["efficiency_clusters_min"] == 0.5 and m["device_vs_host_max"] == 1.5
+
+
+def test_device_gather_check_summary():
+    """``benchmarks/device_gather_check``: per family, the fastest device / per-head template
+    and its time over the host plan's, and the alt planner's time over main's; failed rows
+    are left out."""
+    import device_gather_check as DC
+
+    def row(fam, route, ms, eff=None, ok=True):
+        r = dict(family=fam, route=route, ms=ms, ok=ok)
+        if eff is not None:
+            r["efficiency"] = eff
+        return r
+
+    rows = [row("c", "host", 2.0, 0.6), row("c", "device_plain", 4.0, 0.3),
+            row("c", "device_gather", 2.5, 0.48), row("c", "perhead_plain", 1.0, 0.9, ok=False),
+            row("c", "perhead_gather", 3.0, 0.4), row("c", "plan_main_static", 0.5),
+            row("c", "plan_alt_static", 0.25), row("c", "plan_main_perhead", 1.0)]
+    s = DC.summarize(rows)["c"]
+    assert s["best_device"] == "gather" and s["device_best_vs_host"] == pytest.approx(1.25)
+    assert s["best_perhead"] == "gather" and s["perhead_best_vs_host"] == pytest.approx(1.5)
+    assert s["plan_alt_over_main_static"] == pytest.approx(0.5)
+    assert "plan_alt_over_main_perhead" not in s and s["plan_main_perhead_ms"] == 1.0
