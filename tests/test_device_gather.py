@@ -99,12 +99,12 @@ def test_traced_selections_share_one_trace_and_overflow_is_reported():
 
 
 @given(masks(), st.sampled_from([(128, 128), (64, 128)]), st.booleans(),
-       st.sampled_from([1, 2, 4]))
+       st.sampled_from([1, 2, 4]), st.sampled_from([1 << 26, 1]))
 @settings(max_examples=25, deadline=None)
-def test_traced_and_per_head_bounds(mt, tiles, per_head, max_blocks):
+def test_traced_and_per_head_bounds(mt, tiles, per_head, max_blocks, max_elements):
     """Traced bounds (and per-head ones: each head its own partition of the same lengths),
-    any block sizes (tiles meeting more than ``max_blocks`` query blocks split into units):
-    ``ok`` and exact."""
+    any block sizes (tiles meeting more than ``max_blocks`` query blocks split into units),
+    mask heads planned together or one at a time (``max_elements``): ``ok`` and exact."""
     mask, Hq, _ = mt
     tq, tk = tiles
     qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
@@ -120,8 +120,8 @@ def test_traced_and_per_head_bounds(mt, tiles, per_head, max_blocks):
     kbs = np.broadcast_to(kb, (qbs.shape[0], len(kb)))
     kw = dict(q_len=mask.Lq, kv_len=mask.Lkv, tile_q=tq, tile_kv=tk, max_blocks=max_blocks)
     cap = dg.step_bound(jnp.asarray(qbs), jnp.asarray(kbs), **kw)[1] * Hm
-    p, ok = jax.jit(lambda b, q, k: dg.plan_gather_on_device(b, q, k, num_q_heads=Hq,
-                                                             capacity=cap, **kw))(
+    p, ok = jax.jit(lambda b, q, k: dg.plan_gather_on_device(
+        b, q, k, num_q_heads=Hq, capacity=cap, max_elements=max_elements, **kw))(
         jnp.asarray(blocks), jnp.asarray(qbs), jnp.asarray(kbs))
     abi.check_plan(np.asarray(p.units), np.asarray(p.steps), tq, tk, p.q_len_padded,
                    p.kv_len_padded, num_q_heads=Hq, q_align=8, kv_align=8,
