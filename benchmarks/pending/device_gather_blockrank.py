@@ -54,8 +54,8 @@ def _static(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: 
                 nchunks=int(kvp // A), rows=np.minimum(i0[:, None] + li, len(qb) - 2)[None],
                 valid=(li[None, :] < nbs[:, None])[None], local=local[None],
                 pj=pj[None], pch=pch[None], pbits=pbits[None],
-                pvalid=np.ones((1, len(pj)), bool), bn=bn[None], bstart=(np.cumsum(bn) - bn)[None],
-                dup=int(np.bincount(pch).max()), ok=True)
+                pvalid=np.ones((1, len(pj)), bool), bn=bn[None],
+                bstart=(np.cumsum(bn) - bn)[None], dup=int(np.bincount(pch).max()), ok=True)
 
 
 def _traced(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
@@ -159,7 +159,8 @@ def step_bound(q_bounds, kv_bounds, *, q_len: int, kv_len: int, tile_q: int, til
 
 def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
                           kv_len: int, tile_q: int, tile_kv: int, capacity: int,
-                          max_blocks: int = 4) -> tuple[abi.PassPlan, jax.Array]:
+                          max_blocks: int = 4, max_elements: int = 1 << 26
+                          ) -> tuple[abi.PassPlan, jax.Array]:
     """(plan, ok) of the gather policy for ``blocks`` bool [Hm, nq, nk] (jax or NumPy; Hm = 1
     or num_q_heads) over bounds ``q_bounds`` / ``kv_bounds``: static and shared (NumPy [n + 1]
     or [1, n + 1]: the host policy's segments of at most ``max_blocks`` query blocks), or
@@ -168,12 +169,16 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
     ``capacity`` steps (static; ``step_bound`` gives enough for any selection). ``ok``
     False when the selection needs more steps or traced bounds are not increasing from 0 to
     the lengths; every index is clamped. The plan's leaves are jax arrays, its
-    ``row_index`` None and ``all_full`` None."""
+    ``row_index`` None and ``all_full`` None. Mask heads are planned in groups of at most
+    ``max_elements`` (head, unit, key pair) entries, one after another, each with an equal
+    share of ``capacity`` (rounded up)."""
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
     if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) \
             or not 1 <= max_blocks <= 8:
         raise ValueError(f"max_blocks must be an int in [1, 8], got {max_blocks!r}")
+    if isinstance(max_elements, bool) or not isinstance(max_elements, int) or max_elements < 1:
+        raise ValueError(f"max_elements must be a positive int, got {max_elements!r}")
     Hm, nq, nk = blocks.shape
     if Hm not in (1, num_q_heads):
         raise ValueError(f"blocks has {Hm} heads: 1 (shared) or num_q_heads={num_q_heads}")
@@ -183,91 +188,39 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
             raise ValueError(f"{name} must be [{n + 1}] or [1 or {Hm}, {n + 1}], got shape "
                              f"{np.shape(b)}")
     st = _structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks)
-    A, G = abi.GATHER_ROWS, abi.gather_chunks(tile_kv)
+    G = abi.gather_chunks(tile_kv)
     C, S, P, NCH = max_blocks, st["s0"].shape[-1], st["pch"].shape[-1], st["nchunks"]
     blocks = jnp.asarray(blocks, bool)
     Hb = st["rows"].shape[0]
-    per_head = lambda x: jnp.broadcast_to(jnp.asarray(x), (Hm,) + np.shape(x)[1:])  # noqa
-
-    # Signatures: bit l of a key block's is local query block l of the segment selecting it.
-    li = np.arange(C)
-    rows = per_head(st["rows"]).reshape(Hm, S * C)
-    sel = jnp.take_along_axis(blocks, rows[:, :, None], axis=1).reshape(Hm, S, C, nk)
-    sel = sel & per_head(st["valid"])[..., None]                          # [Hm, S, C, nk]
-    sig = jnp.sum(sel.astype(jnp.int32) << jnp.asarray(li)[None, None, :, None], axis=2)
-    # Per key block: whether its first chunk is an earlier block's of its class (a chunk's
-    # blocks are at most dup consecutive ones), the rank of that chunk in its class, its first
-    # step; then each pair's from its block's in one gather.
-    pch_h, bn = per_head(st["pch"]).astype(jnp.int32), per_head(st["bn"])
-    bstart = per_head(st["bstart"])
-    c0 = jnp.take_along_axis(pch_h, bstart, 1)[:, None, :]                 # [Hm, 1, nk]
-    c1 = jnp.take_along_axis(pch_h, jnp.maximum(bstart + bn - 1, 0), 1)[:, None, :]
-    merged = jnp.zeros(sig.shape, bool)
-    for d in range(1, st["dup"]):
-        merged |= (_shift(sig, -d, 0) == sig) & (_shift(c1, -d, -1) == c0)
-    merged &= sig > 0
-    r0, counts = _block_ranks(sig, jnp.where(sig > 0, bn[:, None, :] - merged, 0), C)
-    # Steps: each class's entries G at a time, classes in order, units one after another.
-    csteps = -(-counts // G)                                               # [Hm, S, 2^C]
-    coff = jnp.cumsum(csteps, axis=-1) - csteps
-    nsteps = jnp.sum(csteps, axis=-1)                                      # [Hm, S]
-    base = jnp.cumsum(nsteps.reshape(-1)) - nsteps.reshape(-1)
-    total = jnp.sum(nsteps)
-    boff = base.reshape(Hm, S)[:, :, None] + jnp.take_along_axis(coff, sig, 2)
-    # (class, merged, rank of the block's first pair minus its index + P) in one word.
-    packed = (sig << 27) | (merged.astype(jnp.int32) << 26) \
-        | (r0 - merged - bstart[:, None, :] + P)
-    pj = jnp.broadcast_to(per_head(st["pj"])[:, None, :], (Hm, S, P))
-    pk = jnp.take_along_axis(packed, pj, 2)                                # [Hm, S, P]
-    cls = pk >> 27
-    pidx = jnp.arange(P, dtype=jnp.int32)
-    rank = (pk & ((1 << 26) - 1)) - P + pidx
-    valid = (cls > 0) & per_head(st["pvalid"])[:, None, :]
-    first = pidx == jnp.take_along_axis(bstart, per_head(st["pj"]), 1)[:, None, :]
-    ent = valid & ~(first & ((pk >> 26) & 1 == 1))
-    ch = jnp.broadcast_to(pch_h[:, None, :], pk.shape)
-    comb = _chunk_bits(jnp.where(valid, cls * NCH + ch, -1),
-                       jnp.broadcast_to(per_head(st["pbits"])[:, None, :], pk.shape), st["dup"])
-    gstep = jnp.take_along_axis(boff, pj, 2) + rank // G                  # [Hm, S, P]
-    tgt = jnp.where(ent & (gstep < capacity), gstep, capacity)             # capacity: dropped
-    slot = rank % G
-    new_step = ent & (slot == 0)
-    starts = jnp.full((capacity + 1, G), -1, jnp.int32).at[tgt, slot].set(ch * A)
-    kbits = jnp.zeros((capacity + 1, G), jnp.int32).at[tgt, slot].set(comb)
-    lead = jnp.where(new_step, tgt, capacity)
-    hs = jnp.arange(Hm * S, dtype=jnp.int32).reshape(Hm, S)[:, :, None]
-    step_cls = jnp.zeros(capacity + 1, jnp.int32).at[lead].set(cls)[:capacity]
-    step_hs = jnp.zeros(capacity + 1, jnp.int32).at[lead].set(
-        jnp.broadcast_to(hs, lead.shape))[:capacity]
-    starts, kbits = starts[:capacity], kbits[:capacity]
-    starts = jnp.where(starts < 0, starts[:, :1], starts)                  # unused: slot 0's
-    starts = jnp.maximum(starts, 0)                                        # an empty row
-    # Row bits depend on (segment, class) alone: static tables, gathered per step.
-    live = jnp.arange(capacity) < total
-    rt = _row_tables(st["local"], C)
-    sc = ((step_hs // S) if Hb > 1 else 0, step_hs % S, step_cls)
-    rw = jnp.where(live[:, None], jnp.asarray(rt["words"])[sc], 0)
-    q_lo, q_hi = jnp.asarray(rt["lo"])[sc], jnp.asarray(rt["hi"])[sc]
-    # Key bits: 8 a chunk, four chunks a word.
-    kbits = jnp.where(live[:, None], kbits, 0)
-    kw = jnp.sum(kbits.reshape(capacity, -1, 4).astype(jnp.uint32)
-                 << (8 * jnp.arange(4, dtype=jnp.uint32)), axis=2)
-    kw = lax.bitcast_convert_type(kw, jnp.int32)
-    kv_lo, kv_hi = _key_span(kbits)
-    words = jnp.concatenate([starts, kw, rw], axis=1)
     wr = abi.gather_word_rows(tile_q, tile_kv)
-    words = jnp.pad(words, ((0, 0), (0, wr * abi.STEP_COLS - words.shape[1])))
-    full = jnp.all(kbits == (1 << A) - 1, axis=1) & jnp.asarray(rt["full"])[sc]
-    head = jnp.stack([starts[:, 0], abi.pack_rect(q_lo, q_hi, kv_lo, kv_hi),
-                      (capacity + jnp.arange(capacity, dtype=jnp.int32) * wr) * abi.STEP_COLS,
-                      jnp.where(full, abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)], axis=1)
-    head = jnp.where(live[:, None], head, jnp.zeros_like(head))
-    steps = jnp.concatenate([head.astype(jnp.int32),
-                             words.reshape(capacity * wr, abi.STEP_COLS)], axis=0)
+    hg = max(d for d in range(1, Hm + 1)
+             if Hm % d == 0 and (d == 1 or d * S * P <= max_elements))
+    ng = Hm // hg
+    cap_g = -(-capacity // ng)
+    capacity = cap_g * ng
+    heads = ("rows", "valid", "pj", "pch", "pbits", "pvalid", "bn", "bstart", "local")
+
+    def group(blk, part, offset):
+        return _group_steps(blk, part, offset, capacity=capacity, cap_g=cap_g, C=C, G=G,
+                            NCH=NCH, wr=wr, dup=st["dup"])
+
+    if ng == 1:
+        head, words, base, nsteps, totals = group(blocks, {f: st[f] for f in heads}, 0)
+    else:
+        # Head groups one after another (lax.map): [hg, S, P] temporaries, not [Hm, S, P].
+        split = lambda x: jnp.asarray(x).reshape((ng, hg) + np.shape(x)[1:])   # noqa: E731
+        xs = (split(blocks), {f: split(st[f]) for f in heads if Hb > 1},
+              jnp.arange(ng, dtype=jnp.int32) * cap_g)
+        shared = {f: st[f] for f in heads if Hb == 1}
+        head, words, base, nsteps, totals = lax.map(
+            lambda x: group(x[0], {**shared, **x[1]}, x[2]), xs)
+        head, words = head.reshape(capacity, -1), words.reshape(capacity * wr, -1)
+        base, nsteps = base.reshape(Hm, S), nsteps.reshape(Hm, S)
+    steps = jnp.concatenate([head, words], axis=0)
     # Units: one per (query head, segment), its mask head's steps.
     hq = np.arange(num_q_heads)
     hm = hq if Hm > 1 else np.zeros_like(hq)
-    ptr = jnp.minimum(base.reshape(Hm, S)[hm], capacity)                   # [Hq, S]
+    ptr = jnp.minimum(base[hm], capacity)                                  # [Hq, S]
     cnt = jnp.clip(capacity - ptr, 0, nsteps[hm])
     hb = hm if Hb > 1 else np.zeros_like(hq)
     s0, w0, w1 = (jnp.asarray(st[f])[hb].reshape(-1) for f in ("s0", "w0", "w1"))
@@ -276,7 +229,96 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
     per_unit = -(-P // G) + (1 << C) - 1
     plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), st["qp"], st["kvp"],
                         int(min(per_unit, capacity)))
-    return plan, (total <= capacity) & jnp.asarray(st["ok"])
+    return plan, jnp.all(totals <= cap_g) & jnp.asarray(st["ok"])
+
+
+def _group_steps(blocks, part, offset, *, capacity: int, cap_g: int, C: int, G: int, NCH: int,
+                 wr: int, dup: int):
+    """The steps of mask heads ``blocks`` [hg, nq, nk] (their structure fields ``part``, a
+    bounds-head axis of hg or 1): head rows [cap_g, STEP_COLS] and word rows [cap_g * wr,
+    STEP_COLS] for global steps offset .. offset + cap_g of a plan of ``capacity`` steps,
+    each (head, unit)'s first global step and step count [hg, S], and the steps needed."""
+    A = abi.GATHER_ROWS
+    Hm, nq, nk = blocks.shape
+    Hb = part["rows"].shape[0]
+    S, P = part["local"].shape[1], part["pch"].shape[-1]
+    per_head = lambda x: jnp.broadcast_to(jnp.asarray(x), (Hm,) + np.shape(x)[1:])  # noqa
+
+    # Signatures: bit l of a key block's is local query block l of the segment selecting it.
+    li = np.arange(C)
+    rows = per_head(part["rows"]).reshape(Hm, S * C)
+    sel = jnp.take_along_axis(blocks, rows[:, :, None], axis=1).reshape(Hm, S, C, nk)
+    sel = sel & per_head(part["valid"])[..., None]                          # [Hm, S, C, nk]
+    sig = jnp.sum(sel.astype(jnp.int32) << jnp.asarray(li)[None, None, :, None], axis=2)
+    # Per key block: whether its first chunk is an earlier block's of its class (a chunk's
+    # blocks are at most dup consecutive ones), the rank of that chunk in its class, its first
+    # step; then each pair's from its block's in one gather.
+    pch_h, bn = per_head(part["pch"]).astype(jnp.int32), per_head(part["bn"])
+    bstart = per_head(part["bstart"])
+    c0 = jnp.take_along_axis(pch_h, bstart, 1)[:, None, :]                 # [Hm, 1, nk]
+    c1 = jnp.take_along_axis(pch_h, jnp.maximum(bstart + bn - 1, 0), 1)[:, None, :]
+    merged = jnp.zeros(sig.shape, bool)
+    for d in range(1, dup):
+        merged |= (_shift(sig, -d, 0) == sig) & (_shift(c1, -d, -1) == c0)
+    merged &= sig > 0
+    r0, counts = _block_ranks(sig, jnp.where(sig > 0, bn[:, None, :] - merged, 0), C)
+    # Steps: each class's entries G at a time, classes in order, units one after another.
+    csteps = -(-counts // G)                                               # [Hm, S, 2^C]
+    coff = jnp.cumsum(csteps, axis=-1) - csteps
+    nsteps = jnp.sum(csteps, axis=-1)                                      # [Hm, S]
+    base = (jnp.cumsum(nsteps.reshape(-1)) - nsteps.reshape(-1)).reshape(Hm, S)
+    total = jnp.sum(nsteps)
+    boff = base[:, :, None] + jnp.take_along_axis(coff, sig, 2)
+    # (class, merged, rank of the block's first pair minus its index + P) in one word.
+    packed = (sig << 27) | (merged.astype(jnp.int32) << 26) \
+        | (r0 - merged - bstart[:, None, :] + P)
+    pj = jnp.broadcast_to(per_head(part["pj"])[:, None, :], (Hm, S, P))
+    pk = jnp.take_along_axis(packed, pj, 2)                                # [Hm, S, P]
+    cls = pk >> 27
+    pidx = jnp.arange(P, dtype=jnp.int32)
+    rank = (pk & ((1 << 26) - 1)) - P + pidx
+    valid = (cls > 0) & per_head(part["pvalid"])[:, None, :]
+    first = pidx == jnp.take_along_axis(bstart, per_head(part["pj"]), 1)[:, None, :]
+    ent = valid & ~(first & ((pk >> 26) & 1 == 1))
+    ch = jnp.broadcast_to(pch_h[:, None, :], pk.shape)
+    comb = _chunk_bits(jnp.where(valid, cls * NCH + ch, -1),
+                       jnp.broadcast_to(per_head(part["pbits"])[:, None, :], pk.shape), dup)
+    gstep = jnp.take_along_axis(boff, pj, 2) + rank // G                  # [Hm, S, P]
+    tgt = jnp.where(ent & (gstep < cap_g), gstep, cap_g)                   # cap_g: dropped
+    slot = rank % G
+    new_step = ent & (slot == 0)
+    starts = jnp.full((cap_g + 1, G), -1, jnp.int32).at[tgt, slot].set(ch * A)
+    kbits = jnp.zeros((cap_g + 1, G), jnp.int32).at[tgt, slot].set(comb)
+    lead = jnp.where(new_step, tgt, cap_g)
+    hs = jnp.arange(Hm * S, dtype=jnp.int32).reshape(Hm, S)[:, :, None]
+    step_cls = jnp.zeros(cap_g + 1, jnp.int32).at[lead].set(cls)[:cap_g]
+    step_hs = jnp.zeros(cap_g + 1, jnp.int32).at[lead].set(
+        jnp.broadcast_to(hs, lead.shape))[:cap_g]
+    starts, kbits = starts[:cap_g], kbits[:cap_g]
+    starts = jnp.where(starts < 0, starts[:, :1], starts)                  # unused: slot 0's
+    starts = jnp.maximum(starts, 0)                                        # an empty row
+    # Row bits depend on (segment, class) alone: static tables, gathered per step.
+    live = jnp.arange(cap_g) < total
+    rt = _row_tables(part["local"], C)
+    sc = ((step_hs // S) if Hb > 1 else 0, step_hs % S, step_cls)
+    rw = jnp.where(live[:, None], jnp.asarray(rt["words"])[sc], 0)
+    q_lo, q_hi = jnp.asarray(rt["lo"])[sc], jnp.asarray(rt["hi"])[sc]
+    # Key bits: 8 a chunk, four chunks a word.
+    kbits = jnp.where(live[:, None], kbits, 0)
+    kw = jnp.sum(kbits.reshape(cap_g, -1, 4).astype(jnp.uint32)
+                 << (8 * jnp.arange(4, dtype=jnp.uint32)), axis=2)
+    kw = lax.bitcast_convert_type(kw, jnp.int32)
+    kv_lo, kv_hi = _key_span(kbits)
+    words = jnp.concatenate([starts, kw, rw], axis=1)
+    words = jnp.pad(words, ((0, 0), (0, wr * abi.STEP_COLS - words.shape[1])))
+    full = jnp.all(kbits == (1 << A) - 1, axis=1) & jnp.asarray(rt["full"])[sc]
+    head = jnp.stack([starts[:, 0], abi.pack_rect(q_lo, q_hi, kv_lo, kv_hi),
+                      (capacity + (offset + jnp.arange(cap_g, dtype=jnp.int32)) * wr)
+                      * abi.STEP_COLS,
+                      jnp.where(full, abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)], axis=1)
+    head = jnp.where(live[:, None], head, jnp.zeros_like(head))
+    return (head.astype(jnp.int32), words.reshape(cap_g * wr, abi.STEP_COLS),
+            base + offset, nsteps, total)
 
 
 def _shift(x, d: int, fill):
