@@ -219,3 +219,53 @@ def test_device_route_gathers_with_traced_bounds():
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     np.testing.assert_allclose(np.asarray(out, np.float32),
                                tj.reference_attention(*f32, m, scale=0.125), atol=2e-2)
+
+
+def test_device_gather_option_runs_per_head_bounds_of_small_blocks():
+    """``Options(device_gather="traced")``: per-head traced bounds of small and 1-token blocks
+    (tiles meeting more than 4 query blocks, chunks several key blocks) run the gathering
+    template (Mosaic GPU, interpret mode); forward and gradients against the reference."""
+    pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret")
+    from tessera_jax.runtime import device_route
+    from tessera_jax.validation import check_qkv
+
+    rng = np.random.default_rng(21)
+    Lq, Lk, H, D = 264, 200, 2, 64
+
+    def parts(L, hi):
+        cuts = np.unique(np.r_[rng.integers(1, L, L // hi * 2), rng.integers(1, 40, 3)])
+        return np.r_[0, cuts, L]
+
+    # Both heads the same number of blocks, each its own partition.
+    qbs = [parts(Lq, 30) for _ in range(H)]
+    kbs = [parts(Lk, 20) for _ in range(H)]
+    nq, nk = min(len(b) for b in qbs) - 1, min(len(b) for b in kbs) - 1
+    qbh = np.stack([np.r_[b[:nq], Lq] for b in qbs])
+    kbh = np.stack([np.r_[b[:nk], Lk] for b in kbs])
+    t0 = np.arange(0, Lq, 128)
+    meets = [np.searchsorted(b, np.minimum(t0 + 128, Lq) - 1, "right")
+             - np.searchsorted(b, t0, "right") + 1 for b in qbh]
+    assert max(x.max() for x in meets) > 4             # tiles split into several units
+    c0 = np.arange(0, Lk, 8)
+    assert max((np.searchsorted(b, np.minimum(c0 + 8, Lk) - 1, "right")
+                - np.searchsorted(b, c0, "right")).max() for b in kbh) >= 2
+    blocks = rng.random((H, nq, nk)) < 0.4
+    m = tj.BlockMask(qbh, kbh, blocks)
+    ks = jax.random.split(jax.random.key(8), 4)
+    q, k, v = (jax.random.normal(x, (1, L, H, D)).astype(jnp.bfloat16)
+               for x, L in zip(ks, (Lq, Lk, Lk)))
+    opts = tj.Options(device_gather="traced", interpret=True)
+    dev = tj.BlockMask(jnp.asarray(qbh), jnp.asarray(kbh), jnp.asarray(blocks))
+    assert device_route.choose(dev, check_qkv(q, k, v), "mosaic_gpu", None, opts).name == \
+        "mgpu_q128_kv128_s2_gather_skip_nopp"
+    f = lambda q, k, v, a, b, c: device_route.attention(   # noqa: E731
+        q, k, v, tj.BlockMask(a, b, c), check_qkv(q, k, v), "mosaic_gpu", None, 0.125, False,
+        opts)
+    args = (jnp.asarray(qbh), jnp.asarray(kbh), jnp.asarray(blocks))
+    out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, *args), q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref, rvjp = jax.vjp(lambda q, k, v: tj.reference_attention(q, k, v, m, scale=0.125), *f32)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-2)
+    do = jax.random.normal(ks[3], out.shape).astype(out.dtype)
+    for a, b in zip(vjp(do), rvjp(do.astype(jnp.float32))):
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=5e-2)

@@ -281,6 +281,41 @@ def test_template_choice_is_static_and_follows_static_bounds():
     assert pick(traced) == "mgpu_q128_kv128_s2_hm"      # decided on the device (lax.cond)
 
 
+def test_device_gather_option_sends_traced_and_irregular_bounds_to_the_gathering_template():
+    """``Options.device_gather``: "never" keeps the device list, "traced" gathers where a bound
+    is traced, "irregular" also where static key blocks have more than 8 distinct sizes; a
+    named template wins; a bad value is refused."""
+    shape = check_shapes((1, 512, 2, 64), (1, 512, 2, 64), jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    kb = np.r_[0, np.cumsum(rng.integers(1, 40, 400))]
+    kb = kb[kb < 512]
+    kb = np.r_[kb, 512]
+    clusters = tj.BlockMask(np.arange(0, 513, 128), kb, jnp.ones((1, 4, len(kb) - 1), bool))
+    cubes = tj.BlockMask(np.arange(0, 513, 64), np.arange(0, 513, 64), jnp.ones((1, 8, 8), bool))
+    traced = tj.BlockMask(jnp.arange(0, 513, 64), jnp.arange(0, 513, 64), jnp.ones((1, 8, 8), bool))
+    gather = "mgpu_q128_kv128_s2_gather_skip_nopp"
+
+    def pick(m, mode, template=None):
+        t = device_route.choose(m, shape, "mosaic_gpu", template,
+                                tj.Options(device_gather=mode))
+        return t.name
+
+    assert len(np.unique(np.diff(kb))) > 8
+    assert [pick(m, "never") for m in (clusters, cubes, traced)] == [
+        "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm", "mgpu_q128_kv128_s2_hm"]
+    assert [pick(m, "traced") for m in (clusters, cubes, traced)] == [
+        "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm", gather]
+    assert [pick(m, "irregular") for m in (clusters, cubes, traced)] == [
+        gather, "mgpu_q64x2_kv64_s2_hm", gather]
+    named = device_route.dispatch.get_template("mgpu_q128_kv128_s2_hm")
+    assert pick(traced, "irregular", named) == "mgpu_q128_kv128_s2_hm"
+    assert device_route.choose(traced, shape, "triton", None,
+                               tj.Options(device_gather="traced")).name == \
+        "triton_q128_kv128_w8_s3_gather"
+    with pytest.raises(ValueError, match="device_gather must be one of"):
+        tj.Options(device_gather="always")
+
+
 def test_device_route_through_the_triton_kernel_interpret_mode():
     """The route's glue to a GPU kernel module (Triton lowering, interpret mode on CPU)."""
     rng = np.random.default_rng(7)

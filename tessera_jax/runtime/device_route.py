@@ -62,18 +62,20 @@ def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template |
     fit the static bounds (the exact path runs). A caller's template must be device-capable
     (ValueError)."""
     return select_device.choose(mask, shape, backend, template,
-                                bitmap_budget_bytes=options.bitmap_budget_bytes)[0]
+                                bitmap_budget_bytes=options.bitmap_budget_bytes,
+                                device_gather=options.device_gather)[0]
 
 
 def _choose(consts: tuple, mask: BlockMask, shape: AttnShape, backend: str,
-            template: Template | None, budget: int) -> tuple[Template | None, int]:
+            template: Template | None, budget: int,
+            device_gather: str = "never") -> tuple[Template | None, int]:
     """(template, bitmap capacity) of the static rule for these static parts; (None, 0): the
     exact path."""
     if template is not None and not select_device.device_capable(template):
         choose(mask, shape, backend, template)              # raises
     features = select_device.DeviceFeatures(consts[0], consts[1], tuple(mask.blocks.shape),
                                             shape)
-    return select_device.choose_template(features, backend, template, budget)
+    return select_device.choose_template(features, backend, template, budget, device_gather)
 
 
 _warned: set = set()
@@ -83,7 +85,8 @@ def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template
               scale: float, return_lse: bool, options: Options = options_.DEFAULT):
     """out (and lse) of a device-route call (arguments validated by the caller)."""
     consts = select_device.static_parts(mask)
-    t, capacity = _choose(consts, mask, shape, backend, template, options.bitmap_budget_bytes)
+    t, capacity = _choose(consts, mask, shape, backend, template, options.bitmap_budget_bytes,
+                          options.device_gather)
     if t is None:
         key = (tuple(mask.blocks.shape), shape.q_len, shape.kv_len, backend)
         if key not in _warned:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from tessera_jax.planning.config import PlannerConfig
-from tessera_jax.select.device import BITMAP_BUDGET_BYTES
+from tessera_jax.select.device import BITMAP_BUDGET_BYTES, DEVICE_GATHER
 
 __all__ = ["Options", "DEFAULT", "HOST_PLANNING"]
 
@@ -57,6 +57,14 @@ class Options:
         background thread, used from the first call that finds it ready. "device_first":
         every such call tiers (benchmarks, tests). Calls under a jax trace, and calls naming
         a template or policy, plan on the host as with "sync".
+    device_gather: when the device route (a device mask, or per-head bounds) runs the
+        backend's gathering template (``select.device.GATHER_TEMPLATES``, planned by
+        ``planning.device_gather``) instead of its device list: "never" (default), "traced"
+        (a traced bound: per-head bounds of a content-dependent method such as SVG2's
+        clusters), "irregular" (also static key blocks of more than 8 distinct sizes).
+        Predicted on Wan 480p per-head bounds: 0.58 / 0.42 / 0.61 of cuDNN on clusters /
+        cubes / sliding against 0.20 / 0.22 / 0.18 (benchmarks/NOTES.md#device-planner);
+        the default changes once ``benchmarks/device_gather_check.py`` has measured it.
     """
 
     bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES
@@ -67,6 +75,7 @@ class Options:
     planner: PlannerConfig = PlannerConfig()
     check_finite: bool = False
     host_planning: str = "sync"
+    device_gather: str = "never"
 
     def __post_init__(self):
         b = self.bitmap_budget_bytes
@@ -97,6 +106,9 @@ class Options:
         if not isinstance(self.host_planning, str) or self.host_planning not in HOST_PLANNING:
             raise ValueError(f"host_planning must be one of {HOST_PLANNING}, got "
                              f"{self.host_planning!r}")
+        if not isinstance(self.device_gather, str) or self.device_gather not in DEVICE_GATHER:
+            raise ValueError(f"device_gather must be one of {DEVICE_GATHER}, got "
+                             f"{self.device_gather!r}")
 
 
 DEFAULT = Options()

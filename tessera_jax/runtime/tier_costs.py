@@ -130,14 +130,16 @@ def _fine(bounds: np.ndarray, length: int, tile: int) -> tuple[int, int]:
 
 
 def size_of(mask: BlockMask, shape: AttnShape, backend: str,
-            bitmap_budget_bytes: int) -> MaskSize | None:
+            bitmap_budget_bytes: int, device_gather: str = "never") -> MaskSize | None:
     """The rule's inputs of a static mask with shared bounds sent to the device route with
     traced bounds; None where that route would not run the kernels (no template, or more tile
-    pairs needing bitmap steps than its capacity: the exact path)."""
+    pairs needing bitmap steps than its capacity: the exact path) or would run a gathering
+    template (``device_gather``: not in the fitted costs)."""
     Hm, nq, nk = mask.shape
     feats = select_device.DeviceFeatures(None, None, (Hm, nq, nk), shape)
-    t, cap = select_device.choose_template(feats, backend, None, bitmap_budget_bytes)
-    if t is None:
+    t, cap = select_device.choose_template(feats, backend, None, bitmap_budget_bytes,
+                                           device_gather)
+    if t is None or t.name in select_device.GATHER_TEMPLATES.values():
         return None
     fq, nqt = _fine(mask.q_bounds, shape.q_len, t.tile_q)
     fk, nkt = _fine(mask.kv_bounds, shape.kv_len, t.tile_kv)

@@ -140,7 +140,8 @@ def _rule(mask, shape, backend, options, compiled, q) -> bool:
     costs = tier_costs.costs_for(platform, backend)
     if costs is None:
         return False
-    size = tier_costs.size_of(mask, shape, backend, options.bitmap_budget_bytes)
+    size = tier_costs.size_of(mask, shape, backend, options.bitmap_budget_bytes,
+                              options.device_gather)
     return tier_costs.tiers(size, costs, compiled)
 
 

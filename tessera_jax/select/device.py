@@ -33,8 +33,9 @@ from tessera_jax.mask import BlockMask
 from tessera_jax.planning import device as _device
 from tessera_jax.validation import AttnShape
 
-__all__ = ["DEVICE_TEMPLATES", "BITMAP_BUDGET_BYTES", "Const", "DeviceFeatures", "static_parts",
-           "device_capable", "capacity", "choose_template", "choose"]
+__all__ = ["DEVICE_TEMPLATES", "GATHER_TEMPLATES", "DEVICE_GATHER", "BITMAP_BUDGET_BYTES",
+           "Const", "DeviceFeatures", "static_parts", "device_capable", "capacity",
+           "choose_template", "choose"]
 
 #: Per backend, the templates a device plan may run, in order of preference (see the module
 #: docstring). q64x2 runs neighbouring 64-row units of the device plan in one CTA, one per
@@ -45,6 +46,20 @@ DEVICE_TEMPLATES = types.MappingProxyType({
                "triton_q64_kv64_w4_s2"),
     "xla": ("xla_64x64", "xla_128x128", "xla_64x128", "xla_128x64"),
 })
+
+#: Per backend, its gathering template (``planning.device_gather`` plans it on the device: 8-key
+#: chunks from anywhere, any block sizes), which ``device_gather`` may choose instead of the
+#: device list's (``choose_template``).
+GATHER_TEMPLATES = types.MappingProxyType({
+    "mosaic_gpu": "mgpu_q128_kv128_s2_gather_skip_nopp",
+    "triton": "triton_q128_kv128_w8_s3_gather",
+})
+
+#: ``Options.device_gather``'s values (``choose_template``).
+DEVICE_GATHER = ("never", "traced", "irregular")
+
+#: Distinct key-block sizes (in a head) past which static bounds count as irregular.
+IRREGULAR_KV_SIZES = 8
 
 #: Default bytes of bitmap steps a device plan may hold (tiles meeting more than ``abi.GRID``
 #: blocks per axis: 2 KB each at 128 x 128); past it, static bounds take the exact path and
@@ -139,17 +154,47 @@ def _small(b: Const | None) -> bool:
     return b is not None and float(np.median(np.diff(np.asarray(b.array), axis=-1))) <= 64
 
 
+def _irregular_kv(b: Const | None) -> bool:
+    """Static key bounds with more than ``IRREGULAR_KV_SIZES`` distinct block sizes in a head
+    (clusters, not a grid of cubes or frames)."""
+    if b is None:
+        return False
+    sizes = np.diff(np.asarray(b.array).reshape(-1, b.array.shape[-1]), axis=-1)
+    return any(len(np.unique(row)) > IRREGULAR_KV_SIZES for row in sizes)
+
+
+def _gathers(f: DeviceFeatures, device_gather: str) -> bool:
+    """Whether ``device_gather`` sends this call site to the backend's gathering template."""
+    traced = f.q_bounds is None or f.kv_bounds is None
+    if device_gather == "traced":
+        return traced
+    if device_gather == "irregular":
+        return traced or _irregular_kv(f.kv_bounds)
+    return False
+
+
 @functools.lru_cache(maxsize=512)
 def choose_template(features: DeviceFeatures, backend: str, template: Template | None = None,
-                    bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES
-                    ) -> tuple[Template | None, int]:
+                    bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES,
+                    device_gather: str = "never") -> tuple[Template | None, int]:
     """(template, bitmap capacity) of a device-route call by the static rule (module
-    docstring); (None, 0): the exact path. ``template``: the caller's (its capacity only)."""
+    docstring); (None, 0): the exact path. ``template``: the caller's (its capacity only).
+    ``device_gather`` (``Options.device_gather``): "traced" runs the backend's gathering
+    template (``GATHER_TEMPLATES``) where a bound is traced (per-head bounds of a
+    content-dependent method), "irregular" also where static key blocks are irregular
+    (``_irregular_kv``); "never" keeps the device list."""
     f = features
     if template is not None:
         cap = capacity(f.q_bounds, f.kv_bounds, f.block_shape, f.shape, template,
                        bitmap_budget_bytes)
         return (template, cap) if cap is not None else (None, 0)
+    if device_gather not in DEVICE_GATHER:
+        raise ValueError(f"device_gather must be one of {DEVICE_GATHER}, got {device_gather!r}")
+    g = GATHER_TEMPLATES.get(backend)
+    if g is not None and _gathers(f, device_gather):
+        t = _templates.get(g)
+        if t.supports(f.shape.head_dim, f.shape.dtype):
+            return t, 0              # gathered steps: no bitmap steps in the forward plan
     # K/V blocks of <= 64 tokens: a 128-key tile would hold two, and a sparse per-head
     # selection keeps one of them most of the time (a masked step at 0.67 of cuDNN's rate
     # for half the keys, against a full 64-key step at 0.80): 64-key tiles first. Query blocks
@@ -171,7 +216,8 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
 
 
 def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template | None = None,
-           *, bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES) -> tuple[Template | None, int]:
+           *, bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES,
+           device_gather: str = "never") -> tuple[Template | None, int]:
     """``choose_template`` of ``mask``'s static features. A caller's template must be
     device-capable (ValueError). Memoised per (static bounds, shapes, backend, template,
     budget)."""
@@ -183,7 +229,7 @@ def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template |
         raise ValueError(f"bitmap_budget_bytes must be a non-negative int, got "
                          f"{bitmap_budget_bytes!r}")
     return choose_template(DeviceFeatures.of(mask, shape), backend, template,
-                           bitmap_budget_bytes)
+                           bitmap_budget_bytes, device_gather)
 
 
 def clear_cache() -> None:
