@@ -766,13 +766,15 @@ def _dyn_setup(case: DynCase, args):
     noise = jax.random.normal(k1, (1, *latent, cfg.in_channels), jnp.float32)
     context = jax.random.normal(k2, (1, tl, cfg.text_dim), dtype)
     dense_impl = _dense_impl(args, dtype)
-    opts = AttentionOptions(backend=args.backend, dense_implementation=dense_impl)
+    opts = AttentionOptions(backend=args.backend, dense_implementation=dense_impl,
+                            sparse_options=_sparse_options(args))
     host_fn = HostPlanned(backend=args.backend, bitmap_budget_bytes=args.host_bitmap_mb << 20)
     host_opts = AttentionOptions(dense_implementation=dense_impl, sparse_fn=host_fn)
     n_sparse = int(np.sum(sched.table > 0))
     n_dense = sched.table.size - n_sparse
     res: dict = dict(
         kind="dynamic", case=case.name, model=case.model, rule=case.rule,
+        device_gather=getattr(args, "device_gather", None),
         rule_params=dict(case.rule_params), rule_repr=repr(rule), note=case.note,
         layers_total=case.layers_total, layers_run=case.layers_run,
         extrapolated=case.layers_run < case.layers_total, steps=case.steps,
@@ -875,6 +877,13 @@ def _derive_dyn(run, args):
     est = _peers_estimate(run.case, res, run.L, run.H, args)
     if est:
         res["peers_estimate"] = est
+
+
+def _sparse_options(args):
+    """The dynamic loop's ``tessera_jax.Options`` (None: the defaults)."""
+    import tessera_jax as tj
+    dg = getattr(args, "device_gather", None)
+    return None if dg is None else tj.Options(device_gather=dg)
 
 
 def _dense_impl(args, dtype):
@@ -980,7 +989,8 @@ def builder_costs(args, progress=None, save=None) -> dict:
         if progress is not None:
             progress.set_postfix_str(f"builder {name}")
         opts = AttentionOptions(backend=args.backend,
-                                dense_implementation=_dense_impl(args, args.dtype))
+                                dense_implementation=_dense_impl(args, args.dtype),
+                                sparse_options=_sparse_options(args))
         try:
             pc = _per_call(case, rule, L, H, D, args.dtype, opts, args, jax.random.key(args.seed))
         except Exception as e:      # keep the other variants
@@ -1170,6 +1180,9 @@ def parse_args(argv):
     g.add_argument("--peers-json", default=os.path.join("benchmarks", "results", "h200-peers.json"),
                    help="per-call request times of FlashInfer / FlexAttention (benchmarks/peers.py "
                         "rows, or {'loop_cases': {case: {peer: ms}}})")
+    g.add_argument("--device-gather", default=None, choices=("never", "traced", "irregular"),
+                   help="tessera_jax.Options.device_gather of the dynamic loop's sparse calls "
+                        "(default: the library's)")
     g.add_argument("--host-bitmap-mb", type=int, default=64,
                    help="host-planning baseline: MiB of bitmap words in its static plan capacity")
     g.add_argument("--builder-costs", default=None,

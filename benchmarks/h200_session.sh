@@ -14,6 +14,8 @@
 #     (passes and wins: branch stage-tx lands; then stage_tx templates into the table)
 #   bash benchmarks/h200_session.sh device-gather-check  # device route: plain vs gather templates
 #     on static / per-head bounds, and gather planning main vs branch dg-blockrank
+#   bash benchmarks/h200_session.sh svg2-gather-loop  # if per-head gather wins there: the Wan
+#     14B 720p SVG2 loop with Options(device_gather="traced") (issue 33's 1.7x key)
 #   bash benchmarks/h200_session.sh gather-runs-skip  # spike: copy runs of 32 / 64 keys with skipping
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh accept-480     # issue 31's acceptance file, Wan 480p (then accept-720)
@@ -75,6 +77,12 @@ device-gather-check)
   run 580 device-gather-check python3 benchmarks/device_gather_check.py --budget-s 560 \
       --alt-planner benchmarks/pending/device_gather_blockrank.py \
       --out $OUT/h200-device-gather-check.json ;;
+svg2-gather-loop)
+  # Issue 33: wan14b_720p_svg2_dynamic_speedup_vs_dense (>= 1.7; 1.263 with plain device
+  # plans, h200-loop.json) with the SVG2 clusters' per-head bounds on the gathering template
+  # (Options.device_gather="traced"), dense and dynamic loops in one call.
+  run 580 svg2-gather-loop python3 benchmarks/bench_loop.py --models wan14b_720p_svg2 \
+      --variants dense,dynamic --device-gather traced --out $OUT/h200-loop-svg2-gather.json ;;
 gather-runs-skip)
   # Issue 31 spike: gathered copy runs of 32 / 64 keys with warpgroup skipping (stand-in
   # templates; kill criterion in the script: cubes below 0.65 of cuDNN).

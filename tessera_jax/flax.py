@@ -38,6 +38,7 @@ import numpy as np
 import flax.nnx as nnx
 
 from tessera_jax.mask import BlockMask
+from tessera_jax.runtime.options import Options
 
 __all__ = ["AttentionOptions", "DynamicSchedule", "LayerAttention", "MaskSchedule",
            "SparseAttentionFn", "SparseSelfAttention", "at_step", "attention", "current_step",
@@ -58,6 +59,8 @@ class AttentionOptions:
                (None: XLA picks; "cudnn" on GPU for the cuDNN baseline).
     sparse_fn: replaces the sparse call entirely: ``fn(q, k, v, mask, scale=...) -> out``
                (for tests and baselines; must be hashable, a module-level function is).
+    sparse_options: ``tessera_jax.Options`` of the sparse calls (None: the defaults), e.g.
+               ``Options(device_gather="traced")`` for per-head cluster bounds.
     """
 
     backend: str | None = None
@@ -65,6 +68,7 @@ class AttentionOptions:
     policy: str | None = None
     dense_implementation: str | None = None
     sparse_fn: Callable | None = None
+    sparse_options: Options | None = None
 
     def __post_init__(self):
         for name in ("backend", "template", "policy"):
@@ -76,6 +80,9 @@ class AttentionOptions:
                              f"got {self.dense_implementation!r}")
         if self.sparse_fn is not None and not callable(self.sparse_fn):
             raise TypeError(f"sparse_fn must be callable, got {type(self.sparse_fn).__name__}")
+        if self.sparse_options is not None and not isinstance(self.sparse_options, Options):
+            raise TypeError(f"sparse_options must be a tessera_jax.Options or None, got "
+                            f"{type(self.sparse_options).__name__}")
 
 
 DEFAULT_OPTIONS = AttentionOptions()
@@ -86,7 +93,8 @@ def _sparse_attention(q, k, v, mask, scale, options: AttentionOptions):
         return options.sparse_fn(q, k, v, mask, scale=scale)
     from tessera_jax.runtime.api import sparse_attention  # late: keeps import order loose
     return sparse_attention(q, k, v, mask, scale=scale, backend=options.backend,
-                            template=options.template, policy=options.policy)
+                            template=options.template, policy=options.policy,
+                            options=options.sparse_options)
 
 
 def attention(q, k, v, mask, *, scale: float | None = None,

@@ -248,3 +248,19 @@ def test_sparse_self_attention_schedule_all_selected_is_dense():
         SparseSelfAttention(3, 16, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="mask"):
         SparseSelfAttention(2, 16, mask="sliding", rngs=nnx.Rngs(0))
+
+
+def test_sparse_options_reach_the_sparse_call(monkeypatch):
+    """``AttentionOptions.sparse_options`` is the ``options`` of the layer's sparse calls;
+    anything but an ``Options`` is refused."""
+    from tessera_jax.runtime import api
+    seen = []
+    monkeypatch.setattr(api, "sparse_attention",
+                        lambda *a, **kw: seen.append(kw["options"]) or a[0])
+    opts = tj.Options(device_gather="traced")
+    q = jnp.ones((1, 8, 2, 4))
+    mask = tj.BlockMask([0, 8], [0, 8], np.ones((1, 1, 1), bool))
+    tj.flax.attention(q, q, q, mask, options=AttentionOptions(sparse_options=opts))
+    assert seen == [opts]
+    with pytest.raises(TypeError, match="sparse_options must be a tessera_jax.Options"):
+        AttentionOptions(sparse_options={"device_gather": "traced"})
