@@ -13,7 +13,8 @@ reference on head 0:
   template ``t``: ``rule`` (the device route's static rule, ``select.device``), ``plain``
   (``mgpu_q128_kv128_s2_hm``: ``planning.device.plan_on_device``), ``gather`` and
   ``gather_skip_nopp`` (``planning.device_gather``);
-* ``plan_<impl>_<bounds>``: the device gather planning alone (jitted, 128 x 128 tiles), for
+* ``plan_<impl>_<bounds>``: the device gather planning alone (jitted, 128 x 128 tiles; with
+  ``--plan-720`` also family ``svg2_720``: Wan 720p, 40 heads, ~300 x 1000 clusters), for
   this tree's ``planning.device_gather`` (``main``) and, with ``--alt-planner FILE``, another
   implementation of it loaded from FILE (``alt``; e.g. branch dg-blockrank's, exported to
   ``benchmarks/pending/``), same masks and capacities; their plans are compared (identical).
@@ -95,6 +96,8 @@ def main():
     ap.add_argument("--small", action="store_true", help="L 1,024, 2 heads, D 64 (CPU)")
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--budget-s", type=float, default=560)
+    ap.add_argument("--plan-720", action="store_true",
+                    help="also time the planning alone at Wan 720p, 40 heads (SVG2's clusters)")
     args = ap.parse_args()
     bad = [t for t in args.templates.split(",") if t not in TEMPLATES]
     if bad:
@@ -135,18 +138,26 @@ def main():
                 json.dump(res, f, indent=1)
 
     want = args.families.split(",")
+    if args.plan_720 and not args.small:
+        # Planning alone at the SVG2 loop's size (Wan 720p, 40 heads, 300 x 1000 clusters).
+        fams = list(fams) + [("svg2_720", lambda: G.mask_var_clusters(
+            75600, 40, q_mean=252, kv_mean=76, density=0.25, seed=5))]
+        want.append("svg2_720")
     for fam, make in fams:
         if fam not in want:
             continue
+        if fam == "svg2_720":
+            L, H = 75600, 40
         m = make()
         qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
         blocks = np.asarray(m.blocks)
         bh = np.broadcast_to(blocks, (H,) + blocks.shape[1:])
         qbh, kbh = (jnp.asarray(np.broadcast_to(x, (H, len(x))).copy()) for x in (qb, kb))
         sel = m.selected_interactions(H) / (L * L * H)
-        m0 = tj.BlockMask(qb, kb, blocks[:1])
-        h0 = [x[:, :, :1].astype(jnp.float32) for x in (q, k, v)]
-        ref = tj.reference_attention(*h0, m0, scale=scale)
+        if fam != "svg2_720":
+            m0 = tj.BlockMask(qb, kb, blocks[:1])
+            h0 = [x[:, :, :1].astype(jnp.float32) for x in (q, k, v)]
+            ref = tj.reference_attention(*h0, m0, scale=scale)
 
         def _rule(mask):
             from tessera_jax.runtime import device_route, dispatch
@@ -206,6 +217,8 @@ def main():
                 res["rows"].append(row)
                 save()
         plans.clear()
+        if fam == "svg2_720":
+            continue                   # planning only at this size
         # Attention through each route.
         routes = [("host", None)] + [(f"{r}_{t}", TEMPLATES[t]) for r in ("perhead", "device")
                                      for t in args.templates.split(",")]
