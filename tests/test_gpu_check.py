@@ -90,3 +90,30 @@ def test_gathered_dkv_policy_needs_a_gathering_kernel():
     p = tj.plan(m, (1, 256, 2, 64), (1, 256, 2, 64), jnp.bfloat16,
                 template="mgpu_q128_kv128_s2_gather")
     assert [c.policy for c, _ in host_plans.dkv_candidates(p, "mosaic_gpu", opts)] == ["gather32"]
+
+
+@pytest.mark.parametrize("case", [c for c in gpu_check.cases(["mosaic_gpu", "triton"])
+                                  if c[2] != "host" and "gather" in c[0]], ids=lambda c: c[0])
+def test_device_gathering_cases_choose_the_gathering_template(case):
+    """A device-route case with ``Options.device_gather`` draws small blocks (as
+    ``check_case`` does) that the route sends to the backend's gathering template, and
+    whose tiles meet more than 4 query blocks (the planner's units split)."""
+    import zlib
+
+    import jax.numpy as jnp
+    import tessera_jax as tj
+    from tessera_jax.runtime import device_route
+    from tessera_jax.validation import check_shapes
+
+    name, options, route, D, Hq, Hkv = case
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    L = int(rng.integers(700, 1500))
+    qb, blocks = gpu_check._mask_parts(rng, L, Hq, route, n=64)
+    dev = tj.BlockMask(qb, qb, jnp.asarray(blocks))
+    t = device_route.choose(dev, check_shapes((1, L, Hq, D), (1, L, Hkv, D), jnp.bfloat16),
+                            options["backend"], None, options["options"])
+    assert t.kernel.gather
+    b = np.asarray(qb).reshape(-1, qb.shape[-1])[0]
+    t0 = np.arange(0, L, 128)
+    assert (np.searchsorted(b, np.minimum(t0 + 128, L) - 1, "right")
+            - np.searchsorted(b, t0, "right")).max() >= 4

@@ -6,7 +6,8 @@ block, GQA; clusters for gathering templates, whose plans must hold gathered ste
 ``jax.vjp`` and compares each with ``reference_attention`` in float32. ``cases`` lists
 what a GPU should pass: every template of the GPU backends available here (head dims 128 and
 64 where the template takes them) through the host route, and the device route with shared
-and with per-head bounds per backend. ``make test-gpu`` runs them as tests
+and with per-head bounds per backend, each also on the gathering template
+(``Options.device_gather``; small blocks, and ``ok`` only if the route chose it). ``make test-gpu`` runs them as tests
 (``tests/gpu/``); ``python -m tessera_jax.tools.gpu_check`` prints them as a table.
 """
 
@@ -82,6 +83,12 @@ def _gathers(options: dict) -> bool:
     return t is not None and bool(getattr(templates.get(t).kernel, "gather", False))
 
 
+def _device_gathers(options: dict) -> bool:
+    """Whether a device-route case's options send it to the gathering template."""
+    o = options.get("options")
+    return o is not None and o.device_gather != "never"
+
+
 def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> dict:
     """Errors of one fresh case against the reference and ``ok``; ``options``:
     ``sparse_attention`` keywords (a template or a backend). A gathering template's case
@@ -96,10 +103,13 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     L = int(rng.integers(700, 1500))
     gathers = route == "host" and _gathers(options)
+    dev_gathers = route != "host" and _device_gathers(options)
     if gathers:
         qb, kb, blocks = _cluster_case(rng, L, Hq)
     else:
-        qb, blocks = _mask_parts(rng, L, Hq, route)
+        # A device route sent to the gathering template: small blocks (tiles meeting more
+        # than 4 query blocks, chunks several key blocks), per head for "perhead".
+        qb, blocks = _mask_parts(rng, L, Hq, route, n=64 if dev_gathers else 20)
         kb = qb
     ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
     q = jax.random.normal(ks[0], (1, L, Hq, D), jnp.bfloat16)
@@ -127,6 +137,14 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
                rel_grads=[_rel(g, r) for g, r in zip(grads, rgrads)])
     rec["ok"] = (rec["rel_out"] < OUT_TOL and rec["lse_max_err"] < LSE_TOL
                  and rec["empty_rows_ok"] and max(rec["rel_grads"]) < GRAD_TOL)
+    if dev_gathers:
+        from tessera_jax.runtime import device_route
+        from tessera_jax.validation import check_shapes
+        dev = tj.BlockMask(qb, kb, jnp.asarray(blocks))
+        t = device_route.choose(dev, check_shapes(q.shape, k.shape, q.dtype),
+                                options["backend"], None, options["options"])
+        rec["template"] = t.name if t is not None else None
+        rec["ok"] &= t is not None and bool(getattr(t.kernel, "gather", False))
     if gathers:
         from tessera_jax.runtime import host_plans
         opts = options.get("options") or tj.Options()
@@ -162,6 +180,10 @@ def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
                     out.append((f"{t.name}-host-D{D}", kw, "host", D, Hq, Hkv))
         for route in ("device", "perhead"):
             out.append((f"{b}-{route}-D128", dict(backend=b), route, 128, 4, 2))
+            # The same routes on the gathering template (planning.device_gather).
+            out.append((f"{b}-{route}-gather-D128",
+                        dict(backend=b, options=tj.Options(device_gather="irregular")),
+                        route, 128, 4, 2))
     return out
 
 
