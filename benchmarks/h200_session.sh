@@ -12,16 +12,17 @@
 # stage-tx: git apply benchmarks/pending/stage-tx.diff; its parts need it):
 #   bash benchmarks/h200_session.sh stage-tx    # MosaicConfig.stage_tx: check, fwd, fwd + bwd
 #     (passes and wins: branch stage-tx lands; then stage_tx templates into the table)
+#   bash benchmarks/h200_session.sh gpu-checks  # make test-gpu (with stage-tx applied: its
+#     kernels, and the device routes on the gathering template, planning.device_gather's plans)
 #   bash benchmarks/h200_session.sh device-gather-check  # device route: plain vs gather templates
-#     on static / per-head bounds, and gather planning main vs branch dg-blockrank
+#     on static / per-head bounds, and gather planning main vs branch dg-blockrank; then set
+#     Options.device_gather's default from it
 #   bash benchmarks/h200_session.sh svg2-gather-loop  # if per-head gather wins there: the Wan
-#     14B 720p SVG2 loop with Options(device_gather="traced") (issue 33's 1.7x key)
+#     14B 720p SVG2 loop with Options(device_gather="traced") (NOTES#loops: <= ~1.54 in reach)
 #   bash benchmarks/h200_session.sh gather-runs-skip  # spike: copy runs of 32 / 64 keys with skipping
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh accept-480     # issue 31's acceptance file, Wan 480p (then accept-720)
-#   bash benchmarks/h200_session.sh gather-device  # device-route gather plans vs host plans
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
-#   bash benchmarks/h200_session.sh gpu-checks     # make test-gpu before a kernel change lands
 # Also here: first-plan, memory, and the session-14 parts (train, train-ab, checks, vsa, ...).
 # (Earlier sessions' parts are in git history.)
 set -u
@@ -47,11 +48,6 @@ gather-fwd-bwd)
   run 560 gather-fwd-bwd python3 benchmarks/spikes/stage_tx.py --backward --masks clusters,cubes,sliding \
       --variants default,gather,gather_skip_nopp,stage_tx,stage_tx_skip --budget-s 520 \
       --out $OUT/h200-gather-fwd-bwd.json ;;
-gather-device)
-  # Issue 31: the device route's gather plans (traced selections, static bounds) against the
-  # host plans of the same template, forward (summary.device_vs_host_max <= 1.05).
-  run 330 gather-device python3 benchmarks/gather.py --variants default,gather,gather_device \
-      --budget-s 300 --out $OUT/h200-gather-device.json ;;
 stage-tx)
   # Issue 31 spike (benchmarks/spikes/stage_tx.py; kill criterion there): MosaicConfig.stage_tx,
   # gathered stages whose copies make no barrier arrivals, one arrival per stage expecting its
