@@ -269,3 +269,40 @@ def test_device_gather_option_runs_per_head_bounds_of_small_blocks():
     do = jax.random.normal(ks[3], out.shape).astype(out.dtype)
     for a, b in zip(vjp(do), rvjp(do.astype(jnp.float32))):
         np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=5e-2)
+
+
+def test_svg2_layout_runs_on_the_gathering_template():
+    """What ``Options(device_gather="traced")`` does in the SVG2 loop: the rule's per-head
+    cluster bounds and blocks (traced, GQA) through the device route on the gathering template
+    (Mosaic GPU, interpret mode), inside one jitted builder + attention call, against the
+    reference over the permuted tokens."""
+    pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret")
+    from tessera_jax.masks import dynamic as dm
+    from tessera_jax.runtime import device_route
+    from tessera_jax.validation import check_qkv
+
+    B, L, Hq, Hkv, D = 1, 320, 4, 2, 64
+    ks = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(ks[0], (B, L, Hq, D)).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(x, (B, L, Hkv, D)).astype(jnp.bfloat16) for x in ks[1:3])
+    rule = dm.SVG2(q_clusters=6, kv_clusters=20, init_iters=3, iters=1, top_p=0.5)
+    state = dm.svg2_init(q, k, ks[3], rule)
+    opts = tj.Options(device_gather="traced", interpret=True)
+
+    @jax.jit
+    def call(q, k, v, state):
+        lay = dm.svg2_mask(q, k, state, rule)
+        qp = jnp.take_along_axis(q, lay.q_perm.T[None, :, :, None], axis=1)
+        kp, vp = (jnp.take_along_axis(x, lay.kv_perm.T[None, :, :, None], axis=1)
+                  for x in (k, v))
+        out = device_route.attention(qp, kp, vp, lay.mask, check_qkv(qp, kp, vp),
+                                     "mosaic_gpu", None, 0.125, False, opts)
+        return out, qp, kp, vp, lay.mask.q_bounds, lay.mask.kv_bounds, lay.mask.blocks
+
+    out, qp, kp, vp, qb, kb, blocks = call(q, k, v, state)
+    m = tj.BlockMask(np.asarray(qb), np.asarray(kb), np.asarray(blocks))
+    dev = tj.BlockMask(jnp.asarray(qb), jnp.asarray(kb), jnp.asarray(blocks))
+    assert device_route.choose(dev, check_qkv(qp, kp, vp), "mosaic_gpu", None, opts).kernel.gather
+    ref = tj.reference_attention(*(x.astype(jnp.float32) for x in (qp, kp, vp)), m, scale=0.125)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-2)
+    assert 0 < np.asarray(blocks).mean() < 1
