@@ -71,6 +71,7 @@ device-gather-check)
   # 0.42 / 0.61 (computed / selected 1.33 / 1.44 / 1.16 with 64-row groups); static device
   # gather ~ the host gather plan's time + planning; blockrank planning >= 1.3x faster.
   run 580 device-gather-check python3 benchmarks/device_gather_check.py --budget-s 560 --plan-720 \
+      --templates rule,plain,gather_skip_nopp \
       --alt-planner benchmarks/pending/device_gather_blockrank.py \
       --out $OUT/h200-device-gather-check.json ;;
 svg2-gather-loop)
