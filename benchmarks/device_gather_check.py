@@ -116,6 +116,7 @@ def main():
     gpu = jax.devices()[0].platform == "gpu"
     opts = tj.Options(interpret=True) if args.interpret else None
     L, H, fams = G.masks(args.small)
+    L0, H0 = L, H
     D = 64 if args.small else 128
     res = {"benchmark": "device_gather_check", "device": str(jax.devices()[0].device_kind),
            "jax": jax.__version__, "commit": profiler.code_revision(os.path.dirname(HERE)),
@@ -140,14 +141,13 @@ def main():
     want = args.families.split(",")
     if args.plan_720 and not args.small:
         # Planning alone at the SVG2 loop's size (Wan 720p, 40 heads, 300 x 1000 clusters).
-        fams = list(fams) + [("svg2_720", lambda: G.mask_var_clusters(
-            75600, 40, q_mean=252, kv_mean=76, density=0.25, seed=5))]
+        fams = [("svg2_720", lambda: G.mask_var_clusters(
+            75600, 40, q_mean=252, kv_mean=76, density=0.25, seed=5))] + list(fams)
         want.append("svg2_720")
     for fam, make in fams:
         if fam not in want:
             continue
-        if fam == "svg2_720":
-            L, H = 75600, 40
+        L, H = (75600, 40) if fam == "svg2_720" else (L0, H0)
         m = make()
         qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
         blocks = np.asarray(m.blocks)
@@ -167,7 +167,8 @@ def main():
             return "rule: " + (t.name if t is not None else "exact path")
 
         def row_of(route, fn, call, **extra):
-            row = {"family": fam, "route": route, "selected_fraction": sel, **extra}
+            row = {"family": fam, "route": route, "L": L, "heads": H, "selected_fraction": sel,
+                   **extra}
             try:
                 out = fn(*call)
                 if route.startswith("plan_"):
