@@ -63,7 +63,7 @@ class Options:
         (a traced bound: per-head bounds of a content-dependent method such as SVG2's
         clusters), "irregular" (also static key blocks of more than 8 distinct sizes).
         Predicted on Wan 480p per-head bounds: 0.58 / 0.42 / 0.61 of cuDNN on clusters /
-        cubes / sliding against 0.20 / 0.22 / 0.18 (benchmarks/NOTES.md#device-planner);
+        cubes / sliding against 0.20 / 0.22 / 0.18 (benchmarks/NOTES.md#gathered-steps);
         the default changes once ``benchmarks/device_gather_check.py`` has measured it.
     """
 

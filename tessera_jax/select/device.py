@@ -13,7 +13,9 @@ not have under a trace, a ``lax.switch`` over ranked templates would compile eve
 into every call site, and the device planner has one policy (a step per selected tile), for
 which q128 x kv128 steps run fastest on the H200 (full steps 0.97 of cuDNN's rate against
 0.79-0.81 at kv64, masked ones 0.69-0.85 against 0.52-0.66: ``benchmarks/NOTES.md`` section
-13). ``select.choose`` is the one entry point of both routes.
+13). ``select.choose`` is the one entry point of both routes. ``Options.device_gather`` may
+send traced bounds, or static irregular key blocks, to the backend's gathering template
+instead (``GATHER_TEMPLATES``, planned by ``planning.device_gather``).
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template |
            device_gather: str = "never") -> tuple[Template | None, int]:
     """``choose_template`` of ``mask``'s static features. A caller's template must be
     device-capable (ValueError). Memoised per (static bounds, shapes, backend, template,
-    budget)."""
+    budget, device_gather)."""
     if template is not None and not device_capable(template):
         raise ValueError(f"template {template.name!r} pairs query units; a device mask runs "
                          f"on one of {DEVICE_TEMPLATES[template.backend]}")
