@@ -23,7 +23,7 @@ reference on head 0:
         --alt-planner benchmarks/pending/device_gather_blockrank.py
     python3 benchmarks/device_gather_check.py --small --interpret      # CPU smoke run
 
-Decisions it feeds (``benchmarks/NOTES.md#device-planner``): the device rule's template for
+Decisions it feeds (``benchmarks/NOTES.md#gathered-steps``): the device rule's template for
 traced / per-head bounds and for irregular static bounds (gather if it beats plain by > 10%
 on a family), and the dg-blockrank branch (kept if its planning is >= 1.3x faster).
 """

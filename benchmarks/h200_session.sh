@@ -67,7 +67,7 @@ device-gather-check)
   # templates on clusters, cubes, sliding, static and per-head bounds, against the host plan
   # and cuDNN; the gather planning alone, this tree's and branch dg-blockrank's
   # (benchmarks/pending/device_gather_blockrank.py; plans compared). Predicted (NOTES
-  # #device-planner): per-head plain 0.20 / 0.22 / 0.18 of cuDNN, per-head gather ~0.58 /
+  # #gathered-steps): per-head plain 0.20 / 0.22 / 0.18 of cuDNN, per-head gather ~0.58 /
   # 0.42 / 0.61 (computed / selected 1.33 / 1.44 / 1.16 with 64-row groups); static device
   # gather ~ the host gather plan's time + planning; blockrank planning >= 1.3x faster.
   run 580 device-gather-check python3 benchmarks/device_gather_check.py --budget-s 560 --plan-720 \
