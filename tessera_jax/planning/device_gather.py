@@ -77,11 +77,8 @@ def _traced(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: 
     find = jax.vmap(lambda b, x: jnp.searchsorted(b, x, side="right"))
     t0 = np.arange(NT) * tile_q
     # Query side: the blocks meeting each tile, its sub-units, each sub-unit's tile and blocks.
-    i0 = jnp.clip(find(qb, jnp.broadcast_to(jnp.asarray(t0, jnp.int32), (Hb, NT))) - 1,
-                  0, nq - 1)                                               # [Hb, NT]
-    last = jnp.clip(find(qb, jnp.broadcast_to(jnp.asarray(np.minimum(t0 + tile_q, q_len) - 1,
-                                                          jnp.int32), (Hb, NT))) - 1,
-                    i0, nq - 1)
+    i0, last = _device._blocks_of(qb, t0[None], np.minimum(t0 + tile_q, q_len)[None])
+    last = jnp.maximum(last, i0)                                           # [Hb, NT]
     subs = (last - i0) // C + 1
     cum = jnp.cumsum(subs, axis=1)                                         # [Hb, NT]
     j = jnp.arange(S, dtype=jnp.int32)
