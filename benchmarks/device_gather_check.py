@@ -16,11 +16,12 @@ reference on head 0:
 * ``plan_<impl>_<bounds>``: the device gather planning alone (jitted, 128 x 128 tiles; with
   ``--plan-720`` also family ``svg2_720``: Wan 720p, 40 heads, ~300 x 1000 clusters), for
   this tree's ``planning.device_gather`` (``main``) and, with ``--alt-planner FILE``, another
-  implementation of it loaded from FILE (``alt``; e.g. branch dg-blockrank's, exported to
-  ``benchmarks/pending/``), same masks and capacities; their plans are compared (identical).
+  implementation of it loaded from FILE (``alt``; e.g. branch dg-blockrank's: this file with
+  ``benchmarks/pending/dg-blockrank.diff`` applied), same masks and capacities; their plans
+  are compared (identical).
 
     python3 benchmarks/device_gather_check.py --out $OUT/h200-device-gather-check.json \\
-        --alt-planner benchmarks/pending/device_gather_blockrank.py
+        --alt-planner /tmp/alt/tessera_jax/planning/device_gather.py   # h200_session.sh builds it
     python3 benchmarks/device_gather_check.py --small --interpret      # CPU smoke run
 
 Decisions it feeds (``benchmarks/NOTES.md#gathered-steps``): the device rule's template for

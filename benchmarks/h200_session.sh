@@ -66,13 +66,17 @@ device-gather-check)
   # Issue 31 (device_vs_host, perhead_bounds_vs_shared): the device route's plain and gather
   # templates on clusters, cubes, sliding, static and per-head bounds, against the host plan
   # and cuDNN; the gather planning alone, this tree's and branch dg-blockrank's
-  # (benchmarks/pending/device_gather_blockrank.py; plans compared). Predicted (NOTES
+  # (benchmarks/pending/dg-blockrank.diff applied to a copy; plans compared). Predicted (NOTES
   # #gathered-steps): per-head plain 0.20 / 0.22 / 0.18 of cuDNN, per-head gather ~0.58 /
   # 0.42 / 0.61 (computed / selected 1.33 / 1.44 / 1.16 with 64-row groups); static device
   # gather ~ the host gather plan's time + planning; blockrank planning >= 1.3x faster.
+  alt=$(mktemp -d) && mkdir -p $alt/tessera_jax/planning \
+      && cp tessera_jax/planning/device_gather.py $alt/tessera_jax/planning/ \
+      && (cd $alt && git apply $OLDPWD/benchmarks/pending/dg-blockrank.diff) \
+      || { echo "dg-blockrank.diff does not apply"; exit 1; }
   run 580 device-gather-check python3 benchmarks/device_gather_check.py --budget-s 560 --plan-720 \
       --templates rule,plain,gather_skip_nopp \
-      --alt-planner benchmarks/pending/device_gather_blockrank.py \
+      --alt-planner $alt/tessera_jax/planning/device_gather.py \
       --out $OUT/h200-device-gather-check.json ;;
 svg2-gather-loop)
   # Issue 33: wan14b_720p_svg2_dynamic_speedup_vs_dense (>= 1.7; 1.263 with plain device
