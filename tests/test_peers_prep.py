@@ -434,14 +434,24 @@ def test_summary_by_mask_source(tmp_path):
     gpu = [_src_row("sta", "gpu", 1.0, 0.9, 3.0, "a"), _src_row("vsa", "gpu", 2.0, 1.7, 5.0, "b")]
     host = [_src_row("sta", "host", 2.0, 0.9, 3.0, "a"), _src_row("vsa", "host", 4.0, 1.7, 5.0, "b")]
     s = peers.summarize(gpu + host)
-    assert s["mask_source"] == "gpu" and s["masks"] == 2
-    assert s["median_speedup_vs_flashinfer"] == pytest.approx(np.median([3.0, 2.5]))
-    assert s["median_request_overhead_ms"] == pytest.approx(np.median([0.1, 0.3]))
-    assert s["request_overhead_ms"]["flashinfer_var"]["median"] == pytest.approx(np.median([1.5, 2.5]))
+    assert s["mask_source"] == "gpu+host" and s["masks"] == 4       # both sources
+    assert s["median_speedup_vs_flashinfer"] == pytest.approx(np.median([3.0, 2.5, 1.5, 1.25]))
+    assert s["min_speedup_vs_best_alternative"] == pytest.approx(1.25)
+    assert s["median_request_overhead_ms"] == pytest.approx(np.median([0.1, 0.3, 1.1, 2.3]))
+    # excess over cuDNN dense, row by row: (tess req - kern) - (dense req - dense req / 2)
+    assert s["median_request_excess_over_cudnn_ms"] == pytest.approx(np.median(
+        [0.1 - 2.0, 0.3 - 4.0, 1.1 - 4.0, 2.3 - 8.0]))
+    g = s["by_mask_source"]["gpu"]
+    assert g["masks"] == 2 and g["median_speedup_vs_flashinfer"] == pytest.approx(np.median([3.0, 2.5]))
+    assert g["median_request_overhead_ms"] == pytest.approx(np.median([0.1, 0.3]))
+    assert g["request_overhead_ms"]["flashinfer_var"]["median"] == pytest.approx(np.median([1.5, 2.5]))
     h = s["by_mask_source"]["host"]
     assert h["masks"] == 2 and h["median_speedup_vs_flashinfer"] == pytest.approx(np.median([1.5, 1.25]))
     assert h["median_request_overhead_ms"] == pytest.approx(np.median([1.1, 2.3]))
-    assert s["by_mask_source"]["gpu"]["median_speedup_vs_flex"] == s["median_speedup_vs_flex"]
+    # a dense peer that failed gives no excess for its row
+    bad = _src_row("sta", "gpu", 1.0, 0.9, 3.0, "c")
+    bad["peers"]["dense"]["status"] = "wrong"
+    assert peers.summarize([bad])["request_excess_over_cudnn_ms"] == {"n": 0}
     assert set(s["per_family_medians"]) == {"sta", "vsa"}
     old = [dict(_row("sta", 1.0, fi_var=2.0), id="x")]          # written before mask sources
     so = peers.summarize(old)
