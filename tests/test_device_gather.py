@@ -221,6 +221,50 @@ def test_device_route_gathers_with_traced_bounds():
                                tj.reference_attention(*f32, m, scale=0.125), atol=2e-2)
 
 
+def _perhead_small_blocks(rng, Lq, Lk, H):
+    """Per-head bounds [H, n + 1] of small and 1-token blocks (both heads the same number of
+    blocks, each its own partition) and blocks [H, nq, nk] selecting ~40%."""
+    def parts(L, hi):
+        cuts = np.unique(np.r_[rng.integers(1, L, L // hi * 2), rng.integers(1, 40, 3)])
+        return np.r_[0, cuts, L]
+
+    qbs = [parts(Lq, 30) for _ in range(H)]
+    kbs = [parts(Lk, 20) for _ in range(H)]
+    nq, nk = min(len(b) for b in qbs) - 1, min(len(b) for b in kbs) - 1
+    qbh = np.stack([np.r_[b[:nq], Lq] for b in qbs])
+    kbh = np.stack([np.r_[b[:nk], Lk] for b in kbs])
+    return qbh, kbh, rng.random((H, nq, nk)) < 0.4
+
+
+def test_device_gather_option_runs_static_per_head_bounds():
+    """``Options(device_gather="irregular")`` with per-head irregular bounds given as NumPy
+    constants (static, not shared) and traced blocks inside a jitted call: the route's static
+    fit of the gather policy is decided at trace time (no
+    traced bool), and the gathering template's output matches the reference (Mosaic GPU,
+    interpret mode; the H100 run of make test-gpu found the trace-time failure)."""
+    pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret")
+    from tessera_jax.runtime import device_route
+    from tessera_jax.validation import check_qkv
+
+    rng = np.random.default_rng(5)
+    Lq, Lk, H, D = 200, 136, 2, 64
+    qbh, kbh, blocks = _perhead_small_blocks(rng, Lq, Lk, H)
+    ks = jax.random.split(jax.random.key(2), 3)
+    q, k, v = (jax.random.normal(x, (1, L, H, D)).astype(jnp.bfloat16)
+               for x, L in zip(ks, (Lq, Lk, Lk)))
+    opts = tj.Options(device_gather="irregular", interpret=True)
+    assert device_route.choose(tj.BlockMask(qbh, kbh, jnp.asarray(blocks)), check_qkv(q, k, v),
+                               "mosaic_gpu", None, opts).name == \
+        "mgpu_q128_kv128_s2_gather_skip_nopp"
+    f = jax.jit(lambda q, k, v, b: device_route.attention(
+        q, k, v, tj.BlockMask(qbh, kbh, b), check_qkv(q, k, v), "mosaic_gpu", None, 0.125,
+        False, opts))
+    out = f(q, k, v, jnp.asarray(blocks))
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref = tj.reference_attention(*f32, tj.BlockMask(qbh, kbh, blocks), scale=0.125)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-2)
+
+
 def test_device_gather_option_runs_per_head_bounds_of_small_blocks():
     """``Options(device_gather="traced")``: per-head traced bounds of small and 1-token blocks
     (tiles meeting more than 4 query blocks, chunks several key blocks) run the gathering
@@ -231,17 +275,7 @@ def test_device_gather_option_runs_per_head_bounds_of_small_blocks():
 
     rng = np.random.default_rng(21)
     Lq, Lk, H, D = 264, 200, 2, 64
-
-    def parts(L, hi):
-        cuts = np.unique(np.r_[rng.integers(1, L, L // hi * 2), rng.integers(1, 40, 3)])
-        return np.r_[0, cuts, L]
-
-    # Both heads the same number of blocks, each its own partition.
-    qbs = [parts(Lq, 30) for _ in range(H)]
-    kbs = [parts(Lk, 20) for _ in range(H)]
-    nq, nk = min(len(b) for b in qbs) - 1, min(len(b) for b in kbs) - 1
-    qbh = np.stack([np.r_[b[:nq], Lq] for b in qbs])
-    kbh = np.stack([np.r_[b[:nk], Lk] for b in kbs])
+    qbh, kbh, blocks = _perhead_small_blocks(rng, Lq, Lk, H)
     t0 = np.arange(0, Lq, 128)
     meets = [np.searchsorted(b, np.minimum(t0 + 128, Lq) - 1, "right")
              - np.searchsorted(b, t0, "right") + 1 for b in qbh]
@@ -249,7 +283,6 @@ def test_device_gather_option_runs_per_head_bounds_of_small_blocks():
     c0 = np.arange(0, Lk, 8)
     assert max((np.searchsorted(b, np.minimum(c0 + 8, Lk) - 1, "right")
                 - np.searchsorted(b, c0, "right")).max() for b in kbh) >= 2
-    blocks = rng.random((H, nq, nk)) < 0.4
     m = tj.BlockMask(qbh, kbh, blocks)
     ks = jax.random.split(jax.random.key(8), 4)
     q, k, v = (jax.random.normal(x, (1, L, H, D)).astype(jnp.bfloat16)

@@ -136,9 +136,11 @@ def _structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks):
 def fits(q_bounds, kv_bounds, *, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
          max_blocks: int = 4) -> bool:
     """Whether static (NumPy) bounds are valid for the policy: increasing from 0 to the
-    lengths (any block sizes fit)."""
-    return bool(_structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv,
-                           max_blocks)["ok"])
+    lengths (any block sizes fit). Evaluated now, also inside a trace (per-head NumPy bounds
+    take ``_traced``'s jnp code)."""
+    with jax.ensure_compile_time_eval():
+        return bool(_structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv,
+                               max_blocks)["ok"])
 
 
 def step_bound(q_bounds, kv_bounds, *, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
@@ -257,14 +259,15 @@ def _group_steps(blocks, part, offset, *, capacity: int, cap_g: int, C: int, G: 
     gstep = base[:, :, None] + step_in                                     # [Hm, S, P]
     tgt = jnp.where(ent & (gstep < cap_g), gstep, cap_g)                   # cap_g: dropped
     slot = rank % G
-    starts = jnp.full((cap_g + 1, G), -1, jnp.int32).at[tgt, slot].set(ch * A)
-    kbits = jnp.zeros((cap_g + 1, G), jnp.int32).at[tgt, slot].set(comb)
+    # Scatters of exactly cap_g rows, index cap_g dropped: a slice of a larger scatter trips
+    # XLA GPU's scatter-slice simplifier (a RET_CHECK shape mismatch, jax 0.11.2 on the H100).
+    starts = jnp.full((cap_g, G), -1, jnp.int32).at[tgt, slot].set(ch * A, mode="drop")
+    kbits = jnp.zeros((cap_g, G), jnp.int32).at[tgt, slot].set(comb, mode="drop")
     lead = jnp.where(new_step, tgt, cap_g)
     hs = jnp.arange(Hm * S, dtype=jnp.int32).reshape(Hm, S)[:, :, None]
-    step_cls = jnp.zeros(cap_g + 1, jnp.int32).at[lead].set(cls)[:cap_g]
-    step_hs = jnp.zeros(cap_g + 1, jnp.int32).at[lead].set(
-        jnp.broadcast_to(hs, lead.shape))[:cap_g]
-    starts, kbits = starts[:cap_g], kbits[:cap_g]
+    step_cls = jnp.zeros(cap_g, jnp.int32).at[lead].set(cls, mode="drop")
+    step_hs = jnp.zeros(cap_g, jnp.int32).at[lead].set(jnp.broadcast_to(hs, lead.shape),
+                                                       mode="drop")
     starts = jnp.where(starts < 0, starts[:, :1], starts)                  # unused: slot 0's
     starts = jnp.maximum(starts, 0)                                        # an empty row
     # Row bits depend on (segment, class) alone: static tables, gathered per step.
