@@ -174,7 +174,7 @@ def test_device_route_plans_gather_templates_with_static_bounds():
     dev = tj.BlockMask(m.q_bounds, m.kv_bounds, jnp.asarray(m.blocks))
     t = dispatch.get_template("mgpu_q128_kv128_s2_gather")
     consts = select_device.static_parts(dev)
-    assert device_route._gathers_on_device(t)
+    assert select_device.gathers_on_device(t)
     ks = jax.random.split(jax.random.key(4), 3)
     q, k, v = (jax.random.normal(x, (1, L, H, D)).astype(jnp.bfloat16)
                for x, L in zip(ks, (Lq, Lk, Lk)))

@@ -314,6 +314,13 @@ def test_device_gather_option_sends_traced_and_irregular_bounds_to_the_gathering
         "triton_q128_kv128_w8_s3_gather"
     with pytest.raises(ValueError, match="device_gather must be one of"):
         tj.Options(device_gather="always")
+    # A caller's gathering template needs no bitmap steps: static bounds whose plain device
+    # plan is over the bitmap budget still run it (the H100 run took the exact path here).
+    tight = tj.Options(bitmap_budget_bytes=1)
+    for name in (gather, "mgpu_q128_kv128_s2_gather"):
+        g = device_route.dispatch.get_template(name)
+        assert device_route.choose(clusters, shape, "mosaic_gpu", g, tight).name == name
+    assert device_route.choose(clusters, shape, "mosaic_gpu", named, tight) is None
 
 
 def test_device_route_through_the_triton_kernel_interpret_mode():

@@ -147,7 +147,7 @@ def device_plans(q, k, qb, kb, blocks, *, consts, t: Template, capacity: int, de
     Lkv = k.shape[1]
     bounds = tuple(c.array if c is not None else x for c, x in zip(consts[:2], (qb, kb)))
     kw = dict(q_len=Lq, kv_len=Lkv, tile_q=t.tile_q, tile_kv=t.tile_kv)
-    if _gathers_on_device(t) and (decide or _device_gather.fits(*bounds, **kw)):
+    if select_device.gathers_on_device(t) and (decide or _device_gather.fits(*bounds, **kw)):
         # The gather policy in jnp (``planning.device_gather``), with room for any selection:
         # its ``ok`` holds for static bounds that fit, and decides for traced ones.
         cap = _device_gather.step_bound(*bounds, **kw)[1] * blocks.shape[0]
@@ -169,13 +169,6 @@ def device_plans(q, k, qb, kb, blocks, *, consts, t: Template, capacity: int, de
                                              tile_kv=tk, bitmap_capacity=cap_t)
     return AttentionPlan(fwd, dkv, ok if decide else None, dkv_ok if decide else None,
                          exact=(qb, kb, blocks), template=t.name, backend=t.backend)
-
-
-def _gathers_on_device(t: Template) -> bool:
-    """Whether the forward plan is the gather policy's (``t`` runs gathered steps of 8-key
-    chunks); static bounds that do not fit it take ``plan_on_device``'s."""
-    from pallas_kernels import contract
-    return t.policy == "gather" and contract.gathers(t) == abi.GATHER_ROWS
 
 
 def check(mask: BlockMask, q_len: int, kv_len: int) -> None:

@@ -146,6 +146,13 @@ def capacity(qb: Const | None, kb: Const | None, shape_blocks, shape: AttnShape,
     return max(1, min(pairs, room))
 
 
+def gathers_on_device(t: Template) -> bool:
+    """Whether a device plan of ``t`` is the gather policy's (``planning.device_gather``:
+    gathered steps of 8-key chunks, no bitmap steps)."""
+    from pallas_kernels import contract
+    return t.policy == "gather" and contract.gathers(t) == abi.GATHER_ROWS
+
+
 def device_capable(t: Template) -> bool:
     """Whether a device plan may run ``t`` (one of the device list, or not query-paired)."""
     return t.name in DEVICE_TEMPLATES[t.backend] or not getattr(t.kernel, "paired", False)
@@ -187,6 +194,8 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
     (``_irregular_kv``); "never" keeps the device list."""
     f = features
     if template is not None:
+        if gathers_on_device(template):
+            return template, 0       # gathered steps: no bitmap steps, any valid bounds
         cap = capacity(f.q_bounds, f.kv_bounds, f.block_shape, f.shape, template,
                        bitmap_budget_bytes)
         return (template, cap) if cap is not None else (None, 0)
