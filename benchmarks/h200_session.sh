@@ -6,17 +6,17 @@
 # Session 19 ran first-plan and memory (results/h200-first-plan.json, h200-train-memory.json),
 # the gather-skip forward (h200-gather-skip.json) and gather_diag.py (the dk/dv misalignment).
 # Session 20 ran gpu-checks (make test-gpu 29/29: branch gather-fix landed) and the gathered
-# fwd + bwd (results/h200-test-gpu.log, h200-gather-fwd-bwd.json); stage_tx's first build
-# faulted (benchmarks/NOTES.md#open), its fix waits for its first compiled run.
-# Next, in this order (benchmarks/NOTES.md#gathered-steps), one call each (first apply branch
-# stage-tx: git apply benchmarks/pending/stage-tx.diff; its parts need it):
-#   bash benchmarks/h200_session.sh stage-tx    # MosaicConfig.stage_tx: check, fwd, fwd + bwd
-#     (passes and wins: branch stage-tx lands; then stage_tx templates into the table)
-#   bash benchmarks/h200_session.sh gpu-checks  # make test-gpu (with stage-tx applied: its
-#     kernels, and the device routes on the gathering template, planning.device_gather's plans)
+# fwd + bwd (results/h200-test-gpu.log, h200-gather-fwd-bwd.json). Session 22 got an H100:
+# stage-tx (killed, results/h100-stage-tx.json), device-gather-check and gpu-checks (the
+# device gather failed: fixed on CPU, results/h100-*), accept-480 (h100-gather-wan480.json),
+# benchmarks/request_excess.py (h100-request-excess.json).
+# Next, in this order (benchmarks/NOTES.md#gathered-steps), one call each:
+#   bash benchmarks/h200_session.sh gpu-checks  # make test-gpu: the device-gather cases that
+#     failed on the H100 (scatter-slice RET_CHECK, traced fit), fixed in dbc3fb2 / c56436c
 #   bash benchmarks/h200_session.sh device-gather-check  # device route: plain vs gather templates
 #     on static / per-head bounds, and gather planning main vs branch dg-blockrank; then set
 #     Options.device_gather's default from it
+#   bash benchmarks/h200_session.sh gather-stages  # spike: three-stage gathered rings at D 64
 #   bash benchmarks/h200_session.sh svg2-gather-loop  # if per-head gather wins there: the Wan
 #     14B 720p SVG2 loop with Options(device_gather="traced") (NOTES#loops: <= ~1.54 in reach)
 #   bash benchmarks/h200_session.sh gather-runs-skip  # spike: copy runs of 32 / 64 keys with skipping
@@ -44,24 +44,14 @@ gpu-checks)
 gather-fwd-bwd)
   # Forward + backward of the default, gather and skipping gather plans on the irregular
   # masks at Wan 480p against cuDNN's (dq, dk, dv checked against the reference on head 0).
-  # (through the spike script, which registers the stage_tx variants)
-  run 560 gather-fwd-bwd python3 benchmarks/spikes/stage_tx.py --backward --masks clusters,cubes,sliding \
-      --variants default,gather,gather_skip_nopp,stage_tx,stage_tx_skip --budget-s 520 \
+  run 560 gather-fwd-bwd python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
+      --variants default,gather,gather_skip_nopp --budget-s 520 \
       --out $OUT/h200-gather-fwd-bwd.json ;;
-stage-tx)
-  # Issue 31 spike (benchmarks/spikes/stage_tx.py; kill criterion there): MosaicConfig.stage_tx,
-  # gathered stages whose copies make no barrier arrivals, one arrival per stage expecting its
-  # bytes. First a small compiled check in its own process (a wrong barrier count faults or
-  # hangs the kernel: session 20's first build faulted), then the forward on the three masks,
-  # then forward + backward of the skipping variants (dq, dk/dv with stage_tx too).
-  run 80 stage-tx-diag python3 benchmarks/spikes/stage_tx_diag.py lib
-  grep -q "RESULT lib.*ok" $OUT/stage-tx-diag.log || { echo "stage_tx check failed"; exit 1; }
-  run 200 stage-tx python3 benchmarks/spikes/stage_tx.py --masks cubes,sliding,clusters \
-      --variants gather,gather_skip_nopp,stage_tx,stage_tx_skip --budget-s 180 \
-      --out $OUT/h200-stage-tx.json
-  run 200 stage-tx-bwd python3 benchmarks/spikes/stage_tx.py --backward \
-      --masks cubes,sliding,clusters --variants gather_skip_nopp,stage_tx_skip --budget-s 180 \
-      --out $OUT/h200-stage-tx-bwd.json ;;
+gather-stages)
+  # Issue 31 spike (benchmarks/spikes/gather_stages.py; kill criterion there): three-stage
+  # gathered K/V rings against two, forward, D 64 (D 128 is 120 bytes over shared memory).
+  run 300 gather-stages python3 benchmarks/spikes/gather_stages.py --head-dim 64 \
+      --masks cubes,sliding,clusters --budget-s 280 --out $OUT/h200-gather-stages.json ;;
 device-gather-check)
   # Issue 31 (device_vs_host, perhead_bounds_vs_shared): the device route's plain and gather
   # templates on clusters, cubes, sliding, static and per-head bounds, against the host plan
