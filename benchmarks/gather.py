@@ -86,6 +86,8 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated subset of {', '.join(VARIANTS)}")
     ap.add_argument("--masks", default=None, help="comma-separated subset of the mask names")
+    ap.add_argument("--head-dim", type=int, default=None,
+                    help="head dim (default 128; 64 with --small)")
     ap.add_argument("--backward", action="store_true",
                     help="time forward + backward (vjp of q, k, v) instead of the forward")
     args = ap.parse_args()
@@ -96,7 +98,7 @@ def main():
     from tessera_jax.tools import timing
 
     L, H, cases = masks(args.small)
-    D = 128 if not args.small else 64
+    D = args.head_dim or (128 if not args.small else 64)
     ks = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(x, (1, L, H, D), jnp.float32).astype(jnp.bfloat16) for x in ks)
     scale = D ** -0.5

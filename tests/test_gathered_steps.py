@@ -294,6 +294,41 @@ def test_xla_runs_gather_plans_forward_and_backward(gqa):
         np.testing.assert_allclose(a, b, atol=5e-5)
 
 
+@st.composite
+def cluster_masks(draw):
+    """(mask, Hq, Hkv): per-head variable clusters (``mask_var_clusters``) of random sizes,
+    lengths (Lq != Lkv) and density, on which the gather policy makes gathered steps."""
+    Hkv = draw(st.integers(1, 2))
+    Hq = Hkv * draw(st.integers(1, 2))
+    Lq, Lkv = draw(st.integers(300, 700)), draw(st.integers(300, 700))
+    m = mask_var_clusters(Lq, Hq, q_mean=draw(st.integers(40, 120)),
+                          kv_mean=draw(st.integers(16, 48)),
+                          density=draw(st.sampled_from([0.1, 0.2, 0.4])),
+                          seed=draw(st.integers(0, 2**16)), kv_len=Lkv)
+    return m, Hq, Hkv
+
+
+@given(st.one_of(gather_masks(), cluster_masks()), st.sampled_from(["gather", "gather32"]))
+@settings(max_examples=16, deadline=None)
+def test_xla_gather_plans_match_the_float64_reference(mt, policy):
+    """The XLA executor on random gathered plans (variable and 1-token blocks, clusters,
+    per-head masks, GQA, empty query blocks, Lq != Lkv) against the float64 reference:
+    output, and the gradient of q, k, v against the reference's."""
+    mask, Hq, Hkv = mt
+    D = 8
+    ks = jax.random.split(jax.random.key(mask.Lq + 7 * mask.Lkv), 4)
+    q = jax.random.normal(ks[0], (1, mask.Lq, Hq, D))
+    k, v = (jax.random.normal(x, (1, mask.Lkv, Hkv, D)) for x in ks[1:3])
+    do = jax.random.normal(ks[3], q.shape)
+    f = lambda q, k, v: tj.sparse_attention(q, k, v, mask, template="xla_128x128",  # noqa
+                                            policy=policy, scale=0.4)
+    out, vjp = jax.vjp(f, q, k, v)
+    np.testing.assert_allclose(out, _ref64(q, k, v, mask, 0.4), atol=3e-5)
+    _, rvjp = jax.vjp(lambda q, k, v: tj.reference_attention(q, k, v, mask, scale=0.4), q, k, v)
+    for a, b in zip(vjp(do), rvjp(do)):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
 def _run_templates():
     """The gather template, and kernel variants no table template uses (measured slower,
     benchmarks/NOTES.md#gathered-steps) but the kernel keeps: 32-key copy runs, paired 64-row
@@ -307,7 +342,11 @@ def _run_templates():
                                    kernel=T.MosaicConfig(gather=True, gather_run=32)),
             dataclasses.replace(t, name="paired", tile_q=64, stages=1, kernel=T.MosaicConfig(
                 paired=True, pair_pingpong=True, gather=True)),
-            _skip_template(), T.get("mgpu_q128_kv128_s2_gather_skip_nopp")]
+            _skip_template(), T.get("mgpu_q128_kv128_s2_gather_skip_nopp"),
+            # three-stage rings (benchmarks/spikes/gather_stages.py)
+            dataclasses.replace(t, name="gather_s3", stages=3),
+            dataclasses.replace(T.get("mgpu_q128_kv128_s2_gather_skip_nopp"),
+                                name="gather_skip_nopp_s3", stages=3)]
 
 
 def _skip_template():
@@ -321,7 +360,7 @@ def _skip_template():
                                kernel=T.MosaicConfig(gather=True, wg_skip=True))
 
 
-@pytest.mark.parametrize("which", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("which", [0, 1, 2, 3, 4, 5, 6])
 def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode(which):
     from jax._src.pallas.mosaic_gpu.interpret import params as _p
     from pallas_kernels import templates as T
@@ -352,7 +391,7 @@ def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode(which):
                      interpret=_p.InterpretGPUParams())
 
 
-@pytest.mark.parametrize("which", [0, 2, 3])
+@pytest.mark.parametrize("which", [0, 2, 3, 5])
 def test_mosaic_dq_runs_a_gather_plan_in_interpret_mode(which):
     """The dq kernel's gathered stages (8-key chunks; paired 64-row units; warpgroup
     skipping) against the gradient of the reference, GQA."""
@@ -526,13 +565,23 @@ def test_gathered_copies_refuse_misaligned_smem():
     assert "mosaic_gpu" in lower_for_h200(dkv(mb.DKV_GATHER_RUN), q, kv, kv, rows, units, steps)
 
 
-def _lower(ops, t, pass_, family):
+@pytest.mark.parametrize("which", [5, 6])
+def test_three_stage_gathering_forward_lowers_at_head_dim_64(which):
+    """The three-stage gathering rings of benchmarks/spikes/gather_stages.py fit the H200's
+    shared memory at D 64, where the spike measures them (at D 128 the forward needs 232,568
+    of 232,448 bytes: benchmarks/NOTES.md#gathered-steps)."""
+    from pallas_kernels.mosaic import ops as mops
+
+    _lower(mops, _run_templates()[which], "forward", "mosaic_gpu", D=64)
+
+
+def _lower(ops, t, pass_, family, D=128):
     """Forward or dq of template ``t`` lowered for an abstract H200 (``interpret=False``),
     with traced plan arrays: the text names the family's custom call."""
     from cuda_lowering import lower_for_h200
 
     sds = jax.ShapeDtypeStruct
-    L, D = 384, 128
+    L = 384
     q, kv = sds((1, L, 4, D), jnp.bfloat16), sds((1, L, 2, D), jnp.bfloat16)
     units, steps = sds((12, abi.UNIT_COLS), jnp.int32), sds((40, abi.STEP_COLS), jnp.int32)
     plan = lambda u, s: abi.PassPlan(u, s, None, t.tile_q, t.tile_kv, L, L, 4)   # noqa: E731
