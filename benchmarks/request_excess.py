@@ -68,7 +68,7 @@ def one(masks: list[str], heads: int, variants: int) -> list[dict]:
     dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
                                                                   implementation="cudnn"))
     for item in masks:
-        row = {"mask": item}
+        row = {"mask": item, "device": jax.devices()[0].device_kind}
         try:
             _, m = first_test_mask(item, heads, specs)
             qb, kb = np.asarray(m.q_bounds), np.asarray(m.kv_bounds)
@@ -112,8 +112,11 @@ def main(argv=None):
         print("ROWS " + json.dumps(one(masks, a.heads, a.variants)), flush=True)
         return
     t0 = time.time()
+    import pathlib
+
+    from tessera_jax.tools.profiler import code_revision
     res = {"benchmark": "request_excess", "command": " ".join(sys.argv), "flags": FLAGS,
-           "runs": {}}
+           "commit": code_revision(pathlib.Path(HERE).parent), "runs": {}}
     names = a.flags.split(",")
     for i, name in enumerate(names):
         left = a.budget_s - (time.time() - t0)
