@@ -139,7 +139,7 @@ def size_of(mask: BlockMask, shape: AttnShape, backend: str,
     feats = select_device.DeviceFeatures(None, None, (Hm, nq, nk), shape)
     t, cap = select_device.choose_template(feats, backend, None, bitmap_budget_bytes,
                                            device_gather)
-    if t is None or t.name in select_device.GATHER_TEMPLATES.values():
+    if t is None or select_device.gathers_on_device(t):
         return None
     fq, nqt = _fine(mask.q_bounds, shape.q_len, t.tile_q)
     fk, nkt = _fine(mask.kv_bounds, shape.kv_len, t.tile_kv)
