@@ -349,14 +349,9 @@ def summarize(rows: list[dict]) -> dict:
     by = collections.defaultdict(list)
     for r in rows:
         by[mask_source(r)].append(r)
-    if len(by) > 1:
-        # Issue 33's keys are medians and minima over both mask sources.
-        out = _summarize_source(rows)
-        out["mask_source"] = "+".join(sorted(by))
-    else:
-        src = primary_source(rows)
-        out = _summarize_source(by.get(src, []))
-        out["mask_source"] = src
+    # Issue 33's keys are medians and minima over both mask sources.
+    out = _summarize_source(rows)
+    out["mask_source"] = "+".join(sorted(by)) or primary_source(rows)
     out["timing_rules"] = timing_rules(rows)
     if len(by) > 1:
         out["by_mask_source"] = {}
@@ -416,9 +411,10 @@ def _summarize_source(rows: list[dict]) -> dict:
                   "that passed the check; best alternative = fastest of FlashInfer, "
                   "FlexAttention and cuDNN dense; request overhead = request - kernel ms "
                   "(median_request_overhead_ms: tessera_jax's); request excess over cuDNN = "
-                  "tessera_jax's request overhead - cuDNN dense's, same row; mask source gpu: a new mask per "
-                  "request, on the device before the call (FlashInfer copies it to the host "
-                  "inside its request), host: the NumPy mask, every cache cleared per request",
+                  "tessera_jax's request overhead - cuDNN dense's, same row; mask source gpu: "
+                  "a new mask per request, on the device before the call (FlashInfer copies "
+                  "it to the host inside its request), host: the NumPy mask, every cache "
+                  "cleared per request",
     }
 
 

@@ -7,8 +7,9 @@ block, GQA; clusters for gathering templates, whose plans must hold gathered ste
 what a GPU should pass: every template of the GPU backends available here (head dims 128 and
 64 where the template takes them) through the host route, and the device route with shared
 and with per-head bounds per backend, each also on the gathering template
-(``Options.device_gather``; small blocks, and ``ok`` only if the route chose it). ``make test-gpu`` runs them as tests
-(``tests/gpu/``); ``python -m tessera_jax.tools.gpu_check`` prints them as a table.
+(``Options.device_gather``; small blocks, and ``ok`` only if the route chose it).
+``make test-gpu`` runs them as tests (``tests/gpu/``); ``python -m tessera_jax.tools.gpu_check``
+prints them as a table.
 """
 
 from __future__ import annotations
@@ -139,12 +140,13 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
                  and rec["empty_rows_ok"] and max(rec["rel_grads"]) < GRAD_TOL)
     if dev_gathers:
         from tessera_jax.runtime import device_route
+        from tessera_jax.select import device as select_device
         from tessera_jax.validation import check_shapes
         dev = tj.BlockMask(qb, kb, jnp.asarray(blocks))
         t = device_route.choose(dev, check_shapes(q.shape, k.shape, q.dtype),
                                 options["backend"], None, options["options"])
         rec["template"] = t.name if t is not None else None
-        rec["ok"] &= t is not None and bool(getattr(t.kernel, "gather", False))
+        rec["ok"] &= t is not None and select_device.gathers_on_device(t)
     if gathers:
         from tessera_jax.runtime import host_plans
         opts = options.get("options") or tj.Options()
