@@ -156,43 +156,67 @@ def _positions_blocks(bounds, org, tile):
     return jnp.clip(ids - 1, 0, n - 1)
 
 
-def _bitmap_words(blocks, need, qb, kb, qorg, qlo, qhi, korg, klo, khi, tile_q, tile_kv,
-                  capacity):
-    """The words of the plan's bitmap steps, [capacity * bitmap_rows, STEP_COLS] int32: slot s
-    (the s-th (head, q tile, kv tile) of ``need`` in row-major order) holds word(r, w) =
-    bits 32 w .. 32 w + 31 of row r of that tile's selection (``abi.pack_bitmap``'s layout)."""
+#: Bitmap slots one pass of ``_bitmap_words``' loop fills: a traced plan's capacity is sized
+#: for any bounds (up to ``BITMAP_BUDGET_BYTES``), but only the slots a mask needs are filled.
+WORDS_CHUNK = 4096
+
+
+def _bitmap_words(buf, offset: int, blocks, need, n_need, qb, kb, qorg, qlo, qhi, korg, klo,
+                  khi, tile_q, tile_kv, capacity):
+    """``buf`` [offset + capacity * bitmap_rows, STEP_COLS] int32 (zeros past ``offset``) with
+    the words of the plan's bitmap steps: slot s (the s-th (head, q tile, kv tile) of ``need``
+    in row-major order) holds word(r, w) = bits 32 w .. 32 w + 31 of row r of that tile's
+    selection (``abi.pack_bitmap``'s layout). The slots are filled ``WORDS_CHUNK`` at a time
+    for the ``n_need`` used ones only (a loop with a traced trip count), so the capacity costs
+    its zeros, not a pass of gathers over every slot."""
     Hm, nq, nk = blocks.shape
     nqt, nkt = need.shape[1:]
     W = abi.bitmap_words(tile_kv)
-    flat = jnp.nonzero(need.reshape(-1), size=capacity, fill_value=0)[0]
-    used = jnp.arange(capacity) < need.sum()
-    h, rest = flat // (nqt * nkt), flat % (nqt * nkt)
-    qt, kt = rest // nkt, rest % nkt
-    row = lambda a: h if a.shape[0] > 1 else jnp.zeros_like(h)          # noqa: E731
-    qid = _positions_blocks(qb, qorg, tile_q)[row(qb), qt]             # [C, tile_q]
-    kid = _positions_blocks(kb, korg, tile_kv)[row(kb), kt]            # [C, tile_kv]
+    rows_b = abi.bitmap_rows(tile_q, tile_kv)
+    flat_all = jnp.nonzero(need.reshape(-1), size=capacity, fill_value=0)[0].astype(jnp.int32)
+    row = lambda a, h: h if a.shape[0] > 1 else jnp.zeros_like(h)      # noqa: E731
+    qpos = _positions_blocks(qb, qorg, tile_q)                          # [Hbq, nqt, tile_q]
+    kpos = _positions_blocks(kb, korg, tile_kv)                         # [Hbk, nkt, tile_kv]
     r = jnp.arange(tile_q, dtype=jnp.int32)
     c = jnp.arange(tile_kv, dtype=jnp.int32)
-    qo, ko = row(qorg), row(korg)                                      # tiles per bounds row
-    rows_in = (r >= jnp.asarray(qlo)[qo, qt][:, None]) & (r < jnp.asarray(qhi)[qo, qt][:, None])
-    keys_in = (c >= jnp.asarray(klo)[ko, kt][:, None]) & (c < jnp.asarray(khi)[ko, kt][:, None])
-    if Hm * nq * nkt * tile_kv <= capacity * tile_q * tile_kv:
+    use_pat = Hm * nq * nkt * tile_kv <= capacity * tile_q * tile_kv
+    if use_pat:
         # Per (head, query block, K/V tile) key patterns, gathered per row.
-        kid_all = _positions_blocks(kb, korg, tile_kv)                 # [Hbk, nkt, tile_kv]
-        kid_all = jnp.broadcast_to(kid_all, (Hm,) + kid_all.shape[1:])
+        kid_all = jnp.broadcast_to(kpos, (Hm,) + kpos.shape[1:])
         pat = blocks[jnp.arange(Hm)[:, None, None, None], jnp.arange(nq)[None, :, None, None],
                      kid_all[:, None]]                                  # [Hm, nq, nkt, Tk]
         pat = pack_words(pat, W)                                        # [Hm, nq, nkt, W]
-        keys_w = pack_words(keys_in, W)                                 # [C, W]
-        w = pat[h[:, None], qid, kt[:, None]] & keys_w[:, None, :]      # [C, Tq, W]
-    else:
-        sel = blocks[h[:, None, None], qid[:, :, None], kid[:, None, :]] & keys_in[:, None, :]
-        w = pack_words(sel, W)                                          # [C, Tq, W]
-    w = jnp.where(rows_in[..., None] & used[:, None, None], w, 0)
-    w = jnp.swapaxes(w, 1, 2).reshape(capacity, W * tile_q)            # word(r, w) at w*Tq + r
-    rows_b = abi.bitmap_rows(tile_q, tile_kv)
-    w = jnp.pad(w, ((0, 0), (0, rows_b * abi.STEP_COLS - W * tile_q)))
-    return w.reshape(capacity * rows_b, abi.STEP_COLS)
+    K = min(WORDS_CHUNK, capacity)
+
+    def chunk(a):
+        flat = jax.lax.dynamic_slice(flat_all, (a,), (K,))
+        used = (a + jnp.arange(K, dtype=jnp.int32)) < n_need
+        h, rest = flat // (nqt * nkt), flat % (nqt * nkt)
+        qt, kt = rest // nkt, rest % nkt
+        qid = qpos[row(qb, h), qt]                                      # [K, tile_q]
+        qo, ko = row(qorg, h), row(korg, h)                             # tiles per bounds row
+        rows_in = (r >= jnp.asarray(qlo)[qo, qt][:, None]) & \
+            (r < jnp.asarray(qhi)[qo, qt][:, None])
+        keys_in = (c >= jnp.asarray(klo)[ko, kt][:, None]) & \
+            (c < jnp.asarray(khi)[ko, kt][:, None])
+        if use_pat:
+            w = pat[h[:, None], qid, kt[:, None]] & pack_words(keys_in, W)[:, None, :]
+        else:
+            kid = kpos[row(kb, h), kt]                                  # [K, tile_kv]
+            sel = blocks[h[:, None, None], qid[:, :, None], kid[:, None, :]] & \
+                keys_in[:, None, :]
+            w = pack_words(sel, W)                                      # [K, Tq, W]
+        w = jnp.where(rows_in[..., None] & used[:, None, None], w, 0)
+        w = jnp.swapaxes(w, 1, 2).reshape(K, W * tile_q)               # word(r, w) at w*Tq + r
+        w = jnp.pad(w, ((0, 0), (0, rows_b * abi.STEP_COLS - W * tile_q)))
+        return w.reshape(K * rows_b, abi.STEP_COLS)
+
+    def body(i, buf):
+        a = jnp.minimum(i * K, capacity - K)      # the last pass overlaps: same words again
+        return jax.lax.dynamic_update_slice(buf, chunk(a), (offset + a * rows_b, 0))
+
+    passes = (jnp.minimum(n_need, capacity) + K - 1) // K
+    return jax.lax.fori_loop(0, passes, body, buf)
 
 
 def pack_words(bits, W):
@@ -248,12 +272,12 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     blocks = jnp.asarray(blocks)
     rows, any_sel, part, need, n_need = _step_rows(blocks, qx, kx, tile_q, tile_kv,
                                                    bitmap_capacity)
-    steps, ptr, cnt = _compact(rows, any_sel)
+    rows_b = abi.bitmap_rows(tile_q, tile_kv)
+    steps, ptr, cnt = _compact(rows, any_sel, bitmap_capacity * rows_b)
     if bitmap_capacity:
-        words = _bitmap_words(blocks, need, qx.bounds, kx.bounds, qx.org, qx.lo, qx.hi,
-                              kx.org, kx.lo, kx.hi, tile_q, tile_kv,
-                              bitmap_capacity)                  # [C * rows_b, 4]
-        steps = jnp.concatenate([steps, words], axis=0)
+        steps = _bitmap_words(steps, rows.shape[0] * rows.shape[1] * rows.shape[2], blocks,
+                              need, n_need, qx.bounds, kx.bounds, qx.org, qx.lo, qx.hi,
+                              kx.org, kx.lo, kx.hi, tile_q, tile_kv, bitmap_capacity)
     units = _units(qx, ptr, cnt, part, num_q_heads, Hm, tile_q, tile_kv)
     ok = _fits(qx, kx, n_need, bitmap_capacity, nq, nk, q_len, kv_len)
     plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), int(qx.padded),
@@ -417,16 +441,16 @@ def _bitmap_steps(blocks, qx: _Axis, kx: _Axis, any_sel, cuts_a, cuts_b, tile_q,
     return any_sel, need, n_need, cuts_a, cuts_b
 
 
-def _compact(rows, any_sel):
+def _compact(rows, any_sel, extra_rows: int = 0):
     """The visited tiles' step rows of each (head, query tile), in key order: steps
-    [Hm * nqt * nkt, STEP_COLS] (rows past the used ones 0), and each (head, q tile)'s first
-    step and count [Hm, nqt]."""
+    [Hm * nqt * nkt + extra_rows, STEP_COLS] (rows past the used ones 0; ``extra_rows``: room
+    for the bitmap words), and each (head, q tile)'s first step and count [Hm, nqt]."""
     S = rows.shape[0] * rows.shape[1] * rows.shape[2]
     cnt = any_sel.sum(axis=-1, dtype=jnp.int32)                  # [Hm, nqt]
     ptr = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(cnt.shape)
     slot = ptr[..., None] + jnp.cumsum(any_sel, axis=-1, dtype=jnp.int32) - 1
-    dest = jnp.where(any_sel, slot, S).reshape(-1)               # S: dropped
-    steps = jnp.zeros((S, abi.STEP_COLS), jnp.int32).at[dest].set(
+    dest = jnp.where(any_sel, slot, S + extra_rows).reshape(-1)  # past the end: dropped
+    steps = jnp.zeros((S + extra_rows, abi.STEP_COLS), jnp.int32).at[dest].set(
         rows.reshape(-1, abi.STEP_COLS), mode="drop")
     return steps, ptr, cnt
 
