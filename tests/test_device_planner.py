@@ -319,3 +319,42 @@ def test_bits_rectangle_over_every_cell_pattern():
         np.testing.assert_array_equal(got[want], pick(m[want], axis=1))
     for got, m in ((r1, rows), (c1, cols)):
         np.testing.assert_array_equal(got[want], g - 1 - np.argmax(m[want][:, ::-1], axis=1))
+
+
+# 6 examples, each compiling three planner programs (~1 s each on the 2-core runner).
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), per_head=st.booleans(),
+       tiles=st.sampled_from([(64, 64), (128, 64), (128, 128)]))
+def test_bitmap_words_do_not_depend_on_the_pass_size(seed, per_head, tiles):
+    """The bitmap words of a plan whose slots are filled a few at a time (several passes, the
+    last overlapping the one before) equal one pass's, with traced bounds of many small blocks
+    (bitmap steps) and room for more slots than the mask needs."""
+    rng = np.random.default_rng(seed)
+    H, tq, tk = 2, *tiles
+    L, Lk = int(rng.integers(300, 700)), int(rng.integers(300, 700))
+
+    def bounds(n, length):
+        cuts = np.sort(rng.choice(np.arange(1, length), n - 1, replace=False))
+        return np.r_[0, cuts, length].astype(np.int32)
+
+    nq, nk = int(rng.integers(20, 60)), int(rng.integers(20, 60))
+    qb = np.stack([bounds(nq, L) for _ in range(H)]) if per_head else bounds(nq, L)
+    kb = np.stack([bounds(nk, Lk) for _ in range(H)]) if per_head else bounds(nk, Lk)
+    blocks = jnp.asarray(rng.random((H, nq, nk)) < rng.uniform(0.2, 0.8))
+    plan = jax.jit(lambda b, x, y, chunk: device.plan_on_device(
+        b, x, y, num_q_heads=H, q_len=L, kv_len=Lk, tile_q=tq, tile_kv=tk,
+        bitmap_capacity=2 * H * (-(-L // tq)) * (-(-Lk // tk)), words_chunk=chunk),
+        static_argnums=3)
+    one, ok = plan(blocks, jnp.asarray(qb), jnp.asarray(kb), 1 << 20)
+    assert bool(ok)
+    steps = np.asarray(one.steps)
+    cb = steps[:, abi.STEP_CUTS_B]
+    visited = np.concatenate([np.arange(p, p + c) for p, c in np.asarray(one.units)[
+        :, [abi.UNIT_STEP_PTR, abi.UNIT_STEP_CNT]]])
+    assert (cb[visited] == abi.BITMAP_FLAG).sum() >= 2       # bitmap steps to fill
+    for chunk in (1, 3):
+        other, ok2 = plan(blocks, jnp.asarray(qb), jnp.asarray(kb), chunk)
+        assert bool(ok2)
+        np.testing.assert_array_equal(np.asarray(other.steps), steps)
+        np.testing.assert_array_equal(np.asarray(other.units), np.asarray(one.units))

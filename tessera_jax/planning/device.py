@@ -162,11 +162,11 @@ WORDS_CHUNK = 4096
 
 
 def _bitmap_words(buf, offset: int, blocks, need, n_need, qb, kb, qorg, qlo, qhi, korg, klo,
-                  khi, tile_q, tile_kv, capacity):
+                  khi, tile_q, tile_kv, capacity, chunk: int = WORDS_CHUNK):
     """``buf`` [offset + capacity * bitmap_rows, STEP_COLS] int32 (zeros past ``offset``) with
     the words of the plan's bitmap steps: slot s (the s-th (head, q tile, kv tile) of ``need``
     in row-major order) holds word(r, w) = bits 32 w .. 32 w + 31 of row r of that tile's
-    selection (``abi.pack_bitmap``'s layout). The slots are filled ``WORDS_CHUNK`` at a time
+    selection (``abi.pack_bitmap``'s layout). The slots are filled ``chunk`` at a time
     for the ``n_need`` used ones only (a loop with a traced trip count), so the capacity costs
     its zeros, not a pass of gathers over every slot."""
     Hm, nq, nk = blocks.shape
@@ -186,7 +186,7 @@ def _bitmap_words(buf, offset: int, blocks, need, n_need, qb, kb, qorg, qlo, qhi
         pat = blocks[jnp.arange(Hm)[:, None, None, None], jnp.arange(nq)[None, :, None, None],
                      kid_all[:, None]]                                  # [Hm, nq, nkt, Tk]
         pat = pack_words(pat, W)                                        # [Hm, nq, nkt, W]
-    K = min(WORDS_CHUNK, capacity)
+    K = max(1, min(int(chunk), capacity))
 
     def chunk(a):
         flat = jax.lax.dynamic_slice(flat_all, (a,), (K,))
@@ -246,7 +246,8 @@ def bitmap_slots(q_bounds: np.ndarray, kv_bounds: np.ndarray, num_heads: int, q_
 
 def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int, kv_len: int,
                    tile_q: int, tile_kv: int, align_blocks: bool = True,
-                   bitmap_capacity: int = 0) -> tuple[abi.PassPlan, jax.Array]:
+                   bitmap_capacity: int = 0,
+                   words_chunk: int = WORDS_CHUNK) -> tuple[abi.PassPlan, jax.Array]:
     """(plan, ok): the pass plan of a block mask for these tiles (see the module docstring),
     made in jnp, and a bool [] that is False where the mask does not fit it.
 
@@ -260,7 +261,8 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     many bitmap steps the plan may hold (static) for tiles that meet more than ``abi.GRID``
     blocks per axis (0: none; such a tile then makes ``ok`` False, or a ValueError for static
     bounds); more of them than the capacity also makes ``ok`` False (``bitmap_slots`` counts
-    what a plan of static bounds needs). The plan's leaves are jax arrays, its ``row_index``
+    what a plan of static bounds needs); ``words_chunk``: bitmap slots filled per pass (the
+    plan does not depend on it). The plan's leaves are jax arrays, its ``row_index``
     None (made from the units where a kernel needs it) and its ``all_full`` None.
     """
     _check_args(blocks, num_q_heads, q_len, kv_len, tile_q, tile_kv)
@@ -277,7 +279,8 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     if bitmap_capacity:
         steps = _bitmap_words(steps, rows.shape[0] * rows.shape[1] * rows.shape[2], blocks,
                               need, n_need, qx.bounds, kx.bounds, qx.org, qx.lo, qx.hi,
-                              kx.org, kx.lo, kx.hi, tile_q, tile_kv, bitmap_capacity)
+                              kx.org, kx.lo, kx.hi, tile_q, tile_kv, bitmap_capacity,
+                              words_chunk)
     units = _units(qx, ptr, cnt, part, num_q_heads, Hm, tile_q, tile_kv)
     ok = _fits(qx, kx, n_need, bitmap_capacity, nq, nk, q_len, kv_len)
     plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), int(qx.padded),
