@@ -48,12 +48,14 @@ def _static(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: 
     local = np.where((r >= w0[:, None]) & (r < w1[:, None]), local, -1)      # [S, tile_q]
     pj, pch, pbits = _gather.chunk_pairs(kb[:-1], kb[1:])
     pbits = pbits.astype(np.int32)
+    bn = np.bincount(pj, minlength=len(kb) - 1)
     li = np.arange(max_blocks)
     return dict(qp=int(qp), kvp=int(kvp), w0=w0[None], w1=w1[None], s0=s0[None],
                 nchunks=int(kvp // A), rows=np.minimum(i0[:, None] + li, len(qb) - 2)[None],
                 valid=(li[None, :] < nbs[:, None])[None], local=local[None],
                 pj=pj[None], pch=pch[None], pbits=pbits[None],
-                pvalid=np.ones((1, len(pj)), bool), dup=int(np.bincount(pch).max()), ok=True)
+                pvalid=np.ones((1, len(pj)), bool), bn=bn[None],
+                bstart=(np.cumsum(bn) - bn)[None], dup=int(np.bincount(pch).max()), ok=True)
 
 
 def _traced(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
@@ -118,14 +120,16 @@ def _traced(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: 
         ok &= jnp.all(bnd[:, 1:] > bnd[:, :-1]) & jnp.all(bnd[:, 0] == 0) \
             & jnp.all(bnd[:, -1] == length)
     return dict(qp=int(qp), kvp=int(kvp), w0=w0, w1=w1, s0=s0, nchunks=int(NCH), rows=rows,
-                valid=valid, local=local, pj=pj, pch=pch, pbits=pbits, pvalid=pvalid,
-                dup=int(min(A, nk)), ok=ok)
+                valid=valid, local=local, pj=pj, pch=pch, pbits=pbits, pvalid=pvalid, bn=n,
+                bstart=jnp.minimum(ncum - n, P - 1), dup=int(min(A, nk)), ok=ok)
 
 
 def _structure(q_bounds, kv_bounds, q_len, kv_len, tile_q, tile_kv, max_blocks):
     """``_static`` for static bounds shared by the heads, else ``_traced``. Per-segment fields
     (``w0``, ``w1``, ``s0``: [Hb, S]; ``rows``, ``valid``, ``local``) and per-pair ones
-    (``pj``, ``pch``, ``pbits``, ``pvalid``: [Hb, P]) have a bounds-head axis (1: shared)."""
+    (``pj``, ``pch``, ``pbits``, ``pvalid``: [Hb, P]; pairs in block order, a block's
+    chunks in order) and per-key-block ones (``bn``: its pairs, ``bstart``: its first) have a
+    bounds-head axis (1: shared)."""
     static = all(isinstance(b, np.ndarray) and (b.ndim == 1 or b.shape[0] == 1)
                  for b in (q_bounds, kv_bounds))
     if static:
@@ -193,7 +197,7 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
     ng = Hm // hg
     cap_g = -(-capacity // ng)
     capacity = cap_g * ng
-    heads = ("rows", "valid", "pj", "pch", "pbits", "pvalid", "local")
+    heads = ("rows", "valid", "pj", "pch", "pbits", "pvalid", "bn", "bstart", "local")
 
     def group(blk, part, offset):
         return _group_steps(blk, part, offset, capacity=capacity, cap_g=cap_g, C=C, G=G,
@@ -245,20 +249,43 @@ def _group_steps(blocks, part, offset, *, capacity: int, cap_g: int, C: int, G: 
     sel = jnp.take_along_axis(blocks, rows[:, :, None], axis=1).reshape(Hm, S, C, nk)
     sel = sel & per_head(part["valid"])[..., None]                          # [Hm, S, C, nk]
     sig = jnp.sum(sel.astype(jnp.int32) << jnp.asarray(li)[None, None, :, None], axis=2)
-    pj = jnp.broadcast_to(per_head(part["pj"])[:, None, :], (Hm, S, P))
-    psig = jnp.take_along_axis(sig, pj, axis=2)                            # [Hm, S, P]
-    big = jnp.int32((1 << C) * NCH)
-    key = jnp.where((psig > 0) & per_head(part["pvalid"])[:, None, :],
-                    psig * NCH + per_head(part["pch"]).astype(jnp.int32)[:, None, :], big)
-    bits = jnp.broadcast_to(per_head(part["pbits"])[:, None, :], key.shape)
-    ent, cls, ch, comb, rank, new_step = _class_entries(key, bits, big, NCH, G, dup)
-    step_in = jnp.cumsum(new_step, axis=-1) - 1                            # in its unit
-    nsteps = jnp.sum(new_step, axis=-1)                                    # [Hm, S]
+    # Per key block: whether its first chunk is an earlier block's of its class (a chunk's
+    # blocks are at most dup consecutive ones), the rank of that chunk in its class, its first
+    # step; then each pair's from its block's in one gather.
+    pch_h, bn = per_head(part["pch"]).astype(jnp.int32), per_head(part["bn"])
+    bstart = per_head(part["bstart"])
+    c0 = jnp.take_along_axis(pch_h, bstart, 1)[:, None, :]                 # [Hm, 1, nk]
+    c1 = jnp.take_along_axis(pch_h, jnp.maximum(bstart + bn - 1, 0), 1)[:, None, :]
+    merged = jnp.zeros(sig.shape, bool)
+    for d in range(1, dup):
+        merged |= (_shift(sig, -d, 0) == sig) & (_shift(c1, -d, -1) == c0)
+    merged &= sig > 0
+    r0, counts = _block_ranks(sig, jnp.where(sig > 0, bn[:, None, :] - merged, 0), C)
+    # Steps: each class's entries G at a time, classes in order, units one after another.
+    csteps = -(-counts // G)                                               # [Hm, S, 2^C]
+    coff = jnp.cumsum(csteps, axis=-1) - csteps
+    nsteps = jnp.sum(csteps, axis=-1)                                      # [Hm, S]
     base = (jnp.cumsum(nsteps.reshape(-1)) - nsteps.reshape(-1)).reshape(Hm, S)
     total = jnp.sum(nsteps)
-    gstep = base[:, :, None] + step_in                                     # [Hm, S, P]
+    boff = base[:, :, None] + jnp.take_along_axis(coff, sig, 2)
+    # (class, merged, rank of the block's first pair minus its index + P) in one word.
+    packed = (sig << 27) | (merged.astype(jnp.int32) << 26) \
+        | (r0 - merged - bstart[:, None, :] + P)
+    pj = jnp.broadcast_to(per_head(part["pj"])[:, None, :], (Hm, S, P))
+    pk = jnp.take_along_axis(packed, pj, 2)                                # [Hm, S, P]
+    cls = pk >> 27
+    pidx = jnp.arange(P, dtype=jnp.int32)
+    rank = (pk & ((1 << 26) - 1)) - P + pidx
+    valid = (cls > 0) & per_head(part["pvalid"])[:, None, :]
+    first = pidx == jnp.take_along_axis(bstart, per_head(part["pj"]), 1)[:, None, :]
+    ent = valid & ~(first & ((pk >> 26) & 1 == 1))
+    ch = jnp.broadcast_to(pch_h[:, None, :], pk.shape)
+    comb = _chunk_bits(jnp.where(valid, cls * NCH + ch, -1),
+                       jnp.broadcast_to(per_head(part["pbits"])[:, None, :], pk.shape), dup)
+    gstep = jnp.take_along_axis(boff, pj, 2) + rank // G                  # [Hm, S, P]
     tgt = jnp.where(ent & (gstep < cap_g), gstep, cap_g)                   # cap_g: dropped
     slot = rank % G
+    new_step = ent & (slot == 0)
     # Scatters of exactly cap_g rows, index cap_g dropped: a slice of a larger scatter trips
     # XLA GPU's scatter-slice simplifier (a RET_CHECK shape mismatch, jax 0.11.2 on the H100).
     starts = jnp.full((cap_g, G), -1, jnp.int32).at[tgt, slot].set(ch * A, mode="drop")
@@ -302,22 +329,32 @@ def _shift(x, d: int, fill):
             else jnp.concatenate([pad, x[..., :d]], axis=-1))
 
 
-def _class_entries(key, bits, big, NCH: int, G: int, dup: int):
-    """The (class, chunk) entries of each unit's pairs (``key`` = class * NCH + chunk, ``big``:
-    no class; [..., P]), sorted along the last axis: (entry flags, class, chunk, the entry's
-    bits, its rank in its class, whether it starts a step of G chunks); equal pairs (at most
-    ``dup`` a chunk) have their bits summed into the first."""
-    key, bits = lax.sort((key, bits), dimension=key.ndim - 1, num_keys=1)
+def _chunk_bits(key, bits, dup: int):
+    """Each pair's bits plus those of the later pairs of its (class, chunk) ``key`` (-1: not
+    selected; pairs [..., P] in block order: a chunk's are consecutive, at most ``dup``;
+    disjoint keys, so the sum is the union): an entry's bits."""
     comb = bits
     for d in range(1, dup):
-        comb = comb + jnp.where(_shift(key, d, -1) == key, _shift(bits, d, 0), 0)
-    ent = (key != _shift(key, -1, -1)) & (key < big)                       # one per chunk
-    cls, ch = key // NCH, key % NCH
-    idx = jnp.cumsum(ent, axis=-1) - 1                                     # entry index
-    first = lax.cummax(jnp.where(ent & (cls != _shift(cls, -1, -1)), idx, -1),
-                       axis=key.ndim - 1)
-    rank = idx - first                                                     # in its class
-    return ent, cls, ch, comb, rank, ent & (rank % G == 0)
+        comb = comb + jnp.where(_shift(key, d, -2) == key, _shift(bits, d, 0), 0)
+    return comb
+
+
+def _block_ranks(sig, entries, C: int):
+    """(rank in its class of each key block's first entry, entries per class) for key blocks
+    [..., nk] of classes ``sig`` (0: none) contributing ``entries`` each, a class's blocks in
+    key order: one sort of the blocks by class."""
+    nk = sig.shape[-1]
+    j = jnp.arange(nk, dtype=jnp.int32)
+    key = lax.sort(jnp.where(sig > 0, sig * nk + j, (1 << C) * nk), dimension=sig.ndim - 1)
+    js, cs = key % nk, key // nk
+    e = jnp.where(cs < (1 << C), jnp.take_along_axis(entries, js, sig.ndim - 1), 0)
+    ex = jnp.cumsum(e, axis=-1) - e
+    start = lax.cummax(jnp.where(cs != _shift(cs, -1, -1), ex, 0), axis=sig.ndim - 1)
+    ranks = jnp.zeros_like(sig).at[..., js].set(ex - start) if sig.ndim == 1 else \
+        jnp.put_along_axis(jnp.zeros_like(sig), js, ex - start, axis=-1, inplace=False)
+    counts = jnp.sum(jnp.where(sig[..., None] == jnp.arange(1 << C), entries[..., None], 0),
+                     axis=-2)
+    return ranks, counts
 
 
 def _row_tables(local, C: int) -> dict:
