@@ -3,26 +3,22 @@
 # #backward, #training-memory, #mask-builders), each under the 10-minute call limit; every
 # script saves partial results, so a part cut by its `timeout` keeps what it measured. Raw
 # files and logs go to $OUT.
-# Session 19 ran first-plan and memory (results/h200-first-plan.json, h200-train-memory.json),
-# the gather-skip forward (h200-gather-skip.json) and gather_diag.py (the dk/dv misalignment).
-# Session 20 ran gpu-checks (make test-gpu 29/29: branch gather-fix landed) and the gathered
-# fwd + bwd (results/h200-test-gpu.log, h200-gather-fwd-bwd.json). Session 22 got an H100:
-# stage-tx (killed, results/h100-stage-tx.json), device-gather-check and gpu-checks (the
-# device gather failed: fixed on CPU, results/h100-*), accept-480 (h100-gather-wan480.json),
-# benchmarks/request_excess.py (h100-request-excess.json).
-# Next, in this order (benchmarks/NOTES.md#gathered-steps), one call each:
-#   bash benchmarks/h200_session.sh gpu-checks  # make test-gpu: the device-gather cases that
-#     failed on the H100 (scatter-slice RET_CHECK, traced fit), fixed in dbc3fb2 / c56436c
-#   bash benchmarks/h200_session.sh device-gather-check  # device route: plain vs gather templates
-#     on static / per-head bounds, and gather planning main vs branch dg-blockrank; then set
-#     Options.device_gather's default from it
-#   bash benchmarks/h200_session.sh gather-stages  # spike: three-stage gathered rings at D 64
-#   bash benchmarks/h200_session.sh svg2-gather-loop  # if per-head gather wins there: the Wan
-#     14B 720p SVG2 loop with Options(device_gather="traced") (NOTES#loops: <= ~1.54 in reach)
-#   bash benchmarks/h200_session.sh gather-runs-skip  # spike: copy runs of 32 / 64 keys with skipping
+# Session 20 ran gpu-checks (make test-gpu 29/29) and the gathered fwd + bwd
+# (results/h200-test-gpu.log, h200-gather-fwd-bwd.json). Session 22 got an H100 (stage-tx
+# killed, results/h100-*). Session 23 (an H200): the device-gather cases of make test-gpu
+# (passed, h200-test-gpu-gather.log), device-gather-check (dg-blockrank landed; the gathering
+# template loses on the device route: Options.device_gather stays "never"), perhead_diag.py,
+# the three-stage and copy-run spikes (killed, deleted: h200-gather-stages.json,
+# h200-gather-runs-skip.json), accept-480 (h200-gather-wan480.json); accept-720 failed in the
+# benchmark's own reference check (a [75,600]^2 float32 score matrix; now sampled query rows).
+# Next, in this order (benchmarks/NOTES.md#open), one call each:
+#   bash benchmarks/h200_session.sh accept-720     # issue 31's acceptance file at Wan 720p,
+#     then accept-480 again in the same session and --merge both (one commit)
+#   bash benchmarks/h200_session.sh perhead-diag   # per-head planning time after the next
+#     planner change (results/h200-perhead-diag.json: 1.18 ms of a 2.58 ms call, aligned)
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
-#   bash benchmarks/h200_session.sh accept-480     # issue 31's acceptance file, Wan 480p (then accept-720)
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
+#   bash benchmarks/h200_session.sh gpu-checks     # the whole make test-gpu before a kernel change lands
 # Also here: first-plan, memory, and the session-14 parts (train, train-ab, checks, vsa, ...).
 # (Earlier sessions' parts are in git history.)
 set -u
@@ -47,38 +43,17 @@ gather-fwd-bwd)
   run 560 gather-fwd-bwd python3 benchmarks/gather.py --backward --masks clusters,cubes,sliding \
       --variants default,gather,gather_skip_nopp --budget-s 520 \
       --out $OUT/h200-gather-fwd-bwd.json ;;
-gather-stages)
-  # Issue 31 spike (benchmarks/spikes/gather_stages.py; kill criterion there): three-stage
-  # gathered K/V rings against two, forward, D 64 (D 128 is 120 bytes over shared memory).
-  run 300 gather-stages python3 benchmarks/spikes/gather_stages.py --head-dim 64 \
-      --masks cubes,sliding,clusters --budget-s 280 --out $OUT/h200-gather-stages.json ;;
 device-gather-check)
-  # Issue 31 (device_vs_host, perhead_bounds_vs_shared): the device route's plain and gather
-  # templates on clusters, cubes, sliding, static and per-head bounds, against the host plan
-  # and cuDNN; the gather planning alone, this tree's and branch dg-blockrank's
-  # (benchmarks/pending/dg-blockrank.diff applied to a copy; plans compared). Predicted (NOTES
-  # #gathered-steps): per-head plain 0.20 / 0.22 / 0.18 of cuDNN, per-head gather ~0.58 /
-  # 0.42 / 0.61 (computed / selected 1.33 / 1.44 / 1.16 with 64-row groups); static device
-  # gather ~ the host gather plan's time + planning; blockrank planning >= 1.3x faster.
-  alt=$(mktemp -d) && mkdir -p $alt/tessera_jax/planning \
-      && cp tessera_jax/planning/device_gather.py $alt/tessera_jax/planning/ \
-      && (cd $alt && git apply $OLDPWD/benchmarks/pending/dg-blockrank.diff) \
-      || { echo "dg-blockrank.diff does not apply"; exit 1; }
+  # Issue 31: the device route's plain and gather templates on clusters, cubes, sliding,
+  # static and per-head bounds, against the host plan and cuDNN, and the gather planning
+  # alone (session 23: results/h200-device-gather-check.json).
   run 580 device-gather-check python3 benchmarks/device_gather_check.py --budget-s 560 --plan-720 \
-      --templates rule,plain,gather_skip_nopp \
-      --alt-planner $alt/tessera_jax/planning/device_gather.py \
-      --out $OUT/h200-device-gather-check.json ;;
-svg2-gather-loop)
-  # Issue 33: wan14b_720p_svg2_dynamic_speedup_vs_dense (>= 1.7; 1.263 with plain device
-  # plans, h200-loop.json) with the SVG2 clusters' per-head bounds on the gathering template
-  # (Options.device_gather="traced"), dense and dynamic loops in one call.
-  run 580 svg2-gather-loop python3 benchmarks/bench_loop.py --models wan14b_720p_svg2 \
-      --variants dense,dynamic --device-gather traced --out $OUT/h200-loop-svg2-gather.json ;;
-gather-runs-skip)
-  # Issue 31 spike: gathered copy runs of 32 / 64 keys with warpgroup skipping (stand-in
-  # templates; kill criterion in the script: cubes below 0.65 of cuDNN).
-  run 300 gather-runs-skip python3 benchmarks/spikes/gather_runs_skip.py \
-      --masks cubes,sliding,clusters --budget-s 280 --out $OUT/h200-gather-runs-skip.json ;;
+      --templates rule,plain,gather_skip_nopp --out $OUT/h200-device-gather-check.json ;;
+perhead-diag)
+  # Issue 31 (perhead_bounds_vs_shared): where per-head bounds lose time, route vs planning
+  # alone per family (session 23: results/h200-perhead-diag.json).
+  run 300 perhead-diag python3 benchmarks/perhead_diag.py --budget-s 280 \
+      --out $OUT/h200-perhead-diag.json ;;
 profile-gather)
   # Issue 31 item 4: the ranking table learns when gathering pays. The table's masks (first 5
   # specs of each corpus family, tokens included; 2 heads) and its 7 candidates plus the gather
@@ -192,5 +167,5 @@ diagnose)
   run 170 builders-pool python3 benchmarks/bench_loop.py --out $OUT/builders-pool.json \
       --builder-costs vsa,vsa_pool_xla,vsa_highest,sparge_topk,sparge_topk_pool_xla
   tar -czf $OUT/logs.tar.gz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log ;;
-*) echo "usage: OUT=dir bash benchmarks/h200_session.sh memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
+*) echo "usage: OUT=dir bash benchmarks/h200_session.sh accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
 esac
