@@ -278,7 +278,10 @@ def test_template_choice_is_static_and_follows_static_bounds():
     assert pick(cubes) == "mgpu_q64x2_kv64_s2_hm"       # 64-token query blocks: 64-row units
     assert pick(rows64) == "mgpu_q64x2_kv64_s2_hm"
     assert pick(tiny) == "mgpu_q64x2_kv64_s2_hm"        # bitmap steps (4-token blocks)
-    assert pick(traced) == "mgpu_q128_kv128_s2_hm"      # decided on the device (lax.cond)
+    assert pick(traced) == "mgpu_q64x2_kv64_s2_hm"      # traced: mean blocks of 4 tokens
+    traced_big = tj.BlockMask(jnp.arange(0, 513, 128), jnp.arange(0, 513, 128),
+                              jnp.ones((1, 4, 4), bool))
+    assert pick(traced_big) == "mgpu_q128_kv128_s2_hm"  # fit decided on the device
 
 
 def test_device_gather_option_sends_traced_and_irregular_bounds_to_the_gathering_template():
@@ -302,7 +305,7 @@ def test_device_gather_option_sends_traced_and_irregular_bounds_to_the_gathering
 
     assert len(np.unique(np.diff(kb))) > 8
     assert [pick(m, "never") for m in (clusters, cubes, traced)] == [
-        "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm", "mgpu_q128_kv128_s2_hm"]
+        "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm"]
     assert [pick(m, "traced") for m in (clusters, cubes, traced)] == [
         "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm", gather]
     assert [pick(m, "irregular") for m in (clusters, cubes, traced)] == [

@@ -67,7 +67,13 @@ def test_known_choices():
         t, cap = D.choose(m, shape, "mosaic_gpu")
         assert t.name == name
         assert (cap > 0) == (name == "mgpu_q64x2_kv64_s2_hm")      # 4-token blocks: bitmaps
+    # Traced bounds: the mean block (length / count) of both axes decides the order.
     traced = tj.BlockMask(jnp.arange(0, 513, 4), jnp.arange(0, 513, 4), ones(128, 128))
+    assert D.choose(traced, shape, "mosaic_gpu")[0].name == "mgpu_q64x2_kv64_s2_hm"
+    traced = tj.BlockMask(jnp.arange(0, 513, 128), jnp.arange(0, 513, 128), ones(4, 4))
+    assert D.choose(traced, shape, "mosaic_gpu")[0].name == "mgpu_q128_kv128_s2_hm"
+    # Large query blocks, small key blocks (clusters-like): 128-row units and tiles.
+    traced = tj.BlockMask(jnp.arange(0, 513, 128), jnp.arange(0, 513, 8), ones(4, 64))
     assert D.choose(traced, shape, "mosaic_gpu")[0].name == "mgpu_q128_kv128_s2_hm"
 
 

@@ -7,7 +7,9 @@ tiles that meet more than ``abi.GRID`` blocks). The rule: the first template of 
 list in ``DEVICE_TEMPLATES`` that takes the call and whose plan needs no bitmap steps for the
 static bounds, else the first whose bitmap steps fit ``bitmap_budget_bytes`` (traced bounds:
 the first); static K/V blocks of <= 64 tokens (median) try 64-key tiles first, static query
-blocks of <= 64 tokens 64-row units (q64x2: two per CTA). Why a rule and not the ranking table
+blocks of <= 64 tokens 64-row units (q64x2: two per CTA); traced bounds (per-head bounds of a
+content-dependent method), whose sizes are unknown when tracing, try both when the mean block
+(length / count) of both axes is <= 64 tokens. Why a rule and not the ranking table
 (which the host route reads, ``select.ranking``): the table reads mask features the host does
 not have under a trace, a ``lax.switch`` over ranked templates would compile every template
 into every call site, and the device planner has one policy (a step per selected tile), for
@@ -163,6 +165,11 @@ def _small(b: Const | None) -> bool:
     return b is not None and float(np.median(np.diff(np.asarray(b.array), axis=-1))) <= 64
 
 
+def _mean_small(length: int, n: int) -> bool:
+    """Whether ``n`` blocks over ``length`` tokens average <= 64 tokens (traced bounds)."""
+    return length <= 64 * n
+
+
 def _irregular_kv(b: Const | None) -> bool:
     """Static key bounds with more than ``IRREGULAR_KV_SIZES`` distinct block sizes in a head
     (clusters, not a grid of cubes or frames)."""
@@ -212,6 +219,13 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
     # of <= 64 tokens likewise: 64-row units (VSA's cubes at Wan 720p: the host's q64x2 plan
     # ran 76.7 ms against 111.8 for the device's q128 x kv64 one). Otherwise 128-row units.
     sq, sk = _small(f.q_bounds), _small(f.kv_bounds)
+    if f.q_bounds is None and f.kv_bounds is None:
+        # Traced bounds hide the block sizes but not their count: mean blocks of <= 64 tokens
+        # on both axes take the small-block order (Wan 480p cubes with per-head bounds: q64x2
+        # x kv64 5.35 ms against 7.25 for q128 x kv128, results/h200-perhead-diag.json);
+        # larger means keep 128-row units (aligned blocks: 2.58 against 4.76 for q64x2).
+        _, nq, nk = f.block_shape
+        sq = sk = _mean_small(f.shape.q_len, nq) and _mean_small(f.shape.kv_len, nk)
     ts = sorted((_templates.get(n) for n in DEVICE_TEMPLATES[backend]),
                 key=lambda t: (sq != (t.tile_q <= 64), sk != (t.tile_kv <= 64)))
     fitting = []
