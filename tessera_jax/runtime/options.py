@@ -62,9 +62,10 @@ class Options:
         ``planning.device_gather``) instead of its device list: "never" (default), "traced"
         (a traced bound: per-head bounds of a content-dependent method such as SVG2's
         clusters), "irregular" (also static key blocks of more than 8 distinct sizes).
-        Predicted on Wan 480p per-head bounds: 0.58 / 0.42 / 0.61 of cuDNN on clusters /
-        cubes / sliding against 0.20 / 0.22 / 0.18 (benchmarks/NOTES.md#gathered-steps);
-        the default changes once ``benchmarks/device_gather_check.py`` has measured it.
+        "never" by measurement: on the H200 at Wan 480p with per-head bounds the gathering
+        template ran 0.28 / 0.18 / 0.15 of cuDNN on clusters / cubes / sliding against 0.38 /
+        0.21 / 0.31 for the device list (its planning costs as much as the kernel;
+        benchmarks/NOTES.md#gathered-steps).
     """
 
     bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES
