@@ -75,12 +75,10 @@ def rows_reference(qb, kb, blocks0, rows, scale):
     import jax.numpy as jnp
     from tessera_jax.reference import masked_attention
 
-    def ref(q, k, v):
-        qid = np.searchsorted(qb, rows, side="right") - 1
-        kid = np.searchsorted(kb, np.arange(k.shape[1]), side="right") - 1
-        sel = jnp.asarray(np.asarray(blocks0)[qid][:, kid])[None, None]
-        return masked_attention(q, k, v, sel, scale)[0]
-    return ref
+    qid = np.searchsorted(qb, rows, side="right") - 1
+    kid = np.searchsorted(kb, np.arange(kb[-1]), side="right") - 1
+    sel = jnp.asarray(np.asarray(blocks0)[qid][:, kid])[None, None]      # [1, 1, R, Lkv]
+    return lambda q, k, v: masked_attention(q, k, v, sel, scale)[0]
 
 
 def summarize(rows) -> dict:

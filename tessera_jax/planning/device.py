@@ -161,9 +161,9 @@ def _positions_blocks(bounds, org, tile):
 WORDS_CHUNK = 4096
 
 
-def _bitmap_words(buf, offset: int, blocks, need, n_need, qb, kb, qorg, qlo, qhi, korg, klo,
-                  khi, tile_q, tile_kv, capacity, chunk: int = WORDS_CHUNK):
-    """``buf`` [offset + capacity * bitmap_rows, STEP_COLS] int32 (zeros past ``offset``) with
+def _bitmap_words(buf, blocks, need, n_need, qb, kb, qorg, qlo, qhi, korg, klo, khi, tile_q,
+                  tile_kv, capacity, chunk: int = WORDS_CHUNK):
+    """``buf`` [S + capacity * bitmap_rows, STEP_COLS] int32 (the S step rows, then zeros) with
     the words of the plan's bitmap steps: slot s (the s-th (head, q tile, kv tile) of ``need``
     in row-major order) holds word(r, w) = bits 32 w .. 32 w + 31 of row r of that tile's
     selection (``abi.pack_bitmap``'s layout). The slots are filled ``chunk`` at a time
@@ -173,6 +173,7 @@ def _bitmap_words(buf, offset: int, blocks, need, n_need, qb, kb, qorg, qlo, qhi
     nqt, nkt = need.shape[1:]
     W = abi.bitmap_words(tile_kv)
     rows_b = abi.bitmap_rows(tile_q, tile_kv)
+    offset = buf.shape[0] - capacity * rows_b                           # the words' first row
     flat_all = jnp.nonzero(need.reshape(-1), size=capacity, fill_value=0)[0].astype(jnp.int32)
     row = lambda a, h: h if a.shape[0] > 1 else jnp.zeros_like(h)      # noqa: E731
     qpos = _positions_blocks(qb, qorg, tile_q)                          # [Hbq, nqt, tile_q]
@@ -188,7 +189,7 @@ def _bitmap_words(buf, offset: int, blocks, need, n_need, qb, kb, qorg, qlo, qhi
         pat = pack_words(pat, W)                                        # [Hm, nq, nkt, W]
     K = max(1, min(int(chunk), capacity))
 
-    def chunk(a):
+    def words_of(a):
         flat = jax.lax.dynamic_slice(flat_all, (a,), (K,))
         used = (a + jnp.arange(K, dtype=jnp.int32)) < n_need
         h, rest = flat // (nqt * nkt), flat % (nqt * nkt)
@@ -213,7 +214,7 @@ def _bitmap_words(buf, offset: int, blocks, need, n_need, qb, kb, qorg, qlo, qhi
 
     def body(i, buf):
         a = jnp.minimum(i * K, capacity - K)      # the last pass overlaps: same words again
-        return jax.lax.dynamic_update_slice(buf, chunk(a), (offset + a * rows_b, 0))
+        return jax.lax.dynamic_update_slice(buf, words_of(a), (offset + a * rows_b, 0))
 
     passes = (jnp.minimum(n_need, capacity) + K - 1) // K
     return jax.lax.fori_loop(0, passes, body, buf)
@@ -277,10 +278,9 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     rows_b = abi.bitmap_rows(tile_q, tile_kv)
     steps, ptr, cnt = _compact(rows, any_sel, bitmap_capacity * rows_b)
     if bitmap_capacity:
-        steps = _bitmap_words(steps, rows.shape[0] * rows.shape[1] * rows.shape[2], blocks,
-                              need, n_need, qx.bounds, kx.bounds, qx.org, qx.lo, qx.hi,
-                              kx.org, kx.lo, kx.hi, tile_q, tile_kv, bitmap_capacity,
-                              words_chunk)
+        steps = _bitmap_words(steps, blocks, need, n_need, qx.bounds, kx.bounds, qx.org,
+                              qx.lo, qx.hi, kx.org, kx.lo, kx.hi, tile_q, tile_kv,
+                              bitmap_capacity, words_chunk)
     units = _units(qx, ptr, cnt, part, num_q_heads, Hm, tile_q, tile_kv)
     ok = _fits(qx, kx, n_need, bitmap_capacity, nq, nk, q_len, kv_len)
     plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), int(qx.padded),

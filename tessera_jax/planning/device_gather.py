@@ -350,8 +350,7 @@ def _block_ranks(sig, entries, C: int):
     e = jnp.where(cs < (1 << C), jnp.take_along_axis(entries, js, sig.ndim - 1), 0)
     ex = jnp.cumsum(e, axis=-1) - e
     start = lax.cummax(jnp.where(cs != _shift(cs, -1, -1), ex, 0), axis=sig.ndim - 1)
-    ranks = jnp.zeros_like(sig).at[..., js].set(ex - start) if sig.ndim == 1 else \
-        jnp.put_along_axis(jnp.zeros_like(sig), js, ex - start, axis=-1, inplace=False)
+    ranks = jnp.put_along_axis(jnp.zeros_like(sig), js, ex - start, axis=-1, inplace=False)
     counts = jnp.sum(jnp.where(sig[..., None] == jnp.arange(1 << C), entries[..., None], 0),
                      axis=-2)
     return ranks, counts
