@@ -152,3 +152,86 @@ def gather_produce(streams, steps, words, num_steps: int, tile: int, run: int, s
         @pl.loop(jnp.maximum(cnt - stages, 0), cnt)
         def _(g, ring=ring):
             drain_slot(slot(g, ring))
+
+
+
+def load_gathered_cp(refs, b, head, smems, bars, consumed, starts, run: int, slot, wait):
+    """``load_gathered`` by ``cp.async`` from the producer's 128 threads instead of TMA: run j
+    of ``run`` rows of ``refs[i]`` [B, L, H, D] (batch ``b``, head ``head``) at ``starts[j]``
+    lands in rows j * run .. of ``smems[i].at[slot]`` (the (8, 64)-tiled, 128-byte swizzled
+    layout wgmma reads), 16 bytes a thread per instruction, so a stage costs its threads'
+    loads instead of tile / run TMA issues and arrivals. The producer waits for its own
+    copies, makes them visible to wgmma (``fence.proxy.async``) and arrives once on each
+    ``bars[i].at[slot]``."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, nvvm
+
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    splat = plgpu.Layout.WG_SPLAT(())
+    n = len(starts)
+    for ref, smem, done in zip(refs, smems, consumed):
+        if done is not None:
+            @pl.when(wait)
+            def _(done=done):
+                plgpu.barrier_wait(done.at[slot])
+
+        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(tiled), splat, splat)
+                           + (splat,) * n)
+        def issue(ctx, gref, sref, b_, h_, *starts_):
+            i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+            c32 = lambda x: arith.constant(i32, x)             # noqa: E731
+            c64 = lambda x: arith.constant(i64, x)             # noqa: E731
+
+            def scalar(x):
+                v = x.registers.item() if hasattr(x, "registers") else x
+                return arith.extsi(i64, v) if ir.IntegerType(v.type).width == 32 else v
+
+            B, L, H, D = ir.MemRefType(gref.type).shape
+            chunks = D * 2 // 16                           # 16-byte chunks per row
+            per_pass = 128 // chunks                       # rows one warpgroup pass copies
+            if run % per_pass or D % 64:
+                raise ValueError(f"load_gathered_cp: runs of {run} rows of D={D}")
+            tid = arith.remui(mgpu.utils.thread_idx(), c32(128))
+            r_in = arith.extui(i64, arith.divui(tid, c32(chunks)))
+            cc = arith.extui(i64, arith.remui(tid, c32(chunks)))
+            gbase = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
+                                       mgpu.utils.memref_ptr(gref))
+            sbase = mgpu.utils.memref_ptr(sref)
+            i8 = ir.IntegerType.get_signless(8)
+            # GMEM element offset of (b, row 0, h, chunk cc); a row is H * D elements on.
+            g0 = arith.addi(arith.muli(arith.addi(arith.muli(scalar(b_), c64(L * H)),
+                                                  scalar(h_)), c64(D)),
+                            arith.muli(cc, c64(8)))
+            # SMEM: tile (R // 8, cc // 8) of 1,024 bytes, row R % 8, chunk (cc % 8) ^ (R % 8).
+            col_tile = arith.muli(arith.divui(cc, c64(8)), c64(1024))
+            cc8 = arith.remui(cc, c64(8))
+            for j, s in enumerate(starts_):
+                s64 = scalar(s)
+                for p in range(run // per_pass):
+                    r = arith.addi(r_in, c64(p * per_pass))          # row within the run
+                    goff = arith.addi(g0, arith.muli(arith.addi(s64, r), c64(H * D)))
+                    R = arith.addi(r, c64(j * run))                    # row within the slot
+                    r8 = arith.remui(R, c64(8))
+                    soff = arith.addi(
+                        arith.addi(arith.muli(arith.divui(R, c64(8)), c64(D // 64 * 1024)),
+                                   col_tile),
+                        arith.addi(arith.muli(r8, c64(128)),
+                                   arith.muli(arith.xori(cc8, r8), c64(16))))
+                    gptr = mgpu.utils.getelementptr(gbase, [arith.muli(goff, c64(2))], i8)
+                    sptr = mgpu.utils.getelementptr(sbase, [soff], i8)
+                    nvvm.cp_async_shared_global(sptr, gptr, 16, nvvm.LoadCacheModifierKind.CG)
+            return ()
+
+        issue(ref, smem.at[slot], b, head, *starts)
+
+    @plgpu.inline_mgpu()
+    def land(ctx):
+        nvvm.cp_async_commit_group()
+        nvvm.cp_async_wait_group(0)
+        mgpu.utils.commit_shared()            # fence.proxy.async, then a warpgroup barrier
+        return ()
+
+    land()
+    for bar in bars:
+        plgpu.barrier_arrive(bar.at[slot])
