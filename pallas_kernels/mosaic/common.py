@@ -160,9 +160,9 @@ def load_gathered_cp(refs, b, head, smems, bars, consumed, starts, run: int, slo
     of ``run`` rows of ``refs[i]`` [B, L, H, D] (batch ``b``, head ``head``) at ``starts[j]``
     lands in rows j * run .. of ``smems[i].at[slot]`` (the (8, 64)-tiled, 128-byte swizzled
     layout wgmma reads), 16 bytes a thread per instruction, so a stage costs its threads'
-    loads instead of tile / run TMA issues and arrivals. The producer waits for its own
-    copies, makes them visible to wgmma (``fence.proxy.async``) and arrives once on each
-    ``bars[i].at[slot]``."""
+    loads instead of tile / run TMA issues and arrivals. Per ref one commit group; the
+    producer waits for each in turn, makes it visible to wgmma (``fence.proxy.async``) and
+    arrives once on ``bars[i].at[slot]``. bf16 / f16 refs only."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, nvvm
@@ -188,6 +188,8 @@ def load_gathered_cp(refs, b, head, smems, bars, consumed, starts, run: int, slo
                 return arith.extsi(i64, v) if ir.IntegerType(v.type).width == 32 else v
 
             B, L, H, D = ir.MemRefType(gref.type).shape
+            if mgpu.utils.bitwidth(ir.MemRefType(gref.type).element_type) != 16:
+                raise ValueError("load_gathered_cp: 16-bit K / V only")
             chunks = D * 2 // 16                           # 16-byte chunks per row
             per_pass = 128 // chunks                       # rows one warpgroup pass copies
             if run % per_pass or D % 64:
@@ -221,17 +223,20 @@ def load_gathered_cp(refs, b, head, smems, bars, consumed, starts, run: int, slo
                     gptr = mgpu.utils.getelementptr(gbase, [arith.muli(goff, c64(2))], i8)
                     sptr = mgpu.utils.getelementptr(sbase, [soff], i8)
                     nvvm.cp_async_shared_global(sptr, gptr, 16, nvvm.LoadCacheModifierKind.CG)
+            nvvm.cp_async_commit_group()
             return ()
 
         issue(ref, smem.at[slot], b, head, *starts)
 
-    @plgpu.inline_mgpu()
-    def land(ctx):
-        nvvm.cp_async_commit_group()
-        nvvm.cp_async_wait_group(0)
-        mgpu.utils.commit_shared()            # fence.proxy.async, then a warpgroup barrier
-        return ()
+    # One commit group per ref, so the first (K) lands while the next (V) still loads.
+    def land(pending: int):
+        @plgpu.inline_mgpu()
+        def _(ctx):
+            nvvm.cp_async_wait_group(pending)
+            mgpu.utils.commit_shared()        # fence.proxy.async, then a warpgroup barrier
+            return ()
+        _()
 
-    land()
-    for bar in bars:
+    for i, bar in enumerate(bars):
+        land(len(bars) - 1 - i)
         plgpu.barrier_arrive(bar.at[slot])
