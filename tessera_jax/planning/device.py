@@ -278,9 +278,11 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     rows_b = abi.bitmap_rows(tile_q, tile_kv)
     steps, ptr, cnt = _compact(rows, any_sel, bitmap_capacity * rows_b)
     if bitmap_capacity:
-        steps = _bitmap_words(steps, blocks, need, n_need, qx.bounds, kx.bounds, qx.org,
-                              qx.lo, qx.hi, kx.org, kx.lo, kx.hi, tile_q, tile_kv,
-                              bitmap_capacity, words_chunk)
+        # Under a cond: a plan with no bitmap step (most traced bounds) skips the words'
+        # patterns (a gather over every (head, query block, key tile)), not only their passes.
+        steps = jax.lax.cond(n_need > 0, lambda st: _bitmap_words(
+            st, blocks, need, n_need, qx.bounds, kx.bounds, qx.org, qx.lo, qx.hi, kx.org,
+            kx.lo, kx.hi, tile_q, tile_kv, bitmap_capacity, words_chunk), lambda st: st, steps)
     units = _units(qx, ptr, cnt, part, num_q_heads, Hm, tile_q, tile_kv)
     ok = _fits(qx, kx, n_need, bitmap_capacity, nq, nk, q_len, kv_len)
     plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), int(qx.padded),
