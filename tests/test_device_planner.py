@@ -321,15 +321,16 @@ def test_bits_rectangle_over_every_cell_pattern():
         np.testing.assert_array_equal(got[want], g - 1 - np.argmax(m[want][:, ::-1], axis=1))
 
 
-# 6 examples, each compiling three planner programs (~1 s each on the 2-core runner).
+# 6 examples, each compiling five planner programs (~1 s each on the 2-core runner).
 @settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**32 - 1), per_head=st.booleans(),
        tiles=st.sampled_from([(64, 64), (128, 64), (128, 128)]))
 def test_bitmap_words_do_not_depend_on_the_pass_size(seed, per_head, tiles):
     """The bitmap words of a plan whose slots are filled a few at a time (several passes, the
-    last overlapping the one before) equal one pass's, with traced bounds of many small blocks
-    (bitmap steps) and room for more slots than the mask needs."""
+    last overlapping the one before), or forced from key patterns or by direct gathers, equal
+    one pass's on the device's choice, with traced bounds of many small blocks (bitmap steps)
+    and room for more slots than the mask needs."""
     rng = np.random.default_rng(seed)
     H, tq, tk = 2, *tiles
     L, Lk = int(rng.integers(300, 700)), int(rng.integers(300, 700))
@@ -342,10 +343,10 @@ def test_bitmap_words_do_not_depend_on_the_pass_size(seed, per_head, tiles):
     qb = np.stack([bounds(nq, L) for _ in range(H)]) if per_head else bounds(nq, L)
     kb = np.stack([bounds(nk, Lk) for _ in range(H)]) if per_head else bounds(nk, Lk)
     blocks = jnp.asarray(rng.random((H, nq, nk)) < rng.uniform(0.2, 0.8))
-    plan = jax.jit(lambda b, x, y, chunk: device.plan_on_device(
+    plan = jax.jit(lambda b, x, y, chunk, pat=None: device.plan_on_device(
         b, x, y, num_q_heads=H, q_len=L, kv_len=Lk, tile_q=tq, tile_kv=tk,
-        bitmap_capacity=2 * H * (-(-L // tq)) * (-(-Lk // tk)), words_chunk=chunk),
-        static_argnums=3)
+        bitmap_capacity=2 * H * (-(-L // tq)) * (-(-Lk // tk)), words_chunk=chunk,
+        word_patterns=pat), static_argnums=(3, 4))
     one, ok = plan(blocks, jnp.asarray(qb), jnp.asarray(kb), 1 << 20)
     assert bool(ok)
     steps = np.asarray(one.steps)
@@ -353,8 +354,8 @@ def test_bitmap_words_do_not_depend_on_the_pass_size(seed, per_head, tiles):
     visited = np.concatenate([np.arange(p, p + c) for p, c in np.asarray(one.units)[
         :, [abi.UNIT_STEP_PTR, abi.UNIT_STEP_CNT]]])
     assert (cb[visited] == abi.BITMAP_FLAG).sum() >= 2       # bitmap steps to fill
-    for chunk in (1, 3):
-        other, ok2 = plan(blocks, jnp.asarray(qb), jnp.asarray(kb), chunk)
+    for chunk, pat in ((1, None), (3, None), (1 << 20, True), (1 << 20, False)):
+        other, ok2 = plan(blocks, jnp.asarray(qb), jnp.asarray(kb), chunk, pat)
         assert bool(ok2)
         np.testing.assert_array_equal(np.asarray(other.steps), steps)
         np.testing.assert_array_equal(np.asarray(other.units), np.asarray(one.units))

@@ -162,7 +162,29 @@ WORDS_CHUNK = 4096
 
 
 def _bitmap_words(buf, blocks, need, n_need, qb, kb, qorg, qlo, qhi, korg, klo, khi, tile_q,
-                  tile_kv, capacity, chunk: int = WORDS_CHUNK):
+                  tile_kv, capacity, chunk: int = WORDS_CHUNK, patterns: bool | None = None):
+    """``_fill_words`` by per-(head, query block, key tile) key patterns when the slots in use
+    cost more gathers than the patterns (n_need * tile_q * tile_kv against Hm * nq * nkt *
+    tile_kv; decided on the device: a per-head sliding-tile plan at Wan 480p fills 2,016 of
+    1,048,576 slots), else by direct gathers per slot; ``patterns`` True / False forces one
+    (the words are the same)."""
+    Hm, nq, _ = blocks.shape
+    pat_cost = Hm * nq * need.shape[2] * tile_kv
+    fill = functools.partial(_fill_words, blocks=blocks, need=need, n_need=n_need, qb=qb,
+                             kb=kb, qorg=qorg, qlo=qlo, qhi=qhi, korg=korg, klo=klo, khi=khi,
+                             tile_q=tile_q, tile_kv=tile_kv, capacity=capacity, chunk=chunk)
+    if patterns is not None:
+        return fill(buf, use_pat=bool(patterns))
+    if pat_cost > capacity * tile_q * tile_kv:
+        return fill(buf, use_pat=False)
+    # Patterns pay once the slots in use number at least pat_cost / (tile_q * tile_kv).
+    pays = n_need >= -(-pat_cost // (tile_q * tile_kv))
+    return jax.lax.cond(pays, functools.partial(fill, use_pat=True),
+                        functools.partial(fill, use_pat=False), buf)
+
+
+def _fill_words(buf, *, blocks, need, n_need, qb, kb, qorg, qlo, qhi, korg, klo, khi, tile_q,
+                tile_kv, capacity, chunk, use_pat: bool):
     """``buf`` [S + capacity * bitmap_rows, STEP_COLS] int32 (the S step rows, then zeros) with
     the words of the plan's bitmap steps: slot s (the s-th (head, q tile, kv tile) of ``need``
     in row-major order) holds word(r, w) = bits 32 w .. 32 w + 31 of row r of that tile's
@@ -180,7 +202,6 @@ def _bitmap_words(buf, blocks, need, n_need, qb, kb, qorg, qlo, qhi, korg, klo, 
     kpos = _positions_blocks(kb, korg, tile_kv)                         # [Hbk, nkt, tile_kv]
     r = jnp.arange(tile_q, dtype=jnp.int32)
     c = jnp.arange(tile_kv, dtype=jnp.int32)
-    use_pat = Hm * nq * nkt * tile_kv <= capacity * tile_q * tile_kv
     if use_pat:
         # Per (head, query block, K/V tile) key patterns, gathered per row.
         kid_all = jnp.broadcast_to(kpos, (Hm,) + kpos.shape[1:])
@@ -248,7 +269,8 @@ def bitmap_slots(q_bounds: np.ndarray, kv_bounds: np.ndarray, num_heads: int, q_
 def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int, kv_len: int,
                    tile_q: int, tile_kv: int, align_blocks: bool = True,
                    bitmap_capacity: int = 0,
-                   words_chunk: int = WORDS_CHUNK) -> tuple[abi.PassPlan, jax.Array]:
+                   words_chunk: int = WORDS_CHUNK,
+                   word_patterns: bool | None = None) -> tuple[abi.PassPlan, jax.Array]:
     """(plan, ok): the pass plan of a block mask for these tiles (see the module docstring),
     made in jnp, and a bool [] that is False where the mask does not fit it.
 
@@ -262,8 +284,10 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     many bitmap steps the plan may hold (static) for tiles that meet more than ``abi.GRID``
     blocks per axis (0: none; such a tile then makes ``ok`` False, or a ValueError for static
     bounds); more of them than the capacity also makes ``ok`` False (``bitmap_slots`` counts
-    what a plan of static bounds needs); ``words_chunk``: bitmap slots filled per pass (the
-    plan does not depend on it). The plan's leaves are jax arrays, its ``row_index``
+    what a plan of static bounds needs); ``words_chunk``: bitmap slots filled per pass,
+    ``word_patterns``: fill them from per-key-tile patterns (True), by direct gathers
+    (False) or by the cheaper for the slots in use, on the device (None); the plan depends on
+    neither. The plan's leaves are jax arrays, its ``row_index``
     None (made from the units where a kernel needs it) and its ``all_full`` None.
     """
     _check_args(blocks, num_q_heads, q_len, kv_len, tile_q, tile_kv)
@@ -282,7 +306,8 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
         # patterns (a gather over every (head, query block, key tile)), not only their passes.
         steps = jax.lax.cond(n_need > 0, lambda st: _bitmap_words(
             st, blocks, need, n_need, qx.bounds, kx.bounds, qx.org, qx.lo, qx.hi, kx.org,
-            kx.lo, kx.hi, tile_q, tile_kv, bitmap_capacity, words_chunk), lambda st: st, steps)
+            kx.lo, kx.hi, tile_q, tile_kv, bitmap_capacity, words_chunk, word_patterns),
+            lambda st: st, steps)
     units = _units(qx, ptr, cnt, part, num_q_heads, Hm, tile_q, tile_kv)
     ok = _fits(qx, kx, n_need, bitmap_capacity, nq, nk, q_len, kv_len)
     plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), int(qx.padded),
