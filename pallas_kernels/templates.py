@@ -69,9 +69,6 @@ class MosaicConfig:
         kv_start + 8 j), so plans may hold gathered steps.
     gather_run: keys one copy loads (a multiple of 8 dividing tile_kv): plans for it hold
         chunks in runs of that many consecutive keys (policies gather / gather32 / gather64).
-    gather_copy: how the gathering producer copies a run: "tma" (one TMA copy, issued by one
-        of its warps) or "cp_async" (the producer's 128 threads, 16 bytes each; it waits for
-        its copies and arrives once per stage). Interpret mode runs "tma".
     """
 
     schedule_barrier: bool = True
@@ -81,17 +78,14 @@ class MosaicConfig:
     mask_mode: str = "cond"
     gather: bool = False
     gather_run: int = 8
-    gather_copy: str = "tma"
 
     MASK_MODES = ("cond", "always")
-    GATHER_COPIES = ("tma", "cp_async")
 
     def __post_init__(self):
         for name in ("schedule_barrier", "wg_skip", "paired", "pair_pingpong", "gather"):
             _check_bool("MosaicConfig", name, getattr(self, name))
         _check_choice("MosaicConfig", "mask_mode", self.mask_mode, self.MASK_MODES)
         _check_int("MosaicConfig", "gather_run", self.gather_run, 8)
-        _check_choice("MosaicConfig", "gather_copy", self.gather_copy, self.GATHER_COPIES)
         if self.gather_run % 8:
             raise ValueError(f"MosaicConfig.gather_run must be a multiple of 8 keys (TMA fills "
                              f"8-row SMEM tiles), got {self.gather_run}")

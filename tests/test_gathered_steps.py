@@ -592,26 +592,6 @@ def test_gathering_kernels_lower_for_cuda(which, pass_):
     _lower(mops, _run_templates()[which], pass_, "mosaic_gpu")
 
 
-@pytest.mark.parametrize("paired", [False, True])
-def test_cp_async_gathering_forward_lowers_for_cuda(paired):
-    """The forward whose gathering producer copies by cp.async (``gather_copy``) lowers for an
-    abstract H200 into cp.async loads with one arrival per stage; the TMA producer's text
-    holds no such load; an unknown copy kind is refused."""
-    import dataclasses
-    from pallas_kernels import templates as T
-    from pallas_kernels.mosaic import ops as mops
-
-    t = _run_templates()[2 if paired else 0]
-    cp = dataclasses.replace(t, name="cp", kernel=dataclasses.replace(t.kernel,
-                                                                    gather_copy="cp_async"))
-    # nvvm.cp.async.shared.global: the non-bulk copy (TMA's ops are cp.async.bulk.*).
-    assert "cp.async.shared.global" not in _lower(mops, t, "forward", "mosaic_gpu")
-    txt = _lower(mops, cp, "forward", "mosaic_gpu")
-    assert "cp.async.shared.global" in txt and "cp.async.wait.group" in txt
-    with pytest.raises(ValueError, match="gather_copy"):
-        T.MosaicConfig(gather=True, gather_copy="ldg")
-
-
 def _triton_gather_template():
     from pallas_kernels import templates as T
 

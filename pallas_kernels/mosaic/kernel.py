@@ -44,7 +44,7 @@ from pallas_kernels import step_masks
 from pallas_kernels.contract import LN2, LOG2E, MASK_MODES
 from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask,
                                           gather_produce, gather_vectors, grid_mask, iota,
-                                          load_gathered, load_gathered_cp, rows_of)
+                                          load_gathered, rows_of)
 from pallas_kernels.templates import CompiledConfig, MosaicConfig
 
 __all__ = ["KernelConfig", "forward", "smem_bytes", "MASK_MODES", "MAX_SMEM"]
@@ -170,10 +170,8 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
                      schedule_barrier=schedule_barrier, **static)
             _kernel(c)
 
-        # A gathering producer arrives once per TMA copy (gather_run keys each); by cp.async
-        # once per stage.
-        copies = (cfg.tile_kv // cfg.variant.gather_run
-                  if cfg.variant.gather and not _cp_async(cfg, interpret) else 1)
+        # A gathering producer arrives once per copy (gather_run keys each).
+        copies = cfg.tile_kv // cfg.variant.gather_run if cfg.variant.gather else 1
         pl.run_scoped(
             scoped,
             (qo, kbuf, vbuf, lse),
@@ -201,12 +199,6 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
     )(q, k, v, units, steps, steps.reshape(-1))
-
-
-def _cp_async(cfg: KernelConfig, interpret) -> bool:
-    """Whether the gathering producer copies by cp.async (compiled only: interpret mode
-    runs the TMA copies)."""
-    return cfg.variant.gather and cfg.variant.gather_copy == "cp_async" and not interpret
 
 
 def _kernel(c: _Ctx):
@@ -563,11 +555,6 @@ def _gather_producer(c: _Ctx):
         streams.append((b, lax.div(head, jnp.array(c.group, head.dtype)), ptr, cnt))
 
     def load(b, kv_head, starts, slot, wait):
-        if _cp_async(c.cfg, c.interpret):
-            load_gathered_cp((c.k, c.v), b, kv_head, (c.k_smem, c.v_smem), (c.k_bar, c.v_bar),
-                             (c.k_consumed, c.v_consumed), starts, c.cfg.variant.gather_run,
-                             slot, wait)
-            return
         load_gathered(rows_of((c.k, c.v), b, kv_head), (c.k_smem, c.v_smem),
                       (c.k_bar, c.v_bar), (c.k_consumed, c.v_consumed), starts,
                       c.cfg.variant.gather_run, slot, wait)
