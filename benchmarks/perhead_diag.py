@@ -108,12 +108,18 @@ def main():
                        for c, x in zip(consts, (mask.q_bounds, mask.kv_bounds, mask.blocks))]
                 pargs = tuple(x for x in dyn if x is not None)
 
-                def plan(*xs, consts=consts, t=t, cap=cap, decide=decide, dyn=dyn):
+                # The route's first plan: with Options.bitmap_first_bytes of bitmap room where
+                # its rule applies (the whole budget otherwise).
+                first = device_route._first_room(t, cap, bh.shape, L, L, decide, tj.Options())
+                cap1, budget1 = first or (cap, select_device.BITMAP_BUDGET_BYTES)
+                row["first_capacity"] = int(cap1)
+
+                def plan(*xs, consts=consts, t=t, cap=cap1, decide=decide, dyn=dyn,
+                         budget=budget1):
                     it = iter(xs)
                     x = [next(it) if d is not None else c.array for d, c in zip(dyn, consts)]
                     ap = device_route.device_plans(q, k, *x, consts=consts, t=t, capacity=cap,
-                                                   decide=decide,
-                                                   budget=select_device.BITMAP_BUDGET_BYTES)
+                                                   decide=decide, budget=budget)
                     return ap.fwd, ap.ok
 
                 plan = jax.jit(plan)

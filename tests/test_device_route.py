@@ -399,3 +399,52 @@ def test_options_are_checked():
     with pytest.raises(TypeError, match="options"):
         tj.sparse_attention(q, q, q, tj.BlockMask.uniform(64, 64, 32, 32, np.ones((1, 2, 2), bool)),
                             options={"interpret": True})
+
+
+def test_first_bitmap_room_falls_back_to_the_whole_room_then_exact(monkeypatch):
+    """Traced per-head bounds of large mean blocks are planned first with
+    ``Options.bitmap_first_bytes`` of bitmap room; a plan that overflows it (head 0's six
+    4-token blocks put a tile past GRID blocks) is made again with the whole budget inside
+    the program, and that plan fits: forward and backward exact. Past the whole budget too,
+    the exact path; with no first room, one plan."""
+    import dataclasses
+
+    L, H = 512, 2
+    sizes = [np.array([4] * 6 + [200, 288]), np.full(8, 64)]
+    qb = jnp.asarray(np.stack([np.r_[0, np.cumsum(s)] for s in sizes]), jnp.int32)
+    rng = np.random.default_rng(5)
+    blocks = rng.random((H, 8, 8)) < 0.6
+    blocks[0, :6] = True                                  # the small blocks' tiles selected
+    q, k, v = random_qkv(1, L, L, H, H, 16, "float32", 6)
+    m_np = tj.BlockMask(np.asarray(qb), np.asarray(qb), blocks)
+    ref, ref_vjp = jax.vjp(lambda q, k, v: tj.reference_attention(q, k, v, m_np), q, k, v)
+    ct = jnp.asarray(rng.standard_normal(ref.shape), jnp.float32)
+    ref_g = ref_vjp(ct)
+    plans = []
+    real_core = core.attention
+    monkeypatch.setattr(device_route.core, "attention",
+                        lambda q, k, v, plan, *a, **kw: plans.append(plan)
+                        or real_core(q, k, v, plan, *a, **kw))
+
+    def run(opts):
+        f = jax.jit(lambda q, k, v, b, x: jax.vjp(lambda q, k, v: tj.sparse_attention(
+            q, k, v, tj.BlockMask(x, x, b), options=opts), q, k, v))
+        out, vjp = f(q, k, v, jnp.asarray(blocks), qb)
+        np.testing.assert_allclose(out, ref, **TOL)
+        for a, b in zip(vjp(ct), ref_g):
+            np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+        return plans[-1].refine
+
+    full = run(tj.Options(bitmap_first_bytes=1))
+    assert full is not None and full.capacity > 1
+    first = dataclasses.replace(full, capacity=1, budget=1)
+    b = jnp.asarray(blocks)
+    assert not bool(first(qb, qb, b).ok) and bool(full(qb, qb, b).ok)     # the fallback ran
+    from pallas_kernels import abi
+    from tessera_jax.runtime import dispatch
+
+    t = dispatch.get_template(full.template)
+    slot = abi.bitmap_rows(t.tile_q, t.tile_kv) * abi.STEP_COLS * 4
+    full = run(tj.Options(bitmap_first_bytes=1, bitmap_budget_bytes=2 * slot))
+    assert full.capacity == 2 and not bool(full(qb, qb, b).ok)              # then exact
+    assert run(tj.Options(bitmap_first_bytes=0)) is None

@@ -24,7 +24,7 @@ __all__ = ["AttentionPlan", "PassPlan", "host_pass", "clear_cache"]
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["fwd", "dkv", "ok", "dkv_ok", "exact"],
-                   meta_fields=["template", "backend", "source"])
+                   meta_fields=["template", "backend", "source", "refine"])
 @dataclasses.dataclass(frozen=True, eq=False)
 class AttentionPlan:
     """The plans of one attention call.
@@ -41,6 +41,9 @@ class AttentionPlan:
     template: the forward's template name (None: exact path only); backend: its backend
     source: a host plan's maker of the pass plans a trace and the backward need (``fwd(rows)``,
             ``dkv(rows)``; rows: with host row maps), None for device plans
+    refine: a device plan made with a first, smaller bitmap room: ``refine(*exact)`` makes the
+            plan with the whole room, which runs where this one does not fit (before the
+            exact path); None otherwise
     """
 
     fwd: PassPlan | None
@@ -51,6 +54,7 @@ class AttentionPlan:
     template: str | None = None
     backend: str = "xla"
     source: object = None
+    refine: object = None
 
     def fwd_pass(self, rows: bool) -> PassPlan | None:
         """The forward pass plan; ``rows``: with a host plan's row maps (under a trace)."""

@@ -14,7 +14,9 @@ and the plan's traced arrays. Backward, on the backend's contract module:
   are key tiles of one query head, its steps query tiles; dk, dv per query head are summed
   over each K/V head's group (GQA).
 
-Device plans run ``lax.cond(ok & dkv_ok, kernels, exact_backward)``. A plan's jax leaves
+Device plans run ``lax.cond(ok & dkv_ok, kernels, exact_backward)``; a first plan made with a
+smaller bitmap room (``AttentionPlan.refine``) falls back to the plan with the whole room
+first, in both passes. A plan's jax leaves
 travel as operands of the custom_vjp (so vmap and the backward see them); its NumPy leaves
 stay constants. An eager call (no trace, so nothing differentiates it) skips the custom_vjp's
 binding (~0.5 ms a call on the CPU box: a request's latency). GPU backward kernels are
@@ -120,7 +122,13 @@ def _forward(plan: AttentionPlan, q, k, v, scale, return_lse, options: Options, 
     def kernels():
         return dispatch.forward(fwd, t, q, k, v, scale, return_lse, interpret=options.interpret)
 
-    return kernels() if plan.ok is None else jax.lax.cond(plan.ok, kernels, exact)
+    if plan.ok is None:
+        return kernels()
+    if plan.refine is None:
+        return jax.lax.cond(plan.ok, kernels, exact)
+    # A first plan that overflowed its bitmap room: the plan with the whole room, then exact.
+    return jax.lax.cond(plan.ok, kernels, lambda: _forward(
+        plan.refine(*plan.exact), q, k, v, scale, return_lse, options, rows=rows))
 
 
 def _backward(plan: AttentionPlan, q, k, v, out, lse, do, dlse, scale, options: Options):
@@ -141,8 +149,11 @@ def _backward(plan: AttentionPlan, q, k, v, out, lse, do, dlse, scale, options: 
     def kernels():
         return _grads(plan, fwd, dkv, q, k, v, out, lse, do, dlse, scale, options)
 
-    return kernels() if plan.ok is None else \
-        jax.lax.cond(plan.ok & plan.dkv_ok, kernels, exact)
+    if plan.ok is None:
+        return kernels()
+    fallback = exact if plan.refine is None else lambda: _backward(
+        plan.refine(*plan.exact), q, k, v, out, lse, do, dlse, scale, options)
+    return jax.lax.cond(plan.ok & plan.dkv_ok, kernels, fallback)
 
 
 def _grads(plan: AttentionPlan, fwd, dkv, q, k, v, out, lse, do, dlse, scale, options):

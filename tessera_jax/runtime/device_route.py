@@ -25,6 +25,7 @@ take the exact path, whose indices are clamped: finite output, never an out-of-b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import NamedTuple
@@ -113,10 +114,58 @@ def _run(q, k, v, qb, kb, blocks, *, consts, template, capacity, decide, scale, 
     if template is None:
         plan = AttentionPlan(None, exact=(qb, kb, blocks))
     else:
-        plan = device_plans(q, k, qb, kb, blocks, consts=consts,
-                            t=dispatch.get_template(template), capacity=capacity,
-                            decide=decide, budget=options.bitmap_budget_bytes)
+        t = dispatch.get_template(template)
+        full = _Refine(consts, template, capacity, options.bitmap_budget_bytes, decide,
+                       tuple(q.shape), tuple(k.shape), str(np.dtype(q.dtype)))
+        first = _first_room(t, capacity, tuple(blocks.shape), q.shape[1], k.shape[1], decide,
+                            options) if decide else None
+        if first is None:
+            plan = full(qb, kb, blocks)
+        else:
+            plan = dataclasses.replace(
+                _Refine(consts, template, *first, True, full.q_shape, full.k_shape, full.dtype)(
+                    qb, kb, blocks), refine=full)
     return core.attention(q, k, v, plan, scale, return_lse, options)
+
+
+def _first_room(t: Template, capacity: int, blocks_shape, q_len: int, kv_len: int,
+                decide: bool, options: Options):
+    """(capacity, budget) of the first plan of traced bounds (``Options.bitmap_first_bytes``),
+    or None: one plan with the whole room. Only where the mean blocks span at least half a
+    tile on both axes (a tile then rarely meets more than GRID blocks; variable clusters of
+    ~40 keys in 128-key tiles fill more than the first room and would be planned twice)."""
+    first = options.bitmap_first_bytes
+    if not decide or not capacity or not first or first >= options.bitmap_budget_bytes \
+            or select_device.gathers_on_device(t):
+        return None
+    _, nq, nk = blocks_shape
+    if 2 * q_len < t.tile_q * nq or 2 * kv_len < t.tile_kv * nk:
+        return None
+    cap = min(capacity, max(1, first // (abi.bitmap_rows(t.tile_q, t.tile_kv)
+                                         * abi.STEP_COLS * 4)))
+    return (cap, first) if cap < capacity else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refine:
+    """``device_plans`` of one call site with a given bitmap room, as a function of the mask's
+    (traced) arrays: ``AttentionPlan.refine`` (hashable: it rides in the plan's treedef)."""
+
+    consts: tuple
+    template: str
+    capacity: int
+    budget: int
+    decide: bool
+    q_shape: tuple
+    k_shape: tuple
+    dtype: str
+
+    def __call__(self, qb, kb, blocks) -> AttentionPlan:
+        q = jax.ShapeDtypeStruct(self.q_shape, np.dtype(self.dtype))
+        k = jax.ShapeDtypeStruct(self.k_shape, np.dtype(self.dtype))
+        return device_plans(q, k, qb, kb, blocks, consts=self.consts,
+                            t=dispatch.get_template(self.template), capacity=self.capacity,
+                            decide=self.decide, budget=self.budget)
 
 
 class _Tiles(NamedTuple):

@@ -26,6 +26,12 @@ class Options:
     bitmap_budget_bytes: bytes of bitmap steps a device plan may hold (tiles meeting more than
         ``abi.GRID`` blocks per axis: 2 KB each at 128 x 128); past it, static bounds take the
         exact path and traced bounds take it when the plan overflows (decided on the device).
+    bitmap_first_bytes: traced bounds whose mean blocks span at least half a tile on both
+        axes (few tiles meet more than GRID blocks) are planned first with room for this many
+        bytes of bitmap steps; a plan that overflows it is made again with the whole budget
+        inside the program, before the exact path. The room a plan allocates is zeroed and
+        written on every call (512 MB for per-head bounds at Wan 480p, where cubes use 6 MB).
+        0: one plan with the whole budget.
     dkv_policies: the host planner's policies tried for a host dk/dv plan with the backend's
         dk/dv tiles (empty: the paired candidate alone); the plan of least estimated time
         wins. On the transposed Wan 480p masks
@@ -69,6 +75,7 @@ class Options:
     """
 
     bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES
+    bitmap_first_bytes: int = 32 << 20
     dkv_policies: tuple[str, ...] = _DKV_POLICIES
     paired_dkv_policy: str | None = "pack"
     dkv_ns_per_interaction_d128: float = 2.58e-3
@@ -82,6 +89,9 @@ class Options:
         b = self.bitmap_budget_bytes
         if isinstance(b, bool) or not isinstance(b, int) or b < 0:
             raise ValueError(f"bitmap_budget_bytes must be an int >= 0, got {b!r}")
+        f = self.bitmap_first_bytes
+        if isinstance(f, bool) or not isinstance(f, int) or f < 0:
+            raise ValueError(f"bitmap_first_bytes must be an int >= 0, got {f!r}")
         pols = self.dkv_policies
         allowed = _DKV_POLICIES + _DKV_GATHER_POLICIES
         if not isinstance(pols, tuple) or any(p not in allowed for p in pols):
