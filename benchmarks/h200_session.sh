@@ -11,11 +11,14 @@
 # the three-stage and copy-run spikes (killed, deleted: h200-gather-stages.json,
 # h200-gather-runs-skip.json), accept-480 (h200-gather-wan480.json); accept-720 failed in the
 # benchmark's own reference check (a [75,600]^2 float32 score matrix; now sampled query rows).
+# Session 24 got only an H100 for three short calls (results/h100-*): the cp.async stages
+# spike (killed, deleted) and perhead-diag (e2fc23f's rule confirmed; the words cond kept).
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
+#   bash benchmarks/h200_session.sh perhead-diag   # first: c5792e8 (word patterns only when
+#     they pay) and 34e2813 (a 32 MB first bitmap room) on the H200; predicted per-head
+#     aligned plan 0.44 -> ~0.2 ms (H100: results/h100-perhead-diag-cond.json)
 #   bash benchmarks/h200_session.sh accept-720     # issue 31's acceptance file at Wan 720p,
 #     then accept-480 again in the same session and --merge both (one commit)
-#   bash benchmarks/h200_session.sh perhead-diag   # per-head planning time after the next
-#     planner change (results/h200-perhead-diag.json: 1.18 ms of a 2.58 ms call, aligned)
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
 #   bash benchmarks/h200_session.sh gpu-checks     # the whole make test-gpu before a kernel change lands
