@@ -321,14 +321,14 @@ def test_bits_rectangle_over_every_cell_pattern():
         np.testing.assert_array_equal(got[want], g - 1 - np.argmax(m[want][:, ::-1], axis=1))
 
 
-# 6 examples, each compiling five planner programs (~1 s each on the 2-core runner).
+# 6 examples, each compiling three planner programs (~1 s each on the 2-core runner).
 @settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**32 - 1), per_head=st.booleans(),
        tiles=st.sampled_from([(64, 64), (128, 64), (128, 128)]))
 def test_bitmap_words_do_not_depend_on_the_pass_size(seed, per_head, tiles):
     """The bitmap words of a plan whose slots are filled a few at a time (several passes, the
-    last overlapping the one before), or forced from key patterns or by direct gathers, equal
+    last overlapping the one before), by direct gathers and from key patterns (forced), equal
     one pass's on the device's choice, with traced bounds of many small blocks (bitmap steps)
     and room for more slots than the mask needs."""
     rng = np.random.default_rng(seed)
@@ -354,7 +354,7 @@ def test_bitmap_words_do_not_depend_on_the_pass_size(seed, per_head, tiles):
     visited = np.concatenate([np.arange(p, p + c) for p, c in np.asarray(one.units)[
         :, [abi.UNIT_STEP_PTR, abi.UNIT_STEP_CNT]]])
     assert (cb[visited] == abi.BITMAP_FLAG).sum() >= 2       # bitmap steps to fill
-    for chunk, pat in ((1, None), (3, None), (1 << 20, True), (1 << 20, False)):
+    for chunk, pat in ((1, False), (3, True)):
         other, ok2 = plan(blocks, jnp.asarray(qb), jnp.asarray(kb), chunk, pat)
         assert bool(ok2)
         np.testing.assert_array_equal(np.asarray(other.steps), steps)
