@@ -359,3 +359,49 @@ def test_bitmap_words_do_not_depend_on_the_pass_size(seed, per_head, tiles):
         assert bool(ok2)
         np.testing.assert_array_equal(np.asarray(other.steps), steps)
         np.testing.assert_array_equal(np.asarray(other.units), np.asarray(one.units))
+
+
+# 8 examples, one small program each.
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), tile=st.sampled_from([64, 128]),
+       rows=st.booleans())
+def test_traced_segments_equal_the_host_packing(seed, tile, rows):
+    """``_segments_traced`` (pointer doubling inside a program) gives each bounds row the
+    host's greedy block-aligned tiles (``_segments``): the same (origin, lo, hi) in order,
+    unused slots owning nothing at the last origin, and ``fits`` exactly where the host's
+    tiles number at most ``slots`` with increasing origins. Blocks from a menu: small ones
+    (more than GRID to a tile), medium ones, long ones of whole tiles (cut in pieces, the last
+    one full) and of whole tiles plus some rows. With ``rows`` every block is whole 8-token
+    rows (the host's origins then increase); else any sizes, tiny ones too (a block not
+    starting on a row shares its origin with the tile before: the host keeps the fixed grid,
+    and ``fits`` must say so)."""
+    rng = np.random.default_rng(seed)
+    H, n = 3, int(rng.integers(6, 40))
+    if rows:
+        menu = [lambda: 8 * int(rng.integers(1, 3)), lambda: 8 * int(rng.integers(3, 13)),
+                lambda: tile * int(rng.integers(1, 4)),
+                lambda: tile * int(rng.integers(1, 3)) + 8 * int(rng.integers(1, tile // 8))]
+        weights = [4, 2, 1, 1]
+    else:
+        menu = [lambda: int(rng.integers(9, 16)), lambda: int(rng.integers(20, 100)),
+                lambda: tile * int(rng.integers(1, 4)) + int(rng.integers(0, 8)),
+                lambda: int(rng.integers(1, 8))]
+        weights = [4, 2, 1, 1]
+    p = np.array(weights, float) / sum(weights)
+    sizes = [[menu[int(rng.choice(len(menu), p=p))]() for _ in range(n)] for _ in range(H)]
+    b = np.stack([np.r_[0, np.cumsum(x)] for x in sizes]).astype(np.int32)
+    b[:, -1] = b[:, -1].max()                          # every row ends at the same length
+    segs = [np.array(device._segments(r, tile)) for r in b]
+    slots = max(len(x) for x in segs) + int(rng.integers(-2, 2))
+    org, lo, hi, fits = (np.asarray(x) for x in jax.jit(
+        lambda x: device._segments_traced(x, tile, slots))(jnp.asarray(b)))
+    for h in range(H):
+        want = len(segs[h]) <= slots and bool((np.diff(segs[h][:, 0]) > 0).all())
+        assert bool(fits[h]) == want
+        if want:
+            S = len(segs[h])
+            np.testing.assert_array_equal(np.stack([org[h, :S], lo[h, :S], hi[h, :S]], 1),
+                                          segs[h])
+            for x in (org, lo, hi):
+                assert (x[h, S:] == segs[h][-1, 0]).all()

@@ -85,6 +85,62 @@ def _segments(b: np.ndarray, tile: int, align: int = 8):
     return segs
 
 
+def _segments_traced(bounds, tile: int, slots: int, align: int = 8):
+    """``_segments`` of each traced bounds row [Hb, n + 1] inside a program, with no
+    sequential scan: the greedy packing's next tile start is a monotone successor of the
+    block index, so its tile starts are the chain from block 0, found by pointer doubling
+    (log2 n gathers): block i starts a tile iff nxt^(d(0) - d(i))(0) == i, d = jumps to the
+    end. Returns (org, lo, hi) [Hb, slots] as ``_axis``'s block-aligned tiles (unused slots
+    own nothing at the last origin) and ``fits`` [Hb]: the row's tiles number <= ``slots``
+    and their origins increase strictly (else ``_axis`` keeps the fixed grid)."""
+    b = jnp.asarray(bounds, jnp.int32)
+    n = b.shape[1] - 1
+    levels = max(1, int(n).bit_length())
+
+    def row(r):
+        starts, ends = r[:-1], r[1:]
+        i = jnp.arange(n, dtype=jnp.int32)
+        org = starts - starts % align
+        long_ = ends - org > tile
+        fit_end = jnp.searchsorted(ends, org + tile, side="right").astype(jnp.int32)
+        nxt = jnp.where(long_, i + 1, jnp.minimum(jnp.minimum(i + abi.GRID, fit_end), n))
+        nxt = jnp.maximum(nxt, i + 1)
+        jump = [jnp.append(nxt, n)]                        # node n: the end, its own successor
+        for _ in range(levels):
+            jump.append(jump[-1][jump[-1]])
+        # d(i): jumps from block i to the end.
+        cur, d = jnp.arange(n + 1, dtype=jnp.int32), jnp.zeros(n + 1, jnp.int32)
+        for k in range(levels, -1, -1):
+            step = jump[k][cur]
+            take = step < n
+            cur, d = jnp.where(take, step, cur), d + jnp.where(take, 1 << k, 0)
+        d = d + (cur < n)
+        gap = d[0] - d[:n]
+        pos = jnp.zeros(n, jnp.int32)
+        for k in range(levels, -1, -1):
+            pos = jnp.where((gap >> k) & 1 == 1, jump[k][pos], pos)
+        on = (gap >= 0) & (pos == i)
+        pieces = jnp.where(long_, 1 + (ends - org - 1) // tile, 1)
+        count = jnp.where(on, pieces, 0)
+        total = count.sum()
+        first = jnp.cumsum(count) - count
+        s = jnp.arange(slots, dtype=jnp.int32)
+        node = jnp.clip(jnp.searchsorted(first + count, s, side="right"), 0, n - 1)
+        q = s - first[node]
+        o = org[node] + q * tile
+        lo = jnp.where(q == 0, starts[node], o)
+        hi = jnp.where(long_[node], jnp.minimum(o + tile, ends[node]),
+                       r[jnp.minimum(nxt[node], n)])
+        used = s < total
+        last = jnp.max(jnp.where(used, o, 0))
+        o = jnp.where(used, o, last)
+        lo, hi = jnp.where(used, lo, last), jnp.where(used, hi, last)
+        increasing = jnp.all(jnp.where(used[1:], o[1:] > o[:-1], True))
+        return o, lo, hi, (total <= slots) & increasing
+
+    return jax.vmap(row)(b)
+
+
 # Block-aligned tiles may number this many times the fixed grid's (see ``_axis``).
 _SEGMENT_SLACK = 1.125
 
