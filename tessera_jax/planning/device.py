@@ -169,9 +169,31 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
             return org, lo - org, hi - org, first, last, padded, True
     start = np.arange(nt, dtype=np.int32) * tile
     end = np.minimum(start + tile, length).astype(np.int32)
+    if align_blocks and not isinstance(bounds, np.ndarray):
+        # Traced bounds: each row's block-aligned tiles where they fit the static slots
+        # (``traced_slots``), else its fixed grid in the same slots (the rest owning nothing).
+        S = traced_slots(length, tile)
+        org, lo, hi, fits = _segments_traced(bounds, tile, S)
+        pad = np.full(S - nt, start[-1], np.int32)
+        f_org = np.r_[start, pad]
+        f_lo, f_hi = f_org, np.r_[end, pad]
+        org = jnp.where(fits[:, None], org, f_org)
+        lo = jnp.where(fits[:, None], lo, f_lo)
+        hi = jnp.where(fits[:, None], hi, f_hi)
+        first, last = _blocks_of(bounds, lo, hi)
+        # Static: an origin is at most the last token rounded down to 8.
+        padded = -(-(length - 1 - (length - 1) % 8 + tile) // tile) * tile
+        return org, lo - org, hi - org, first, last, max(padded, nt * tile), True
     first, last = _blocks_of(bounds, start[None], end[None])
     return start[None], np.zeros_like(start)[None], (end - start)[None], first, last, \
         nt * tile, False
+
+
+def traced_slots(length: int, tile: int) -> int:
+    """Tiles per bounds row of an axis with traced bounds: the block-aligned tiles' slots
+    (``_SEGMENT_SLACK`` times the fixed grid's, as static bounds are allowed)."""
+    nt = -(-length // tile)
+    return max(nt, int(_SEGMENT_SLACK * nt))
 
 
 def _check_host_bounds(name, bounds, length, tile, first, last):

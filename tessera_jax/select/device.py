@@ -122,7 +122,7 @@ def _fine_tiles(bounds: Const | None, n: int, length: int, tile: int):
     (static bounds), or a bound from the block count (traced bounds: a tile meeting more than
     GRID blocks holds GRID of the n - 1 inner bounds); and the tile count."""
     if bounds is None:
-        nt = -(-length // tile)
+        nt = _device.traced_slots(length, tile)
         return np.array([min(nt, (n - 1) // abi.GRID)]), nt
     b = np.asarray(bounds.array, np.int32).reshape(-1, bounds.array.shape[-1])
     org, _, _, first, last, _, _ = _device._axis(b, length, tile, True)
