@@ -15,8 +15,11 @@
 # spike (killed, deleted) and perhead-diag (e2fc23f's rule confirmed; the words cond kept).
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh perhead-diag   # first: c5792e8 (word patterns only when
-#     they pay) and 34e2813 (a 32 MB first bitmap room) on the H200; predicted per-head
-#     aligned plan 0.44 -> ~0.2 ms (H100: results/h100-perhead-diag-cond.json)
+#     they pay), 34e2813 (a 32 MB first bitmap room) and 1783c2d (block-aligned tiles for
+#     traced bounds) on the H200; predicted per-head aligned plan 0.44 -> ~0.2 ms and the
+#     per-head kernels equal to the shared ones (H100: results/h100-perhead-diag*.json);
+#     then gpu-checks' device-route cases (the first-room fallback and traced block-aligned
+#     tiles have not run compiled)
 #   bash benchmarks/h200_session.sh accept-720     # issue 31's acceptance file at Wan 720p,
 #     then accept-480 again in the same session and --merge both (one commit)
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
