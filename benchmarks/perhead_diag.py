@@ -110,7 +110,8 @@ def main():
 
                 # The route's first plan: with Options.bitmap_first_bytes of bitmap room where
                 # its rule applies (the whole budget otherwise).
-                first = device_route._first_room(t, cap, bh.shape, L, L, decide, tj.Options())
+                first = device_route._first_room(t, cap, bh.shape, L, L, tj.Options()) \
+                    if decide else None
                 cap1, budget1 = first or (cap, select_device.BITMAP_BUDGET_BYTES)
                 row["first_capacity"] = int(cap1)
 

@@ -447,5 +447,5 @@ def test_first_bitmap_room_falls_back_to_the_whole_room_then_exact(monkeypatch):
     slot = abi.bitmap_rows(t.tile_q, t.tile_kv) * abi.STEP_COLS * 4
     full = run(tj.Options(bitmap_first_bytes=1, bitmap_budget_bytes=2 * slot))
     assert full.capacity == 2 and not bool(full(qb, qb, b).ok)              # then exact
-    assert device_route._first_room(t, full.capacity, blocks.shape, L, L, True,
+    assert device_route._first_room(t, full.capacity, blocks.shape, L, L,
                                     tj.Options(bitmap_first_bytes=0)) is None

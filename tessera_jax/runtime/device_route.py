@@ -117,32 +117,32 @@ def _run(q, k, v, qb, kb, blocks, *, consts, template, capacity, decide, scale, 
         t = dispatch.get_template(template)
         full = _Refine(consts, template, capacity, options.bitmap_budget_bytes, decide,
                        tuple(q.shape), tuple(k.shape), str(np.dtype(q.dtype)))
-        first = _first_room(t, capacity, tuple(blocks.shape), q.shape[1], k.shape[1], decide,
+        first = _first_room(t, capacity, tuple(blocks.shape), q.shape[1], k.shape[1],
                             options) if decide else None
         if first is None:
             plan = full(qb, kb, blocks)
         else:
+            cap, room = first
             plan = dataclasses.replace(
-                _Refine(consts, template, *first, True, full.q_shape, full.k_shape, full.dtype)(
-                    qb, kb, blocks), refine=full)
+                dataclasses.replace(full, capacity=cap, budget=room)(qb, kb, blocks),
+                refine=full)
     return core.attention(q, k, v, plan, scale, return_lse, options)
 
 
 def _first_room(t: Template, capacity: int, blocks_shape, q_len: int, kv_len: int,
-                decide: bool, options: Options):
+                options: Options):
     """(capacity, budget) of the first plan of traced bounds (``Options.bitmap_first_bytes``),
     or None: one plan with the whole room. Only where the mean blocks span at least half a
     tile on both axes (a tile then rarely meets more than GRID blocks; variable clusters of
     ~40 keys in 128-key tiles fill more than the first room and would be planned twice)."""
     first = options.bitmap_first_bytes
-    if not decide or not capacity or not first or first >= options.bitmap_budget_bytes \
+    if not capacity or not first or first >= options.bitmap_budget_bytes \
             or select_device.gathers_on_device(t):
         return None
     _, nq, nk = blocks_shape
     if 2 * q_len < t.tile_q * nq or 2 * kv_len < t.tile_kv * nk:
         return None
-    cap = min(capacity, max(1, first // (abi.bitmap_rows(t.tile_q, t.tile_kv)
-                                         * abi.STEP_COLS * 4)))
+    cap = min(capacity, max(1, first // select_device.bitmap_step_bytes(t)))
     return (cap, first) if cap < capacity else None
 
 

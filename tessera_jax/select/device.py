@@ -129,6 +129,11 @@ def _fine_tiles(bounds: Const | None, n: int, length: int, tile: int):
     return (last - first + 1 > abi.GRID).sum(axis=1), org.shape[1]
 
 
+def bitmap_step_bytes(t) -> int:
+    """Bytes of one bitmap step's words in a plan of ``t``'s tiles (2 KB at 128 x 128)."""
+    return abi.bitmap_rows(t.tile_q, t.tile_kv) * abi.STEP_COLS * 4
+
+
 def capacity(qb: Const | None, kb: Const | None, shape_blocks, shape: AttnShape, t: Template,
              bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES) -> int | None:
     """Bitmap steps the device plan of ``t`` needs room for (0: none), or None when that
@@ -141,8 +146,7 @@ def capacity(qb: Const | None, kb: Const | None, shape_blocks, shape: AttnShape,
         return 0
     per_row = fq * nkt + nqt * fk - fq * fk
     pairs = int(per_row.sum() if len(per_row) == Hm else per_row.max() * Hm)
-    per_bitmap = abi.bitmap_rows(t.tile_q, t.tile_kv) * abi.STEP_COLS * 4
-    room = bitmap_budget_bytes // per_bitmap
+    room = bitmap_budget_bytes // bitmap_step_bytes(t)
     if qb is not None and kb is not None:
         return pairs if pairs <= room else None
     return max(1, min(pairs, room))
