@@ -7,14 +7,16 @@ import pytest
 from tessera_jax.tools import gpu_check
 
 
-def test_cases_cover_every_gpu_template_and_both_device_routes():
+def test_cases_cover_every_gpu_template_and_the_device_routes():
     from pallas_kernels import templates
     got = gpu_check.cases(["mosaic_gpu", "triton"])
     names = {c[1].get("template") for c in got if c[2] == "host"}
     assert names == {t.name for b in ("mosaic_gpu", "triton") for t in templates.for_backend(b)
                      if t.supports(128, np.dtype("bfloat16")) or t.supports(64, np.dtype("bfloat16"))}
     assert {(c[1].get("backend"), c[2]) for c in got if c[2] != "host"} == {
-        (b, r) for b in ("mosaic_gpu", "triton") for r in ("device", "perhead")}
+        (b, r) for b in ("mosaic_gpu", "triton") for r in ("device", "perhead", "traced")}
+    assert [c[0] for c in got if gpu_check._refines(c[2], c[1])] == [
+        "mosaic_gpu-traced-refine-D128", "triton-traced-refine-D128"]
     assert gpu_check.cases([]) == []
 
 
@@ -33,6 +35,28 @@ def test_check_case_passes_on_xla_and_fails_a_wrong_kernel(route, monkeypatch):
     monkeypatch.setattr(tj, "sparse_attention", wrong)
     assert not gpu_check.check_case(rng, D=32, Hq=2, Hkv=1, route=route,
                                     options={"backend": "xla"})["ok"]
+
+
+def test_refine_case_checks_that_the_first_room_fell_back():
+    """A traced case with a first bitmap room of 1 byte overflows its first plan and fits the
+    whole room's (``first_ok`` False, ``full_ok`` True); with no first room (0) it is a plain
+    traced case: one plan, no refine check. A first room that holds the whole capacity makes
+    one plan too: the refine check then fails."""
+    import jax
+    import jax.numpy as jnp
+    import tessera_jax as tj
+
+    rng = np.random.default_rng(2)
+    rec = gpu_check.check_case(rng, D=32, Hq=2, Hkv=1, route="traced", options={
+        "backend": "xla", "options": tj.Options(bitmap_first_bytes=1)})
+    assert rec["ok"] and rec["first_ok"] is False and rec["full_ok"] is True, rec
+    rec = gpu_check.check_case(rng, D=32, Hq=2, Hkv=1, route="traced", options={
+        "backend": "xla", "options": tj.Options(bitmap_first_bytes=0)})
+    assert rec["ok"] and "first_ok" not in rec, rec
+    qb, blocks = gpu_check._refine_parts(rng, 800, 2)
+    q, k = (jax.ShapeDtypeStruct((1, 800, h, 32), jnp.bfloat16) for h in (2, 1))
+    assert gpu_check._refine_oks(qb, qb, blocks, q, k, {
+        "backend": "xla", "options": tj.Options(bitmap_first_bytes=1 << 20)}) is None
 
 
 def test_unknown_route_is_refused():

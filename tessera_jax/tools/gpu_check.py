@@ -7,7 +7,9 @@ block, GQA; clusters for gathering templates, whose plans must hold gathered ste
 what a GPU should pass: every template of the GPU backends available here (head dims 128 and
 64 where the template takes them) through the host route, and the device route with shared
 and with per-head bounds per backend, each also on the gathering template
-(``Options.device_gather``; small blocks, and ``ok`` only if the route chose it).
+(``Options.device_gather``; small blocks, and ``ok`` only if the route chose it), and with
+traced per-head bounds (decided on the device), also forced through the first bitmap room's
+fallback (``Options.bitmap_first_bytes``; ``ok`` only if the fallback ran).
 ``make test-gpu`` runs them as tests (``tests/gpu/``); ``python -m tessera_jax.tools.gpu_check``
 prints them as a table.
 """
@@ -20,7 +22,9 @@ import numpy as np
 
 __all__ = ["ROUTES", "cases", "check_case", "cluster_parts", "main"]
 
-ROUTES = ("host", "device", "perhead")
+#: host: a static mask (host planner); device: static shared bounds, traced blocks; perhead:
+#: static per-head bounds; traced: per-head bounds passed into the program (traced).
+ROUTES = ("host", "device", "perhead", "traced")
 #: Tolerances of bf16 kernels against the float32 reference (relative Frobenius error).
 OUT_TOL, LSE_TOL, GRAD_TOL = 1e-2, 1e-2, 2e-2
 
@@ -31,13 +35,30 @@ def _rel(a, b) -> float:
 
 
 def _mask_parts(rng, L: int, Hq: int, route: str, n: int = 20):
-    """(q_bounds, blocks): n variable blocks per axis (per head for "perhead"), ~40% of the
-    blocks selected per head, query block 3 empty."""
+    """(q_bounds, blocks): n variable blocks per axis (per head for "perhead" and "traced"),
+    ~40% of the blocks selected per head, query block 3 empty."""
+    per_head = route in ("perhead", "traced")
     qb = np.stack([np.r_[0, np.sort(rng.choice(np.arange(1, L), n - 1, replace=False)), L]
-                   for _ in range(Hq if route == "perhead" else 1)])
+                   for _ in range(Hq if per_head else 1)])
     blocks = rng.random((Hq, n, n)) < 0.4
     blocks[:, 3] = False
-    return (qb if route == "perhead" else qb[0]), blocks
+    return (qb if per_head else qb[0]), blocks
+
+
+def _refine_parts(rng, L: int, Hq: int):
+    """(q_bounds [Hq, n + 1], blocks) of a refine case: mean blocks over 64 tokens (128-token
+    tiles, and a first room); head 0 starts with six 4-token blocks (rows selected, but 3),
+    then blocks of 153-192 tokens (two tiles each: more block-aligned tiles than the traced
+    slots, so the fixed grid, whose first tiles meet 7 blocks: more than one bitmap step)."""
+    m = -(-(L - 24) // 192)
+    n = 6 + m
+    qb = np.stack([np.r_[0, np.sort(rng.choice(np.arange(1, L), n - 1, replace=False)), L]
+                   for _ in range(Hq)])
+    qb[0] = np.r_[np.arange(0, 24, 4), 24 + np.linspace(0, L - 24, m + 1).astype(int)]
+    blocks = rng.random((Hq, n, n)) < 0.4
+    blocks[0, :6] = True
+    blocks[:, 3] = False
+    return qb, blocks
 
 
 def _sizes(rng, L: int, mean: float) -> np.ndarray:
@@ -90,12 +111,51 @@ def _device_gathers(options: dict) -> bool:
     return o is not None and o.device_gather != "never"
 
 
+def _refines(route: str, options: dict) -> bool:
+    """Whether a case is a refine case: traced bounds and an ``Options`` with a first bitmap
+    room (0 < ``bitmap_first_bytes`` < ``bitmap_budget_bytes``; 0: one plan, no check)."""
+    o = options.get("options")
+    return route == "traced" and o is not None \
+        and 0 < o.bitmap_first_bytes < o.bitmap_budget_bytes
+
+
+def _refine_oks(qb, kb, blocks, q, k, options: dict):
+    """(first_ok, full_ok) of a traced call's plans as ``device_route._run`` makes them (the
+    first room's plan, then the whole room's), or None where it makes one plan only."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    import tessera_jax as tj
+    from tessera_jax.runtime import device_route
+    from tessera_jax.select import device as select_device
+    from tessera_jax.validation import check_shapes
+    o = options["options"]
+    arrays = (jnp.asarray(qb, jnp.int32), jnp.asarray(kb, jnp.int32), jnp.asarray(blocks))
+    dev = tj.BlockMask(*arrays)
+    consts = select_device.static_parts(dev)
+    t, cap = device_route._choose(consts, dev, check_shapes(q.shape, k.shape, q.dtype),
+                                  options["backend"], None, o.bitmap_budget_bytes,
+                                  o.device_gather)
+    room = t and device_route._first_room(t, cap, blocks.shape, q.shape[1], k.shape[1], o)
+    if not room:
+        return None
+    full = device_route._Refine(consts, t.name, cap, o.bitmap_budget_bytes, True,
+                                tuple(q.shape), tuple(k.shape), str(np.dtype(q.dtype)))
+    first = dataclasses.replace(full, capacity=room[0], budget=room[1])
+    oks = jax.jit(lambda *a: (first(*a).ok, full(*a).ok))(*arrays)
+    return tuple(bool(x) for x in oks)
+
+
 def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> dict:
     """Errors of one fresh case against the reference and ``ok``; ``options``:
     ``sparse_attention`` keywords (a template or a backend). A gathering template's case
     draws clusters (``_cluster_case``), so that its plans hold gathered steps, and
     fails if the forward plan, or a dk/dv plan forced to gather (``Options.dkv_policies``),
-    holds none: a check that never runs a gathered step could not fail on one."""
+    holds none: a check that never runs a gathered step could not fail on one. Likewise a
+    refine case (``_refines``) draws ``_refine_parts`` and fails unless its first plan
+    overflows and the whole room's fits (``first_ok`` False, ``full_ok`` True)."""
     import jax
     import jax.numpy as jnp
 
@@ -105,8 +165,12 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
     L = int(rng.integers(700, 1500))
     gathers = route == "host" and _gathers(options)
     dev_gathers = route != "host" and _device_gathers(options)
+    refines = _refines(route, options)
     if gathers:
         qb, kb, blocks = _cluster_case(rng, L, Hq)
+    elif refines:
+        qb, blocks = _refine_parts(rng, L, Hq)
+        kb = qb
     else:
         # A device route sent to the gathering template: small blocks (tiles meeting more
         # than 4 query blocks, chunks several key blocks), per head for "perhead".
@@ -118,13 +182,16 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
     do = jax.random.normal(ks[3], (1, L, Hq, D), jnp.bfloat16)
     host = tj.BlockMask(qb, kb, blocks)
 
-    def fwd_bwd(q, k, v, b):
-        m = host if route == "host" else tj.BlockMask(qb, kb, b)
+    # "traced": the bounds are arguments of the program; the other device routes close over them.
+    bounds = tuple(jnp.asarray(x, jnp.int32) for x in (qb, kb)) if route == "traced" else ()
+
+    def fwd_bwd(q, k, v, b, *bounds):
+        m = host if route == "host" else tj.BlockMask(*(bounds or (qb, kb)), b)
         (out, lse), vjp = jax.vjp(
             lambda q, k, v: tj.sparse_attention(q, k, v, m, return_lse=True, **options), q, k, v)
         return out, lse, vjp((do, jnp.zeros_like(lse)))
 
-    out, lse, grads = jax.jit(fwd_bwd)(q, k, v, jnp.asarray(blocks))
+    out, lse, grads = jax.jit(fwd_bwd)(q, k, v, jnp.asarray(blocks), *bounds)
     (rout, rlse), rvjp = jax.vjp(
         lambda q, k, v: tj.reference_attention(q, k, v, host, return_lse=True),
         *(x.astype(jnp.float32) for x in (q, k, v)))
@@ -147,6 +214,10 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
                                 options["backend"], None, options["options"])
         rec["template"] = t.name if t is not None else None
         rec["ok"] &= t is not None and select_device.gathers_on_device(t)
+    if refines:
+        oks = _refine_oks(qb, kb, blocks, q, k, options)
+        rec["first_ok"], rec["full_ok"] = oks or (None, None)
+        rec["ok"] &= oks is not None and not oks[0] and oks[1]
     if gathers:
         from tessera_jax.runtime import host_plans
         opts = options.get("options") or tj.Options()
@@ -186,6 +257,11 @@ def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
             out.append((f"{b}-{route}-gather-D128",
                         dict(backend=b, options=tj.Options(device_gather="irregular")),
                         route, 128, 4, 2))
+        out.append((f"{b}-traced-D128", dict(backend=b), "traced", 128, 4, 2))
+        # The first bitmap room's fallback (``Options.bitmap_first_bytes``; ``_refines``).
+        out.append((f"{b}-traced-refine-D128",
+                    dict(backend=b, options=tj.Options(bitmap_first_bytes=1)), "traced",
+                    128, 4, 2))
     return out
 
 

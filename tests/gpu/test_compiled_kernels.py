@@ -1,7 +1,7 @@
 """The compiled kernels on this machine's GPU against the float32 reference (``make
 test-gpu``): every template of the available GPU backends through the host route and each
-backend's device route (shared and per-head bounds), forward and backward, on fresh random
-masks (``tessera_jax.tools.gpu_check``). Skipped without a GPU."""
+backend's device route (shared, per-head and traced bounds), forward and backward, on fresh
+random masks (``tessera_jax.tools.gpu_check``). Skipped without a GPU."""
 
 import zlib
 
