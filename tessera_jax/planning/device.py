@@ -40,6 +40,10 @@ from tessera_jax.planning import schedule
 
 __all__ = ["plan_on_device", "bitmap_slots", "check", "pack_words"]
 
+#: jnp.searchsorted's method inside plans: unrolled binary search, one fused kernel (the
+#: default "scan" is a while loop, a kernel and a host round trip per level on a GPU).
+_SEARCH = "scan_unrolled"
+
 
 def _blocks_of(bounds, start, end):
     """(first, last) block meeting each own range [start, end) (``end > start``; an empty
@@ -51,7 +55,8 @@ def _blocks_of(bounds, start, end):
                                    for b, r in zip(bounds, np.broadcast_to(
                                        x, (len(bounds),) + x.shape[1:]))])
     else:
-        find = lambda x: jax.vmap(lambda b, r: jnp.searchsorted(b, r, side="right"))(  # noqa: E731
+        find = lambda x: jax.vmap(  # noqa: E731
+            lambda b, r: jnp.searchsorted(b, r, side="right", method=_SEARCH))(
             jnp.asarray(bounds), jnp.broadcast_to(jnp.asarray(x), (bounds.shape[0],) + x.shape[1:]))
     first = (find(start) - 1).clip(0, n - 1)
     last = (find(np.maximum(end - 1, start) if isinstance(end, np.ndarray)
@@ -102,7 +107,8 @@ def _segments_traced(bounds, tile: int, slots: int, align: int = 8):
         i = jnp.arange(n, dtype=jnp.int32)
         org = starts - starts % align
         long_ = ends - org > tile
-        fit_end = jnp.searchsorted(ends, org + tile, side="right").astype(jnp.int32)
+        fit_end = jnp.searchsorted(ends, org + tile, side="right",
+                                   method=_SEARCH).astype(jnp.int32)
         nxt = jnp.where(long_, i + 1, jnp.minimum(jnp.minimum(i + abi.GRID, fit_end), n))
         nxt = jnp.maximum(nxt, i + 1)
         jump = [jnp.append(nxt, n)]                        # node n: the end, its own successor
@@ -125,7 +131,8 @@ def _segments_traced(bounds, tile: int, slots: int, align: int = 8):
         total = count.sum()
         first = jnp.cumsum(count) - count
         s = jnp.arange(slots, dtype=jnp.int32)
-        node = jnp.clip(jnp.searchsorted(first + count, s, side="right"), 0, n - 1)
+        node = jnp.clip(jnp.searchsorted(first + count, s, side="right", method=_SEARCH), 0,
+                        n - 1)
         q = s - first[node]
         o = org[node] + q * tile
         lo = jnp.where(q == 0, starts[node], o)
@@ -230,7 +237,8 @@ def _positions_blocks(bounds, org, tile):
     n = bounds.shape[1] - 1
     pos = jnp.asarray(org, jnp.int32)[..., None] + jnp.arange(tile, dtype=jnp.int32)
     pos = jnp.broadcast_to(pos, (bounds.shape[0],) + pos.shape[1:])
-    ids = jax.vmap(lambda b, p: jnp.searchsorted(b, p, side="right"))(jnp.asarray(bounds), pos)
+    ids = jax.vmap(lambda b, p: jnp.searchsorted(b, p, side="right", method=_SEARCH))(
+        jnp.asarray(bounds), pos)
     return jnp.clip(ids - 1, 0, n - 1)
 
 
@@ -370,24 +378,28 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     """
     _check_args(blocks, num_q_heads, q_len, kv_len, tile_q, tile_kv)
     Hm, nq, nk = blocks.shape
-    qx = _axis_of("q_bounds", q_bounds, blocks.shape, nq, q_len, tile_q, align_blocks,
-                  bitmap_capacity)
-    kx = _axis_of("kv_bounds", kv_bounds, blocks.shape, nk, kv_len, tile_kv, align_blocks,
-                  bitmap_capacity)
+    # Named scopes: a profile of a plan names its stages.
+    with jax.named_scope("plan_axes"):
+        qx, kx = _axes_of(q_bounds, kv_bounds, blocks.shape, q_len, kv_len, tile_q, tile_kv,
+                          align_blocks, bitmap_capacity)
     blocks = jnp.asarray(blocks)
-    rows, any_sel, part, need, n_need = _step_rows(blocks, qx, kx, tile_q, tile_kv,
-                                                   bitmap_capacity)
+    with jax.named_scope("plan_step_rows"):
+        rows, any_sel, part, need, n_need = _step_rows(blocks, qx, kx, tile_q, tile_kv,
+                                                       bitmap_capacity)
     rows_b = abi.bitmap_rows(tile_q, tile_kv)
-    steps, ptr, cnt = _compact(rows, any_sel, bitmap_capacity * rows_b)
+    with jax.named_scope("plan_compact"):
+        steps, ptr, cnt = _compact(rows, any_sel, bitmap_capacity * rows_b)
     if bitmap_capacity:
         # Under a cond: a plan with no bitmap step (most traced bounds) skips the words'
         # patterns (a gather over every (head, query block, key tile)), not only their passes.
-        steps = jax.lax.cond(n_need > 0, lambda st: _bitmap_words(
-            st, blocks, need, n_need, qx.bounds, kx.bounds, qx.org, qx.lo, qx.hi, kx.org,
-            kx.lo, kx.hi, tile_q, tile_kv, bitmap_capacity, words_chunk, word_patterns),
-            lambda st: st, steps)
-    units = _units(qx, ptr, cnt, part, num_q_heads, Hm, tile_q, tile_kv)
-    ok = _fits(qx, kx, n_need, bitmap_capacity, nq, nk, q_len, kv_len)
+        with jax.named_scope("plan_words"):
+            steps = jax.lax.cond(n_need > 0, lambda st: _bitmap_words(
+                st, blocks, need, n_need, qx.bounds, kx.bounds, qx.org, qx.lo, qx.hi, kx.org,
+                kx.lo, kx.hi, tile_q, tile_kv, bitmap_capacity, words_chunk, word_patterns),
+                lambda st: st, steps)
+    with jax.named_scope("plan_units"):
+        units = _units(qx, ptr, cnt, part, num_q_heads, Hm, tile_q, tile_kv)
+        ok = _fits(qx, kx, n_need, bitmap_capacity, nq, nk, q_len, kv_len)
     plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), int(qx.padded),
                         int(kx.padded), int(kx.org.shape[1]))
     return plan, jnp.asarray(ok)
@@ -425,8 +437,8 @@ class _Axis(NamedTuple):
     padded: int
 
 
-def _axis_of(name, b, blocks_shape, n, length, tile, align_blocks, bitmap_capacity) -> _Axis:
-    """The checked bounds of one axis and its tiles (``_axis``)."""
+def _bounds_of(name, b, blocks_shape, n, length):
+    """One axis's bounds, checked, as [Hb, n + 1] int32 (NumPy: values checked now)."""
     Hm, nq, nk = blocks_shape
     shape = tuple(getattr(b, "shape", ()))
     if not (shape == (n + 1,) or shape == (Hm, n + 1)):
@@ -440,8 +452,34 @@ def _axis_of(name, b, blocks_shape, n, length, tile, align_blocks, bitmap_capaci
             if row[0] != 0 or row[-1] != length or (np.diff(row) <= 0).any():
                 at = f"{name}[{h}]" if len(b) > 1 else name
                 raise ValueError(f"{at} must increase strictly from 0 to {length}")
-    else:
-        b = jnp.asarray(b, jnp.int32).reshape(-1, n + 1)
+        return b
+    return jnp.asarray(b, jnp.int32).reshape(-1, n + 1)
+
+
+def _axes_of(q_bounds, kv_bounds, blocks_shape, q_len, kv_len, tile_q, tile_kv, align_blocks,
+             bitmap_capacity) -> tuple[_Axis, _Axis]:
+    """Both axes' checked bounds and tiles (``_axis``). Traced bounds of equal blocks, tile
+    and length are tiled in one pass over their rows (half the dependent kernels)."""
+    _, nq, nk = blocks_shape
+    qb = _bounds_of("q_bounds", q_bounds, blocks_shape, nq, q_len)
+    kb = _bounds_of("kv_bounds", kv_bounds, blocks_shape, nk, kv_len)
+    if not isinstance(qb, np.ndarray) and not isinstance(kb, np.ndarray) \
+            and (nq, tile_q, q_len) == (nk, tile_kv, kv_len):
+        org, lo, hi, first, last, padded, _ = _axis(jnp.concatenate([qb, kb]), q_len, tile_q,
+                                                    align_blocks)
+        h = qb.shape[0]
+        if org.shape[0] == 1:                  # the fixed grid: one row for both
+            split = [(x, x) for x in (org, lo, hi)]
+        else:
+            split = [(x[:h], x[h:]) for x in (org, lo, hi)]
+        split += [(x[:h], x[h:]) for x in (first, last)]
+        return tuple(_Axis(bb, *(p[i] for p in split), padded) for i, bb in enumerate((qb, kb)))
+    return (_axis_of("q_bounds", qb, tile_q, q_len, align_blocks, bitmap_capacity),
+            _axis_of("kv_bounds", kb, tile_kv, kv_len, align_blocks, bitmap_capacity))
+
+
+def _axis_of(name, b, tile, length, align_blocks, bitmap_capacity) -> _Axis:
+    """One axis's tiles (``_axis``) of checked bounds ``b`` [Hb, n + 1]."""
     org, lo, hi, first, last, padded, _ = _axis(b, length, tile, align_blocks)
     if isinstance(b, np.ndarray) and not bitmap_capacity:
         _check_host_bounds(name, b, length, tile, first, last)
@@ -474,18 +512,24 @@ def _step_rows(blocks, qx: _Axis, kx: _Axis, tile_q, tile_kv, bitmap_capacity):
     # 2 x 1 for 64-token blocks on 128 x 64 tiles; the others are never inside a tile).
     gq, gk = (min(abi.GRID, max(1, int(np.max(z - a)) + 1)) if isinstance(a, np.ndarray)
               else abi.GRID for a, z in ((qx.first, qx.last), (kx.first, kx.last)))
-    heads = jnp.arange(Hm)[:, None, None, None, None]
-    cells = blocks[heads, jnp.minimum(qi[..., :gq], nq - 1)[:, :, None, :, None],
-                   jnp.minimum(kj[..., :gk], nk - 1)[:, None, :, None, :]]   # [.., gq, gk]
-    cell_ok = q_in[:, :, None, :gq, None] & k_in[:, None, :, None, :gk]
-    cells &= cell_ok
-    any_sel = cells.any(axis=(-2, -1))                          # [Hm, nqt, nkt]
-    all_sel = (cells | ~cell_ok).all(axis=(-2, -1))
+    # Each tile pair's selected cells as bits (cell (a, b) at bit GRID * a + b), summed over
+    # the gq x gk cells in one elementwise expression: XLA fuses the gathers into one kernel
+    # with no [.., gq, gk] temporaries. All selected: every cell inside the tile set.
+    heads = jnp.arange(Hm)[:, None, None]
+    bits = ok_bits = 0
+    for a in range(gq):
+        qa = jnp.minimum(qi[..., a], nq - 1)[:, :, None]
+        for c in range(gk):
+            inside = q_in[:, :, None, a] & k_in[:, None, :, c]
+            cell = blocks[heads, qa, jnp.minimum(kj[..., c], nk - 1)[:, None, :]] & inside
+            shift = abi.GRID * a + c
+            bits = bits + (cell.astype(jnp.int32) << shift)
+            ok_bits = ok_bits + (inside.astype(jnp.int32) << shift)
+    any_sel = bits != 0                                          # [Hm, nqt, nkt]
+    all_sel = bits == ok_bits
     full = (Hm, nqt, nkt)
     qcut = _cuts(qx.bounds, qi, q_in, qx.org, qx.lo, qx.hi, nq)
     kcut = _cuts(kx.bounds, kj, k_in, kx.org, kx.lo, kx.hi, nk)
-    bits = (cells.astype(jnp.int32)
-            << (abi.GRID * g[:gq, None] + g[None, :gk])).sum(axis=(-2, -1))   # [Hm, nqt, nkt]
     qlo_j, qhi_j = jnp.asarray(qx.lo, jnp.int32), jnp.asarray(qx.hi, jnp.int32)
     klo_j, khi_j = jnp.asarray(kx.lo, jnp.int32), jnp.asarray(kx.hi, jnp.int32)
     rect = abi.pack_rect(jnp.broadcast_to(qlo_j[:, :, None], full),
@@ -557,9 +601,12 @@ def _compact(rows, any_sel, extra_rows: int = 0):
     cnt = any_sel.sum(axis=-1, dtype=jnp.int32)                  # [Hm, nqt]
     ptr = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(cnt.shape)
     slot = ptr[..., None] + jnp.cumsum(any_sel, axis=-1, dtype=jnp.int32) - 1
-    dest = jnp.where(any_sel, slot, S + extra_rows).reshape(-1)  # past the end: dropped
+    # Unvisited rows go past the end (dropped), each to its own index: with unique indices
+    # the scatter stores without atomics.
+    past = S + extra_rows + jnp.arange(S, dtype=jnp.int32).reshape(any_sel.shape)
+    dest = jnp.where(any_sel, slot, past).reshape(-1)
     steps = jnp.zeros((S + extra_rows, abi.STEP_COLS), jnp.int32).at[dest].set(
-        rows.reshape(-1, abi.STEP_COLS), mode="drop")
+        rows.reshape(-1, abi.STEP_COLS), mode="drop", unique_indices=True)
     return steps, ptr, cnt
 
 

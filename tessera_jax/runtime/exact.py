@@ -25,7 +25,8 @@ def block_ids(bounds, positions):
     """Block index of each position, per bounds row: [Hb, P], clamped into range (bad bounds
     give wrong but in-range ids)."""
     n = bounds.shape[-1] - 1
-    ids = jax.vmap(lambda b: jnp.searchsorted(b, positions, side="right"))(bounds) - 1
+    ids = jax.vmap(lambda b: jnp.searchsorted(b, positions, side="right",
+                                              method="scan_unrolled"))(bounds) - 1
     return jnp.clip(ids, 0, n - 1)
 
 
