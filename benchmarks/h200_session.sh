@@ -13,15 +13,14 @@
 # benchmark's own reference check (a [75,600]^2 float32 score matrix; now sampled query rows).
 # Session 24 got only an H100 for three short calls (results/h100-*): the cp.async stages
 # spike (killed, deleted) and perhead-diag (e2fc23f's rule confirmed; the words cond kept).
+# Session 25 got an H100 for most calls and an H200 twice (results/h100-perhead-diag-s25.json,
+# h200-plan-profile-before.json, h100-plan-profile.json, h100-perhead-diag-planner.json): the
+# per-head kernels equal the shared ones; the device planner's while loops removed.
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
-#   bash benchmarks/h200_session.sh perhead-diag   # first: c5792e8 (word patterns only when
-#     they pay), 34e2813 (a 32 MB first bitmap room) and 1783c2d (block-aligned tiles for
-#     traced bounds) on the H200; predicted per-head aligned plan 0.44 -> ~0.2 ms and the
-#     per-head kernels equal to the shared ones (H100: results/h100-perhead-diag*.json);
-#     then gpu-checks' device-route cases (the first-room fallback and traced block-aligned
-#     tiles have not run compiled)
 #   bash benchmarks/h200_session.sh accept-720     # issue 31's acceptance file at Wan 720p,
 #     then accept-480 again in the same session and --merge both (one commit)
+#   bash benchmarks/h200_session.sh perhead-diag   # per-head vs shared on the H200 (H100:
+#     1.02-1.29 after session 25's planner changes); add --nocond to time the plan's cond
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
 #   bash benchmarks/h200_session.sh gpu-checks     # the whole make test-gpu before a kernel change lands

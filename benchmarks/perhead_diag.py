@@ -36,6 +36,8 @@ def main():
     ap.add_argument("--prev-planner", help="another planning/device.py, timed as "
                     "variant perhead_prev (the route's template)")
     ap.add_argument("--plans-only", action="store_true", help="step counts, no calls")
+    ap.add_argument("--nocond", action="store_true", help="also perhead_nocond: the per-head "
+                    "plan and its kernels with no lax.cond on the plan's ok (the cond's cost)")
     ap.add_argument("--out")
     args = ap.parse_args()
     import jax
@@ -89,6 +91,8 @@ def main():
             ("perhead", n) for n in args.perhead_templates.split(",") if n]
         if prev is not None:
             variants.append(("perhead_prev", None))
+        if args.nocond:
+            variants.append(("perhead_nocond", None))
         for route, forced in variants:
             device_route._device = prev if route == "perhead_prev" else cur
             device_route._run.clear_cache()
@@ -128,6 +132,14 @@ def main():
                     call = jax.jit(lambda q, k, v, bl: tj.sparse_attention(
                         q, k, v, tj.BlockMask(qb, kb, bl), scale=scale, options=opts))
                     cargs = (q, k, v, jnp.asarray(b))
+                elif route == "perhead_nocond":
+                    def call(q, k, v, bl, x, y, consts=consts, t=t, cap=cap1, budget=budget1):
+                        ap = device_route.device_plans(q, k, x, y, bl, consts=consts, t=t,
+                                                       capacity=cap, decide=True, budget=budget)
+                        return dispatch.forward(ap.fwd_pass(True), t, q, k, v, scale, False,
+                                                interpret=args.interpret)
+                    call = jax.jit(call)
+                    cargs = (q, k, v, bh, qbh, kbh)
                 else:
                     call = jax.jit(lambda q, k, v, bl, x, y, f=forced: tj.sparse_attention(
                         q, k, v, tj.BlockMask(x, y, bl), scale=scale, template=f, options=opts))

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from jax.experimental import checkify
 
@@ -449,3 +450,66 @@ def test_first_bitmap_room_falls_back_to_the_whole_room_then_exact(monkeypatch):
     assert full.capacity == 2 and not bool(full(qb, qb, b).ok)              # then exact
     assert device_route._first_room(t, full.capacity, blocks.shape, L, L,
                                     tj.Options(bitmap_first_bytes=0)) is None
+
+
+def _conds(jaxpr) -> list:
+    """The cond equations of a jaxpr, nested jaxprs included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            out.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _conds(sub)
+    return out
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_vmap_of_device_masks_keeps_one_conditional(fits):
+    """jax.vmap over per-element device masks (traced per-head bounds): the fit stays one
+    ``cond`` on all elements' ``ok`` (jax would make a batched predicate a select running
+    the kernels and the exact path on every call), forward and backward, and so do the
+    planner's bitmap fills; exact either way:
+    every element fits, or one does not (a tile meeting more than GRID blocks with no bitmap
+    room: the whole batch takes the exact path)."""
+    from tessera_jax.planning import device as planner
+
+    L, H, n = 96, 2, 6
+    rng = np.random.default_rng(11)
+    cuts = np.arange(1, L // 8) * 8                        # blocks of >= 8 tokens: they fit
+    qbs = np.stack([np.stack([np.r_[0, np.sort(rng.choice(cuts, n - 1, replace=False)), L]
+                              for _ in range(H)]) for _ in range(3)])
+    if not fits:
+        qbs[1, 0] = np.r_[0, 1, 2, 3, 4, 5, L]             # head 0: six blocks in one tile
+    blocks = rng.random((3, H, n, n)) < 0.6
+    q, k, v = random_qkv(3, L, L, H, H, 8, "float32", 12)
+    ct = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    opts = tj.Options(bitmap_budget_bytes=0)
+    t = device_route.choose(tj.BlockMask(jnp.asarray(qbs[0]), jnp.asarray(qbs[0]),
+                                         jnp.asarray(blocks[0])),
+                            check_shapes(q[:1].shape, k[:1].shape, q.dtype), "xla", None, opts)
+    oks = [bool(planner.plan_on_device(jnp.asarray(blocks[i]), jnp.asarray(qbs[i]),
+                                       jnp.asarray(qbs[i]), num_q_heads=H, q_len=L, kv_len=L,
+                                       tile_q=t.tile_q, tile_kv=t.tile_kv)[1]) for i in range(3)]
+    assert oks == [True, fits, True]
+
+    def one(q, k, v, qb, b):
+        m = tj.BlockMask(qb, qb, b)
+        out, vjp = jax.vjp(lambda q, k, v: tj.sparse_attention(
+            q[None], k[None], v[None], m, backend="xla", options=opts)[0], q, k, v)
+        return out, vjp(ct[0])
+
+    f = jax.vmap(one)
+    args = (q, k, v, jnp.asarray(qbs, jnp.int32), jnp.asarray(blocks))
+    jaxpr = jax.make_jaxpr(f)(*args)
+    conds = _conds(jaxpr.jaxpr)
+    # The forward's and the backward's, and the planner's bitmap fills: each one predicate
+    # for the batch (no select running every branch).
+    assert len(conds) >= 2 and all(c.invars[0].aval.shape == () for c in conds)
+    out, grads = jax.jit(f)(*args)
+    for i in range(3):
+        m = tj.BlockMask(qbs[i], qbs[i], blocks[i])
+        want, vjp = jax.vjp(lambda q, k, v: tj.reference_attention(q, k, v, m),
+                            q[i:i + 1], k[i:i + 1], v[i:i + 1])
+        np.testing.assert_allclose(out[i], want[0], **TOL)
+        for g, w in zip(grads, vjp(ct[:1])):
+            np.testing.assert_allclose(g[i], w[0], atol=1e-4, rtol=1e-4)
