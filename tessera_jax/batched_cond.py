@@ -1,8 +1,11 @@
-"""``cond_all``: a ``lax.cond`` that stays one conditional under ``jax.vmap``.
+"""``batch_all``: a predicate that stays one value for the batch under ``jax.vmap``.
 
-jax turns a cond with a batched predicate into a select that runs every branch: for a device
-plan's ``lax.cond(ok, kernels, exact)`` the dense exact path on every call, for the device
-planner's bitmap fills both fills. Used by the runtime's core and the device planner.
+jax turns a ``lax.cond`` whose predicate is batched into a select that runs every branch: for
+a device plan's ``lax.cond(ok, kernels, exact)`` the kernels and the dense exact path on every
+call, for the device planner's bitmap fills both fills. ``lax.cond(batch_all(ok), ...)`` stays
+one conditional: the first branch for the whole batch where every element holds, else the
+second for the whole batch (which must then be right for every element: a plan's fallback).
+Only the predicate goes through ``custom_vmap``, so the branches keep differentiating.
 """
 
 from __future__ import annotations
@@ -10,26 +13,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["cond_all"]
+__all__ = ["batch_all"]
 
 
-def cond_all(pred, true_fn, false_fn, *operands):
-    """``lax.cond(pred, true_fn, false_fn, *operands)`` that stays one conditional under
-    ``jax.vmap``: a batched ``pred`` takes ``true_fn`` for the whole batch where every element
-    holds, else ``false_fn`` for the whole batch (so ``false_fn`` must be right wherever
-    ``true_fn`` is: a device plan's fallback, exact for every mask). The branches see
-    ``operands`` only (nothing batched may be closed over)."""
+@jax.custom_batching.custom_vmap
+def batch_all(pred):
+    """``pred`` (a bool scalar); under ``jax.vmap`` with ``pred`` batched, whether it holds for
+    every element, unbatched."""
+    return pred
 
-    @jax.custom_batching.custom_vmap
-    def cond(pred, *ops):
-        return jax.lax.cond(pred, true_fn, false_fn, *ops)
 
-    @cond.def_vmap
-    def rule(axis_size, in_batched, pred, *ops):
-        axes = tuple(0 if b else None for b in in_batched[1:])
-        p = jnp.all(pred) if in_batched[0] else pred
-        out = jax.lax.cond(p, jax.vmap(true_fn, in_axes=axes, axis_size=axis_size),
-                           jax.vmap(false_fn, in_axes=axes, axis_size=axis_size), *ops)
-        return out, jax.tree.map(lambda _: True, out)
-
-    return cond(pred, *operands)
+@batch_all.def_vmap
+def _rule(axis_size, in_batched, pred):
+    return (jnp.all(pred) if in_batched[0] else pred), False

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import abi
-from tessera_jax.batched_cond import cond_all
+from tessera_jax.batched_cond import batch_all
 from tessera_jax.planning import schedule
 
 __all__ = ["plan_on_device", "bitmap_slots", "check", "pack_words"]
@@ -257,29 +257,17 @@ def _bitmap_words(buf, blocks, need, n_need, qb, kb, qorg, qlo, qhi, korg, klo, 
     (the words are the same)."""
     Hm, nq, _ = blocks.shape
     pat_cost = Hm * nq * need.shape[2] * tile_kv
-    arrays = dict(blocks=blocks, need=need, n_need=n_need, qb=qb, kb=kb, qorg=qorg, qlo=qlo,
-                  qhi=qhi, korg=korg, klo=klo, khi=khi)
-    fill = functools.partial(_fill_words, tile_q=tile_q, tile_kv=tile_kv, capacity=capacity,
-                             chunk=chunk)
+    fill = functools.partial(_fill_words, blocks=blocks, need=need, n_need=n_need, qb=qb,
+                             kb=kb, qorg=qorg, qlo=qlo, qhi=qhi, korg=korg, klo=klo, khi=khi,
+                             tile_q=tile_q, tile_kv=tile_kv, capacity=capacity, chunk=chunk)
     if patterns is not None:
-        return fill(buf, use_pat=bool(patterns), **arrays)
+        return fill(buf, use_pat=bool(patterns))
     if pat_cost > capacity * tile_q * tile_kv:
-        return fill(buf, use_pat=False, **arrays)
+        return fill(buf, use_pat=False)
     # Patterns pay once the slots in use number at least pat_cost / (tile_q * tile_kv).
     pays = n_need >= -(-pat_cost // (tile_q * tile_kv))
-    return _cond(pays, functools.partial(fill, use_pat=True),
-                 functools.partial(fill, use_pat=False), buf, arrays)
-
-
-def _cond(pred, true_fn, false_fn, buf, arrays: dict):
-    """``cond_all(pred, true_fn, false_fn)`` over ``buf`` and the jax arrays of ``arrays`` (the
-    branches take them as keywords; NumPy ones stay constants, so static facts stay static)."""
-    keys = [k for k, x in arrays.items() if isinstance(x, jax.Array)]
-
-    def branch(fn):
-        return lambda buf, *xs: fn(buf, **{**arrays, **dict(zip(keys, xs))})
-
-    return cond_all(pred, branch(true_fn), branch(false_fn), buf, *(arrays[k] for k in keys))
+    return jax.lax.cond(batch_all(pays), functools.partial(fill, use_pat=True),
+                        functools.partial(fill, use_pat=False), buf)
 
 
 def _fill_words(buf, *, blocks, need, n_need, qb, kb, qorg, qlo, qhi, korg, klo, khi, tile_q,
@@ -405,14 +393,12 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     if bitmap_capacity:
         # Under a cond: a plan with no bitmap step (most traced bounds) skips the words'
         # patterns (a gather over every (head, query block, key tile)), not only their passes.
-        # Under vmap: no fill only where no element has bitmap steps.
         with jax.named_scope("plan_words"):
-            words = functools.partial(_bitmap_words, tile_q=tile_q, tile_kv=tile_kv,
-                                      capacity=bitmap_capacity, chunk=words_chunk,
-                                      patterns=word_patterns)
-            steps = _cond(n_need == 0, lambda st, **_: st, words, steps, dict(
-                blocks=blocks, need=need, n_need=n_need, qb=qx.bounds, kb=kx.bounds,
-                qorg=qx.org, qlo=qx.lo, qhi=qx.hi, korg=kx.org, klo=kx.lo, khi=kx.hi))
+            # Under vmap: no fill only where no element has bitmap steps.
+            steps = jax.lax.cond(~batch_all(n_need == 0), lambda st: _bitmap_words(
+                st, blocks, need, n_need, qx.bounds, kx.bounds, qx.org, qx.lo, qx.hi, kx.org,
+                kx.lo, kx.hi, tile_q, tile_kv, bitmap_capacity, words_chunk, word_patterns),
+                lambda st: st, steps)
     with jax.named_scope("plan_units"):
         units = _units(qx, ptr, cnt, part, num_q_heads, Hm, tile_q, tile_kv)
         ok = _fits(qx, kx, n_need, bitmap_capacity, nq, nk, q_len, kv_len)

@@ -2,8 +2,8 @@
 ``AttentionPlan``, differentiable in reverse mode under the tree's one ``jax.custom_vjp``.
 
 Forward: the forward pass plan on its backend (``dispatch.forward``); a device plan whose fit
-is decided on the device runs ``lax.cond(ok, kernels, exact)`` (``tessera_jax.batched_cond``: one
-conditional under ``jax.vmap`` too), one with no template the
+is decided on the device runs ``lax.cond(ok, kernels, exact)`` (one conditional under
+``jax.vmap`` too: ``batched_cond.batch_all``), one with no template the
 exact path (``exact``). The residuals are q, k, v, out and lse (O(L): never a score matrix)
 and the plan's traced arrays. Backward, on the backend's contract module:
 
@@ -35,7 +35,7 @@ import numpy as np
 
 from pallas_kernels import backward_rows as rows_
 
-from tessera_jax.batched_cond import cond_all
+from tessera_jax.batched_cond import batch_all
 from tessera_jax.planning.plan import AttentionPlan
 from tessera_jax.runtime import batching, dispatch
 from tessera_jax.runtime.exact import exact_attention, exact_backward
@@ -114,63 +114,49 @@ def _forward(plan: AttentionPlan, q, k, v, scale, return_lse, options: Options, 
     """The forward of ``plan``; ``rows``: a host plan's row maps go in as constants."""
     fwd = plan.fwd_pass(rows)
 
-    def exact(q, k, v, *arrays):
-        return exact_attention(q, k, v, *_join(static, arrays).exact, scale=scale,
-                               return_lse=return_lse)
+    def exact():
+        return exact_attention(q, k, v, *plan.exact, scale=scale, return_lse=return_lse)
 
-    static, arrays = _split(plan)
     if fwd is None:
-        return exact(q, k, v, *arrays)
+        return exact()
     t = dispatch.get_template(plan.template)
 
-    def kernels(q, k, v, *arrays):
-        return dispatch.forward(_join(static, arrays).fwd_pass(rows), t, q, k, v, scale,
-                                return_lse, interpret=options.interpret)
+    def kernels():
+        return dispatch.forward(fwd, t, q, k, v, scale, return_lse, interpret=options.interpret)
 
     if plan.ok is None:
-        return kernels(q, k, v, *arrays)
-    fallback = exact if plan.refine is None else (
-        # A first plan that overflowed its bitmap room: the plan with the whole room, then exact.
-        lambda q, k, v, *a: _forward(plan.refine(*_join(static, a).exact), q, k, v, scale,
-                                     return_lse, options, rows=rows))
-    return cond_all(plan.ok, kernels, fallback, q, k, v, *arrays)
+        return kernels()
+    # batch_all: under jax.vmap over device masks one conditional for the batch.
+    if plan.refine is None:
+        return jax.lax.cond(batch_all(plan.ok), kernels, exact)
+    # A first plan that overflowed its bitmap room: the plan with the whole room, then exact.
+    return jax.lax.cond(batch_all(plan.ok), kernels, lambda: _forward(
+        plan.refine(*plan.exact), q, k, v, scale, return_lse, options, rows=rows))
 
 
 def _backward(plan: AttentionPlan, q, k, v, out, lse, do, dlse, scale, options: Options):
     """(dq, dk, dv) of ``plan``: the kernels over its forward and dk/dv pass plans, or the exact
     path's."""
     do = do.astype(q.dtype)
-    static, arrays = _split(plan)
-    tensors = (q, k, v, out, lse, do) + (() if dlse is None else (dlse,))
 
-    def unpack(xs):
-        t, a = xs[:len(tensors)], xs[len(tensors):]
-        return (t if dlse is not None else t + (None,)), _join(static, a)
-
-    def exact(*xs):
-        (q, k, v, out, lse, do, dlse), p = unpack(xs)
-        return exact_backward(q, k, v, *p.exact, out, lse, do, dlse, scale=scale)
+    def exact():
+        return exact_backward(q, k, v, *plan.exact, out, lse, do, dlse, scale=scale)
 
     if plan.template is None:
-        return exact(*tensors, *arrays)
+        return exact()
     be = dispatch.BACKENDS[plan.backend]
-    if plan.dkv_pass(be.backward_rows) is None:   # a device mask's transposed plan past the budget
-        return exact(*tensors, *arrays)
+    fwd, dkv = plan.fwd_pass(be.backward_rows), plan.dkv_pass(be.backward_rows)
+    if dkv is None:                       # a device mask's transposed plan past the budget
+        return exact()
 
-    def kernels(*xs):
-        (q, k, v, out, lse, do, dlse), p = unpack(xs)
-        return _grads(p, p.fwd_pass(be.backward_rows), p.dkv_pass(be.backward_rows),
-                      q, k, v, out, lse, do, dlse, scale, options)
+    def kernels():
+        return _grads(plan, fwd, dkv, q, k, v, out, lse, do, dlse, scale, options)
 
     if plan.ok is None:
-        return kernels(*tensors, *arrays)
-
-    def refined(*xs):
-        (q, k, v, out, lse, do, dlse), p = unpack(xs)
-        return _backward(plan.refine(*p.exact), q, k, v, out, lse, do, dlse, scale, options)
-
-    return cond_all(plan.ok & plan.dkv_ok, kernels, exact if plan.refine is None else refined,
-                    *tensors, *arrays)
+        return kernels()
+    fallback = exact if plan.refine is None else lambda: _backward(
+        plan.refine(*plan.exact), q, k, v, out, lse, do, dlse, scale, options)
+    return jax.lax.cond(batch_all(plan.ok & plan.dkv_ok), kernels, fallback)
 
 
 def _grads(plan: AttentionPlan, fwd, dkv, q, k, v, out, lse, do, dlse, scale, options):
