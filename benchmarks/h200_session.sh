@@ -20,7 +20,7 @@
 #   bash benchmarks/h200_session.sh accept-720     # issue 31's acceptance file at Wan 720p,
 #     then accept-480 again in the same session and --merge both (one commit)
 #   bash benchmarks/h200_session.sh perhead-diag   # per-head vs shared on the H200 (H100:
-#     1.02-1.29 after session 25's planner changes); add --nocond to time the plan's cond
+#     1.02-1.29 after session 25's planner changes), with the plan's cond timed (--nocond)
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
 #   bash benchmarks/h200_session.sh gpu-checks     # the whole make test-gpu before a kernel change lands
@@ -57,7 +57,7 @@ device-gather-check)
 perhead-diag)
   # Issue 31 (perhead_bounds_vs_shared): where per-head bounds lose time, route vs planning
   # alone per family (session 23: results/h200-perhead-diag.json).
-  run 300 perhead-diag python3 benchmarks/perhead_diag.py --budget-s 280 \
+  run 300 perhead-diag python3 benchmarks/perhead_diag.py --budget-s 280 --nocond \
       --out $OUT/h200-perhead-diag.json ;;
 profile-gather)
   # Issue 31 item 4: the ranking table learns when gathering pays. The table's masks (first 5
