@@ -5,7 +5,11 @@ prefixes (axes, step rows, compaction, bitmap words, units) under the kernel rul
 GPU ops of the whole plan from a profiler trace (perfetto JSON), each fusion named with the
 source lines XLA's metadata gives it.
 
-    python3 benchmarks/plan_profile.py --out $OUT/plan-profile.json --trace-dir $OUT/trace
+    python3 benchmarks/plan_profile.py --out $OUT/plan-profile.json
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/plan_profile.py \
+        --families cubes --trace-dir /tmp/trace --out $OUT/plan-profile-trace.json
+
+(command buffers off: the trace then names each fusion)
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+
+
+#: Plans traced per family: with 10 (and command buffers on) the GPU profiler dropped
+#: activity records and aborted (session 25, H200).
+TRACE_CALLS = 3
 
 
 def _stages(blocks, qb, kb, *, H, L, t, capacity):
@@ -170,10 +179,10 @@ def main():
         if args.trace_dir and gpu:
             d = os.path.join(args.trace_dir, fam)
             with jax.profiler.trace(d, create_perfetto_trace=True):
-                for _ in range(10):
+                for _ in range(TRACE_CALLS):
                     jax.block_until_ready(fs["full"](bh, qbh, kbh))
             ops = _trace_ops(d)
-            row["ops"] = [dict(name=n, us_per_call=us / 10, count=c,
+            row["ops"] = [dict(name=n, us_per_call=us / TRACE_CALLS, count=c,
                                src=src.get(n.split(":")[0].strip(), "")) for n, us, c in ops]
         print(json.dumps(row), flush=True)
         res["rows"].append(row)

@@ -76,7 +76,7 @@ def _traced(q_bounds, kv_bounds, q_len: int, kv_len: int, tile_q: int, tile_kv: 
     kvp = -(-kv_len // tile_kv) * tile_kv
     NT, NCH = qp // tile_q, kvp // A
     S, P = NT + (nq - 1) // C, NCH + nk - 1
-    find = jax.vmap(lambda b, x: jnp.searchsorted(b, x, side="right", method="scan_unrolled"))
+    find = jax.vmap(lambda b, x: jnp.searchsorted(b, x, side="right", method=_device._SEARCH))
     t0 = np.arange(NT) * tile_q
     # Query side: the blocks meeting each tile, its sub-units, each sub-unit's tile and blocks.
     i0, last = _device._blocks_of(qb, t0[None], np.minimum(t0 + tile_q, q_len)[None])

@@ -114,19 +114,24 @@ def _run(q, k, v, qb, kb, blocks, *, consts, template, capacity, decide, scale, 
     if template is None:
         plan = AttentionPlan(None, exact=(qb, kb, blocks))
     else:
-        t = dispatch.get_template(template)
-        full = _Refine(consts, template, capacity, options.bitmap_budget_bytes, decide,
-                       tuple(q.shape), tuple(k.shape), str(np.dtype(q.dtype)))
-        first = _first_room(t, capacity, tuple(blocks.shape), q.shape[1], k.shape[1],
-                            options) if decide else None
-        if first is None:
-            plan = full(qb, kb, blocks)
-        else:
-            cap, room = first
-            plan = dataclasses.replace(
-                dataclasses.replace(full, capacity=cap, budget=room)(qb, kb, blocks),
-                refine=full)
+        full, first = _refines(consts, template, capacity, decide, q, k,
+                               tuple(blocks.shape), options)
+        plan = full(qb, kb, blocks) if first is None else \
+            dataclasses.replace(first(qb, kb, blocks), refine=full)
     return core.attention(q, k, v, plan, scale, return_lse, options)
+
+
+def _refines(consts, template: str, capacity: int, decide: bool, q, k, blocks_shape,
+             options: Options):
+    """(whole room's plans, first room's plans or None) of a call site (``_Refine``s; ``q``,
+    ``k``: anything with a shape and dtype): the first only for traced bounds where
+    ``_first_room`` gives one."""
+    full = _Refine(consts, template, capacity, options.bitmap_budget_bytes, decide,
+                   tuple(q.shape), tuple(k.shape), str(np.dtype(q.dtype)))
+    first = _first_room(dispatch.get_template(template), capacity, blocks_shape, q.shape[1],
+                        k.shape[1], options) if decide else None
+    return full, (None if first is None
+                  else dataclasses.replace(full, capacity=first[0], budget=first[1]))
 
 
 def _first_room(t: Template, capacity: int, blocks_shape, q_len: int, kv_len: int,

@@ -122,8 +122,6 @@ def _refines(route: str, options: dict) -> bool:
 def _refine_oks(qb, kb, blocks, q, k, options: dict):
     """(first_ok, full_ok) of a traced call's plans as ``device_route._run`` makes them (the
     first room's plan, then the whole room's), or None where it makes one plan only."""
-    import dataclasses
-
     import jax
     import jax.numpy as jnp
 
@@ -138,12 +136,11 @@ def _refine_oks(qb, kb, blocks, q, k, options: dict):
     t, cap = device_route._choose(consts, dev, check_shapes(q.shape, k.shape, q.dtype),
                                   options["backend"], None, o.bitmap_budget_bytes,
                                   o.device_gather)
-    room = t and device_route._first_room(t, cap, blocks.shape, q.shape[1], k.shape[1], o)
-    if not room:
+    if t is None:
         return None
-    full = device_route._Refine(consts, t.name, cap, o.bitmap_budget_bytes, True,
-                                tuple(q.shape), tuple(k.shape), str(np.dtype(q.dtype)))
-    first = dataclasses.replace(full, capacity=room[0], budget=room[1])
+    full, first = device_route._refines(consts, t.name, cap, True, q, k, blocks.shape, o)
+    if first is None:
+        return None
     oks = jax.jit(lambda *a: (first(*a).ok, full(*a).ok))(*arrays)
     return tuple(bool(x) for x in oks)
 
