@@ -136,6 +136,10 @@ def test_device_plans_are_exact_valid_and_tiles_once(case):
     np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(ref_lse)))
 
     units, steps = np.asarray(p.units), np.asarray(p.steps)
+    # The host planner's padded lengths (no padding copy of q, k, v at lengths of whole 8s),
+    # every tile inside them.
+    r8 = lambda n, t: -(-max(n, t) // 8) * 8                                  # noqa: E731
+    assert (p.q_len_padded, p.kv_len_padded) == (r8(q.shape[1], tq), r8(k.shape[1], tk))
     abi.check_plan(units, steps, tq, tk, p.q_len_padded, p.kv_len_padded, num_q_heads=Hq,
                    q_align=8, kv_align=8, max_steps=p.max_steps)
     token = np.zeros((Hq, p.q_len_padded, p.kv_len_padded), bool)
@@ -405,3 +409,32 @@ def test_traced_segments_equal_the_host_packing(seed, tile, rows):
                                           segs[h])
             for x in (org, lo, hi):
                 assert (x[h, S:] == segs[h][-1, 0]).all()
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), heads=st.integers(1, 5), nqt=st.integers(1, 40),
+       nkt=st.integers(1, 700), tiles=st.sampled_from([(64, 64), (128, 128), (128, 64)]),
+       shared=st.booleans(), ties=st.booleans())
+def test_heavy_first_is_the_head_major_sort(seed, heads, nqt, nkt, tiles, shared, ties):
+    """The device units' order (a counting sort over cost classes) is the stable sort by
+    (class descending, head, position) that ``schedule.order_units`` defines, on units in
+    (head, position) order: one mask head (every head the same costs) or each its own, with
+    many equal classes or few."""
+    rng = np.random.default_rng(seed)
+    tq, tk = tiles
+    n = nqt if shared else heads * nqt
+    cnt = rng.integers(0, nkt + 1, n) % (3 if ties else nkt + 1)
+    part = (rng.random(n) * (cnt + 1)).astype(np.int32)
+    if shared:
+        cnt, part = np.tile(cnt, heads), np.tile(part, heads)
+    units = np.zeros((heads * nqt, abi.UNIT_COLS), np.int32)
+    units[:, abi.UNIT_HEAD] = np.repeat(np.arange(heads), nqt)
+    units[:, abi.UNIT_Q_START] = np.tile(np.arange(nqt) * 8, heads)
+    units[:, abi.UNIT_STEP_CNT] = cnt
+    m = schedule.DEFAULT_COST_MODEL
+    cost = m.unit_ns + cnt * np.float32(m.step_ns_total(tq, tk, 128, 2)) + part * m.mask_ns
+    cls = np.floor(np.log2(np.maximum(cost.astype(np.float32), 1.0)) * 8).astype(np.int64)
+    want = np.lexsort((units[:, abi.UNIT_Q_START], units[:, abi.UNIT_HEAD], -cls))
+    got = device._heavy_first(jnp.asarray(units), jnp.asarray(part), tq, tk, heads, nkt, shared)
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -157,8 +157,12 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
     """One axis's tiles: (origin, own lo, own hi) [Hb or 1, nt] relative own ranges, the
     (first, last) blocks they meet [Hb, nt], the padded length, and whether the tiles follow
     the blocks. Static bounds are tiled along their blocks when that computes no more than the
-    fixed grid (no more tiles, origins strictly increasing); else the fixed grid of ``tile``."""
+    fixed grid (no more tiles, origins strictly increasing); else the fixed grid of ``tile``.
+    The padded length is the host planner's (the length rounded up to 8, at least a tile):
+    tiles that would reach past it start earlier, owning the same rows (``_inside``), so the
+    kernels' inputs need no padding copy unless the length is not a multiple of 8."""
     nt = -(-length // tile)
+    padded = _round8(max(length, tile))
     if align_blocks and isinstance(bounds, np.ndarray):
         rows = [_segments(b, tile) for b in bounds]
         S = max(len(r) for r in rows)
@@ -173,8 +177,7 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
             org = seg[..., 0]
             lo, hi = np.where(used, seg[..., 1], org), np.where(used, seg[..., 2], org)
             first, last = _blocks_of(bounds, lo, hi)
-            padded = -(-(int(org.max()) + tile) // tile) * tile
-            return org, lo - org, hi - org, first, last, padded, True
+            return (*_inside(org, lo - org, hi - org, padded, tile), first, last, padded, True)
     start = np.arange(nt, dtype=np.int32) * tile
     end = np.minimum(start + tile, length).astype(np.int32)
     if align_blocks and not isinstance(bounds, np.ndarray):
@@ -189,12 +192,23 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
         lo = jnp.where(fits[:, None], lo, f_lo)
         hi = jnp.where(fits[:, None], hi, f_hi)
         first, last = _blocks_of(bounds, lo, hi)
-        # Static: an origin is at most the last token rounded down to 8.
-        padded = -(-(length - 1 - (length - 1) % 8 + tile) // tile) * tile
-        return org, lo - org, hi - org, first, last, max(padded, nt * tile), True
+        return (*_inside(org, lo - org, hi - org, padded, tile), first, last, padded, True)
     first, last = _blocks_of(bounds, start[None], end[None])
-    return start[None], np.zeros_like(start)[None], (end - start)[None], first, last, \
-        nt * tile, False
+    return (*_inside(start[None], np.zeros_like(start)[None], (end - start)[None], padded, tile),
+            first, last, padded, False)
+
+
+def _round8(n: int) -> int:
+    return -(-int(n) // 8) * 8
+
+
+def _inside(org, lo, hi, padded: int, tile: int):
+    """(org, lo, hi) with every tile inside [0, padded): a tile reaching past it starts at
+    ``padded - tile`` (a multiple of 8), its own range moved to the same rows. Its own rows
+    end by the length <= padded, so they stay inside the tile."""
+    xp = np if isinstance(org, np.ndarray) else jnp
+    shift = xp.maximum(org + tile - padded, 0)
+    return org - shift, lo + shift, hi + shift
 
 
 def traced_slots(length: int, tile: int) -> int:
@@ -628,7 +642,8 @@ def _units(qx: _Axis, ptr, cnt, part, num_q_heads, Hm, tile_q, tile_kv):
     # tile) came last and the last head's formed the kernel's tail, and q64x2 pairs
     # neighbouring units, which then differ in cost (Wan 480p VSA: ~10% of the kernel).
     npart = part.sum(axis=-1, dtype=jnp.int32)[hm].reshape(-1)
-    return units[_heavy_first(units, npart, tile_q, tile_kv)]
+    return units[_heavy_first(units, npart, tile_q, tile_kv, num_q_heads, part.shape[-1],
+                              Hm == 1)]
 
 
 def _fits(qx: _Axis, kx: _Axis, n_need, bitmap_capacity, nq, nk, q_len, kv_len):
@@ -683,15 +698,44 @@ def _pick(seg, i):
     return out
 
 
-def _heavy_first(units, partial, tile_q: int, tile_kv: int):
-    """The permutation of ``schedule.order_units(..., "head_major")`` for device units: cost
-    class (eight per octave of the cost model's unit time, at head dim 128) descending, then
-    query head, then position. ``partial``: each unit's masked steps."""
+def _heavy_first(units, partial, tile_q: int, tile_kv: int, num_q_heads: int,
+                 max_steps: int, shared: bool):
+    """The permutation of ``schedule.order_units(..., "head_major")`` for device units (in
+    head, position order): cost class (eight per octave of the cost model's unit time, at head
+    dim 128) descending, then query head, then position. ``partial``: each unit's masked
+    steps (at most ``max_steps`` steps a unit); ``shared``: every head's units cost the same
+    (one mask head).
+
+    A counting sort over the classes' static range (a one-hot prefix count), not a sort: XLA's
+    sort of the units took 8 kernels, ~50 us of a ~85 us shared plan (H100, Wan 480p)."""
     m = schedule.DEFAULT_COST_MODEL
-    cost = (m.unit_ns + units[:, abi.UNIT_STEP_CNT] * m.step_ns_total(tile_q, tile_kv, 128, 2)
-            + partial * m.mask_ns)
+    step = m.step_ns_total(tile_q, tile_kv, 128, 2)
+    cost = m.unit_ns + units[:, abi.UNIT_STEP_CNT] * step + partial * m.mask_ns
     cls = jnp.floor(jnp.log2(jnp.maximum(cost, 1.0)) * 8).astype(jnp.int32)
-    return jnp.lexsort((units[:, abi.UNIT_Q_START], units[:, abi.UNIT_HEAD], -cls))
+    # The classes a unit can have; one spare class each side covers float32 rounding.
+    U = units.shape[0]
+    nqt = U // num_q_heads
+    lo = int(np.floor(np.log2(max(m.unit_ns, 1.0)) * 8)) - 1
+    hi = int(np.floor(np.log2(max(m.unit_ns + max_steps * (step + m.mask_ns), 1.0)) * 8)) + 1
+    C = hi - lo + 1
+    key = jnp.clip(hi - cls, 0, C - 1)                               # 0: the heaviest class
+    c = jnp.arange(C, dtype=jnp.int32)
+    per = key[:nqt] if shared else key.reshape(num_q_heads, nqt)
+    onehot = (per[..., None] == c).astype(jnp.int32)                 # [(H,) nqt, C]
+    before = jnp.cumsum(onehot, axis=-2) - onehot                    # same class, earlier
+    rank = jnp.take_along_axis(before, per[..., None], axis=-1)[..., 0]
+    hist = onehot.sum(axis=-2)                                       # [(H,) C]
+    h = jnp.arange(num_q_heads, dtype=jnp.int32)
+    if shared:
+        total = hist * num_q_heads
+        pos = (h[:, None] * hist[per][None] + rank[None]).reshape(-1)
+    else:
+        total = hist.sum(axis=0)
+        heads_before = jnp.cumsum(hist, axis=0) - hist               # [H, C]
+        pos = (jnp.take_along_axis(heads_before, per, axis=1) + rank).reshape(-1)
+    pos = pos + (jnp.cumsum(total) - total)[key]
+    return jnp.zeros(U, jnp.int32).at[pos].set(jnp.arange(U, dtype=jnp.int32),
+                                                unique_indices=True)
 
 
 def check(ok) -> None:

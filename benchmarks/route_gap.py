@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Where the device route loses time against the host route on the same mask (issue 31's
+``device_vs_host_max``): per family at Wan 480p (shared static bounds, the blocks a traced
+argument), the host call, the device call, the device plan alone, and the forward kernel pass
+(``dispatch.forward``) alone over the device's plan, over the host plan's arrays passed as
+operands, and over the host plan as the host route runs it (constants, row maps included),
+all under the kernel rule in one process; with ``--trace-dir``, the GPU ops of the host and
+device calls from a profiler trace.
+
+    python3 benchmarks/route_gap.py --out $OUT/route-gap.json
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/route_gap.py \
+        --families aligned,sliding --trace-dir /tmp/trace --out $OUT/route-gap-trace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+TRACE_CALLS = 3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", default="aligned,frame_aligned,sliding,cubes,clusters")
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--trace-dir")
+    ap.add_argument("--budget-s", type=float, default=240)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    import jax
+    import jax.numpy as jnp
+
+    import gather
+    import plan_profile
+    import tessera_jax as tj
+    from pallas_kernels import abi
+    from tessera_jax.planning.plan import host_pass
+    from tessera_jax.runtime import device_route, dispatch
+    from tessera_jax.select import device as select_device
+    from tessera_jax.tools import timing
+    from tessera_jax.validation import check_shapes
+
+    t0 = time.time()
+    gpu = jax.default_backend() == "gpu"
+    L, H, fams = gather.masks(args.small)
+    D = 128 if not args.small else 64
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(x, (1, L, H, D), jnp.float32).astype(jnp.bfloat16) for x in ks)
+    scale = D ** -0.5
+    opts = tj.Options(interpret=True) if args.interpret else None
+    sh = check_shapes(q.shape, k.shape, q.dtype)
+    backend = dispatch.resolve(None, sh)
+    res = {"benchmark": "route_gap", "device": str(jax.devices()[0].device_kind),
+           "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "rule": timing.KERNEL_RULE.to_json(), "L": L, "heads": H, "rows": []}
+    if gpu:
+        dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, implementation="cudnn"))
+        res["dense_ms"] = timing.time_kernel(dense, [(q, k, v)]).ms
+
+    def ms(f, a):
+        jax.block_until_ready(f(*a))
+        return timing.time_kernel(f, [a]).ms if gpu else None
+
+    for fam, make in fams:
+        if fam not in args.families.split(",") or time.time() - t0 > args.budget_s:
+            continue
+        m = make()
+        qb, kb, b = (np.asarray(x) for x in (m.q_bounds, m.kv_bounds, m.blocks))
+        mask = tj.BlockMask(qb, kb, jnp.asarray(b))
+        consts = select_device.static_parts(mask)
+        t, cap = device_route._choose(consts, mask, sh, backend, None,
+                                      select_device.BITMAP_BUDGET_BYTES)
+        row = {"family": fam, "device_template": t.name if t else None}
+        try:
+            host = jax.jit(lambda q, k, v: tj.sparse_attention(q, k, v, m, scale=scale,
+                                                               options=opts))
+            dev = jax.jit(lambda q, k, v, bl: tj.sparse_attention(
+                q, k, v, tj.BlockMask(qb, kb, bl), scale=scale, options=opts))
+            hp = tj.plan(m, q.shape, k.shape, q.dtype, options=opts)
+            row["host_template"], row["host_policy"] = hp.template, hp.policy
+
+            def plan(bl, t=t, cap=cap):
+                return device_route.device_plans(
+                    q, k, qb, kb, bl, consts=consts, t=t, capacity=cap, decide=False,
+                    budget=select_device.BITMAP_BUDGET_BYTES).fwd
+
+            plan = jax.jit(plan)
+            bl = jnp.asarray(b)
+            dp = plan(bl)
+
+            def kernel(q, k, v, units, steps, p=dp, t=t):
+                pp = abi.PassPlan(units, steps, None, p.tile_q, p.tile_kv, p.q_len_padded,
+                                  p.kv_len_padded, p.max_steps, p.all_full)
+                return dispatch.forward(pp, t, q, k, v, scale, False, interpret=args.interpret)
+
+            hpp = host_pass(hp, rows=True)
+            ht = dispatch.get_template(hp.template)
+            kernel_host_const = jax.jit(lambda q, k, v: dispatch.forward(
+                hpp, ht, q, k, v, scale, False, interpret=args.interpret))
+
+            def kernel_host_args(q, k, v, units, steps, p=hpp):
+                pp = abi.PassPlan(units, steps, None, p.tile_q, p.tile_kv, p.q_len_padded,
+                                  p.kv_len_padded, p.max_steps, p.all_full)
+                return dispatch.forward(pp, ht, q, k, v, scale, False, interpret=args.interpret)
+
+            same = (t is not None and t.name == hp.template
+                    and np.array_equal(np.asarray(dp.units), hp.units))
+            row["same_units"] = bool(same)
+            out_h, out_d = host(q, k, v), dev(q, k, v, bl)
+            row["host_vs_device_max_abs"] = float(jnp.abs(out_h.astype(jnp.float32)
+                                                          - out_d.astype(jnp.float32)).max())
+            if gpu and not args.trace_dir:      # a trace run traces only (CUPTI twice aborts)
+                row["host_ms"] = ms(host, (q, k, v))
+                row["device_ms"] = ms(dev, (q, k, v, bl))
+                row["plan_ms"] = ms(plan, (bl,))
+                row["kernel_device_plan_ms"] = ms(jax.jit(kernel), (q, k, v, dp.units, dp.steps))
+                row["kernel_host_const_ms"] = ms(kernel_host_const, (q, k, v))
+                row["kernel_host_args_ms"] = ms(jax.jit(kernel_host_args),
+                                                (q, k, v, jnp.asarray(hp.units),
+                                                 jnp.asarray(hp.steps)))
+                sel = m.selected_interactions(H) / (L * L * H)
+                row["efficiency_host"] = sel * res["dense_ms"] / row["host_ms"]
+                row["efficiency_device"] = sel * res["dense_ms"] / row["device_ms"]
+                row["device_vs_host"] = row["device_ms"] / row["host_ms"]
+            if args.trace_dir and gpu:
+                src = plan_profile._hlo_sources(plan.lower(bl).compile().as_text())
+                for name, f, a in (("plan", plan, (bl,)), ("device", dev, (q, k, v, bl)),
+                                   ("host", host, (q, k, v))):
+                    d = os.path.join(args.trace_dir, fam, name)
+                    with jax.profiler.trace(d, create_perfetto_trace=True):
+                        for _ in range(TRACE_CALLS):
+                            jax.block_until_ready(f(*a))
+                    row[f"{name}_ops"] = ops = [dict(name=n, us_per_call=us / TRACE_CALLS, count=c,
+                                               src=src.get(n.split(":")[0].strip(), ""))
+                                                for n, us, c in plan_profile._trace_ops(d)]
+                    print(json.dumps({name: ops}), flush=True)
+        except Exception as e:  # noqa: BLE001 - a row records what failed
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        print(json.dumps(row), flush=True)
+        res["rows"].append(row)
+    res["elapsed_s"] = time.time() - t0
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
