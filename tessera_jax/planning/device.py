@@ -642,7 +642,7 @@ def _units(qx: _Axis, ptr, cnt, part, num_q_heads, Hm, tile_q, tile_kv):
     # tile) came last and the last head's formed the kernel's tail, and q64x2 pairs
     # neighbouring units, which then differ in cost (Wan 480p VSA: ~10% of the kernel).
     npart = part.sum(axis=-1, dtype=jnp.int32)[hm].reshape(-1)
-    return units[_heavy_first(units, npart, tile_q, tile_kv, num_q_heads, part.shape[-1],
+    return units[_heavy_first(units, npart, tile_q, tile_kv, part.shape[-1], num_q_heads,
                               Hm == 1)]
 
 
@@ -698,42 +698,42 @@ def _pick(seg, i):
     return out
 
 
-def _heavy_first(units, partial, tile_q: int, tile_kv: int, num_q_heads: int,
-                 max_steps: int, shared: bool):
+def _heavy_first(units, partial, tile_q: int, tile_kv: int, max_steps: int,
+                 num_q_heads: int = 1, shared: bool = False):
     """The permutation of ``schedule.order_units(..., "head_major")`` for device units (in
     head, position order): cost class (eight per octave of the cost model's unit time, at head
     dim 128) descending, then query head, then position. ``partial``: each unit's masked
-    steps (at most ``max_steps`` steps a unit); ``shared``: every head's units cost the same
-    (one mask head).
+    steps, at most ``max_steps`` steps a unit; ``shared``: each of the ``num_q_heads`` heads'
+    units cost the same (one mask head), so one head's are counted.
 
-    A counting sort over the classes' static range (a one-hot prefix count), not a sort: XLA's
-    sort of the units took 8 kernels, ~50 us of a ~85 us shared plan (H100, Wan 480p)."""
+    A counting sort over the classes' static range, not a sort (XLA's sort of the units took
+    8 kernels, ~50 us of a ~85 us shared plan; H100, Wan 480p): a unit's place is the units of
+    heavier classes plus those of its class before it, a prefix count along the units of a
+    one-hot [classes, units] (rows along the minor axis: a column-wise count over per-head
+    blocks took 19 us)."""
     m = schedule.DEFAULT_COST_MODEL
     step = m.step_ns_total(tile_q, tile_kv, 128, 2)
     cost = m.unit_ns + units[:, abi.UNIT_STEP_CNT] * step + partial * m.mask_ns
     cls = jnp.floor(jnp.log2(jnp.maximum(cost, 1.0)) * 8).astype(jnp.int32)
     # The classes a unit can have; one spare class each side covers float32 rounding.
-    U = units.shape[0]
-    nqt = U // num_q_heads
     lo = int(np.floor(np.log2(max(m.unit_ns, 1.0)) * 8)) - 1
     hi = int(np.floor(np.log2(max(m.unit_ns + max_steps * (step + m.mask_ns), 1.0)) * 8)) + 1
-    C = hi - lo + 1
+    C, U = hi - lo + 1, units.shape[0]
     key = jnp.clip(hi - cls, 0, C - 1)                               # 0: the heaviest class
-    c = jnp.arange(C, dtype=jnp.int32)
-    per = key[:nqt] if shared else key.reshape(num_q_heads, nqt)
-    onehot = (per[..., None] == c).astype(jnp.int32)                 # [(H,) nqt, C]
-    before = jnp.cumsum(onehot, axis=-2) - onehot                    # same class, earlier
-    rank = jnp.take_along_axis(before, per[..., None], axis=-1)[..., 0]
-    hist = onehot.sum(axis=-2)                                       # [(H,) C]
-    h = jnp.arange(num_q_heads, dtype=jnp.int32)
+    n = U // num_q_heads if shared else U
+    onehot = (jnp.arange(C, dtype=jnp.int32)[:, None] == key[None, :n]).astype(jnp.int32)
+    before = jnp.cumsum(onehot, axis=1) - onehot                     # [C, n]
+    hist = onehot.sum(axis=1)
     if shared:
-        total = hist * num_q_heads
-        pos = (h[:, None] * hist[per][None] + rank[None]).reshape(-1)
+        # Head h's unit j: the heavier classes' units of every head, then h heads' units of
+        # its class, then its own head's before it.
+        heavier = (jnp.cumsum(hist) - hist) * num_q_heads
+        own = ((before + heavier[:, None]) * onehot).sum(axis=0)     # [n]
+        per_head = (hist[:, None] * onehot).sum(axis=0)
+        h = jnp.arange(num_q_heads, dtype=jnp.int32)[:, None]
+        pos = (h * per_head[None] + own[None]).reshape(-1)
     else:
-        total = hist.sum(axis=0)
-        heads_before = jnp.cumsum(hist, axis=0) - hist               # [H, C]
-        pos = (jnp.take_along_axis(heads_before, per, axis=1) + rank).reshape(-1)
-    pos = pos + (jnp.cumsum(total) - total)[key]
+        pos = ((before + (jnp.cumsum(hist) - hist)[:, None]) * onehot).sum(axis=0)
     return jnp.zeros(U, jnp.int32).at[pos].set(jnp.arange(U, dtype=jnp.int32),
                                                 unique_indices=True)
 
