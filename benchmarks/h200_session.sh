@@ -16,7 +16,13 @@
 # Session 25 got an H100 for most calls and an H200 twice (results/h100-perhead-diag-s25.json,
 # h200-plan-profile-before.json, h100-plan-profile.json, h100-perhead-diag-planner.json): the
 # per-head kernels equal the shared ones; the device planner's while loops removed.
+# Session 26 (H100, results/h100-route-gap*.json): the device route's padding copies and the
+# units' sort gone (device / host 1.035-1.076, clusters 1.144); the conditionals' layout copy
+# found and removed (core._cond), not yet compiled on a GPU.
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
+#   bash benchmarks/h200_session.sh route-check    # core._cond compiled (make test-gpu device /
+#     perhead / traced), device vs host per family, per-head vs shared (predicted: per-head
+#     sliding forward ~0.08 ms less)
 #   bash benchmarks/h200_session.sh accept-720     # issue 31's acceptance file at Wan 720p,
 #     then accept-480 again in the same session and --merge both (one commit)
 #   bash benchmarks/h200_session.sh perhead-diag   # per-head vs shared on the H200 (H100:
@@ -38,6 +44,14 @@ run() {   # run SECONDS NAME CMD...: one part, its log in $OUT/NAME.log
   echo "[$(date +%T)] $name rc $rc"
 }
 case "${1:-}" in
+route-check)
+  # Session 26's device-route changes on the GPU: the compiled device / per-head / traced cases
+  # (core._cond), then where the device route still loses against the host (route_gap.py) and
+  # per-head bounds against shared ones (perhead_diag.py).
+  run 200 test-gpu-route make test-gpu PYTEST_ARGS="-n 4 -rA -k 'device or perhead or traced'"
+  run 180 route-gap python3 benchmarks/route_gap.py --budget-s 150 --out $OUT/h200-route-gap.json
+  run 180 perhead-diag python3 benchmarks/perhead_diag.py --budget-s 150 --nocond \
+      --perhead-templates "" --out $OUT/h200-perhead-diag.json ;;
 gpu-checks)
   # make test-gpu with six pytest-xdist workers sharing the GPU (compiling is what takes the
   # time; 29 cases in 267 s in session 20).
