@@ -61,7 +61,7 @@ def _stages(blocks, qb, kb, *, H, L, t, capacity):
         if capacity:
             steps = jax.lax.cond(n_need > 0, lambda st: D._bitmap_words(
                 st, blocks, need, n_need, qx.bounds, kx.bounds, qx.org, qx.lo, qx.hi, kx.org,
-                kx.lo, kx.hi, t.tile_q, t.tile_kv, capacity, D.WORDS_CHUNK, None),
+                kx.lo, kx.hi, t.tile_q, t.tile_kv, capacity, None, None),
                 lambda st: st, steps)
         return steps, ptr, cnt
 

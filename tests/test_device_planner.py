@@ -438,3 +438,14 @@ def test_heavy_first_is_the_head_major_sort(seed, heads, nqt, nkt, tiles, shared
     want = np.lexsort((units[:, abi.UNIT_Q_START], units[:, abi.UNIT_HEAD], -cls))
     got = device._heavy_first(jnp.asarray(units), jnp.asarray(part), tq, tk, nkt, heads, shared)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_words_chunks_fill_a_large_room_in_a_few_passes():
+    """The words' loop fills a large bitmap room from key patterns in ``WORDS_PASSES`` passes
+    (each pass a host round trip on the GPU), small rooms and direct gathers ``WORDS_CHUNK``
+    slots a pass; a given chunk is used for both."""
+    big = 439_104                                   # Wan 480p clusters' static room
+    pat, direct = device.words_chunks(big)
+    assert -(-big // pat) <= device.WORDS_PASSES and direct == device.WORDS_CHUNK
+    assert device.words_chunks(1000) == (device.WORDS_CHUNK, device.WORDS_CHUNK)
+    assert device.words_chunks(big, 3) == (3, 3)

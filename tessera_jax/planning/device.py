@@ -257,31 +257,47 @@ def _positions_blocks(bounds, org, tile):
     return jnp.clip(ids - 1, 0, n - 1)
 
 
-#: Bitmap slots one pass of ``_bitmap_words``' loop fills: a traced plan's capacity is sized
-#: for any bounds (up to ``BITMAP_BUDGET_BYTES``), but only the slots a mask needs are filled.
+#: Bitmap slots one pass of ``_bitmap_words``' loop fills by direct gathers (each slot costs
+#: tile_q x tile_kv of them): a traced plan's capacity is sized for any bounds (up to
+#: ``BITMAP_BUDGET_BYTES``), but only the slots a mask needs are filled.
 WORDS_CHUNK = 4096
+#: Passes that fill the whole capacity from key patterns (a slot costs tile_q x words there):
+#: a pass has a fixed cost of several kernels and, on the GPU, a host round trip for the
+#: loop's predicate (Wan 480p clusters filled ~155K slots 4,096 a pass: 38 passes, ~340 us of
+#: the plan's ~860, H100).
+WORDS_PASSES = 8
+
+
+def words_chunks(capacity: int, chunk: int | None = None) -> tuple[int, int]:
+    """Slots a pass fills (from patterns, by direct gathers): ``chunk`` for both, or by
+    default the capacity over ``WORDS_PASSES`` (at least ``WORDS_CHUNK``) and ``WORDS_CHUNK``."""
+    if chunk is not None:
+        return int(chunk), int(chunk)
+    return max(WORDS_CHUNK, -(-int(capacity) // WORDS_PASSES)), WORDS_CHUNK
 
 
 def _bitmap_words(buf, blocks, need, n_need, qb, kb, qorg, qlo, qhi, korg, klo, khi, tile_q,
-                  tile_kv, capacity, chunk: int = WORDS_CHUNK, patterns: bool | None = None):
+                  tile_kv, capacity, chunk: int | None = None, patterns: bool | None = None):
     """``_fill_words`` by per-(head, query block, key tile) key patterns when the slots in use
     cost more gathers than the patterns (n_need * tile_q * tile_kv against Hm * nq * nkt *
     tile_kv; decided on the device: a per-head sliding-tile plan at Wan 480p fills 2,016 of
     1,048,576 slots), else by direct gathers per slot; ``patterns`` True / False forces one
-    (the words are the same)."""
+    (the words are the same); ``chunk``: slots a pass fills (``words_chunks``)."""
     Hm, nq, _ = blocks.shape
     pat_cost = Hm * nq * need.shape[2] * tile_kv
+    pat_chunk, dir_chunk = words_chunks(capacity, chunk)
     fill = functools.partial(_fill_words, blocks=blocks, need=need, n_need=n_need, qb=qb,
                              kb=kb, qorg=qorg, qlo=qlo, qhi=qhi, korg=korg, klo=klo, khi=khi,
-                             tile_q=tile_q, tile_kv=tile_kv, capacity=capacity, chunk=chunk)
+                             tile_q=tile_q, tile_kv=tile_kv, capacity=capacity)
+    by_pat = functools.partial(fill, use_pat=True, chunk=pat_chunk)
+    direct = functools.partial(fill, use_pat=False, chunk=dir_chunk)
     if patterns is not None:
-        return fill(buf, use_pat=bool(patterns))
+        return (by_pat if patterns else direct)(buf)
     if pat_cost > capacity * tile_q * tile_kv:
-        return fill(buf, use_pat=False)
+        return direct(buf)
     # Patterns pay once the slots in use number at least pat_cost / (tile_q * tile_kv).
     pays = n_need >= -(-pat_cost // (tile_q * tile_kv))
-    return jax.lax.cond(batch_all(pays), functools.partial(fill, use_pat=True),
-                        functools.partial(fill, use_pat=False), buf)
+    return jax.lax.cond(batch_all(pays), by_pat, direct, buf)
 
 
 def _fill_words(buf, *, blocks, need, n_need, qb, kb, qorg, qlo, qhi, korg, klo, khi, tile_q,
@@ -370,7 +386,7 @@ def bitmap_slots(q_bounds: np.ndarray, kv_bounds: np.ndarray, num_heads: int, q_
 def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int, kv_len: int,
                    tile_q: int, tile_kv: int, align_blocks: bool = True,
                    bitmap_capacity: int = 0,
-                   words_chunk: int = WORDS_CHUNK,
+                   words_chunk: int | None = None,
                    word_patterns: bool | None = None) -> tuple[abi.PassPlan, jax.Array]:
     """(plan, ok): the pass plan of a block mask for these tiles (see the module docstring),
     made in jnp, and a bool [] that is False where the mask does not fit it.
@@ -385,8 +401,8 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     many bitmap steps the plan may hold (static) for tiles that meet more than ``abi.GRID``
     blocks per axis (0: none; such a tile then makes ``ok`` False, or a ValueError for static
     bounds); more of them than the capacity also makes ``ok`` False (``bitmap_slots`` counts
-    what a plan of static bounds needs); ``words_chunk``: bitmap slots filled per pass,
-    ``word_patterns``: fill them from per-key-tile patterns (True), by direct gathers
+    what a plan of static bounds needs); ``words_chunk``: bitmap slots filled per pass (None:
+    ``words_chunks``' defaults), ``word_patterns``: fill them from per-key-tile patterns (True), by direct gathers
     (False) or by the cheaper for the slots in use, on the device (None); the plan depends on
     neither. The plan's leaves are jax arrays, its ``row_index``
     None (made from the units where a kernel needs it) and its ``all_full`` None.
