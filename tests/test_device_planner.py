@@ -333,8 +333,8 @@ def test_bits_rectangle_over_every_cell_pattern():
 def test_bitmap_words_do_not_depend_on_the_pass_size(seed, per_head, tiles):
     """The bitmap words of a plan whose slots are filled a few at a time (several passes, the
     last overlapping the one before), by direct gathers and from key patterns (forced), equal
-    one pass's on the device's choice, with traced bounds of many small blocks (bitmap steps)
-    and room for more slots than the mask needs."""
+    the default passes' (``words_chunks``) on the device's choice, with traced bounds of many
+    small blocks (bitmap steps) and room for more slots than the mask needs."""
     rng = np.random.default_rng(seed)
     H, tq, tk = 2, *tiles
     L, Lk = int(rng.integers(300, 700)), int(rng.integers(300, 700))
@@ -351,7 +351,7 @@ def test_bitmap_words_do_not_depend_on_the_pass_size(seed, per_head, tiles):
         b, x, y, num_q_heads=H, q_len=L, kv_len=Lk, tile_q=tq, tile_kv=tk,
         bitmap_capacity=2 * H * (-(-L // tq)) * (-(-Lk // tk)), words_chunk=chunk,
         word_patterns=pat), static_argnums=(3, 4))
-    one, ok = plan(blocks, jnp.asarray(qb), jnp.asarray(kb), 1 << 20)
+    one, ok = plan(blocks, jnp.asarray(qb), jnp.asarray(kb), None)       # the defaults
     assert bool(ok)
     steps = np.asarray(one.steps)
     cb = steps[:, abi.STEP_CUTS_B]
