@@ -547,16 +547,21 @@ def _step_rows(blocks, qx: _Axis, kx: _Axis, tile_q, tile_kv, bitmap_capacity):
     # Each tile pair's selected cells as bits (cell (a, b) at bit GRID * a + b), summed over
     # the gq x gk cells in one elementwise expression: XLA fuses the gathers into one kernel
     # with no [.., gq, gk] temporaries. All selected: every cell inside the tile set.
+    # A row of a tile pair's cells is one gather: ``run`` holds each block's run of gk key
+    # blocks as gk bits (bit c: key block k + c, clamped to the last), so traced bounds (4 x
+    # 4 cells) gather 4 times a tile pair instead of 16.
     heads = jnp.arange(Hm)[:, None, None]
+    run = sum(blocks[:, :, np.minimum(np.arange(nk) + c, nk - 1)].astype(jnp.uint8) << c
+              for c in range(gk))                                       # [Hm, nq, nk]
+    kmask = sum(k_in[..., c].astype(jnp.int32) << c for c in range(gk))   # [Hbk, nkt]
+    k0 = jnp.minimum(kj[..., 0], nk - 1)[:, None, :]
     bits = ok_bits = 0
     for a in range(gq):
         qa = jnp.minimum(qi[..., a], nq - 1)[:, :, None]
-        for c in range(gk):
-            inside = q_in[:, :, None, a] & k_in[:, None, :, c]
-            cell = blocks[heads, qa, jnp.minimum(kj[..., c], nk - 1)[:, None, :]] & inside
-            shift = abi.GRID * a + c
-            bits = bits + (cell.astype(jnp.int32) << shift)
-            ok_bits = ok_bits + (inside.astype(jnp.int32) << shift)
+        inside = jnp.where(q_in[:, :, None, a], kmask[:, None, :], 0)
+        cells = run[heads, qa, k0].astype(jnp.int32) & inside
+        bits = bits + (cells << (abi.GRID * a))
+        ok_bits = ok_bits + (inside << (abi.GRID * a))
     any_sel = bits != 0                                          # [Hm, nqt, nkt]
     all_sel = bits == ok_bits
     full = (Hm, nqt, nkt)
