@@ -123,14 +123,9 @@ def main():
            "jax": jax.__version__, "commit": profiler.code_revision(os.path.dirname(HERE)),
            "rule": timing.KERNEL_RULE.to_json(), "L": L, "heads": H, "head_dim": D,
            "alt_planner": args.alt_planner, "rows": []}
-    ks = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(x, (1, L, H, D), jnp.float32).astype(jnp.bfloat16)
-               for x in ks)
-    scale = D ** -0.5
+    q, k, v, scale = G.inputs(L, H, D)
     if gpu:
-        dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, scale=scale, implementation="cudnn"))
-        res["dense_ms"] = timing.time_kernel(dense, [(q, k, v)]).ms
+        res["dense_ms"] = G.cudnn_ms(q, k, v, scale)
         log("cuDNN", res["dense_ms"])
 
     def save():

@@ -66,6 +66,40 @@ def masks(small: bool):
     ]
 
 
+def inputs(L: int, H: int, D: int):
+    """q, k, v [1, L, H, D] bfloat16 from a fixed seed and the softmax scale: the inputs every
+    Wan-grid benchmark of this family times and checks."""
+    import jax
+    import jax.numpy as jnp
+
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(x, (1, L, H, D), jnp.float32).astype(jnp.bfloat16) for x in ks)
+    return q, k, v, D ** -0.5
+
+
+def cudnn_ms(q, k, v, scale, timed=None) -> float:
+    """cuDNN dense attention's time under ``timing.KERNEL_RULE`` (``timed``: how the attention
+    is wrapped before timing, default ``jax.jit``)."""
+    import jax
+
+    from tessera_jax.tools import timing
+
+    dense = (timed or jax.jit)(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, scale=scale, implementation="cudnn"))
+    return timing.time_kernel(dense, [(q, k, v)]).ms
+
+
+def per_head(mask, H: int):
+    """A shared-bounds mask's (blocks, q_bounds, kv_bounds) as per-head jax arrays [H, ...]:
+    every head the shared partition."""
+    import jax.numpy as jnp
+
+    qb, kb, b = (np.asarray(x) for x in (mask.q_bounds, mask.kv_bounds, mask.blocks))
+    return (jnp.asarray(np.broadcast_to(b, (H,) + b.shape[1:])),
+            jnp.asarray(np.broadcast_to(qb, (H, len(qb))).copy()),
+            jnp.asarray(np.broadcast_to(kb, (H, len(kb))).copy()))
+
+
 # The paired 64-row and 32-key-run templates of results/h200-gather-fwd.json (commit f5463ea)
 # were deleted: never the best on any mask (benchmarks/NOTES.md#gathered-steps).
 VARIANTS = {"default": (None, None), "gather": ("mgpu_q128_kv128_s2_gather", "gather"),
@@ -99,9 +133,7 @@ def main():
 
     L, H, cases = masks(args.small)
     D = args.head_dim or (128 if not args.small else 64)
-    ks = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(x, (1, L, H, D), jnp.float32).astype(jnp.bfloat16) for x in ks)
-    scale = D ** -0.5
+    q, k, v, scale = inputs(L, H, D)
     gpu = jax.devices()[0].platform == "gpu"
     opts = tj.Options(interpret=True) if args.interpret else None
     res = {"device": str(jax.devices()[0].device_kind), "L": L, "heads": H, "D": D,
@@ -118,9 +150,7 @@ def main():
             lambda q, k, v: attn(q, k, v, *extra), q, k, v)[1](do))
 
     if gpu:
-        dense = timed(lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, scale=scale, implementation="cudnn"))
-        res["dense_ms"] = timing.time_kernel(dense, [(q, k, v)]).ms
+        res["dense_ms"] = cudnn_ms(q, k, v, scale, timed)
         log(f"cuDNN dense {res['dense_ms']:.3f} ms")
     want = set(args.masks.split(",")) if args.masks else None
     variants = [(v, *VARIANTS[v]) for v in args.variants.split(",")]

@@ -62,16 +62,12 @@ def main():
     gpu = jax.default_backend() == "gpu"
     L, H, fams = gather.masks(args.small)
     D = 128 if not args.small else 64
-    ks = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(x, (1, L, H, D), jnp.float32).astype(jnp.bfloat16) for x in ks)
-    scale = D ** -0.5
+    q, k, v, scale = gather.inputs(L, H, D)
     opts = tj.Options(interpret=True) if args.interpret else None
     res = {"benchmark": "perhead_diag", "device": str(jax.devices()[0].device_kind),
            "rule": timing.KERNEL_RULE.to_json(), "L": L, "heads": H, "rows": []}
     if gpu:
-        dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, scale=scale, implementation="cudnn"))
-        res["dense_ms"] = timing.time_kernel(dense, [(q, k, v)]).ms
+        res["dense_ms"] = gather.cudnn_ms(q, k, v, scale)
     want = args.families.split(",")
     for fam, make in fams:
         if fam not in want or time.time() - t0 > args.budget_s:
@@ -82,9 +78,7 @@ def main():
         if not args.plans_only:
             h0 = [x[:, :, :1].astype(jnp.float32) for x in (q, k, v)]
             ref = tj.reference_attention(*h0, tj.BlockMask(qb, kb, b[:1]), scale=scale)
-        bh = jnp.asarray(np.broadcast_to(b, (H,) + b.shape[1:]))
-        qbh = jnp.asarray(np.broadcast_to(qb, (H, len(qb))).copy())
-        kbh = jnp.asarray(np.broadcast_to(kb, (H, len(kb))).copy())
+        bh, qbh, kbh = gather.per_head(m, H)
         sh = check_shapes(q.shape, k.shape, q.dtype)
         backend = dispatch.resolve(None, sh)
         variants = [("shared", None), ("perhead", None)] + [

@@ -126,6 +126,19 @@ def _trace_ops(trace_dir: str) -> list:
     return [(n, tot[n], cnt[n]) for n, _ in tot.most_common(25)]
 
 
+def traced_ops(fn, args, trace_dir: str, src: dict) -> list:
+    """The GPU ops of ``TRACE_CALLS`` calls of ``fn(*args)`` (a perfetto trace in
+    ``trace_dir``): name, microseconds a call, count, and the jax ops ``src``
+    (``_hlo_sources``) names for it."""
+    import jax
+
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(TRACE_CALLS):
+            jax.block_until_ready(fn(*args))
+    return [dict(name=n, us_per_call=us / TRACE_CALLS, count=c,
+                 src=src.get(n.split(":")[0].strip(), "")) for n, us, c in _trace_ops(trace_dir)]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default="sliding,aligned,cubes")
@@ -158,9 +171,7 @@ def main():
             continue
         m = make()
         qb, kb, b = (np.asarray(x) for x in (m.q_bounds, m.kv_bounds, m.blocks))
-        bh = jnp.asarray(np.broadcast_to(b, (H,) + b.shape[1:]))
-        qbh = jnp.asarray(np.broadcast_to(qb, (H, len(qb))).copy())
-        kbh = jnp.asarray(np.broadcast_to(kb, (H, len(kb))).copy())
+        bh, qbh, kbh = gather.per_head(m, H)
         mask = tj.BlockMask(qbh, kbh, bh)
         consts = select_device.static_parts(mask)
         forced = dispatch.get_template(args.template) if args.template else None
@@ -177,13 +188,8 @@ def main():
         text = fs["full"].lower(bh, qbh, kbh).compile().as_text()
         src = _hlo_sources(text)
         if args.trace_dir and gpu:
-            d = os.path.join(args.trace_dir, fam)
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                for _ in range(TRACE_CALLS):
-                    jax.block_until_ready(fs["full"](bh, qbh, kbh))
-            ops = _trace_ops(d)
-            row["ops"] = [dict(name=n, us_per_call=us / TRACE_CALLS, count=c,
-                               src=src.get(n.split(":")[0].strip(), "")) for n, us, c in ops]
+            row["ops"] = traced_ops(fs["full"], (bh, qbh, kbh),
+                                    os.path.join(args.trace_dir, fam), src)
         print(json.dumps(row), flush=True)
         res["rows"].append(row)
     res["elapsed_s"] = time.time() - t0

@@ -26,8 +26,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-TRACE_CALLS = 3
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -55,9 +53,7 @@ def main():
     gpu = jax.default_backend() == "gpu"
     L, H, fams = gather.masks(args.small)
     D = 128 if not args.small else 64
-    ks = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(x, (1, L, H, D), jnp.float32).astype(jnp.bfloat16) for x in ks)
-    scale = D ** -0.5
+    q, k, v, scale = gather.inputs(L, H, D)
     opts = tj.Options(interpret=True) if args.interpret else None
     sh = check_shapes(q.shape, k.shape, q.dtype)
     backend = dispatch.resolve(None, sh)
@@ -65,9 +61,7 @@ def main():
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "rule": timing.KERNEL_RULE.to_json(), "L": L, "heads": H, "rows": []}
     if gpu:
-        dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, scale=scale, implementation="cudnn"))
-        res["dense_ms"] = timing.time_kernel(dense, [(q, k, v)]).ms
+        res["dense_ms"] = gather.cudnn_ms(q, k, v, scale)
 
     def ms(f, a):
         jax.block_until_ready(f(*a))
@@ -138,13 +132,8 @@ def main():
                 src = plan_profile._hlo_sources(plan.lower(bl).compile().as_text())
                 for name, f, a in (("plan", plan, (bl,)), ("device", dev, (q, k, v, bl)),
                                    ("host", host, (q, k, v))):
-                    d = os.path.join(args.trace_dir, fam, name)
-                    with jax.profiler.trace(d, create_perfetto_trace=True):
-                        for _ in range(TRACE_CALLS):
-                            jax.block_until_ready(f(*a))
-                    row[f"{name}_ops"] = ops = [dict(name=n, us_per_call=us / TRACE_CALLS, count=c,
-                                               src=src.get(n.split(":")[0].strip(), ""))
-                                                for n, us, c in plan_profile._trace_ops(d)]
+                    row[f"{name}_ops"] = ops = plan_profile.traced_ops(
+                        f, a, os.path.join(args.trace_dir, fam, name), src)
                     print(json.dumps({name: ops}), flush=True)
         except Exception as e:  # noqa: BLE001 - a row records what failed
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
