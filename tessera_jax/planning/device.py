@@ -247,14 +247,21 @@ def _block_counts(blocks, qa, qz, ka, kz):
     return P[h, qz, kz] - P[h, qa, kz] - P[h, qz, ka] + P[h, qa, ka]
 
 
+def block_ids(bounds, positions):
+    """Block index of each position per bounds row, clamped into range (bad bounds give wrong
+    but in-range ids): bounds [Hb, n + 1], positions [Hb or 1, ...] -> [Hb, ...]."""
+    bounds = jnp.asarray(bounds)
+    n = bounds.shape[1] - 1
+    pos = jnp.broadcast_to(positions, (bounds.shape[0],) + tuple(positions.shape[1:]))
+    ids = jax.vmap(lambda b, p: jnp.searchsorted(b, p, side="right", method=_SEARCH))(
+        bounds, pos)
+    return jnp.clip(ids - 1, 0, n - 1)
+
+
 def _positions_blocks(bounds, org, tile):
     """Block index of every token of every tile, [Hb, nt, tile], clamped into range."""
-    n = bounds.shape[1] - 1
-    pos = jnp.asarray(org, jnp.int32)[..., None] + jnp.arange(tile, dtype=jnp.int32)
-    pos = jnp.broadcast_to(pos, (bounds.shape[0],) + pos.shape[1:])
-    ids = jax.vmap(lambda b, p: jnp.searchsorted(b, p, side="right", method=_SEARCH))(
-        jnp.asarray(bounds), pos)
-    return jnp.clip(ids - 1, 0, n - 1)
+    return block_ids(bounds, jnp.asarray(org, jnp.int32)[..., None]
+                     + jnp.arange(tile, dtype=jnp.int32))
 
 
 #: Bitmap slots one pass of ``_bitmap_words``' loop fills by direct gathers (each slot costs
@@ -402,9 +409,9 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     blocks per axis (0: none; such a tile then makes ``ok`` False, or a ValueError for static
     bounds); more of them than the capacity also makes ``ok`` False (``bitmap_slots`` counts
     what a plan of static bounds needs); ``words_chunk``: bitmap slots filled per pass (None:
-    ``words_chunks``' defaults), ``word_patterns``: fill them from per-key-tile patterns (True), by direct gathers
-    (False) or by the cheaper for the slots in use, on the device (None); the plan depends on
-    neither. The plan's leaves are jax arrays, its ``row_index``
+    ``words_chunks``' defaults), ``word_patterns``: fill them from per-key-tile patterns
+    (True), by direct gathers (False) or by the cheaper for the slots in use, on the device
+    (None); the plan depends on neither. The plan's leaves are jax arrays, its ``row_index``
     None (made from the units where a kernel needs it) and its ``all_full`` None.
     """
     _check_args(blocks, num_q_heads, q_len, kv_len, tile_q, tile_kv)

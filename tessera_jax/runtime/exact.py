@@ -13,21 +13,13 @@ import jax.numpy as jnp
 
 from pallas_kernels import backward_rows as rows_
 
+from tessera_jax.planning.device import block_ids
 from tessera_jax.reference import masked_attention
 
-__all__ = ["exact_attention", "exact_backward", "block_ids"]
+__all__ = ["exact_attention", "exact_backward"]
 
 # Scores of one chunk of the exact path stay near this many float32 elements.
 _EXACT_CHUNK_ELEMS = 1 << 24
-
-
-def block_ids(bounds, positions):
-    """Block index of each position, per bounds row: [Hb, P], clamped into range (bad bounds
-    give wrong but in-range ids)."""
-    n = bounds.shape[-1] - 1
-    ids = jax.vmap(lambda b: jnp.searchsorted(b, positions, side="right",
-                                              method="scan_unrolled"))(bounds) - 1
-    return jnp.clip(ids, 0, n - 1)
 
 
 def exact_attention(q, k, v, q_bounds, kv_bounds, blocks, *, scale, return_lse=False):
@@ -40,7 +32,7 @@ def exact_attention(q, k, v, q_bounds, kv_bounds, blocks, *, scale, return_lse=F
     qb = jnp.asarray(q_bounds, jnp.int32).reshape(-1, nq + 1)
     kb = jnp.asarray(kv_bounds, jnp.int32).reshape(-1, nk + 1)
     blocks = jnp.asarray(blocks)
-    kid = block_ids(kb, jnp.arange(Lkv, dtype=jnp.int32))              # [Hbk, Lkv]
+    kid = block_ids(kb, jnp.arange(Lkv, dtype=jnp.int32)[None])        # [Hbk, Lkv]
     C = int(max(8, min(Lq, _EXACT_CHUNK_ELEMS // max(1, B * Hq * Lkv))))
     n_chunks = -(-Lq // C)
     qp = jnp.pad(q, ((0, 0), (0, n_chunks * C - Lq), (0, 0), (0, 0)))
@@ -52,7 +44,7 @@ def exact_attention(q, k, v, q_bounds, kv_bounds, blocks, *, scale, return_lse=F
     def one(args):
         i, qx = args
         rows = i * C + jnp.arange(C, dtype=jnp.int32)
-        qid = block_ids(qb, rows)                                        # [Hbq, C]
+        qid = block_ids(qb, rows[None])                                  # [Hbq, C]
         sel = blocks[heads, qid[:, :, None], kid[:, None, :]]            # [Hm, C, Lkv]
         sel = jnp.broadcast_to(sel, (Hq, C, Lkv))
         return masked_attention(qx.astype(jnp.float32), kf, vf, sel[None], scale)
@@ -76,7 +68,7 @@ def exact_backward(q, k, v, q_bounds, kv_bounds, blocks, out, lse, do, dlse=None
     qb = jnp.asarray(q_bounds, jnp.int32).reshape(-1, nq + 1)
     kb = jnp.asarray(kv_bounds, jnp.int32).reshape(-1, nk + 1)
     blocks = jnp.asarray(blocks)
-    kid = block_ids(kb, jnp.arange(Lkv, dtype=jnp.int32))       # [Hbk, Lkv]
+    kid = block_ids(kb, jnp.arange(Lkv, dtype=jnp.int32)[None])  # [Hbk, Lkv]
     delta = rows_.delta_of(out, do, dlse)
     lse = rows_.lse_for_backward(lse)
     C = int(max(8, min(Lq, _EXACT_CHUNK_ELEMS // max(1, B * Hq * Lkv))))
@@ -93,7 +85,7 @@ def exact_backward(q, k, v, q_bounds, kv_bounds, blocks, out, lse, do, dlse=None
     def body(carry, xs):
         dk, dv = carry
         i, qc, doc, lc, dc = xs
-        qid = block_ids(qb, i * C + jnp.arange(C, dtype=jnp.int32))
+        qid = block_ids(qb, (i * C + jnp.arange(C, dtype=jnp.int32))[None])
         sel = jnp.broadcast_to(blocks[heads, qid[:, :, None], kid[:, None, :]], (Hq, C, Lkv))
         s = jnp.einsum("bqhd,bkhd->bhqk", qc, kf, precision=hi) * scale
         p = jnp.where(sel[None], jnp.exp(s - lc[..., None]), 0.0)

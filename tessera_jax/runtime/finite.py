@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tessera_jax.mask import BlockMask
+from tessera_jax.planning.device import block_ids
 from tessera_jax.reference import finite_or_zero, nonfinite, set_rows_nan
-from tessera_jax.runtime.exact import block_ids
 from tessera_jax.runtime.kernel_runner import tracing
 
 __all__ = ["attention", "marked_rows", "clear_cache"]
@@ -67,7 +67,7 @@ def marked_rows(bad_q, bad_kv, q_bounds, kv_bounds, blocks):
     sel = jnp.asarray(blocks)[_head_rows(Hm, Hq)]                         # [Hq, nq, nk]
     hit = jnp.any(sel[None] & bad_block[:, :, None, :], axis=-1)          # [B, Hq, nq]
     some = jnp.any(sel, axis=-1)                                          # [Hq, nq]
-    qid = block_ids(qb, jnp.arange(Lq, dtype=jnp.int32))[_head_rows(qb.shape[0], Hq)]
+    qid = block_ids(qb, jnp.arange(Lq, dtype=jnp.int32)[None])[_head_rows(qb.shape[0], Hq)]
     h = heads[:, None]                                                    # with qid: [Hq, Lq]
     return hit[:, h, qid] | (jnp.swapaxes(bad_q, 1, 2) & some[h, qid][None])
 
