@@ -148,7 +148,7 @@ VIEW_GRID_COLS = 12
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["units", "steps", "row_index"],
                    meta_fields=["tile_q", "tile_kv", "q_len_padded", "kv_len_padded",
-                                "max_steps", "all_full"])
+                                "max_steps", "all_full", "rows_owned"])
 @dataclasses.dataclass(frozen=True, eq=False)       # identity hash: caches key on the object
 class PassPlan:
     """The plan of one kernel pass (a forward, or a backward's dq or dk/dv pass): the ABI
@@ -156,7 +156,10 @@ class PassPlan:
     for a host plan (the planner's, cached, so identity keys device copies), traced leaves for
     a device plan. ``row_index`` None: made on the device from ``units``. ``all_full``: True /
     False when the planner knows whether every visited step is full (a *trusted* plan: no
-    backend walks its steps), None when unknown (a concrete plan is then checked)."""
+    backend walks its steps), None when unknown (a concrete plan is then checked).
+    ``rows_owned``: True when the planner knows that its units own every query row (< the
+    true Lq) of every query head, so a kernel may store rows in place and leave none unwritten
+    (``units_own_all_rows``); False: unknown, the kernel's output is gathered."""
 
     units: np.ndarray | jax.Array
     steps: np.ndarray | jax.Array
@@ -167,6 +170,7 @@ class PassPlan:
     kv_len_padded: int
     max_steps: int
     all_full: bool | None = None
+    rows_owned: bool = False
 
 
 def bitmap_words(tile_kv: int) -> int:
@@ -872,6 +876,44 @@ def row_index_from_units(units, num_q_heads: int, q_len: int, tile_q: int):
     return flat.reshape(num_q_heads, q_len)
 
 
+#: Rows a kernel stores as one piece (a consumer warpgroup's rows): ``partial_groups``' unit.
+STORE_ROWS = 64
+
+
+def partial_groups(q_start, own_lo, own_hi, tile_q: int, q_len: int) -> float:
+    """The fraction of the owned STORE_ROWS-row groups of tiles (unit or (head, tile) arrays of
+    starts and own ranges, NumPy) that their unit owns only in part: a kernel storing rows in
+    place writes a whole group by one copy, a part by several. Rows past ``q_len`` count as
+    owned (a store may write the padding)."""
+    start = np.asarray(q_start, np.int64).reshape(-1)
+    lo = np.asarray(own_lo, np.int64).reshape(-1)
+    hi = np.maximum(np.asarray(own_hi, np.int64).reshape(-1), np.where(
+        start + np.asarray(own_hi).reshape(-1) >= q_len, tile_q, 0))
+    hi = np.minimum(hi, tile_q)
+    part = whole = 0
+    for r0 in range(0, tile_q, STORE_ROWS):
+        a = np.clip(lo - r0, 0, STORE_ROWS)
+        b = np.clip(hi - r0, 0, STORE_ROWS)
+        w = (a == 0) & (b == STORE_ROWS)
+        whole += int(w.sum())
+        part += int(((b > a) & ~w).sum())
+    return part / max(part + whole, 1)
+
+
+def units_own_all_rows(units: np.ndarray, num_q_heads: int, q_len: int) -> bool:
+    """Whether host ``units`` own every row < ``q_len`` of each of ``num_q_heads`` heads (the
+    units of a head own disjoint rows, a plan invariant: counting the owned rows suffices)."""
+    units = np.asarray(units)
+    if units.shape[0] == 0:
+        return num_q_heads * q_len == 0
+    start = units[:, UNIT_Q_START].astype(np.int64)
+    lo = np.minimum(start + units[:, UNIT_OWN_LO], q_len)
+    hi = np.minimum(start + units[:, UNIT_OWN_HI], q_len)
+    per_head = np.bincount(units[:, UNIT_HEAD], np.maximum(hi - lo, 0),
+                           minlength=num_q_heads)
+    return bool(np.all(per_head[:num_q_heads] == q_len))
+
+
 _HOST: dict = {}
 
 
@@ -915,8 +957,13 @@ def gather_rows(out_units, lse_units, row_index, row_index_t=None):
     B, U, T, D = out_units.shape
     # The sentinel U * T is one past the end: "fill" gives it the value, with no padded copy.
     flat = out_units.reshape(B, U * T, D)
-    lflat = lse_units.reshape(B, U * T).astype(jnp.float32)
     idx = row_index.T if row_index_t is None else row_index_t
     out = jnp.take(flat, idx, axis=1, mode="fill", fill_value=0)               # [B, Lq, Hq, D]
-    lse = jnp.take(lflat, row_index, axis=1, mode="fill", fill_value=-jnp.inf)  # [B, Hq, Lq]
-    return out, lse
+    return out, gather_lse(lse_units, row_index)
+
+
+def gather_lse(lse_units, row_index):
+    """Unit-major lse [B, U, tile_q] -> [B, Hq, Lq] float32 (-inf on rows no unit owns)."""
+    B, U, T = lse_units.shape
+    lflat = lse_units.reshape(B, U * T).astype(jnp.float32)
+    return jnp.take(lflat, row_index, axis=1, mode="fill", fill_value=-jnp.inf)

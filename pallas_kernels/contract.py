@@ -290,20 +290,31 @@ def pad(x, length: int, head_dim: int | None = None):
 
 
 @functools.partial(jax.jit, static_argnames=("kernel", "cfg", "q_len_padded", "kv_len_padded",
-                                             "head_dim", "scale", "return_lse", "interpret"))
+                                             "head_dim", "scale", "return_lse", "interpret",
+                                             "direct"))
 def forward_call(q, k, v, units, steps, row_index, row_index_t=None, *, kernel, cfg,
-                 q_len_padded, kv_len_padded, head_dim, scale, return_lse, interpret):
+                 q_len_padded, kv_len_padded, head_dim, scale, return_lse, interpret,
+                 direct=False):
     """A GPU forward pass: q, k, v padded to the plan's lengths (and to ``head_dim``), the
     kernel ``kernel(q, k, v, units, steps, cfg=, scale=, interpret=)`` -> unit-major out,
-    lse; the owned rows gathered to out [B, Lq, Hq, D] (and lse [B, Hq, Lq])."""
+    lse; the owned rows gathered to out [B, Lq, Hq, D] (and lse [B, Hq, Lq]). ``direct``
+    (a kernel that stores owned rows in place, a plan whose units own every row): the kernel
+    takes ``direct=True`` and returns out [B, Lqp, Hq, head_dim]; only lse is gathered."""
     B, Lq, Hq, D = q.shape
+    kw = dict(direct=True) if direct else {}
     out_u, lse_u = kernel(pad(q, q_len_padded, head_dim), pad(k, kv_len_padded, head_dim),
                           pad(v, kv_len_padded, head_dim), units, steps, cfg=cfg, scale=scale,
-                          interpret=interpret)
+                          interpret=interpret, **kw)
     if head_dim != D:
         out_u = out_u[..., :D]
+    if direct:
+        out = out_u[:, :Lq] if out_u.shape[1] != Lq else out_u
+        if not return_lse:
+            return out
     if row_index is None:
         row_index = abi.row_index_from_units(units, Hq, Lq, cfg.tile_q)
+    if direct:
+        return out, abi.gather_lse(lse_u, row_index)
     out, lse = abi.gather_rows(out_u, lse_u, row_index, row_index_t)
     return (out, lse) if return_lse else out
 

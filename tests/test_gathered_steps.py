@@ -520,7 +520,7 @@ def test_dkv_gather_check_reads_only_visited_rows():
     name = "mgpu_q128_kv128_s2_gather_skip_nopp-host-D128"
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     L = int(rng.integers(700, 1500))
-    qb, blocks = gpu_check._mask_parts(rng, L, 4, "host")
+    qb, blocks = gpu_check._mask_parts(rng, L, 4, "host", own_all=False)
     fwd = tj.plan(tj.BlockMask(qb, qb, blocks), (1, L, 4, 128), (1, L, 2, 128), jnp.bfloat16,
                   template="mgpu_q128_kv128_s2_gather_skip_nopp")
     cands = [c for c, _ in host_plans.dkv_candidates(fwd, "mosaic_gpu")]

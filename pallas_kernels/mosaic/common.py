@@ -30,6 +30,43 @@ def bcast(vec, shape, dim: int):
     return plgpu.layout_cast(lax.broadcast_in_dim(vec, shape, [dim]), plgpu.Layout.WGMMA)
 
 
+def store_owned(val, tiled, untiled, lo, hi, dst):
+    """A warpgroup's 64 rows ``val`` (registers) stored in place, only its owned rows [lo, hi)
+    (0 <= lo <= hi <= 64): all 64 by one TMA copy from the swizzled ``tiled`` buffer, a part
+    by the binary ladder of copies of 32, 16, .., 1 rows from the ``untiled`` buffer (a row is
+    D * 2 >= 128 bytes, so any row offset meets TMA's SMEM alignment). ``dst(start, n)``: the
+    GMEM view of n rows from row ``start`` of the 64. The copies are committed, not waited."""
+    whole = (lo == 0) & (hi == WG_ROWS)
+
+    @pl.when(whole)
+    def _():
+        tiled[...] = val
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(tiled, dst(0, WG_ROWS))
+
+    @pl.when(~whole & (hi > lo))
+    def _():
+        untiled[...] = val
+        plgpu.commit_smem()
+        p, n = lo, WG_ROWS // 2
+        while n:
+            take = hi - p >= n
+
+            @pl.when(take)
+            def _(p=p, n=n):
+                plgpu.copy_smem_to_gmem(untiled.at[pl.ds(p, n)], dst(p, n))
+
+            p = p + jnp.where(take, n, 0)
+            n //= 2
+
+
+def owned_rows(units, u, row0):
+    """(lo, hi): the unit's own rows within a warpgroup's 64 rows from tile row ``row0``."""
+    lo = jnp.clip(units[u, abi.UNIT_OWN_LO] - row0, 0, WG_ROWS)
+    hi = jnp.clip(units[u, abi.UNIT_OWN_HI] - row0, 0, WG_ROWS)
+    return lo, hi
+
+
 def grid_mask(cuts_a, cuts_b, q_lo, q_hi, kv_lo, kv_hi, rows, cols, row0, x):
     """A grid step's mask on a warpgroup's scores ``x`` [64, tile_kv]: -inf where
     ``step_masks.grid_vectors`` (rows / cols: thunks of the fragment's iotas; bounds relative

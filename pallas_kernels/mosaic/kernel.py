@@ -44,7 +44,7 @@ from pallas_kernels import step_masks
 from pallas_kernels.contract import LN2, LOG2E, MASK_MODES
 from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask,
                                           gather_produce, gather_vectors, grid_mask, iota,
-                                          load_gathered, rows_of)
+                                          load_gathered, owned_rows, rows_of, store_owned)
 from pallas_kernels.templates import CompiledConfig, MosaicConfig
 
 __all__ = ["KernelConfig", "forward", "smem_bytes", "MASK_MODES", "MAX_SMEM"]
@@ -85,13 +85,14 @@ class KernelConfig(CompiledConfig):
                                                   or self.variant.pair_pingpong)
 
 
-def smem_bytes(cfg: KernelConfig, head_dim: int) -> int:
-    """Shared memory of one CTA: Q/O tiles, the K/V ring, LSE, plus ~2.7 KB of barriers and
-    alignment (232,568 bytes measured for tile_kv=128, 3 stages, D=128; the reduction scratch
-    and barriers take 2.6-2.9 KB in the cross-lowered kernels)."""
+def smem_bytes(cfg: KernelConfig, head_dim: int, direct: bool = False) -> int:
+    """Shared memory of one CTA: Q/O tiles, the K/V ring, LSE, with ``direct`` the untiled O
+    rows, plus ~2.7 KB of barriers and alignment (232,568 bytes measured for tile_kv=128, 3
+    stages, D=128; the reduction scratch and barriers take 2.6-2.9 KB in the cross-lowered
+    kernels)."""
     rows = CONSUMERS * WG_ROWS
-    return 2 * (rows * head_dim + 2 * cfg.rings * cfg.stages * cfg.tile_kv * head_dim) \
-        + 4 * rows + 2900
+    return 2 * ((2 if direct else 1) * rows * head_dim
+                + 2 * cfg.rings * cfg.stages * cfg.tile_kv * head_dim) + 4 * rows + 2900
 
 
 class _Ctx(NamedTuple):
@@ -112,9 +113,11 @@ class _Ctx(NamedTuple):
     units: Any
     steps: Any
     words: Any                 # steps.reshape(-1): bitmap steps' words (abi.BITMAP_FLAG)
-    out: Any
+    out: Any                   # direct: [B, Lqp, Hq, D]; else unit-major [B, U, tile_q, D]
     lse: Any
+    direct: bool               # O rows stored in place (``forward``'s ``direct``)
     qo_smem: Any               # [CONSUMERS, 64, D]: Q tile in, O tile out
+    rows_smem: Any             # direct: [CONSUMERS, 64, D] untiled, O rows of a partial slab
     k_smem: Any                # [rings * stages, tile_kv, D]
     v_smem: Any
     lse_smem: Any              # [CONSUMERS, 64]
@@ -139,9 +142,15 @@ class _Wg(NamedTuple):
     cnt: Any                   # the unit's step count
 
 
-def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret=False):
+def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret=False,
+            direct: bool = False):
     """Runs the kernel: q [B, Lqp, Hq, D], k/v [B, Lkvp, Hkv, D] (already padded) ->
-    out_units [B, U, tile_q, D] (q.dtype) and lse_units [B, U, tile_q] (float32, natural log)."""
+    out_units [B, U, tile_q, D] (q.dtype) and lse_units [B, U, tile_q] (float32, natural log).
+
+    ``direct``: out is [B, Lqp, Hq, D], each unit's owned rows stored in place (a whole
+    64-row slab by one TMA copy, a partial one by at most six copies of 32 .. 1 rows), so no
+    gather of the unit-major output follows; rows no unit owns are left unwritten (only for
+    plans whose units own every query row, ``abi.PassPlan.rows_owned``)."""
     B, _, Hq, D = q.shape
     _, _, Hkv, _ = k.shape
     U = units.shape[0]
@@ -152,6 +161,7 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
                   interpret=interpret)
 
     def entry(q_ref, k_ref, v_ref, units_ref, steps_ref, words_ref, out_ref, lse_ref):
+        direct_rows = ((plgpu.SMEM((nwg, WG_ROWS, D), dtype),) if direct else ())
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
         slots = cfg.rings * cfg.stages
@@ -161,10 +171,11 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
         lse = plgpu.SMEM((nwg, WG_ROWS), jnp.float32)
 
         def scoped(bufs, bars, consumed, schedule_barrier):
-            (qo_smem, k_smem, v_smem, lse_smem), (k_bar, v_bar, q_bar) = bufs, bars
+            (qo_smem, k_smem, v_smem, lse_smem, *rows_smem), (k_bar, v_bar, q_bar) = bufs, bars
             c = _Ctx(q=q_ref, k=k_ref, v=v_ref, units=units_ref, steps=steps_ref,
-                     words=words_ref, out=out_ref,
-                     lse=lse_ref, qo_smem=qo_smem, k_smem=k_smem, v_smem=v_smem,
+                     words=words_ref, out=out_ref, lse=lse_ref, direct=direct,
+                     rows_smem=rows_smem[0] if direct else None, qo_smem=qo_smem,
+                     k_smem=k_smem, v_smem=v_smem,
                      lse_smem=lse_smem, k_bar=k_bar, v_bar=v_bar, q_bar=q_bar,
                      k_consumed=consumed[0], v_consumed=consumed[1],
                      schedule_barrier=schedule_barrier, **static)
@@ -174,7 +185,7 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
         copies = cfg.tile_kv // cfg.variant.gather_run if cfg.variant.gather else 1
         pl.run_scoped(
             scoped,
-            (qo, kbuf, vbuf, lse),
+            (qo, kbuf, vbuf, lse, *direct_rows),
             (plgpu.Barrier(num_arrivals=copies, num_barriers=slots),
              plgpu.Barrier(num_arrivals=copies, num_barriers=slots),
              plgpu.Barrier(num_barriers=nwg)),
@@ -184,7 +195,8 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
             collective_axes="wg",
         )
 
-    out_type = (jax.ShapeDtypeStruct((B, U, cfg.tile_q, D), dtype),
+    out_shape = q.shape if direct else (B, U, cfg.tile_q, D)
+    out_type = (jax.ShapeDtypeStruct(out_shape, dtype),
                 jax.ShapeDtypeStruct((B, U, cfg.tile_q), jnp.float32))
     kwargs = {}
     if interpret:
@@ -287,7 +299,7 @@ def _consumer_unit(c: _Ctx, wg, ring, row0, qo_smem, lse_smem, j, base):
         lax.fori_loop(cnt, jnp.maximum(cnt, cnt_other), functools.partial(_pad_step, c),
                       jnp.int32(0))
     pl.when(wg == 0)(schedule)
-    _store(c, w, u, b, valid, acc, m_i, l_i)
+    _store(c, w, u, b, valid, acc, m_i, l_i, head, q_row)
     return base + cnt
 
 
@@ -489,18 +501,26 @@ def _skip_step(c: _Ctx, w: _Wg, i, slot, state):
     return state
 
 
-def _store(c: _Ctx, w: _Wg, u, b, valid, acc, m_i, l_i):
-    """Normalises the accumulator and writes the warpgroup's 64 rows of O and LSE."""
+def _store(c: _Ctx, w: _Wg, u, b, valid, acc, m_i, l_i, head, q_row):
+    """Normalises the accumulator and writes the warpgroup's 64 rows of O (``direct``: its
+    owned rows, in place at rows ``q_row`` .. of ``head``, ``common.store_owned``) and LSE."""
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
     acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    w.qo_smem[...] = acc.astype(c.dtype)
+    o16 = acc.astype(c.dtype)
     w.lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
+    if not c.direct:
+        w.qo_smem[...] = o16
     plgpu.commit_smem()
 
     def store():
         rows = pl.ds(w.row0, WG_ROWS)
-        plgpu.copy_smem_to_gmem(w.qo_smem, c.out.at[b, u, rows])
+        if c.direct:
+            lo, hi = owned_rows(c.units, u, w.row0)
+            store_owned(o16, w.qo_smem, c.rows_smem.at[w.wg], lo, hi,
+                        lambda p, n: c.out.at[b, pl.ds(q_row + p, n), head])
+        else:
+            plgpu.copy_smem_to_gmem(w.qo_smem, c.out.at[b, u, rows])
         plgpu.copy_smem_to_gmem(w.lse_smem, c.lse.at[b, u, rows])
         plgpu.wait_smem_to_gmem(0)  # Q/O and LSE buffers are reused next unit
 

@@ -39,7 +39,16 @@ def run_forward(q, k, v, plan: abi.PassPlan, t: Template, mode: str, scale: floa
         q, k, v, units, steps, row_index, row_index_t, kernel=_kernel.forward,
         cfg=_kernel.KernelConfig.from_template(t, mode), q_len_padded=int(plan.q_len_padded),
         kv_len_padded=int(plan.kv_len_padded), head_dim=q.shape[-1], scale=float(scale),
-        return_lse=bool(return_lse), interpret=contract.mosaic_interpret(interpret))
+        return_lse=bool(return_lse), interpret=contract.mosaic_interpret(interpret),
+        direct=_direct(plan, t, q.shape[-1]))
+
+
+def _direct(plan: abi.PassPlan, t: Template, head_dim: int) -> bool:
+    """Whether the forward stores rows in place: the plan's units own every row and the
+    untiled O buffer fits shared memory."""
+    cfg = _kernel.KernelConfig.from_template(t, "cond")
+    return bool(plan.rows_owned) and \
+        _kernel.smem_bytes(cfg, head_dim, direct=True) <= _kernel.MAX_SMEM
 
 
 def _check_tiles(plan: abi.PassPlan, *allowed) -> None:

@@ -439,8 +439,9 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     with jax.named_scope("plan_units"):
         units = _units(qx, ptr, cnt, part, num_q_heads, Hm, tile_q, tile_kv)
         ok = _fits(qx, kx, n_need, bitmap_capacity, nq, nk, q_len, kv_len)
+    # One unit per (head, tile), the tiles' own ranges covering [0, q_len): every row owned.
     plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), int(qx.padded),
-                        int(kx.padded), int(kx.org.shape[1]))
+                        int(kx.padded), int(kx.org.shape[1]), rows_owned=True)
     return plan, jnp.asarray(ok)
 
 

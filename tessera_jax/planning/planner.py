@@ -239,6 +239,13 @@ class Plan:
                             & (st[:, abi.STEP_CUTS_B] == 0))
                            | (st[:, abi.STEP_CUTS_B] == abi.GATHER_FULL_FLAG)))
 
+    @functools.cached_property
+    def rows_owned(self) -> bool:
+        """Whether the units own every query row of every query head (a row selecting no key
+        may be owned by no unit): kernels then store rows in place (``abi.PassPlan``)."""
+        return abi.units_own_all_rows(self.units[: self.num_units], self.shape.num_q_heads,
+                                      self.shape.q_len)
+
     @property
     def capacities(self) -> tuple[int, int, int]:
         return (self.units.shape[0], self.steps.shape[0], self.max_steps)

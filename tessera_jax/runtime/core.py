@@ -28,7 +28,9 @@ so (``_first_order``; the XLA backend is plain jnp and differentiates again). Fo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import weakref
 
 import jax
 import numpy as np
@@ -110,9 +112,27 @@ def _core_bwd(static, scale, return_lse, options, res, g):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
+# Pass plans with ``rows_owned`` cleared (``Options.store_in_place`` False), one per plan, so
+# that caches keyed on a host pass plan (the kernel runner's device copies) keep working.
+_GATHERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _stores(p, options: Options):
+    """Pass plan ``p`` as the kernels get it: without ``rows_owned`` when the caller turned
+    in-place stores off (kernels then write unit-major tiles, gathered after)."""
+    if p is None or options.store_in_place or not p.rows_owned:
+        return p
+    if isinstance(p.units, np.ndarray):
+        hit = _GATHERED.get(p)
+        if hit is None:
+            hit = _GATHERED[p] = dataclasses.replace(p, rows_owned=False)
+        return hit
+    return dataclasses.replace(p, rows_owned=False)
+
+
 def _forward(plan: AttentionPlan, q, k, v, scale, return_lse, options: Options, *, rows):
     """The forward of ``plan``; ``rows``: a host plan's row maps go in as constants."""
-    fwd = plan.fwd_pass(rows)
+    fwd = _stores(plan.fwd_pass(rows), options)
 
     def exact():
         return exact_attention(q, k, v, *plan.exact, scale=scale, return_lse=return_lse)
@@ -165,7 +185,8 @@ def _backward(plan: AttentionPlan, q, k, v, out, lse, do, dlse, scale, options: 
     if plan.template is None:
         return exact()
     be = dispatch.BACKENDS[plan.backend]
-    fwd, dkv = plan.fwd_pass(be.backward_rows), plan.dkv_pass(be.backward_rows)
+    fwd, dkv = (_stores(p, options) for p in (plan.fwd_pass(be.backward_rows),
+                                              plan.dkv_pass(be.backward_rows)))
     if dkv is None:                       # a device mask's transposed plan past the budget
         return exact()
 

@@ -72,6 +72,12 @@ class Options:
         template ran 0.28 / 0.18 / 0.15 of cuDNN on clusters / cubes / sliding against 0.38 /
         0.21 / 0.31 for the device list (its planning costs as much as the kernel;
         benchmarks/NOTES.md#gathered-steps).
+    store_in_place: kernels that can (Mosaic GPU's forward) store each unit's owned
+        rows straight into the [B, L, H, D] output when the plan's units own every query row
+        (``abi.PassPlan.rows_owned``), instead of unit-major tiles gathered after the kernel
+        (a copy of the output: ~78 us at Wan 480p, 12 heads, on the H100; the forward 4-6%
+        faster on four of five Wan 480p families, benchmarks/NOTES.md#kernel-steps).
+        False: always the unit-major tiles and their gather.
     """
 
     bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES
@@ -84,6 +90,7 @@ class Options:
     check_finite: bool = False
     host_planning: str = "sync"
     device_gather: str = "never"
+    store_in_place: bool = True
 
     def __post_init__(self):
         b = self.bitmap_budget_bytes
@@ -114,6 +121,9 @@ class Options:
         if not isinstance(self.check_finite, bool):
             raise TypeError(f"check_finite must be a bool, got "
                             f"{type(self.check_finite).__name__}")
+        if not isinstance(self.store_in_place, bool):
+            raise TypeError(f"store_in_place must be a bool, got "
+                            f"{type(self.store_in_place).__name__}")
         if not isinstance(self.host_planning, str) or self.host_planning not in HOST_PLANNING:
             raise ValueError(f"host_planning must be one of {HOST_PLANNING}, got "
                              f"{self.host_planning!r}")

@@ -34,14 +34,22 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _mask_parts(rng, L: int, Hq: int, route: str, n: int = 20):
+def _mask_parts(rng, L: int, Hq: int, route: str, n: int = 20, own_all: bool | None = None):
     """(q_bounds, blocks): n variable blocks per axis (per head for "perhead" and "traced"),
-    ~40% of the blocks selected per head, query block 3 empty."""
+    ~40% of the blocks selected per head, query block 3 empty; on the host route half the
+    cases select a key block in every query block instead (units owning every row: the
+    Mosaic forward stores rows in place, ``abi.PassPlan.rows_owned``); ``own_all`` forces
+    one or the other."""
     per_head = route in ("perhead", "traced")
     qb = np.stack([np.r_[0, np.sort(rng.choice(np.arange(1, L), n - 1, replace=False)), L]
                    for _ in range(Hq if per_head else 1)])
     blocks = rng.random((Hq, n, n)) < 0.4
-    blocks[:, 3] = False
+    if own_all is None:
+        own_all = route == "host" and bool(rng.random() < 0.5)
+    if own_all:
+        blocks[:, :, int(rng.integers(n))] = True
+    else:
+        blocks[:, 3] = False
     return (qb if per_head else qb[0]), blocks
 
 
@@ -200,6 +208,8 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
                empty_rows_ok=bool(np.all(np.isneginf(lse[~fin]))
                                   and not np.isnan(np.asarray(out, np.float32)).any()),
                rel_grads=[_rel(g, r) for g, r in zip(grads, rgrads)])
+    if route == "host":
+        rec["rows_owned"] = bool(np.all(blocks.any(axis=-1)))
     rec["ok"] = (rec["rel_out"] < OUT_TOL and rec["lse_max_err"] < LSE_TOL
                  and rec["empty_rows_ok"] and max(rec["rel_grads"]) < GRAD_TOL)
     if dev_gathers:
