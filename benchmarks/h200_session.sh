@@ -44,6 +44,24 @@ run() {   # run SECONDS NAME CMD...: one part, its log in $OUT/NAME.log
   echo "[$(date +%T)] $name rc $rc"
 }
 case "${1:-}" in
+direct-check)
+  # Session 27: the Mosaic forward storing owned rows in place (abi.PassPlan.rows_owned) and
+  # session 26's planner changes compiled: the whole make test-gpu, then route_gap with the
+  # A/B of the in-place store against the unit-major store and its gather (predicted: the
+  # gather's ~78 us at Wan 480p on the H100, aligned / sliding ~6% of the kernel, gone).
+  run 330 test-gpu make test-gpu PYTEST_ARGS="-n 6 -rA --durations=0"
+  run 200 route-gap python3 benchmarks/route_gap.py --budget-s 170 --out $OUT/route-gap.json ;;
+direct-ab)
+  # Session 27: Options.store_in_place on / off in alternating rounds (host and device
+  # forward, host forward + backward on the irregular families), after make test-gpu's
+  # Mosaic cases with dq's in-place store (q128 x kv64 templates) and the device planner's
+  # unzeroed step buffer (lax.empty), then clusters' device route (predicted plan 0.615 ->
+  # ~0.53 ms).
+  run 230 test-gpu make test-gpu PYTEST_ARGS="-n 6 -rA --durations=0 -k 'mgpu or mosaic_gpu or aux_kernels'"
+  run 220 direct-store python3 benchmarks/direct_store.py --budget-s 190 \
+      --out $OUT/direct-store.json
+  run 100 route-gap python3 benchmarks/route_gap.py --families clusters,cubes --budget-s 60 \
+      --out $OUT/route-gap.json ;;
 route-check)
   # Session 26's device-route changes on the GPU: the compiled device / per-head / traced cases
   # (core._cond), then where the device route still loses against the host (route_gap.py) and
@@ -186,5 +204,5 @@ diagnose)
   run 170 builders-pool python3 benchmarks/bench_loop.py --out $OUT/builders-pool.json \
       --builder-costs vsa,vsa_pool_xla,vsa_highest,sparge_topk,sparge_topk_pool_xla
   tar -czf $OUT/logs.tar.gz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log ;;
-*) echo "usage: OUT=dir bash benchmarks/h200_session.sh accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
+*) echo "usage: OUT=dir bash benchmarks/h200_session.sh direct-check|route-check|accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
 esac

@@ -4,6 +4,8 @@
 argument), the host call, the device call, the device plan alone, and the forward kernel pass
 (``dispatch.forward``) alone over the device's plan, over the host plan's arrays passed as
 operands, and over the host plan as the host route runs it (constants, row maps included),
+the device's and the host's also with the unit-major store and its gather (``rows_owned``
+off: the A/B of the in-place store, whose outputs must agree bit for bit),
 all under the kernel rule in one process; with ``--trace-dir``, the GPU ops of the host and
 device calls from a profiler trace.
 
@@ -15,6 +17,8 @@ device calls from a profiler trace.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import sys
@@ -94,19 +98,25 @@ def main():
             bl = jnp.asarray(b)
             dp = plan(bl)
 
-            def kernel(q, k, v, units, steps, p=dp, t=t):
+            def kernel(q, k, v, units, steps, p=dp, t=t, owned=True):
                 pp = abi.PassPlan(units, steps, None, p.tile_q, p.tile_kv, p.q_len_padded,
-                                  p.kv_len_padded, p.max_steps, p.all_full)
+                                  p.kv_len_padded, p.max_steps, p.all_full,
+                                  owned and p.rows_owned)
                 return dispatch.forward(pp, t, q, k, v, scale, False, interpret=args.interpret)
 
             hpp = host_pass(hp, rows=True)
             ht = dispatch.get_template(hp.template)
             kernel_host_const = jax.jit(lambda q, k, v: dispatch.forward(
                 hpp, ht, q, k, v, scale, False, interpret=args.interpret))
+            # The same plan with the unit-major store and its gather (A/B of the in-place store).
+            hpp_g = dataclasses.replace(hpp, rows_owned=False)
+            kernel_host_gathered = jax.jit(lambda q, k, v: dispatch.forward(
+                hpp_g, ht, q, k, v, scale, False, interpret=args.interpret))
+            row["rows_owned"] = [bool(hpp.rows_owned), bool(dp.rows_owned)]
 
             def kernel_host_args(q, k, v, units, steps, p=hpp):
                 pp = abi.PassPlan(units, steps, None, p.tile_q, p.tile_kv, p.q_len_padded,
-                                  p.kv_len_padded, p.max_steps, p.all_full)
+                                  p.kv_len_padded, p.max_steps, p.all_full, p.rows_owned)
                 return dispatch.forward(pp, ht, q, k, v, scale, False, interpret=args.interpret)
 
             same = (t is not None and t.name == hp.template
@@ -115,12 +125,22 @@ def main():
             out_h, out_d = host(q, k, v), dev(q, k, v, bl)
             row["host_vs_device_max_abs"] = float(jnp.abs(out_h.astype(jnp.float32)
                                                           - out_d.astype(jnp.float32)).max())
+            # In place against gathered, same plan and kernel: bit for bit.
+            row["direct_equals_gathered"] = [
+                bool(jnp.array_equal(kernel_host_const(q, k, v), kernel_host_gathered(q, k, v))),
+                bool(jnp.array_equal(jax.jit(kernel)(q, k, v, dp.units, dp.steps),
+                                     jax.jit(functools.partial(kernel, owned=False))(
+                                         q, k, v, dp.units, dp.steps)))]
             if gpu and not args.trace_dir:      # a trace run traces only (CUPTI twice aborts)
                 row["host_ms"] = ms(host, (q, k, v))
                 row["device_ms"] = ms(dev, (q, k, v, bl))
                 row["plan_ms"] = ms(plan, (bl,))
                 row["kernel_device_plan_ms"] = ms(jax.jit(kernel), (q, k, v, dp.units, dp.steps))
+                row["kernel_device_plan_gathered_ms"] = ms(
+                    jax.jit(functools.partial(kernel, owned=False)),
+                    (q, k, v, dp.units, dp.steps))
                 row["kernel_host_const_ms"] = ms(kernel_host_const, (q, k, v))
+                row["kernel_host_gathered_ms"] = ms(kernel_host_gathered, (q, k, v))
                 row["kernel_host_args_ms"] = ms(jax.jit(kernel_host_args),
                                                 (q, k, v, jnp.asarray(hp.units),
                                                  jnp.asarray(hp.steps)))
