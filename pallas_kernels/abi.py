@@ -148,7 +148,7 @@ VIEW_GRID_COLS = 12
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["units", "steps", "row_index"],
                    meta_fields=["tile_q", "tile_kv", "q_len_padded", "kv_len_padded",
-                                "max_steps", "all_full", "rows_owned"])
+                                "max_steps", "all_full", "rows_owned", "partial_groups"])
 @dataclasses.dataclass(frozen=True, eq=False)       # identity hash: caches key on the object
 class PassPlan:
     """The plan of one kernel pass (a forward, or a backward's dq or dk/dv pass): the ABI
@@ -159,7 +159,10 @@ class PassPlan:
     backend walks its steps), None when unknown (a concrete plan is then checked).
     ``rows_owned``: True when the planner knows that its units own every query row (< the
     true Lq) of every query head, so a kernel may store rows in place and leave none unwritten
-    (``units_own_all_rows``); False: unknown, the kernel's output is gathered."""
+    (``units_own_all_rows``); False: unknown, the kernel's output is gathered.
+    ``partial_groups``: the fraction of the units' owned STORE_ROWS-row groups that a unit owns
+    only in part (``partial_groups``; 0.0 where the planner did not count them), which an
+    in-place store writes by several copies."""
 
     units: np.ndarray | jax.Array
     steps: np.ndarray | jax.Array
@@ -171,6 +174,7 @@ class PassPlan:
     max_steps: int
     all_full: bool | None = None
     rows_owned: bool = False
+    partial_groups: float = 0.0
 
 
 def bitmap_words(tile_kv: int) -> int:

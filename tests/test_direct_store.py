@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ from tessera_jax.planning.plan import host_pass
 from tessera_jax.planning.planner import build_plan
 from tessera_jax.runtime import core, host_plans
 
+from cuda_lowering import assert_mosaic_lowers
 from strategies import random_qkv
 from test_mosaic_kernel import INTERPRET, _check
 
@@ -64,6 +65,10 @@ def _mask(rng, Lq, Lkv, Hm, nq, nkv, density, empty_row):
 @given(seed=st.integers(0, 2 ** 31 - 1), template=st.sampled_from(TEMPLATES),
        D=st.sampled_from([64, 128]), Lq=st.integers(70, 330), Lkv=st.integers(40, 300),
        gqa=st.booleans(), per_head=st.booleans(), empty_row=st.sampled_from([False] * 3 + [True]))
+# A gathering template's plan of one step row: its producer read the words of a plain step
+# past the end of ``steps`` (the interpreter's out-of-bounds check; common.copy_starts).
+@example(seed=155, template="mgpu_q128_kv128_s2_gather", D=64, Lq=70, Lkv=40, gqa=False,
+         per_head=False, empty_row=False)
 def test_direct_store_equals_the_gathered_output(seed, template, D, Lq, Lkv, gqa, per_head,
                                                  empty_row):
     """Ragged lengths (padded q, a moved-back last tile), unaligned block edges (own ranges
@@ -84,13 +89,16 @@ def test_direct_store_equals_the_gathered_output(seed, template, D, Lq, Lkv, gqa
     # unit whose tile holds selected rows: it stores zeros there).
     if np.all(np.asarray(mask.blocks).any(axis=-1)):
         assert plan.rows_owned
-    p = host_pass(plan)
+    # Partly owned slabs in place too (the ladder), whatever the rule would pick.
+    p = dataclasses.replace(host_pass(plan), partial_groups=0.0)
+    assert p.rows_owned == plan.rows_owned
     run = lambda pp: mosaic_ops.forward(q, k, v, pp, template=t, scale=D ** -0.5,  # noqa: E731
                                         return_lse=True, interpret=INTERPRET)
     out, lse = run(p)
     ref_out, ref_lse = tj.reference_attention(q, k, v, mask, return_lse=True)
     _check(out, lse, ref_out, ref_lse, jnp.bfloat16)
     if p.rows_owned:
+        assert mosaic_ops._direct(p, t, D)
         gathered = run(dataclasses.replace(p, rows_owned=False))
         np.testing.assert_array_equal(np.asarray(out, np.float32),
                                       np.asarray(gathered[0], np.float32))
@@ -117,13 +125,7 @@ def test_direct_store_lowers_for_cuda(template):
         cfg=mosaic_kernel.KernelConfig.from_template(t, "cond"),
         q_len_padded=plan.q_len_padded, kv_len_padded=plan.kv_len_padded, head_dim=D,
         scale=0.1, return_lse=True, interpret=False, direct=True)
-    try:
-        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    except Exception as e:  # pragma: no cover - depends on the installed jaxlib
-        if "cuda" in str(e).lower() and "platform" in str(e).lower():
-            pytest.skip(f"no CUDA lowering in this jaxlib: {e}")
-        raise
-    assert "mosaic_gpu" in lowered.as_text()
+    assert_mosaic_lowers(f, *args)
 
 
 def test_templates_fit_shared_memory_with_the_direct_store():
@@ -168,8 +170,8 @@ def test_device_plans_own_every_row(seed, per_head, traced):
 @pytest.mark.skipif(INTERPRET is None, reason="Mosaic GPU interpreter not importable")
 @pytest.mark.parametrize("template", ["mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm"])
 def test_store_in_place_option_gives_the_same_outputs_and_gradients(template):
-    """``Options.store_in_place`` on (the forward stores rows in place) and off (unit-major
-    tiles gathered): the same out, lse and gradients, bit for bit,
+    """``Options.store_in_place`` on (the forward and, where its buffer fits, dq store rows in
+    place) and off (unit-major tiles gathered): the same out, lse and gradients, bit for bit,
     and in-place stores really ran (the pass plan owns every row; dq's fits for kv64 tiles
     unpaired)."""
     rng = np.random.default_rng(7)
@@ -194,7 +196,43 @@ def test_store_in_place_option_gives_the_same_outputs_and_gradients(template):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     p = host_pass(plan)
     assert p.rows_owned and mosaic_ops._direct(p, t, 64)
+    assert mosaic_ops._dq_direct(p, t, 64)
+    # At head_dim 128 dq's untiled buffer fits beside one ring of kv64 tiles only.
+    assert mosaic_ops._dq_direct(p, t, 128) == (not t.kernel.paired)
     assert not tj.Options(store_in_place=False).store_in_place
     with pytest.raises(TypeError, match="store_in_place"):
         tj.Options(store_in_place=1)
 
+
+def test_dq_direct_store_lowers_for_cuda():
+    """dq's in-place store (q128 x kv64 tiles, head_dim 128: its buffer fits) passes Mosaic
+    GPU lowering, cross-lowered on this CPU machine."""
+    from pallas_kernels.mosaic import backward as mb
+    L, Hq, D, U, S = 256, 2, 128, 4, 16
+    sds = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    args = (sds((1, L, Hq, D), bf), sds((1, L, 1, D), bf), sds((1, L, 1, D), bf),
+            sds((1, L, Hq, D), bf), sds((1, U, 128), jnp.float32),
+            sds((1, U, 128), jnp.float32), sds((U, abi.UNIT_COLS), jnp.int32),
+            sds((S, abi.STEP_COLS), jnp.int32))
+    f = lambda *a: mb.dq_call(*a, tile_q=128, tile_kv=64, paired=False,  # noqa: E731
+                              mode="cond", scale=0.1, interpret=False, direct=True)
+    assert_mosaic_lowers(f, *args)
+
+
+def test_partial_groups_count_and_the_in_place_rule():
+    """``abi.partial_groups`` counts the owned 64-row groups owned in part (rows past q_len
+    count as owned); the Mosaic forward stores in place only below ``DIRECT_MAX_PARTIAL``."""
+    # Tile 0 owns rows 0..127 (two whole groups), tile 1 (moved back to 72) 56..127 of its
+    # own: one partial group, one whole; q_len 200: its end is the length.
+    assert abi.partial_groups([0, 72], [0, 56], [128, 128], 128, 200) == 1 / 4
+    assert abi.partial_groups([0, 128], [0, 0], [128, 72], 128, 200) == 0.0
+    assert abi.partial_groups([0], [0], [100], 128, 300) == 1 / 2
+    rng = np.random.default_rng(3)
+    t = templates.get("mgpu_q64x2_kv64_s2_hm")
+    mask = _mask(rng, 2000, 900, 1, 60, 20, 0.3, False)      # ~33-token query blocks
+    plan = tj.plan(mask, (1, 2000, 2, 128), (1, 900, 2, 128), jnp.bfloat16, template=t.name)
+    p = host_pass(plan)
+    assert p.rows_owned and p.partial_groups == plan.partial_groups > mosaic_ops.DIRECT_MAX_PARTIAL
+    assert not mosaic_ops._direct(p, t, 128)
+    assert mosaic_ops._direct(dataclasses.replace(p, partial_groups=0.0), t, 128)

@@ -42,7 +42,7 @@ from pallas_kernels import step_masks
 from pallas_kernels.contract import LOG2E
 from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask,
                                           gather_produce, gather_vectors, grid_mask, iota,
-                                          load_gathered, rows_of)
+                                          load_gathered, owned_rows, rows_of, store_owned)
 
 __all__ = ["dq_call", "dkv_call", "DKV_TILES", "DKV_PAIRED_TILES", "STAGES",
            "smem_bytes"]
@@ -60,14 +60,15 @@ DKV_GATHER_RUN = 32
 
 
 def smem_bytes(kernel: str, tile_kv: int, head_dim: int, rings: int = 1,
-               stages: int = STAGES) -> int:
-    """SMEM of one CTA (bytes, 2-byte inputs): ``dq``: Q and dO tiles, lse / delta rows and
-    the K/V ring(s) of ``tile_kv`` keys (``stages`` slots each); ``dkv``: K and V tiles, the
-    Q/dO ring and its lse / delta rows. Barriers and alignment add ~3 KB."""
+               stages: int = STAGES, direct: bool = False) -> int:
+    """SMEM of one CTA (bytes, 2-byte inputs): ``dq``: Q and dO tiles (with ``direct`` the
+    untiled dQ rows), lse / delta rows and the K/V ring(s) of ``tile_kv`` keys (``stages``
+    slots each); ``dkv``: K and V tiles, the Q/dO ring and its lse / delta rows. Barriers and
+    alignment add ~3 KB."""
     rows = CONSUMERS * WG_ROWS
     if kernel == "dq":
-        return 2 * (2 * rows * head_dim + 2 * rings * stages * tile_kv * head_dim) \
-            + 8 * rows + 3072
+        return 2 * ((3 if direct else 2) * rows * head_dim
+                    + 2 * rings * stages * tile_kv * head_dim) + 8 * rows + 3072
     return 2 * (2 * rows * head_dim + 2 * rings * STAGES * DKV_TILES[1] * head_dim) \
         + 8 * rings * STAGES * DKV_TILES[1] + 3072
 
@@ -190,6 +191,8 @@ _Dq = NamedTuple("_Dq", [
     ("delta_smem", Any),
     ("k_smem", Any),
     ("v_smem", Any),
+    ("direct", bool),  # dQ's owned rows stored in place into dq [B, Lqp, Hq, D]
+    ("rows_smem", Any),  # direct: [CONSUMERS, 64, D] untiled, dQ rows of a partial slab
     ("in_bars", Any),  # per consumer warpgroup: Q, dO, lse, delta arrived
     ("k_bar", Any),
     ("v_bar", Any),
@@ -304,11 +307,19 @@ def _dq_consumer(c: _Dq, wg):
 
     acc = plgpu.layout_cast(jnp.full((WG_ROWS, c.head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
     acc = lax.fori_loop(0, cnt, step, acc)
-    q_smem[...] = (acc * c.scale).astype(c.dtype)          # Q is read no more: dQ goes there
-    plgpu.commit_smem()
+    dq = (acc * c.scale).astype(c.dtype)
+    if not c.direct:
+        q_smem[...] = dq                                   # Q is read no more: dQ goes there
+        plgpu.commit_smem()
 
     def store():
-        plgpu.copy_smem_to_gmem(q_smem, c.dq.at[b, u, pl.ds(row0, WG_ROWS)])
+        if c.direct:
+            lo, hi = owned_rows(c.units, u, row0)
+            q_row = pl.multiple_of(q_start + row0, ALIGN)     # the whole slab's TMA start
+            store_owned(dq, q_smem, c.rows_smem.at[wg], lo, hi,
+                        lambda p, n: c.dq.at[b, pl.ds(q_row + p, n), head])
+        else:
+            plgpu.copy_smem_to_gmem(q_smem, c.dq.at[b, u, pl.ds(row0, WG_ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
     _if_valid(c, valid, store)
@@ -367,11 +378,14 @@ def _gather_produce(c, tile: int, stages: int, load, drain):
 
 
 def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paired, mode,
-             scale, interpret, gather_run: int = 0, stages: int = STAGES, wg_skip: bool = False):
+            scale, interpret, gather_run: int = 0, stages: int = STAGES, wg_skip: bool = False,
+            direct: bool = False):
     """dQ per unit [B, U, tile_q, D] over the forward plan; ``gather_run``: keys a copy loads
     on gathered steps (0: a plan without them, one copy a stage); ``stages``: K/V ring slots
     per ring (a gathering producer's; the other keeps STAGES); ``wg_skip``: a warpgroup skips
-    the steps whose rectangle misses its rows (tile_q 128)."""
+    the steps whose rectangle misses its rows (tile_q 128); ``direct``: dQ [B, Lqp, Hq, D],
+    each unit's owned rows stored in place (``common.store_owned``; a plan whose units own
+    every row)."""
     if wg_skip and paired:
         raise ValueError("dq_call: wg_skip needs two warpgroups on one unit (not paired)")
     if not gather_run and stages != STAGES:
@@ -396,7 +410,7 @@ def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paire
                     q_smem=bufs[0], do_smem=bufs[1], lse_smem=bufs[2], delta_smem=bufs[3],
                     k_smem=bufs[4], v_smem=bufs[5], in_bars=in_bars, k_bar=kv_bars[0],
                     v_bar=kv_bars[1], k_consumed=consumed[0], v_consumed=consumed[1],
-                    **static)
+                    direct=direct, rows_smem=bufs[6] if direct else None, **static)
             _warpgroups(c, _dq_consumer, _dq_producer)
 
         pl.run_scoped(
@@ -406,7 +420,8 @@ def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paire
              plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
              plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
              plgpu.SMEM((slots, tile_kv, D), dtype, transforms=tr),
-             plgpu.SMEM((slots, tile_kv, D), dtype, transforms=tr)),
+             plgpu.SMEM((slots, tile_kv, D), dtype, transforms=tr),
+             *((plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype),) if direct else ())),
             (plgpu.Barrier(num_barriers=CONSUMERS),) * 4,
             # A gathering producer arrives once per copy.
             (plgpu.Barrier(num_arrivals=tile_kv // gather_run if gather_run else 1,
@@ -418,7 +433,7 @@ def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paire
 
     kwargs = {"interpret": interpret} if interpret else {}
     return plgpu.kernel(
-        entry, out_type=jax.ShapeDtypeStruct((B, U, tile_q, D), dtype),
+        entry, out_type=jax.ShapeDtypeStruct(q.shape if direct else (B, U, tile_q, D), dtype),
         grid=(-(-U // 2) if paired else U, B), grid_names=("unit", "batch"),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs,

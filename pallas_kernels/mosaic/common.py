@@ -108,12 +108,15 @@ def gather_vectors(words, off, row0, tile_kv: int):
 
 def copy_starts(steps, words, s, tile_kv: int, run: int):
     """The first key of each copy of step ``s``'s K/V stage (``run`` keys each, a multiple of
-    abi.GATHER_ROWS): from the step's words (a gathered step) or kv_start + run j."""
+    abi.GATHER_ROWS): from the step's words (a gathered step) or kv_start + run j. The words
+    are read for every step (a select, not a branch), so their index is clamped: a plain
+    step of a plan of fewer than tile_kv / 8 words would read past ``words``."""
     m = run // abi.GATHER_ROWS
     kv_start = steps[s, abi.STEP_KV_START]
     gathered = abi.is_gather(steps[s, abi.STEP_CUTS_B])
     off = jnp.where(gathered, steps[s, abi.STEP_CUTS_A], 0)
-    return tuple(jnp.where(gathered, words[off + j * m], kv_start + j * run)
+    last = words.shape[0] - 1
+    return tuple(jnp.where(gathered, words[jnp.minimum(off + j * m, last)], kv_start + j * run)
                  for j in range(tile_kv // run))
 
 

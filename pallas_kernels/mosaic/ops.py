@@ -43,11 +43,18 @@ def run_forward(q, k, v, plan: abi.PassPlan, t: Template, mode: str, scale: floa
         direct=_direct(plan, t, q.shape[-1]))
 
 
+#: The in-place store's limit on partly owned 64-row groups (``abi.PassPlan.partial_groups``):
+#: each costs a ladder of copies from an untiled buffer at the unit's end. H100, Wan 480p,
+#: in place against gathered (benchmarks/NOTES.md#kernel-steps): aligned (0.002) -6.3%,
+#: sliding (0.057) -5.0%, frames (0.040) -5.2%, cubes (0.010) -3.6%, clusters (0.50) +4.0%.
+DIRECT_MAX_PARTIAL = 0.25
+
+
 def _direct(plan: abi.PassPlan, t: Template, head_dim: int) -> bool:
-    """Whether the forward stores rows in place: the plan's units own every row and the
-    untiled O buffer fits shared memory."""
+    """Whether the forward stores rows in place: the plan's units own every row, few of its
+    64-row groups only in part, and the untiled O buffer fits shared memory."""
     cfg = _kernel.KernelConfig.from_template(t, "cond")
-    return bool(plan.rows_owned) and \
+    return bool(plan.rows_owned) and plan.partial_groups <= DIRECT_MAX_PARTIAL and \
         _kernel.smem_bytes(cfg, head_dim, direct=True) <= _kernel.MAX_SMEM
 
 
@@ -70,15 +77,26 @@ def run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
                scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret),
                gather_run=contract.gathers(t),
                stages=t.stages if contract.gathers(t) else _backward.STAGES,
-               wg_skip=bool(t.kernel.wg_skip))
+               wg_skip=bool(t.kernel.wg_skip), direct=_dq_direct(plan, t, q.shape[-1]))
+
+
+def _dq_direct(plan: abi.PassPlan, t: Template, head_dim: int) -> bool:
+    """Whether dq stores rows in place: the plan's units own every row and the untiled dQ
+    buffer fits shared memory."""
+    stages = t.stages if contract.gathers(t) else _backward.STAGES
+    return bool(plan.rows_owned) and plan.partial_groups <= DIRECT_MAX_PARTIAL and \
+        _backward.smem_bytes(
+        "dq", t.tile_kv, head_dim, 2 if t.kernel.paired else 1, stages,
+        direct=True) <= _kernel.MAX_SMEM
 
 
 @functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "paired", "q_len_padded",
                                              "kv_len_padded", "scale", "mask_mode",
-                                             "interpret", "gather_run", "stages", "wg_skip"))
+                                             "interpret", "gather_run", "stages", "wg_skip",
+                                             "direct"))
 def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_q, tile_kv,
         paired, q_len_padded, kv_len_padded, scale, mask_mode, interpret, gather_run, stages,
-        wg_skip):
+        wg_skip, direct):
     lse_u = rows_.unit_rows(rows_.pad_rows(lse * contract.LOG2E, q_len_padded, jnp.inf), units,
                             tile_q, unit_index)
     delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q,
@@ -88,7 +106,10 @@ def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_
         contract.pad(v, kv_len_padded), contract.pad(do.astype(q.dtype), q_len_padded),
         lse_u, delta_u, units, steps, tile_q=tile_q, tile_kv=tile_kv, paired=paired,
         mode=mask_mode, scale=scale, interpret=interpret, gather_run=gather_run, stages=stages,
-        wg_skip=wg_skip)
+        wg_skip=wg_skip, direct=direct)
+    if direct:
+        B, Lq, Hq, D = q.shape
+        return dq_u[:, :Lq, :, :D] if dq_u.shape[1:] != (Lq, Hq, D) else dq_u
     return contract.gather_dq(dq_u, units, row_index_t, q.shape, tile_q)
 
 

@@ -84,7 +84,8 @@ def host_pass(plan, rows: bool = False) -> PassPlan:
         hit = per[rows] = PassPlan(plan.units, plan.steps, plan.row_index if rows else None,
                                    int(plan.tile_q), int(plan.tile_kv), int(plan.q_len_padded),
                                    int(plan.kv_len_padded), int(plan.max_steps),
-                                   bool(plan.all_full), bool(plan.rows_owned))
+                                   bool(plan.all_full), bool(plan.rows_owned),
+                                   float(plan.partial_groups))
     return hit
 
 

@@ -246,6 +246,14 @@ class Plan:
         return abi.units_own_all_rows(self.units[: self.num_units], self.shape.num_q_heads,
                                       self.shape.q_len)
 
+    @functools.cached_property
+    def partial_groups(self) -> float:
+        """The fraction of the units' owned 64-row groups owned only in part
+        (``abi.partial_groups``)."""
+        u = self.units[: self.num_units]
+        return abi.partial_groups(u[:, abi.UNIT_Q_START], u[:, abi.UNIT_OWN_LO],
+                                  u[:, abi.UNIT_OWN_HI], self.tile_q, self.shape.q_len)
+
     @property
     def capacities(self) -> tuple[int, int, int]:
         return (self.units.shape[0], self.steps.shape[0], self.max_steps)

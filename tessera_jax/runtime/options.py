@@ -72,12 +72,13 @@ class Options:
         template ran 0.28 / 0.18 / 0.15 of cuDNN on clusters / cubes / sliding against 0.38 /
         0.21 / 0.31 for the device list (its planning costs as much as the kernel;
         benchmarks/NOTES.md#gathered-steps).
-    store_in_place: kernels that can (Mosaic GPU's forward) store each unit's owned
+    store_in_place: kernels that can (Mosaic GPU's forward and dq) store each unit's owned
         rows straight into the [B, L, H, D] output when the plan's units own every query row
-        (``abi.PassPlan.rows_owned``), instead of unit-major tiles gathered after the kernel
-        (a copy of the output: ~78 us at Wan 480p, 12 heads, on the H100; the forward 4-6%
-        faster on four of five Wan 480p families, benchmarks/NOTES.md#kernel-steps).
-        False: always the unit-major tiles and their gather.
+        (``abi.PassPlan.rows_owned``) and at most a quarter of its 64-row groups only in part,
+        instead of unit-major tiles gathered after the kernel (a copy of the output: ~78 us
+        at Wan 480p, 12 heads, on the H100; the forward 5-7% faster on sliding tiles and
+        aligned blocks, benchmarks/NOTES.md#kernel-steps). False: always the unit-major tiles
+        and their gather.
     """
 
     bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES
