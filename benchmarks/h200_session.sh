@@ -19,10 +19,14 @@
 # Session 26 (H100, results/h100-route-gap*.json): the device route's padding copies and the
 # units' sort gone (device / host 1.035-1.076, clusters 1.144); the conditionals' layout copy
 # found and removed (core._cond), not yet compiled on a GPU.
+# Session 27 (H100; three of six machine starts failed): direct-check (make test-gpu 37/37 with
+# the in-place row stores and session 26's planner code; results/h100-route-gap.json), then
+# direct-ab (results/h100-direct-store.json; its make test-gpu cut at 210 s, the q128_kv64 and
+# device cases rerun: h100-test-gpu-dq.log).
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
-#   bash benchmarks/h200_session.sh route-check    # core._cond compiled (make test-gpu device /
-#     perhead / traced), device vs host per family, per-head vs shared (predicted: per-head
-#     sliding forward ~0.08 ms less)
+#   bash benchmarks/h200_session.sh route-check    # core._cond and the whole make test-gpu
+#     (the copy_starts clamp on the gathering templates), device vs host per family (the
+#     unzeroed step buffer: clusters' plan predicted 0.615 -> ~0.53 ms), per-head vs shared
 #   bash benchmarks/h200_session.sh accept-720     # issue 31's acceptance file at Wan 720p,
 #     then accept-480 again in the same session and --merge both (one commit)
 #   bash benchmarks/h200_session.sh perhead-diag   # per-head vs shared on the H200 (H100:
@@ -55,18 +59,15 @@ direct-ab)
   # Session 27: Options.store_in_place on / off in alternating rounds (host and device
   # forward, host forward + backward on the irregular families), after make test-gpu's
   # Mosaic cases with dq's in-place store (q128 x kv64 templates) and the device planner's
-  # unzeroed step buffer (lax.empty), then clusters' device route (predicted plan 0.615 ->
-  # ~0.53 ms).
-  run 230 test-gpu make test-gpu PYTEST_ARGS="-n 6 -rA --durations=0 -k 'mgpu or mosaic_gpu or aux_kernels'"
-  run 220 direct-store python3 benchmarks/direct_store.py --budget-s 190 \
-      --out $OUT/direct-store.json
-  run 100 route-gap python3 benchmarks/route_gap.py --families clusters,cubes --budget-s 60 \
-      --out $OUT/route-gap.json ;;
+  # unzeroed step buffer (lax.empty) and the gathering producers' clamped word index.
+  run 210 test-gpu make test-gpu PYTEST_ARGS="-n 6 -rA --durations=0 -k 'mgpu or mosaic_gpu'"
+  run 140 direct-store python3 benchmarks/direct_store.py --families sliding,aligned,clusters \
+      --backward sliding --budget-s 90 --out $OUT/direct-store.json ;;
 route-check)
   # Session 26's device-route changes on the GPU: the compiled device / per-head / traced cases
   # (core._cond), then where the device route still loses against the host (route_gap.py) and
   # per-head bounds against shared ones (perhead_diag.py).
-  run 200 test-gpu-route make test-gpu PYTEST_ARGS="-n 4 -rA -k 'device or perhead or traced'"
+  run 330 test-gpu make test-gpu PYTEST_ARGS="-n 6 -rA --durations=0"
   run 180 route-gap python3 benchmarks/route_gap.py --budget-s 150 --out $OUT/h200-route-gap.json
   run 180 perhead-diag python3 benchmarks/perhead_diag.py --budget-s 150 --nocond \
       --perhead-templates "" --out $OUT/h200-perhead-diag.json ;;
