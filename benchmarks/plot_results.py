@@ -1,9 +1,11 @@
-"""Plots of the H200 result files as PNGs in ``--out-dir`` (default /tmp/tessera-plots):
-forward+backward times per mask (``h200-backward.json``) and the compiled loops' times per
-variant (``h200-loop.json``).
+"""Plots of the result files as PNGs in ``--out-dir`` (default /tmp/tessera-plots):
+forward+backward times per mask (``h200-backward.json``), the compiled loops' times per
+variant (``h200-loop.json``) and the in-place row stores against the gathered output per
+family and route (``h100-direct-store.json``).
 
     python benchmarks/plot_results.py benchmarks/results/h200-backward.json \
-        benchmarks/results/h200-loop.json [--out-dir DIR]
+        benchmarks/results/h200-loop.json benchmarks/results/h100-direct-store.json \
+        [--out-dir DIR]
 """
 from __future__ import annotations
 
@@ -81,9 +83,33 @@ def plot_loops(doc: dict, path: str) -> str:
     return path
 
 
+def plot_direct_store(doc: dict, path: str) -> str:
+    """ms per (family, route), in place beside gathered, the gathered / in-place speedup
+    above each pair."""
+    bars = [(f"{r['family']}\n{route}", r[f"{route}_in_place_ms"], r[f"{route}_gathered_ms"])
+            for r in doc.get("rows", []) for route in ("host", "device", "fwd_bwd")
+            if f"{route}_in_place_ms" in r]
+    fig, ax = plt.subplots(figsize=(1.1 * len(bars) + 2, 3.8))
+    x = range(len(bars))
+    ax.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="in place")
+    ax.bar([i + 0.2 for i in x], [b[2] for b in bars], 0.4, label="unit-major + gather",
+           color="0.6")
+    for i, (_, a, g) in enumerate(bars):
+        ax.annotate(f"{_ratio(g / a)}x", (i, max(a, g)), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [b[0] for b in bars], fontsize=7)
+    ax.set_ylabel("ms (kernel rule)")
+    ax.set_title(f"{doc.get('device', '')}: in-place row stores (Wan 480p)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("files", nargs="+", help="h200-backward.json and/or h200-loop.json")
+    ap.add_argument("files", nargs="+",
+                    help="h200-backward.json, h200-loop.json and / or h100-direct-store.json")
     ap.add_argument("--out-dir", default="/tmp/tessera-plots", help="folder of the PNGs")
     args = ap.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -95,10 +121,13 @@ def main(argv=None):
                            os.path.basename(f).replace(".json", ".png"))
         if doc.get("benchmark", "").startswith("backward"):
             out.append(plot_backward(doc, png))
+        elif doc.get("benchmark") == "direct_store":
+            out.append(plot_direct_store(doc, png))
         elif "cases" in doc:
             out.append(plot_loops(doc, png))
         else:
-            raise SystemExit(f"plot_results: {f} is neither a backward nor a loop result file")
+            raise SystemExit(f"plot_results: {f} is not a backward, loop or direct-store "
+                             f"result file")
         print(out[-1])
     return out
 
