@@ -61,7 +61,7 @@ def _mask(rng, Lq, Lkv, Hm, nq, nkv, density, empty_row):
 
 
 @pytest.mark.skipif(INTERPRET is None, reason="Mosaic GPU interpreter not importable")
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2 ** 31 - 1), template=st.sampled_from(TEMPLATES),
        D=st.sampled_from([64, 128]), Lq=st.integers(70, 330), Lkv=st.integers(40, 300),
        gqa=st.booleans(), per_head=st.booleans(), empty_row=st.sampled_from([False] * 3 + [True]))
@@ -139,7 +139,7 @@ def test_templates_fit_shared_memory_with_the_direct_store():
     assert n >= len(TEMPLATES)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2 ** 31 - 1), per_head=st.booleans(), traced=st.booleans())
 def test_device_plans_own_every_row(seed, per_head, traced):
     """The device planner's claim (``rows_owned``): its units own each row < Lq of each head,
