@@ -110,7 +110,10 @@ grids launch unit u as program u, so the heaviest units start first).
 
 Outputs are *unit-major*: out_units [B, U, tile_q, D] and lse_units [B, U, tile_q] (float32,
 natural log; -inf for a row with no selected key). The backend gathers the owned rows back
-to [B, Lq, Hq, D]; this keeps every kernel store a whole, non-overlapping tile.
+to [B, Lq, Hq, D]; this keeps every kernel store a whole, non-overlapping tile. A kernel may
+instead store each unit's owned rows in place into [B, Lq_padded, Hq, D] where the plan says
+its units own every row (``PassPlan.rows_owned``; Mosaic GPU's forward and dq, by the rule of
+``PassPlan.partial_groups``): no row is then left unwritten, and only lse is gathered.
 """
 
 import dataclasses
