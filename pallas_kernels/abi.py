@@ -894,9 +894,8 @@ def partial_groups(q_start, own_lo, own_hi, tile_q: int, q_len: int) -> float:
     owned (a store may write the padding)."""
     start = np.asarray(q_start, np.int64).reshape(-1)
     lo = np.asarray(own_lo, np.int64).reshape(-1)
-    hi = np.maximum(np.asarray(own_hi, np.int64).reshape(-1), np.where(
-        start + np.asarray(own_hi).reshape(-1) >= q_len, tile_q, 0))
-    hi = np.minimum(hi, tile_q)
+    hi = np.asarray(own_hi, np.int64).reshape(-1)
+    hi = np.where(start + hi >= q_len, tile_q, np.minimum(hi, tile_q))
     part = whole = 0
     for r0 in range(0, tile_q, STORE_ROWS):
         a = np.clip(lo - r0, 0, STORE_ROWS)

@@ -26,8 +26,8 @@ __all__ = ["family_template", "default_interpret", "mosaic_interpret", "triton_i
            "check_qkv", "check_padded", "check_scale", "check_pass", "check_pass_plan",
            "check_dkv_gathers",
            "mask_mode_for", "forward_mask_mode", "is_host", "forward_op", "backward_ops",
-           "plan_operands", "pad", "forward_call", "gather_dq", "gather_dkv", "FLOAT_DTYPES",
-           "MASK_MODES", "BACKWARD_MASK_MODE", "LOG2E", "LN2"]
+           "plan_operands", "pad", "unpad", "forward_call", "gather_dq", "gather_dkv",
+           "FLOAT_DTYPES", "MASK_MODES", "BACKWARD_MASK_MODE", "LOG2E", "LN2"]
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 MASK_MODES = _templates.CompiledConfig.MASK_MODES     # what a compiled kernel config takes
@@ -289,6 +289,12 @@ def pad(x, length: int, head_dim: int | None = None):
     return jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, pad_d)))
 
 
+def unpad(x, shape):
+    """``pad``'s inverse: [B, >= L, H, >= D] -> the leading [B, L, H, D] of ``shape``."""
+    L, D = shape[1], shape[-1]
+    return x if x.shape[1] == L and x.shape[-1] == D else x[:, :L, :, :D]
+
+
 @functools.partial(jax.jit, static_argnames=("kernel", "cfg", "q_len_padded", "kv_len_padded",
                                              "head_dim", "scale", "return_lse", "interpret",
                                              "direct"))
@@ -305,16 +311,14 @@ def forward_call(q, k, v, units, steps, row_index, row_index_t=None, *, kernel, 
     out_u, lse_u = kernel(pad(q, q_len_padded, head_dim), pad(k, kv_len_padded, head_dim),
                           pad(v, kv_len_padded, head_dim), units, steps, cfg=cfg, scale=scale,
                           interpret=interpret, **kw)
-    if head_dim != D:
-        out_u = out_u[..., :D]
-    if direct:
-        out = out_u[:, :Lq] if out_u.shape[1] != Lq else out_u
-        if not return_lse:
-            return out
+    if direct and not return_lse:
+        return unpad(out_u, q.shape)
     if row_index is None:
         row_index = abi.row_index_from_units(units, Hq, Lq, cfg.tile_q)
     if direct:
-        return out, abi.gather_lse(lse_u, row_index)
+        return unpad(out_u, q.shape), abi.gather_lse(lse_u, row_index)
+    if head_dim != D:
+        out_u = out_u[..., :D]
     out, lse = abi.gather_rows(out_u, lse_u, row_index, row_index_t)
     return (out, lse) if return_lse else out
 

@@ -50,12 +50,18 @@ def run_forward(q, k, v, plan: abi.PassPlan, t: Template, mode: str, scale: floa
 DIRECT_MAX_PARTIAL = 0.25
 
 
-def _direct(plan: abi.PassPlan, t: Template, head_dim: int) -> bool:
-    """Whether the forward stores rows in place: the plan's units own every row, few of its
-    64-row groups only in part, and the untiled O buffer fits shared memory."""
-    cfg = _kernel.KernelConfig.from_template(t, "cond")
+def _in_place(plan: abi.PassPlan, smem_bytes: int) -> bool:
+    """Whether a kernel stores rows in place: the plan's units own every row, few of its
+    64-row groups only in part, and the kernel with its untiled buffer (``smem_bytes``) fits
+    shared memory."""
     return bool(plan.rows_owned) and plan.partial_groups <= DIRECT_MAX_PARTIAL and \
-        _kernel.smem_bytes(cfg, head_dim, direct=True) <= _kernel.MAX_SMEM
+        smem_bytes <= _kernel.MAX_SMEM
+
+
+def _direct(plan: abi.PassPlan, t: Template, head_dim: int) -> bool:
+    """Whether the forward stores rows in place (``_in_place``)."""
+    cfg = _kernel.KernelConfig.from_template(t, "cond")
+    return _in_place(plan, _kernel.smem_bytes(cfg, head_dim, direct=True))
 
 
 def _check_tiles(plan: abi.PassPlan, *allowed) -> None:
@@ -81,13 +87,11 @@ def run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
 
 
 def _dq_direct(plan: abi.PassPlan, t: Template, head_dim: int) -> bool:
-    """Whether dq stores rows in place: the plan's units own every row and the untiled dQ
-    buffer fits shared memory."""
+    """Whether dq stores rows in place (``_in_place``)."""
     stages = t.stages if contract.gathers(t) else _backward.STAGES
-    return bool(plan.rows_owned) and plan.partial_groups <= DIRECT_MAX_PARTIAL and \
-        _backward.smem_bytes(
-        "dq", t.tile_kv, head_dim, 2 if t.kernel.paired else 1, stages,
-        direct=True) <= _kernel.MAX_SMEM
+    return _in_place(plan, _backward.smem_bytes("dq", t.tile_kv, head_dim,
+                                                2 if t.kernel.paired else 1, stages,
+                                                direct=True))
 
 
 @functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "paired", "q_len_padded",
@@ -108,8 +112,7 @@ def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_
         mode=mask_mode, scale=scale, interpret=interpret, gather_run=gather_run, stages=stages,
         wg_skip=wg_skip, direct=direct)
     if direct:
-        B, Lq, Hq, D = q.shape
-        return dq_u[:, :Lq, :, :D] if dq_u.shape[1:] != (Lq, Hq, D) else dq_u
+        return contract.unpad(dq_u, q.shape)
     return contract.gather_dq(dq_u, units, row_index_t, q.shape, tile_q)
 
 
