@@ -25,42 +25,35 @@ sys.path.insert(0, HERE)
 
 
 def main():
+    import gather
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--families", default="aligned,frame_aligned,sliding,cubes,clusters")
+    gather.grid_arguments(ap)
     ap.add_argument("--backward", default="clusters,cubes,sliding")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--small", action="store_true")
     ap.add_argument("--interpret", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=240)
-    ap.add_argument("--out")
     args = ap.parse_args()
     import jax
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    import gather
     import tessera_jax as tj
     from pallas_kernels import abi
     from tessera_jax.tools import timing
 
-    t0 = time.time()
+    g = gather.grid(args, "direct_store", rounds=args.rounds)
+    L, H, res = g.L, g.H, g.res
     gpu = jax.default_backend() == "gpu"
-    L, H, fams = gather.masks(args.small)
-    D = 128 if not args.small else 64
-    q, k, v, scale = gather.inputs(L, H, D)
+    q, k, v, scale = gather.inputs(L, H, g.D)
     do = jax.random.normal(jax.random.key(5), q.shape, q.dtype)
-    res = {"benchmark": "direct_store", "device": str(jax.devices()[0].device_kind),
-           "rule": timing.KERNEL_RULE.to_json(), "L": L, "heads": H, "rounds": args.rounds,
-           "rows": []}
     if gpu:
         res["dense_ms"] = gather.cudnn_ms(q, k, v, scale)
 
     def opts(in_place):
         return tj.Options(store_in_place=in_place, interpret=True if args.interpret else None)
 
-    for fam, make in tqdm([f for f in fams if f[0] in args.families.split(",")],
-                          desc="families"):
-        if time.time() - t0 > args.budget_s:
+    for fam, make in tqdm(g.families, desc="families"):
+        if not g.within_budget(args.budget_s):
             break
         m = make()
         qb, kb, b = (np.asarray(x) for x in (m.q_bounds, m.kv_bounds, m.blocks))
@@ -114,7 +107,7 @@ def main():
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         print(json.dumps(row), flush=True)
         res["rows"].append(row)
-    res["elapsed_s"] = time.time() - t0
+    res["elapsed_s"] = time.time() - g.t0
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

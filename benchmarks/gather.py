@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,6 +65,49 @@ def masks(small: bool):
         ("frame_aligned", lambda: K.mask_radial(grid)),
         ("aligned", lambda: K.mask_rand128(L, H, 0.1, 1)),
     ]
+
+
+FAMILIES = "aligned,frame_aligned,sliding,cubes,clusters"
+
+
+def grid_arguments(ap, families: str = FAMILIES):
+    """The flags every Wan-grid diagnostic takes: --families (names, comma-separated),
+    --small (a small grid, head_dim 64), --budget-s (no family starts past it) and --out."""
+    ap.add_argument("--families", default=families)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=240)
+    ap.add_argument("--out")
+
+
+class Grid(NamedTuple):
+    """A diagnostic's grid (``grid``): L, heads, head_dim, the named families' (name, make)
+    in ``masks`` order, the result file's header (``rows`` to fill) and the start time."""
+
+    L: int
+    H: int
+    D: int
+    families: list
+    res: dict
+    t0: float
+
+    def within_budget(self, budget_s: float) -> bool:
+        return time.time() - self.t0 <= budget_s
+
+
+def grid(args, benchmark: str, **fields) -> Grid:
+    """The grid of ``grid_arguments``' flags and a result header: benchmark, device, the
+    kernel timing rule, L, heads, ``fields``."""
+    import jax
+
+    from tessera_jax.tools import timing
+
+    t0 = time.time()
+    L, H, fams = masks(args.small)
+    names = args.families.split(",")
+    res = {"benchmark": benchmark, "device": str(jax.devices()[0].device_kind),
+           "rule": timing.KERNEL_RULE.to_json(), "L": L, "heads": H, **fields, "rows": []}
+    return Grid(L, H, 128 if not args.small else 64, [f for f in fams if f[0] in names], res,
+                t0)
 
 
 def inputs(L: int, H: int, D: int):

@@ -140,34 +140,29 @@ def traced_ops(fn, args, trace_dir: str, src: dict) -> list:
 
 
 def main():
+    import gather
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--families", default="sliding,aligned,cubes")
+    gather.grid_arguments(ap, families="sliding,aligned,cubes")
     ap.add_argument("--template", default=None, help="forced template (default: the route's)")
-    ap.add_argument("--small", action="store_true")
     ap.add_argument("--trace-dir")
-    ap.add_argument("--budget-s", type=float, default=240)
-    ap.add_argument("--out")
     args = ap.parse_args()
     import jax
     import jax.numpy as jnp
 
-    import gather
     import tessera_jax as tj
     from tessera_jax.runtime import device_route, dispatch
     from tessera_jax.select import device as select_device
     from tessera_jax.tools import timing
     from tessera_jax.validation import check_shapes
 
-    t0 = time.time()
+    g = gather.grid(args, "plan_profile")
+    L, H, res = g.L, g.H, g.res
     gpu = jax.default_backend() == "gpu"
-    L, H, fams = gather.masks(args.small)
-    D = 128 if not args.small else 64
-    sh = check_shapes((1, L, H, D), (1, L, H, D), jnp.bfloat16)
+    sh = check_shapes((1, L, H, g.D), (1, L, H, g.D), jnp.bfloat16)
     backend = dispatch.resolve(None, sh)
-    res = {"benchmark": "plan_profile", "device": str(jax.devices()[0].device_kind),
-           "rule": timing.KERNEL_RULE.to_json(), "L": L, "heads": H, "rows": []}
-    for fam, make in fams:
-        if fam not in args.families.split(",") or time.time() - t0 > args.budget_s:
+    for fam, make in g.families:
+        if not g.within_budget(args.budget_s):
             continue
         m = make()
         qb, kb, b = (np.asarray(x) for x in (m.q_bounds, m.kv_bounds, m.blocks))
@@ -192,7 +187,7 @@ def main():
                                     os.path.join(args.trace_dir, fam), src)
         print(json.dumps(row), flush=True)
         res["rows"].append(row)
-    res["elapsed_s"] = time.time() - t0
+    res["elapsed_s"] = time.time() - g.t0
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

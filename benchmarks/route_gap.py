@@ -32,18 +32,16 @@ sys.path.insert(0, HERE)
 
 
 def main():
+    import gather
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--families", default="aligned,frame_aligned,sliding,cubes,clusters")
-    ap.add_argument("--small", action="store_true")
+    gather.grid_arguments(ap)
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--trace-dir")
-    ap.add_argument("--budget-s", type=float, default=240)
-    ap.add_argument("--out")
     args = ap.parse_args()
     import jax
     import jax.numpy as jnp
 
-    import gather
     import plan_profile
     import tessera_jax as tj
     from pallas_kernels import abi
@@ -53,17 +51,13 @@ def main():
     from tessera_jax.tools import timing
     from tessera_jax.validation import check_shapes
 
-    t0 = time.time()
+    g = gather.grid(args, "route_gap", xla_flags=os.environ.get("XLA_FLAGS", ""))
+    L, H, res = g.L, g.H, g.res
     gpu = jax.default_backend() == "gpu"
-    L, H, fams = gather.masks(args.small)
-    D = 128 if not args.small else 64
-    q, k, v, scale = gather.inputs(L, H, D)
+    q, k, v, scale = gather.inputs(L, H, g.D)
     opts = tj.Options(interpret=True) if args.interpret else None
     sh = check_shapes(q.shape, k.shape, q.dtype)
     backend = dispatch.resolve(None, sh)
-    res = {"benchmark": "route_gap", "device": str(jax.devices()[0].device_kind),
-           "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "rule": timing.KERNEL_RULE.to_json(), "L": L, "heads": H, "rows": []}
     if gpu:
         res["dense_ms"] = gather.cudnn_ms(q, k, v, scale)
 
@@ -71,8 +65,8 @@ def main():
         jax.block_until_ready(f(*a))
         return timing.time_kernel(f, [a]).ms if gpu else None
 
-    for fam, make in fams:
-        if fam not in args.families.split(",") or time.time() - t0 > args.budget_s:
+    for fam, make in g.families:
+        if not g.within_budget(args.budget_s):
             continue
         m = make()
         qb, kb, b = (np.asarray(x) for x in (m.q_bounds, m.kv_bounds, m.blocks))
@@ -159,7 +153,7 @@ def main():
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         print(json.dumps(row), flush=True)
         res["rows"].append(row)
-    res["elapsed_s"] = time.time() - t0
+    res["elapsed_s"] = time.time() - g.t0
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
