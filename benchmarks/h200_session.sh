@@ -23,12 +23,14 @@
 # the in-place row stores and session 26's planner code; results/h100-route-gap.json), then
 # direct-ab (results/h100-direct-store.json; its make test-gpu cut at 210 s, the q128_kv64 and
 # device cases rerun: h100-test-gpu-dq.log).
+# Session 28 (H200, then an H100): make test-gpu 37/37 (-n 8, 320 s; at -n 6 it passed 330 s),
+# route-gap (results/h200-route-gap.json), accept-720 and accept-480 (results/h200-gather.json;
+# Wan 720p clusters' device and per-head calls ran the exact path: fixed, then measured on the
+# H100, results/h100-clusters-device.json).
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
-#   bash benchmarks/h200_session.sh route-check    # core._cond and the whole make test-gpu
-#     (the copy_starts clamp on the gathering templates), device vs host per family (the
-#     unzeroed step buffer: clusters' plan predicted 0.615 -> ~0.53 ms), per-head vs shared
-#   bash benchmarks/h200_session.sh accept-720     # issue 31's acceptance file at Wan 720p,
-#     then accept-480 again in the same session and --merge both (one commit)
+#   bash benchmarks/h200_session.sh accept-720     # issue 31's acceptance file at Wan 720p
+#     with static bounds past the bitmap budget deciding on the device, then accept-480 in
+#     the same session and --merge both (one commit)
 #   bash benchmarks/h200_session.sh perhead-diag   # per-head vs shared on the H200 (H100:
 #     1.02-1.29 after session 25's planner changes), with the plan's cond timed (--nocond)
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
@@ -72,9 +74,9 @@ route-check)
   run 180 perhead-diag python3 benchmarks/perhead_diag.py --budget-s 150 --nocond \
       --perhead-templates "" --out $OUT/h200-perhead-diag.json ;;
 gpu-checks)
-  # make test-gpu with six pytest-xdist workers sharing the GPU (compiling is what takes the
-  # time; 29 cases in 267 s in session 20).
-  run 330 test-gpu make test-gpu PYTEST_ARGS="-n 6 -rA --durations=0" ;;
+  # make test-gpu with eight pytest-xdist workers sharing the GPU (compiling is what takes the
+  # time; 37 cases in 320 s in session 28).
+  run 440 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA --durations=0" ;;
 gather-fwd-bwd)
   # Forward + backward of the default, gather and skipping gather plans on the irregular
   # masks at Wan 480p against cuDNN's (dq, dk, dv checked against the reference on head 0).
@@ -111,7 +113,7 @@ accept-480|accept-720)
   # per-head-bounds masks and fwd+bwd, against cuDNN in the same run; one grid a call, then
   # python3 benchmarks/gather_acceptance.py --merge <both> --out benchmarks/results/h200-gather.json
   g=wan${1#accept-}
-  run 580 accept-$g python3 benchmarks/gather_acceptance.py --grids $g --budget-s 560 \
+  run 580 accept-$g python3 benchmarks/gather_acceptance.py --grids $g --budget-s 520 \
       --out $OUT/h200-gather-$g.json ;;
 tiered)
   # Issue 33 item 3: the tiered rule's fit on the H200 (copy fit.host_fit, fit.device_fit and
