@@ -132,6 +132,8 @@ def main():
     ap.add_argument("--check-rows", type=int, default=0,
                     help="query rows the check samples (0: all up to "
                     f"{FULL_CHECK_MAX_ROWS:,} rows, else 2,048)")
+    ap.add_argument("--bitmap-first-bytes", type=int, default=None,
+                    help="Options.bitmap_first_bytes of every call (default: Options')")
     ap.add_argument("--merge", nargs="+", default=None, help="files of earlier runs to combine")
     args = ap.parse_args()
     if args.merge:
@@ -156,8 +158,12 @@ def main():
     import kernels as K
 
     gpu = jax.devices()[0].platform == "gpu"
-    opts = tj.Options(interpret=True) if args.interpret else None
+    kw = {} if args.bitmap_first_bytes is None else {"bitmap_first_bytes":
+                                                     args.bitmap_first_bytes}
+    opts = tj.Options(interpret=True, **kw) if args.interpret else (
+        tj.Options(**kw) if kw else None)
     res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+           "options": kw,
            "rule": timing.KERNEL_RULE.to_json(), "heads": args.heads, "rows": [], "dense": {}}
     routes = args.routes.split(",")
     for grid_name in args.grids.split(","):
@@ -226,14 +232,17 @@ def main():
                         from tessera_jax.validation import check_shapes
                         b = jnp.asarray(np.broadcast_to(blocks, (H,) + blocks.shape[1:])
                                         if route == "perhead" else blocks)
-                        if route == "device":        # the device route's static choice
-                            sh = check_shapes(q.shape, k.shape, q.dtype)
-                            ch = device_route.choose(tj.BlockMask(qb, kb, b), sh,
-                                                     dispatch.resolve(None, sh), None)
-                            row["template"] = ch.name if ch is not None else None
                         if route == "perhead":
                             qbh = jnp.asarray(np.broadcast_to(qb, (H, len(qb))).copy())
                             kbh = jnp.asarray(np.broadcast_to(kb, (H, len(kb))).copy())
+                        # The device route's static choice of template.
+                        sh = check_shapes(q.shape, k.shape, q.dtype)
+                        ch = device_route.choose(
+                            tj.BlockMask(qb, kb, b) if route == "device" else
+                            tj.BlockMask(qbh, kbh, b), sh, dispatch.resolve(None, sh), None,
+                            opts or tj.Options())
+                        row["template"] = ch.name if ch is not None else None
+                        if route == "perhead":
                             attn = lambda q, k, v, b, qbh, kbh: tj.sparse_attention(  # noqa
                                 q, k, v, tj.BlockMask(qbh, kbh, b), scale=scale, options=opts)
                             call = (q, k, v, b, qbh, kbh)

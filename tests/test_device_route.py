@@ -347,8 +347,8 @@ def test_device_route_through_the_triton_kernel_interpret_mode():
 
 def test_small_blocks_run_bitmap_steps_within_the_budget(monkeypatch):
     """4-token blocks with static bounds run the device plan's bitmap steps (the exact path is
-    never traced), exactly; past the bitmap budget (``Options.bitmap_budget_bytes``) they take
-    the exact path, with a warning."""
+    never traced), exactly; with a bitmap budget (``Options.bitmap_budget_bytes``) that holds
+    no step they take the exact path, with a warning."""
     rng = np.random.default_rng(11)
     qb = np.r_[np.arange(0, 200, 4), 200]
     blocks = rng.random((2, len(qb) - 1, len(qb) - 1)) < 0.2
@@ -365,9 +365,57 @@ def test_small_blocks_run_bitmap_steps_within_the_budget(monkeypatch):
     monkeypatch.undo()
     with pytest.warns(UserWarning, match="exact XLA path"):
         out = tj.sparse_attention(q, k, v, tj.BlockMask(qb, qb, jnp.asarray(blocks[:, ::-1])),
-                                  options=tj.Options(bitmap_budget_bytes=1024))
+                                  options=tj.Options(bitmap_budget_bytes=1))
     np.testing.assert_allclose(out, tj.reference_attention(
         q, k, v, tj.BlockMask(qb, qb, blocks[:, ::-1])), **TOL)
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic_gpu"])
+def test_static_bounds_past_the_budget_decide_on_the_device(backend):
+    """Static bounds whose tile pairs that may take a bitmap step outnumber the budget's room
+    (variable clusters at Wan 720p: 1.03 GB worst case at q64x2 x kv64) get the room and
+    decide on the device: a selection that fits runs the kernels (``ok``), one that overflows
+    the exact path; exact either way, forward and backward."""
+    from tessera_jax.select import device as select_device
+
+    rng = np.random.default_rng(21)
+    L, H = 256, 2
+    qb = np.r_[np.arange(0, L, 4), L]
+    n = len(qb) - 1
+    dtype, tol = ("float32", 1e-4) if backend == "xla" else ("bfloat16", 3e-2)
+    q, k, v = random_qkv(1, L, L, H, 1, 64, dtype, 22)
+    ct = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+    shape = check_qkv(q, k, v)
+    sparse = np.zeros((H, n, n), bool)
+    sparse[:, :16, :16] = rng.random((H, 16, 16)) < 0.3       # one 64 x 64 tile pair per head
+    sparse[:, 0, 0] = True
+    dense = rng.random((H, n, n)) < 0.3
+    dev = tj.BlockMask(qb, qb, jnp.asarray(sparse))
+    consts = select_device.static_parts(dev)
+    t, cap = device_route._choose(consts, dev, shape, backend, None, 1 << 30)
+    worst = select_device.bitmap_pairs(consts[0], consts[1], (H, n, n), shape, t)
+    step = select_device.bitmap_step_bytes(t)
+    budget = step * (worst // 4)                      # room for a quarter of the pairs
+    opts = tj.Options(bitmap_budget_bytes=budget)
+    t, cap = device_route._choose(consts, dev, shape, backend, None, budget)
+    assert t is not None and cap == worst // 4
+    assert select_device.decided_on_device(consts[0], consts[1], (H, n, n), shape, t, cap)
+    assert not select_device.decided_on_device(consts[0], consts[1], (H, n, n), shape, t,
+                                               worst)
+    for blocks, fits in ((sparse, True), (dense, False)):
+        plan = device_route.device_plans(q, k, qb, qb, jnp.asarray(blocks), consts=consts,
+                                         t=t, capacity=cap, decide=True, budget=budget)
+        assert bool(plan.ok) == fits
+        assert plan.dkv_ok is not None and bool(plan.dkv_ok) == fits
+        host = tj.BlockMask(qb, qb, blocks)
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        ref, ref_vjp = jax.vjp(lambda q, k, v: tj.reference_attention(q, k, v, host,
+                                                                      scale=0.125), *f32)
+        out, vjp = jax.jit(lambda q, k, v, b: jax.vjp(lambda q, k, v: device_route.attention(
+            q, k, v, tj.BlockMask(qb, qb, b), shape, backend, None, 0.125, False, opts),
+            q, k, v))(q, k, v, jnp.asarray(blocks))
+        for a, b in zip([out, *vjp(ct)], [ref, *ref_vjp(ct.astype(jnp.float32))]):
+            np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=tol, rtol=tol)
 
 
 def test_an_option_changed_between_calls_of_a_jitted_function_takes_effect(monkeypatch):
@@ -386,7 +434,7 @@ def test_an_option_changed_between_calls_of_a_jitted_function_takes_effect(monke
     np.testing.assert_allclose(f(q, k, v, blocks, options=tj.Options()), ref, **TOL)
     assert not ran
     with pytest.warns(UserWarning, match="exact XLA path"):
-        out = f(q, k, v, blocks, options=tj.Options(bitmap_budget_bytes=1024))
+        out = f(q, k, v, blocks, options=tj.Options(bitmap_budget_bytes=1))
     assert ran
     np.testing.assert_allclose(out, ref, **TOL)
 

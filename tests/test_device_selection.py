@@ -67,13 +67,16 @@ def test_known_choices():
         t, cap = D.choose(m, shape, "mosaic_gpu")
         assert t.name == name
         assert (cap > 0) == (name == "mgpu_q64x2_kv64_s2_hm")      # 4-token blocks: bitmaps
-    # Traced bounds: the mean block (length / count) of both axes decides the order.
+    # Traced bounds: the mean key block (length / count) decides the order.
     traced = tj.BlockMask(jnp.arange(0, 513, 4), jnp.arange(0, 513, 4), ones(128, 128))
     assert D.choose(traced, shape, "mosaic_gpu")[0].name == "mgpu_q64x2_kv64_s2_hm"
     traced = tj.BlockMask(jnp.arange(0, 513, 128), jnp.arange(0, 513, 128), ones(4, 4))
     assert D.choose(traced, shape, "mosaic_gpu")[0].name == "mgpu_q128_kv128_s2_hm"
-    # Large query blocks, small key blocks (clusters-like): 128-row units and tiles.
+    # Large query blocks, small key blocks (clusters-like): 64-row units and 64-key tiles
+    # (the smallest bitmap steps); small query blocks, large key blocks: 128 x 128.
     traced = tj.BlockMask(jnp.arange(0, 513, 128), jnp.arange(0, 513, 8), ones(4, 64))
+    assert D.choose(traced, shape, "mosaic_gpu")[0].name == "mgpu_q64x2_kv64_s2_hm"
+    traced = tj.BlockMask(jnp.arange(0, 513, 8), jnp.arange(0, 513, 128), ones(64, 4))
     assert D.choose(traced, shape, "mosaic_gpu")[0].name == "mgpu_q128_kv128_s2_hm"
 
 
@@ -83,7 +86,13 @@ def test_budget_is_an_argument_and_part_of_the_key():
     shape = _shape(200, 200)
     t, cap = D.choose(m, shape, "xla")
     assert t is not None and cap > 0
-    assert D.choose(m, shape, "xla", bitmap_budget_bytes=1024) == (None, 0)   # the exact path
+    assert D.choose(m, shape, "xla", bitmap_budget_bytes=1) == (None, 0)   # the exact path
+    # Fewer slots than the pairs that may need one: the budget's room, decided on the device.
+    t2, cap2 = D.choose(m, shape, "xla", bitmap_budget_bytes=1024)
+    assert cap2 == 1024 // D.bitmap_step_bytes(t2) < D.bitmap_pairs(
+        *D.static_parts(m)[:2], m.shape, shape, t2)
+    assert D.decided_on_device(*D.static_parts(m)[:2], m.shape, shape, t2, cap2)
+    assert not D.decided_on_device(*D.static_parts(m)[:2], m.shape, shape, t, cap)
     assert D.choose(m, shape, "xla") == (t, cap)                   # and back: not remembered
 
 

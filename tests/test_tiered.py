@@ -300,9 +300,13 @@ def test_the_cpu_rule_keeps_wan480_masks_on_the_host():
     s = size(families.vsa("wan480", heads=12))
     host, device = tier_costs.predict(s, tier_costs.CPU, compiled=True)
     assert device > 10 * host and not tier_costs.tiers(s, tier_costs.CPU, True)
-    # 1,000 key clusters of ~33 tokens: more fine tiles than the traced capacity (exact path)
-    assert size(families.svg2("wan480", heads=12)) is None
+    # 1,000 key clusters of ~33 tokens: 64 x 64 tiles, their bitmap steps within the traced
+    # capacity, and the host still cheaper; 8-token key clusters: every tile pair may need a
+    # bitmap step, more than the capacity (the exact path).
+    s = size(families.svg2("wan480", heads=12))
+    assert s is not None and not tier_costs.tiers(s, tier_costs.CPU, True)
     assert size(families.svg2("wan480", heads=12, q_clusters=100, kv_clusters=500)) is not None
+    assert size(families.svg2("wan480", heads=12, kv_clusters=4000)) is None
 
 
 def test_precompile_compiles_the_tiered_device_route():

@@ -193,11 +193,12 @@ def _backward(plan: AttentionPlan, q, k, v, out, lse, do, dlse, scale, options: 
     def kernels():
         return _grads(plan, fwd, dkv, q, k, v, out, lse, do, dlse, scale, options)
 
-    if plan.ok is None:
+    oks = [x for x in (plan.ok, plan.dkv_ok) if x is not None]
+    if not oks:
         return kernels()
     fallback = exact if plan.refine is None else lambda: _backward(
         plan.refine(*plan.exact), q, k, v, out, lse, do, dlse, scale, options)
-    return _cond(batch_all(plan.ok & plan.dkv_ok), kernels, fallback)
+    return _cond(batch_all(functools.reduce(jax.numpy.logical_and, oks)), kernels, fallback)
 
 
 def _grads(plan: AttentionPlan, fwd, dkv, q, k, v, out, lse, do, dlse, scale, options):

@@ -14,10 +14,10 @@ arrays become constants of the program.
 
 Tiles that meet more than ``abi.GRID`` blocks per axis (blocks under ~tile / 3 tokens) get
 bitmap steps, within a static capacity: for static bounds the count of such tile pairs (known
-when tracing), for traced bounds what the budget allows. Exactness for every mask: a mask
-whose bitmaps exceed the budget (static bounds: known when tracing, a one-time warning) or
-overflow the capacity (traced bounds: ``lax.cond`` on the plan's ``ok``) runs
-``exact_attention`` instead, a chunked XLA attention that evaluates the mask per token (dense
+when tracing) where the budget holds them, else (and for traced bounds) what the budget
+allows. Exactness for every mask: a selection whose bitmap steps overflow the capacity
+(``lax.cond`` on the plan's ``ok``) or a budget of less than one step (static bounds: known
+when tracing, a one-time warning) runs ``exact_attention`` instead, a chunked XLA attention that evaluates the mask per token (dense
 work, O(chunk x Lkv) memory). Invalid device bounds (not increasing from 0 to the length) also
 take the exact path, whose indices are clamped: finite output, never an out-of-bounds read;
 ``check`` surfaces them under ``checkify``.
@@ -92,15 +92,18 @@ def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template
         key = (tuple(mask.blocks.shape), shape.q_len, shape.kv_len, backend)
         if key not in _warned:
             _warned.add(key)
-            warnings.warn(f"tessera_jax: this mask's bitmap steps (tiles meeting more than "
-                          f"{abi.GRID} blocks) exceed Options.bitmap_budget_bytes on "
-                          "every template of the device route; it runs the exact XLA path "
-                          "(dense work). Larger blocks, or a static mask with shared bounds "
-                          "(host planner), run the kernels", stacklevel=3)
+            warnings.warn(f"tessera_jax: this mask needs bitmap steps (tiles meeting more "
+                          f"than {abi.GRID} blocks) and Options.bitmap_budget_bytes holds "
+                          "none on any template of the device route; it runs the exact XLA "
+                          "path (dense work). A larger budget, larger blocks, or a static "
+                          "mask with shared bounds (host planner) run the kernels",
+                          stacklevel=3)
     dyn = [None if c is not None else x
            for c, x in zip(consts, (mask.q_bounds, mask.kv_bounds, mask.blocks))]
-    # With static bounds the fit is known now (``choose``); traced bounds decide on the device.
-    decide = consts[0] is None or consts[1] is None
+    # Traced bounds, and static ones that may need more bitmap steps than the room, decide
+    # the fit on the device; other static bounds fit (``choose``).
+    decide = t is not None and select_device.decided_on_device(
+        consts[0], consts[1], tuple(mask.blocks.shape), shape, t, capacity)
     return _run(q, k, v, *dyn, consts=consts, template=t.name if t else None,
                 capacity=capacity, decide=decide, scale=float(scale),
                 return_lse=bool(return_lse), options=options)
@@ -128,8 +131,9 @@ def _refines(consts, template: str, capacity: int, decide: bool, q, k, blocks_sh
     ``_first_room`` gives one."""
     full = _Refine(consts, template, capacity, options.bitmap_budget_bytes, decide,
                    tuple(q.shape), tuple(k.shape), str(np.dtype(q.dtype)))
+    traced = consts[0] is None or consts[1] is None
     first = _first_room(dispatch.get_template(template), capacity, blocks_shape, q.shape[1],
-                        k.shape[1], options) if decide else None
+                        k.shape[1], options) if traced else None
     return full, (None if first is None
                   else dataclasses.replace(full, capacity=first[0], budget=first[1]))
 
@@ -137,15 +141,17 @@ def _refines(consts, template: str, capacity: int, decide: bool, q, k, blocks_sh
 def _first_room(t: Template, capacity: int, blocks_shape, q_len: int, kv_len: int,
                 options: Options):
     """(capacity, budget) of the first plan of traced bounds (``Options.bitmap_first_bytes``),
-    or None: one plan with the whole room. Only where the mean blocks span at least half a
-    tile on both axes (a tile then rarely meets more than GRID blocks; variable clusters of
-    ~40 keys in 128-key tiles fill more than the first room and would be planned twice)."""
+    or None: one plan with the whole room. Only where the mean blocks span at least 3/4 of a
+    tile on both axes (a tile then rarely meets more than GRID blocks: Wan 480p cubes and
+    sliding tiles, 52.5 tokens in 64-token tiles, fit the first room; variable clusters of ~41
+    keys in 64-key tiles need 76 MB and were planned twice: per-head over shared 1.35 against
+    1.19 with one plan, H100, results/h100-clusters-device.json)."""
     first = options.bitmap_first_bytes
     if not capacity or not first or first >= options.bitmap_budget_bytes \
             or select_device.gathers_on_device(t):
         return None
     _, nq, nk = blocks_shape
-    if 2 * q_len < t.tile_q * nq or 2 * kv_len < t.tile_kv * nk:
+    if 4 * q_len < 3 * t.tile_q * nq or 4 * kv_len < 3 * t.tile_kv * nk:
         return None
     cap = min(capacity, max(1, first // select_device.bitmap_step_bytes(t)))
     return (cap, first) if cap < capacity else None
@@ -214,14 +220,16 @@ def device_plans(q, k, qb, kb, blocks, *, consts, t: Template, capacity: int, de
     tq, tk = dkv_tiles(t, D)
     Hm, nq, nk = blocks.shape
     tshape = AttnShape(B, Lkv, Lq, Hq, Hq, D, np.dtype(q.dtype))
-    cap_t = select_device.capacity(consts[1], consts[0], (Hm, nk, nq), tshape, _Tiles(tq, tk),
-                                   budget)
+    args_t = (consts[1], consts[0], (Hm, nk, nq), tshape, _Tiles(tq, tk))
+    cap_t = select_device.capacity(*args_t, budget)
     dkv = dkv_ok = None
+    dkv_decides = False
     if cap_t is not None:
         dkv, dkv_ok = _device.plan_on_device(jnp.swapaxes(jnp.asarray(blocks), 1, 2), kb, qb,
                                              num_q_heads=Hq, q_len=Lkv, kv_len=Lq, tile_q=tq,
                                              tile_kv=tk, bitmap_capacity=cap_t)
-    return AttentionPlan(fwd, dkv, ok if decide else None, dkv_ok if decide else None,
+        dkv_decides = select_device.decided_on_device(*args_t, cap_t)
+    return AttentionPlan(fwd, dkv, ok if decide else None, dkv_ok if dkv_decides else None,
                          exact=(qb, kb, blocks), template=t.name, backend=t.backend)
 
 

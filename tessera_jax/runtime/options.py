@@ -24,14 +24,15 @@ class Options:
     """Options of a ``sparse_attention`` call (``options=None``: ``Options()``).
 
     bitmap_budget_bytes: bytes of bitmap steps a device plan may hold (tiles meeting more than
-        ``abi.GRID`` blocks per axis: 2 KB each at 128 x 128); past it, static bounds take the
-        exact path and traced bounds take it when the plan overflows (decided on the device).
-    bitmap_first_bytes: traced bounds whose mean blocks span at least half a tile on both
+        ``abi.GRID`` blocks per axis: 2 KB each at 128 x 128); a mask that may need more gets
+        this much room and takes the exact path where its selection overflows it (decided on
+        the device); a budget under one step sends such masks to the exact path.
+    bitmap_first_bytes: traced bounds whose mean blocks span at least 3/4 of a tile on both
         axes (few tiles meet more than GRID blocks) are planned first with room for this many
         bytes of bitmap steps; a plan that overflows it is made again with the whole budget
-        inside the program, before the exact path. The room a plan allocates is zeroed and
-        written on every call (512 MB for per-head bounds at Wan 480p, where cubes use 6 MB).
-        0: one plan with the whole budget.
+        inside the program, before the exact path. The room is allocated on every call, not
+        zeroed (512 MB for per-head bounds at Wan 480p, where cubes use 6 MB). 0: one plan
+        with the whole budget.
     dkv_policies: the host planner's policies tried for a host dk/dv plan with the backend's
         dk/dv tiles (empty: the paired candidate alone); the plan of least estimated time
         wins. On the transposed Wan 480p masks

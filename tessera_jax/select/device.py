@@ -6,10 +6,11 @@ shapes, the block counts, and the block bounds where they are NumPy (their block
 tiles that meet more than ``abi.GRID`` blocks). The rule: the first template of the backend's
 list in ``DEVICE_TEMPLATES`` that takes the call and whose plan needs no bitmap steps for the
 static bounds, else the first whose bitmap steps fit ``bitmap_budget_bytes`` (traced bounds:
-the first); static K/V blocks of <= 64 tokens (median) try 64-key tiles first, static query
+the first; static bounds that fit no template's budget: the fewest worst-case bytes, its fit
+decided on the device); static K/V blocks of <= 64 tokens (median) try 64-key tiles first, static query
 blocks of <= 64 tokens 64-row units (q64x2: two per CTA); traced bounds (per-head bounds of a
-content-dependent method), whose sizes are unknown when tracing, try both when the mean block
-(length / count) of both axes is <= 64 tokens. Why a rule and not the ranking table
+content-dependent method), whose sizes are unknown when tracing, try both when the mean key
+block (length / count) is <= 64 tokens. Why a rule and not the ranking table
 (which the host route reads, ``select.ranking``): the table reads mask features the host does
 not have under a trace, a ``lax.switch`` over ranked templates would compile every template
 into every call site, and the device planner has one policy (a step per selected tile), for
@@ -38,8 +39,8 @@ from tessera_jax.planning import device as _device
 from tessera_jax.validation import AttnShape
 
 __all__ = ["DEVICE_TEMPLATES", "GATHER_TEMPLATES", "DEVICE_GATHER", "BITMAP_BUDGET_BYTES",
-           "Const", "DeviceFeatures", "static_parts", "device_capable", "capacity",
-           "choose_template", "choose"]
+           "Const", "DeviceFeatures", "static_parts", "device_capable", "bitmap_pairs",
+           "capacity", "decided_on_device", "choose_template", "choose"]
 
 #: Per backend, the templates a device plan may run, in order of preference (see the module
 #: docstring). q64x2 runs neighbouring 64-row units of the device plan in one CTA, one per
@@ -66,8 +67,8 @@ DEVICE_GATHER = ("never", "traced", "irregular")
 IRREGULAR_KV_SIZES = 8
 
 #: Default bytes of bitmap steps a device plan may hold (tiles meeting more than ``abi.GRID``
-#: blocks per axis: 2 KB each at 128 x 128); past it, static bounds take the exact path and
-#: traced bounds take it when the plan overflows (decided on the device).
+#: blocks per axis: 2 KB each at 128 x 128); where a mask may need more, its plan gets this
+#: much room and takes the exact path when the selection overflows it (decided on the device).
 BITMAP_BUDGET_BYTES = 512 << 20
 
 
@@ -134,22 +135,43 @@ def bitmap_step_bytes(t) -> int:
     return abi.bitmap_rows(t.tile_q, t.tile_kv) * abi.STEP_COLS * 4
 
 
-def capacity(qb: Const | None, kb: Const | None, shape_blocks, shape: AttnShape, t: Template,
-             bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES) -> int | None:
-    """Bitmap steps the device plan of ``t`` needs room for (0: none), or None when that
-    exceeds ``bitmap_budget_bytes`` for static bounds (the exact path runs); traced bounds get
-    what the budget allows (the plan's ``ok`` says on the device whether it sufficed)."""
+def bitmap_pairs(qb: Const | None, kb: Const | None, shape_blocks, shape: AttnShape,
+                 t: Template) -> int:
+    """Tile pairs of ``t``'s device plan that may take a bitmap step, whatever the selection:
+    for static bounds every (head, q tile, kv tile) with a tile meeting more than
+    ``abi.GRID`` blocks, for traced bounds a bound from the block counts."""
     Hm, nq, nk = shape_blocks
     fq, nqt = _fine_tiles(qb, nq, shape.q_len, t.tile_q)
     fk, nkt = _fine_tiles(kb, nk, shape.kv_len, t.tile_kv)
-    if not fq.any() and not fk.any():
-        return 0
     per_row = fq * nkt + nqt * fk - fq * fk
-    pairs = int(per_row.sum() if len(per_row) == Hm else per_row.max() * Hm)
+    return int(per_row.sum() if len(per_row) == Hm else per_row.max() * Hm)
+
+
+def capacity(qb: Const | None, kb: Const | None, shape_blocks, shape: AttnShape, t: Template,
+             bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES) -> int | None:
+    """Bitmap steps the device plan of ``t`` gets room for (0: it needs none): every pair
+    that may take one (``bitmap_pairs``) where the budget holds them, else what the budget
+    allows, the plan's ``ok`` deciding on the device whether the selection fitted
+    (``decided_on_device``). None: static bounds that need bitmap steps and a budget of less
+    than one (the exact path runs); traced bounds get at least one."""
+    pairs = bitmap_pairs(qb, kb, shape_blocks, shape, t)
+    if not pairs:
+        return 0
     room = bitmap_budget_bytes // bitmap_step_bytes(t)
     if qb is not None and kb is not None:
-        return pairs if pairs <= room else None
+        return min(pairs, room) if room else None
     return max(1, min(pairs, room))
+
+
+def decided_on_device(qb: Const | None, kb: Const | None, shape_blocks, shape: AttnShape,
+                      t: Template, cap: int) -> bool:
+    """Whether a device plan of ``t`` with room for ``cap`` bitmap steps decides its fit on
+    the device (``ok``): traced bounds, or static ones whose pairs that may take a bitmap step
+    outnumber the room (a sparse selection still fits: variable clusters at Wan 720p need 0.4
+    of their 1.03 GB worst case at q64x2 x kv64)."""
+    if qb is None or kb is None:
+        return True
+    return bool(cap) and bitmap_pairs(qb, kb, shape_blocks, shape, t) > cap
 
 
 def gathers_on_device(t: Template) -> bool:
@@ -224,24 +246,37 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
     # ran 76.7 ms against 111.8 for the device's q128 x kv64 one). Otherwise 128-row units.
     sq, sk = _small(f.q_bounds), _small(f.kv_bounds)
     if f.q_bounds is None and f.kv_bounds is None:
-        # Traced bounds hide the block sizes but not their count: mean blocks of <= 64 tokens
-        # on both axes take the small-block order (Wan 480p cubes with per-head bounds: q64x2
-        # x kv64 5.35 ms against 7.25 for q128 x kv128, results/h200-perhead-diag.json);
-        # larger means keep 128-row units (aligned blocks: 2.58 against 4.76 for q64x2).
-        _, nq, nk = f.block_shape
-        sq = sk = _mean_small(f.shape.q_len, nq) and _mean_small(f.shape.kv_len, nk)
+        # Traced bounds hide the block sizes but not their count: a mean key block of <= 64
+        # tokens takes the small-block order, 64-row units included (Wan 480p cubes with
+        # per-head bounds: q64x2 x kv64 5.35 ms against 7.25 for q128 x kv128,
+        # results/h200-perhead-diag.json; clusters, q mean ~126 x kv ~41: q64x2 x kv64 is the
+        # host's and static bounds' choice, and its bitmap steps are half q128 x kv64's: at
+        # Wan 720p 359 MB against 531 MB and 1.4 GB at q128 x kv128, past the 512 MB budget,
+        # where the exact path ran, 4.5 s against 28 ms, results/h200-gather.json); larger
+        # means keep 128-row units (aligned blocks: 2.58 against 4.76 for q64x2).
+        sq = sk = _mean_small(f.shape.kv_len, f.block_shape[2])
     ts = sorted((_templates.get(n) for n in DEVICE_TEMPLATES[backend]),
                 key=lambda t: (sq != (t.tile_q <= 64), sk != (t.tile_kv <= 64)))
-    fitting = []
+    fitting, over = [], []
     for t in ts:
         if t.supports(f.shape.head_dim, f.shape.dtype):
             cap = capacity(f.q_bounds, f.kv_bounds, f.block_shape, f.shape, t,
                            bitmap_budget_bytes)
             if cap == 0:
                 return t, 0                  # no bitmap steps: the first such template
-            if cap is not None:
+            if cap is None:
+                continue
+            if f.q_bounds is not None and f.kv_bounds is not None and decided_on_device(
+                    f.q_bounds, f.kv_bounds, f.block_shape, f.shape, t, cap):
+                # Static bounds past the budget: the fewest worst-case bytes is likeliest
+                # to fit (decided on the device).
+                worst = bitmap_pairs(f.q_bounds, f.kv_bounds, f.block_shape, f.shape, t)
+                over.append((worst * bitmap_step_bytes(t), len(over), t, cap))
+            else:
                 fitting.append((t, cap))
-    return fitting[0] if fitting else (None, 0)
+    if fitting:
+        return fitting[0]
+    return min(over)[2:] if over else (None, 0)
 
 
 def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template | None = None,
