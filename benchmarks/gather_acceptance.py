@@ -9,8 +9,11 @@ runtime's own choice of template and policy (nothing named), through
 
 * ``host``: the mask static (host planning);
 * ``device``: the blocks a traced argument of the jitted call, bounds static (device planning);
-* ``perhead``: the same blocks with per-head bounds ``[H, n + 1]`` (every head the shared
-  partition), traced too;
+* ``perhead``: the same blocks with per-head bounds ``[Hm, n + 1]`` (every mask head the
+  shared partition), traced too;
+* ``perhead_all``: every query head its own mask head (blocks broadcast to ``[H, nq, nk]``,
+  bounds ``[H, n + 1]``): what per-head masks of the families with one mask head (sliding,
+  frames) cost, reported beside the key (``perhead_all_heads_vs_shared_max``);
 * ``fwd_bwd`` (clusters, cubes, sliding): forward and the vjp of (q, k, v), host masks, against
   cuDNN's forward and backward.
 
@@ -46,7 +49,7 @@ T0 = time.time()
 
 GRIDS = {"wan480": (21, 30, 52), "wan720": (21, 45, 80)}
 FAMILIES = ("clusters", "cubes", "sliding", "frame_aligned", "aligned")
-ROUTES = ("host", "device", "perhead", "fwd_bwd")
+ROUTES = ("host", "device", "perhead", "perhead_all", "fwd_bwd")
 IRREGULAR = ("clusters", "cubes", "sliding")
 TOL = 3e-2
 
@@ -92,7 +95,8 @@ def summarize(rows) -> dict:
             out[f"efficiency_{fam}_min"] = min(eff)
     ms = {(r["grid"], r["family"], r["route"]): r["ms"] for r in ok}
     for key, route in (("device_vs_host_max", "device"), ("perhead_bounds_vs_shared_max",
-                                                           "perhead")):
+                                                           "perhead"),
+                       ("perhead_all_heads_vs_shared_max", "perhead_all")):
         ratios = [ms[(g, f, route)] / ms[(g, f, "host")] for (g, f, r) in ms
                   if r == route and (g, f, "host") in ms]
         if ratios:
@@ -215,7 +219,8 @@ def main():
                 if time.time() - T0 > args.budget_s:
                     log("budget reached")
                     break
-                if route == "fwd_bwd" and fam not in IRREGULAR:
+                if route == "fwd_bwd" and fam not in IRREGULAR or (
+                        route == "perhead_all" and blocks.shape[0] == H):   # = perhead
                     continue
                 row = {"grid": grid_name, "family": fam, "route": route, "L": L, "heads": H,
                        "selected_fraction": sel}
@@ -230,11 +235,14 @@ def main():
                     else:
                         from tessera_jax.runtime import device_route, dispatch
                         from tessera_jax.validation import check_shapes
-                        b = jnp.asarray(np.broadcast_to(blocks, (H,) + blocks.shape[1:])
-                                        if route == "perhead" else blocks)
-                        if route == "perhead":
-                            qbh = jnp.asarray(np.broadcast_to(qb, (H, len(qb))).copy())
-                            kbh = jnp.asarray(np.broadcast_to(kb, (H, len(kb))).copy())
+                        # perhead: the same blocks, bounds [Hm, n + 1]; perhead_all: every
+                        # query head its own mask head (blocks broadcast to [H, nq, nk]).
+                        Hb = H if route == "perhead_all" else blocks.shape[0]
+                        b = jnp.asarray(np.broadcast_to(blocks, (Hb,) + blocks.shape[1:])
+                                        if route.startswith("perhead") else blocks)
+                        if route.startswith("perhead"):
+                            qbh = jnp.asarray(np.broadcast_to(qb, (Hb, len(qb))).copy())
+                            kbh = jnp.asarray(np.broadcast_to(kb, (Hb, len(kb))).copy())
                         # The device route's static choice of template.
                         sh = check_shapes(q.shape, k.shape, q.dtype)
                         ch = device_route.choose(
@@ -242,7 +250,7 @@ def main():
                             tj.BlockMask(qbh, kbh, b), sh, dispatch.resolve(None, sh), None,
                             opts or tj.Options())
                         row["template"] = ch.name if ch is not None else None
-                        if route == "perhead":
+                        if route.startswith("perhead"):
                             attn = lambda q, k, v, b, qbh, kbh: tj.sparse_attention(  # noqa
                                 q, k, v, tj.BlockMask(qbh, kbh, b), scale=scale, options=opts)
                             call = (q, k, v, b, qbh, kbh)

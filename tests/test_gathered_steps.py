@@ -646,11 +646,15 @@ def test_acceptance_summary_keys_and_merge(tmp_path):
     rows = [row("a", "clusters", "host", 2.0, 0.7), row("a", "clusters", "device", 2.2, 0.64),
             row("a", "clusters", "perhead", 2.4, 0.6), row("a", "clusters", "fwd_bwd", 9.0, 0.66),
             row("a", "cubes", "host", 1.0, 0.9), row("a", "cubes", "device", 0.5, 0.3, ok=False),
-            row("a", "aligned", "fwd_bwd", 1.0, 0.1)]
+            row("a", "aligned", "fwd_bwd", 1.0, 0.1),
+            row("a", "sliding", "host", 1.0, 0.8), row("a", "sliding", "perhead", 1.1, 0.7),
+            row("a", "sliding", "perhead_all", 1.5, 0.5)]
     s = GA.summarize(rows)
     assert s["efficiency_clusters_min"] == 0.64 and s["efficiency_cubes_min"] == 0.9
     assert s["device_vs_host_max"] == pytest.approx(1.1)
     assert s["perhead_bounds_vs_shared_max"] == pytest.approx(1.2)
+    assert s["perhead_all_heads_vs_shared_max"] == pytest.approx(1.5)   # beside the key
+    assert s["efficiency_sliding_min"] == 0.8              # per-head rows: not in efficiency
     assert s["fwd_bwd_efficiency_irregular_min"] == 0.66      # aligned is not irregular
     other = GA.summarize([row("b", "clusters", "host", 1.0, 0.8),
                           row("b", "clusters", "device", 1.5, 0.5)])
