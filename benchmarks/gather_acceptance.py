@@ -286,10 +286,16 @@ def main():
                     row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
                 log(json.dumps(row))
                 res["rows"].append(row)
-    res["summary"] = summarize(res["rows"])
+                save(res, args.out)              # a run cut by its timeout keeps its rows
+    save(res, args.out)
     log(json.dumps(res["summary"]))
-    if args.out:
-        with open(args.out, "w") as f:
+
+
+def save(res: dict, path: str | None) -> None:
+    """Writes ``res`` with the summary of its rows so far to ``path`` (if any)."""
+    res["summary"] = summarize(res["rows"])
+    if path:
+        with open(path, "w") as f:
             json.dump(res, f, indent=1)
 
 

@@ -28,9 +28,9 @@
 # Wan 720p clusters' device and per-head calls ran the exact path: fixed, then measured on the
 # H100, results/h100-clusters-device.json).
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
-#   bash benchmarks/h200_session.sh accept-720     # issue 31's acceptance file at Wan 720p
-#     with static bounds past the bitmap budget deciding on the device, then accept-480 in
-#     the same session and --merge both (one commit)
+#   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file, both grids in
+#     one run (Wan 720p clusters no longer take the exact path: ~450 s predicted), the per-head
+#     route with the mask's own heads; copy $OUT/h200-gather.json to benchmarks/results/
 #   bash benchmarks/h200_session.sh perhead-diag   # per-head vs shared on the H200 (H100:
 #     1.02-1.29 after session 25's planner changes), with the plan's cond timed (--nocond)
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
@@ -108,6 +108,11 @@ profile-gather)
       mgpu_q128_kv64_s2_hm/merge mgpu_q64x2_kv64_s2_hm/pack mgpu_q64x2_kv64_s2_hm/merge \
       mgpu_q128_kv64_s2_skip/pack mgpu_q64x2pp_kv64_s2_hm/pack \
       mgpu_q128_kv128_s2_gather/gather mgpu_q128_kv128_s2_gather_skip_nopp/gather ;;
+accept)
+  # Issue 31's acceptance (h200-gather.json) in one run: Wan 720p first (its rows the
+  # costlier), then Wan 480p; rows are saved as they come, so a cut run keeps its rows.
+  run 590 accept python3 benchmarks/gather_acceptance.py --grids wan720,wan480 \
+      --budget-s 560 --out $OUT/h200-gather.json ;;
 accept-480|accept-720)
   # Issue 31's acceptance (h200-gather.json): the runtime's own choice, host / device /
   # per-head-bounds masks and fwd+bwd, against cuDNN in the same run; one grid a call, then
