@@ -101,7 +101,7 @@ def main():
             try:
                 if t is None:
                     raise ValueError("no template: the exact path")
-                decide = consts[0] is None or consts[1] is None
+                decide = device_route.decides(consts, tuple(mask.blocks.shape), sh, t, cap)
                 dyn = [None if c is not None else x
                        for c, x in zip(consts, (mask.q_bounds, mask.kv_bounds, mask.blocks))]
                 pargs = tuple(x for x in dyn if x is not None)
@@ -109,7 +109,7 @@ def main():
                 # The route's first plan: with Options.bitmap_first_bytes of bitmap room where
                 # its rule applies (the whole budget otherwise).
                 first = device_route._first_room(t, cap, bh.shape, L, L, tj.Options()) \
-                    if decide else None
+                    if consts[0] is None or consts[1] is None else None
                 cap1, budget1 = first or (cap, select_device.BITMAP_BUDGET_BYTES)
                 row["first_capacity"] = int(cap1)
 

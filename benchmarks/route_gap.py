@@ -83,14 +83,20 @@ def main():
             hp = tj.plan(m, q.shape, k.shape, q.dtype, options=opts)
             row["host_template"], row["host_policy"] = hp.template, hp.policy
 
-            def plan(bl, t=t, cap=cap):
-                return device_route.device_plans(
-                    q, k, qb, kb, bl, consts=consts, t=t, capacity=cap, decide=False,
-                    budget=select_device.BITMAP_BUDGET_BYTES).fwd
+            decide = device_route.decides(consts, b.shape, sh, t, cap)
 
-            plan = jax.jit(plan)
+            def plan(bl, t=t, cap=cap):
+                ap = device_route.device_plans(
+                    q, k, qb, kb, bl, consts=consts, t=t, capacity=cap, decide=decide,
+                    budget=select_device.BITMAP_BUDGET_BYTES)
+                return ap.fwd, ap.ok
+
+            plan_ok = jax.jit(plan)
             bl = jnp.asarray(b)
-            dp = plan(bl)
+            dp, ok = plan_ok(bl)
+            if ok is not None:              # a worst case past the budget: the plan's fit
+                row["plan_fits"] = bool(ok)
+            plan = jax.jit(lambda bl: plan_ok(bl)[0])
 
             def kernel(q, k, v, units, steps, p=dp, t=t, owned=True):
                 pp = abi.PassPlan(units, steps, None, p.tile_q, p.tile_kv, p.q_len_padded,

@@ -79,6 +79,15 @@ def _choose(consts: tuple, mask: BlockMask, shape: AttnShape, backend: str,
     return select_device.choose_template(features, backend, template, budget, device_gather)
 
 
+def decides(consts: tuple, blocks_shape: tuple, shape: AttnShape, t: Template | None,
+            capacity: int) -> bool:
+    """Whether the plan of ``_choose``'s (``t``, ``capacity``) decides its fit on the device
+    (the plan's ``ok``): traced bounds, and static ones that may need more bitmap steps than
+    the room; other static bounds fit."""
+    return t is not None and select_device.decided_on_device(consts[0], consts[1],
+                                                             blocks_shape, shape, t, capacity)
+
+
 _warned: set = set()
 
 
@@ -100,10 +109,7 @@ def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template
                           stacklevel=3)
     dyn = [None if c is not None else x
            for c, x in zip(consts, (mask.q_bounds, mask.kv_bounds, mask.blocks))]
-    # Traced bounds, and static ones that may need more bitmap steps than the room, decide
-    # the fit on the device; other static bounds fit (``choose``).
-    decide = t is not None and select_device.decided_on_device(
-        consts[0], consts[1], tuple(mask.blocks.shape), shape, t, capacity)
+    decide = decides(consts, tuple(mask.blocks.shape), shape, t, capacity)
     return _run(q, k, v, *dyn, consts=consts, template=t.name if t else None,
                 capacity=capacity, decide=decide, scale=float(scale),
                 return_lse=bool(return_lse), options=options)
