@@ -9,7 +9,9 @@ what a GPU should pass: every template of the GPU backends available here (head 
 and with per-head bounds per backend, each also on the gathering template
 (``Options.device_gather``; small blocks, and ``ok`` only if the route chose it), and with
 traced per-head bounds (decided on the device), also forced through the first bitmap room's
-fallback (``Options.bitmap_first_bytes``; ``ok`` only if the fallback ran).
+fallback (``Options.bitmap_first_bytes``; ``ok`` only if the fallback ran), and with static
+bounds under a bitmap budget below their worst case (``ok`` only if the plan decided on the
+device and its selection fitted).
 ``make test-gpu`` runs them as tests (``tests/gpu/``); ``python -m tessera_jax.tools.gpu_check``
 prints them as a table.
 """
@@ -23,8 +25,10 @@ import numpy as np
 __all__ = ["ROUTES", "cases", "check_case", "cluster_parts", "main"]
 
 #: host: a static mask (host planner); device: static shared bounds, traced blocks; perhead:
-#: static per-head bounds; traced: per-head bounds passed into the program (traced).
-ROUTES = ("host", "device", "perhead", "traced")
+#: static per-head bounds; traced: per-head bounds passed into the program (traced); decided:
+#: the device route's static bounds with a bitmap budget under their worst case, so the plan
+#: decides its fit on the device (``_decided_options``).
+ROUTES = ("host", "device", "perhead", "traced", "decided")
 #: Tolerances of bf16 kernels against the float32 reference (relative Frobenius error).
 OUT_TOL, LSE_TOL, GRAD_TOL = 1e-2, 1e-2, 2e-2
 
@@ -67,6 +71,64 @@ def _refine_parts(rng, L: int, Hq: int):
     blocks[0, :6] = True
     blocks[:, 3] = False
     return qb, blocks
+
+
+def _decided_parts(rng, L: int, Hq: int, n: int = 96):
+    """(q_bounds, blocks) of a decided case: n small shared blocks (every tile meets more
+    than GRID of them), ~40% selected, none where the second half of the query blocks meets
+    the first half of the key blocks (about a quarter of the tile pairs: the selection needs
+    fewer bitmap steps than the worst case), query block 3 empty."""
+    qb = np.r_[0, np.sort(rng.choice(np.arange(1, L), n - 1, replace=False)), L]
+    blocks = rng.random((Hq, n, n)) < 0.4
+    blocks[:, n // 2:, : n // 2] = False
+    blocks[:, 3] = False
+    return qb, blocks
+
+
+def _decided_options(qb, blocks, q, k, options: dict) -> dict:
+    """``options`` with a bitmap budget of 7/8 of the least worst case over the backend's
+    device templates (``select.device.bitmap_pairs``): no template fits it when tracing, so
+    the route's plan decides on the device, and ``_decided_parts``' selection fits it."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    import tessera_jax as tj
+    from pallas_kernels import templates
+    from tessera_jax.select import device as select_device
+    from tessera_jax.validation import check_shapes
+    shape = check_shapes(q.shape, k.shape, q.dtype)
+    consts = select_device.static_parts(tj.BlockMask(qb, qb, jnp.asarray(blocks)))
+    worst = min(select_device.bitmap_pairs(consts[0], consts[1], blocks.shape, shape, t)
+                * select_device.bitmap_step_bytes(t)
+                for t in map(templates.get, select_device.DEVICE_TEMPLATES[options["backend"]])
+                if t.supports(shape.head_dim, shape.dtype))
+    o = options.get("options") or tj.Options()
+    return {**options, "options": dataclasses.replace(o, bitmap_budget_bytes=worst * 7 // 8)}
+
+
+def _decided_oks(qb, blocks, q, k, options: dict):
+    """(decides, ok, dkv_ok) of a decided case's device plans as the route makes them."""
+    import jax
+    import jax.numpy as jnp
+
+    import tessera_jax as tj
+    from tessera_jax.runtime import device_route
+    from tessera_jax.select import device as select_device
+    from tessera_jax.validation import check_shapes
+    o = options["options"]
+    shape = check_shapes(q.shape, k.shape, q.dtype)
+    dev = tj.BlockMask(qb, qb, jnp.asarray(blocks))
+    consts = select_device.static_parts(dev)
+    t, cap = device_route._choose(consts, dev, shape, options["backend"], None,
+                                  o.bitmap_budget_bytes, o.device_gather)
+    decides = device_route.decides(consts, blocks.shape, shape, t, cap)
+    if not decides:
+        return False, None, None
+    plan = jax.jit(lambda b: device_route.device_plans(
+        q, k, qb, qb, b, consts=consts, t=t, capacity=cap, decide=True,
+        budget=o.bitmap_budget_bytes))(jnp.asarray(blocks))
+    return True, bool(plan.ok), None if plan.dkv_ok is None else bool(plan.dkv_ok)
 
 
 def _sizes(rng, L: int, mean: float) -> np.ndarray:
@@ -176,6 +238,9 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
     elif refines:
         qb, blocks = _refine_parts(rng, L, Hq)
         kb = qb
+    elif route == "decided":
+        qb, blocks = _decided_parts(rng, L, Hq)
+        kb = qb
     else:
         # A device route sent to the gathering template: small blocks (tiles meeting more
         # than 4 query blocks, chunks several key blocks), per head for "perhead".
@@ -186,6 +251,8 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
     k, v = (jax.random.normal(x, (1, L, Hkv, D), jnp.bfloat16) for x in ks[1:3])
     do = jax.random.normal(ks[3], (1, L, Hq, D), jnp.bfloat16)
     host = tj.BlockMask(qb, kb, blocks)
+    if route == "decided":
+        options = _decided_options(qb, blocks, q, k, options)
 
     # "traced": the bounds are arguments of the program; the other device routes close over them.
     bounds = tuple(jnp.asarray(x, jnp.int32) for x in (qb, kb)) if route == "traced" else ()
@@ -221,6 +288,9 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
                                 options["backend"], None, options["options"])
         rec["template"] = t.name if t is not None else None
         rec["ok"] &= t is not None and select_device.gathers_on_device(t)
+    if route == "decided":
+        rec["decides"], rec["plan_ok"], rec["dkv_ok"] = _decided_oks(qb, blocks, q, k, options)
+        rec["ok"] &= rec["decides"] and rec["plan_ok"] and rec["dkv_ok"] is not False
     if refines:
         oks = _refine_oks(qb, kb, blocks, q, k, options)
         rec["first_ok"], rec["full_ok"] = oks or (None, None)
@@ -265,6 +335,8 @@ def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
                         dict(backend=b, options=tj.Options(device_gather="irregular")),
                         route, 128, 4, 2))
         out.append((f"{b}-traced-D128", dict(backend=b), "traced", 128, 4, 2))
+        # Static bounds past the bitmap budget: the plan decides its fit on the device.
+        out.append((f"{b}-decided-D128", dict(backend=b), "decided", 128, 4, 2))
         # The first bitmap room's fallback (``Options.bitmap_first_bytes``; ``_refines``).
         out.append((f"{b}-traced-refine-D128",
                     dict(backend=b, options=tj.Options(bitmap_first_bytes=1)), "traced",
