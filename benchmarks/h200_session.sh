@@ -31,11 +31,12 @@
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file, both grids in
 #     one run (Wan 720p clusters no longer take the exact path: ~450 s predicted), the per-head
 #     route with the mask's own heads; copy $OUT/h200-gather.json to benchmarks/results/
+#   bash benchmarks/h200_session.sh gpu-checks     # make test-gpu: 39 cases with the decided
+#     cases (static bounds past the bitmap budget deciding on the device), ~340 s at -n 8
 #   bash benchmarks/h200_session.sh perhead-diag   # per-head vs shared on the H200 (H100:
 #     1.02-1.29 after session 25's planner changes), with the plan's cond timed (--nocond)
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
-#   bash benchmarks/h200_session.sh gpu-checks     # the whole make test-gpu before a kernel change lands
 # Also here: first-plan, memory, and the session-14 parts (train, train-ab, checks, vsa, ...).
 # (Earlier sessions' parts are in git history.)
 set -u
