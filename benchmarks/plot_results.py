@@ -1,11 +1,12 @@
 """Plots of the result files as PNGs in ``--out-dir`` (default /tmp/tessera-plots):
 forward+backward times per mask (``h200-backward.json``), the compiled loops' times per
-variant (``h200-loop.json``) and the in-place row stores against the gathered output per
-family and route (``h100-direct-store.json``).
+variant (``h200-loop.json``), the in-place row stores against the gathered output per
+family and route (``h100-direct-store.json``) and issue 31's efficiency per family and route
+against its targets (``h200-gather.json``).
 
     python benchmarks/plot_results.py benchmarks/results/h200-backward.json \
         benchmarks/results/h200-loop.json benchmarks/results/h100-direct-store.json \
-        [--out-dir DIR]
+        benchmarks/results/h200-gather.json [--out-dir DIR]
 """
 from __future__ import annotations
 
@@ -106,10 +107,51 @@ def plot_direct_store(doc: dict, path: str) -> str:
     return path
 
 
+#: Issue 31's efficiency targets per family (``gather_acceptance``'s summary keys).
+GATHER_TARGETS = {"clusters": 0.70, "cubes": 0.80, "sliding": 0.80, "frame_aligned": 0.95,
+                  "aligned": 0.90}
+
+
+def plot_gather(doc: dict, path: str) -> str:
+    """Efficiency (selected FLOPs / time over cuDNN's dense FLOPs / time) per family and route,
+    one panel per grid, each family's target as a line across its bars."""
+    rows = [r for r in doc.get("rows", []) if "efficiency" in r and r.get("ok")]
+    grids = sorted({r["grid"] for r in rows})
+    routes = [x for x in ("host", "device", "perhead", "perhead_all", "fwd_bwd")
+              if any(r["route"] == x for r in rows)]
+    fams = list(GATHER_TARGETS)
+    fig, axes = plt.subplots(1, max(1, len(grids)), figsize=(6.5 * max(1, len(grids)), 3.8),
+                             squeeze=False)
+    w = 0.8 / max(1, len(routes))
+    for ax, grid in zip(axes[0], grids):
+        eff = {(r["family"], r["route"]): r["efficiency"] for r in rows if r["grid"] == grid}
+        for j, route in enumerate(routes):
+            xs = [i + (j - (len(routes) - 1) / 2) * w for i, f in enumerate(fams)
+                  if (f, route) in eff]
+            ys = [eff[(f, route)] for f in fams if (f, route) in eff]
+            ax.bar(xs, ys, w, label=route)
+        for i, f in enumerate(fams):
+            ax.hlines(GATHER_TARGETS[f], i - 0.45, i + 0.45, colors="k", linestyles="--",
+                      linewidth=1)
+        ax.set_xticks(range(len(fams)), [f.replace("_", "\n") for f in fams], fontsize=8)
+        ax.set_ylim(0, 1.2)
+        ax.set_ylabel("efficiency vs cuDNN dense")
+        ax.set_title(f"{grid}: dashed = issue 31's forward target (fwd_bwd: 0.65)", fontsize=9)
+    axes[0][0].legend(fontsize=7, ncol=len(routes))
+    dev = doc.get("device") or ", ".join(sorted({r.get("device", "") for r in
+                                                  doc.get("runs", [])}))
+    fig.suptitle(f"{dev}: block-sparse attention efficiency per family and route", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+",
-                    help="h200-backward.json, h200-loop.json and / or h100-direct-store.json")
+                    help="h200-backward.json, h200-loop.json, h100-direct-store.json and / or "
+                    "h200-gather.json")
     ap.add_argument("--out-dir", default="/tmp/tessera-plots", help="folder of the PNGs")
     args = ap.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -125,6 +167,8 @@ def main(argv=None):
             out.append(plot_direct_store(doc, png))
         elif "cases" in doc:
             out.append(plot_loops(doc, png))
+        elif any(k.startswith("efficiency_") for k in doc.get("summary", {})):
+            out.append(plot_gather(doc, png))
         else:
             raise SystemExit(f"plot_results: {f} is not a backward, loop or direct-store "
                              f"result file")

@@ -11,7 +11,8 @@ RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
 
 
 def test_plots_of_the_result_files(tmp_path):
-    names = ("h200-backward.json", "h200-loop.json", "h100-direct-store.json")
+    names = ("h200-backward.json", "h200-loop.json", "h100-direct-store.json",
+             "h200-gather.json")
     files = [os.path.join(RESULTS, f) for f in names]
     out = plot_results.main(files + ["--out-dir", str(tmp_path)])
     assert [os.path.basename(p) for p in out] == [n.replace(".json", ".png") for n in names]
