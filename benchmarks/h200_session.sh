@@ -33,8 +33,9 @@
 #     route with the mask's own heads; copy $OUT/h200-gather.json to benchmarks/results/
 #   bash benchmarks/h200_session.sh gpu-checks     # make test-gpu: 39 cases with the decided
 #     cases (static bounds past the bitmap budget deciding on the device), ~340 s at -n 8
-#   bash benchmarks/h200_session.sh perhead-diag   # per-head vs shared on the H200 (H100:
-#     1.02-1.29 after session 25's planner changes), with the plan's cond timed (--nocond)
+#   bash benchmarks/h200_session.sh perhead-diag   # per-head vs shared on the H200, the plan's
+#     cond timed (--nocond), and the traced bitmap pass's conditional A/B (perhead_prev; keep
+#     it if cubes' per-head plan drops >= 50 us and clusters' rises < 30 us, else revert)
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
 # Also here: first-plan, memory, and the session-14 parts (train, train-ab, checks, vsa, ...).
@@ -92,8 +93,12 @@ device-gather-check)
       --templates rule,plain,gather_skip_nopp --out $OUT/h200-device-gather-check.json ;;
 perhead-diag)
   # Issue 31 (perhead_bounds_vs_shared): where per-head bounds lose time, route vs planning
-  # alone per family (session 23: results/h200-perhead-diag.json).
-  run 300 perhead-diag python3 benchmarks/perhead_diag.py --budget-s 280 --nocond \
+  # alone per family (session 23: results/h200-perhead-diag.json). With the planner before the
+  # traced bitmap pass's conditional as perhead_prev (made here beforehand, untracked files
+  # travel: git show e36d222:tessera_jax/planning/device.py > benchmarks/pending/device_prev.py).
+  prev=()
+  [ -f benchmarks/pending/device_prev.py ] && prev=(--prev-planner benchmarks/pending/device_prev.py)
+  run 300 perhead-diag python3 benchmarks/perhead_diag.py --budget-s 280 --nocond "${prev[@]}" \
       --out $OUT/h200-perhead-diag.json ;;
 profile-gather)
   # Issue 31 item 4: the ranking table learns when gathering pays. The table's masks (first 5
