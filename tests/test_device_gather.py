@@ -100,7 +100,8 @@ def test_traced_selections_share_one_trace_and_overflow_is_reported():
 
 @given(masks(), st.sampled_from([(128, 128), (64, 128)]), st.booleans(),
        st.sampled_from([1, 2, 4]), st.sampled_from([1 << 26, 1]))
-@settings(max_examples=25, deadline=None)
+# 15 examples (was 25): each compiles the gather planner anew (~2.5 s on the 2-core runner).
+@settings(max_examples=15, deadline=None)
 def test_traced_and_per_head_bounds(mt, tiles, per_head, max_blocks, max_elements):
     """Traced bounds (and per-head ones: each head its own partition of the same lengths),
     any block sizes (tiles meeting more than ``max_blocks`` query blocks split into units),
