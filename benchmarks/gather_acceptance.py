@@ -23,12 +23,11 @@ reference entry; gradients too) and timed under ``tools.timing.KERNEL_RULE``. ``
 maxima over the families, grids and routes named; each ratio divides two times of this run):
 ``efficiency_<family>_min`` (host and device), ``device_vs_host_max``,
 ``perhead_bounds_vs_shared_max`` (per-head bounds over the host's shared bounds),
-``fwd_bwd_efficiency_irregular_min``. A run per grid fits the 10-minute call; ``--merge``
-combines their files (each ratio stays within its run).
+``fwd_bwd_efficiency_irregular_min``. Both grids fit one 10-minute call (rows are saved as
+they come); ``--merge`` combines the files of separate runs (each ratio stays within its run).
 
-    python3 benchmarks/gather_acceptance.py --grids wan480 --out $OUT/h200-gather-wan480.json
-    python3 benchmarks/gather_acceptance.py --grids wan720 --out $OUT/h200-gather-wan720.json
-    python3 benchmarks/gather_acceptance.py --merge a.json b.json --out benchmarks/results/h200-gather.json
+    python3 benchmarks/gather_acceptance.py --grids wan720,wan480 --out $OUT/h200-gather.json
+    python3 benchmarks/gather_acceptance.py --merge a.json b.json --out h200-gather.json
     python3 benchmarks/gather_acceptance.py --small --interpret        # CPU smoke run
 """
 

@@ -443,7 +443,7 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     # static tiles count their partly owned 64-row groups (traced ones: fixed or block tiles,
     # not counted).
     part = (abi.partial_groups(qx.org, qx.lo, qx.hi, tile_q, q_len)
-            if isinstance(qx.lo, np.ndarray) and isinstance(qx.org, np.ndarray) else 0.0)
+            if _static(qx.org, qx.lo, qx.hi) else 0.0)
     plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), int(qx.padded),
                         int(kx.padded), int(kx.org.shape[1]), rows_owned=True,
                         partial_groups=float(part))

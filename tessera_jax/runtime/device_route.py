@@ -17,8 +17,8 @@ bitmap steps, within a static capacity: for static bounds the count of such tile
 when tracing) where the budget holds them, else (and for traced bounds) what the budget
 allows. Exactness for every mask: a selection whose bitmap steps overflow the capacity
 (``lax.cond`` on the plan's ``ok``) or a budget of less than one step (static bounds: known
-when tracing, a one-time warning) runs ``exact_attention`` instead, a chunked XLA attention that evaluates the mask per token (dense
-work, O(chunk x Lkv) memory). Invalid device bounds (not increasing from 0 to the length) also
+when tracing, a one-time warning) runs ``exact_attention`` instead, a chunked XLA attention
+that evaluates the mask per token (dense work, O(chunk x Lkv) memory). Invalid device bounds (not increasing from 0 to the length) also
 take the exact path, whose indices are clamped: finite output, never an out-of-bounds read;
 ``check`` surfaces them under ``checkify``.
 """

@@ -7,8 +7,8 @@ tiles that meet more than ``abi.GRID`` blocks). The rule: the first template of 
 list in ``DEVICE_TEMPLATES`` that takes the call and whose plan needs no bitmap steps for the
 static bounds, else the first whose bitmap steps fit ``bitmap_budget_bytes`` (traced bounds:
 the first; static bounds that fit no template's budget: the fewest worst-case bytes, its fit
-decided on the device); static K/V blocks of <= 64 tokens (median) try 64-key tiles first, static query
-blocks of <= 64 tokens 64-row units (q64x2: two per CTA); traced bounds (per-head bounds of a
+decided on the device); static K/V blocks of <= 64 tokens (median) try 64-key tiles first,
+static query blocks of <= 64 tokens 64-row units (q64x2: two per CTA); traced bounds (per-head bounds of a
 content-dependent method), whose sizes are unknown when tracing, try both when the mean key
 block (length / count) is <= 64 tokens. Why a rule and not the ranking table
 (which the host route reads, ``select.ranking``): the table reads mask features the host does
@@ -135,11 +135,13 @@ def bitmap_step_bytes(t) -> int:
     return abi.bitmap_rows(t.tile_q, t.tile_kv) * abi.STEP_COLS * 4
 
 
-def bitmap_pairs(qb: Const | None, kb: Const | None, shape_blocks, shape: AttnShape,
+@functools.lru_cache(maxsize=512)
+def bitmap_pairs(qb: Const | None, kb: Const | None, shape_blocks: tuple, shape: AttnShape,
                  t: Template) -> int:
     """Tile pairs of ``t``'s device plan that may take a bitmap step, whatever the selection:
     for static bounds every (head, q tile, kv tile) with a tile meeting more than
-    ``abi.GRID`` blocks, for traced bounds a bound from the block counts."""
+    ``abi.GRID`` blocks, for traced bounds a bound from the block counts. Memoised: the
+    route asks it again on every call (``decided_on_device``), and it tiles static bounds."""
     Hm, nq, nk = shape_blocks
     fq, nqt = _fine_tiles(qb, nq, shape.q_len, t.tile_q)
     fk, nkt = _fine_tiles(kb, nk, shape.kv_len, t.tile_kv)
