@@ -69,10 +69,6 @@ class MosaicConfig:
         kv_start + 8 j), so plans may hold gathered steps.
     gather_run: keys one copy loads (a multiple of 8 dividing tile_kv): plans for it hold
         chunks in runs of that many consecutive keys (policies gather / gather32 / gather64).
-    v_stages:   slots of each V ring (0: the template's ``stages``, as K's; else one less). A
-        K ring deeper than the V ring issues K a step ahead of V (V is read later in a step
-        than K), so two paired units with kv128 fit shared memory with two K slots and one V
-        slot each.
     """
 
     schedule_barrier: bool = True
@@ -82,12 +78,10 @@ class MosaicConfig:
     mask_mode: str = "cond"
     gather: bool = False
     gather_run: int = 8
-    v_stages: int = 0
 
     MASK_MODES = ("cond", "always")
 
     def __post_init__(self):
-        _check_int("MosaicConfig", "v_stages", self.v_stages, 0)
         for name in ("schedule_barrier", "wg_skip", "paired", "pair_pingpong", "gather"):
             _check_bool("MosaicConfig", name, getattr(self, name))
         _check_choice("MosaicConfig", "mask_mode", self.mask_mode, self.MASK_MODES)
@@ -107,17 +101,8 @@ class MosaicConfig:
         skips a step whose rectangle misses them), else the tile."""
         return 64 if self.wg_skip else tile_q
 
-    def ring_depths(self, stages: int) -> tuple[int, int]:
-        """(K slots, V slots) of each ring for a template of ``stages``."""
-        return stages, self.v_stages or stages
-
     def check_tiles(self, tile_q: int, tile_kv: int, stages: int) -> None:
         """ValueError unless the kernel variant can be compiled for this tile shape."""
-        if self.v_stages and self.v_stages not in (stages, stages - 1):
-            # A V ring ahead of K would deadlock: a consumer releases a step's V slot only
-            # once the next step's K has arrived.
-            raise ValueError(f"MosaicConfig.v_stages={self.v_stages} must be stages={stages} "
-                             f"or one less (K copies may run a step ahead of V, not behind)")
         if tile_q not in (64, 128):
             raise ValueError(f"tile_q must be 128 (two consumer warpgroups of 64 rows) or 64 "
                              f"with paired=True for the Mosaic GPU kernel, got {tile_q}")

@@ -43,9 +43,8 @@ from pallas_kernels import abi as plan_abi
 from pallas_kernels import step_masks
 from pallas_kernels.contract import LN2, LOG2E, MASK_MODES
 from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask,
-                                          copy_starts, gather_produce, gather_vectors,
-                                          grid_mask, iota, load_gathered, owned_rows, rows_of,
-                                          store_owned)
+                                          gather_produce, gather_vectors, grid_mask, iota,
+                                          load_gathered, owned_rows, rows_of, store_owned)
 from pallas_kernels.templates import CompiledConfig, MosaicConfig
 
 __all__ = ["KernelConfig", "forward", "smem_bytes", "MASK_MODES", "MAX_SMEM"]
@@ -78,18 +77,6 @@ class KernelConfig(CompiledConfig):
         return 2 if self.paired else 1
 
     @property
-    def depths(self) -> tuple[int, int]:
-        """(K slots, V slots) of each ring."""
-        return self.variant.ring_depths(self.stages)
-
-    @property
-    def lead(self) -> tuple[int, int]:
-        """(K, V): steps each ring's copies run ahead of the other's (K's 1 with a shallower V
-        ring, ``MosaicConfig.v_stages``)."""
-        ks, vs = self.depths
-        return ks - vs, 0
-
-    @property
     def pingpong(self) -> bool:
         """Whether the two consumer warpgroups ping-pong on the schedule barrier: on one
         128-row unit, or on two paired units with ``pair_pingpong`` (the one with fewer steps
@@ -98,18 +85,14 @@ class KernelConfig(CompiledConfig):
                                                   or self.variant.pair_pingpong)
 
 
-#: Bytes of barriers and alignment beside the buffers: 2,680 were measured with Mosaic's
-#: default 2,048-byte reduction scratch (232,568 bytes for tile_kv=128, 3 stages, D=128);
-#: the kernel reserves no reduction scratch (its row reductions stay within a warp).
-_SMEM_EXTRA = 900
-
-
 def smem_bytes(cfg: KernelConfig, head_dim: int, direct: bool = False) -> int:
-    """Shared memory of one CTA: Q/O tiles, the K and V rings, LSE, with ``direct`` the
-    untiled O rows, plus barriers and alignment."""
+    """Shared memory of one CTA: Q/O tiles, the K/V ring, LSE, with ``direct`` the untiled O
+    rows, plus ~2.7 KB of barriers and alignment (232,568 bytes measured for tile_kv=128, 3
+    stages, D=128; the reduction scratch and barriers take 2.6-2.9 KB in the cross-lowered
+    kernels)."""
     rows = CONSUMERS * WG_ROWS
     return 2 * ((2 if direct else 1) * rows * head_dim
-                + cfg.rings * sum(cfg.depths) * cfg.tile_kv * head_dim) + 4 * rows + _SMEM_EXTRA
+                + 2 * cfg.rings * cfg.stages * cfg.tile_kv * head_dim) + 4 * rows + 2900
 
 
 class _Ctx(NamedTuple):
@@ -181,10 +164,10 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
         direct_rows = ((plgpu.SMEM((nwg, WG_ROWS, D), dtype),) if direct else ())
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
-        kslots, vslots = (cfg.rings * d for d in cfg.depths)
+        slots = cfg.rings * cfg.stages
         qo = plgpu.SMEM((nwg, WG_ROWS, D), dtype, transforms=(tiling, swizzle))
-        kbuf = plgpu.SMEM((kslots, cfg.tile_kv, D), dtype, transforms=(tiling, swizzle))
-        vbuf = plgpu.SMEM((vslots, cfg.tile_kv, D), dtype, transforms=(tiling, swizzle))
+        kbuf = plgpu.SMEM((slots, cfg.tile_kv, D), dtype, transforms=(tiling, swizzle))
+        vbuf = plgpu.SMEM((slots, cfg.tile_kv, D), dtype, transforms=(tiling, swizzle))
         lse = plgpu.SMEM((nwg, WG_ROWS), jnp.float32)
 
         def scoped(bufs, bars, consumed, schedule_barrier):
@@ -203,12 +186,11 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
         pl.run_scoped(
             scoped,
             (qo, kbuf, vbuf, lse, *direct_rows),
-            (plgpu.Barrier(num_arrivals=copies, num_barriers=kslots),
-             plgpu.Barrier(num_arrivals=copies, num_barriers=vslots),
+            (plgpu.Barrier(num_arrivals=copies, num_barriers=slots),
+             plgpu.Barrier(num_arrivals=copies, num_barriers=slots),
              plgpu.Barrier(num_barriers=nwg)),
             # A slot is free once every warpgroup that reads it is done with it.
-            tuple(plgpu.Barrier(num_arrivals=1 if cfg.paired else nwg, num_barriers=n)
-                  for n in (kslots, vslots)),
+            (plgpu.Barrier(num_arrivals=1 if cfg.paired else nwg, num_barriers=slots),) * 2,
             plgpu.Barrier(num_arrivals=nwg),
             collective_axes="wg",
         )
@@ -226,9 +208,7 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
         grid_names=("unit", "batch"),
         num_threads=nwg + 1,
         thread_name="wg",
-        # No reduction scratch: the softmax's row reductions stay within a warp (WGMMA
-        # layout), and the 2 KB it would reserve decide whether two K slots fit.
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
     )(q, k, v, units, steps, steps.reshape(-1))
 
@@ -262,15 +242,8 @@ def _unit_of(c: _Ctx, ring=0):
 
 
 def _slot(c: _Ctx, g, ring=0):
-    """K ring slot of the unit's ``g``-th step."""
-    d = c.cfg.depths[0]
-    return lax.rem(g, jnp.array(d, g.dtype)) + ring * d
-
-
-def _vslot(c: _Ctx, g, ring=0):
-    """V ring slot of the unit's ``g``-th step."""
-    d = c.cfg.depths[1]
-    return lax.rem(g, jnp.array(d, g.dtype)) + ring * d
+    """Ring slot of the unit's ``g``-th step."""
+    return lax.rem(g, jnp.array(c.cfg.stages, g.dtype)) + ring * c.cfg.stages
 
 
 def _schedule(c: _Ctx):
@@ -363,7 +336,7 @@ def _step(c: _Ctx, w: _Wg, mode, wg_skip, i, carry):
     """One step of the K/V loop, specialised for a mask mode ("cond", "always" or "none") and
     for warpgroup skipping."""
     acc, m_i, l_i, cur = carry
-    slot = (_slot(c, w.base + i, w.ring), _vslot(c, w.base + i, w.ring))
+    slot = _slot(c, w.base + i, w.ring)
     if mode == "none" and not wg_skip:
         rect = None                        # never read: every step is full
     else:
@@ -382,10 +355,10 @@ def _step(c: _Ctx, w: _Wg, mode, wg_skip, i, carry):
     return (*state, cur)
 
 
-def _end_softmax_barriers(c: _Ctx, vslot):
+def _end_softmax_barriers(c: _Ctx, slot):
     if c.cfg.pingpong:
         plgpu.barrier_arrive(c.schedule_barrier)
-    plgpu.barrier_wait(c.v_bar.at[vslot])
+    plgpu.barrier_wait(c.v_bar.at[slot])
     if c.cfg.pingpong:
         plgpu.barrier_wait(c.schedule_barrier)
 
@@ -396,8 +369,8 @@ def _wait_next_k(c: _Ctx, w: _Wg, i):
         plgpu.barrier_wait(c.k_bar.at[_slot(c, w.base + i + 1, w.ring)])
 
 
-def _qk(c: _Ctx, w: _Wg, kslot, acc_ref):
-    plgpu.wgmma(acc_ref, w.qo_smem, c.k_smem.at[kslot].transpose((1, 0)))
+def _qk(c: _Ctx, w: _Wg, slot, acc_ref):
+    plgpu.wgmma(acc_ref, w.qo_smem, c.k_smem.at[slot].transpose((1, 0)))
     _schedule(c)
     return acc_ref[...]
 
@@ -452,19 +425,17 @@ def _gather_mask(c: _Ctx, w: _Wg, rect: _Rect, x):
     return x + bcast(col_bias, x.shape, 1), row_pen
 
 
-def _pv(c: _Ctx, w: _Wg, i, vslot, p16, acc_ref):
-    plgpu.wgmma(acc_ref, p16, c.v_smem.at[vslot])
+def _pv(c: _Ctx, w: _Wg, i, slot, p16, acc_ref):
+    plgpu.wgmma(acc_ref, p16, c.v_smem.at[slot])
     _wait_next_k(c, w, i)
 
 
 def _compute_step(c: _Ctx, w: _Wg, mode, i, slot, rect, state):
-    """S = Q K^T on the step's K/V tile, its mask, the online softmax update and O += P V
-    (``slot``: the step's K and V ring slots)."""
+    """S = Q K^T on the step's K/V tile, its mask, the online softmax update and O += P V."""
     acc, m_i, l_i = state
-    kslot, vslot = slot
-    qk = pl.run_scoped(functools.partial(_qk, c, w, kslot),
+    qk = pl.run_scoped(functools.partial(_qk, c, w, slot),
                        plgpu.ACC((WG_ROWS, c.cfg.tile_kv), jnp.float32))
-    plgpu.barrier_arrive(c.k_consumed.at[kslot])
+    plgpu.barrier_arrive(c.k_consumed.at[slot])
     if mode != "none":
         zero_rows = plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32),
                                       plgpu.Layout.WGMMA.reduce(1))
@@ -502,19 +473,19 @@ def _compute_step(c: _Ctx, w: _Wg, mode, i, slot, rect, state):
     if c.head_dim <= 128:
         l_i += p.sum(axis=1)
         acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
-        _end_softmax_barriers(c, vslot)
+        _end_softmax_barriers(c, slot)
     else:
-        _end_softmax_barriers(c, vslot)
+        _end_softmax_barriers(c, slot)
         l_i += p.sum(axis=1)
 
     if c.interpret:
         # The Mosaic GPU interpreter has neither a rule for run_state nor wgmma with a
         # register A operand: PV is a plain dot on the tile.
-        acc = acc + jnp.dot(p16, c.v_smem.at[vslot][...], preferred_element_type=jnp.float32)
+        acc = acc + jnp.dot(p16, c.v_smem.at[slot][...], preferred_element_type=jnp.float32)
         _wait_next_k(c, w, i)
     else:
-        acc = pl.run_state(functools.partial(_pv, c, w, i, vslot, p16))(plgpu.ACC.init(acc))
-    plgpu.barrier_arrive(c.v_consumed.at[vslot])
+        acc = pl.run_state(functools.partial(_pv, c, w, i, slot, p16))(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(c.v_consumed.at[slot])
     return acc, m_i, l_i
 
 
@@ -522,12 +493,11 @@ def _skip_step(c: _Ctx, w: _Wg, i, slot, state):
     """The step's rows miss this warpgroup's: no matrix products and no softmax, but the
     same barrier traffic (ring slot release, the data barriers' phases, both ping-pong
     arrivals) as a computed step."""
-    kslot, vslot = slot
-    plgpu.barrier_arrive(c.k_consumed.at[kslot])
+    plgpu.barrier_arrive(c.k_consumed.at[slot])
     _schedule(c)
-    _end_softmax_barriers(c, vslot)
+    _end_softmax_barriers(c, slot)
     _wait_next_k(c, w, i)
-    plgpu.barrier_arrive(c.v_consumed.at[vslot])
+    plgpu.barrier_arrive(c.v_consumed.at[slot])
     return state
 
 
@@ -563,9 +533,6 @@ def _store(c: _Ctx, w: _Wg, u, b, valid, acc, m_i, l_i, head, q_row):
 # --- TMA producer ------------------------------------------------------------------------------
 def _producer(c: _Ctx):
     plgpu.set_max_registers(40, action="decrease")
-    if any(c.cfg.lead):
-        _split_producer(c)
-        return
     if c.cfg.variant.gather:
         _gather_producer(c)
         return
@@ -618,76 +585,6 @@ def _gather_producer(c: _Ctx):
 
     gather_produce(streams, c.steps, c.words, c.num_steps, c.cfg.tile_kv,
                    c.cfg.variant.gather_run, c.cfg.stages, load, drain)
-
-
-def _streams(c: _Ctx):
-    """Per ring: (b, kv head, step_ptr, step_count) of its unit."""
-    out = []
-    for ring in range(c.cfg.rings):
-        _, b, head, _, ptr, cnt, _ = _unit_of(c, ring)
-        out.append((b, lax.div(head, jnp.array(c.group, head.dtype)), ptr, cnt))
-    return out
-
-
-def _split_producer(c: _Ctx):
-    """The producer of rings whose K and V depths differ: the deeper ring's copies run one
-    step ahead of the other's (step i's and step i - 1's in one pass, the leading ones of
-    every ring first), each copy once its slot is free; gathered steps' starts (the two
-    dependent GMEM reads) are read a pass ahead, after the pass's copies are issued."""
-    streams = _streams(c)
-    lead = c.cfg.lead
-    ahead = max(lead)
-    parts = sorted((0, 1), key=lambda p: -lead[p])           # the leading part first
-    refs = ((c.k, c.k_smem, c.k_bar, c.k_consumed), (c.v, c.v_smem, c.v_bar, c.v_consumed))
-    gather = c.cfg.variant.gather
-    run = c.cfg.variant.gather_run if gather else c.cfg.tile_kv
-    total = functools.reduce(jnp.maximum, [cnt for *_, cnt in streams])
-
-    def starts_of(ptr, cnt, g):
-        s = jnp.minimum(ptr + jnp.clip(g, 0, jnp.maximum(cnt - 1, 0)), c.num_steps - 1)
-        if gather:
-            return copy_starts(c.steps, c.words, s, c.cfg.tile_kv, run)
-        return (c.steps[s, plan_abi.STEP_KV_START],)
-
-    def issue(part, ring, b, kv_head, g, starts):
-        ref, smem, bar, done = refs[part]
-        d = c.cfg.depths[part]
-        slot = lax.rem(g, jnp.array(d, g.dtype)) + ring * d
-        if gather:
-            load_gathered(rows_of((ref,), b, kv_head), (smem,), (bar,), (done,), starts, run,
-                          slot, g >= d)
-            return
-
-        @pl.when(g >= d)
-        def _():
-            plgpu.barrier_wait(done.at[slot])
-
-        start = pl.multiple_of(starts[0], ALIGN)
-        plgpu.copy_gmem_to_smem(ref.at[b, pl.ds(start, c.cfg.tile_kv), kv_head],
-                                smem.at[slot], bar.at[slot])
-
-    def body(i, carry):
-        out = []
-        for part in parts:
-            g = i - (ahead - lead[part])
-            for ring, (b, kv_head, ptr, cnt) in enumerate(streams):
-                starts = carry[ring][0 if lead[part] else 1]
-                pl.when((g >= 0) & (g < cnt))(
-                    functools.partial(issue, part, ring, b, kv_head, g, starts))
-        for ring, (b, kv_head, ptr, cnt) in enumerate(streams):
-            out.append((starts_of(ptr, cnt, i + 1), carry[ring][0]))
-        return tuple(out)
-
-    first = tuple((starts_of(ptr, cnt, jnp.int32(0)),) * 2 for _, _, ptr, cnt in streams)
-    lax.fori_loop(0, total + ahead, body, first)
-    for ring, (*_, cnt) in enumerate(streams):
-        for part in (0, 1):
-            d = c.cfg.depths[part]
-            done = refs[part][3]
-
-            @pl.loop(jnp.maximum(cnt - d, 0), cnt)
-            def _(g, d=d, done=done, ring=ring):
-                plgpu.barrier_wait(done.at[lax.rem(g, jnp.array(d, g.dtype)) + ring * d])
 
 
 def _load(c: _Ctx, ring, b, kv_head, ptr, i, g):
