@@ -27,16 +27,16 @@
 # route-gap (results/h200-route-gap.json), accept-720 and accept-480 (results/h200-gather.json;
 # Wan 720p clusters' device and per-head calls ran the exact path: fixed, then measured on the
 # H100, results/h100-clusters-device.json).
+# Session 29 (one H200 call, then an H100 for three): the split-ring spike (killed, reverted:
+# results/h200-split-rings.json), profile-gather (on the H100: plan_tables/raw/h100.jsonl, no
+# table shipped), gpu-checks (39/39, results/h100-test-gpu.log), perhead-diag (3b18bad kept,
+# results/h100-perhead-diag.json).
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file, both grids in
 #     one run (Wan 720p clusters no longer take the exact path: ~450 s predicted), the per-head
 #     route with the mask's own heads; copy $OUT/h200-gather.json to benchmarks/results/
-#   bash benchmarks/h200_session.sh gpu-checks     # make test-gpu: 39 cases with the decided
-#     cases (static bounds past the bitmap budget deciding on the device), ~340 s at -n 8
-#   bash benchmarks/h200_session.sh perhead-diag   # per-head vs shared on the H200, the plan's
-#     cond timed (--nocond), and the traced bitmap pass's conditional A/B (perhead_prev; keep
-#     it if cubes' per-head plan drops >= 50 us and clusters' rises < 30 us, else revert)
-#   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather candidates (2 calls)
+#   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather
+#     candidates, on an H200 (2 calls; an H100's first 33 masks are in plan_tables/raw/h100.jsonl)
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
 # Also here: first-plan, memory, and the session-14 parts (train, train-ab, checks, vsa, ...).
 # (Earlier sessions' parts are in git history.)
@@ -98,7 +98,7 @@ perhead-diag)
   # travel: git show e36d222:tessera_jax/planning/device.py > benchmarks/pending/device_prev.py).
   prev=()
   [ -f benchmarks/pending/device_prev.py ] && prev=(--prev-planner benchmarks/pending/device_prev.py)
-  run 300 perhead-diag python3 benchmarks/perhead_diag.py --budget-s 280 --nocond "${prev[@]}" \
+  run 330 perhead-diag python3 benchmarks/perhead_diag.py --budget-s 240 --nocond "${prev[@]}" \
       --out $OUT/h200-perhead-diag.json ;;
 profile-gather)
   # Issue 31 item 4: the ranking table learns when gathering pays. The table's masks (first 5
