@@ -35,6 +35,8 @@
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file, both grids in
 #     one run (Wan 720p clusters no longer take the exact path: ~450 s predicted), the per-head
 #     route with the mask's own heads; copy $OUT/h200-gather.json to benchmarks/results/
+#   bash benchmarks/h200_session.sh multicast      # issue 31: K/V multicast to CTA pairs, dense
+#     work (spikes/multicast_pairs.py; cross-lowered on CPU, never run): kill below 0.96
 #   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather
 #     candidates, on an H200 (2 calls; an H100's first 33 masks are in plan_tables/raw/h100.jsonl)
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
@@ -100,6 +102,11 @@ perhead-diag)
   [ -f benchmarks/pending/device_prev.py ] && prev=(--prev-planner benchmarks/pending/device_prev.py)
   run 330 perhead-diag python3 benchmarks/perhead_diag.py --budget-s 240 --nocond "${prev[@]}" \
       --out $OUT/h200-perhead-diag.json ;;
+multicast)
+  # Issue 31: paired 64-row units with each K/V tile multicast to a cluster of two CTAs
+  # (benchmarks/NOTES.md#open). A wrong cluster barrier would hang: hence the short timeout.
+  run 240 multicast python3 benchmarks/spikes/multicast_pairs.py --budget-s 200 \
+      --out $OUT/h200-multicast-spike.json ;;
 profile-gather)
   # Issue 31 item 4: the ranking table learns when gathering pays. The table's masks (first 5
   # specs of each corpus family, tokens included; 2 heads) and its 7 candidates plus the gather
