@@ -112,8 +112,7 @@ def main():
     import jax
     import jax.numpy as jnp
     from pallas_kernels.mosaic import kernel as plain
-    from paired_gather import dense_plan
-    from gather_copies import reference
+    from paired_gather import check_and_time, dense_plan
     from tessera_jax.tools import timing
 
     mods = {False: plain, True: multicast_module()}
@@ -148,14 +147,7 @@ def main():
                 txt = fn.trace(q, k, v, du, ds).lower(lowering_platforms=("cuda",)).as_text()
                 row["lowered"] = "mosaic_gpu" in txt
             else:
-                out = fn(q, k, v, du, ds)
-                got = out[0].reshape(H, L, D)[jnp.array([0, H - 1])]
-                got = jnp.moveaxis(got, 0, 1).astype(jnp.float32)
-                ref = reference(q, k, v, jnp.asarray(key_index), [0, H - 1], scale)
-                row["rel_err"] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-                row["ok"] = bool(row["rel_err"] < 2e-2)
-                row["ms"] = timing.time_kernel(fn, [(q, k, v, du, ds)]).ms
-                row["rate"] = res["dense_ms"] / row["ms"]
+                check_and_time(row, fn, (q, k, v, du, ds), key_index, scale, res["dense_ms"])
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
         log(json.dumps(row))

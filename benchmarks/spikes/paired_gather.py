@@ -68,6 +68,26 @@ def dense_plan(L, H, tile_q, tile_kv, gathered, rng, random_chunks):
     return units, steps, np.concatenate(keys)
 
 
+def check_and_time(row, fn, call, key_index, scale, dense_ms=None):
+    """Fills ``row``: the first and last heads of ``fn(*call)`` (q, k, v, units, steps; output
+    [1, U, tile_q, D] of head-major units over every query tile) against the float32
+    reference of the keys ``key_index`` (rel_err, ok), and with ``dense_ms`` (a GPU) its
+    time under the kernel rule and its rate against cuDNN's."""
+    import jax.numpy as jnp
+    from tessera_jax.tools import timing
+
+    q, k, v = call[:3]
+    _, L, H, D = q.shape
+    got = fn(*call)[0].reshape(H, L, D)[jnp.array([0, H - 1])]
+    got = jnp.moveaxis(got, 0, 1).astype(jnp.float32)
+    ref = reference(q, k, v, jnp.asarray(key_index), [0, H - 1], scale)
+    row["rel_err"] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+    row["ok"] = bool(row["rel_err"] < 2e-2)
+    if dense_ms is not None:
+        row["ms"] = timing.time_kernel(fn, [call]).ms
+        row["rate"] = dense_ms / row["ms"]
+
+
 def variants():
     """(name, template, gathered steps, random chunks, mask mode)."""
     from pallas_kernels import templates as T
@@ -150,15 +170,7 @@ def main():
             fn = jax.jit(lambda q, k, v, u, s, cfg=cfg: mk.forward(
                 q, k, v, u, s, cfg=cfg, scale=scale, interpret=interp)[0])
             du, ds = jnp.asarray(units), jnp.asarray(steps)
-            out = fn(q, k, v, du, ds)                               # [1, U, tile_q, D]
-            got = out[0].reshape(H, L, D)[jnp.array([0, H - 1])]
-            got = jnp.moveaxis(got, 0, 1).astype(jnp.float32)
-            ref = reference(q, k, v, jnp.asarray(key_index), [0, H - 1], scale)
-            row["rel_err"] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-            row["ok"] = bool(row["rel_err"] < 2e-2)
-            if gpu:
-                row["ms"] = timing.time_kernel(fn, [(q, k, v, du, ds)]).ms
-                row["rate"] = res["dense_ms"] / row["ms"]
+            check_and_time(row, fn, (q, k, v, du, ds), key_index, scale, res.get("dense_ms"))
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
         log(json.dumps(row))
