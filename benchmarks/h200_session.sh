@@ -31,14 +31,16 @@
 # results/h200-split-rings.json), profile-gather (on the H100: plan_tables/raw/h100.jsonl, no
 # table shipped), gpu-checks (39/39, results/h100-test-gpu.log), perhead-diag (3b18bad kept,
 # results/h100-perhead-diag.json).
+# Session 30 (an H100 for every call; no H200 came): multicast (killed:
+# results/h100-multicast-spike.json), accept (results/h100-gather.json), profile-gather resumed
+# with --gpu h100 (plan_tables/h100.json shipped), and the two tables in one call
+# (results/h100-table-ab.json).
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
-#   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file, both grids in
-#     one run (Wan 720p clusters no longer take the exact path: ~450 s predicted), the per-head
-#     route with the mask's own heads; copy $OUT/h200-gather.json to benchmarks/results/
-#   bash benchmarks/h200_session.sh multicast      # issue 31: K/V multicast to CTA pairs, dense
-#     work (spikes/multicast_pairs.py; cross-lowered on CPU, never run): kill below 0.96
-#   bash benchmarks/h200_session.sh profile-gather # the ranking table with the gather
-#     candidates, on an H200 (2 calls; an H100's first 33 masks are in plan_tables/raw/h100.jsonl)
+#   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file of record on an
+#     H200 (~510 s on the H100); copy $OUT/h200-gather.json to benchmarks/results/
+#   bash benchmarks/h200_session.sh profile-gather # the H200 table with the gather templates
+#     (2 calls; on an H100 the table picked gathering for radial frames at 12 heads, 0.93x:
+#     consider --heads 8 so 12-head masks have neighbours)
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
 # Also here: first-plan, memory, and the session-14 parts (train, train-ab, checks, vsa, ...).
 # (Earlier sessions' parts are in git history.)
