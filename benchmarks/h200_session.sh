@@ -104,11 +104,6 @@ perhead-diag)
   [ -f benchmarks/pending/device_prev.py ] && prev=(--prev-planner benchmarks/pending/device_prev.py)
   run 330 perhead-diag python3 benchmarks/perhead_diag.py --budget-s 240 --nocond "${prev[@]}" \
       --out $OUT/h200-perhead-diag.json ;;
-multicast)
-  # Issue 31: paired 64-row units with each K/V tile multicast to a cluster of two CTAs
-  # (benchmarks/NOTES.md#open). A wrong cluster barrier would hang: hence the short timeout.
-  run 240 multicast python3 benchmarks/spikes/multicast_pairs.py --budget-s 200 \
-      --out $OUT/h200-multicast-spike.json ;;
 profile-gather)
   # Issue 31 item 4: the ranking table learns when gathering pays. The table's masks (first 5
   # specs of each corpus family, tokens included; 2 heads) and its 7 candidates plus the gather
