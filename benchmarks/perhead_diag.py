@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Where per-head bounds lose time on the device route (issue 31's ``perhead_bounds_vs_shared``;
-3.08 on the H100 in session 22; 1.19 in ``results/h100-gather.json``, session 30): per family at Wan 480p (12 heads, D 128,
-bf16), the device route with static shared bounds and with traced per-head bounds (every head
-the shared partition, the same blocks), each as the whole call and as its planning alone
-(``planning.device.plan_on_device`` jitted, the route's own arguments), and the plans' step
-counts. On CPU the same plans showed equal steps for ``aligned`` (81,512 visited, 80,857 full),
-so a gap there is planning or dispatch, not kernel work.
+3.08 on the H100 in session 22; 1.19 in ``results/h100-gather.json``, session 30): per family
+at Wan 480p (12 heads, D 128, bf16), the device route with static shared bounds and with traced
+per-head bounds (every head the shared partition, the same blocks), each as the whole call and
+as its planning alone (``planning.device.plan_on_device`` jitted, the route's own arguments),
+and the plans' step counts. On CPU the same plans showed equal steps for ``aligned`` (81,512
+visited, 80,857 full), so a gap there is planning or dispatch, not kernel work.
 
     python3 benchmarks/perhead_diag.py --out $OUT/perhead-diag.json
 """
