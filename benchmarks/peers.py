@@ -287,6 +287,7 @@ MASK_SOURCES = ("host", "gpu")
 #: The summary keys repeated per mask source under ``by_mask_source``.
 HEADLINE = ("masks", "min_speedup_vs_best_alternative", "median_speedup_vs_best_alternative",
             "median_speedup_vs_flashinfer", "median_speedup_vs_flex", "median_speedup_vs_dense",
+            "min_kernel_speedup_vs_flashinfer", "median_kernel_speedup_vs_flashinfer",
             "median_request_overhead_ms", "per_family_medians", "request_overhead_ms",
             "median_request_excess_over_cudnn_ms", "request_excess_over_cudnn_ms")
 
@@ -358,12 +359,29 @@ def summarize(rows: list[dict]) -> dict:
         for k in sorted(by):
             one = _summarize_source(by[k])
             out["by_mask_source"][k] = {h: one[h] for h in HEADLINE}
+            if k == "host" and any(_tiered_ms(r) for r in by[k]):
+                tiered = _summarize_source([_as_tiered(r) for r in by[k]])
+                out["by_mask_source"]["host_tiered"] = {h: tiered[h] for h in HEADLINE}
             if k == "host":
                 out["by_mask_source"][k]["tessera_request_over_to_device_request"] = _stats(
                     [r["peers"]["tessera"]["request_ms"] / r["peers"]["tessera"]["to_device_request_ms"]
                      for r in by[k] if r.get("peers", {}).get("tessera", {}).get("to_device_request_ms")
                      and r["peers"]["tessera"].get("request_ms")])
     return out
+
+
+def _tiered_ms(row: dict):
+    return row.get("peers", {}).get("tessera", {}).get("tiered_request_ms")
+
+
+def _as_tiered(row: dict) -> dict:
+    """A host row with tessera_jax's request the tiered one (``Options(host_planning=
+    "tiered")``), where it was timed; else the row as it is."""
+    t = _tiered_ms(row)
+    if t is None:
+        return row
+    me = dict(row["peers"]["tessera"], request_ms=t)
+    return dict(row, peers=dict(row["peers"], tessera=me))
 
 
 def _summarize_source(rows: list[dict]) -> dict:
@@ -394,6 +412,9 @@ def _summarize_source(rows: list[dict]) -> dict:
         "median_speedup_vs_flashinfer": req["flashinfer"].get("median"),
         "median_speedup_vs_flex": req["flex"].get("median"),
         "median_speedup_vs_dense": req["dense"].get("median"),
+        "min_kernel_speedup_vs_flashinfer": out["kernel"]["overall"]["flashinfer"].get("min"),
+        "median_kernel_speedup_vs_flashinfer":
+            out["kernel"]["overall"]["flashinfer"].get("median"),
         "per_family_medians": {
             f: {g: d[g].get("median") for g in ("flashinfer", "flex", "dense", "best_alternative")}
             for f, d in out["request"]["per_family"].items()},
@@ -814,8 +835,34 @@ def run_tessera(case: Case, args) -> dict:
         def via_device():
             return jax.block_until_ready(f(case.qj, case.kj, case.vj, mask.to_device().blocks))
         res["to_device_request_ms"] = _request(via_device, args, before=clear).ms
+    if args.tiered and not routed:
+        res.update(_tiered_request(case, args, clear))
     clear()
     return res
+
+
+def _tiered_request(case: Case, args, clear) -> dict:
+    """The first request of a new host mask under ``Options(host_planning="tiered")``: the
+    rule's choice (device route while the host plan is made on a thread, or the host plan),
+    the route's executable compiled first (``tj.precompile``, as a server would at start-up).
+    ``tiered_routes``: how many timed requests the rule sent to the device route."""
+    import jax
+    import tessera_jax as tj
+    from tessera_jax.runtime import tiered
+    opts = tj.Options(host_planning="tiered")
+    mask = case.mask
+    try:
+        tj.precompile(mask, case.qj.shape, case.kj.shape, case.qj.dtype, options=opts)
+        clear()
+        before = tiered.stats().get("device_route", 0)
+        t = _request(lambda: jax.block_until_ready(
+            tj.sparse_attention(case.qj, case.kj, case.vj, mask, options=opts)), args,
+            before=clear)
+        runs = tiered.stats().get("device_route", 0) - before
+        return {"tiered_request_ms": t.ms, "tiered_device_route_calls": runs,
+                "tiered_calls": request_rule(args).warmup + request_rule(args).repeats}
+    except Exception as e:  # noqa: BLE001
+        return {"tiered_error": _tail(e, 300)}
 
 
 def _device_choice(case: "_CaseBase", blocks0) -> tuple[dict, object, int]:
@@ -1678,6 +1725,9 @@ def parse_args(argv=None):
                          "--families picks the same masks; shards balanced by mask size: "
                          "shard_specs), e.g. one process per GPU")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiered", action=argparse.BooleanOptionalAction, default=True,
+                    help="host rows: also time tessera_jax's first request under "
+                         "Options(host_planning='tiered') (tiered_request_ms)")
     ap.add_argument("--first-plan", type=float, default=0.0, metavar="SECONDS",
                     help="also measure issue 33's first plan of a fresh install in this run "
                          "(summary.first_plan_fresh_install_max_s), within SECONDS; 0: not")

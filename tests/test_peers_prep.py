@@ -448,6 +448,19 @@ def test_summary_by_mask_source(tmp_path):
     h = s["by_mask_source"]["host"]
     assert h["masks"] == 2 and h["median_speedup_vs_flashinfer"] == pytest.approx(np.median([1.5, 1.25]))
     assert h["median_request_overhead_ms"] == pytest.approx(np.median([1.1, 2.3]))
+    # kernels alone: tessera kernel 0.9 / 1.7 ms against FlashInfer's (its request / 2 here)
+    assert g["min_kernel_speedup_vs_flashinfer"] == pytest.approx(min(1.5 / 0.9, 2.5 / 1.7))
+    assert "host_tiered" not in s["by_mask_source"]
+    # host rows with a tiered first request: a block of their own, tessera's request the tiered one
+    tiered = [dict(r, peers=dict(r["peers"], tessera=dict(r["peers"]["tessera"],
+                                                          tiered_request_ms=t)))
+              for r, t in zip(host, (1.0, 2.0))]
+    st = peers.summarize(gpu + tiered)
+    ht = st["by_mask_source"]["host_tiered"]
+    assert ht["median_speedup_vs_flashinfer"] == pytest.approx(np.median([3.0, 2.5]))
+    assert ht["median_request_overhead_ms"] == pytest.approx(np.median([0.1, 0.3]))
+    assert st["by_mask_source"]["host"] == s["by_mask_source"]["host"]   # sync rows unchanged
+    assert st["median_speedup_vs_flashinfer"] == s["median_speedup_vs_flashinfer"]
     # a dense peer that failed gives no excess for its row
     bad = _src_row("sta", "gpu", 1.0, 0.9, 3.0, "c")
     bad["peers"]["dense"]["status"] = "wrong"
@@ -490,8 +503,10 @@ def test_smoke_both_mask_sources(tmp_path):
     assert gpu["peers"]["tessera"]["route"] == "device"
     assert host["peers"]["tessera"]["route"] in ("plan", "cudnn_dense")
     assert host["peers"]["tessera"]["to_device_request_ms"] > 0
-    assert doc["summary"]["mask_source"] == "gpu" and set(doc["summary"]["by_mask_source"]) == \
-        {"gpu", "host"}
+    t = host["peers"]["tessera"]
+    assert t["tiered_request_ms"] > 0 and 0 <= t["tiered_device_route_calls"] <= t["tiered_calls"]
+    assert doc["summary"]["mask_source"] == "gpu+host" and set(doc["summary"]["by_mask_source"]) \
+        == {"gpu", "host", "host_tiered"}
 
 
 def test_shards_partition_the_sample():
