@@ -100,8 +100,8 @@ _CLUSTERS = st.tuples(st.integers(300, 700), st.integers(0, 2**16)).map(
        st.sampled_from([8, 32]), st.sampled_from([None, 64]))
 @settings(max_examples=25, deadline=None)
 def test_compiled_gather_window_matches_numpy(mt, tiles, run, row_group):
-    """The gather policy's units from the numba loop (``loops._nb_gather_window``, compiled and
-    interpreted) are NumPy's, byte for byte."""
+    """The gather policy's units from the numba loops (``loops._nb_gather_window`` a unit, and
+    ``_nb_gather_units`` all at once; compiled and interpreted) are NumPy's, byte for byte."""
     from tessera_jax.planning import loops
     mask, Hq, Hkv = mt
     tq, tk = tiles
@@ -112,10 +112,13 @@ def test_compiled_gather_window_matches_numpy(mt, tiles, run, row_group):
     qp, kp = -(-mask.Lq // tq) * tq, -(-mask.Lkv // tk) * tk
     want = gather_policy.plan_gather(qb, kb, blocks, tq, tk, mask.Lq, qp, kp, run, row_group)
     for mode in ("compiled", "interpreted"):
-        got = gather_policy.plan_gather(qb, kb, blocks, tq, tk, mask.Lq, qp, kp, run, row_group,
-                                        window=loops.runner(mode)._nb_gather_window)
-        for a, b in zip(want, got):
-            np.testing.assert_array_equal(a, b)
+        run_ = loops.runner(mode)
+        for units in (None, run_._nb_gather_units):
+            got = gather_policy.plan_gather(qb, kb, blocks, tq, tk, mask.Lq, qp, kp, run,
+                                            row_group, window=run_._nb_gather_window,
+                                            units=units)
+            for a, b in zip(want, got):
+                np.testing.assert_array_equal(a, b)
 
 
 def test_gather_plans_of_windows_with_many_blocks():

@@ -173,7 +173,7 @@ def interleave_groups(row_sel: np.ndarray, group: int) -> np.ndarray:
 
 def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
                 q_len_padded: int, kv_len_padded: int, run: int = abi.GATHER_ROWS,
-                row_group: int | None = None, window=None) -> GatherRaw:
+                row_group: int | None = None, window=None, units=None) -> GatherRaw:
     """The gather policy's units and steps for the distinct mask heads ``blocks`` (bool [Hd, nq,
     nk]) over block bounds ``qb`` / ``kb``: one unit per (head, segment with a selected key;
     ``segments``), the steps of its classes (``_window_classes``), steps in unit order, then
@@ -185,23 +185,41 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
     as one (it skips a step's groups that no row of it selects; None: the tile): a unit's
     steps are ordered by ``interleave_groups``. ``window``: a compiled ``_window_classes``
     for units of at most 62 query blocks (``loops._nb_gather_window``, the same steps byte for
-    byte), or None (NumPy)."""
+    byte), or None (NumPy). ``units``: a compiled loop over every unit at once
+    (``loops._nb_gather_units``, the same steps; used when no segment has more than 62 query
+    blocks), or None: one call a unit."""
     qb, kb = np.asarray(qb, np.int64), np.asarray(kb, np.int64)
     G = abi.gather_chunks(tile_kv)
     m = abi.gather_run_chunks(tile_kv, run)
     Hd = blocks.shape[0]
-    segs = segments(qb, tile_q, q_len)
+    segs = np.array(segments(qb, tile_q, q_len), np.int64).reshape(-1, 2)
+    # Per segment (shared by the heads): the tile's first row, its query blocks [i0, i1), and
+    # each tile row's block within them (-1: a row the segment does not own).
+    w0, w1 = segs[:, 0], segs[:, 1]
+    s0s = np.minimum(w0 - w0 % abi.GATHER_ROWS, q_len_padded - tile_q)
+    i0s = np.searchsorted(qb, w0, side="right") - 1
+    i1s = np.searchsorted(qb, w1, side="left")
+    r = s0s[:, None] + np.arange(tile_q)
+    row_blocks = np.where((r >= w0[:, None]) & (r < w1[:, None]),
+                          np.searchsorted(qb, r, side="right") - 1 - i0s[:, None], -1)
+    group = row_group if row_group and row_group < tile_q else 0
+    if units is not None and (len(segs) == 0 or int((i1s - i0s).max()) <= 62):
+        u, starts, key_sel, row_sel = units(np.ascontiguousarray(blocks, bool), kb, s0s, i0s,
+                                            i1s, row_blocks, G, m,
+                                            kv_len_padded // abi.GATHER_ROWS, group)
+        seg, cnt = u[:, 1], u[:, 2]
+        full = key_sel.all(axis=1) & row_sel.all(axis=1)
+        nfull = np.bincount(np.repeat(np.arange(len(cnt)), cnt), weights=full,
+                            minlength=len(cnt)).astype(np.int64)
+        return _assemble(starts, key_sel, row_sel, full, u[:, 0], s0s[seg], w0[seg] - s0s[seg],
+                         w1[seg] - s0s[seg], cnt, nfull, u[:, 3], tile_q, tile_kv)
     head, qs, lo, hi, cnt, nfull, area = [], [], [], [], [], [], []
     parts = []
     for h in range(Hd):
-        for w0, w1 in segs:
-            s0 = min(w0 - w0 % abi.GATHER_ROWS, q_len_padded - tile_q)    # the tile's first row
-            i0 = int(np.searchsorted(qb, w0, side="right")) - 1
-            i1 = int(np.searchsorted(qb, w1, side="left"))
+        for k in range(len(segs)):
+            s0, i0, i1 = int(s0s[k]), int(i0s[k]), int(i1s[k])
             blk = blocks[h, i0:i1]
-            r = np.arange(s0, s0 + tile_q)
-            row_block = np.where((r >= w0) & (r < w1),
-                                 np.searchsorted(qb, r, side="right") - 1 - i0, -1)
+            row_block = row_blocks[k]
             if window is not None and blk.shape[0] <= 62:
                 n, *got = window(blk, kb, row_block, G, m, kv_len_padded // abi.GATHER_ROWS)
                 got = got if n else None
@@ -211,34 +229,33 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
             if got is None:
                 continue
             starts, key_sel, row_sel, sel = got
-            if row_group and row_group < tile_q:
-                o = interleave_groups(row_sel, row_group)
+            if group:
+                o = interleave_groups(row_sel, group)
                 starts, key_sel, row_sel = starts[o], key_sel[o], row_sel[o]
             full = key_sel.all(axis=1) & row_sel.all(axis=1)
             parts.append((starts, key_sel, row_sel, full))
             head.append(h)
             qs.append(s0)
-            lo.append(w0 - s0)
-            hi.append(w1 - s0)
+            lo.append(int(w0[k]) - s0)
+            hi.append(int(w1[k]) - s0)
             cnt.append(len(starts))
             nfull.append(int(full.sum()))
             area.append(sel)
-    return _assemble(parts, np.array(head, np.int64), np.array(qs, np.int64),
+    cat = [np.concatenate([p[i] for p in parts]) if parts else None for i in range(4)]
+    return _assemble(*cat, np.array(head, np.int64), np.array(qs, np.int64),
                      np.array(lo, np.int64), np.array(hi, np.int64), np.array(cnt, np.int64),
                      np.array(nfull, np.int64), np.array(area, np.int64), tile_q, tile_kv)
 
 
-def _assemble(parts, head, qs, lo, hi, cnt, nfull, area, tile_q, tile_kv) -> GatherRaw:
+def _assemble(starts, key_sel, row_sel, full, head, qs, lo, hi, cnt, nfull, area, tile_q,
+              tile_kv) -> GatherRaw:
+    """The raw plan of the units' steps (concatenated in unit order) and their words."""
     from tessera_jax.planning.planner import bucket
 
     S = int(cnt.sum())
     wr = abi.gather_word_rows(tile_q, tile_kv)
     steps = np.zeros((bucket(S + S * wr), abi.STEP_COLS), np.int32)
     if S:
-        starts = np.concatenate([p[0] for p in parts])
-        key_sel = np.concatenate([p[1] for p in parts])
-        row_sel = np.concatenate([p[2] for p in parts])
-        full = np.concatenate([p[3] for p in parts])
         words = abi.pack_gather(starts, key_sel, row_sel)             # [S, n]
         block = np.zeros((S, wr * abi.STEP_COLS), np.int32)
         block[:, : words.shape[1]] = words

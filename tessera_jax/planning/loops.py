@@ -1528,15 +1528,31 @@ def _nb_gather_window(blk, kb, row_block, G, m, nchunks):
     run_bits = np.zeros((ns, m), np.int64)
     for k in range(n):
         run_bits[seg[k], chs[k] - s_ch[seg[k]]] = bits[k]
-    # Per class, whole runs first, then by position (stable).
-    skey = np.empty(ns, np.int64)
+    # Per class, whole runs first, then by position (stable). Runs come in class order and,
+    # within a class, in non-decreasing position (first chunks increase; the clamp to
+    # nchunks - m keeps the order), so a stable partition of each class is that sort.
+    whole = np.empty(ns, np.bool_)
     for s in range(ns):
-        whole = True
+        whole[s] = True
         for q in range(m):
             if run_bits[s, q] != 255:
-                whole = False
-        skey[s] = (s_cls[s] * 2 + (0 if whole else 1)) * (nchunks + 1) + s_ch[s]
-    o = np.argsort(skey, kind="mergesort")
+                whole[s] = False
+    o = np.empty(ns, np.int64)
+    k = 0
+    a = 0
+    while a < ns:
+        e = a
+        while e < ns and s_cls[e] == s_cls[a]:
+            e += 1
+        for s in range(a, e):
+            if whole[s]:
+                o[k] = s
+                k += 1
+        for s in range(a, e):
+            if not whole[s]:
+                o[k] = s
+                k += 1
+        a = e
     R = G // m
     per = np.zeros(ncls, np.int64)
     for s in range(ns):
@@ -1575,7 +1591,104 @@ def _nb_gather_window(blk, kb, row_block, G, m, nchunks):
     return nst, starts, key_sel, rsel, sel
 
 
-_NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_gather_window", "_nb_tiles", "_nb_fill_unit",
+def _nb_interleave(rs, group):
+    """``planning.gather.interleave_groups`` of one unit's row selections ``rs`` (bool [n,
+    tile_q]): steps meeting one ``group``-row group alternate between the groups, then the
+    steps meeting several (or none), each kind in its order."""
+    n, tq = rs.shape
+    ng = tq // group
+    which = np.full(n, -1, np.int64)
+    for i in range(n):
+        cnt = 0
+        w = -1
+        for g in range(ng):
+            for t in range(g * group, (g + 1) * group):
+                if rs[i, t]:
+                    cnt += 1
+                    if w < 0:
+                        w = g
+                    break
+        if cnt == 1:
+            which[i] = w
+    seen = np.zeros(ng, np.int64)
+    at = np.empty((ng, n), np.int64)
+    for i in range(n):
+        g = which[i]
+        if g >= 0:
+            at[g, seen[g]] = i
+            seen[g] += 1
+    order = np.empty(n, np.int64)
+    k = 0
+    most = 0
+    for g in range(ng):
+        most = max(most, seen[g])
+    for r in range(most):
+        for g in range(ng):
+            if r < seen[g]:
+                order[k] = at[g, r]
+                k += 1
+    for i in range(n):
+        if which[i] < 0:
+            order[k] = i
+            k += 1
+    return order
+
+
+def _nb_gather_units(blocks, kb, s0, i0, i1, row_blocks, G, m, nchunks, group):
+    """Every unit of the gather policy in one call (``planning.gather.plan_gather`` with
+    ``_nb_gather_window`` per (head, segment), byte for byte; segments of at most 62 query
+    blocks): per unit (head, segment, steps, selected interactions) int64 [U, 4], and the steps' starts int64 [S, G], key_sel bool [S, G * 8], row_sel bool [S, tile_q]
+    in unit order (head-major), each unit's steps in ``_nb_interleave`` order when ``group``
+    > 0. ``blocks``: bool [Hd, nq, nk]; segment s covers query blocks [i0[s], i1[s]) in the
+    tile starting at row s0[s], ``row_blocks[s]`` its tile rows' blocks (-1: not its own)."""
+    Hd = blocks.shape[0]
+    nseg = s0.shape[0]
+    tq = row_blocks.shape[1]
+    units = np.empty((Hd * nseg, 4), np.int64)
+    cap = max(1024, 32 * Hd * nseg)
+    starts = np.empty((cap, G), np.int64)
+    key_sel = np.empty((cap, G * 8), np.bool_)
+    row_sel = np.empty((cap, tq), np.bool_)
+    U = 0
+    S = 0
+    for h in range(Hd):
+        for s in range(nseg):
+            n, st, ks, rs, sel = _nb_gather_window(
+                np.ascontiguousarray(blocks[h, i0[s]:i1[s]]), kb,
+                np.ascontiguousarray(row_blocks[s]), G, m, nchunks)
+            if n == 0:
+                continue
+            if S + n > cap:
+                cap = max(2 * cap, S + n)
+                a = np.empty((cap, G), np.int64)
+                a[:S] = starts[:S]
+                starts = a
+                b = np.empty((cap, G * 8), np.bool_)
+                b[:S] = key_sel[:S]
+                key_sel = b
+                c = np.empty((cap, tq), np.bool_)
+                c[:S] = row_sel[:S]
+                row_sel = c
+            if group > 0:
+                order = _nb_interleave(rs, group)
+                starts[S:S + n] = st[order]
+                key_sel[S:S + n] = ks[order]
+                row_sel[S:S + n] = rs[order]
+            else:
+                starts[S:S + n] = st
+                key_sel[S:S + n] = ks
+                row_sel[S:S + n] = rs
+            units[U, 0] = h
+            units[U, 1] = s
+            units[U, 2] = n
+            units[U, 3] = sel
+            U += 1
+            S += n
+    return units[:U], starts[:S], key_sel[:S], row_sel[:S]
+
+
+_NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_gather_window", "_nb_interleave",
+               "_nb_gather_units", "_nb_tiles", "_nb_fill_unit",
                "_nb_fill", "_nb_count", "_nb_pack", "_nb_row_index", "_nb_units", "_nb_store",
                "_nb_acc_bound", "_nb_acc_add",
                "_nb_acc_norm", "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full",

@@ -833,6 +833,9 @@ def warm_up() -> None:
     _bitmap_steps(_plan_grid(ctx, bitmaps=False), 8, 8, cfg)      # (the pass after the loops)
     _loops._nb_gather_window(np.ones((1, 1), bool), np.array([0, 8]), np.zeros(8, np.int64),
                              1, 1, 1)
+    _loops._nb_gather_units(np.ones((1, 1, 1), bool), np.array([0, 8]), np.zeros(1, np.int64),
+                            np.zeros(1, np.int64), np.ones(1, np.int64),
+                            np.zeros((1, 8), np.int64), 1, 1, 1, 4)
 
 
 def _on_worker(fn, *args):
@@ -1358,13 +1361,15 @@ def _gather_policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, num_heads: int,
 
 def _gather_raw(ctx: _Ctx, shape: AttnShape, run: int, window=None) -> _Raw:
     """A gather policy's raw plan (``planning.gather``): a unit owns its segment's rows.
-    ``window``: the loop of one unit (``loops._nb_gather_window``; None: NumPy's)."""
+    ``window``: the loop of one unit (``loops._nb_gather_window``; None: NumPy's); with it,
+    the compiled loop over all units (``loops._nb_gather_units``)."""
     nk = len(ctx.kb) - 1
     blocks = np.unpackbits(np.ascontiguousarray(ctx.words).view(np.uint8), axis=-1,
                            bitorder="little")[..., :nk].astype(bool)
+    units = None if window is None else _runner(ctx.cfg)._nb_gather_units
     g = _gather_policy.plan_gather(ctx.qb, ctx.kb, blocks, ctx.tile_q, ctx.tile_kv, shape.q_len,
                                    ctx.qp, ctx.kvp, run, row_group=ctx.row_group,
-                                   window=window)
+                                   window=window, units=units)
     return _Raw(g.head, g.qs, g.lo, g.hi, g.cnt, g.steps, g.nfull, g.area,
                 words=g.word_rows, wr=abi.gather_word_rows(ctx.tile_q, ctx.tile_kv))
 
