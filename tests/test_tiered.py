@@ -108,6 +108,44 @@ def test_a_second_call_before_the_plan_is_ready_stays_on_the_device(monkeypatch)
     np.testing.assert_allclose(out, outs[0][0], **TOL)
 
 
+def test_the_host_plan_starts_after_the_device_route_is_dispatched(monkeypatch):
+    """A background plan beside the dispatch would hold the GIL while the call launches its
+    kernels: the plan is submitted once the device route has returned (dispatched), also when
+    that route raises, and a plan cleared before it started never runs."""
+    events = []
+    route, executor, build = tiered._device_route, tiered._executor, host_plans.build
+
+    def traced_route(*a, **kw):
+        events.append("route")
+        return route(*a, **kw)
+
+    class Recorder:
+        def submit(self, fn, *a):
+            events.append("submit")
+            return executor().submit(fn, *a)
+
+    monkeypatch.setattr(tiered, "_device_route", traced_route)
+    monkeypatch.setattr(tiered, "_executor", Recorder)
+    m, (q, k, v) = _mask(21), _qkv()
+    jax.block_until_ready(tj.sparse_attention(q, k, v, m, options=FIRST))
+    assert tiered.wait(60) and events == ["route", "submit"]
+    # a route that raises still submits (and so never leaves a plan pending forever)
+    events.clear()
+    monkeypatch.setattr(tiered, "_device_route", lambda *a, **kw: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        tj.sparse_attention(q, k, v, _mask(22), options=FIRST)
+    assert tiered.wait(60) and events == ["submit"] and tiered.pending() == 0
+    # cleared between the call's entry and its submission: the background plan never runs
+    # (the call, given no output by this route, plans on its own thread)
+    ran = []
+    monkeypatch.setattr(host_plans, "build", lambda *a, **kw: ran.append(
+        threading.current_thread().name) or build(*a, **kw))
+    monkeypatch.setattr(tiered, "_device_route", lambda *a, **kw: tj.clear_caches())
+    tj.sparse_attention(q, k, v, _mask(23), options=FIRST)
+    assert tiered.wait(60) and ran == [threading.current_thread().name]
+    assert tiered.pending() == 0
+
+
 def test_under_jit_the_option_changes_nothing():
     """Under a trace the mask is a constant planned at trace time: the same program, no
     background plan, no device route."""

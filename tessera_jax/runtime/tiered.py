@@ -93,13 +93,24 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
                 _COUNTS["declined"] += 1
                 return None
             e = _PENDING[key] = _Entry(_GEN)
-            e.future = _executor().submit(_job, key, build, cache, e)
+            e.future = concurrent.futures.Future()
+            start = True
             _COUNTS["started"] += 1
+        else:
+            start = False
         _COUNTS["device_route"] += 1
-    dm = e.device_mask
-    if dm is None:
-        dm = e.device_mask = mask.to_device()
-    return _device_route(q, k, v, dm, shape, backend, scale, return_lse, options, compiled_key)
+    # The host plan starts once the device route is dispatched: a plan running beside the
+    # dispatch would hold the GIL for its Python and NumPy parts (up to the interpreter's
+    # 5 ms switch interval at a time) while this thread waits to launch the kernels.
+    try:
+        dm = e.device_mask
+        if dm is None:
+            dm = e.device_mask = mask.to_device()
+        return _device_route(q, k, v, dm, shape, backend, scale, return_lse, options,
+                             compiled_key)
+    finally:
+        if start:
+            _executor().submit(_job, key, build, cache, e)
 
 
 def _device_route(q, k, v, dm, shape, backend, scale, return_lse, options, compiled_key):
@@ -146,13 +157,17 @@ def _rule(mask, shape, backend, options, compiled, q) -> bool:
 
 
 def _job(key, build, cache, entry: _Entry):
-    """The background plan: made, then put in the front cache unless ``clear`` ran since."""
+    """The background plan: made, then put in the front cache unless ``clear`` ran since;
+    its outcome set on ``entry.future`` (made by the call that submitted it)."""
+    if not entry.future.set_running_or_notify_cancel():       # cleared before it started
+        return
     try:
         p = build()
-    except BaseException:
+    except BaseException as exc:
         with _LOCK:
             _COUNTS["failed"] += 1
-        raise
+        entry.future.set_exception(exc)
+        return
     with _LOCK:
         if entry.gen == _GEN:
             cache.put(key, p)
@@ -160,7 +175,7 @@ def _job(key, build, cache, entry: _Entry):
                 del _PENDING[key]
             entry.device_mask = None
             _COUNTS["published"] += 1
-    return p
+    entry.future.set_result(p)
 
 
 def wait_for(key):
@@ -199,9 +214,9 @@ def clear() -> None:
         _GEN += 1
         entries = list(_PENDING.values())
         _PENDING.clear()
-    for e in entries:
-        e.future.cancel()
-    concurrent.futures.wait([e.future for e in entries])
+    # A cancelled plan never runs (its job returns at once), whether or not it was submitted
+    # yet; only running ones are waited for.
+    concurrent.futures.wait([e.future for e in entries if not e.future.cancel()])
 
 
 def pending() -> int:
