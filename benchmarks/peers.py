@@ -359,9 +359,10 @@ def summarize(rows: list[dict]) -> dict:
         for k in sorted(by):
             one = _summarize_source(by[k])
             out["by_mask_source"][k] = {h: one[h] for h in HEADLINE}
-            if k == "host" and any(_tiered_ms(r) for r in by[k]):
-                tiered = _summarize_source([_as_tiered(r) for r in by[k]])
-                out["by_mask_source"]["host_tiered"] = {h: tiered[h] for h in HEADLINE}
+            for mode in ("sync", "tiered"):
+                if k == "host" and any(_mode_ms(r, mode) for r in by[k]):
+                    one_mode = _summarize_source([_as_mode(r, mode) for r in by[k]])
+                    out["by_mask_source"][f"host_{mode}"] = {h: one_mode[h] for h in HEADLINE}
             if k == "host":
                 out["by_mask_source"][k]["tessera_request_over_to_device_request"] = _stats(
                     [r["peers"]["tessera"]["request_ms"] / r["peers"]["tessera"]["to_device_request_ms"]
@@ -370,14 +371,14 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def _tiered_ms(row: dict):
-    return row.get("peers", {}).get("tessera", {}).get("tiered_request_ms")
+def _mode_ms(row: dict, mode: str):
+    return row.get("peers", {}).get("tessera", {}).get(f"{mode}_request_ms")
 
 
-def _as_tiered(row: dict) -> dict:
-    """A host row with tessera_jax's request the tiered one (``Options(host_planning=
-    "tiered")``), where it was timed; else the row as it is."""
-    t = _tiered_ms(row)
+def _as_mode(row: dict, mode: str) -> dict:
+    """A host row with tessera_jax's request the one of ``Options(host_planning=mode)``
+    ("sync" or "tiered"), where it was timed; else the row as it is."""
+    t = _mode_ms(row, mode)
     if t is None:
         return row
     me = dict(row["peers"]["tessera"], request_ms=t)
@@ -809,8 +810,15 @@ def run_tessera(case: Case, args) -> dict:
         return res
     res["plan_ms"] = _request(lambda: tj.plan(mask, case.qj.shape, case.kj.shape, case.qj.dtype),
                               args, before=clear).ms
+    # The default request (Options().host_planning "auto": tiered on a GPU), its executables
+    # compiled first as for every peer (the tiered device route's too: ``tj.precompile``).
+    from tessera_jax.runtime import tiered
+    tj.precompile(mask, case.qj.shape, case.kj.shape, case.qj.dtype)
+    res["host_planning"] = tiered.mode(tj.Options(), case.qj)
+    before = tiered.stats().get("device_route", 0)
     res.update(_request(lambda: jax.block_until_ready(call()), args,
                         before=clear).to_json("request_"))
+    res["request_device_route_calls"] = tiered.stats().get("device_route", 0) - before
     # Where a request's time goes beyond plan + kernel: the plan arrays' host->device copy, and
     # an eager call whose plan and device arrays are cached (dispatch + kernel, wall clock).
     # An eager request copies units and steps (row_index is made on the device). An all-selected
@@ -836,20 +844,22 @@ def run_tessera(case: Case, args) -> dict:
             return jax.block_until_ready(f(case.qj, case.kj, case.vj, mask.to_device().blocks))
         res["to_device_request_ms"] = _request(via_device, args, before=clear).ms
     if args.tiered and not routed:
-        res.update(_tiered_request(case, args, clear))
+        for mode in ("sync", "tiered"):
+            res.update(_mode_request(case, args, clear, mode))
     clear()
     return res
 
 
-def _tiered_request(case: Case, args, clear) -> dict:
-    """The first request of a new host mask under ``Options(host_planning="tiered")``: the
-    rule's choice (device route while the host plan is made on a thread, or the host plan),
-    the route's executable compiled first (``tj.precompile``, as a server would at start-up).
-    ``tiered_routes``: how many timed requests the rule sent to the device route."""
+def _mode_request(case: Case, args, clear, mode: str) -> dict:
+    """The first request of a new host mask under ``Options(host_planning=mode)`` ("tiered":
+    the rule's choice, device route while the host plan is made on a thread, or the host
+    plan; "sync": the host plan first), the tiered route's executable compiled first
+    (``tj.precompile``, as a server would at start-up). ``<mode>_device_route_calls``: how
+    many of the ``<mode>_calls`` requests (warm-up included) ran the device route."""
     import jax
     import tessera_jax as tj
     from tessera_jax.runtime import tiered
-    opts = tj.Options(host_planning="tiered")
+    opts = tj.Options(host_planning=mode)
     mask = case.mask
     try:
         tj.precompile(mask, case.qj.shape, case.kj.shape, case.qj.dtype, options=opts)
@@ -859,10 +869,10 @@ def _tiered_request(case: Case, args, clear) -> dict:
             tj.sparse_attention(case.qj, case.kj, case.vj, mask, options=opts)), args,
             before=clear)
         runs = tiered.stats().get("device_route", 0) - before
-        return {"tiered_request_ms": t.ms, "tiered_device_route_calls": runs,
-                "tiered_calls": request_rule(args).warmup + request_rule(args).repeats}
+        return {f"{mode}_request_ms": t.ms, f"{mode}_device_route_calls": runs,
+                f"{mode}_calls": request_rule(args).warmup + request_rule(args).repeats}
     except Exception as e:  # noqa: BLE001
-        return {"tiered_error": _tail(e, 300)}
+        return {f"{mode}_error": _tail(e, 300)}
 
 
 def _device_choice(case: "_CaseBase", blocks0) -> tuple[dict, object, int]:
@@ -1726,8 +1736,9 @@ def parse_args(argv=None):
                          "shard_specs), e.g. one process per GPU")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiered", action=argparse.BooleanOptionalAction, default=True,
-                    help="host rows: also time tessera_jax's first request under "
-                         "Options(host_planning='tiered') (tiered_request_ms)")
+                    help="host rows: also time tessera_jax's request under "
+                         "Options(host_planning='sync') and 'tiered' (sync_request_ms, "
+                         "tiered_request_ms)")
     ap.add_argument("--first-plan", type=float, default=0.0, metavar="SECONDS",
                     help="also measure issue 33's first plan of a fresh install in this run "
                          "(summary.first_plan_fresh_install_max_s), within SECONDS; 0: not")

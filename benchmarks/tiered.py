@@ -232,9 +232,11 @@ def request_section(a, specs, backend: str) -> list:
     import tessera_jax as tj
     from request_cases import first_test_mask
     from tessera_jax.runtime import tier_costs, tiered
+    from tessera_jax.select import ranking
     rows = []
     platform_ = jax.devices()[0].platform
-    costs = tier_costs.costs_for(platform_, backend)
+    costs = tier_costs.costs_for(platform_, backend, None if platform_ == "cpu"
+                                 else ranking.device_name())
     for fam in tqdm(a.families, desc="requests"):
         spec, m = first_test_mask(f"{fam}:{a.grid}", a.heads, specs)
         q, k, v = _inputs(m, a.heads, a.head_dim, a.dtype)
@@ -343,6 +345,7 @@ def main(argv=None) -> dict:
     from tessera_jax.masks import corpus
     from tessera_jax.planning import planner
     from tessera_jax.runtime import dispatch, tier_costs
+    from tessera_jax.select import ranking
     from tessera_jax.validation import check_shapes
 
     planner.warm_up()
@@ -350,7 +353,8 @@ def main(argv=None) -> dict:
     backend = dispatch.resolve(None, check_shapes((1, 128, 1, a.head_dim),
                                                   (1, 128, 1, a.head_dim), a.dtype))
     platform_ = jax.devices()[0].platform
-    costs = tier_costs.costs_for(platform_, backend)
+    costs = tier_costs.costs_for(platform_, backend, None if platform_ == "cpu"
+                                 else ranking.device_name())
     res = {"command": "python benchmarks/tiered.py " + " ".join(sys.argv[1:] if argv is None
                                                                else argv),
            "machine": {"device": str(jax.devices()[0]), "platform": platform_,

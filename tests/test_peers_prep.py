@@ -450,7 +450,7 @@ def test_summary_by_mask_source(tmp_path):
     assert h["median_request_overhead_ms"] == pytest.approx(np.median([1.1, 2.3]))
     # kernels alone: tessera kernel 0.9 / 1.7 ms against FlashInfer's (its request / 2 here)
     assert g["min_kernel_speedup_vs_flashinfer"] == pytest.approx(min(1.5 / 0.9, 2.5 / 1.7))
-    assert "host_tiered" not in s["by_mask_source"]
+    assert "host_tiered" not in s["by_mask_source"] and "host_sync" not in s["by_mask_source"]
     # host rows with a tiered first request: a block of their own, tessera's request the tiered one
     tiered = [dict(r, peers=dict(r["peers"], tessera=dict(r["peers"]["tessera"],
                                                           tiered_request_ms=t)))
@@ -504,9 +504,12 @@ def test_smoke_both_mask_sources(tmp_path):
     assert host["peers"]["tessera"]["route"] in ("plan", "cudnn_dense")
     assert host["peers"]["tessera"]["to_device_request_ms"] > 0
     t = host["peers"]["tessera"]
-    assert t["tiered_request_ms"] > 0 and 0 <= t["tiered_device_route_calls"] <= t["tiered_calls"]
+    for mode in ("sync", "tiered"):
+        assert t[f"{mode}_request_ms"] > 0
+        assert 0 <= t[f"{mode}_device_route_calls"] <= t[f"{mode}_calls"]
+    assert t["sync_device_route_calls"] == 0 and t["host_planning"] == "sync"   # CPU: auto is sync
     assert doc["summary"]["mask_source"] == "gpu+host" and set(doc["summary"]["by_mask_source"]) \
-        == {"gpu", "host", "host_tiered"}
+        == {"gpu", "host", "host_sync", "host_tiered"}
 
 
 def test_shards_partition_the_sample():

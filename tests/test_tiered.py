@@ -303,6 +303,63 @@ def test_the_rule_compares_predicted_costs():
         _costs(compile_ms=-1.0)
 
 
+def test_a_gathering_host_choice_adds_its_planning_time():
+    """A gathering host plan costs per selected pair on top of the base terms; only a size
+    whose host choice gathers pays it, and the rule asks the host choice only where that term
+    could still tip it."""
+    import dataclasses
+    m = _mask(8)
+    shape = check_shapes((1, L, H, D), (1, L, H, D), "float32")
+    size = tier_costs.size_of(m, shape, "xla", tj.Options().bitmap_budget_bytes)
+    assert size.gather is False and size.pairs > 0
+    c = _costs(device_ms=1.0, host_ns_per_gather_pair=2e6 / size.pairs)    # 2 ms if gathering
+    assert tier_costs.predict(size, c, True)[0] == pytest.approx(0.0)
+    gathering = dataclasses.replace(size, gather=True)
+    assert tier_costs.predict(gathering, c, True)[0] == pytest.approx(2.0)
+    assert not tier_costs.tiers(size, c, True) and tier_costs.tiers(gathering, c, True)
+
+
+def test_the_rule_reads_the_host_choice_only_when_it_matters(monkeypatch):
+    asked = []
+    monkeypatch.setattr(tier_costs, "host_gathers", lambda *a: asked.append(1) or True)
+    m, (q, k, _) = _mask(9), _qkv()
+    shape = check_shapes(q.shape, k.shape, q.dtype)
+    for c, want_ask, want in ((_costs(device_ms=1.0), False, False),          # no gather term
+                              (_costs(host_ms=5.0, device_ms=1.0,
+                                      host_ns_per_gather_pair=1.0), False, True),  # tiers anyway
+                              (_costs(device_ms=1.0, host_ns_per_gather_pair=1e9), True, True)):
+        asked.clear()
+        monkeypatch.setattr(tier_costs, "costs_for", lambda *a, c=c: c)
+        assert tiered._rule(m, shape, "xla", TIERED, True, q) is want
+        assert bool(asked) is want_ask
+
+
+def test_constants_per_gpu_and_auto_mode():
+    """The GPU's own constants first, then the platform's; "auto" is "sync" on the CPU and
+    "tiered" on a GPU; the default options are "auto"."""
+    assert tier_costs.costs_for("gpu", "mosaic_gpu", "h100") is tier_costs.H100
+    assert tier_costs.costs_for("cuda", "mosaic_gpu", "h200") is tier_costs.H200
+    assert tier_costs.costs_for("gpu", "mosaic_gpu", "b200") is tier_costs.H200
+    assert tier_costs.costs_for("cpu", "xla") is tier_costs.CPU
+    assert tier_costs.H100.host_ns_per_gather_pair > 0 and tier_costs.CPU.host_ns_per_gather_pair == 0
+    q = _qkv()[0]
+    assert tj.Options().host_planning == "auto" and tiered.mode(tj.Options(), q) == "sync"
+    for m in ("sync", "tiered", "device_first"):
+        assert tiered.mode(tj.Options(host_planning=m), q) == m
+
+    class OnGpu:
+        def devices(self):
+            return {type("D", (), {"platform": "gpu"})()}
+
+    assert tiered.mode(tj.Options(), OnGpu()) == "tiered"
+    # on the CPU the default never runs the tiered route, even once it is compiled
+    m2, (q, k, v) = _mask(10), _qkv()
+    tj.precompile(m2, q.shape, k.shape, q.dtype, options=FIRST)
+    tj.clear_caches()
+    _, route = _routes(lambda: tj.sparse_attention(q, k, v, m2))
+    assert route == "host"
+
+
 def test_the_rule_skips_masks_the_device_route_runs_exactly():
     """1-token blocks need more bitmap steps than the traced capacity holds: the device route
     would run the exact XLA path, so the rule keeps the host plan."""

@@ -265,7 +265,8 @@ def _route(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, t: Templ
     key = (mask, tuple(q.shape), tuple(k.shape), shape.dtype, template, policy, asked_backend,
            options.planner)
     if options.host_planning != "sync" and template is None and policy is None \
-            and _PLANS.get(key) is None and not kernel_runner.tracing(q, k, v):
+            and _PLANS.get(key) is None and not kernel_runner.tracing(q, k, v) \
+            and tiered.mode(options, q) != "sync":
         out = tiered.attention(q, k, v, key=key, mask=mask, shape=shape, backend=backend,
                                scale=scale, return_lse=return_lse, options=options,
                                build=functools.partial(_plan_now, mask, shape, backend, t,
@@ -362,7 +363,7 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
                                                    options=options,
                                                    return_lse=return_lse))
     options = check_options(options)
-    if options.host_planning != "sync":
+    if tiered.mode(options, q) != "sync":
         be = dispatch.resolve(backend, shape)
         sc = check_scale(scale, shape.head_dim)
         for m in {m.shape: m for m in masks if not device_route.takes(m)}.values():

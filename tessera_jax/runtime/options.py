@@ -16,7 +16,7 @@ _DKV_POLICIES = ("merge", "pack")        # the host planner's policies a dk/dv p
 #: Also in ``dkv_policies``: the gathered dk/dv plan of a gathering template (runs of 32 queries).
 _DKV_GATHER_POLICIES = ("gather32",)
 #: ``Options.host_planning``'s values (``runtime.tiered``).
-HOST_PLANNING = ("sync", "tiered", "device_first")
+HOST_PLANNING = ("auto", "sync", "tiered", "device_first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +58,14 @@ class Options:
         and writes q, k, v and out once more (benchmarks/NOTES.md#inputs); without it a NaN or
         inf in k or v may reach rows of the tiles it shares (0 * NaN in P @ V).
     host_planning: how an eager call plans a host mask whose host plan is not cached yet
-        (``runtime.tiered``). "sync" (default): on the host, before the call runs. "tiered":
-        when the measured cost model (``runtime.tier_costs``) predicts host planning slower
-        than the device route, the call runs the device route and the host plan is made on a
-        background thread, used from the first call that finds it ready. "device_first":
-        every such call tiers (benchmarks, tests). Calls under a jax trace, and calls naming
-        a template or policy, plan on the host as with "sync".
+        (``runtime.tiered``). "sync": on the host, before the call runs. "tiered": when the
+        measured cost model (``runtime.tier_costs``) predicts host planning slower than the
+        device route, the call runs the device route and the host plan is made on a
+        background thread, used from the first call that finds it ready (outputs of the two
+        routes agree within the kernels' rounding, not bit for bit). "auto" (default):
+        "tiered" on a GPU, "sync" elsewhere (on the CPU box the rule never tiers at video
+        sizes). "device_first": every such call tiers (benchmarks, tests). Calls under a jax
+        trace, and calls naming a template or policy, plan on the host as with "sync".
     device_gather: when the device route (a device mask, or per-head bounds) runs the
         backend's gathering template (``select.device.GATHER_TEMPLATES``, planned by
         ``planning.device_gather``) instead of its device list: "never" (default), "traced"
@@ -90,7 +92,7 @@ class Options:
     interpret: bool | None = None
     planner: PlannerConfig = PlannerConfig()
     check_finite: bool = False
-    host_planning: str = "sync"
+    host_planning: str = "auto"
     device_gather: str = "never"
     store_in_place: bool = True
 

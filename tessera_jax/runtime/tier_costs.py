@@ -9,9 +9,9 @@ this process has not compiled it for these shapes. A mask whose device plan woul
 exact XLA path (bitmap steps past the traced capacity) or that no device template takes
 never tiers. Inputs cost one ``count_nonzero`` of the blocks and NumPy over the bounds.
 
-Constants per (platform, backend), from ``benchmarks/tiered.py`` (its ``fit`` section;
-benchmarks/NOTES.md#request-path): ``CPU`` measured on the 2-core CPU box; ``H200``
-provisional until a GPU session runs the command in NOTES. No entry: never tier.
+Constants per (platform, backend, GPU), from ``benchmarks/tiered.py`` (its ``fit`` section;
+benchmarks/NOTES.md#request-path): ``CPU`` measured on the 2-core CPU box, ``H100`` on an
+H100 machine; the H200 borrows the H100's until it has a fit. No entry: never tier.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from tessera_jax.planning import device as _device
 from tessera_jax.select import device as select_device
 from tessera_jax.validation import AttnShape
 
-__all__ = ["TierCosts", "MaskSize", "CPU", "H200", "COSTS", "costs_for", "size_of", "predict",
-           "tiers"]
+__all__ = ["TierCosts", "MaskSize", "CPU", "H100", "H200", "COSTS", "costs_for", "host_gathers",
+           "size_of", "predict", "tiers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,8 @@ class TierCosts:
         head_dim unit; kernel_excess: the device route's kernel time over the host plan's, - 1.
     compile_ms: the first call of a device-route executable (trace and compile).
     source: where the numbers come from.
+    host_ns_per_gather_pair: host planning's extra per selected token pair when the host
+        choice is a gathering policy (its plan builds every step's keys chunk by chunk).
     """
 
     host_ms: float
@@ -60,6 +62,7 @@ class TierCosts:
     kernel_excess: float
     compile_ms: float
     source: str
+    host_ns_per_gather_pair: float = 0.0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -75,7 +78,8 @@ class TierCosts:
 class MaskSize:
     """What the rule reads of a request: blocks (Hm x nq x nkv), selected blocks, estimated
     selected (query, key) token pairs over the mask heads, and over the query heads times
-    head_dim; the device plan's tiles (Hq x q tiles x kv tiles) and bitmap capacity."""
+    head_dim; the device plan's tiles (Hq x q tiles x kv tiles) and bitmap capacity; whether
+    the host choice gathers (``host_gathers``; False until asked)."""
 
     blocks: int
     selected: int
@@ -83,6 +87,7 @@ class MaskSize:
     interactions_d: float
     tiles: int
     bitmaps: int
+    gather: bool = False
 
 
 # CPU box (2 cores, loaded; XLA backend): benchmarks/results/cpu-tiered.json. Host planning:
@@ -99,26 +104,45 @@ CPU = TierCosts(host_ms=0.383, host_ns_per_block=0.0, host_ns_per_selected=5.62,
                 kernel_excess=0.875, compile_ms=7530.0,
                 source="CPU box, benchmarks/results/cpu-tiered.json")
 
-# H200 (mosaic_gpu): PROVISIONAL, from earlier H200 numbers in benchmarks/NOTES.md, not from
-# a fit: host planning of Wan 480p VSA (12 heads, 4.7 M blocks, 1.17 M selected) 20-29 ms
-# (issue 33), svg2 / jenga 4-9 ms (host planner, 8 threads); device planning 0.32 ms (VSA
-# Wan 480p, static bounds) to 1.5 ms (Wan 720p); the route's kernel 0.90-1.76x the host
-# plan's on a fixed tile grid (traced bounds), taken as 1.5x; cuDNN dense at Wan 480p 11 ms
-# for 12.9 G pairs x D 128. compile_ms is a guess. Replace with the "fit" of
-# benchmarks/tiered.py on the H200 (command in NOTES).
-H200 = TierCosts(host_ms=1.0, host_ns_per_block=2.0, host_ns_per_selected=12.0,
-                 host_ns_per_pair=0.0, device_ms=0.3,
-                 device_ns_per_tile=0.0, device_ns_per_bitmap=0.0,
-                 kernel_ns_per_interaction=11e6 / (12.9e9 * 128), kernel_excess=0.5,
-                 compile_ms=3000.0, source="provisional (NOTES numbers, not fitted)")
+# H100 (mosaic_gpu; its host: 16 cores), benchmarks/results/h100-tiered-fit.json (session 31):
+# host planning with the H100 table choosing, 22 corpus masks (11 families x Wan 480p / 720p,
+# 12 heads) and 4 small uniform ones. The 17 whose choice does not gather: NNLS host_ms +
+# ns/selected (median ratio 1.29, worst 4.0 at 1-2 ms); the 8 gathering ones (58 ms-3.5 s):
+# the median of their excess per selected pair over that fit (0.02-0.55 ns). Device planning
+# of traced bounds over 12 masks (svg2 / vsa / sparge / radial x the two grids and the small
+# ones: 0.29-2.6 ms, median ratio 1.29). Kernel excess: the device route's call less its
+# plan over the host plan's call, median of six Wan 480p masks (-0.39 to 0.25: 0);
+# compile: 16.5 s (h100-tiered-requests.json).
+H100 = TierCosts(host_ms=1.105, host_ns_per_block=0.0, host_ns_per_selected=12.38,
+                 host_ns_per_pair=0.0, device_ms=0.720, device_ns_per_tile=0.0363,
+                 device_ns_per_bitmap=0.714, kernel_ns_per_interaction=1.15e-5,
+                 kernel_excess=0.0, compile_ms=16500.0, host_ns_per_gather_pair=0.179,
+                 source="H100, benchmarks/results/h100-tiered-fit.json")
 
-#: (platform, backend) -> constants; a pair without an entry never tiers.
-COSTS = types.MappingProxyType({("cpu", "xla"): CPU, ("gpu", "mosaic_gpu"): H200})
+# H200: no fit of its own yet; the H100's numbers stand in (the H200's table picks no
+# gathering template, so its host plans are the base fit's kind). Replace with the "fit" of
+# benchmarks/tiered.py on an H200.
+H200 = dataclasses.replace(H100, source="stand-in: the H100 fit (no H200 fit yet)")
+
+#: (platform, backend[, gpu name]) -> constants; the GPU's own entry first, then the
+#: platform's; a pair without an entry never tiers.
+COSTS = types.MappingProxyType({("cpu", "xla"): CPU, ("gpu", "mosaic_gpu"): H200,
+                                ("gpu", "mosaic_gpu", "h100"): H100,
+                                ("gpu", "mosaic_gpu", "h200"): H200})
 
 
-def costs_for(platform: str, backend: str) -> TierCosts | None:
-    """The constants of ``backend`` on ``platform`` (jax's platform name), or None."""
-    return COSTS.get(("gpu" if platform in ("gpu", "cuda", "rocm") else platform, backend))
+def costs_for(platform: str, backend: str, gpu: str | None = None) -> TierCosts | None:
+    """The constants of ``backend`` on ``platform`` (jax's platform name) and GPU
+    (``select.ranking.gpu_name``: its own entry if measured), or None."""
+    p = "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+    return COSTS.get((p, backend, gpu)) or COSTS.get((p, backend))
+
+
+def host_gathers(mask: BlockMask, shape: AttnShape, backend: str) -> bool:
+    """Whether the host plan of this request would gather (its ranking table's choice)."""
+    from tessera_jax import select
+    choice = select.choose("host", mask, shape, backend)
+    return choice is not None and choice[1] == "gather"
 
 
 def _fine(bounds: np.ndarray, length: int, tile: int) -> tuple[int, int]:
@@ -158,7 +182,8 @@ def predict(size: MaskSize, costs: TierCosts, compiled: bool) -> tuple[float, fl
     c = costs
     host = c.host_ms + 1e-6 * (c.host_ns_per_block * size.blocks
                                + c.host_ns_per_selected * size.selected
-                               + c.host_ns_per_pair * size.pairs)
+                               + (c.host_ns_per_pair + size.gather * c.host_ns_per_gather_pair)
+                               * size.pairs)
     device = c.device_ms + 1e-6 * (c.device_ns_per_tile * size.tiles
                                    + c.device_ns_per_bitmap * size.bitmaps
                                    + c.kernel_excess * c.kernel_ns_per_interaction

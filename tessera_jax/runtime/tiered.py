@@ -30,9 +30,11 @@ import jax
 from tessera_jax.mask import BlockMask
 from tessera_jax.runtime import device_route, tier_costs
 from tessera_jax.runtime.options import Options
+from tessera_jax.select import ranking as _ranking
 from tessera_jax.validation import AttnShape
 
-__all__ = ["attention", "precompile", "compiled", "wait_for", "wait", "clear", "pending", "stats"]
+__all__ = ["attention", "precompile", "compiled", "mode", "wait_for", "wait", "clear", "pending",
+           "stats"]
 
 
 class _Entry:
@@ -88,7 +90,7 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
                 raise exc
             return None
         if e is None:
-            if options.host_planning == "tiered" and not _rule(
+            if mode(options, q) == "tiered" and not _rule(
                     mask, shape, backend, options, compiled_key in _COMPILED, q):
                 _COUNTS["declined"] += 1
                 return None
@@ -144,15 +146,34 @@ def compiled(q, k, mask: BlockMask, backend: str, scale: float, return_lse: bool
         return key in _COMPILED
 
 
+def _platform(q) -> str:
+    return next(iter(q.devices())).platform if hasattr(q, "devices") else jax.default_backend()
+
+
+def mode(options: Options, q) -> str:
+    """``options.host_planning`` with "auto" resolved for the device of ``q``: "tiered" on a
+    GPU, "sync" elsewhere."""
+    m = options.host_planning
+    if m != "auto":
+        return m
+    return "sync" if _platform(q) == "cpu" else "tiered"
+
+
 def _rule(mask, shape, backend, options, compiled, q) -> bool:
-    """``tier_costs.tiers`` for this request on this machine."""
-    platform = next(iter(q.devices())).platform if hasattr(q, "devices") \
-        else jax.default_backend()
-    costs = tier_costs.costs_for(platform, backend)
+    """``tier_costs.tiers`` for this request on this machine. The host choice (a table
+    look-up, cached for the host plan) is read only where a gathering plan's planning time
+    could still tip the rule."""
+    platform = _platform(q)
+    gpu = None if platform == "cpu" else _ranking.device_name()
+    costs = tier_costs.costs_for(platform, backend, gpu)
     if costs is None:
         return False
     size = tier_costs.size_of(mask, shape, backend, options.bitmap_budget_bytes,
                               options.device_gather)
+    if size is None:
+        return False
+    if not tier_costs.tiers(size, costs, compiled) and costs.host_ns_per_gather_pair > 0:
+        size = dataclasses.replace(size, gather=tier_costs.host_gathers(mask, shape, backend))
     return tier_costs.tiers(size, costs, compiled)
 
 

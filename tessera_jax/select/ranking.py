@@ -144,6 +144,11 @@ def gpu_arch(name: str, compute_capability=None) -> str | None:
     return None
 
 
+def device_name() -> str:
+    """``gpu_name`` of the default JAX device ("cpu" on the CPU)."""
+    return _current_device()[0]
+
+
 @functools.cache
 def _current_device():
     """(gpu name, compute capability or None) of the default JAX device."""
