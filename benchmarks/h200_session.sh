@@ -35,6 +35,10 @@
 # results/h100-multicast-spike.json), accept (results/h100-gather.json), profile-gather resumed
 # with --gpu h100 (plan_tables/h100.json shipped), and the two tables in one call
 # (results/h100-table-ab.json).
+# Session 31 (an H100; two machine starts failed): peers at Wan 480p before and after tiered
+# planning became the default (results/h100-peers-before.json, h100-peers.json; FlashInfer
+# from .carry/flashinfer_site), tiered.py's requests and fit (results/h100-tiered-*.json,
+# runtime/tier_costs.H100).
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file of record on an
 #     H200 (~510 s on the H100); copy $OUT/h200-gather.json to benchmarks/results/
@@ -42,6 +46,7 @@
 #     (2 calls; on an H100 the table picked gathering for radial frames at 12 heads, 0.93x:
 #     consider --heads 8 so 12-head masks have neighbours)
 #   bash benchmarks/h200_session.sh tiered         # issue 33: tiered planning's H200 constants
+#     (today the H100's stand in), then peers.py as in results/README.md's h100-peers row
 # Also here: first-plan, memory, and the session-14 parts (train, train-ab, checks, vsa, ...).
 # (Earlier sessions' parts are in git history.)
 set -u
