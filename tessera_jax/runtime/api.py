@@ -336,9 +336,11 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
     """Plans every mask and compiles the executables they need, off the request path.
 
     One executable per distinct (template, capacity bucket); with
-    ``enable_compilation_cache`` they are also stored on disk for later processes. With
-    ``Options(host_planning="tiered")`` also the device route's executable per mask shape that
-    tiered calls run (its rule counts a compile for shapes not compiled yet). Returns the
+    ``enable_compilation_cache`` they are also stored on disk for later processes. Where
+    eager calls tier (``Options.host_planning`` "tiered", or "auto" on a GPU: the default)
+    also the device route's executable per mask shape that tiered calls run (its rule counts
+    a compile, ~16 s on an H100, for shapes not compiled yet, so a new mask of a shape never
+    precompiled plans on the host); ``Options(host_planning="sync")`` skips it. Returns the
     plans.
     """
     import jax
