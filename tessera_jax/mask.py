@@ -366,12 +366,18 @@ class BlockMask:
         return self.blocks
 
     # --- moving between host and device -------------------------------------------------
-    def to_device(self, device=None) -> "BlockMask":
+    def to_device(self, device=None, *, static_bounds: bool = False) -> "BlockMask":
         """This static mask as a device mask, copied compactly: blocks bit-packed (1 bit per
-        block) and unpacked on the device, bounds as int32."""
+        block) and unpacked on the device, bounds as int32 (``static_bounds``: the bounds
+        stay these NumPy arrays, so the device route plans with them known when tracing:
+        tiles aligned to the blocks, one executable per bounds)."""
         import jax
         self._need_static("to_device")
         packed = np.packbits(self.blocks.reshape(-1))
+        if static_bounds:
+            packed = jax.device_put(packed, device)
+            return BlockMask._from_leaves(self.q_bounds, self.kv_bounds,
+                                          _unpack(packed, self.blocks.shape))
         qb, kb = (np.asarray(b, np.int32) for b in (self.q_bounds, self.kv_bounds))
         packed, qb, kb = jax.device_put((packed, qb, kb), device)
         return BlockMask._from_leaves(qb, kb, _unpack(packed, self.blocks.shape))

@@ -341,7 +341,8 @@ def test_constants_per_gpu_and_auto_mode():
     assert tier_costs.costs_for("cuda", "mosaic_gpu", "h200") is tier_costs.H200
     assert tier_costs.costs_for("gpu", "mosaic_gpu", "b200") is tier_costs.H200
     assert tier_costs.costs_for("cpu", "xla") is tier_costs.CPU
-    assert tier_costs.H100.host_ns_per_gather_pair > 0 and tier_costs.CPU.host_ns_per_gather_pair == 0
+    assert tier_costs.H100.host_ns_per_gather_pair > 0
+    assert tier_costs.CPU.host_ns_per_gather_pair == 0
     q = _qkv()[0]
     assert tj.Options().host_planning == "auto" and tiered.mode(tj.Options(), q) == "sync"
     for m in ("sync", "tiered", "device_first"):
@@ -415,3 +416,38 @@ def test_precompile_compiles_the_tiered_device_route():
     assert tiered.compiled(q, k, m, "xla", scale, False, other)
     assert not tiered.compiled(q, k, m, "xla", scale, True, other)
     assert tiered.pending() == 0
+
+
+def test_precompiled_bounds_run_the_static_bounds_route(monkeypatch):
+    """A new mask whose bounds' executable ``precompile`` compiled runs the device route with
+    those bounds static (NumPy: tiles aligned to its blocks); a mask of other bounds, same
+    shapes, the traced one; both agree with the reference, and the next call the host plan."""
+    seen = []
+    route = tiered.device_route.attention
+
+    def spy(q, k, v, mask, *a, **kw):
+        seen.append(isinstance(mask.q_bounds, np.ndarray) and isinstance(mask.kv_bounds,
+                                                                          np.ndarray))
+        return route(q, k, v, mask, *a, **kw)
+
+    opts = tj.Options(host_planning="device_first", bitmap_budget_bytes=1 << 27)
+    (q, k, v), scale = _qkv(), D ** -0.5
+    m = _mask(30)
+    tj.precompile(m, q.shape, k.shape, q.dtype, backend="xla", options=opts)
+    assert tiered.compiled(q, k, m, "xla", scale, False, opts)
+    same_bounds = tj.BlockMask(m.q_bounds, m.kv_bounds, ~m.blocks)
+    other = _mask(31)
+    assert tiered.compiled(q, k, other, "xla", scale, False, opts)       # traced: same shapes
+    monkeypatch.setattr(tiered.device_route, "attention", spy)
+    tj.clear_caches()
+    for mask, static in ((same_bounds, True), (other, False)):
+        seen.clear()
+        out, r = _routes(lambda: tj.sparse_attention(q, k, v, mask, backend="xla",
+                                                     options=opts))
+        assert r == "device" and seen == [static]
+        np.testing.assert_allclose(out, tj.reference_attention(q, k, v, mask), **TOL)
+        assert tiered.wait(60)
+        out2, r = _routes(lambda: tj.sparse_attention(q, k, v, mask, backend="xla",
+                                                      options=opts))
+        assert r == "host"
+        np.testing.assert_allclose(out2, out, **TOL)

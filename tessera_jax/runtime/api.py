@@ -368,7 +368,8 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
     if tiered.mode(options, q) != "sync":
         be = dispatch.resolve(backend, shape)
         sc = check_scale(scale, shape.head_dim)
-        for m in {m.shape: m for m in masks if not device_route.takes(m)}.values():
+        for m in {tiered.bounds_key(m): m for m in masks
+                  if not device_route.takes(m)}.values():
             jax.block_until_ready(tiered.precompile(q, k, k, mask=m, shape=shape, backend=be,
                                                  scale=sc, return_lse=bool(return_lse),
                                                  options=options))

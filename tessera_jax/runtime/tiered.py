@@ -4,7 +4,9 @@ thread; the first call of the request that finds the plan ready, and every call 
 the host plan (the API's front cache).
 
 The device route gets the mask copied to the device (``BlockMask.to_device``: blocks packed,
-bounds as jax arrays, so traced: one executable serves every mask of these shapes); its
+bounds as jax arrays, so traced: one executable serves every mask of these shapes), or, where
+the executable of these very bounds was compiled (``precompile``: a fixed-grid method's
+bounds repeat), the bounds kept static (tiles aligned to the blocks, cheaper planning); its
 output agrees with the host plan's within the kernels' tolerance (other tiles, same math).
 
 Rules: one background plan per request key (concurrent calls on one new mask share it, and a
@@ -26,6 +28,7 @@ import os
 import threading
 
 import jax
+import numpy as np
 
 from tessera_jax.mask import BlockMask
 from tessera_jax.runtime import device_route, tier_costs
@@ -33,8 +36,8 @@ from tessera_jax.runtime.options import Options
 from tessera_jax.select import ranking as _ranking
 from tessera_jax.validation import AttnShape
 
-__all__ = ["attention", "precompile", "compiled", "mode", "wait_for", "wait", "clear", "pending",
-           "stats"]
+__all__ = ["attention", "precompile", "compiled", "bounds_key", "mode", "wait_for", "wait",
+           "clear", "pending", "stats"]
 
 
 class _Entry:
@@ -77,8 +80,11 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
     (``cache`` holds it now, or the rule says the host plan is faster; the caller plans).
     ``key``: the front cache's key of the request; ``build()``: its host plan; ``cache``:
     the front cache (``get``, ``put``). Raises a failed background plan's exception."""
-    compiled_key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
+    traced_key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
+    static_key = traced_key + (bounds_key(mask),)
     with _LOCK:
+        static = static_key in _COMPILED
+        compiled_key = static_key if static else traced_key
         if cache.get(key) is not None:
             return None
         e = _PENDING.get(key)
@@ -106,8 +112,8 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
     # 5 ms switch interval at a time) while this thread waits to launch the kernels.
     try:
         dm = e.device_mask
-        if dm is None:
-            dm = e.device_mask = mask.to_device()
+        if dm is None or isinstance(dm.q_bounds, np.ndarray) != static:
+            dm = e.device_mask = mask.to_device(static_bounds=static)
         return _device_route(q, k, v, dm, shape, backend, scale, return_lse, options,
                              compiled_key)
     finally:
@@ -124,26 +130,38 @@ def _device_route(q, k, v, dm, shape, backend, scale, return_lse, options, compi
 
 
 def _compiled_key(q, k, mask: BlockMask, backend, scale, return_lse, options) -> tuple:
-    """What picks the device route's executable of a tiered call (its bounds are traced)."""
+    """What picks the device route's executable of a tiered call with traced bounds (one per
+    shapes); with ``bounds_key(mask)`` appended, the one with these bounds static."""
     return (tuple(q.shape), tuple(k.shape), str(q.dtype), mask.shape, backend, float(scale),
             bool(return_lse), _untiered(options))
 
 
+def bounds_key(mask: BlockMask) -> tuple:
+    """A static mask's block shape and bounds, as a key: what picks its static-bounds route."""
+    return (mask.shape,) + tuple(np.asarray(b, np.int64).tobytes()
+                                 for b in (mask.q_bounds, mask.kv_bounds))
+
+
 def precompile(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, scale: float,
             return_lse: bool, options: Options):
-    """Runs (so compiles) the device route a tiered call of this mask's shapes would run, so
-    the rule no longer counts a compile for them (``tj.precompile`` with a tiered
-    ``Options``); its output."""
-    return _device_route(q, k, v, mask.to_device(), shape, backend, scale, return_lse, options,
-                         _compiled_key(q, k, mask, backend, scale, return_lse, options))
+    """Runs (so compiles) the device routes a tiered call of this mask's shapes would run, so
+    the rule no longer counts a compile for them (``tj.precompile`` where calls tier): bounds
+    traced (any mask of these shapes) and these bounds static (a new mask of the same bounds,
+    as fixed-grid methods make: tiles aligned to its blocks, cheaper planning); the output of
+    the second."""
+    key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
+    _device_route(q, k, v, mask.to_device(), shape, backend, scale, return_lse, options, key)
+    return _device_route(q, k, v, mask.to_device(static_bounds=True), shape, backend, scale,
+                         return_lse, options, key + (bounds_key(mask),))
 
 
 def compiled(q, k, mask: BlockMask, backend: str, scale: float, return_lse: bool,
              options: Options) -> bool:
-    """Whether this process has run the device route of a tiered call of these shapes."""
+    """Whether this process has run a device route a tiered call of this mask would run
+    (traced bounds of its shapes, or its bounds static)."""
     key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
     with _LOCK:
-        return key in _COMPILED
+        return key in _COMPILED or key + (bounds_key(mask),) in _COMPILED
 
 
 def _platform(q) -> str:
