@@ -813,8 +813,9 @@ def run_tessera(case: Case, args) -> dict:
     # The default request (Options().host_planning "auto": tiered on a GPU), its executables
     # compiled first as for every peer (the tiered device route's too: ``tj.precompile``).
     from tessera_jax.runtime import tiered
-    tj.precompile(mask, case.qj.shape, case.kj.shape, case.qj.dtype)
+    tj.precompile(_precompiled(mask, args), case.qj.shape, case.kj.shape, case.qj.dtype)
     res["host_planning"] = tiered.mode(tj.Options(), case.qj)
+    res["tiered_bounds"] = args.tiered_bounds
     before = tiered.stats().get("device_route", 0)
     res.update(_request(lambda: jax.block_until_ready(call()), args,
                         before=clear).to_json("request_"))
@@ -850,6 +851,23 @@ def run_tessera(case: Case, args) -> dict:
     return res
 
 
+def _precompiled(mask, args):
+    """The mask ``tj.precompile`` sees before a host row's requests: ``--tiered-bounds
+    same``: the row's own (a tiered request then runs its bounds' static route, as a new mask
+    of a fixed-grid method would); ``new``: the same block shape with one bound moved (only
+    the traced route is compiled for the row's bounds, as for content-dependent bounds)."""
+    import tessera_jax as tj
+    if args.tiered_bounds == "same":
+        return mask
+    qb, kb = (np.array(b, np.int64) for b in (mask.q_bounds, mask.kv_bounds))
+    for b in (kb, qb):
+        gaps = np.flatnonzero(np.diff(b)[:-1] > 1)       # an inner bound that can move down
+        if gaps.size:
+            b[gaps[0] + 1] -= 1
+            return tj.BlockMask(qb, kb, mask.blocks)
+    return mask
+
+
 def _mode_request(case: Case, args, clear, mode: str) -> dict:
     """The first request of a new host mask under ``Options(host_planning=mode)`` ("tiered":
     the rule's choice, device route while the host plan is made on a thread, or the host
@@ -862,7 +880,8 @@ def _mode_request(case: Case, args, clear, mode: str) -> dict:
     opts = tj.Options(host_planning=mode)
     mask = case.mask
     try:
-        tj.precompile(mask, case.qj.shape, case.kj.shape, case.qj.dtype, options=opts)
+        tj.precompile(_precompiled(mask, args), case.qj.shape, case.kj.shape, case.qj.dtype,
+                      options=opts)
         clear()
         before = tiered.stats().get("device_route", 0)
         t = _request(lambda: jax.block_until_ready(
@@ -1735,6 +1754,10 @@ def parse_args(argv=None):
                          "--families picks the same masks; shards balanced by mask size: "
                          "shard_specs), e.g. one process per GPU")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiered-bounds", default="new", choices=("new", "same"),
+                    help="host rows: what tj.precompile compiled before the requests: the "
+                         "traced route only (new bounds each request) or also the row's "
+                         "bounds' static route (same bounds, new blocks)")
     ap.add_argument("--tiered", action=argparse.BooleanOptionalAction, default=True,
                     help="host rows: also time tessera_jax's request under "
                          "Options(host_planning='sync') and 'tiered' (sync_request_ms, "

@@ -631,3 +631,17 @@ def test_wall_ms_reports_garbage_collection_time():
         gc.enable()
     assert quiet == [0.0, 0.0] and len(gc.callbacks) == n_callbacks
     del junk
+
+
+def test_precompiled_masks_for_tiered_host_rows():
+    """``--tiered-bounds new`` precompiles a mask of the same block shape with other bounds
+    (only the traced route is compiled for the row's bounds); ``same`` the row's mask."""
+    import argparse as _ap
+    qb, kb = np.array([0, 1, 5, 9]), np.array([0, 4, 5, 12])
+    m = tj.BlockMask(qb, kb, np.ones((2, 3, 3), bool))
+    got = peers._precompiled(m, _ap.Namespace(tiered_bounds="new"))
+    assert got.shape == m.shape and got.digest != m.digest
+    assert np.array_equal(got.q_bounds, qb) and np.array_equal(got.kv_bounds, [0, 3, 5, 12])
+    assert peers._precompiled(m, _ap.Namespace(tiered_bounds="same")) is m
+    one = tj.BlockMask(np.array([0, 1, 2]), np.array([0, 1, 2]), np.ones((1, 2, 2), bool))
+    assert peers._precompiled(one, _ap.Namespace(tiered_bounds="new")) is one   # nothing moves
