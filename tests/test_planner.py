@@ -564,8 +564,9 @@ def _assert_split_pack_match_oracle(mask, tilings):
 def _on_threads(ctx, n, **options):
     """``ctx`` with the planner on ``n`` threads, splitting work of any size (no minimum), and
     any other ``PlannerConfig`` fields as given (e.g. ``max_bound_bytes=0`` for the
-    exact-count path)."""
-    cfg = PlannerConfig(threads=n, par_min_rows=0, wide_min_rows=0, **options)
+    exact-count path); its other fields kept (the compiled loops: "auto" would raise
+    ``NotReady`` on a fresh install before numba has compiled them)."""
+    cfg = dataclasses.replace(ctx.cfg, threads=n, par_min_rows=0, wide_min_rows=0, **options)
     return dataclasses.replace(ctx, cfg=cfg)
 
 
