@@ -47,7 +47,12 @@ source.
 Mask sources (``--mask-source``, default ``host``):
 
 - ``host`` (the issue-7 runs): the mask is a NumPy ``BlockMask``; every request pays its
-  conversion / planning from it (tessera_jax: every cache cleared before each call).
+  conversion / planning from it (tessera_jax: every cache cleared before each call; its
+  default ``Options`` tier on a GPU: the device route first, the host plan on a thread, the
+  tiered route compiled beforehand by ``tj.precompile`` of a mask of other bounds, or of the
+  row's own with ``--tiered-bounds same``; ``sync_request_ms`` / ``tiered_request_ms`` time
+  ``host_planning`` "sync" and "tiered" explicitly, summarised under
+  ``summary.by_mask_source.host_sync`` / ``host_tiered``).
 - ``gpu``: a new mask per request, already on the device, as a content-dependent method makes
   it (``--mask-variants`` masks per case from ``peers_lib.convert.mask_variants``: the corpus
   mask first, the checked one, then variants of the same structure; bounds static, known
