@@ -816,9 +816,12 @@ def run_tessera(case: Case, args) -> dict:
     res["plan_ms"] = _request(lambda: tj.plan(mask, case.qj.shape, case.kj.shape, case.qj.dtype),
                               args, before=clear).ms
     # The default request (Options().host_planning "auto": tiered on a GPU), its executables
-    # compiled first as for every peer (the tiered device route's too: ``tj.precompile``).
+    # compiled first as for every peer: ``tj.precompile`` with tiered options compiles the
+    # tiered device route, which the default and the explicit modes below share (its key
+    # ignores host_planning), and the host plan's executables are compiled by the calls above.
     from tessera_jax.runtime import tiered
-    tj.precompile(_precompiled(mask, args), case.qj.shape, case.kj.shape, case.qj.dtype)
+    tj.precompile(_precompiled(mask, args), case.qj.shape, case.kj.shape, case.qj.dtype,
+                  options=tj.Options(host_planning="tiered"))
     res["host_planning"] = tiered.mode(tj.Options(), case.qj)
     res["tiered_bounds"] = args.tiered_bounds
     before = tiered.stats().get("device_route", 0)
@@ -876,7 +879,7 @@ def _precompiled(mask, args):
 def _mode_request(case: Case, args, clear, mode: str) -> dict:
     """The first request of a new host mask under ``Options(host_planning=mode)`` ("tiered":
     the rule's choice, device route while the host plan is made on a thread, or the host
-    plan; "sync": the host plan first), the tiered route's executable compiled first
+    plan; "sync": the host plan first), the executables compiled by ``run_tessera`` first
     (``tj.precompile``, as a server would at start-up). ``<mode>_device_route_calls``: how
     many of the ``<mode>_calls`` requests (warm-up included) ran the device route."""
     import jax
@@ -885,8 +888,6 @@ def _mode_request(case: Case, args, clear, mode: str) -> dict:
     opts = tj.Options(host_planning=mode)
     mask = case.mask
     try:
-        tj.precompile(_precompiled(mask, args), case.qj.shape, case.kj.shape, case.qj.dtype,
-                      options=opts)
         clear()
         before = tiered.stats().get("device_route", 0)
         t = _request(lambda: jax.block_until_ready(

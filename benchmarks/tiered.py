@@ -235,8 +235,7 @@ def request_section(a, specs, backend: str) -> list:
     from tessera_jax.select import ranking
     rows = []
     platform_ = jax.devices()[0].platform
-    costs = tier_costs.costs_for(platform_, backend, None if platform_ == "cpu"
-                                 else ranking.device_name())
+    costs = tier_costs.costs_for(platform_, backend, ranking.device_name())
     for fam in tqdm(a.families, desc="requests"):
         spec, m = first_test_mask(f"{fam}:{a.grid}", a.heads, specs)
         q, k, v = _inputs(m, a.heads, a.head_dim, a.dtype)
@@ -353,8 +352,7 @@ def main(argv=None) -> dict:
     backend = dispatch.resolve(None, check_shapes((1, 128, 1, a.head_dim),
                                                   (1, 128, 1, a.head_dim), a.dtype))
     platform_ = jax.devices()[0].platform
-    costs = tier_costs.costs_for(platform_, backend, None if platform_ == "cpu"
-                                 else ranking.device_name())
+    costs = tier_costs.costs_for(platform_, backend, ranking.device_name())
     res = {"command": "python benchmarks/tiered.py " + " ".join(sys.argv[1:] if argv is None
                                                                else argv),
            "machine": {"device": str(jax.devices()[0]), "platform": platform_,

@@ -264,9 +264,8 @@ def _route(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, t: Templ
             dense_route.warn_fallback(e)
     key = (mask, tuple(q.shape), tuple(k.shape), shape.dtype, template, policy, asked_backend,
            options.planner)
-    if options.host_planning != "sync" and template is None and policy is None \
-            and _PLANS.get(key) is None and not kernel_runner.tracing(q, k, v) \
-            and tiered.mode(options, q) != "sync":
+    if template is None and policy is None and _PLANS.get(key) is None \
+            and not kernel_runner.tracing(q, k, v) and tiered.mode(options, q) != "sync":
         out = tiered.attention(q, k, v, key=key, mask=mask, shape=shape, backend=backend,
                                scale=scale, return_lse=return_lse, options=options,
                                build=functools.partial(_plan_now, mask, shape, backend, t,

@@ -132,8 +132,9 @@ COSTS = types.MappingProxyType({("cpu", "xla"): CPU, ("gpu", "mosaic_gpu"): H200
 
 
 def costs_for(platform: str, backend: str, gpu: str | None = None) -> TierCosts | None:
-    """The constants of ``backend`` on ``platform`` (jax's platform name) and GPU
-    (``select.ranking.gpu_name``: its own entry if measured), or None."""
+    """The constants of ``backend`` on ``platform`` (jax's platform name) and device
+    (``select.ranking.device_name``: its own entry if measured, else the platform's), or
+    None."""
     p = "gpu" if platform in ("gpu", "cuda", "rocm") else platform
     return COSTS.get((p, backend, gpu)) or COSTS.get((p, backend))
 

@@ -181,9 +181,7 @@ def _rule(mask, shape, backend, options, compiled, q) -> bool:
     """``tier_costs.tiers`` for this request on this machine. The host choice (a table
     look-up, cached for the host plan) is read only where a gathering plan's planning time
     could still tip the rule."""
-    platform = _platform(q)
-    gpu = None if platform == "cpu" else _ranking.device_name()
-    costs = tier_costs.costs_for(platform, backend, gpu)
+    costs = tier_costs.costs_for(_platform(q), backend, _ranking.device_name())
     if costs is None:
         return False
     size = tier_costs.size_of(mask, shape, backend, options.bitmap_budget_bytes,
