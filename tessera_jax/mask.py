@@ -134,7 +134,7 @@ class BlockMask:
     (``is_static`` False), see the module docstring.
     """
 
-    __slots__ = ("q_bounds", "kv_bounds", "blocks", "_digest", "__weakref__")
+    __slots__ = ("q_bounds", "kv_bounds", "blocks", "_digest", "_packed", "__weakref__")
 
     def __init__(self, q_bounds, kv_bounds, blocks):
         if isinstance(blocks, BlockMask) or blocks is None:
@@ -158,8 +158,10 @@ class BlockMask:
             h.update(np.asarray(part.shape if part.ndim == 2 else part.size, np.int64).tobytes())
             h.update(part.tobytes())
         h.update(np.asarray(arr.shape, np.int64).tobytes())
-        h.update(np.packbits(arr).tobytes())
-        self._set(q_bounds, kv_bounds, arr, h.hexdigest())
+        packed = np.packbits(arr.reshape(-1))
+        packed.setflags(write=False)
+        h.update(packed.tobytes())
+        self._set(q_bounds, kv_bounds, arr, h.hexdigest(), packed)
 
     def _init_device(self, q_bounds, kv_bounds, blocks):
         import jax.numpy as jnp
@@ -202,7 +204,8 @@ class BlockMask:
                                  f"has Hm={shape[0]}; they must match")
         return True
 
-    def _set(self, q_bounds, kv_bounds, blocks, digest):
+    def _set(self, q_bounds, kv_bounds, blocks, digest, packed=None):
+        object.__setattr__(self, "_packed", packed)
         object.__setattr__(self, "q_bounds", q_bounds)
         object.__setattr__(self, "kv_bounds", kv_bounds)
         object.__setattr__(self, "blocks", blocks)
@@ -371,16 +374,22 @@ class BlockMask:
         block) and unpacked on the device, bounds as int32 (``static_bounds``: the bounds
         stay these NumPy arrays, so the device route plans with them known when tracing:
         tiles aligned to the blocks, one executable per bounds)."""
+        qb, kb, packed = self.packed_leaves(device, static_bounds=static_bounds)
+        return BlockMask._from_leaves(qb, kb, unpack_blocks(packed, self.blocks.shape))
+
+    def packed_leaves(self, device=None, *, static_bounds: bool = False):
+        """(q_bounds, kv_bounds, packed blocks) of ``to_device`` before the unpack: the blocks
+        as the bit-packed uint8 device array (``unpack_blocks`` inside a program makes them
+        bools: no eager ops on the request path), bounds int32 device arrays (NumPy with
+        ``static_bounds``)."""
         import jax
         self._need_static("to_device")
-        packed = np.packbits(self.blocks.reshape(-1))
+        packed = self._packed if self._packed is not None else \
+            np.packbits(self.blocks.reshape(-1))
         if static_bounds:
-            packed = jax.device_put(packed, device)
-            return BlockMask._from_leaves(self.q_bounds, self.kv_bounds,
-                                          _unpack(packed, self.blocks.shape))
+            return self.q_bounds, self.kv_bounds, jax.device_put(packed, device)
         qb, kb = (np.asarray(b, np.int32) for b in (self.q_bounds, self.kv_bounds))
-        packed, qb, kb = jax.device_put((packed, qb, kb), device)
-        return BlockMask._from_leaves(qb, kb, _unpack(packed, self.blocks.shape))
+        return jax.device_put((qb, kb, packed), device)
 
     def to_host(self) -> "BlockMask":
         """A static (validated NumPy) copy of a mask of concrete values."""
@@ -424,7 +433,8 @@ class BlockMask:
         return m
 
 
-def _unpack(packed, shape):
+def unpack_blocks(packed, shape):
+    """Blocks bool ``shape`` from their ``np.packbits`` bytes (a jax array; jittable)."""
     import jax.numpy as jnp
     n = int(np.prod(shape))
     return jnp.unpackbits(packed, count=n).astype(bool).reshape(shape)

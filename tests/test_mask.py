@@ -50,6 +50,25 @@ def test_token_mask_roundtrip(m):
     assert back == m
 
 
+@given(masks(num_q_heads=3))
+def test_packed_leaves_unpack_inside_a_program_to_the_blocks(m):
+    """``packed_leaves`` (the tiered route's copy): the digest's packed bits, unpacked by
+    ``unpack_blocks`` under jit, give the blocks back, for any block count (padding bits of
+    the last byte included); bounds int32 on the device, or these very NumPy arrays."""
+    from tessera_jax.mask import unpack_blocks
+    for static in (False, True):
+        qb, kb, packed = m.packed_leaves(static_bounds=static)
+        assert isinstance(packed, jax.Array) and packed.dtype == np.uint8
+        assert packed.size == -(-m.blocks.size // 8)
+        got = jax.jit(unpack_blocks, static_argnums=1)(packed, m.blocks.shape)
+        np.testing.assert_array_equal(np.asarray(got), m.blocks)
+        if static:
+            assert qb is m.q_bounds and kb is m.kv_bounds
+        else:
+            assert isinstance(qb, jax.Array) and qb.dtype == np.int32
+            np.testing.assert_array_equal(np.asarray(kb), m.kv_bounds)
+
+
 def test_from_token_mask_rejects_mixed_block_unless_inexact():
     tm = np.zeros((6, 6), bool)
     tm[0, 0] = True

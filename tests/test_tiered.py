@@ -438,6 +438,7 @@ def test_precompiled_bounds_run_the_static_bounds_route(monkeypatch):
     same_bounds = tj.BlockMask(m.q_bounds, m.kv_bounds, ~m.blocks)
     other = _mask(31)
     assert tiered.compiled(q, k, other, "xla", scale, False, opts)       # traced: same shapes
+    executables = tiered.device_route._run._cache_size()
     monkeypatch.setattr(tiered.device_route, "attention", spy)
     tj.clear_caches()
     for mask, static in ((same_bounds, True), (other, False)):
@@ -451,3 +452,5 @@ def test_precompiled_bounds_run_the_static_bounds_route(monkeypatch):
                                                       options=opts))
         assert r == "host"
         np.testing.assert_allclose(out2, out, **TOL)
+    # the requests ran what precompile compiled (the packed blocks' programs): no new one
+    assert tiered.device_route._run._cache_size() == executables

@@ -37,7 +37,7 @@ import numpy as np
 from pallas_kernels import abi
 from pallas_kernels.templates import Template
 
-from tessera_jax.mask import BlockMask
+from tessera_jax.mask import BlockMask, unpack_blocks
 from tessera_jax.planning import device as _device
 from tessera_jax.planning import device_gather as _device_gather
 from tessera_jax.planning.plan import AttentionPlan
@@ -92,8 +92,11 @@ _warned: set = set()
 
 
 def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template: Template | None,
-              scale: float, return_lse: bool, options: Options = options_.DEFAULT):
-    """out (and lse) of a device-route call (arguments validated by the caller)."""
+              scale: float, return_lse: bool, options: Options = options_.DEFAULT,
+              packed=None):
+    """out (and lse) of a device-route call (arguments validated by the caller). ``packed``:
+    the blocks as ``BlockMask.packed_leaves`` gives them (``mask.blocks`` then only says their
+    shape), unpacked inside the program."""
     consts = select_device.static_parts(mask)
     t, capacity = _choose(consts, mask, shape, backend, template, options.bitmap_budget_bytes,
                           options.device_gather)
@@ -110,15 +113,22 @@ def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template
     dyn = [None if c is not None else x
            for c, x in zip(consts, (mask.q_bounds, mask.kv_bounds, mask.blocks))]
     decide = decides(consts, tuple(mask.blocks.shape), shape, t, capacity)
+    packed_shape = None
+    if packed is not None:
+        if consts[2] is not None:
+            raise ValueError("packed blocks need a mask whose blocks are not NumPy")
+        dyn[2], packed_shape = packed, tuple(mask.blocks.shape)
     return _run(q, k, v, *dyn, consts=consts, template=t.name if t else None,
                 capacity=capacity, decide=decide, scale=float(scale),
-                return_lse=bool(return_lse), options=options)
+                return_lse=bool(return_lse), options=options, packed_shape=packed_shape)
 
 
 @functools.partial(jax.jit, static_argnames=("consts", "template", "capacity", "decide",
-                                             "scale", "return_lse", "options"))
+                                             "scale", "return_lse", "options", "packed_shape"))
 def _run(q, k, v, qb, kb, blocks, *, consts, template, capacity, decide, scale, return_lse,
-         options):
+         options, packed_shape=None):
+    if packed_shape is not None:
+        blocks = unpack_blocks(blocks, packed_shape)
     qb, kb, blocks = (c.array if c is not None else x for c, x in zip(consts, (qb, kb, blocks)))
     if template is None:
         plan = AttentionPlan(None, exact=(qb, kb, blocks))

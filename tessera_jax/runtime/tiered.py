@@ -3,8 +3,8 @@ plan is not made yet runs the device route while the host plan is made on a back
 thread; the first call of the request that finds the plan ready, and every call after, runs
 the host plan (the API's front cache).
 
-The device route gets the mask copied to the device (``BlockMask.to_device``: blocks packed,
-bounds as jax arrays, so traced: one executable serves every mask of these shapes), or, where
+The device route gets the mask copied to the device (``BlockMask.packed_leaves``: blocks
+bit-packed and unpacked inside the route's program, bounds as jax arrays, so traced: one executable serves every mask of these shapes), or, where
 the executable of these very bounds was compiled (``precompile``: a fixed-grid method's
 bounds repeat), the bounds kept static (tiles aligned to the blocks, cheaper planning); its
 output agrees with the host plan's within the kernels' tolerance (other tiles, same math).
@@ -41,8 +41,8 @@ __all__ = ["attention", "precompile", "compiled", "bounds_key", "mode", "wait_fo
 
 
 class _Entry:
-    """A background plan: its future, the mask's device copy (made by the first call that
-    needs it), the generation of ``clear`` it belongs to."""
+    """A background plan: its future, the mask's device copy (``BlockMask.packed_leaves``,
+    made by the first call that needs it), the generation of ``clear`` it belongs to."""
 
     __slots__ = ("future", "device_mask", "gen")
 
@@ -112,18 +112,23 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
     # 5 ms switch interval at a time) while this thread waits to launch the kernels.
     try:
         dm = e.device_mask
-        if dm is None or isinstance(dm.q_bounds, np.ndarray) != static:
-            dm = e.device_mask = mask.to_device(static_bounds=static)
-        return _device_route(q, k, v, dm, shape, backend, scale, return_lse, options,
+        if dm is None or isinstance(dm[0], np.ndarray) != static:
+            dm = e.device_mask = mask.packed_leaves(static_bounds=static)
+        return _device_route(q, k, v, mask, dm, shape, backend, scale, return_lse, options,
                              compiled_key)
     finally:
         if start:
             _executor().submit(_job, key, build, cache, e)
 
 
-def _device_route(q, k, v, dm, shape, backend, scale, return_lse, options, compiled_key):
-    out = device_route.attention(q, k, v, dm, shape, backend, None, scale, return_lse,
-                                 _untiered(options))
+def _device_route(q, k, v, mask: BlockMask, leaves, shape, backend, scale, return_lse, options,
+                  compiled_key):
+    """The device route on ``mask`` copied as ``leaves`` (``BlockMask.packed_leaves``: its
+    blocks unpacked inside the program)."""
+    qb, kb, packed = leaves
+    like = BlockMask._from_leaves(qb, kb, jax.ShapeDtypeStruct(mask.blocks.shape, np.bool_))
+    out = device_route.attention(q, k, v, like, shape, backend, None, scale, return_lse,
+                                 _untiered(options), packed=packed)
     with _LOCK:
         _COMPILED.add(compiled_key)
     return out
@@ -150,9 +155,10 @@ def precompile(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, scal
     as fixed-grid methods make: tiles aligned to its blocks, cheaper planning); the output of
     the second."""
     key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
-    _device_route(q, k, v, mask.to_device(), shape, backend, scale, return_lse, options, key)
-    return _device_route(q, k, v, mask.to_device(static_bounds=True), shape, backend, scale,
-                         return_lse, options, key + (bounds_key(mask),))
+    _device_route(q, k, v, mask, mask.packed_leaves(), shape, backend, scale, return_lse,
+                  options, key)
+    return _device_route(q, k, v, mask, mask.packed_leaves(static_bounds=True), shape, backend,
+                         scale, return_lse, options, key + (bounds_key(mask),))
 
 
 def compiled(q, k, mask: BlockMask, backend: str, scale: float, return_lse: bool,
