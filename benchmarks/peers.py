@@ -49,8 +49,9 @@ Mask sources (``--mask-source``, default ``host``):
 - ``host`` (the issue-7 runs): the mask is a NumPy ``BlockMask``; every request pays its
   conversion / planning from it (tessera_jax: every cache cleared before each call; its
   default ``Options`` tier on a GPU: the device route first, the host plan on a thread, the
-  tiered route compiled beforehand by ``tj.precompile`` of a mask of other bounds, or of the
-  row's own with ``--tiered-bounds same``; ``sync_request_ms`` / ``tiered_request_ms`` time
+  tiered route compiled beforehand by ``tj.precompile`` of the row's own mask where the
+  family's bounds are fixed by the grid (``--tiered-bounds auto``: a server compiles its grid's
+  route at start-up), else of a mask of other bounds (content-dependent bounds, SVG2's); ``sync_request_ms`` / ``tiered_request_ms`` time
   ``host_planning`` "sync" and "tiered" explicitly, summarised under
   ``summary.by_mask_source.host_sync`` / ``host_tiered``).
 - ``gpu``: a new mask per request, already on the device, as a content-dependent method makes
@@ -820,14 +821,24 @@ def run_tessera(case: Case, args) -> dict:
     # tiered device route, which the default and the explicit modes below share (its key
     # ignores host_planning), and the host plan's executables are compiled by the calls above.
     from tessera_jax.runtime import tiered
-    tj.precompile(_precompiled(mask, args), case.qj.shape, case.kj.shape, case.qj.dtype,
+    bounds_mode = tiered_bounds(case, args)
+    tj.precompile(_precompiled(mask, bounds_mode), case.qj.shape, case.kj.shape, case.qj.dtype,
                   options=tj.Options(host_planning="tiered"))
     res["host_planning"] = tiered.mode(tj.Options(), case.qj)
-    res["tiered_bounds"] = args.tiered_bounds
+    res["tiered_bounds"] = bounds_mode
     before = tiered.stats().get("device_route", 0)
     res.update(_request(lambda: jax.block_until_ready(call()), args,
                         before=clear).to_json("request_"))
     res["request_device_route_calls"] = tiered.stats().get("device_route", 0) - before
+    # the default request's own output (the device route where it tiers), checked as the first
+    clear()
+    out = jax.block_until_ready(call())
+    o = np.asarray(jax.device_get(out[0][case.rows][:, case.qh]), np.float32)
+    res["request_check"] = {k: v for k, v in case.check(o).items()
+                            if k in ("status", "rel_err", "why")}
+    if res["request_check"]["status"] not in OK_STATES:
+        res.update(status="wrong", why="the default request: " + res["request_check"]["why"])
+    del out
     # Where a request's time goes beyond plan + kernel: the plan arrays' host->device copy, and
     # an eager call whose plan and device arrays are cached (dispatch + kernel, wall clock).
     # An eager request copies units and steps (row_index is made on the device). An all-selected
@@ -859,13 +870,33 @@ def run_tessera(case: Case, args) -> dict:
     return res
 
 
-def _precompiled(mask, args):
-    """The mask ``tj.precompile`` sees before a host row's requests: ``--tiered-bounds
-    same``: the row's own (a tiered request then runs its bounds' static route, as a new mask
-    of a fixed-grid method would); ``new``: the same block shape with one bound moved (only
-    the traced route is compiled for the row's bounds, as for content-dependent bounds)."""
+def tiered_bounds(case, args) -> str:
+    """``--tiered-bounds`` of a row, "auto" resolved: "same" where the family's bounds do not
+    depend on the content (the spec built at another seed and step, one head, has the same
+    bounds: a fixed-grid method, whose server compiles its grid's route at start-up), "new"
+    where they do (SVG2's clusters) or cannot be told (no spec)."""
+    if args.tiered_bounds != "auto":
+        return args.tiered_bounds
+    from tessera_jax.masks.corpus import build
+    spec = getattr(case, "spec", None) or {}
+    from tessera_jax.masks import FAMILIES
+    if "seed" not in spec or spec.get("family") not in FAMILIES:
+        return "new"                                 # not a corpus spec (random, smoke cases)
+    other = build(dict(spec, seed=int(spec["seed"]) + 1, step=int(spec.get("step", 0)) + 1),
+                  heads=1)
+    m = case.mask
+    same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+               ((other.q_bounds, m.q_bounds), (other.kv_bounds, m.kv_bounds)))
+    return "same" if same else "new"
+
+
+def _precompiled(mask, bounds_mode: str):
+    """The mask ``tj.precompile`` sees before a host row's requests: ``same`` (a fixed-grid
+    method): the row's own (a tiered request then runs its bounds' static route, as a new mask
+    of the same grid would); ``new``: the same block shape with one bound moved (only the
+    traced route is compiled for the row's bounds, as for content-dependent bounds)."""
     import tessera_jax as tj
-    if args.tiered_bounds == "same":
+    if bounds_mode == "same":
         return mask
     qb, kb = (np.array(b, np.int64) for b in (mask.q_bounds, mask.kv_bounds))
     for b in (kb, qb):
@@ -1760,10 +1791,12 @@ def parse_args(argv=None):
                          "--families picks the same masks; shards balanced by mask size: "
                          "shard_specs), e.g. one process per GPU")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tiered-bounds", default="new", choices=("new", "same"),
+    ap.add_argument("--tiered-bounds", default="auto", choices=("auto", "new", "same"),
                     help="host rows: what tj.precompile compiled before the requests: the "
-                         "traced route only (new bounds each request) or also the row's "
-                         "bounds' static route (same bounds, new blocks)")
+                         "traced route only (new: new bounds each request) or also the row's "
+                         "bounds' static route (same: same bounds, new blocks); auto: same "
+                         "where the family's bounds do not depend on the content "
+                         "(tiered_bounds())")
     ap.add_argument("--tiered", action=argparse.BooleanOptionalAction, default=True,
                     help="host rows: also time tessera_jax's request under "
                          "Options(host_planning='sync') and 'tiered' (sync_request_ms, "

@@ -639,9 +639,26 @@ def test_precompiled_masks_for_tiered_host_rows():
     import argparse as _ap
     qb, kb = np.array([0, 1, 5, 9]), np.array([0, 4, 5, 12])
     m = tj.BlockMask(qb, kb, np.ones((2, 3, 3), bool))
-    got = peers._precompiled(m, _ap.Namespace(tiered_bounds="new"))
+    got = peers._precompiled(m, "new")
     assert got.shape == m.shape and got.digest != m.digest
     assert np.array_equal(got.q_bounds, qb) and np.array_equal(got.kv_bounds, [0, 3, 5, 12])
-    assert peers._precompiled(m, _ap.Namespace(tiered_bounds="same")) is m
+    assert peers._precompiled(m, "same") is m
     one = tj.BlockMask(np.array([0, 1, 2]), np.array([0, 1, 2]), np.ones((1, 2, 2), bool))
-    assert peers._precompiled(one, _ap.Namespace(tiered_bounds="new")) is one   # nothing moves
+    assert peers._precompiled(one, "new") is one   # nothing moves
+
+
+def test_auto_tiered_bounds_follow_the_family():
+    """``--tiered-bounds auto``: "same" for a family whose bounds the grid fixes (sparge),
+    "new" for content-dependent bounds (svg2's clusters) and for a case without a spec; an
+    explicit mode is kept."""
+    import argparse as _ap
+    from tessera_jax.masks import corpus
+    from tessera_jax.masks.corpus import build
+    auto = _ap.Namespace(tiered_bounds="auto")
+    specs = {s["family"]: s for s in corpus("test") if s["grid"] == "wan480"}
+    for fam, want in (("sparge", "same"), ("svg2", "new")):
+        case = _ap.Namespace(spec=specs[fam], mask=build(specs[fam], heads=1))
+        assert peers.tiered_bounds(case, auto) == want, fam
+        assert peers.tiered_bounds(case, _ap.Namespace(tiered_bounds="new")) == "new"
+    m = tj.BlockMask(np.array([0, 4, 8]), np.array([0, 4, 8]), np.ones((1, 2, 2), bool))
+    assert peers.tiered_bounds(_ap.Namespace(spec={}, mask=m), auto) == "new"
