@@ -17,6 +17,7 @@ H100 machine; the H200 borrows the H100's until it has a fit. No entry: never ti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 
 import numpy as np
@@ -159,23 +160,38 @@ def size_of(mask: BlockMask, shape: AttnShape, backend: str,
     """The rule's inputs of a static mask with shared bounds sent to the device route with
     traced bounds; None where that route would not run the kernels (no template, or more tile
     pairs needing bitmap steps than its capacity: the exact path) or would run a gathering
-    template (``device_gather``: not in the fitted costs)."""
+    template (``device_gather``: not in the fitted costs). What depends on the bounds and
+    shapes only is cached (a fixed grid's masks share it): per mask, one count of its blocks."""
     Hm, nq, nk = mask.shape
+    static = _static_size(np.asarray(mask.q_bounds, np.int64).tobytes(),
+                          np.asarray(mask.kv_bounds, np.int64).tobytes(), Hm, nq, nk, shape,
+                          backend, bitmap_budget_bytes, device_gather)
+    if static is None:
+        return None
+    tiles, cap = static
+    selected = int(np.count_nonzero(mask.blocks))
+    pairs = selected * (shape.q_len / nq) * (shape.kv_len / nk)      # mean block sizes
+    return MaskSize(blocks=Hm * nq * nk, selected=selected, pairs=pairs,
+                    interactions_d=pairs * shape.num_q_heads / Hm * shape.head_dim,
+                    tiles=tiles, bitmaps=cap)
+
+
+@functools.lru_cache(maxsize=256)
+def _static_size(q_bounds: bytes, kv_bounds: bytes, Hm: int, nq: int, nk: int,
+                 shape: AttnShape, backend: str, bitmap_budget_bytes: int,
+                 device_gather: str) -> tuple[int, int] | None:
+    """(tiles, bitmap capacity) of ``size_of`` from the bounds' bytes, or None."""
     feats = select_device.DeviceFeatures(None, None, (Hm, nq, nk), shape)
     t, cap = select_device.choose_template(feats, backend, None, bitmap_budget_bytes,
                                            device_gather)
     if t is None or select_device.gathers_on_device(t):
         return None
-    fq, nqt = _fine(mask.q_bounds, shape.q_len, t.tile_q)
-    fk, nkt = _fine(mask.kv_bounds, shape.kv_len, t.tile_kv)
+    fq, nqt = _fine(np.frombuffer(q_bounds, np.int64), shape.q_len, t.tile_q)
+    fk, nkt = _fine(np.frombuffer(kv_bounds, np.int64), shape.kv_len, t.tile_kv)
     need = (fq * nkt + nqt * fk - fq * fk) * Hm
     if need > cap:
         return None
-    selected = int(np.count_nonzero(mask.blocks))
-    pairs = selected * (shape.q_len / nq) * (shape.kv_len / nk)      # mean block sizes
-    return MaskSize(blocks=Hm * nq * nk, selected=selected, pairs=pairs,
-                    interactions_d=pairs * shape.num_q_heads / Hm * shape.head_dim,
-                    tiles=shape.num_q_heads * nqt * nkt, bitmaps=int(cap))
+    return shape.num_q_heads * nqt * nkt, int(cap)
 
 
 def predict(size: MaskSize, costs: TierCosts, compiled: bool) -> tuple[float, float]:
