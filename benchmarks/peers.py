@@ -851,6 +851,16 @@ def run_tessera(case: Case, args) -> dict:
     res["plan_bytes"] = int(sum(a.nbytes for a in arrays))
     res["put_ms"] = _request(lambda: jax.block_until_ready(jax.device_put(arrays)), args).ms
     res["cached_call_ms"] = _request(lambda: jax.block_until_ready(call()), args).ms
+    # A tiered request's host parts: the mask's packed copy to the device (static or traced
+    # bounds, as the row's requests run) and the rule's inputs (tier_costs.size_of)
+    from tessera_jax.runtime import tier_costs
+    static = bounds_mode == "same"
+    res["tiered_copy_ms"] = _request(lambda: jax.block_until_ready(
+        mask.packed_leaves(static_bounds=static)), args).ms
+    opts = tj.Options()
+    res["tiered_rule_ms"] = _request(lambda: tier_costs.size_of(
+        mask, shape, backends.resolve(None, shape), opts.bitmap_budget_bytes,
+        opts.device_gather), args).ms
     # eager (time_kernel calls it as given): the plan is cached and its executable compiled by
     # the calls above (a jax.jit of this closure would compile a new executable with the plan
     # as constants)
