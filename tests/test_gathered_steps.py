@@ -366,7 +366,7 @@ def test_mosaic_kernel_runs_a_gather_plan_in_interpret_mode(which):
     from pallas_kernels.mosaic import ops as mops
 
     t = _run_templates()[which]
-    Lq, Lk, H, D = 520, 600, 4, 64
+    Lq, Lk, H, D = 520, 600, 2, 64
     m = mask_var_clusters(Lq, H, density=0.15, seed=5, kv_len=Lk)
     p = planner.build_plan(m, (1, Lq, H, D), (1, Lk, H // 2, D), jnp.bfloat16, tile_q=t.tile_q,
                            tile_kv=t.tile_kv, policy=t.policy, q_align=8, kv_align=8)
