@@ -51,8 +51,9 @@ Mask sources (``--mask-source``, default ``host``):
   default ``Options`` tier on a GPU: the device route first, the host plan on a thread, the
   tiered route compiled beforehand by ``tj.precompile`` of the row's own mask where the
   family's bounds are fixed by the grid (``--tiered-bounds auto``: a server compiles its grid's
-  route at start-up), else of a mask of other bounds (content-dependent bounds, SVG2's); ``sync_request_ms`` / ``tiered_request_ms`` time
-  ``host_planning`` "sync" and "tiered" explicitly, summarised under
+  route at start-up), else of a mask of other bounds (content-dependent bounds, SVG2's);
+  ``sync_request_ms`` / ``tiered_request_ms`` time ``host_planning`` "sync" and "tiered"
+  explicitly, summarised under
   ``summary.by_mask_source.host_sync`` / ``host_tiered``).
 - ``gpu``: a new mask per request, already on the device, as a content-dependent method makes
   it (``--mask-variants`` masks per case from ``peers_lib.convert.mask_variants``: the corpus

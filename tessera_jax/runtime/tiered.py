@@ -4,10 +4,11 @@ thread; the first call of the request that finds the plan ready, and every call 
 the host plan (the API's front cache).
 
 The device route gets the mask copied to the device (``BlockMask.packed_leaves``: blocks
-bit-packed and unpacked inside the route's program, bounds as jax arrays, so traced: one executable serves every mask of these shapes), or, where
-the executable of these very bounds was compiled (``precompile``: a fixed-grid method's
-bounds repeat), the bounds kept static (tiles aligned to the blocks, cheaper planning); its
-output agrees with the host plan's within the kernels' tolerance (other tiles, same math).
+bit-packed and unpacked inside the route's program, bounds as jax arrays, so traced: one
+executable serves every mask of these shapes), or, where the executable of these very bounds
+was compiled (``precompile``: a fixed-grid method's bounds repeat), the bounds kept static
+(tiles aligned to the blocks, cheaper planning); its output agrees with the host plan's within
+the kernels' tolerance (other tiles, same math).
 
 Rules: one background plan per request key (concurrent calls on one new mask share it, and a
 synchronous plan of that key waits for it: ``wait_for``); a finished plan goes into the front
