@@ -384,12 +384,10 @@ class BlockMask:
         ``static_bounds``)."""
         import jax
         self._need_static("to_device")
-        packed = self._packed if self._packed is not None else \
-            np.packbits(self.blocks.reshape(-1))
-        if static_bounds:
-            return self.q_bounds, self.kv_bounds, jax.device_put(packed, device)
+        if static_bounds:            # (every static mask holds its digest's packed bits)
+            return self.q_bounds, self.kv_bounds, jax.device_put(self._packed, device)
         qb, kb = (np.asarray(b, np.int32) for b in (self.q_bounds, self.kv_bounds))
-        return jax.device_put((qb, kb, packed), device)
+        return jax.device_put((qb, kb, self._packed), device)
 
     def to_host(self) -> "BlockMask":
         """A static (validated NumPy) copy of a mask of concrete values."""

@@ -154,10 +154,10 @@ def _check_problem(case, fn, tol=2e-4, D=8, to_device=None):
     want = oracle(q, k, v, mask, do, dlse)
     m = mask if to_device is None else to_device(mask)
     assert_grads(grads(fn, q, k, v, m, do, dlse), want[2:], tol,
-                 atol=_rounding_floor(q, k, v, do))
+                 atol=_rounding_atol(q, k, v, do))
 
 
-def _rounding_floor(q, k, v, do) -> float:
+def _rounding_atol(q, k, v, do) -> float:
     """Where dq or dk is 0 in exact arithmetic (every selecting row keeps one key: P = 1, so
     dS = P (dP - delta) = 0), float32 leaves the rounding of dP - delta, |dP| <= D |do| |v|,
     times scale |k| (|q|): an absolute bound of 8 float32 eps at that size."""

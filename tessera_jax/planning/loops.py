@@ -1639,8 +1639,9 @@ def _nb_gather_units(blocks, kb, s0, i0, i1, row_blocks, G, m, nchunks, group):
     ``_nb_gather_window`` per (head, segment), byte for byte; segments of at most 62 query
     blocks): per unit (head, segment, steps, selected interactions) int64 [U, 4], and the
     steps' starts int64 [S, G], key_sel bool [S, G * 8], row_sel bool [S, tile_q] in unit
-    order (head-major), each unit's steps in ``_nb_interleave`` order when ``group`` > 0. ``blocks``: bool [Hd, nq, nk]; segment s covers query blocks [i0[s], i1[s]) in the
-    tile starting at row s0[s], ``row_blocks[s]`` its tile rows' blocks (-1: not its own)."""
+    order (head-major), each unit's steps in ``_nb_interleave`` order when ``group`` > 0.
+    ``blocks``: bool [Hd, nq, nk]; segment s covers query blocks [i0[s], i1[s]) in the tile
+    starting at row s0[s], ``row_blocks[s]`` its tile rows' blocks (-1: not its own)."""
     Hd = blocks.shape[0]
     nseg = s0.shape[0]
     tq = row_blocks.shape[1]

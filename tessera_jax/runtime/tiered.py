@@ -45,10 +45,10 @@ class _Entry:
     """A background plan: its future, the mask's device copy (``BlockMask.packed_leaves``,
     made by the first call that needs it), the generation of ``clear`` it belongs to."""
 
-    __slots__ = ("future", "device_mask", "gen")
+    __slots__ = ("future", "leaves", "gen")
 
     def __init__(self, gen: int):
-        self.future, self.device_mask, self.gen = None, None, gen
+        self.future, self.leaves, self.gen = None, None, gen
 
 
 _LOCK = threading.Lock()             # guards everything below
@@ -112,10 +112,10 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
     # dispatch would hold the GIL for its Python and NumPy parts (up to the interpreter's
     # 5 ms switch interval at a time) while this thread waits to launch the kernels.
     try:
-        dm = e.device_mask
-        if dm is None or isinstance(dm[0], np.ndarray) != static:
-            dm = e.device_mask = mask.packed_leaves(static_bounds=static)
-        return _device_route(q, k, v, mask, dm, shape, backend, scale, return_lse, options,
+        leaves = e.leaves
+        if leaves is None or isinstance(leaves[0], np.ndarray) != static:
+            leaves = e.leaves = mask.packed_leaves(static_bounds=static)
+        return _device_route(q, k, v, mask, leaves, shape, backend, scale, return_lse, options,
                              compiled_key)
     finally:
         if start:
@@ -217,7 +217,7 @@ def _job(key, build, cache, entry: _Entry):
             cache.put(key, p)
             if _PENDING.get(key) is entry:
                 del _PENDING[key]
-            entry.device_mask = None
+            entry.leaves = None
             _COUNTS["published"] += 1
     entry.future.set_result(p)
 
