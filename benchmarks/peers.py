@@ -1009,8 +1009,59 @@ def run_tessera_device(case: "_CaseBase", args) -> dict:
                 lambda: jax.block_until_ready(planf(prot.next())), args).ms
         except Exception as e:  # noqa: BLE001
             res["device_plan_error"] = _tail(e, 300)
+    if args.gather_alt:
+        res["gather_alt"] = _gather_alternatives(case, blocks, args)
     forget_request_caches()
     return res
+
+
+def _gather_alternatives(case: "_CaseBase", blocks, args) -> dict:
+    """The device route with ``Options.device_gather`` on against its default, same run and
+    rule, on irregular key blocks (clusters: where the gathering template might pay): static
+    bounds ("irregular" against "never"), and the bounds traced ("traced" against "never", the
+    route a tiered host request with new bounds runs). Each call is device plan + kernel
+    (variant 0, checked against the reference), the kernel rule."""
+    import jax
+    import tessera_jax as tj
+    from tessera_jax.select import device as select_device
+    from tessera_jax.validation import check_shapes
+    mask = case.mask
+    qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
+    feats = select_device.DeviceFeatures.of(
+        mask, check_shapes(case.qj.shape, case.kj.shape, case.qj.dtype))
+    if not select_device._irregular_kv(feats.kv_bounds):
+        return {"status": "skipped", "why": "key blocks not irregular"}
+    qkv = (case.qj, case.kj, case.vj)
+    out = {}
+    variants = (("static_never", "never", False), ("static_irregular", "irregular", False),
+                ("traced_never", "never", True), ("traced_traced", "traced", True))
+    qbj, kbj = jax.device_put(qb), jax.device_put(kb)
+    for name, dg, traced in variants:
+        opts = tj.Options(device_gather=dg)
+        try:
+            if traced:
+                f = jax.jit(lambda q, k, v, b, qq, kk, o=opts: tj.sparse_attention(
+                    q, k, v, tj.BlockMask(qq, kk, b), options=o))
+                call_args = (*qkv, blocks[0], qbj, kbj)
+            else:
+                f = jax.jit(lambda q, k, v, b, o=opts: tj.sparse_attention(
+                    q, k, v, tj.BlockMask(qb, kb, b), options=o))
+                call_args = (*qkv, blocks[0])
+            o = jax.block_until_ready(f(*call_args))
+            chk = case.check(np.asarray(jax.device_get(o[0][case.rows][:, case.qh]),
+                                        np.float32))
+            del o
+            r = {k: v for k, v in chk.items() if k in ("status", "rel_err", "why")}
+            if r["status"] in OK_STATES:
+                r.update(_kernel(f, [call_args], args, "jax"))
+            out[name] = r
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"status": "failed", "why": _tail(e, 300)}
+    for kind, on in (("static", "irregular"), ("traced", "traced")):
+        a, b = out.get(f"{kind}_never", {}), out.get(f"{kind}_{on}", {})
+        if a.get("kernel_ms") and b.get("kernel_ms"):
+            out[f"{kind}_gather_speedup"] = a["kernel_ms"] / b["kernel_ms"]
+    return out
 
 
 
@@ -1802,6 +1853,9 @@ def parse_args(argv=None):
                          "--families picks the same masks; shards balanced by mask size: "
                          "shard_specs), e.g. one process per GPU")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gather-alt", action=argparse.BooleanOptionalAction, default=True,
+                    help="gpu rows on irregular key blocks: also time the device route with "
+                         "Options.device_gather on, static and traced bounds (gather_alt)")
     ap.add_argument("--tiered-bounds", default="auto", choices=("auto", "new", "same"),
                     help="host rows: what tj.precompile compiled before the requests: the "
                          "traced route only (new: new bounds each request) or also the row's "

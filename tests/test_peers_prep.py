@@ -662,3 +662,26 @@ def test_auto_tiered_bounds_follow_the_family():
         assert peers.tiered_bounds(case, _ap.Namespace(tiered_bounds="new")) == "new"
     m = tj.BlockMask(np.array([0, 4, 8]), np.array([0, 4, 8]), np.ones((1, 2, 2), bool))
     assert peers.tiered_bounds(_ap.Namespace(spec={}, mask=m), auto) == "new"
+
+
+def test_gather_alternatives_on_irregular_keys():
+    """``gather_alt`` of a gpu row whose key blocks have more than 8 distinct sizes: the four
+    device-route variants (static / traced bounds, gathering off / on) each checked against the
+    reference and timed; ratios of the pairs. A grid of equal key blocks is skipped."""
+    rng = np.random.default_rng(3)
+    kb = np.concatenate([[0], np.cumsum(rng.permutation(np.arange(1, 13)))])   # 12 sizes
+    qb = np.array([0, 20, 45, 78])
+    blocks = rng.random((4, 3, len(kb) - 1)) < 0.5
+    blocks[0, 1] = False                                                        # an empty row
+    mask = tj.BlockMask(qb, kb, blocks)
+    args = peers.parse_args(["--iters", "20", "--request-iters", "2", "--check-rows", "64"])
+    case = peers.DryCase({"id": "alt", "family": "svg2"}, mask, 4, 2, args)
+    case.source = "gpu"
+    res = peers._gather_alternatives(case, [mask.to_device().blocks], args)
+    for name in ("static_never", "static_irregular", "traced_never", "traced_traced"):
+        assert res[name]["status"] == "ok" and res[name]["rel_err"] < peers.RTOL, res[name]
+        assert res[name]["kernel_ms"] > 0
+    assert res["static_gather_speedup"] > 0 and res["traced_gather_speedup"] > 0
+    grid = tj.BlockMask(qb, np.arange(0, 97, 8), rng.random((1, 3, 12)) < 0.5)
+    case = peers.DryCase({"id": "grid", "family": "sta"}, grid, 4, 2, args)
+    assert peers._gather_alternatives(case, [grid.to_device().blocks], args)["status"] == "skipped"
