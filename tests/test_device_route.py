@@ -289,8 +289,8 @@ def test_template_choice_is_static_and_follows_static_bounds():
 
 def test_device_gather_option_sends_traced_and_irregular_bounds_to_the_gathering_template():
     """``Options.device_gather``: "never" keeps the device list, "traced" gathers where a bound
-    is traced, "irregular" also where static key blocks have more than 8 distinct sizes; a
-    named template wins; a bad value is refused."""
+    is traced, "irregular" also where static key blocks have more than 8 distinct sizes, "auto"
+    (the default) only there; a named template wins; a bad value is refused."""
     shape = check_shapes((1, 512, 2, 64), (1, 512, 2, 64), jnp.bfloat16)
     rng = np.random.default_rng(0)
     kb = np.r_[0, np.cumsum(rng.integers(1, 40, 400))]
@@ -313,6 +313,9 @@ def test_device_gather_option_sends_traced_and_irregular_bounds_to_the_gathering
         "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm", gather]
     assert [pick(m, "irregular") for m in (clusters, cubes, traced)] == [
         gather, "mgpu_q64x2_kv64_s2_hm", gather]
+    assert [pick(m, "auto") for m in (clusters, cubes, traced)] == [
+        gather, "mgpu_q64x2_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm"]
+    assert tj.Options().device_gather == "auto"
     named = device_route.dispatch.get_template("mgpu_q128_kv128_s2_hm")
     assert pick(traced, "irregular", named) == "mgpu_q128_kv128_s2_hm"
     assert device_route.choose(traced, shape, "triton", None,

@@ -454,3 +454,65 @@ def test_precompiled_bounds_run_the_static_bounds_route(monkeypatch):
         np.testing.assert_allclose(out2, out, **TOL)
     # the requests ran what precompile compiled (the packed blocks' programs): no new one
     assert tiered.device_route._run._cache_size() == executables
+
+
+def _irregular_mask(seed: int) -> tj.BlockMask:
+    """Key blocks of 12 distinct sizes (clusters), query blocks as ``_mask``'s."""
+    rng = np.random.default_rng(seed)
+    kb = np.r_[0, np.cumsum(rng.permutation(np.arange(8, 20)))]          # 12 sizes, 162 keys
+    kb = np.r_[kb[:-1], L]                                                # the last one to L
+    qb = np.r_[0, np.sort(rng.choice(np.arange(1, L), N - 1, replace=False)), L]
+    return tj.BlockMask(qb, kb, rng.random((H, N, len(kb) - 1)) < 0.4)
+
+
+def test_auto_device_gather_reads_the_host_masks_key_bounds(monkeypatch):
+    """``Options.device_gather`` "auto": a tiered call sends irregular host key bounds to the
+    device route as "irregular" (traced bounds gather too), regular ones as they are; the
+    output agrees with the reference either way."""
+    irr, reg = _irregular_mask(40), _mask(41)
+    assert tiered.route_options(tj.Options(), tiered.bounds_key(irr)).device_gather == \
+        "irregular"
+    for m, opts in ((reg, tj.Options()), (irr, tj.Options(device_gather="never"))):
+        assert tiered.route_options(opts, tiered.bounds_key(m)) is opts
+    seen = []
+    route = tiered.device_route.attention
+
+    def spy(q, k, v, mask, shape, backend, t, scale, lse, options, **kw):
+        seen.append(options.device_gather)
+        return route(q, k, v, mask, shape, backend, t, scale, lse, options, **kw)
+
+    monkeypatch.setattr(tiered.device_route, "attention", spy)
+    q, k, v = _qkv()
+    for m, want in ((irr, "irregular"), (reg, "auto")):
+        seen.clear()
+        out, r = _routes(lambda: tj.sparse_attention(q, k, v, m, backend="xla", options=FIRST))
+        assert r == "device" and seen == [want]
+        np.testing.assert_allclose(out, tj.reference_attention(q, k, v, m), **TOL)
+        assert tiered.wait(60)
+
+
+def test_the_rule_sizes_a_gathering_route_without_bitmap_steps():
+    """A route that gathers (Mosaic GPU, irregular keys) is sized on its fixed 128 x 128 grid
+    with no bitmap steps; the device list's route of the same mask counts its capacity."""
+    m = _irregular_mask(42)
+    shape = check_shapes((1, L, H, 64), (1, L, H, 64), "bfloat16")
+    g = tier_costs.size_of(m, shape, "mosaic_gpu", 1 << 27, "irregular")
+    assert g is not None and g.bitmaps == 0 and g.tiles == H * 2 * 2       # 192 rows: 2 tiles
+    plain = tier_costs.size_of(m, shape, "mosaic_gpu", 1 << 27, "never")
+    assert plain is not None and plain.selected == g.selected and plain.bitmaps > 0
+
+
+def test_a_background_plan_runs_with_a_short_switch_interval(monkeypatch):
+    """The background plan runs with ``SWITCH_INTERVAL_S`` (a request thread woken by its
+    kernel waits less for the GIL); the interpreter's own interval is back afterwards."""
+    import sys
+    seen, build = [], host_plans.build
+    monkeypatch.setattr(host_plans, "build", lambda *a, **kw: seen.append(
+        sys.getswitchinterval()) or build(*a, **kw))
+    before = sys.getswitchinterval()
+    q, k, v = _qkv()
+    jax.block_until_ready(tj.sparse_attention(q, k, v, _mask(43), backend="xla",
+                                              options=FIRST))
+    assert tiered.wait(60)
+    assert seen == [pytest.approx(min(before, tiered.SWITCH_INTERVAL_S))]
+    assert sys.getswitchinterval() == before

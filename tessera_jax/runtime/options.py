@@ -68,13 +68,16 @@ class Options:
         trace, and calls naming a template or policy, plan on the host as with "sync".
     device_gather: when the device route (a device mask, or per-head bounds) runs the
         backend's gathering template (``select.device.GATHER_TEMPLATES``, planned by
-        ``planning.device_gather``) instead of its device list: "never" (default), "traced"
-        (a traced bound: per-head bounds of a content-dependent method such as SVG2's
-        clusters), "irregular" (also static key blocks of more than 8 distinct sizes).
-        "never" by measurement: on the H200 at Wan 480p with per-head bounds the gathering
-        template ran 0.28 / 0.18 / 0.15 of cuDNN on clusters / cubes / sliding against 0.38 /
-        0.21 / 0.31 for the device list (its planning costs as much as the kernel;
-        benchmarks/NOTES.md#gathered-steps).
+        ``planning.device_gather``) instead of its device list: "auto" (default): where the
+        key blocks are known to be irregular (static key bounds of more than 8 distinct sizes
+        in a head, e.g. SVG2's clusters; a tiered call reads its host mask's bounds, traced
+        or not); "never"; "traced" (every traced bound); "irregular" (traced bounds and
+        irregular static ones). "auto" by measurement: on the H100 at Wan 480p, 12 heads,
+        SVG2 clusters, plan + kernel 6.95 -> 5.86 ms with static bounds and 7.33 -> 5.97 ms
+        traced (``results/h100-peers.json`` ``gather_alt``); on per-head cubes and sliding
+        tiles the gathering template ran slower than the device list (H200, session 23:
+        0.18 / 0.15 of cuDNN against 0.21 / 0.31), so traced bounds of unknown content keep
+        the list (benchmarks/NOTES.md#gathered-steps).
     store_in_place: kernels that can (Mosaic GPU's forward and dq) store each unit's owned
         rows straight into the [B, L, H, D] output when the plan's units own every query row
         (``abi.PassPlan.rows_owned``) and at most a quarter of its 64-row groups only in part,
@@ -93,7 +96,7 @@ class Options:
     planner: PlannerConfig = PlannerConfig()
     check_finite: bool = False
     host_planning: str = "auto"
-    device_gather: str = "never"
+    device_gather: str = "auto"
     store_in_place: bool = True
 
     def __post_init__(self):

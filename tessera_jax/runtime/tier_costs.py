@@ -156,12 +156,14 @@ def _fine(bounds: np.ndarray, length: int, tile: int) -> tuple[int, int]:
 
 
 def size_of(mask: BlockMask, shape: AttnShape, backend: str,
-            bitmap_budget_bytes: int, device_gather: str = "never") -> MaskSize | None:
+            bitmap_budget_bytes: int, device_gather: str = "auto") -> MaskSize | None:
     """The rule's inputs of a static mask with shared bounds sent to the device route with
     traced bounds; None where that route would not run the kernels (no template, or more tile
-    pairs needing bitmap steps than its capacity: the exact path) or would run a gathering
-    template (``device_gather``: not in the fitted costs). What depends on the bounds and
-    shapes only is cached (a fixed grid's masks share it): per mask, one count of its blocks."""
+    pairs needing bitmap steps than its capacity: the exact path). A route that gathers
+    (``device_gather``) counts its fixed grid's tiles and no bitmap steps, priced by the plain
+    route's fit (no fit of its own; on SVG2's clusters, the one family it runs, it ran faster
+    than the plain route: benchmarks/NOTES.md#peers). What depends on the bounds and shapes
+    only is cached (a fixed grid's masks share it): per mask, one count of its blocks."""
     Hm, nq, nk = mask.shape
     static = _static_size(np.asarray(mask.q_bounds, np.int64).tobytes(),
                           np.asarray(mask.kv_bounds, np.int64).tobytes(), Hm, nq, nk, shape,
@@ -184,10 +186,12 @@ def _static_size(q_bounds: bytes, kv_bounds: bytes, Hm: int, nq: int, nk: int,
     feats = select_device.DeviceFeatures(None, None, (Hm, nq, nk), shape)
     t, cap = select_device.choose_template(feats, backend, None, bitmap_budget_bytes,
                                            device_gather)
-    if t is None or select_device.gathers_on_device(t):
+    if t is None:
         return None
     fq, nqt = _fine(np.frombuffer(q_bounds, np.int64), shape.q_len, t.tile_q)
     fk, nkt = _fine(np.frombuffer(kv_bounds, np.int64), shape.kv_len, t.tile_kv)
+    if select_device.gathers_on_device(t):
+        return shape.num_q_heads * nqt * nkt, 0         # gathered steps: no bitmap steps
     need = (fq * nkt + nqt * fk - fq * fk) * Hm
     if need > cap:
         return None

@@ -26,6 +26,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
+import sys
 import threading
 
 import jax
@@ -34,11 +35,12 @@ import numpy as np
 from tessera_jax.mask import BlockMask
 from tessera_jax.runtime import device_route, tier_costs
 from tessera_jax.runtime.options import Options
+from tessera_jax.select import device as _select_device
 from tessera_jax.select import ranking as _ranking
 from tessera_jax.validation import AttnShape
 
-__all__ = ["attention", "precompile", "compiled", "bounds_key", "mode", "wait_for", "wait",
-           "clear", "pending", "stats"]
+__all__ = ["attention", "precompile", "compiled", "bounds_key", "route_options", "mode",
+           "wait_for", "wait", "clear", "pending", "stats"]
 
 
 class _Entry:
@@ -50,6 +52,9 @@ class _Entry:
     def __init__(self, gen: int):
         self.future, self.leaves, self.gen = None, None, gen
 
+
+#: The interpreter's switch interval (s) while a background plan runs (``_job``).
+SWITCH_INTERVAL_S = 1e-4
 
 _LOCK = threading.Lock()             # guards everything below
 _PENDING: dict = {}                  # request key -> _Entry (running, or failed)
@@ -81,8 +86,10 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
     (``cache`` holds it now, or the rule says the host plan is faster; the caller plans).
     ``key``: the front cache's key of the request; ``build()``: its host plan; ``cache``:
     the front cache (``get``, ``put``). Raises a failed background plan's exception."""
+    bkey = bounds_key(mask)
+    options = route_options(options, bkey)
     traced_key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
-    static_key = traced_key + (bounds_key(mask),)
+    static_key = traced_key + (bkey,)
     with _LOCK:
         static = static_key in _COMPILED
         compiled_key = static_key if static else traced_key
@@ -135,6 +142,25 @@ def _device_route(q, k, v, mask: BlockMask, leaves, shape, backend, scale, retur
     return out
 
 
+def route_options(options: Options, bkey: tuple) -> Options:
+    """``options`` for the device route of a tiered call on the mask of ``bounds_key``
+    ``bkey``: ``device_gather`` "auto" sees the host mask's key bounds, so irregular ones
+    (``select.device.irregular_kv``) gather on the traced route too ("irregular")."""
+    if options.device_gather != "auto" or not _irregular(bkey):
+        return options
+    return _gathering(options)
+
+
+@functools.lru_cache(maxsize=256)
+def _irregular(bkey: tuple) -> bool:
+    return _select_device.irregular_kv(np.frombuffer(bkey[2], np.int64))
+
+
+@functools.lru_cache(maxsize=64)
+def _gathering(options: Options) -> Options:
+    return dataclasses.replace(options, device_gather="irregular")
+
+
 def _compiled_key(q, k, mask: BlockMask, backend, scale, return_lse, options) -> tuple:
     """What picks the device route's executable of a tiered call with traced bounds (one per
     shapes); with ``bounds_key(mask)`` appended, the one with these bounds static."""
@@ -155,20 +181,23 @@ def precompile(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, scal
     traced (any mask of these shapes) and these bounds static (a new mask of the same bounds,
     as fixed-grid methods make: tiles aligned to its blocks, cheaper planning); the output of
     the second."""
+    bkey = bounds_key(mask)
+    options = route_options(options, bkey)
     key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
     _device_route(q, k, v, mask, mask.packed_leaves(), shape, backend, scale, return_lse,
                   options, key)
     return _device_route(q, k, v, mask, mask.packed_leaves(static_bounds=True), shape, backend,
-                         scale, return_lse, options, key + (bounds_key(mask),))
+                         scale, return_lse, options, key + (bkey,))
 
 
 def compiled(q, k, mask: BlockMask, backend: str, scale: float, return_lse: bool,
              options: Options) -> bool:
     """Whether this process has run a device route a tiered call of this mask would run
     (traced bounds of its shapes, or its bounds static)."""
-    key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
+    bkey = bounds_key(mask)
+    key = _compiled_key(q, k, mask, backend, scale, return_lse, route_options(options, bkey))
     with _LOCK:
-        return key in _COMPILED or key + (bounds_key(mask),) in _COMPILED
+        return key in _COMPILED or key + (bkey,) in _COMPILED
 
 
 def _platform(q) -> str:
@@ -205,6 +234,11 @@ def _job(key, build, cache, entry: _Entry):
     its outcome set on ``entry.future`` (made by the call that submitted it)."""
     if not entry.future.set_running_or_notify_cancel():       # cleared before it started
         return
+    # The plan's Python and NumPy parts hold the GIL; a request thread woken by its kernel
+    # waits for it up to the interpreter's switch interval (5 ms by default: +1.5 ms median
+    # on a request of 1.5 ms kernel time, CPU box). A short interval while the plan runs.
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(min(old, SWITCH_INTERVAL_S))
     try:
         p = build()
     except BaseException as exc:
@@ -212,6 +246,9 @@ def _job(key, build, cache, entry: _Entry):
             _COUNTS["failed"] += 1
         entry.future.set_exception(exc)
         return
+    finally:
+        if abs(sys.getswitchinterval() - min(old, SWITCH_INTERVAL_S)) < 1e-7:
+            sys.setswitchinterval(old)           # unless someone else changed it meanwhile
     with _LOCK:
         if entry.gen == _GEN:
             cache.put(key, p)

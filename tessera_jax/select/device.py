@@ -40,7 +40,7 @@ from tessera_jax.validation import AttnShape
 
 __all__ = ["DEVICE_TEMPLATES", "GATHER_TEMPLATES", "DEVICE_GATHER", "BITMAP_BUDGET_BYTES",
            "Const", "DeviceFeatures", "static_parts", "device_capable", "bitmap_pairs",
-           "capacity", "decided_on_device", "choose_template", "choose"]
+           "capacity", "decided_on_device", "irregular_kv", "choose_template", "choose"]
 
 #: Per backend, the templates a device plan may run, in order of preference (see the module
 #: docstring). q64x2 runs neighbouring 64-row units of the device plan in one CTA, one per
@@ -61,7 +61,7 @@ GATHER_TEMPLATES = types.MappingProxyType({
 })
 
 #: ``Options.device_gather``'s values (``choose_template``).
-DEVICE_GATHER = ("never", "traced", "irregular")
+DEVICE_GATHER = ("auto", "never", "traced", "irregular")
 
 #: Distinct key-block sizes (in a head) past which static bounds count as irregular.
 IRREGULAR_KV_SIZES = 8
@@ -198,13 +198,17 @@ def _mean_small(length: int, n: int) -> bool:
     return length <= 64 * n
 
 
-def _irregular_kv(b: Const | None) -> bool:
-    """Static key bounds with more than ``IRREGULAR_KV_SIZES`` distinct block sizes in a head
-    (clusters, not a grid of cubes or frames)."""
-    if b is None:
-        return False
-    sizes = np.diff(np.asarray(b.array).reshape(-1, b.array.shape[-1]), axis=-1)
+def irregular_kv(kv_bounds) -> bool:
+    """Whether NumPy key bounds ([n + 1] or per head [Hm, n + 1]) have more than
+    ``IRREGULAR_KV_SIZES`` distinct block sizes in a head (clusters, not a grid of cubes or
+    frames)."""
+    sizes = np.diff(np.asarray(kv_bounds).reshape(-1, np.shape(kv_bounds)[-1]), axis=-1)
     return any(len(np.unique(row)) > IRREGULAR_KV_SIZES for row in sizes)
+
+
+def _irregular_kv(b: Const | None) -> bool:
+    """``irregular_kv`` of static key bounds (traced ones: False)."""
+    return b is not None and irregular_kv(b.array)
 
 
 def _gathers(f: DeviceFeatures, device_gather: str) -> bool:
@@ -214,19 +218,21 @@ def _gathers(f: DeviceFeatures, device_gather: str) -> bool:
         return traced
     if device_gather == "irregular":
         return traced or _irregular_kv(f.kv_bounds)
+    if device_gather == "auto":
+        return _irregular_kv(f.kv_bounds)
     return False
 
 
 @functools.lru_cache(maxsize=512)
 def choose_template(features: DeviceFeatures, backend: str, template: Template | None = None,
                     bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES,
-                    device_gather: str = "never") -> tuple[Template | None, int]:
+                    device_gather: str = "auto") -> tuple[Template | None, int]:
     """(template, bitmap capacity) of a device-route call by the static rule (module
     docstring); (None, 0): the exact path. ``template``: the caller's (its capacity only).
     ``device_gather`` (``Options.device_gather``): "traced" runs the backend's gathering
     template (``GATHER_TEMPLATES``) where a bound is traced (per-head bounds of a
     content-dependent method), "irregular" also where static key blocks are irregular
-    (``_irregular_kv``); "never" keeps the device list."""
+    (``_irregular_kv``), "auto" only there; "never" keeps the device list."""
     f = features
     if template is not None:
         if gathers_on_device(template):
@@ -283,7 +289,7 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
 
 def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template | None = None,
            *, bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES,
-           device_gather: str = "never") -> tuple[Template | None, int]:
+           device_gather: str = "auto") -> tuple[Template | None, int]:
     """``choose_template`` of ``mask``'s static features. A caller's template must be
     device-capable (ValueError). Memoised per (static bounds, shapes, backend, template,
     budget, device_gather)."""

@@ -103,7 +103,7 @@ def _decided_options(qb, blocks, q, k, options: dict) -> dict:
                 * select_device.bitmap_step_bytes(t)
                 for t in map(templates.get, select_device.DEVICE_TEMPLATES[options["backend"]])
                 if t.supports(shape.head_dim, shape.dtype))
-    o = options.get("options") or tj.Options()
+    o = options.get("options") or tj.Options(device_gather="never")    # the device list's
     return {**options, "options": dataclasses.replace(o, bitmap_budget_bytes=worst * 7 // 8)}
 
 
@@ -176,9 +176,10 @@ def _gathers(options: dict) -> bool:
 
 
 def _device_gathers(options: dict) -> bool:
-    """Whether a device-route case's options send it to the gathering template."""
+    """Whether a device-route case's options send it to the gathering template (the cases'
+    masks are grids of equal blocks, which "auto" and "never" keep on the device list)."""
     o = options.get("options")
-    return o is not None and o.device_gather != "never"
+    return o is not None and o.device_gather in ("traced", "irregular")
 
 
 def _refines(route: str, options: dict) -> bool:
@@ -329,7 +330,10 @@ def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
                 if t.supports(D, np.dtype("bfloat16")):
                     out.append((f"{t.name}-host-D{D}", kw, "host", D, Hq, Hkv))
         for route in ("device", "perhead"):
-            out.append((f"{b}-{route}-D128", dict(backend=b), route, 128, 4, 2))
+            # The device list on these irregular blocks ("auto" would gather them).
+            out.append((f"{b}-{route}-D128",
+                        dict(backend=b, options=tj.Options(device_gather="never")),
+                        route, 128, 4, 2))
             # The same routes on the gathering template (planning.device_gather).
             out.append((f"{b}-{route}-gather-D128",
                         dict(backend=b, options=tj.Options(device_gather="irregular")),
