@@ -161,35 +161,3 @@ def test_plan_says_when_the_dense_route_runs(monkeypatch):
     tj.clear_caches()
     assert not tj.plan(_full(), q.shape, k.shape, q.dtype).dense_route
     tj.clear_caches()
-
-
-def test_a_device_mask_decides_the_dense_route_in_its_program(monkeypatch):
-    """A device mask (blocks a jit argument) runs cuDNN's dense call where every block is
-    selected and its device plan otherwise: one executable, a ``lax.cond`` on the blocks;
-    the sparse branch matches the reference, gradients included. cuDNN's stand-in here
-    returns 7s, so the branch taken shows."""
-    import jax
-    monkeypatch.setattr(dense_route, "may_take", lambda shape, backend, lse: not lse)
-    monkeypatch.setattr(dense_route, "compiles", lambda *a: True)
-    monkeypatch.setattr(dense_route, "dense_call", lambda q, k, v, scale: jnp.full_like(q, 7))
-    q, k, v = random_qkv(1, 90, 80, 4, 2, 16, "float32", 3)
-    qb, kb = np.array([0, 30, 64, 90]), np.array([0, 40, 80])
-    f = jax.jit(lambda q, k, v, b: tj.sparse_attention(q, k, v, tj.BlockMask(qb, kb, b)))
-    full = np.ones((4, 3, 2), bool)
-    np.testing.assert_array_equal(np.asarray(f(q, k, v, jnp.asarray(full))), 7)
-    hole = full.copy()
-    hole[1, 2, 0] = False
-    m = tj.BlockMask(qb, kb, hole)
-    np.testing.assert_allclose(np.asarray(f(q, k, v, jnp.asarray(hole))),
-                               np.asarray(tj.reference_attention(q, k, v, m)), atol=2e-5)
-    assert f._cache_size() == 1
-    loss = lambda fn: lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))      # noqa: E731
-    got = jax.grad(loss(lambda q, k, v: f(q, k, v, jnp.asarray(hole))), (0, 1, 2))(q, k, v)
-    ref = jax.grad(loss(lambda q, k, v: tj.reference_attention(q, k, v, m)), (0, 1, 2))(q, k, v)
-    for g, r in zip(got, ref):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=5e-5)
-    # an LSE asked for: no dense branch (the plan runs also where every block is selected)
-    out, lse = jax.jit(lambda q, k, v, b: tj.sparse_attention(
-        q, k, v, tj.BlockMask(qb, kb, b), return_lse=True))(q, k, v, jnp.asarray(full))
-    np.testing.assert_allclose(np.asarray(out), np.asarray(tj.reference_attention(
-        q, k, v, tj.BlockMask(qb, kb, full))), atol=2e-5)

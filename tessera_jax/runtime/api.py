@@ -211,8 +211,7 @@ def sparse_attention(q, k, v, mask: BlockMask, *, scale=None, return_lse=False, 
     and masks the device plan can't hold run an exact XLA path). A mask that
     selects everything runs cuDNN's dense attention instead when the backend is left to
     choose (a GPU), no LSE is asked for and no ``template`` or ``policy`` is given
-    (``dense_route``; ``plan(...).dense_route`` tells; a device mask decides it inside its
-    program). Differentiable in reverse mode on every
+    (``dense_route``; ``plan(...).dense_route`` tells). Differentiable in reverse mode on every
     backend (out and lse): a dq pass over the plan and a dk/dv pass over the transposed mask's
     plan (``runtime.core``). ``options`` (``tessera_jax.Options``, None: the defaults): the
     settings that change what is computed or compiled (bitmap budget of device plans, dk/dv
@@ -253,12 +252,11 @@ def _route(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, t: Templ
            scale: float, return_lse: bool, options: Options, asked: tuple):
     """A validated call on its route: the device route, cuDNN's dense attention, or the host
     plan on the core (``backend`` resolved; ``asked``: template, policy, backend as given)."""
-    template, policy, asked_backend = asked
-    auto = template is None and policy is None and asked_backend is None
     if device_route.takes(mask):
         return device_route.attention(q, k, v, mask, shape, backend, t, scale, return_lse,
-                                      options, dense=auto and dense_route.may_take(
-                                          shape, backend, return_lse))
+                                      options)
+    template, policy, asked_backend = asked
+    auto = template is None and policy is None and asked_backend is None
     if auto and dense_route.takes(mask, shape, backend, return_lse):
         try:
             return dense_route.attention(q, k, v, scale)

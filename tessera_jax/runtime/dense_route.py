@@ -5,9 +5,7 @@ chosen automatically and no LSE is asked for, ``sparse_attention`` runs it with
 ``jax.nn.dot_product_attention(implementation="cudnn")``: the request then costs one dense
 call (on the H200, a text-only dense mask took 2.0 ms through the planner against 0.6 ms for
 cuDNN, all of the difference host work). Explicit ``backend``/``template``/``policy`` arguments
-keep the planned path. A device mask cannot be read on the host: its program holds both the
-device plan and the dense call, and a ``lax.cond`` on its blocks picks one
-(``device_route.attention(..., dense=True)``).
+keep the planned path.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ import weakref
 import numpy as np
 
 from tessera_jax.mask import BlockMask
+from tessera_jax.runtime.kernel_runner import tracing
 
 GPU_BACKENDS = ("mosaic_gpu", "triton")
 _DTYPES = ("bfloat16", "float16")
@@ -39,17 +38,13 @@ def all_selected(mask: BlockMask) -> bool:
         return res
 
 
-def may_take(shape, backend: str, return_lse: bool) -> bool:
-    """Whether a call of this shape could run on cuDNN if its mask selects everything: a GPU
-    backend, no LSE, and a dtype/head_dim cuDNN's flash attention takes."""
+def takes(mask: BlockMask, shape, backend: str, return_lse: bool) -> bool:
+    """Whether this call runs on cuDNN: an all-selected mask, a GPU backend, no LSE, and a
+    dtype/head_dim cuDNN's flash attention takes."""
     return (not return_lse and backend in GPU_BACKENDS       # available: a CUDA GPU, cc >= 8
             and np.dtype(shape.dtype).name in _DTYPES
-            and shape.head_dim <= _MAX_HEAD_DIM and shape.head_dim % 8 == 0)
-
-
-def takes(mask: BlockMask, shape, backend: str, return_lse: bool) -> bool:
-    """Whether this call runs on cuDNN: ``may_take`` and an all-selected mask."""
-    return may_take(shape, backend, return_lse) and all_selected(mask)
+            and shape.head_dim <= _MAX_HEAD_DIM and shape.head_dim % 8 == 0
+            and all_selected(mask))
 
 
 @functools.cache
@@ -61,7 +56,7 @@ def _dense_fn(implementation: str = "cudnn"):
 
 # (q, k, v shapes and dtypes, scale) -> the compiled call, or the error that refused it. Compiled
 # once ahead of time, so a refusal at compile time (not only jax's trace-time shape checks)
-# falls back to the planned path, under a caller's jit too.
+# falls back to the planned path, under a caller's jit too; eager calls run that executable.
 _VERDICTS: dict = {}
 
 
@@ -77,26 +72,15 @@ def _verdict(q, k, v, scale: float):
     return _VERDICTS[key]
 
 
-def compiles(q, k, v, scale: float) -> bool:
-    """Whether cuDNN's dense call of these shapes compiles here (q, k, v may be tracers)."""
-    return not isinstance(_verdict(q, k, v, scale), Exception)
-
-
-def dense_call(q, k, v, scale: float):
-    """cuDNN's dense attention, traced into the caller's program (``compiles`` first)."""
-    return _dense_fn()(q, k, v, scale=scale)
-
-
 def attention(q, k, v, scale: float):
     """out [B, Lq, Hq, D]: cuDNN fused attention over all keys (GQA by K/V head groups).
     Raises NotImplementedError (with cuDNN's error) where this call does not compile."""
     got = _verdict(q, k, v, scale)
     if isinstance(got, Exception):
         raise NotImplementedError(f"{type(got).__name__}: {got}") from got
-    # The jitted function, also eagerly: its C++ dispatch is what a caller's own jitted call
-    # pays (the AOT executable's call took ~0.07 ms more a request on the H100: dense text
-    # rows in results/h100-peers.json); its first eager call per shape compiles it again.
-    return _dense_fn()(q, k, v, scale=scale)
+    if tracing(q, k, v):
+        return _dense_fn()(q, k, v, scale=scale)        # inlined into the caller's program
+    return got(q, k, v)
 
 
 def clear_caches(*, verdicts: bool = False) -> None:

@@ -37,12 +37,11 @@ import numpy as np
 from pallas_kernels import abi
 from pallas_kernels.templates import Template
 
-from tessera_jax.batched_cond import batch_all
 from tessera_jax.mask import BlockMask, unpack_blocks
 from tessera_jax.planning import device as _device
 from tessera_jax.planning import device_gather as _device_gather
 from tessera_jax.planning.plan import AttentionPlan
-from tessera_jax.runtime import core, dense_route, dispatch
+from tessera_jax.runtime import core, dispatch
 from tessera_jax.runtime import options as options_
 from tessera_jax.runtime.exact import exact_attention
 from tessera_jax.runtime.options import Options
@@ -70,7 +69,7 @@ def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template |
 
 def _choose(consts: tuple, mask: BlockMask, shape: AttnShape, backend: str,
             template: Template | None, budget: int,
-            device_gather: str = "auto") -> tuple[Template | None, int]:
+            device_gather: str = "never") -> tuple[Template | None, int]:
     """(template, bitmap capacity) of the static rule for these static parts; (None, 0): the
     exact path."""
     if template is not None and not select_device.device_capable(template):
@@ -94,12 +93,10 @@ _warned: set = set()
 
 def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template: Template | None,
               scale: float, return_lse: bool, options: Options = options_.DEFAULT,
-              packed=None, dense: bool = False):
+              packed=None):
     """out (and lse) of a device-route call (arguments validated by the caller). ``packed``:
     the blocks as ``BlockMask.packed_leaves`` gives them (``mask.blocks`` then only says their
-    shape), unpacked inside the program. ``dense``: the caller's call may run cuDNN's dense
-    attention (``dense_route.may_take``); blocks decided on the device then do where every
-    block is selected (a ``lax.cond`` in the program)."""
+    shape), unpacked inside the program."""
     consts = select_device.static_parts(mask)
     t, capacity = _choose(consts, mask, shape, backend, template, options.bitmap_budget_bytes,
                           options.device_gather)
@@ -121,39 +118,18 @@ def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template
         if consts[2] is not None:
             raise ValueError("packed blocks need a mask whose blocks are not NumPy")
         dyn[2], packed_shape = packed, tuple(mask.blocks.shape)
-    dense = bool(dense) and consts[2] is None and not return_lse \
-        and dense_route.compiles(q, k, v, float(scale))
     return _run(q, k, v, *dyn, consts=consts, template=t.name if t else None,
                 capacity=capacity, decide=decide, scale=float(scale),
-                return_lse=bool(return_lse), options=options, packed_shape=packed_shape,
-                dense=dense)
+                return_lse=bool(return_lse), options=options, packed_shape=packed_shape)
 
 
 @functools.partial(jax.jit, static_argnames=("consts", "template", "capacity", "decide",
-                                             "scale", "return_lse", "options", "packed_shape",
-                                             "dense"))
+                                             "scale", "return_lse", "options", "packed_shape"))
 def _run(q, k, v, qb, kb, blocks, *, consts, template, capacity, decide, scale, return_lse,
-         options, packed_shape=None, dense=False):
+         options, packed_shape=None):
     if packed_shape is not None:
         blocks = unpack_blocks(blocks, packed_shape)
     qb, kb, blocks = (c.array if c is not None else x for c, x in zip(consts, (qb, kb, blocks)))
-    if dense:
-        # Every block selected (any bounds: they tile both axes) is plain attention.
-        sparse = functools.partial(_planned, consts=consts, template=template,
-                                   capacity=capacity, decide=decide, scale=scale,
-                                   return_lse=return_lse, options=options)
-        # batch_all: under vmap one conditional (the plan is right for every element)
-        return jax.lax.cond(batch_all(jnp.all(blocks)), lambda q, k, v, qb, kb, b:
-                            dense_route.dense_call(q, k, v, scale), sparse,
-                            q, k, v, qb, kb, blocks)
-    return _planned(q, k, v, qb, kb, blocks, consts=consts, template=template,
-                    capacity=capacity, decide=decide, scale=scale, return_lse=return_lse,
-                    options=options)
-
-
-def _planned(q, k, v, qb, kb, blocks, *, consts, template, capacity, decide, scale,
-             return_lse, options):
-    """The device plan of these blocks (or the exact path: no template) on the core."""
     if template is None:
         plan = AttentionPlan(None, exact=(qb, kb, blocks))
     else:
