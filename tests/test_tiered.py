@@ -501,18 +501,3 @@ def test_the_rule_sizes_a_gathering_route_without_bitmap_steps():
     plain = tier_costs.size_of(m, shape, "mosaic_gpu", 1 << 27, "never")
     assert plain is not None and plain.selected == g.selected and plain.bitmaps > 0
 
-
-def test_a_background_plan_runs_with_a_short_switch_interval(monkeypatch):
-    """The background plan runs with ``SWITCH_INTERVAL_S`` (a request thread woken by its
-    kernel waits less for the GIL); the interpreter's own interval is back afterwards."""
-    import sys
-    seen, build = [], host_plans.build
-    monkeypatch.setattr(host_plans, "build", lambda *a, **kw: seen.append(
-        sys.getswitchinterval()) or build(*a, **kw))
-    before = sys.getswitchinterval()
-    q, k, v = _qkv()
-    jax.block_until_ready(tj.sparse_attention(q, k, v, _mask(43), backend="xla",
-                                              options=FIRST))
-    assert tiered.wait(60)
-    assert seen == [pytest.approx(min(before, tiered.SWITCH_INTERVAL_S))]
-    assert sys.getswitchinterval() == before

@@ -26,7 +26,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
-import sys
 import threading
 
 import jax
@@ -52,9 +51,6 @@ class _Entry:
     def __init__(self, gen: int):
         self.future, self.leaves, self.gen = None, None, gen
 
-
-#: The interpreter's switch interval (s) while a background plan runs (``_job``).
-SWITCH_INTERVAL_S = 1e-4
 
 _LOCK = threading.Lock()             # guards everything below
 _PENDING: dict = {}                  # request key -> _Entry (running, or failed)
@@ -234,11 +230,6 @@ def _job(key, build, cache, entry: _Entry):
     its outcome set on ``entry.future`` (made by the call that submitted it)."""
     if not entry.future.set_running_or_notify_cancel():       # cleared before it started
         return
-    # The plan's Python and NumPy parts hold the GIL; a request thread woken by its kernel
-    # waits for it up to the interpreter's switch interval (5 ms by default: +1.5 ms median
-    # on a request of 1.5 ms kernel time, CPU box). A short interval while the plan runs.
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(min(old, SWITCH_INTERVAL_S))
     try:
         p = build()
     except BaseException as exc:
@@ -246,9 +237,6 @@ def _job(key, build, cache, entry: _Entry):
             _COUNTS["failed"] += 1
         entry.future.set_exception(exc)
         return
-    finally:
-        if abs(sys.getswitchinterval() - min(old, SWITCH_INTERVAL_S)) < 1e-7:
-            sys.setswitchinterval(old)           # unless someone else changed it meanwhile
     with _LOCK:
         if entry.gen == _GEN:
             cache.put(key, p)
