@@ -315,6 +315,9 @@ def test_device_gather_option_sends_traced_and_irregular_bounds_to_the_gathering
         gather, "mgpu_q64x2_kv64_s2_hm", gather]
     assert [pick(m, "auto") for m in (clusters, cubes, traced)] == [
         gather, "mgpu_q64x2_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm"]
+    perhead = tj.BlockMask(np.arange(0, 513, 128), np.stack([kb, kb]),
+                           jnp.ones((2, 4, len(kb) - 1), bool))
+    assert pick(perhead, "auto") != gather and pick(perhead, "irregular") == gather
     assert tj.Options().device_gather == "auto"
     named = device_route.dispatch.get_template("mgpu_q128_kv128_s2_hm")
     assert pick(traced, "irregular", named) == "mgpu_q128_kv128_s2_hm"

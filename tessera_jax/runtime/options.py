@@ -69,9 +69,10 @@ class Options:
     device_gather: when the device route (a device mask, or per-head bounds) runs the
         backend's gathering template (``select.device.GATHER_TEMPLATES``, planned by
         ``planning.device_gather``) instead of its device list: "auto" (default): where the
-        key blocks are known to be irregular (static key bounds of more than 8 distinct sizes
-        in a head, e.g. SVG2's clusters; a tiered call reads its host mask's bounds, traced
-        or not); "never"; "traced" (every traced bound); "irregular" (traced bounds and
+        key blocks are known to be irregular (static shared key bounds of more than 8
+        distinct sizes, e.g. SVG2's clusters; a tiered call reads its host mask's bounds,
+        traced or not; per-head bounds keep the list, not measured since the block-rank
+        planner); "never"; "traced" (every traced bound); "irregular" (traced bounds and
         irregular static ones). "auto" by measurement: on the H100 at Wan 480p, 12 heads,
         SVG2 clusters, plan + kernel 6.95 -> 5.86 ms with static bounds and 7.33 -> 5.97 ms
         traced (``results/h100-peers.json`` ``gather_alt``); on per-head cubes and sliding

@@ -218,8 +218,8 @@ def _gathers(f: DeviceFeatures, device_gather: str) -> bool:
         return traced
     if device_gather == "irregular":
         return traced or _irregular_kv(f.kv_bounds)
-    if device_gather == "auto":
-        return _irregular_kv(f.kv_bounds)
+    if device_gather == "auto":          # shared bounds: per-head ones are not measured yet
+        return _irregular_kv(f.kv_bounds) and np.ndim(f.kv_bounds.array) == 1
     return False
 
 
@@ -232,7 +232,8 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
     ``device_gather`` (``Options.device_gather``): "traced" runs the backend's gathering
     template (``GATHER_TEMPLATES``) where a bound is traced (per-head bounds of a
     content-dependent method), "irregular" also where static key blocks are irregular
-    (``_irregular_kv``), "auto" only there; "never" keeps the device list."""
+    (``_irregular_kv``), "auto" only where such bounds are shared; "never" keeps the device
+    list."""
     f = features
     if template is not None:
         if gathers_on_device(template):
