@@ -318,6 +318,11 @@ def test_sampling_is_stratified_and_test_only():
     assert len(set(fams[:k])) == k                   # round-robin: every family once first
     again, _ = peers.sample_specs(2, seed=0)
     assert [s["id"] for s in again] == [s["id"] for s in specs]
+    # a family's masks do not depend on which other families are asked for
+    some = sorted(avail)[1::3]
+    sub, _ = peers.sample_specs(2, some, seed=0)
+    assert [s["id"] for s in sub] == [s["id"] for s in specs if s["family"] in some]
+    assert [s["id"] for s in peers.sample_specs(2, some, seed=1)[0]] != [s["id"] for s in sub]
 
 
 #: Dry masks whose device route runs in test_dry_run: shared 64-token windows, per-head cubes,
