@@ -1013,8 +1013,46 @@ def run_tessera_device(case: "_CaseBase", args) -> dict:
             res["device_plan_error"] = _tail(e, 300)
     if args.gather_alt:
         res["gather_alt"] = _gather_alternatives(case, blocks, args)
+    if args.device_alt:
+        res["device_alt"] = _device_alternatives(case, blocks, args)
     forget_request_caches()
     return res
+
+
+def _device_alternatives(case: "_CaseBase", blocks, args) -> dict:
+    """Each template the device route may run (its device list and gathering template), named
+    to the same call: plan + kernel of variant 0 (checked), the kernel rule; ``best``: the
+    fastest. What ``select.device``'s static rule would need to choose per mask."""
+    import jax
+    import tessera_jax as tj
+    from tessera_jax.runtime import dispatch as backends
+    from tessera_jax.select import device as select_device
+    from tessera_jax.validation import check_shapes
+    mask = case.mask
+    qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
+    be = backends.resolve(None, check_shapes(case.qj.shape, case.kj.shape, case.qj.dtype))
+    names = list(select_device.DEVICE_TEMPLATES.get(be, ()))
+    if be in select_device.GATHER_TEMPLATES:
+        names.append(select_device.GATHER_TEMPLATES[be])
+    qkv, out = (case.qj, case.kj, case.vj), {}
+    for name in names:
+        try:
+            f = jax.jit(lambda q, k, v, b, t=name: tj.sparse_attention(
+                q, k, v, tj.BlockMask(qb, kb, b), template=t))
+            o = jax.block_until_ready(f(*qkv, blocks[0]))
+            chk = case.check(np.asarray(jax.device_get(o[0][case.rows][:, case.qh]),
+                                        np.float32))
+            del o
+            r = {k: v for k, v in chk.items() if k in ("status", "rel_err", "why")}
+            if r["status"] in OK_STATES:
+                r.update(_kernel(f, [(*qkv, blocks[0])], args, "jax"))
+            out[name] = r
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"status": "failed", "why": _tail(e, 300)}
+    timed = {n: r["kernel_ms"] for n, r in out.items() if r.get("kernel_ms")}
+    if timed:
+        out["best"] = min(timed, key=timed.get)
+    return out
 
 
 def _gather_alternatives(case: "_CaseBase", blocks, args) -> dict:
@@ -1855,6 +1893,9 @@ def parse_args(argv=None):
                          "--families picks the same masks; shards balanced by mask size: "
                          "shard_specs), e.g. one process per GPU")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device-alt", action="store_true",
+                    help="gpu rows: also time every template the device route may run, named "
+                         "(device_alt; ~15 s a template and mask)")
     ap.add_argument("--gather-alt", action=argparse.BooleanOptionalAction, default=True,
                     help="gpu rows on irregular key blocks: also time the device route with "
                          "Options.device_gather on, static and traced bounds (gather_alt)")

@@ -690,3 +690,20 @@ def test_gather_alternatives_on_irregular_keys():
     grid = tj.BlockMask(qb, np.arange(0, 97, 8), rng.random((1, 3, 12)) < 0.5)
     case = peers.DryCase({"id": "grid", "family": "sta"}, grid, 4, 2, args)
     assert peers._gather_alternatives(case, [grid.to_device().blocks], args)["status"] == "skipped"
+
+
+def test_device_alternatives_time_every_device_template():
+    """``device_alt`` of a gpu row: each template of the backend's device list named to the
+    same call (the XLA backend here), checked against the reference and timed; ``best``."""
+    from tessera_jax.select import device as select_device
+    rng = np.random.default_rng(5)
+    qb, kb = np.array([0, 40, 96, 128]), np.array([0, 24, 64, 128])
+    mask = tj.BlockMask(qb, kb, rng.random((4, 3, 3)) < 0.6)
+    args = peers.parse_args(["--iters", "20", "--request-iters", "2", "--check-rows", "64"])
+    case = peers.DryCase({"id": "alt", "family": "natten"}, mask, 4, 2, args)
+    res = peers._device_alternatives(case, [mask.to_device().blocks], args)
+    names = select_device.DEVICE_TEMPLATES["xla"]
+    for n in names:
+        assert res[n]["status"] == "ok" and res[n]["rel_err"] < peers.RTOL, res[n]
+    assert res["best"] in names
+    assert min(res[n]["kernel_ms"] for n in names) == res[res["best"]]["kernel_ms"]
