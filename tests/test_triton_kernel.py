@@ -103,7 +103,8 @@ def _cases(draw, dtypes=(jnp.float32,)):
 _SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 
-@settings(max_examples=16, **_SETTINGS)
+# 10 examples (was 16), derandomized: each compiles an interpreted Triton kernel (~2 s).
+@settings(max_examples=10, **_SETTINGS)
 @given(_cases())
 def test_random_masks_f32(case):
     q, k, v = _inputs(case["seed"], case["B"], case["Lq"], case["Lkv"], case["Hq"], case["Hkv"],
@@ -113,7 +114,8 @@ def test_random_masks_f32(case):
     _check(q, k, v, case["mask"], plan, **case["kernel"])
 
 
-@settings(max_examples=8, **_SETTINGS)
+# 5 examples (was 8), derandomized (~4 s each).
+@settings(max_examples=5, **_SETTINGS)
 @given(_cases(dtypes=(jnp.bfloat16, jnp.float16)))
 def test_random_masks_half(case):
     q, k, v = _inputs(case["seed"], case["B"], case["Lq"], case["Lkv"], case["Hq"], case["Hkv"],
