@@ -31,6 +31,7 @@ import json
 import pathlib
 import sys
 import time
+import types
 
 import numpy as np
 
@@ -57,12 +58,8 @@ def _corpus_masks(families, grid: str, heads: int):
     out = []
     for spec in peers.sample_specs(1, families, [grid])[0]:
         mask = build(spec, heads=heads)
-
-        class _Case:                                  # what tiered_bounds reads
-            pass
-        c = _Case()
-        c.spec, c.mask = spec, mask
-        out.append((spec, mask, peers.tiered_bounds(c, args)))
+        case = types.SimpleNamespace(spec=spec, mask=mask)      # what tiered_bounds reads
+        out.append((spec, mask, peers.tiered_bounds(case, args)))
     return out
 
 
@@ -86,21 +83,19 @@ def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, hea
     scale = check_scale(None, head_dim)
     opts = tj.Options(host_planning="tiered")
     static = bounds_mode == "same"
-    pre = mask if static else tj.BlockMask(mask.q_bounds, mask.kv_bounds, mask.blocks)
-    tj.precompile(pre, q.shape, k.shape, q.dtype, options=opts)
+    bkey = tiered.bounds_key(mask)
+    ropts = tiered.route_options(opts, bkey)
+    traced_key = tiered._compiled_key(q, k, mask, be, scale, False, ropts)
+    tj.precompile(mask, q.shape, k.shape, q.dtype, options=opts)
     if not static:   # only the traced route for these bounds: precompile's static one dropped
-        tiered._COMPILED.discard(tiered._compiled_key(
-            q, k, mask, be, scale, False, tiered.route_options(opts, tiered.bounds_key(mask)))
-            + (tiered.bounds_key(mask),))
+        tiered._COMPILED.discard(traced_key + (bkey,))
     res = {"family": spec["family"], "grid": spec["grid"], "bounds": bounds_mode,
            "blocks": list(mask.shape), "backend": be}
     clear = forget_request_caches
     qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
     f = jax.jit(lambda q, k, v, b: tj.sparse_attention(q, k, v, tj.BlockMask(qb, kb, b)))
     dev_blocks = jax.device_put(mask.blocks)
-    ropts = tiered.route_options(opts, tiered.bounds_key(mask))
-    ckey = tiered._compiled_key(q, k, mask, be, scale, False, ropts)
-    ckey = ckey + (tiered.bounds_key(mask),) if static else ckey
+    ckey = traced_key + (bkey,) if static else traced_key
     leaves = mask.packed_leaves(static_bounds=static)
 
     def route(lv):

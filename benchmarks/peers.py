@@ -1019,6 +1019,22 @@ def run_tessera_device(case: "_CaseBase", args) -> dict:
     return res
 
 
+def _checked_kernel(case: "_CaseBase", f, call_args: tuple, args) -> dict:
+    """``f(*call_args)`` checked against the reference (status, rel_err, why) and, where it
+    passes, timed under the kernel rule; a call that raises is "failed"."""
+    import jax
+    try:
+        o = jax.block_until_ready(f(*call_args))
+        chk = case.check(np.asarray(jax.device_get(o[0][case.rows][:, case.qh]), np.float32))
+        del o
+        r = {k: v for k, v in chk.items() if k in ("status", "rel_err", "why")}
+        if r["status"] in OK_STATES:
+            r.update(_kernel(f, [call_args], args, "jax"))
+        return r
+    except Exception as e:  # noqa: BLE001
+        return {"status": "failed", "why": _tail(e, 300)}
+
+
 def _device_alternatives(case: "_CaseBase", blocks, args) -> dict:
     """Each template the device route may run (its device list and gathering template), named
     to the same call: plan + kernel of variant 0 (checked), the kernel rule; ``best``: the
@@ -1036,19 +1052,10 @@ def _device_alternatives(case: "_CaseBase", blocks, args) -> dict:
         names.append(select_device.GATHER_TEMPLATES[be])
     qkv, out = (case.qj, case.kj, case.vj), {}
     for name in names:
-        try:
-            f = jax.jit(lambda q, k, v, b, t=name: tj.sparse_attention(
-                q, k, v, tj.BlockMask(qb, kb, b), template=t))
-            o = jax.block_until_ready(f(*qkv, blocks[0]))
-            chk = case.check(np.asarray(jax.device_get(o[0][case.rows][:, case.qh]),
-                                        np.float32))
-            del o
-            r = {k: v for k, v in chk.items() if k in ("status", "rel_err", "why")}
-            if r["status"] in OK_STATES:
-                r.update(_kernel(f, [(*qkv, blocks[0])], args, "jax"))
-            out[name] = r
-        except Exception as e:  # noqa: BLE001
-            out[name] = {"status": "failed", "why": _tail(e, 300)}
+        out[name] = _checked_kernel(case, jax.jit(
+            lambda q, k, v, b, t=name: tj.sparse_attention(q, k, v, tj.BlockMask(qb, kb, b),
+                                                           template=t)),
+            (*qkv, blocks[0]), args)
     timed = {n: r["kernel_ms"] for n, r in out.items() if r.get("kernel_ms")}
     if timed:
         out["best"] = min(timed, key=timed.get)
@@ -1064,12 +1071,9 @@ def _gather_alternatives(case: "_CaseBase", blocks, args) -> dict:
     import jax
     import tessera_jax as tj
     from tessera_jax.select import device as select_device
-    from tessera_jax.validation import check_shapes
     mask = case.mask
     qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
-    feats = select_device.DeviceFeatures.of(
-        mask, check_shapes(case.qj.shape, case.kj.shape, case.qj.dtype))
-    if not select_device._irregular_kv(feats.kv_bounds):
+    if not select_device.irregular_kv(kb):
         return {"status": "skipped", "why": "key blocks not irregular"}
     qkv = (case.qj, case.kj, case.vj)
     out = {}
@@ -1078,25 +1082,14 @@ def _gather_alternatives(case: "_CaseBase", blocks, args) -> dict:
     qbj, kbj = jax.device_put(qb), jax.device_put(kb)
     for name, dg, traced in variants:
         opts = tj.Options(device_gather=dg)
-        try:
-            if traced:
-                f = jax.jit(lambda q, k, v, b, qq, kk, o=opts: tj.sparse_attention(
-                    q, k, v, tj.BlockMask(qq, kk, b), options=o))
-                call_args = (*qkv, blocks[0], qbj, kbj)
-            else:
-                f = jax.jit(lambda q, k, v, b, o=opts: tj.sparse_attention(
-                    q, k, v, tj.BlockMask(qb, kb, b), options=o))
-                call_args = (*qkv, blocks[0])
-            o = jax.block_until_ready(f(*call_args))
-            chk = case.check(np.asarray(jax.device_get(o[0][case.rows][:, case.qh]),
-                                        np.float32))
-            del o
-            r = {k: v for k, v in chk.items() if k in ("status", "rel_err", "why")}
-            if r["status"] in OK_STATES:
-                r.update(_kernel(f, [call_args], args, "jax"))
-            out[name] = r
-        except Exception as e:  # noqa: BLE001
-            out[name] = {"status": "failed", "why": _tail(e, 300)}
+        if traced:
+            f = jax.jit(lambda q, k, v, b, qq, kk, o=opts: tj.sparse_attention(
+                q, k, v, tj.BlockMask(qq, kk, b), options=o))
+            out[name] = _checked_kernel(case, f, (*qkv, blocks[0], qbj, kbj), args)
+        else:
+            f = jax.jit(lambda q, k, v, b, o=opts: tj.sparse_attention(
+                q, k, v, tj.BlockMask(qb, kb, b), options=o))
+            out[name] = _checked_kernel(case, f, (*qkv, blocks[0]), args)
     for kind, on in (("static", "irregular"), ("traced", "traced")):
         a, b = out.get(f"{kind}_never", {}), out.get(f"{kind}_{on}", {})
         if a.get("kernel_ms") and b.get("kernel_ms"):
