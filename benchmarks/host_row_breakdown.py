@@ -11,11 +11,16 @@ call, as a new mask), executables compiled first:
 * ``copy``: ``mask.packed_leaves(static_bounds=...)`` to the device, as a tiered request makes it;
 * ``route``: the tiered device route on premade leaves (``tiered._device_route``: the packed
   program's dispatch, unpack, plan and kernel, no Python front, no background plan);
+* ``route_unpacked``: the route's entry (``device_route.attention``) on unpacked device
+  blocks; ``route_python``: the route with its compiled program stubbed (Python alone);
 * ``copy_route``: the two in a row;
 * ``front``: ``tj.sparse_attention`` with the tiered route stubbed to return q (validation,
   keys, rule, bookkeeping; the background plan not submitted);
 * ``request_no_plan``: the whole tiered request with no background plan submitted;
 * ``request``: the default request (tiered, background plan included).
+
+Beside them, cProfile's top functions by own time of the route and of the request
+(``profile_route``, ``profile_request``: ms per call own and cumulative, calls, name).
 
 The bounds are static where the family's bounds do not change with the mask
 (``peers.tiered_bounds``), traced otherwise, as peers' host rows run them.
@@ -63,6 +68,24 @@ def _corpus_masks(families, grid: str, heads: int):
     return out
 
 
+def _profile(fn, before, calls: int = 5, top: int = 25) -> list:
+    """The ``top`` functions by own time over ``calls`` calls of ``fn`` (``before`` each, not
+    profiled): (ms per call own, ms per call cumulative, calls per call, name)."""
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()
+    for _ in range(calls):
+        before()
+        pr.enable()
+        fn()
+        pr.disable()
+    st = pstats.Stats(pr).stats
+    rows = sorted(((tt, ct, nc, f"{pathlib.Path(f).name}:{ln}({name})")
+                   for (f, ln, name), (_, nc, tt, ct, _) in st.items()), reverse=True)[:top]
+    return [(round(tt * 1e3 / calls, 4), round(ct * 1e3 / calls, 4), nc / calls, name)
+            for tt, ct, nc, name in rows]
+
+
 def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, heads: int,
               repeats: int) -> dict:
     import jax
@@ -70,7 +93,7 @@ def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, hea
 
     import tessera_jax as tj
     from request_cases import forget_request_caches
-    from tessera_jax.runtime import dispatch, tiered
+    from tessera_jax.runtime import device_route, dispatch, tiered
     from tessera_jax.tools import timing
     from tessera_jax.validation import check_scale, check_shapes
     rule = timing.REQUEST_RULE.replace(repeats=repeats)
@@ -109,6 +132,19 @@ def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, hea
     t("gpu_call", lambda: jax.block_until_ready(f(q, k, v, dev_blocks)))
     t("copy", lambda: jax.block_until_ready(mask.packed_leaves(static_bounds=static)))
     t("route", lambda: route(leaves))
+    # The route's program on unpacked blocks (its jitted entry, no unpack), and its Python
+    # alone (the program stubbed): what separates ``route`` from ``gpu_call``.
+    like = tj.BlockMask(leaves[0], leaves[1], dev_blocks) if static else \
+        tj.BlockMask(*jax.device_put((qb, kb)), dev_blocks)
+    t("route_unpacked", lambda: jax.block_until_ready(device_route.attention(
+        q, k, v, like, shape, be, None, scale, False, tiered._untiered(ropts))))
+    real_run = device_route._run
+    try:
+        device_route._run = lambda q, *a, **kw: q
+        t("route_python", lambda: route(leaves))
+    finally:
+        device_route._run = real_run
+    res["profile_route"] = _profile(lambda: route(leaves), clear)
     t("copy_route", lambda: route(mask.packed_leaves(static_bounds=static)))
     real_route, real_exec = tiered._device_route, tiered._executor
 
@@ -126,6 +162,8 @@ def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, hea
         tiered._device_route, tiered._executor = real_route, real_exec
     clear()
     t("request", lambda: jax.block_until_ready(tj.sparse_attention(q, k, v, mask)))
+    res["profile_request"] = _profile(
+        lambda: jax.block_until_ready(tj.sparse_attention(q, k, v, mask)), clear)
     res["device_route_calls"] = tiered.stats().get("device_route", 0)
     clear()
     return res
@@ -157,7 +195,8 @@ def main(argv=None) -> dict:
         r["wall_s"] = time.perf_counter() - t0
         rows.append(r)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
-                          if not k.endswith("_samples")}), flush=True)
+                          if not k.endswith("_samples") and not k.startswith("profile_")}),
+              flush=True)
         doc = {"benchmark": "host_row_breakdown", "device": str(jax.devices()[0].device_kind),
                "argv": sys.argv[1:] if argv is None else list(argv), "rule": "request (wall "
                "clock, caches cleared before each call)", "rows": rows}
