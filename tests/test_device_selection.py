@@ -113,3 +113,83 @@ def test_host_route_reads_the_ranking():
     m = tj.BlockMask.uniform(256, 256, 64, 64, np.tril(np.ones((4, 4), bool))[None])
     shape = _shape(256, 256)
     assert select.choose("host", m, shape, "xla") == select.ranking.select(m, shape, "xla")
+
+
+def _brute_price(qb, kb, shape, t, density):
+    """``price`` by enumerating every (row, q tile, kv tile) pair of the device plan."""
+    from tessera_jax.planning import device as P
+    rows_q = np.asarray(qb).reshape(-1, np.shape(qb)[-1])
+    rows_k = np.asarray(kb).reshape(-1, np.shape(kb)[-1])
+    H = max(len(rows_q), len(rows_k))
+    _, _, _, fq, lq, _, _ = P._axis(rows_q, shape.q_len, t.tile_q, True)     # all rows at
+    _, _, _, fk, lk, _, _ = P._axis(rows_k, shape.kv_len, t.tile_kv, True)   # once, as plans
+    total = 0.0
+    for h in range(H):
+        for a in np.maximum(lq - fq + 1, 0)[h % len(fq)]:
+            for b in np.maximum(lk - fk + 1, 0)[h % len(fk)]:
+                total += 1 - (1 - density) ** (int(a) * int(b))
+    return D.STEP_COST[t.name] * total * t.tile_q * t.tile_kv / (
+        density * shape.q_len * shape.kv_len * H)
+
+
+@st.composite
+def _static_bounds(draw):
+    L = draw(st.sampled_from([200, 512, 777]))
+
+    def row():
+        sizes = draw(st.lists(st.integers(1, 300), min_size=1, max_size=40))
+        b = np.unique(np.minimum(np.cumsum([0] + sizes), L))
+        return b if b[-1] == L else np.r_[b, L]
+
+    per_head = draw(st.booleans())
+    if per_head:        # per-head rows of one block count each
+        n = draw(st.integers(1, 12))
+        rows = [np.r_[0, np.sort(draw(st.lists(st.integers(1, L - 1), min_size=n - 1,
+                                                max_size=n - 1, unique=True))), L]
+                for _ in range(2)]
+        return np.stack(rows), row(), L
+    return row(), row(), L
+
+
+@settings(max_examples=25, deadline=None)
+@given(_static_bounds(), st.sampled_from([0.1, 0.5, 0.9]))
+def test_price_counts_every_tile_pair(bounds, density):
+    """``price`` (counted by blocks a tile meets) equals the sum over every tile pair of the
+    probability that one of its blocks is selected, times the step cost."""
+    qb, kb, L = bounds
+    shape = _shape(L, L)
+    for name in D.DEVICE_TEMPLATES["mosaic_gpu"]:
+        t = T.get(name)
+        got = D.price(D.Const(qb), D.Const(kb), shape, t, density)
+        assert got == pytest.approx(_brute_price(qb, kb, shape, t, density), rel=1e-9)
+    assert D.price(D.Const(qb), D.Const(kb), shape, T.get("xla_64x64"), density) is None
+
+
+def test_static_bounds_of_mixed_blocks_take_the_cheapest_price():
+    """Blocks of 64-96 tokens (as natten's at Wan 480p): 128 x 128 tiles meet two, so the
+    rule takes q64x2 x kv64; blocks of 72-384 tokens (moba, ssta) keep 128 x 128; a regular
+    grid of 128 keeps it at no waste."""
+    rng = np.random.default_rng(0)
+    L = 4096
+
+    def mixed(sizes):
+        b = np.cumsum(np.r_[0, rng.choice(sizes, 200)])
+        return np.r_[b[b < L], L]
+
+    shape = _shape(L, L)
+    ones = lambda qb, kb: jnp.ones((1, len(qb) - 1, len(kb) - 1), bool)  # noqa: E731
+    nat = np.cumsum(np.r_[0, [96, 96, 64] * (L // 256)])   # 128-key tiles meet two blocks
+    moba = mixed([72, 96, 144, 192, 288, 384])
+    grid = np.arange(0, L + 1, 128)
+    assert np.median(np.diff(nat)) > 64           # not the small-block order
+    for b, name in ((nat, "mgpu_q64x2_kv64_s2_hm"), (moba, "mgpu_q128_kv128_s2_hm"),
+                    (grid, "mgpu_q128_kv128_s2_hm")):
+        m = tj.BlockMask(b, b, ones(b, b))
+        t, cap = D.choose(m, shape, "mosaic_gpu", device_gather="never")
+        prices = {n: D.price(*D.static_parts(m)[:2], shape, T.get(n))
+                  for n in D.DEVICE_TEMPLATES["mosaic_gpu"]}
+        assert t.name == name == min(prices, key=prices.get) and cap == 0
+    # The price is a property of the bounds alone: the selection (traced) does not enter.
+    m = tj.BlockMask(nat, nat, jnp.zeros((1, len(nat) - 1, len(nat) - 1), bool))
+    assert D.choose(m, shape, "mosaic_gpu", device_gather="never")[0].name == \
+        "mgpu_q64x2_kv64_s2_hm"

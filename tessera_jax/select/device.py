@@ -39,6 +39,7 @@ from tessera_jax.planning import device as _device
 from tessera_jax.validation import AttnShape
 
 __all__ = ["DEVICE_TEMPLATES", "GATHER_TEMPLATES", "DEVICE_GATHER", "BITMAP_BUDGET_BYTES",
+           "STEP_COST", "PRICE_DENSITY", "price",
            "Const", "DeviceFeatures", "static_parts", "device_capable", "bitmap_pairs",
            "capacity", "decided_on_device", "irregular_kv", "choose_template", "choose"]
 
@@ -59,6 +60,22 @@ GATHER_TEMPLATES = types.MappingProxyType({
     "mosaic_gpu": "mgpu_q128_kv128_s2_gather_skip_nopp",
     "triton": "triton_q128_kv128_w8_s3_gather",
 })
+
+#: Time per computed tile area of each device-list template on the device plan's steps,
+#: relative to q128 x kv128 (H100, ``peers.py --device-alt``: every template on the same
+#: natten, moba and svg2 masks at Wan 480p; kernel time over computed / selected: kv64
+#: 1.13-1.21, q64x2 x kv64 1.19-1.29; ``benchmarks/NOTES.md``, device rule per mask). The
+#: static-bounds rule orders templates by ``price``; templates missing here keep the
+#: block-size order.
+STEP_COST = types.MappingProxyType({
+    "mgpu_q128_kv128_s2_hm": 1.0, "mgpu_q128_kv64_s2_hm": 1.17, "mgpu_q64x2_kv64_s2_hm": 1.26,
+})
+
+#: Selection density at which ``price`` counts the tiles a plan visits. 0.5: moba's and
+#: ssta's bounds (blocks of 72-384 tokens) run q128 x kv128 best at density 0.29 and 0.61
+#: alike, and lower densities would send them to q64x2 (2-12% slower there); natten's
+#: (24-128 tokens) run q64x2 1.30x faster than kv128, which the price at 0.5 still picks.
+PRICE_DENSITY = 0.5
 
 #: ``Options.device_gather``'s values (``choose_template``).
 DEVICE_GATHER = ("auto", "never", "traced", "irregular")
@@ -118,6 +135,16 @@ def static_parts(mask: BlockMask) -> tuple:
                  for i, x in enumerate(parts))
 
 
+@functools.lru_cache(maxsize=512)
+def _tile_blocks(bounds: Const, length: int, tile: int) -> np.ndarray:
+    """Blocks each of the device plan's tiles meets, per bounds row [Hb, nt] (0: a padding
+    tile owning nothing), for static bounds. Memoised (a function of the bounds alone: the
+    rule asks it again on every call whose choice was cleared)."""
+    b = np.asarray(bounds.array, np.int32).reshape(-1, bounds.array.shape[-1])
+    org, _, _, first, last, _, _ = _device._axis(b, length, tile, True)
+    return np.broadcast_to(np.maximum(last - first + 1, 0), (b.shape[0], org.shape[1]))
+
+
 def _fine_tiles(bounds: Const | None, n: int, length: int, tile: int):
     """Per bounds row, how many of the device plan's tiles meet more than ``abi.GRID`` blocks
     (static bounds), or a bound from the block count (traced bounds: a tile meeting more than
@@ -125,9 +152,32 @@ def _fine_tiles(bounds: Const | None, n: int, length: int, tile: int):
     if bounds is None:
         nt = _device.traced_slots(length, tile)
         return np.array([min(nt, (n - 1) // abi.GRID)]), nt
-    b = np.asarray(bounds.array, np.int32).reshape(-1, bounds.array.shape[-1])
-    org, _, _, first, last, _, _ = _device._axis(b, length, tile, True)
-    return (last - first + 1 > abi.GRID).sum(axis=1), org.shape[1]
+    nb = _tile_blocks(bounds, length, tile)
+    return (nb > abi.GRID).sum(axis=1), nb.shape[1]
+
+
+def price(qb: Const, kb: Const, shape: AttnShape, t: Template,
+          density: float = PRICE_DENSITY) -> float | None:
+    """The rule's price of ``t``'s device plan on static bounds: its expected computed tile
+    area over the selected area when each block is selected independently with ``density``
+    (a tile pair meeting n blocks is visited with probability 1 - (1 - density)^n), times
+    ``STEP_COST``; None where ``t`` has no step cost. A bounds-only proxy: the selection is
+    traced. Counted by the blocks a tile meets, so O(tiles + GRID^2) per bounds row."""
+    cost = STEP_COST.get(t.name)
+    if cost is None:
+        return None
+    nq = _tile_blocks(qb, shape.q_len, t.tile_q)
+    nk = _tile_blocks(kb, shape.kv_len, t.tile_kv)
+    rows = max(nq.shape[0], nk.shape[0])
+    nq = np.broadcast_to(nq, (rows, nq.shape[1]))
+    nk = np.broadcast_to(nk, (rows, nk.shape[1]))
+    top = int(max(nq.max(), nk.max())) + 1
+    n = np.arange(top)
+    visit = 1.0 - (1.0 - density) ** np.outer(n, n)           # [a, b] blocks met per axis
+    pairs = sum(np.bincount(a, minlength=top) @ visit @ np.bincount(c, minlength=top)
+                for a, c in zip(nq, nk))
+    computed = pairs * t.tile_q * t.tile_kv
+    return cost * computed / (density * shape.q_len * shape.kv_len * rows)
 
 
 def bitmap_step_bytes(t) -> int:
@@ -266,6 +316,15 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
         sq = sk = _mean_small(f.shape.kv_len, f.block_shape[2])
     ts = sorted((_templates.get(n) for n in DEVICE_TEMPLATES[backend]),
                 key=lambda t: (sq != (t.tile_q <= 64), sk != (t.tile_kv <= 64)))
+    if f.q_bounds is not None and f.kv_bounds is not None and not (sq or sk):
+        # Static bounds of blocks over 64 tokens (median): the expected computed area at
+        # PRICE_DENSITY, times each template's step cost (natten's mixed 24-128-token
+        # blocks: kv128 tiles meet 2-4 of them, and q64x2 x kv64 ran 4.03 ms against 5.22,
+        # H100). Smaller blocks keep the block-size order: at a sparse selection (svg2's
+        # clusters, density 0.1) the price at 0.5 would take kv128 and its bitmap steps.
+        prices = [price(f.q_bounds, f.kv_bounds, f.shape, t) for t in ts]
+        if all(p is not None for p in prices):
+            ts = [t for _, _, t in sorted(zip(prices, range(len(ts)), ts))]
     fitting, over = [], []
     for t in ts:
         if t.supports(f.shape.head_dim, f.shape.dtype):
