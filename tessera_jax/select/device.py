@@ -166,8 +166,15 @@ def price(qb: Const, kb: Const, shape: AttnShape, t: Template,
     cost = STEP_COST.get(t.name)
     if cost is None:
         return None
-    nq = _tile_blocks(qb, shape.q_len, t.tile_q)
-    nk = _tile_blocks(kb, shape.kv_len, t.tile_kv)
+    return cost * _waste(qb, kb, shape.q_len, shape.kv_len, t.tile_q, t.tile_kv, density)
+
+
+@functools.lru_cache(maxsize=512)
+def _waste(qb: Const, kb: Const, q_len: int, kv_len: int, tile_q: int, tile_kv: int,
+           density: float) -> float:
+    """``price`` without the step cost (memoised: a function of the bounds and tiles)."""
+    nq = _tile_blocks(qb, q_len, tile_q)
+    nk = _tile_blocks(kb, kv_len, tile_kv)
     rows = max(nq.shape[0], nk.shape[0])
     nq = np.broadcast_to(nq, (rows, nq.shape[1]))
     nk = np.broadcast_to(nk, (rows, nk.shape[1]))
@@ -176,8 +183,7 @@ def price(qb: Const, kb: Const, shape: AttnShape, t: Template,
     visit = 1.0 - (1.0 - density) ** np.outer(n, n)           # [a, b] blocks met per axis
     pairs = sum(np.bincount(a, minlength=top) @ visit @ np.bincount(c, minlength=top)
                 for a, c in zip(nq, nk))
-    computed = pairs * t.tile_q * t.tile_kv
-    return cost * computed / (density * shape.q_len * shape.kv_len * rows)
+    return float(pairs * tile_q * tile_kv / (density * q_len * kv_len * rows))
 
 
 def bitmap_step_bytes(t) -> int:
@@ -238,6 +244,7 @@ def device_capable(t: Template) -> bool:
     return t.name in DEVICE_TEMPLATES[t.backend] or not getattr(t.kernel, "paired", False)
 
 
+@functools.lru_cache(maxsize=512)
 def _small(b: Const | None) -> bool:
     """Static bounds whose median block is <= 64 tokens."""
     return b is not None and float(np.median(np.diff(np.asarray(b.array), axis=-1))) <= 64
@@ -256,6 +263,7 @@ def irregular_kv(kv_bounds) -> bool:
     return any(len(np.unique(row)) > IRREGULAR_KV_SIZES for row in sizes)
 
 
+@functools.lru_cache(maxsize=512)
 def _irregular_kv(b: Const | None) -> bool:
     """``irregular_kv`` of static key bounds (traced ones: False)."""
     return b is not None and irregular_kv(b.array)
@@ -365,5 +373,7 @@ def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template |
 
 
 def clear_cache() -> None:
-    """Forgets the memoised choices (``tessera_jax.clear_caches`` should call it)."""
+    """Forgets the memoised choices (``tessera_jax.clear_caches`` should call it). What the
+    bounds alone decide (their tiles' blocks, prices, block sizes, ``bitmap_pairs``) stays:
+    a new mask of the same bounds has the same."""
     choose_template.cache_clear()
