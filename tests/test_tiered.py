@@ -146,6 +146,32 @@ def test_the_host_plan_starts_after_the_device_route_is_dispatched(monkeypatch):
     assert tiered.pending() == 0
 
 
+def test_the_host_plan_waits_for_the_device_routes_output(monkeypatch):
+    """The background plan starts only once the device route's output is ready (so its
+    Python never competes with the request for the GIL): a route whose output is not ready
+    holds the plan back until it is."""
+    gate, order = threading.Event(), []
+
+    class Pending:
+        """An output leaf whose readiness the test releases."""
+
+        def block_until_ready(self):
+            gate.wait(60)
+            order.append("output ready")
+            return self
+
+    build = host_plans.build
+    monkeypatch.setattr(tiered, "_device_route", lambda *a, **kw: Pending())
+    monkeypatch.setattr(host_plans, "build", lambda *a, **kw: order.append("plan") or build(
+        *a, **kw))
+    m, (q, k, v) = _mask(24), _qkv()
+    assert isinstance(tj.sparse_attention(q, k, v, m, options=FIRST), Pending)
+    assert not tiered.wait(0.3) and order == []            # held back by the output
+    gate.set()
+    assert tiered.wait(60) and order == ["output ready", "plan"]
+    assert _routes(lambda: tj.sparse_attention(q, k, v, m, options=FIRST))[1] == "host"
+
+
 def test_under_jit_the_option_changes_nothing():
     """Under a trace the mask is a constant planned at trace time: the same program, no
     background plan, no device route."""
