@@ -356,7 +356,7 @@ def test_the_rule_reads_the_host_choice_only_when_it_matters(monkeypatch):
                               (_costs(device_ms=1.0, host_ns_per_gather_pair=1e9), True, True)):
         asked.clear()
         monkeypatch.setattr(tier_costs, "costs_for", lambda *a, c=c: c)
-        assert tiered._rule(m, shape, "xla", TIERED, True, q) is want
+        assert tiered._rule(m, shape, "xla", TIERED, True, q, tiered.bounds_key(m)) is want
         assert bool(asked) is want_ask
 
 

@@ -156,18 +156,23 @@ def _fine(bounds: np.ndarray, length: int, tile: int) -> tuple[int, int]:
 
 
 def size_of(mask: BlockMask, shape: AttnShape, backend: str,
-            bitmap_budget_bytes: int, device_gather: str = "auto") -> MaskSize | None:
+            bitmap_budget_bytes: int, device_gather: str = "auto",
+            bounds_bytes: tuple[bytes, bytes] | None = None) -> MaskSize | None:
     """The rule's inputs of a static mask with shared bounds sent to the device route with
     traced bounds; None where that route would not run the kernels (no template, or more tile
     pairs needing bitmap steps than its capacity: the exact path). A route that gathers
     (``device_gather``) counts its fixed grid's tiles and no bitmap steps, priced by the plain
     route's fit (no fit of its own; on SVG2's clusters, the one family it runs, it ran faster
     than the plain route: benchmarks/NOTES.md#peers). What depends on the bounds and shapes
-    only is cached (a fixed grid's masks share it): per mask, one count of its blocks."""
+    only is cached (a fixed grid's masks share it): per mask, one count of its blocks.
+    ``bounds_bytes``: the bounds as int64 bytes where the caller has them
+    (``tiered.bounds_key``)."""
     Hm, nq, nk = mask.shape
-    static = _static_size(np.asarray(mask.q_bounds, np.int64).tobytes(),
-                          np.asarray(mask.kv_bounds, np.int64).tobytes(), Hm, nq, nk, shape,
-                          backend, bitmap_budget_bytes, device_gather)
+    if bounds_bytes is None:
+        bounds_bytes = tuple(np.asarray(b, np.int64).tobytes()
+                             for b in (mask.q_bounds, mask.kv_bounds))
+    static = _static_size(*bounds_bytes, Hm, nq, nk, shape, backend, bitmap_budget_bytes,
+                          device_gather)
     if static is None:
         return None
     tiles, cap = static

@@ -104,8 +104,8 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
                 raise exc
             return None
         if e is None:
-            if mode(options, q) == "tiered" and not _rule(
-                    mask, shape, backend, options, compiled_key in _COMPILED, q):
+            if options.host_planning != "device_first" and not _rule(
+                    mask, shape, backend, options, compiled_key in _COMPILED, q, bkey):
                 _COUNTS["declined"] += 1
                 return None
             e = _PENDING[key] = _Entry(_GEN)
@@ -215,7 +215,7 @@ def mode(options: Options, q) -> str:
     return "sync" if _platform(q) == "cpu" else "tiered"
 
 
-def _rule(mask, shape, backend, options, compiled, q) -> bool:
+def _rule(mask, shape, backend, options, compiled, q, bkey) -> bool:
     """``tier_costs.tiers`` for this request on this machine. The host choice (a table
     look-up, cached for the host plan) is read only where a gathering plan's planning time
     could still tip the rule."""
@@ -223,7 +223,7 @@ def _rule(mask, shape, backend, options, compiled, q) -> bool:
     if costs is None:
         return False
     size = tier_costs.size_of(mask, shape, backend, options.bitmap_budget_bytes,
-                              options.device_gather)
+                              options.device_gather, bkey[1:])
     if size is None:
         return False
     if not tier_costs.tiers(size, costs, compiled) and costs.host_ns_per_gather_pair > 0:
