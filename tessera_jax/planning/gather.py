@@ -204,15 +204,14 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
                           np.searchsorted(qb, r, side="right") - 1 - i0s[:, None], -1)
     group = row_group if row_group and row_group < tile_q else 0
     if units is not None and (len(segs) == 0 or int((i1s - i0s).max()) <= 62):
-        u, starts, key_sel, row_sel = units(np.ascontiguousarray(blocks, bool), kb, s0s, i0s,
-                                            i1s, row_blocks, G, m,
-                                            kv_len_padded // abi.GATHER_ROWS, group)
+        u, words, meta = units(np.ascontiguousarray(blocks, bool), kb, s0s, i0s, i1s,
+                               row_blocks, G, m, kv_len_padded // abi.GATHER_ROWS, group)
         seg, cnt = u[:, 1], u[:, 2]
-        full = key_sel.all(axis=1) & row_sel.all(axis=1)
+        full = meta[:, 5].astype(bool)
         nfull = np.bincount(np.repeat(np.arange(len(cnt)), cnt), weights=full,
                             minlength=len(cnt)).astype(np.int64)
-        return _assemble(starts, key_sel, row_sel, full, u[:, 0], s0s[seg], w0[seg] - s0s[seg],
-                         w1[seg] - s0s[seg], cnt, nfull, u[:, 3], tile_q, tile_kv)
+        return _assemble_words(words, meta, u[:, 0], s0s[seg], w0[seg] - s0s[seg],
+                               w1[seg] - s0s[seg], cnt, nfull, u[:, 3], tile_q, tile_kv)
     head, qs, lo, hi, cnt, nfull, area = [], [], [], [], [], [], []
     parts = []
     for h in range(Hd):
@@ -249,21 +248,34 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
 
 def _assemble(starts, key_sel, row_sel, full, head, qs, lo, hi, cnt, nfull, area, tile_q,
               tile_kv) -> GatherRaw:
-    """The raw plan of the units' steps (concatenated in unit order) and their words."""
+    """The raw plan of the units' steps (concatenated in unit order) and their words, from
+    the steps' selections (``_assemble_words`` of their packing)."""
+    S = int(cnt.sum())
+    words = meta = None
+    if S:
+        words = abi.pack_gather(starts, key_sel, row_sel)             # [S, n]
+        meta = np.stack([starts[:, 0], row_sel.argmax(1), tile_q - row_sel[:, ::-1].argmax(1),
+                         key_sel.argmax(1), tile_kv - key_sel[:, ::-1].argmax(1), full], 1)
+    return _assemble_words(words, meta, head, qs, lo, hi, cnt, nfull, area, tile_q, tile_kv)
+
+
+def _assemble_words(words, meta, head, qs, lo, hi, cnt, nfull, area, tile_q,
+                    tile_kv) -> GatherRaw:
+    """The raw plan of the units' steps from their packed words (int32 [S, gather_words]) and
+    ``meta`` (int [S, 6]: first chunk start, selected rows [lo, hi), keys [lo, hi), all
+    selected; ``loops._nb_gather_units``' layout)."""
     from tessera_jax.planning.planner import bucket
 
     S = int(cnt.sum())
     wr = abi.gather_word_rows(tile_q, tile_kv)
     steps = np.zeros((bucket(S + S * wr), abi.STEP_COLS), np.int32)
     if S:
-        words = abi.pack_gather(starts, key_sel, row_sel)             # [S, n]
-        block = np.zeros((S, wr * abi.STEP_COLS), np.int32)
+        block = steps[S: S + S * wr].reshape(S, wr * abi.STEP_COLS)
         block[:, : words.shape[1]] = words
-        steps[S: S + S * wr] = block.reshape(S * wr, abi.STEP_COLS)
-        q_lo, q_hi = row_sel.argmax(1), tile_q - row_sel[:, ::-1].argmax(1)
-        kv_lo, kv_hi = key_sel.argmax(1), tile_kv - key_sel[:, ::-1].argmax(1)
-        steps[:S, abi.STEP_KV_START] = starts[:, 0]
-        steps[:S, abi.STEP_RECT] = abi.pack_rect(q_lo, q_hi, kv_lo, kv_hi)
+        steps[:S, abi.STEP_KV_START] = meta[:, 0]
+        steps[:S, abi.STEP_RECT] = abi.pack_rect(meta[:, 1], meta[:, 2], meta[:, 3],
+                                                 meta[:, 4])
         steps[:S, abi.STEP_CUTS_A] = (S + np.arange(S) * wr) * abi.STEP_COLS
-        steps[:S, abi.STEP_CUTS_B] = np.where(full, abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)
+        steps[:S, abi.STEP_CUTS_B] = np.where(meta[:, 5].astype(bool), abi.GATHER_FULL_FLAG,
+                                              abi.GATHER_FLAG)
     return GatherRaw(head, qs, lo, hi, cnt, nfull, area, steps, S * wr)

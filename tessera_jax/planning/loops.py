@@ -1637,19 +1637,25 @@ def _nb_interleave(rs, group):
 def _nb_gather_units(blocks, kb, s0, i0, i1, row_blocks, G, m, nchunks, group):
     """Every unit of the gather policy in one call (``planning.gather.plan_gather`` with
     ``_nb_gather_window`` per (head, segment), byte for byte; segments of at most 62 query
-    blocks): per unit (head, segment, steps, selected interactions) int64 [U, 4], and the
-    steps' starts int64 [S, G], key_sel bool [S, G * 8], row_sel bool [S, tile_q] in unit
-    order (head-major), each unit's steps in ``_nb_interleave`` order when ``group`` > 0.
-    ``blocks``: bool [Hd, nq, nk]; segment s covers query blocks [i0[s], i1[s]) in the tile
-    starting at row s0[s], ``row_blocks[s]`` its tile rows' blocks (-1: not its own)."""
+    blocks), its steps written packed: per unit (head, segment, steps, selected interactions)
+    int64 [U, 4]; per step in unit order (head-major), each unit's steps in
+    ``_nb_interleave`` order when ``group`` > 0, its ``abi.pack_gather`` words int32 [S,
+    G + ceil(G * 8 / 32) + ceil(tile_q / 32)] and (first chunk start, first and one past the
+    last selected row, the same of keys, all rows and keys selected) int64 [S, 6] (a
+    selection with none: 0 and the tile, as ``argmax`` gives). ``blocks``: bool [Hd, nq, nk];
+    segment s covers query blocks [i0[s], i1[s]) in the tile starting at row s0[s],
+    ``row_blocks[s]`` its tile rows' blocks (-1: not its own)."""
     Hd = blocks.shape[0]
     nseg = s0.shape[0]
     tq = row_blocks.shape[1]
+    tk = G * 8
+    wk = (tk + 31) // 32
+    wq = (tq + 31) // 32
+    nw = G + wk + wq
     units = np.empty((Hd * nseg, 4), np.int64)
     cap = max(1024, 32 * Hd * nseg)
-    starts = np.empty((cap, G), np.int64)
-    key_sel = np.empty((cap, G * 8), np.bool_)
-    row_sel = np.empty((cap, tq), np.bool_)
+    words = np.empty((cap, nw), np.int32)        # every word of a step is written
+    meta = np.empty((cap, 6), np.int64)
     U = 0
     S = 0
     for h in range(Hd):
@@ -1661,31 +1667,59 @@ def _nb_gather_units(blocks, kb, s0, i0, i1, row_blocks, G, m, nchunks, group):
                 continue
             if S + n > cap:
                 cap = max(2 * cap, S + n)
-                a = np.empty((cap, G), np.int64)
-                a[:S] = starts[:S]
-                starts = a
-                b = np.empty((cap, G * 8), np.bool_)
-                b[:S] = key_sel[:S]
-                key_sel = b
-                c = np.empty((cap, tq), np.bool_)
-                c[:S] = row_sel[:S]
-                row_sel = c
+                a = np.empty((cap, nw), np.int32)
+                a[:S] = words[:S]
+                words = a
+                b = np.empty((cap, 6), np.int64)
+                b[:S] = meta[:S]
+                meta = b
             if group > 0:
                 order = _nb_interleave(rs, group)
-                starts[S:S + n] = st[order]
-                key_sel[S:S + n] = ks[order]
-                row_sel[S:S + n] = rs[order]
             else:
-                starts[S:S + n] = st
-                key_sel[S:S + n] = ks
-                row_sel[S:S + n] = rs
+                order = np.arange(n)
+            for t in range(n):
+                i = order[t]
+                r = S + t
+                for g in range(G):
+                    words[r, g] = st[i, g]
+                # Key then row bits: bit c % 32 of word c // 32, as signed int32 words.
+                k_lo, k_hi, k_all = -1, 0, True
+                for w in range(wk):
+                    x = 0
+                    for c in range(w * 32, min(tk, w * 32 + 32)):
+                        if ks[i, c]:
+                            x |= 1 << (c - w * 32)
+                            if k_lo < 0:
+                                k_lo = c
+                            k_hi = c + 1
+                        else:
+                            k_all = False
+                    words[r, G + w] = x - (1 << 32) if x >= (1 << 31) else x
+                q_lo, q_hi, q_all = -1, 0, True
+                for w in range(wq):
+                    x = 0
+                    for c in range(w * 32, min(tq, w * 32 + 32)):
+                        if rs[i, c]:
+                            x |= 1 << (c - w * 32)
+                            if q_lo < 0:
+                                q_lo = c
+                            q_hi = c + 1
+                        else:
+                            q_all = False
+                    words[r, G + wk + w] = x - (1 << 32) if x >= (1 << 31) else x
+                meta[r, 0] = st[i, 0]
+                meta[r, 1] = q_lo if q_lo >= 0 else 0
+                meta[r, 2] = q_hi if q_lo >= 0 else tq
+                meta[r, 3] = k_lo if k_lo >= 0 else 0
+                meta[r, 4] = k_hi if k_lo >= 0 else tk
+                meta[r, 5] = 1 if (k_all and q_all) else 0
             units[U, 0] = h
             units[U, 1] = s
             units[U, 2] = n
             units[U, 3] = sel
             U += 1
             S += n
-    return units[:U], starts[:S], key_sel[:S], row_sel[:S]
+    return units[:U], words[:S], meta[:S]
 
 
 _NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_gather_window", "_nb_interleave",
