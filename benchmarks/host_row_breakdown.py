@@ -8,6 +8,8 @@ call, as a new mask), executables compiled first:
 
 * ``gpu_call``: the gpu row's call, ``jit(lambda q, k, v, b: sparse_attention(..., BlockMask(
   q_bounds, kv_bounds, b)))`` on blocks already on the device (static bounds);
+* ``mask``: the ``BlockMask`` built from its NumPy arrays (validation, packed bits, digest),
+  which peers' host rows count in the request;
 * ``copy``: ``mask.packed_leaves(static_bounds=...)`` to the device, as a tiered request makes it;
 * ``route``: the tiered device route on premade leaves (``tiered._device_route``: the packed
   program's dispatch, unpack, plan and kernel, no Python front, no background plan);
@@ -130,6 +132,7 @@ def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, hea
         res[name + "_ms"] = r.ms
         res[name + "_samples"] = r.samples
     t("gpu_call", lambda: jax.block_until_ready(f(q, k, v, dev_blocks)))
+    t("mask", lambda: tj.BlockMask(qb, kb, mask.blocks))
     t("copy", lambda: jax.block_until_ready(mask.packed_leaves(static_bounds=static)))
     t("route", lambda: route(leaves))
     # The route's program on unpacked blocks (its jitted entry, no unpack), and its Python

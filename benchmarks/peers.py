@@ -73,7 +73,10 @@ time budget cut keeps the families balanced), per mask and per peer:
 
 - request latency: host wall clock from the logical ``BlockMask`` to the result on the device:
   mask conversion + planning + kernel (tessera_jax: its plan cache is cleared before each call,
-  so planning is paid every time; compilation is warmed up and reported apart);
+  so planning is paid every time; compilation is warmed up and reported apart). A host row
+  starts from the mask's NumPy bounds and blocks for every system: FlashInfer converts them,
+  tessera_jax builds its ``BlockMask`` from them (validation, packed bits, digest; ``mask_ms``
+  alone);
 - kernel-only time: every peer under one rule, ``tessera_jax.tools.timing.KERNEL_RULE`` (with
   ``--iters`` timed calls): CUPTI kernel time of every launch in one call (JAX and torch alike,
   one collector), the L2 flushed before each call, median after warm-up. Request latencies are
@@ -804,6 +807,11 @@ def run_tessera(case: Case, args) -> dict:
     clear = forget_request_caches   # a new mask: its selection and plan are paid
 
     call = lambda: tj.sparse_attention(case.qj, case.kj, case.vj, mask)  # noqa: E731
+    # The request starts from the logical mask's NumPy arrays, as FlashInfer's conversion
+    # does: building the BlockMask (validation, packed bits, digest) is part of it.
+    raw = (np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds), np.asarray(mask.blocks))
+    request_call = lambda: tj.sparse_attention(case.qj, case.kj, case.vj,  # noqa: E731
+                                               tj.BlockMask(*raw))
     t = time.perf_counter()
     out = jax.block_until_ready(call())
     res = {"first_call_s": time.perf_counter() - t}
@@ -830,12 +838,13 @@ def run_tessera(case: Case, args) -> dict:
     res["host_planning"] = tiered.mode(tj.Options(), case.qj)
     res["tiered_bounds"] = bounds_mode
     before = tiered.stats().get("device_route", 0)
-    res.update(_request(lambda: jax.block_until_ready(call()), args,
+    res.update(_request(lambda: jax.block_until_ready(request_call()), args,
                         before=clear).to_json("request_"))
     res["request_device_route_calls"] = tiered.stats().get("device_route", 0) - before
+    res["mask_ms"] = _request(lambda: tj.BlockMask(*raw), args).ms
     # the default request's own output (the device route where it tiers), checked as the first
     clear()
-    out = jax.block_until_ready(call())
+    out = jax.block_until_ready(request_call())
     o = np.asarray(jax.device_get(out[0][case.rows][:, case.qh]), np.float32)
     res["request_check"] = {k: v for k, v in case.check(o).items()
                             if k in ("status", "rel_err", "why")}

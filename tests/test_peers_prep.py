@@ -509,6 +509,8 @@ def test_smoke_both_mask_sources(tmp_path):
     assert host["peers"]["tessera"]["route"] in ("plan", "cudnn_dense")
     assert host["peers"]["tessera"]["to_device_request_ms"] > 0
     t = host["peers"]["tessera"]
+    # the host request builds its BlockMask from the NumPy arrays, as FlashInfer converts them
+    assert 0 < t["mask_ms"] < t["request_ms"] and t["request_check"]["status"] in peers.OK_STATES
     for mode in ("sync", "tiered"):
         assert t[f"{mode}_request_ms"] > 0
         assert 0 <= t[f"{mode}_device_route_calls"] <= t[f"{mode}_calls"]
