@@ -134,7 +134,8 @@ class BlockMask:
     (``is_static`` False), see the module docstring.
     """
 
-    __slots__ = ("q_bounds", "kv_bounds", "blocks", "_digest", "_packed", "__weakref__")
+    __slots__ = ("q_bounds", "kv_bounds", "_blocks", "_bshape", "_digest", "_packed",
+                 "__weakref__")
 
     def __init__(self, q_bounds, kv_bounds, blocks):
         if isinstance(blocks, BlockMask) or blocks is None:
@@ -150,8 +151,9 @@ class BlockMask:
         self._check_shapes(q_bounds, kv_bounds, arr.shape)
         if arr.ndim == 2:
             arr = arr[None]
-        arr = np.array(arr, dtype=np.bool_, copy=True, order="C")
-        arr.setflags(write=False)
+        # A static mask keeps its blocks as packed bits (a copy: the caller's array may
+        # change); ``blocks`` unpacks them when first read. The request path (digest, the
+        # device copy, counts) reads the bits only: Wan 480p's 4.7 MB of bools are not copied.
         # SHA-256 (hardware-accelerated on x86-64 and arm64 hosts): 0.41 ms against blake2b's
         # 0.91 for Wan 480p's 584 KB of packed bits on the CPU box; 128 bits kept.
         h = hashlib.sha256()
@@ -162,8 +164,8 @@ class BlockMask:
         h.update(np.asarray(arr.shape, np.int64).tobytes())
         packed = np.packbits(arr.reshape(-1))
         packed.setflags(write=False)
-        h.update(packed.tobytes())
-        self._set(q_bounds, kv_bounds, arr, h.hexdigest()[:32], packed)
+        h.update(memoryview(packed))
+        self._set(q_bounds, kv_bounds, None, h.hexdigest()[:32], packed, tuple(arr.shape))
 
     def _init_device(self, q_bounds, kv_bounds, blocks):
         import jax.numpy as jnp
@@ -206,12 +208,25 @@ class BlockMask:
                                  f"has Hm={shape[0]}; they must match")
         return True
 
-    def _set(self, q_bounds, kv_bounds, blocks, digest, packed=None):
+    def _set(self, q_bounds, kv_bounds, blocks, digest, packed=None, shape=None):
         object.__setattr__(self, "_packed", packed)
         object.__setattr__(self, "q_bounds", q_bounds)
         object.__setattr__(self, "kv_bounds", kv_bounds)
-        object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "_blocks", blocks)
+        object.__setattr__(self, "_bshape", tuple(blocks.shape) if shape is None else shape)
         object.__setattr__(self, "_digest", digest)
+
+    @property
+    def blocks(self):
+        """bool ``[Hm, nq, nkv]``: read-only NumPy for a static mask (unpacked from its bits
+        when first read), the given array for a device mask."""
+        b = self._blocks
+        if b is None:
+            n = int(np.prod(self._bshape))
+            b = np.unpackbits(self._packed, count=n).view(np.bool_).reshape(self._bshape)
+            b.setflags(write=False)
+            object.__setattr__(self, "_blocks", b)       # a race unpacks twice, harmlessly
+        return b
 
     def __setattr__(self, name, value):
         raise AttributeError("BlockMask is immutable")
@@ -309,11 +324,11 @@ class BlockMask:
     @property
     def num_heads(self) -> int:
         """Hm: 1 for a shared mask, else the number of query heads."""
-        return int(self.blocks.shape[0])
+        return int(self._bshape[0])
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return tuple(int(s) for s in self.blocks.shape)  # type: ignore[return-value]
+        return tuple(int(s) for s in self._bshape)  # type: ignore[return-value]
 
     @property
     def q_sizes(self) -> np.ndarray:

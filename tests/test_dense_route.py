@@ -3,6 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tessera_jax as tj
 from tessera_jax.runtime import api, core, host_plans
@@ -161,3 +163,19 @@ def test_plan_says_when_the_dense_route_runs(monkeypatch):
     tj.clear_caches()
     assert not tj.plan(_full(), q.shape, k.shape, q.dtype).dense_route
     tj.clear_caches()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 9), st.integers(1, 9), st.integers(0, 2))
+def test_all_selected_reads_the_packed_bits(H, nq, nk, holes):
+    """``all_selected`` on the packed bits (first byte, then the count) agrees with the
+    blocks' ``all`` for any block count, all selected or with unselected blocks anywhere
+    (the first byte full and a hole later included)."""
+    from tessera_jax.runtime import dense_route
+    rng = np.random.default_rng(H * 100 + nq * 10 + nk + holes)
+    b = np.ones((H, nq, nk), bool)
+    for _ in range(holes):
+        b.reshape(-1)[rng.integers(b.size)] = False
+    m = tj.BlockMask(np.arange(nq + 1) * 8, np.arange(nk + 1) * 8, b)
+    dense_route.clear_caches()
+    assert dense_route.all_selected(m) == bool(b.all())

@@ -144,3 +144,19 @@ def test_count_selected_counts_the_blocks(m):
     with pytest.raises(TypeError, match="count_selected"):
         tj.BlockMask(*(jax.numpy.asarray(x) for x in (m.q_bounds, m.kv_bounds, m.blocks)))\
             .count_selected()
+
+
+def test_static_blocks_stay_packed_until_read():
+    """A static mask keeps its blocks as packed bits (no copy of the bools; the caller's array
+    may change afterwards) and unpacks them, read-only, when first read."""
+    rng = np.random.default_rng(3)
+    qb, kb = np.array([0, 5, 9, 30]), np.array([0, 7, 8, 40, 41])
+    b = rng.random((2, 3, 4)) < 0.5
+    want = b.copy()
+    m = tj.BlockMask(qb, kb, b)
+    b[:] = ~b                                        # the caller's array changes
+    assert m._blocks is None and m.shape == want.shape and m.num_heads == 2
+    assert m.count_selected() == int(want.sum())
+    np.testing.assert_array_equal(m.blocks, want)
+    assert not m.blocks.flags.writeable and m.blocks is m.blocks
+    assert m == tj.BlockMask(qb, kb, want) and pickle.loads(pickle.dumps(m)) == m

@@ -172,6 +172,27 @@ def test_the_host_plan_waits_for_the_device_routes_output(monkeypatch):
     assert _routes(lambda: tj.sparse_attention(q, k, v, m, options=FIRST))[1] == "host"
 
 
+def test_a_tiered_request_reads_the_packed_bits_only(monkeypatch):
+    """The tiered request (front, rule, copy, device route) never unpacks the static mask's
+    blocks: only its background host plan does."""
+    submitted = []
+
+    class Held:
+        def submit(self, fn, *a):
+            submitted.append((fn, a))
+
+    monkeypatch.setattr(tiered, "_executor", Held)
+    m, (q, k, v) = _mask(25), _qkv()
+    m = tj.BlockMask(m.q_bounds, m.kv_bounds, m.blocks)       # a new mask, blocks packed
+    out = tj.sparse_attention(q, k, v, m, options=FIRST)
+    assert m._blocks is None and len(submitted) == 1
+    fn, a = submitted[0]
+    fn(*a)                                                    # the plan reads them
+    assert m._blocks is not None
+    np.testing.assert_allclose(np.asarray(out), np.asarray(
+        tj.sparse_attention(q, k, v, m, options=tj.Options(host_planning="sync"))), **TOL)
+
+
 def test_under_jit_the_option_changes_nothing():
     """Under a trace the mask is a constant planned at trace time: the same program, no
     background plan, no device route."""

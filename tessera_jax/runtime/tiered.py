@@ -136,7 +136,7 @@ def _device_route(q, k, v, mask: BlockMask, leaves, shape, backend, scale, retur
     """The device route on ``mask`` copied as ``leaves`` (``BlockMask.packed_leaves``: its
     blocks unpacked inside the program)."""
     qb, kb, packed = leaves
-    like = BlockMask._from_leaves(qb, kb, jax.ShapeDtypeStruct(mask.blocks.shape, np.bool_))
+    like = BlockMask._from_leaves(qb, kb, jax.ShapeDtypeStruct(mask.shape, np.bool_))
     out = device_route.attention(q, k, v, like, shape, backend, None, scale, return_lse,
                                  _untiered(options), packed=packed)
     with _LOCK:
