@@ -486,7 +486,7 @@ def test_mosaic_backward_gather_plan():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from gather import mask_var_clusters
 
-    Lq, Lkv, Hq, Hkv, D = 264, 300, 4, 2, 64
+    Lq, Lkv, Hq, Hkv, D = 200, 232, 2, 1, 64
     mask = mask_var_clusters(Lq, Hq, q_mean=60, kv_mean=20, density=0.3, seed=6, kv_len=Lkv)
     q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, "bfloat16", 15)
     do, dlse = cotangents(1, Lq, Hq, D, jnp.bfloat16, 15, True)
@@ -509,7 +509,7 @@ def test_mosaic_paired_dkv(monkeypatch):
     from pallas_kernels.mosaic import backward as mb
     from pallas_kernels.mosaic import ops as mosaic_ops
     rng = np.random.default_rng(_seed("paired dkv"))
-    Lq, Lkv, Hq, Hkv, D = 136, 130, 5, 1, 64
+    Lq, Lkv, Hq, Hkv, D = 136, 130, 2, 1, 64           # 7 units
     mask = _fine_mask(rng, Lq, Lkv, Hq)
     q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, "bfloat16", 14)
     do, _ = cotangents(1, Lq, Hq, D, jnp.bfloat16, 14, False)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 import tessera_jax as tj
+from tessera_jax.planning import device as planner
 from tessera_jax.runtime import core, device_route
 from tessera_jax.validation import check_qkv, check_shapes
 
@@ -26,6 +27,9 @@ def _attend(q, k, v, m):
 
 
 _jit_attend = jax.jit(_attend)
+# Calls a function (a vjp returned by a jitted function) in one compiled program: run
+# eagerly, its backward dispatched op by op (seconds of small compiles).
+_call = jax.jit(lambda f, *a: f(*a))
 
 
 @st.composite
@@ -416,19 +420,22 @@ def test_static_bounds_past_the_budget_decide_on_the_device():
     assert select_device.decided_on_device(consts[0], consts[1], (H, n, n), shape, t, cap)
     assert not select_device.decided_on_device(consts[0], consts[1], (H, n, n), shape, t,
                                                worst)
+    # One program of each for both selections (the blocks traced, the bounds static).
+    plans = jax.jit(lambda b: device_route.device_plans(q, k, qb, qb, b, consts=consts, t=t,
+                                                        capacity=cap, decide=True,
+                                                        budget=budget))
+    f = jax.jit(lambda q, k, v, b: jax.vjp(lambda q, k, v: device_route.attention(
+        q, k, v, tj.BlockMask(qb, qb, b), shape, backend, None, 0.125, False, opts), q, k, v))
     for blocks, fits in ((sparse, True), (dense, False)):
-        plan = device_route.device_plans(q, k, qb, qb, jnp.asarray(blocks), consts=consts,
-                                         t=t, capacity=cap, decide=True, budget=budget)
+        plan = plans(jnp.asarray(blocks))
         assert bool(plan.ok) == fits
         assert plan.dkv_ok is not None and bool(plan.dkv_ok) == fits
         host = tj.BlockMask(qb, qb, blocks)
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         ref, ref_vjp = jax.vjp(lambda q, k, v: tj.reference_attention(q, k, v, host,
                                                                       scale=0.125), *f32)
-        out, vjp = jax.jit(lambda q, k, v, b: jax.vjp(lambda q, k, v: device_route.attention(
-            q, k, v, tj.BlockMask(qb, qb, b), shape, backend, None, 0.125, False, opts),
-            q, k, v))(q, k, v, jnp.asarray(blocks))
-        for a, b in zip([out, *vjp(ct)], [ref, *ref_vjp(ct.astype(jnp.float32))]):
+        out, vjp = f(q, k, v, jnp.asarray(blocks))
+        for a, b in zip([out, *_call(vjp, ct)], [ref, *ref_vjp(ct.astype(jnp.float32))]):
             np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=tol, rtol=tol)
 
 
@@ -496,7 +503,7 @@ def test_first_bitmap_room_falls_back_to_the_whole_room_then_exact(monkeypatch):
             q, k, v, tj.BlockMask(x, x, b), options=opts), q, k, v))
         out, vjp = f(q, k, v, jnp.asarray(blocks), qb)
         np.testing.assert_allclose(out, ref, **TOL)
-        for a, b in zip(vjp(ct), ref_g):
+        for a, b in zip(_call(vjp, ct), ref_g):                # the backward compiled
             np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
         return plans[-1].refine
 
@@ -504,14 +511,18 @@ def test_first_bitmap_room_falls_back_to_the_whole_room_then_exact(monkeypatch):
     assert full is not None and full.capacity > 1
     first = dataclasses.replace(full, capacity=1, budget=1)
     b = jnp.asarray(blocks)
-    assert not bool(first(qb, qb, b).ok) and bool(full(qb, qb, b).ok)     # the fallback ran
+
+    def oks(*refines):                     # the plans' fits, made in one compiled program
+        return tuple(bool(x) for x in jax.jit(lambda *a: [r(*a).ok for r in refines])(qb, qb, b))
+
+    assert oks(first, full) == (False, True)                               # the fallback ran
     from pallas_kernels import abi
     from tessera_jax.runtime import dispatch
 
     t = dispatch.get_template(full.template)
     slot = abi.bitmap_rows(t.tile_q, t.tile_kv) * abi.STEP_COLS * 4
     full = run(tj.Options(bitmap_first_bytes=1, bitmap_budget_bytes=2 * slot))
-    assert full.capacity == 2 and not bool(full(qb, qb, b).ok)              # then exact
+    assert full.capacity == 2 and oks(full) == (False,)                     # then exact
     assert device_route._first_room(t, full.capacity, blocks.shape, L, L,
                                     tj.Options(bitmap_first_bytes=0)) is None
 
@@ -527,6 +538,23 @@ def _conds(jaxpr) -> list:
     return out
 
 
+_NO_BITMAP_ROOM = tj.Options(bitmap_budget_bytes=0)
+
+
+def _fwd_bwd_one(q, k, v, qb, b, ct):
+    m = tj.BlockMask(qb, qb, b)
+    out, vjp = jax.vjp(lambda q, k, v: tj.sparse_attention(
+        q[None], k[None], v[None], m, backend="xla", options=_NO_BITMAP_ROOM)[0], q, k, v)
+    return out, vjp(ct)
+
+
+# Programs the two cases below share (the same shapes: the fit is decided on the device).
+_vmapped_fwd_bwd = jax.vmap(_fwd_bwd_one, in_axes=(0, 0, 0, 0, 0, None))
+_vmapped_fwd_bwd_jit = jax.jit(_vmapped_fwd_bwd)
+_plan_fits = jax.jit(lambda b, qb, **kw: planner.plan_on_device(b, qb, qb, **kw)[1],
+                     static_argnames=("num_q_heads", "q_len", "kv_len", "tile_q", "tile_kv"))
+
+
 @pytest.mark.parametrize("fits", [True, False])
 def test_vmap_of_device_masks_keeps_one_conditional(fits):
     """jax.vmap over per-element device masks (traced per-head bounds): the fit stays one
@@ -535,8 +563,6 @@ def test_vmap_of_device_masks_keeps_one_conditional(fits):
     planner's bitmap fills; exact either way:
     every element fits, or one does not (a tile meeting more than GRID blocks with no bitmap
     room: the whole batch takes the exact path)."""
-    from tessera_jax.planning import device as planner
-
     L, H, n = 96, 2, 6
     rng = np.random.default_rng(11)
     cuts = np.arange(1, L // 8) * 8                        # blocks of >= 8 tokens: they fit
@@ -547,29 +573,22 @@ def test_vmap_of_device_masks_keeps_one_conditional(fits):
     blocks = rng.random((3, H, n, n)) < 0.6
     q, k, v = random_qkv(3, L, L, H, H, 8, "float32", 12)
     ct = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-    opts = tj.Options(bitmap_budget_bytes=0)
+    opts = _NO_BITMAP_ROOM
     t = device_route.choose(tj.BlockMask(jnp.asarray(qbs[0]), jnp.asarray(qbs[0]),
                                          jnp.asarray(blocks[0])),
                             check_shapes(q[:1].shape, k[:1].shape, q.dtype), "xla", None, opts)
-    oks = [bool(planner.plan_on_device(jnp.asarray(blocks[i]), jnp.asarray(qbs[i]),
-                                       jnp.asarray(qbs[i]), num_q_heads=H, q_len=L, kv_len=L,
-                                       tile_q=t.tile_q, tile_kv=t.tile_kv)[1]) for i in range(3)]
+    oks = [bool(_plan_fits(jnp.asarray(blocks[i]), jnp.asarray(qbs[i]), num_q_heads=H,
+                           q_len=L, kv_len=L, tile_q=t.tile_q, tile_kv=t.tile_kv))
+           for i in range(3)]
     assert oks == [True, fits, True]
 
-    def one(q, k, v, qb, b):
-        m = tj.BlockMask(qb, qb, b)
-        out, vjp = jax.vjp(lambda q, k, v: tj.sparse_attention(
-            q[None], k[None], v[None], m, backend="xla", options=opts)[0], q, k, v)
-        return out, vjp(ct[0])
-
-    f = jax.vmap(one)
-    args = (q, k, v, jnp.asarray(qbs, jnp.int32), jnp.asarray(blocks))
-    jaxpr = jax.make_jaxpr(f)(*args)
+    args = (q, k, v, jnp.asarray(qbs, jnp.int32), jnp.asarray(blocks), ct[0])
+    jaxpr = jax.make_jaxpr(_vmapped_fwd_bwd)(*args)
     conds = _conds(jaxpr.jaxpr)
     # The forward's and the backward's, and the planner's bitmap fills: each one predicate
     # for the batch (no select running every branch).
     assert len(conds) >= 2 and all(c.invars[0].aval.shape == () for c in conds)
-    out, grads = jax.jit(f)(*args)
+    out, grads = _vmapped_fwd_bwd_jit(*args)
     for i in range(3):
         m = tj.BlockMask(qbs[i], qbs[i], blocks[i])
         want, vjp = jax.vjp(lambda q, k, v: tj.reference_attention(q, k, v, m),
@@ -594,7 +613,7 @@ def test_second_order_through_a_device_decided_fit():
 
     got = jax.jit(lambda q: second(lambda x: tj.sparse_attention(
         x, k, v, tj.BlockMask(qb, qb, b), backend="xla")))(q)
-    want = second(lambda x: tj.reference_attention(x, k, v, m))
+    want = jax.jit(lambda q: second(lambda x: tj.reference_attention(x, k, v, m)))(q)
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
 
 

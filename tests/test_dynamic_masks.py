@@ -131,9 +131,9 @@ def test_vsa_top_k_ties_go_to_the_lower_index(top_k):
     k."""
     q, k, _ = _data(2, 1, 64, 64, 2, 1, 8)
     k = jnp.tile(k[:, :8], (1, 8, 1, 1))                       # 8 equal key blocks of 8
-    b = np.asarray(dm.vsa_mask(q, k, dm.VSA(block=8, topk=3, top_k=top_k)).blocks)
+    b = np.asarray(_vsa_jit(q, k, dm.VSA(block=8, topk=3, top_k=top_k)).blocks)
     assert (b[..., :3].all()) and not b[..., 3:].any()
-    b = np.asarray(dm.vsa_mask(q, k, dm.VSA(block=8, topk=3, local=1, top_k=top_k)).blocks)
+    b = np.asarray(_vsa_jit(q, k, dm.VSA(block=8, topk=3, local=1, top_k=top_k)).blocks)
     i = np.arange(8)
     forced = np.abs(i[:, None] - i[None, :]) <= 1
     assert (b.sum(-1) == 3).all() and b[:, forced].all()
@@ -147,7 +147,7 @@ def test_vsa_top_k_ties_go_to_the_lower_index(top_k):
 
 def test_vsa_local_blocks_are_kept_and_count_towards_k():
     q, k, _ = _data(1, 1, 96, 96, 2, 1, 8)
-    m = dm.vsa_mask(q, k, dm.VSA(block=8, topk=5, local=2))
+    m = _vsa_jit(q, k, dm.VSA(block=8, topk=5, local=2))
     b = np.asarray(m.blocks)
     i = np.arange(12)
     assert b[:, np.abs(i[:, None] - i[None, :]) <= 2].all()
@@ -352,7 +352,7 @@ def test_sparge_top_k_fused_equals_sort(seed):
     q, k, _ = _data(seed, 1, 120, 100, 4, 2, 16)
     kw = dict(block_q=16, block_kv=8, topk=0.25, sim_threshold=0.3 + 0.3 * (seed == 2),
               smooth_k=seed != 1)
-    got = {t: np.asarray(dm.sparge_mask(q, k, dm.Sparge(top_k=t, **kw)).blocks)
+    got = {t: np.asarray(_sparge_jit(q, k, dm.Sparge(top_k=t, **kw)).blocks)
            for t in ("xla", "pallas")}
     np.testing.assert_array_equal(got["pallas"], got["xla"])
 
@@ -410,7 +410,7 @@ def test_pool_option_keeps_the_masks():
     for mode in ("xla", "pallas"):
         fs = (_vsa_blocks(dm.VSA(q_bounds=b, topk=3, pool=mode)),
               _sparge_blocks(dm.Sparge(block_q=16, block_kv=8, topk=0.3, pool=mode)))
-        got[mode] = [np.asarray(f(q, k)) for f in fs]
+        got[mode] = [np.asarray(jax.jit(f)(q, k)) for f in fs]
         for f in fs:
             for x, kernel in ((q, mode == "pallas"), (q.astype(jnp.float32), False)):
                 text = str(jax.make_jaxpr(f)(x, x))
@@ -519,10 +519,10 @@ def test_sparge_negative_control_detects_an_off_by_one_rule(kw):
 def test_sparge_self_similarity_gives_dense_stripes():
     """Blocks of unrelated tokens (not self-similar) keep full rows / columns."""
     q, k, _ = _data(3, 1, 64, 64, 1, 1, 16, structured=False)  # cosine ~ 1/n: none similar
-    m = dm.sparge_mask(q, k, dm.Sparge(block_q=16, block_kv=16))
+    m = _sparge_jit(q, k, dm.Sparge(block_q=16, block_kv=16))
     assert np.asarray(m.blocks).all()
-    m = dm.sparge_mask(q, k, dm.Sparge(block_q=16, block_kv=16, sim_threshold=-1.0,
-                                       cdf_threshold=0.5))
+    m = _sparge_jit(q, k, dm.Sparge(block_q=16, block_kv=16, sim_threshold=-1.0,
+                                    cdf_threshold=0.5))
     assert not np.asarray(m.blocks).all()
 
 
@@ -588,7 +588,8 @@ def test_svg2_attention_gradient_with_the_fused_assignment():
     grads = {}
     for assign in ("xla", "pallas"):
         rule = dm.SVG2(iters=1, top_p=0.5, kmeans_assign=assign)
-        grads[assign] = jax.grad(lambda q: dm.svg2_attention(q, k, v, state, rule)[0].sum())(q)
+        grads[assign] = jax.jit(jax.grad(
+            lambda q: dm.svg2_attention(q, k, v, state, rule)[0].sum()))(q)
     assert np.abs(np.asarray(grads["xla"])).sum() > 0
     np.testing.assert_allclose(np.asarray(grads["pallas"]), np.asarray(grads["xla"]), **TOL)
 
@@ -700,7 +701,7 @@ def test_svg2_kv_order_keeps_the_token_mask():
     g = s["Hq"] // s["Hkv"]
     toks, runs = {}, {}
     for order in ("label", "popularity"):
-        lay = dm.svg2_mask(q, k, state, dm.SVG2(top_p=0.5, min_cluster_tokens=1, kv_order=order))
+        lay = _svg2_jit(q, k, state, dm.SVG2(top_p=0.5, min_cluster_tokens=1, kv_order=order))
         toks[order] = _token_mask(lay, s["Lq"], s["Lkv"], g)
         b = np.asarray(lay.mask.blocks)
         runs[order] = np.sum(b[..., 1:] & ~b[..., :-1]) + np.sum(b[..., 0])
