@@ -213,7 +213,7 @@ class BlockMask:
         object.__setattr__(self, "q_bounds", q_bounds)
         object.__setattr__(self, "kv_bounds", kv_bounds)
         object.__setattr__(self, "_blocks", blocks)
-        object.__setattr__(self, "_bshape", tuple(blocks.shape) if shape is None else shape)
+        object.__setattr__(self, "_bshape", shape)     # a static mask's; None: blocks'
         object.__setattr__(self, "_digest", digest)
 
     @property
@@ -324,11 +324,12 @@ class BlockMask:
     @property
     def num_heads(self) -> int:
         """Hm: 1 for a shared mask, else the number of query heads."""
-        return int(self._bshape[0])
+        return self.shape[0]
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return tuple(int(s) for s in self._bshape)  # type: ignore[return-value]
+        s = self._bshape if self._bshape is not None else self._blocks.shape
+        return tuple(int(x) for x in s)  # type: ignore[return-value]
 
     @property
     def q_sizes(self) -> np.ndarray:
