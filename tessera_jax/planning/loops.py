@@ -1634,6 +1634,28 @@ def _nb_interleave(rs, group):
     return order
 
 
+def _nb_pack_sel(sel, out, at):
+    """Writes bool ``sel`` [n] as ``abi.pack_bits``' words into ``out[at:]`` (bit c % 32 of
+    word c // 32, signed int32); returns (first selected, one past the last, all selected),
+    (0, n, ...) when none is, as ``argmax`` gives."""
+    n = sel.shape[0]
+    lo, hi, full = -1, 0, True
+    for w in range((n + 31) // 32):
+        x = 0
+        for c in range(w * 32, min(n, w * 32 + 32)):
+            if sel[c]:
+                x |= 1 << (c - w * 32)
+                if lo < 0:
+                    lo = c
+                hi = c + 1
+            else:
+                full = False
+        out[at + w] = x - (1 << 32) if x >= (1 << 31) else x
+    if lo < 0:
+        return 0, n, full
+    return lo, hi, full
+
+
 def _nb_gather_units(blocks, kb, s0, i0, i1, row_blocks, G, m, nchunks, group):
     """Every unit of the gather policy in one call (``planning.gather.plan_gather`` with
     ``_nb_gather_window`` per (head, segment), byte for byte; segments of at most 62 query
@@ -1682,36 +1704,13 @@ def _nb_gather_units(blocks, kb, s0, i0, i1, row_blocks, G, m, nchunks, group):
                 r = S + t
                 for g in range(G):
                     words[r, g] = st[i, g]
-                # Key then row bits: bit c % 32 of word c // 32, as signed int32 words.
-                k_lo, k_hi, k_all = -1, 0, True
-                for w in range(wk):
-                    x = 0
-                    for c in range(w * 32, min(tk, w * 32 + 32)):
-                        if ks[i, c]:
-                            x |= 1 << (c - w * 32)
-                            if k_lo < 0:
-                                k_lo = c
-                            k_hi = c + 1
-                        else:
-                            k_all = False
-                    words[r, G + w] = x - (1 << 32) if x >= (1 << 31) else x
-                q_lo, q_hi, q_all = -1, 0, True
-                for w in range(wq):
-                    x = 0
-                    for c in range(w * 32, min(tq, w * 32 + 32)):
-                        if rs[i, c]:
-                            x |= 1 << (c - w * 32)
-                            if q_lo < 0:
-                                q_lo = c
-                            q_hi = c + 1
-                        else:
-                            q_all = False
-                    words[r, G + wk + w] = x - (1 << 32) if x >= (1 << 31) else x
+                k_lo, k_hi, k_all = _nb_pack_sel(ks[i], words[r], G)     # key then row bits
+                q_lo, q_hi, q_all = _nb_pack_sel(rs[i], words[r], G + wk)
                 meta[r, 0] = st[i, 0]
-                meta[r, 1] = q_lo if q_lo >= 0 else 0
-                meta[r, 2] = q_hi if q_lo >= 0 else tq
-                meta[r, 3] = k_lo if k_lo >= 0 else 0
-                meta[r, 4] = k_hi if k_lo >= 0 else tk
+                meta[r, 1] = q_lo
+                meta[r, 2] = q_hi
+                meta[r, 3] = k_lo
+                meta[r, 4] = k_hi
                 meta[r, 5] = 1 if (k_all and q_all) else 0
             units[U, 0] = h
             units[U, 1] = s
@@ -1723,7 +1722,7 @@ def _nb_gather_units(blocks, kb, s0, i0, i1, row_blocks, G, m, nchunks, group):
 
 
 _NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_gather_window", "_nb_interleave",
-               "_nb_gather_units", "_nb_tiles", "_nb_fill_unit",
+               "_nb_pack_sel", "_nb_gather_units", "_nb_tiles", "_nb_fill_unit",
                "_nb_fill", "_nb_count", "_nb_pack", "_nb_row_index", "_nb_units", "_nb_store",
                "_nb_acc_bound", "_nb_acc_add",
                "_nb_acc_norm", "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full",
@@ -1734,8 +1733,8 @@ _NB_KERNELS = ("_nb_popcount", "_nb_put", "_nb_groups", "_nb_gather_window", "_n
                "_nb_rects_wide", "_nb_rects_many", "_nb_rects", "_nb_rect_bound",
                "_nb_pack_units")
 # Inlined into their callers (numba IR):
-_NB_INLINE = ("_nb_popcount", "_nb_put", "_nb_tiles", "_nb_fill_unit", "_nb_store",
-              "_nb_acc_bound",
+_NB_INLINE = ("_nb_popcount", "_nb_put", "_nb_pack_sel", "_nb_tiles", "_nb_fill_unit",
+              "_nb_store", "_nb_acc_bound",
               "_nb_sort4", "_nb_two_bounds", "_nb_acc_two", "_nb_acc_full", "_nb_bm_cut")
 
 
