@@ -370,6 +370,14 @@ class BlockMask:
         return int(np.bitwise_count(p[:n].view(np.uint64)).sum(dtype=np.int64)
                    + np.bitwise_count(p[n:]).sum(dtype=np.int64))
 
+    def selects_all(self) -> bool:
+        """Whether every block of every head is selected, on a static mask's packed bits: a
+        first byte short of 0xFF (as a sparse mask's usually is) answers at once, else the
+        count decides."""
+        self._need_static("selects_all")
+        n = int(np.prod(self.shape))
+        return bool((n < 8 or self._packed[0] == 0xFF) and self.count_selected() == n)
+
     @property
     def density(self) -> float:
         """Fraction of token interactions selected, averaged over mask heads."""

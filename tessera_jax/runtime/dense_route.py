@@ -33,12 +33,7 @@ def all_selected(mask: BlockMask) -> bool:
     try:
         return _ALL_SELECTED[mask]
     except KeyError:
-        # On the packed bits (a static mask keeps its blocks packed until read): a first
-        # byte short of 0xFF answers at once, as a sparse mask's usually is.
-        p = mask._packed
-        n = int(np.prod(mask.shape))
-        res = (n < 8 or p[0] == 0xFF) and mask.count_selected() == n
-        res = _ALL_SELECTED[mask] = bool(res)
+        res = _ALL_SELECTED[mask] = mask.selects_all()    # on the packed bits
         return res
 
 
