@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
 import tessera_jax as tj
 from strategies import bounds, masks
@@ -160,3 +161,74 @@ def test_static_blocks_stay_packed_until_read():
     np.testing.assert_array_equal(m.blocks, want)
     assert not m.blocks.flags.writeable and m.blocks is m.blocks
     assert m == tj.BlockMask(qb, kb, want) and pickle.loads(pickle.dumps(m)) == m
+
+
+def _sha_digest(qb, kb, blocks) -> str:
+    """The digest's definition: SHA-256 of bounds (1-D: their size, per-head: their shape),
+    the blocks' [Hm, nq, nkv] shape and their packed bits; 32 hex digits."""
+    import hashlib
+    h = hashlib.sha256()
+    for part in (qb, kb):
+        part = np.asarray(part, np.int64)
+        h.update(np.asarray(part.shape if part.ndim == 2 else part.size, np.int64).tobytes())
+        h.update(part.tobytes())
+    b = blocks if blocks.ndim == 3 else blocks[None]
+    h.update(np.asarray(b.shape, np.int64).tobytes())
+    h.update(np.packbits(b.reshape(-1)).tobytes())
+    return h.hexdigest()[:32]
+
+
+@given(masks(num_q_heads=2), st.data())
+def test_equality_is_content_and_the_digest_is_made_when_read(m, data):
+    """Hash and equality read the packed bits (no SHA-256 on the request path): masks of the
+    same bounds and blocks are equal with equal hashes; one flipped block, other bounds, or
+    the blocks' words permuted (equal XOR and sum: the same fold) make them unequal. The
+    digest, made when first read, is the SHA-256 of the content, and equal exactly when the
+    masks are."""
+    qb, kb, b = np.asarray(m.q_bounds), np.asarray(m.kv_bounds), np.asarray(m.blocks)
+    same = tj.BlockMask(qb.copy(), kb.copy(), b.copy())
+    assert same == m and hash(same) == hash(m) and {m: 1}[same] == 1
+    assert m._digest is None and same._digest is None        # neither hashed with SHA-256
+    i = data.draw(st.integers(0, b.size - 1), label="flipped block")
+    f = b.copy().reshape(-1)
+    f[i] = ~f[i]
+    flipped = tj.BlockMask(qb, kb, f.reshape(b.shape))
+    assert flipped != m and m != flipped
+    assert flipped.digest != m.digest
+    assert m.digest == same.digest == _sha_digest(qb, kb, b)
+    if b.size >= 128:                       # two 64-bit words: swap them
+        bits = np.packbits(b.reshape(-1))
+        w = bits[:16].copy()
+        bits[:8], bits[8:16] = w[8:], w[:8]
+        swapped = np.unpackbits(bits, count=b.size).astype(bool).reshape(b.shape)
+        s = tj.BlockMask(qb, kb, swapped)
+        assert (s == m) == np.array_equal(swapped, b) == (s.digest == m.digest)
+
+
+def test_equality_across_bounds_and_kinds():
+    """Same blocks under other bounds, or per-head bounds of the same rows, are other masks;
+    a device mask equals only itself and is unhashable."""
+    b = np.ones((2, 2, 2), bool)
+    m = tj.BlockMask([0, 4, 8], [0, 4, 8], b)
+    assert m != tj.BlockMask([0, 3, 8], [0, 4, 8], b)
+    assert m != tj.BlockMask([[0, 4, 8]] * 2, [0, 4, 8], b)
+    assert m != tj.BlockMask([0, 4, 8], [0, 4, 8], b[:1]) and m != "mask"
+    d = m.to_device()
+    assert d == d and d != m and m != d
+    with pytest.raises(TypeError, match="not hashable"):
+        hash(d)
+
+
+def test_a_hash_collision_is_told_apart_by_the_bits():
+    """Two masks whose packed words are a permutation of each other's share the fold (XOR
+    and sum of words) so their hashes; equality still tells them apart, and a dict keeps
+    both."""
+    rng = np.random.default_rng(0)
+    b = rng.random((1, 16, 16)) < 0.5                  # 256 bits: four 64-bit words
+    bits = np.packbits(b.reshape(-1))
+    swapped = np.concatenate([bits[8:16], bits[:8], bits[16:]])
+    c = np.unpackbits(swapped).astype(bool).reshape(b.shape)
+    assert not np.array_equal(b, c)
+    m1, m2 = (tj.BlockMask(np.arange(0, 17), np.arange(0, 17), x) for x in (b, c))
+    assert hash(m1) == hash(m2) and m1 != m2
+    assert {m1: 1, m2: 2}[tj.BlockMask(np.arange(0, 17), np.arange(0, 17), c)] == 2
