@@ -19,7 +19,12 @@ call, as a new mask), executables compiled first:
 * ``front``: ``tj.sparse_attention`` with the tiered route stubbed to return q (validation,
   keys, rule, bookkeeping; the background plan not submitted);
 * ``request_no_plan``: the whole tiered request with no background plan submitted;
-* ``request``: the default request (tiered, background plan included).
+* ``request``: the default request (tiered: a new mask starts no background plan, its host
+  plan waits for the mask's second call, ``Options.host_plan_from_call``);
+* ``request_plan_at_once``: the same with the host plan started at the first call
+  (``host_plan_from_call=1``, the default before session 35);
+* ``request_from_arrays``: the default request building its ``BlockMask`` from the NumPy
+  arrays, as peers' host rows time it.
 
 Beside them, cProfile's top functions by own time of the route and of the request
 (``profile_route``, ``profile_request``: ms per call own and cumulative, calls, name).
@@ -165,6 +170,12 @@ def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, hea
         tiered._device_route, tiered._executor = real_route, real_exec
     clear()
     t("request", lambda: jax.block_until_ready(tj.sparse_attention(q, k, v, mask)))
+    at_once = tj.Options(host_plan_from_call=1)
+    t("request_plan_at_once", lambda: jax.block_until_ready(
+        tj.sparse_attention(q, k, v, mask, options=at_once)))
+    blocks = np.asarray(mask.blocks)
+    t("request_from_arrays", lambda: jax.block_until_ready(
+        tj.sparse_attention(q, k, v, tj.BlockMask(qb, kb, blocks))))
     res["profile_request"] = _profile(
         lambda: jax.block_until_ready(tj.sparse_attention(q, k, v, mask)), clear)
     res["device_route_calls"] = tiered.stats().get("device_route", 0)

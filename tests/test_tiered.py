@@ -21,8 +21,9 @@ from strategies import random_qkv
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 L, H, D, N = 192, 2, 16, 6             # one block-count shape: the device route compiles once
-FIRST = tj.Options(host_planning="device_first")
-TIERED = tj.Options(host_planning="tiered")
+# The host plan from a mask's first call (the default waits for its second: tested below)
+FIRST = tj.Options(host_planning="device_first", host_plan_from_call=1)
+TIERED = tj.Options(host_planning="tiered", host_plan_from_call=1)
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +55,56 @@ def test_host_planning_is_validated_and_hashable():
     for bad in ("async", "", None, 1):
         with pytest.raises(ValueError, match="host_planning"):
             tj.Options(host_planning=bad)
-    assert hash(TIERED) != hash(tj.Options()) and TIERED == tj.Options(host_planning="tiered")
+    assert hash(TIERED) != hash(tj.Options()) and TIERED == tj.Options(
+        host_planning="tiered", host_plan_from_call=1)
+    for bad in (0, -1, 1.0, True, "2", None):
+        with pytest.raises(ValueError, match="host_plan_from_call"):
+            tj.Options(host_plan_from_call=bad)
+
+
+@pytest.mark.parametrize("from_call", [2, 3])
+def test_the_host_plan_starts_at_the_masks_nth_call(from_call):
+    """A new mask's host plan starts at its ``host_plan_from_call``-th call: earlier calls run
+    the device route and start nothing (a mask that never comes again costs no plan); the
+    next call after the plan is in runs it. Other shapes of the same mask are another
+    request; ``clear_caches`` forgets the count."""
+    opts = tj.Options(host_planning="device_first", host_plan_from_call=from_call)
+    m, (q, k, v) = _mask(5), _qkv()
+    ref = tj.reference_attention(q, k, v, m)
+    call = lambda: tj.sparse_attention(q, k, v, m, options=opts)        # noqa: E731
+    for _ in range(from_call - 1):
+        out, route = _routes(call)
+        assert route == "device" and tiered.pending() == 0
+        np.testing.assert_allclose(out, ref, **TOL)
+    assert api._PLANS.get((m, q.shape, k.shape, np.dtype(q.dtype), None, None, None,
+                           opts.planner)) is None
+    started = tiered.stats().get("started", 0)
+    out, route = _routes(call)
+    assert route == "device" and tiered.stats().get("started", 0) == started + 1
+    assert tiered.wait(60)
+    out, route = _routes(call)
+    assert route == "host"
+    np.testing.assert_allclose(out, ref, **TOL)
+    # a new count after clear_caches; another mask is counted apart
+    tj.clear_caches()
+    m2 = _mask(6)
+    for mm in (m, m2):
+        _, route = _routes(lambda: tj.sparse_attention(q, k, v, mm, options=opts))
+        assert route == "device" and tiered.pending() == 0
+
+
+def test_a_copy_of_the_mask_counts_as_the_mask():
+    """Calls count per request, so an equal mask built again (a new object, the same bounds
+    and blocks) is the same mask's second call."""
+    opts = tj.Options(host_planning="device_first")
+    m, (q, k, v) = _mask(7), _qkv()
+    tj.sparse_attention(q, k, v, m, options=opts)
+    assert tiered.pending() == 0
+    again = tj.BlockMask(np.asarray(m.q_bounds), np.asarray(m.kv_bounds), np.array(m.blocks))
+    tj.sparse_attention(q, k, v, again, options=opts)
+    assert tiered.stats().get("started", 0) >= 1
+    assert tiered.wait(60) and _routes(
+        lambda: tj.sparse_attention(q, k, v, m, options=opts))[1] == "host"
 
 
 @settings(max_examples=8)
@@ -174,7 +224,7 @@ def test_the_host_plan_waits_for_the_device_routes_output(monkeypatch):
 
 def test_a_tiered_request_reads_the_packed_bits_only(monkeypatch):
     """The tiered request (front, rule, copy, device route) never unpacks the static mask's
-    blocks: only its background host plan does."""
+    blocks nor makes its SHA-256 digest: only its background host plan does."""
     submitted = []
 
     class Held:
@@ -185,7 +235,7 @@ def test_a_tiered_request_reads_the_packed_bits_only(monkeypatch):
     m, (q, k, v) = _mask(25), _qkv()
     m = tj.BlockMask(m.q_bounds, m.kv_bounds, m.blocks)       # a new mask, blocks packed
     out = tj.sparse_attention(q, k, v, m, options=FIRST)
-    assert m._blocks is None and len(submitted) == 1
+    assert m._blocks is None and m._digest is None and len(submitted) == 1
     fn, a = submitted[0]
     fn(*a)                                                    # the plan reads them
     assert m._blocks is not None
@@ -316,7 +366,8 @@ def test_clear_caches_drops_pending_plans(monkeypatch):
 def test_check_finite_with_tiering():
     m, (q, k, v) = _mask(7), _qkv()
     k = k.at[0, 5, 0, 0].set(jnp.nan)
-    opts = tj.Options(host_planning="device_first", check_finite=True)
+    opts = tj.Options(host_planning="device_first", check_finite=True,
+                      host_plan_from_call=1)
     out, route = _routes(lambda: tj.sparse_attention(q, k, v, m, options=opts))
     assert route == "device"
     ref = tj.reference_attention(q, k, v, m)
@@ -477,7 +528,8 @@ def test_precompiled_bounds_run_the_static_bounds_route(monkeypatch):
                                                                           np.ndarray))
         return route(q, k, v, mask, *a, **kw)
 
-    opts = tj.Options(host_planning="device_first", bitmap_budget_bytes=1 << 27)
+    opts = tj.Options(host_planning="device_first", bitmap_budget_bytes=1 << 27,
+                      host_plan_from_call=1)
     (q, k, v), scale = _qkv(), D ** -0.5
     m = _mask(30)
     tj.precompile(m, q.shape, k.shape, q.dtype, backend="xla", options=opts)

@@ -66,6 +66,12 @@ class Options:
         "tiered" on a GPU, "sync" elsewhere (on the CPU box the rule never tiers at video
         sizes). "device_first": every such call tiers (benchmarks, tests). Calls under a jax
         trace, and calls naming a template or policy, plan on the host as with "sync".
+    host_plan_from_call: with "tiered" or "device_first", the call of a mask (counted per
+        request: mask, shapes, options) from which a call on the device route starts the
+        host plan in the background; earlier calls run the device route alone. 2 (default):
+        a mask's host plan is made when the mask comes again, so a new mask per call never
+        pays for a plan it won't use (on the H100 a plan starting beside the request cost
+        it 0.3-1.0 ms). 1: from the first call.
     device_gather: when the device route (a device mask, or per-head bounds) runs the
         backend's gathering template (``select.device.GATHER_TEMPLATES``, planned by
         ``planning.device_gather``) instead of its device list: "auto" (default): where the
@@ -97,6 +103,7 @@ class Options:
     planner: PlannerConfig = PlannerConfig()
     check_finite: bool = False
     host_planning: str = "auto"
+    host_plan_from_call: int = 2
     device_gather: str = "auto"
     store_in_place: bool = True
 
@@ -135,6 +142,9 @@ class Options:
         if not isinstance(self.host_planning, str) or self.host_planning not in HOST_PLANNING:
             raise ValueError(f"host_planning must be one of {HOST_PLANNING}, got "
                              f"{self.host_planning!r}")
+        n = self.host_plan_from_call
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"host_plan_from_call must be an int >= 1, got {n!r}")
         if not isinstance(self.device_gather, str) or self.device_gather not in DEVICE_GATHER:
             raise ValueError(f"device_gather must be one of {DEVICE_GATHER}, got "
                              f"{self.device_gather!r}")

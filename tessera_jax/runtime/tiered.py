@@ -13,6 +13,11 @@ the kernels' tolerance (other tiles, same math).
 The background plan starts once the device route's output is ready (it waits for it with
 the GIL released), so its Python never competes with the request's launch and return.
 
+A mask's host plan starts at its ``Options.host_plan_from_call``-th call (default 2: when
+the mask comes again). A new mask per call (dynamic sparsity, a stream of requests) then
+never pays a host plan it would not use: the plan's thread took 0.3-1.0 ms of a request on
+the H100 even after the route's output (benchmarks/NOTES.md#request-path).
+
 Rules: one background plan per request key (concurrent calls on one new mask share it, and a
 synchronous plan of that key waits for it: ``wait_for``); a finished plan goes into the front
 cache from the worker; a failed one is kept and re-raised, once, by the next call of its key
@@ -61,6 +66,8 @@ _PENDING: dict = {}                  # request key -> _Entry (running, or failed
 _GEN = 0                             # bumped by clear(): older jobs publish nothing
 _COMPILED: set = set()               # device-route executables this process has run
 _COUNTS: collections.Counter = collections.Counter()
+_SEEN: collections.OrderedDict = collections.OrderedDict()  # hash(request key) -> calls so far
+_SEEN_MAX = 4096
 _POOL = None                         # (pid, executor), made on first use and after a fork
 
 
@@ -77,7 +84,7 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
 def _untiered(options: Options) -> Options:
     """``options`` with the default ``host_planning``: the device route's executable does not
     depend on it, so tiered calls share it with device-mask calls."""
-    return dataclasses.replace(options, host_planning="sync")
+    return dataclasses.replace(options, host_planning="sync", host_plan_from_call=2)
 
 
 def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, scale: float,
@@ -103,32 +110,53 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
                 _COUNTS["reraised"] += 1
                 raise exc
             return None
+        start = False
         if e is None:
             if options.host_planning != "device_first" and not _rule(
                     mask, shape, backend, options, compiled_key in _COMPILED, q, bkey):
                 _COUNTS["declined"] += 1
                 return None
-            e = _PENDING[key] = _Entry(_GEN)
-            e.future = concurrent.futures.Future()
-            start = True
-            _COUNTS["started"] += 1
-        else:
-            start = False
+            if _sighted(key, options.host_plan_from_call):
+                e = _PENDING[key] = _Entry(_GEN)
+                e.future = concurrent.futures.Future()
+                start = True
+                _COUNTS["started"] += 1
+            else:
+                _COUNTS["deferred"] += 1
         _COUNTS["device_route"] += 1
     # The host plan starts once the device route's output is ready: a plan running beside
     # the request would hold the GIL for its Python and NumPy parts while this thread
     # launches the kernels and returns from its wait (H100: 0.2-1.1 ms a request).
     out = None
     try:
-        leaves = e.leaves
+        leaves = None if e is None else e.leaves
         if leaves is None or isinstance(leaves[0], np.ndarray) != static:
-            leaves = e.leaves = mask.packed_leaves(static_bounds=static)
+            leaves = mask.packed_leaves(static_bounds=static)
+            if e is not None:
+                e.leaves = leaves
         out = _device_route(q, k, v, mask, leaves, shape, backend, scale, return_lse, options,
                             compiled_key)
         return out
     finally:
         if start:
             _executor().submit(_job, key, build, cache, e, out)
+
+
+def _sighted(key, from_call: int) -> bool:
+    """Whether this call on the request ``key`` (no host plan made or pending) is its
+    ``from_call``-th or later, so its host plan starts now; counts it otherwise (called
+    under ``_LOCK``). Counts are kept per ``hash(key)`` for the last ``_SEEN_MAX`` keys, not
+    the keys (they hold the masks): a collision starts a plan early, never late."""
+    if from_call <= 1:
+        return True
+    h = hash(key)
+    n = _SEEN.pop(h, 0) + 1
+    if n >= from_call:
+        return True
+    _SEEN[h] = n
+    if len(_SEEN) > _SEEN_MAX:
+        _SEEN.popitem(last=False)
+    return False
 
 
 def _device_route(q, k, v, mask: BlockMask, leaves, shape, backend, scale, return_lse, options,
@@ -301,6 +329,7 @@ def clear() -> None:
         _GEN += 1
         entries = list(_PENDING.values())
         _PENDING.clear()
+        _SEEN.clear()
     # A cancelled plan never runs (its job returns at once), whether or not it was submitted
     # yet; only running ones are waited for.
     concurrent.futures.wait([e.future for e in entries if not e.future.cancel()])
@@ -314,6 +343,8 @@ def pending() -> int:
 
 def stats() -> dict:
     """Counts since the process started: calls that ran the device route, background plans
-    started / published / failed / re-raised, calls the rule sent to the host plan."""
+    started / published / failed / re-raised, device-route calls that started no plan
+    (deferred: an earlier call than ``host_plan_from_call``), calls the rule sent to the host
+    plan (declined)."""
     with _LOCK:
         return dict(_COUNTS)
