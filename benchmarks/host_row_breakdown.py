@@ -15,7 +15,8 @@ call, as a new mask), executables compiled first:
   program's dispatch, unpack, plan and kernel, no Python front, no background plan);
 * ``route_unpacked``: the route's entry (``device_route.attention``) on unpacked device
   blocks; ``route_python``: the route with its compiled program stubbed (Python alone);
-* ``copy_route``: the two in a row;
+* ``copy_route``: the two in a row; ``route_host_packed`` (static bounds): the route given
+  the packed bits as NumPy, copied by its jitted call's dispatch instead of ``device_put``;
 * ``front``: ``tj.sparse_attention`` with the tiered route stubbed to return q (validation,
   keys, rule, bookkeeping; the background plan not submitted);
 * ``request_no_plan``: the whole tiered request with no background plan submitted;
@@ -154,6 +155,8 @@ def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, hea
         device_route._run = real_run
     res["profile_route"] = _profile(lambda: route(leaves), clear)
     t("copy_route", lambda: route(mask.packed_leaves(static_bounds=static)))
+    if static:     # the packed bits handed to the route's jit as NumPy (its C++ path copies)
+        t("route_host_packed", lambda: route((leaves[0], leaves[1], mask._packed)))
     real_route, real_exec = tiered._device_route, tiered._executor
 
     class _NoPlan:
