@@ -10,7 +10,8 @@ call, as a new mask), executables compiled first:
   q_bounds, kv_bounds, b)))`` on blocks already on the device (static bounds);
 * ``mask``: the ``BlockMask`` built from its NumPy arrays (validation, packed bits, digest),
   which peers' host rows count in the request;
-* ``copy``: ``mask.packed_leaves(static_bounds=...)`` to the device, as a tiered request makes it;
+* ``copy``: ``mask.packed_leaves(static_bounds=...)`` to the device (a tiered request with
+  static bounds hands the bits to its jit instead since session 35: ``route_host_packed``);
 * ``route``: the tiered device route on premade leaves (``tiered._device_route``: the packed
   program's dispatch, unpack, plan and kernel, no Python front, no background plan);
 * ``route_unpacked``: the route's entry (``device_route.attention``) on unpacked device

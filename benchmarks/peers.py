@@ -864,7 +864,8 @@ def run_tessera(case: Case, args) -> dict:
     res["put_ms"] = _request(lambda: jax.block_until_ready(jax.device_put(arrays)), args).ms
     res["cached_call_ms"] = _request(lambda: jax.block_until_ready(call()), args).ms
     # A tiered request's host parts: the mask's packed copy to the device (static or traced
-    # bounds, as the row's requests run) and the rule's inputs (tier_costs.size_of)
+    # bounds, as the row's requests run; with static bounds the request hands the bits to its
+    # jit, which copies them in its dispatch) and the rule's inputs (tier_costs.size_of)
     from tessera_jax.runtime import tier_costs
     static = bounds_mode == "same"
     res["tiered_copy_ms"] = _request(lambda: jax.block_until_ready(

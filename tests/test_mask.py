@@ -65,9 +65,14 @@ def test_packed_leaves_unpack_inside_a_program_to_the_blocks(m):
         np.testing.assert_array_equal(np.asarray(got), m.blocks)
         if static:
             assert qb is m.q_bounds and kb is m.kv_bounds
+            _, _, bits = m.packed_leaves(static_bounds=True, host_bits=True)
+            assert isinstance(bits, np.ndarray) and not bits.flags.writeable
+            np.testing.assert_array_equal(bits, np.asarray(packed))
         else:
             assert isinstance(qb, jax.Array) and qb.dtype == np.int32
             np.testing.assert_array_equal(np.asarray(kb), m.kv_bounds)
+    with pytest.raises(ValueError, match="host_bits"):
+        m.packed_leaves(host_bits=True)
 
 
 def test_from_token_mask_rejects_mixed_block_unless_inexact():

@@ -131,7 +131,8 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
     try:
         leaves = None if e is None else e.leaves
         if leaves is None or isinstance(leaves[0], np.ndarray) != static:
-            leaves = mask.packed_leaves(static_bounds=static)
+            # static bounds: the bits go to the route's jit as NumPy (copied in its dispatch)
+            leaves = mask.packed_leaves(static_bounds=static, host_bits=static)
             if e is not None:
                 e.leaves = leaves
         out = _device_route(q, k, v, mask, leaves, shape, backend, scale, return_lse, options,
@@ -216,8 +217,9 @@ def precompile(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, scal
     key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
     _device_route(q, k, v, mask, mask.packed_leaves(), shape, backend, scale, return_lse,
                   options, key)
-    return _device_route(q, k, v, mask, mask.packed_leaves(static_bounds=True), shape, backend,
-                         scale, return_lse, options, key + (bkey,))
+    # the leaves as a request makes them (NumPy bits: jit's cache tells them from device ones)
+    return _device_route(q, k, v, mask, mask.packed_leaves(static_bounds=True, host_bits=True),
+                         shape, backend, scale, return_lse, options, key + (bkey,))
 
 
 def compiled(q, k, mask: BlockMask, backend: str, scale: float, return_lse: bool,
