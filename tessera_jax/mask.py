@@ -25,32 +25,50 @@ import numpy as np
 __all__ = ["BlockMask"]
 
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
 def _as_bounds(name: str, bounds, length: int | None = None) -> np.ndarray:
     """Validates block boundaries: 1-D ints, starting at 0, strictly increasing."""
     if isinstance(bounds, (bool, np.bool_)) or bounds is None:
         raise TypeError(f"{name} must be a 1-D sequence of ints, got {type(bounds).__name__}")
     arr = np.asarray(bounds)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype.kind not in "iu":                   # (bool's kind is "b")
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     if arr.size < 2:
         raise ValueError(f"{name} needs at least 2 entries (0 and the length), got {arr.size}")
-    if arr[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {int(arr[0])}")
-    steps = np.diff(arr)
-    if np.any(steps <= 0):
-        bad = int(np.argmax(steps <= 0))
-        raise ValueError(
-            f"{name} must be strictly increasing; {name}[{bad}]={int(arr[bad])} is followed by "
-            f"{int(arr[bad + 1])}")
-    if length is not None and arr[-1] != length:
-        raise ValueError(f"{name} must end at the sequence length {length}, got {int(arr[-1])}")
-    if arr[-1] > np.iinfo(np.int32).max:
-        raise ValueError(f"{name} exceeds the int32 range")
+    _check_rows(name, arr[None], length)
     out = arr.astype(np.int64)
     out.setflags(write=False)
     return out
+
+
+def _check_rows(name: str, arr: np.ndarray, length: int | None = None) -> None:
+    """Values of bounds rows ``arr`` [R, n + 1] (ints, n >= 1): each starts at 0 and strictly
+    increases, the last entry within int32 (and equal to ``length`` if given); the message
+    names the first bad row (``name[r]`` when R > 1) and entry."""
+    def row_name(r):
+        return name if arr.shape[0] == 1 else f"{name}[{r}]"
+    bad = np.flatnonzero(arr[:, 0] != 0)
+    if bad.size:
+        r = int(bad[0])
+        raise ValueError(f"{row_name(r)} must start at 0, got {int(arr[r, 0])}")
+    down = arr[:, 1:] <= arr[:, :-1]
+    if down.any():
+        r, i = (int(x) for x in np.argwhere(down)[0])
+        raise ValueError(
+            f"{row_name(r)} must be strictly increasing; {row_name(r)}[{i}]={int(arr[r, i])} is "
+            f"followed by {int(arr[r, i + 1])}")
+    last = arr[:, -1]
+    if length is not None and (last != length).any():
+        r = int(np.flatnonzero(last != length)[0])
+        raise ValueError(f"{row_name(r)} must end at the sequence length {length}, got "
+                         f"{int(last[r])}")
+    if (last > _INT32_MAX).any():
+        r = int(np.flatnonzero(last > _INT32_MAX)[0])
+        raise ValueError(f"{row_name(r)} exceeds the int32 range")
 
 
 def _uniform_bounds(name: str, length: int, block: int) -> np.ndarray:
@@ -76,12 +94,17 @@ def _host_bounds(name: str, bounds) -> np.ndarray:
     if isinstance(arr, np.ndarray) and arr.ndim == 2:
         if arr.shape[0] < 1:
             raise ValueError(f"{name} per head must have at least one row, got shape {arr.shape}")
-        rows = [_as_bounds(f"{name}[{h}]", r) for h, r in enumerate(arr)]
-        ends = {int(r[-1]) for r in rows}
-        if len(ends) > 1:
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"{name}[0] must hold integers, got dtype {arr.dtype}")
+        if arr.shape[1] < 2:
+            raise ValueError(f"{name}[0] needs at least 2 entries (0 and the length), got "
+                             f"{arr.shape[1]}")
+        _check_rows(name, arr) if arr.shape[0] > 1 else _check_rows(f"{name}[0]", arr)
+        ends = np.unique(arr[:, -1])
+        if ends.size > 1:
             raise ValueError(f"{name}: every head's bounds must end at the same length, got "
-                             f"{sorted(ends)}")
-        out = np.stack(rows)
+                             f"{[int(e) for e in ends]}")
+        out = arr.astype(np.int64)
         out.setflags(write=False)
         return out
     if isinstance(arr, np.ndarray) and arr.ndim > 2:

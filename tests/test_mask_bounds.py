@@ -79,3 +79,22 @@ def test_traced_bounds_checkify_and_stay_finite(name):
     with pytest.raises(checkify.JaxRuntimeError, match="q_bounds"):
         err.throw()
     assert np.isfinite(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("name", ["not_increasing", "equal_neighbours", "wrong_start"])
+@pytest.mark.parametrize("row", [0, 2])
+def test_numpy_per_head_bounds_name_the_bad_row(name, row):
+    """Per-head NumPy bounds are checked row by row at once: the error names the first bad
+    head's row and says what is wrong; rows ending at other lengths are named too."""
+    bad, words = MISTAKES[name]
+    qb = np.stack([GOOD, GOOD, GOOD])
+    qb[row] = bad
+    with pytest.raises(ValueError, match=rf"q_bounds\[{row}\]") as err:
+        tj.BlockMask(qb, GOOD, np.ones((3, 4, 4), bool))
+    assert words in str(err.value)
+    qb = np.stack([GOOD, GOOD, GOOD])
+    qb[row, -1] = 240
+    with pytest.raises(ValueError, match="same length"):
+        tj.BlockMask(qb, GOOD, np.ones((3, 4, 4), bool))
+    with pytest.raises(TypeError, match="q_bounds"):
+        tj.BlockMask(np.stack([GOOD, GOOD]).astype(float), GOOD, np.ones((2, 4, 4), bool))
