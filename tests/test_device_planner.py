@@ -162,7 +162,7 @@ def test_device_plans_are_exact_valid_and_tiles_once(case):
                                itemsize=2)
     order = schedule.order_units(cost, units[:, 1], units[:, 0], units[:, 0], "head_major")
     np.testing.assert_array_equal(order, np.arange(len(units)))
-    # Work: block-aligned tiles compute at most SLACK^2 x the fixed grid's dense plan.
+    # Work: block-aligned tiles compute at most SLACK^2 (25/16) x the fixed grid's dense plan.
     fixed = -(-Lq // tq) * tq * (-(-Lkv // tk) * tk)
     computed = np.bincount(units[:, 0], weights=units[:, 5], minlength=Hq) * tq * tk
     assert (computed <= device._SEGMENT_SLACK ** 2 * fixed).all()
@@ -453,3 +453,69 @@ def test_words_chunks_fill_a_large_room_in_a_few_passes():
     assert -(-big // pat) <= device.WORDS_PASSES and direct == device.WORDS_CHUNK
     assert device.words_chunks(1000) == (device.WORDS_CHUNK, device.WORDS_CHUNK)
     assert device.words_chunks(big, 3) == (3, 3)
+
+
+def _tiling(b, tile):
+    """(block-aligned?, aligned tiles / fixed tiles, expected visits aligned / fixed) of one
+    static bounds row under ``device._axis``."""
+    L = int(b[-1])
+    nt = -(-L // tile)
+    aligned = device._axis(np.asarray([b], np.int32), L, tile, True)[-1]
+    segs = device._segments(np.asarray(b), tile)
+    start = np.arange(nt) * tile
+    f0, f1 = device._blocks_of(np.asarray([b]), start[None], np.minimum(start + tile, L)[None])
+    nb = np.array([[np.searchsorted(b, hi, "left") - np.searchsorted(b, lo, "right") + 1
+                    for _, lo, hi in segs]])
+    return (aligned, len(segs) / nt,
+            device._expected_visits(nb) / device._expected_visits(f1 - f0 + 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([8, 24, 32, 48, 64, 72, 96, 128, 144, 192]), min_size=4,
+                max_size=120), st.sampled_from([64, 128]))
+def test_block_aligned_tiles_follow_the_rule(sizes, tile):
+    """Static bounds take block-aligned tiles exactly when they number at most 9/8 x the fixed
+    grid's, or at most 5/4 x with expected visits (blocks selected independently at density
+    1/2) at most 0.9 x the fixed grid's; never more than 5/4 x (a dense plan's bound)."""
+    b = np.r_[0, np.cumsum(sizes)]
+    aligned, ratio, visits = _tiling(b, tile)
+    want = ratio <= device._SEGMENT_FREE or (ratio <= device._SEGMENT_SLACK
+                                            and visits <= device._ALIGN_MARGIN)
+    assert aligned == want
+
+
+def test_small_irregular_blocks_take_aligned_tiles_past_the_free_slack():
+    """natten's blocks of 24-128 tokens: aligned tiles are 1.15x the grid's but visited 0.8x
+    as often, so they are used (the fixed grid computed 1.71x the selected interactions of
+    natten's Wan 480p mask at 128 x 128 against 1.25x); moba's blocks of 72-384 tokens (1.14x
+    the tiles, 0.97x the visits) keep the fixed grid."""
+    rng = np.random.default_rng(0)
+    natten = np.r_[0, np.cumsum(rng.choice([24, 32, 48, 64, 96, 128], 300,
+                                           p=[.1, .1, .1, .2, .3, .2]))]
+    aligned, ratio, visits = _tiling(natten, 128)
+    assert device._SEGMENT_FREE < ratio <= device._SEGMENT_SLACK and visits < 0.9 and aligned
+    moba = np.r_[0, np.cumsum(np.tile([72, 96, 144, 192, 288, 384], 20))]
+    aligned, ratio, visits = _tiling(moba, 128)
+    assert ratio > device._SEGMENT_FREE and visits > 0.9 and not aligned
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_aligned_tiles_past_the_free_slack_are_exact(seed):
+    """A device mask on natten-like static bounds (the aligned tiles taken by expectation)
+    runs exactly the reference, both axes aligned, on the XLA backend."""
+    rng = np.random.default_rng(seed)
+    for _ in range(200):                  # bounds that take the expectation's branch
+        b = np.r_[0, np.cumsum(rng.choice([24, 32, 48, 64, 96, 128], 24,
+                                          p=[.1, .1, .1, .2, .3, .2]))]
+        aligned, ratio, _ = _tiling(b, 128)
+        if aligned and ratio > device._SEGMENT_FREE:
+            break
+    assert aligned and ratio > device._SEGMENT_FREE
+    n = len(b) - 1
+    blocks = rng.random((2, n, n)) < 0.3
+    q, k, v = _inputs(rng, int(b[-1]), int(b[-1]), 2, 2)
+    m = tj.BlockMask(b, b, jnp.asarray(blocks))
+    out = tj.sparse_attention(q, k, v, m, backend="xla")
+    ref = tj.reference_attention(q, k, v, tj.BlockMask(b, b, blocks))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)

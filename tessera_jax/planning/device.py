@@ -12,10 +12,14 @@ head's own); units heaviest first by the cost model, as the host planner orders 
 Tiles: with static (NumPy) bounds, block-aligned ones (``_segments``): each starts at a block
 (rounded down to 8 tokens) and owns up to ``abi.GRID`` consecutive blocks that fit the tile, a
 long block cut into tile-long pieces, so a step rarely straddles a block edge (Wan 720p STA:
-10% fewer steps and no masked ones against the fixed grid); they are used when they number at
-most ``_SEGMENT_SLACK`` (9 / 8) x the fixed grid's, so a plan computes at most (9 / 8)^2 x a
-dense plan of fixed tiles (a fully selected mask; sparse ones compute less than the fixed
-grid). Otherwise, and with traced bounds, the fixed grid of tile-sized tiles. A step is plain
+10% fewer steps and no masked ones against the fixed grid); they are used when they number
+at most ``_SEGMENT_FREE`` (9 / 8) x the fixed grid's, or up to ``_SEGMENT_SLACK`` (5 / 4) x
+where they are expected to be visited at most 0.9x as often with blocks selected
+independently at ``ALIGN_DENSITY`` (a tile meeting n blocks visited with probability
+1 - (1 - d)^n: natten's blocks of 24-128 tokens, 1.15x the tiles and 0.80x the visits,
+1.71 -> 1.25x the selected interactions at q128 x kv128), so a plan computes at most
+(5 / 4)^2 x a dense plan of fixed tiles (a fully selected mask). Otherwise, and with
+traced bounds, the fixed grid of tile-sized tiles. A step is plain
 where every block it meets is selected, else a *grid* step whose cuts are the block bounds
 inside its own range and whose cells are the blocks' flags; every (unit, tile) is visited once.
 Grid steps hold at most 4 x 4 blocks, so every tile must meet at most ``abi.GRID`` query blocks
@@ -149,25 +153,59 @@ def _segments_traced(bounds, tile: int, slots: int, align: int = 8):
     return jax.vmap(row)(b)
 
 
-# Block-aligned tiles may number this many times the fixed grid's (see ``_axis``).
-_SEGMENT_SLACK = 1.125
+# Block-aligned tiles are used when they number at most ``_SEGMENT_FREE`` x the fixed grid's,
+# or up to ``_SEGMENT_SLACK`` x where their expected visits at ``ALIGN_DENSITY`` are at most
+# ``_ALIGN_MARGIN`` x the fixed grid's (see ``_axis``; the margin stands for selections that
+# are not independent per block: moba's and ssta's bounds, 1.14x the tiles and 0.97x the
+# expected visits, computed 1.35 -> 1.28 on moba's mask but 1.20 -> 1.29 on ssta's denser
+# one at q128 x kv128).
+_SEGMENT_FREE = 1.125
+_SEGMENT_SLACK = 1.25
+_ALIGN_MARGIN = 0.9
+#: The block density at which ``_axis`` compares the two tilings' expected visits.
+ALIGN_DENSITY = 0.5
+
+
+def _expected_visits(nb: np.ndarray, density: float = ALIGN_DENSITY) -> float:
+    """Tiles of one axis expected to be visited per block of the other axis when each block
+    is selected independently with ``density``: a tile meeting n blocks (``nb`` [Hb, nt], 0
+    for a padding tile) is visited with probability 1 - (1 - density)^n."""
+    return float((1.0 - (1.0 - density) ** nb)[nb > 0].sum())
 
 
 def _axis(bounds, length: int, tile: int, align_blocks: bool):
     """One axis's tiles: (origin, own lo, own hi) [Hb or 1, nt] relative own ranges, the
     (first, last) blocks they meet [Hb, nt], the padded length, and whether the tiles follow
-    the blocks. Static bounds are tiled along their blocks when that computes no more than the
-    fixed grid (no more tiles, origins strictly increasing); else the fixed grid of ``tile``.
+    the blocks. Static bounds are tiled along their blocks (origins strictly increasing) when
+    that makes at most ``_SEGMENT_FREE`` x the fixed grid's tiles, or up to
+    ``_SEGMENT_SLACK`` x as many expected to be visited less often by ``_ALIGN_MARGIN``
+    (``_expected_visits``); else the fixed grid of ``tile``.
     The padded length is the host planner's (the length rounded up to 8, at least a tile):
     tiles that would reach past it start earlier, owning the same rows (``_inside``), so the
     kernels' inputs need no padding copy unless the length is not a multiple of 8."""
     nt = -(-length // tile)
     padded = _round8(max(length, tile))
+    start = np.arange(nt, dtype=np.int32) * tile
+    end = np.minimum(start + tile, length).astype(np.int32)
     if align_blocks and isinstance(bounds, np.ndarray):
         rows = [_segments(b, tile) for b in bounds]
         S = max(len(r) for r in rows)
         increasing = all(all(a[0] < c[0] for a, c in zip(r, r[1:])) for r in rows)
-        if S <= _SEGMENT_SLACK * nt and increasing:
+        if S <= _SEGMENT_FREE * nt:
+            aligned = True
+        elif S <= _SEGMENT_SLACK * nt:       # more tiles but fewer blocks each: by expectation
+            f_first, f_last = _blocks_of(bounds, start[None], end[None])
+            nb_al = np.zeros((len(rows), S), np.int64)
+            for h, (row, r) in enumerate(zip(bounds, rows)):
+                lo = np.array([x[1] for x in r])
+                hi = np.array([x[2] for x in r])
+                nb_al[h, :len(r)] = (np.searchsorted(row, hi, side="left")
+                                     - np.searchsorted(row, lo, side="right") + 1)
+            aligned = (_expected_visits(nb_al)
+                       <= _ALIGN_MARGIN * _expected_visits(f_last - f_first + 1))
+        else:
+            aligned = False
+        if aligned and increasing:
             seg = np.zeros((len(rows), S, 3), np.int32)
             used = np.zeros((len(rows), S), bool)
             for h, r in enumerate(rows):
@@ -178,8 +216,6 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
             lo, hi = np.where(used, seg[..., 1], org), np.where(used, seg[..., 2], org)
             first, last = _blocks_of(bounds, lo, hi)
             return (*_inside(org, lo - org, hi - org, padded, tile), first, last, padded, True)
-    start = np.arange(nt, dtype=np.int32) * tile
-    end = np.minimum(start + tile, length).astype(np.int32)
     if align_blocks and not isinstance(bounds, np.ndarray):
         # Traced bounds: each row's block-aligned tiles where they fit the static slots
         # (``traced_slots``), else its fixed grid in the same slots (the rest owning nothing).
