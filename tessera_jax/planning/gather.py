@@ -129,6 +129,14 @@ def _window_classes(blk, kb, row_block, tile_q: int, G: int, m: int, nchunks: in
     return starts, key_sel, row_sel[step_cls], int((rows * keys).sum())
 
 
+def _numpy_window(blk, kb, row_block, G: int, m: int, nchunks: int):
+    """``_window_classes`` in the signature of ``loops._nb_gather_window`` (steps first):
+    as ``plan_gather``'s ``window``, the unit-by-unit NumPy plan (the reference of the
+    all-units one, ``_plan_all_units``)."""
+    got = _window_classes(blk, kb, row_block, row_block.shape[0], G, m, nchunks)
+    return (0, None, None, None, 0) if got is None else (len(got[0]),) + got
+
+
 def segments(qb, tile_q: int, q_len: int, align: int = abi.GATHER_ROWS,
              max_blocks: int | None = None):
     """[(a, b)]: the owned row ranges of a head's units, in order, covering [0, q_len). Whole
@@ -203,28 +211,41 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
     row_blocks = np.where((r >= w0[:, None]) & (r < w1[:, None]),
                           np.searchsorted(qb, r, side="right") - 1 - i0s[:, None], -1)
     group = row_group if row_group and row_group < tile_q else 0
+    nchunks = kv_len_padded // abi.GATHER_ROWS
     if units is not None and (len(segs) == 0 or int((i1s - i0s).max()) <= 62):
         u, words, meta = units(np.ascontiguousarray(blocks, bool), kb, s0s, i0s, i1s,
-                               row_blocks, G, m, kv_len_padded // abi.GATHER_ROWS, group)
+                               row_blocks, G, m, nchunks, group)
         seg, cnt = u[:, 1], u[:, 2]
         full = meta[:, 5].astype(bool)
         nfull = np.bincount(np.repeat(np.arange(len(cnt)), cnt), weights=full,
                             minlength=len(cnt)).astype(np.int64)
         return _assemble_words(words, meta, u[:, 0], s0s[seg], w0[seg] - s0s[seg],
                                w1[seg] - s0s[seg], cnt, nfull, u[:, 3], tile_q, tile_kv)
+    if window is None:
+        return _plan_all_units(kb, np.asarray(blocks, bool), tile_q, tile_kv, G, m, nchunks,
+                               s0s, i0s, i1s, w0, w1, row_blocks, group)
+    return _plan_unit_by_unit(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w0,
+                              w1, row_blocks, group, window)
+
+
+def _plan_unit_by_unit(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w0, w1,
+                       row_blocks, group, window=None) -> GatherRaw:
+    """``plan_gather`` one unit at a time: ``window`` (the compiled ``_window_classes``) for
+    units of at most 62 query blocks, ``_window_classes`` for the others (all of them when
+    ``window`` is None: the reference of ``_plan_all_units``)."""
+    Hd = blocks.shape[0]
     head, qs, lo, hi, cnt, nfull, area = [], [], [], [], [], [], []
     parts = []
     for h in range(Hd):
-        for k in range(len(segs)):
+        for k in range(len(s0s)):
             s0, i0, i1 = int(s0s[k]), int(i0s[k]), int(i1s[k])
             blk = blocks[h, i0:i1]
             row_block = row_blocks[k]
             if window is not None and blk.shape[0] <= 62:
-                n, *got = window(blk, kb, row_block, G, m, kv_len_padded // abi.GATHER_ROWS)
+                n, *got = window(blk, kb, row_block, G, m, nchunks)
                 got = got if n else None
             else:
-                got = _window_classes(blk, kb, row_block, tile_q, G, m,
-                                      kv_len_padded // abi.GATHER_ROWS)
+                got = _window_classes(blk, kb, row_block, tile_q, G, m, nchunks)
             if got is None:
                 continue
             starts, key_sel, row_sel, sel = got
@@ -244,6 +265,231 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
     return _assemble(*cat, np.array(head, np.int64), np.array(qs, np.int64),
                      np.array(lo, np.int64), np.array(hi, np.int64), np.array(cnt, np.int64),
                      np.array(nfull, np.int64), np.array(area, np.int64), tile_q, tile_kv)
+
+
+_SIG_BITS = 62                          # query blocks of one signature word
+_CTZ8 = np.array([(x & -x).bit_length() - 1 if x else 0 for x in range(256)], np.int64)
+_BITLEN8 = np.array([x.bit_length() if x else 8 for x in range(256)], np.int64)
+
+
+def _ranges(start, n):
+    """int64 [n.sum()]: start[i] + (0 .. n[i] - 1) for each i, in order."""
+    n = np.asarray(n, np.int64)
+    tot = int(n.sum())
+    off = np.cumsum(n) - n
+    return np.arange(tot, dtype=np.int64) + np.repeat(np.asarray(start, np.int64) - off, n)
+
+
+def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w0, w1,
+                    row_blocks, group) -> GatherRaw:
+    """``plan_gather`` with every unit at once in NumPy (``_window_classes`` a unit, byte for
+    byte). Signatures are words of up to 62 query blocks (the first block the high bit, as
+    the packed rows sort), so classes sort as ``np.unique`` orders them; a class's key blocks
+    come in key order, contiguous ones merged into intervals whose chunks are generated at
+    once (a chunk that two intervals of a class share OR-ed into one); runs, their order (a
+    class's whole runs first) and their step slots are computed over every class together,
+    and the steps' words are written packed (no bool selections)."""
+    A = abi.GATHER_ROWS
+    Hd, nq, nk = blocks.shape
+    nseg, tq = len(s0s), tile_q
+    empty = np.zeros(0, np.int64)
+    h, i, j = np.nonzero(blocks)
+    if nseg == 0 or h.size == 0:
+        return _assemble_words(None, None, empty, empty, empty, empty, empty, empty, empty,
+                               tile_q, tile_kv)
+    nb = i1s - i0s
+    # 1. Selections (head, query block, key block), one per segment holding the block, with
+    # the bit of the block in the segment's signature word.
+    kf = np.searchsorted(i1s, np.arange(nq), side="right")
+    kl = np.searchsorted(i0s, np.arange(nq), side="right") - 1
+    nrep = np.maximum(kl - kf + 1, 0)[i]
+    if (nrep == 1).all():
+        k = kf[i]
+    else:
+        e = np.repeat(np.arange(len(i)), nrep)
+        k = _ranges(kf[i], nrep)
+        h, i, j = h[e], i[e], j[e]
+    r = i - i0s[k]                                       # the block in its segment
+    W = int(-(-int(nb.max()) // _SIG_BITS))
+    if W == 1:
+        bit = np.left_shift(np.int64(1), nb[k] - 1 - r)
+        key = (h * nseg + k) * nk + j
+    else:
+        w = r // _SIG_BITS
+        bit = np.left_shift(np.int64(1), np.minimum(nb[k], _SIG_BITS * (w + 1)) - 1 - r)
+        key = ((h * nseg + k) * nk + j) * W + w
+    o = np.argsort(key, kind="stable")
+    key, bit, r, k = key[o], bit[o], r[o], k[o]
+    at = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
+    word = np.add.reduceat(bit, at)                      # distinct bits: their OR
+    # 2. Pairs (unit, selected key block) in that order, their signatures [P, W].
+    if W == 1:
+        pat = at
+        pkey = key[at]
+        sig = word[:, None]
+    else:
+        wkey = key[at]
+        pk = wkey // W
+        pnew = np.concatenate(([True], pk[1:] != pk[:-1]))
+        pat = at[pnew]
+        pkey = pk[pnew]
+        sig = np.zeros((len(pkey), W), np.int64)
+        sig[np.cumsum(pnew) - 1, wkey % W] = word
+    P = len(pkey)
+    pn = np.diff(np.append(pat, len(key)))               # entries (set bits) of each pair
+    pu, pj = pkey // nk, pkey % nk
+    # 3. Classes: pairs sorted by (unit, signature), stable (key blocks in order).
+    maxb = int(nb.max())
+    if W == 1 and int(pu[-1]).bit_length() + maxb <= 62:
+        co = np.argsort((pu << maxb) | sig[:, 0], kind="stable")
+    else:
+        co = np.lexsort(tuple(sig[:, c] for c in range(W - 1, -1, -1)) + (pu,))
+    su, ss = pu[co], sig[co]
+    cnew = np.concatenate(([True], (su[1:] != su[:-1]) | (ss[1:] != ss[:-1]).any(axis=1)))
+    cat = np.flatnonzero(cnew)
+    C = len(cat)
+    pcls = np.cumsum(cnew) - 1                           # class of each pair in co order
+    cu = su[cat]                                         # unit of each class
+    rep = co[cat]                                        # a member pair of each class
+    # Rows of each class: the OR of its blocks' rows in the tile (from a member's bits).
+    eq = row_blocks[:, None, :] == np.arange(maxb)[:, None]          # [nseg, maxb, tq]
+    rmask = abi.pack_bits(eq)                                         # [nseg, maxb, wq]
+    rcount = eq.sum(axis=2)
+    anyr = rcount > 0
+    rlo = np.where(anyr, eq.argmax(axis=2), tq)
+    rhi = np.where(anyr, tq - eq[:, :, ::-1].argmax(axis=2), 0)
+    x = _ranges(pat[rep], pn[rep])
+    xs = np.cumsum(pn[rep]) - pn[rep]
+    xk, xr = k[x], r[x]
+    cwords = np.bitwise_or.reduceat(rmask[xk, xr], xs, axis=0)      # [C, wq]
+    crows = np.add.reduceat(rcount[xk, xr], xs).astype(np.int64)
+    clo = np.minimum.reduceat(rlo[xk, xr], xs)
+    chi = np.maximum.reduceat(rhi[xk, xr], xs)
+    none = crows == 0
+    clo, chi = np.where(none, 0, clo), np.where(none, tq, chi)
+    # 4. Key intervals of each class (contiguous key blocks merged) and their chunks.
+    cj = pj[co]
+    ka, kz = kb[cj], kb[cj + 1]
+    ckeys = np.add.reduceat(kz - ka, cat)
+    cont = (pcls[1:] == pcls[:-1]) & (cj[1:] == cj[:-1] + 1)
+    ist = np.flatnonzero(np.concatenate(([True], ~cont)))
+    ien = np.append(ist[1:], len(cj)) - 1
+    icls, a, b = pcls[ist], ka[ist], kz[ien]
+    c0, c1 = a // A, -(-b // A)
+    head_bits = (255 << (a - c0 * A)) & 255
+    tail_bits = (1 << (b - (c1 - 1) * A)) - 1
+    # A chunk shared with the class's previous interval is that interval's (OR-ed there).
+    dup = np.concatenate(([False], (icls[1:] == icls[:-1]) & (c0[1:] == c1[:-1] - 1)))
+    c0g = c0 + dup
+    ng = c1 - c0g
+    off = np.cumsum(ng) - ng
+    NE = int(ng.sum())
+    ech = np.arange(NE, dtype=np.int64) + np.repeat(c0g - off, ng)
+    ebits = np.full(NE, 255, np.uint8)
+    g = ng > 0
+    ebits[off[g & ~dup]] = head_bits[g & ~dup]
+    last = off[g] + ng[g] - 1
+    ebits[last] &= tail_bits[g].astype(np.uint8)
+    if dup.any():
+        d = np.flatnonzero(dup)
+        prev = np.maximum.accumulate(np.where(g, np.arange(len(g)), -1))[d - 1]
+        np.bitwise_or.at(ebits, off[prev] + ng[prev] - 1,
+                         (head_bits[d] & np.where(ng[d] == 0, tail_bits[d], 255))
+                         .astype(np.uint8))
+    ecls = np.repeat(icls, ng)
+    # 5. Copy runs: a class's consecutive chunks cut every m chunks from where they start
+    # (moved back inside the padded keys); each chunk lies in one run.
+    if m == 1:
+        r_cls, r_sch = ecls, np.minimum(ech, nchunks - 1)
+        run_bits = ebits[:, None]
+        whole = ebits == 255
+    else:
+        brk = np.concatenate(([True], (ecls[1:] != ecls[:-1]) | (ech[1:] != ech[:-1] + 1)))
+        rs = np.maximum.accumulate(np.where(brk, np.arange(NE), 0))
+        first = brk | ((ech - ech[rs]) % m == 0)
+        rid = np.cumsum(first) - 1
+        r_cls, r_sch = ecls[first], np.minimum(ech[first], nchunks - m)
+        run_bits = np.zeros((len(r_sch), m), np.uint8)
+        run_bits[rid, ech - r_sch[rid]] = ebits
+        whole = (run_bits == 255).all(axis=1)
+    NR = len(r_cls)
+    # 6. Run slots: per class, whole runs first then the others (each in order), R a step.
+    R = G // m
+    per = np.bincount(r_cls, minlength=C)
+    roff = np.cumsum(per) - per
+    steps_per = -(-per // R)
+    soff = (np.cumsum(steps_per) - steps_per) * R
+    S = int(steps_per.sum())
+    cw = np.cumsum(whole)
+    cw0 = np.concatenate(([0], cw))[roff]                # whole runs before the class
+    nwh = np.concatenate(([0], cw))[roff + per] - cw0
+    base_w = soff - cw0 - 1
+    base_n = soff + nwh - roff + cw0
+    slot = np.where(whole, base_w[r_cls] + cw, base_n[r_cls] + np.arange(NR) - cw)
+    rstart = np.empty(S * R, np.int64)
+    rstart[slot] = r_sch
+    nun = steps_per * R - per                            # unused runs of a class's last step
+    if nun.any():
+        rstart[_ranges(soff + per, nun)] = np.repeat(rstart[soff], nun)   # its first run
+    kbytes = np.zeros((S * R, m), np.uint8)
+    kbytes[slot] = run_bits
+    kbytes = kbytes.reshape(S, G)
+    if m == 1:
+        starts = rstart.reshape(S, G) * A
+    else:
+        starts = ((rstart[:, None] + np.arange(m)) * A).reshape(S, G)
+    # 7. Words and meta of every step (``_nb_gather_units``' layout).
+    step_cls = np.repeat(np.arange(C), steps_per)
+    wk, wq = abi.bitmap_words(tile_kv), abi.bitmap_words(tq)
+    words = np.empty((S, G + wk + wq), np.int32)
+    words[:, :G] = starts
+    if G == 4 * wk:
+        words[:, G:G + wk] = kbytes.view("<i4")
+    else:
+        pad = np.zeros((S, 4 * wk), np.uint8)
+        pad[:, :G] = kbytes
+        words[:, G:G + wk] = pad.view("<i4")
+    words[:, G + wk:] = cwords[step_cls]
+    nz = kbytes != 0
+    fb = nz.argmax(axis=1)
+    lb = G - 1 - nz[:, ::-1].argmax(axis=1)
+    ar = np.arange(S)
+    meta = np.empty((S, 6), np.int64)
+    meta[:, 0] = starts[:, 0]
+    meta[:, 1] = clo[step_cls]
+    meta[:, 2] = chi[step_cls]
+    meta[:, 3] = fb * A + _CTZ8[kbytes[ar, fb]]
+    meta[:, 4] = lb * A + _BITLEN8[kbytes[ar, lb]]
+    meta[:, 5] = (kbytes == 255).all(axis=1) & (crows == tq)[step_cls]
+    # 8. Units (those with a selected key), in (head, segment) order.
+    unew = np.concatenate(([True], cu[1:] != cu[:-1]))
+    uat = np.flatnonzero(unew)
+    uid = cu[uat]
+    cnt = np.add.reduceat(steps_per, uat).astype(np.int64)
+    step_unit = np.repeat(np.arange(len(uid)), cnt)
+    if group:
+        # ``interleave_groups`` of every unit's steps: a unit's steps are contiguous.
+        rsel = np.unpackbits(np.ascontiguousarray(cwords).view(np.uint8), axis=1,
+                             bitorder="little")[:, :tq].astype(bool)
+        meets = rsel.reshape(C, tq // group, group).any(axis=2)
+        one_c = meets.sum(axis=1) == 1
+        which_c = np.where(one_c, meets.argmax(axis=1), -1)
+        one, which = one_c[step_cls], which_c[step_cls]
+        gk = step_unit * (tq // group + 1) + which + 1
+        go = np.argsort(gk, kind="stable")
+        gs = gk[go]
+        gfirst = np.maximum.accumulate(
+            np.where(np.concatenate(([True], gs[1:] != gs[:-1])), np.arange(S), 0))
+        rank = np.empty(S, np.int64)
+        rank[go] = np.arange(S) - gfirst
+        o = np.lexsort((ar, which, np.where(one, rank, S), ~one, step_unit))
+        words, meta = words[o], meta[o]
+    nfull = np.add.reduceat(meta[:, 5], np.cumsum(cnt) - cnt).astype(np.int64)
+    area = np.add.reduceat(crows * ckeys, uat).astype(np.int64)
+    useg = uid % nseg
+    return _assemble_words(words, meta, (uid // nseg).astype(np.int64), s0s[useg],
+                           w0[useg] - s0s[useg], w1[useg] - s0s[useg], cnt, nfull, area,
+                           tile_q, tile_kv)
 
 
 def _assemble(starts, key_sel, row_sel, full, head, qs, lo, hi, cnt, nfull, area, tile_q,
