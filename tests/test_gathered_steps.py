@@ -136,7 +136,7 @@ def _unit_masks(draw):
     if draw(st.integers(0, 2)) == 0:
         qs = [draw(st.sampled_from([16, 24, 32, 40]))] * draw(st.integers(4, 40))
         ks = [draw(st.sampled_from([8, 33, 64, 100]))] * draw(st.integers(8, 80))
-        density, cl = draw(st.sampled_from([0.3, 0.5])), 0
+        density, cl = rng.choice([0.3, 0.5, 1.0], Hd)[:, None, None], 0
     else:
         qs, ks = sizes(24), sizes(40)
         density = rng.choice([0.03, 0.2, 0.5, 1.0], Hd)[:, None, None]
@@ -196,6 +196,24 @@ def test_gather_numpy_all_units_on_wide_windows():
         assert want.cnt.sum() > 0
         for a, b in zip(want, got):
             np.testing.assert_array_equal(a, b)
+
+
+def test_gather_numpy_all_units_marks_full_steps():
+    """Dense tiles whose keys end inside a chunk: a step of 15 whole chunks and a partial one
+    is not full (``GATHER_FULL_FLAG``), whole steps are; as the unit-by-unit plan says."""
+    flags = set()
+    for Lkv in (120, 123, 128, 131, 250, 256):
+        qb, kb = np.arange(0, 257, 16), np.r_[0, 7, np.arange(40, Lkv, 40), Lkv]
+        blocks = np.ones((1, 16, len(kb) - 1), bool)
+        for run in (8, 32):
+            args = (qb, kb, blocks, 128, 128, 256, 256, -(-Lkv // 128) * 128, run)
+            want = gather_policy.plan_gather(*args, window=gather_policy._numpy_window)
+            got = gather_policy.plan_gather(*args)
+            for x, y in zip(want, got):
+                np.testing.assert_array_equal(x, y)
+            S = int(want.cnt.sum())
+            flags |= set(want.steps[:S, abi.STEP_CUTS_B].tolist())
+    assert flags == {abi.GATHER_FLAG, abi.GATHER_FULL_FLAG}
 
 
 def test_gather_numpy_all_units_interleaves_row_groups():

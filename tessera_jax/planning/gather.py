@@ -367,7 +367,7 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
     chi = np.maximum.reduceat(rhi[xk, xr], xs)
     none = crows == 0
     clo, chi = np.where(none, 0, clo), np.where(none, tq, chi)
-    # 4. Key intervals of each class (contiguous key blocks merged) and their chunks.
+    # 4. Key intervals of each class (contiguous key blocks merged): [a, b), chunks [c0, c1).
     cj = pj[co]
     ka, kz = kb[cj], kb[cj + 1]
     ckeys = np.add.reduceat(kz - ka, cat)
@@ -376,6 +376,145 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
     ien = np.append(ist[1:], len(cj)) - 1
     icls, a, b = pcls[ist], ka[ist], kz[ien]
     c0, c1 = a // A, -(-b // A)
+    # 5. Every step's chunk starts (in chunks, [S * G]) and key bits (bytes [S, G]).
+    if m == 1 and int(c1.max()) <= nchunks:
+        S, steps_per, rstart, kbytes, nreal, nwhole = _single_chunk_slots(icls, a, b, c0, c1,
+                                                                           C, G)
+    else:
+        S, steps_per, rstart, kbytes = _run_slots(icls, a, b, c0, c1, C, G, m, nchunks)
+        nreal = nwhole = None
+    # 6. Words (into the plan's steps, unless reordered) and meta (``_nb_gather_units``'
+    # layout: first chunk start, selected rows [lo, hi), keys [lo, hi), all selected).
+    step_cls = np.repeat(np.arange(C), steps_per)
+    wk, wq = abi.bitmap_words(tile_kv), abi.bitmap_words(tq)
+    nw = G + wk + wq
+    steps = _steps_array(S, tile_q, tile_kv)
+    words = (np.empty((S, nw), np.int32) if group else
+             steps[S: S + S * abi.gather_word_rows(tq, tile_kv)]
+             .reshape(S, -1)[:, :nw])
+    np.multiply(rstart.reshape(S, G), A, out=words[:, :G], casting="unsafe")
+    if G == 4 * wk:
+        words[:, G:G + wk] = kbytes.view("<i4")
+    else:
+        pad = np.zeros((S, 4 * wk), np.uint8)
+        pad[:, :G] = kbytes
+        words[:, G:G + wk] = pad.view("<i4")
+    words[:, G + wk:] = cwords[step_cls]
+    meta = np.empty((S, 6), np.int64)
+    meta[:, 0] = rstart[::G] * A
+    meta[:, 1] = clo[step_cls]
+    meta[:, 2] = chi[step_cls]
+    ar = np.arange(S)
+    if nreal is None:
+        nz = kbytes != 0
+        fb = nz.argmax(axis=1)
+        lb = G - 1 - nz[:, ::-1].argmax(axis=1)
+        kfull = (kbytes == 255).all(axis=1)
+    else:           # a step's chunks: its runs' (each with a key), then none; whole first
+        fb, lb, kfull = np.zeros(S, np.int64), nreal - 1, nwhole == G
+    meta[:, 3] = fb * A + _CTZ8[kbytes[ar, fb]]
+    meta[:, 4] = lb * A + _BITLEN8[kbytes[ar, lb]]
+    meta[:, 5] = kfull & (crows == tq)[step_cls]
+    # 7. Units (those with a selected key), in (head, segment) order.
+    unew = np.concatenate(([True], cu[1:] != cu[:-1]))
+    uat = np.flatnonzero(unew)
+    uid = cu[uat]
+    cnt = np.add.reduceat(steps_per, uat).astype(np.int64)
+    if group:
+        # ``interleave_groups`` of every unit's steps (a unit's steps are contiguous).
+        step_unit = np.repeat(np.arange(len(uid)), cnt)
+        rsel = np.unpackbits(np.ascontiguousarray(cwords).view(np.uint8), axis=1,
+                             bitorder="little")[:, :tq].astype(bool)
+        meets = rsel.reshape(C, tq // group, group).any(axis=2)
+        one_c = meets.sum(axis=1) == 1
+        which_c = np.where(one_c, meets.argmax(axis=1), -1)
+        one, which = one_c[step_cls], which_c[step_cls]
+        gk = step_unit * (tq // group + 1) + which + 1
+        go = np.argsort(gk, kind="stable")
+        gs = gk[go]
+        gfirst = np.maximum.accumulate(
+            np.where(np.concatenate(([True], gs[1:] != gs[:-1])), ar, 0))
+        rank = np.empty(S, np.int64)
+        rank[go] = ar - gfirst
+        o = np.lexsort((ar, which, np.where(one, rank, S), ~one, step_unit))
+        meta = meta[o]
+        steps[S: S + S * abi.gather_word_rows(tq, tile_kv)].reshape(S, -1)[:, :nw] = words[o]
+    nfull = np.add.reduceat(meta[:, 5], np.cumsum(cnt) - cnt).astype(np.int64)
+    area = np.add.reduceat(crows * ckeys, uat).astype(np.int64)
+    useg = uid % nseg
+    return _assemble_words(None, meta, (uid // nseg).astype(np.int64), s0s[useg],
+                           w0[useg] - s0s[useg], w1[useg] - s0s[useg], cnt, nfull, area,
+                           tile_q, tile_kv, steps=steps)
+
+
+def _ranges32(start, n, tot: int):
+    """``_ranges`` as int32 (``tot``: n.sum(), every value below 2**31)."""
+    x = np.arange(tot, dtype=np.int32)
+    x += np.repeat((start - (np.cumsum(n) - n)).astype(np.int32), n)
+    return x
+
+
+def _single_chunk_slots(icls, a, b, c0, c1, C: int, G: int):
+    """Step slots of one-chunk runs (``m`` = 1, every chunk below ``nchunks``), from the
+    classes' key intervals without a pass per chunk: a class's runs are its intervals' full
+    chunks (whole, in order), then their partial chunks (at an unaligned end; a chunk two
+    intervals share OR-ed, never whole: the keys between them are not the class's), in
+    order, then its last step's unused runs (its first run again, no keys). (steps, steps of
+    each class, chunk of each slot [S * G], key bits [S, G] uint8, runs and whole runs of
+    each step.)"""
+    A = abi.GATHER_ROWS
+    am = a % A
+    fa = c0 + (am != 0)
+    nf = np.maximum(b // A - fa, 0)                     # full chunks [fa, fa + nf)
+    one = c1 - 1 == c0
+    head_bits = (255 << am) & 255
+    tail_bits = (1 << (b - (c1 - 1) * A)) - 1
+    hp = am != 0
+    tp = (b % A != 0) & ~(hp & one)
+    pv = np.stack([hp, tp], 1).ravel()
+    pcl = np.repeat(icls, 2)[pv]
+    pc = np.stack([c0, c1 - 1], 1).ravel()[pv]
+    pb = np.stack([np.where(one, head_bits & tail_bits, head_bits), tail_bits], 1).ravel()[pv]
+    if len(pc):
+        at = np.flatnonzero(np.concatenate(([True], (pcl[1:] != pcl[:-1])
+                                            | (pc[1:] != pc[:-1]))))
+        pb, pcl, pc = np.bitwise_or.reduceat(pb, at), pcl[at], pc[at]
+    fi = np.flatnonzero(nf > 0)
+    fcl = icls[fi]
+    nwh = np.bincount(fcl, weights=nf[fi], minlength=C).astype(np.int64)
+    per = nwh + np.bincount(pcl, minlength=C)
+    steps_per = -(-per // G)
+    S = int(steps_per.sum())
+    nun = steps_per * G - per
+    first = np.zeros(C, np.int64)                         # each class's first run
+    if len(pc):
+        k = np.flatnonzero(np.concatenate(([True], pcl[1:] != pcl[:-1])))
+        first[pcl[k]] = pc[k]
+    if len(fcl):
+        k = np.flatnonzero(np.concatenate(([True], fcl[1:] != fcl[:-1])))
+        first[fcl[k]] = fa[fi][k]
+    uc = np.flatnonzero(nun)
+    o = np.argsort(np.concatenate((3 * fcl, 3 * pcl + 1, 3 * uc + 2)), kind="stable")
+    pstart = np.concatenate((fa[fi], pc, first[uc]))[o]
+    plen = np.concatenate((nf[fi], np.ones(len(pc), np.int64), nun[uc]))[o]
+    pbyte = np.concatenate((np.full(len(fi), 255, np.uint8), pb.astype(np.uint8),
+                            np.zeros(len(uc), np.uint8)))[o]
+    rstart = _ranges32(pstart, plen, S * G)
+    soff = (np.cumsum(steps_per) - steps_per) * G
+    rstart[_ranges(soff[uc] + per[uc], nun[uc])] = np.repeat(first[uc], nun[uc])
+    kbytes = np.repeat(pbyte, plen).reshape(S, G)
+    # Per step: its runs (all G but in a class's last step) and whole runs (first).
+    i = np.arange(S) - np.repeat(soff // G, steps_per)  # step within its class
+    sc = np.repeat(np.arange(C), steps_per)
+    nreal = np.minimum(per[sc] - i * G, G)
+    nwhole = np.clip(nwh[sc] - i * G, 0, G)
+    return S, steps_per, rstart, kbytes, nreal, nwhole
+
+
+def _run_slots(icls, a, b, c0, c1, C: int, G: int, m: int, nchunks: int):
+    """Step slots of runs of ``m`` chunks, from each chunk of the classes' key intervals:
+    (steps, steps of each class, chunk of each slot [S * G], key bits [S, G] uint8)."""
+    A = abi.GATHER_ROWS
     head_bits = (255 << (a - c0 * A)) & 255
     tail_bits = (1 << (b - (c1 - 1) * A)) - 1
     # A chunk shared with the class's previous interval is that interval's (OR-ed there).
@@ -384,7 +523,7 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
     ng = c1 - c0g
     off = np.cumsum(ng) - ng
     NE = int(ng.sum())
-    ech = np.arange(NE, dtype=np.int64) + np.repeat(c0g - off, ng)
+    ech = _ranges(c0g, ng)
     ebits = np.full(NE, 255, np.uint8)
     g = ng > 0
     ebits[off[g & ~dup]] = head_bits[g & ~dup]
@@ -397,7 +536,7 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
                          (head_bits[d] & np.where(ng[d] == 0, tail_bits[d], 255))
                          .astype(np.uint8))
     ecls = np.repeat(icls, ng)
-    # 5. Copy runs: a class's consecutive chunks cut every m chunks from where they start
+    # Copy runs: a class's consecutive chunks cut every m chunks from where they start
     # (moved back inside the padded keys); each chunk lies in one run.
     if m == 1:
         r_cls, r_sch = ecls, np.minimum(ech, nchunks - 1)
@@ -413,7 +552,7 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
         run_bits[rid, ech - r_sch[rid]] = ebits
         whole = (run_bits == 255).all(axis=1)
     NR = len(r_cls)
-    # 6. Run slots: per class, whole runs first then the others (each in order), R a step.
+    # Run slots: per class, whole runs first then the others (each in order), R a step.
     R = G // m
     per = np.bincount(r_cls, minlength=C)
     roff = np.cumsum(per) - per
@@ -423,9 +562,8 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
     cw = np.cumsum(whole)
     cw0 = np.concatenate(([0], cw))[roff]                # whole runs before the class
     nwh = np.concatenate(([0], cw))[roff + per] - cw0
-    base_w = soff - cw0 - 1
-    base_n = soff + nwh - roff + cw0
-    slot = np.where(whole, base_w[r_cls] + cw, base_n[r_cls] + np.arange(NR) - cw)
+    slot = np.where(whole, (soff - cw0 - 1)[r_cls] + cw,
+                    (soff + nwh - roff + cw0)[r_cls] + np.arange(NR) - cw)
     rstart = np.empty(S * R, np.int64)
     rstart[slot] = r_sch
     nun = steps_per * R - per                            # unused runs of a class's last step
@@ -433,63 +571,9 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
         rstart[_ranges(soff + per, nun)] = np.repeat(rstart[soff], nun)   # its first run
     kbytes = np.zeros((S * R, m), np.uint8)
     kbytes[slot] = run_bits
-    kbytes = kbytes.reshape(S, G)
-    if m == 1:
-        starts = rstart.reshape(S, G) * A
-    else:
-        starts = ((rstart[:, None] + np.arange(m)) * A).reshape(S, G)
-    # 7. Words and meta of every step (``_nb_gather_units``' layout).
-    step_cls = np.repeat(np.arange(C), steps_per)
-    wk, wq = abi.bitmap_words(tile_kv), abi.bitmap_words(tq)
-    words = np.empty((S, G + wk + wq), np.int32)
-    words[:, :G] = starts
-    if G == 4 * wk:
-        words[:, G:G + wk] = kbytes.view("<i4")
-    else:
-        pad = np.zeros((S, 4 * wk), np.uint8)
-        pad[:, :G] = kbytes
-        words[:, G:G + wk] = pad.view("<i4")
-    words[:, G + wk:] = cwords[step_cls]
-    nz = kbytes != 0
-    fb = nz.argmax(axis=1)
-    lb = G - 1 - nz[:, ::-1].argmax(axis=1)
-    ar = np.arange(S)
-    meta = np.empty((S, 6), np.int64)
-    meta[:, 0] = starts[:, 0]
-    meta[:, 1] = clo[step_cls]
-    meta[:, 2] = chi[step_cls]
-    meta[:, 3] = fb * A + _CTZ8[kbytes[ar, fb]]
-    meta[:, 4] = lb * A + _BITLEN8[kbytes[ar, lb]]
-    meta[:, 5] = (kbytes == 255).all(axis=1) & (crows == tq)[step_cls]
-    # 8. Units (those with a selected key), in (head, segment) order.
-    unew = np.concatenate(([True], cu[1:] != cu[:-1]))
-    uat = np.flatnonzero(unew)
-    uid = cu[uat]
-    cnt = np.add.reduceat(steps_per, uat).astype(np.int64)
-    step_unit = np.repeat(np.arange(len(uid)), cnt)
-    if group:
-        # ``interleave_groups`` of every unit's steps: a unit's steps are contiguous.
-        rsel = np.unpackbits(np.ascontiguousarray(cwords).view(np.uint8), axis=1,
-                             bitorder="little")[:, :tq].astype(bool)
-        meets = rsel.reshape(C, tq // group, group).any(axis=2)
-        one_c = meets.sum(axis=1) == 1
-        which_c = np.where(one_c, meets.argmax(axis=1), -1)
-        one, which = one_c[step_cls], which_c[step_cls]
-        gk = step_unit * (tq // group + 1) + which + 1
-        go = np.argsort(gk, kind="stable")
-        gs = gk[go]
-        gfirst = np.maximum.accumulate(
-            np.where(np.concatenate(([True], gs[1:] != gs[:-1])), np.arange(S), 0))
-        rank = np.empty(S, np.int64)
-        rank[go] = np.arange(S) - gfirst
-        o = np.lexsort((ar, which, np.where(one, rank, S), ~one, step_unit))
-        words, meta = words[o], meta[o]
-    nfull = np.add.reduceat(meta[:, 5], np.cumsum(cnt) - cnt).astype(np.int64)
-    area = np.add.reduceat(crows * ckeys, uat).astype(np.int64)
-    useg = uid % nseg
-    return _assemble_words(words, meta, (uid // nseg).astype(np.int64), s0s[useg],
-                           w0[useg] - s0s[useg], w1[useg] - s0s[useg], cnt, nfull, area,
-                           tile_q, tile_kv)
+    if m > 1:
+        rstart = (rstart[:, None] + np.arange(m)).reshape(-1)
+    return S, steps_per, rstart, kbytes.reshape(S, G)
 
 
 def _assemble(starts, key_sel, row_sel, full, head, qs, lo, hi, cnt, nfull, area, tile_q,
@@ -505,19 +589,28 @@ def _assemble(starts, key_sel, row_sel, full, head, qs, lo, hi, cnt, nfull, area
     return _assemble_words(words, meta, head, qs, lo, hi, cnt, nfull, area, tile_q, tile_kv)
 
 
-def _assemble_words(words, meta, head, qs, lo, hi, cnt, nfull, area, tile_q,
-                    tile_kv) -> GatherRaw:
-    """The raw plan of the units' steps from their packed words (int32 [S, gather_words]) and
-    ``meta`` (int [S, 6]: first chunk start, selected rows [lo, hi), keys [lo, hi), all
-    selected; ``loops._nb_gather_units``' layout)."""
+def _steps_array(S: int, tile_q: int, tile_kv: int):
+    """The zero ``steps`` of a raw plan of S gathered steps: S step rows, then their words
+    (``abi.gather_word_rows`` rows each), in a capacity ``bucket``."""
     from tessera_jax.planning.planner import bucket
 
+    return np.zeros((bucket(S + S * abi.gather_word_rows(tile_q, tile_kv)), abi.STEP_COLS),
+                    np.int32)
+
+
+def _assemble_words(words, meta, head, qs, lo, hi, cnt, nfull, area, tile_q,
+                    tile_kv, steps=None) -> GatherRaw:
+    """The raw plan of the units' steps from their packed words (int32 [S, gather_words]) and
+    ``meta`` (int [S, 6]: first chunk start, selected rows [lo, hi), keys [lo, hi), all
+    selected; ``loops._nb_gather_units``' layout). ``steps``: the ``_steps_array`` with the
+    words already in place (``words`` unused), or None."""
     S = int(cnt.sum())
     wr = abi.gather_word_rows(tile_q, tile_kv)
-    steps = np.zeros((bucket(S + S * wr), abi.STEP_COLS), np.int32)
+    if steps is None:
+        steps = _steps_array(S, tile_q, tile_kv)
+        if S:
+            steps[S: S + S * wr].reshape(S, wr * abi.STEP_COLS)[:, : words.shape[1]] = words
     if S:
-        block = steps[S: S + S * wr].reshape(S, wr * abi.STEP_COLS)
-        block[:, : words.shape[1]] = words
         steps[:S, abi.STEP_KV_START] = meta[:, 0]
         steps[:S, abi.STEP_RECT] = abi.pack_rect(meta[:, 1], meta[:, 2], meta[:, 3],
                                                  meta[:, 4])
