@@ -385,7 +385,6 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
         nreal = nwhole = None
     # 6. Words (into the plan's steps, unless reordered) and meta (``_nb_gather_units``'
     # layout: first chunk start, selected rows [lo, hi), keys [lo, hi), all selected).
-    step_cls = np.repeat(np.arange(C), steps_per)
     wk, wq = abi.bitmap_words(tile_kv), abi.bitmap_words(tq)
     nw = G + wk + wq
     steps = _steps_array(S, tile_q, tile_kv)
@@ -399,22 +398,23 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
         pad = np.zeros((S, 4 * wk), np.uint8)
         pad[:, :G] = kbytes
         words[:, G:G + wk] = pad.view("<i4")
-    words[:, G + wk:] = cwords[step_cls]
+    words[:, G + wk:] = np.repeat(cwords, steps_per, axis=0)
     meta = np.empty((S, 6), np.int64)
     meta[:, 0] = rstart[::G] * A
-    meta[:, 1] = clo[step_cls]
-    meta[:, 2] = chi[step_cls]
+    meta[:, 1] = np.repeat(clo, steps_per)
+    meta[:, 2] = np.repeat(chi, steps_per)
     ar = np.arange(S)
     if nreal is None:
         nz = kbytes != 0
         fb = nz.argmax(axis=1)
         lb = G - 1 - nz[:, ::-1].argmax(axis=1)
         kfull = (kbytes == 255).all(axis=1)
+        meta[:, 3] = fb * A + _CTZ8[kbytes[ar, fb]]
     else:           # a step's chunks: its runs' (each with a key), then none; whole first
-        fb, lb, kfull = np.zeros(S, np.int64), nreal - 1, nwhole == G
-    meta[:, 3] = fb * A + _CTZ8[kbytes[ar, fb]]
+        lb, kfull = nreal - 1, nwhole == G
+        meta[:, 3] = _CTZ8[kbytes[:, 0]]
     meta[:, 4] = lb * A + _BITLEN8[kbytes[ar, lb]]
-    meta[:, 5] = kfull & (crows == tq)[step_cls]
+    meta[:, 5] = kfull & np.repeat(crows == tq, steps_per)
     # 7. Units (those with a selected key), in (head, segment) order.
     unew = np.concatenate(([True], cu[1:] != cu[:-1]))
     uat = np.flatnonzero(unew)
@@ -428,7 +428,7 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
         meets = rsel.reshape(C, tq // group, group).any(axis=2)
         one_c = meets.sum(axis=1) == 1
         which_c = np.where(one_c, meets.argmax(axis=1), -1)
-        one, which = one_c[step_cls], which_c[step_cls]
+        one, which = np.repeat(one_c, steps_per), np.repeat(which_c, steps_per)
         gk = step_unit * (tq // group + 1) + which + 1
         go = np.argsort(gk, kind="stable")
         gs = gk[go]
@@ -497,17 +497,23 @@ def _single_chunk_slots(icls, a, b, c0, c1, C: int, G: int):
     o = np.argsort(np.concatenate((3 * fcl, 3 * pcl + 1, 3 * uc + 2)), kind="stable")
     pstart = np.concatenate((fa[fi], pc, first[uc]))[o]
     plen = np.concatenate((nf[fi], np.ones(len(pc), np.int64), nun[uc]))[o]
+    pstep = np.concatenate((np.ones(len(fi) + len(pc), np.int64),
+                            np.zeros(len(uc), np.int64)))[o]
     pbyte = np.concatenate((np.full(len(fi), 255, np.uint8), pb.astype(np.uint8),
                             np.zeros(len(uc), np.uint8)))[o]
-    rstart = _ranges32(pstart, plen, S * G)
-    soff = (np.cumsum(steps_per) - steps_per) * G
-    rstart[_ranges(soff[uc] + per[uc], nun[uc])] = np.repeat(first[uc], nun[uc])
+    # The chunk of each slot: a piece's start, then +1 a slot (+0 in the unused runs), as
+    # a running sum of steps (one array, summed in place).
+    rstart = np.ones(S * G, np.int32)
+    at = np.cumsum(plen) - plen
+    rstart[at] = pstart - np.concatenate(([0], (pstart + (plen - 1) * pstep)[:-1]))
+    fp = np.flatnonzero(pstep == 0)
+    rstart[_ranges(at[fp] + 1, plen[fp] - 1)] = 0
+    np.cumsum(rstart, out=rstart)
     kbytes = np.repeat(pbyte, plen).reshape(S, G)
     # Per step: its runs (all G but in a class's last step) and whole runs (first).
-    i = np.arange(S) - np.repeat(soff // G, steps_per)  # step within its class
-    sc = np.repeat(np.arange(C), steps_per)
-    nreal = np.minimum(per[sc] - i * G, G)
-    nwhole = np.clip(nwh[sc] - i * G, 0, G)
+    iG = (np.arange(S) - np.repeat(np.cumsum(steps_per) - steps_per, steps_per)) * G
+    nreal = np.minimum(np.repeat(per, steps_per) - iG, G)    # iG: the step's first run
+    nwhole = np.clip(np.repeat(nwh, steps_per) - iG, 0, G)   # in its class
     return S, steps_per, rstart, kbytes, nreal, nwhole
 
 
