@@ -193,9 +193,10 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
     as one (it skips a step's groups that no row of it selects; None: the tile): a unit's
     steps are ordered by ``interleave_groups``. ``window``: a compiled ``_window_classes``
     for units of at most 62 query blocks (``loops._nb_gather_window``, the same steps byte for
-    byte), or None (NumPy). ``units``: a compiled loop over every unit at once
-    (``loops._nb_gather_units``, the same steps; used when no segment has more than 62 query
-    blocks), or None: one call a unit."""
+    byte; ``_numpy_window``: ``_window_classes`` itself), called one unit at a time, or None:
+    NumPy plans every unit at once (``_plan_all_units``, the same steps). ``units``: a
+    compiled loop over every unit at once (``loops._nb_gather_units``, the same steps; used
+    when no segment has more than 62 query blocks), or None."""
     qb, kb = np.asarray(qb, np.int64), np.asarray(kb, np.int64)
     G = abi.gather_chunks(tile_kv)
     m = abi.gather_run_chunks(tile_kv, run)
@@ -335,7 +336,6 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
         pkey = pk[pnew]
         sig = np.zeros((len(pkey), W), np.int64)
         sig[np.cumsum(pnew) - 1, wkey % W] = word
-    P = len(pkey)
     pn = np.diff(np.append(pat, len(key)))               # entries (set bits) of each pair
     pu, pj = pkey // nk, pkey % nk
     # 3. Classes: pairs sorted by (unit, signature), stable (key blocks in order).
@@ -445,13 +445,6 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
     return _assemble_words(None, meta, (uid // nseg).astype(np.int64), s0s[useg],
                            w0[useg] - s0s[useg], w1[useg] - s0s[useg], cnt, nfull, area,
                            tile_q, tile_kv, steps=steps)
-
-
-def _ranges32(start, n, tot: int):
-    """``_ranges`` as int32 (``tot``: n.sum(), every value below 2**31)."""
-    x = np.arange(tot, dtype=np.int32)
-    x += np.repeat((start - (np.cumsum(n) - n)).astype(np.int32), n)
-    return x
 
 
 def _single_chunk_slots(icls, a, b, c0, c1, C: int, G: int):
