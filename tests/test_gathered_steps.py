@@ -121,6 +121,116 @@ def test_compiled_gather_window_matches_numpy(mt, tiles, run, row_group):
                 np.testing.assert_array_equal(a, b)
 
 
+@st.composite
+def _unit_masks(draw):
+    """(q bounds, kv bounds, blocks [Hd, nq, nk]) for the all-units NumPy plan: variable and
+    1-token blocks, a run of 63-130 one-token query blocks (windows of more than 62 blocks),
+    clustered rows (classes of many key blocks), empty heads and query-block rows; or a grid
+    of equal blocks (several query blocks in each row group of a tile, classes of many keys:
+    units with several steps meeting one row group each)."""
+    def sizes(n):
+        return draw(st.lists(st.one_of(st.just(1), st.integers(2, 12), st.integers(13, 300)),
+                             min_size=1, max_size=n))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    Hd = draw(st.integers(1, 3))
+    if draw(st.integers(0, 2)) == 0:
+        qs = [draw(st.sampled_from([16, 24, 32, 40]))] * draw(st.integers(4, 40))
+        ks = [draw(st.sampled_from([8, 33, 64, 100]))] * draw(st.integers(8, 80))
+        density, cl = rng.choice([0.3, 0.5, 1.0], Hd)[:, None, None], 0
+    else:
+        qs, ks = sizes(24), sizes(40)
+        density = rng.choice([0.03, 0.2, 0.5, 1.0], Hd)[:, None, None]
+        cl = draw(st.sampled_from([0, 1, 3]))       # rows drawn from cl clusters (0: none)
+    if draw(st.booleans()):
+        at = draw(st.integers(0, len(qs)))
+        qs = qs[:at] + [1] * draw(st.integers(63, 130)) + qs[at:]
+    qb, kb = bounds_from_sizes(qs, 1500), bounds_from_sizes(ks, 3000)
+    nq, nk = len(qb) - 1, len(kb) - 1
+    if cl:
+        rows = rng.random((Hd, cl, nk)) < density
+        blocks = rows[:, rng.integers(0, cl, nq)]
+    else:
+        blocks = rng.random((Hd, nq, nk)) < density
+    if draw(st.booleans()):
+        blocks[rng.integers(Hd)] = False                             # an empty head
+    if nq > 1 and draw(st.booleans()):
+        blocks[:, rng.integers(nq)] = False                          # an empty query block
+    return qb, kb, blocks
+
+
+@given(_unit_masks(), st.sampled_from([(128, 128), (64, 128)]), st.sampled_from([8, 32]),
+       st.sampled_from([None, 64]))
+@settings(max_examples=80, deadline=None)
+def test_gather_numpy_all_units_matches_unit_by_unit(qkb, tiles, run, row_group):
+    """The NumPy plan of every unit at once (``window=None``) is the unit-by-unit one
+    (``_window_classes`` a unit), byte for byte: every array, dtype and shape."""
+    qb, kb, blocks = qkb
+    tq, tk = tiles
+    Lq, Lkv = int(qb[-1]), int(kb[-1])
+    qp, kp = -(-Lq // tq) * tq, -(-Lkv // tk) * tk
+    args = (qb, kb, blocks, tq, tk, Lq, qp, kp, run, row_group)
+    want = gather_policy.plan_gather(*args, window=gather_policy._numpy_window)
+    got = gather_policy.plan_gather(*args)
+    assert want.word_rows == got.word_rows
+    for name, a, b in zip(want._fields[:-1], want[:-1], got[:-1]):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_gather_numpy_all_units_on_wide_windows():
+    """The case above with windows of more than 62 query blocks (signatures of several
+    words), clustered rows and shared chunks, both runs and row groups, fixed: steps come."""
+    rng = np.random.default_rng(11)
+    qb = np.r_[0, 37, 37 + np.arange(1, 141), 400, 777]
+    kb = np.r_[0, np.cumsum(rng.integers(1, 20, 90))]
+    blocks = (rng.random((2, 4, 90)) < 0.3)[:, rng.integers(0, 4, len(qb) - 1)]
+    segs = np.array(gather_policy.segments(qb, 128, int(qb[-1])))
+    widest = max(int(np.searchsorted(qb, b)) - int(np.searchsorted(qb, a, "right")) + 1
+                 for a, b in segs)
+    assert widest > 62
+    for run, row_group in ((8, None), (32, 64)):
+        args = (qb, kb, blocks, 128, 128, int(qb[-1]), 896, -(-int(kb[-1]) // 128) * 128,
+                run, row_group)
+        want = gather_policy.plan_gather(*args, window=gather_policy._numpy_window)
+        got = gather_policy.plan_gather(*args)
+        assert want.cnt.sum() > 0
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_gather_numpy_all_units_marks_full_steps():
+    """Dense tiles whose keys end inside a chunk: a step of 15 whole chunks and a partial one
+    is not full (``GATHER_FULL_FLAG``), whole steps are; as the unit-by-unit plan says."""
+    flags = set()
+    for Lkv in (120, 123, 128, 131, 250, 256):
+        qb, kb = np.arange(0, 257, 16), np.r_[0, 7, np.arange(40, Lkv, 40), Lkv]
+        blocks = np.ones((1, 16, len(kb) - 1), bool)
+        for run in (8, 32):
+            args = (qb, kb, blocks, 128, 128, 256, 256, -(-Lkv // 128) * 128, run)
+            want = gather_policy.plan_gather(*args, window=gather_policy._numpy_window)
+            got = gather_policy.plan_gather(*args)
+            for x, y in zip(want, got):
+                np.testing.assert_array_equal(x, y)
+            S = int(want.cnt.sum())
+            flags |= set(want.steps[:S, abi.STEP_CUTS_B].tolist())
+    assert flags == {abi.GATHER_FLAG, abi.GATHER_FULL_FLAG}
+
+
+def test_gather_numpy_all_units_interleaves_row_groups():
+    """Units whose steps meet one row group each, several a group (``interleave_groups``
+    alternates them): the all-units plan orders them as the unit-by-unit one."""
+    rng = np.random.default_rng(3)
+    qb, kb = np.arange(0, 513, 32), np.arange(0, 2001, 40)
+    blocks = rng.random((2, 16, 50)) < 0.5
+    args = (qb, kb, blocks, 128, 128, 512, 512, 2048, 8, 64)
+    want = gather_policy.plan_gather(*args, window=gather_policy._numpy_window)
+    got = gather_policy.plan_gather(*args)
+    plain = gather_policy.plan_gather(*args[:-1], None)
+    assert not np.array_equal(want.steps, plain.steps)      # the order differs from no groups
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_gather_plans_of_windows_with_many_blocks():
     """Windows of more than 62 query blocks (1-token blocks: signatures as packed rows, not
     integers) cover the mask exactly once too."""

@@ -129,6 +129,14 @@ def _window_classes(blk, kb, row_block, tile_q: int, G: int, m: int, nchunks: in
     return starts, key_sel, row_sel[step_cls], int((rows * keys).sum())
 
 
+def _numpy_window(blk, kb, row_block, G: int, m: int, nchunks: int):
+    """``_window_classes`` in the signature of ``loops._nb_gather_window`` (steps first):
+    as ``plan_gather``'s ``window``, the unit-by-unit NumPy plan (the reference of the
+    all-units one, ``_plan_all_units``)."""
+    got = _window_classes(blk, kb, row_block, row_block.shape[0], G, m, nchunks)
+    return (0, None, None, None, 0) if got is None else (len(got[0]),) + got
+
+
 def segments(qb, tile_q: int, q_len: int, align: int = abi.GATHER_ROWS,
              max_blocks: int | None = None):
     """[(a, b)]: the owned row ranges of a head's units, in order, covering [0, q_len). Whole
@@ -185,9 +193,10 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
     as one (it skips a step's groups that no row of it selects; None: the tile): a unit's
     steps are ordered by ``interleave_groups``. ``window``: a compiled ``_window_classes``
     for units of at most 62 query blocks (``loops._nb_gather_window``, the same steps byte for
-    byte), or None (NumPy). ``units``: a compiled loop over every unit at once
-    (``loops._nb_gather_units``, the same steps; used when no segment has more than 62 query
-    blocks), or None: one call a unit."""
+    byte; ``_numpy_window``: ``_window_classes`` itself), called one unit at a time, or None:
+    NumPy plans every unit at once (``_plan_all_units``, the same steps). ``units``: a
+    compiled loop over every unit at once (``loops._nb_gather_units``, the same steps; used
+    when no segment has more than 62 query blocks), or None."""
     qb, kb = np.asarray(qb, np.int64), np.asarray(kb, np.int64)
     G = abi.gather_chunks(tile_kv)
     m = abi.gather_run_chunks(tile_kv, run)
@@ -203,28 +212,41 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
     row_blocks = np.where((r >= w0[:, None]) & (r < w1[:, None]),
                           np.searchsorted(qb, r, side="right") - 1 - i0s[:, None], -1)
     group = row_group if row_group and row_group < tile_q else 0
+    nchunks = kv_len_padded // abi.GATHER_ROWS
     if units is not None and (len(segs) == 0 or int((i1s - i0s).max()) <= 62):
         u, words, meta = units(np.ascontiguousarray(blocks, bool), kb, s0s, i0s, i1s,
-                               row_blocks, G, m, kv_len_padded // abi.GATHER_ROWS, group)
+                               row_blocks, G, m, nchunks, group)
         seg, cnt = u[:, 1], u[:, 2]
         full = meta[:, 5].astype(bool)
         nfull = np.bincount(np.repeat(np.arange(len(cnt)), cnt), weights=full,
                             minlength=len(cnt)).astype(np.int64)
         return _assemble_words(words, meta, u[:, 0], s0s[seg], w0[seg] - s0s[seg],
                                w1[seg] - s0s[seg], cnt, nfull, u[:, 3], tile_q, tile_kv)
+    if window is None:
+        return _plan_all_units(kb, np.asarray(blocks, bool), tile_q, tile_kv, G, m, nchunks,
+                               s0s, i0s, i1s, w0, w1, row_blocks, group)
+    return _plan_unit_by_unit(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w0,
+                              w1, row_blocks, group, window)
+
+
+def _plan_unit_by_unit(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w0, w1,
+                       row_blocks, group, window=None) -> GatherRaw:
+    """``plan_gather`` one unit at a time: ``window`` (the compiled ``_window_classes``) for
+    units of at most 62 query blocks, ``_window_classes`` for the others (all of them when
+    ``window`` is None: the reference of ``_plan_all_units``)."""
+    Hd = blocks.shape[0]
     head, qs, lo, hi, cnt, nfull, area = [], [], [], [], [], [], []
     parts = []
     for h in range(Hd):
-        for k in range(len(segs)):
+        for k in range(len(s0s)):
             s0, i0, i1 = int(s0s[k]), int(i0s[k]), int(i1s[k])
             blk = blocks[h, i0:i1]
             row_block = row_blocks[k]
             if window is not None and blk.shape[0] <= 62:
-                n, *got = window(blk, kb, row_block, G, m, kv_len_padded // abi.GATHER_ROWS)
+                n, *got = window(blk, kb, row_block, G, m, nchunks)
                 got = got if n else None
             else:
-                got = _window_classes(blk, kb, row_block, tile_q, G, m,
-                                      kv_len_padded // abi.GATHER_ROWS)
+                got = _window_classes(blk, kb, row_block, tile_q, G, m, nchunks)
             if got is None:
                 continue
             starts, key_sel, row_sel, sel = got
@@ -246,6 +268,313 @@ def plan_gather(qb, kb, blocks, tile_q: int, tile_kv: int, q_len: int,
                      np.array(nfull, np.int64), np.array(area, np.int64), tile_q, tile_kv)
 
 
+_SIG_BITS = 62                          # query blocks of one signature word
+_CTZ8 = np.array([(x & -x).bit_length() - 1 if x else 0 for x in range(256)], np.int64)
+_BITLEN8 = np.array([x.bit_length() if x else 8 for x in range(256)], np.int64)
+
+
+def _ranges(start, n):
+    """int64 [n.sum()]: start[i] + (0 .. n[i] - 1) for each i, in order."""
+    n = np.asarray(n, np.int64)
+    tot = int(n.sum())
+    off = np.cumsum(n) - n
+    return np.arange(tot, dtype=np.int64) + np.repeat(np.asarray(start, np.int64) - off, n)
+
+
+def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w0, w1,
+                    row_blocks, group) -> GatherRaw:
+    """``plan_gather`` with every unit at once in NumPy (``_window_classes`` a unit, byte for
+    byte). Signatures are words of up to 62 query blocks (the first block the high bit, as
+    the packed rows sort), so classes sort as ``np.unique`` orders them; a class's key blocks
+    come in key order, contiguous ones merged into intervals whose chunks are generated at
+    once (a chunk that two intervals of a class share OR-ed into one); runs, their order (a
+    class's whole runs first) and their step slots are computed over every class together,
+    and the steps' words are written packed (no bool selections)."""
+    A = abi.GATHER_ROWS
+    Hd, nq, nk = blocks.shape
+    nseg, tq = len(s0s), tile_q
+    empty = np.zeros(0, np.int64)
+    h, i, j = np.nonzero(blocks)
+    if nseg == 0 or h.size == 0:
+        return _assemble_words(None, None, empty, empty, empty, empty, empty, empty, empty,
+                               tile_q, tile_kv)
+    nb = i1s - i0s
+    # 1. Selections (head, query block, key block), one per segment holding the block, with
+    # the bit of the block in the segment's signature word.
+    kf = np.searchsorted(i1s, np.arange(nq), side="right")
+    kl = np.searchsorted(i0s, np.arange(nq), side="right") - 1
+    nrep = np.maximum(kl - kf + 1, 0)[i]
+    if (nrep == 1).all():
+        k = kf[i]
+    else:
+        e = np.repeat(np.arange(len(i)), nrep)
+        k = _ranges(kf[i], nrep)
+        h, i, j = h[e], i[e], j[e]
+    r = i - i0s[k]                                       # the block in its segment
+    W = int(-(-int(nb.max()) // _SIG_BITS))
+    if W == 1:
+        bit = np.left_shift(np.int64(1), nb[k] - 1 - r)
+        key = (h * nseg + k) * nk + j
+    else:
+        w = r // _SIG_BITS
+        bit = np.left_shift(np.int64(1), np.minimum(nb[k], _SIG_BITS * (w + 1)) - 1 - r)
+        key = ((h * nseg + k) * nk + j) * W + w
+    o = np.argsort(key, kind="stable")
+    key, bit, r, k = key[o], bit[o], r[o], k[o]
+    at = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
+    word = np.add.reduceat(bit, at)                      # distinct bits: their OR
+    # 2. Pairs (unit, selected key block) in that order, their signatures [P, W].
+    if W == 1:
+        pat = at
+        pkey = key[at]
+        sig = word[:, None]
+    else:
+        wkey = key[at]
+        pk = wkey // W
+        pnew = np.concatenate(([True], pk[1:] != pk[:-1]))
+        pat = at[pnew]
+        pkey = pk[pnew]
+        sig = np.zeros((len(pkey), W), np.int64)
+        sig[np.cumsum(pnew) - 1, wkey % W] = word
+    pn = np.diff(np.append(pat, len(key)))               # entries (set bits) of each pair
+    pu, pj = pkey // nk, pkey % nk
+    # 3. Classes: pairs sorted by (unit, signature), stable (key blocks in order).
+    maxb = int(nb.max())
+    if W == 1 and int(pu[-1]).bit_length() + maxb <= 62:
+        co = np.argsort((pu << maxb) | sig[:, 0], kind="stable")
+    else:
+        co = np.lexsort(tuple(sig[:, c] for c in range(W - 1, -1, -1)) + (pu,))
+    su, ss = pu[co], sig[co]
+    cnew = np.concatenate(([True], (su[1:] != su[:-1]) | (ss[1:] != ss[:-1]).any(axis=1)))
+    cat = np.flatnonzero(cnew)
+    C = len(cat)
+    pcls = np.cumsum(cnew) - 1                           # class of each pair in co order
+    cu = su[cat]                                         # unit of each class
+    rep = co[cat]                                        # a member pair of each class
+    # Rows of each class: the OR of its blocks' rows in the tile (from a member's bits).
+    eq = row_blocks[:, None, :] == np.arange(maxb)[:, None]          # [nseg, maxb, tq]
+    rmask = abi.pack_bits(eq)                                         # [nseg, maxb, wq]
+    rcount = eq.sum(axis=2)
+    anyr = rcount > 0
+    rlo = np.where(anyr, eq.argmax(axis=2), tq)
+    rhi = np.where(anyr, tq - eq[:, :, ::-1].argmax(axis=2), 0)
+    x = _ranges(pat[rep], pn[rep])
+    xs = np.cumsum(pn[rep]) - pn[rep]
+    xk, xr = k[x], r[x]
+    cwords = np.bitwise_or.reduceat(rmask[xk, xr], xs, axis=0)      # [C, wq]
+    crows = np.add.reduceat(rcount[xk, xr], xs).astype(np.int64)
+    clo = np.minimum.reduceat(rlo[xk, xr], xs)
+    chi = np.maximum.reduceat(rhi[xk, xr], xs)
+    none = crows == 0
+    clo, chi = np.where(none, 0, clo), np.where(none, tq, chi)
+    # 4. Key intervals of each class (contiguous key blocks merged): [a, b), chunks [c0, c1).
+    cj = pj[co]
+    ka, kz = kb[cj], kb[cj + 1]
+    ckeys = np.add.reduceat(kz - ka, cat)
+    cont = (pcls[1:] == pcls[:-1]) & (cj[1:] == cj[:-1] + 1)
+    ist = np.flatnonzero(np.concatenate(([True], ~cont)))
+    ien = np.append(ist[1:], len(cj)) - 1
+    icls, a, b = pcls[ist], ka[ist], kz[ien]
+    c0, c1 = a // A, -(-b // A)
+    # 5. Every step's chunk starts (in chunks, [S * G]) and key bits (bytes [S, G]).
+    if m == 1 and int(c1.max()) <= nchunks:
+        S, steps_per, rstart, kbytes, nreal, nwhole = _single_chunk_slots(icls, a, b, c0, c1,
+                                                                           C, G)
+    else:
+        S, steps_per, rstart, kbytes = _run_slots(icls, a, b, c0, c1, C, G, m, nchunks)
+        nreal = nwhole = None
+    # 6. Words (into the plan's steps, unless reordered) and meta (``_nb_gather_units``'
+    # layout: first chunk start, selected rows [lo, hi), keys [lo, hi), all selected).
+    wk, wq = abi.bitmap_words(tile_kv), abi.bitmap_words(tq)
+    nw = G + wk + wq
+    steps = _steps_array(S, tile_q, tile_kv)
+    words = (np.empty((S, nw), np.int32) if group else
+             steps[S: S + S * abi.gather_word_rows(tq, tile_kv)]
+             .reshape(S, -1)[:, :nw])
+    np.multiply(rstart.reshape(S, G), A, out=words[:, :G], casting="unsafe")
+    if G == 4 * wk:
+        words[:, G:G + wk] = kbytes.view("<i4")
+    else:
+        pad = np.zeros((S, 4 * wk), np.uint8)
+        pad[:, :G] = kbytes
+        words[:, G:G + wk] = pad.view("<i4")
+    words[:, G + wk:] = np.repeat(cwords, steps_per, axis=0)
+    meta = np.empty((S, 6), np.int64)
+    meta[:, 0] = rstart[::G] * A
+    meta[:, 1] = np.repeat(clo, steps_per)
+    meta[:, 2] = np.repeat(chi, steps_per)
+    ar = np.arange(S)
+    if nreal is None:
+        nz = kbytes != 0
+        fb = nz.argmax(axis=1)
+        lb = G - 1 - nz[:, ::-1].argmax(axis=1)
+        kfull = (kbytes == 255).all(axis=1)
+        meta[:, 3] = fb * A + _CTZ8[kbytes[ar, fb]]
+    else:           # a step's chunks: its runs' (each with a key), then none; whole first
+        lb, kfull = nreal - 1, nwhole == G
+        meta[:, 3] = _CTZ8[kbytes[:, 0]]
+    meta[:, 4] = lb * A + _BITLEN8[kbytes[ar, lb]]
+    meta[:, 5] = kfull & np.repeat(crows == tq, steps_per)
+    # 7. Units (those with a selected key), in (head, segment) order.
+    unew = np.concatenate(([True], cu[1:] != cu[:-1]))
+    uat = np.flatnonzero(unew)
+    uid = cu[uat]
+    cnt = np.add.reduceat(steps_per, uat).astype(np.int64)
+    if group:
+        # ``interleave_groups`` of every unit's steps (a unit's steps are contiguous).
+        step_unit = np.repeat(np.arange(len(uid)), cnt)
+        rsel = np.unpackbits(np.ascontiguousarray(cwords).view(np.uint8), axis=1,
+                             bitorder="little")[:, :tq].astype(bool)
+        meets = rsel.reshape(C, tq // group, group).any(axis=2)
+        one_c = meets.sum(axis=1) == 1
+        which_c = np.where(one_c, meets.argmax(axis=1), -1)
+        one, which = np.repeat(one_c, steps_per), np.repeat(which_c, steps_per)
+        gk = step_unit * (tq // group + 1) + which + 1
+        go = np.argsort(gk, kind="stable")
+        gs = gk[go]
+        gfirst = np.maximum.accumulate(
+            np.where(np.concatenate(([True], gs[1:] != gs[:-1])), ar, 0))
+        rank = np.empty(S, np.int64)
+        rank[go] = ar - gfirst
+        o = np.lexsort((ar, which, np.where(one, rank, S), ~one, step_unit))
+        meta = meta[o]
+        steps[S: S + S * abi.gather_word_rows(tq, tile_kv)].reshape(S, -1)[:, :nw] = words[o]
+    nfull = np.add.reduceat(meta[:, 5], np.cumsum(cnt) - cnt).astype(np.int64)
+    area = np.add.reduceat(crows * ckeys, uat).astype(np.int64)
+    useg = uid % nseg
+    return _assemble_words(None, meta, (uid // nseg).astype(np.int64), s0s[useg],
+                           w0[useg] - s0s[useg], w1[useg] - s0s[useg], cnt, nfull, area,
+                           tile_q, tile_kv, steps=steps)
+
+
+def _single_chunk_slots(icls, a, b, c0, c1, C: int, G: int):
+    """Step slots of one-chunk runs (``m`` = 1, every chunk below ``nchunks``), from the
+    classes' key intervals without a pass per chunk: a class's runs are its intervals' full
+    chunks (whole, in order), then their partial chunks (at an unaligned end; a chunk two
+    intervals share OR-ed, never whole: the keys between them are not the class's), in
+    order, then its last step's unused runs (its first run again, no keys). (steps, steps of
+    each class, chunk of each slot [S * G], key bits [S, G] uint8, runs and whole runs of
+    each step.)"""
+    A = abi.GATHER_ROWS
+    am = a % A
+    fa = c0 + (am != 0)
+    nf = np.maximum(b // A - fa, 0)                     # full chunks [fa, fa + nf)
+    one = c1 - 1 == c0
+    head_bits = (255 << am) & 255
+    tail_bits = (1 << (b - (c1 - 1) * A)) - 1
+    hp = am != 0
+    tp = (b % A != 0) & ~(hp & one)
+    pv = np.stack([hp, tp], 1).ravel()
+    pcl = np.repeat(icls, 2)[pv]
+    pc = np.stack([c0, c1 - 1], 1).ravel()[pv]
+    pb = np.stack([np.where(one, head_bits & tail_bits, head_bits), tail_bits], 1).ravel()[pv]
+    if len(pc):
+        at = np.flatnonzero(np.concatenate(([True], (pcl[1:] != pcl[:-1])
+                                            | (pc[1:] != pc[:-1]))))
+        pb, pcl, pc = np.bitwise_or.reduceat(pb, at), pcl[at], pc[at]
+    fi = np.flatnonzero(nf > 0)
+    fcl = icls[fi]
+    nwh = np.bincount(fcl, weights=nf[fi], minlength=C).astype(np.int64)
+    per = nwh + np.bincount(pcl, minlength=C)
+    steps_per = -(-per // G)
+    S = int(steps_per.sum())
+    nun = steps_per * G - per
+    first = np.zeros(C, np.int64)                         # each class's first run
+    if len(pc):
+        k = np.flatnonzero(np.concatenate(([True], pcl[1:] != pcl[:-1])))
+        first[pcl[k]] = pc[k]
+    if len(fcl):
+        k = np.flatnonzero(np.concatenate(([True], fcl[1:] != fcl[:-1])))
+        first[fcl[k]] = fa[fi][k]
+    uc = np.flatnonzero(nun)
+    o = np.argsort(np.concatenate((3 * fcl, 3 * pcl + 1, 3 * uc + 2)), kind="stable")
+    pstart = np.concatenate((fa[fi], pc, first[uc]))[o]
+    plen = np.concatenate((nf[fi], np.ones(len(pc), np.int64), nun[uc]))[o]
+    pstep = np.concatenate((np.ones(len(fi) + len(pc), np.int64),
+                            np.zeros(len(uc), np.int64)))[o]
+    pbyte = np.concatenate((np.full(len(fi), 255, np.uint8), pb.astype(np.uint8),
+                            np.zeros(len(uc), np.uint8)))[o]
+    # The chunk of each slot: a piece's start, then +1 a slot (+0 in the unused runs), as
+    # a running sum of steps (one array, summed in place).
+    rstart = np.ones(S * G, np.int32)
+    at = np.cumsum(plen) - plen
+    rstart[at] = pstart - np.concatenate(([0], (pstart + (plen - 1) * pstep)[:-1]))
+    fp = np.flatnonzero(pstep == 0)
+    rstart[_ranges(at[fp] + 1, plen[fp] - 1)] = 0
+    np.cumsum(rstart, out=rstart)
+    kbytes = np.repeat(pbyte, plen).reshape(S, G)
+    # Per step: its runs (all G but in a class's last step) and whole runs (first).
+    iG = (np.arange(S) - np.repeat(np.cumsum(steps_per) - steps_per, steps_per)) * G
+    nreal = np.minimum(np.repeat(per, steps_per) - iG, G)    # iG: the step's first run
+    nwhole = np.clip(np.repeat(nwh, steps_per) - iG, 0, G)   # in its class
+    return S, steps_per, rstart, kbytes, nreal, nwhole
+
+
+def _run_slots(icls, a, b, c0, c1, C: int, G: int, m: int, nchunks: int):
+    """Step slots of runs of ``m`` chunks, from each chunk of the classes' key intervals:
+    (steps, steps of each class, chunk of each slot [S * G], key bits [S, G] uint8)."""
+    A = abi.GATHER_ROWS
+    head_bits = (255 << (a - c0 * A)) & 255
+    tail_bits = (1 << (b - (c1 - 1) * A)) - 1
+    # A chunk shared with the class's previous interval is that interval's (OR-ed there).
+    dup = np.concatenate(([False], (icls[1:] == icls[:-1]) & (c0[1:] == c1[:-1] - 1)))
+    c0g = c0 + dup
+    ng = c1 - c0g
+    off = np.cumsum(ng) - ng
+    NE = int(ng.sum())
+    ech = _ranges(c0g, ng)
+    ebits = np.full(NE, 255, np.uint8)
+    g = ng > 0
+    ebits[off[g & ~dup]] = head_bits[g & ~dup]
+    last = off[g] + ng[g] - 1
+    ebits[last] &= tail_bits[g].astype(np.uint8)
+    if dup.any():
+        d = np.flatnonzero(dup)
+        prev = np.maximum.accumulate(np.where(g, np.arange(len(g)), -1))[d - 1]
+        np.bitwise_or.at(ebits, off[prev] + ng[prev] - 1,
+                         (head_bits[d] & np.where(ng[d] == 0, tail_bits[d], 255))
+                         .astype(np.uint8))
+    ecls = np.repeat(icls, ng)
+    # Copy runs: a class's consecutive chunks cut every m chunks from where they start
+    # (moved back inside the padded keys); each chunk lies in one run.
+    if m == 1:
+        r_cls, r_sch = ecls, np.minimum(ech, nchunks - 1)
+        run_bits = ebits[:, None]
+        whole = ebits == 255
+    else:
+        brk = np.concatenate(([True], (ecls[1:] != ecls[:-1]) | (ech[1:] != ech[:-1] + 1)))
+        rs = np.maximum.accumulate(np.where(brk, np.arange(NE), 0))
+        first = brk | ((ech - ech[rs]) % m == 0)
+        rid = np.cumsum(first) - 1
+        r_cls, r_sch = ecls[first], np.minimum(ech[first], nchunks - m)
+        run_bits = np.zeros((len(r_sch), m), np.uint8)
+        run_bits[rid, ech - r_sch[rid]] = ebits
+        whole = (run_bits == 255).all(axis=1)
+    NR = len(r_cls)
+    # Run slots: per class, whole runs first then the others (each in order), R a step.
+    R = G // m
+    per = np.bincount(r_cls, minlength=C)
+    roff = np.cumsum(per) - per
+    steps_per = -(-per // R)
+    soff = (np.cumsum(steps_per) - steps_per) * R
+    S = int(steps_per.sum())
+    cw = np.cumsum(whole)
+    cw0 = np.concatenate(([0], cw))[roff]                # whole runs before the class
+    nwh = np.concatenate(([0], cw))[roff + per] - cw0
+    slot = np.where(whole, (soff - cw0 - 1)[r_cls] + cw,
+                    (soff + nwh - roff + cw0)[r_cls] + np.arange(NR) - cw)
+    rstart = np.empty(S * R, np.int64)
+    rstart[slot] = r_sch
+    nun = steps_per * R - per                            # unused runs of a class's last step
+    if nun.any():
+        rstart[_ranges(soff + per, nun)] = np.repeat(rstart[soff], nun)   # its first run
+    kbytes = np.zeros((S * R, m), np.uint8)
+    kbytes[slot] = run_bits
+    if m > 1:
+        rstart = (rstart[:, None] + np.arange(m)).reshape(-1)
+    return S, steps_per, rstart, kbytes.reshape(S, G)
+
+
 def _assemble(starts, key_sel, row_sel, full, head, qs, lo, hi, cnt, nfull, area, tile_q,
               tile_kv) -> GatherRaw:
     """The raw plan of the units' steps (concatenated in unit order) and their words, from
@@ -259,19 +588,28 @@ def _assemble(starts, key_sel, row_sel, full, head, qs, lo, hi, cnt, nfull, area
     return _assemble_words(words, meta, head, qs, lo, hi, cnt, nfull, area, tile_q, tile_kv)
 
 
-def _assemble_words(words, meta, head, qs, lo, hi, cnt, nfull, area, tile_q,
-                    tile_kv) -> GatherRaw:
-    """The raw plan of the units' steps from their packed words (int32 [S, gather_words]) and
-    ``meta`` (int [S, 6]: first chunk start, selected rows [lo, hi), keys [lo, hi), all
-    selected; ``loops._nb_gather_units``' layout)."""
+def _steps_array(S: int, tile_q: int, tile_kv: int):
+    """The zero ``steps`` of a raw plan of S gathered steps: S step rows, then their words
+    (``abi.gather_word_rows`` rows each), in a capacity ``bucket``."""
     from tessera_jax.planning.planner import bucket
 
+    return np.zeros((bucket(S + S * abi.gather_word_rows(tile_q, tile_kv)), abi.STEP_COLS),
+                    np.int32)
+
+
+def _assemble_words(words, meta, head, qs, lo, hi, cnt, nfull, area, tile_q,
+                    tile_kv, steps=None) -> GatherRaw:
+    """The raw plan of the units' steps from their packed words (int32 [S, gather_words]) and
+    ``meta`` (int [S, 6]: first chunk start, selected rows [lo, hi), keys [lo, hi), all
+    selected; ``loops._nb_gather_units``' layout). ``steps``: the ``_steps_array`` with the
+    words already in place (``words`` unused), or None."""
     S = int(cnt.sum())
     wr = abi.gather_word_rows(tile_q, tile_kv)
-    steps = np.zeros((bucket(S + S * wr), abi.STEP_COLS), np.int32)
+    if steps is None:
+        steps = _steps_array(S, tile_q, tile_kv)
+        if S:
+            steps[S: S + S * wr].reshape(S, wr * abi.STEP_COLS)[:, : words.shape[1]] = words
     if S:
-        block = steps[S: S + S * wr].reshape(S, wr * abi.STEP_COLS)
-        block[:, : words.shape[1]] = words
         steps[:S, abi.STEP_KV_START] = meta[:, 0]
         steps[:S, abi.STEP_RECT] = abi.pack_rect(meta[:, 1], meta[:, 2], meta[:, 3],
                                                  meta[:, 4])
