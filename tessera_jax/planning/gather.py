@@ -52,7 +52,7 @@ def chunk_pairs(a, b):
     c0, c1 = a // A, -(-b // A)
     n = c1 - c0
     blk = np.repeat(np.arange(len(a)), n)
-    ch = c0[blk] + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+    ch = _ranges(c0, n)
     lo = np.clip(a[blk] - ch * A, 0, A)
     hi = np.clip(b[blk] - ch * A, 0, A)
     return blk, ch, (np.left_shift(1, hi) - np.left_shift(1, lo)).astype(np.int64)
@@ -291,55 +291,20 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
     class's whole runs first) and their step slots are computed over every class together,
     and the steps' words are written packed (no bool selections)."""
     A = abi.GATHER_ROWS
-    Hd, nq, nk = blocks.shape
+    _, nq, nk = blocks.shape
     nseg, tq = len(s0s), tile_q
     empty = np.zeros(0, np.int64)
     h, i, j = np.nonzero(blocks)
     if nseg == 0 or h.size == 0:
         return _assemble_words(None, None, empty, empty, empty, empty, empty, empty, empty,
                                tile_q, tile_kv)
-    nb = i1s - i0s
-    # 1. Selections (head, query block, key block), one per segment holding the block, with
-    # the bit of the block in the segment's signature word.
-    kf = np.searchsorted(i1s, np.arange(nq), side="right")
-    kl = np.searchsorted(i0s, np.arange(nq), side="right") - 1
-    nrep = np.maximum(kl - kf + 1, 0)[i]
-    if (nrep == 1).all():
-        k = kf[i]
-    else:
-        e = np.repeat(np.arange(len(i)), nrep)
-        k = _ranges(kf[i], nrep)
-        h, i, j = h[e], i[e], j[e]
-    r = i - i0s[k]                                       # the block in its segment
-    W = int(-(-int(nb.max()) // _SIG_BITS))
-    if W == 1:
-        bit = np.left_shift(np.int64(1), nb[k] - 1 - r)
-        key = (h * nseg + k) * nk + j
-    else:
-        w = r // _SIG_BITS
-        bit = np.left_shift(np.int64(1), np.minimum(nb[k], _SIG_BITS * (w + 1)) - 1 - r)
-        key = ((h * nseg + k) * nk + j) * W + w
-    o = np.argsort(key, kind="stable")
-    key, bit, r, k = key[o], bit[o], r[o], k[o]
-    at = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
-    word = np.add.reduceat(bit, at)                      # distinct bits: their OR
-    # 2. Pairs (unit, selected key block) in that order, their signatures [P, W].
-    if W == 1:
-        pat = at
-        pkey = key[at]
-        sig = word[:, None]
-    else:
-        wkey = key[at]
-        pk = wkey // W
-        pnew = np.concatenate(([True], pk[1:] != pk[:-1]))
-        pat = at[pnew]
-        pkey = pk[pnew]
-        sig = np.zeros((len(pkey), W), np.int64)
-        sig[np.cumsum(pnew) - 1, wkey % W] = word
+    maxb = int((i1s - i0s).max())
+    # 1-2. Pairs (unit, selected key block) with their signatures, entries in their order.
+    k, r, key, pat, pkey, sig = _unit_pairs(h, i, j, i0s, i1s, nq, nk)
+    W = sig.shape[1]
     pn = np.diff(np.append(pat, len(key)))               # entries (set bits) of each pair
     pu, pj = pkey // nk, pkey % nk
     # 3. Classes: pairs sorted by (unit, signature), stable (key blocks in order).
-    maxb = int(nb.max())
     if W == 1 and int(pu[-1]).bit_length() + maxb <= 62:
         co = np.argsort((pu << maxb) | sig[:, 0], kind="stable")
     else:
@@ -352,21 +317,7 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
     cu = su[cat]                                         # unit of each class
     rep = co[cat]                                        # a member pair of each class
     # Rows of each class: the OR of its blocks' rows in the tile (from a member's bits).
-    eq = row_blocks[:, None, :] == np.arange(maxb)[:, None]          # [nseg, maxb, tq]
-    rmask = abi.pack_bits(eq)                                         # [nseg, maxb, wq]
-    rcount = eq.sum(axis=2)
-    anyr = rcount > 0
-    rlo = np.where(anyr, eq.argmax(axis=2), tq)
-    rhi = np.where(anyr, tq - eq[:, :, ::-1].argmax(axis=2), 0)
-    x = _ranges(pat[rep], pn[rep])
-    xs = np.cumsum(pn[rep]) - pn[rep]
-    xk, xr = k[x], r[x]
-    cwords = np.bitwise_or.reduceat(rmask[xk, xr], xs, axis=0)      # [C, wq]
-    crows = np.add.reduceat(rcount[xk, xr], xs).astype(np.int64)
-    clo = np.minimum.reduceat(rlo[xk, xr], xs)
-    chi = np.maximum.reduceat(rhi[xk, xr], xs)
-    none = crows == 0
-    clo, chi = np.where(none, 0, clo), np.where(none, tq, chi)
+    cwords, crows, clo, chi = _class_rows(row_blocks, maxb, tq, k, r, pat[rep], pn[rep])
     # 4. Key intervals of each class (contiguous key blocks merged): [a, b), chunks [c0, c1).
     cj = pj[co]
     ka, kz = kb[cj], kb[cj + 1]
@@ -421,22 +372,7 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
     uid = cu[uat]
     cnt = np.add.reduceat(steps_per, uat).astype(np.int64)
     if group:
-        # ``interleave_groups`` of every unit's steps (a unit's steps are contiguous).
-        step_unit = np.repeat(np.arange(len(uid)), cnt)
-        rsel = np.unpackbits(np.ascontiguousarray(cwords).view(np.uint8), axis=1,
-                             bitorder="little")[:, :tq].astype(bool)
-        meets = rsel.reshape(C, tq // group, group).any(axis=2)
-        one_c = meets.sum(axis=1) == 1
-        which_c = np.where(one_c, meets.argmax(axis=1), -1)
-        one, which = np.repeat(one_c, steps_per), np.repeat(which_c, steps_per)
-        gk = step_unit * (tq // group + 1) + which + 1
-        go = np.argsort(gk, kind="stable")
-        gs = gk[go]
-        gfirst = np.maximum.accumulate(
-            np.where(np.concatenate(([True], gs[1:] != gs[:-1])), ar, 0))
-        rank = np.empty(S, np.int64)
-        rank[go] = ar - gfirst
-        o = np.lexsort((ar, which, np.where(one, rank, S), ~one, step_unit))
+        o = _interleave_all(cwords, steps_per, cnt, tq, group)
         meta = meta[o]
         steps[S: S + S * abi.gather_word_rows(tq, tile_kv)].reshape(S, -1)[:, :nw] = words[o]
     nfull = np.add.reduceat(meta[:, 5], np.cumsum(cnt) - cnt).astype(np.int64)
@@ -445,6 +381,92 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
     return _assemble_words(None, meta, (uid // nseg).astype(np.int64), s0s[useg],
                            w0[useg] - s0s[useg], w1[useg] - s0s[useg], cnt, nfull, area,
                            tile_q, tile_kv, steps=steps)
+
+
+def _class_rows(row_blocks, maxb: int, tq: int, k, r, first, n):
+    """Per class, from a member pair's entries (``first`` entry and ``n`` of them; entry e in
+    segment ``k[e]`` at block row ``r[e]``): the rows its blocks own in the tile as
+    ``abi.pack_bits`` words [C, wq], their count, and their range [lo, hi) ((0, tq) when
+    none)."""
+    eq = row_blocks[:, None, :] == np.arange(maxb)[:, None]          # [nseg, maxb, tq]
+    rmask = abi.pack_bits(eq)                                         # [nseg, maxb, wq]
+    rcount = eq.sum(axis=2)
+    anyr = rcount > 0
+    rlo = np.where(anyr, eq.argmax(axis=2), tq)
+    rhi = np.where(anyr, tq - eq[:, :, ::-1].argmax(axis=2), 0)
+    x = _ranges(first, n)
+    xs = np.cumsum(n) - n
+    xk, xr = k[x], r[x]
+    cwords = np.bitwise_or.reduceat(rmask[xk, xr], xs, axis=0)
+    crows = np.add.reduceat(rcount[xk, xr], xs).astype(np.int64)
+    clo = np.minimum.reduceat(rlo[xk, xr], xs)
+    chi = np.maximum.reduceat(rhi[xk, xr], xs)
+    none = crows == 0
+    return cwords, crows, np.where(none, 0, clo), np.where(none, tq, chi)
+
+
+def _interleave_all(cwords, steps_per, cnt, tq: int, group: int):
+    """``interleave_groups`` of every unit's steps at once (a unit's ``cnt`` steps are
+    contiguous; a class's ``steps_per`` steps share its rows ``cwords``): the order of all
+    steps."""
+    C, S = len(cwords), int(cnt.sum())
+    ar = np.arange(S)
+    step_unit = np.repeat(np.arange(len(cnt)), cnt)
+    rsel = np.unpackbits(np.ascontiguousarray(cwords).view(np.uint8), axis=1,
+                         bitorder="little")[:, :tq].astype(bool)
+    meets = rsel.reshape(C, tq // group, group).any(axis=2)
+    one_c = meets.sum(axis=1) == 1
+    which_c = np.where(one_c, meets.argmax(axis=1), -1)
+    one, which = np.repeat(one_c, steps_per), np.repeat(which_c, steps_per)
+    gk = step_unit * (tq // group + 1) + which + 1
+    go = np.argsort(gk, kind="stable")
+    gs = gk[go]
+    gfirst = np.maximum.accumulate(
+        np.where(np.concatenate(([True], gs[1:] != gs[:-1])), ar, 0))
+    rank = np.empty(S, np.int64)
+    rank[go] = ar - gfirst
+    return np.lexsort((ar, which, np.where(one, rank, S), ~one, step_unit))
+
+
+def _unit_pairs(h, i, j, i0s, i1s, nq: int, nk: int):
+    """The selections (head ``h``, query block ``i``, key block ``j``: ``np.nonzero`` of the
+    blocks) as (unit, selected key block) pairs, a unit being (head, segment) and a block
+    counted once per segment holding it. Returns, per selection entry in (unit, key block,
+    word) order, its segment ``k``, its block's row ``r`` in the segment and the sort
+    ``key``; per pair, its first entry ``pat``, its (unit * nk + key block) ``pkey`` and its
+    signature ``sig`` [P, W]: words of up to 62 query blocks, the segment's first block the
+    high bit."""
+    nseg, nb = len(i0s), i1s - i0s
+    kf = np.searchsorted(i1s, np.arange(nq), side="right")
+    kl = np.searchsorted(i0s, np.arange(nq), side="right") - 1
+    nrep = np.maximum(kl - kf + 1, 0)[i]
+    if (nrep == 1).all():
+        k = kf[i]
+    else:
+        e = np.repeat(np.arange(len(i)), nrep)
+        k = _ranges(kf[i], nrep)
+        h, i, j = h[e], i[e], j[e]
+    r = i - i0s[k]                                       # the block in its segment
+    W = int(-(-int(nb.max()) // _SIG_BITS))
+    if W == 1:
+        bit = np.left_shift(np.int64(1), nb[k] - 1 - r)
+        key = (h * nseg + k) * nk + j
+    else:
+        w = r // _SIG_BITS
+        bit = np.left_shift(np.int64(1), np.minimum(nb[k], _SIG_BITS * (w + 1)) - 1 - r)
+        key = ((h * nseg + k) * nk + j) * W + w
+    o = np.argsort(key, kind="stable")
+    key, bit, r, k = key[o], bit[o], r[o], k[o]
+    at = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
+    word = np.add.reduceat(bit, at)                      # distinct bits: their OR
+    if W == 1:
+        return k, r, key, at, key[at], word[:, None]
+    wkey = key[at]
+    pk = wkey // W
+    pnew = np.concatenate(([True], pk[1:] != pk[:-1]))
+    sig = np.zeros((int(pnew.sum()), W), np.int64)
+    sig[np.cumsum(pnew) - 1, wkey % W] = word
+    return k, r, key, at[pnew], pk[pnew], sig
 
 
 def _single_chunk_slots(icls, a, b, c0, c1, C: int, G: int):
