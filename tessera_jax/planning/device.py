@@ -191,21 +191,7 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
         rows = [_segments(b, tile) for b in bounds]
         S = max(len(r) for r in rows)
         increasing = all(all(a[0] < c[0] for a, c in zip(r, r[1:])) for r in rows)
-        if S <= _SEGMENT_FREE * nt:
-            aligned = True
-        elif S <= _SEGMENT_SLACK * nt:       # more tiles but fewer blocks each: by expectation
-            f_first, f_last = _blocks_of(bounds, start[None], end[None])
-            nb_al = np.zeros((len(rows), S), np.int64)
-            for h, (row, r) in enumerate(zip(bounds, rows)):
-                lo = np.array([x[1] for x in r])
-                hi = np.array([x[2] for x in r])
-                nb_al[h, :len(r)] = (np.searchsorted(row, hi, side="left")
-                                     - np.searchsorted(row, lo, side="right") + 1)
-            aligned = (_expected_visits(nb_al)
-                       <= _ALIGN_MARGIN * _expected_visits(f_last - f_first + 1))
-        else:
-            aligned = False
-        if aligned and increasing:
+        if S <= _SEGMENT_SLACK * nt and increasing:
             seg = np.zeros((len(rows), S, 3), np.int32)
             used = np.zeros((len(rows), S), bool)
             for h, r in enumerate(rows):
@@ -215,7 +201,14 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
             org = seg[..., 0]
             lo, hi = np.where(used, seg[..., 1], org), np.where(used, seg[..., 2], org)
             first, last = _blocks_of(bounds, lo, hi)
-            return (*_inside(org, lo - org, hi - org, padded, tile), first, last, padded, True)
+            aligned = S <= _SEGMENT_FREE * nt
+            if not aligned:                    # more tiles, fewer blocks each: by expectation
+                f_first, f_last = _blocks_of(bounds, start[None], end[None])
+                aligned = (_expected_visits(np.where(used, last - first + 1, 0))
+                           <= _ALIGN_MARGIN * _expected_visits(f_last - f_first + 1))
+            if aligned:
+                return (*_inside(org, lo - org, hi - org, padded, tile), first, last, padded,
+                        True)
     if align_blocks and not isinstance(bounds, np.ndarray):
         # Traced bounds: each row's block-aligned tiles where they fit the static slots
         # (``traced_slots``), else its fixed grid in the same slots (the rest owning nothing).
