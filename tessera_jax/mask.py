@@ -33,24 +33,27 @@ def _as_bounds(name: str, bounds, length: int | None = None) -> np.ndarray:
     if isinstance(bounds, (bool, np.bool_)) or bounds is None:
         raise TypeError(f"{name} must be a 1-D sequence of ints, got {type(bounds).__name__}")
     arr = np.asarray(bounds)
-    if arr.dtype.kind not in "iu":                   # (bool's kind is "b")
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    _check_ints(name, arr)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size < 2:
-        raise ValueError(f"{name} needs at least 2 entries (0 and the length), got {arr.size}")
-    _check_rows(name, arr[None], length)
-    out = arr.astype(np.int64)
-    out.setflags(write=False)
-    return out
+    return _checked_rows(name, arr[None], length)[0]
 
 
-def _check_rows(name: str, arr: np.ndarray, length: int | None = None) -> None:
-    """Values of bounds rows ``arr`` [R, n + 1] (ints, n >= 1): each starts at 0 and strictly
-    increases, the last entry within int32 (and equal to ``length`` if given); the message
-    names the first bad row (``name[r]`` when R > 1) and entry."""
+def _check_ints(name: str, arr: np.ndarray) -> None:
+    if arr.dtype.kind not in "iu":                   # (bool's kind is "b")
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+
+
+def _checked_rows(name: str, arr: np.ndarray, length: int | None = None) -> np.ndarray:
+    """Bounds rows ``arr`` [R, n + 1] (ints) as read-only int64, each checked: at least 2
+    entries, starting at 0, strictly increasing, the last within int32 (and equal to
+    ``length`` if given); the message names the first bad row (``name[r]`` when R > 1) and
+    entry."""
     def row_name(r):
         return name if arr.shape[0] == 1 else f"{name}[{r}]"
+    if arr.shape[1] < 2:
+        raise ValueError(f"{row_name(0)} needs at least 2 entries (0 and the length), got "
+                         f"{arr.shape[1]}")
     bad = np.flatnonzero(arr[:, 0] != 0)
     if bad.size:
         r = int(bad[0])
@@ -69,6 +72,9 @@ def _check_rows(name: str, arr: np.ndarray, length: int | None = None) -> None:
     if (last > _INT32_MAX).any():
         r = int(np.flatnonzero(last > _INT32_MAX)[0])
         raise ValueError(f"{row_name(r)} exceeds the int32 range")
+    out = arr.astype(np.int64)
+    out.setflags(write=False)
+    return out
 
 
 def _uniform_bounds(name: str, length: int, block: int) -> np.ndarray:
@@ -87,25 +93,19 @@ def _is_jax(x) -> bool:
 
 
 def _host_bounds(name: str, bounds) -> np.ndarray:
-    """Host bounds [n + 1] or per head [Hm, n + 1], each row checked by ``_as_bounds``, all
+    """Host bounds [n + 1] or per head [Hm, n + 1], each row checked (``_checked_rows``), all
     rows ending at the same length."""
     arr = np.asarray(bounds) if not isinstance(bounds, (bool, np.bool_)) and bounds is not None \
         else bounds
     if isinstance(arr, np.ndarray) and arr.ndim == 2:
         if arr.shape[0] < 1:
             raise ValueError(f"{name} per head must have at least one row, got shape {arr.shape}")
-        if arr.dtype.kind not in "iu":
-            raise TypeError(f"{name}[0] must hold integers, got dtype {arr.dtype}")
-        if arr.shape[1] < 2:
-            raise ValueError(f"{name}[0] needs at least 2 entries (0 and the length), got "
-                             f"{arr.shape[1]}")
-        _check_rows(name, arr) if arr.shape[0] > 1 else _check_rows(f"{name}[0]", arr)
-        ends = np.unique(arr[:, -1])
+        _check_ints(f"{name}[0]", arr)
+        out = _checked_rows(name if arr.shape[0] > 1 else f"{name}[0]", arr)
+        ends = np.unique(out[:, -1])
         if ends.size > 1:
             raise ValueError(f"{name}: every head's bounds must end at the same length, got "
                              f"{[int(e) for e in ends]}")
-        out = arr.astype(np.int64)
-        out.setflags(write=False)
         return out
     if isinstance(arr, np.ndarray) and arr.ndim > 2:
         raise ValueError(f"{name} must be [n + 1] or per head [Hm, n + 1], got shape {arr.shape}")
