@@ -8,7 +8,7 @@ call, as a new mask), executables compiled first:
 
 * ``gpu_call``: the gpu row's call, ``jit(lambda q, k, v, b: sparse_attention(..., BlockMask(
   q_bounds, kv_bounds, b)))`` on blocks already on the device (static bounds);
-* ``mask``: the ``BlockMask`` built from its NumPy arrays (validation, packed bits, digest),
+* ``mask``: the ``BlockMask`` built from its NumPy arrays (validation, packed bits),
   which peers' host rows count in the request;
 * ``copy``: ``mask.packed_leaves(static_bounds=...)`` to the device (a tiered request with
   static bounds hands the bits to its jit instead since session 35: ``route_host_packed``);
@@ -160,7 +160,8 @@ def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, hea
     res["profile_route"] = _profile(lambda: route(leaves), clear)
     t("copy_route", lambda: route(mask.packed_leaves(static_bounds=static)))
     if static:     # the packed bits handed to the route's jit as NumPy (its C++ path copies)
-        t("route_host_packed", lambda: route((leaves[0], leaves[1], mask._packed)))
+        t("route_host_packed", lambda: route(mask.packed_leaves(static_bounds=True,
+                                                                host_bits=True)))
     real_route, real_exec = tiered._device_route, tiered._executor
 
     class _NoPlan:
@@ -204,7 +205,7 @@ def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, hea
         finally:
             device_route.unpack_blocks = plain
         unpack = jax.jit(mask_mod.unpack_blocks, static_argnums=1)
-        packed_dev = jax.device_put(mask._packed)
+        packed_dev = mask.packed_leaves(static_bounds=True)[2]
         t("unpack_alone", lambda: jax.block_until_ready(unpack(packed_dev, mask.shape)))
     clear()
     return res

@@ -75,7 +75,7 @@ time budget cut keeps the families balanced), per mask and per peer:
   mask conversion + planning + kernel (tessera_jax: its plan cache is cleared before each call,
   so planning is paid every time; compilation is warmed up and reported apart). A host row
   starts from the mask's NumPy bounds and blocks for every system: FlashInfer converts them,
-  tessera_jax builds its ``BlockMask`` from them (validation, packed bits, digest; ``mask_ms``
+  tessera_jax builds its ``BlockMask`` from them (validation, packed bits; ``mask_ms``
   alone);
 - kernel-only time: every peer under one rule, ``tessera_jax.tools.timing.KERNEL_RULE`` (with
   ``--iters`` timed calls): CUPTI kernel time of every launch in one call (JAX and torch alike,
@@ -808,7 +808,7 @@ def run_tessera(case: Case, args) -> dict:
 
     call = lambda: tj.sparse_attention(case.qj, case.kj, case.vj, mask)  # noqa: E731
     # The request starts from the logical mask's NumPy arrays, as FlashInfer's conversion
-    # does: building the BlockMask (validation, packed bits, digest) is part of it.
+    # does: building the BlockMask (validation, packed bits) is part of it.
     raw = (np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds), np.asarray(mask.blocks))
     request_call = lambda: tj.sparse_attention(case.qj, case.kj, case.vj,  # noqa: E731
                                                tj.BlockMask(*raw))

@@ -166,9 +166,9 @@ def test_price_counts_every_tile_pair(bounds, density):
 
 
 def test_static_bounds_of_mixed_blocks_take_the_cheapest_price():
-    """Blocks of 64-96 tokens (as natten's at Wan 480p): 128 x 128 tiles meet two, so the
-    rule takes q64x2 x kv64; blocks of 72-384 tokens (moba, ssta) keep 128 x 128; a regular
-    grid of 128 keeps it at no waste."""
+    """Blocks of 96, 96, 64 tokens (block-aligned tiles would be 1.5x the grid's, so the
+    fixed grid): 128 x 128 tiles meet two, so the rule takes q64x2 x kv64; blocks of 72-384
+    tokens (moba, ssta) keep 128 x 128; a regular grid of 128 keeps it at no waste."""
     rng = np.random.default_rng(0)
     L = 4096
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from tessera_jax.mask import BlockMask
 from tessera_jax.runtime import device_route, tier_costs
-from tessera_jax.runtime.options import Options
+from tessera_jax.runtime.options import DEFAULT, Options
 from tessera_jax.select import device as _select_device
 from tessera_jax.select import ranking as _ranking
 from tessera_jax.validation import AttnShape
@@ -82,9 +82,11 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
 
 @functools.lru_cache(maxsize=64)
 def _untiered(options: Options) -> Options:
-    """``options`` with the default ``host_planning``: the device route's executable does not
-    depend on it, so tiered calls share it with device-mask calls."""
-    return dataclasses.replace(options, host_planning="sync", host_plan_from_call=2)
+    """``options`` with ``host_planning`` "sync" and the default ``host_plan_from_call``: the
+    device route's executable depends on neither, so tiered calls share it with device-mask
+    calls."""
+    return dataclasses.replace(options, host_planning="sync",
+                               host_plan_from_call=DEFAULT.host_plan_from_call)
 
 
 def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, scale: float,

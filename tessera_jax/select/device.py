@@ -10,9 +10,10 @@ the first; static bounds that fit no template's budget: the fewest worst-case by
 decided on the device); static K/V blocks of <= 64 tokens (median) try 64-key tiles first,
 static query blocks of <= 64 tokens 64-row units (q64x2: two per CTA); static bounds of
 larger blocks try the templates in order of ``price`` (the computed area their tiles would
-take at a nominal density, times ``STEP_COST``: mixed 24-128-token blocks take q64x2);
-traced bounds (per-head bounds of a content-dependent method), whose sizes are unknown when
-tracing, try both when the mean key block (length / count) is <= 64 tokens. Why a rule and not the ranking table
+take at a nominal density, times ``STEP_COST``: blocks of 96, 96, 64 tokens, whose 128-token
+tiles meet two, take q64x2); traced bounds (per-head bounds of a content-dependent method),
+whose sizes are unknown when tracing, try both when the mean key block (length / count) is
+<= 64 tokens. Why a rule and not the ranking table
 (which the host route reads, ``select.ranking``): the table reads mask features the host does
 not have under a trace, a ``lax.switch`` over ranked templates would compile every template
 into every call site, and the device planner has one policy (a step per selected tile), for
