@@ -1255,10 +1255,16 @@ def _dyn_overrides(c: DynCase, args, p) -> DynCase:
 
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--merge"]:  # --merge A.json B.json ... --out C.json
-        if "--out" not in argv or argv.index("--out") != len(argv) - 2 or len(argv) < 4:
-            raise SystemExit("usage: bench_loop --merge A.json [B.json ...] --out OUT.json")
-        doc = merge_files(argv[1:-2], argv[-1])
+    if argv[:1] == ["--merge"]:  # --merge A.json ... [--peers-json P.json] --out C.json
+        peers, bad = None, False
+        if "--peers-json" in argv:
+            i = argv.index("--peers-json")
+            peers, bad = (argv + [None])[i + 1], i + 1 >= len(argv) or argv[i + 1] == "--out"
+            argv = argv[:i] + argv[i + 2:]
+        if bad or "--out" not in argv or argv.index("--out") != len(argv) - 2 or len(argv) < 4:
+            raise SystemExit("usage: bench_loop --merge A.json [B.json ...] "
+                             "[--peers-json P.json] --out OUT.json")
+        doc = merge_files(argv[1:-2], argv[-1], peers)
         _print_table(doc)
         return doc
     args = parse_args(argv)
@@ -1335,9 +1341,11 @@ def _write(path, doc):
     os.replace(tmp, path)
 
 
-def merge_files(paths, out) -> dict:
+def merge_files(paths, out, peers_json: str | None = None) -> dict:
     """Merge result files of several processes (e.g. one per GPU) into ``out``: their cases,
-    runs and errors, with the summary recomputed over all cases. Later files win on a clash."""
+    runs and errors, with the summary recomputed over all cases. Later files win on a clash.
+    With ``peers_json``, every dynamic case's peers estimate is recomputed from that file (the
+    loops measured are kept; only the estimate's per-call peer times change)."""
     doc: dict = {"cases": {}, "runs": []}
     for path in paths:
         with open(path) as f:
@@ -1352,6 +1360,12 @@ def merge_files(paths, out) -> dict:
     for name, c in doc["cases"].items():
         if not c.get("partial"):
             doc.get("errors", {}).pop(name, None)
+        if peers_json is not None and c.get("kind") == "dynamic" and name in DYN_CASES:
+            c.pop("peers_estimate", None)
+            est = _peers_estimate(DYN_CASES[name], c, c["attention_len"], c["heads"],
+                                  argparse.Namespace(peers_json=peers_json))
+            if est:
+                c["peers_estimate"] = est
     if not doc.get("errors"):
         doc.pop("errors", None)
     doc["summary"] = summarize(doc["cases"])

@@ -308,6 +308,25 @@ def test_bench_loop_tiny_dynamic(tmp_path):
                    - loops["dynamic"]["max_abs_diff_vs_dense_loop"]) < 1e-4
         assert "ESTIMATE" in c["peers_estimate"]["label"] and 0 < c["per_call"]["density"] < 1
     assert doc["cases"]["wan14b_720p_svg2"]["extrapolated"]
+    # --merge --peers-json re-estimates the peers' loops from another peers file; the measured
+    # loops stay as they were.
+    saved = json.loads(out.read_text())
+    peers = tmp_path / "peers.json"
+    peers.write_text(json.dumps({"loop_cases": {n: {"flashinfer": 50.0, "flex": 60.0}
+                                                for n in saved["cases"]}}))
+    merged = bench_loop.main(["--merge", str(out), "--peers-json", str(peers),
+                              "--out", str(tmp_path / "m.json")])
+    for name, c in merged["cases"].items():
+        est, pc = c["peers_estimate"], c["per_call"]
+        assert est["peers_json"] == str(peers) and est["best_peer"] == "flashinfer"
+        assert est["best_loop_s"] == pytest.approx(
+            c["loops"]["null"]["loop_s"] + c["dense_calls"] * pc["dense_attention_s"]
+            + c["sparse_calls"] * (pc["build_s"] + 0.050))
+        assert c["loops"] == saved["cases"][name]["loops"]
+    assert merged["summary"]["speedup_vs_peers_estimate_by_case"] == {
+        n: c["peers_estimate"]["speedup_vs_peers_estimate"] for n, c in merged["cases"].items()}
+    with pytest.raises(SystemExit):
+        bench_loop.main(["--merge", str(out), "--peers-json", "--out", str(tmp_path / "x.json")])
 
 
 def test_host_planned_baseline_matches_the_reference():
