@@ -478,6 +478,13 @@ DYN_CASES = {
         "hunyuan15_720p_sparge", "hunyuan", HUNYUAN15.replace(text_len=256), 121, 720, 1280, 2,
         50, 0, "sparge", (("topk", 0.125), ("sim_threshold", -1.0)), text_len=256,
         note="SpargeAttn top-k 12.5%, 128x64 blocks, self-similarity off (random weights)"),
+    # Wan2.1-1.3B T2V 480p, all 30 layers: XAttention (antidiagonal scores of stride 8, 128-token
+    # blocks; the paper's 5 dense warm-up steps of 50). tau 0.25 instead of 0.9 for the reason
+    # of SVG2's top_p: random-weight scores are near uniform, where 0.9 keeps ~90% of the blocks.
+    "wan13b_480p_xattn": DynCase(
+        "wan13b_480p_xattn", "wan", WAN21_1_3B, 81, 480, 832, 30, 50, 5, "xattn",
+        (("block", 128), ("stride", 8), ("tau", 0.25)),
+        note="XAttention stride 8, tau 0.25 (random weights), 128-token blocks"),
 }
 
 # The families of the peers' JSON rows each rule's mask corresponds to.
@@ -498,6 +505,8 @@ def tiny_dyn_cases(steps: int = 3) -> dict[str, DynCase]:
                                          steps, 0, "sparge",
                                          (("block_q", 32), ("block_kv", 16), ("topk", 0.25),
                                           ("sim_threshold", -1.0)), text_len=8),
+        "wan13b_480p_xattn": DynCase("wan13b_480p_xattn", "wan", wan, 17, 96, 128, 1, steps, 1,
+                                     "xattn", (("block", 32), ("stride", 8), ("tau", 0.5))),
     }
 
 
