@@ -977,7 +977,8 @@ def run_tessera_device(case: "_CaseBase", args) -> dict:
     first is the checked one). The device route plans inside the program: no host planning,
     no host transfer. Kernel time: the same call under the kernel rule (device plan + kernel,
     one program; variant 0, as the peers' kernels); ``device_plan_ms``: the device plan alone
-    (``planning.device.plan_on_device``, the route's template and capacity), same rule."""
+    (``planning.device.plan_on_device``, the route's template and capacity, or for a gathering
+    template ``planning.device_gather``'s plan as the route makes it), same rule."""
     import jax
 
     import tessera_jax as tj
@@ -1012,9 +1013,17 @@ def run_tessera_device(case: "_CaseBase", args) -> dict:
         res["kernel_ms_all_variants"] = _kernel_timing(f, [(*qkv, b) for b in blocks], args,
                                                        "jax").ms
         try:
-            planf = jax.jit(lambda b: device_planner.plan_on_device(
-                b, qb, kb, num_q_heads=case.Hq, q_len=case.Lq, kv_len=case.Lkv,
-                tile_q=tpl.tile_q, tile_kv=tpl.tile_kv, bitmap_capacity=cap or 0))
+            from tessera_jax.planning import device_gather
+            from tessera_jax.select import device as select_device
+            kw = dict(q_len=case.Lq, kv_len=case.Lkv, tile_q=tpl.tile_q, tile_kv=tpl.tile_kv)
+            if select_device.gathers_on_device(tpl):    # the route's gather policy plan
+                gcap = device_gather.step_bound(qb, kb, **kw)[1] * len(blocks[0])
+                planf = jax.jit(lambda b: device_gather.plan_gather_on_device(
+                    b, qb, kb, num_q_heads=case.Hq, capacity=gcap, row_group=tpl.row_group,
+                    **kw))
+            else:
+                planf = jax.jit(lambda b: device_planner.plan_on_device(
+                    b, qb, kb, num_q_heads=case.Hq, bitmap_capacity=cap or 0, **kw))
             res.update(_kernel_timing(planf, [(blocks[0],)], args, "jax").to_json("device_plan_"))
             prot = _Rotor(blocks)
             res["device_plan_wall_ms"] = _request(

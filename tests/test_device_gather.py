@@ -68,6 +68,70 @@ def test_device_gather_plans_cover_the_mask_exactly_once(mt, tiles, max_blocks):
     np.testing.assert_array_equal(_coverage(_Shape(p, mask, Hq)), _token_mask(mask, Hq))
 
 
+def _unit_steps(p):
+    """Per unit (in plan order): its step rows [cnt, STEP_COLS] and their word rows."""
+    units, steps = np.asarray(p.units), np.asarray(p.steps)
+    wr = abi.gather_word_rows(p.tile_q, p.tile_kv)
+    out = []
+    for u in units:
+        rows = steps[u[abi.UNIT_STEP_PTR]: u[abi.UNIT_STEP_PTR] + u[abi.UNIT_STEP_CNT]]
+        words = [steps[r[abi.STEP_CUTS_A] // abi.STEP_COLS:][:wr].tobytes() for r in rows]
+        out.append((tuple(int(x) for x in u[:abi.UNIT_STEP_PTR]), rows, words))
+    return out
+
+
+@given(masks(), st.sampled_from([(128, 128), (128, 64)]), st.booleans())
+# 6 examples: each compiles the gather planner twice (~2-4 s each on the 2-core runner).
+@settings(max_examples=6, deadline=None)
+def test_row_groups_interleave_steps_and_units_come_heaviest_first(mt, tiles, traced):
+    """``row_group=64`` (warpgroup step skipping): each unit has the steps of the plan without
+    it, in ``gather.interleave_groups``' order (steps meeting one 64-row half alternate
+    between the halves, then those meeting both), the plan still exact; units come in
+    ``schedule.order_units``' head-major order (cost class descending), with or without."""
+    from tessera_jax.planning import gather as host_gather, schedule
+    mask, Hq, _ = mt
+    tq, tk = tiles
+    qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
+    kw = dict(q_len=mask.Lq, kv_len=mask.Lkv, tile_q=tq, tile_kv=tk)
+    cap = dg.step_bound(qb, kb, **kw)[1] * mask.blocks.shape[0]
+    wrap = jnp.asarray if traced else (lambda x: x)
+    plans = {}
+    for rg in (0, 64):
+        plans[rg], ok = jax.jit(lambda b, q, k, rg=rg: dg.plan_gather_on_device(
+            b, q, k, num_q_heads=Hq, capacity=cap, row_group=rg, **kw))(
+            jnp.asarray(mask.blocks), wrap(qb), wrap(kb))
+        assert bool(ok)
+    p = plans[64]
+    abi.check_plan(np.asarray(p.units), np.asarray(p.steps), tq, tk, p.q_len_padded,
+                   p.kv_len_padded, num_q_heads=Hq, q_align=8, kv_align=8,
+                   max_steps=p.max_steps, gather=True)
+    np.testing.assert_array_equal(_coverage(_Shape(p, mask, Hq)), _token_mask(mask, Hq))
+    m = schedule.DEFAULT_COST_MODEL
+    step = m.step_ns_total(tq, tk, 128, 2)
+    for rg, plan in plans.items():
+        units = np.asarray(plan.units).astype(np.int64)
+        per = _unit_steps(plan)
+        part = np.array([(r[:, abi.STEP_CUTS_B] != abi.GATHER_FULL_FLAG).sum()
+                         for _, r, _ in per])
+        cost = m.unit_ns + units[:, abi.UNIT_STEP_CNT] * step + part * m.mask_ns
+        cls = np.floor(np.log2(np.maximum(cost, 1.0)) * 8)
+        assert (np.diff(cls) <= 0).all()
+        if rg:
+            for _, rows, _ in per:
+                q_lo, q_hi, _, _ = abi.unpack_rect(rows[:, abi.STEP_RECT].astype(np.int64))
+                r = np.arange(tq)
+                sel = (r >= q_lo[:, None]) & (r < q_hi[:, None])
+                np.testing.assert_array_equal(host_gather.interleave_groups(sel, rg),
+                                              np.arange(len(rows)))
+    # The same units with the same steps (each step's row but its words' place, and its
+    # words), reordered.
+    def key(per):
+        return sorted((u, sorted((np.delete(r, abi.STEP_CUTS_A).tobytes(), w)
+                                 for r, w in zip(rows, words))) for u, rows, words in per)
+
+    assert key(_unit_steps(plans[0])) == key(_unit_steps(plans[64]))
+
+
 def test_traced_selections_share_one_trace_and_overflow_is_reported():
     rng = np.random.default_rng(3)
     qb = np.r_[0, np.cumsum(rng.integers(20, 90, 8))]

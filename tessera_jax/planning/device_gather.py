@@ -158,8 +158,8 @@ def step_bound(q_bounds, kv_bounds, *, q_len: int, kv_len: int, tile_q: int, til
 
 def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
                           kv_len: int, tile_q: int, tile_kv: int, capacity: int,
-                          max_blocks: int = 4, max_elements: int = 1 << 26
-                          ) -> tuple[abi.PassPlan, jax.Array]:
+                          max_blocks: int = 4, max_elements: int = 1 << 26,
+                          row_group: int = 0) -> tuple[abi.PassPlan, jax.Array]:
     """(plan, ok) of the gather policy for ``blocks`` bool [Hm, nq, nk] (jax or NumPy; Hm = 1
     or num_q_heads) over bounds ``q_bounds`` / ``kv_bounds``: static and shared (NumPy [n + 1]
     or [1, n + 1]: the host policy's segments of at most ``max_blocks`` query blocks), or
@@ -170,7 +170,12 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
     the lengths; every index is clamped. The plan's leaves are jax arrays, its
     ``row_index`` None and ``all_full`` None. Mask heads are planned in groups of at most
     ``max_elements`` (head, unit, key pair) entries, one after another, each with an equal
-    share of ``capacity`` (rounded up)."""
+    share of ``capacity`` (rounded up). ``row_group``: rows of a tile the kernel computes as
+    one (``Template.row_group``: 64 for warpgroup step skipping; 0 or ``tile_q``: the tile):
+    a unit's steps that meet one group alternate between the groups, then those meeting
+    several, as the host policy's ``gather.interleave_groups`` orders them (each warpgroup
+    computes while the other skips). Units come heaviest first (``schedule.order_units``'
+    head-major order, as the host planner's and ``planning.device``'s)."""
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
     if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) \
@@ -178,6 +183,11 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
         raise ValueError(f"max_blocks must be an int in [1, 8], got {max_blocks!r}")
     if isinstance(max_elements, bool) or not isinstance(max_elements, int) or max_elements < 1:
         raise ValueError(f"max_elements must be a positive int, got {max_elements!r}")
+    if isinstance(row_group, bool) or not isinstance(row_group, int) or row_group < 0 \
+            or (row_group and tile_q % row_group):
+        raise ValueError(f"row_group must be 0 or a positive int dividing tile_q={tile_q}, "
+                         f"got {row_group!r}")
+    groups = tile_q // row_group if row_group else 1
     Hm, nq, nk = blocks.shape
     if Hm not in (1, num_q_heads):
         raise ValueError(f"blocks has {Hm} heads: 1 (shared) or num_q_heads={num_q_heads}")
@@ -201,7 +211,7 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
 
     def group(blk, part, offset):
         return _group_steps(blk, part, offset, capacity=capacity, cap_g=cap_g, C=C, G=G,
-                            NCH=NCH, wr=wr, dup=st["dup"])
+                            NCH=NCH, wr=wr, dup=st["dup"], groups=groups)
 
     if ng == 1:
         head, words, base, nsteps, totals = group(blocks, {f: st[f] for f in heads}, 0)
@@ -226,17 +236,26 @@ def plan_gather_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_le
     units = jnp.stack([jnp.asarray(np.repeat(hq, S)), s0, w0 - s0, w1 - s0,
                        ptr.reshape(-1), cnt.reshape(-1)], axis=1).astype(jnp.int32)
     per_unit = -(-P // G) + (1 << C) - 1
+    # Heaviest units first (steps, and those not whole): in (head, segment) order a head's
+    # costliest segments could come last and form the kernel's tail.
+    full = (head[:, abi.STEP_CUTS_B] == abi.GATHER_FULL_FLAG).astype(jnp.int32)
+    fsum = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(full)])
+    nfull = fsum[jnp.minimum(ptr + cnt, capacity)] - fsum[ptr]
+    units = units[_device._heavy_first(units, (cnt - nfull).reshape(-1), tile_q, tile_kv,
+                                       int(min(per_unit, capacity)), num_q_heads)]
     plan = abi.PassPlan(units, steps, None, int(tile_q), int(tile_kv), st["qp"], st["kvp"],
                         int(min(per_unit, capacity)))
     return plan, jnp.all(totals <= cap_g) & jnp.asarray(st["ok"])
 
 
 def _group_steps(blocks, part, offset, *, capacity: int, cap_g: int, C: int, G: int, NCH: int,
-                 wr: int, dup: int):
+                 wr: int, dup: int, groups: int = 1):
     """The steps of mask heads ``blocks`` [hg, nq, nk] (their structure fields ``part``, a
     bounds-head axis of hg or 1): head rows [cap_g, STEP_COLS] and word rows [cap_g * wr,
     STEP_COLS] for global steps offset .. offset + cap_g of a plan of ``capacity`` steps,
-    each (head, unit)'s first global step and step count [hg, S], and the steps needed."""
+    each (head, unit)'s first global step and step count [hg, S], and the steps needed.
+    ``groups`` > 1: a unit's steps in ``_step_order``'s order (row groups of tile_q /
+    groups rows), else in class order."""
     A = abi.GATHER_ROWS
     Hm, nq, nk = blocks.shape
     Hb = part["rows"].shape[0]
@@ -263,11 +282,12 @@ def _group_steps(blocks, part, offset, *, capacity: int, cap_g: int, C: int, G: 
     r0, counts = _block_ranks(sig, jnp.where(sig > 0, bn[:, None, :] - merged, 0), C)
     # Steps: each class's entries G at a time, classes in order, units one after another.
     csteps = -(-counts // G)                                               # [Hm, S, 2^C]
-    coff = jnp.cumsum(csteps, axis=-1) - csteps
     nsteps = jnp.sum(csteps, axis=-1)                                      # [Hm, S]
     base = (jnp.cumsum(nsteps.reshape(-1)) - nsteps.reshape(-1)).reshape(Hm, S)
     total = jnp.sum(nsteps)
-    boff = base[:, :, None] + jnp.take_along_axis(coff, sig, 2)
+    rt = _row_tables(part["local"], C)
+    place = _step_order(csteps, per_head(rt["lo"]), per_head(rt["hi"]),
+                        part["local"].shape[-1], groups)
     # (class, merged, rank of the block's first pair minus its index + P) in one word.
     packed = (sig << 27) | (merged.astype(jnp.int32) << 26) \
         | (r0 - merged - bstart[:, None, :] + P)
@@ -282,7 +302,7 @@ def _group_steps(blocks, part, offset, *, capacity: int, cap_g: int, C: int, G: 
     ch = jnp.broadcast_to(pch_h[:, None, :], pk.shape)
     comb = _chunk_bits(jnp.where(valid, cls * NCH + ch, -1),
                        jnp.broadcast_to(per_head(part["pbits"])[:, None, :], pk.shape), dup)
-    gstep = jnp.take_along_axis(boff, pj, 2) + rank // G                  # [Hm, S, P]
+    gstep = base[:, :, None] + place(cls, rank // G)                       # [Hm, S, P]
     tgt = jnp.where(ent & (gstep < cap_g), gstep, cap_g)                   # cap_g: dropped
     slot = rank % G
     new_step = ent & (slot == 0)
@@ -299,7 +319,6 @@ def _group_steps(blocks, part, offset, *, capacity: int, cap_g: int, C: int, G: 
     starts = jnp.maximum(starts, 0)                                        # an empty row
     # Row bits depend on (segment, class) alone: static tables, gathered per step.
     live = jnp.arange(cap_g) < total
-    rt = _row_tables(part["local"], C)
     sc = ((step_hs // S) if Hb > 1 else 0, step_hs % S, step_cls)
     rw = jnp.where(live[:, None], jnp.asarray(rt["words"])[sc], 0)
     q_lo, q_hi = jnp.asarray(rt["lo"])[sc], jnp.asarray(rt["hi"])[sc]
@@ -319,6 +338,39 @@ def _group_steps(blocks, part, offset, *, capacity: int, cap_g: int, C: int, G: 
     head = jnp.where(live[:, None], head, jnp.zeros_like(head))
     return (head.astype(jnp.int32), words.reshape(cap_g * wr, abi.STEP_COLS),
             base + offset, nsteps, total)
+
+
+def _step_order(csteps, lo, hi, tile_q: int, groups: int):
+    """``place(cls, k)``: the place in its unit of the k-th step of class ``cls`` (int arrays
+    [Hm, S, P]), for classes' steps ``csteps`` [Hm, S, 2^C] and row ranges [lo, hi) [Hm, S,
+    2^C]. groups == 1: classes in order. Else (row groups of tile_q / groups rows) the order
+    of ``gather.interleave_groups``: the steps meeting one group first, by (rank among that
+    group's steps, group), so the groups alternate while each has steps left; then those
+    meeting several, in class order (ranks within a kind in class order, as the host's)."""
+    coff = jnp.cumsum(csteps, axis=-1) - csteps
+    if groups <= 1:
+        return lambda cls, k: jnp.take_along_axis(coff, cls, 2) + k
+    R = tile_q // groups
+    meets = jnp.stack([(lo < (g + 1) * R) & (hi > g * R) & (lo < hi) for g in range(groups)])
+    one = meets.sum(axis=0) == 1
+    kind = jnp.where(one, jnp.argmax(meets, axis=0), groups)               # groups: several
+    n, off = [], jnp.zeros_like(csteps)
+    for g in range(groups + 1):
+        in_g = jnp.where(kind == g, csteps, 0)
+        n.append(jnp.sum(in_g, axis=-1, keepdims=True))                    # [Hm, S, 1]
+        off = off + jnp.where(kind == g, jnp.cumsum(in_g, axis=-1) - in_g, 0)
+    singles = sum(n[:groups])
+    table = (off << 4) | kind                                              # groups <= 15
+
+    def place(cls, k):
+        t = jnp.take_along_axis(table, cls, 2)
+        g, r = t & 15, (t >> 4) + k
+        # A single-group step of rank r in group g follows the steps of rank < r of every
+        # group and of rank r of the groups before g.
+        pos = sum(jnp.minimum(r + (h < g), n[h]) for h in range(groups))
+        return jnp.where(g < groups, pos, singles + r)
+
+    return place
 
 
 def _shift(x, d: int, fill):

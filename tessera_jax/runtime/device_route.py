@@ -228,7 +228,8 @@ def device_plans(q, k, qb, kb, blocks, *, consts, t: Template, capacity: int, de
         # its ``ok`` holds for static bounds that fit, and decides for traced ones.
         cap = _device_gather.step_bound(*bounds, **kw)[1] * blocks.shape[0]
         fwd, ok = _device_gather.plan_gather_on_device(blocks, *bounds, num_q_heads=Hq,
-                                                       capacity=cap, **kw)
+                                                       capacity=cap, row_group=t.row_group,
+                                                       **kw)
     else:
         fwd, ok = _device.plan_on_device(blocks, qb, kb, num_q_heads=Hq, q_len=Lq,
                                          kv_len=Lkv, tile_q=t.tile_q, tile_kv=t.tile_kv,
