@@ -21,7 +21,7 @@ loop's attention calls and the Amdahl prediction of the loop time:
 and ``overhead_outside_attention = measured / predicted - 1``.
 
 Dynamic cases (issue 17: ``wan13b_480p_vsa``, ``wan14b_720p_svg2``, ``hunyuan15_720p_sparge``;
-``--models dynamic``) build their masks from q and k inside one compiled loop
+issue 33: ``wan13b_480p_xattn``; ``--models dynamic``) build their masks from q and k inside one compiled loop
 (``DynamicSchedule``) and time four loops, each compiled once ahead of time:
   dense   -- the cuDNN baseline (as above);
   dynamic -- ours: the rule at every sparse step and layer, device masks through
@@ -40,6 +40,10 @@ fields (``tessera_jax.masks.dynamic``): set them with ``--rule-params``, e.g.
 
     python benchmarks/bench_loop.py --models wan13b_480p_vsa --steps 25   # 6/25 dense
     python benchmarks/bench_loop.py --builder-costs all --out /tmp/b.json
+    python benchmarks/bench_loop.py --merge A.json B.json [--peers-json P.json] --out C.json
+
+``--merge`` joins result files (later cases win) and recomputes the summary; with
+``--peers-json`` the dynamic cases' peers estimates are recomputed from that peers file.
 
 Cases with a layer subset (``layers_run < layers_total``) report loop times extrapolated per
 layer: ``T_full = T_measured * layers_total / layers_run`` (embedding and head are < 1% of a
