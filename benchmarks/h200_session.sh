@@ -39,6 +39,12 @@
 # planning became the default (results/h100-peers-before.json, h100-peers.json; FlashInfer
 # from .carry/flashinfer_site), tiered.py's requests and fit (results/h100-tiered-*.json,
 # runtime/tier_costs.H100).
+# Session 36 (an H200 for five calls): peers at Wan 480p, 13 families x 2 sources
+# (results/h200-peers.json), the fresh-install first plan, natten / svg2 device templates, the
+# host-row breakdown, the three dynamic loops (results/h200-loop.json). Then no machine.
+# First next time, one call: `svg2-order` (the device gathering plan's new step and unit order,
+# 300758e, unchecked on a GPU), then `loops-36` (the XAttention loop and the layer-scaling
+# check of issue 33 item 4).
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file of record on an
 #     H200 (~510 s on the H100); copy $OUT/h200-gather.json to benchmarks/results/
@@ -88,6 +94,24 @@ gpu-checks)
   # make test-gpu with eight pytest-xdist workers sharing the GPU (compiling is what takes the
   # time; 37 cases in 320 s in session 28).
   run 440 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA --durations=0" ;;
+svg2-order)
+  # The device gathering plan in the host's step order (300758e): the compiled gathering
+  # template on the device route against the reference (tests/gpu, -k gather), then svg2's and
+  # natten's device templates timed (prediction: svg2 gathering 6.98 -> ~6.63 ms; kill > 6.9).
+  run 300 test-gpu-gather make test-gpu PYTEST_ARGS="-n 6 -rA -k gather"
+  run 200 device-alt python3 benchmarks/peers.py --per-family 1 --heads 12 --grids wan480 \
+      --mask-source gpu --check-rows 1024 --peers tessera,dense --device-alt \
+      --families svg2,natten --out $OUT/h200-device-alt.json ;;
+loops-36)
+  # Issue 33 item 4: the XAttention loop (Wan 1.3B 480p, all 30 layers), then the per-layer
+  # scaling of the layer-subset cases checked against full depth at 720p (HunyuanVideo 720p
+  # SpargeAttn: 2 steps, 2 layers scaled against all 54).
+  run 200 loop-xattn python3 benchmarks/bench_loop.py --models wan13b_480p_xattn --steps 25 \
+      --variants dense,dynamic,null --out $OUT/loop-xattn.json
+  run 200 scale-2 python3 benchmarks/bench_loop.py --models hunyuan15_720p_sparge --steps 2 \
+      --layers 2 --variants dense,dynamic --out $OUT/loop-scale-2.json
+  run 200 scale-54 python3 benchmarks/bench_loop.py --models hunyuan15_720p_sparge --steps 2 \
+      --layers 54 --variants dense,dynamic --out $OUT/loop-scale-54.json ;;
 gather-fwd-bwd)
   # Forward + backward of the default, gather and skipping gather plans on the irregular
   # masks at Wan 480p against cuDNN's (dq, dk, dv checked against the reference on head 0).
