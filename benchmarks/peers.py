@@ -1878,7 +1878,8 @@ def parse_args(argv=None):
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--iters", type=int, default=20,
                     help="kernel timing runs (median; >= 20, timing.DEVICE_MIN_REPEATS)")
-    ap.add_argument("--request-iters", type=int, default=5, help="request timing runs (median)")
+    ap.add_argument("--request-iters", type=int, default=timing.REQUEST_RULE.repeats,
+                    help="request timing runs (median)")
     ap.add_argument("--check-rows", type=int, default=2048)
     ap.add_argument("--check-kv-heads", type=int, default=2)
     ap.add_argument("--fi-backend", default="auto", choices=("auto", "fa2", "fa3"))
