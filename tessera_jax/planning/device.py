@@ -9,16 +9,20 @@ it); it returns an ``abi.PassPlan`` whose arrays the kernels take as traced plan
 Plan it builds (``pallas_kernels.abi``): one unit per (query head, query tile), a step for
 each K/V tile that holds a selected entry, in key order (bounds shared by the heads or each
 head's own); units heaviest first by the cost model, as the host planner orders them.
-Tiles: with static (NumPy) bounds, block-aligned ones (``_segments``): each starts at a block
-(rounded down to 8 tokens) and owns up to ``abi.GRID`` consecutive blocks that fit the tile, a
-long block cut into tile-long pieces, so a step rarely straddles a block edge (Wan 720p STA:
-10% fewer steps and no masked ones against the fixed grid); they are used when they number
-at most ``_SEGMENT_FREE`` (9 / 8) x the fixed grid's, or up to ``_SEGMENT_SLACK`` (5 / 4) x
-where they are expected to be visited at most 0.9x as often with blocks selected
-independently at ``ALIGN_DENSITY`` (a tile meeting n blocks visited with probability
-1 - (1 - d)^n: natten's blocks of 24-128 tokens, 1.15x the tiles and 0.80x the visits,
-1.71 -> 1.25x the selected interactions at q128 x kv128), so a plan computes at most
-(5 / 4)^2 x a dense plan of fixed tiles (a fully selected mask). Otherwise, and with
+Tiles: with static (NumPy) bounds, block-aligned ones: those expected to be visited least
+(``_segments_fit``: each starts where the one before ends, at most ``abi.GRID`` blocks, a tile
+may hold the end of one block and the start of the next), else the greedy ones
+(``_segments``: each starts at a block (rounded down to 8 tokens) and owns up to ``abi.GRID``
+consecutive blocks that fit the tile, a long block cut into tile-long pieces), so a step rarely
+straddles a block edge (Wan 720p STA: 10% fewer steps and no masked ones against the fixed
+grid); they are used when they number at most ``_SEGMENT_FREE`` (9 / 8) x the fixed grid's, or
+up to ``_SEGMENT_SLACK`` (5 / 4) x where they are expected to be visited at most 0.9x as often
+with blocks selected independently at ``ALIGN_DENSITY`` (a tile meeting n blocks visited with
+probability 1 - (1 - d)^n: natten's blocks of 24-128 tokens, greedy tiles 1.15x the tiles and
+0.80x the visits, 1.71 -> 1.25x the selected interactions at q128 x kv128; fitted ones 1.07x
+the tiles, 1.23x; moba's and ssta's blocks of 72-384 tokens, fitted 1.03x the tiles, 1.35 ->
+1.13x and 1.20 -> 1.11x where the greedy ones computed 1.28x and 1.29x), so a plan computes at
+most (5 / 4)^2 x a dense plan of fixed tiles (a fully selected mask). Otherwise, and with
 traced bounds, the fixed grid of tile-sized tiles. A step is plain
 where every block it meets is selected, else a *grid* step whose cuts are the block bounds
 inside its own range and whose cells are the blocks' flags; every (unit, tile) is visited once.
@@ -95,6 +99,66 @@ def _segments(b: np.ndarray, tile: int, align: int = 8):
     return segs
 
 
+def _segments_fit(b: np.ndarray, tile: int, align: int = 8, density: float | None = None):
+    """Tiles of one bounds row (host) that minimise their expected visits
+    (``_expected_visits`` at ``density``, None: ``ALIGN_DENSITY``; a tile meeting n blocks
+    counts 1 - (1 - d)^n), as ``_segments``' [(origin, lo, hi)] (tiles own [lo, hi)
+    consecutively from 0 to the length, origin = lo rounded down to ``align``, hi <= origin +
+    ``tile``, origins strictly increasing, at most ``abi.GRID`` blocks a tile); None where no
+    such tiling exists (blocks of a few tokens). Unlike ``_segments``' greedy packing, which
+    starts a tile at every block that does not fit the one before (a 288-token block takes 128
+    + 128 + 32 tokens, its 32-token tail a tile alone), a tile may cover the end of one block
+    and the start of the next where that is expected to be visited less than a tile more: Wan
+    480p moba's and ssta's blocks of 72-384 tokens take 263 tiles of 128 (greedy 292, the fixed
+    grid 256 of which 92 straddle two blocks, 29 here). A shortest path over the tile ends
+    (block bounds and tile ends), in Python: O(tiles x GRID); memoised per row."""
+    d = ALIGN_DENSITY if density is None else density
+    return _fit_row(tuple(int(x) for x in b), int(tile), int(align), float(d))
+
+
+@functools.lru_cache(maxsize=1024)
+def _fit_row(b: tuple, tile: int, align: int, density: float):
+    import bisect
+    import heapq
+    L, n = b[-1], len(b) - 1
+    # Expected visits a tile, plus a hair a tile: of tilings expected to be visited as often,
+    # the fewest tiles (96 + 96 + 64 tokens: two 128-token tiles meeting two blocks each,
+    # as the fixed grid, not three).
+    weight = [0.0] + [1.0 - (1.0 - density) ** k + 1e-6 for k in range(1, abi.GRID + 1)]
+    best = {0: (0.0, -1)}                           # tile end -> (cost, the tile's start)
+    heap = [0]
+    while heap:
+        lo = heapq.heappop(heap)
+        if lo == L:
+            break
+        cost = best[lo][0]
+        org = lo - lo % align
+        lim = min(org + tile, L)
+        fb = bisect.bisect_right(b, lo) - 1          # the block holding lo
+        ends, j = [], fb + 1
+        while j <= n and b[j] <= lim and j - fb <= abi.GRID:
+            ends.append((b[j], j - fb))              # up to a block bound: j - fb blocks
+            j += 1
+        if j - fb <= abi.GRID and (not ends or ends[-1][0] < lim):
+            ends.append((lim, j - fb))               # the tile's end, inside block j - 1
+        for hi, k in ends:
+            if hi < L and hi - hi % align <= org:
+                continue                             # the next origin must be past this one
+            c = cost + weight[k]
+            if hi not in best:
+                heapq.heappush(heap, hi)
+            if hi not in best or c < best[hi][0] - 1e-9:
+                best[hi] = (c, lo)
+    if L not in best:
+        return None
+    segs, hi = [], L
+    while hi > 0:
+        lo = best[hi][1]
+        segs.append((lo - lo % align, lo, hi))
+        hi = lo
+    return segs[::-1]
+
+
 def _segments_traced(bounds, tile: int, slots: int, align: int = 8):
     """``_segments`` of each traced bounds row [Hb, n + 1] inside a program, with no
     sequential scan: the greedy packing's next tile start is a monotone successor of the
@@ -156,9 +220,10 @@ def _segments_traced(bounds, tile: int, slots: int, align: int = 8):
 # Block-aligned tiles are used when they number at most ``_SEGMENT_FREE`` x the fixed grid's,
 # or up to ``_SEGMENT_SLACK`` x where their expected visits at ``ALIGN_DENSITY`` are at most
 # ``_ALIGN_MARGIN`` x the fixed grid's (see ``_axis``; the margin stands for selections that
-# are not independent per block: moba's and ssta's bounds, 1.14x the tiles and 0.97x the
-# expected visits, computed 1.35 -> 1.28 on moba's mask but 1.20 -> 1.29 on ssta's denser
-# one at q128 x kv128).
+# are not independent per block: moba's and ssta's bounds, whose greedy tiles (``_segments``)
+# are 1.14x the grid's and 0.97x the expected visits, computed 1.35 -> 1.28 on moba's mask but
+# 1.20 -> 1.29 on ssta's denser one at q128 x kv128; their fitted tiles, ``_segments_fit``,
+# 1.03x the grid's, are taken: 1.13 and 1.11).
 _SEGMENT_FREE = 1.125
 _SEGMENT_SLACK = 1.25
 _ALIGN_MARGIN = 0.9
@@ -176,8 +241,9 @@ def _expected_visits(nb: np.ndarray, density: float = ALIGN_DENSITY) -> float:
 def _axis(bounds, length: int, tile: int, align_blocks: bool):
     """One axis's tiles: (origin, own lo, own hi) [Hb or 1, nt] relative own ranges, the
     (first, last) blocks they meet [Hb, nt], the padded length, and whether the tiles follow
-    the blocks. Static bounds are tiled along their blocks (origins strictly increasing) when
-    that makes at most ``_SEGMENT_FREE`` x the fixed grid's tiles, or up to
+    the blocks. Static bounds are tiled along their blocks (origins strictly increasing) by
+    ``_segments_fit`` (the fewest expected visits), else by ``_segments`` (greedy), the first
+    of the two that makes at most ``_SEGMENT_FREE`` x the fixed grid's tiles, or up to
     ``_SEGMENT_SLACK`` x as many expected to be visited less often by ``_ALIGN_MARGIN``
     (``_expected_visits``); else the fixed grid of ``tile``.
     The padded length is the host planner's (the length rounded up to 8, at least a tile):
@@ -188,10 +254,15 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
     start = np.arange(nt, dtype=np.int32) * tile
     end = np.minimum(start + tile, length).astype(np.int32)
     if align_blocks and isinstance(bounds, np.ndarray):
-        rows = [_segments(b, tile) for b in bounds]
-        S = max(len(r) for r in rows)
-        increasing = all(all(a[0] < c[0] for a, c in zip(r, r[1:])) for r in rows)
-        if S <= _SEGMENT_SLACK * nt and increasing:
+        f_first, f_last = _blocks_of(bounds, start[None], end[None])
+        for pack in (_segments_fit, _segments):
+            rows = [pack(b, tile) for b in bounds]
+            if any(r is None for r in rows):
+                continue
+            S = max(len(r) for r in rows)
+            increasing = all(all(a[0] < c[0] for a, c in zip(r, r[1:])) for r in rows)
+            if S > _SEGMENT_SLACK * nt or not increasing:
+                continue
             seg = np.zeros((len(rows), S, 3), np.int32)
             used = np.zeros((len(rows), S), bool)
             for h, r in enumerate(rows):
@@ -203,7 +274,6 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
             first, last = _blocks_of(bounds, lo, hi)
             aligned = S <= _SEGMENT_FREE * nt
             if not aligned:                    # more tiles, fewer blocks each: by expectation
-                f_first, f_last = _blocks_of(bounds, start[None], end[None])
                 aligned = (_expected_visits(np.where(used, last - first + 1, 0))
                            <= _ALIGN_MARGIN * _expected_visits(f_last - f_first + 1))
             if aligned:
@@ -432,12 +502,13 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     partition, e.g. clusters after a per-head sort) / kv_bounds [nk + 1] or [Hm, nk + 1]: int
     block bounds, NumPy (checked now) or jax arrays (``ok`` says whether they are valid).
     Tiles must be multiples of 8 (TMA alignment of the Mosaic GPU kernel) up to
-    ``abi.MAX_TILE``. ``align_blocks``: static bounds get tiles that start at their blocks
-    (``_segments``) where that computes no more than the fixed grid. ``bitmap_capacity``: how
-    many bitmap steps the plan may hold (static) for tiles that meet more than ``abi.GRID``
-    blocks per axis (0: none; such a tile then makes ``ok`` False, or a ValueError for static
-    bounds); more of them than the capacity also makes ``ok`` False (``bitmap_slots`` counts
-    what a plan of static bounds needs); ``words_chunk``: bitmap slots filled per pass (None:
+    ``abi.MAX_TILE``. ``align_blocks``: static bounds get tiles that follow their blocks
+    (``_segments_fit``, ``_segments``) where that computes no more than the fixed grid.
+    ``bitmap_capacity``: how many bitmap steps the plan may hold (static) for tiles that meet
+    more than ``abi.GRID`` blocks per axis (0: none; such a tile then makes ``ok`` False, or a
+    ValueError for static bounds); more of them than the capacity also makes ``ok`` False
+    (``bitmap_slots`` counts what a plan of static bounds needs); ``words_chunk``: bitmap slots
+    filled per pass (None:
     ``words_chunks``' defaults), ``word_patterns``: fill them from per-key-tile patterns
     (True), by direct gathers (False) or by the cheaper for the slots in use, on the device
     (None); the plan depends on neither. The plan's leaves are jax arrays, its ``row_index``
