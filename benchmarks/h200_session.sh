@@ -43,7 +43,7 @@
 # (results/h200-peers.json), the fresh-install first plan, natten / svg2 device templates, the
 # host-row breakdown, the three dynamic loops (results/h200-loop.json). Then no machine.
 # First next time, one call: `svg2-order` (the device gathering plan's new step and unit order,
-# 300758e, unchecked on a GPU), then `loops-36` (the XAttention loop and the layer-scaling
+# 300758e, and static bounds' fitted tiles, 40e9800: both unchecked on a GPU), then `loops-36` (the XAttention loop and the layer-scaling
 # check of issue 33 item 4).
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file of record on an
@@ -95,13 +95,15 @@ gpu-checks)
   # time; 37 cases in 320 s in session 28).
   run 440 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA --durations=0" ;;
 svg2-order)
-  # The device gathering plan in the host's step order (300758e): the compiled gathering
-  # template on the device route against the reference (tests/gpu, -k gather), then svg2's and
-  # natten's device templates timed (prediction: svg2 gathering 6.98 -> ~6.63 ms; kill > 6.9).
-  run 300 test-gpu-gather make test-gpu PYTEST_ARGS="-n 6 -rA -k gather"
-  run 200 device-alt python3 benchmarks/peers.py --per-family 1 --heads 12 --grids wan480 \
+  # Session 36's unchecked device plans: the gathering plan in the host's step order (300758e)
+  # and static bounds' fitted tiles (40e9800). Every compiled template and device route against
+  # the reference, then the device templates timed on the masks they change (predictions in
+  # NOTES: svg2 gathering 6.98 -> ~6.63 ms, kill > 6.9; moba kv128 4.30 -> ~3.5-3.6, kill > 4.0;
+  # ssta 7.96 -> ~7.2-7.4, kill > 7.9).
+  run 330 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA"
+  run 250 device-alt python3 benchmarks/peers.py --per-family 1 --heads 12 --grids wan480 \
       --mask-source gpu --check-rows 1024 --peers tessera,dense --device-alt \
-      --families svg2,natten --out $OUT/h200-device-alt.json ;;
+      --families svg2,moba,ssta,sta --out $OUT/h200-device-alt.json ;;
 loops-36)
   # Issue 33 item 4: the XAttention loop (Wan 1.3B 480p, all 30 layers), then the per-layer
   # scaling of the layer-subset cases checked against full depth at 720p (HunyuanVideo 720p
