@@ -161,6 +161,9 @@ def test_traced_selections_share_one_trace_and_overflow_is_reported():
                    p.kv_len_padded, num_q_heads=2, q_align=8, kv_align=8, gather=True)
     with pytest.raises(ValueError, match="q_bounds must be"):
         dg.plan_gather_on_device(jnp.asarray(dense), qb[:-1], kb, **kw)
+    for bad in (48, -64, True, 64.0):           # must divide tile_q (128), an int >= 0
+        with pytest.raises(ValueError, match="row_group must be"):
+            dg.plan_gather_on_device(jnp.asarray(dense), qb, kb, row_group=bad, **kw)
 
 
 @given(masks(), st.sampled_from([(128, 128), (64, 128)]), st.booleans(),
