@@ -99,7 +99,9 @@ svg2-order)
   # and static bounds' fitted tiles (40e9800). Every compiled template and device route against
   # the reference, then the device templates timed on the masks they change (predictions in
   # NOTES: svg2 gathering 6.98 -> ~6.63 ms, kill > 6.9; moba kv128 4.30 -> ~3.5-3.6, kill > 4.0;
-  # ssta 7.96 -> ~7.2-7.4, kill > 7.9).
+  # ssta 7.96 -> ~7.2-7.4, kill > 7.9). svg2's q64x2 device plan (fitted tiles, no bitmap
+  # steps) predicted ~5.6-5.8 ms: if it beats the gathering template, device_gather "auto"
+  # should leave static bounds to the price rule.
   run 330 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA"
   run 250 device-alt python3 benchmarks/peers.py --per-family 1 --heads 12 --grids wan480 \
       --mask-source gpu --check-rows 1024 --peers tessera,dense --device-alt \
