@@ -94,7 +94,12 @@ at the largest tile of ``--flex-blocks`` that needs no token-level masking, else
 whose partially selected tiles use the exact ``mask_mod`` ``blocks[h, qblock[q], kvblock[kv]]``;
 sequences padded to ``--flex-pad`` so compiled kernels are reused); cuDNN dense attention
 (``jax.nn.dot_product_attention(implementation="cudnn")``, all interactions: the reference
-point). Conversions are in ``peers_lib/convert.py`` (exactness tested on CPU). Inputs: B=1,
+point). Not a peer: flex-block-attn (Tencent-Hunyuan, ThunderKittens, SM90): it takes uniform
+blocks only (queries a multiple of 16, keys of 64) and lengths that are multiples of them,
+with no token mask inside a block; the corpus grids' lengths (Wan 480p 32,760, Wan 720p 75,600,
+HunyuanVideo 720p 113,585) are not, and padded keys would be attended by every row selecting
+the last key block, so it can run none of the corpus masks exactly (not built).
+Conversions are in ``peers_lib/convert.py`` (exactness tested on CPU). Inputs: B=1,
 bf16, head_dim 128, one random q/k/v per mask shared by all peers (torch tensors, seen by JAX
 through DLPack).
 
