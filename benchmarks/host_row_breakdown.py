@@ -27,9 +27,6 @@ call, as a new mask), executables compiled first:
   (``host_plan_from_call=1``, the default before session 35);
 * ``request_from_arrays``: the default request building its ``BlockMask`` from the NumPy
   arrays, as peers' host rows time it;
-* with ``--probe-unpack``: ``route_unpack_barrier`` (the unpack materialised once behind
-  ``lax.optimization_barrier``), ``route_again`` (the plain route, recompiled the same way)
-  and ``unpack_alone``.
 
 Beside them, cProfile's top functions by own time of the route and of the request
 (``profile_route``, ``profile_request``: ms per call own and cumulative, calls, name).
@@ -99,7 +96,7 @@ def _profile(fn, before, calls: int = 5, top: int = 25) -> list:
 
 
 def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, heads: int,
-              repeats: int, probe_unpack: bool = False) -> dict:
+              repeats: int) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -187,26 +184,6 @@ def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, hea
     res["profile_request"] = _profile(
         lambda: jax.block_until_ready(tj.sparse_attention(q, k, v, mask)), clear)
     res["device_route_calls"] = tiered.stats().get("device_route", 0)
-    if probe_unpack:
-        # The route with the in-program unpack materialised once (an optimisation barrier:
-        # its consumers read bools instead of each recomputing bits from bytes), recompiled.
-        from tessera_jax import mask as mask_mod
-        plain = device_route.unpack_blocks
-
-        def barrier(packed, shape):
-            return jax.lax.optimization_barrier(mask_mod.unpack_blocks(packed, shape))
-        try:
-            device_route.unpack_blocks = barrier
-            jax.clear_caches()
-            t("route_unpack_barrier", lambda: route(leaves))
-            device_route.unpack_blocks = plain
-            jax.clear_caches()
-            t("route_again", lambda: route(leaves))
-        finally:
-            device_route.unpack_blocks = plain
-        unpack = jax.jit(mask_mod.unpack_blocks, static_argnums=1)
-        packed_dev = mask.packed_leaves(static_bounds=True)[2]
-        t("unpack_alone", lambda: jax.block_until_ready(unpack(packed_dev, mask.shape)))
     clear()
     return res
 
@@ -220,10 +197,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--small", action="store_true", help="CPU smoke run: tiny masks, XLA")
-    ap.add_argument("--probe-unpack", action="store_true",
-                    help="also time the route with its unpack behind an optimisation barrier "
-                         "(route_unpack_barrier, recompiled; route_again: the plain one "
-                         "recompiled) and the unpack alone (unpack_alone)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     import jax
@@ -235,8 +208,7 @@ def main(argv=None) -> dict:
     for spec, mask, mode in masks:
         t0 = time.perf_counter()
         try:
-            r = breakdown(spec, mask, mode, a.head_dim, a.dtype, a.heads, a.repeats,
-                          a.probe_unpack)
+            r = breakdown(spec, mask, mode, a.head_dim, a.dtype, a.heads, a.repeats)
         except Exception as e:  # noqa: BLE001
             r = {"family": spec["family"], "error": f"{type(e).__name__}: {e}"[:400]}
         r["wall_s"] = time.perf_counter() - t0
