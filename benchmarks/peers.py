@@ -982,13 +982,12 @@ def run_tessera_device(case: "_CaseBase", args) -> dict:
     first is the checked one). The device route plans inside the program: no host planning,
     no host transfer. Kernel time: the same call under the kernel rule (device plan + kernel,
     one program; variant 0, as the peers' kernels); ``device_plan_ms``: the device plan alone
-    (``planning.device.plan_on_device``, the route's template and capacity, or for a gathering
-    template ``planning.device_gather``'s plan as the route makes it), same rule."""
+    (``runtime.device_route.device_plans``' forward plan: the route's template and capacity,
+    planned as the route plans it), same rule."""
     import jax
 
     import tessera_jax as tj
     from request_cases import forget_request_caches
-    from tessera_jax.planning import device as device_planner
     mask = case.mask
     qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
     blocks = case.variants_jax(args)
@@ -1018,17 +1017,18 @@ def run_tessera_device(case: "_CaseBase", args) -> dict:
         res["kernel_ms_all_variants"] = _kernel_timing(f, [(*qkv, b) for b in blocks], args,
                                                        "jax").ms
         try:
-            from tessera_jax.planning import device_gather
+            # The route's own forward plan (``device_route.device_plans``; XLA drops the
+            # dk/dv plan, unused): the plain or the gathering planner, as the call runs it.
+            from tessera_jax.runtime import device_route
             from tessera_jax.select import device as select_device
-            kw = dict(q_len=case.Lq, kv_len=case.Lkv, tile_q=tpl.tile_q, tile_kv=tpl.tile_kv)
-            if select_device.gathers_on_device(tpl):    # the route's gather policy plan
-                gcap = device_gather.step_bound(qb, kb, **kw)[1] * len(blocks[0])
-                planf = jax.jit(lambda b: device_gather.plan_gather_on_device(
-                    b, qb, kb, num_q_heads=case.Hq, capacity=gcap, row_group=tpl.row_group,
-                    **kw))
-            else:
-                planf = jax.jit(lambda b: device_planner.plan_on_device(
-                    b, qb, kb, num_q_heads=case.Hq, bitmap_capacity=cap or 0, **kw))
+            from tessera_jax.validation import check_shapes
+            consts = select_device.static_parts(tj.BlockMask(qb, kb, blocks[0]))
+            shape = check_shapes(case.qj.shape, case.kj.shape, case.qj.dtype)
+            decide = device_route.decides(consts, tuple(blocks[0].shape), shape, tpl, cap or 0)
+            budget = tj.Options().bitmap_budget_bytes
+            planf = jax.jit(lambda b: device_route.device_plans(
+                case.qj, case.kj, qb, kb, b, consts=consts, t=tpl, capacity=cap or 0,
+                decide=decide, budget=budget).fwd)
             res.update(_kernel_timing(planf, [(blocks[0],)], args, "jax").to_json("device_plan_"))
             prot = _Rotor(blocks)
             res["device_plan_wall_ms"] = _request(
