@@ -124,7 +124,7 @@ def _fit_row(b: tuple, tile: int, align: int, density: float):
     # Expected visits a tile, plus a hair a tile: of tilings expected to be visited as often,
     # the fewest tiles (96 + 96 + 64 tokens: two 128-token tiles meeting two blocks each,
     # as the fixed grid, not three).
-    weight = [0.0] + [1.0 - (1.0 - density) ** k + 1e-6 for k in range(1, abi.GRID + 1)]
+    weight = [0.0] + [visit_probability(k, density) + 1e-6 for k in range(1, abi.GRID + 1)]
     best = {0: (0.0, -1)}                           # tile end -> (cost, the tile's start)
     heap = [0]
     while heap:
@@ -231,11 +231,17 @@ _ALIGN_MARGIN = 0.9
 ALIGN_DENSITY = 0.5
 
 
+def visit_probability(n, density: float):
+    """Probability that a tile meeting ``n`` blocks (int or array) is visited when each block
+    is selected independently with ``density``: 1 - (1 - density)^n."""
+    return 1.0 - (1.0 - density) ** n
+
+
 def _expected_visits(nb: np.ndarray, density: float = ALIGN_DENSITY) -> float:
     """Tiles of one axis expected to be visited per block of the other axis when each block
-    is selected independently with ``density``: a tile meeting n blocks (``nb`` [Hb, nt], 0
-    for a padding tile) is visited with probability 1 - (1 - density)^n."""
-    return float((1.0 - (1.0 - density) ** nb)[nb > 0].sum())
+    is selected independently with ``density`` (``visit_probability``; ``nb`` [Hb, nt]: the
+    blocks each tile meets, 0 for a padding tile)."""
+    return float(visit_probability(nb, density)[nb > 0].sum())
 
 
 def _axis(bounds, length: int, tile: int, align_blocks: bool):
@@ -253,8 +259,9 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
     padded = _round8(max(length, tile))
     start = np.arange(nt, dtype=np.int32) * tile
     end = np.minimum(start + tile, length).astype(np.int32)
+    grid = None                        # the fixed grid's (first, last) blocks, once
     if align_blocks and isinstance(bounds, np.ndarray):
-        f_first, f_last = _blocks_of(bounds, start[None], end[None])
+        grid = f_first, f_last = _blocks_of(bounds, start[None], end[None])
         for pack in (_segments_fit, _segments):
             rows = [pack(b, tile) for b in bounds]
             if any(r is None for r in rows):
@@ -292,7 +299,7 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
         hi = jnp.where(fits[:, None], hi, f_hi)
         first, last = _blocks_of(bounds, lo, hi)
         return (*_inside(org, lo - org, hi - org, padded, tile), first, last, padded, True)
-    first, last = _blocks_of(bounds, start[None], end[None])
+    first, last = grid if grid is not None else _blocks_of(bounds, start[None], end[None])
     return (*_inside(start[None], np.zeros_like(start)[None], (end - start)[None], padded, tile),
             first, last, padded, False)
 
@@ -508,8 +515,7 @@ def plan_on_device(blocks, q_bounds, kv_bounds, *, num_q_heads: int, q_len: int,
     more than ``abi.GRID`` blocks per axis (0: none; such a tile then makes ``ok`` False, or a
     ValueError for static bounds); more of them than the capacity also makes ``ok`` False
     (``bitmap_slots`` counts what a plan of static bounds needs); ``words_chunk``: bitmap slots
-    filled per pass (None:
-    ``words_chunks``' defaults), ``word_patterns``: fill them from per-key-tile patterns
+    filled per pass (None: ``words_chunks``' defaults), ``word_patterns``: fill them from per-key-tile patterns
     (True), by direct gathers (False) or by the cheaper for the slots in use, on the device
     (None); the plan depends on neither. The plan's leaves are jax arrays, its ``row_index``
     None (made from the units where a kernel needs it) and its ``all_full`` None.

@@ -183,7 +183,7 @@ def _waste(qb: Const, kb: Const, q_len: int, kv_len: int, tile_q: int, tile_kv: 
     nk = np.broadcast_to(nk, (rows, nk.shape[1]))
     top = int(max(nq.max(), nk.max())) + 1
     n = np.arange(top)
-    visit = 1.0 - (1.0 - density) ** np.outer(n, n)           # [a, b] blocks met per axis
+    visit = _device.visit_probability(np.outer(n, n), density)  # [a, b] blocks met per axis
     pairs = sum(np.bincount(a, minlength=top) @ visit @ np.bincount(c, minlength=top)
                 for a, c in zip(nq, nk))
     return float(pairs * tile_q * tile_kv / (density * q_len * kv_len * rows))
