@@ -26,7 +26,7 @@ call, as a new mask), executables compiled first:
 * ``request_plan_at_once``: the same with the host plan started at the first call
   (``host_plan_from_call=1``, the default before session 35);
 * ``request_from_arrays``: the default request building its ``BlockMask`` from the NumPy
-  arrays, as peers' host rows time it;
+  arrays, as peers' host rows time it.
 
 Beside them, cProfile's top functions by own time of the route and of the request
 (``profile_route``, ``profile_request``: ms per call own and cumulative, calls, name).

@@ -100,8 +100,8 @@ class TimingRule:
 #: Kernel time of every system in a comparison (ours, the torch peers, cuDNN dense).
 KERNEL_RULE = TimingRule()
 #: Request latency (host wall clock, everything a call pays) of every system in a comparison:
-#: the median of 21 calls, as the design's GPU timings (>= 20 runs); single wall-clock calls
-#: on a GPU host spread by up to ~1 ms (H200, session 36), too wide for a median of five.
+#: the median of 21 calls, as the design's GPU timings (>= 20 runs): single wall-clock calls
+#: on a GPU host spread by up to ~1 ms (benchmarks/NOTES.md, request rule).
 REQUEST_RULE = TimingRule(timer="wall", l2="none", warmup=1, repeats=21)
 
 
