@@ -42,9 +42,11 @@
 # Session 36 (an H200 for five calls): peers at Wan 480p, 13 families x 2 sources
 # (results/h200-peers.json), the fresh-install first plan, natten / svg2 device templates, the
 # host-row breakdown, the three dynamic loops (results/h200-loop.json). Then no machine.
-# First next time, one call: `svg2-order` (the device gathering plan's new step and unit order,
-# 300758e, and static bounds' fitted tiles, 40e9800: both unchecked on a GPU), then `loops-36` (the XAttention loop and the layer-scaling
-# check of issue 33 item 4).
+# Session 37: no machine could be started (eight tries, ~1,050 s of the budget lost).
+# First next time: `svg2-ab` (the device gathering plan's new step and unit order, 300758e,
+# and static bounds' fitted tiles, 40e9800, against ff390cc in the same call), `svg2-order`'s
+# make test-gpu, then `loops-36` (the XAttention loop and the layer-scaling check of issue 33
+# item 4).
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file of record on an
 #     H200 (~510 s on the H100); copy $OUT/h200-gather.json to benchmarks/results/
@@ -106,6 +108,18 @@ svg2-order)
   run 250 device-alt python3 benchmarks/peers.py --per-family 1 --heads 12 --grids wan480 \
       --mask-source gpu --check-rows 1024 --peers tessera,dense --device-alt \
       --families svg2,moba,ssta,sta --out $OUT/h200-device-alt.json ;;
+svg2-ab)
+  # The same device templates before and after session 36's plan changes, in one call (no
+  # ratio across runs): first `git archive ff390cc | tar -x -C ab_old` here (untracked, so it
+  # travels). svg2 (the gathering plan's order; q64x2's fitted tiles against gathering) and
+  # moba (fitted tiles); ~400 s with a start.
+  run 260 device-alt python3 benchmarks/peers.py --per-family 1 --heads 12 --grids wan480 \
+      --mask-source gpu --check-rows 1024 --peers tessera,dense --device-alt --time-budget 230 \
+      --families svg2,moba --out $OUT/h200-device-alt.json
+  (cd ab_old && PYTHONPATH=$PWD run 200 device-alt-old python3 benchmarks/peers.py \
+      --per-family 1 --heads 12 --grids wan480 --mask-source gpu --check-rows 1024 \
+      --peers tessera,dense --device-alt --time-budget 170 --families svg2,moba \
+      --out $OUT/h200-device-alt-old.json) ;;
 loops-36)
   # Issue 33 item 4: the XAttention loop (Wan 1.3B 480p, all 30 layers), then the per-layer
   # scaling of the layer-subset cases checked against full depth at 720p (HunyuanVideo 720p
