@@ -301,7 +301,8 @@ def test_template_choice_is_static_and_follows_static_bounds():
 def test_device_gather_option_sends_traced_and_irregular_bounds_to_the_gathering_template():
     """``Options.device_gather``: "never" keeps the device list, "traced" gathers where a bound
     is traced, "irregular" also where static key blocks have more than 8 distinct sizes, "auto"
-    (the default) only there; a named template wins; a bad value is refused."""
+    (the default) nowhere (a tiered call makes it "traced" for irregular host bounds); a
+    named template wins; a bad value is refused."""
     shape = check_shapes((1, 512, 2, 64), (1, 512, 2, 64), jnp.bfloat16)
     rng = np.random.default_rng(0)
     kb = np.r_[0, np.cumsum(rng.integers(1, 40, 400))]
@@ -325,7 +326,7 @@ def test_device_gather_option_sends_traced_and_irregular_bounds_to_the_gathering
     assert [pick(m, "irregular") for m in (clusters, cubes, traced)] == [
         gather, "mgpu_q64x2_kv64_s2_hm", gather]
     assert [pick(m, "auto") for m in (clusters, cubes, traced)] == [
-        gather, "mgpu_q64x2_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm"]
+        pick(m, "never") for m in (clusters, cubes, traced)]
     perhead = tj.BlockMask(np.arange(0, 513, 128), np.stack([kb, kb]),
                            jnp.ones((2, 4, len(kb) - 1), bool))
     assert pick(perhead, "auto") != gather and pick(perhead, "irregular") == gather

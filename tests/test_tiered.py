@@ -566,11 +566,11 @@ def _irregular_mask(seed: int) -> tj.BlockMask:
 
 def test_auto_device_gather_reads_the_host_masks_key_bounds(monkeypatch):
     """``Options.device_gather`` "auto": a tiered call sends irregular host key bounds to the
-    device route as "irregular" (traced bounds gather too), regular ones as they are; the
-    output agrees with the reference either way."""
+    device route as "traced" (gathered where the route traces them), regular ones as they
+    are; the output agrees with the reference either way."""
     irr, reg = _irregular_mask(40), _mask(41)
     assert tiered.route_options(tj.Options(), tiered.bounds_key(irr)).device_gather == \
-        "irregular"
+        "traced"
     for m, opts in ((reg, tj.Options()), (irr, tj.Options(device_gather="never"))):
         assert tiered.route_options(opts, tiered.bounds_key(m)) is opts
     seen = []
@@ -582,7 +582,7 @@ def test_auto_device_gather_reads_the_host_masks_key_bounds(monkeypatch):
 
     monkeypatch.setattr(tiered.device_route, "attention", spy)
     q, k, v = _qkv()
-    for m, want in ((irr, "irregular"), (reg, "auto")):
+    for m, want in ((irr, "traced"), (reg, "auto")):
         seen.clear()
         out, r = _routes(lambda: tj.sparse_attention(q, k, v, m, backend="xla", options=FIRST))
         assert r == "device" and seen == [want]

@@ -74,14 +74,14 @@ class Options:
         it 0.3-1.0 ms). 1: from the first call.
     device_gather: when the device route (a device mask, or per-head bounds) runs the
         backend's gathering template (``select.device.GATHER_TEMPLATES``, planned by
-        ``planning.device_gather``) instead of its device list: "auto" (default): where the
-        key blocks are known to be irregular (static shared key bounds of more than 8
-        distinct sizes, e.g. SVG2's clusters; a tiered call reads its host mask's bounds,
-        traced or not; per-head bounds keep the list, not measured since the block-rank
-        planner); "never"; "traced" (every traced bound); "irregular" (traced bounds and
-        irregular static ones). "auto" by measurement: on the H100 at Wan 480p, 12 heads,
-        SVG2 clusters, plan + kernel 6.95 -> 5.86 ms with static bounds and 7.33 -> 5.97 ms
-        traced (``results/h100-peers.json`` ``gather_alt``); on per-head cubes and sliding
+        ``planning.device_gather``) instead of its device list: "auto" (default): where a
+        tiered call's host key bounds are irregular (more than 8 distinct sizes, e.g. SVG2's
+        clusters) and the route traces them; static bounds keep the list, whose fitted tiles
+        run them faster (H100, Wan 480p, 12 heads, SVG2: q64x2 x kv64 5.78 ms against the
+        gathering template's 6.85, ``results/h100-device-alt-ab.json``); "never"; "traced"
+        (every traced bound); "irregular" (traced bounds and irregular static ones). Traced
+        irregular bounds by measurement: plan + kernel 7.33 -> 5.97 ms with gathering (H100,
+        ``results/h100-peers.json`` ``gather_alt``); on per-head cubes and sliding
         tiles the gathering template ran slower than the device list (H200, session 23:
         0.18 / 0.15 of cuDNN against 0.21 / 0.31), so traced bounds of unknown content keep
         the list (benchmarks/NOTES.md#gathered-steps).

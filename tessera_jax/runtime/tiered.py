@@ -178,7 +178,8 @@ def _device_route(q, k, v, mask: BlockMask, leaves, shape, backend, scale, retur
 def route_options(options: Options, bkey: tuple) -> Options:
     """``options`` for the device route of a tiered call on the mask of ``bounds_key``
     ``bkey``: ``device_gather`` "auto" sees the host mask's key bounds, so irregular ones
-    (``select.device.irregular_kv``) gather on the traced route too ("irregular")."""
+    (``select.device.irregular_kv``) gather where the route traces them ("traced"); with the
+    bounds static (a precompiled executable) the device list's fitted tiles run them."""
     if options.device_gather != "auto" or not _irregular(bkey):
         return options
     return _gathering(options)
@@ -191,7 +192,7 @@ def _irregular(bkey: tuple) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _gathering(options: Options) -> Options:
-    return dataclasses.replace(options, device_gather="irregular")
+    return dataclasses.replace(options, device_gather="traced")
 
 
 def _compiled_key(q, k, mask: BlockMask, backend, scale, return_lse, options) -> tuple:

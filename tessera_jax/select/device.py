@@ -279,8 +279,9 @@ def _gathers(f: DeviceFeatures, device_gather: str) -> bool:
         return traced
     if device_gather == "irregular":
         return traced or _irregular_kv(f.kv_bounds)
-    if device_gather == "auto":          # shared bounds: per-head ones are not measured yet
-        return _irregular_kv(f.kv_bounds) and np.ndim(f.kv_bounds.array) == 1
+    # "auto" here is "never": static bounds take the device list by price (H100, Wan 480p
+    # svg2: q64x2 x kv64 on fitted tiles 5.78 ms against the gathering template's 6.85);
+    # a tiered call's traced irregular bounds gather ("traced", tiered.route_options).
     return False
 
 
@@ -293,8 +294,8 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
     ``device_gather`` (``Options.device_gather``): "traced" runs the backend's gathering
     template (``GATHER_TEMPLATES``) where a bound is traced (per-head bounds of a
     content-dependent method), "irregular" also where static key blocks are irregular
-    (``_irregular_kv``), "auto" only where such bounds are shared; "never" keeps the device
-    list."""
+    (``_irregular_kv``); "auto" and "never" keep the device list (a tiered call turns "auto"
+    into "traced" for irregular host key bounds, ``runtime.tiered.route_options``)."""
     f = features
     if template is not None:
         if gathers_on_device(template):

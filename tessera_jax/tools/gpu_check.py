@@ -330,7 +330,7 @@ def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
                 if t.supports(D, np.dtype("bfloat16")):
                     out.append((f"{t.name}-host-D{D}", kw, "host", D, Hq, Hkv))
         for route in ("device", "perhead"):
-            # The device list on these irregular blocks ("auto" would gather them).
+            # The device list on these irregular blocks ("auto" and "never" alike).
             out.append((f"{b}-{route}-D128",
                         dict(backend=b, options=tj.Options(device_gather="never")),
                         route, 128, 4, 2))
