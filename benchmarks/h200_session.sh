@@ -42,11 +42,11 @@
 # Session 36 (an H200 for five calls): peers at Wan 480p, 13 families x 2 sources
 # (results/h200-peers.json), the fresh-install first plan, natten / svg2 device templates, the
 # host-row breakdown, the three dynamic loops (results/h200-loop.json). Then no machine.
-# Session 37: no machine could be started (eight tries, ~1,050 s of the budget lost).
-# First next time: `svg2-ab` (the device gathering plan's new step and unit order, 300758e,
-# and static bounds' fitted tiles, 40e9800, against ff390cc in the same call), `svg2-order`'s
-# make test-gpu, then `loops-36` (the XAttention loop and the layer-scaling check of issue 33
-# item 4).
+# Session 37: 16 tries that got no machine (1,141 s of the budget), then an H100 for `svg2-ab`
+# (results/h100-device-alt-ab.json) and the device-route cases of make test-gpu (20 passed).
+# First next time: `loops-36` (the XAttention loop and the layer-scaling check of issue 33
+# item 4), then the 13-family peers at Wan 480p (svg2's gpu row now runs q64x2 x kv64 on
+# fitted tiles: predicted ~5.8 ms against FlashInfer's 6.32), then make test-gpu whole.
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file of record on an
 #     H200 (~510 s on the H100); copy $OUT/h200-gather.json to benchmarks/results/
