@@ -155,7 +155,8 @@ def test_traced_selections_share_one_trace_and_overflow_is_reported():
         assert bool(ok) and bool(ok2)
     assert len(traces) == 1
     dense = np.ones((2, 8, 12), bool)
-    p, ok = dg.plan_gather_on_device(jnp.asarray(dense), qb, kb, **dict(kw, capacity=2))
+    p, ok = jax.jit(lambda b: dg.plan_gather_on_device(b, qb, kb, **dict(kw, capacity=2)))(
+        jnp.asarray(dense))
     assert not bool(ok)              # past capacity: reported, and what is kept reads in bounds
     abi.check_plan(np.asarray(p.units), np.asarray(p.steps), 128, 128, p.q_len_padded,
                    p.kv_len_padded, num_q_heads=2, q_align=8, kv_align=8, gather=True)
@@ -189,9 +190,11 @@ def test_traced_and_per_head_bounds(mt, tiles, per_head, max_blocks, max_element
         qbs = qb[None]
     kbs = np.broadcast_to(kb, (qbs.shape[0], len(kb)))
     kw = dict(q_len=mask.Lq, kv_len=mask.Lkv, tile_q=tq, tile_kv=tk, max_blocks=max_blocks)
-    cap = dg.step_bound(jnp.asarray(qbs), jnp.asarray(kbs), **kw)[1] * Hm
+    # The capacity of traced bounds from their shapes, inside the program (``step_bound``
+    # run eagerly dispatches its structure op by op: ~200 small compiles per example).
     p, ok = jax.jit(lambda b, q, k: dg.plan_gather_on_device(
-        b, q, k, num_q_heads=Hq, capacity=cap, max_elements=max_elements, **kw))(
+        b, q, k, num_q_heads=Hq, capacity=dg.step_bound(q, k, **kw)[1] * Hm,
+        max_elements=max_elements, **kw))(
         jnp.asarray(blocks), jnp.asarray(qbs), jnp.asarray(kbs))
     abi.check_plan(np.asarray(p.units), np.asarray(p.steps), tq, tk, p.q_len_padded,
                    p.kv_len_padded, num_q_heads=Hq, q_align=8, kv_align=8,
@@ -248,10 +251,11 @@ def test_device_route_plans_gather_templates_with_static_bounds():
     ks = jax.random.split(jax.random.key(4), 3)
     q, k, v = (jax.random.normal(x, (1, L, H, D)).astype(jnp.bfloat16)
                for x, L in zip(ks, (Lq, Lk, Lk)))
-    plan = device_route.device_plans(q, k, *(c.array for c in consts[:2]), dev.blocks,
-                                     consts=consts, t=t, capacity=0, decide=False,
-                                     budget=0)
-    cb = np.asarray(plan.fwd.steps)[np.asarray(plan.fwd.units)[:, abi.UNIT_STEP_PTR]]
+    # The route's plans in one program (run eagerly, op by op: ~400 small compiles).
+    fwd = jax.jit(lambda q, k, b: device_route.device_plans(
+        q, k, *(c.array for c in consts[:2]), b, consts=consts, t=t, capacity=0,
+        decide=False, budget=0).fwd)(q, k, dev.blocks)
+    cb = np.asarray(fwd.steps)[np.asarray(fwd.units)[:, abi.UNIT_STEP_PTR]]
     assert abi.is_gather(cb[:, abi.STEP_CUTS_B]).any()
     f = lambda q, k, v: device_route.attention(q, k, v, dev, check_qkv(q, k, v),   # noqa
                                                "mosaic_gpu", t, 0.125, False)

@@ -440,7 +440,9 @@ def test_heavy_first_is_the_head_major_sort(seed, heads, nqt, nkt, tiles, shared
     cost = m.unit_ns + cnt * np.float32(m.step_ns_total(tq, tk, 128, 2)) + part * m.mask_ns
     cls = np.floor(np.log2(np.maximum(cost.astype(np.float32), 1.0)) * 8).astype(np.int64)
     want = np.lexsort((units[:, abi.UNIT_Q_START], units[:, abi.UNIT_HEAD], -cls))
-    got = device._heavy_first(jnp.asarray(units), jnp.asarray(part), tq, tk, nkt, heads, shared)
+    # One program (run eagerly, the sort dispatches ~30 ops, each compiled for the shape).
+    got = jax.jit(device._heavy_first, static_argnums=(2, 3, 4, 5, 6))(
+        jnp.asarray(units), jnp.asarray(part), tq, tk, nkt, heads, shared)
     np.testing.assert_array_equal(np.asarray(got), want)
 
 

@@ -1,5 +1,6 @@
 """row_index made on the device from units (what an eager request runs) equals the planner's."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,7 +35,9 @@ def test_row_index_from_units_equals_the_planners(data):
     policy = data.draw(st.sampled_from(["keep", "merge", "split", "pack", "auto"]))
     plan = build_plan(mask, (1, Lq, Hq, 8), (1, Lkv, Hkv, 8), jnp.float32, tile_q=tile_q,
                       tile_kv=16, policy=policy, q_align=data.draw(st.sampled_from([1, 16])))
-    got = plan_abi.row_index_from_units(plan.units, Hq, Lq, plan.tile_q)
+    # One program, as the executors run it (eagerly: ~13 ops, each compiled for the shape).
+    got = jax.jit(plan_abi.row_index_from_units, static_argnums=(1, 2, 3))(
+        plan.units, Hq, Lq, plan.tile_q)
     assert got.dtype == jnp.int32 and got.shape == (Hq, Lq)
     np.testing.assert_array_equal(np.asarray(got), plan.row_index)
 
