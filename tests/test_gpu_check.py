@@ -22,10 +22,16 @@ def test_cases_cover_every_gpu_template_and_the_device_routes():
 
 
 @pytest.mark.parametrize("route", gpu_check.ROUTES)
-def test_check_case_passes_on_xla_and_fails_a_wrong_kernel(route, monkeypatch):
+def test_check_case_passes_on_xla(route):
     rng = np.random.default_rng(1)
     rec = gpu_check.check_case(rng, D=32, Hq=2, Hkv=1, route=route, options={"backend": "xla"})
     assert rec["ok"] and rec["empty_rows_ok"], rec
+
+
+def test_check_case_fails_a_wrong_kernel(monkeypatch):
+    """Once, on the host route: ``ok`` is the same comparison against the reference on every
+    route (a route's own checks only add conditions), and each route's case compiles anew."""
+    rng = np.random.default_rng(1)
     import tessera_jax as tj
     real = tj.sparse_attention
 
@@ -34,7 +40,7 @@ def test_check_case_passes_on_xla_and_fails_a_wrong_kernel(route, monkeypatch):
         return out.at[:, : q.shape[1] // 10].set(0), lse
 
     monkeypatch.setattr(tj, "sparse_attention", wrong)
-    assert not gpu_check.check_case(rng, D=32, Hq=2, Hkv=1, route=route,
+    assert not gpu_check.check_case(rng, D=32, Hq=2, Hkv=1, route="host",
                                     options={"backend": "xla"})["ok"]
 
 

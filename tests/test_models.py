@@ -290,8 +290,14 @@ def test_bench_loop_tiny_dynamic(tmp_path):
     dynamic loop under a transfer guard with no host-transfer site and one trace, the
     host-planning baseline through its callback (one site), the issue's summary keys."""
     out = tmp_path / "dyn.json"
-    doc = bench_loop.main(["--tiny", "--models", "dynamic", "--steps", "2", "--attn-repeats",
-                           "1", "--out", str(out)])
+    # "dynamic" names every dynamic case; the run takes the three above (each case compiles
+    # its four model loops; XAttention's mask in a compiled program: test_dynamic_masks).
+    names = ["wan13b_480p_vsa", "wan14b_720p_svg2", "hunyuan15_720p_sparge"]
+    assert [c.name for c in bench_loop.parse_args(["--tiny", "--models", "dynamic"]).cases] \
+        == list(bench_loop.DYN_CASES) and set(names) < set(bench_loop.DYN_CASES)
+    doc = bench_loop.main(["--tiny", "--models", ",".join(names), "--steps", "2",
+                           "--attn-repeats", "1", "--out", str(out)])
+    assert sorted(doc["cases"]) == sorted(names)
     s = json.loads(out.read_text())["summary"]
     assert s["host_transfers_in_loop"] == 0 and s["compiles_per_loop"] == 1
     for key in ("wan13b_480p_dynamic_speedup_vs_dense", "hunyuan720_dynamic_speedup_vs_dense",
