@@ -74,9 +74,9 @@ def device_cases(draw):
                 seed=draw(st.integers(0, 2**31 - 1)))
 
 
-# 8 examples (was 30, then 15): each new shape or static bound set compiles the whole device
+# 5 examples, random each run: each new shape or static bound set compiles the whole device
 # route (~1.5 s alone, 3-5 s on a loaded 2-core runner).
-@settings(max_examples=8)
+@settings(max_examples=5)
 @given(device_cases())
 def test_device_masks_under_jit_are_exact(case):
     """Any block sizes (1-token ones included), shared or per-head bounds, GQA, empty rows,

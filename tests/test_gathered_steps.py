@@ -422,8 +422,8 @@ def cluster_masks(draw):
 
 
 @given(st.one_of(gather_masks(), cluster_masks()), st.sampled_from(["gather", "gather32"]))
-# 8 examples (was 16): each compiles the XLA executor's forward and backward (~3 s).
-@settings(max_examples=8, deadline=None)
+# 5 examples, random each run: each compiles the XLA executor's forward and backward (~3 s).
+@settings(max_examples=5, deadline=None)
 def test_xla_gather_plans_match_the_float64_reference(mt, policy):
     """The XLA executor on random gathered plans (variable and 1-token blocks, clusters,
     per-head masks, GQA, empty query blocks, Lq != Lkv) against the float64 reference:

@@ -199,7 +199,8 @@ def _check_stats(plan, mask, t):
 
 
 @given(plan_masks(), st.sampled_from([1, 8, 16]), st.sampled_from([1, 8, 64]))
-@settings(max_examples=40)
+# 25 examples, random each run: each plans and checks 6 tile shapes x 5 policies (~0.5 s).
+@settings(max_examples=25)
 def test_every_policy_and_tile_covers_selected_set_exactly(mt, q_align, kv_align):
     mask, Hq, Hkv = mt
     for (tq, tk), policy in itertools.product(TILES, POLICIES):
@@ -220,7 +221,8 @@ def test_kept_merged_split_match_direct_count(mt, tile, policy):
 
 @given(plan_masks(), st.sampled_from([(64, 64), (64, 128), (128, 64), (128, 128)]),
        st.sampled_from(POLICIES), st.integers(0, 2**31 - 1))
-@settings(max_examples=12)
+# 8 examples, random each run: each compiles the executor and the reference (~1 s).
+@settings(max_examples=8)
 def test_xla_executor_matches_reference(mt, tile, policy, seed):
     mask, Hq, Hkv = mt
     rng = np.random.default_rng(seed)

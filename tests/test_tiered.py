@@ -107,7 +107,8 @@ def test_a_copy_of_the_mask_counts_as_the_mask():
         lambda: tj.sparse_attention(q, k, v, m, options=opts))[1] == "host"
 
 
-@settings(max_examples=8)
+# 5 examples, random each run: each compiles the device route and the host plan's program.
+@settings(max_examples=5)
 @given(seed=st.integers(0, 2**31 - 1), Hm=st.sampled_from([1, H]),
        density=st.sampled_from([0.2, 0.6, 1.0]))
 def test_first_call_runs_the_device_route_then_the_host_plan(seed, Hm, density):
