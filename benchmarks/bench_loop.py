@@ -46,9 +46,12 @@ fields (``tessera_jax.masks.dynamic``): set them with ``--rule-params``, e.g.
 ``--peers-json`` the dynamic cases' peers estimates are recomputed from that peers file.
 
 Cases with a layer subset (``layers_run < layers_total``) report loop times extrapolated per
-layer: ``T_full = T_measured * layers_total / layers_run`` (embedding and head are < 1% of a
-step at these sizes); the JSON marks them ``extrapolated: true`` and keeps the measured times.
-Speedups are ratios of measured loops, which the scaling does not change.
+layer: ``T_full = T_measured * layers_total / layers_run``; the JSON marks them
+``extrapolated: true`` and keeps the measured times. Their speedups are the subset's, which is
+not the full model's: the work outside the blocks (embedding, head, the step's own ops) weighs
+more in 2 layers than in 54. The one check (H200, HunyuanVideo 720p SpargeAttn, 2 steps;
+``--merge ... --scaling-check SUBSET.json FULL.json``, kept as ``layer_scaling_check``): 2
+layers 4.53x dense, all 54 layers 3.89x (full / subset 0.86; dense loop 0.90, dynamic 1.05).
 """
 
 from __future__ import annotations
@@ -1275,9 +1278,16 @@ def main(argv=None) -> dict:
             peers, bad = (argv + [None])[i + 1], i + 1 >= len(argv) or argv[i + 1] == "--out"
             argv = argv[:i] + argv[i + 2:]
         if bad or "--out" not in argv or argv.index("--out") != len(argv) - 2 or len(argv) < 4:
-            raise SystemExit("usage: bench_loop --merge A.json [B.json ...] "
-                             "[--peers-json P.json] --out OUT.json")
-        doc = merge_files(argv[1:-2], argv[-1], peers)
+            raise SystemExit("usage: bench_loop --merge A.json [B.json ...] [--peers-json P.json] "
+                             "[--scaling-check SUBSET.json FULL.json] --out OUT.json")
+        checks = []
+        while "--scaling-check" in argv:
+            i = argv.index("--scaling-check")
+            if i + 3 > len(argv) - 2:
+                raise SystemExit("usage: --scaling-check SUBSET.json FULL.json")
+            checks.append((argv[i + 1], argv[i + 2]))
+            argv = argv[:i] + argv[i + 3:]
+        doc = merge_files(argv[1:-2], argv[-1], peers, scaling_checks=checks)
         _print_table(doc)
         return doc
     args = parse_args(argv)
@@ -1333,6 +1343,15 @@ def main(argv=None) -> dict:
         _write(args.out, doc)
     doc["runs"].append(env)
     doc["summary"] = summarize(doc["cases"])
+    if scaling_checks:
+        doc["layer_scaling_check"] = {}
+        for sub, full in scaling_checks:
+            doc["layer_scaling_check"].update(scaling_check(sub, full))
+        chk = doc["layer_scaling_check"]
+        doc["summary"]["layer_scaling_full_over_subset_speedup_by_case"] = {
+            k: v["full_over_subset_speedup"] for k, v in chk.items()}
+        doc["summary"]["dynamic_speedup_vs_dense_full_depth_by_case"] = {
+            k: v["full"]["speedup_vs_dense"] for k, v in chk.items()}
     if "builder_costs" in doc:
         doc["summary"]["builder_cost_fraction_by_variant"] = {
             k: v.get("fraction") for k, v in doc["builder_costs"]["variants"].items()}
@@ -1354,11 +1373,13 @@ def _write(path, doc):
     os.replace(tmp, path)
 
 
-def merge_files(paths, out, peers_json: str | None = None) -> dict:
+def merge_files(paths, out, peers_json: str | None = None, scaling_checks=()) -> dict:
     """Merge result files of several processes (e.g. one per GPU) into ``out``: their cases,
     runs and errors, with the summary recomputed over all cases. Later files win on a clash.
     With ``peers_json``, every dynamic case's peers estimate is recomputed from that file (the
-    loops measured are kept; only the estimate's per-call peer times change)."""
+    loops measured are kept; only the estimate's per-call peer times change). Each
+    ``scaling_checks`` pair (subset file, full-depth file of the same case, same steps) is kept
+    as ``layer_scaling_check`` (``scaling_check``)."""
     doc: dict = {"cases": {}, "runs": []}
     for path in paths:
         with open(path) as f:
@@ -1382,11 +1403,56 @@ def merge_files(paths, out, peers_json: str | None = None) -> dict:
     if not doc.get("errors"):
         doc.pop("errors", None)
     doc["summary"] = summarize(doc["cases"])
+    if scaling_checks:
+        doc["layer_scaling_check"] = {}
+        for sub, full in scaling_checks:
+            doc["layer_scaling_check"].update(scaling_check(sub, full))
+        chk = doc["layer_scaling_check"]
+        doc["summary"]["layer_scaling_full_over_subset_speedup_by_case"] = {
+            k: v["full_over_subset_speedup"] for k, v in chk.items()}
+        doc["summary"]["dynamic_speedup_vs_dense_full_depth_by_case"] = {
+            k: v["full"]["speedup_vs_dense"] for k, v in chk.items()}
     if "builder_costs" in doc:
         doc["summary"]["builder_cost_fraction_by_variant"] = {
             k: v.get("fraction") for k, v in doc["builder_costs"]["variants"].items()}
     _write(out, doc)
     return doc
+
+
+def scaling_check(subset_path: str, full_path: str) -> dict:
+    """Issue 33 item 4: one case run on a layer subset and at full depth (same steps, same
+    commit and machine, two processes): each side's loop times scaled to the full model, its
+    dense / dynamic speedup, and full / subset of each (the subset's scaling error)."""
+    out = {}
+    with open(subset_path) as f:
+        a = json.load(f)
+    with open(full_path) as f:
+        b = json.load(f)
+    for name in set(a["cases"]) & set(b["cases"]):
+        ca, cb = a["cases"][name], b["cases"][name]
+        if ca["layers_run"] >= cb["layers_run"] or cb["layers_run"] != cb["layers_total"]:
+            raise ValueError(f"{name}: {subset_path} must run a layer subset and {full_path} "
+                             f"every layer ({ca['layers_run']}, {cb['layers_run']})")
+        if ca.get("steps") != cb.get("steps"):
+            raise ValueError(f"{name}: the two runs' steps differ ({ca.get('steps')}, "
+                             f"{cb.get('steps')})")
+
+        def side(c, d):
+            loops = {v: c["loops"][v]["loop_full_model_s"] for v in ("dense", "dynamic")}
+            return dict(layers_run=c["layers_run"], steps=c["steps"], loop_full_model_s=loops,
+                        speedup_vs_dense=loops["dense"] / loops["dynamic"],
+                        commit=d["environment"]["commit"], device=d["environment"]["device"],
+                        command=d["environment"]["command"])
+        sa, sb = side(ca, a), side(cb, b)
+        out[name] = dict(
+            subset=sa, full=sb,
+            full_over_subset_speedup=sb["speedup_vs_dense"] / sa["speedup_vs_dense"],
+            full_over_subset_loop_s={v: sb["loop_full_model_s"][v] / sa["loop_full_model_s"][v]
+                                     for v in ("dense", "dynamic")},
+            note="loop_full_model_s: each run's loop time scaled per layer to every layer "
+                 "(the full-depth run is not scaled); full_over_subset_*: the scaling's error "
+                 "on this case (1 = exact)")
+    return out
 
 
 def _print_table(doc):
