@@ -1343,15 +1343,6 @@ def main(argv=None) -> dict:
         _write(args.out, doc)
     doc["runs"].append(env)
     doc["summary"] = summarize(doc["cases"])
-    if scaling_checks:
-        doc["layer_scaling_check"] = {}
-        for sub, full in scaling_checks:
-            doc["layer_scaling_check"].update(scaling_check(sub, full))
-        chk = doc["layer_scaling_check"]
-        doc["summary"]["layer_scaling_full_over_subset_speedup_by_case"] = {
-            k: v["full_over_subset_speedup"] for k, v in chk.items()}
-        doc["summary"]["dynamic_speedup_vs_dense_full_depth_by_case"] = {
-            k: v["full"]["speedup_vs_dense"] for k, v in chk.items()}
     if "builder_costs" in doc:
         doc["summary"]["builder_cost_fraction_by_variant"] = {
             k: v.get("fraction") for k, v in doc["builder_costs"]["variants"].items()}

@@ -335,6 +335,38 @@ def test_bench_loop_tiny_dynamic(tmp_path):
         bench_loop.main(["--merge", str(out), "--peers-json", "--out", str(tmp_path / "x.json")])
 
 
+def test_bench_loop_scaling_check(tmp_path):
+    """--merge --scaling-check: a layer subset's and a full-depth run's loops of one case, each
+    scaled to the whole model, their speed-ups and full / subset; runs that are not a subset
+    and a full depth, or whose steps differ, are refused."""
+    def doc(layers, dense, dynamic, steps=2):
+        case = dict(kind="dynamic", layers_run=layers, layers_total=54, steps=steps,
+                    loops={"dense": {"loop_full_model_s": dense},
+                           "dynamic": {"loop_full_model_s": dynamic}})
+        return {"cases": {"c": case}, "environment": dict(commit="abc", device="GPU",
+                                                          command=f"run {layers}")}
+
+    paths = {}
+    for name, d in (("sub", doc(2, 24.0, 5.0)), ("full", doc(54, 21.0, 6.0)),
+                    ("sub3", doc(2, 24.0, 5.0, steps=3)), ("base", {"cases": {}, "runs": []})):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(d))
+    merged = bench_loop.main(["--merge", str(paths["base"]), "--scaling-check",
+                              str(paths["sub"]), str(paths["full"]),
+                              "--out", str(tmp_path / "m.json")])
+    chk = merged["layer_scaling_check"]["c"]
+    assert chk["subset"]["speedup_vs_dense"] == pytest.approx(4.8)
+    assert chk["full"]["speedup_vs_dense"] == pytest.approx(3.5)
+    assert chk["full_over_subset_speedup"] == pytest.approx(3.5 / 4.8)
+    assert chk["full_over_subset_loop_s"] == pytest.approx({"dense": 21 / 24, "dynamic": 1.2})
+    assert merged["summary"]["dynamic_speedup_vs_dense_full_depth_by_case"] == {
+        "c": pytest.approx(3.5)}
+    for a, b in (("full", "sub"), ("sub3", "full")):
+        with pytest.raises(ValueError, match="layer subset|steps differ"):
+            bench_loop.main(["--merge", str(paths["base"]), "--scaling-check", str(paths[a]),
+                             str(paths[b]), "--out", str(tmp_path / "x.json")])
+
+
 def test_host_planned_baseline_matches_the_reference():
     """bench_loop's plan-on-host baseline (pure_callback -> tj.plan -> the kernel on that plan)
     on device masks: static bounds, per-head traced bounds (planned a head at a time, GQA),
