@@ -44,9 +44,14 @@
 # host-row breakdown, the three dynamic loops (results/h200-loop.json). Then no machine.
 # Session 37: 16 tries that got no machine (1,141 s of the budget), then an H100 for `svg2-ab`
 # (results/h100-device-alt-ab.json) and the device-route cases of make test-gpu (20 passed).
-# First next time: `loops-36` (the XAttention loop and the layer-scaling check of issue 33
-# item 4), then the 13-family peers at Wan 480p (svg2's gpu row now runs q64x2 x kv64 on
-# fitted tiles: predicted ~5.8 ms against FlashInfer's 6.32), then make test-gpu whole.
+# Session 38 (an H200, then an H100; four machine starts refused): loops-36 (results/
+# h200-loop.json: XAttention 1.633x, the layer-scaling check), make test-gpu whole (39/39,
+# results/h200-test-gpu.log), then s38-lean on the H100 (the device route's all-selected test:
+# results/h100-dense-cond-ab.json, h100-rb-dense.json).
+# First next time: on branch device-dense-test, `s38-lean` (the fixed conditional: moba and
+# svg2 within 1% of the route without it, dense ~0.19 ms; merge the branch if so), then
+# `peers-38` (dense, moba, svg2 rows into h200-peers.json with peers.py --merge), then the
+# 13-family peers at Wan 480p when a whole budget is left.
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file of record on an
 #     H200 (~510 s on the H100); copy $OUT/h200-gather.json to benchmarks/results/
@@ -120,6 +125,45 @@ svg2-ab)
       --per-family 1 --heads 12 --grids wan480 --mask-source gpu --check-rows 1024 \
       --peers tessera,dense --device-alt --time-budget 170 --families svg2,moba \
       --out $OUT/h200-device-alt-old.json) ;;
+dense-38)
+  # Session 38: the device route's all-selected test (a lax.cond on the traced blocks, cuDNN
+  # when every block is selected): its GPU tests, its A/B on the peers' dense, moba and svg2
+  # masks (predicted <= 10 us on the sparse ones; the dense text mask 0.27 -> ~0.19 ms), and
+  # where the host dense row's request goes (request_breakdown's cProfile).
+  run 150 gpu-dense env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
+      tests/gpu/test_dense_route_gpu.py
+  run 200 dense-ab python3 benchmarks/dense_cond_ab.py --rounds 2 --out $OUT/dense-cond-ab.json
+  run 120 rb-dense python3 benchmarks/request_breakdown.py --masks dense:wan480 --heads 12 \
+      --iters 5 --out $OUT/rb-dense.json ;;
+peers-38)
+  # Session 38: the peers' rows of the families changed since ff390cc's h200-peers.json
+  # (dense: the device route's all-selected test; moba, svg2: fitted tiles and the device
+  # rule), merged into the file of record (peers.py --merge, later rows win).
+  export PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH MAX_JOBS=16 \
+      FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
+  run 580 peers python3 benchmarks/peers.py --out $OUT/peers-38.json --time-budget 500 \
+      --reserve 30 --per-family 1 --heads 12 --grids wan480 --mask-source both \
+      --check-rows 1024 --families dense,moba,svg2 ;;
+s38-lean)
+  # Session 38 with what the budget left: dense-38's test, A/B and request breakdown.
+  run 150 gpu-dense env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
+      tests/gpu/test_dense_route_gpu.py
+  run 150 dense-ab python3 benchmarks/dense_cond_ab.py --rounds 2 --out $OUT/dense-cond-ab.json
+  run 60 rb-dense python3 benchmarks/request_breakdown.py --masks dense:wan480 --heads 12 \
+      --iters 5 --out $OUT/rb-dense.json ;;
+s38)
+  # Session 38 in one call (the budget held one): dense-38's test and A/B, then peers-38 with
+  # a shorter budget.
+  run 150 gpu-dense env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
+      tests/gpu/test_dense_route_gpu.py
+  run 150 dense-ab python3 benchmarks/dense_cond_ab.py --rounds 2 --out $OUT/dense-cond-ab.json
+  run 60 rb-dense python3 benchmarks/request_breakdown.py --masks dense:wan480 --heads 12 \
+      --iters 5 --out $OUT/rb-dense.json
+  export PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH MAX_JOBS=16 \
+      FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
+  run 330 peers python3 benchmarks/peers.py --out $OUT/peers-38.json --time-budget 300 \
+      --reserve 20 --per-family 1 --heads 12 --grids wan480 --mask-source both \
+      --check-rows 1024 --families dense,svg2,moba ;;
 loops-36)
   # Issue 33 item 4: the XAttention loop (Wan 1.3B 480p, all 30 layers), then the per-layer
   # scaling of the layer-subset cases checked against full depth at 720p (HunyuanVideo 720p
