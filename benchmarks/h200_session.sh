@@ -51,7 +51,8 @@
 # First next time: on branch device-dense-test, `s38-lean` (the fixed conditional: moba and
 # svg2 within 1% of the route without it, dense ~0.19 ms; merge the branch if so), then
 # `peers-38` (dense, moba, svg2 rows into h200-peers.json with peers.py --merge), then the
-# 13-family peers at Wan 480p when a whole budget is left.
+# 13-family peers at Wan 480p when a whole budget is left; `xattn-host` (XAttention's
+# host-planning loop) where a call is left.
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file of record on an
 #     H200 (~510 s on the H100); copy $OUT/h200-gather.json to benchmarks/results/
@@ -164,6 +165,11 @@ s38)
   run 330 peers python3 benchmarks/peers.py --out $OUT/peers-38.json --time-budget 300 \
       --reserve 20 --per-family 1 --heads 12 --grids wan480 --mask-source both \
       --check-rows 1024 --families dense,svg2,moba ;;
+xattn-host)
+  # Issue 33 item 4: the XAttention loop with its host-planning variant (the loops-36 part ran
+  # dense, dynamic and null only): every variant in one call, merged into h200-loop.json.
+  run 560 loop-xattn python3 benchmarks/bench_loop.py --models wan13b_480p_xattn --steps 25 \
+      --variants dense,dynamic,null,host --out $OUT/loop-xattn.json ;;
 loops-36)
   # Issue 33 item 4: the XAttention loop (Wan 1.3B 480p, all 30 layers), then the per-layer
   # scaling of the layer-subset cases checked against full depth at 720p (HunyuanVideo 720p
