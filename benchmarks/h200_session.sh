@@ -74,6 +74,20 @@ run() {   # run SECONDS NAME CMD...: one part, its log in $OUT/NAME.log
   local rc=$?
   echo "[$(date +%T)] $name rc $rc"
 }
+dense_38() {   # the all-selected test's GPU tests, A/B and the dense row's request breakdown
+  run 150 gpu-dense env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
+      tests/gpu/test_dense_route_gpu.py
+  run 150 dense-ab python3 benchmarks/dense_cond_ab.py --rounds 2 --out $OUT/dense-cond-ab.json
+  run 60 rb-dense python3 benchmarks/request_breakdown.py --masks dense:wan480 --heads 12 \
+      --iters 5 --out $OUT/rb-dense.json
+}
+peers_38() {  # peers_38 LIMIT BUDGET RESERVE: dense, moba, svg2 rows at Wan 480p, both sources
+  export PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH MAX_JOBS=16 \
+      FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
+  run "$1" peers python3 benchmarks/peers.py --out $OUT/peers-38.json --time-budget "$2" \
+      --reserve "$3" --per-family 1 --heads 12 --grids wan480 --mask-source both \
+      --check-rows 1024 --families dense,moba,svg2
+}
 case "${1:-}" in
 direct-check)
   # Session 27: the Mosaic forward storing owned rows in place (abi.PassPlan.rows_owned) and
@@ -126,45 +140,21 @@ svg2-ab)
       --per-family 1 --heads 12 --grids wan480 --mask-source gpu --check-rows 1024 \
       --peers tessera,dense --device-alt --time-budget 170 --families svg2,moba \
       --out $OUT/h200-device-alt-old.json) ;;
-dense-38)
+dense-38|s38-lean)
   # Session 38: the device route's all-selected test (a lax.cond on the traced blocks, cuDNN
-  # when every block is selected): its GPU tests, its A/B on the peers' dense, moba and svg2
-  # masks (predicted <= 10 us on the sparse ones; the dense text mask 0.27 -> ~0.19 ms), and
-  # where the host dense row's request goes (request_breakdown's cProfile).
-  run 150 gpu-dense env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
-      tests/gpu/test_dense_route_gpu.py
-  run 200 dense-ab python3 benchmarks/dense_cond_ab.py --rounds 2 --out $OUT/dense-cond-ab.json
-  run 120 rb-dense python3 benchmarks/request_breakdown.py --masks dense:wan480 --heads 12 \
-      --iters 5 --out $OUT/rb-dense.json ;;
+  # when every block is selected; branch device-dense-test): its GPU tests, its A/B on the
+  # peers' dense, moba and svg2 masks (predicted <= 10 us on the sparse ones; the dense text
+  # mask 0.27 -> ~0.19 ms), and where the host dense row's request goes.
+  dense_38 ;;
 peers-38)
   # Session 38: the peers' rows of the families changed since ff390cc's h200-peers.json
   # (dense: the device route's all-selected test; moba, svg2: fitted tiles and the device
   # rule), merged into the file of record (peers.py --merge, later rows win).
-  export PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH MAX_JOBS=16 \
-      FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
-  run 580 peers python3 benchmarks/peers.py --out $OUT/peers-38.json --time-budget 500 \
-      --reserve 30 --per-family 1 --heads 12 --grids wan480 --mask-source both \
-      --check-rows 1024 --families dense,moba,svg2 ;;
-s38-lean)
-  # Session 38 with what the budget left: dense-38's test, A/B and request breakdown.
-  run 150 gpu-dense env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
-      tests/gpu/test_dense_route_gpu.py
-  run 150 dense-ab python3 benchmarks/dense_cond_ab.py --rounds 2 --out $OUT/dense-cond-ab.json
-  run 60 rb-dense python3 benchmarks/request_breakdown.py --masks dense:wan480 --heads 12 \
-      --iters 5 --out $OUT/rb-dense.json ;;
+  peers_38 580 500 30 ;;
 s38)
-  # Session 38 in one call (the budget held one): dense-38's test and A/B, then peers-38 with
-  # a shorter budget.
-  run 150 gpu-dense env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
-      tests/gpu/test_dense_route_gpu.py
-  run 150 dense-ab python3 benchmarks/dense_cond_ab.py --rounds 2 --out $OUT/dense-cond-ab.json
-  run 60 rb-dense python3 benchmarks/request_breakdown.py --masks dense:wan480 --heads 12 \
-      --iters 5 --out $OUT/rb-dense.json
-  export PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH MAX_JOBS=16 \
-      FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
-  run 330 peers python3 benchmarks/peers.py --out $OUT/peers-38.json --time-budget 300 \
-      --reserve 20 --per-family 1 --heads 12 --grids wan480 --mask-source both \
-      --check-rows 1024 --families dense,svg2,moba ;;
+  # dense-38, then peers-38 with a shorter budget, in one call.
+  dense_38
+  peers_38 330 300 20 ;;
 xattn-host)
   # Issue 33 item 4: the XAttention loop with its host-planning variant (the loops-36 part ran
   # dense, dynamic and null only): every variant in one call, merged into h200-loop.json.
