@@ -58,21 +58,6 @@ COLS = KINDS + ("units", "const")
 
 
 # --- records ----------------------------------------------------------------------------------
-def read_raw(path):
-    masks, times = {}, {}
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            r = json.loads(line)
-            if r["kind"] == "mask":
-                masks[r["id"]] = r
-            elif r["kind"] == "time":
-                times[(r["id"], r["candidate"])] = r          # newest record wins
-    return masks, times
-
-
 def step_counts(plan) -> dict:
     from pallas_kernels import abi
     r = plan.tile_rects()
@@ -104,7 +89,7 @@ def count_all(gpus, raw_dir, cache_path):
     built = {}
     t_start = time.perf_counter()
     for gpu in gpus:
-        masks, times = read_raw(pathlib.Path(raw_dir) / f"{gpu}.jsonl")
+        masks, times = P.read_raw(pathlib.Path(raw_dir) / f"{gpu}.jsonl")
         rows[gpu], skip = [], collections.Counter()
         by_mask = collections.defaultdict(list)
         for (mid, _), r in sorted(times.items()):
