@@ -179,3 +179,106 @@ def test_all_selected_reads_the_packed_bits(H, nq, nk, holes):
     m = tj.BlockMask(np.arange(nq + 1) * 8, np.arange(nk + 1) * 8, b)
     dense_route.clear_caches()
     assert dense_route.all_selected(m) == bool(b.all())
+
+
+def _device_case(seed, all_selected, per_head_bounds=False):
+    """(q, k, v, device mask with traced blocks, static bounds or per-head ones as jax arrays,
+    the same mask on the host)."""
+    rng = np.random.default_rng(seed)
+    qb, kb = np.array([0, 30, 64, 90]), np.array([0, 40, 80])
+    if per_head_bounds:
+        qb = np.stack([qb, [0, 20, 50, 90]])
+        kb = np.stack([kb, [0, 16, 80]])
+    blocks = np.ones((2, 3, 2), bool) if all_selected else rng.random((2, 3, 2)) < 0.6
+    q, k, v = random_qkv(1, 90, 80, 2, 1, 16, "float32", seed)    # GQA
+    host = tj.BlockMask(qb, kb, blocks)
+    bounds = (jnp.asarray(qb), jnp.asarray(kb)) if per_head_bounds else (qb, kb)
+    return q, k, v, tj.BlockMask(*bounds, jnp.asarray(blocks)), host
+
+
+@pytest.mark.parametrize("per_head_bounds", [False, True])
+@pytest.mark.parametrize("all_selected", [True, False])
+def test_device_route_tests_traced_blocks_and_keeps_the_plan_otherwise(all_selected,
+                                                                       per_head_bounds,
+                                                                       monkeypatch):
+    """A device mask's traced blocks, all selected, run the dense branch (jax's XLA attention
+    stands in for cuDNN); otherwise the planned branch, bit for bit the route without the test
+    (static bounds stay static inside the conditional: planning them as traced operands gave
+    other plans and +13% on the H100), exact against the reference either way, under jit,
+    vmap (one predicate for the batch) and grad."""
+    import jax
+    from tessera_jax.runtime import device_route
+    q, k, v, dev, host = _device_case(3, all_selected, per_head_bounds)
+    shape = check_shapes(q.shape, k.shape, q.dtype)
+
+    def run(q, k, v, m, dense):
+        return device_route.attention(q, k, v, m, shape, "xla", None, 0.25, False,
+                                      dense=dense)
+
+    from tessera_jax.planning import device as planner
+    real, kinds = planner.plan_on_device, []
+
+    def spy(blocks, qb, kb, **kw):                  # what the planner sees: NumPy or traced
+        kinds.append((type(qb).__module__.split(".")[0], type(kb).__module__.split(".")[0]))
+        return real(blocks, qb, kb, **kw)
+
+    monkeypatch.setattr(device_route._device, "plan_on_device", spy)
+    device_route._run.clear_cache()                     # traced again: the spy sees it
+    # The mask is made inside the program: NumPy bounds stay static (a BlockMask passed as a
+    # jit argument has its bounds traced).
+    f = jax.jit(lambda q, k, v, b, dense: run(q, k, v, tj.BlockMask(dev.q_bounds,
+                                                                     dev.kv_bounds, b), dense),
+                static_argnames="dense")
+    with_test = f(q, k, v, dev.blocks, "xla")
+    seen_with, kinds[:] = list(kinds), []
+    without = f(q, k, v, dev.blocks, None)
+    assert seen_with and seen_with == kinds
+    assert ("numpy", "numpy") in kinds or per_head_bounds
+    ref = tj.reference_attention(q, k, v, host, scale=0.25)
+    np.testing.assert_allclose(with_test, ref, atol=2e-5, rtol=2e-5)
+    if not all_selected:
+        np.testing.assert_array_equal(with_test, without)
+    jaxpr = jax.make_jaxpr(lambda q, k, v, m: run(q, k, v, m, "xla"))(q, k, v, dev)
+    assert "cond[" in str(jaxpr)
+    # vmap over the batch with per-element blocks: one predicate (an element with a hole
+    # sends the whole batch to the planned branch, exact for every element).
+    blocks = jnp.stack([dev.blocks, dev.blocks.at[0, 0, 0].set(False)])
+    qs, ks, vs = (jnp.stack([x, x]) for x in (q, k, v))
+
+    def one(q, k, v, b):
+        return run(q, k, v, tj.BlockMask(dev.q_bounds, dev.kv_bounds, b), "xla")
+
+    out = jax.jit(jax.vmap(one))(qs, ks, vs, blocks)
+    for i in range(2):
+        m = tj.BlockMask(host.q_bounds, host.kv_bounds, np.asarray(blocks[i]))
+        np.testing.assert_allclose(out[i], tj.reference_attention(q, k, v, m, scale=0.25),
+                                   atol=2e-5, rtol=2e-5)
+    g = jax.jit(jax.grad(lambda q, k, v: run(q, k, v, dev, "xla").sum(), argnums=(0, 1, 2)))
+    want = jax.grad(lambda q, k, v: tj.reference_attention(q, k, v, host, scale=0.25).sum(),
+                    argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g(q, k, v), want):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_sparse_attention_gives_device_masks_the_test_and_static_ones_the_host_check(
+        fake_gpu, monkeypatch):
+    """sparse_attention asks the device route for the all-selected test (cuDNN) on a device
+    mask with nothing chosen by the caller and no LSE; a static all-selected mask with
+    per-head bounds goes to cuDNN directly; static blocks never carry the test."""
+    from tessera_jax.runtime import device_route
+    seen = []
+    monkeypatch.setattr(dense_route, "_verdict", lambda *a: object())   # cuDNN compiles it
+    monkeypatch.setattr(device_route, "attention",
+                        lambda *a, dense=None, **k: seen.append(dense) or a[0])
+    q, k, v, dev, host = _device_case(4, True, per_head_bounds=True)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    tj.sparse_attention(q, k, v, dev)
+    tj.sparse_attention(q, k, v, dev, return_lse=True)
+    tj.sparse_attention(q, k, v, dev, backend="mosaic_gpu")
+    assert seen[0] == "cudnn" and seen[1:] == [None, None]
+    tj.sparse_attention(q, k, v, host)                       # static per-head, all selected
+    assert fake_gpu["dense"] == 1 and len(seen) == 3
+    b = host.blocks.copy()
+    b[1, 0, 0] = False
+    tj.sparse_attention(q, k, v, tj.BlockMask(host.q_bounds, host.kv_bounds, b))
+    assert seen[3] is None and fake_gpu["dense"] == 1

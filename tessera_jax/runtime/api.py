@@ -252,11 +252,14 @@ def _route(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, t: Templ
            scale: float, return_lse: bool, options: Options, asked: tuple):
     """A validated call on its route: the device route, cuDNN's dense attention, or the host
     plan on the core (``backend`` resolved; ``asked``: template, policy, backend as given)."""
-    if device_route.takes(mask):
-        return device_route.attention(q, k, v, mask, shape, backend, t, scale, return_lse,
-                                      options)
     template, policy, asked_backend = asked
     auto = template is None and policy is None and asked_backend is None
+    if device_route.takes(mask) and not (mask.is_static and auto and dense_route.takes(
+            mask, shape, backend, return_lse)):      # static per-head all-selected: cuDNN
+        dense = (dense_route.on_device(q, k, v, shape, backend, return_lse, scale)
+                 if auto and not mask.is_static else None)
+        return device_route.attention(q, k, v, mask, shape, backend, t, scale, return_lse,
+                                      options, dense=dense)
     if auto and dense_route.takes(mask, shape, backend, return_lse):
         try:
             return dense_route.attention(q, k, v, scale)

@@ -5,7 +5,9 @@ chosen automatically and no LSE is asked for, ``sparse_attention`` runs it with
 ``jax.nn.dot_product_attention(implementation="cudnn")``: the request then costs one dense
 call (on the H200, a text-only dense mask took 2.0 ms through the planner against 0.6 ms for
 cuDNN, all of the difference host work). Explicit ``backend``/``template``/``policy`` arguments
-keep the planned path.
+keep the planned path. A device mask's blocks are known only inside the program: there the
+device route tests them (``on_device``, ``fused``: one ``lax.cond`` on ``all(blocks)``) and
+runs cuDNN when every block is selected, its plan otherwise.
 """
 
 from __future__ import annotations
@@ -37,13 +39,32 @@ def all_selected(mask: BlockMask) -> bool:
         return res
 
 
-def takes(mask: BlockMask, shape, backend: str, return_lse: bool) -> bool:
-    """Whether this call runs on cuDNN: an all-selected mask, a GPU backend, no LSE, and a
-    dtype/head_dim cuDNN's flash attention takes."""
+def eligible(shape, backend: str, return_lse: bool) -> bool:
+    """Whether a call of these shapes may run on cuDNN when its mask selects everything: a GPU
+    backend, no LSE, and a dtype/head_dim cuDNN's flash attention takes."""
     return (not return_lse and backend in GPU_BACKENDS       # available: a CUDA GPU, cc >= 8
             and np.dtype(shape.dtype).name in _DTYPES
-            and shape.head_dim <= _MAX_HEAD_DIM and shape.head_dim % 8 == 0
-            and all_selected(mask))
+            and shape.head_dim <= _MAX_HEAD_DIM and shape.head_dim % 8 == 0)
+
+
+def takes(mask: BlockMask, shape, backend: str, return_lse: bool) -> bool:
+    """Whether this call on a static mask runs on cuDNN: ``eligible`` and all selected."""
+    return eligible(shape, backend, return_lse) and all_selected(mask)
+
+
+def on_device(q, k, v, shape, backend: str, return_lse: bool, scale: float) -> str | None:
+    """The implementation a device-route call's all-selected test runs ("cudnn"), or None where
+    cuDNN would not take the call: the route then has no such test. ``q, k, v`` may be tracers
+    (only shapes and dtypes are read)."""
+    if not eligible(shape, backend, return_lse):
+        return None
+    return None if isinstance(_verdict(q, k, v, scale), Exception) else "cudnn"
+
+
+def fused(q, k, v, scale: float, implementation: str = "cudnn"):
+    """out of ``jax.nn.dot_product_attention`` with this implementation, traced into the
+    caller's program (the device route's branch for all-selected blocks)."""
+    return _dense_fn(implementation)(q, k, v, scale=scale)
 
 
 @functools.cache

@@ -93,10 +93,13 @@ _warned: set = set()
 
 def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template: Template | None,
               scale: float, return_lse: bool, options: Options = options_.DEFAULT,
-              packed=None):
+              packed=None, dense: str | None = None):
     """out (and lse) of a device-route call (arguments validated by the caller). ``packed``:
     the blocks as ``BlockMask.packed_leaves`` gives them (``mask.blocks`` then only says their
-    shape), unpacked inside the program."""
+    shape), unpacked inside the program. ``dense``: an implementation of
+    ``jax.nn.dot_product_attention`` ("cudnn": ``dense_route.on_device``) that runs the call
+    when its blocks, traced, are all selected (one ``lax.cond``; None: no such test; static
+    blocks are tested on the host by the caller, so it does not apply to them)."""
     consts = select_device.static_parts(mask)
     t, capacity = _choose(consts, mask, shape, backend, template, options.bitmap_budget_bytes,
                           options.device_gather)
@@ -118,26 +121,41 @@ def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template
         if consts[2] is not None:
             raise ValueError("packed blocks need a mask whose blocks are not NumPy")
         dyn[2], packed_shape = packed, tuple(mask.blocks.shape)
+    if return_lse or consts[2] is not None:
+        dense = None
     return _run(q, k, v, *dyn, consts=consts, template=t.name if t else None,
                 capacity=capacity, decide=decide, scale=float(scale),
-                return_lse=bool(return_lse), options=options, packed_shape=packed_shape)
+                return_lse=bool(return_lse), options=options, packed_shape=packed_shape,
+                dense=dense)
 
 
 @functools.partial(jax.jit, static_argnames=("consts", "template", "capacity", "decide",
-                                             "scale", "return_lse", "options", "packed_shape"))
+                                             "scale", "return_lse", "options", "packed_shape",
+                                             "dense"))
 def _run(q, k, v, qb, kb, blocks, *, consts, template, capacity, decide, scale, return_lse,
-         options, packed_shape=None):
+         options, packed_shape=None, dense=None):
     if packed_shape is not None:
         blocks = unpack_blocks(blocks, packed_shape)
+    # Static parts stay NumPy constants the planner reads when tracing; only the traced ones
+    # reach the conditional below (by closure), never the constants as operands.
     qb, kb, blocks = (c.array if c is not None else x for c, x in zip(consts, (qb, kb, blocks)))
-    if template is None:
-        plan = AttentionPlan(None, exact=(qb, kb, blocks))
-    else:
-        full, first = _refines(consts, template, capacity, decide, q, k,
-                               tuple(blocks.shape), options)
-        plan = full(qb, kb, blocks) if first is None else \
-            dataclasses.replace(first(qb, kb, blocks), refine=full)
-    return core.attention(q, k, v, plan, scale, return_lse, options)
+
+    def planned():
+        if template is None:
+            plan = AttentionPlan(None, exact=(qb, kb, blocks))
+        else:
+            full, first = _refines(consts, template, capacity, decide, q, k,
+                                   tuple(blocks.shape), options)
+            plan = full(qb, kb, blocks) if first is None else \
+                dataclasses.replace(first(qb, kb, blocks), refine=full)
+        return core.attention(q, k, v, plan, scale, return_lse, options)
+
+    if dense is None:
+        return planned()
+    from tessera_jax.batched_cond import batch_all
+    from tessera_jax.runtime import dense_route
+    return jax.lax.cond(batch_all(jnp.all(blocks)),
+                        lambda: dense_route.fused(q, k, v, scale, dense), planned)
 
 
 def _refines(consts, template: str, capacity: int, decide: bool, q, k, blocks_shape,
