@@ -159,10 +159,10 @@ s39a)
   # Session 39 (the device route's all-selected test rebuilt on main, uncommitted branch lost):
   # its GPU tests and A/B (kill: > 1% on moba / svg2), then XAttention's loop with the
   # host-planning variant, in one call.
-  run 150 gpu-dense env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
+  run 120 gpu-dense env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
       tests/gpu/test_dense_route_gpu.py
   run 150 dense-ab python3 benchmarks/dense_cond_ab.py --rounds 2 --out $OUT/dense-cond-ab.json
-  run 280 loop-xattn python3 benchmarks/bench_loop.py --models wan13b_480p_xattn --steps 25 \
+  run 310 loop-xattn python3 benchmarks/bench_loop.py --models wan13b_480p_xattn --steps 25 \
       --variants dense,dynamic,null,host --out $OUT/loop-xattn.json ;;
 xattn-host)
   # Issue 33 item 4: the XAttention loop with its host-planning variant (the loops-36 part ran
