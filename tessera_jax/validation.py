@@ -11,6 +11,7 @@ import numpy as np
 from tessera_jax.mask import BlockMask, concrete
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_SUPPORTED = frozenset(np.dtype(d) for d in SUPPORTED_DTYPES)
 
 
 class AttnShape(NamedTuple):
@@ -44,7 +45,7 @@ def check_shapes(q_shape, kv_shape, dtype, v_shape=None, v_dtype=None, k_dtype=N
         raise ValueError(f"the number of query heads Hq={Hq} must be a multiple of the number "
                          f"of key/value heads Hkv={Hkv}")
     dt = np.dtype(dtype)
-    if dt not in [np.dtype(d) for d in SUPPORTED_DTYPES]:
+    if dt not in _SUPPORTED:
         raise TypeError(f"q has dtype {dt}; supported: float32, bfloat16, float16")
     for name, other in (("k", k_dtype), ("v", v_dtype)):
         if other is not None and np.dtype(other) != dt:

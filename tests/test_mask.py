@@ -3,7 +3,7 @@ import pickle
 import jax
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tessera_jax as tj
@@ -237,3 +237,31 @@ def test_a_hash_collision_is_told_apart_by_the_bits():
     m1, m2 = (tj.BlockMask(np.arange(0, 17), np.arange(0, 17), x) for x in (b, c))
     assert hash(m1) == hash(m2) and m1 != m2
     assert {m1: 1, m2: 2}[tj.BlockMask(np.arange(0, 17), np.arange(0, 17), c)] == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3).flatmap(lambda R: st.integers(1, 6).flatmap(lambda n: st.lists(
+           st.tuples(st.sampled_from([0, 0, 0, 1, -1]),
+                     st.lists(st.integers(-1, 5), min_size=n - 1, max_size=n - 1)),
+           min_size=R, max_size=R))),
+       st.sampled_from([0, 0, 2 ** 31 - 100, 2 ** 33]), st.sampled_from([None, "last", 7]))
+def test_bounds_checks_accept_exactly_the_valid_rows(rows, shift, length):
+    """``_checked_rows`` (the request path's whole-array test, then the row-by-row search for
+    the message) accepts a bounds array exactly when every row starts at 0, increases
+    strictly, has >= 2 entries, ends within int32 and at ``length`` when given."""
+    from tessera_jax.mask import _checked_rows
+    arr = np.array([np.r_[start, start + np.cumsum(steps)] for start, steps in rows], np.int64)
+    if shift:
+        arr[:, 1:] += shift
+    if length == "last":
+        length = int(arr[0, -1])
+    valid = (arr.shape[1] >= 2 and (arr[:, 0] == 0).all() and (np.diff(arr, axis=1) > 0).all()
+             and arr[:, -1].max() <= 2 ** 31 - 1
+             and (length is None or (arr[:, -1] == length).all()))
+    if valid:
+        out = _checked_rows("q_bounds", arr, length)
+        assert out.dtype == np.int64 and not out.flags.writeable
+        np.testing.assert_array_equal(out, arr)
+    else:
+        with pytest.raises(ValueError, match="q_bounds"):
+            _checked_rows("q_bounds", arr, length)

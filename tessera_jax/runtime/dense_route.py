@@ -82,7 +82,7 @@ _VERDICTS: dict = {}
 
 def _verdict(q, k, v, scale: float):
     import jax
-    key = tuple((tuple(x.shape), str(x.dtype)) for x in (q, k, v)) + (scale,)
+    key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, scale)
     if key not in _VERDICTS:
         try:
             args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]

@@ -207,7 +207,7 @@ def resolve(backend: str | None, shape: AttnShape) -> str:
     for name, be in BACKENDS.items():
         if not be.available():
             continue
-        if supported_templates(name, shape):
+        if any(unsupported(t, shape) is None for t in templates(name)):
             return name
         key = (name, shape.head_dim, str(shape.dtype))
         if key not in _warned:
