@@ -48,11 +48,13 @@
 # h200-loop.json: XAttention 1.633x, the layer-scaling check), make test-gpu whole (39/39,
 # results/h200-test-gpu.log), then s38-lean on the H100 (the device route's all-selected test:
 # results/h100-dense-cond-ab.json, h100-rb-dense.json).
-# First next time: on branch device-dense-test, `s38-lean` (the fixed conditional: moba and
-# svg2 within 1% of the route without it, dense ~0.19 ms; merge the branch if so), then
-# `peers-38` (dense, moba, svg2 rows into h200-peers.json with peers.py --merge), then the
-# 13-family peers at Wan 480p when a whole budget is left; `xattn-host` (XAttention's
-# host-planning loop) where a call is left.
+# Session 39 (H100 only, six calls): s39a (the device route's all-selected test: GPU tests,
+# A/B within 1%, landed; XAttention's loop with host planning: results/h100-loop-xattn.json),
+# make test-gpu (41/41), peers-38 (results/h100-peers-dense-moba-svg2.json), dense_dispatch.py
+# twice, and HunyuanVideo 720p peers (sparge only: svg2 ran past the call).
+# First next time, on an H200: `peers-38` then `xattn-host` (both ran on an H100 only, so
+# h200-peers.json and h200-loop.json still hold the older rows); the 13-family peers at Wan
+# 480p with a whole budget (two shards); `hy720 FAMILY` one family per call for item 1.
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file of record on an
 #     H200 (~510 s on the H100); copy $OUT/h200-gather.json to benchmarks/results/
@@ -164,6 +166,14 @@ s39a)
   run 150 dense-ab python3 benchmarks/dense_cond_ab.py --rounds 2 --out $OUT/dense-cond-ab.json
   run 310 loop-xattn python3 benchmarks/bench_loop.py --models wan13b_480p_xattn --steps 25 \
       --variants dense,dynamic,null,host --out $OUT/loop-xattn.json ;;
+hy720)
+  # Issue 33 item 1: the peers at HunyuanVideo 720p (all 16 heads), one family per call (svg2
+  # ran past a 575 s call with sparge and vsa in session 39); the auxiliary timings off.
+  export PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH MAX_JOBS=16 \
+      FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
+  run 580 peers-hy720 python3 benchmarks/peers.py --out $OUT/peers-hy720-${2:?family}.json \
+      --time-budget 540 --reserve 30 --per-family 1 --heads 16 --grids hy720 \
+      --mask-source both --check-rows 1024 --families "$2" --no-gather-alt --no-tiered ;;
 xattn-host)
   # Issue 33 item 4: the XAttention loop with its host-planning variant (the loops-36 part ran
   # dense, dynamic and null only): every variant in one call, merged into h200-loop.json.
@@ -318,5 +328,5 @@ diagnose)
   run 170 builders-pool python3 benchmarks/bench_loop.py --out $OUT/builders-pool.json \
       --builder-costs vsa,vsa_pool_xla,vsa_highest,sparge_topk,sparge_topk_pool_xla
   tar -czf $OUT/logs.tar.gz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log ;;
-*) echo "usage: OUT=dir bash benchmarks/h200_session.sh direct-check|route-check|accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
+*) echo "usage: OUT=dir bash benchmarks/h200_session.sh s39a|hy720 FAMILY|xattn-host|peers-38|dense-38|direct-check|route-check|accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
 esac
