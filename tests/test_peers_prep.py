@@ -401,6 +401,10 @@ def test_mask_variants():
     for v in C.mask_variants(uniform, 4, kind="permute", seed=3):
         assert np.array_equal(v[:, :, -1], uniform.blocks[:, :, -1])   # short last block stays
     assert len(C.mask_variants(shared, 1)) == 1
+    full = BlockMask(qb, kb, np.ones((4, 5, 5), bool))   # all selected: stays all selected
+    vs = C.mask_variants(full, 4, seed=4)
+    assert len(vs) == 4 and all(v.all() and v.shape == (4, 5, 5) for v in vs)
+    assert len({id(v) for v in vs}) == 4 and all(v.flags.writeable for v in vs[1:])
     with pytest.raises(ValueError, match="kind"):
         C.mask_variants(shared, 3, kind="shuffle")
     with pytest.raises(ValueError, match="n must"):

@@ -459,7 +459,10 @@ def mask_variants(mask, n: int, kind: str = "perturb", seed: int = 0,
       selected block deselected, in a row that keeps another block where there is one, in
       every head of its GQA group (of all heads if the mask's heads are equal: heads that are
       equal stay equal). Each variant differs from the others (unless the mask selects
-      nothing); the family's structure stays, the work is within one block per group.
+      nothing); the family's structure stays, the work is within one block per group. A mask
+      that selects every block stays so: its variants are new arrays of the same blocks
+      (deselecting one would make it another family, and its best alternative, cuDNN's
+      dense call, would compute other work than the mask names).
     - ``"permute"``: the key blocks permuted among key blocks of the same size, one random
       permutation per variant for all heads: the same selected work, the structure across
       keys lost (a sliding window becomes scattered blocks), so tiles hold more blocks.
@@ -484,6 +487,8 @@ def mask_variants(mask, n: int, kind: str = "perturb", seed: int = 0,
                 perm[cls] = rng.permutation(cls)
             out.append(np.ascontiguousarray(base[:, :, perm]))
         return out
+    if base.all():
+        return out + [base.copy() for _ in range(1, n)]
     same_all = Hm > 1 and bool((base == base[:1]).all())
     nkv = base.shape[2]
     digest = lambda a: hashlib.blake2b(np.packbits(a).tobytes(), digest_size=16).digest()  # noqa: E731
