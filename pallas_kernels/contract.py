@@ -274,8 +274,9 @@ def plan_operands(plan: abi.PassPlan):
     through jnp.asarray; row_index None is made on the device from units; row_index_t is the
     host row_index's transpose (``abi.token_major``) or None."""
     units, steps, ri = plan.units, plan.steps, plan.row_index
-    units, steps = (a if isinstance(a, np.ndarray) else jnp.asarray(a) for a in (units, steps))
-    if ri is not None and not isinstance(ri, np.ndarray):
+    units, steps = (a if isinstance(a, (np.ndarray, jax.Array)) else jnp.asarray(a)
+                    for a in (units, steps))
+    if ri is not None and not isinstance(ri, (np.ndarray, jax.Array)):
         ri = jnp.asarray(ri)
     return units, steps, ri, abi.token_major(ri)
 

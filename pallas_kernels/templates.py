@@ -201,8 +201,14 @@ class CompiledConfig:
 
     @classmethod
     def from_template(cls, t, mask_mode: str | None = None):
-        """The config of a Template of this backend; ``mask_mode`` overrides its own."""
-        return cls(t.tile_q, t.tile_kv, t.stages, t.kernel, mask_mode or t.kernel.mask_mode)
+        """The config of a Template of this backend; ``mask_mode`` overrides its own (made and
+        checked once per template and mode: every eager call asks)."""
+        return _config(cls, t, mask_mode or t.kernel.mask_mode)
+
+
+@functools.lru_cache(maxsize=256)
+def _config(cls, t, mask_mode: str):
+    return cls(t.tile_q, t.tile_kv, t.stages, t.kernel, mask_mode)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,8 +60,14 @@ def _in_place(plan: abi.PassPlan, smem_bytes: int) -> bool:
 
 def _direct(plan: abi.PassPlan, t: Template, head_dim: int) -> bool:
     """Whether the forward stores rows in place (``_in_place``)."""
-    cfg = _kernel.KernelConfig.from_template(t, "cond")
-    return _in_place(plan, _kernel.smem_bytes(cfg, head_dim, direct=True))
+    return _in_place(plan, _direct_smem(t, head_dim))
+
+
+@functools.lru_cache(maxsize=256)
+def _direct_smem(t: Template, head_dim: int) -> int:
+    """Shared memory of template ``t``'s forward with the in-place store's buffer."""
+    return _kernel.smem_bytes(_kernel.KernelConfig.from_template(t, "cond"), head_dim,
+                              direct=True)
 
 
 def _check_tiles(plan: abi.PassPlan, *allowed) -> None:
