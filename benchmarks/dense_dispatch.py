@@ -30,6 +30,9 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--n", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", type=int, default=200, metavar="N",
+                    help="cProfile N calls of each of our ways (0: none); the top functions "
+                         "by own time go into the JSON (``profile``)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     import jax
@@ -102,8 +105,36 @@ def main(argv=None):
                                 "wall_p90_ms": float(np.percentile(s["wall"], 90))}
                             for n, s in samples.items()}
         print(src, json.dumps(out["rows"][src], indent=1), flush=True)
+        if args.profile:
+            out.setdefault("profile", {})[src] = _profiles(w, args.profile)
     with open(args.out, "w") as fh:
         json.dump(out, fh, indent=1)
+
+
+def _profiles(ways: dict, n: int) -> dict:
+    """Per way of ours, cProfile's top 25 functions by own time over ``n`` calls (the wait for
+    the device outside the profile): where this host's Python goes."""
+    import cProfile
+    import io
+    import pstats
+
+    import jax
+    res = {}
+    for name, (f, before) in ways.items():
+        if not name.startswith("sparse_attention"):
+            continue
+        pr = cProfile.Profile()
+        for _ in range(n):
+            if before:
+                before()
+            pr.enable()
+            r = f()
+            pr.disable()
+            jax.block_until_ready(r)
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+        res[name] = buf.getvalue()
+    return res
 
 
 if __name__ == "__main__":
