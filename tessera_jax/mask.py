@@ -414,7 +414,7 @@ class BlockMask:
     def selects_all(self) -> bool:
         """Whether every block of every head is selected, on a static mask's packed bits: a
         first byte short of 0xFF (as a sparse mask's usually is) answers at once, else the
-        count decides."""
+        least of the whole bytes and the last byte's padded bits decide."""
         self._need_static("selects_all")
         n = int(np.prod(self._bshape))
         p, full, rem = self._packed, n // 8, n % 8

@@ -37,11 +37,12 @@ import numpy as np
 from pallas_kernels import abi
 from pallas_kernels.templates import Template
 
+from tessera_jax.batched_cond import batch_all
 from tessera_jax.mask import BlockMask, unpack_blocks
 from tessera_jax.planning import device as _device
 from tessera_jax.planning import device_gather as _device_gather
 from tessera_jax.planning.plan import AttentionPlan
-from tessera_jax.runtime import core, dispatch
+from tessera_jax.runtime import core, dense_route, dispatch
 from tessera_jax.runtime import options as options_
 from tessera_jax.runtime.exact import exact_attention
 from tessera_jax.runtime.options import Options
@@ -152,8 +153,6 @@ def _run(q, k, v, qb, kb, blocks, *, consts, template, capacity, decide, scale, 
 
     if dense is None:
         return planned()
-    from tessera_jax.batched_cond import batch_all
-    from tessera_jax.runtime import dense_route
     return jax.lax.cond(batch_all(jnp.all(blocks)),
                         lambda: dense_route.fused(q, k, v, scale, dense), planned)
 
