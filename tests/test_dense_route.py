@@ -282,3 +282,12 @@ def test_sparse_attention_gives_device_masks_the_test_and_static_ones_the_host_c
     b[1, 0, 0] = False
     tj.sparse_attention(q, k, v, tj.BlockMask(host.q_bounds, host.kv_bounds, b))
     assert seen[3] is None and fake_gpu["dense"] == 1
+    # cuDNN refusing the static per-head all-selected mask: the device route (the host
+    # planner takes shared bounds only), without the test.
+    def refuse(q, k, v, scale):
+        raise NotImplementedError("head dim")
+    monkeypatch.setattr(dense_route, "attention", refuse)
+    monkeypatch.setattr(dense_route.warn_fallback, "_done", False, raising=False)
+    with pytest.warns(UserWarning, match="cuDNN dense attention refused"):
+        tj.sparse_attention(q, k, v, host)
+    assert seen[4:] == [None]

@@ -254,17 +254,18 @@ def _route(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, t: Templ
     plan on the core (``backend`` resolved; ``asked``: template, policy, backend as given)."""
     template, policy, asked_backend = asked
     auto = template is None and policy is None and asked_backend is None
-    if device_route.takes(mask) and not (mask.is_static and auto and dense_route.takes(
-            mask, shape, backend, return_lse)):      # static per-head all-selected: cuDNN
-        dense = (dense_route.on_device(q, k, v, shape, backend, return_lse, scale)
-                 if auto and not mask.is_static else None)
-        return device_route.attention(q, k, v, mask, shape, backend, t, scale, return_lse,
-                                      options, dense=dense)
-    if auto and dense_route.takes(mask, shape, backend, return_lse):
+    # A static all-selected mask (per-head bounds too) runs cuDNN; a device mask's blocks are
+    # tested inside the device route's program.
+    if auto and mask.is_static and dense_route.takes(mask, shape, backend, return_lse):
         try:
             return dense_route.attention(q, k, v, scale)
         except (NotImplementedError, ValueError) as e:   # cuDNN refused this call
             dense_route.warn_fallback(e)
+    if device_route.takes(mask):
+        dense = (dense_route.on_device(q, k, v, shape, backend, return_lse, scale)
+                 if auto and not mask.is_static else None)
+        return device_route.attention(q, k, v, mask, shape, backend, t, scale, return_lse,
+                                      options, dense=dense)
     key = (mask, tuple(q.shape), tuple(k.shape), shape.dtype, template, policy, asked_backend,
            options.planner)
     if template is None and policy is None and _PLANS.get(key) is None \

@@ -99,7 +99,7 @@ def attention(q, k, v, scale: float):
     if isinstance(got, Exception):
         raise NotImplementedError(f"{type(got).__name__}: {got}") from got
     if tracing(q, k, v):
-        return _dense_fn()(q, k, v, scale=scale)        # inlined into the caller's program
+        return fused(q, k, v, scale)                    # inlined into the caller's program
     return got(q, k, v)
 
 
