@@ -76,16 +76,26 @@ run() {   # run SECONDS NAME CMD...: one part, its log in $OUT/NAME.log
   local rc=$?
   echo "[$(date +%T)] $name rc $rc"
 }
-dense_38() {   # the all-selected test's GPU tests, A/B and the dense row's request breakdown
-  run 150 gpu-dense env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
+dense_checks() {   # dense_checks GPU_TEST_CAP: the all-selected test's GPU tests, then its A/B
+  run "$1" gpu-dense env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
       tests/gpu/test_dense_route_gpu.py
   run 150 dense-ab python3 benchmarks/dense_cond_ab.py --rounds 2 --out $OUT/dense-cond-ab.json
+}
+dense_38() {   # dense_checks and the dense row's request breakdown
+  dense_checks 150
   run 60 rb-dense python3 benchmarks/request_breakdown.py --masks dense:wan480 --heads 12 \
       --iters 5 --out $OUT/rb-dense.json
 }
-peers_38() {  # peers_38 LIMIT BUDGET RESERVE: dense, moba, svg2 rows at Wan 480p, both sources
+xattn_loop() {  # xattn_loop CAP: the XAttention loop, every variant (host planning too)
+  run "$1" loop-xattn python3 benchmarks/bench_loop.py --models wan13b_480p_xattn --steps 25 \
+      --variants dense,dynamic,null,host --out $OUT/loop-xattn.json
+}
+fi_env() {     # FlashInfer from the carried, trimmed copy (JIT-built for sm_90a on first use)
   export PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH MAX_JOBS=16 \
       FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
+}
+peers_38() {  # peers_38 LIMIT BUDGET RESERVE: dense, moba, svg2 rows at Wan 480p, both sources
+  fi_env
   run "$1" peers python3 benchmarks/peers.py --out $OUT/peers-38.json --time-budget "$2" \
       --reserve "$3" --per-family 1 --heads 12 --grids wan480 --mask-source both \
       --check-rows 1024 --families dense,moba,svg2
@@ -161,24 +171,19 @@ s39a)
   # Session 39 (the device route's all-selected test rebuilt on main, uncommitted branch lost):
   # its GPU tests and A/B (kill: > 1% on moba / svg2), then XAttention's loop with the
   # host-planning variant, in one call.
-  run 120 gpu-dense env JAX_PLATFORMS= python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
-      tests/gpu/test_dense_route_gpu.py
-  run 150 dense-ab python3 benchmarks/dense_cond_ab.py --rounds 2 --out $OUT/dense-cond-ab.json
-  run 310 loop-xattn python3 benchmarks/bench_loop.py --models wan13b_480p_xattn --steps 25 \
-      --variants dense,dynamic,null,host --out $OUT/loop-xattn.json ;;
+  dense_checks 120
+  xattn_loop 310 ;;
 hy720)
   # Issue 33 item 1: the peers at HunyuanVideo 720p (all 16 heads), one family per call (svg2
   # ran past a 575 s call with sparge and vsa in session 39); the auxiliary timings off.
-  export PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH MAX_JOBS=16 \
-      FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
+  fi_env
   run 580 peers-hy720 python3 benchmarks/peers.py --out $OUT/peers-hy720-${2:?family}.json \
       --time-budget 540 --reserve 30 --per-family 1 --heads 16 --grids hy720 \
       --mask-source both --check-rows 1024 --families "$2" --no-gather-alt --no-tiered ;;
 xattn-host)
   # Issue 33 item 4: the XAttention loop with its host-planning variant (the loops-36 part ran
   # dense, dynamic and null only): every variant in one call, merged into h200-loop.json.
-  run 560 loop-xattn python3 benchmarks/bench_loop.py --models wan13b_480p_xattn --steps 25 \
-      --variants dense,dynamic,null,host --out $OUT/loop-xattn.json ;;
+  xattn_loop 560 ;;
 loops-36)
   # Issue 33 item 4: the XAttention loop (Wan 1.3B 480p, all 30 layers), then the per-layer
   # scaling of the layer-subset cases checked against full depth at 720p (HunyuanVideo 720p
