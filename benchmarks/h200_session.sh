@@ -173,6 +173,15 @@ s39a)
   # host-planning variant, in one call.
   dense_checks 120
   xattn_loop 310 ;;
+s40a)
+  # Session 40: make test-gpu whole (d73df73 and fd5a92c, the Mosaic call path's caching, have
+  # run on no GPU), then where the GPU host's Python goes in a dense request (cProfile) and the
+  # host rows' breakdown (mask, copy, route, request) on the same machine.
+  run 330 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA --durations=0"
+  run 90 dense-dispatch python3 benchmarks/dense_dispatch.py --profile 200 \
+      --out $OUT/dense-dispatch.json
+  run 170 host-rows python3 benchmarks/host_row_breakdown.py --families sparge,vsa,svg2,moba \
+      --repeats 9 --out $OUT/host-row-breakdown.json ;;
 hy720)
   # Issue 33 item 1: the peers at HunyuanVideo 720p (all 16 heads), one family per call (svg2
   # ran past a 575 s call with sparge and vsa in session 39); the auxiliary timings off.
