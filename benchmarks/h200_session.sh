@@ -181,7 +181,9 @@ s40a)
   run 90 dense-dispatch python3 benchmarks/dense_dispatch.py --profile 200 \
       --out $OUT/dense-dispatch.json
   run 170 host-rows python3 benchmarks/host_row_breakdown.py --families sparge,vsa,svg2,moba \
-      --repeats 9 --out $OUT/host-row-breakdown.json ;;
+      --repeats 9 --out $OUT/host-row-breakdown.json
+  run 150 host-rows-hy720 python3 benchmarks/host_row_breakdown.py --families sparge \
+      --grid hy720 --heads 16 --repeats 7 --out $OUT/host-row-breakdown-hy720.json ;;
 hy720)
   # Issue 33 item 1: the peers at HunyuanVideo 720p (all 16 heads), one family per call (svg2
   # ran past a 575 s call with sparge and vsa in session 39); the auxiliary timings off.
