@@ -433,6 +433,82 @@ def test_the_rule_reads_the_host_choice_only_when_it_matters(monkeypatch):
         assert bool(asked) is want_ask
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), density=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+       host_ms=st.floats(0.0, 3.0), per_sel=st.floats(0.0, 1e5), device_ms=st.floats(0.0, 3.0),
+       excess=st.floats(0.0, 1e3), per_gather=st.sampled_from([0.0, 1.0]),
+       chunk=st.sampled_from([1, 2, 4096]))
+def test_the_rule_counts_only_as_far_as_its_answer_needs(
+        seed, density, host_ms, per_sel, device_ms, excess, per_gather, chunk):
+    """The rule's answer equals ``tiers`` of the mask's full size (the host choice asked
+    where it tips); the mask is not counted where the sizes with no and with every block
+    selected agree, and the count stops early (small chunks) without changing the answer."""
+    import dataclasses
+    from unittest import mock
+    from tessera_jax import mask as mask_mod
+    rng = np.random.default_rng(seed)
+    b = np.arange(0, 4 * L + 1, 4)                 # 192 x 192 blocks of 4 tokens: 576 words
+    m = tj.BlockMask(b, b, rng.random((1, L, L)) < density)
+    q = k = jnp.zeros((1, 4 * L, H, D), jnp.float32)
+    shape = check_shapes(q.shape, k.shape, q.dtype)
+    c = _costs(host_ms=host_ms, host_ns_per_selected=per_sel, device_ms=device_ms,
+               kernel_ns_per_interaction=1e-3, kernel_excess=excess,
+               host_ns_per_gather_pair=per_gather)
+    budget, dg = TIERED.bitmap_budget_bytes, TIERED.device_gather
+    size = tier_costs.size_of(m, shape, "xla", budget, dg)
+    if size is None:
+        return
+    host, device = tier_costs.predict(size, c, True)
+    if abs(host - device) < 1e-9 * max(host, device, 1.0):
+        return                                                 # a tie: rounding decides
+    gathers = tier_costs.host_gathers(m, shape, "xla")
+    want = tier_costs.tiers(size, c, True) or (
+        per_gather > 0 and tier_costs.tiers(dataclasses.replace(size, gather=gathers), c, True))
+    ends = {tier_costs.tiers(tier_costs.size_of(m, shape, "xla", budget, dg, selected=n), c,
+                             True) for n in (0, size.blocks)}
+    stops = []
+    real = tj.BlockMask.count_selected
+    with mock.patch.object(mask_mod, "_COUNT_CHUNK", chunk), \
+            mock.patch.object(tiered.tier_costs, "costs_for", lambda *a: c), \
+            mock.patch.object(tj.BlockMask, "count_selected",
+                              lambda self, stop_above=None: stops.append(stop_above)
+                              or real(self, stop_above)):
+        got = tiered._rule(m, shape, "xla", TIERED, True, q, tiered.bounds_key(m))
+        if stops and stops[0] is not None:       # the early stop answers as the whole count
+            assert (real(m, stops[0]) > stops[0]) == (real(m) > stops[0])
+    assert got is want
+    if len(ends) == 1 and not (per_gather > 0 and not want):
+        assert stops == []
+
+
+@pytest.mark.parametrize("chunk", [1, 4096])
+@pytest.mark.parametrize("rising", [True, False])
+@pytest.mark.parametrize("delta", [-0.5, 0.5])
+def test_the_rules_early_count_decides_next_to_the_flip(chunk, rising, delta):
+    """Costs that put the count where the rule flips half a block from the mask's own count:
+    the early-stopping count answers as the whole count would, on either side, whether more
+    selected blocks favour the device route (host planning per block) or the host (the
+    device route's kernel excess per interaction)."""
+    from unittest import mock
+    from tessera_jax import mask as mask_mod
+    b = np.arange(0, 4 * L + 1, 4)
+    m = tj.BlockMask(b, b, np.random.default_rng(3).random((1, L, L)) < 0.3)
+    n = m.count_selected()
+    q = jnp.zeros((1, 4 * L, H, D), jnp.float32)
+    shape = check_shapes(q.shape, q.shape, q.dtype)
+    per_block = 16 * H * D                                # interactions_d of one 4 x 4 block
+    if rising:        # host 1e-3 ms a block; device fixed at the flip
+        c = _costs(host_ns_per_selected=1e3, device_ms=1e-3 * (n + delta))
+    else:             # host fixed at the flip; device 1e-6 * per_block ms a block
+        c = _costs(host_ms=1e-6 * per_block * (n + delta), kernel_ns_per_interaction=1.0,
+                   kernel_excess=1.0)
+    with mock.patch.object(mask_mod, "_COUNT_CHUNK", chunk):
+        got = tier_costs.base_tiers(m, shape, "xla", TIERED.bitmap_budget_bytes,
+                                    TIERED.device_gather, None, c, True)
+    size = tier_costs.size_of(m, shape, "xla", TIERED.bitmap_budget_bytes)
+    assert got is tier_costs.tiers(size, c, True) is ((delta < 0) if rising else (delta > 0))
+
+
 def test_constants_per_gpu_and_auto_mode():
     """The GPU's own constants first, then the platform's; "auto" is "sync" on the CPU and
     "tiered" on a GPU; the default options are "auto"."""

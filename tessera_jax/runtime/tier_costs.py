@@ -30,7 +30,7 @@ from tessera_jax.select import device as select_device
 from tessera_jax.validation import AttnShape
 
 __all__ = ["TierCosts", "MaskSize", "CPU", "H100", "H200", "COSTS", "costs_for", "host_gathers",
-           "size_of", "predict", "tiers"]
+           "size_of", "predict", "tiers", "base_tiers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +157,8 @@ def _fine(bounds: np.ndarray, length: int, tile: int) -> tuple[int, int]:
 
 def size_of(mask: BlockMask, shape: AttnShape, backend: str,
             bitmap_budget_bytes: int, device_gather: str = "auto",
-            bounds_bytes: tuple[bytes, bytes] | None = None) -> MaskSize | None:
+            bounds_bytes: tuple[bytes, bytes] | None = None,
+            selected: int | None = None) -> MaskSize | None:
     """The rule's inputs of a static mask with shared bounds sent to the device route with
     traced bounds; None where that route would not run the kernels (no template, or more tile
     pairs needing bitmap steps than its capacity: the exact path). A route that gathers
@@ -166,7 +167,8 @@ def size_of(mask: BlockMask, shape: AttnShape, backend: str,
     than the plain route: benchmarks/NOTES.md#peers). What depends on the bounds and shapes
     only is cached (a fixed grid's masks share it): per mask, one count of its blocks.
     ``bounds_bytes``: the bounds as int64 bytes where the caller has them
-    (``tiered.bounds_key``)."""
+    (``tiered.bounds_key``); ``selected``: a count to assume instead of the mask's own (the
+    bounds of ``tiers_for_any_count``)."""
     Hm, nq, nk = mask.shape
     if bounds_bytes is None:
         bounds_bytes = tuple(np.asarray(b, np.int64).tobytes()
@@ -176,7 +178,8 @@ def size_of(mask: BlockMask, shape: AttnShape, backend: str,
     if static is None:
         return None
     tiles, cap = static
-    selected = mask.count_selected()
+    if selected is None:
+        selected = mask.count_selected()
     pairs = selected * (shape.q_len / nq) * (shape.kv_len / nk)      # mean block sizes
     return MaskSize(blocks=Hm * nq * nk, selected=selected, pairs=pairs,
                     interactions_d=pairs * shape.num_q_heads / Hm * shape.head_dim,
@@ -215,6 +218,35 @@ def predict(size: MaskSize, costs: TierCosts, compiled: bool) -> tuple[float, fl
                                    + c.kernel_excess * c.kernel_ns_per_interaction
                                    * size.interactions_d)
     return host, device + (0.0 if compiled else c.compile_ms)
+
+
+def base_tiers(mask: BlockMask, shape: AttnShape, backend: str, bitmap_budget_bytes: int,
+               device_gather: str, bounds_bytes: tuple[bytes, bytes] | None,
+               costs: TierCosts | None, compiled: bool) -> bool:
+    """``tiers(size_of(...), costs, compiled)`` (the host choice taken as not gathering),
+    reading no more of the mask's bits than it takes: both sides of ``predict`` are affine
+    in the count of selected blocks, so the sizes with none and with every block selected
+    give the count where the answer flips, and the count stops once past it."""
+    if costs is None:
+        return False
+    args = (mask, shape, backend, bitmap_budget_bytes, device_gather, bounds_bytes)
+    none = size_of(*args, selected=0)
+    if none is None:
+        return False
+    lo, hi = (_margin(s, costs, compiled) for s in (none, size_of(*args, selected=none.blocks)))
+    if (lo > 0) == (hi > 0):
+        return lo > 0
+    flip = -lo / (hi - lo) * none.blocks        # the count where host - device crosses 0
+    if hi > lo:                                 # tiers above it
+        k = int(np.floor(flip))
+        return mask.count_selected(stop_above=k) > k
+    k = int(np.ceil(flip)) - 1                  # tiers below it
+    return not mask.count_selected(stop_above=k) > k
+
+
+def _margin(size: MaskSize, costs: TierCosts, compiled: bool) -> float:
+    host, device = predict(size, costs, compiled)
+    return host - device
 
 
 def tiers(size: MaskSize | None, costs: TierCosts | None, compiled: bool) -> bool:

@@ -249,18 +249,22 @@ def mode(options: Options, q) -> str:
 
 
 def _rule(mask, shape, backend, options, compiled, q, bkey) -> bool:
-    """``tier_costs.tiers`` for this request on this machine. The host choice (a table
-    look-up, cached for the host plan) is read only where a gathering plan's planning time
-    could still tip the rule."""
+    """``tier_costs.tiers`` for this request on this machine. The mask's selected blocks are
+    counted only as far as the answer needs (``tier_costs.base_tiers``), and the host choice
+    (a table look-up, cached for the host plan) is read only where a gathering plan's
+    planning time could still tip the rule."""
     costs = tier_costs.costs_for(_platform(q), backend, _ranking.device_name())
     if costs is None:
         return False
-    size = tier_costs.size_of(mask, shape, backend, options.bitmap_budget_bytes,
-                              options.device_gather, bkey[1:])
+    args = (mask, shape, backend, options.bitmap_budget_bytes, options.device_gather, bkey[1:])
+    if tier_costs.base_tiers(*args, costs, compiled):
+        return True
+    if costs.host_ns_per_gather_pair <= 0:
+        return False
+    size = tier_costs.size_of(*args)
     if size is None:
         return False
-    if not tier_costs.tiers(size, costs, compiled) and costs.host_ns_per_gather_pair > 0:
-        size = dataclasses.replace(size, gather=tier_costs.host_gathers(mask, shape, backend))
+    size = dataclasses.replace(size, gather=tier_costs.host_gathers(mask, shape, backend))
     return tier_costs.tiers(size, costs, compiled)
 
 
