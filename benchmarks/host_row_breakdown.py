@@ -15,7 +15,7 @@ call, as a new mask), executables compiled first:
 * ``route``: the tiered device route on premade leaves (``tiered._device_route``: the packed
   program's dispatch, unpack, plan and kernel, no Python front, no background plan);
 * ``route_unpacked``: the route's entry (``device_route.attention``) on unpacked device
-  blocks; ``route_python``: the route with its compiled program stubbed (Python alone);
+  blocks; ``route_python``: the route with its prepared call stubbed (Python alone);
 * ``copy_route``: the two in a row; ``route_host_packed`` (static bounds): the route given
   the packed bits as NumPy, copied by its jitted call's dispatch instead of ``device_put``;
 * ``front``: ``tj.sparse_attention`` with the tiered route stubbed to return q (validation,
@@ -148,12 +148,12 @@ def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, hea
         tj.BlockMask(*jax.device_put((qb, kb)), dev_blocks)
     t("route_unpacked", lambda: jax.block_until_ready(device_route.attention(
         q, k, v, like, shape, be, None, scale, False, tiered._untiered(ropts))))
-    real_run = device_route._run
+    real_fn = tiered._PREPARED[ckey]             # the route's prepared call (run above)
     try:
-        device_route._run = lambda q, *a, **kw: q
+        tiered._PREPARED[ckey] = lambda q, *a: q
         t("route_python", lambda: route(leaves))
     finally:
-        device_route._run = real_run
+        tiered._PREPARED[ckey] = real_fn
     res["profile_route"] = _profile(lambda: route(leaves), clear)
     t("copy_route", lambda: route(mask.packed_leaves(static_bounds=static)))
     if static:     # the packed bits handed to the route's jit as NumPy (its C++ path copies)

@@ -598,12 +598,14 @@ def test_precompiled_bounds_run_the_static_bounds_route(monkeypatch):
     those bounds static (NumPy: tiles aligned to its blocks); a mask of other bounds, same
     shapes, the traced one; both agree with the reference, and the next call the host plan."""
     seen = []
-    route = tiered.device_route.attention
+    route = tiered._device_route
 
-    def spy(q, k, v, mask, *a, **kw):
-        seen.append(isinstance(mask.q_bounds, np.ndarray) and isinstance(mask.kv_bounds,
-                                                                          np.ndarray))
-        return route(q, k, v, mask, *a, **kw)
+    def spy(q, k, v, mask, leaves, *a, **kw):
+        seen.append(isinstance(leaves[0], np.ndarray) and isinstance(leaves[1], np.ndarray))
+        return route(q, k, v, mask, leaves, *a, **kw)
+
+    def executables():
+        return sum(fn.jitted._cache_size() for fn in tiered._PREPARED.values())
 
     opts = tj.Options(host_planning="device_first", bitmap_budget_bytes=1 << 27,
                       host_plan_from_call=1)
@@ -614,8 +616,8 @@ def test_precompiled_bounds_run_the_static_bounds_route(monkeypatch):
     same_bounds = tj.BlockMask(m.q_bounds, m.kv_bounds, ~m.blocks)
     other = _mask(31)
     assert tiered.compiled(q, k, other, "xla", scale, False, opts)       # traced: same shapes
-    executables = tiered.device_route._run._cache_size()
-    monkeypatch.setattr(tiered.device_route, "attention", spy)
+    compiled, prepared = executables(), len(tiered._PREPARED)
+    monkeypatch.setattr(tiered, "_device_route", spy)
     tj.clear_caches()
     for mask, static in ((same_bounds, True), (other, False)):
         seen.clear()
@@ -629,7 +631,33 @@ def test_precompiled_bounds_run_the_static_bounds_route(monkeypatch):
         assert r == "host"
         np.testing.assert_allclose(out2, out, **TOL)
     # the requests ran what precompile compiled (the packed blocks' programs): no new one
-    assert tiered.device_route._run._cache_size() == executables
+    assert executables() == compiled and len(tiered._PREPARED) == prepared
+
+
+def test_the_device_routes_prepared_calls_outlive_clear_caches_but_not_a_fresh_process():
+    """A tiered call keeps its device route's prepared call (static choice made once) per
+    compiled key: ``clear_caches`` keeps it, as jax keeps executables; ``fresh_process=True``
+    drops it (its template choice came from the ranking tables it reloads). Outputs agree
+    with the reference on both sides."""
+    (q, k, v), m = _qkv(), _mask(50)
+    tj.sparse_attention(q, k, v, m, backend="xla", options=FIRST)
+    assert tiered.wait(60)
+    keys = set(tiered._PREPARED)
+    assert keys
+    tj.clear_caches()
+    assert set(tiered._PREPARED) == keys
+    out, r = _routes(lambda: tj.sparse_attention(q, k, v, _mask(51), backend="xla",
+                                                 options=FIRST))
+    assert r == "device" and set(tiered._PREPARED) == keys
+    np.testing.assert_allclose(out, tj.reference_attention(q, k, v, _mask(51)), **TOL)
+    assert tiered.wait(60)
+    tj.clear_caches(fresh_process=True)
+    assert not tiered._PREPARED
+    out, r = _routes(lambda: tj.sparse_attention(q, k, v, _mask(52), backend="xla",
+                                                 options=FIRST))
+    assert r == "device" and tiered._PREPARED
+    np.testing.assert_allclose(out, tj.reference_attention(q, k, v, _mask(52)), **TOL)
+    assert tiered.wait(60)
 
 
 def _irregular_mask(seed: int) -> tj.BlockMask:
@@ -651,13 +679,13 @@ def test_auto_device_gather_reads_the_host_masks_key_bounds(monkeypatch):
     for m, opts in ((reg, tj.Options()), (irr, tj.Options(device_gather="never"))):
         assert tiered.route_options(opts, tiered.bounds_key(m)) is opts
     seen = []
-    route = tiered.device_route.attention
+    route = tiered._device_route
 
-    def spy(q, k, v, mask, shape, backend, t, scale, lse, options, **kw):
+    def spy(q, k, v, mask, leaves, shape, backend, scale, lse, options, key):
         seen.append(options.device_gather)
-        return route(q, k, v, mask, shape, backend, t, scale, lse, options, **kw)
+        return route(q, k, v, mask, leaves, shape, backend, scale, lse, options, key)
 
-    monkeypatch.setattr(tiered.device_route, "attention", spy)
+    monkeypatch.setattr(tiered, "_device_route", spy)
     q, k, v = _qkv()
     for m, want in ((irr, "traced"), (reg, "auto")):
         seen.clear()

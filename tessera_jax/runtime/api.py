@@ -300,12 +300,13 @@ def clear_caches(*, fresh_process: bool = False) -> None:
 
     Kept, unless ``fresh_process``: what a process computes once, whatever the masks: the
     loaded ranking tables and which table this GPU uses, the compiled cuDNN dense calls (and
-    refusals) per shape, and the one-time warnings. ``fresh_process=True`` clears those too.
+    refusals) per shape, the tiered device route's prepared calls (``runtime.tiered``: their
+    template choices came from the tables), and the one-time warnings. ``fresh_process=True`` clears those too.
     Never cleared: jax's compiled executables (``jax.clear_caches()``) and the device facts
     (GPU model, compute capability).
     """
     fresh_process = check_bool("fresh_process", fresh_process)
-    tiered.clear()              # first: no background plan may fill a cache cleared below
+    tiered.clear(fresh_process)  # first: no background plan may fill a cache cleared below
     _PLANS.clear()
     planner.clear_cache()
     features.clear_cache()

@@ -65,6 +65,8 @@ _LOCK = threading.Lock()             # guards everything below
 _PENDING: dict = {}                  # request key -> _Entry (running, or failed)
 _GEN = 0                             # bumped by clear(): older jobs publish nothing
 _COMPILED: set = set()               # device-route executables this process has run
+_PREPARED: dict = {}                 # compiled key -> the device route's prepared call
+_PREPARED_MAX = 64
 _COUNTS: collections.Counter = collections.Counter()
 _SEEN: collections.OrderedDict = collections.OrderedDict()  # hash(request key) -> calls so far
 _SEEN_MAX = 4096
@@ -166,12 +168,20 @@ def _device_route(q, k, v, mask: BlockMask, leaves, shape, backend, scale, retur
                   compiled_key):
     """The device route on ``mask`` copied as ``leaves`` (``BlockMask.packed_leaves``: its
     blocks unpacked inside the program)."""
-    qb, kb, packed = leaves
+    fn = _PREPARED.get(compiled_key)
+    if fn is not None:
+        return fn(q, k, v, *leaves)
+    # the key holds what the call site's static choice reads: prepared once
+    qb, kb, _ = leaves
     like = BlockMask._from_leaves(qb, kb, jax.ShapeDtypeStruct(mask.shape, np.bool_))
-    out = device_route.attention(q, k, v, like, shape, backend, None, scale, return_lse,
-                                 _untiered(options), packed=packed)
+    fn = device_route.prepare(like, shape, backend, None, scale, return_lse, _untiered(options),
+                              packed=True)
+    out = fn(q, k, v, *leaves)
     with _LOCK:
         _COMPILED.add(compiled_key)
+        _PREPARED[compiled_key] = fn
+        if len(_PREPARED) > _PREPARED_MAX:     # the oldest prepared first
+            _PREPARED.pop(next(iter(_PREPARED)))
     return out
 
 
@@ -198,7 +208,7 @@ def _gathering(options: Options) -> Options:
 def _compiled_key(q, k, mask: BlockMask, backend, scale, return_lse, options) -> tuple:
     """What picks the device route's executable of a tiered call with traced bounds (one per
     shapes); with ``bounds_key(mask)`` appended, the one with these bounds static."""
-    return (tuple(q.shape), tuple(k.shape), str(q.dtype), mask.shape, backend, float(scale),
+    return (tuple(q.shape), tuple(k.shape), q.dtype, mask.shape, backend, float(scale),
             bool(return_lse), _untiered(options))
 
 
@@ -330,15 +340,19 @@ def wait(timeout: float | None = None) -> bool:
     return not not_done
 
 
-def clear() -> None:
+def clear(fresh_process: bool = False) -> None:
     """Cancels the background plans not started, waits for running ones and drops them all
-    (``tj.clear_caches``; the compiled-executable record stays: jax keeps them)."""
+    (``tj.clear_caches``; the compiled-executable record and the device route's prepared
+    calls stay, as jax keeps executables, unless ``fresh_process``: the calls hold template
+    choices made from the ranking tables that it drops)."""
     global _GEN
     with _LOCK:
         _GEN += 1
         entries = list(_PENDING.values())
         _PENDING.clear()
         _SEEN.clear()
+        if fresh_process:
+            _PREPARED.clear()
     # A cancelled plan never runs (its job returns at once), whether or not it was submitted
     # yet; only running ones are waited for.
     concurrent.futures.wait([e.future for e in entries if not e.future.cancel()])
