@@ -15,7 +15,7 @@ def test_cases_cover_every_gpu_template_and_the_device_routes():
                      if t.supports(128, np.dtype("bfloat16")) or t.supports(64, np.dtype("bfloat16"))}
     assert {(c[1].get("backend"), c[2]) for c in got if c[2] != "host"} == {
         (b, r) for b in ("mosaic_gpu", "triton")
-        for r in ("device", "perhead", "traced", "decided")}
+        for r in ("device", "perhead", "traced", "decided", "tiered")}
     assert [c[0] for c in got if gpu_check._refines(c[2], c[1])] == [
         "mosaic_gpu-traced-refine-D128", "triton-traced-refine-D128"]
     assert gpu_check.cases([]) == []
@@ -42,6 +42,29 @@ def test_check_case_fails_a_wrong_kernel(monkeypatch):
     monkeypatch.setattr(tj, "sparse_attention", wrong)
     assert not gpu_check.check_case(rng, D=32, Hq=2, Hkv=1, route="host",
                                     options={"backend": "xla"})["ok"]
+
+
+def test_tiered_case_fails_a_wrong_route_or_a_route_not_taken(monkeypatch):
+    """The tiered case compares each eager call with the reference and counts its device-route
+    calls: a route that drops part of its output fails it, and so do calls the rule keeps on
+    the host (the case then checks nothing of the route)."""
+    from tessera_jax.runtime import tiered
+    real = tiered._device_route
+
+    def wrong(q, *a):
+        res = real(q, *a)
+        if not isinstance(res, tuple):              # precompile's call (no LSE)
+            return res
+        return res[0].at[:, : q.shape[1] // 10].set(0), res[1]
+
+    monkeypatch.setattr(tiered, "_device_route", wrong)
+    kw = dict(D=32, Hq=2, Hkv=1, route="tiered", options={"backend": "xla"})
+    assert not gpu_check.check_case(np.random.default_rng(1), **kw)["ok"]
+    monkeypatch.setattr(tiered, "_device_route", real)
+    monkeypatch.setattr(tiered, "attention", lambda *a, **k: None)     # the host plan runs
+    rec = gpu_check.check_case(np.random.default_rng(1), **kw)
+    assert rec["device_route_calls"] == 0 and rec["rel_out"] < gpu_check.OUT_TOL
+    assert not rec["ok"]
 
 
 def test_refine_case_checks_that_the_first_room_fell_back():

@@ -18,6 +18,7 @@ prints them as a table.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -27,8 +28,11 @@ __all__ = ["ROUTES", "cases", "check_case", "cluster_parts", "main"]
 #: host: a static mask (host planner); device: static shared bounds, traced blocks; perhead:
 #: static per-head bounds; traced: per-head bounds passed into the program (traced); decided:
 #: the device route's static bounds with a bitmap budget under their worst case, so the plan
-#: decides its fit on the device (``_decided_options``).
-ROUTES = ("host", "device", "perhead", "traced", "decided")
+#: decides its fit on the device (``_decided_options``); tiered: eager calls on new host masks
+#: sent to the device route with their blocks bit-packed (``Options.host_planning``
+#: "device_first"), bounds traced, then static once ``tj.precompile`` ran them (forward only:
+#: a traced call plans on the host).
+ROUTES = ("host", "device", "perhead", "traced", "decided", "tiered")
 #: Tolerances of bf16 kernels against the float32 reference (relative Frobenius error).
 OUT_TOL, LSE_TOL, GRAD_TOL = 1e-2, 1e-2, 2e-2
 
@@ -231,6 +235,8 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     L = int(rng.integers(700, 1500))
+    if route == "tiered":
+        return _tiered_case(rng, L, D, Hq, Hkv, options)
     gathers = route == "host" and _gathers(options)
     dev_gathers = route != "host" and _device_gathers(options)
     refines = _refines(route, options)
@@ -310,6 +316,48 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
     return rec
 
 
+def _tiered_case(rng, L: int, D: int, Hq: int, Hkv: int, options: dict) -> dict:
+    """``check_case`` of the "tiered" route: three new masks of one set of bounds, eager, the
+    first two before ``tj.precompile`` of the bounds (traced bounds, then the executable
+    reused), the third after it (static bounds, the bits handed to the jit as NumPy); each
+    must take the device route and match the reference (output and LSE)."""
+    import jax
+    import jax.numpy as jnp
+
+    import tessera_jax as tj
+    from tessera_jax.runtime import tiered
+    qb, _ = _mask_parts(rng, L, Hq, "device")
+    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
+    q = jax.random.normal(ks[0], (1, L, Hq, D), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (1, L, Hkv, D), jnp.bfloat16) for x in ks[1:3])
+    kw = dict(options, options=dataclasses.replace(options.get("options") or tj.Options(),
+                                                   host_planning="device_first"))
+    rec = dict(L=L, rel_out=0.0, lse_max_err=0.0, empty_rows_ok=True, rel_grads=[0.0],
+               device_route_calls=0)
+    for i in range(3):
+        if i == 2:
+            tj.precompile(tj.BlockMask(qb, qb, _mask_parts(rng, L, Hq, "device")[1]),
+                          q.shape, k.shape, q.dtype, backend=kw.get("backend"),
+                          options=kw["options"])
+        m = tj.BlockMask(qb, qb, _mask_parts(rng, L, Hq, "device")[1])
+        before = tiered.stats().get("device_route", 0)
+        out, lse = tj.sparse_attention(q, k, v, m, return_lse=True, **kw)
+        rec["device_route_calls"] += tiered.stats().get("device_route", 0) - before
+        rout, rlse = tj.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), m,
+                                            return_lse=True)
+        lse, rlse = np.asarray(lse), np.asarray(rlse)
+        fin = np.isfinite(rlse)
+        rec["rel_out"] = max(rec["rel_out"], _rel(out, rout))
+        rec["lse_max_err"] = max(rec["lse_max_err"],
+                                 float(np.max(np.abs(lse[fin] - rlse[fin]), initial=0.0)))
+        rec["empty_rows_ok"] &= bool(np.all(np.isneginf(lse[~fin]))
+                                     and not np.isnan(np.asarray(out, np.float32)).any())
+        assert tiered.wait(120)
+    rec["ok"] = (rec["rel_out"] < OUT_TOL and rec["lse_max_err"] < LSE_TOL
+                 and rec["empty_rows_ok"] and rec["device_route_calls"] == 3)
+    return rec
+
+
 def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
     """(id, sparse_attention keywords, route, D, Hq, Hkv) of every check for ``backends``
     (None: the GPU backends available here)."""
@@ -339,6 +387,7 @@ def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
                         dict(backend=b, options=tj.Options(device_gather="irregular")),
                         route, 128, 4, 2))
         out.append((f"{b}-traced-D128", dict(backend=b), "traced", 128, 4, 2))
+        out.append((f"{b}-tiered-D128", dict(backend=b), "tiered", 128, 4, 2))
         # Static bounds past the bitmap budget: the plan decides its fit on the device.
         out.append((f"{b}-decided-D128", dict(backend=b), "decided", 128, 4, 2))
         # The first bitmap room's fallback (``Options.bitmap_first_bytes``; ``_refines``).
