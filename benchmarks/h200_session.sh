@@ -173,16 +173,22 @@ s39a)
   # host-planning variant, in one call.
   dense_checks 120
   xattn_loop 310 ;;
-s40a)
-  # Session 40: make test-gpu whole (d73df73 and fd5a92c, the Mosaic call path's caching, have
-  # run on no GPU), then where the GPU host's Python goes in a dense request (cProfile) and the
-  # host rows' breakdown (mask, copy, route, request) on the same machine.
-  run 330 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA --durations=0"
-  run 90 dense-dispatch python3 benchmarks/dense_dispatch.py --profile 200 \
-      --out $OUT/dense-dispatch.json
-  run 170 host-rows python3 benchmarks/host_row_breakdown.py --families sparge,vsa,svg2,moba \
-      --repeats 9 --out $OUT/host-row-breakdown.json
-  run 150 host-rows-hy720 python3 benchmarks/host_row_breakdown.py --families sparge \
+s40-test)
+  # Session 40: make test-gpu whole (d73df73, fd5a92c and the tiered route's prepared calls
+  # have run on no GPU; gpu_check's new "tiered" route checks them).
+  run 400 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA --durations=0" ;;
+s40-ab)
+  # Session 40: the host rows' breakdown before (ab_old: `git archive e6dc06a`, untracked, so
+  # it travels) and after the tiered rule's early count and the prepared device-route call,
+  # alternating, one call; then HunyuanVideo 720p's sparge host row after.
+  for r in 1 2; do
+    run 120 host-rows-new-$r python3 benchmarks/host_row_breakdown.py --families vsa,sparge \
+        --repeats 9 --out $OUT/host-rows-new-$r.json
+    (cd ab_old && PYTHONPATH=$PWD run 120 host-rows-old-$r python3 \
+        benchmarks/host_row_breakdown.py --families vsa,sparge --repeats 9 \
+        --out $OUT/host-rows-old-$r.json)
+  done
+  run 120 host-rows-hy720 python3 benchmarks/host_row_breakdown.py --families sparge \
       --grid hy720 --heads 16 --repeats 7 --out $OUT/host-row-breakdown-hy720.json ;;
 hy720)
   # Issue 33 item 1: the peers at HunyuanVideo 720p (all 16 heads), one family per call (svg2
