@@ -177,6 +177,14 @@ s40-test)
   # Session 40: make test-gpu whole (d73df73, fd5a92c and the tiered route's prepared calls
   # have run on no GPU; gpu_check's new "tiered" route checks them).
   run 400 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA --durations=0" ;;
+s40)
+  # s40-test then one round of s40-ab's host rows (new, old), in one call.
+  run 320 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA --durations=0"
+  run 100 host-rows-new-1 python3 benchmarks/host_row_breakdown.py --families vsa,sparge \
+      --repeats 9 --out $OUT/host-rows-new-1.json
+  (cd ab_old && PYTHONPATH=$PWD run 100 host-rows-old-1 python3 \
+      benchmarks/host_row_breakdown.py --families vsa,sparge --repeats 9 \
+      --out $OUT/host-rows-old-1.json) ;;
 s40-ab)
   # Session 40: the host rows' breakdown before (ab_old: `git archive e6dc06a`, untracked, so
   # it travels) and after the tiered rule's early count and the prepared device-route call,
