@@ -52,6 +52,10 @@
 # A/B within 1%, landed; XAttention's loop with host planning: results/h100-loop-xattn.json),
 # make test-gpu (41/41), peers-38 (results/h100-peers-dense-moba-svg2.json), dense_dispatch.py
 # twice, and HunyuanVideo 720p peers (sparge only: svg2 ran past the call).
+# Session 40 (seven starts refused, then an H100): s40 (make test-gpu cut at 320 s after 42
+# passed, none failed; the tiered and all-selected cases then passed: results/h100-test-gpu.log;
+# the host rows' A/B before / after the rule's early count and the prepared device-route call:
+# results/h100-host-row-ab.json), dense_dispatch --profile (results/h100-dense-dispatch.json).
 # First next time, on an H200: `peers-38` then `xattn-host` (both ran on an H100 only, so
 # h200-peers.json and h200-loop.json still hold the older rows); the 13-family peers at Wan
 # 480p with a whole budget (two shards); `hy720 FAMILY` one family per call for item 1.
@@ -173,12 +177,9 @@ s39a)
   # host-planning variant, in one call.
   dense_checks 120
   xattn_loop 310 ;;
-s40-test)
-  # Session 40: make test-gpu whole (d73df73, fd5a92c and the tiered route's prepared calls
-  # have run on no GPU; gpu_check's new "tiered" route checks them).
-  run 400 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA --durations=0" ;;
 s40)
-  # s40-test then one round of s40-ab's host rows (new, old), in one call.
+  # Session 40: make test-gpu (gpu_check's "tiered" route checks the prepared device-route
+  # calls), then one round of s40-ab's host rows (new, old), in one call.
   run 320 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA --durations=0"
   run 100 host-rows-new-1 python3 benchmarks/host_row_breakdown.py --families vsa,sparge \
       --repeats 9 --out $OUT/host-rows-new-1.json
