@@ -652,12 +652,31 @@ def test_the_device_routes_prepared_calls_outlive_clear_caches_but_not_a_fresh_p
     np.testing.assert_allclose(out, tj.reference_attention(q, k, v, _mask(51)), **TOL)
     assert tiered.wait(60)
     tj.clear_caches(fresh_process=True)
-    assert not tiered._PREPARED
+    assert not tiered._PREPARED and not keys & tiered._COMPILED    # their executables gone
     out, r = _routes(lambda: tj.sparse_attention(q, k, v, _mask(52), backend="xla",
                                                  options=FIRST))
     assert r == "device" and tiered._PREPARED
     np.testing.assert_allclose(out, tj.reference_attention(q, k, v, _mask(52)), **TOL)
     assert tiered.wait(60)
+
+
+def test_evicting_a_prepared_call_forgets_its_executables(monkeypatch):
+    """Past ``_PREPARED_MAX`` calls the oldest prepared call goes, and the rule's record of
+    compiled routes with it (its executables are gone: a mask of that key pays a compile
+    again)."""
+    monkeypatch.setattr(tiered, "_PREPARED_MAX", 1)
+    monkeypatch.setattr(tiered, "_PREPARED", {})
+    (q, k, v) = _qkv()
+    rng = np.random.default_rng(53)
+    first = _mask(53)
+    other = tj.BlockMask.uniform(L, L, 48, 48, rng.random((H, 4, 4)) < 0.5)   # another shape
+    for m in (first, other):
+        out = tj.sparse_attention(q, k, v, m, backend="xla", options=FIRST)
+        np.testing.assert_allclose(out, tj.reference_attention(q, k, v, m), **TOL)
+        assert tiered.wait(60)
+    assert len(tiered._PREPARED) == 1
+    assert tiered.compiled(q, k, other, "xla", D ** -0.5, False, FIRST)
+    assert not tiered.compiled(q, k, first, "xla", D ** -0.5, False, FIRST)
 
 
 def _irregular_mask(seed: int) -> tj.BlockMask:

@@ -180,8 +180,10 @@ def _device_route(q, k, v, mask: BlockMask, leaves, shape, backend, scale, retur
     with _LOCK:
         _COMPILED.add(compiled_key)
         _PREPARED[compiled_key] = fn
-        if len(_PREPARED) > _PREPARED_MAX:     # the oldest prepared first
-            _PREPARED.pop(next(iter(_PREPARED)))
+        if len(_PREPARED) > _PREPARED_MAX:     # the oldest first, its executables with it
+            oldest = next(iter(_PREPARED))
+            del _PREPARED[oldest]
+            _COMPILED.discard(oldest)
     return out
 
 
@@ -342,16 +344,18 @@ def wait(timeout: float | None = None) -> bool:
 
 def clear(fresh_process: bool = False) -> None:
     """Cancels the background plans not started, waits for running ones and drops them all
-    (``tj.clear_caches``; the compiled-executable record and the device route's prepared
-    calls stay, as jax keeps executables, unless ``fresh_process``: the calls hold template
-    choices made from the ranking tables that it drops)."""
+    (``tj.clear_caches``; the device route's prepared calls and the record of their
+    executables stay, as jax keeps executables, unless ``fresh_process``: the calls hold
+    template choices made from the ranking tables that it drops, and their executables go
+    with them)."""
     global _GEN
     with _LOCK:
         _GEN += 1
         entries = list(_PENDING.values())
         _PENDING.clear()
         _SEEN.clear()
-        if fresh_process:
+        if fresh_process:                   # their executables go with them
+            _COMPILED.difference_update(_PREPARED)
             _PREPARED.clear()
     # A cancelled plan never runs (its job returns at once), whether or not it was submitted
     # yet; only running ones are waited for.
