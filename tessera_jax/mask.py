@@ -159,6 +159,20 @@ def _check_concrete(name: str, bounds) -> None:
 _COUNT_CHUNK = 4096
 
 
+def _count_bits(words: np.ndarray, start: int, stop_above: int | None,
+                chunk: int = _COUNT_CHUNK) -> int:
+    """``start`` plus the set bits of ``words`` (uint64), ``chunk`` words at a time once
+    ``stop_above`` is given, stopping as soon as the count passes it."""
+    if stop_above is None:
+        return start + int(np.bitwise_count(words).sum(dtype=np.int64))
+    count = start
+    for i in range(0, words.size, chunk):
+        if count > stop_above:
+            break
+        count += int(np.bitwise_count(words[i:i + chunk]).sum(dtype=np.int64))
+    return count
+
+
 class BlockMask:
     """Which logical blocks of queries x keys to compute, per head or shared by all heads.
 
@@ -416,16 +430,8 @@ class BlockMask:
         self._need_static("count_selected")
         p = self._packed
         n = p.size // 8 * 8
-        words = p[:n].view(np.uint64)
         tail = int(np.bitwise_count(p[n:]).sum(dtype=np.int64))
-        if stop_above is None:
-            return int(np.bitwise_count(words).sum(dtype=np.int64)) + tail
-        count = tail
-        for i in range(0, words.size, _COUNT_CHUNK):
-            if count > stop_above:
-                break
-            count += int(np.bitwise_count(words[i:i + _COUNT_CHUNK]).sum(dtype=np.int64))
-        return count
+        return _count_bits(p[:n].view(np.uint64), tail, stop_above)
 
     def selects_all(self) -> bool:
         """Whether every block of every head is selected, on a static mask's packed bits: a

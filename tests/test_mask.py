@@ -152,6 +152,25 @@ def test_count_selected_counts_the_blocks(m):
             .count_selected()
 
 
+@given(masks(num_q_heads=3), st.integers(-1, 400))
+def test_a_count_that_may_stop_answers_as_the_whole_count(m, k):
+    """``count_selected(stop_above=k)`` is the count when it is <= k, and above k exactly
+    when the count is; the chunked loop under it (``mask._count_bits``) stops early on any
+    chunk size without changing that."""
+    from tessera_jax.mask import _count_bits
+    full = int(np.count_nonzero(m.blocks))
+    got = m.count_selected(stop_above=k)
+    assert (got > k) == (full > k) and (got == full or got > k)
+    words = np.random.default_rng(k + 2).integers(0, 2 ** 63, 37, dtype=np.uint64)
+    bits = int(np.bitwise_count(words).sum())
+    for chunk in (1, 2, 5, 64):
+        part = _count_bits(words, 3, k * 8, chunk)
+        assert (part > k * 8) == (bits + 3 > k * 8) and (part == bits + 3 or part > k * 8)
+    assert _count_bits(words, 3, None) == bits + 3
+    ones = np.ones(50, np.uint64)                      # one bit a word: the count steps by 1
+    assert _count_bits(ones, 0, k, 1) == min(50, max(k, -1) + 1)
+
+
 def test_static_blocks_stay_packed_until_read():
     """A static mask keeps its blocks as packed bits (no copy of the bools; the caller's array
     may change afterwards) and unpacks them, read-only, when first read."""

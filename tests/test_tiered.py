@@ -436,16 +436,14 @@ def test_the_rule_reads_the_host_choice_only_when_it_matters(monkeypatch):
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**16), density=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
        host_ms=st.floats(0.0, 3.0), per_sel=st.floats(0.0, 1e5), device_ms=st.floats(0.0, 3.0),
-       excess=st.floats(0.0, 1e3), per_gather=st.sampled_from([0.0, 1.0]),
-       chunk=st.sampled_from([1, 2, 4096]))
+       excess=st.floats(0.0, 1e3), per_gather=st.sampled_from([0.0, 1.0]))
 def test_the_rule_counts_only_as_far_as_its_answer_needs(
-        seed, density, host_ms, per_sel, device_ms, excess, per_gather, chunk):
+        seed, density, host_ms, per_sel, device_ms, excess, per_gather):
     """The rule's answer equals ``tiers`` of the mask's full size (the host choice asked
     where it tips); the mask is not counted where the sizes with no and with every block
-    selected agree, and the count stops early (small chunks) without changing the answer."""
+    selected agree, and a count that stops early answers as the whole count."""
     import dataclasses
     from unittest import mock
-    from tessera_jax import mask as mask_mod
     rng = np.random.default_rng(seed)
     b = np.arange(0, 4 * L + 1, 4)                 # 192 x 192 blocks of 4 tokens: 576 words
     m = tj.BlockMask(b, b, rng.random((1, L, L)) < density)
@@ -468,8 +466,7 @@ def test_the_rule_counts_only_as_far_as_its_answer_needs(
                              True) for n in (0, size.blocks)}
     stops = []
     real = tj.BlockMask.count_selected
-    with mock.patch.object(mask_mod, "_COUNT_CHUNK", chunk), \
-            mock.patch.object(tiered.tier_costs, "costs_for", lambda *a: c), \
+    with mock.patch.object(tiered.tier_costs, "costs_for", lambda *a: c), \
             mock.patch.object(tj.BlockMask, "count_selected",
                               lambda self, stop_above=None: stops.append(stop_above)
                               or real(self, stop_above)):
@@ -481,30 +478,27 @@ def test_the_rule_counts_only_as_far_as_its_answer_needs(
         assert stops == []
 
 
-@pytest.mark.parametrize("chunk", [1, 4096])
 @pytest.mark.parametrize("rising", [True, False])
 @pytest.mark.parametrize("delta", [-0.5, 0.5])
-def test_the_rules_early_count_decides_next_to_the_flip(chunk, rising, delta):
+def test_the_rules_early_count_decides_next_to_the_flip(rising, delta):
     """Costs that put the count where the rule flips half a block from the mask's own count:
-    the early-stopping count answers as the whole count would, on either side, whether more
-    selected blocks favour the device route (host planning per block) or the host (the
-    device route's kernel excess per interaction)."""
-    from unittest import mock
-    from tessera_jax import mask as mask_mod
+    the early-stopping count (16 heads x 192 x 192 blocks: three chunks) answers as the whole
+    count would, on either side, whether more selected blocks favour the device route (host
+    planning per block) or the host (the device route's kernel excess per interaction)."""
+    Hm = 16
     b = np.arange(0, 4 * L + 1, 4)
-    m = tj.BlockMask(b, b, np.random.default_rng(3).random((1, L, L)) < 0.3)
+    m = tj.BlockMask(b, b, np.random.default_rng(3).random((Hm, L, L)) < 0.3)
     n = m.count_selected()
-    q = jnp.zeros((1, 4 * L, H, D), jnp.float32)
+    q = jnp.zeros((1, 4 * L, Hm, D), jnp.float32)
     shape = check_shapes(q.shape, q.shape, q.dtype)
-    per_block = 16 * H * D                                # interactions_d of one 4 x 4 block
+    per_block = 16 * D                                     # interactions_d of one 4 x 4 block
     if rising:        # host 1e-3 ms a block; device fixed at the flip
         c = _costs(host_ns_per_selected=1e3, device_ms=1e-3 * (n + delta))
     else:             # host fixed at the flip; device 1e-6 * per_block ms a block
         c = _costs(host_ms=1e-6 * per_block * (n + delta), kernel_ns_per_interaction=1.0,
                    kernel_excess=1.0)
-    with mock.patch.object(mask_mod, "_COUNT_CHUNK", chunk):
-        got = tier_costs.base_tiers(m, shape, "xla", TIERED.bitmap_budget_bytes,
-                                    TIERED.device_gather, None, c, True)
+    got = tier_costs.base_tiers(m, shape, "xla", TIERED.bitmap_budget_bytes,
+                                TIERED.device_gather, None, c, True)
     size = tier_costs.size_of(m, shape, "xla", TIERED.bitmap_budget_bytes)
     assert got is tier_costs.tiers(size, c, True) is ((delta < 0) if rising else (delta > 0))
 
@@ -660,23 +654,16 @@ def test_the_device_routes_prepared_calls_outlive_clear_caches_but_not_a_fresh_p
     assert tiered.wait(60)
 
 
-def test_evicting_a_prepared_call_forgets_its_executables(monkeypatch):
-    """Past ``_PREPARED_MAX`` calls the oldest prepared call goes, and the rule's record of
-    compiled routes with it (its executables are gone: a mask of that key pays a compile
-    again)."""
-    monkeypatch.setattr(tiered, "_PREPARED_MAX", 1)
-    monkeypatch.setattr(tiered, "_PREPARED", {})
-    (q, k, v) = _qkv()
-    rng = np.random.default_rng(53)
-    first = _mask(53)
-    other = tj.BlockMask.uniform(L, L, 48, 48, rng.random((H, 4, 4)) < 0.5)   # another shape
-    for m in (first, other):
-        out = tj.sparse_attention(q, k, v, m, backend="xla", options=FIRST)
-        np.testing.assert_allclose(out, tj.reference_attention(q, k, v, m), **TOL)
-        assert tiered.wait(60)
-    assert len(tiered._PREPARED) == 1
-    assert tiered.compiled(q, k, other, "xla", D ** -0.5, False, FIRST)
-    assert not tiered.compiled(q, k, first, "xla", D ** -0.5, False, FIRST)
+def test_evicting_a_prepared_call_forgets_its_executables():
+    """Past the cap the oldest prepared call goes, and the rule's record of compiled routes
+    with it (its executables are gone: a mask of that key pays a compile again); keys
+    compiled without a prepared call (none today) are left alone."""
+    prepared, compiled = {}, {"other"}
+    for key in ("a", "b", "c"):
+        tiered._remember(prepared, compiled, key, key.upper(), cap=2)
+    assert prepared == {"b": "B", "c": "C"} and compiled == {"other", "b", "c"}
+    tiered._remember(prepared, compiled, "d", "D", cap=1)
+    assert prepared == {"d": "D"} and compiled == {"other", "d"}
 
 
 def _irregular_mask(seed: int) -> tj.BlockMask:

@@ -178,13 +178,20 @@ def _device_route(q, k, v, mask: BlockMask, leaves, shape, backend, scale, retur
                               packed=True)
     out = fn(q, k, v, *leaves)
     with _LOCK:
-        _COMPILED.add(compiled_key)
-        _PREPARED[compiled_key] = fn
-        if len(_PREPARED) > _PREPARED_MAX:     # the oldest first, its executables with it
-            oldest = next(iter(_PREPARED))
-            del _PREPARED[oldest]
-            _COMPILED.discard(oldest)
+        _remember(_PREPARED, _COMPILED, compiled_key, fn, _PREPARED_MAX)
     return out
+
+
+def _remember(prepared: dict, compiled: set, key, fn, cap: int) -> None:
+    """Records ``fn``, the prepared call of ``key``, and its executables; past ``cap`` calls
+    the oldest goes, and its key leaves ``compiled`` (its executables go with it, so the rule
+    counts a compile again)."""
+    compiled.add(key)
+    prepared[key] = fn
+    while len(prepared) > cap:
+        oldest = next(iter(prepared))
+        del prepared[oldest]
+        compiled.discard(oldest)
 
 
 def route_options(options: Options, bkey: tuple) -> Options:
