@@ -103,7 +103,9 @@ def attention(q, k, v, mask: BlockMask, shape: AttnShape, backend: str, template
     blocks are tested on the host by the caller, so it does not apply to them)."""
     statics = _statics(mask, shape, backend, template, scale, return_lse, options,
                        packed is not None, dense)
-    return _run(q, k, v, *_dynamic(mask, statics["consts"], packed), **statics)
+    blocks = mask.blocks if packed is None else packed
+    return _run(q, k, v, *_dynamic(statics["consts"], mask.q_bounds, mask.kv_bounds, blocks),
+                **statics)
 
 
 def prepare(mask: BlockMask, shape: AttnShape, backend: str, template: Template | None,
@@ -116,11 +118,10 @@ def prepare(mask: BlockMask, shape: AttnShape, backend: str, template: Template 
     template choice, no static arguments hashed and compared: CPU box 147 -> 82 us). For a
     caller that keeps one per call site (``runtime.tiered``)."""
     statics = _statics(mask, shape, backend, template, scale, return_lse, options, packed, None)
-    run, (cq, ck, cb) = jax.jit(functools.partial(_run_impl, **statics)), statics["consts"]
+    run, consts = jax.jit(functools.partial(_run_impl, **statics)), statics["consts"]
 
     def fn(q, k, v, q_bounds, kv_bounds, blocks):
-        return run(q, k, v, None if cq is not None else q_bounds,
-                   None if ck is not None else kv_bounds, None if cb is not None else blocks)
+        return run(q, k, v, *_dynamic(consts, q_bounds, kv_bounds, blocks))
     fn.jitted = run                     # its executables: ``fn.jitted._cache_size()``
     return fn
 
@@ -151,12 +152,9 @@ def _statics(mask, shape, backend, template, scale, return_lse, options, packed:
                 packed_shape=tuple(mask.blocks.shape) if packed else None, dense=dense)
 
 
-def _dynamic(mask: BlockMask, consts: tuple, packed):
-    dyn = [None if c is not None else x
-           for c, x in zip(consts, (mask.q_bounds, mask.kv_bounds, mask.blocks))]
-    if packed is not None:
-        dyn[2] = packed
-    return dyn
+def _dynamic(consts: tuple, q_bounds, kv_bounds, blocks) -> list:
+    """``_run``'s array arguments: None where the call site's static parts hold the value."""
+    return [None if c is not None else x for c, x in zip(consts, (q_bounds, kv_bounds, blocks))]
 
 
 def _run_impl(q, k, v, qb, kb, blocks, *, consts, template, capacity, decide, scale,

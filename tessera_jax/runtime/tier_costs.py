@@ -167,8 +167,8 @@ def size_of(mask: BlockMask, shape: AttnShape, backend: str,
     than the plain route: benchmarks/NOTES.md#peers). What depends on the bounds and shapes
     only is cached (a fixed grid's masks share it): per mask, one count of its blocks.
     ``bounds_bytes``: the bounds as int64 bytes where the caller has them
-    (``tiered.bounds_key``); ``selected``: a count to assume instead of the mask's own (``base_tiers``'
-    none and all)."""
+    (``tiered.bounds_key``); ``selected``: a count to assume instead of the mask's own
+    (``base_tiers``' none and all)."""
     Hm, nq, nk = mask.shape
     if bounds_bytes is None:
         bounds_bytes = tuple(np.asarray(b, np.int64).tobytes()

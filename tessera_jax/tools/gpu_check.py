@@ -42,6 +42,17 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def _forward_errors(out, lse, rout, rlse) -> dict:
+    """rel_out, lse_max_err (over rows the reference selects keys for) and empty_rows_ok (the
+    others' LSE -inf, no NaN in the output) of a forward against the reference's."""
+    lse, rlse = np.asarray(lse), np.asarray(rlse)
+    fin = np.isfinite(rlse)
+    return dict(rel_out=_rel(out, rout),
+                lse_max_err=float(np.max(np.abs(lse[fin] - rlse[fin]), initial=0.0)),
+                empty_rows_ok=bool(np.all(np.isneginf(lse[~fin]))
+                                   and not np.isnan(np.asarray(out, np.float32)).any()))
+
+
 def _mask_parts(rng, L: int, Hq: int, route: str, n: int = 20, own_all: bool | None = None):
     """(q_bounds, blocks): n variable blocks per axis (per head for "perhead" and "traced"),
     ~40% of the blocks selected per head, query block 3 empty; on the host route half the
@@ -275,12 +286,7 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
         lambda q, k, v: tj.reference_attention(q, k, v, host, return_lse=True),
         *(x.astype(jnp.float32) for x in (q, k, v)))
     rgrads = rvjp((do.astype(jnp.float32), jnp.zeros_like(rlse)))
-    lse, rlse = np.asarray(lse), np.asarray(rlse)
-    fin = np.isfinite(rlse)
-    rec = dict(L=L, rel_out=_rel(out, rout),
-               lse_max_err=float(np.max(np.abs(lse[fin] - rlse[fin]))),
-               empty_rows_ok=bool(np.all(np.isneginf(lse[~fin]))
-                                  and not np.isnan(np.asarray(out, np.float32)).any()),
+    rec = dict(L=L, **_forward_errors(out, lse, rout, rlse),
                rel_grads=[_rel(g, r) for g, r in zip(grads, rgrads)])
     if route == "host":
         rec["rows_owned"] = bool(np.all(blocks.any(axis=-1)))
@@ -345,13 +351,10 @@ def _tiered_case(rng, L: int, D: int, Hq: int, Hkv: int, options: dict) -> dict:
         rec["device_route_calls"] += tiered.stats().get("device_route", 0) - before
         rout, rlse = tj.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), m,
                                             return_lse=True)
-        lse, rlse = np.asarray(lse), np.asarray(rlse)
-        fin = np.isfinite(rlse)
-        rec["rel_out"] = max(rec["rel_out"], _rel(out, rout))
-        rec["lse_max_err"] = max(rec["lse_max_err"],
-                                 float(np.max(np.abs(lse[fin] - rlse[fin]), initial=0.0)))
-        rec["empty_rows_ok"] &= bool(np.all(np.isneginf(lse[~fin]))
-                                     and not np.isnan(np.asarray(out, np.float32)).any())
+        err = _forward_errors(out, lse, rout, rlse)
+        rec["rel_out"] = max(rec["rel_out"], err["rel_out"])
+        rec["lse_max_err"] = max(rec["lse_max_err"], err["lse_max_err"])
+        rec["empty_rows_ok"] &= err["empty_rows_ok"]
         assert tiered.wait(120)
     rec["ok"] = (rec["rel_out"] < OUT_TOL and rec["lse_max_err"] < LSE_TOL
                  and rec["empty_rows_ok"] and rec["device_route_calls"] == 3)
