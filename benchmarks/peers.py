@@ -1118,6 +1118,15 @@ def _gather_alternatives(case: "_CaseBase", blocks, args) -> dict:
         a, b = out.get(f"{kind}_never", {}), out.get(f"{kind}_{on}", {})
         if a.get("kernel_ms") and b.get("kernel_ms"):
             out[f"{kind}_gather_speedup"] = a["kernel_ms"] / b["kernel_ms"]
+    # Each device-list template named on the traced bounds (the rule's choice aside): what a
+    # tiered request with new bounds would run with another template.
+    from tessera_jax.runtime import dispatch as backends
+    from tessera_jax.validation import check_shapes
+    be = backends.resolve(None, check_shapes(case.qj.shape, case.kj.shape, case.qj.dtype))
+    for name in select_device.DEVICE_TEMPLATES.get(be, ()):
+        f = jax.jit(lambda q, k, v, b, qq, kk, t=name: tj.sparse_attention(
+            q, k, v, tj.BlockMask(qq, kk, b), template=t))
+        out[f"traced_{name}"] = _checked_kernel(case, f, (*qkv, blocks[0], qbj, kbj), args)
     return out
 
 

@@ -696,6 +696,9 @@ def test_gather_alternatives_on_irregular_keys():
         assert res[name]["status"] == "ok" and res[name]["rel_err"] < peers.RTOL, res[name]
         assert res[name]["kernel_ms"] > 0
     assert res["static_gather_speedup"] > 0 and res["traced_gather_speedup"] > 0
+    from tessera_jax.select import device as select_device
+    for name in select_device.DEVICE_TEMPLATES["xla"]:      # each named on traced bounds
+        assert res[f"traced_{name}"]["status"] == "ok", res[f"traced_{name}"]
     grid = tj.BlockMask(qb, np.arange(0, 97, 8), rng.random((1, 3, 12)) < 0.5)
     case = peers.DryCase({"id": "grid", "family": "sta"}, grid, 4, 2, args)
     assert peers._gather_alternatives(case, [grid.to_device().blocks], args)["status"] == "skipped"
