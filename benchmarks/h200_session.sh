@@ -199,6 +199,16 @@ s40-ab)
   done
   run 120 host-rows-hy720 python3 benchmarks/host_row_breakdown.py --families sparge \
       --grid hy720 --heads 16 --repeats 7 --out $OUT/host-row-breakdown-hy720.json ;;
+s41-spike)
+  # Session 41: svg2's gpu row with every device-list template named on the traced bounds
+  # (gather_alt: what a tiered request with new bounds could run instead of the gathering
+  # template; kill: q64x2 x kv64 not below 0.95x it), then the host rows' breakdown of vsa
+  # (route against route_unpacked: the in-program unpack) and svg2 (traced bounds).
+  run 330 svg2-alt python3 benchmarks/peers.py --out $OUT/svg2-traced-alt.json \
+      --time-budget 300 --reserve 20 --per-family 1 --heads 12 --grids wan480 \
+      --mask-source gpu --check-rows 1024 --peers tessera,dense --families svg2
+  run 200 host-rows python3 benchmarks/host_row_breakdown.py --families vsa,svg2 --repeats 9 \
+      --out $OUT/host-rows.json ;;
 hy720)
   # Issue 33 item 1: the peers at HunyuanVideo 720p (all 16 heads), one family per call (svg2
   # ran past a 575 s call with sparge and vsa in session 39); the auxiliary timings off.
