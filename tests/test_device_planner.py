@@ -375,14 +375,13 @@ def test_bitmap_words_do_not_depend_on_the_pass_size(seed, per_head, tiles):
        rows=st.booleans())
 def test_traced_segments_equal_the_host_packing(seed, tile, rows):
     """``_segments_traced`` (pointer doubling inside a program) gives each bounds row the
-    host's greedy block-aligned tiles (``_segments``): the same (origin, lo, hi) in order,
-    unused slots owning nothing at the last origin, and ``fits`` exactly where the host's
-    tiles number at most ``slots`` with increasing origins. Blocks from a menu: small ones
-    (more than GRID to a tile), medium ones, long ones of whole tiles (cut in pieces, the last
-    one full) and of whole tiles plus some rows. With ``rows`` every block is whole 8-token
-    rows (the host's origins then increase); else any sizes, tiny ones too (a block not
-    starting on a row shares its origin with the tile before: the host keeps the fixed grid,
-    and ``fits`` must say so)."""
+    host's greedy tiles (``_segments_carry``): the same (origin, lo, hi) in order, unused
+    slots owning nothing at the last origin, and ``fits`` exactly where the host's tiles
+    number at most ``slots`` with increasing origins. Blocks from a menu: small ones (more
+    than GRID to a tile), medium ones, long ones of whole tiles (cut in pieces) and of whole
+    tiles plus some rows. With ``rows`` every block is whole 8-token rows; else any sizes,
+    tiny ones too (GRID blocks of a few tokens in one 8-token row repeat an origin: the host
+    keeps the fixed grid, and ``fits`` must say so). The host's tiles are valid tilings."""
     rng = np.random.default_rng(seed)
     H, n = 3, int(rng.integers(6, 40))
     if rows:
@@ -399,10 +398,14 @@ def test_traced_segments_equal_the_host_packing(seed, tile, rows):
     sizes = [[menu[int(rng.choice(len(menu), p=p))]() for _ in range(n)] for _ in range(H)]
     b = np.stack([np.r_[0, np.cumsum(x)] for x in sizes]).astype(np.int32)
     b[:, -1] = b[:, -1].max()                          # every row ends at the same length
-    segs = [np.array(device._segments(r, tile)) for r in b]
+    L = int(b[0, -1])
+    segs = [np.array(device._segments_carry(r, tile)) for r in b]
+    for r, sg in zip(b, segs):
+        if (np.diff(sg[:, 0]) > 0).all():
+            _row_tiles(r, [tuple(x) for x in sg], tile)
     slots = max(len(x) for x in segs) + int(rng.integers(-2, 2))
     org, lo, hi, fits = (np.asarray(x) for x in jax.jit(
-        lambda x: device._segments_traced(x, tile, slots))(jnp.asarray(b)))
+        lambda x: device._segments_traced(x, tile, slots, L))(jnp.asarray(b)))
     for h in range(H):
         want = len(segs[h]) <= slots and bool((np.diff(segs[h][:, 0]) > 0).all())
         assert bool(fits[h]) == want
@@ -412,6 +415,28 @@ def test_traced_segments_equal_the_host_packing(seed, tile, rows):
                                           segs[h])
             for x in (org, lo, hi):
                 assert (x[h, S:] == segs[h][-1, 0]).all()
+
+
+def test_traced_segments_on_clusters_and_token_blocks():
+    """Two rows by hand: a long block's tail shares its tile with the next blocks, and a
+    block of a few tokens before a long one cuts into it (the next origin moves on); GRID
+    one-token blocks before a long one cannot (a tile would meet GRID + 1 blocks), so that
+    row keeps the fixed grid (``fits`` False), as on the host."""
+    L = 512
+    rows = np.array([[0, 150, 155, 170, 300, 303, L], [0, 1, 2, 3, 4, 300, 310, 320, L]][0],
+                    np.int32)[None]
+    tok = np.array([0, 1, 2, 3, 4, 300, 310, L], np.int32)[None]
+    for b, want_fit in ((rows, True), (tok, False)):
+        segs = device._segments_carry(b[0], 64)
+        org, lo, hi, fits = (np.asarray(x) for x in jax.jit(
+            lambda x: device._segments_traced(x, 64, 16, L))(jnp.asarray(b)))
+        assert bool(fits[0]) == want_fit
+        if want_fit:
+            _row_tiles(b[0], segs, 64)
+            np.testing.assert_array_equal(np.stack([org[0], lo[0], hi[0]], 1)[:len(segs)],
+                                          np.array(segs))
+    assert device._segments_carry(rows[0], 64)[:4] == [(0, 0, 64), (64, 64, 128),
+                                                      (128, 128, 170), (168, 170, 232)]
 
 
 # 12 examples (was 25): each shape compiles the sort (~1 s on the 2-core runner).

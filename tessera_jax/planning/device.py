@@ -22,8 +22,10 @@ probability 1 - (1 - d)^n: natten's blocks of 24-128 tokens, greedy tiles 1.15x 
 0.80x the visits, 1.71 -> 1.25x the selected interactions at q128 x kv128; fitted ones 1.07x
 the tiles, 1.23x; moba's and ssta's blocks of 72-384 tokens, fitted 1.03x the tiles, 1.35 ->
 1.13x and 1.20 -> 1.11x where the greedy ones computed 1.28x and 1.29x), so a plan computes at
-most (5 / 4)^2 x a dense plan of fixed tiles (a fully selected mask). Otherwise, and with
-traced bounds, the fixed grid of tile-sized tiles. A step is plain
+most (5 / 4)^2 x a dense plan of fixed tiles (a fully selected mask). Traced bounds take
+greedy tiles that may start inside a block (``_segments_carry``, found in the program by
+pointer doubling) where a row's fit ``traced_slots``. Otherwise the fixed grid of tile-sized
+tiles. A step is plain
 where every block it meets is selected, else a *grid* step whose cuts are the block bounds
 inside its own range and whose cells are the blocks' flags; every (unit, tile) is visited once.
 Grid steps hold at most 4 x 4 blocks, so every tile must meet at most ``abi.GRID`` query blocks
@@ -159,55 +161,90 @@ def _fit_row(b: tuple, tile: int, align: int, density: float):
     return segs[::-1]
 
 
-def _segments_traced(bounds, tile: int, slots: int, align: int = 8):
-    """``_segments`` of each traced bounds row [Hb, n + 1] inside a program, with no
-    sequential scan: the greedy packing's next tile start is a monotone successor of the
-    block index, so its tile starts are the chain from block 0, found by pointer doubling
-    (log2 n gathers): block i starts a tile iff nxt^(d(0) - d(i))(0) == i, d = jumps to the
+def _segments_carry(b: np.ndarray, tile: int, align: int = 8):
+    """Greedy tiles of one bounds row (host; the oracle of ``_segments_traced``) that may
+    start inside a block: from position p (origin p rounded down to ``align``) a tile takes
+    whole blocks while they end by origin + ``tile``, at most ``abi.GRID`` of them; it ends
+    at origin + ``tile``, inside a block, where the block at p does not fit (a long block's
+    piece, whose remainder then starts a tile that may take the next blocks) or where ending
+    at a block bound would give the next tile the same origin (a block of a few tokens before
+    one that does not fit). Returns [(origin, lo, hi)] as ``_segments``. Unlike
+    ``_segments``, a long block's tail shares its tile with the next blocks: Wan 480p SVG2's
+    clusters (2-2,261 tokens) take 617 tiles of 64 tokens a row (greedy 678, 19-24 of them
+    repeating an origin; fitted 538), and its q64x2 x kv64 plan no bitmap step."""
+    b = [int(x) for x in b]
+    segs, n, i, p = [], len(b) - 1, 0, b[0]
+    while i < n:
+        org = p - p % align
+        lim = org + tile
+        if b[i + 1] > lim:                             # a piece of block i
+            segs.append((org, p, lim))
+            p = lim
+            continue
+        j = i + 1
+        while j < n and j - i < abi.GRID and b[j + 1] <= lim:
+            j += 1
+        e = b[j]
+        if j < n and e - org < align and j - i < abi.GRID:
+            e = lim                                    # into block j: the next origin moves
+        segs.append((org, p, e))
+        p, i = e, j                                    # at block j's start or inside it
+    return segs
+
+
+def _segments_traced(bounds, tile: int, slots: int, length: int, align: int = 8):
+    """``_segments_carry`` of each traced bounds row [Hb, n + 1] inside a program, with no
+    sequential scan. A tile starts at a block start or at a multiple of ``align`` (a cut
+    inside a block), so those positions are the nodes, each with one successor (the next
+    tile's start); the tiles are the chain from position 0, found by pointer doubling
+    (log2 nodes gathers): node k is on it iff nxt^(d(0) - d(k))(0) == k, d = jumps to the
     end. Returns (org, lo, hi) [Hb, slots] as ``_axis``'s block-aligned tiles (unused slots
     own nothing at the last origin) and ``fits`` [Hb]: the row's tiles number <= ``slots``
-    and their origins increase strictly (else ``_axis`` keeps the fixed grid)."""
+    and their origins increase strictly (else ``_axis`` keeps the fixed grid). Bounds that
+    do not increase to ``length`` give some tiling (every index clamped), never a read out of
+    bounds."""
     b = jnp.asarray(bounds, jnp.int32)
     n = b.shape[1] - 1
-    levels = max(1, int(n).bit_length())
+    grid = np.arange(0, length, align, dtype=np.int32)
+    N = grid.size + n                                   # nodes; node N: the end
+    levels = max(1, int(N).bit_length())
 
     def row(r):
-        starts, ends = r[:-1], r[1:]
-        i = jnp.arange(n, dtype=jnp.int32)
-        org = starts - starts % align
-        long_ = ends - org > tile
-        fit_end = jnp.searchsorted(ends, org + tile, side="right",
-                                   method=_SEARCH).astype(jnp.int32)
-        nxt = jnp.where(long_, i + 1, jnp.minimum(jnp.minimum(i + abi.GRID, fit_end), n))
-        nxt = jnp.maximum(nxt, i + 1)
-        jump = [jnp.append(nxt, n)]                        # node n: the end, its own successor
+        pos = jnp.sort(jnp.concatenate([jnp.asarray(grid), r[:-1]]))
+        i = jnp.clip(jnp.searchsorted(r, pos, side="right", method=_SEARCH) - 1, 0, n - 1)
+        org = pos - pos % align
+        lim = org + tile
+        piece = r[i + 1] > lim
+        fit = jnp.searchsorted(r, lim, side="right", method=_SEARCH).astype(jnp.int32) - 1
+        j = jnp.clip(jnp.minimum(fit, i + abi.GRID), i + 1, n)
+        e = r[j]
+        cut = (j < n) & (e - org < align) & (j - i < abi.GRID)
+        e = jnp.where(piece | cut, lim, e)
+        nxt = jnp.searchsorted(pos, e, side="left", method=_SEARCH).astype(jnp.int32)
+        nxt = jnp.where(e >= r[-1], N, jnp.maximum(nxt, jnp.arange(N, dtype=jnp.int32) + 1))
+        nxt = jnp.minimum(nxt, N)
+        jump = [jnp.append(nxt, N)]                        # node N: the end, its own successor
         for _ in range(levels):
             jump.append(jump[-1][jump[-1]])
-        # d(i): jumps from block i to the end.
-        cur, d = jnp.arange(n + 1, dtype=jnp.int32), jnp.zeros(n + 1, jnp.int32)
+        cur, d = jnp.arange(N + 1, dtype=jnp.int32), jnp.zeros(N + 1, jnp.int32)
         for k in range(levels, -1, -1):
             step = jump[k][cur]
-            take = step < n
+            take = step < N
             cur, d = jnp.where(take, step, cur), d + jnp.where(take, 1 << k, 0)
-        d = d + (cur < n)
-        gap = d[0] - d[:n]
-        pos = jnp.zeros(n, jnp.int32)
+        d = d + (cur < N)
+        gap = d[0] - d[:N]
+        at = jnp.zeros(N, jnp.int32)
         for k in range(levels, -1, -1):
-            pos = jnp.where((gap >> k) & 1 == 1, jump[k][pos], pos)
-        on = (gap >= 0) & (pos == i)
-        pieces = jnp.where(long_, 1 + (ends - org - 1) // tile, 1)
-        count = jnp.where(on, pieces, 0)
-        total = count.sum()
-        first = jnp.cumsum(count) - count
+            at = jnp.where((gap >> k) & 1 == 1, jump[k][at], at)
+        on = (gap >= 0) & (at == jnp.arange(N, dtype=jnp.int32))
+        total = on.sum()
+        index = jnp.cumsum(on) - 1                          # a chain node's slot
         s = jnp.arange(slots, dtype=jnp.int32)
-        node = jnp.clip(jnp.searchsorted(first + count, s, side="right", method=_SEARCH), 0,
-                        n - 1)
-        q = s - first[node]
-        o = org[node] + q * tile
-        lo = jnp.where(q == 0, starts[node], o)
-        hi = jnp.where(long_[node], jnp.minimum(o + tile, ends[node]),
-                       r[jnp.minimum(nxt[node], n)])
+        node = jnp.clip(jnp.searchsorted(index, s, side="left", method=_SEARCH), 0, N - 1)
         used = s < total
+        o = org[node]
+        lo = pos[node]
+        hi = jnp.where(nxt[node] >= N, r[-1], pos[jnp.minimum(nxt[node], N - 1)])
         last = jnp.max(jnp.where(used, o, 0))
         o = jnp.where(used, o, last)
         lo, hi = jnp.where(used, lo, last), jnp.where(used, hi, last)
@@ -290,7 +327,7 @@ def _axis(bounds, length: int, tile: int, align_blocks: bool):
         # Traced bounds: each row's block-aligned tiles where they fit the static slots
         # (``traced_slots``), else its fixed grid in the same slots (the rest owning nothing).
         S = traced_slots(length, tile)
-        org, lo, hi, fits = _segments_traced(bounds, tile, S)
+        org, lo, hi, fits = _segments_traced(bounds, tile, S, length)
         pad = np.full(S - nt, start[-1], np.int32)
         f_org = np.r_[start, pad]
         f_lo, f_hi = f_org, np.r_[end, pad]
