@@ -199,6 +199,13 @@ s40-ab)
   done
   run 120 host-rows-hy720 python3 benchmarks/host_row_breakdown.py --families sparge \
       --grid hy720 --heads 16 --repeats 7 --out $OUT/host-row-breakdown-hy720.json ;;
+s41)
+  # Session 41: the traced tiles that may start inside a block (_segments_carry) compiled:
+  # make test-gpu's traced, tiered and decided cases, then s41-spike's svg2 row.
+  run 240 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA -k 'traced or tiered or decided'"
+  run 300 svg2-alt python3 benchmarks/peers.py --out $OUT/svg2-traced-alt.json \
+      --time-budget 270 --reserve 20 --per-family 1 --heads 12 --grids wan480 \
+      --mask-source gpu --check-rows 1024 --peers tessera,dense --families svg2 ;;
 s41-spike)
   # Session 41: svg2's gpu row with every device-list template named on the traced bounds
   # (gather_alt: what a tiered request with new bounds could run instead of the gathering
