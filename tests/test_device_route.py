@@ -338,6 +338,12 @@ def test_device_gather_option_sends_traced_and_irregular_bounds_to_the_gathering
         "triton_q128_kv128_w8_s3_gather"
     with pytest.raises(ValueError, match="device_gather must be one of"):
         tj.Options(device_gather="always")
+    with pytest.raises(TypeError, match="traced_small_blocks must be a bool or None"):
+        tj.Options(traced_small_blocks=1)
+    assert device_route.choose(traced, shape, "mosaic_gpu", None).name == \
+        "mgpu_q64x2_kv64_s2_hm"                              # mean 64 tokens: small order
+    assert device_route.choose(traced, shape, "mosaic_gpu", None, tj.Options(
+        traced_small_blocks=False)).name == "mgpu_q128_kv128_s2_hm"
     # A caller's gathering template needs no bitmap steps: static bounds whose plain device
     # plan is over the bitmap budget still run it (the H100 run took the exact path here).
     tight = tj.Options(bitmap_budget_bytes=1)

@@ -78,6 +78,12 @@ def test_known_choices():
     assert D.choose(traced, shape, "mosaic_gpu")[0].name == "mgpu_q64x2_kv64_s2_hm"
     traced = tj.BlockMask(jnp.arange(0, 513, 8), jnp.arange(0, 513, 128), ones(64, 4))
     assert D.choose(traced, shape, "mosaic_gpu")[0].name == "mgpu_q128_kv128_s2_hm"
+    # ``traced_small`` (Options.traced_small_blocks) overrides the mean either way.
+    assert D.choose(traced, shape, "mosaic_gpu", traced_small=True)[0].name == \
+        "mgpu_q64x2_kv64_s2_hm"
+    traced = tj.BlockMask(jnp.arange(0, 513, 4), jnp.arange(0, 513, 4), ones(128, 128))
+    assert D.choose(traced, shape, "mosaic_gpu", traced_small=False)[0].name == \
+        "mgpu_q128_kv128_s2_hm"
 
 
 def test_budget_is_an_argument_and_part_of_the_key():

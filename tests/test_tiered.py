@@ -676,24 +676,34 @@ def _irregular_mask(seed: int) -> tj.BlockMask:
 
 
 def test_auto_device_gather_reads_the_host_masks_key_bounds(monkeypatch):
-    """``Options.device_gather`` "auto": a tiered call sends irregular host key bounds to the
-    device route as "traced" (gathered where the route traces them), regular ones as they
-    are; the output agrees with the reference either way."""
+    """``Options.device_gather`` "auto": a tiered call sends irregular host key bounds whose
+    median blocks are <= 64 tokens on both axes to the device route's 64-row, 64-key tiles
+    (``traced_small_blocks``, no gathering), other irregular ones as "traced" (gathered where
+    the route traces them), regular ones as they are; the output agrees with the reference."""
     irr, reg = _irregular_mask(40), _mask(41)
-    assert tiered.route_options(tj.Options(), tiered.bounds_key(irr)).device_gather == \
-        "traced"
-    for m, opts in ((reg, tj.Options()), (irr, tj.Options(device_gather="never"))):
+    small = tiered.route_options(tj.Options(), tiered.bounds_key(irr))
+    assert (small.device_gather, small.traced_small_blocks) == ("never", True)
+    rng = np.random.default_rng(3)
+    big_kv = np.r_[0, np.cumsum(rng.permutation(np.arange(100, 112) * 3))]   # 300-333 keys
+    big = tj.BlockMask(np.r_[0, 1000, big_kv[-1]], big_kv, np.ones((1, 2, 12), bool))
+    small_kv = np.r_[0, np.cumsum(rng.permutation(np.arange(8, 20)))]     # 162 keys
+    big_q = tj.BlockMask(np.r_[0, 100, 162], small_kv, np.ones((1, 2, 12), bool))
+    for m, dg, ts in ((big, "traced", None), (big_q, "traced", None)):
+        o = tiered.route_options(tj.Options(), tiered.bounds_key(m))
+        assert (o.device_gather, o.traced_small_blocks) == (dg, ts)
+    for m, opts in ((reg, tj.Options()), (irr, tj.Options(device_gather="never")),
+                    (irr, tj.Options(traced_small_blocks=False))):
         assert tiered.route_options(opts, tiered.bounds_key(m)) is opts
     seen = []
     route = tiered._device_route
 
     def spy(q, k, v, mask, leaves, shape, backend, scale, lse, options, key):
-        seen.append(options.device_gather)
+        seen.append((options.device_gather, options.traced_small_blocks))
         return route(q, k, v, mask, leaves, shape, backend, scale, lse, options, key)
 
     monkeypatch.setattr(tiered, "_device_route", spy)
     q, k, v = _qkv()
-    for m, want in ((irr, "traced"), (reg, "auto")):
+    for m, want in ((irr, ("never", True)), (reg, ("auto", None))):
         seen.clear()
         out, r = _routes(lambda: tj.sparse_attention(q, k, v, m, backend="xla", options=FIRST))
         assert r == "device" and seen == [want]

@@ -85,6 +85,14 @@ class Options:
         tiles the gathering template ran slower than the device list (H200, session 23:
         0.18 / 0.15 of cuDNN against 0.21 / 0.31), so traced bounds of unknown content keep
         the list (benchmarks/NOTES.md#gathered-steps).
+    traced_small_blocks: the device route's template order for traced bounds (whose block
+        sizes are unknown when tracing): True: 64-row units and 64-key tiles first (blocks of
+        <= 64 tokens), False: 128-row / 128-key first; None (default): by the mean block
+        (length / count <= 64 tokens). A tiered call sets True for host key bounds that are
+        irregular with median blocks of <= 64 tokens on both axes (Wan 480p SVG2's clusters,
+        median 44 x 29 tokens, mean 82 x 66: q64x2 x kv64 ran 6.33 ms against the gathering
+        template's 7.43 and the mean's q128 x kv128's 8.12, H100,
+        ``results/h100-svg2-traced-alt.json``).
     store_in_place: kernels that can (Mosaic GPU's forward and dq) store each unit's owned
         rows straight into the [B, L, H, D] output when the plan's units own every query row
         (``abi.PassPlan.rows_owned``) and at most a quarter of its 64-row groups only in part,
@@ -105,6 +113,7 @@ class Options:
     host_planning: str = "auto"
     host_plan_from_call: int = 2
     device_gather: str = "auto"
+    traced_small_blocks: bool | None = None
     store_in_place: bool = True
 
     def __post_init__(self):
@@ -148,6 +157,10 @@ class Options:
         if not isinstance(self.device_gather, str) or self.device_gather not in DEVICE_GATHER:
             raise ValueError(f"device_gather must be one of {DEVICE_GATHER}, got "
                              f"{self.device_gather!r}")
+        if self.traced_small_blocks is not None and not isinstance(self.traced_small_blocks,
+                                                                   bool):
+            raise TypeError(f"traced_small_blocks must be a bool or None, got "
+                            f"{type(self.traced_small_blocks).__name__}")
 
 
 DEFAULT = Options()

@@ -288,14 +288,17 @@ def _gathers(f: DeviceFeatures, device_gather: str) -> bool:
 @functools.lru_cache(maxsize=512)
 def choose_template(features: DeviceFeatures, backend: str, template: Template | None = None,
                     bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES,
-                    device_gather: str = "auto") -> tuple[Template | None, int]:
+                    device_gather: str = "auto",
+                    traced_small: bool | None = None) -> tuple[Template | None, int]:
     """(template, bitmap capacity) of a device-route call by the static rule (module
     docstring); (None, 0): the exact path. ``template``: the caller's (its capacity only).
     ``device_gather`` (``Options.device_gather``): "traced" runs the backend's gathering
     template (``GATHER_TEMPLATES``) where a bound is traced (per-head bounds of a
     content-dependent method), "irregular" also where static key blocks are irregular
     (``_irregular_kv``); "auto" and "never" keep the device list (a tiered call turns "auto"
-    into "traced" for irregular host key bounds, ``runtime.tiered.route_options``)."""
+    into "traced" for irregular host key bounds, ``runtime.tiered.route_options``).
+    ``traced_small`` (``Options.traced_small_blocks``): traced bounds' template order, None:
+    by the mean block."""
     f = features
     if template is not None:
         if gathers_on_device(template):
@@ -325,7 +328,8 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
         # Wan 720p 359 MB against 531 MB and 1.4 GB at q128 x kv128, past the 512 MB budget,
         # where the exact path ran, 4.5 s against 28 ms, results/h200-gather.json); larger
         # means keep 128-row units (aligned blocks: 2.58 against 4.76 for q64x2).
-        sq = sk = _mean_small(f.shape.kv_len, f.block_shape[2])
+        sq = sk = (_mean_small(f.shape.kv_len, f.block_shape[2]) if traced_small is None
+                   else traced_small)
     ts = sorted((_templates.get(n) for n in DEVICE_TEMPLATES[backend]),
                 key=lambda t: (sq != (t.tile_q <= 64), sk != (t.tile_kv <= 64)))
     if f.q_bounds is not None and f.kv_bounds is not None and not (sq or sk):
@@ -361,7 +365,8 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
 
 def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template | None = None,
            *, bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES,
-           device_gather: str = "auto") -> tuple[Template | None, int]:
+           device_gather: str = "auto",
+           traced_small: bool | None = None) -> tuple[Template | None, int]:
     """``choose_template`` of ``mask``'s static features. A caller's template must be
     device-capable (ValueError). Memoised per (static bounds, shapes, backend, template,
     budget, device_gather)."""
@@ -373,7 +378,7 @@ def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template |
         raise ValueError(f"bitmap_budget_bytes must be a non-negative int, got "
                          f"{bitmap_budget_bytes!r}")
     return choose_template(DeviceFeatures.of(mask, shape), backend, template,
-                           bitmap_budget_bytes, device_gather)
+                           bitmap_budget_bytes, device_gather, traced_small)
 
 
 def clear_cache() -> None:
