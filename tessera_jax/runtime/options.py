@@ -76,7 +76,8 @@ class Options:
         backend's gathering template (``select.device.GATHER_TEMPLATES``, planned by
         ``planning.device_gather``) instead of its device list: "auto" (default): where a
         tiered call's host key bounds are irregular (more than 8 distinct sizes, e.g. SVG2's
-        clusters) and the route traces them; static bounds keep the list, whose fitted tiles
+        clusters), the route traces them and their median blocks exceed 64 tokens on an axis
+        (else ``traced_small_blocks``' tiles run them); static bounds keep the list, whose fitted tiles
         run them faster (H100, Wan 480p, 12 heads, SVG2: q64x2 x kv64 5.78 ms against the
         gathering template's 6.85, ``results/h100-device-alt-ab.json``); "never"; "traced"
         (every traced bound); "irregular" (traced bounds and irregular static ones). Traced
