@@ -56,6 +56,9 @@
 # passed, none failed; the tiered and all-selected cases then passed: results/h100-test-gpu.log;
 # the host rows' A/B before / after the rule's early count and the prepared device-route call:
 # results/h100-host-row-ab.json), dense_dispatch --profile (results/h100-dense-dispatch.json).
+# Session 41 (eight starts refused, then one H100 call): s41 (make test-gpu's traced, tiered,
+# decided cases with the traced tiles that may start inside a block: 8 passed; svg2's traced
+# templates: q64x2 x kv64 6.33 ms against gathering's 7.43, results/h100-svg2-traced-alt.json).
 # First next time, on an H200: `peers-38` then `xattn-host` (both ran on an H100 only, so
 # h200-peers.json and h200-loop.json still hold the older rows); the 13-family peers at Wan
 # 480p with a whole budget (two shards); `hy720 FAMILY` one family per call for item 1.
