@@ -24,7 +24,7 @@ the tiles, 1.23x; moba's and ssta's blocks of 72-384 tokens, fitted 1.03x the ti
 1.13x and 1.20 -> 1.11x where the greedy ones computed 1.28x and 1.29x), so a plan computes at
 most (5 / 4)^2 x a dense plan of fixed tiles (a fully selected mask). Traced bounds take
 greedy tiles that may start inside a block (``_segments_carry``, found in the program by
-pointer doubling) where a row's fit ``traced_slots``. Otherwise the fixed grid of tile-sized
+pointer doubling) where a row's tiles fit ``traced_slots``. Otherwise the fixed grid of tile-sized
 tiles. A step is plain
 where every block it meets is selected, else a *grid* step whose cuts are the block bounds
 inside its own range and whose cells are the blocks' flags; every (unit, tile) is visited once.

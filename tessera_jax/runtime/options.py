@@ -77,12 +77,12 @@ class Options:
         ``planning.device_gather``) instead of its device list: "auto" (default): where a
         tiered call's host key bounds are irregular (more than 8 distinct sizes, e.g. SVG2's
         clusters), the route traces them and their median blocks exceed 64 tokens on an axis
-        (else ``traced_small_blocks``' tiles run them); static bounds keep the list, whose fitted tiles
-        run them faster (H100, Wan 480p, 12 heads, SVG2: q64x2 x kv64 5.78 ms against the
-        gathering template's 6.85, ``results/h100-device-alt-ab.json``); "never"; "traced"
-        (every traced bound); "irregular" (traced bounds and irregular static ones). Traced
-        irregular bounds by measurement: plan + kernel 7.33 -> 5.97 ms with gathering (H100,
-        ``results/h100-peers.json`` ``gather_alt``); on per-head cubes and sliding
+        (else ``traced_small_blocks``' tiles run them); static bounds keep the list, whose
+        fitted tiles run them faster (H100, Wan 480p, 12 heads, SVG2: q64x2 x kv64 5.78 ms
+        against the gathering template's 6.85, ``results/h100-device-alt-ab.json``); "never";
+        "traced" (every traced bound); "irregular" (traced bounds and irregular static ones).
+        Traced irregular bounds by measurement: plan + kernel 7.33 -> 5.97 ms with gathering
+        (H100, ``results/h100-peers.json`` ``gather_alt``); on per-head cubes and sliding
         tiles the gathering template ran slower than the device list (H200, session 23:
         0.18 / 0.15 of cuDNN against 0.21 / 0.31), so traced bounds of unknown content keep
         the list (benchmarks/NOTES.md#gathered-steps).
