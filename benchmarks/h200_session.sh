@@ -59,9 +59,9 @@
 # Session 41 (eight starts refused, then one H100 call): s41 (make test-gpu's traced, tiered,
 # decided cases with the traced tiles that may start inside a block: 8 passed; svg2's traced
 # templates: q64x2 x kv64 6.33 ms against gathering's 7.43, results/h100-svg2-traced-alt.json).
-# First next time, on an H200: `peers-38` then `xattn-host` (both ran on an H100 only, so
-# h200-peers.json and h200-loop.json still hold the older rows); the 13-family peers at Wan
-# 480p with a whole budget (two shards); `hy720 FAMILY` one family per call for item 1.
+# First next time, on an H200: `peers-480 0` and `peers-480 1` (the whole Wan 480p file at
+# today's code; h200-peers.json holds ff390cc's rows), then `xattn-host` (an H100 only so
+# far; h200-loop.json holds the older rows); `hy720 FAMILY` one family per call for item 1.
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file of record on an
 #     H200 (~510 s on the H100); copy $OUT/h200-gather.json to benchmarks/results/
@@ -219,6 +219,16 @@ s41-spike)
       --mask-source gpu --check-rows 1024 --peers tessera,dense --families svg2
   run 200 host-rows python3 benchmarks/host_row_breakdown.py --families vsa,svg2 --repeats 9 \
       --out $OUT/host-rows.json ;;
+peers-480)
+  # Issue 33: the 13 families at Wan 480p, both sources, one shard per call (K = 0 or 1; shard
+  # 1 also times the fresh-install first plan), then `peers.py --merge` of the two shards
+  # (and the file of record's other rows) into h200-peers.json. Carry `.carry`.
+  fi_env
+  first=""; [ "${2:?shard 0 or 1}" = 1 ] && first="--first-plan 140"
+  run 585 peers-480-$2 python3 benchmarks/peers.py --out $OUT/peers-s$2.json \
+      --time-budget 545 --reserve 30 --per-family 1 --heads 12 --grids wan480 \
+      --mask-source both --check-rows 1024 --shard $2/2 $first \
+      --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn ;;
 hy720)
   # Issue 33 item 1: the peers at HunyuanVideo 720p (all 16 heads), one family per call (svg2
   # ran past a 575 s call with sparge and vsa in session 39); the auxiliary timings off.
