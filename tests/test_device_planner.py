@@ -423,8 +423,7 @@ def test_traced_segments_on_clusters_and_token_blocks():
     one-token blocks before a long one cannot (a tile would meet GRID + 1 blocks), so that
     row keeps the fixed grid (``fits`` False), as on the host."""
     L = 512
-    rows = np.array([[0, 150, 155, 170, 300, 303, L], [0, 1, 2, 3, 4, 300, 310, 320, L]][0],
-                    np.int32)[None]
+    rows = np.array([0, 150, 155, 170, 300, 303, L], np.int32)[None]
     tok = np.array([0, 1, 2, 3, 4, 300, 310, L], np.int32)[None]
     for b, want_fit in ((rows, True), (tok, False)):
         segs = device._segments_carry(b[0], 64)

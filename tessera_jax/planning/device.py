@@ -24,8 +24,8 @@ the tiles, 1.23x; moba's and ssta's blocks of 72-384 tokens, fitted 1.03x the ti
 1.13x and 1.20 -> 1.11x where the greedy ones computed 1.28x and 1.29x), so a plan computes at
 most (5 / 4)^2 x a dense plan of fixed tiles (a fully selected mask). Traced bounds take
 greedy tiles that may start inside a block (``_segments_carry``, found in the program by
-pointer doubling) where a row's tiles fit ``traced_slots``. Otherwise the fixed grid of tile-sized
-tiles. A step is plain
+pointer doubling) where a row's tiles fit ``traced_slots``. Otherwise the fixed grid of
+tile-sized tiles. A step is plain
 where every block it meets is selected, else a *grid* step whose cuts are the block bounds
 inside its own range and whose cells are the blocks' flags; every (unit, tile) is visited once.
 Grid steps hold at most 4 x 4 blocks, so every tile must meet at most ``abi.GRID`` query blocks
@@ -222,7 +222,6 @@ def _segments_traced(bounds, tile: int, slots: int, length: int, align: int = 8)
         e = jnp.where(piece | cut, lim, e)
         nxt = jnp.searchsorted(pos, e, side="left", method=_SEARCH).astype(jnp.int32)
         nxt = jnp.where(e >= r[-1], N, jnp.maximum(nxt, jnp.arange(N, dtype=jnp.int32) + 1))
-        nxt = jnp.minimum(nxt, N)
         jump = [jnp.append(nxt, N)]                        # node N: the end, its own successor
         for _ in range(levels):
             jump.append(jump[-1][jump[-1]])

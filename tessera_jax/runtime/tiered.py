@@ -216,7 +216,7 @@ def _irregular(bkey: tuple) -> bool:
 @functools.lru_cache(maxsize=256)
 def _small(bkey: tuple) -> bool:
     """Whether both axes' median blocks (over every bounds row) are <= 64 tokens."""
-    return all(float(np.median(np.diff(np.frombuffer(b, np.int64).reshape(-1, n + 1)))) <= 64
+    return all(_select_device.small_blocks(np.frombuffer(b, np.int64).reshape(-1, n + 1))
                for b, n in ((bkey[1], bkey[0][1]), (bkey[2], bkey[0][2])))
 
 

@@ -44,7 +44,8 @@ from tessera_jax.validation import AttnShape
 __all__ = ["DEVICE_TEMPLATES", "GATHER_TEMPLATES", "DEVICE_GATHER", "BITMAP_BUDGET_BYTES",
            "STEP_COST", "PRICE_DENSITY", "price",
            "Const", "DeviceFeatures", "static_parts", "device_capable", "bitmap_pairs",
-           "capacity", "decided_on_device", "irregular_kv", "choose_template", "choose"]
+           "capacity", "decided_on_device", "irregular_kv", "small_blocks", "choose_template",
+           "choose"]
 
 #: Per backend, the templates a device plan may run, in order of preference (see the module
 #: docstring). q64x2 runs neighbouring 64-row units of the device plan in one CTA, one per
@@ -247,10 +248,16 @@ def device_capable(t: Template) -> bool:
     return t.name in DEVICE_TEMPLATES[t.backend] or not getattr(t.kernel, "paired", False)
 
 
+def small_blocks(bounds) -> bool:
+    """Whether NumPy bounds' ([n + 1] or per head [Hm, n + 1]) median block, over every row,
+    is <= 64 tokens."""
+    return float(np.median(np.diff(np.asarray(bounds), axis=-1))) <= 64
+
+
 @functools.lru_cache(maxsize=512)
 def _small(b: Const | None) -> bool:
-    """Static bounds whose median block is <= 64 tokens."""
-    return b is not None and float(np.median(np.diff(np.asarray(b.array), axis=-1))) <= 64
+    """``small_blocks`` of static bounds (traced ones: False)."""
+    return b is not None and small_blocks(b.array)
 
 
 def _mean_small(length: int, n: int) -> bool:
