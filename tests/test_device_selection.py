@@ -78,6 +78,13 @@ def test_known_choices():
     assert D.choose(traced, shape, "mosaic_gpu")[0].name == "mgpu_q64x2_kv64_s2_hm"
     traced = tj.BlockMask(jnp.arange(0, 513, 8), jnp.arange(0, 513, 128), ones(64, 4))
     assert D.choose(traced, shape, "mosaic_gpu")[0].name == "mgpu_q128_kv128_s2_hm"
+    # Means between 64 and TRACED_SMALL_MEAN (96) tokens (SVG2's clusters: 66-76 keys) take
+    # the small-block order; above it, 128-row units.
+    for nk, name in ((6, "mgpu_q64x2_kv64_s2_hm"), (7, "mgpu_q64x2_kv64_s2_hm"),
+                     (5, "mgpu_q128_kv128_s2_hm")):
+        kb = jnp.asarray(np.linspace(0, 512, nk + 1).round().astype(np.int32))  # 512 / nk
+        traced = tj.BlockMask(jnp.arange(0, 513, 128), kb, ones(4, nk))
+        assert D.choose(traced, shape, "mosaic_gpu")[0].name == name, (nk, name)
     # ``traced_small`` (Options.traced_small_blocks) overrides the mean either way.
     assert D.choose(traced, shape, "mosaic_gpu", traced_small=True)[0].name == \
         "mgpu_q64x2_kv64_s2_hm"

@@ -88,8 +88,8 @@ class Options:
         the list (benchmarks/NOTES.md#gathered-steps).
     traced_small_blocks: the device route's template order for traced bounds (whose block
         sizes are unknown when tracing): True: 64-row units and 64-key tiles first (blocks of
-        <= 64 tokens), False: 128-row / 128-key first; None (default): by the mean block
-        (length / count <= 64 tokens). A tiered call sets True for host key bounds that are
+        <= 64 tokens), False: 128-row / 128-key first; None (default): by the mean key block
+        (length / count <= ``select.device.TRACED_SMALL_MEAN``, 96 tokens). A tiered call sets True for host key bounds that are
         irregular with median blocks of <= 64 tokens on both axes (Wan 480p SVG2's clusters,
         median 44 x 29 tokens, mean 82 x 66: q64x2 x kv64 ran 6.33 ms against the gathering
         template's 7.43 and the mean's q128 x kv128's 8.12, H100,

@@ -13,7 +13,7 @@ larger blocks try the templates in order of ``price`` (the computed area their t
 take at a nominal density, times ``STEP_COST``: blocks of 96, 96, 64 tokens, whose 128-token
 tiles meet two, take q64x2); traced bounds (per-head bounds of a content-dependent method),
 whose sizes are unknown when tracing, try both when the mean key block (length / count) is
-<= 64 tokens. Why a rule and not the ranking table
+<= ``TRACED_SMALL_MEAN`` (96) tokens. Why a rule and not the ranking table
 (which the host route reads, ``select.ranking``): the table reads mask features the host does
 not have under a trace, a ``lax.switch`` over ranked templates would compile every template
 into every call site, and the device planner has one policy (a step per selected tile), for
@@ -42,7 +42,7 @@ from tessera_jax.planning import device as _device
 from tessera_jax.validation import AttnShape
 
 __all__ = ["DEVICE_TEMPLATES", "GATHER_TEMPLATES", "DEVICE_GATHER", "BITMAP_BUDGET_BYTES",
-           "STEP_COST", "PRICE_DENSITY", "price",
+           "STEP_COST", "TRACED_SMALL_MEAN", "PRICE_DENSITY", "price",
            "Const", "DeviceFeatures", "static_parts", "device_capable", "bitmap_pairs",
            "capacity", "decided_on_device", "irregular_kv", "small_blocks", "choose_template",
            "choose"]
@@ -260,9 +260,21 @@ def _small(b: Const | None) -> bool:
     return b is not None and small_blocks(b.array)
 
 
+#: Mean block (tokens) up to which traced bounds take the small-block order (64-row units,
+#: 64-key tiles first). 96, not 64: SVG2's clusters (median 29-33 key tokens, a few long
+#: clusters) average 66 keys at Wan 480p and 76 at Wan 720p; their traced q128 x kv128 plan
+#: ran 8.12 ms against q64x2 x kv64's 6.33 at 480p (H100, results/h100-svg2-traced-alt.json),
+#: and at 720p its greedy 128-token tiles overflow the traced slots, whose fixed grid needs
+#: 342 k bitmap steps (12 heads) against room for 262 k: the exact path, where q64x2 x kv64
+#: needs none (benchmarks/NOTES.md#peers). The static rule's price likewise sends blocks of
+#: 96 tokens to q64x2; the traced masks measured with 128-row units average 120-128 tokens.
+TRACED_SMALL_MEAN = 96
+
+
 def _mean_small(length: int, n: int) -> bool:
-    """Whether ``n`` blocks over ``length`` tokens average <= 64 tokens (traced bounds)."""
-    return length <= 64 * n
+    """Whether ``n`` blocks over ``length`` tokens average <= ``TRACED_SMALL_MEAN`` tokens
+    (traced bounds)."""
+    return length <= TRACED_SMALL_MEAN * n
 
 
 def irregular_kv(kv_bounds) -> bool:
@@ -327,8 +339,8 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
     # ran 76.7 ms against 111.8 for the device's q128 x kv64 one). Otherwise 128-row units.
     sq, sk = _small(f.q_bounds), _small(f.kv_bounds)
     if f.q_bounds is None and f.kv_bounds is None:
-        # Traced bounds hide the block sizes but not their count: a mean key block of <= 64
-        # tokens takes the small-block order, 64-row units included (Wan 480p cubes with
+        # Traced bounds hide the block sizes but not their count: a mean key block of <= 96
+        # tokens (TRACED_SMALL_MEAN) takes the small-block order, 64-row units included (Wan 480p cubes with
         # per-head bounds: q64x2 x kv64 5.35 ms against 7.25 for q128 x kv128,
         # results/h200-perhead-diag.json; clusters, q mean ~126 x kv ~41: q64x2 x kv64 is the
         # host's and static bounds' choice, and its bitmap steps are half q128 x kv64's: at
