@@ -677,9 +677,10 @@ def _irregular_mask(seed: int) -> tj.BlockMask:
 
 def test_auto_device_gather_reads_the_host_masks_key_bounds(monkeypatch):
     """``Options.device_gather`` "auto": a tiered call sends irregular host key bounds whose
-    median blocks are <= 64 tokens on both axes to the device route's 64-row, 64-key tiles
-    (``traced_small_blocks``, no gathering), other irregular ones as "traced" (gathered where
-    the route traces them), regular ones as they are; the output agrees with the reference."""
+    median blocks are <= 128 query and 64 key tokens to the device route's 64-row, 64-key
+    tiles (``traced_small_blocks``, no gathering), other irregular ones as "traced" (gathered
+    where the route traces them), regular ones as they are; the output agrees with the
+    reference."""
     irr, reg = _irregular_mask(40), _mask(41)
     small = tiered.route_options(tj.Options(), tiered.bounds_key(irr))
     assert (small.device_gather, small.traced_small_blocks) == ("never", True)
@@ -687,8 +688,12 @@ def test_auto_device_gather_reads_the_host_masks_key_bounds(monkeypatch):
     big_kv = np.r_[0, np.cumsum(rng.permutation(np.arange(100, 112) * 3))]   # 300-333 keys
     big = tj.BlockMask(np.r_[0, 1000, big_kv[-1]], big_kv, np.ones((1, 2, 12), bool))
     small_kv = np.r_[0, np.cumsum(rng.permutation(np.arange(8, 20)))]     # 162 keys
-    big_q = tj.BlockMask(np.r_[0, 100, 162], small_kv, np.ones((1, 2, 12), bool))
-    for m, dg, ts in ((big, "traced", None), (big_q, "traced", None)):
+    mid_q = tj.BlockMask(np.r_[0, 100, 162], small_kv, np.ones((1, 2, 12), bool))  # 81
+    big_q = tj.BlockMask(np.r_[0, 162], small_kv, np.ones((1, 1, 12), bool))       # 162
+    kv46 = np.r_[0, np.cumsum(rng.permutation(np.arange(40, 52)))]        # median 45.5
+    mid_kv = tj.BlockMask(np.arange(0, 547, 91), kv46, np.ones((1, 6, 12), bool))
+    for m, dg, ts in ((big, "traced", None), (big_q, "traced", None),
+                      (mid_q, "never", True), (mid_kv, "never", True)):
         o = tiered.route_options(tj.Options(), tiered.bounds_key(m))
         assert (o.device_gather, o.traced_small_blocks) == (dg, ts)
     for m, opts in ((reg, tj.Options()), (irr, tj.Options(device_gather="never")),

@@ -76,10 +76,11 @@ class Options:
         backend's gathering template (``select.device.GATHER_TEMPLATES``, planned by
         ``planning.device_gather``) instead of its device list: "auto" (default): where a
         tiered call's host key bounds are irregular (more than 8 distinct sizes, e.g. SVG2's
-        clusters), the route traces them and their median blocks exceed 64 tokens on an axis
-        (else ``traced_small_blocks``' tiles run them); static bounds keep the list, whose
-        fitted tiles run them faster (H100, Wan 480p, 12 heads, SVG2: q64x2 x kv64 5.78 ms
-        against the gathering template's 6.85, ``results/h100-device-alt-ab.json``); "never";
+        clusters), the route traces them and their median blocks exceed 128 query or 64 key
+        tokens (else ``traced_small_blocks``' tiles run them: ``tiered.SMALL_TILES_MEDIANS``);
+        static bounds keep the list, whose fitted tiles run them faster (H100, Wan 480p, 12
+        heads, SVG2: q64x2 x kv64 5.78 ms against the gathering template's 6.85,
+        ``results/h100-device-alt-ab.json``); "never";
         "traced" (every traced bound); "irregular" (traced bounds and irregular static ones).
         Traced irregular bounds by measurement: plan + kernel 7.33 -> 5.97 ms with gathering
         (H100, ``results/h100-peers.json`` ``gather_alt``); on per-head cubes and sliding
@@ -89,11 +90,11 @@ class Options:
     traced_small_blocks: the device route's template order for traced bounds (whose block
         sizes are unknown when tracing): True: 64-row units and 64-key tiles first (blocks of
         <= 64 tokens), False: 128-row / 128-key first; None (default): by the mean key block
-        (length / count <= ``select.device.TRACED_SMALL_MEAN``, 96 tokens). A tiered call sets True for host key bounds that are
-        irregular with median blocks of <= 64 tokens on both axes (Wan 480p SVG2's clusters,
-        median 44 x 29 tokens, mean 82 x 66: q64x2 x kv64 ran 6.33 ms against the gathering
-        template's 7.43 and the mean's q128 x kv128's 8.12, H100,
-        ``results/h100-svg2-traced-alt.json``).
+        (length / count <= ``select.device.TRACED_SMALL_MEAN``, 96 tokens). A tiered call sets
+        True for host key bounds that are irregular with median blocks of <= 128 query and
+        64 key tokens (SVG2's clusters, H100, 12 heads, plan + kernel: Wan 480p, medians 44 x
+        29, q64x2 x kv64 6.33 ms against gathering's 7.43; Wan 720p, 101 x 33, 28.67 against
+        30.33; ``results/h100-svg2-traced-alt.json``, ``h100-svg2-720-traced.json``).
     store_in_place: kernels that can (Mosaic GPU's forward and dq) store each unit's owned
         rows straight into the [B, L, H, D] output when the plan's units own every query row
         (``abi.PassPlan.rows_owned``) and at most a quarter of its 64-row groups only in part,

@@ -197,11 +197,10 @@ def _remember(prepared: dict, compiled: set, key, fn, cap: int) -> None:
 def route_options(options: Options, bkey: tuple) -> Options:
     """``options`` for the device route of a tiered call on the mask of ``bounds_key``
     ``bkey``: ``device_gather`` "auto" sees the host mask's key bounds, so irregular ones
-    (``select.device.irregular_kv``) whose median blocks are <= 64 tokens on both axes take
-    the device list's 64-row, 64-key tiles where the route traces them
-    (``traced_small_blocks``; H100, Wan 480p SVG2: 6.33 ms against gathering's 7.43), other
-    irregular ones gather ("traced"); with the bounds static (a precompiled executable) the
-    device list's fitted tiles run them."""
+    (``select.device.irregular_kv``) whose median blocks are <= ``SMALL_TILES_MEDIANS``
+    (128 query, 64 key tokens) take the device list's 64-row, 64-key tiles where the route
+    traces them (``traced_small_blocks``), other irregular ones gather ("traced"); with the
+    bounds static (a precompiled executable) the device list's fitted tiles run them."""
     if options.device_gather != "auto" or options.traced_small_blocks is not None \
             or not _irregular(bkey):
         return options
@@ -213,11 +212,22 @@ def _irregular(bkey: tuple) -> bool:
     return _select_device.irregular_kv(np.frombuffer(bkey[2], np.int64))
 
 
+#: Median (query, key) blocks up to which a tiered call's irregular traced bounds take
+#: ``traced_small_blocks`` rather than the gathering template. SVG2's clusters, plan + kernel
+#: (H100, 12 heads): Wan 480p, medians 44 x 29: 6.33 ms against gathering's 7.43
+#: (results/h100-svg2-traced-alt.json); Wan 720p, 101 x 33: 28.67 against 30.33
+#: (results/h100-svg2-720-traced.json); HunyuanVideo 720p, 442 x 52: gathering's plan computes
+#: 0.93x the area of q64x2's (CPU counts, benchmarks/NOTES.md#peers), so it gathers.
+SMALL_TILES_MEDIANS = (128, 64)
+
+
 @functools.lru_cache(maxsize=256)
 def _small(bkey: tuple) -> bool:
-    """Whether both axes' median blocks (over every bounds row) are <= 64 tokens."""
-    return all(_select_device.small_blocks(np.frombuffer(b, np.int64).reshape(-1, n + 1))
-               for b, n in ((bkey[1], bkey[0][1]), (bkey[2], bkey[0][2])))
+    """Whether the query and key axes' median blocks (over every bounds row) are within
+    ``SMALL_TILES_MEDIANS``."""
+    return all(_select_device.small_blocks(np.frombuffer(b, np.int64).reshape(-1, n + 1), t)
+               for b, n, t in zip((bkey[1], bkey[2]), (bkey[0][1], bkey[0][2]),
+                                  SMALL_TILES_MEDIANS))
 
 
 @functools.lru_cache(maxsize=64)

@@ -248,10 +248,10 @@ def device_capable(t: Template) -> bool:
     return t.name in DEVICE_TEMPLATES[t.backend] or not getattr(t.kernel, "paired", False)
 
 
-def small_blocks(bounds) -> bool:
+def small_blocks(bounds, tokens: int = 64) -> bool:
     """Whether NumPy bounds' ([n + 1] or per head [Hm, n + 1]) median block, over every row,
-    is <= 64 tokens."""
-    return float(np.median(np.diff(np.asarray(bounds), axis=-1))) <= 64
+    is <= ``tokens``."""
+    return float(np.median(np.diff(np.asarray(bounds), axis=-1))) <= tokens
 
 
 @functools.lru_cache(maxsize=512)
