@@ -340,8 +340,8 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
     sq, sk = _small(f.q_bounds), _small(f.kv_bounds)
     if f.q_bounds is None and f.kv_bounds is None:
         # Traced bounds hide the block sizes but not their count: a mean key block of <= 96
-        # tokens (TRACED_SMALL_MEAN) takes the small-block order, 64-row units included (Wan 480p cubes with
-        # per-head bounds: q64x2 x kv64 5.35 ms against 7.25 for q128 x kv128,
+        # tokens (TRACED_SMALL_MEAN) takes the small-block order, 64-row units included (Wan
+        # 480p cubes with per-head bounds: q64x2 x kv64 5.35 ms against 7.25 for q128 x kv128,
         # results/h200-perhead-diag.json; clusters, q mean ~126 x kv ~41: q64x2 x kv64 is the
         # host's and static bounds' choice, and its bitmap steps are half q128 x kv64's: at
         # Wan 720p 359 MB against 531 MB and 1.4 GB at q128 x kv128, past the 512 MB budget,
