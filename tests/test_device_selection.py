@@ -78,13 +78,16 @@ def test_known_choices():
     assert D.choose(traced, shape, "mosaic_gpu")[0].name == "mgpu_q64x2_kv64_s2_hm"
     traced = tj.BlockMask(jnp.arange(0, 513, 8), jnp.arange(0, 513, 128), ones(64, 4))
     assert D.choose(traced, shape, "mosaic_gpu")[0].name == "mgpu_q128_kv128_s2_hm"
-    # Means between 64 and TRACED_SMALL_MEAN (96) tokens (SVG2's clusters: 66-76 keys) take
-    # the small-block order; above it, 128-row units.
-    for nk, name in ((6, "mgpu_q64x2_kv64_s2_hm"), (7, "mgpu_q64x2_kv64_s2_hm"),
-                     (5, "mgpu_q128_kv128_s2_hm")):
-        kb = jnp.asarray(np.linspace(0, 512, nk + 1).round().astype(np.int32))  # 512 / nk
-        traced = tj.BlockMask(jnp.arange(0, 513, 128), kb, ones(4, nk))
-        assert D.choose(traced, shape, "mosaic_gpu")[0].name == name, (nk, name)
+    # Mean key blocks between 64 and TRACED_SMALL_MEAN (96) tokens (SVG2's clusters: 66-76
+    # keys) take 64-key tiles, with 64-row units where the mean query block is as small;
+    # above it, 128 x 128.
+    def bounds(n):                                       # n blocks of 512 / n tokens
+        return jnp.asarray(np.linspace(0, 512, n + 1).round().astype(np.int32))
+    for nq, nk, name in ((4, 6, "mgpu_q128_kv64_s2_hm"), (4, 7, "mgpu_q128_kv64_s2_hm"),
+                         (6, 7, "mgpu_q64x2_kv64_s2_hm"), (5, 6, "mgpu_q128_kv64_s2_hm"),
+                         (6, 5, "mgpu_q128_kv128_s2_hm"), (4, 5, "mgpu_q128_kv128_s2_hm")):
+        traced = tj.BlockMask(bounds(nq), bounds(nk), ones(nq, nk))
+        assert D.choose(traced, shape, "mosaic_gpu")[0].name == name, (nq, nk, name)
     # ``traced_small`` (Options.traced_small_blocks) overrides the mean either way.
     assert D.choose(traced, shape, "mosaic_gpu", traced_small=True)[0].name == \
         "mgpu_q64x2_kv64_s2_hm"

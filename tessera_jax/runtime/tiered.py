@@ -215,7 +215,7 @@ def _irregular(bkey: tuple) -> bool:
 #: Median (query, key) blocks up to which a tiered call's irregular traced bounds take
 #: ``traced_small_blocks`` rather than the gathering template. SVG2's clusters, plan + kernel
 #: (H100, 12 heads): Wan 480p, medians 44 x 29: 6.33 ms against gathering's 7.43
-#: (results/h100-svg2-traced-alt.json); Wan 720p, 101 x 33: 28.67 against 30.33
+#: (results/h100-svg2-traced-alt.json); Wan 720p, 101 x 33: 28.67-28.97 against 30.33
 #: (results/h100-svg2-720-traced.json); HunyuanVideo 720p, 442 x 52: gathering's plan computes
 #: 0.93x the area of q64x2's (CPU counts, benchmarks/NOTES.md#peers), so it gathers.
 SMALL_TILES_MEDIANS = (128, 64)

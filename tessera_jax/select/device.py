@@ -13,7 +13,8 @@ larger blocks try the templates in order of ``price`` (the computed area their t
 take at a nominal density, times ``STEP_COST``: blocks of 96, 96, 64 tokens, whose 128-token
 tiles meet two, take q64x2); traced bounds (per-head bounds of a content-dependent method),
 whose sizes are unknown when tracing, try both when the mean key block (length / count) is
-<= ``TRACED_SMALL_MEAN`` (96) tokens. Why a rule and not the ranking table
+<= 64 tokens, and 64-key tiles (with 64-row units where the mean query block is as small)
+up to ``TRACED_SMALL_MEAN`` (96) tokens. Why a rule and not the ranking table
 (which the host route reads, ``select.ranking``): the table reads mask features the host does
 not have under a trace, a ``lax.switch`` over ranked templates would compile every template
 into every call site, and the device planner has one policy (a step per selected tile), for
@@ -260,21 +261,25 @@ def _small(b: Const | None) -> bool:
     return b is not None and small_blocks(b.array)
 
 
-#: Mean block (tokens) up to which traced bounds take the small-block order (64-row units,
-#: 64-key tiles first). 96, not 64: SVG2's clusters (median 29-33 key tokens, a few long
-#: clusters) average 66 keys at Wan 480p and 76 at Wan 720p; their traced q128 x kv128 plan
-#: ran 8.12 ms against q64x2 x kv64's 6.33 at 480p (H100, results/h100-svg2-traced-alt.json),
-#: and at 720p its greedy 128-token tiles overflow the traced slots, whose fixed grid needs
-#: 342 k bitmap steps (12 heads) against room for 262 k: the exact path, where q64x2 x kv64
-#: needs none (benchmarks/NOTES.md#peers). The static rule's price likewise sends blocks of
-#: 96 tokens to q64x2; the traced masks measured with 128-row units average 120-128 tokens.
+#: Mean key block (tokens) up to which traced bounds take 64-key tiles first, and 64-row
+#: units where their mean query block is no larger (``_traced_order``); at <= 64 tokens, both
+#: whatever the query blocks. SVG2's clusters (median 29-33 keys, a few long clusters)
+#: average 66 keys at Wan 480p and 76 at Wan 720p, where q128 x kv128 ran 8.12 ms against
+#: q64x2 x kv64's 6.33 (480p, query mean 82) and, at 720p, its greedy 128-token tiles
+#: overflow the traced slots into more bitmap steps than the budget holds: the exact path,
+#: 5,569 ms against q128 x kv64's 28.38 and q64x2's 28.97 (query mean 189; H100, 12 heads,
+#: results/h100-svg2-traced-alt.json, h100-svg2-720-traced.json). The traced masks measured
+#: with 128-row, 128-key tiles average 120-128 tokens (frames, aligned).
 TRACED_SMALL_MEAN = 96
 
 
-def _mean_small(length: int, n: int) -> bool:
-    """Whether ``n`` blocks over ``length`` tokens average <= ``TRACED_SMALL_MEAN`` tokens
-    (traced bounds)."""
-    return length <= TRACED_SMALL_MEAN * n
+def _traced_order(q_len: int, nq: int, kv_len: int, nk: int) -> tuple[bool, bool]:
+    """(64-row units first, 64-key tiles first) for traced bounds of ``nq`` / ``nk`` blocks:
+    a mean key block of <= 64 tokens takes both (cubes, clusters of ~41 keys whose 128-row
+    units would need twice the bitmap steps); up to ``TRACED_SMALL_MEAN`` it takes 64-key
+    tiles, and 64-row units where the mean query block is also within it."""
+    sk = kv_len <= TRACED_SMALL_MEAN * nk
+    return kv_len <= 64 * nk or (sk and q_len <= TRACED_SMALL_MEAN * nq), sk
 
 
 def irregular_kv(kv_bounds) -> bool:
@@ -339,16 +344,18 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
     # ran 76.7 ms against 111.8 for the device's q128 x kv64 one). Otherwise 128-row units.
     sq, sk = _small(f.q_bounds), _small(f.kv_bounds)
     if f.q_bounds is None and f.kv_bounds is None:
-        # Traced bounds hide the block sizes but not their count: a mean key block of <= 96
-        # tokens (TRACED_SMALL_MEAN) takes the small-block order, 64-row units included (Wan
-        # 480p cubes with per-head bounds: q64x2 x kv64 5.35 ms against 7.25 for q128 x kv128,
-        # results/h200-perhead-diag.json; clusters, q mean ~126 x kv ~41: q64x2 x kv64 is the
-        # host's and static bounds' choice, and its bitmap steps are half q128 x kv64's: at
-        # Wan 720p 359 MB against 531 MB and 1.4 GB at q128 x kv128, past the 512 MB budget,
-        # where the exact path ran, 4.5 s against 28 ms, results/h200-gather.json); larger
-        # means keep 128-row units (aligned blocks: 2.58 against 4.76 for q64x2).
-        sq = sk = (_mean_small(f.shape.kv_len, f.block_shape[2]) if traced_small is None
-                   else traced_small)
+        # Traced bounds hide the block sizes but not their count: the mean blocks decide
+        # (``_traced_order``). A mean key block of <= 64 tokens takes the small-block order,
+        # 64-row units included (Wan 480p cubes with per-head bounds: q64x2 x kv64 5.35 ms
+        # against 7.25 for q128 x kv128, results/h200-perhead-diag.json; clusters, q mean
+        # ~126 x kv ~41: q64x2 x kv64 is the host's and static bounds' choice, and its bitmap
+        # steps are half q128 x kv64's: at Wan 720p 359 MB against 531 MB and 1.4 GB at q128 x
+        # kv128, past the 512 MB budget, where the exact path ran, 4.5 s against 28 ms,
+        # results/h200-gather.json); means over 96 keep 128-row, 128-key tiles (aligned
+        # blocks: 2.58 against 4.76 for q64x2).
+        sq, sk = (_traced_order(f.shape.q_len, f.block_shape[1], f.shape.kv_len,
+                                f.block_shape[2]) if traced_small is None
+                  else (traced_small, traced_small))
     ts = sorted((_templates.get(n) for n in DEVICE_TEMPLATES[backend]),
                 key=lambda t: (sq != (t.tile_q <= 64), sk != (t.tile_kv <= 64)))
     if f.q_bounds is not None and f.kv_bounds is not None and not (sq or sk):
