@@ -61,7 +61,9 @@
 # templates: q64x2 x kv64 6.33 ms against gathering's 7.43, results/h100-svg2-traced-alt.json).
 # Session 42 (H100 twice; five starts refused): peers-480 0 (cut at 585 s after 5 of 7
 # families: results/h100-peers-480-today.json; reserve now 110), then svg2 at Wan 720p with
-# the traced templates (results/h100-svg2-720-traced.json: TRACED_SMALL_MEAN, SMALL_TILES_MEDIANS).
+# the traced templates (results/h100-svg2-720-traced.json: TRACED_SMALL_MEAN, SMALL_TILES_MEDIANS);
+# then an H200 for the last 200 s: make test-gpu's traced / decided / tiered cases, 8 passed
+# (results/h200-test-gpu-traced.log; set XLA_PYTHON_CLIENT_PREALLOCATE=false when calling make).
 # First next time, on an H200: `peers-480 0` and `peers-480 1` (the whole Wan 480p file at
 # today's code; h200-peers.json holds ff390cc's rows), then `xattn-host` (an H100 only so
 # far; h200-loop.json holds the older rows); `hy720 FAMILY` one family per call for item 1.
