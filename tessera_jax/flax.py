@@ -60,7 +60,8 @@ class AttentionOptions:
     sparse_fn: replaces the sparse call entirely: ``fn(q, k, v, mask, scale=...) -> out``
                (for tests and baselines; must be hashable, a module-level function is).
     sparse_options: ``tessera_jax.Options`` of the sparse calls (None: the defaults), e.g.
-               ``Options(device_gather="traced")`` for per-head cluster bounds.
+               ``Options(device_gather="traced")`` to gather per-head cluster bounds (the
+               default device list ran SVG2's clusters faster: ``Options.device_gather``).
     """
 
     backend: str | None = None
