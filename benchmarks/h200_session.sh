@@ -66,7 +66,8 @@
 # (results/h200-test-gpu-traced.log; set XLA_PYTHON_CLIENT_PREALLOCATE=false when calling make).
 # First next time, on an H200: `peers-480 0` and `peers-480 1` (the whole Wan 480p file at
 # today's code; h200-peers.json holds ff390cc's rows), then `xattn-host` (an H100 only so
-# far; h200-loop.json holds the older rows); `hy720 FAMILY` one family per call for item 1.
+# far; h200-loop.json holds the older rows), `svg2-loop` (session 42's traced rule);
+# `hy720 FAMILY` one family per call for item 1.
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file of record on an
 #     H200 (~510 s on the H100); copy $OUT/h200-gather.json to benchmarks/results/
@@ -243,6 +244,12 @@ hy720)
   run 580 peers-hy720 python3 benchmarks/peers.py --out $OUT/peers-hy720-${2:?family}.json \
       --time-budget 540 --reserve 30 --per-family 1 --heads 16 --grids hy720 \
       --mask-source both --check-rows 1024 --families "$2" --no-gather-alt --no-tiered ;;
+svg2-loop)
+  # Issue 33 item 4: the SVG2 loop (Wan 14B 720p, 2 layers scaled) under the per-axis traced
+  # rule (session 42: q128 x kv64 where it ran q128 x kv128; predicted 0.92-0.97x a sparse
+  # call), every variant in one call; merge into h200-loop.json.
+  run 560 loop-svg2 python3 benchmarks/bench_loop.py --models wan14b_720p_svg2 \
+      --loop-repeats 1 --variants dense,dynamic,null,host --out $OUT/loop-svg2.json ;;
 xattn-host)
   # Issue 33 item 4: the XAttention loop with its host-planning variant (the loops-36 part ran
   # dense, dynamic and null only): every variant in one call, merged into h200-loop.json.
@@ -396,5 +403,5 @@ diagnose)
   run 170 builders-pool python3 benchmarks/bench_loop.py --out $OUT/builders-pool.json \
       --builder-costs vsa,vsa_pool_xla,vsa_highest,sparge_topk,sparge_topk_pool_xla
   tar -czf $OUT/logs.tar.gz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log ;;
-*) echo "usage: OUT=dir bash benchmarks/h200_session.sh s39a|hy720 FAMILY|xattn-host|peers-38|dense-38|direct-check|route-check|accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
+*) echo "usage: OUT=dir bash benchmarks/h200_session.sh s39a|hy720 FAMILY|xattn-host|svg2-loop|peers-480 K|peers-38|dense-38|direct-check|route-check|accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
 esac
