@@ -47,8 +47,8 @@ from tessera_jax.select import device as _select_device
 from tessera_jax.select import ranking as _ranking
 from tessera_jax.validation import AttnShape
 
-__all__ = ["attention", "precompile", "compiled", "bounds_key", "route_options", "mode",
-           "wait_for", "wait", "clear", "pending", "stats"]
+__all__ = ["SMALL_TILES_MEDIANS", "attention", "precompile", "compiled", "bounds_key",
+           "route_options", "mode", "wait_for", "wait", "clear", "pending", "stats"]
 
 
 class _Entry:
