@@ -90,9 +90,9 @@ class Options:
     traced_small_blocks: the device route's template order for traced bounds (whose block
         sizes are unknown when tracing): True: 64-row units and 64-key tiles first (blocks of
         <= 64 tokens), False: 128-row / 128-key first; None (default): by the mean blocks
-        (length / count; ``select.device._traced_order``: a mean key block of <= 64 tokens
-        takes both, up to ``TRACED_SMALL_MEAN``, 96, 64-key tiles, with 64-row units where
-        the mean query block is as small). A tiered call sets
+        (length / count): a mean key block of <= 64 tokens takes both, one of up to
+        ``select.device.TRACED_SMALL_MEAN`` (96) 64-key tiles, with 64-row units where the
+        mean query block is as small. A tiered call sets
         True for host key bounds that are irregular with median blocks of <= 128 query and
         64 key tokens (SVG2's clusters, H100, 12 heads, plan + kernel: Wan 480p, medians 44 x
         29, q64x2 x kv64 6.33 ms against gathering's 7.43; Wan 720p, 101 x 33, 28.67 against
