@@ -92,11 +92,11 @@ class Options:
         <= 64 tokens), False: 128-row / 128-key first; None (default): by the mean blocks
         (length / count): a mean key block of <= 64 tokens takes both, one of up to
         ``select.device.TRACED_SMALL_MEAN`` (96) 64-key tiles, with 64-row units where the
-        mean query block is as small. A tiered call sets
-        True for host key bounds that are irregular with median blocks of <= 128 query and
-        64 key tokens (SVG2's clusters, H100, 12 heads, plan + kernel: Wan 480p, medians 44 x
-        29, q64x2 x kv64 6.33 ms against gathering's 7.43; Wan 720p, 101 x 33, 28.67 against
-        30.33; ``results/h100-svg2-traced-alt.json``, ``h100-svg2-720-traced.json``).
+        mean query block is as small. A tiered call sets True for host key bounds that are
+        irregular with median blocks of <= 128 query and 64 key tokens (SVG2's clusters,
+        H100, 12 heads, plan + kernel: Wan 480p, medians 44 x 29, q64x2 x kv64 6.33 ms
+        against gathering's 7.43; Wan 720p, 101 x 33, 28.67 against 30.33;
+        ``results/h100-svg2-traced-alt.json``, ``h100-svg2-720-traced.json``).
     store_in_place: kernels that can (Mosaic GPU's forward and dq) store each unit's owned
         rows straight into the [B, L, H, D] output when the plan's units own every query row
         (``abi.PassPlan.rows_owned``) and at most a quarter of its 64-row groups only in part,
