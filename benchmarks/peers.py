@@ -806,7 +806,6 @@ def run_tessera(case: Case, args) -> dict:
     from request_cases import forget_request_caches
     from tessera_jax.runtime import dispatch as backends
     from tessera_jax.runtime import dense_route
-    from tessera_jax.validation import check_shapes
     mask = case.mask
 
     clear = forget_request_caches   # a new mask: its selection and plan are paid
@@ -862,8 +861,8 @@ def run_tessera(case: Case, args) -> dict:
     # mask runs cuDNN (dense_route): no plan is built or copied then.
     p = tj.plan(mask, case.qj.shape, case.kj.shape, case.qj.dtype)
     arrays = (p.units, p.steps)
-    shape = check_shapes(case.qj.shape, case.kj.shape, case.qj.dtype)
-    routed = dense_route.takes(mask, shape, backends.resolve(None, shape), False)
+    shape, be = _shape_and_backend(case)
+    routed = dense_route.takes(mask, shape, be, False)
     res["route"] = "cudnn_dense" if routed else "plan"
     res["plan_bytes"] = int(sum(a.nbytes for a in arrays))
     res["put_ms"] = _request(lambda: jax.block_until_ready(jax.device_put(arrays)), args).ms
@@ -964,10 +963,7 @@ def _device_choice(case: "_CaseBase", blocks0) -> tuple[dict, object, int]:
     call site (``device_route``'s own choice: a static template per bounds and shapes)."""
     import tessera_jax as tj
     from tessera_jax import select
-    from tessera_jax.runtime import dispatch as backends
-    from tessera_jax.validation import check_shapes
-    shape = check_shapes(case.qj.shape, case.kj.shape, case.qj.dtype)
-    be = backends.resolve(None, shape)
+    shape, be = _shape_and_backend(case)
     dm = tj.BlockMask(case.mask.q_bounds, case.mask.kv_bounds, blocks0)
     t, cap = select.choose("device", dm, shape, be)      # the template, its bitmap capacity
     return ({"backend": be, "device_template": t.name if t is not None else "exact path",
@@ -1043,6 +1039,14 @@ def run_tessera_device(case: "_CaseBase", args) -> dict:
     return res
 
 
+def _shape_and_backend(case: "_CaseBase"):
+    """(AttnShape, backend) of a case's call: what ``tj.sparse_attention`` would resolve."""
+    from tessera_jax.runtime import dispatch as backends
+    from tessera_jax.validation import check_shapes
+    shape = check_shapes(case.qj.shape, case.kj.shape, case.qj.dtype)
+    return shape, backends.resolve(None, shape)
+
+
 def _checked_kernel(case: "_CaseBase", f, call_args: tuple, args) -> dict:
     """``f(*call_args)`` checked against the reference (status, rel_err, why) and, where it
     passes, timed under the kernel rule; a call that raises is "failed"."""
@@ -1065,12 +1069,10 @@ def _device_alternatives(case: "_CaseBase", blocks, args) -> dict:
     fastest. What ``select.device``'s static rule would need to choose per mask."""
     import jax
     import tessera_jax as tj
-    from tessera_jax.runtime import dispatch as backends
     from tessera_jax.select import device as select_device
-    from tessera_jax.validation import check_shapes
     mask = case.mask
     qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
-    be = backends.resolve(None, check_shapes(case.qj.shape, case.kj.shape, case.qj.dtype))
+    be = _shape_and_backend(case)[1]
     names = list(select_device.DEVICE_TEMPLATES.get(be, ()))
     if be in select_device.GATHER_TEMPLATES:
         names.append(select_device.GATHER_TEMPLATES[be])
@@ -1120,9 +1122,7 @@ def _gather_alternatives(case: "_CaseBase", blocks, args) -> dict:
             out[f"{kind}_gather_speedup"] = a["kernel_ms"] / b["kernel_ms"]
     # Each device-list template named on the traced bounds (the rule's choice aside): what a
     # tiered request with new bounds would run with another template.
-    from tessera_jax.runtime import dispatch as backends
-    from tessera_jax.validation import check_shapes
-    be = backends.resolve(None, check_shapes(case.qj.shape, case.kj.shape, case.qj.dtype))
+    be = _shape_and_backend(case)[1]
     for name in select_device.DEVICE_TEMPLATES.get(be, ()):
         f = jax.jit(lambda q, k, v, b, qq, kk, t=name: tj.sparse_attention(
             q, k, v, tj.BlockMask(qq, kk, b), template=t))
