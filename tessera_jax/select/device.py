@@ -322,7 +322,7 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
     (``_irregular_kv``); "auto" and "never" keep the device list (a tiered call turns "auto"
     into "traced" for irregular host key bounds, ``runtime.tiered.route_options``).
     ``traced_small`` (``Options.traced_small_blocks``): traced bounds' template order, None:
-    by the mean block."""
+    by the mean blocks (``_traced_order``)."""
     f = features
     if template is not None:
         if gathers_on_device(template):
@@ -395,7 +395,7 @@ def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template |
            traced_small: bool | None = None) -> tuple[Template | None, int]:
     """``choose_template`` of ``mask``'s static features. A caller's template must be
     device-capable (ValueError). Memoised per (static bounds, shapes, backend, template,
-    budget, device_gather)."""
+    budget, device_gather, traced_small)."""
     if template is not None and not device_capable(template):
         raise ValueError(f"template {template.name!r} pairs query units; a device mask runs "
                          f"on one of {DEVICE_TEMPLATES[template.backend]}")
