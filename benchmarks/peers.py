@@ -800,6 +800,19 @@ def timing_rules(rows: list[dict]) -> dict:
     return out
 
 
+class _Phases:
+    """Wall seconds of each part of a row (``phase_s``): where a row's time goes (compiles,
+    planning, timing loops), so a call's budget can be split by measurement."""
+
+    def __init__(self):
+        self.t, self.s = time.perf_counter(), {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.s[name] = round(self.s.get(name, 0.0) + now - self.t, 3)
+        self.t = now
+
+
 def run_tessera(case: Case, args) -> dict:
     import jax
     import tessera_jax as tj
@@ -816,12 +829,14 @@ def run_tessera(case: Case, args) -> dict:
     raw = (np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds), np.asarray(mask.blocks))
     request_call = lambda: tj.sparse_attention(case.qj, case.kj, case.vj,  # noqa: E731
                                                tj.BlockMask(*raw))
+    ph = _Phases()
     t = time.perf_counter()
     out = jax.block_until_ready(call())
-    res = {"first_call_s": time.perf_counter() - t}
+    res = {"first_call_s": time.perf_counter() - t, "phase_s": ph.s}
     o = np.asarray(jax.device_get(out[0][case.rows][:, case.qh]), np.float32)
     res.update(case.check(o))
     del out
+    ph.mark("first_call_check")
     p = tj.plan(mask, case.qj.shape, case.kj.shape, case.qj.dtype)
     try:
         res["plan"] = {k: v for k, v in p.stats().items() if isinstance(v, (int, float, str, bool))}
@@ -831,6 +846,7 @@ def run_tessera(case: Case, args) -> dict:
         return res
     res["plan_ms"] = _request(lambda: tj.plan(mask, case.qj.shape, case.kj.shape, case.qj.dtype),
                               args, before=clear).ms
+    ph.mark("plan_timing")
     # The default request (Options().host_planning "auto": tiered on a GPU), its executables
     # compiled first as for every peer: ``tj.precompile`` with tiered options compiles the
     # tiered device route, which the default and the explicit modes below share (its key
@@ -839,12 +855,14 @@ def run_tessera(case: Case, args) -> dict:
     bounds_mode = tiered_bounds(case, args)
     tj.precompile(_precompiled(mask, bounds_mode), case.qj.shape, case.kj.shape, case.qj.dtype,
                   options=tj.Options(host_planning="tiered"))
+    ph.mark("precompile")
     res["host_planning"] = tiered.mode(tj.Options(), case.qj)
     res["tiered_bounds"] = bounds_mode
     before = tiered.stats().get("device_route", 0)
     res.update(_request(lambda: jax.block_until_ready(request_call()), args,
                         before=clear).to_json("request_"))
     res["request_device_route_calls"] = tiered.stats().get("device_route", 0) - before
+    ph.mark("request_timing")
     res["mask_ms"] = _request(lambda: tj.BlockMask(*raw), args).ms
     # the default request's own output (the device route where it tiers), checked as the first
     clear()
@@ -855,6 +873,7 @@ def run_tessera(case: Case, args) -> dict:
     if res["request_check"]["status"] not in OK_STATES:
         res.update(status="wrong", why="the default request: " + res["request_check"]["why"])
     del out
+    ph.mark("request_check")
     # Where a request's time goes beyond plan + kernel: the plan arrays' host->device copy, and
     # an eager call whose plan and device arrays are cached (dispatch + kernel, wall clock).
     # An eager request copies units and steps (row_index is made on the device). An all-selected
@@ -878,11 +897,13 @@ def run_tessera(case: Case, args) -> dict:
     res["tiered_rule_ms"] = _request(lambda: tier_costs.size_of(
         mask, shape, backends.resolve(None, shape), opts.bitmap_budget_bytes,
         opts.device_gather), args).ms
+    ph.mark("host_parts")
     # eager (time_kernel calls it as given): the plan is cached and its executable compiled by
     # the calls above (a jax.jit of this closure would compile a new executable with the plan
     # as constants)
     res.update(_kernel(lambda q, k, v: tj.sparse_attention(q, k, v, mask),
                        ((case.qj, case.kj, case.vj),), args, "jax"))
+    ph.mark("kernel_timing")
     # The same mask moved to the device compactly (``to_device``: bit-packed) and run by the
     # device route's compiled call (``--mask-source both``: compiled by the gpu row already).
     f = getattr(case, "tj_device_fn", None)
@@ -890,9 +911,11 @@ def run_tessera(case: Case, args) -> dict:
         def via_device():
             return jax.block_until_ready(f(case.qj, case.kj, case.vj, mask.to_device().blocks))
         res["to_device_request_ms"] = _request(via_device, args, before=clear).ms
+        ph.mark("to_device_request")
     if args.tiered and not routed:
         for mode in ("sync", "tiered"):
             res.update(_mode_request(case, args, clear, mode))
+        ph.mark("mode_requests")
     clear()
     return res
 
@@ -990,13 +1013,15 @@ def run_tessera_device(case: "_CaseBase", args) -> dict:
     f = jax.jit(lambda q, k, v, b: tj.sparse_attention(q, k, v, tj.BlockMask(qb, kb, b)))
     case.tj_device_fn = f
     qkv = (case.qj, case.kj, case.vj)
+    ph = _Phases()
     t = time.perf_counter()
     out = jax.block_until_ready(f(*qkv, blocks[0]))
     res = {"first_call_s": time.perf_counter() - t, "route": "device",
-           "variants": len(blocks), "variant_kind": args.variant_kind}
+           "variants": len(blocks), "variant_kind": args.variant_kind, "phase_s": ph.s}
     o = np.asarray(jax.device_get(out[0][case.rows][:, case.qh]), np.float32)
     res.update(case.check(o))
     del out
+    ph.mark("first_call_check")
     try:
         info, tpl, cap = _device_choice(case, blocks[0])
         res.update(info)
@@ -1008,7 +1033,9 @@ def run_tessera_device(case: "_CaseBase", args) -> dict:
     rot = _Rotor(blocks)
     res.update(_request(lambda: jax.block_until_ready(f(*qkv, rot.next())), args,
                         before=forget_request_caches).to_json("request_"))
+    ph.mark("request_timing")
     res.update(_kernel(f, [(*qkv, blocks[0])], args, "jax"))
+    ph.mark("kernel_timing")
     if tpl is not None:                # (the exact path computes dense work: timed once)
         res["kernel_ms_all_variants"] = _kernel_timing(f, [(*qkv, b) for b in blocks], args,
                                                        "jax").ms
@@ -1031,10 +1058,13 @@ def run_tessera_device(case: "_CaseBase", args) -> dict:
                 lambda: jax.block_until_ready(planf(prot.next())), args).ms
         except Exception as e:  # noqa: BLE001
             res["device_plan_error"] = _tail(e, 300)
+        ph.mark("device_plan_timing")
     if args.gather_alt:
         res["gather_alt"] = _gather_alternatives(case, blocks, args)
+        ph.mark("gather_alt")
     if args.device_alt:
         res["device_alt"] = _device_alternatives(case, blocks, args)
+        ph.mark("device_alt")
     forget_request_caches()
     return res
 

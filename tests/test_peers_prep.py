@@ -359,6 +359,10 @@ def test_dry_run(tmp_path):
             peers.parse_args(["--request-iters", "3"])).name
         assert d["device_template"].startswith("xla_") and d["device_plan_ms"] > 0
         assert d["kernel_timer"] == "wall"                      # no GPU: the host clock
+        ph = d["phase_s"]                    # where the row's wall time went, part by part
+        assert {"first_call_check", "request_timing", "kernel_timing",
+                "device_plan_timing"} <= set(ph) and all(x >= 0 for x in ph.values())
+        assert sum(ph.values()) <= r["tessera_device"]["wall_s"] + 1e-3
     assert any(r["tessera_device"]["bitmap_capacity"] for r in dev)     # bitmap steps ran
     s = doc["device_summary"]
     assert s["mask_source"] == "gpu" and s["masks"] == len(dev)
