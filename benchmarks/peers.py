@@ -893,10 +893,8 @@ def run_tessera(case: Case, args) -> dict:
     static = bounds_mode == "same"
     res["tiered_copy_ms"] = _request(lambda: jax.block_until_ready(
         mask.packed_leaves(static_bounds=static)), args).ms
-    opts = tj.Options()
     res["tiered_rule_ms"] = _request(lambda: tier_costs.size_of(
-        mask, shape, backends.resolve(None, shape), opts.bitmap_budget_bytes,
-        opts.device_gather), args).ms
+        mask, shape, backends.resolve(None, shape), tj.Options().device_rule), args).ms
     ph.mark("host_parts")
     # eager (time_kernel calls it as given): the plan is cached and its executable compiled by
     # the calls above (a jax.jit of this closure would compile a new executable with the plan

@@ -94,8 +94,7 @@ def main():
                     else tj.BlockMask(qbh, kbh, bh))
             consts = select_device.static_parts(mask)
             t, cap = device_route._choose(consts, mask, sh, backend,
-                                          dispatch.get_template(forced) if forced else None,
-                                          select_device.BITMAP_BUDGET_BYTES)
+                                          dispatch.get_template(forced) if forced else None)
             row = {"family": fam, "route": route, "forced": forced,
                    "template": t.name if t else None, "capacity": int(cap or 0)}
             try:

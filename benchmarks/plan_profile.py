@@ -170,8 +170,7 @@ def main():
         mask = tj.BlockMask(qbh, kbh, bh)
         consts = select_device.static_parts(mask)
         forced = dispatch.get_template(args.template) if args.template else None
-        t, cap = device_route._choose(consts, mask, sh, backend, forced,
-                                      select_device.BITMAP_BUDGET_BYTES)
+        t, cap = device_route._choose(consts, mask, sh, backend, forced)
         first = device_route._first_room(t, cap, bh.shape, L, L, tj.Options())
         cap1 = first[0] if first else cap
         row = {"family": fam, "template": t.name, "capacity": int(cap1)}

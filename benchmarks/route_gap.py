@@ -72,8 +72,7 @@ def main():
         qb, kb, b = (np.asarray(x) for x in (m.q_bounds, m.kv_bounds, m.blocks))
         mask = tj.BlockMask(qb, kb, jnp.asarray(b))
         consts = select_device.static_parts(mask)
-        t, cap = device_route._choose(consts, mask, sh, backend, None,
-                                      select_device.BITMAP_BUDGET_BYTES)
+        t, cap = device_route._choose(consts, mask, sh, backend, None)
         row = {"family": fam, "device_template": t.name if t else None}
         try:
             host = jax.jit(lambda q, k, v: tj.sparse_attention(q, k, v, m, scale=scale,

@@ -118,7 +118,7 @@ def device_planner(mask, shape, backend: str, budget: int):
     from tessera_jax.runtime import device_route
     from tessera_jax.select import device as sd
     t, cap = sd.choose_template(sd.DeviceFeatures(None, None, mask.shape, shape), backend,
-                                None, budget)
+                                None, sd.DeviceRule(budget))
     dm = mask.to_device()
     q = jnp.zeros((1, shape.q_len, shape.num_q_heads, shape.head_dim), shape.dtype)
     k = jnp.zeros((1, shape.kv_len, shape.num_kv_heads, shape.head_dim), shape.dtype)
@@ -269,7 +269,7 @@ def request_section(a, specs, backend: str) -> list:
         t0 = time.perf_counter()
         jax.block_until_ready(m.to_device().blocks)
         row["to_device_ms"] = _ms(t0)
-        size = tier_costs.size_of(m, shape, backend, tj.Options().bitmap_budget_bytes)
+        size = tier_costs.size_of(m, shape, backend, tj.Options().device_rule)
         row["interactions_d"] = None if size is None else size.interactions_d
         if size is not None and costs is not None:
             host, device = tier_costs.predict(size, costs, True)

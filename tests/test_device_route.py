@@ -417,12 +417,13 @@ def test_static_bounds_past_the_budget_decide_on_the_device():
     dense = rng.random((H, n, n)) < 0.3
     dev = tj.BlockMask(qb, qb, jnp.asarray(sparse))
     consts = select_device.static_parts(dev)
-    t, cap = device_route._choose(consts, dev, shape, backend, None, 1 << 30)
+    t, cap = device_route._choose(consts, dev, shape, backend, None,
+                                  select_device.DeviceRule(1 << 30))
     worst = select_device.bitmap_pairs(consts[0], consts[1], (H, n, n), shape, t)
     step = select_device.bitmap_step_bytes(t)
     budget = step * (worst // 4)                      # room for a quarter of the pairs
     opts = tj.Options(bitmap_budget_bytes=budget)
-    t, cap = device_route._choose(consts, dev, shape, backend, None, budget)
+    t, cap = device_route._choose(consts, dev, shape, backend, None, opts.device_rule)
     assert t is not None and cap == worst // 4
     assert select_device.decided_on_device(consts[0], consts[1], (H, n, n), shape, t, cap)
     assert not select_device.decided_on_device(consts[0], consts[1], (H, n, n), shape, t,

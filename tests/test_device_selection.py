@@ -89,11 +89,10 @@ def test_known_choices():
         traced = tj.BlockMask(bounds(nq), bounds(nk), ones(nq, nk))
         assert D.choose(traced, shape, "mosaic_gpu")[0].name == name, (nq, nk, name)
     # ``traced_small`` (Options.traced_small_blocks) overrides the mean either way.
-    assert D.choose(traced, shape, "mosaic_gpu", traced_small=True)[0].name == \
-        "mgpu_q64x2_kv64_s2_hm"
+    small, large = D.DeviceRule(traced_small=True), D.DeviceRule(traced_small=False)
+    assert D.choose(traced, shape, "mosaic_gpu", rule=small)[0].name == "mgpu_q64x2_kv64_s2_hm"
     traced = tj.BlockMask(jnp.arange(0, 513, 4), jnp.arange(0, 513, 4), ones(128, 128))
-    assert D.choose(traced, shape, "mosaic_gpu", traced_small=False)[0].name == \
-        "mgpu_q128_kv128_s2_hm"
+    assert D.choose(traced, shape, "mosaic_gpu", rule=large)[0].name == "mgpu_q128_kv128_s2_hm"
 
 
 def test_budget_is_an_argument_and_part_of_the_key():
@@ -102,9 +101,9 @@ def test_budget_is_an_argument_and_part_of_the_key():
     shape = _shape(200, 200)
     t, cap = D.choose(m, shape, "xla")
     assert t is not None and cap > 0
-    assert D.choose(m, shape, "xla", bitmap_budget_bytes=1) == (None, 0)   # the exact path
+    assert D.choose(m, shape, "xla", rule=D.DeviceRule(1)) == (None, 0)   # the exact path
     # Fewer slots than the pairs that may need one: the budget's room, decided on the device.
-    t2, cap2 = D.choose(m, shape, "xla", bitmap_budget_bytes=1024)
+    t2, cap2 = D.choose(m, shape, "xla", rule=D.DeviceRule(1024))
     assert cap2 == 1024 // D.bitmap_step_bytes(t2) < D.bitmap_pairs(
         *D.static_parts(m)[:2], m.shape, shape, t2)
     assert D.decided_on_device(*D.static_parts(m)[:2], m.shape, shape, t2, cap2)
@@ -120,7 +119,13 @@ def test_caller_template_and_bad_input():
     with pytest.raises(ValueError, match="pairs query units"):
         D.choose(m, shape, "mosaic_gpu", T.get("mgpu_q64x2pp_kv64_s2_hm"))
     with pytest.raises(ValueError, match="bitmap_budget_bytes"):
-        D.choose(m, shape, "xla", bitmap_budget_bytes=-1)
+        D.DeviceRule(bitmap_budget_bytes=-1)
+    with pytest.raises(ValueError, match="device_gather"):
+        D.DeviceRule(device_gather="always")
+    with pytest.raises(TypeError, match="traced_small"):
+        D.DeviceRule(traced_small=1)
+    with pytest.raises(TypeError, match="DeviceRule"):
+        D.choose(m, shape, "xla", rule=tj.Options())
     with pytest.raises(ValueError, match="route"):
         select.choose("gpu", m, shape, "xla")
 
@@ -198,14 +203,14 @@ def test_static_bounds_of_mixed_blocks_take_the_cheapest_price():
     moba = mixed([72, 96, 144, 192, 288, 384])
     grid = np.arange(0, L + 1, 128)
     assert np.median(np.diff(nat)) > 64           # not the small-block order
+    never = D.DeviceRule(device_gather="never")
     for b, name in ((nat, "mgpu_q64x2_kv64_s2_hm"), (moba, "mgpu_q128_kv128_s2_hm"),
                     (grid, "mgpu_q128_kv128_s2_hm")):
         m = tj.BlockMask(b, b, ones(b, b))
-        t, cap = D.choose(m, shape, "mosaic_gpu", device_gather="never")
+        t, cap = D.choose(m, shape, "mosaic_gpu", rule=never)
         prices = {n: D.price(*D.static_parts(m)[:2], shape, T.get(n))
                   for n in D.DEVICE_TEMPLATES["mosaic_gpu"]}
         assert t.name == name == min(prices, key=prices.get) and cap == 0
     # The price is a property of the bounds alone: the selection (traced) does not enter.
     m = tj.BlockMask(nat, nat, jnp.zeros((1, len(nat) - 1, len(nat) - 1), bool))
-    assert D.choose(m, shape, "mosaic_gpu", device_gather="never")[0].name == \
-        "mgpu_q64x2_kv64_s2_hm"
+    assert D.choose(m, shape, "mosaic_gpu", rule=never)[0].name == "mgpu_q64x2_kv64_s2_hm"

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 import tessera_jax as tj
 from tessera_jax.runtime import api, host_plans, tier_costs, tiered
+from tessera_jax.select.device import DeviceRule
 from tessera_jax.validation import check_shapes
 
 from strategies import random_qkv
@@ -388,7 +389,7 @@ def _costs(**kw):
 def test_the_rule_compares_predicted_costs():
     m = _mask(8)
     shape = check_shapes((1, L, H, D), (1, L, H, D), "float32")
-    size = tier_costs.size_of(m, shape, "xla", tj.Options().bitmap_budget_bytes)
+    size = tier_costs.size_of(m, shape, "xla", tj.Options().device_rule)
     assert size.blocks == H * N * N and size.selected == int(m.blocks.sum())
     slow_host = _costs(host_ns_per_block=1e6, device_ms=0.5, compile_ms=100.0)
     assert tier_costs.predict(size, slow_host, True) == pytest.approx((H * N * N, 0.5))
@@ -409,7 +410,7 @@ def test_a_gathering_host_choice_adds_its_planning_time():
     import dataclasses
     m = _mask(8)
     shape = check_shapes((1, L, H, D), (1, L, H, D), "float32")
-    size = tier_costs.size_of(m, shape, "xla", tj.Options().bitmap_budget_bytes)
+    size = tier_costs.size_of(m, shape, "xla", tj.Options().device_rule)
     assert size.gather is False and size.pairs > 0
     c = _costs(device_ms=1.0, host_ns_per_gather_pair=2e6 / size.pairs)    # 2 ms if gathering
     assert tier_costs.predict(size, c, True)[0] == pytest.approx(0.0)
@@ -452,8 +453,8 @@ def test_the_rule_counts_only_as_far_as_its_answer_needs(
     c = _costs(host_ms=host_ms, host_ns_per_selected=per_sel, device_ms=device_ms,
                kernel_ns_per_interaction=1e-3, kernel_excess=excess,
                host_ns_per_gather_pair=per_gather)
-    budget, dg = TIERED.bitmap_budget_bytes, TIERED.device_gather
-    size = tier_costs.size_of(m, shape, "xla", budget, dg)
+    rule = TIERED.device_rule
+    size = tier_costs.size_of(m, shape, "xla", rule)
     if size is None:
         return
     host, device = tier_costs.predict(size, c, True)
@@ -462,7 +463,7 @@ def test_the_rule_counts_only_as_far_as_its_answer_needs(
     gathers = tier_costs.host_gathers(m, shape, "xla")
     want = tier_costs.tiers(size, c, True) or (
         per_gather > 0 and tier_costs.tiers(dataclasses.replace(size, gather=gathers), c, True))
-    ends = {tier_costs.tiers(tier_costs.size_of(m, shape, "xla", budget, dg, selected=n), c,
+    ends = {tier_costs.tiers(tier_costs.size_of(m, shape, "xla", rule, selected=n), c,
                              True) for n in (0, size.blocks)}
     stops = []
     real = tj.BlockMask.count_selected
@@ -497,9 +498,8 @@ def test_the_rules_early_count_decides_next_to_the_flip(rising, delta):
     else:             # host fixed at the flip; device 1e-6 * per_block ms a block
         c = _costs(host_ms=1e-6 * per_block * (n + delta), kernel_ns_per_interaction=1.0,
                    kernel_excess=1.0)
-    got = tier_costs.base_tiers(m, shape, "xla", TIERED.bitmap_budget_bytes,
-                                TIERED.device_gather, None, c, True)
-    size = tier_costs.size_of(m, shape, "xla", TIERED.bitmap_budget_bytes)
+    got = tier_costs.base_tiers(m, shape, "xla", TIERED.device_rule, None, c, True)
+    size = tier_costs.size_of(m, shape, "xla", TIERED.device_rule)
     assert got is tier_costs.tiers(size, c, True) is ((delta < 0) if rising else (delta > 0))
 
 
@@ -536,7 +536,7 @@ def test_the_rule_skips_masks_the_device_route_runs_exactly():
     b = np.arange(L + 1)
     m = tj.BlockMask(b, b, np.eye(L, dtype=bool)[None])
     shape = check_shapes((1, L, H, D), (1, L, H, D), "float32")
-    assert tier_costs.size_of(m, shape, "xla", 1 << 12) is None
+    assert tier_costs.size_of(m, shape, "xla", DeviceRule(1 << 12)) is None
 
 
 def test_a_new_shape_counts_its_compile():
@@ -556,11 +556,9 @@ def test_the_cpu_rule_keeps_wan480_masks_on_the_host():
     """On the CPU box the device planner costs seconds at Wan 480p against milliseconds of
     host planning: no tiering, even with the route compiled."""
     from tessera_jax.masks import families
-    budget = tj.Options().bitmap_budget_bytes
-
     def size(m):
         shape = check_shapes((1, m.Lq, 12, 128), (1, m.Lkv, 12, 128), "float32")
-        return tier_costs.size_of(m, shape, "xla", budget)
+        return tier_costs.size_of(m, shape, "xla")
 
     s = size(families.vsa("wan480", heads=12))
     host, device = tier_costs.predict(s, tier_costs.CPU, compiled=True)
@@ -721,8 +719,8 @@ def test_the_rule_sizes_a_gathering_route_without_bitmap_steps():
     with no bitmap steps; the device list's route of the same mask counts its capacity."""
     m = _irregular_mask(42)
     shape = check_shapes((1, L, H, 64), (1, L, H, 64), "bfloat16")
-    g = tier_costs.size_of(m, shape, "mosaic_gpu", 1 << 27, "irregular")
+    g = tier_costs.size_of(m, shape, "mosaic_gpu", DeviceRule(1 << 27, "irregular"))
     assert g is not None and g.bitmaps == 0 and g.tiles == H * 2 * 2       # 192 rows: 2 tiles
-    plain = tier_costs.size_of(m, shape, "mosaic_gpu", 1 << 27, "never")
+    plain = tier_costs.size_of(m, shape, "mosaic_gpu", DeviceRule(1 << 27, "never"))
     assert plain is not None and plain.selected == g.selected and plain.bitmaps > 0
 

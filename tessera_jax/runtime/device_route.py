@@ -63,24 +63,20 @@ def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template |
     """The template of a device-route call (``select.device``), or None: no template's tiles
     fit the static bounds (the exact path runs). A caller's template must be device-capable
     (ValueError)."""
-    return select_device.choose(mask, shape, backend, template,
-                                bitmap_budget_bytes=options.bitmap_budget_bytes,
-                                device_gather=options.device_gather,
-                                traced_small=options.traced_small_blocks)[0]
+    return select_device.choose(mask, shape, backend, template, rule=options.device_rule)[0]
 
 
 def _choose(consts: tuple, mask: BlockMask, shape: AttnShape, backend: str,
-            template: Template | None, budget: int,
-            device_gather: str = "never",
-            traced_small: bool | None = None) -> tuple[Template | None, int]:
-    """(template, bitmap capacity) of the static rule for these static parts; (None, 0): the
-    exact path."""
+            template: Template | None,
+            rule: select_device.DeviceRule = select_device.DEFAULT_RULE,
+            ) -> tuple[Template | None, int]:
+    """(template, bitmap capacity) of the static rule (``rule``: ``Options.device_rule``) for
+    these static parts; (None, 0): the exact path."""
     if template is not None and not select_device.device_capable(template):
         choose(mask, shape, backend, template)              # raises
     features = select_device.DeviceFeatures(consts[0], consts[1], tuple(mask.blocks.shape),
                                             shape)
-    return select_device.choose_template(features, backend, template, budget, device_gather,
-                                         traced_small)
+    return select_device.choose_template(features, backend, template, rule)
 
 
 def decides(consts: tuple, blocks_shape: tuple, shape: AttnShape, t: Template | None,
@@ -133,8 +129,7 @@ def _statics(mask, shape, backend, template, scale, return_lse, options, packed:
              dense) -> dict:
     """``_run``'s static arguments of a call site (the template chosen, its warning given)."""
     consts = select_device.static_parts(mask)
-    t, capacity = _choose(consts, mask, shape, backend, template, options.bitmap_budget_bytes,
-                          options.device_gather, options.traced_small_blocks)
+    t, capacity = _choose(consts, mask, shape, backend, template, options.device_rule)
     if t is None:
         key = (tuple(mask.blocks.shape), shape.q_len, shape.kv_len, backend)
         if key not in _warned:

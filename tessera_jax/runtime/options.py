@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from tessera_jax.planning.config import PlannerConfig
-from tessera_jax.select.device import BITMAP_BUDGET_BYTES, DEVICE_GATHER
+from tessera_jax.select.device import BITMAP_BUDGET_BYTES, DEVICE_GATHER, DeviceRule
 
 __all__ = ["Options", "DEFAULT", "HOST_PLANNING"]
 
@@ -165,6 +165,13 @@ class Options:
                                                                    bool):
             raise TypeError(f"traced_small_blocks must be a bool or None, got "
                             f"{type(self.traced_small_blocks).__name__}")
+
+    @property
+    def device_rule(self) -> DeviceRule:
+        """The three fields the device route's template choice reads, as one value
+        (``select.device.DeviceRule``)."""
+        return DeviceRule(self.bitmap_budget_bytes, self.device_gather,
+                          self.traced_small_blocks)
 
 
 DEFAULT = Options()

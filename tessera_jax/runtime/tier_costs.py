@@ -156,25 +156,24 @@ def _fine(bounds: np.ndarray, length: int, tile: int) -> tuple[int, int]:
 
 
 def size_of(mask: BlockMask, shape: AttnShape, backend: str,
-            bitmap_budget_bytes: int, device_gather: str = "auto",
+            rule: select_device.DeviceRule = select_device.DEFAULT_RULE,
             bounds_bytes: tuple[bytes, bytes] | None = None,
-            selected: int | None = None, traced_small: bool | None = None) -> MaskSize | None:
+            selected: int | None = None) -> MaskSize | None:
     """The rule's inputs of a static mask with shared bounds sent to the device route with
     traced bounds; None where that route would not run the kernels (no template, or more tile
-    pairs needing bitmap steps than its capacity: the exact path). A route that gathers
-    (``device_gather``) counts its fixed grid's tiles and no bitmap steps, priced by the plain
-    route's fit (no fit of its own; on SVG2's clusters, the one family it runs, it ran faster
+    pairs needing bitmap steps than its capacity: the exact path); ``rule``: the route's
+    ``Options.device_rule``. A route that gathers (``rule.device_gather``) counts its fixed
+    grid's tiles and no bitmap steps, priced by the plain route's fit (no fit of its own; on SVG2's clusters, the one family it runs, it ran faster
     than the plain route: benchmarks/NOTES.md#peers). What depends on the bounds and shapes
     only is cached (a fixed grid's masks share it): per mask, one count of its blocks.
     ``bounds_bytes``: the bounds as int64 bytes where the caller has them
     (``tiered.bounds_key``); ``selected``: a count to assume instead of the mask's own
-    (``base_tiers``' none and all); ``traced_small``: ``Options.traced_small_blocks``."""
+    (``base_tiers``' none and all)."""
     Hm, nq, nk = mask.shape
     if bounds_bytes is None:
         bounds_bytes = tuple(np.asarray(b, np.int64).tobytes()
                              for b in (mask.q_bounds, mask.kv_bounds))
-    static = _static_size(*bounds_bytes, Hm, nq, nk, shape, backend, bitmap_budget_bytes,
-                          device_gather, traced_small)
+    static = _static_size(*bounds_bytes, Hm, nq, nk, shape, backend, rule)
     if static is None:
         return None
     tiles, cap = static
@@ -188,12 +187,11 @@ def size_of(mask: BlockMask, shape: AttnShape, backend: str,
 
 @functools.lru_cache(maxsize=256)
 def _static_size(q_bounds: bytes, kv_bounds: bytes, Hm: int, nq: int, nk: int,
-                 shape: AttnShape, backend: str, bitmap_budget_bytes: int,
-                 device_gather: str, traced_small: bool | None) -> tuple[int, int] | None:
+                 shape: AttnShape, backend: str,
+                 rule: select_device.DeviceRule) -> tuple[int, int] | None:
     """(tiles, bitmap capacity) of ``size_of`` from the bounds' bytes, or None."""
     feats = select_device.DeviceFeatures(None, None, (Hm, nq, nk), shape)
-    t, cap = select_device.choose_template(feats, backend, None, bitmap_budget_bytes,
-                                           device_gather, traced_small)
+    t, cap = select_device.choose_template(feats, backend, None, rule)
     if t is None:
         return None
     fq, nqt = _fine(np.frombuffer(q_bounds, np.int64), shape.q_len, t.tile_q)
@@ -220,22 +218,21 @@ def predict(size: MaskSize, costs: TierCosts, compiled: bool) -> tuple[float, fl
     return host, device + (0.0 if compiled else c.compile_ms)
 
 
-def base_tiers(mask: BlockMask, shape: AttnShape, backend: str, bitmap_budget_bytes: int,
-               device_gather: str, bounds_bytes: tuple[bytes, bytes] | None,
-               costs: TierCosts | None, compiled: bool,
-               traced_small: bool | None = None) -> bool:
+def base_tiers(mask: BlockMask, shape: AttnShape, backend: str,
+               rule: select_device.DeviceRule, bounds_bytes: tuple[bytes, bytes] | None,
+               costs: TierCosts | None, compiled: bool) -> bool:
     """``tiers(size_of(...), costs, compiled)`` (the host choice taken as not gathering),
     reading no more of the mask's bits than it takes: both sides of ``predict`` are affine
     in the count of selected blocks, so the sizes with none and with every block selected
     give the count where the answer flips, and the count stops once past it."""
     if costs is None:
         return False
-    args = (mask, shape, backend, bitmap_budget_bytes, device_gather, bounds_bytes)
-    none = size_of(*args, selected=0, traced_small=traced_small)
+    args = (mask, shape, backend, rule, bounds_bytes)
+    none = size_of(*args, selected=0)
     if none is None:
         return False
     lo, hi = (_margin(s, costs, compiled) for s in (none, size_of(
-        *args, selected=none.blocks, traced_small=traced_small)))
+        *args, selected=none.blocks)))
     if (lo > 0) == (hi > 0):
         return lo > 0
     flip = -lo / (hi - lo) * none.blocks        # the count where host - device crosses 0

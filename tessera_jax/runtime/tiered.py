@@ -301,12 +301,12 @@ def _rule(mask, shape, backend, options, compiled, q, bkey) -> bool:
     costs = tier_costs.costs_for(_platform(q), backend, _ranking.device_name())
     if costs is None:
         return False
-    args = (mask, shape, backend, options.bitmap_budget_bytes, options.device_gather, bkey[1:])
-    if tier_costs.base_tiers(*args, costs, compiled, options.traced_small_blocks):
+    args = (mask, shape, backend, options.device_rule, bkey[1:])
+    if tier_costs.base_tiers(*args, costs, compiled):
         return True
     if costs.host_ns_per_gather_pair <= 0:
         return False
-    size = tier_costs.size_of(*args, traced_small=options.traced_small_blocks)
+    size = tier_costs.size_of(*args)
     if size is None:
         return False
     size = dataclasses.replace(size, gather=tier_costs.host_gathers(mask, shape, backend))

@@ -17,18 +17,17 @@ ROUTES = ("host", "device")
 
 
 def choose(route: str, mask, shape, backend: str, *, template=None, table=None,
-           bitmap_budget_bytes: int = device.BITMAP_BUDGET_BYTES):
+           rule: device.DeviceRule = device.DEFAULT_RULE):
     """The template choice of a call of ``shape`` (an ``AttnShape``) on ``backend``.
 
     route "host": (template name, policy), or None: no opinion (no table on the XLA backend;
     the caller uses its default); ``table``: a ``ranking.Table`` instead of the GPU's.
     route "device": (Template, bitmap capacity), or (None, 0): the exact path runs;
-    ``template``: the caller's (must be device-capable), ``bitmap_budget_bytes``: most bytes
-    of bitmap steps the device plan may hold.
+    ``template``: the caller's (must be device-capable), ``rule``: the options the choice
+    reads (``Options.device_rule``: the bitmap budget, ``device_gather``, the traced order).
     """
     if route == "host":
         return ranking.select(mask, shape, backend, table=table)
     if route == "device":
-        return device.choose(mask, shape, backend, template,
-                             bitmap_budget_bytes=bitmap_budget_bytes)
+        return device.choose(mask, shape, backend, template, rule=rule)
     raise ValueError(f"route must be one of {ROUTES}, got {route!r}")

@@ -45,8 +45,8 @@ from tessera_jax.validation import AttnShape
 __all__ = ["DEVICE_TEMPLATES", "GATHER_TEMPLATES", "DEVICE_GATHER", "BITMAP_BUDGET_BYTES",
            "STEP_COST", "TRACED_SMALL_MEAN", "PRICE_DENSITY", "price",
            "Const", "DeviceFeatures", "static_parts", "device_capable", "bitmap_pairs",
-           "capacity", "decided_on_device", "irregular_kv", "small_blocks", "choose_template",
-           "choose"]
+           "capacity", "decided_on_device", "irregular_kv", "small_blocks", "DeviceRule",
+           "DEFAULT_RULE", "choose_template", "choose"]
 
 #: Per backend, the templates a device plan may run, in order of preference (see the module
 #: docstring). q64x2 runs neighbouring 64-row units of the device plan in one CTA, one per
@@ -92,6 +92,33 @@ IRREGULAR_KV_SIZES = 8
 #: blocks per axis: 2 KB each at 128 x 128); where a mask may need more, its plan gets this
 #: much room and takes the exact path when the selection overflows it (decided on the device).
 BITMAP_BUDGET_BYTES = 512 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRule:
+    """What a device-route template choice reads besides the call site's features:
+    ``Options``' ``bitmap_budget_bytes``, ``device_gather`` and ``traced_small_blocks``
+    (``traced_small``), as one validated, hashable value (``Options.device_rule``), so every
+    caller passes all three and the choice's memo keys hold them."""
+
+    bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES
+    device_gather: str = "auto"
+    traced_small: bool | None = None
+
+    def __post_init__(self):
+        b = self.bitmap_budget_bytes
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise ValueError(f"bitmap_budget_bytes must be a non-negative int, got {b!r}")
+        if not isinstance(self.device_gather, str) or self.device_gather not in DEVICE_GATHER:
+            raise ValueError(f"device_gather must be one of {DEVICE_GATHER}, got "
+                             f"{self.device_gather!r}")
+        if self.traced_small is not None and not isinstance(self.traced_small, bool):
+            raise TypeError(f"traced_small must be a bool or None, got "
+                            f"{type(self.traced_small).__name__}")
+
+
+#: The rule of ``Options()``.
+DEFAULT_RULE = DeviceRule()
 
 
 class Const:
@@ -311,29 +338,27 @@ def _gathers(f: DeviceFeatures, device_gather: str) -> bool:
 
 @functools.lru_cache(maxsize=512)
 def choose_template(features: DeviceFeatures, backend: str, template: Template | None = None,
-                    bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES,
-                    device_gather: str = "auto",
-                    traced_small: bool | None = None) -> tuple[Template | None, int]:
+                    rule: DeviceRule = DEFAULT_RULE) -> tuple[Template | None, int]:
     """(template, bitmap capacity) of a device-route call by the static rule (module
     docstring); (None, 0): the exact path. ``template``: the caller's (its capacity only).
-    ``device_gather`` (``Options.device_gather``): "traced" runs the backend's gathering
+    ``rule.device_gather`` (``Options.device_gather``): "traced" runs the backend's gathering
     template (``GATHER_TEMPLATES``) where a bound is traced (per-head bounds of a
     content-dependent method), "irregular" also where static key blocks are irregular
     (``_irregular_kv``); "auto" and "never" keep the device list (a tiered call turns "auto"
     into "traced" for irregular host key bounds, ``runtime.tiered.route_options``).
-    ``traced_small`` (``Options.traced_small_blocks``): traced bounds' template order, None:
-    by the mean blocks (``_traced_order``)."""
+    ``rule.traced_small`` (``Options.traced_small_blocks``): traced bounds' template order,
+    None: by the mean blocks (``_traced_order``)."""
+    if not isinstance(rule, DeviceRule):
+        raise TypeError(f"rule must be a select.device.DeviceRule, got {type(rule).__name__}")
     f = features
+    budget = rule.bitmap_budget_bytes
     if template is not None:
         if gathers_on_device(template):
             return template, 0       # gathered steps: no bitmap steps, any valid bounds
-        cap = capacity(f.q_bounds, f.kv_bounds, f.block_shape, f.shape, template,
-                       bitmap_budget_bytes)
+        cap = capacity(f.q_bounds, f.kv_bounds, f.block_shape, f.shape, template, budget)
         return (template, cap) if cap is not None else (None, 0)
-    if device_gather not in DEVICE_GATHER:
-        raise ValueError(f"device_gather must be one of {DEVICE_GATHER}, got {device_gather!r}")
     g = GATHER_TEMPLATES.get(backend)
-    if g is not None and _gathers(f, device_gather):
+    if g is not None and _gathers(f, rule.device_gather):
         t = _templates.get(g)
         if t.supports(f.shape.head_dim, f.shape.dtype):
             return t, 0              # gathered steps: no bitmap steps in the forward plan
@@ -354,8 +379,8 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
         # results/h200-gather.json); means over 96 keep 128-row, 128-key tiles (aligned
         # blocks: 2.58 against 4.76 for q64x2).
         sq, sk = (_traced_order(f.shape.q_len, f.block_shape[1], f.shape.kv_len,
-                                f.block_shape[2]) if traced_small is None
-                  else (traced_small, traced_small))
+                                f.block_shape[2]) if rule.traced_small is None
+                  else (rule.traced_small, rule.traced_small))
     ts = sorted((_templates.get(n) for n in DEVICE_TEMPLATES[backend]),
                 key=lambda t: (sq != (t.tile_q <= 64), sk != (t.tile_kv <= 64)))
     if f.q_bounds is not None and f.kv_bounds is not None and not (sq or sk):
@@ -370,8 +395,7 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
     fitting, over = [], []
     for t in ts:
         if t.supports(f.shape.head_dim, f.shape.dtype):
-            cap = capacity(f.q_bounds, f.kv_bounds, f.block_shape, f.shape, t,
-                           bitmap_budget_bytes)
+            cap = capacity(f.q_bounds, f.kv_bounds, f.block_shape, f.shape, t, budget)
             if cap == 0:
                 return t, 0                  # no bitmap steps: the first such template
             if cap is None:
@@ -390,21 +414,14 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
 
 
 def choose(mask: BlockMask, shape: AttnShape, backend: str, template: Template | None = None,
-           *, bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES,
-           device_gather: str = "auto",
-           traced_small: bool | None = None) -> tuple[Template | None, int]:
+           *, rule: DeviceRule = DEFAULT_RULE) -> tuple[Template | None, int]:
     """``choose_template`` of ``mask``'s static features. A caller's template must be
     device-capable (ValueError). Memoised per (static bounds, shapes, backend, template,
-    budget, device_gather, traced_small)."""
+    rule)."""
     if template is not None and not device_capable(template):
         raise ValueError(f"template {template.name!r} pairs query units; a device mask runs "
                          f"on one of {DEVICE_TEMPLATES[template.backend]}")
-    if isinstance(bitmap_budget_bytes, bool) or not isinstance(bitmap_budget_bytes, int) \
-            or bitmap_budget_bytes < 0:
-        raise ValueError(f"bitmap_budget_bytes must be a non-negative int, got "
-                         f"{bitmap_budget_bytes!r}")
-    return choose_template(DeviceFeatures.of(mask, shape), backend, template,
-                           bitmap_budget_bytes, device_gather, traced_small)
+    return choose_template(DeviceFeatures.of(mask, shape), backend, template, rule)
 
 
 def clear_cache() -> None:

@@ -135,8 +135,7 @@ def _decided_oks(qb, blocks, q, k, options: dict):
     shape = check_shapes(q.shape, k.shape, q.dtype)
     dev = tj.BlockMask(qb, qb, jnp.asarray(blocks))
     consts = select_device.static_parts(dev)
-    t, cap = device_route._choose(consts, dev, shape, options["backend"], None,
-                                  o.bitmap_budget_bytes, o.device_gather)
+    t, cap = device_route._choose(consts, dev, shape, options["backend"], None, o.device_rule)
     decides = device_route.decides(consts, blocks.shape, shape, t, cap)
     if not decides:
         return False, None, None
@@ -220,8 +219,7 @@ def _refine_oks(qb, kb, blocks, q, k, options: dict):
     dev = tj.BlockMask(*arrays)
     consts = select_device.static_parts(dev)
     t, cap = device_route._choose(consts, dev, check_shapes(q.shape, k.shape, q.dtype),
-                                  options["backend"], None, o.bitmap_budget_bytes,
-                                  o.device_gather)
+                                  options["backend"], None, o.device_rule)
     if t is None:
         return None
     full, first = device_route._refines(consts, t.name, cap, True, q, k, blocks.shape, o)
