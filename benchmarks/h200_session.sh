@@ -64,10 +64,12 @@
 # the traced templates (results/h100-svg2-720-traced.json: TRACED_SMALL_MEAN, SMALL_TILES_MEDIANS);
 # then an H200 for the last 200 s: make test-gpu's traced / decided / tiered cases, 8 passed
 # (results/h200-test-gpu-traced.log; set XLA_PYTHON_CLIENT_PREALLOCATE=false when calling make).
-# First next time, on an H200: `peers-480 0`, `1` and `2` (the whole Wan 480p file at
-# today's code; h200-peers.json holds ff390cc's rows), then `xattn-host` (an H100 only so
-# far; h200-loop.json holds the older rows), `svg2-loop` (session 42's traced rule);
-# `hy720 FAMILY` one family per call for item 1.
+# Session 43: ten machine starts refused or not asked before any came (see NOTES#open).
+# First next time, on an H200: `peers-480-next` (then again with the earlier calls' files,
+# until the 13 families x 2 sources are timed: the whole Wan 480p file at today's code;
+# h200-peers.json holds ff390cc's rows at the older n=5 request rule, which the merge will
+# not mix), then `xattn-host` (an H100 only so far; h200-loop.json holds the older rows),
+# `svg2-loop` (session 42's traced rule); `hy720 FAMILY` one family per call for item 1.
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file of record on an
 #     H200 (~510 s on the H100); copy $OUT/h200-gather.json to benchmarks/results/
@@ -238,6 +240,16 @@ peers-480)
       --time-budget 570 --reserve 90 --per-family 1 --heads 12 --grids wan480 \
       --mask-source both --check-rows 1024 --shard ${2:?shard 0, 1 or 2}/3 --no-tiered \
       --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn ;;
+peers-480-next)
+  # Issue 33: the 13 families at Wan 480p, both sources, as many masks as fit one call (no
+  # shard), after the rows of the files named (earlier calls' outputs copied into the tree,
+  # e.g. benchmarks/results/tmp/): a call is never left idle at a shard's end. Then
+  # `peers.py --merge` of every call's file into h200-peers.json. Carry `.carry`.
+  fi_env; shift
+  run 585 peers-480-next python3 benchmarks/peers.py --out $OUT/peers-next.json \
+      --time-budget 570 --reserve 90 --per-family 1 --heads 12 --grids wan480 \
+      --mask-source both --check-rows 1024 --no-tiered ${1:+--skip-from "$@"} \
+      --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn ;;
 hy720)
   # Issue 33 item 1: the peers at HunyuanVideo 720p (all 16 heads), one family per call (svg2
   # ran past a 575 s call with sparge and vsa in session 39); the auxiliary timings off.
@@ -404,5 +416,5 @@ diagnose)
   run 170 builders-pool python3 benchmarks/bench_loop.py --out $OUT/builders-pool.json \
       --builder-costs vsa,vsa_pool_xla,vsa_highest,sparge_topk,sparge_topk_pool_xla
   tar -czf $OUT/logs.tar.gz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log ;;
-*) echo "usage: OUT=dir bash benchmarks/h200_session.sh s39a|hy720 FAMILY|xattn-host|svg2-loop|peers-480 K|peers-38|dense-38|direct-check|route-check|accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
+*) echo "usage: OUT=dir bash benchmarks/h200_session.sh s39a|hy720 FAMILY|xattn-host|svg2-loop|peers-480 K|peers-480-next [JSON...]|peers-38|dense-38|direct-check|route-check|accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
 esac
