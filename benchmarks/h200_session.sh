@@ -240,6 +240,17 @@ peers-480)
       --time-budget 570 --reserve 90 --per-family 1 --heads 12 --grids wan480 \
       --mask-source both --check-rows 1024 --shard ${2:?shard 0, 1 or 2}/3 --no-tiered \
       --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn ;;
+s43)
+  # Session 43: the overflow fallback (Options.device_overflow: a traced plan past its bitmap
+  # room runs the gathering template, not the exact path) compiled: make test-gpu's overflow,
+  # traced, decided and tiered cases; then the Wan 480p peers as far as the call goes
+  # (peers-480-next's command with the call's remaining time).
+  run 240 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA -k 'overflow or traced or decided or tiered'"
+  fi_env
+  run 330 peers-480-next python3 benchmarks/peers.py --out $OUT/peers-next.json \
+      --time-budget 320 --reserve 90 --per-family 1 --heads 12 --grids wan480 \
+      --mask-source both --check-rows 1024 --no-tiered \
+      --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn ;;
 peers-480-next)
   # Issue 33: the 13 families at Wan 480p, both sources, as many masks as fit one call (no
   # shard), after the rows of the files named (earlier calls' outputs copied into the tree,
@@ -416,5 +427,5 @@ diagnose)
   run 170 builders-pool python3 benchmarks/bench_loop.py --out $OUT/builders-pool.json \
       --builder-costs vsa,vsa_pool_xla,vsa_highest,sparge_topk,sparge_topk_pool_xla
   tar -czf $OUT/logs.tar.gz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log ;;
-*) echo "usage: OUT=dir bash benchmarks/h200_session.sh s39a|hy720 FAMILY|xattn-host|svg2-loop|peers-480 K|peers-480-next [JSON...]|peers-38|dense-38|direct-check|route-check|accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
+*) echo "usage: OUT=dir bash benchmarks/h200_session.sh s43|s39a|hy720 FAMILY|xattn-host|svg2-loop|peers-480 K|peers-480-next [JSON...]|peers-38|dense-38|direct-check|route-check|accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
 esac

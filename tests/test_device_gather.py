@@ -414,3 +414,56 @@ def test_svg2_layout_runs_on_the_gathering_template():
     ref = tj.reference_attention(*(x.astype(jnp.float32) for x in (qp, kp, vp)), m, scale=0.125)
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-2)
     assert 0 < np.asarray(blocks).mean() < 1
+
+
+def test_an_overflowing_device_plan_runs_the_gathering_template():
+    """``Options.device_overflow``: per-head traced bounds of small blocks whose selection
+    overflows the plain plan's bitmap room (a budget of one step, decided on the device) run
+    the gathering template ("gather", the default: its output bit for bit) rather than the
+    exact path ("exact"); both against the reference, forward and gradients (Mosaic GPU,
+    interpret mode)."""
+    pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret")
+    import dataclasses
+
+    from tessera_jax.runtime import device_route
+    from tessera_jax.select import device as select_device
+    from tessera_jax.validation import check_qkv
+
+    rng = np.random.default_rng(31)
+    Lq, Lk, H, D = 136, 104, 2, 64
+    qbh, kbh, blocks = _perhead_small_blocks(rng, Lq, Lk, H)
+    ks = jax.random.split(jax.random.key(9), 4)
+    q, k, v = (jax.random.normal(x, (1, L, H, D)).astype(jnp.bfloat16)
+               for x, L in zip(ks, (Lq, Lk, Lk)))
+    shape = check_qkv(q, k, v)
+    args = (jnp.asarray(qbh), jnp.asarray(kbh), jnp.asarray(blocks))
+    base = tj.Options(device_gather="never", interpret=True)
+    t = device_route.choose(tj.BlockMask(*args), shape, "mosaic_gpu", None, base)
+    assert not select_device.gathers_on_device(t)
+    one = dataclasses.replace(base, bitmap_budget_bytes=select_device.bitmap_step_bytes(t))
+    assert device_route.choose(tj.BlockMask(*args), shape, "mosaic_gpu", None, one) == t
+    gather = templates.get(select_device.GATHER_TEMPLATES["mosaic_gpu"])
+
+    def run(opts, template=None):
+        return jax.jit(lambda q, k, v, *a: device_route.attention(
+            q, k, v, tj.BlockMask(*a), shape, "mosaic_gpu", template, 0.125, False, opts))
+
+    plan = jax.jit(lambda *a: device_route.device_plans(
+        q, k, *a, consts=(None, None, None), t=t, capacity=1, decide=True,
+        budget=one.bitmap_budget_bytes))(*args)
+    assert not bool(plan.ok)                               # the plain plan overflows
+    out = run(one)(q, k, v, *args)
+    named = run(base, gather)(q, k, v, *args)
+    exact = run(dataclasses.replace(one, device_overflow="exact"))(q, k, v, *args)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(named, np.float32))
+    assert not np.array_equal(np.asarray(exact, np.float32), np.asarray(named, np.float32))
+    m = tj.BlockMask(qbh, kbh, blocks)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref, rvjp = jax.vjp(lambda q, k, v: tj.reference_attention(q, k, v, m, scale=0.125), *f32)
+    for o in (out, exact):
+        np.testing.assert_allclose(np.asarray(o, np.float32), ref, atol=2e-2)
+    _, vjp = jax.vjp(lambda q, k, v: device_route.attention(
+        q, k, v, tj.BlockMask(*args), shape, "mosaic_gpu", None, 0.125, False, one), q, k, v)
+    do = jax.random.normal(ks[3], ref.shape).astype(jnp.bfloat16)
+    for a, b in zip(vjp(do), rvjp(do.astype(jnp.float32))):
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=5e-2)

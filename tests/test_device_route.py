@@ -340,6 +340,9 @@ def test_device_gather_option_sends_traced_and_irregular_bounds_to_the_gathering
         tj.Options(device_gather="always")
     with pytest.raises(TypeError, match="traced_small_blocks must be a bool or None"):
         tj.Options(traced_small_blocks=1)
+    for bad in ("dense", None):
+        with pytest.raises(ValueError, match="device_overflow must be one of"):
+            tj.Options(device_overflow=bad)
     assert device_route.choose(traced, shape, "mosaic_gpu", None).name == \
         "mgpu_q64x2_kv64_s2_hm"                              # mean 64 tokens: small order
     assert device_route.choose(traced, shape, "mosaic_gpu", None, tj.Options(
@@ -398,8 +401,9 @@ def test_static_bounds_past_the_budget_decide_on_the_device():
     """Static bounds whose tile pairs that may take a bitmap step outnumber the budget's room
     (variable clusters at Wan 720p: 1.03 GB worst case at q64x2 x kv64) get the room and
     decide on the device: a selection that fits runs the kernels (``ok``), one that overflows
-    the exact path; exact either way, forward and backward (the Mosaic GPU kernels in
-    interpret mode; the XLA backend: ``gpu_check``'s decided case, tests/test_gpu_check.py)."""
+    the gathering template's (``Options.device_overflow``); exact either way, forward and
+    backward (the Mosaic GPU kernels in interpret mode; the XLA backend: ``gpu_check``'s
+    decided case, tests/test_gpu_check.py)."""
     backend = "mosaic_gpu"
     from tessera_jax.select import device as select_device
 

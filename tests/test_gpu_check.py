@@ -15,7 +15,7 @@ def test_cases_cover_every_gpu_template_and_the_device_routes():
                      if t.supports(128, np.dtype("bfloat16")) or t.supports(64, np.dtype("bfloat16"))}
     assert {(c[1].get("backend"), c[2]) for c in got if c[2] != "host"} == {
         (b, r) for b in ("mosaic_gpu", "triton")
-        for r in ("device", "perhead", "traced", "decided", "tiered")}
+        for r in ("device", "perhead", "traced", "decided", "tiered", "overflow")}
     assert [c[0] for c in got if gpu_check._refines(c[2], c[1])] == [
         "mosaic_gpu-traced-refine-D128", "triton-traced-refine-D128"]
     assert gpu_check.cases([]) == []

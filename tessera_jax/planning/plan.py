@@ -41,9 +41,10 @@ class AttentionPlan:
     template: the forward's template name (None: exact path only); backend: its backend
     source: a host plan's maker of the pass plans a trace and the backward need (``fwd(rows)``,
             ``dkv(rows)``; rows: with host row maps), None for device plans
-    refine: a device plan made with a first, smaller bitmap room: ``refine(*exact)`` makes the
-            plan with the whole room, which runs where this one does not fit (before the
-            exact path); None otherwise
+    refine: a device plan whose fit is decided on the device: ``refine(*exact)`` makes the
+            plan that runs where this one does not fit, before the exact path (after a first,
+            smaller bitmap room the plan with the whole room; after that the gathering
+            template's, ``Options.device_overflow``); None: the exact path
     """
 
     fwd: PassPlan | None

@@ -15,9 +15,9 @@ and the plan's traced arrays. Backward, on the backend's contract module:
   are key tiles of one query head, its steps query tiles; dk, dv per query head are summed
   over each K/V head's group (GQA).
 
-Device plans run ``lax.cond(ok & dkv_ok, kernels, exact_backward)``; a first plan made with a
-smaller bitmap room (``AttentionPlan.refine``) falls back to the plan with the whole room
-first, in both passes. A plan's jax leaves
+Device plans run ``lax.cond(ok & dkv_ok, kernels, exact_backward)``; a plan with a next plan
+(``AttentionPlan.refine``: after a first, smaller bitmap room the whole room, after that the
+gathering template's) falls back to it first, in both passes. A plan's jax leaves
 travel as operands of the custom_vjp (so vmap and the backward see them); its NumPy leaves
 stay constants. An eager call (no trace, so nothing differentiates it) skips the custom_vjp's
 binding (~0.5 ms a call on the CPU box: a request's latency). GPU backward kernels are
@@ -149,7 +149,8 @@ def _forward(plan: AttentionPlan, q, k, v, scale, return_lse, options: Options, 
     # batch_all: under jax.vmap over device masks one conditional for the batch.
     if plan.refine is None:
         return _cond(batch_all(plan.ok), kernels, exact)
-    # A first plan that overflowed its bitmap room: the plan with the whole room, then exact.
+    # A plan that overflowed its bitmap room: the next plan (``AttentionPlan.refine``), then
+    # exact.
     return _cond(batch_all(plan.ok), kernels, lambda: _forward(
         plan.refine(*plan.exact), q, k, v, scale, return_lse, options, rows=rows))
 

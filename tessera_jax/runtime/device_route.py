@@ -16,9 +16,11 @@ Tiles that meet more than ``abi.GRID`` blocks per axis (blocks under ~tile / 3 t
 bitmap steps, within a static capacity: for static bounds the count of such tile pairs (known
 when tracing) where the budget holds them, else (and for traced bounds) what the budget
 allows. Exactness for every mask: a selection whose bitmap steps overflow the capacity
-(``lax.cond`` on the plan's ``ok``) or a budget of less than one step (static bounds: known
-when tracing, a one-time warning) runs ``exact_attention`` instead, a chunked XLA attention
-that evaluates the mask per token (dense work, O(chunk x Lkv) memory). Invalid device bounds (not increasing from 0 to the length) also
+(``lax.cond`` on the plan's ``ok``) runs the backend's gathering template instead
+(``Options.device_overflow``: no bitmap steps, room for any selection), and where there is
+none, or a budget of less than one step (static bounds: known when tracing, a one-time
+warning), ``exact_attention``, a chunked XLA attention that evaluates the mask per token
+(dense work, O(chunk x Lkv) memory). Invalid device bounds (not increasing from 0 to the length) also
 take the exact path, whose indices are clamped: finite output, never an out-of-bounds read;
 ``check`` surfaces them under ``checkify``.
 """
@@ -190,11 +192,26 @@ def _refines(consts, template: str, capacity: int, decide: bool, q, k, blocks_sh
     ``_first_room`` gives one."""
     full = _Refine(consts, template, capacity, options.bitmap_budget_bytes, decide,
                    tuple(q.shape), tuple(k.shape), str(np.dtype(q.dtype)))
+    full = dataclasses.replace(full, then=_overflow(full, options))
     traced = consts[0] is None or consts[1] is None
     first = _first_room(dispatch.get_template(template), capacity, blocks_shape, q.shape[1],
                         k.shape[1], options) if traced else None
-    return full, (None if first is None
-                  else dataclasses.replace(full, capacity=first[0], budget=first[1]))
+    return full, (None if first is None else dataclasses.replace(
+        full, capacity=first[0], budget=first[1], then=None))
+
+
+def _overflow(full: "_Refine", options: Options) -> "_Refine | None":
+    """The plan after ``full`` where its selection overflows the room decided on the device
+    (``Options.device_overflow`` "gather"): the backend's gathering template, whose plan has
+    room for any selection (``planning.device_gather``); None: the exact path follows."""
+    t = dispatch.get_template(full.template)
+    g = select_device.GATHER_TEMPLATES.get(t.backend)
+    if options.device_overflow != "gather" or not full.decide or g is None \
+            or select_device.gathers_on_device(t):
+        return None
+    if not dispatch.get_template(g).supports(full.q_shape[-1], np.dtype(full.dtype)):
+        return None
+    return dataclasses.replace(full, template=g, capacity=0, decide=True)
 
 
 def _first_room(t: Template, capacity: int, blocks_shape, q_len: int, kv_len: int,
@@ -229,13 +246,15 @@ class _Refine:
     q_shape: tuple
     k_shape: tuple
     dtype: str
+    then: "_Refine | None" = None     # where this plan overflows (``_overflow``); None: exact
 
     def __call__(self, qb, kb, blocks) -> AttentionPlan:
         q = jax.ShapeDtypeStruct(self.q_shape, np.dtype(self.dtype))
         k = jax.ShapeDtypeStruct(self.k_shape, np.dtype(self.dtype))
-        return device_plans(q, k, qb, kb, blocks, consts=self.consts,
+        plan = device_plans(q, k, qb, kb, blocks, consts=self.consts,
                             t=dispatch.get_template(self.template), capacity=self.capacity,
                             decide=self.decide, budget=self.budget)
+        return plan if self.then is None else dataclasses.replace(plan, refine=self.then)
 
 
 class _Tiles(NamedTuple):

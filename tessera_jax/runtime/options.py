@@ -10,13 +10,15 @@ import dataclasses
 from tessera_jax.planning.config import PlannerConfig
 from tessera_jax.select.device import BITMAP_BUDGET_BYTES, DEVICE_GATHER, DeviceRule
 
-__all__ = ["Options", "DEFAULT", "HOST_PLANNING"]
+__all__ = ["Options", "DEFAULT", "HOST_PLANNING", "DEVICE_OVERFLOW"]
 
 _DKV_POLICIES = ("merge", "pack")        # the host planner's policies a dk/dv plan may use
 #: Also in ``dkv_policies``: the gathered dk/dv plan of a gathering template (runs of 32 queries).
 _DKV_GATHER_POLICIES = ("gather32",)
 #: ``Options.host_planning``'s values (``runtime.tiered``).
 HOST_PLANNING = ("auto", "sync", "tiered", "device_first")
+#: ``Options.device_overflow``'s values.
+DEVICE_OVERFLOW = ("gather", "exact")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +99,13 @@ class Options:
         H100, 12 heads, plan + kernel: Wan 480p, medians 44 x 29, q64x2 x kv64 6.33 ms
         against gathering's 7.43; Wan 720p, 101 x 33, 28.67 against 30.33;
         ``results/h100-svg2-traced-alt.json``, ``h100-svg2-720-traced.json``).
+    device_overflow: what a device plan runs where its selection overflows the bitmap room
+        decided on the device (traced bounds, or static ones past the budget): "gather"
+        (default) the backend's gathering template (``select.device.GATHER_TEMPLATES``: no
+        bitmap steps, room for any selection), then the exact path; "exact": the exact path
+        (a chunked XLA attention over every key: Wan 720p SVG2's clusters, 12 heads, 5,569 ms
+        against 28-30 ms for either template, H100). "gather" compiles the gathering plan and
+        kernels into such call sites too (backends without one, XLA, keep "exact").
     store_in_place: kernels that can (Mosaic GPU's forward and dq) store each unit's owned
         rows straight into the [B, L, H, D] output when the plan's units own every query row
         (``abi.PassPlan.rows_owned``) and at most a quarter of its 64-row groups only in part,
@@ -119,6 +128,7 @@ class Options:
     device_gather: str = "auto"
     traced_small_blocks: bool | None = None
     store_in_place: bool = True
+    device_overflow: str = "gather"
 
     def __post_init__(self):
         b = self.bitmap_budget_bytes
@@ -161,6 +171,10 @@ class Options:
         if not isinstance(self.device_gather, str) or self.device_gather not in DEVICE_GATHER:
             raise ValueError(f"device_gather must be one of {DEVICE_GATHER}, got "
                              f"{self.device_gather!r}")
+        if not isinstance(self.device_overflow, str) or self.device_overflow not in \
+                DEVICE_OVERFLOW:
+            raise ValueError(f"device_overflow must be one of {DEVICE_OVERFLOW}, got "
+                             f"{self.device_overflow!r}")
         if self.traced_small_blocks is not None and not isinstance(self.traced_small_blocks,
                                                                    bool):
             raise TypeError(f"traced_small_blocks must be a bool or None, got "

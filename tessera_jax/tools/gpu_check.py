@@ -11,7 +11,10 @@ and with per-head bounds per backend, each also on the gathering template
 traced per-head bounds (decided on the device), also forced through the first bitmap room's
 fallback (``Options.bitmap_first_bytes``; ``ok`` only if the fallback ran), and with static
 bounds under a bitmap budget below their worst case (``ok`` only if the plan decided on the
-device and its selection fitted).
+device and its selection fitted), and with traced bounds whose selection overflows a bitmap
+room of one step (``ok`` only if the plain plan overflowed and the backend's gathering plan,
+``Options.device_overflow``, fitted: the overflow runs the gathering kernels, not the exact
+path; on XLA, which has none, the exact path).
 ``make test-gpu`` runs them as tests (``tests/gpu/``); ``python -m tessera_jax.tools.gpu_check``
 prints them as a table.
 """
@@ -31,8 +34,9 @@ __all__ = ["ROUTES", "cases", "check_case", "cluster_parts", "main"]
 #: decides its fit on the device (``_decided_options``); tiered: eager calls on new host masks
 #: sent to the device route with their blocks bit-packed (``Options.host_planning``
 #: "device_first"), bounds traced, then static once ``tj.precompile`` ran them (forward only:
-#: a traced call plans on the host).
-ROUTES = ("host", "device", "perhead", "traced", "decided", "tiered")
+#: a traced call plans on the host); overflow: traced per-head bounds whose selection overflows
+#: a bitmap room of one step (``_overflow_options``), so the plan after it runs.
+ROUTES = ("host", "device", "perhead", "traced", "decided", "tiered", "overflow")
 #: Tolerances of bf16 kernels against the float32 reference (relative Frobenius error).
 OUT_TOL, LSE_TOL, GRAD_TOL = 1e-2, 1e-2, 2e-2
 
@@ -54,12 +58,13 @@ def _forward_errors(out, lse, rout, rlse) -> dict:
 
 
 def _mask_parts(rng, L: int, Hq: int, route: str, n: int = 20, own_all: bool | None = None):
-    """(q_bounds, blocks): n variable blocks per axis (per head for "perhead" and "traced"),
+    """(q_bounds, blocks): n variable blocks per axis (per head for "perhead", "traced" and
+    "overflow"),
     ~40% of the blocks selected per head, query block 3 empty; on the host route half the
     cases select a key block in every query block instead (units owning every row: the
     Mosaic forward stores rows in place, ``abi.PassPlan.rows_owned``); ``own_all`` forces
     one or the other."""
-    per_head = route in ("perhead", "traced")
+    per_head = route in ("perhead", "traced", "overflow")
     qb = np.stack([np.r_[0, np.sort(rng.choice(np.arange(1, L), n - 1, replace=False)), L]
                    for _ in range(Hq if per_head else 1)])
     blocks = rng.random((Hq, n, n)) < 0.4
@@ -196,6 +201,46 @@ def _device_gathers(options: dict) -> bool:
     return o is not None and o.device_gather in ("traced", "irregular")
 
 
+def _overflow_options(qb, blocks, q, k, options: dict) -> dict:
+    """``options`` with a bitmap budget of one step of the template the route chooses for
+    these traced bounds, so a selection of small blocks overflows it on the device."""
+    import jax.numpy as jnp
+
+    import tessera_jax as tj
+    from tessera_jax.runtime import device_route
+    from tessera_jax.select import device as select_device
+    from tessera_jax.validation import check_shapes
+    o = options.get("options") or tj.Options()
+    dev = tj.BlockMask(jnp.asarray(qb), jnp.asarray(qb), jnp.asarray(blocks))
+    t = device_route.choose(dev, check_shapes(q.shape, k.shape, q.dtype), options["backend"],
+                            None, o)
+    return {**options, "options": dataclasses.replace(
+        o, bitmap_budget_bytes=select_device.bitmap_step_bytes(t))}
+
+
+def _overflow_oks(qb, blocks, q, k, options: dict):
+    """(plain plan's ok, the next plan's template or None, its ok or None) of an overflow
+    case's traced call, as ``device_route._run`` makes them."""
+    import jax
+    import jax.numpy as jnp
+
+    import tessera_jax as tj
+    from tessera_jax.runtime import device_route
+    from tessera_jax.select import device as select_device
+    from tessera_jax.validation import check_shapes
+    o = options["options"]
+    arrays = (jnp.asarray(qb, jnp.int32), jnp.asarray(qb, jnp.int32), jnp.asarray(blocks))
+    dev = tj.BlockMask(*arrays)
+    consts = select_device.static_parts(dev)
+    t, cap = device_route._choose(consts, dev, check_shapes(q.shape, k.shape, q.dtype),
+                                  options["backend"], None, o.device_rule)
+    full, _ = device_route._refines(consts, t.name, cap, True, q, k, blocks.shape, o)
+    nxt = full.then
+    oks = jax.jit(lambda *a: (full(*a).ok, None if nxt is None else nxt(*a).ok))(*arrays)
+    return bool(oks[0]), (None if nxt is None else nxt.template), \
+        (None if oks[1] is None else bool(oks[1]))
+
+
 def _refines(route: str, options: dict) -> bool:
     """Whether a case is a refine case: traced bounds and an ``Options`` with a first bitmap
     room (0 < ``bitmap_first_bytes`` < ``bitmap_budget_bytes``; 0: one plan, no check)."""
@@ -258,9 +303,11 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
         qb, blocks = _decided_parts(rng, L, Hq)
         kb = qb
     else:
-        # A device route sent to the gathering template: small blocks (tiles meeting more
-        # than 4 query blocks, chunks several key blocks), per head for "perhead".
-        qb, blocks = _mask_parts(rng, L, Hq, route, n=64 if dev_gathers else 20)
+        # A device route sent to the gathering template, or past its bitmap room: small
+        # blocks (tiles meeting more than 4 query blocks, chunks several key blocks), per
+        # head for "perhead" and "overflow".
+        qb, blocks = _mask_parts(rng, L, Hq, route,
+                                 n=64 if dev_gathers or route == "overflow" else 20)
         kb = qb
     ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
     q = jax.random.normal(ks[0], (1, L, Hq, D), jnp.bfloat16)
@@ -269,9 +316,13 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
     host = tj.BlockMask(qb, kb, blocks)
     if route == "decided":
         options = _decided_options(qb, blocks, q, k, options)
+    if route == "overflow":
+        options = _overflow_options(qb, blocks, q, k, options)
 
-    # "traced": the bounds are arguments of the program; the other device routes close over them.
-    bounds = tuple(jnp.asarray(x, jnp.int32) for x in (qb, kb)) if route == "traced" else ()
+    # "traced", "overflow": the bounds are arguments of the program; the other device routes
+    # close over them.
+    bounds = tuple(jnp.asarray(x, jnp.int32) for x in (qb, kb)) \
+        if route in ("traced", "overflow") else ()
 
     def fwd_bwd(q, k, v, b, *bounds):
         m = host if route == "host" else tj.BlockMask(*(bounds or (qb, kb)), b)
@@ -302,6 +353,13 @@ def check_case(rng, *, D: int, Hq: int, Hkv: int, route: str, options: dict) -> 
     if route == "decided":
         rec["decides"], rec["plan_ok"], rec["dkv_ok"] = _decided_oks(qb, blocks, q, k, options)
         rec["ok"] &= rec["decides"] and rec["plan_ok"] and rec["dkv_ok"] is not False
+    if route == "overflow":
+        from tessera_jax.select import device as select_device
+        rec["plain_ok"], rec["next_template"], rec["next_ok"] = _overflow_oks(
+            qb, blocks, q, k, options)
+        gathers_here = options["backend"] in select_device.GATHER_TEMPLATES
+        rec["ok"] &= not rec["plain_ok"] and (
+            rec["next_ok"] is True if gathers_here else rec["next_template"] is None)
     if refines:
         oks = _refine_oks(qb, kb, blocks, q, k, options)
         rec["first_ok"], rec["full_ok"] = oks or (None, None)
@@ -391,6 +449,8 @@ def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
         out.append((f"{b}-tiered-D128", dict(backend=b), "tiered", 128, 4, 2))
         # Static bounds past the bitmap budget: the plan decides its fit on the device.
         out.append((f"{b}-decided-D128", dict(backend=b), "decided", 128, 4, 2))
+        # A selection past a one-step bitmap room: the gathering plan (``device_overflow``).
+        out.append((f"{b}-overflow-D128", dict(backend=b), "overflow", 128, 4, 2))
         # The first bitmap room's fallback (``Options.bitmap_first_bytes``; ``_refines``).
         out.append((f"{b}-traced-refine-D128",
                     dict(backend=b, options=tj.Options(bitmap_first_bytes=1)), "traced",
