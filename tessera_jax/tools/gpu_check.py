@@ -450,7 +450,9 @@ def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
         # Static bounds past the bitmap budget: the plan decides its fit on the device.
         out.append((f"{b}-decided-D128", dict(backend=b), "decided", 128, 4, 2))
         # A selection past a one-step bitmap room: the gathering plan (``device_overflow``).
-        out.append((f"{b}-overflow-D128", dict(backend=b), "overflow", 128, 4, 2))
+        out.append((f"{b}-overflow-D128",
+                    dict(backend=b, options=tj.Options(device_overflow="gather")), "overflow",
+                    128, 4, 2))
         # The first bitmap room's fallback (``Options.bitmap_first_bytes``; ``_refines``).
         out.append((f"{b}-traced-refine-D128",
                     dict(backend=b, options=tj.Options(bitmap_first_bytes=1)), "traced",
