@@ -419,8 +419,8 @@ def test_svg2_layout_runs_on_the_gathering_template():
 def test_an_overflowing_device_plan_runs_the_gathering_template():
     """``Options.device_overflow``: per-head traced bounds of small blocks whose selection
     overflows the plain plan's bitmap room (a budget of one step, decided on the device) run
-    the gathering template ("gather", the default: its output bit for bit) rather than the
-    exact path ("exact"); both against the reference, forward and gradients (Mosaic GPU,
+    the gathering template ("gather": its output bit for bit) rather than the exact path
+    ("exact", the default); both against the reference, forward and gradients (Mosaic GPU,
     interpret mode)."""
     pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret")
     import dataclasses
@@ -440,7 +440,8 @@ def test_an_overflowing_device_plan_runs_the_gathering_template():
     base = tj.Options(device_gather="never", interpret=True)
     t = device_route.choose(tj.BlockMask(*args), shape, "mosaic_gpu", None, base)
     assert not select_device.gathers_on_device(t)
-    one = dataclasses.replace(base, bitmap_budget_bytes=select_device.bitmap_step_bytes(t))
+    one = dataclasses.replace(base, bitmap_budget_bytes=select_device.bitmap_step_bytes(t),
+                              device_overflow="gather")
     assert device_route.choose(tj.BlockMask(*args), shape, "mosaic_gpu", None, one) == t
     gather = templates.get(select_device.GATHER_TEMPLATES["mosaic_gpu"])
 

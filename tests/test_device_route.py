@@ -401,7 +401,7 @@ def test_static_bounds_past_the_budget_decide_on_the_device():
     """Static bounds whose tile pairs that may take a bitmap step outnumber the budget's room
     (variable clusters at Wan 720p: 1.03 GB worst case at q64x2 x kv64) get the room and
     decide on the device: a selection that fits runs the kernels (``ok``), one that overflows
-    the gathering template's (``Options.device_overflow``); exact either way, forward and
+    the exact path (``Options.device_overflow``'s default); exact either way, forward and
     backward (the Mosaic GPU kernels in interpret mode; the XLA backend: ``gpu_check``'s
     decided case, tests/test_gpu_check.py)."""
     backend = "mosaic_gpu"

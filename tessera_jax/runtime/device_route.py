@@ -16,11 +16,11 @@ Tiles that meet more than ``abi.GRID`` blocks per axis (blocks under ~tile / 3 t
 bitmap steps, within a static capacity: for static bounds the count of such tile pairs (known
 when tracing) where the budget holds them, else (and for traced bounds) what the budget
 allows. Exactness for every mask: a selection whose bitmap steps overflow the capacity
-(``lax.cond`` on the plan's ``ok``) runs the backend's gathering template instead
-(``Options.device_overflow``: no bitmap steps, room for any selection), and where there is
-none, or a budget of less than one step (static bounds: known when tracing, a one-time
-warning), ``exact_attention``, a chunked XLA attention that evaluates the mask per token
-(dense work, O(chunk x Lkv) memory). Invalid device bounds (not increasing from 0 to the length) also
+(``lax.cond`` on the plan's ``ok``), or a budget of less than one step (static bounds: known
+when tracing, a one-time warning), runs ``exact_attention``, a chunked XLA attention that
+evaluates the mask per token (dense work, O(chunk x Lkv) memory), or first, with
+``Options(device_overflow="gather")``, the backend's gathering template (no bitmap steps,
+room for any selection). Invalid device bounds (not increasing from 0 to the length) also
 take the exact path, whose indices are clamped: finite output, never an out-of-bounds read;
 ``check`` surfaces them under ``checkify``.
 """
