@@ -64,7 +64,7 @@
 # the traced templates (results/h100-svg2-720-traced.json: TRACED_SMALL_MEAN, SMALL_TILES_MEDIANS);
 # then an H200 for the last 200 s: make test-gpu's traced / decided / tiered cases, 8 passed
 # (results/h200-test-gpu-traced.log; set XLA_PYTHON_CLIENT_PREALLOCATE=false when calling make).
-# Session 43: no machine: ten starts failed (90-200 s each) and eleven calls were not asked
+# Session 43: no machine: twelve starts failed (90-200 s each) and nine calls were not asked
 # (15 s each), 1,800 s down to 404, too little to start one. Part s43 (the overflow fallback's
 # GPU cases, then the Wan 480p peers) is what it would have run; set Options.device_overflow's
 # default to "gather" in the tree for that call (NOTES#device-planner).
