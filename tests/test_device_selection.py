@@ -89,7 +89,7 @@ def test_known_choices():
         traced = tj.BlockMask(bounds(nq), bounds(nk), ones(nq, nk))
         assert D.choose(traced, shape, "mosaic_gpu")[0].name == name, (nq, nk, name)
     # ``traced_small`` (Options.traced_small_blocks) overrides the mean either way.
-    small, large = D.DeviceRule(traced_small=True), D.DeviceRule(traced_small=False)
+    small, large = D.DeviceRule(traced_small_blocks=True), D.DeviceRule(traced_small_blocks=False)
     assert D.choose(traced, shape, "mosaic_gpu", rule=small)[0].name == "mgpu_q64x2_kv64_s2_hm"
     traced = tj.BlockMask(jnp.arange(0, 513, 4), jnp.arange(0, 513, 4), ones(128, 128))
     assert D.choose(traced, shape, "mosaic_gpu", rule=large)[0].name == "mgpu_q128_kv128_s2_hm"
@@ -123,7 +123,7 @@ def test_caller_template_and_bad_input():
     with pytest.raises(ValueError, match="device_gather"):
         D.DeviceRule(device_gather="always")
     with pytest.raises(TypeError, match="traced_small"):
-        D.DeviceRule(traced_small=1)
+        D.DeviceRule(traced_small_blocks=1)
     with pytest.raises(TypeError, match="DeviceRule"):
         D.choose(m, shape, "xla", rule=tj.Options())
     with pytest.raises(ValueError, match="route"):

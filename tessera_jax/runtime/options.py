@@ -6,9 +6,10 @@ a static argument, and of every cache keyed on a call).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from tessera_jax.planning.config import PlannerConfig
-from tessera_jax.select.device import BITMAP_BUDGET_BYTES, DEVICE_GATHER, DeviceRule
+from tessera_jax.select.device import BITMAP_BUDGET_BYTES, DeviceRule
 
 __all__ = ["Options", "DEFAULT", "HOST_PLANNING", "DEVICE_OVERFLOW"]
 
@@ -133,9 +134,9 @@ class Options:
     device_overflow: str = "exact"
 
     def __post_init__(self):
-        b = self.bitmap_budget_bytes
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-            raise ValueError(f"bitmap_budget_bytes must be an int >= 0, got {b!r}")
+        # bitmap_budget_bytes, device_gather and traced_small_blocks are checked by the
+        # DeviceRule they make (``device_rule``, made here once).
+        _ = self.device_rule
         f = self.bitmap_first_bytes
         if isinstance(f, bool) or not isinstance(f, int) or f < 0:
             raise ValueError(f"bitmap_first_bytes must be an int >= 0, got {f!r}")
@@ -170,22 +171,15 @@ class Options:
         n = self.host_plan_from_call
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"host_plan_from_call must be an int >= 1, got {n!r}")
-        if not isinstance(self.device_gather, str) or self.device_gather not in DEVICE_GATHER:
-            raise ValueError(f"device_gather must be one of {DEVICE_GATHER}, got "
-                             f"{self.device_gather!r}")
         if not isinstance(self.device_overflow, str) or self.device_overflow not in \
                 DEVICE_OVERFLOW:
             raise ValueError(f"device_overflow must be one of {DEVICE_OVERFLOW}, got "
                              f"{self.device_overflow!r}")
-        if self.traced_small_blocks is not None and not isinstance(self.traced_small_blocks,
-                                                                   bool):
-            raise TypeError(f"traced_small_blocks must be a bool or None, got "
-                            f"{type(self.traced_small_blocks).__name__}")
 
-    @property
+    @functools.cached_property
     def device_rule(self) -> DeviceRule:
         """The three fields the device route's template choice reads, as one value
-        (``select.device.DeviceRule``)."""
+        (``select.device.DeviceRule``), made once per ``Options``."""
         return DeviceRule(self.bitmap_budget_bytes, self.device_gather,
                           self.traced_small_blocks)
 

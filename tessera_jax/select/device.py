@@ -97,24 +97,25 @@ BITMAP_BUDGET_BYTES = 512 << 20
 @dataclasses.dataclass(frozen=True)
 class DeviceRule:
     """What a device-route template choice reads besides the call site's features:
-    ``Options``' ``bitmap_budget_bytes``, ``device_gather`` and ``traced_small_blocks``
-    (``traced_small``), as one validated, hashable value (``Options.device_rule``), so every
-    caller passes all three and the choice's memo keys hold them."""
+    ``Options``' fields of the same names, as one validated, hashable value
+    (``Options.device_rule``, which is also how ``Options`` validates them), so every caller
+    passes all three and the choice's memo keys hold them."""
 
     bitmap_budget_bytes: int = BITMAP_BUDGET_BYTES
     device_gather: str = "auto"
-    traced_small: bool | None = None
+    traced_small_blocks: bool | None = None
 
     def __post_init__(self):
         b = self.bitmap_budget_bytes
         if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-            raise ValueError(f"bitmap_budget_bytes must be a non-negative int, got {b!r}")
+            raise ValueError(f"bitmap_budget_bytes must be an int >= 0, got {b!r}")
         if not isinstance(self.device_gather, str) or self.device_gather not in DEVICE_GATHER:
             raise ValueError(f"device_gather must be one of {DEVICE_GATHER}, got "
                              f"{self.device_gather!r}")
-        if self.traced_small is not None and not isinstance(self.traced_small, bool):
-            raise TypeError(f"traced_small must be a bool or None, got "
-                            f"{type(self.traced_small).__name__}")
+        t = self.traced_small_blocks
+        if t is not None and not isinstance(t, bool):
+            raise TypeError(f"traced_small_blocks must be a bool or None, got "
+                            f"{type(t).__name__}")
 
 
 #: The rule of ``Options()``.
@@ -346,8 +347,8 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
     content-dependent method), "irregular" also where static key blocks are irregular
     (``_irregular_kv``); "auto" and "never" keep the device list (a tiered call turns "auto"
     into "traced" for irregular host key bounds, ``runtime.tiered.route_options``).
-    ``rule.traced_small`` (``Options.traced_small_blocks``): traced bounds' template order,
-    None: by the mean blocks (``_traced_order``)."""
+    ``rule.traced_small_blocks``: traced bounds' template order, None: by the mean blocks
+    (``_traced_order``)."""
     if not isinstance(rule, DeviceRule):
         raise TypeError(f"rule must be a select.device.DeviceRule, got {type(rule).__name__}")
     f = features
@@ -379,8 +380,8 @@ def choose_template(features: DeviceFeatures, backend: str, template: Template |
         # results/h200-gather.json); means over 96 keep 128-row, 128-key tiles (aligned
         # blocks: 2.58 against 4.76 for q64x2).
         sq, sk = (_traced_order(f.shape.q_len, f.block_shape[1], f.shape.kv_len,
-                                f.block_shape[2]) if rule.traced_small is None
-                  else (rule.traced_small, rule.traced_small))
+                                f.block_shape[2]) if rule.traced_small_blocks is None
+                  else (rule.traced_small_blocks,) * 2)
     ts = sorted((_templates.get(n) for n in DEVICE_TEMPLATES[backend]),
                 key=lambda t: (sq != (t.tile_q <= 64), sk != (t.tile_kv <= 64)))
     if f.q_bounds is not None and f.kv_bounds is not None and not (sq or sk):
