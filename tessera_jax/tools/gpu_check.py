@@ -222,37 +222,17 @@ def _overflow_oks(qb, blocks, q, k, options: dict):
     """(plain plan's ok, the next plan's template or None, its ok or None) of an overflow
     case's traced call, as ``device_route._run`` makes them."""
     import jax
-    import jax.numpy as jnp
-
-    import tessera_jax as tj
-    from tessera_jax.runtime import device_route
-    from tessera_jax.select import device as select_device
-    from tessera_jax.validation import check_shapes
-    o = options["options"]
-    arrays = (jnp.asarray(qb, jnp.int32), jnp.asarray(qb, jnp.int32), jnp.asarray(blocks))
-    dev = tj.BlockMask(*arrays)
-    consts = select_device.static_parts(dev)
-    t, cap = device_route._choose(consts, dev, check_shapes(q.shape, k.shape, q.dtype),
-                                  options["backend"], None, o.device_rule)
-    full, _ = device_route._refines(consts, t.name, cap, True, q, k, blocks.shape, o)
+    arrays, full, _ = _traced_plans(qb, qb, blocks, q, k, options)
     nxt = full.then
     oks = jax.jit(lambda *a: (full(*a).ok, None if nxt is None else nxt(*a).ok))(*arrays)
     return bool(oks[0]), (None if nxt is None else nxt.template), \
         (None if oks[1] is None else bool(oks[1]))
 
 
-def _refines(route: str, options: dict) -> bool:
-    """Whether a case is a refine case: traced bounds and an ``Options`` with a first bitmap
-    room (0 < ``bitmap_first_bytes`` < ``bitmap_budget_bytes``; 0: one plan, no check)."""
-    o = options.get("options")
-    return route == "traced" and o is not None \
-        and 0 < o.bitmap_first_bytes < o.bitmap_budget_bytes
-
-
-def _refine_oks(qb, kb, blocks, q, k, options: dict):
-    """(first_ok, full_ok) of a traced call's plans as ``device_route._run`` makes them (the
-    first room's plan, then the whole room's), or None where it makes one plan only."""
-    import jax
+def _traced_plans(qb, kb, blocks, q, k, options: dict):
+    """(the mask's arrays, whole room's plans, first room's plans or None) of a call with
+    these bounds traced, as ``device_route._run`` makes them (``device_route._refines``), or
+    None where the route runs no template."""
     import jax.numpy as jnp
 
     import tessera_jax as tj
@@ -267,9 +247,25 @@ def _refine_oks(qb, kb, blocks, q, k, options: dict):
                                   options["backend"], None, o.device_rule)
     if t is None:
         return None
-    full, first = device_route._refines(consts, t.name, cap, True, q, k, blocks.shape, o)
-    if first is None:
+    return (arrays, *device_route._refines(consts, t.name, cap, True, q, k, blocks.shape, o))
+
+
+def _refines(route: str, options: dict) -> bool:
+    """Whether a case is a refine case: traced bounds and an ``Options`` with a first bitmap
+    room (0 < ``bitmap_first_bytes`` < ``bitmap_budget_bytes``; 0: one plan, no check)."""
+    o = options.get("options")
+    return route == "traced" and o is not None \
+        and 0 < o.bitmap_first_bytes < o.bitmap_budget_bytes
+
+
+def _refine_oks(qb, kb, blocks, q, k, options: dict):
+    """(first_ok, full_ok) of a traced call's plans as ``device_route._run`` makes them (the
+    first room's plan, then the whole room's), or None where it makes one plan only."""
+    import jax
+    plans = _traced_plans(qb, kb, blocks, q, k, options)
+    if plans is None or plans[2] is None:
         return None
+    arrays, full, first = plans
     oks = jax.jit(lambda *a: (first(*a).ok, full(*a).ok))(*arrays)
     return tuple(bool(x) for x in oks)
 
