@@ -311,6 +311,21 @@ def _perhead_small_blocks(rng, Lq, Lk, H):
     return qbh, kbh, rng.random((H, nq, nk)) < 0.4
 
 
+#: (Lq, Lk, H, D) of the per-head small-block cases below (``_perhead_case``).
+_PERHEAD = (136, 104, 2, 64)
+
+
+def _perhead_case(seed: int, key: int, keys: int = 3):
+    """``_perhead_small_blocks`` at ``_PERHEAD``'s shape (NumPy rng ``seed``) and bf16 q, k,
+    v from ``keys`` splits of ``jax.random.key(key)``: (qbh, kbh, blocks, q, k, v, the keys)."""
+    Lq, Lk, H, D = _PERHEAD
+    qbh, kbh, blocks = _perhead_small_blocks(np.random.default_rng(seed), Lq, Lk, H)
+    ks = jax.random.split(jax.random.key(key), keys)
+    q, k, v = (jax.random.normal(x, (1, L, H, D)).astype(jnp.bfloat16)
+               for x, L in zip(ks, (Lq, Lk, Lk)))
+    return qbh, kbh, blocks, q, k, v, ks
+
+
 def test_device_gather_option_runs_static_per_head_bounds():
     """``Options(device_gather="irregular")`` with per-head irregular bounds given as NumPy
     constants (static, not shared) and traced blocks inside a jitted call: the route's static
@@ -321,12 +336,7 @@ def test_device_gather_option_runs_static_per_head_bounds():
     from tessera_jax.runtime import device_route
     from tessera_jax.validation import check_qkv
 
-    rng = np.random.default_rng(5)
-    Lq, Lk, H, D = 136, 104, 2, 64
-    qbh, kbh, blocks = _perhead_small_blocks(rng, Lq, Lk, H)
-    ks = jax.random.split(jax.random.key(2), 3)
-    q, k, v = (jax.random.normal(x, (1, L, H, D)).astype(jnp.bfloat16)
-               for x, L in zip(ks, (Lq, Lk, Lk)))
+    qbh, kbh, blocks, q, k, v, _ = _perhead_case(5, 2)
     opts = tj.Options(device_gather="irregular", interpret=True)
     assert device_route.choose(tj.BlockMask(qbh, kbh, jnp.asarray(blocks)), check_qkv(q, k, v),
                                "mosaic_gpu", None, opts).name == \
@@ -348,9 +358,8 @@ def test_device_gather_option_runs_per_head_bounds_of_small_blocks():
     from tessera_jax.runtime import device_route
     from tessera_jax.validation import check_qkv
 
-    rng = np.random.default_rng(21)
-    Lq, Lk, H, D = 136, 104, 2, 64
-    qbh, kbh, blocks = _perhead_small_blocks(rng, Lq, Lk, H)
+    Lq, Lk = _PERHEAD[:2]
+    qbh, kbh, blocks, q, k, v, ks = _perhead_case(21, 8, keys=4)
     t0 = np.arange(0, Lq, 128)
     meets = [np.searchsorted(b, np.minimum(t0 + 128, Lq) - 1, "right")
              - np.searchsorted(b, t0, "right") + 1 for b in qbh]
@@ -359,9 +368,6 @@ def test_device_gather_option_runs_per_head_bounds_of_small_blocks():
     assert max((np.searchsorted(b, np.minimum(c0 + 8, Lk) - 1, "right")
                 - np.searchsorted(b, c0, "right")).max() for b in kbh) >= 2
     m = tj.BlockMask(qbh, kbh, blocks)
-    ks = jax.random.split(jax.random.key(8), 4)
-    q, k, v = (jax.random.normal(x, (1, L, H, D)).astype(jnp.bfloat16)
-               for x, L in zip(ks, (Lq, Lk, Lk)))
     opts = tj.Options(device_gather="traced", interpret=True)
     dev = tj.BlockMask(jnp.asarray(qbh), jnp.asarray(kbh), jnp.asarray(blocks))
     assert device_route.choose(dev, check_qkv(q, k, v), "mosaic_gpu", None, opts).name == \
@@ -429,12 +435,7 @@ def test_an_overflowing_device_plan_runs_the_gathering_template():
     from tessera_jax.select import device as select_device
     from tessera_jax.validation import check_qkv
 
-    rng = np.random.default_rng(31)
-    Lq, Lk, H, D = 136, 104, 2, 64
-    qbh, kbh, blocks = _perhead_small_blocks(rng, Lq, Lk, H)
-    ks = jax.random.split(jax.random.key(9), 4)
-    q, k, v = (jax.random.normal(x, (1, L, H, D)).astype(jnp.bfloat16)
-               for x, L in zip(ks, (Lq, Lk, Lk)))
+    qbh, kbh, blocks, q, k, v, ks = _perhead_case(31, 9, keys=4)
     shape = check_qkv(q, k, v)
     args = (jnp.asarray(qbh), jnp.asarray(kbh), jnp.asarray(blocks))
     base = tj.Options(device_gather="never", interpret=True)
