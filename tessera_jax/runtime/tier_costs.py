@@ -163,8 +163,9 @@ def size_of(mask: BlockMask, shape: AttnShape, backend: str,
     traced bounds; None where that route would not run the kernels (no template, or more tile
     pairs needing bitmap steps than its capacity: the exact path); ``rule``: the route's
     ``Options.device_rule``. A route that gathers (``rule.device_gather``) counts its fixed
-    grid's tiles and no bitmap steps, priced by the plain route's fit (no fit of its own; on SVG2's clusters, the one family it runs, it ran faster
-    than the plain route: benchmarks/NOTES.md#peers). What depends on the bounds and shapes
+    grid's tiles and no bitmap steps, priced by the plain route's fit (no fit of its own; on
+    SVG2's clusters, the one family it runs, it ran faster than the plain route:
+    benchmarks/NOTES.md#peers). What depends on the bounds and shapes
     only is cached (a fixed grid's masks share it): per mask, one count of its blocks.
     ``bounds_bytes``: the bounds as int64 bytes where the caller has them
     (``tiered.bounds_key``); ``selected``: a count to assume instead of the mask's own
