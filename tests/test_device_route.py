@@ -401,7 +401,8 @@ def test_static_bounds_past_the_budget_decide_on_the_device():
     """Static bounds whose tile pairs that may take a bitmap step outnumber the budget's room
     (variable clusters at Wan 720p: 1.03 GB worst case at q64x2 x kv64) get the room and
     decide on the device: a selection that fits runs the kernels (``ok``), one that overflows
-    the exact path (``Options.device_overflow``'s default); exact either way, forward and
+    the exact path (``Options(device_overflow="exact")``; "gather", the default, is
+    test_device_gather's); exact either way, forward and
     backward (the Mosaic GPU kernels in interpret mode; the XLA backend: ``gpu_check``'s
     decided case, tests/test_gpu_check.py)."""
     backend = "mosaic_gpu"
@@ -426,7 +427,7 @@ def test_static_bounds_past_the_budget_decide_on_the_device():
     worst = select_device.bitmap_pairs(consts[0], consts[1], (H, n, n), shape, t)
     step = select_device.bitmap_step_bytes(t)
     budget = step * (worst // 4)                      # room for a quarter of the pairs
-    opts = tj.Options(bitmap_budget_bytes=budget)
+    opts = tj.Options(bitmap_budget_bytes=budget, device_overflow="exact")
     t, cap = device_route._choose(consts, dev, shape, backend, None, opts.device_rule)
     assert t is not None and cap == worst // 4
     assert select_device.decided_on_device(consts[0], consts[1], (H, n, n), shape, t, cap)

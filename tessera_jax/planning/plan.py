@@ -43,8 +43,8 @@ class AttentionPlan:
             ``dkv(rows)``; rows: with host row maps), None for device plans
     refine: a device plan whose fit is decided on the device: ``refine(*exact)`` makes the
             plan that runs where this one does not fit, before the exact path (after a first,
-            smaller bitmap room the plan with the whole room; after that, with
-            ``Options(device_overflow="gather")``, the gathering template's); None: the exact
+            smaller bitmap room the plan with the whole room; after that, unless
+            ``Options(device_overflow="exact")``, the gathering template's); None: the exact
             path
     """
 

@@ -17,7 +17,7 @@ and the plan's traced arrays. Backward, on the backend's contract module:
 
 Device plans run ``lax.cond(ok & dkv_ok, kernels, exact_backward)``; a plan with a next plan
 (``AttentionPlan.refine``: after a first, smaller bitmap room the whole room, after that the
-gathering template's with ``Options(device_overflow="gather")``) falls back to it first, in
+gathering template's unless ``Options(device_overflow="exact")``) falls back to it first, in
 both passes. A plan's jax leaves
 travel as operands of the custom_vjp (so vmap and the backward see them); its NumPy leaves
 stay constants. An eager call (no trace, so nothing differentiates it) skips the custom_vjp's

@@ -18,9 +18,9 @@ when tracing) where the budget holds them, else (and for traced bounds) what the
 allows. Exactness for every mask: a selection whose bitmap steps overflow the capacity
 (``lax.cond`` on the plan's ``ok``), or a budget of less than one step (static bounds: known
 when tracing, a one-time warning), runs ``exact_attention``, a chunked XLA attention that
-evaluates the mask per token (dense work, O(chunk x Lkv) memory), or first, with
-``Options(device_overflow="gather")``, the backend's gathering template (no bitmap steps,
-room for any selection). Invalid device bounds (not increasing from 0 to the length) also
+evaluates the mask per token (dense work, O(chunk x Lkv) memory), after (with
+``Options.device_overflow`` "gather", the default) the backend's gathering template (no
+bitmap steps, room for any selection). Invalid device bounds (not increasing from 0 to the length) also
 take the exact path, whose indices are clamped: finite output, never an out-of-bounds read;
 ``check`` surfaces them under ``checkify``.
 """
@@ -202,7 +202,7 @@ def _refines(consts, template: str, capacity: int, decide: bool, q, k, blocks_sh
 
 def _overflow(full: "_Refine", options: Options) -> "_Refine | None":
     """The plan after ``full`` where its selection overflows the room decided on the device
-    (``Options.device_overflow`` "gather"): the backend's gathering template, whose plan has
+    (``Options.device_overflow`` "gather", the default): the backend's gathering template, whose plan has
     room for any selection (``planning.device_gather``); None: the exact path follows."""
     t = dispatch.get_template(full.template)
     g = select_device.GATHER_TEMPLATES.get(t.backend)

@@ -101,14 +101,14 @@ class Options:
         against gathering's 7.43; Wan 720p, 101 x 33, 28.67 against 30.33;
         ``results/h100-svg2-traced-alt.json``, ``h100-svg2-720-traced.json``).
     device_overflow: what a device plan runs where its selection overflows the bitmap room
-        decided on the device (traced bounds, or static ones past the budget): "exact"
-        (default) the exact path (a chunked XLA attention over every key: Wan 720p SVG2's
-        clusters, 12 heads, 5,569 ms against 28-30 ms for either template, H100); "gather"
-        the backend's gathering template (``select.device.GATHER_TEMPLATES``: no bitmap
-        steps, room for any selection), then the exact path. "gather" compiles the gathering
-        plan and kernels into such call sites too (backends without one, XLA, keep "exact");
-        it becomes the default once ``make test-gpu``'s overflow cases have passed on a GPU
-        (benchmarks/NOTES.md#device-planner).
+        decided on the device (traced bounds, or static ones past the budget): "gather"
+        (default) the backend's gathering template (``select.device.GATHER_TEMPLATES``: no
+        bitmap steps, room for any selection), then the exact path; "exact" the exact path
+        at once (a chunked XLA attention over every key: Wan 720p SVG2's clusters, 12 heads,
+        5,569 ms against 28-30 ms for either template, H100). "gather" compiles the
+        gathering plan and kernels into such call sites too (backends without one, XLA, run
+        "exact"); ``make test-gpu`` (its overflow cases included) passed with it on an H100
+        (``benchmarks/results/h100-test-gpu.log``).
     store_in_place: kernels that can (Mosaic GPU's forward and dq) store each unit's owned
         rows straight into the [B, L, H, D] output when the plan's units own every query row
         (``abi.PassPlan.rows_owned``) and at most a quarter of its 64-row groups only in part,
@@ -131,7 +131,7 @@ class Options:
     device_gather: str = "auto"
     traced_small_blocks: bool | None = None
     store_in_place: bool = True
-    device_overflow: str = "exact"
+    device_overflow: str = "gather"
 
     def __post_init__(self):
         # bitmap_budget_bytes, device_gather and traced_small_blocks are checked by the
