@@ -65,9 +65,12 @@
 # then an H200 for the last 200 s: make test-gpu's traced / decided / tiered cases, 8 passed
 # (results/h200-test-gpu-traced.log; set XLA_PYTHON_CLIENT_PREALLOCATE=false when calling make).
 # Session 43: no machine: twelve starts failed (90-200 s each) and nine calls were not asked
-# (15 s each), 1,800 s down to 404, too little to start one. Part s43 (the overflow fallback's
-# GPU cases, then the Wan 480p peers) is what it would have run; set Options.device_overflow's
-# default to "gather" in the tree for that call (NOTES#device-planner).
+# (15 s each), 1,800 s down to 404, too little to start one.
+# Session 44 (two starts refused, then an H100): make test-gpu with device_overflow "gather"
+# (45 of 45 in two calls: results/h100-test-gpu.log; "gather" is the default now),
+# dense_dispatch --profile, and the peers' other Wan 480p families
+# (results/h100-peers-480-rest.json: svg2's gather_alt took 146 s, so the record parts below
+# run --no-gather-alt).
 # First next time, on an H200: `peers-480-next` (then again with the earlier calls' files,
 # until the 13 families x 2 sources are timed: the whole Wan 480p file at today's code;
 # h200-peers.json holds ff390cc's rows at the older n=5 request rule, which the merge will
@@ -111,6 +114,17 @@ xattn_loop() {  # xattn_loop CAP: the XAttention loop, every variant (host plann
 fi_env() {     # FlashInfer from the carried, trimmed copy (JIT-built for sm_90a on first use)
   export PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH MAX_JOBS=16 \
       FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
+}
+fi_export() {  # the modules FlashInfer JIT-built on this machine, xz'd under $OUT (<= 16 MiB
+  # each comes back): benchmarks/flashinfer_aot.py installs them in the carried site, so a
+  # fresh machine loads them instead of building (~80-100 s a session)
+  [ -d /tmp/fi_ws ] || return 0
+  find /tmp/fi_ws -name '*.so' -newer "$OUT/smi.txt" -o -name '*.so' -path '*batch_prefill*' |
+    sort -u | while read -r so; do
+      python3 -c "import lzma, sys; open(sys.argv[2], 'wb').write(lzma.compress(
+          open(sys.argv[1], 'rb').read(), preset=6))" "$so" "$OUT/$(basename "$so").xz"
+      ls -l "$so" "$OUT/$(basename "$so").xz" >> "$OUT/fi-export.txt"
+    done
 }
 peers_38() {  # peers_38 LIMIT BUDGET RESERVE: dense, moba, svg2 rows at Wan 480p, both sources
   fi_env
@@ -242,18 +256,19 @@ peers-480)
   run 585 peers-480-$2 python3 benchmarks/peers.py --out $OUT/peers-s$2.json \
       --time-budget 570 --reserve 90 --per-family 1 --heads 12 --grids wan480 \
       --mask-source both --check-rows 1024 --shard ${2:?shard 0, 1 or 2}/3 --no-tiered \
-      --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn ;;
-s43)
-  # Session 43: the overflow fallback (Options.device_overflow: a traced plan past its bitmap
-  # room runs the gathering template, not the exact path) compiled: make test-gpu's overflow,
-  # traced, decided and tiered cases; then the Wan 480p peers as far as the call goes
+      --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn
+  fi_export ;;
+s44)
+  # The overflow default on the H200 (make test-gpu's overflow, traced, decided, tiered cases;
+  # 20 passed on the H100 in session 44), then the Wan 480p peers as far as the call goes
   # (peers-480-next's command with the call's remaining time).
   run 240 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA -k 'overflow or traced or decided or tiered'"
   fi_env
   run 330 peers-480-next python3 benchmarks/peers.py --out $OUT/peers-next.json \
       --time-budget 320 --reserve 90 --per-family 1 --heads 12 --grids wan480 \
-      --mask-source both --check-rows 1024 --no-tiered \
-      --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn ;;
+      --mask-source both --check-rows 1024 --no-tiered --no-gather-alt \
+      --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn
+  fi_export ;;
 peers-480-next)
   # Issue 33: the 13 families at Wan 480p, both sources, as many masks as fit one call (no
   # shard), after the rows of the files named (earlier calls' outputs copied into the tree,
@@ -262,8 +277,9 @@ peers-480-next)
   fi_env; shift
   run 585 peers-480-next python3 benchmarks/peers.py --out $OUT/peers-next.json \
       --time-budget 570 --reserve 90 --per-family 1 --heads 12 --grids wan480 \
-      --mask-source both --check-rows 1024 --no-tiered ${1:+--skip-from "$@"} \
-      --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn ;;
+      --mask-source both --check-rows 1024 --no-tiered --no-gather-alt ${1:+--skip-from "$@"} \
+      --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn
+  fi_export ;;
 hy720)
   # Issue 33 item 1: the peers at HunyuanVideo 720p (all 16 heads), one family per call (svg2
   # ran past a 575 s call with sparge and vsa in session 39); the auxiliary timings off.
@@ -430,5 +446,5 @@ diagnose)
   run 170 builders-pool python3 benchmarks/bench_loop.py --out $OUT/builders-pool.json \
       --builder-costs vsa,vsa_pool_xla,vsa_highest,sparge_topk,sparge_topk_pool_xla
   tar -czf $OUT/logs.tar.gz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log ;;
-*) echo "usage: OUT=dir bash benchmarks/h200_session.sh s43|s39a|hy720 FAMILY|xattn-host|svg2-loop|peers-480 K|peers-480-next [JSON...]|peers-38|dense-38|direct-check|route-check|accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
+*) echo "usage: OUT=dir bash benchmarks/h200_session.sh s44|s39a|hy720 FAMILY|xattn-host|svg2-loop|peers-480 K|peers-480-next [JSON...]|peers-38|dense-38|direct-check|route-check|accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
 esac
