@@ -118,9 +118,8 @@ def breakdown(spec: dict, mask, bounds_mode: str, head_dim: int, dtype: str, hea
     bkey = tiered.bounds_key(mask)
     ropts = tiered.route_options(opts, bkey)
     traced_key = tiered._compiled_key(q, k, mask, be, scale, False, ropts)
-    tj.precompile(mask, q.shape, k.shape, q.dtype, options=opts)
-    if not static:   # only the traced route for these bounds: precompile's static one dropped
-        tiered._COMPILED.discard(traced_key + (bkey,))
+    tj.precompile(mask, q.shape, k.shape, q.dtype, options=opts,
+                  tiered_routes=("static",) if static else ("traced",))
     res = {"family": spec["family"], "grid": spec["grid"], "bounds": bounds_mode,
            "blocks": list(mask.shape), "backend": be}
     clear = forget_request_caches

@@ -851,10 +851,12 @@ def run_tessera(case: Case, args) -> dict:
     # compiled first as for every peer: ``tj.precompile`` with tiered options compiles the
     # tiered device route, which the default and the explicit modes below share (its key
     # ignores host_planning), and the host plan's executables are compiled by the calls above.
+    # Only the route the row's requests run: its own bounds static ("same"), else traced.
     from tessera_jax.runtime import tiered
     bounds_mode = tiered_bounds(case, args)
     tj.precompile(_precompiled(mask, bounds_mode), case.qj.shape, case.kj.shape, case.qj.dtype,
-                  options=tj.Options(host_planning="tiered"))
+                  options=tj.Options(host_planning="tiered"),
+                  tiered_routes=("static",) if bounds_mode == "same" else ("traced",))
     ph.mark("precompile")
     res["host_planning"] = tiered.mode(tj.Options(), case.qj)
     res["tiered_bounds"] = bounds_mode

@@ -585,6 +585,29 @@ def test_precompile_compiles_the_tiered_device_route():
     assert tiered.pending() == 0
 
 
+@pytest.mark.parametrize("routes", [("static",), ("traced",)])
+def test_precompile_compiles_the_tiered_routes_named(routes):
+    """``tiered_routes``: "static" compiles the route of each mask's own bounds only (a mask
+    of other bounds, same shapes, still counts a compile), "traced" the one any bounds of
+    these shapes run."""
+    m, other, (q, k, v) = _mask(12), _mask(13), _qkv()
+    assert not np.array_equal(m.kv_bounds, other.kv_bounds)
+    scale = D ** -0.5
+    opts = tj.Options(host_planning="tiered",                       # executables of their own
+                      bitmap_budget_bytes=(1 << 26) + len(routes[0]))
+    tj.precompile(m, q.shape, k.shape, q.dtype, backend="xla", options=opts,
+                  tiered_routes=routes)
+    assert tiered.compiled(q, k, m, "xla", scale, False, opts)
+    assert tiered.compiled(q, k, other, "xla", scale, False, opts) == (routes == ("traced",))
+
+
+@pytest.mark.parametrize("bad", [(), ("static", "host"), "static", None])
+def test_precompile_rejects_unknown_tiered_routes(bad):
+    with pytest.raises(ValueError, match="tiered_routes must be"):
+        q, k, _ = _qkv()
+        tj.precompile(_mask(12), q.shape, k.shape, q.dtype, backend="xla", tiered_routes=bad)
+
+
 def test_precompiled_bounds_run_the_static_bounds_route(monkeypatch):
     """A new mask whose bounds' executable ``precompile`` compiled runs the device route with
     those bounds static (NumPy: tiles aligned to its blocks); a mask of other bounds, same

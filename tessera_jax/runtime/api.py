@@ -337,7 +337,8 @@ def enable_compilation_cache(path: str, min_compile_time_secs: float = 0.0) -> N
 
 
 def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=False,
-               scale=None, options: Options | None = None) -> list[Plan]:
+               scale=None, options: Options | None = None,
+               tiered_routes=tiered.TIERED_ROUTES) -> list[Plan]:
     """Plans every mask and compiles the executables they need, off the request path.
 
     One executable per distinct (template, capacity bucket); with
@@ -345,8 +346,12 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
     eager calls tier (``Options.host_planning`` "tiered", or "auto" on a GPU: the default)
     also the device route's executable per mask shape that tiered calls run (its rule counts
     a compile, ~16 s on an H100, for shapes not compiled yet, so a new mask of a shape never
-    precompiled plans on the host); ``Options(host_planning="sync")`` skips it. Returns the
-    plans.
+    precompiled plans on the host); ``Options(host_planning="sync")`` skips it.
+    ``tiered_routes``: which of those routes, "traced" (bounds traced: any mask of these
+    shapes, as content-dependent bounds need) and "static" (each mask's own bounds: new masks
+    of a fixed grid); a server whose masks keep their bounds can name "static" alone (the
+    traced route decides its fit on the device, a larger program: both took 33-43 s to
+    compile on an H100 for a new Wan 480p shape). Returns the plans.
     """
     import jax
     import jax.numpy as jnp
@@ -356,6 +361,10 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
     for i, m in enumerate(masks):
         if not isinstance(m, BlockMask):
             raise TypeError(f"masks[{i}] must be a BlockMask, got {type(m).__name__}")
+    if not isinstance(tiered_routes, (tuple, list)) or not tiered_routes or any(
+            r not in tiered.TIERED_ROUTES for r in tiered_routes):
+        raise ValueError(f"tiered_routes must be a non-empty tuple of {tiered.TIERED_ROUTES}, "
+                         f"got {tiered_routes!r}")
     shape = check_shapes(q_shape, kv_shape, dtype)
     q = jnp.zeros(tuple(q_shape), shape.dtype)
     k = jnp.zeros(tuple(kv_shape), shape.dtype)
@@ -375,7 +384,7 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
         sc = check_scale(scale, shape.head_dim)
         for m in {tiered.bounds_key(m): m for m in masks
                   if not device_route.takes(m)}.values():
-            jax.block_until_ready(tiered.precompile(q, k, k, mask=m, shape=shape, backend=be,
-                                                 scale=sc, return_lse=bool(return_lse),
-                                                 options=options))
+            tiered.precompile(q, k, k, mask=m, shape=shape, backend=be, scale=sc,
+                              return_lse=bool(return_lse), options=options,
+                              routes=tuple(tiered_routes))
     return plans

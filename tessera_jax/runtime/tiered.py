@@ -253,21 +253,29 @@ def bounds_key(mask: BlockMask) -> tuple:
                                  for b in (mask.q_bounds, mask.kv_bounds))
 
 
+#: ``tj.precompile``'s ``tiered_routes``: the device routes a tiered call may run.
+TIERED_ROUTES = ("traced", "static")
+
+
 def precompile(q, k, v, *, mask: BlockMask, shape: AttnShape, backend: str, scale: float,
-            return_lse: bool, options: Options):
+               return_lse: bool, options: Options, routes=TIERED_ROUTES):
     """Runs (so compiles) the device routes a tiered call of this mask's shapes would run, so
-    the rule no longer counts a compile for them (``tj.precompile`` where calls tier): bounds
-    traced (any mask of these shapes) and these bounds static (a new mask of the same bounds,
-    as fixed-grid methods make: tiles aligned to its blocks, cheaper planning); the output of
-    the second."""
+    the rule no longer counts a compile for them (``tj.precompile`` where calls tier), those
+    of ``routes``: "traced" bounds (any mask of these shapes) and "static" (these bounds: a
+    new mask of the same bounds, as fixed-grid methods make; tiles aligned to its blocks,
+    cheaper planning, and a smaller program: decided on the device only past the budget)."""
     bkey = bounds_key(mask)
     options = route_options(options, bkey)
     key = _compiled_key(q, k, mask, backend, scale, return_lse, options)
-    _device_route(q, k, v, mask, mask.packed_leaves(), shape, backend, scale, return_lse,
-                  options, key)
-    # the leaves as a request makes them (NumPy bits: jit's cache tells them from device ones)
-    return _device_route(q, k, v, mask, mask.packed_leaves(static_bounds=True, host_bits=True),
-                         shape, backend, scale, return_lse, options, key + (bkey,))
+    if "traced" in routes:
+        jax.block_until_ready(_device_route(q, k, v, mask, mask.packed_leaves(), shape, backend,
+                                            scale, return_lse, options, key))
+    if "static" in routes:
+        # the leaves as a request makes them (NumPy bits: jit's cache tells them from device
+        # ones)
+        jax.block_until_ready(_device_route(
+            q, k, v, mask, mask.packed_leaves(static_bounds=True, host_bits=True), shape,
+            backend, scale, return_lse, options, key + (bkey,)))
 
 
 def compiled(q, k, mask: BlockMask, backend: str, scale: float, return_lse: bool,
