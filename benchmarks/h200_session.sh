@@ -71,11 +71,13 @@
 # dense_dispatch --profile, and the peers' other Wan 480p families
 # (results/h100-peers-480-rest.json: svg2's gather_alt took 146 s, so the record parts below
 # run --no-gather-alt).
-# First next time, on an H200: `peers-480-next` (then again with the earlier calls' files,
-# until the 13 families x 2 sources are timed: the whole Wan 480p file at today's code;
-# h200-peers.json holds ff390cc's rows at the older n=5 request rule, which the merge will
-# not mix), then `xattn-host` (an H100 only so far; h200-loop.json holds the older rows),
-# `svg2-loop` (session 42's traced rule); `hy720 FAMILY` one family per call for item 1.
+# First next time, on an H200: `s44` (the overflow default's GPU cases, then the Wan 480p
+# peers), then `peers-480-next results/tmp/<earlier files>` until the 13 families x 2 sources
+# are timed (h200-peers.json holds ff390cc's rows at the older n=5 request rule, which the
+# merge will not mix); `peers-next wan720 40 ...` and `peers-next hy720 16 ...` likewise for
+# item 1; `xattn-host` (an H100 only so far), `svg2-loop` (session 42's traced rule). After
+# the first peers call, install its `batch_prefill*.so.xz` with benchmarks/flashinfer_aot.py
+# (--drop-jit-headers) so later fresh machines skip FlashInfer's ~100 s build.
 # Next, in this order (benchmarks/NOTES.md#open), one call each:
 #   bash benchmarks/h200_session.sh accept         # issue 31's acceptance file of record on an
 #     H200 (~510 s on the H100); copy $OUT/h200-gather.json to benchmarks/results/
@@ -269,14 +271,17 @@ s44)
       --mask-source both --check-rows 1024 --no-tiered --no-gather-alt \
       --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn
   fi_export ;;
-peers-480-next)
-  # Issue 33: the 13 families at Wan 480p, both sources, as many masks as fit one call (no
-  # shard), after the rows of the files named (earlier calls' outputs copied into the tree,
-  # e.g. benchmarks/results/tmp/): a call is never left idle at a shard's end. Then
+peers-480-next|peers-next)
+  # Issue 33 item 1: the 13 families at one grid (peers-480-next: wan480, 12 heads; peers-next
+  # GRID HEADS: wan720 40, hy720 16), both sources, as many masks as fit one call (no shard),
+  # after the rows of the files named (earlier calls' outputs copied into the tree, e.g.
+  # benchmarks/results/tmp/): a call is never left idle at a shard's end. Then
   # `peers.py --merge` of every call's file into h200-peers.json. Carry `.carry`.
-  fi_env; shift
-  run 585 peers-480-next python3 benchmarks/peers.py --out $OUT/peers-next.json \
-      --time-budget 570 --reserve 90 --per-family 1 --heads 12 --grids wan480 \
+  if [ "$1" = peers-next ]; then grid=${2:?grid}; heads=${3:?heads}; shift 3
+  else grid=wan480; heads=12; shift; fi
+  fi_env
+  run 585 peers-next python3 benchmarks/peers.py --out $OUT/peers-$grid.json \
+      --time-budget 570 --reserve 90 --per-family 1 --heads "$heads" --grids "$grid" \
       --mask-source both --check-rows 1024 --no-tiered --no-gather-alt ${1:+--skip-from "$@"} \
       --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn
   fi_export ;;
@@ -446,5 +451,5 @@ diagnose)
   run 170 builders-pool python3 benchmarks/bench_loop.py --out $OUT/builders-pool.json \
       --builder-costs vsa,vsa_pool_xla,vsa_highest,sparge_topk,sparge_topk_pool_xla
   tar -czf $OUT/logs.tar.gz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log ;;
-*) echo "usage: OUT=dir bash benchmarks/h200_session.sh s44|s39a|hy720 FAMILY|xattn-host|svg2-loop|peers-480 K|peers-480-next [JSON...]|peers-38|dense-38|direct-check|route-check|accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
+*) echo "usage: OUT=dir bash benchmarks/h200_session.sh s44|s39a|hy720 FAMILY|xattn-host|svg2-loop|peers-480 K|peers-480-next [JSON...]|peers-next GRID HEADS [JSON...]|peers-38|dense-38|direct-check|route-check|accept-480|accept-720|device-gather-check|perhead-diag|profile-gather|tiered|gpu-checks|memfix|train-ab|checks-mini|train|vsa|checks|device-planning|diagnose" >&2; exit 2 ;;
 esac
