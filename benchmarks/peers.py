@@ -800,17 +800,43 @@ def timing_rules(rows: list[dict]) -> dict:
     return out
 
 
+#: XLA backend compiles of this process: [count, seconds] (jax.monitoring's compile event).
+_COMPILES = [0, 0.0]
+_COMPILE_LISTENER: list = []
+
+
+def _count_compiles() -> None:
+    """Registers (once) the listener that counts XLA backend compiles into ``_COMPILES``."""
+    if _COMPILE_LISTENER:
+        return
+    import jax
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            _COMPILES[0] += 1
+            _COMPILES[1] += float(duration)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    _COMPILE_LISTENER.append(listen)
+
+
 class _Phases:
     """Wall seconds of each part of a row (``phase_s``): where a row's time goes (compiles,
-    planning, timing loops), so a call's budget can be split by measurement."""
+    planning, timing loops), so a call's budget can be split by measurement; and the XLA
+    compiles in each part (``compiles``: [count, seconds]): a compile in a timed part (after
+    ``tj.precompile``) is one a request would pay."""
 
     def __init__(self):
-        self.t, self.s = time.perf_counter(), {}
+        _count_compiles()
+        self.t, self.s, self.c, self.compiles = time.perf_counter(), {}, list(_COMPILES), {}
 
     def mark(self, name: str) -> None:
         now = time.perf_counter()
         self.s[name] = round(self.s.get(name, 0.0) + now - self.t, 3)
-        self.t = now
+        n, sec = _COMPILES[0] - self.c[0], _COMPILES[1] - self.c[1]
+        if n:
+            was = self.compiles.get(name, [0, 0.0])
+            self.compiles[name] = [was[0] + n, round(was[1] + sec, 3)]
+        self.t, self.c = now, list(_COMPILES)
 
 
 def run_tessera(case: Case, args) -> dict:
@@ -832,7 +858,8 @@ def run_tessera(case: Case, args) -> dict:
     ph = _Phases()
     t = time.perf_counter()
     out = jax.block_until_ready(call())
-    res = {"first_call_s": time.perf_counter() - t, "phase_s": ph.s}
+    res = {"first_call_s": time.perf_counter() - t, "phase_s": ph.s,
+           "phase_compiles": ph.compiles}
     o = np.asarray(jax.device_get(out[0][case.rows][:, case.qh]), np.float32)
     res.update(case.check(o))
     del out
@@ -1017,7 +1044,8 @@ def run_tessera_device(case: "_CaseBase", args) -> dict:
     t = time.perf_counter()
     out = jax.block_until_ready(f(*qkv, blocks[0]))
     res = {"first_call_s": time.perf_counter() - t, "route": "device",
-           "variants": len(blocks), "variant_kind": args.variant_kind, "phase_s": ph.s}
+           "variants": len(blocks), "variant_kind": args.variant_kind, "phase_s": ph.s,
+           "phase_compiles": ph.compiles}
     o = np.asarray(jax.device_get(out[0][case.rows][:, case.qh]), np.float32)
     res.update(case.check(o))
     del out

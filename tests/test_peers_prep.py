@@ -363,6 +363,9 @@ def test_dry_run(tmp_path):
         assert {"first_call_check", "request_timing", "kernel_timing",
                 "device_plan_timing"} <= set(ph) and all(x >= 0 for x in ph.values())
         assert sum(ph.values()) <= r["tessera_device"]["wall_s"] + 1e-3
+        pc = d["phase_compiles"]             # XLA compiles per part: the first call compiles
+        assert set(pc) <= set(ph) and pc["first_call_check"][0] >= 1
+        assert all(sec <= ph[k] + 1e-3 for k, (n, sec) in pc.items())
     assert any(r["tessera_device"]["bitmap_capacity"] for r in dev)     # bitmap steps ran
     s = doc["device_summary"]
     assert s["mask_source"] == "gpu" and s["masks"] == len(dev)
