@@ -601,6 +601,40 @@ def test_precompile_compiles_the_tiered_routes_named(routes):
     assert tiered.compiled(q, k, other, "xla", scale, False, opts) == (routes == ("traced",))
 
 
+def test_a_precompiled_route_serves_committed_inputs_without_a_compile():
+    """``tj.precompile`` runs zeros (uncommitted); a request's q, k, v are often committed to
+    the device (DLPack, ``device_put(x, device)``, whatever is computed from them), which
+    ``jax.jit``'s cache tells apart: the device route's call is compiled ahead of time, one
+    executable for both, so such a request compiles nothing (an H100 host row paid 3-4 s)."""
+    compiles = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        _committed_request(compiles)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def _committed_request(compiles: list) -> None:
+    opts = tj.Options(host_planning="device_first", bitmap_budget_bytes=(1 << 26) + 7)
+    m, (q, k, v) = _mask(14), _qkv(3)
+    tj.precompile(m, q.shape, k.shape, q.dtype, backend="xla", options=opts,
+                  tiered_routes=("static",))
+    dev = jax.devices()[0]
+    q, k, v = (jax.device_put(x, dev) for x in (q, k, v))
+    assert q.committed
+    tj.clear_caches()
+    compiles.clear()
+    new = tj.BlockMask(m.q_bounds, m.kv_bounds, ~m.blocks)       # same bounds, new blocks
+    out, r = _routes(lambda: tj.sparse_attention(q, k, v, new, backend="xla", options=opts))
+    assert r == "device" and compiles == []
+    np.testing.assert_allclose(out, tj.reference_attention(q, k, v, new), **TOL)
+    assert tiered.wait(60)
+
+
 @pytest.mark.parametrize("bad", [(), ("static", "host"), "static", None])
 def test_precompile_rejects_unknown_tiered_routes(bad):
     with pytest.raises(ValueError, match="tiered_routes must be"):
@@ -620,7 +654,7 @@ def test_precompiled_bounds_run_the_static_bounds_route(monkeypatch):
         return route(q, k, v, mask, leaves, *a, **kw)
 
     def executables():
-        return sum(fn.jitted._cache_size() for fn in tiered._PREPARED.values())
+        return sum(len(fn.executables) for fn in tiered._PREPARED.values())
 
     opts = tj.Options(host_planning="device_first", bitmap_budget_bytes=1 << 27,
                       host_plan_from_call=1)
