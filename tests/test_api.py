@@ -208,6 +208,25 @@ def test_precompile_and_persistent_cache(tmp_path):
         tj.precompile(["m"], (1, 96, 2, 8), (1, 96, 2, 8), jnp.float32)
 
 
+def test_precompile_serves_committed_inputs():
+    """``jax.jit``'s cache tells arrays committed to a device (DLPack, ``device_put(x,
+    device)``, whatever is computed from them) from uncommitted ones (``jnp.zeros``, what
+    ``tj.precompile`` runs): it compiles both kinds, so a request of either compiles nothing."""
+    from pallas_kernels.xla import executor
+    rng = np.random.default_rng(31)
+    m = tj.BlockMask.uniform(96, 96, 32, 32, rng.random((2, 3, 3)) < 0.6)
+    shape = (1, 96, 2, 12)                               # a shape no other test compiles
+    tj.precompile(m, shape, shape, jnp.float32, backend="xla",
+                  options=tj.Options(host_planning="sync"))
+    n = executor.execute_plan._cache_size()
+    q, k, v = (jax.device_put(x, jax.devices()[0])
+               for x in random_qkv(1, 96, 96, 2, 2, 12, "float32", 5))
+    assert q.committed
+    out = tj.sparse_attention(q, k, v, m, backend="xla")
+    assert executor.execute_plan._cache_size() == n      # nothing new compiled
+    np.testing.assert_allclose(out, tj.reference_attention(q, k, v, m), rtol=2e-5, atol=2e-5)
+
+
 def test_plan_cache_is_bounded_lru():
     """The front cache (``api.PlanCache``) drops the least recently used plans past its entry
     count or its bytes of plan arrays; ``tj.plan`` returns its hits."""

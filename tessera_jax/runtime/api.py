@@ -351,7 +351,11 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
     shapes, as content-dependent bounds need) and "static" (each mask's own bounds: new masks
     of a fixed grid); a server whose masks keep their bounds can name "static" alone (the
     traced route decides its fit on the device, a larger program: both took 33-43 s to
-    compile on an H100 for a new Wan 480p shape). Returns the plans.
+    compile on an H100 for a new Wan 480p shape). Both kinds of q, k, v are served without a
+    compile: arrays committed to a device (DLPack, ``jax.device_put(x, device)``, whatever is
+    computed from them) and uncommitted ones, which ``jax.jit`` compiles apart (the host
+    plans' calls are compiled for both, the device route's once ahead of time). Returns the
+    plans.
     """
     import jax
     import jax.numpy as jnp
@@ -366,8 +370,13 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
         raise ValueError(f"tiered_routes must be a non-empty tuple of {tiered.TIERED_ROUTES}, "
                          f"got {tiered_routes!r}")
     shape = check_shapes(q_shape, kv_shape, dtype)
+    options = check_options(options)
     q = jnp.zeros(tuple(q_shape), shape.dtype)
     k = jnp.zeros(tuple(kv_shape), shape.dtype)
+    # jit's cache compiles arrays committed to a device (DLPack, device_put(x, device), what
+    # is computed from them) apart from uncommitted ones: the host plans' calls run both
+    committed = tuple(jax.device_put(x, next(iter(x.devices()))) for x in (q, k))
+    host = dataclasses.replace(options, host_planning="sync")     # the host plan's executable
     plans, seen = [], set()
     for m in masks:
         p = plan(m, q_shape, kv_shape, dtype, backend=backend, options=options)
@@ -375,10 +384,9 @@ def precompile(masks, q_shape, kv_shape, dtype, *, backend=None, return_lse=Fals
         key = (p.template, p.capacities)
         if key not in seen:
             seen.add(key)
-            jax.block_until_ready(sparse_attention(q, k, k, m, backend=backend, scale=scale,
-                                                   options=options,
-                                                   return_lse=return_lse))
-    options = check_options(options)
+            for a, b in ((q, k), committed):
+                jax.block_until_ready(sparse_attention(a, b, b, m, backend=backend, scale=scale,
+                                                       options=host, return_lse=return_lse))
     if tiered.mode(options, q) != "sync":
         be = dispatch.resolve(backend, shape)
         sc = check_scale(scale, shape.head_dim)
