@@ -405,3 +405,25 @@ def test_check_finite_through_the_stacked_per_device_plans():
     out = np.asarray(out)
     np.testing.assert_array_equal(np.isnan(out).any(-1), rows)
     np.testing.assert_allclose(out[~rows], np.asarray(_ref(256, 16, 16))[~rows], **TOL)
+
+
+@on_devices
+def test_eager_device_route_on_sharded_and_other_device_inputs():
+    """The tiered device route's call is compiled ahead of time for the one device q, k, v are
+    on: inputs sharded over devices run jit's call instead, inputs on another device than the
+    first get their own executable; both equal the reference (``Options.host_planning``
+    "device_first": eager calls, no trace)."""
+    from tessera_jax.runtime import tiered
+    mask = _skewed(256, 8)
+    q, k, v = _qkv(256, 8, 8)
+    opts = tj.Options(host_planning="device_first")
+    hs = jax.sharding.NamedSharding(_mesh(explicit=False),
+                                    jax.sharding.PartitionSpec(None, None, "x", None))
+    for put in (lambda x: jax.device_put(x, hs), lambda x: jax.device_put(x, jax.devices()[3])):
+        a, b, c = (put(x) for x in (q, k, v))
+        before = tiered.stats().get("device_route", 0)
+        out = tj.sparse_attention(a, b, c, mask, backend="xla", options=opts)
+        assert tiered.stats().get("device_route", 0) == before + 1
+        np.testing.assert_allclose(out, tj.reference_attention(q, k, v, mask), **TOL)
+        assert tiered.wait(60)
+        tj.clear_caches()

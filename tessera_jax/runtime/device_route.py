@@ -124,31 +124,36 @@ def prepare(mask: BlockMask, shape: AttnShape, backend: str, template: Template 
 
     def fn(q, k, v, q_bounds, kv_bounds, blocks):
         args = (q, k, v, *_dynamic(consts, q_bounds, kv_bounds, blocks))
-        dev = _device_of(q)
+        dev = _device_of(q, k, v)
+        if dev is None:                 # sharded, apart, or not jax arrays: jit's call
+            return run(*args)
         c = compiled.get(dev)
         if c is None:
             c = compiled[dev] = _compile(run, dev, args)
         return c(*args)
     fn.executables = compiled           # device -> the compiled call
+    fn.jitted = run
     return fn
 
 
-def _device_of(x):
-    """The one device a jax array is on (committed there or not), None for other values."""
-    devices = getattr(x, "devices", None)
-    if devices is None:
-        return None
-    ds = devices()
-    return next(iter(ds)) if len(ds) == 1 else None
+def _device_of(*xs):
+    """The one device these jax arrays are all on (committed there or not), else None."""
+    found = set()
+    for x in xs:
+        devices = getattr(x, "devices", None)
+        if devices is None:
+            return None
+        found |= devices()
+    return next(iter(found)) if len(found) == 1 else None
 
 
 def _compile(run, device, args):
-    """``run`` compiled ahead of time for ``args``' shapes and dtypes on ``device`` (None: the
-    default one). One executable serves arrays committed to that device and uncommitted ones
+    """``run`` compiled ahead of time for ``args``' shapes and dtypes on ``device``. One
+    executable serves arrays committed to that device and uncommitted ones
     alike, where ``jax.jit``'s cache compiles each kind apart (``tj.precompile`` runs zeros,
     uncommitted; requests often bring committed arrays: DLPack, ``device_put(x, device)``,
     or anything computed from them: an XLA compile, seconds on a GPU, on the first request)."""
-    sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
+    sharding = jax.sharding.SingleDeviceSharding(device)
     specs = [None if a is None else jax.ShapeDtypeStruct(np.shape(a), a.dtype,
                                                          sharding=sharding) for a in args]
     return run.lower(*specs).compile()
