@@ -20,8 +20,8 @@ allows. Exactness for every mask: a selection whose bitmap steps overflow the ca
 when tracing, a one-time warning), runs ``exact_attention``, a chunked XLA attention that
 evaluates the mask per token (dense work, O(chunk x Lkv) memory), after (with
 ``Options.device_overflow`` "gather", the default) the backend's gathering template (no
-bitmap steps, room for any selection). Invalid device bounds (not increasing from 0 to the length) also
-take the exact path, whose indices are clamped: finite output, never an out-of-bounds read;
+bitmap steps, room for any selection). Invalid device bounds (not increasing from 0 to the
+length) also take the exact path, whose indices are clamped: finite output, never an out-of-bounds read;
 ``check`` surfaces them under ``checkify``.
 """
 
@@ -234,8 +234,9 @@ def _refines(consts, template: str, capacity: int, decide: bool, q, k, blocks_sh
 
 def _overflow(full: "_Refine", options: Options) -> "_Refine | None":
     """The plan after ``full`` where its selection overflows the room decided on the device
-    (``Options.device_overflow`` "gather", the default): the backend's gathering template, whose plan has
-    room for any selection (``planning.device_gather``); None: the exact path follows."""
+    (``Options.device_overflow`` "gather", the default): the backend's gathering template,
+    whose plan has room for any selection (``planning.device_gather``); None: the exact path
+    follows."""
     t = dispatch.get_template(full.template)
     g = select_device.GATHER_TEMPLATES.get(t.backend)
     if options.device_overflow != "gather" or not full.decide or g is None \
