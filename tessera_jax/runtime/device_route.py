@@ -21,8 +21,8 @@ when tracing, a one-time warning), runs ``exact_attention``, a chunked XLA atten
 evaluates the mask per token (dense work, O(chunk x Lkv) memory), after (with
 ``Options.device_overflow`` "gather", the default) the backend's gathering template (no
 bitmap steps, room for any selection). Invalid device bounds (not increasing from 0 to the
-length) also take the exact path, whose indices are clamped: finite output, never an out-of-bounds read;
-``check`` surfaces them under ``checkify``.
+length) also take the exact path, whose indices are clamped: finite output, never an
+out-of-bounds read; ``check`` surfaces them under ``checkify``.
 """
 
 from __future__ import annotations
