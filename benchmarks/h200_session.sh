@@ -264,10 +264,11 @@ s44)
   # The overflow default on the H200 (make test-gpu's overflow, traced, decided, tiered cases;
   # 20 passed on the H100 in session 44), then the Wan 480p peers as far as the call goes
   # (peers-480-next's command with the call's remaining time).
-  run 240 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA -k 'overflow or traced or decided or tiered'"
+  # (`tiered` takes tests/gpu/test_precompile_gpu.py too: committed inputs after precompile.)
+  run 300 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA -k 'overflow or traced or decided or tiered'"
   fi_env
-  run 330 peers-480-next python3 benchmarks/peers.py --out $OUT/peers-next.json \
-      --time-budget 320 --reserve 90 --per-family 1 --heads 12 --grids wan480 \
+  run 280 peers-480-next python3 benchmarks/peers.py --out $OUT/peers-next.json \
+      --time-budget 270 --reserve 80 --per-family 1 --heads 12 --grids wan480 \
       --mask-source both --check-rows 1024 --no-tiered --no-gather-alt \
       --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn
   fi_export ;;
