@@ -18,6 +18,7 @@ from tessera_jax.runtime import api, host_plans, tier_costs, tiered
 from tessera_jax.select.device import DeviceRule
 from tessera_jax.validation import check_shapes
 
+from compiles import backend_compiles
 from strategies import random_qkv
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -606,19 +607,6 @@ def test_a_precompiled_route_serves_committed_inputs_without_a_compile():
     the device (DLPack, ``device_put(x, device)``, whatever is computed from them), which
     ``jax.jit``'s cache tells apart: the device route's call is compiled ahead of time, one
     executable for both, so such a request compiles nothing (an H100 host row paid 3-4 s)."""
-    compiles = []
-
-    def listen(event, duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        _committed_request(compiles)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-
-
-def _committed_request(compiles: list) -> None:
     opts = tj.Options(host_planning="device_first", bitmap_budget_bytes=(1 << 26) + 7)
     m, (q, k, v) = _mask(14), _qkv(3)
     tj.precompile(m, q.shape, k.shape, q.dtype, backend="xla", options=opts,
@@ -627,9 +615,9 @@ def _committed_request(compiles: list) -> None:
     q, k, v = (jax.device_put(x, dev) for x in (q, k, v))
     assert q.committed
     tj.clear_caches()
-    compiles.clear()
     new = tj.BlockMask(m.q_bounds, m.kv_bounds, ~m.blocks)       # same bounds, new blocks
-    out, r = _routes(lambda: tj.sparse_attention(q, k, v, new, backend="xla", options=opts))
+    with backend_compiles() as compiles:
+        out, r = _routes(lambda: tj.sparse_attention(q, k, v, new, backend="xla", options=opts))
     assert r == "device" and compiles == []
     np.testing.assert_allclose(out, tj.reference_attention(q, k, v, new), **TOL)
     assert tiered.wait(60)
@@ -637,8 +625,8 @@ def _committed_request(compiles: list) -> None:
 
 @pytest.mark.parametrize("bad", [(), ("static", "host"), "static", None])
 def test_precompile_rejects_unknown_tiered_routes(bad):
+    q, k, _ = _qkv()
     with pytest.raises(ValueError, match="tiered_routes must be"):
-        q, k, _ = _qkv()
         tj.precompile(_mask(12), q.shape, k.shape, q.dtype, backend="xla", tiered_routes=bad)
 
 

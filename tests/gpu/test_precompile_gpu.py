@@ -11,22 +11,10 @@ import pytest
 import tessera_jax as tj
 from tessera_jax.runtime import tiered
 
+from compiles import backend_compiles
+
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a GPU")]
-
-
-def _compiles(fn):
-    """(fn(), the XLA backend compiles it ran)."""
-    seen = []
-
-    def listen(event, duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(duration)
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        return jax.block_until_ready(fn()), len(seen)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 @pytest.mark.parametrize("mode", ["device_first", "sync"])
@@ -46,8 +34,9 @@ def test_tiered_and_host_routes_serve_committed_inputs_after_precompile(mode):
     tj.clear_caches()
     new = m if mode == "sync" else tj.BlockMask(qb, qb, ~m.blocks)   # same bounds
     before = tiered.stats().get("device_route", 0)
-    out, n = _compiles(lambda: tj.sparse_attention(q, k, v, new, options=opts))
-    assert n == 0
+    with backend_compiles() as compiles:
+        out = jax.block_until_ready(tj.sparse_attention(q, k, v, new, options=opts))
+    assert compiles == []
     assert tiered.stats().get("device_route", 0) - before == (mode == "device_first")
     ref = tj.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), new)
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-2, rtol=2e-2)
