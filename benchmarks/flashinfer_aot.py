@@ -26,12 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from fetch_flashinfer import REPO, mib, tree_size
+
 JIT_HEADERS = ("data/cutlass", "data/cccl")
-
-
-def tree_size(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.exists() else 0
 
 
 def module_name(path: Path) -> str:
@@ -83,15 +80,15 @@ def main(argv=None) -> int:
     for m in a.modules:
         dest = install(m, pkg)
         names.append(module_name(m))
-        print(f"{dest.relative_to(a.site)}: {dest.stat().st_size / 2**20:.1f} MiB")
+        print(f"{dest.relative_to(a.site)}: {mib(dest.stat().st_size)}")
     if a.drop_jit_headers:
         for rel in JIT_HEADERS:
             p = pkg / rel
-            print(f"dropped {rel}: {tree_size(p) / 2**20:.1f} MiB")
+            print(f"dropped {rel}: {mib(tree_size(p))}")
             shutil.rmtree(p, ignore_errors=True)
     total = tree_size(a.site)
     ok = total <= a.budget_mib * 2**20
-    print(f"site: {total / 2**20:.1f} MiB (budget {a.budget_mib} MiB){'' if ok else ': OVER'}")
+    print(f"site: {mib(total)} (budget {a.budget_mib} MiB){'' if ok else ': OVER'}")
     if Path(a.probe_python).exists():
         ok &= check(a.probe_python, a.site.resolve(), names)
     else:
