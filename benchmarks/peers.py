@@ -129,6 +129,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime as _dt
+import functools
 import gc
 import json
 import math
@@ -802,13 +803,11 @@ def timing_rules(rows: list[dict]) -> dict:
 
 #: XLA backend compiles of this process: [count, seconds] (jax.monitoring's compile event).
 _COMPILES = [0, 0.0]
-_COMPILE_LISTENER: list = []
 
 
+@functools.cache
 def _count_compiles() -> None:
     """Registers (once) the listener that counts XLA backend compiles into ``_COMPILES``."""
-    if _COMPILE_LISTENER:
-        return
     import jax
 
     def listen(event, duration, **_):
@@ -816,7 +815,6 @@ def _count_compiles() -> None:
             _COMPILES[0] += 1
             _COMPILES[1] += float(duration)
     jax.monitoring.register_event_duration_secs_listener(listen)
-    _COMPILE_LISTENER.append(listen)
 
 
 class _Phases:
