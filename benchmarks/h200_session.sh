@@ -128,6 +128,21 @@ fi_export() {  # the modules FlashInfer JIT-built on this machine, xz'd under $O
       ls -l "$so" "$OUT/$(basename "$so").xz" >> "$OUT/fi-export.txt"
     done
 }
+peers_next() {  # peers_next LIMIT BUDGET RESERVE GRID HEADS [JSON...]
+  # Issue 33 item 1: the 13 families at one grid (wan480 12 heads, wan720 40, hy720 16), both
+  # sources, as many masks as fit one call (no shard), after the rows of the files named
+  # (earlier calls' outputs copied into the tree, e.g. benchmarks/results/tmp/): a call is
+  # never left idle at a shard's end. Then `peers.py --merge` of every call's file into
+  # h200-peers.json. Carry `.carry`.
+  local limit=$1 budget=$2 reserve=$3 grid=$4 heads=$5; shift 5
+  fi_env
+  run "$limit" peers-next python3 benchmarks/peers.py --out $OUT/peers-$grid.json \
+      --time-budget "$budget" --reserve "$reserve" --per-family 1 --heads "$heads" \
+      --grids "$grid" --mask-source both --check-rows 1024 --no-tiered --no-gather-alt \
+      ${1:+--skip-from "$@"} \
+      --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn
+  fi_export
+}
 peers_38() {  # peers_38 LIMIT BUDGET RESERVE: dense, moba, svg2 rows at Wan 480p, both sources
   fi_env
   run "$1" peers python3 benchmarks/peers.py --out $OUT/peers-38.json --time-budget "$2" \
@@ -262,30 +277,14 @@ peers-480)
   fi_export ;;
 s44)
   # The overflow default on the H200 (make test-gpu's overflow, traced, decided, tiered cases;
-  # 20 passed on the H100 in session 44), then the Wan 480p peers as far as the call goes
-  # (peers-480-next's command with the call's remaining time).
+  # 20 passed on the H100 in session 44), then the Wan 480p peers as far as the call goes.
   # (`tiered` takes tests/gpu/test_precompile_gpu.py too: committed inputs after precompile.)
   run 300 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA -k 'overflow or traced or decided or tiered'"
-  fi_env
-  run 280 peers-480-next python3 benchmarks/peers.py --out $OUT/peers-next.json \
-      --time-budget 270 --reserve 80 --per-family 1 --heads 12 --grids wan480 \
-      --mask-source both --check-rows 1024 --no-tiered --no-gather-alt \
-      --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn
-  fi_export ;;
-peers-480-next|peers-next)
-  # Issue 33 item 1: the 13 families at one grid (peers-480-next: wan480, 12 heads; peers-next
-  # GRID HEADS: wan720 40, hy720 16), both sources, as many masks as fit one call (no shard),
-  # after the rows of the files named (earlier calls' outputs copied into the tree, e.g.
-  # benchmarks/results/tmp/): a call is never left idle at a shard's end. Then
-  # `peers.py --merge` of every call's file into h200-peers.json. Carry `.carry`.
-  if [ "$1" = peers-next ]; then grid=${2:?grid}; heads=${3:?heads}; shift 3
-  else grid=wan480; heads=12; shift; fi
-  fi_env
-  run 585 peers-next python3 benchmarks/peers.py --out $OUT/peers-$grid.json \
-      --time-budget 570 --reserve 90 --per-family 1 --heads "$heads" --grids "$grid" \
-      --mask-source both --check-rows 1024 --no-tiered --no-gather-alt ${1:+--skip-from "$@"} \
-      --families dense,ditfastattn,jenga,moba,natten,radial,sparge,ssta,sta,svg,svg2,vsa,xattn
-  fi_export ;;
+  peers_next 280 270 80 wan480 12 ;;
+peers-480-next)
+  peers_next 585 570 90 wan480 12 "${@:2}" ;;
+peers-next)
+  peers_next 585 570 90 "${2:?grid}" "${3:?heads}" "${@:4}" ;;
 hy720)
   # Issue 33 item 1: the peers at HunyuanVideo 720p (all 16 heads), one family per call (svg2
   # ran past a 575 s call with sparge and vsa in session 39); the auxiliary timings off.
