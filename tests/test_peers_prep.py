@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -255,6 +256,34 @@ def test_speedup_upper_bound():
     assert bnd["masks_below_3x"]["flashinfer"] == 2
     assert peers.summarize([a, b])["speedup_upper_bound"] == bnd
     assert peers.speedup_bounds([_row("x", 1.0, fi_var=2.0)]) == {}
+
+
+def test_bounded_diagnostic_timing():
+    """A slow diagnostic (a 40-head 720p host plan) takes >= 2 timed calls within the budget; a
+    fast one keeps the request rule, its probe call counting as the warm-up."""
+    rule = peers.timing.REQUEST_RULE
+    assert peers.bounded_rule(rule, 1.0, 20.0) == rule.replace(warmup=rule.warmup - 1)
+    assert peers.bounded_rule(rule, 11_000.0, 20.0) == rule.replace(warmup=0, repeats=2)
+    assert peers.bounded_rule(rule, 900.0, 20.0) == rule.replace(warmup=0)
+    assert peers.bounded_rule(rule, 1000.0, 20.0) == rule.replace(warmup=0, repeats=20)
+    assert peers.bounded_rule(rule.replace(repeats=3), 900.0, 20.0).repeats == 3
+    args = peers.parse_args(["--request-iters", "21", "--diagnostic-budget", "0.12"])
+    calls, befores = [], []
+    t = peers._bounded_request(lambda: (calls.append(1), time.sleep(0.05)), args,
+                               before=lambda: befores.append(1))
+    assert t.rule.repeats == 2 and len(t.samples) == 2 and len(calls) == 3 == len(befores)
+    assert min(t.samples) >= 45.0
+    calls.clear()
+    t = peers._bounded_request(lambda: calls.append(1), peers.parse_args(["--request-iters", "5"]))
+    assert len(t.samples) == 5 and len(calls) == 5 + rule.warmup
+
+
+def test_skip_from_needs_the_same_gpu(tmp_path):
+    f = tmp_path / "h100.json"
+    f.write_text(json.dumps({"versions": {"gpu": "NVIDIA H100 80GB HBM3"}, "rows": []}))
+    peers.check_same_gpu([f], "NVIDIA H100 80GB HBM3")
+    with pytest.raises(SystemExit, match="same GPU"):
+        peers.check_same_gpu([f], "NVIDIA H200")
 
 
 def test_figure_writes_png(tmp_path):
