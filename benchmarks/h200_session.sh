@@ -71,6 +71,9 @@
 # dense_dispatch --profile, and the peers' other Wan 480p families
 # (results/h100-peers-480-rest.json: svg2's gather_alt took 146 s, so the record parts below
 # run --no-gather-alt).
+# Session 45 (an H100; the H200 asked for by name did not come): `s44` (12 passed; the Wan 480p
+# dense, ditfastattn, jenga rows) and `peers-next wan720 40` twice (results/h100-peers-720.json);
+# FlashInfer's module from the first call installed in .carry (flashinfer_aot.py).
 # First next time, on an H200: `s44` (the overflow default's GPU cases, then the Wan 480p
 # peers), then `peers-480-next results/tmp/<earlier files>` until the 13 families x 2 sources
 # are timed (h200-peers.json holds ff390cc's rows at the older n=5 request rule, which the
@@ -113,7 +116,8 @@ xattn_loop() {  # xattn_loop CAP: the XAttention loop, every variant (host plann
   run "$1" loop-xattn python3 benchmarks/bench_loop.py --models wan13b_480p_xattn --steps 25 \
       --variants dense,dynamic,null,host --out $OUT/loop-xattn.json
 }
-fi_env() {     # FlashInfer from the carried, trimmed copy (JIT-built for sm_90a on first use)
+fi_env() {     # FlashInfer from the carried, trimmed copy (its fa3 prefill module carried as
+  # an AOT artifact where flashinfer_aot.py installed it, else JIT-built for sm_90a on first use)
   export PYTHONPATH=$PWD/.carry/flashinfer_site:$PYTHONPATH MAX_JOBS=16 \
       FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
 }
