@@ -531,6 +531,80 @@ def test_constants_per_gpu_and_auto_mode():
     assert route == "host"
 
 
+def test_measured_host_planning_scales_the_rule():
+    """A size the fit misprices: two timed host plans far slower than predicted make the rule
+    tier (one is not enough: a first plan's one-time costs); the least ratio counts, so a
+    fast plan takes it back; ``clear_caches`` keeps the times, a fresh process drops them."""
+    import time as _time
+    rng = np.random.default_rng(21)
+    m = tj.BlockMask.uniform(L, L, 32, 32, rng.random((H, 6, 6)) < 0.4)
+    q, k, _ = _qkv()
+    shape = check_shapes(q.shape, k.shape, q.dtype)
+    bkey, rkey = tiered.bounds_key(m), tiered._ratio_key(m, shape, "xla")
+    tiered._HOST_RATIOS.pop(rkey, None)           # other tests' plans of this shape
+    size = tier_costs.size_of(m, shape, "xla", TIERED.device_rule)
+    host, device = tier_costs.predict(size, tier_costs.CPU, True)
+    assert 0 < host < device                      # the fit keeps it on the host
+    slow_ms = 1.5e3 * device                      # a plan 1.5x the device route's extra
+
+    def rule():
+        with tiered._LOCK:
+            scale = tiered._host_scale(rkey)
+        return tiered._rule(m, shape, "xla", TIERED, True, q, bkey, scale)
+
+    made = host_plans.build(m, shape, "xla", None, None)
+
+    def plan(ms):                 # a host plan that takes ``ms`` (about nothing for 0)
+        return lambda: _time.sleep(ms / 1e3) or made
+
+    def timed(ms):
+        return tiered._timed(plan(ms), m, shape, "xla", TIERED, "cpu", bkey)
+
+    try:
+        before = tiered.stats().get("timed", 0)
+        assert timed(slow_ms).policy and not rule()                # one plan: no scale yet
+        timed(slow_ms)
+        assert tiered.stats()["timed"] == before + 2 and rule()
+        tj.clear_caches()
+        assert rule()
+        timed(0.0)                                                 # the least ratio counts
+        assert not rule()
+        timed(slow_ms), timed(slow_ms)
+        assert not rule()             # the fast one is still among the last plans
+        for _ in range(tiered._HOST_RATIOS_KEPT):
+            timed(slow_ms)
+        assert rule()
+        tj.clear_caches(fresh_process=True)
+        assert not rule()
+    finally:
+        tiered._HOST_RATIOS.pop(rkey, None)
+
+
+def test_a_declined_request_times_its_host_plan():
+    """The rule's host plan (declined: the fit keeps this size on the host) is timed and in
+    the front cache for the caller; the output is the reference's; a background plan is
+    timed too."""
+    m, (q, k, v) = _mask(13), _qkv()
+    rkey = tiered._ratio_key(m, check_shapes(q.shape, k.shape, q.dtype), "xla")
+    tiered._HOST_RATIOS.pop(rkey, None)
+    try:
+        before = dict(tiered.stats())
+        out, route = _routes(lambda: tj.sparse_attention(q, k, v, m, options=TIERED))
+        now = tiered.stats()
+        assert route == "host" and now["declined"] == before.get("declined", 0) + 1
+        assert now["timed"] == before.get("timed", 0) + 1
+        assert len(tiered._HOST_RATIOS[rkey]) == 1
+        np.testing.assert_allclose(out, tj.reference_attention(q, k, v, m), **TOL)
+        timed = tiered.stats()["timed"]
+        _, again = _routes(lambda: tj.sparse_attention(q, k, v, m, options=TIERED))
+        assert again == "host" and tiered.stats()["timed"] == timed     # the cached plan
+        m2 = _mask(14)                  # the device route first, its host plan in the back
+        _, route = _routes(lambda: tj.sparse_attention(q, k, v, m2, options=FIRST))
+        assert route == "device" and tiered.wait() and tiered.stats()["timed"] == timed + 1
+    finally:
+        tiered._HOST_RATIOS.pop(rkey, None)
+
+
 def test_the_rule_skips_masks_the_device_route_runs_exactly():
     """1-token blocks need more bitmap steps than the traced capacity holds: the device route
     would run the exact XLA path, so the rule keeps the host plan."""

@@ -301,7 +301,8 @@ def clear_caches(*, fresh_process: bool = False) -> None:
     Kept, unless ``fresh_process``: what a process computes once, whatever the masks: the
     loaded ranking tables and which table this GPU uses, the compiled cuDNN dense calls (and
     refusals) per shape, the tiered device route's prepared calls (``runtime.tiered``: their
-    template choices came from the tables), and the one-time warnings. ``fresh_process=True``
+    template choices came from the tables) and its measured host planning times, and the
+    one-time warnings. ``fresh_process=True``
     clears those too.
     Never cleared: jax's compiled executables (``jax.clear_caches()``) and the device facts
     (GPU model, compute capability).

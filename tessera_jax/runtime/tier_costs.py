@@ -7,7 +7,10 @@ route over the host plan's run: device planning, the device plan's kernel excess
 bounds tile a fixed grid, not the blocks), and the compile of the route's executable when
 this process has not compiled it for these shapes. A mask whose device plan would take the
 exact XLA path (bitmap steps past the traced capacity) or that no device template takes
-never tiers. Inputs cost a count of the blocks' packed bits and NumPy over the bounds.
+never tiers. Inputs cost a count of the blocks' packed bits and NumPy over the bounds. The
+host side is scaled by what this process measured of its host plans (``tiered``), so a mask
+size the fit misprices (a 40-head Wan 720p DiTFastAttn mask: 2.2 ms predicted, 27 ms on the
+H100's host) tiers once two of its shape's plans were timed.
 
 Constants per (platform, backend, GPU), from ``benchmarks/tiered.py`` (its ``fit`` section;
 benchmarks/NOTES.md#request-path): ``CPU`` measured on the 2-core CPU box, ``H100`` on an
@@ -205,13 +208,14 @@ def _static_size(q_bounds: bytes, kv_bounds: bytes, Hm: int, nq: int, nk: int,
     return shape.num_q_heads * nqt * nkt, int(cap)
 
 
-def predict(size: MaskSize, costs: TierCosts, compiled: bool) -> tuple[float, float]:
-    """(host planning ms, the device route's extra ms over the host plan's run)."""
+def predict(size: MaskSize, costs: TierCosts, compiled: bool,
+            host_scale: float = 1.0) -> tuple[float, float]:
+    """(host planning ms, the device route's extra ms over the host plan's run);
+    ``host_scale``: this process's measured host planning over the fit's (``tiered``)."""
     c = costs
-    host = c.host_ms + 1e-6 * (c.host_ns_per_block * size.blocks
-                               + c.host_ns_per_selected * size.selected
-                               + (c.host_ns_per_pair + size.gather * c.host_ns_per_gather_pair)
-                               * size.pairs)
+    host = host_scale * (c.host_ms + 1e-6 * (
+        c.host_ns_per_block * size.blocks + c.host_ns_per_selected * size.selected
+        + (c.host_ns_per_pair + size.gather * c.host_ns_per_gather_pair) * size.pairs))
     device = c.device_ms + 1e-6 * (c.device_ns_per_tile * size.tiles
                                    + c.device_ns_per_bitmap * size.bitmaps
                                    + c.kernel_excess * c.kernel_ns_per_interaction
@@ -221,8 +225,9 @@ def predict(size: MaskSize, costs: TierCosts, compiled: bool) -> tuple[float, fl
 
 def base_tiers(mask: BlockMask, shape: AttnShape, backend: str,
                rule: select_device.DeviceRule, bounds_bytes: tuple[bytes, bytes] | None,
-               costs: TierCosts | None, compiled: bool) -> bool:
-    """``tiers(size_of(...), costs, compiled)`` (the host choice taken as not gathering),
+               costs: TierCosts | None, compiled: bool, host_scale: float = 1.0) -> bool:
+    """``tiers(size_of(...), costs, compiled, host_scale)`` (the host choice taken as not
+    gathering),
     reading no more of the mask's bits than it takes: both sides of ``predict`` are affine
     in the count of selected blocks, so the sizes with none and with every block selected
     give the count where the answer flips, and the count stops once past it."""
@@ -232,7 +237,7 @@ def base_tiers(mask: BlockMask, shape: AttnShape, backend: str,
     none = size_of(*args, selected=0)
     if none is None:
         return False
-    lo, hi = (_margin(s, costs, compiled) for s in (none, size_of(
+    lo, hi = (_margin(s, costs, compiled, host_scale) for s in (none, size_of(
         *args, selected=none.blocks)))
     if (lo > 0) == (hi > 0):
         return lo > 0
@@ -244,14 +249,15 @@ def base_tiers(mask: BlockMask, shape: AttnShape, backend: str,
     return not mask.count_selected(stop_above=k) > k
 
 
-def _margin(size: MaskSize, costs: TierCosts, compiled: bool) -> float:
-    host, device = predict(size, costs, compiled)
+def _margin(size: MaskSize, costs: TierCosts, compiled: bool, host_scale: float) -> float:
+    host, device = predict(size, costs, compiled, host_scale)
     return host - device
 
 
-def tiers(size: MaskSize | None, costs: TierCosts | None, compiled: bool) -> bool:
+def tiers(size: MaskSize | None, costs: TierCosts | None, compiled: bool,
+          host_scale: float = 1.0) -> bool:
     """Whether the rule sends the request to the device route first."""
     if size is None or costs is None:
         return False
-    host, device = predict(size, costs, compiled)
+    host, device = predict(size, costs, compiled, host_scale)
     return host > device

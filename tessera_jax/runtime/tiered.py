@@ -18,6 +18,10 @@ the mask comes again). A new mask per call (dynamic sparsity, a stream of reques
 never pays a host plan it would not use: the plan's thread took 0.3-1.0 ms of a request on
 the H100 even after the route's output (benchmarks/NOTES.md#request-path).
 
+Every host plan made on this path (the rule's and the background's) is timed: the rule
+scales its predicted host planning by the least measured / predicted ratio of the request
+shape's last plans (``_host_scale``), so a size the fit misprices tiers after two plans.
+
 Rules: one background plan per request key (concurrent calls on one new mask share it, and a
 synchronous plan of that key waits for it: ``wait_for``); a finished plan goes into the front
 cache from the worker; a failed one is kept and re-raised, once, by the next call of its key
@@ -67,6 +71,9 @@ _GEN = 0                             # bumped by clear(): older jobs publish not
 _COMPILED: set = set()               # device-route executables this process has run
 _PREPARED: dict = {}                 # compiled key -> the device route's prepared call
 _PREPARED_MAX = 64
+# (backend, shape, mask.shape) -> the last host plans' measured / predicted planning times
+_HOST_RATIOS: collections.OrderedDict = collections.OrderedDict()
+_HOST_RATIOS_KEPT, _HOST_RATIOS_MIN, _HOST_RATIOS_MAX = 8, 2, 256
 _COUNTS: collections.Counter = collections.Counter()
 _SEEN: collections.OrderedDict = collections.OrderedDict()  # hash(request key) -> calls so far
 _SEEN_MAX = 4096
@@ -117,17 +124,22 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
         start = False
         if e is None:
             if options.host_planning != "device_first" and not _rule(
-                    mask, shape, backend, options, compiled_key in _COMPILED, q, bkey):
+                    mask, shape, backend, options, compiled_key in _COMPILED, q, bkey,
+                    _host_scale(_ratio_key(mask, shape, backend))):
                 _COUNTS["declined"] += 1
-                return None
-            if _sighted(key, options.host_plan_from_call):
+                e = False
+            elif _sighted(key, options.host_plan_from_call):
                 e = _PENDING[key] = _Entry(_GEN)
                 e.future = concurrent.futures.Future()
                 start = True
                 _COUNTS["started"] += 1
             else:
                 _COUNTS["deferred"] += 1
-        _COUNTS["device_route"] += 1
+        if e is not False:
+            _COUNTS["device_route"] += 1
+    if e is False:                 # the host plan now, timed: the rule learns its real cost
+        cache.put(key, _timed(build, mask, shape, backend, options, _platform(q), bkey))
+        return None
     # The host plan starts once the device route's output is ready: a plan running beside
     # the request would hold the GIL for its Python and NumPy parts while this thread
     # launches the kernels and returns from its wait (H100: 0.2-1.1 ms a request).
@@ -144,7 +156,8 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
         return out
     finally:
         if start:
-            _executor().submit(_job, key, build, cache, e, out)
+            _executor().submit(_job, key, functools.partial(
+                _timed, build, mask, shape, backend, options, _platform(q), bkey), cache, e, out)
 
 
 def _sighted(key, from_call: int) -> bool:
@@ -301,16 +314,17 @@ def mode(options: Options, q) -> str:
     return "sync" if _platform(q) == "cpu" else "tiered"
 
 
-def _rule(mask, shape, backend, options, compiled, q, bkey) -> bool:
-    """``tier_costs.tiers`` for this request on this machine. The mask's selected blocks are
-    counted only as far as the answer needs (``tier_costs.base_tiers``), and the host choice
-    (a table look-up, cached for the host plan) is read only where a gathering plan's
-    planning time could still tip the rule."""
+def _rule(mask, shape, backend, options, compiled, q, bkey, host_scale: float = 1.0) -> bool:
+    """``tier_costs.tiers`` for this request on this machine (``host_scale``: the measured
+    host planning over the fit's, ``_host_scale``). The mask's selected blocks are counted
+    only as far as the answer needs (``tier_costs.base_tiers``), and the host choice (a table
+    look-up, cached for the host plan) is read only where a gathering plan's planning time
+    could still tip the rule."""
     costs = tier_costs.costs_for(_platform(q), backend, _ranking.device_name())
     if costs is None:
         return False
     args = (mask, shape, backend, options.device_rule, bkey[1:])
-    if tier_costs.base_tiers(*args, costs, compiled):
+    if tier_costs.base_tiers(*args, costs, compiled, host_scale):
         return True
     if costs.host_ns_per_gather_pair <= 0:
         return False
@@ -318,7 +332,45 @@ def _rule(mask, shape, backend, options, compiled, q, bkey) -> bool:
     if size is None:
         return False
     size = dataclasses.replace(size, gather=tier_costs.host_gathers(mask, shape, backend))
-    return tier_costs.tiers(size, costs, compiled)
+    return tier_costs.tiers(size, costs, compiled, host_scale)
+
+
+def _ratio_key(mask: BlockMask, shape: AttnShape, backend: str) -> tuple:
+    """Masks whose host plans share a measured scale: one request shape and block count."""
+    return backend, shape, mask.shape
+
+
+def _host_scale(rkey) -> float:
+    """The least measured / predicted host planning time of the last plans of ``rkey`` (1.0
+    until ``_HOST_RATIOS_MIN`` were timed): the least, because a plan's one-time costs (a
+    process's first plan loads tables and compiles) only ever add time (called under
+    ``_LOCK``)."""
+    r = _HOST_RATIOS.get(rkey)
+    return min(r) if r is not None and len(r) >= _HOST_RATIOS_MIN else 1.0
+
+
+def _timed(build, mask, shape, backend, options, platform: str, bkey):
+    """``build()``, its wall time recorded against the rule's prediction for the mask (the
+    plan's own policy says whether it gathered)."""
+    t0 = time.perf_counter()
+    p = build()
+    ms = (time.perf_counter() - t0) * 1e3
+    costs = tier_costs.costs_for(platform, backend, _ranking.device_name())
+    size = None if costs is None else tier_costs.size_of(mask, shape, backend,
+                                                         options.device_rule, bkey[1:])
+    if size is not None:
+        size = dataclasses.replace(size, gather=getattr(p, "policy", None) == "gather")
+        predicted = tier_costs.predict(size, costs, True)[0]
+        if predicted > 0:
+            rkey = _ratio_key(mask, shape, backend)
+            with _LOCK:
+                r = _HOST_RATIOS.pop(rkey, None) or collections.deque(maxlen=_HOST_RATIOS_KEPT)
+                r.append(ms / predicted)
+                _HOST_RATIOS[rkey] = r                     # the newest last
+                if len(_HOST_RATIOS) > _HOST_RATIOS_MAX:
+                    _HOST_RATIOS.popitem(last=False)
+                _COUNTS["timed"] += 1
+    return p
 
 
 #: Seconds the background plan lets pass after the device route's output is ready, so the
@@ -388,7 +440,7 @@ def clear(fresh_process: bool = False) -> None:
     (``tj.clear_caches``; the device route's prepared calls and the record of their
     executables stay, as jax keeps executables, unless ``fresh_process``: the calls hold
     template choices made from the ranking tables that it drops, and their executables go
-    with them)."""
+    with them; so do the measured host planning times, facts of this machine)."""
     global _GEN
     with _LOCK:
         _GEN += 1
@@ -396,6 +448,7 @@ def clear(fresh_process: bool = False) -> None:
         _PENDING.clear()
         _SEEN.clear()
         if fresh_process:                   # their executables go with them
+            _HOST_RATIOS.clear()
             _COMPILED.difference_update(_PREPARED)
             _PREPARED.clear()
     # A cancelled plan never runs (its job returns at once), whether or not it was submitted
