@@ -294,38 +294,42 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
     _, nq, nk = blocks.shape
     nseg, tq = len(s0s), tile_q
     empty = np.zeros(0, np.int64)
-    h, i, j = np.nonzero(blocks)
-    if nseg == 0 or h.size == 0:
+    if nseg == 0 or not blocks.any():
         return _assemble_words(None, None, empty, empty, empty, empty, empty, empty, empty,
                                tile_q, tile_kv)
-    maxb = int((i1s - i0s).max())
-    # 1-2. Pairs (unit, selected key block) with their signatures, entries in their order.
-    k, r, key, pat, pkey, sig = _unit_pairs(h, i, j, i0s, i1s, nq, nk)
-    W = sig.shape[1]
-    pn = np.diff(np.append(pat, len(key)))               # entries (set bits) of each pair
-    pu, pj = pkey // nk, pkey % nk
-    # 3. Classes: pairs sorted by (unit, signature), stable (key blocks in order).
-    if W == 1 and int(pu[-1]).bit_length() + maxb <= 62:
-        co = np.argsort((pu << maxb) | sig[:, 0], kind="stable")
+    nb = i1s - i0s
+    maxb = int(nb.max())
+    # 1-2. Key intervals: runs of a unit's consecutive key blocks of one signature.
+    sig = _signatures(blocks, i0s, nb)
+    ru, ja, jb, rsig = _signature_runs(sig)
+    if not len(ru):
+        return _assemble_words(None, None, empty, empty, empty, empty, empty, empty, empty,
+                               tile_q, tile_kv)
+    W = rsig.shape[1]
+    # 3. Classes: runs sorted by (unit, signature), stable (key blocks in order). Runs of a
+    # class are never contiguous (a run is maximal), so they are the class's intervals.
+    if W == 1 and int(ru[-1]).bit_length() + maxb <= 62:
+        ckey = (ru << maxb) | rsig[:, 0].astype(np.int64)
+        co = None if (ckey[1:] >= ckey[:-1]).all() else np.argsort(ckey, kind="stable")
+        if co is not None:
+            ckey = ckey[co]
+        cnew = np.concatenate(([True], ckey[1:] != ckey[:-1]))
     else:
-        co = np.lexsort(tuple(sig[:, c] for c in range(W - 1, -1, -1)) + (pu,))
-    su, ss = pu[co], sig[co]
-    cnew = np.concatenate(([True], (su[1:] != su[:-1]) | (ss[1:] != ss[:-1]).any(axis=1)))
+        co = np.lexsort(tuple(rsig[:, c] for c in range(W - 1, -1, -1)) + (ru,))
+        su, ss = ru[co], rsig[co]
+        cnew = np.concatenate(([True], (su[1:] != su[:-1])
+                               | (ss[1:] != ss[:-1]).any(axis=1)))
+    if co is not None:
+        ru, ja, jb, rsig = ru[co], ja[co], jb[co], rsig[co]
     cat = np.flatnonzero(cnew)
     C = len(cat)
-    pcls = np.cumsum(cnew) - 1                           # class of each pair in co order
-    cu = su[cat]                                         # unit of each class
-    rep = co[cat]                                        # a member pair of each class
-    # Rows of each class: the OR of its blocks' rows in the tile (from a member's bits).
-    cwords, crows, clo, chi = _class_rows(row_blocks, maxb, tq, k, r, pat[rep], pn[rep])
-    # 4. Key intervals of each class (contiguous key blocks merged): [a, b), chunks [c0, c1).
-    cj = pj[co]
-    ka, kz = kb[cj], kb[cj + 1]
-    ckeys = np.add.reduceat(kz - ka, cat)
-    cont = (pcls[1:] == pcls[:-1]) & (cj[1:] == cj[:-1] + 1)
-    ist = np.flatnonzero(np.concatenate(([True], ~cont)))
-    ien = np.append(ist[1:], len(cj)) - 1
-    icls, a, b = pcls[ist], ka[ist], kz[ien]
+    icls = np.cumsum(cnew) - 1                           # class of each interval
+    cu = ru[cat]                                         # unit of each class
+    # Rows of each class: the OR of its blocks' rows in the tile (its signature's bits).
+    cwords, crows, clo, chi = _class_rows(row_blocks, nb, tq, cu % nseg, rsig[cat])
+    # 4. Key intervals [a, b), chunks [c0, c1).
+    a, b = kb[ja], kb[jb + 1]
+    ckeys = np.add.reduceat(b - a, cat)
     c0, c1 = a // A, -(-b // A)
     # 5. Every step's chunk starts (in chunks, [S * G]) and key bits (bytes [S, G]).
     if m == 1 and int(c1.max()) <= nchunks:
@@ -383,20 +387,27 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
                            tile_q, tile_kv, steps=steps)
 
 
-def _class_rows(row_blocks, maxb: int, tq: int, k, r, first, n):
-    """Per class, from a member pair's entries (``first`` entry and ``n`` of them; entry e in
-    segment ``k[e]`` at block row ``r[e]``): the rows its blocks own in the tile as
-    ``abi.pack_bits`` words [C, wq], their count, and their range [lo, hi) ((0, tq) when
-    none)."""
+def _class_rows(row_blocks, nb, tq: int, k, sig):
+    """Per class, from its segment ``k`` and signature words ``sig`` [C, W] (``_signatures``'):
+    the rows its blocks own in the tile as ``abi.pack_bits`` words [C, wq], their count, and
+    their range [lo, hi) ((0, tq) when none)."""
+    maxb = int(nb.max())
     eq = row_blocks[:, None, :] == np.arange(maxb)[:, None]          # [nseg, maxb, tq]
     rmask = abi.pack_bits(eq)                                         # [nseg, maxb, wq]
     rcount = eq.sum(axis=2)
     anyr = rcount > 0
     rlo = np.where(anyr, eq.argmax(axis=2), tq)
     rhi = np.where(anyr, tq - eq[:, :, ::-1].argmax(axis=2), 0)
-    x = _ranges(first, n)
-    xs = np.cumsum(n) - n
-    xk, xr = k[x], r[x]
+    # The class's blocks: the set bits of its words (little-endian bytes: bit p of word w at
+    # p + 8 * itemsize * w), block r at bit min(nb, 62 (w + 1)) - 1 - r of word w.
+    C, W = sig.shape
+    wbits = 8 * sig.dtype.itemsize
+    xc, p = np.nonzero(np.unpackbits(np.ascontiguousarray(sig).view(np.uint8), axis=1,
+                                     bitorder="little"))
+    w = p // wbits
+    xk = k[xc]
+    xr = np.minimum(nb[xk], _SIG_BITS * (w + 1)) - 1 - (p - w * wbits)
+    xs = np.flatnonzero(np.concatenate(([True], xc[1:] != xc[:-1])))
     cwords = np.bitwise_or.reduceat(rmask[xk, xr], xs, axis=0)
     crows = np.add.reduceat(rcount[xk, xr], xs).astype(np.int64)
     clo = np.minimum.reduceat(rlo[xk, xr], xs)
@@ -428,45 +439,49 @@ def _interleave_all(cwords, steps_per, cnt, tq: int, group: int):
     return np.lexsort((ar, which, np.where(one, rank, S), ~one, step_unit))
 
 
-def _unit_pairs(h, i, j, i0s, i1s, nq: int, nk: int):
-    """The selections (head ``h``, query block ``i``, key block ``j``: ``np.nonzero`` of the
-    blocks) as (unit, selected key block) pairs, a unit being (head, segment) and a block
-    counted once per segment holding it. Returns, per selection entry in (unit, key block,
-    word) order, its segment ``k``, its block's row ``r`` in the segment and the sort
-    ``key``; per pair, its first entry ``pat``, its (unit * nk + key block) ``pkey`` and its
-    signature ``sig`` [P, W]: words of up to 62 query blocks, the segment's first block the
-    high bit."""
-    nseg, nb = len(i0s), i1s - i0s
-    kf = np.searchsorted(i1s, np.arange(nq), side="right")
-    kl = np.searchsorted(i0s, np.arange(nq), side="right") - 1
-    nrep = np.maximum(kl - kf + 1, 0)[i]
-    if (nrep == 1).all():
-        k = kf[i]
-    else:
-        e = np.repeat(np.arange(len(i)), nrep)
-        k = _ranges(kf[i], nrep)
-        h, i, j = h[e], i[e], j[e]
-    r = i - i0s[k]                                       # the block in its segment
-    W = int(-(-int(nb.max()) // _SIG_BITS))
-    if W == 1:
-        bit = np.left_shift(np.int64(1), nb[k] - 1 - r)
-        key = (h * nseg + k) * nk + j
-    else:
+def _signatures(blocks, i0s, nb):
+    """The signature of every (unit, key block), dense: uint [W, Hd * nseg, nk] (0: none of the
+    segment's blocks selects it), words of up to 62 query blocks, the segment's first block
+    the high bit (``_window_classes``' order). A pass per block row of the widest segment
+    over the selections (no sort of them); one block a segment: the selections themselves."""
+    Hd, nq, nk = blocks.shape
+    nseg, maxb = len(i0s), int(nb.max())
+    if maxb == 1:
+        x = blocks if nseg == nq and (i0s == np.arange(nq)).all() else blocks[:, i0s]
+        return x.view(np.uint8).reshape(1, Hd * nseg, nk)
+    W = -(-maxb // _SIG_BITS)
+    dt = np.dtype(np.uint64 if W > 1 else
+                  next(t for t in (np.uint8, np.uint16, np.uint32, np.uint64)
+                       if np.dtype(t).itemsize * 8 >= maxb))
+    sig = np.zeros((W, Hd, nseg, nk), dt)
+    for r in range(maxb):
         w = r // _SIG_BITS
-        bit = np.left_shift(np.int64(1), np.minimum(nb[k], _SIG_BITS * (w + 1)) - 1 - r)
-        key = ((h * nseg + k) * nk + j) * W + w
-    o = np.argsort(key, kind="stable")
-    key, bit, r, k = key[o], bit[o], r[o], k[o]
-    at = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
-    word = np.add.reduceat(bit, at)                      # distinct bits: their OR
-    if W == 1:
-        return k, r, key, at, key[at], word[:, None]
-    wkey = key[at]
-    pk = wkey // W
-    pnew = np.concatenate(([True], pk[1:] != pk[:-1]))
-    sig = np.zeros((int(pnew.sum()), W), np.int64)
-    sig[np.cumsum(pnew) - 1, wkey % W] = word
-    return k, r, key, at[pnew], pk[pnew], sig
+        ks = np.flatnonzero(nb > r)
+        bit = (np.minimum(nb[ks], _SIG_BITS * (w + 1)) - 1 - r).astype(dt)
+        x = blocks[:, i0s[ks] + r].view(np.uint8).astype(dt) << bit[:, None]
+        if len(ks) == nseg:
+            sig[w] |= x
+        else:
+            sig[w][:, ks] |= x
+    return sig.reshape(W, Hd * nseg, nk)
+
+
+def _signature_runs(sig):
+    """The maximal runs of a unit's consecutive key blocks of one signature (``_signatures``,
+    none 0), in (unit, key block) order: their unit, first and last key block, and signature
+    words [R, W]. A class's runs are its key intervals."""
+    W, U, nk = sig.shape
+    nz = sig[0] != 0
+    same = sig[0][:, 1:] == sig[0][:, :-1]
+    for w in range(1, W):
+        nz |= sig[w] != 0
+        same &= sig[w][:, 1:] == sig[w][:, :-1]
+    start, end = nz.copy(), nz
+    start[:, 1:] &= ~same
+    end[:, :-1] &= ~same
+    rs, re = np.flatnonzero(start), np.flatnonzero(end)
+    ru = rs // nk
+    return ru, rs - ru * nk, re - ru * nk, sig.reshape(W, U * nk)[:, rs].T
 
 
 def _single_chunk_slots(icls, a, b, c0, c1, C: int, G: int):
