@@ -285,13 +285,13 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
                     row_blocks, group) -> GatherRaw:
     """``plan_gather`` with every unit at once in NumPy (``_window_classes`` a unit, byte for
     byte). Signatures are words of up to 62 query blocks (the first block the high bit, as
-    the packed rows sort), so classes sort as ``np.unique`` orders them; a class's key blocks
-    come in key order, contiguous ones merged into intervals whose chunks are generated at
-    once (a chunk that two intervals of a class share OR-ed into one); runs, their order (a
-    class's whole runs first) and their step slots are computed over every class together,
-    and the steps' words are written packed (no bool selections)."""
+    the packed rows sort), so classes sort as ``np.unique`` orders them; they are written
+    densely per (unit, key block) and a class's key intervals are their runs along the keys,
+    whose chunks are generated at once (a chunk that two intervals of a class share OR-ed
+    into one); runs, their order (a class's whole runs first) and their step slots are
+    computed over every class together, and the steps' words are written packed (no bool
+    selections), a block of steps at a time when runs are single chunks."""
     A = abi.GATHER_ROWS
-    _, nq, nk = blocks.shape
     nseg, tq = len(s0s), tile_q
     empty = np.zeros(0, np.int64)
     if nseg == 0 or not blocks.any():
@@ -331,60 +331,48 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
     a, b = kb[ja], kb[jb + 1]
     ckeys = np.add.reduceat(b - a, cat)
     c0, c1 = a // A, -(-b // A)
-    # 5. Every step's chunk starts (in chunks, [S * G]) and key bits (bytes [S, G]).
-    if m == 1 and int(c1.max()) <= nchunks:
-        S, steps_per, rstart, kbytes, nreal, nwhole = _single_chunk_slots(icls, a, b, c0, c1,
-                                                                           C, G)
-    else:
-        S, steps_per, rstart, kbytes = _run_slots(icls, a, b, c0, c1, C, G, m, nchunks)
-        nreal = nwhole = None
-    # 6. Words (into the plan's steps, unless reordered) and meta (``_nb_gather_units``'
-    # layout: first chunk start, selected rows [lo, hi), keys [lo, hi), all selected).
+    # 5-6. Steps: their words (into the plan's steps, unless reordered) and rows (first
+    # chunk's key, rectangle, flag; STEP_CUTS_A after), from each class's runs in slots.
     wk, wq = abi.bitmap_words(tile_kv), abi.bitmap_words(tq)
     nw = G + wk + wq
-    steps = _steps_array(S, tile_q, tile_kv)
-    words = (np.empty((S, nw), np.int32) if group else
-             steps[S: S + S * abi.gather_word_rows(tq, tile_kv)]
-             .reshape(S, -1)[:, :nw])
-    np.multiply(rstart.reshape(S, G), A, out=words[:, :G], casting="unsafe")
-    if G == 4 * wk:
-        words[:, G:G + wk] = kbytes.view("<i4")
+    if m == 1 and int(c1.max()) <= nchunks:
+        S, steps_per, per, nwh, *pieces = _single_chunk_pieces(icls, a, b, c0, c1, C, G)
+        cfull = np.where(crows == tq, nwh // G, 0)      # full steps of each class (its first)
+        steps, words, rows = _step_arrays(S, tq, tile_kv, nw, group)
+        _single_chunk_steps(words, rows, G, *pieces, steps_per, per, cfull, cwords, clo, chi)
     else:
-        pad = np.zeros((S, 4 * wk), np.uint8)
-        pad[:, :G] = kbytes
-        words[:, G:G + wk] = pad.view("<i4")
-    words[:, G + wk:] = np.repeat(cwords, steps_per, axis=0)
-    meta = np.empty((S, 6), np.int64)
-    meta[:, 0] = rstart[::G] * A
-    meta[:, 1] = np.repeat(clo, steps_per)
-    meta[:, 2] = np.repeat(chi, steps_per)
-    ar = np.arange(S)
-    if nreal is None:
+        S, steps_per, rstart, kbytes = _run_slots(icls, a, b, c0, c1, C, G, m, nchunks)
+        steps, words, rows = _step_arrays(S, tq, tile_kv, nw, group)
+        np.multiply(rstart.reshape(S, G), A, out=words[:, :G], casting="unsafe")
+        _put_bytes(words, G, kbytes)
+        words[:, G + wk:] = np.repeat(cwords, steps_per, axis=0)
         nz = kbytes != 0
         fb = nz.argmax(axis=1)
         lb = G - 1 - nz[:, ::-1].argmax(axis=1)
-        kfull = (kbytes == 255).all(axis=1)
-        meta[:, 3] = fb * A + _CTZ8[kbytes[ar, fb]]
-    else:           # a step's chunks: its runs' (each with a key), then none; whole first
-        lb, kfull = nreal - 1, nwhole == G
-        meta[:, 3] = _CTZ8[kbytes[:, 0]]
-    meta[:, 4] = lb * A + _BITLEN8[kbytes[ar, lb]]
-    meta[:, 5] = kfull & np.repeat(crows == tq, steps_per)
+        ar = np.arange(S)
+        full = (kbytes == 255).all(axis=1) & np.repeat(crows == tq, steps_per)
+        rows[:, abi.STEP_KV_START] = words[:, 0]
+        rows[:, abi.STEP_RECT] = abi.pack_rect(
+            np.repeat(clo, steps_per), np.repeat(chi, steps_per),
+            fb * A + _CTZ8[kbytes[ar, fb]], lb * A + _BITLEN8[kbytes[ar, lb]])
+        rows[:, abi.STEP_CUTS_B] = np.where(full, abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)
+        cfull = np.add.reduceat(full, np.cumsum(steps_per) - steps_per)
     # 7. Units (those with a selected key), in (head, segment) order.
     unew = np.concatenate(([True], cu[1:] != cu[:-1]))
     uat = np.flatnonzero(unew)
     uid = cu[uat]
     cnt = np.add.reduceat(steps_per, uat).astype(np.int64)
+    wr = abi.gather_word_rows(tq, tile_kv)
     if group:
         o = _interleave_all(cwords, steps_per, cnt, tq, group)
-        meta = meta[o]
-        steps[S: S + S * abi.gather_word_rows(tq, tile_kv)].reshape(S, -1)[:, :nw] = words[o]
-    nfull = np.add.reduceat(meta[:, 5], np.cumsum(cnt) - cnt).astype(np.int64)
+        steps[S: S + S * wr].reshape(S, -1)[:, :nw] = words[o]
+        steps[:S] = rows[o]
+    steps[:S, abi.STEP_CUTS_A] = (S + np.arange(S) * wr) * abi.STEP_COLS
+    nfull = np.add.reduceat(cfull, uat).astype(np.int64)
     area = np.add.reduceat(crows * ckeys, uat).astype(np.int64)
     useg = uid % nseg
-    return _assemble_words(None, meta, (uid // nseg).astype(np.int64), s0s[useg],
-                           w0[useg] - s0s[useg], w1[useg] - s0s[useg], cnt, nfull, area,
-                           tile_q, tile_kv, steps=steps)
+    return GatherRaw((uid // nseg).astype(np.int64), s0s[useg], w0[useg] - s0s[useg],
+                     w1[useg] - s0s[useg], cnt, nfull, area, steps, S * wr)
 
 
 def _class_rows(row_blocks, nb, tq: int, k, sig):
@@ -484,14 +472,14 @@ def _signature_runs(sig):
     return ru, rs - ru * nk, re - ru * nk, sig.reshape(W, U * nk)[:, rs].T
 
 
-def _single_chunk_slots(icls, a, b, c0, c1, C: int, G: int):
-    """Step slots of one-chunk runs (``m`` = 1, every chunk below ``nchunks``), from the
-    classes' key intervals without a pass per chunk: a class's runs are its intervals' full
-    chunks (whole, in order), then their partial chunks (at an unaligned end; a chunk two
-    intervals share OR-ed, never whole: the keys between them are not the class's), in
-    order, then its last step's unused runs (its first run again, no keys). (steps, steps of
-    each class, chunk of each slot [S * G], key bits [S, G] uint8, runs and whole runs of
-    each step.)"""
+def _single_chunk_pieces(icls, a, b, c0, c1, C: int, G: int):
+    """The runs of one-chunk runs (``m`` = 1, every chunk below ``nchunks``) as *pieces* of
+    consecutive slots, from the classes' key intervals without a pass per chunk: a class's
+    runs are its intervals' full chunks (whole, in order), then their partial chunks (at an
+    unaligned end; a chunk two intervals share OR-ed, never whole: the keys between them are
+    not the class's), in order, then its last step's unused runs (its first run again, no
+    keys). (steps, steps, runs and whole runs of each class, then per piece in slot order:
+    first chunk, slots, chunk step (1, or 0: unused runs), key bits uint8.)"""
     A = abi.GATHER_ROWS
     am = a % A
     fa = c0 + (am != 0)
@@ -531,20 +519,72 @@ def _single_chunk_slots(icls, a, b, c0, c1, C: int, G: int):
                             np.zeros(len(uc), np.int64)))[o]
     pbyte = np.concatenate((np.full(len(fi), 255, np.uint8), pb.astype(np.uint8),
                             np.zeros(len(uc), np.uint8)))[o]
-    # The chunk of each slot: a piece's start, then +1 a slot (+0 in the unused runs), as
-    # a running sum of steps (one array, summed in place).
-    rstart = np.ones(S * G, np.int32)
-    at = np.cumsum(plen) - plen
-    rstart[at] = pstart - np.concatenate(([0], (pstart + (plen - 1) * pstep)[:-1]))
+    return S, steps_per, per, nwh, pstart, plen, pstep, pbyte
+
+
+def _single_chunk_steps(words, rows, G: int, pstart, plen, pstep, pbyte, steps_per, per,
+                        cfull, cwords, clo, chi, block_slots: int = 1 << 18):
+    """Writes the steps' ``words`` [S, nw] and ``rows`` [S, STEP_COLS] (but STEP_CUTS_A) from
+    their slots' pieces (``_single_chunk_pieces``) and their classes' runs ``per``, full steps
+    ``cfull``, row words and rows [lo, hi): a block of steps at a time, so that its slots'
+    values stay in cache between the passes over them."""
+    A = abi.GATHER_ROWS
+    S, wk = len(words), -(-G // 4)
+    pend = np.cumsum(plen)
+    at = pend - plen
+    # Slot t of a piece holds key A * (pstart + t - at): a constant a piece plus A * t, summed
+    # in uint32 (wrapping; the sum is a key). The unused slots (chunk step 0) are set after.
+    pval = (A * (pstart - at)).astype(np.uint32)
+    ce = np.cumsum(steps_per)
+    cs = ce - steps_per                                    # each class's first step
+    lb = np.full(S, G - 1, np.int64)                       # each step's last run with a key
+    lb[ce - 1] = per - 1 - (steps_per - 1) * G
+    full = np.repeat(np.tile([True, False], len(cs)),
+                     np.stack([cfull, steps_per - cfull], 1).ravel())
+    B = max(1, block_slots // G)
+    tkey = np.arange(0, A * B * G, A, dtype=np.uint32).reshape(B, G)
+    for s0 in range(0, S, B):
+        s1 = min(S, s0 + B)
+        n, blk = s1 - s0, slice(s0, s1)
+        i, j, ln = _clipped(at, pend, s0 * G, s1 * G)
+        key = np.repeat(pval[i:j], ln).reshape(n, G)
+        key += np.uint32(A * s0 * G % 2**32)
+        np.add(key, tkey[:n], out=words[blk, :G].view(np.uint32))
+        kbytes = np.repeat(pbyte[i:j], ln).reshape(n, G)
+        _put_bytes(words[blk], G, kbytes)
+        i, j, ln = _clipped(cs, ce, s0, s1)
+        words[blk, G + wk:] = np.repeat(cwords[i:j], ln, axis=0)
+        rows[blk, abi.STEP_KV_START] = words[blk, 0]
+        lbs = lb[blk]
+        rows[blk, abi.STEP_RECT] = abi.pack_rect(
+            np.repeat(clo[i:j], ln), np.repeat(chi[i:j], ln), _CTZ8[kbytes[:, 0]],
+            lbs * A + _BITLEN8[kbytes[np.arange(n), lbs]])
+        rows[blk, abi.STEP_CUTS_B] = np.where(full[blk], abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)
     fp = np.flatnonzero(pstep == 0)
-    rstart[_ranges(at[fp] + 1, plen[fp] - 1)] = 0
-    np.cumsum(rstart, out=rstart)
-    kbytes = np.repeat(pbyte, plen).reshape(S, G)
-    # Per step: its runs (all G but in a class's last step) and whole runs (first).
-    iG = (np.arange(S) - np.repeat(np.cumsum(steps_per) - steps_per, steps_per)) * G
-    nreal = np.minimum(np.repeat(per, steps_per) - iG, G)    # iG: the step's first run
-    nwhole = np.clip(np.repeat(nwh, steps_per) - iG, 0, G)   # in its class
-    return S, steps_per, rstart, kbytes, nreal, nwhole
+    t = _ranges(at[fp], plen[fp])
+    words[t // G, t % G] = np.repeat(A * pstart[fp], plen[fp])
+
+
+def _clipped(at, end, lo: int, hi: int):
+    """(i, j, lengths): the items [i, j) of consecutive ranges [at, end) (none empty) that
+    meet [lo, hi), and their lengths inside it."""
+    i = int(np.searchsorted(end, lo, "right"))
+    j = int(np.searchsorted(at, hi, "left"))
+    ln = end[i:j] - at[i:j]
+    ln[0] -= lo - at[i]
+    ln[-1] -= end[j - 1] - hi
+    return i, j, ln
+
+
+def _put_bytes(words, G: int, kbytes):
+    """words[:, G: G + wk] = the key bits ``kbytes`` (uint8 [S, G]) as little-endian int32."""
+    wk = -(-G // 4)
+    if G == 4 * wk:
+        words[:, G:G + wk] = kbytes.view("<i4")
+    else:
+        pad = np.zeros((len(kbytes), 4 * wk), np.uint8)
+        pad[:, :G] = kbytes
+        words[:, G:G + wk] = pad.view("<i4")
 
 
 def _run_slots(icls, a, b, c0, c1, C: int, G: int, m: int, nchunks: int):
@@ -623,6 +663,16 @@ def _assemble(starts, key_sel, row_sel, full, head, qs, lo, hi, cnt, nfull, area
         meta = np.stack([starts[:, 0], row_sel.argmax(1), tile_q - row_sel[:, ::-1].argmax(1),
                          key_sel.argmax(1), tile_kv - key_sel[:, ::-1].argmax(1), full], 1)
     return _assemble_words(words, meta, head, qs, lo, hi, cnt, nfull, area, tile_q, tile_kv)
+
+
+def _step_arrays(S: int, tile_q: int, tile_kv: int, nw: int, group: int):
+    """(``_steps_array``, int32 [S, nw] and [S, STEP_COLS] its steps' words and rows are
+    written to): its own, or new arrays when they are reordered (``group``)."""
+    steps = _steps_array(S, tile_q, tile_kv)
+    if group:
+        return steps, np.empty((S, nw), np.int32), np.empty((S, abi.STEP_COLS), np.int32)
+    words = steps[S: S + S * abi.gather_word_rows(tile_q, tile_kv)].reshape(S, -1)[:, :nw]
+    return steps, words, steps[:S]
 
 
 def _steps_array(S: int, tile_q: int, tile_kv: int):
