@@ -382,13 +382,8 @@ def _class_rows(row_blocks, nb, tq: int, k, sig):
     maxb = int(nb.max())
     eq = row_blocks[:, None, :] == np.arange(maxb)[:, None]          # [nseg, maxb, tq]
     rmask = abi.pack_bits(eq)                                         # [nseg, maxb, wq]
-    rcount = eq.sum(axis=2)
-    anyr = rcount > 0
-    rlo = np.where(anyr, eq.argmax(axis=2), tq)
-    rhi = np.where(anyr, tq - eq[:, :, ::-1].argmax(axis=2), 0)
     # The class's blocks: the set bits of its words (little-endian bytes: bit p of word w at
     # p + 8 * itemsize * w), block r at bit min(nb, 62 (w + 1)) - 1 - r of word w.
-    C, W = sig.shape
     wbits = 8 * sig.dtype.itemsize
     xc, p = np.nonzero(np.unpackbits(np.ascontiguousarray(sig).view(np.uint8), axis=1,
                                      bitorder="little"))
@@ -397,11 +392,16 @@ def _class_rows(row_blocks, nb, tq: int, k, sig):
     xr = np.minimum(nb[xk], _SIG_BITS * (w + 1)) - 1 - (p - w * wbits)
     xs = np.flatnonzero(np.concatenate(([True], xc[1:] != xc[:-1])))
     cwords = np.bitwise_or.reduceat(rmask[xk, xr], xs, axis=0)
-    crows = np.add.reduceat(rcount[xk, xr], xs).astype(np.int64)
-    clo = np.minimum.reduceat(rlo[xk, xr], xs)
-    chi = np.maximum.reduceat(rhi[xk, xr], xs)
+    # Blocks own disjoint rows: the count and range of the OR's bits are the class's.
+    rb = np.ascontiguousarray(cwords).view(np.uint8)           # row i: byte i // 8, bit i % 8
+    crows = np.bitwise_count(rb).sum(axis=1, dtype=np.int64)
+    nz = rb != 0
+    fb = nz.argmax(axis=1)
+    lb = rb.shape[1] - 1 - nz[:, ::-1].argmax(axis=1)
+    ar = np.arange(len(rb))
     none = crows == 0
-    return cwords, crows, np.where(none, 0, clo), np.where(none, tq, chi)
+    return (cwords, crows, np.where(none, 0, fb * 8 + _CTZ8[rb[ar, fb]]),
+            np.where(none, tq, lb * 8 + _BITLEN8[rb[ar, lb]]))
 
 
 def _interleave_all(cwords, steps_per, cnt, tq: int, group: int):
@@ -533,8 +533,9 @@ def _single_chunk_steps(words, rows, G: int, pstart, plen, pstep, pbyte, steps_p
     pend = np.cumsum(plen)
     at = pend - plen
     # Slot t of a piece holds key A * (pstart + t - at): a constant a piece plus A * t, summed
-    # in uint32 (wrapping; the sum is a key). The unused slots (chunk step 0) are set after.
+    # in uint32 (wrapping; the sum is a key); the unused slots (chunk step 0), A * pstart.
     pval = (A * (pstart - at)).astype(np.uint32)
+    fval = (A * pstart).astype(np.uint32)
     ce = np.cumsum(steps_per)
     cs = ce - steps_per                                    # each class's first step
     lb = np.full(S, G - 1, np.int64)                       # each step's last run with a key
@@ -542,14 +543,17 @@ def _single_chunk_steps(words, rows, G: int, pstart, plen, pstep, pbyte, steps_p
     full = np.repeat(np.tile([True, False], len(cs)),
                      np.stack([cfull, steps_per - cfull], 1).ravel())
     B = max(1, block_slots // G)
-    tkey = np.arange(0, A * B * G, A, dtype=np.uint32).reshape(B, G)
+    tkey = np.arange(0, A * B * G, A, dtype=np.uint32)
     for s0 in range(0, S, B):
         s1 = min(S, s0 + B)
         n, blk = s1 - s0, slice(s0, s1)
         i, j, ln = _clipped(at, pend, s0 * G, s1 * G)
-        key = np.repeat(pval[i:j], ln).reshape(n, G)
-        key += np.uint32(A * s0 * G % 2**32)
-        np.add(key, tkey[:n], out=words[blk, :G].view(np.uint32))
+        key = np.repeat(pval[i:j] + np.uint32(A * s0 * G % 2**32), ln)
+        key += tkey[:n * G]
+        f = np.flatnonzero(pstep[i:j] == 0)
+        if len(f):
+            key[_ranges((np.cumsum(ln) - ln)[f], ln[f])] = np.repeat(fval[i:j][f], ln[f])
+        words[blk, :G] = key.reshape(n, G).view(np.int32)
         kbytes = np.repeat(pbyte[i:j], ln).reshape(n, G)
         _put_bytes(words[blk], G, kbytes)
         i, j, ln = _clipped(cs, ce, s0, s1)
@@ -560,9 +564,6 @@ def _single_chunk_steps(words, rows, G: int, pstart, plen, pstep, pbyte, steps_p
             np.repeat(clo[i:j], ln), np.repeat(chi[i:j], ln), _CTZ8[kbytes[:, 0]],
             lbs * A + _BITLEN8[kbytes[np.arange(n), lbs]])
         rows[blk, abi.STEP_CUTS_B] = np.where(full[blk], abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)
-    fp = np.flatnonzero(pstep == 0)
-    t = _ranges(at[fp], plen[fp])
-    words[t // G, t % G] = np.repeat(A * pstart[fp], plen[fp])
 
 
 def _clipped(at, end, lo: int, hi: int):
