@@ -177,6 +177,31 @@ def test_gather_numpy_all_units_matches_unit_by_unit(qkb, tiles, run, row_group)
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+@given(_unit_masks(), st.sampled_from([(128, 128), (64, 128)]), st.sampled_from([None, 64]),
+       st.sampled_from([1, 16, 40, 100, 1 << 18]))
+@settings(max_examples=40, deadline=None)
+def test_gather_numpy_steps_written_in_blocks(qkb, tiles, row_group, block_slots):
+    """The all-units plan's single-chunk steps written a block of steps at a time
+    (``_single_chunk_steps``; 1 slot: a step a block) are the unit-by-unit plan's, whatever
+    the block: pieces and classes cut at the blocks' edges, unused slots in any block."""
+    import functools
+    qb, kb, blocks = qkb
+    tq, tk = tiles
+    Lq, Lkv = int(qb[-1]), int(kb[-1])
+    args = (qb, kb, blocks, tq, tk, Lq, -(-Lq // tq) * tq, -(-Lkv // tk) * tk, 8, row_group)
+    want = gather_policy.plan_gather(*args, window=gather_policy._numpy_window)
+    write = gather_policy._single_chunk_steps
+    gather_policy._single_chunk_steps = functools.partial(write, block_slots=block_slots)
+    try:
+        got = gather_policy.plan_gather(*args)
+    finally:
+        gather_policy._single_chunk_steps = write
+    assert want.word_rows == got.word_rows
+    for name, a, b in zip(want._fields[:-1], want[:-1], got[:-1]):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 def test_gather_numpy_all_units_on_wide_windows():
     """The case above with windows of more than 62 query blocks (signatures of several
     words), clustered rows and shared chunks, both runs and row groups, fixed: steps come."""

@@ -285,124 +285,123 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
                     row_blocks, group) -> GatherRaw:
     """``plan_gather`` with every unit at once in NumPy (``_window_classes`` a unit, byte for
     byte). Signatures are words of up to 62 query blocks (the first block the high bit, as
-    the packed rows sort), so classes sort as ``np.unique`` orders them; a class's key blocks
-    come in key order, contiguous ones merged into intervals whose chunks are generated at
-    once (a chunk that two intervals of a class share OR-ed into one); runs, their order (a
-    class's whole runs first) and their step slots are computed over every class together,
-    and the steps' words are written packed (no bool selections)."""
+    the packed rows sort), so classes sort as ``np.unique`` orders them; they are written
+    densely per (unit, key block) and a class's key intervals are their runs along the keys,
+    whose chunks are generated at once (a chunk that two intervals of a class share OR-ed
+    into one); runs, their order (a class's whole runs first) and their step slots are
+    computed over every class together, and the steps' words are written packed (no bool
+    selections), a block of steps at a time when runs are single chunks."""
     A = abi.GATHER_ROWS
-    _, nq, nk = blocks.shape
     nseg, tq = len(s0s), tile_q
     empty = np.zeros(0, np.int64)
-    h, i, j = np.nonzero(blocks)
-    if nseg == 0 or h.size == 0:
+    if nseg == 0 or not blocks.any():
         return _assemble_words(None, None, empty, empty, empty, empty, empty, empty, empty,
                                tile_q, tile_kv)
-    maxb = int((i1s - i0s).max())
-    # 1-2. Pairs (unit, selected key block) with their signatures, entries in their order.
-    k, r, key, pat, pkey, sig = _unit_pairs(h, i, j, i0s, i1s, nq, nk)
-    W = sig.shape[1]
-    pn = np.diff(np.append(pat, len(key)))               # entries (set bits) of each pair
-    pu, pj = pkey // nk, pkey % nk
-    # 3. Classes: pairs sorted by (unit, signature), stable (key blocks in order).
-    if W == 1 and int(pu[-1]).bit_length() + maxb <= 62:
-        co = np.argsort((pu << maxb) | sig[:, 0], kind="stable")
+    nb = i1s - i0s
+    maxb = int(nb.max())
+    # 1-2. Key intervals: runs of a unit's consecutive key blocks of one signature.
+    sig = _signatures(blocks, i0s, nb)
+    ru, ja, jb, rsig = _signature_runs(sig)
+    if not len(ru):
+        return _assemble_words(None, None, empty, empty, empty, empty, empty, empty, empty,
+                               tile_q, tile_kv)
+    W = rsig.shape[1]
+    # 3. Classes: runs sorted by (unit, signature), stable (key blocks in order). Runs of a
+    # class are never contiguous (a run is maximal), so they are the class's intervals.
+    if W == 1 and int(ru[-1]).bit_length() + maxb <= 62:
+        ckey = (ru << maxb) | rsig[:, 0].astype(np.int64)
+        co = None if (ckey[1:] >= ckey[:-1]).all() else np.argsort(ckey, kind="stable")
+        if co is not None:
+            ckey = ckey[co]
+        cnew = np.concatenate(([True], ckey[1:] != ckey[:-1]))
     else:
-        co = np.lexsort(tuple(sig[:, c] for c in range(W - 1, -1, -1)) + (pu,))
-    su, ss = pu[co], sig[co]
-    cnew = np.concatenate(([True], (su[1:] != su[:-1]) | (ss[1:] != ss[:-1]).any(axis=1)))
+        co = np.lexsort(tuple(rsig[:, c] for c in range(W - 1, -1, -1)) + (ru,))
+        su, ss = ru[co], rsig[co]
+        cnew = np.concatenate(([True], (su[1:] != su[:-1])
+                               | (ss[1:] != ss[:-1]).any(axis=1)))
+    if co is not None:
+        ru, ja, jb, rsig = ru[co], ja[co], jb[co], rsig[co]
     cat = np.flatnonzero(cnew)
     C = len(cat)
-    pcls = np.cumsum(cnew) - 1                           # class of each pair in co order
-    cu = su[cat]                                         # unit of each class
-    rep = co[cat]                                        # a member pair of each class
-    # Rows of each class: the OR of its blocks' rows in the tile (from a member's bits).
-    cwords, crows, clo, chi = _class_rows(row_blocks, maxb, tq, k, r, pat[rep], pn[rep])
-    # 4. Key intervals of each class (contiguous key blocks merged): [a, b), chunks [c0, c1).
-    cj = pj[co]
-    ka, kz = kb[cj], kb[cj + 1]
-    ckeys = np.add.reduceat(kz - ka, cat)
-    cont = (pcls[1:] == pcls[:-1]) & (cj[1:] == cj[:-1] + 1)
-    ist = np.flatnonzero(np.concatenate(([True], ~cont)))
-    ien = np.append(ist[1:], len(cj)) - 1
-    icls, a, b = pcls[ist], ka[ist], kz[ien]
+    icls = np.cumsum(cnew) - 1                           # class of each interval
+    cu = ru[cat]                                         # unit of each class
+    # Rows of each class: the OR of its blocks' rows in the tile (its signature's bits).
+    cwords, crows, clo, chi = _class_rows(row_blocks, nb, tq, cu % nseg, rsig[cat])
+    # 4. Key intervals [a, b), chunks [c0, c1).
+    a, b = kb[ja], kb[jb + 1]
+    ckeys = np.add.reduceat(b - a, cat)
     c0, c1 = a // A, -(-b // A)
-    # 5. Every step's chunk starts (in chunks, [S * G]) and key bits (bytes [S, G]).
-    if m == 1 and int(c1.max()) <= nchunks:
-        S, steps_per, rstart, kbytes, nreal, nwhole = _single_chunk_slots(icls, a, b, c0, c1,
-                                                                           C, G)
-    else:
-        S, steps_per, rstart, kbytes = _run_slots(icls, a, b, c0, c1, C, G, m, nchunks)
-        nreal = nwhole = None
-    # 6. Words (into the plan's steps, unless reordered) and meta (``_nb_gather_units``'
-    # layout: first chunk start, selected rows [lo, hi), keys [lo, hi), all selected).
+    # 5-6. Steps: their words (into the plan's steps, unless reordered) and rows (first
+    # chunk's key, rectangle, flag; STEP_CUTS_A after), from each class's runs in slots.
     wk, wq = abi.bitmap_words(tile_kv), abi.bitmap_words(tq)
     nw = G + wk + wq
-    steps = _steps_array(S, tile_q, tile_kv)
-    words = (np.empty((S, nw), np.int32) if group else
-             steps[S: S + S * abi.gather_word_rows(tq, tile_kv)]
-             .reshape(S, -1)[:, :nw])
-    np.multiply(rstart.reshape(S, G), A, out=words[:, :G], casting="unsafe")
-    if G == 4 * wk:
-        words[:, G:G + wk] = kbytes.view("<i4")
+    if m == 1 and int(c1.max()) <= nchunks:
+        S, steps_per, per, nwh, *pieces = _single_chunk_pieces(icls, a, b, c0, c1, C, G)
+        cfull = np.where(crows == tq, nwh // G, 0)      # full steps of each class (its first)
+        steps, words, rows = _step_arrays(S, tq, tile_kv, nw, group)
+        _single_chunk_steps(words, rows, G, *pieces, steps_per, per, cfull, cwords, clo, chi)
     else:
-        pad = np.zeros((S, 4 * wk), np.uint8)
-        pad[:, :G] = kbytes
-        words[:, G:G + wk] = pad.view("<i4")
-    words[:, G + wk:] = np.repeat(cwords, steps_per, axis=0)
-    meta = np.empty((S, 6), np.int64)
-    meta[:, 0] = rstart[::G] * A
-    meta[:, 1] = np.repeat(clo, steps_per)
-    meta[:, 2] = np.repeat(chi, steps_per)
-    ar = np.arange(S)
-    if nreal is None:
+        S, steps_per, rstart, kbytes = _run_slots(icls, a, b, c0, c1, C, G, m, nchunks)
+        steps, words, rows = _step_arrays(S, tq, tile_kv, nw, group)
+        np.multiply(rstart.reshape(S, G), A, out=words[:, :G], casting="unsafe")
+        _put_bytes(words, G, kbytes)
+        words[:, G + wk:] = np.repeat(cwords, steps_per, axis=0)
         nz = kbytes != 0
         fb = nz.argmax(axis=1)
         lb = G - 1 - nz[:, ::-1].argmax(axis=1)
-        kfull = (kbytes == 255).all(axis=1)
-        meta[:, 3] = fb * A + _CTZ8[kbytes[ar, fb]]
-    else:           # a step's chunks: its runs' (each with a key), then none; whole first
-        lb, kfull = nreal - 1, nwhole == G
-        meta[:, 3] = _CTZ8[kbytes[:, 0]]
-    meta[:, 4] = lb * A + _BITLEN8[kbytes[ar, lb]]
-    meta[:, 5] = kfull & np.repeat(crows == tq, steps_per)
+        ar = np.arange(S)
+        full = (kbytes == 255).all(axis=1) & np.repeat(crows == tq, steps_per)
+        rows[:, abi.STEP_KV_START] = words[:, 0]
+        rows[:, abi.STEP_RECT] = abi.pack_rect(
+            np.repeat(clo, steps_per), np.repeat(chi, steps_per),
+            fb * A + _CTZ8[kbytes[ar, fb]], lb * A + _BITLEN8[kbytes[ar, lb]])
+        rows[:, abi.STEP_CUTS_B] = np.where(full, abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)
+        cfull = np.add.reduceat(full, np.cumsum(steps_per) - steps_per)
     # 7. Units (those with a selected key), in (head, segment) order.
     unew = np.concatenate(([True], cu[1:] != cu[:-1]))
     uat = np.flatnonzero(unew)
     uid = cu[uat]
     cnt = np.add.reduceat(steps_per, uat).astype(np.int64)
+    wr = abi.gather_word_rows(tq, tile_kv)
     if group:
         o = _interleave_all(cwords, steps_per, cnt, tq, group)
-        meta = meta[o]
-        steps[S: S + S * abi.gather_word_rows(tq, tile_kv)].reshape(S, -1)[:, :nw] = words[o]
-    nfull = np.add.reduceat(meta[:, 5], np.cumsum(cnt) - cnt).astype(np.int64)
+        steps[S: S + S * wr].reshape(S, -1)[:, :nw] = words[o]
+        steps[:S] = rows[o]
+    steps[:S, abi.STEP_CUTS_A] = (S + np.arange(S) * wr) * abi.STEP_COLS
+    nfull = np.add.reduceat(cfull, uat).astype(np.int64)
     area = np.add.reduceat(crows * ckeys, uat).astype(np.int64)
     useg = uid % nseg
-    return _assemble_words(None, meta, (uid // nseg).astype(np.int64), s0s[useg],
-                           w0[useg] - s0s[useg], w1[useg] - s0s[useg], cnt, nfull, area,
-                           tile_q, tile_kv, steps=steps)
+    return GatherRaw((uid // nseg).astype(np.int64), s0s[useg], w0[useg] - s0s[useg],
+                     w1[useg] - s0s[useg], cnt, nfull, area, steps, S * wr)
 
 
-def _class_rows(row_blocks, maxb: int, tq: int, k, r, first, n):
-    """Per class, from a member pair's entries (``first`` entry and ``n`` of them; entry e in
-    segment ``k[e]`` at block row ``r[e]``): the rows its blocks own in the tile as
-    ``abi.pack_bits`` words [C, wq], their count, and their range [lo, hi) ((0, tq) when
-    none)."""
+def _class_rows(row_blocks, nb, tq: int, k, sig):
+    """Per class, from its segment ``k`` and signature words ``sig`` [C, W] (``_signatures``'):
+    the rows its blocks own in the tile as ``abi.pack_bits`` words [C, wq], their count, and
+    their range [lo, hi) ((0, tq) when none)."""
+    maxb = int(nb.max())
     eq = row_blocks[:, None, :] == np.arange(maxb)[:, None]          # [nseg, maxb, tq]
     rmask = abi.pack_bits(eq)                                         # [nseg, maxb, wq]
-    rcount = eq.sum(axis=2)
-    anyr = rcount > 0
-    rlo = np.where(anyr, eq.argmax(axis=2), tq)
-    rhi = np.where(anyr, tq - eq[:, :, ::-1].argmax(axis=2), 0)
-    x = _ranges(first, n)
-    xs = np.cumsum(n) - n
-    xk, xr = k[x], r[x]
+    # The class's blocks: the set bits of its words (little-endian bytes: bit p of word w at
+    # p + 8 * itemsize * w), block r at bit min(nb, 62 (w + 1)) - 1 - r of word w.
+    wbits = 8 * sig.dtype.itemsize
+    xc, p = np.nonzero(np.unpackbits(np.ascontiguousarray(sig).view(np.uint8), axis=1,
+                                     bitorder="little"))
+    w = p // wbits
+    xk = k[xc]
+    xr = np.minimum(nb[xk], _SIG_BITS * (w + 1)) - 1 - (p - w * wbits)
+    xs = np.flatnonzero(np.concatenate(([True], xc[1:] != xc[:-1])))
     cwords = np.bitwise_or.reduceat(rmask[xk, xr], xs, axis=0)
-    crows = np.add.reduceat(rcount[xk, xr], xs).astype(np.int64)
-    clo = np.minimum.reduceat(rlo[xk, xr], xs)
-    chi = np.maximum.reduceat(rhi[xk, xr], xs)
+    # Blocks own disjoint rows: the count and range of the OR's bits are the class's.
+    rb = np.ascontiguousarray(cwords).view(np.uint8)           # row i: byte i // 8, bit i % 8
+    crows = np.bitwise_count(rb).sum(axis=1, dtype=np.int64)
+    nz = rb != 0
+    fb = nz.argmax(axis=1)
+    lb = rb.shape[1] - 1 - nz[:, ::-1].argmax(axis=1)
+    ar = np.arange(len(rb))
     none = crows == 0
-    return cwords, crows, np.where(none, 0, clo), np.where(none, tq, chi)
+    return (cwords, crows, np.where(none, 0, fb * 8 + _CTZ8[rb[ar, fb]]),
+            np.where(none, tq, lb * 8 + _BITLEN8[rb[ar, lb]]))
 
 
 def _interleave_all(cwords, steps_per, cnt, tq: int, group: int):
@@ -428,55 +427,59 @@ def _interleave_all(cwords, steps_per, cnt, tq: int, group: int):
     return np.lexsort((ar, which, np.where(one, rank, S), ~one, step_unit))
 
 
-def _unit_pairs(h, i, j, i0s, i1s, nq: int, nk: int):
-    """The selections (head ``h``, query block ``i``, key block ``j``: ``np.nonzero`` of the
-    blocks) as (unit, selected key block) pairs, a unit being (head, segment) and a block
-    counted once per segment holding it. Returns, per selection entry in (unit, key block,
-    word) order, its segment ``k``, its block's row ``r`` in the segment and the sort
-    ``key``; per pair, its first entry ``pat``, its (unit * nk + key block) ``pkey`` and its
-    signature ``sig`` [P, W]: words of up to 62 query blocks, the segment's first block the
-    high bit."""
-    nseg, nb = len(i0s), i1s - i0s
-    kf = np.searchsorted(i1s, np.arange(nq), side="right")
-    kl = np.searchsorted(i0s, np.arange(nq), side="right") - 1
-    nrep = np.maximum(kl - kf + 1, 0)[i]
-    if (nrep == 1).all():
-        k = kf[i]
-    else:
-        e = np.repeat(np.arange(len(i)), nrep)
-        k = _ranges(kf[i], nrep)
-        h, i, j = h[e], i[e], j[e]
-    r = i - i0s[k]                                       # the block in its segment
-    W = int(-(-int(nb.max()) // _SIG_BITS))
-    if W == 1:
-        bit = np.left_shift(np.int64(1), nb[k] - 1 - r)
-        key = (h * nseg + k) * nk + j
-    else:
+def _signatures(blocks, i0s, nb):
+    """The signature of every (unit, key block), dense: uint [W, Hd * nseg, nk] (0: none of the
+    segment's blocks selects it), words of up to 62 query blocks, the segment's first block
+    the high bit (``_window_classes``' order). A pass per block row of the widest segment
+    over the selections (no sort of them); one block a segment: the selections themselves."""
+    Hd, nq, nk = blocks.shape
+    nseg, maxb = len(i0s), int(nb.max())
+    if maxb == 1:
+        x = blocks if nseg == nq and (i0s == np.arange(nq)).all() else blocks[:, i0s]
+        return x.view(np.uint8).reshape(1, Hd * nseg, nk)
+    W = -(-maxb // _SIG_BITS)
+    dt = np.dtype(np.uint64 if W > 1 else
+                  next(t for t in (np.uint8, np.uint16, np.uint32, np.uint64)
+                       if np.dtype(t).itemsize * 8 >= maxb))
+    sig = np.zeros((W, Hd, nseg, nk), dt)
+    for r in range(maxb):
         w = r // _SIG_BITS
-        bit = np.left_shift(np.int64(1), np.minimum(nb[k], _SIG_BITS * (w + 1)) - 1 - r)
-        key = ((h * nseg + k) * nk + j) * W + w
-    o = np.argsort(key, kind="stable")
-    key, bit, r, k = key[o], bit[o], r[o], k[o]
-    at = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
-    word = np.add.reduceat(bit, at)                      # distinct bits: their OR
-    if W == 1:
-        return k, r, key, at, key[at], word[:, None]
-    wkey = key[at]
-    pk = wkey // W
-    pnew = np.concatenate(([True], pk[1:] != pk[:-1]))
-    sig = np.zeros((int(pnew.sum()), W), np.int64)
-    sig[np.cumsum(pnew) - 1, wkey % W] = word
-    return k, r, key, at[pnew], pk[pnew], sig
+        ks = np.flatnonzero(nb > r)
+        bit = (np.minimum(nb[ks], _SIG_BITS * (w + 1)) - 1 - r).astype(dt)
+        x = blocks[:, i0s[ks] + r].view(np.uint8).astype(dt) << bit[:, None]
+        if len(ks) == nseg:
+            sig[w] |= x
+        else:
+            sig[w][:, ks] |= x
+    return sig.reshape(W, Hd * nseg, nk)
 
 
-def _single_chunk_slots(icls, a, b, c0, c1, C: int, G: int):
-    """Step slots of one-chunk runs (``m`` = 1, every chunk below ``nchunks``), from the
-    classes' key intervals without a pass per chunk: a class's runs are its intervals' full
-    chunks (whole, in order), then their partial chunks (at an unaligned end; a chunk two
-    intervals share OR-ed, never whole: the keys between them are not the class's), in
-    order, then its last step's unused runs (its first run again, no keys). (steps, steps of
-    each class, chunk of each slot [S * G], key bits [S, G] uint8, runs and whole runs of
-    each step.)"""
+def _signature_runs(sig):
+    """The maximal runs of a unit's consecutive key blocks of one signature (``_signatures``,
+    none 0), in (unit, key block) order: their unit, first and last key block, and signature
+    words [R, W]. A class's runs are its key intervals."""
+    W, U, nk = sig.shape
+    nz = sig[0] != 0
+    same = sig[0][:, 1:] == sig[0][:, :-1]
+    for w in range(1, W):
+        nz |= sig[w] != 0
+        same &= sig[w][:, 1:] == sig[w][:, :-1]
+    start, end = nz.copy(), nz
+    start[:, 1:] &= ~same
+    end[:, :-1] &= ~same
+    rs, re = np.flatnonzero(start), np.flatnonzero(end)
+    ru = rs // nk
+    return ru, rs - ru * nk, re - ru * nk, sig.reshape(W, U * nk)[:, rs].T
+
+
+def _single_chunk_pieces(icls, a, b, c0, c1, C: int, G: int):
+    """The runs of one-chunk runs (``m`` = 1, every chunk below ``nchunks``) as *pieces* of
+    consecutive slots, from the classes' key intervals without a pass per chunk: a class's
+    runs are its intervals' full chunks (whole, in order), then their partial chunks (at an
+    unaligned end; a chunk two intervals share OR-ed, never whole: the keys between them are
+    not the class's), in order, then its last step's unused runs (its first run again, no
+    keys). (steps, steps, runs and whole runs of each class, then per piece in slot order:
+    first chunk, slots, chunk step (1, or 0: unused runs), key bits uint8.)"""
     A = abi.GATHER_ROWS
     am = a % A
     fa = c0 + (am != 0)
@@ -516,20 +519,73 @@ def _single_chunk_slots(icls, a, b, c0, c1, C: int, G: int):
                             np.zeros(len(uc), np.int64)))[o]
     pbyte = np.concatenate((np.full(len(fi), 255, np.uint8), pb.astype(np.uint8),
                             np.zeros(len(uc), np.uint8)))[o]
-    # The chunk of each slot: a piece's start, then +1 a slot (+0 in the unused runs), as
-    # a running sum of steps (one array, summed in place).
-    rstart = np.ones(S * G, np.int32)
-    at = np.cumsum(plen) - plen
-    rstart[at] = pstart - np.concatenate(([0], (pstart + (plen - 1) * pstep)[:-1]))
-    fp = np.flatnonzero(pstep == 0)
-    rstart[_ranges(at[fp] + 1, plen[fp] - 1)] = 0
-    np.cumsum(rstart, out=rstart)
-    kbytes = np.repeat(pbyte, plen).reshape(S, G)
-    # Per step: its runs (all G but in a class's last step) and whole runs (first).
-    iG = (np.arange(S) - np.repeat(np.cumsum(steps_per) - steps_per, steps_per)) * G
-    nreal = np.minimum(np.repeat(per, steps_per) - iG, G)    # iG: the step's first run
-    nwhole = np.clip(np.repeat(nwh, steps_per) - iG, 0, G)   # in its class
-    return S, steps_per, rstart, kbytes, nreal, nwhole
+    return S, steps_per, per, nwh, pstart, plen, pstep, pbyte
+
+
+def _single_chunk_steps(words, rows, G: int, pstart, plen, pstep, pbyte, steps_per, per,
+                        cfull, cwords, clo, chi, block_slots: int = 1 << 18):
+    """Writes the steps' ``words`` [S, nw] and ``rows`` [S, STEP_COLS] (but STEP_CUTS_A) from
+    their slots' pieces (``_single_chunk_pieces``) and their classes' runs ``per``, full steps
+    ``cfull``, row words and rows [lo, hi): a block of steps at a time, so that its slots'
+    values stay in cache between the passes over them."""
+    A = abi.GATHER_ROWS
+    S, wk = len(words), -(-G // 4)
+    pend = np.cumsum(plen)
+    at = pend - plen
+    # Slot t of a piece holds key A * (pstart + t - at): a constant a piece plus A * t, summed
+    # in uint32 (wrapping; the sum is a key); the unused slots (chunk step 0), A * pstart.
+    pval = (A * (pstart - at)).astype(np.uint32)
+    fval = (A * pstart).astype(np.uint32)
+    ce = np.cumsum(steps_per)
+    cs = ce - steps_per                                    # each class's first step
+    lb = np.full(S, G - 1, np.int64)                       # each step's last run with a key
+    lb[ce - 1] = per - 1 - (steps_per - 1) * G
+    full = np.repeat(np.tile([True, False], len(cs)),
+                     np.stack([cfull, steps_per - cfull], 1).ravel())
+    B = max(1, block_slots // G)
+    tkey = np.arange(0, A * B * G, A, dtype=np.uint32)
+    for s0 in range(0, S, B):
+        s1 = min(S, s0 + B)
+        n, blk = s1 - s0, slice(s0, s1)
+        i, j, ln = _clipped(at, pend, s0 * G, s1 * G)
+        key = np.repeat(pval[i:j] + np.uint32(A * s0 * G % 2**32), ln)
+        key += tkey[:n * G]
+        f = np.flatnonzero(pstep[i:j] == 0)
+        if len(f):
+            key[_ranges((np.cumsum(ln) - ln)[f], ln[f])] = np.repeat(fval[i:j][f], ln[f])
+        words[blk, :G] = key.reshape(n, G).view(np.int32)
+        kbytes = np.repeat(pbyte[i:j], ln).reshape(n, G)
+        _put_bytes(words[blk], G, kbytes)
+        i, j, ln = _clipped(cs, ce, s0, s1)
+        words[blk, G + wk:] = np.repeat(cwords[i:j], ln, axis=0)
+        rows[blk, abi.STEP_KV_START] = words[blk, 0]
+        lbs = lb[blk]
+        rows[blk, abi.STEP_RECT] = abi.pack_rect(
+            np.repeat(clo[i:j], ln), np.repeat(chi[i:j], ln), _CTZ8[kbytes[:, 0]],
+            lbs * A + _BITLEN8[kbytes[np.arange(n), lbs]])
+        rows[blk, abi.STEP_CUTS_B] = np.where(full[blk], abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)
+
+
+def _clipped(at, end, lo: int, hi: int):
+    """(i, j, lengths): the items [i, j) of consecutive ranges [at, end) (none empty) that
+    meet [lo, hi), and their lengths inside it."""
+    i = int(np.searchsorted(end, lo, "right"))
+    j = int(np.searchsorted(at, hi, "left"))
+    ln = end[i:j] - at[i:j]
+    ln[0] -= lo - at[i]
+    ln[-1] -= end[j - 1] - hi
+    return i, j, ln
+
+
+def _put_bytes(words, G: int, kbytes):
+    """words[:, G: G + wk] = the key bits ``kbytes`` (uint8 [S, G]) as little-endian int32."""
+    wk = -(-G // 4)
+    if G == 4 * wk:
+        words[:, G:G + wk] = kbytes.view("<i4")
+    else:
+        pad = np.zeros((len(kbytes), 4 * wk), np.uint8)
+        pad[:, :G] = kbytes
+        words[:, G:G + wk] = pad.view("<i4")
 
 
 def _run_slots(icls, a, b, c0, c1, C: int, G: int, m: int, nchunks: int):
@@ -608,6 +664,16 @@ def _assemble(starts, key_sel, row_sel, full, head, qs, lo, hi, cnt, nfull, area
         meta = np.stack([starts[:, 0], row_sel.argmax(1), tile_q - row_sel[:, ::-1].argmax(1),
                          key_sel.argmax(1), tile_kv - key_sel[:, ::-1].argmax(1), full], 1)
     return _assemble_words(words, meta, head, qs, lo, hi, cnt, nfull, area, tile_q, tile_kv)
+
+
+def _step_arrays(S: int, tile_q: int, tile_kv: int, nw: int, group: int):
+    """(``_steps_array``, int32 [S, nw] and [S, STEP_COLS] its steps' words and rows are
+    written to): its own, or new arrays when they are reordered (``group``)."""
+    steps = _steps_array(S, tile_q, tile_kv)
+    if group:
+        return steps, np.empty((S, nw), np.int32), np.empty((S, abi.STEP_COLS), np.int32)
+    words = steps[S: S + S * abi.gather_word_rows(tile_q, tile_kv)].reshape(S, -1)[:, :nw]
+    return steps, words, steps[:S]
 
 
 def _steps_array(S: int, tile_q: int, tile_kv: int):
