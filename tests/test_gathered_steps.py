@@ -223,6 +223,37 @@ def test_gather_numpy_all_units_on_wide_windows():
             np.testing.assert_array_equal(a, b)
 
 
+def test_auto_loops_plan_large_query_blocks_with_numpy(monkeypatch):
+    """With the compiled loops running ("auto", ready), the gather policy plans query blocks
+    of >= tile_q / ``GATHER_NUMPY_MAX_BLOCKS`` tokens with NumPy's all-units pass (faster
+    there), smaller ones with the loops; the steps are the compiled loops' either way."""
+    from tessera_jax.planning import loops
+    L, rng = 2048, np.random.default_rng(5)
+    shape = tj.validation.check_shapes((1, L, 2, 64), (1, L, 2, 64), "float32")
+    t = tj.runtime.dispatch.get_template("mgpu_q128_kv128_s2_gather")
+    kw = dict(tile_q=t.tile_q, tile_kv=t.tile_kv, policy="gather", q_align=t.q_align,
+              kv_align=t.kv_align, template=t.name, unit_order=t.unit_order,
+              row_group=t.row_group)
+    numpy_calls = []
+    real = gather_policy._plan_all_units
+    monkeypatch.setattr(gather_policy, "_plan_all_units",
+                        lambda *a: numpy_calls.append(1) or real(*a))
+    for blk, numpy_pass in ((128, True), (32, True), (16, False), (8, False)):
+        n, per_tile = L // blk, 128 // blk      # a tile's query blocks share their keys
+        sel = (rng.random((2, L // 128, n)) < 0.15).repeat(per_tile, axis=1)
+        m = tj.BlockMask.uniform(L, L, blk, blk, sel)
+        want = planner.build_unchecked(m, shape, config=planner.PlannerConfig(loops="compiled"),
+                                       **kw)
+        assert loops.ready()
+        numpy_calls.clear()
+        planner.clear_cache()
+        got = planner.build_unchecked(m, shape, config=planner.PlannerConfig(), **kw)
+        assert bool(numpy_calls) is numpy_pass, blk
+        assert want.policy == got.policy == "gather" and want.stats()["gather_steps"] > 0
+        np.testing.assert_array_equal(want.steps, got.steps)
+        np.testing.assert_array_equal(want.units, got.units)
+
+
 def test_gather_numpy_all_units_marks_full_steps():
     """Dense tiles whose keys end inside a chunk: a step of 15 whole chunks and a partial one
     is not full (``GATHER_FULL_FLAG``), whole steps are; as the unit-by-unit plan says."""

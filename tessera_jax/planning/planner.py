@@ -1333,12 +1333,24 @@ def _policy_raw(ctx: _Ctx, policy: str, shape: AttnShape, cost_model, hmap, num_
     return _bitmap_steps(raw, tq, tk, ctx.cfg), head_policies, mixed
 
 
+#: Mean query blocks per query tile up to which the gather policy plans with NumPy's
+#: all-units pass even where the compiled loops run (the same steps): 2-9x faster than the
+#: compiled loops at 1-2.4 blocks a tile (Wan 480p corpus masks, 12 heads: ssta 29 against 215
+#: ms, vsa 115 / 265; Wan 720p sparge, 40 heads: 0.93 / 6.2 s), 1.8x at 4 (random 32-token
+#: blocks); the loops win from ~8 (token-level masks, 4-token blocks: 2.4 against 3.9 s).
+GATHER_NUMPY_MAX_BLOCKS = 4.0
+
+
 def _gather_window(ctx: _Ctx):
-    """The gather policy's unit loop for the loops' tier: the compiled loop once it is ready;
-    before that, NumPy's (None) for a small mask, else ``NotReady`` (the NumPy tier plans it
-    and the loops compile meanwhile: interpreted, the loop is slower than NumPy's); NumPy's
-    under "interpreted" and "vectorised"."""
+    """The gather policy's unit loop for the loops' tier: NumPy's (None) where query blocks
+    are large (``GATHER_NUMPY_MAX_BLOCKS``); else the compiled loop once it is ready; before
+    that, NumPy's for a small mask, else ``NotReady`` (the NumPy tier plans it and the loops
+    compile meanwhile: interpreted, the loop is slower than NumPy's); NumPy's under
+    "interpreted" and "vectorised"."""
     cfg = ctx.cfg
+    if ctx.tile_q * (len(ctx.qb) - 1) <= GATHER_NUMPY_MAX_BLOCKS * int(ctx.qb[-1]) \
+            and cfg.loops != "compiled":
+        return None
     if cfg.loops == "compiled" or (cfg.loops == "auto" and _loops.ready()):
         return _runner(cfg)._nb_gather_window
     if cfg.loops == "auto" and ctx.words.shape[0] * ctx.words.shape[1] * (len(ctx.kb) - 1) \
