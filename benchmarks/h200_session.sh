@@ -73,7 +73,11 @@
 # run --no-gather-alt).
 # Session 45 (an H100; the H200 asked for by name did not come): `s44` (12 passed; the Wan 480p
 # dense, ditfastattn, jenga rows) and `peers-next wan720 40` twice (results/h100-peers-720.json);
-# FlashInfer's module from the first call installed in .carry (flashinfer_aot.py).
+# FlashInfer's module from the first call installed in .carry (flashinfer_aot.py). Check next
+# time: `flashinfer_warmup.bsr_first_call_s` < 2 s (the carried module), the Wan 720p sparge
+# host row's `plan_ms` ~1.7 s (11.1 s before the gather planner's NumPy pass), ditfastattn's
+# Wan 720p host requests on the device route after two timed plans (22.8 -> ~18.3 ms); on an
+# H100 `alt-720` (~4 min), then `peers-next wan720 40 benchmarks/results/h100-peers-720.json`.
 # First next time, on an H200: `s44` (the overflow default's GPU cases, then the Wan 480p
 # peers), then `peers-480-next results/tmp/<earlier files>` until the 13 families x 2 sources
 # are timed (h200-peers.json holds ff390cc's rows at the older n=5 request rule, which the

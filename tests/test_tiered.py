@@ -531,48 +531,44 @@ def test_constants_per_gpu_and_auto_mode():
     assert route == "host"
 
 
-def test_measured_host_planning_scales_the_rule():
+def test_measured_host_planning_scales_the_rule(monkeypatch):
     """A size the fit misprices: two timed host plans far slower than predicted make the rule
     tier (one is not enough: a first plan's one-time costs); the least ratio counts, so a
-    fast plan takes it back; ``clear_caches`` keeps the times, a fresh process drops them."""
+    fast plan takes it back; ``clear_caches`` keeps the times, a fresh process drops them.
+    Costs with room for a loaded box's timing noise: 1 ms predicted host planning against
+    100 ms of device-route extra; "slow" plans take 150 ms."""
     import time as _time
-    rng = np.random.default_rng(21)
-    m = tj.BlockMask.uniform(L, L, 32, 32, rng.random((H, 6, 6)) < 0.4)
+    monkeypatch.setattr(tier_costs, "costs_for",
+                        lambda *a: _costs(host_ms=1.0, device_ms=100.0))
+    m = _mask(21)
     q, k, _ = _qkv()
     shape = check_shapes(q.shape, k.shape, q.dtype)
     bkey, rkey = tiered.bounds_key(m), tiered._ratio_key(m, shape, "xla")
     tiered._HOST_RATIOS.pop(rkey, None)           # other tests' plans of this shape
-    size = tier_costs.size_of(m, shape, "xla", TIERED.device_rule)
-    host, device = tier_costs.predict(size, tier_costs.CPU, True)
-    assert 0 < host < device                      # the fit keeps it on the host
-    slow_ms = 1.5e3 * device                      # a plan 1.5x the device route's extra
+    made = host_plans.build(m, shape, "xla", None, None)
 
     def rule():
         with tiered._LOCK:
             scale = tiered._host_scale(rkey)
         return tiered._rule(m, shape, "xla", TIERED, True, q, bkey, scale)
 
-    made = host_plans.build(m, shape, "xla", None, None)
-
-    def plan(ms):                 # a host plan that takes ``ms`` (about nothing for 0)
-        return lambda: _time.sleep(ms / 1e3) or made
-
-    def timed(ms):
-        return tiered._timed(plan(ms), m, shape, "xla", TIERED, "cpu", bkey)
+    def timed(ms):                # a host plan that takes ``ms`` (about nothing for 0)
+        return tiered._timed(lambda: _time.sleep(ms / 1e3) or made, m, shape, "xla", TIERED,
+                             "cpu", bkey)
 
     try:
         before = tiered.stats().get("timed", 0)
-        assert timed(slow_ms).policy and not rule()                # one plan: no scale yet
-        timed(slow_ms)
+        assert timed(150.0) is made and not rule()                 # one plan: no scale yet
+        timed(150.0)
         assert tiered.stats()["timed"] == before + 2 and rule()
         tj.clear_caches()
         assert rule()
         timed(0.0)                                                 # the least ratio counts
         assert not rule()
-        timed(slow_ms), timed(slow_ms)
+        timed(150.0), timed(150.0)
         assert not rule()             # the fast one is still among the last plans
         for _ in range(tiered._HOST_RATIOS_KEPT):
-            timed(slow_ms)
+            timed(150.0)
         assert rule()
         tj.clear_caches(fresh_process=True)
         assert not rule()
@@ -580,10 +576,11 @@ def test_measured_host_planning_scales_the_rule():
         tiered._HOST_RATIOS.pop(rkey, None)
 
 
-def test_a_declined_request_times_its_host_plan():
-    """The rule's host plan (declined: the fit keeps this size on the host) is timed and in
-    the front cache for the caller; the output is the reference's; a background plan is
+def test_a_declined_request_times_its_host_plan(monkeypatch):
+    """The rule's host plan (declined: costs that keep every size on the host) is timed and
+    in the front cache for the caller; the output is the reference's; a background plan is
     timed too."""
+    monkeypatch.setattr(tier_costs, "costs_for", lambda *a: _costs(host_ms=1.0, device_ms=1e6))
     m, (q, k, v) = _mask(13), _qkv()
     rkey = tiered._ratio_key(m, check_shapes(q.shape, k.shape, q.dtype), "xla")
     tiered._HOST_RATIOS.pop(rkey, None)
