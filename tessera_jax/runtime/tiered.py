@@ -466,6 +466,6 @@ def stats() -> dict:
     """Counts since the process started: calls that ran the device route, background plans
     started / published / failed / re-raised, device-route calls that started no plan
     (deferred: an earlier call than ``host_plan_from_call``), calls the rule sent to the host
-    plan (declined)."""
+    plan (declined), host plans timed for the rule's measured scale (timed)."""
     with _LOCK:
         return dict(_COUNTS)
