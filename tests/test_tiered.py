@@ -534,7 +534,8 @@ def test_constants_per_gpu_and_auto_mode():
 def test_measured_host_planning_scales_the_rule(monkeypatch):
     """A size the fit misprices: two timed host plans far slower than predicted make the rule
     tier (one is not enough: a first plan's one-time costs); the least ratio counts, so a
-    fast plan takes it back; ``clear_caches`` keeps the times, a fresh process drops them.
+    fast plan takes it back; samples a minute old no longer count; ``clear_caches`` keeps the
+    times, a fresh process drops them.
     Costs with room for a loaded box's timing noise: 1 ms predicted host planning against
     100 ms of device-route extra; "slow" plans take 150 ms."""
     import time as _time
@@ -570,6 +571,9 @@ def test_measured_host_planning_scales_the_rule(monkeypatch):
         for _ in range(tiered._HOST_RATIOS_KEPT):
             timed(150.0)
         assert rule()
+        with tiered._LOCK:             # a minute on, the samples are old: measured anew
+            later = _time.monotonic() + tiered._HOST_RATIOS_TTL_S + 1
+            assert tiered._host_scale(rkey) > 100 and tiered._host_scale(rkey, later) == 1.0
         tj.clear_caches(fresh_process=True)
         assert not rule()
     finally:

@@ -10,7 +10,8 @@ exact XLA path (bitmap steps past the traced capacity) or that no device templat
 never tiers. Inputs cost a count of the blocks' packed bits and NumPy over the bounds. The
 host side is scaled by what this process measured of its host plans (``tiered``), so a mask
 size the fit misprices (a 40-head Wan 720p DiTFastAttn mask: 2.2 ms predicted, 27 ms on the
-H100's host) tiers once two of its shape's plans were timed.
+H100's host before the planner's compiled loops were ready) tiers once two of its shape's
+plans were timed.
 
 Constants per (platform, backend, GPU), from ``benchmarks/tiered.py`` (its ``fit`` section;
 benchmarks/NOTES.md#request-path): ``CPU`` measured on the 2-core CPU box, ``H100`` on an

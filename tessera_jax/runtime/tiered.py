@@ -20,7 +20,8 @@ the H100 even after the route's output (benchmarks/NOTES.md#request-path).
 
 Every host plan made on this path (the rule's and the background's) is timed: the rule
 scales its predicted host planning by the least measured / predicted ratio of the request
-shape's last plans (``_host_scale``), so a size the fit misprices tiers after two plans.
+shape's last plans of the last minute (``_host_scale``), so a size the fit misprices tiers
+after two plans, and is measured again a minute later.
 
 Rules: one background plan per request key (concurrent calls on one new mask share it, and a
 synchronous plan of that key waits for it: ``wait_for``); a finished plan goes into the front
@@ -71,9 +72,11 @@ _GEN = 0                             # bumped by clear(): older jobs publish not
 _COMPILED: set = set()               # device-route executables this process has run
 _PREPARED: dict = {}                 # compiled key -> the device route's prepared call
 _PREPARED_MAX = 64
-# (backend, shape, mask.shape) -> the last host plans' measured / predicted planning times
+# (backend, shape, mask.shape) -> (monotonic time, measured / predicted planning time) of the
+# last host plans; a sample counts for _HOST_RATIOS_TTL_S seconds
 _HOST_RATIOS: collections.OrderedDict = collections.OrderedDict()
 _HOST_RATIOS_KEPT, _HOST_RATIOS_MIN, _HOST_RATIOS_MAX = 8, 2, 256
+_HOST_RATIOS_TTL_S = 60.0
 _COUNTS: collections.Counter = collections.Counter()
 _SEEN: collections.OrderedDict = collections.OrderedDict()  # hash(request key) -> calls so far
 _SEEN_MAX = 4096
@@ -340,13 +343,20 @@ def _ratio_key(mask: BlockMask, shape: AttnShape, backend: str) -> tuple:
     return backend, shape, mask.shape
 
 
-def _host_scale(rkey) -> float:
-    """The least measured / predicted host planning time of the last plans of ``rkey`` (1.0
-    until ``_HOST_RATIOS_MIN`` were timed): the least, because a plan's one-time costs (a
-    process's first plan loads tables and compiles) only ever add time (called under
-    ``_LOCK``)."""
+def _host_scale(rkey, now: float | None = None) -> float:
+    """The least measured / predicted host planning time of the last plans of ``rkey`` timed
+    in the last ``_HOST_RATIOS_TTL_S`` seconds (1.0 with fewer than ``_HOST_RATIOS_MIN``):
+    the least, because one-time costs and a loaded host only ever add time (a process's first
+    plans run before numba's loops are ready: a Wan 720p DiTFastAttn plan 10 ms against 2 ms
+    with them, CPU box); recent, because a shape the scale sends to the device route times no
+    more plans of its own, so it plans on the host again once they are old, and is measured
+    anew (called under ``_LOCK``)."""
     r = _HOST_RATIOS.get(rkey)
-    return min(r) if r is not None and len(r) >= _HOST_RATIOS_MIN else 1.0
+    if r is None:
+        return 1.0
+    now = time.monotonic() if now is None else now
+    recent = [x for t, x in r if now - t <= _HOST_RATIOS_TTL_S]
+    return min(recent) if len(recent) >= _HOST_RATIOS_MIN else 1.0
 
 
 def _timed(build, mask, shape, backend, options, platform: str, bkey):
@@ -365,7 +375,7 @@ def _timed(build, mask, shape, backend, options, platform: str, bkey):
             rkey = _ratio_key(mask, shape, backend)
             with _LOCK:
                 r = _HOST_RATIOS.pop(rkey, None) or collections.deque(maxlen=_HOST_RATIOS_KEPT)
-                r.append(ms / predicted)
+                r.append((time.monotonic(), ms / predicted))
                 _HOST_RATIOS[rkey] = r                     # the newest last
                 if len(_HOST_RATIOS) > _HOST_RATIOS_MAX:
                     _HOST_RATIOS.popitem(last=False)
