@@ -208,6 +208,32 @@ def test_precompile_and_persistent_cache(tmp_path):
         tj.precompile(["m"], (1, 96, 2, 8), (1, 96, 2, 8), jnp.float32)
 
 
+def test_precompile_readies_the_planners_compiled_loops():
+    """A fresh process: no compiled planner loops before ``tj.precompile``, ready after it
+    (the plans of its requests then skip the NumPy tier); "vectorised" planning asks for none.
+    In a subprocess: this one's loops may be ready from other tests."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = (
+        "import numpy as np, tessera_jax as tj\n"
+        "from tessera_jax.planning import loops, planner\n"
+        "m = tj.BlockMask.uniform(256, 256, 64, 64, np.ones((1, 4, 4), bool))\n"
+        "s = (1, 256, 2, 32)\n"
+        "flat = tj.Options(planner=planner.PlannerConfig(loops='vectorised'))\n"
+        "tj.precompile(m, s, s, 'float32', options=flat)\n"
+        "print(loops.ready(), loops.warming())\n"
+        "tj.precompile(m, s, s, 'float32')\n"
+        "print(loops.ready())\n")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False", "True"], out.stdout
+
+
 def test_precompile_serves_committed_inputs():
     """``jax.jit``'s cache tells arrays committed to a device (DLPack, ``device_put(x,
     device)``, whatever is computed from them) from uncommitted ones (``jnp.zeros``, what

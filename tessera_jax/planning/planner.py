@@ -838,6 +838,17 @@ def warm_up() -> None:
                             np.zeros((1, 8), np.int64), 1, 1, 1, 4)
 
 
+def loops_ready(config: PlannerConfig = _config.DEFAULT) -> bool:
+    """The compiled loops that ``config.loops`` "auto" plans with, ready now: a background
+    warm-up started where none ran, then waited for (~0.4 s with numba's on-disk cache warm,
+    15-25 s cold, once a process); False where they cannot run (no numba, a failed warm-up:
+    the NumPy tier plans) or ``config`` does not use the warm-up."""
+    if config.loops != "auto" or not config.background_compile:
+        return False
+    _loops.start_warm_up(warm_up)
+    return _loops.wait_ready()
+
+
 def _on_worker(fn, *args):
     """Starts fn(*args) on the planner's worker thread; returns its future."""
     global _POOL
