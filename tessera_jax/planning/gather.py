@@ -351,11 +351,8 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
         lb = G - 1 - nz[:, ::-1].argmax(axis=1)
         ar = np.arange(S)
         full = (kbytes == 255).all(axis=1) & np.repeat(crows == tq, steps_per)
-        rows[:, abi.STEP_KV_START] = words[:, 0]
-        rows[:, abi.STEP_RECT] = abi.pack_rect(
-            np.repeat(clo, steps_per), np.repeat(chi, steps_per),
-            fb * A + _CTZ8[kbytes[ar, fb]], lb * A + _BITLEN8[kbytes[ar, lb]])
-        rows[:, abi.STEP_CUTS_B] = np.where(full, abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)
+        _put_rows(rows, words[:, 0], np.repeat(clo, steps_per), np.repeat(chi, steps_per),
+                  fb * A + _CTZ8[kbytes[ar, fb]], lb * A + _BITLEN8[kbytes[ar, lb]], full)
         cfull = np.add.reduceat(full, np.cumsum(steps_per) - steps_per)
     # 7. Units (those with a selected key), in (head, segment) order.
     unew = np.concatenate(([True], cu[1:] != cu[:-1]))
@@ -367,7 +364,7 @@ def _plan_all_units(kb, blocks, tile_q, tile_kv, G, m, nchunks, s0s, i0s, i1s, w
         o = _interleave_all(cwords, steps_per, cnt, tq, group)
         steps[S: S + S * wr].reshape(S, -1)[:, :nw] = words[o]
         steps[:S] = rows[o]
-    steps[:S, abi.STEP_CUTS_A] = (S + np.arange(S) * wr) * abi.STEP_COLS
+    _point_words(steps, S, wr)
     nfull = np.add.reduceat(cfull, uat).astype(np.int64)
     area = np.add.reduceat(crows * ckeys, uat).astype(np.int64)
     useg = uid % nseg
@@ -558,12 +555,10 @@ def _single_chunk_steps(words, rows, G: int, pstart, plen, pstep, pbyte, steps_p
         _put_bytes(words[blk], G, kbytes)
         i, j, ln = _clipped(cs, ce, s0, s1)
         words[blk, G + wk:] = np.repeat(cwords[i:j], ln, axis=0)
-        rows[blk, abi.STEP_KV_START] = words[blk, 0]
         lbs = lb[blk]
-        rows[blk, abi.STEP_RECT] = abi.pack_rect(
-            np.repeat(clo[i:j], ln), np.repeat(chi[i:j], ln), _CTZ8[kbytes[:, 0]],
-            lbs * A + _BITLEN8[kbytes[np.arange(n), lbs]])
-        rows[blk, abi.STEP_CUTS_B] = np.where(full[blk], abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)
+        _put_rows(rows[blk], words[blk, 0], np.repeat(clo[i:j], ln), np.repeat(chi[i:j], ln),
+                  _CTZ8[kbytes[:, 0]], lbs * A + _BITLEN8[kbytes[np.arange(n), lbs]],
+                  full[blk])
 
 
 def _clipped(at, end, lo: int, hi: int):
@@ -685,23 +680,29 @@ def _steps_array(S: int, tile_q: int, tile_kv: int):
                     np.int32)
 
 
+def _put_rows(rows, kv_start, qlo, qhi, klo, khi, full):
+    """The gathered steps' rows (but ``STEP_CUTS_A``): first chunk's key, the rectangle of
+    rows [qlo, qhi) x keys [klo, khi) in the tile, and the flag (whole, or masked)."""
+    rows[:, abi.STEP_KV_START] = kv_start
+    rows[:, abi.STEP_RECT] = abi.pack_rect(qlo, qhi, klo, khi)
+    rows[:, abi.STEP_CUTS_B] = np.where(full, abi.GATHER_FULL_FLAG, abi.GATHER_FLAG)
+
+
+def _point_words(steps, S: int, wr: int):
+    """Each of the S step rows' ``STEP_CUTS_A``: where its ``wr`` word rows start."""
+    steps[:S, abi.STEP_CUTS_A] = (S + np.arange(S) * wr) * abi.STEP_COLS
+
+
 def _assemble_words(words, meta, head, qs, lo, hi, cnt, nfull, area, tile_q,
-                    tile_kv, steps=None) -> GatherRaw:
+                    tile_kv) -> GatherRaw:
     """The raw plan of the units' steps from their packed words (int32 [S, gather_words]) and
     ``meta`` (int [S, 6]: first chunk start, selected rows [lo, hi), keys [lo, hi), all
-    selected; ``loops._nb_gather_units``' layout). ``steps``: the ``_steps_array`` with the
-    words already in place (``words`` unused), or None."""
+    selected; ``loops._nb_gather_units``' layout)."""
     S = int(cnt.sum())
     wr = abi.gather_word_rows(tile_q, tile_kv)
-    if steps is None:
-        steps = _steps_array(S, tile_q, tile_kv)
-        if S:
-            steps[S: S + S * wr].reshape(S, wr * abi.STEP_COLS)[:, : words.shape[1]] = words
+    steps = _steps_array(S, tile_q, tile_kv)
     if S:
-        steps[:S, abi.STEP_KV_START] = meta[:, 0]
-        steps[:S, abi.STEP_RECT] = abi.pack_rect(meta[:, 1], meta[:, 2], meta[:, 3],
-                                                 meta[:, 4])
-        steps[:S, abi.STEP_CUTS_A] = (S + np.arange(S) * wr) * abi.STEP_COLS
-        steps[:S, abi.STEP_CUTS_B] = np.where(meta[:, 5].astype(bool), abi.GATHER_FULL_FLAG,
-                                              abi.GATHER_FLAG)
+        steps[S: S + S * wr].reshape(S, wr * abi.STEP_COLS)[:, : words.shape[1]] = words
+        _put_rows(steps[:S], *meta[:, :5].T, meta[:, 5].astype(bool))
+        _point_words(steps, S, wr)
     return GatherRaw(head, qs, lo, hi, cnt, nfull, area, steps, S * wr)
