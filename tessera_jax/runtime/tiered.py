@@ -124,13 +124,13 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
                 _COUNTS["reraised"] += 1
                 raise exc
             return None
-        start = False
+        start = declined = False
         if e is None:
             if options.host_planning != "device_first" and not _rule(
                     mask, shape, backend, options, compiled_key in _COMPILED, q, bkey,
                     _host_scale(_ratio_key(mask, shape, backend))):
                 _COUNTS["declined"] += 1
-                e = False
+                declined = True
             elif _sighted(key, options.host_plan_from_call):
                 e = _PENDING[key] = _Entry(_GEN)
                 e.future = concurrent.futures.Future()
@@ -138,9 +138,9 @@ def attention(q, k, v, *, key, mask: BlockMask, shape: AttnShape, backend: str, 
                 _COUNTS["started"] += 1
             else:
                 _COUNTS["deferred"] += 1
-        if e is not False:
+        if not declined:
             _COUNTS["device_route"] += 1
-    if e is False:                 # the host plan now, timed: the rule learns its real cost
+    if declined:                   # the host plan now, timed: the rule learns its real cost
         cache.put(key, _timed(build, mask, shape, backend, options, _platform(q), bkey))
         return None
     # The host plan starts once the device route's output is ready: a plan running beside
