@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import tessera_jax as tj
 from tessera_jax.runtime import api, host_plans, tier_costs, tiered
 from tessera_jax.select.device import DeviceRule
+from tessera_jax.tools.timing import backend_compiles
 from tessera_jax.validation import check_shapes
 
-from compiles import backend_compiles
 from strategies import random_qkv
 
 TOL = dict(atol=2e-5, rtol=2e-5)

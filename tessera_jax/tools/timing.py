@@ -440,6 +440,27 @@ def wall_once(fn: Callable[[], Any], sync: Callable[[Any], Any] | None = None):
     return r, (_clock() - t0) * 1e3
 
 
+#: jax.monitoring's event of one XLA backend compile (its duration in seconds).
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def backend_compiles():
+    """Yields a list that gets the seconds of each XLA backend compile run inside the block: a
+    compile where none is due (a request after ``tj.precompile``) shows as a non-empty list."""
+    import jax
+    seen = []
+
+    def listen(event, duration, **_):
+        if event == BACKEND_COMPILE:
+            seen.append(duration)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def wall_rule(repeats: int, warmup: int = 1, l2: str = "none") -> TimingRule:
     """A host wall-clock rule (CPU runs, end-to-end loops, requests)."""
     return TimingRule(timer="wall", l2=l2, warmup=warmup, repeats=repeats)

@@ -10,8 +10,7 @@ import pytest
 
 import tessera_jax as tj
 from tessera_jax.runtime import tiered
-
-from compiles import backend_compiles
+from tessera_jax.tools.timing import backend_compiles
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a GPU")]
