@@ -833,7 +833,7 @@ def _count_compiles() -> None:
     import jax
 
     def listen(event, duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
+        if event == timing.BACKEND_COMPILE:
             _COMPILES[0] += 1
             _COMPILES[1] += float(duration)
     jax.monitoring.register_event_duration_secs_listener(listen)
@@ -1607,11 +1607,12 @@ def doc_summary(doc: dict) -> dict:
     return with_first_plan(summarize([r for r in doc["rows"] if "peers" in r]), doc)
 
 
-def check_same_gpu(paths, gpu) -> None:
-    """A run resumed from earlier calls' rows (``--skip-from``) runs on their GPU: rows of two
-    GPUs never share a file of record (an H100 file would leave the H200 run its masks)."""
-    for p in paths:
-        theirs = json.loads(Path(p).read_text()).get("versions", {}).get("gpu")
+def check_same_gpu(docs: dict, gpu) -> None:
+    """A run resumed from earlier calls' rows (``--skip-from``: path -> its file, read) runs on
+    their GPU: rows of two GPUs never share a file of record (an H100 file would leave the
+    H200 run its masks)."""
+    for p, d in docs.items():
+        theirs = d.get("versions", {}).get("gpu")
         if theirs != gpu:
             raise SystemExit(f"--skip-from {p}: its rows ran on {theirs!r}, this run on "
                              f"{gpu!r}; resume only from the same GPU's files")
@@ -1661,9 +1662,9 @@ def gpu_main(args) -> int:
     if args.shard:                  # one process per GPU over the same sample (same masks)
         specs = shard_specs(specs, *args.shard)
     sources = ["gpu", "host"] if args.mask_source == "both" else [args.mask_source]
-    if args.skip_from:              # a run cut by its budget: time only the masks it missed
-        done = {(r["id"], mask_source(r)) for f in args.skip_from
-                for r in json.load(open(f)).get("rows", [])}
+    skipped = {f: json.loads(Path(f).read_text()) for f in args.skip_from or ()}
+    if skipped:                     # a run cut by its budget: time only the masks it missed
+        done = {(r["id"], mask_source(r)) for d in skipped.values() for r in d.get("rows", [])}
         specs = [s for s in specs if any((s["id"], src) not in done for src in sources)]
         log(f"--skip-from: {len(done)} rows already timed; {len(specs)} masks left")
     else:
@@ -1687,8 +1688,7 @@ def gpu_main(args) -> int:
                       "request": request_rule(args).to_json()},
            "rows": [], "notes": []}
     log("versions:", json.dumps(doc["versions"]))
-    if args.skip_from:
-        check_same_gpu(args.skip_from, doc["versions"].get("gpu"))
+    check_same_gpu(skipped, doc["versions"].get("gpu"))
     if args.first_plan:
         log("first plan of a fresh install (first_plan.py --fresh-install) ...")
         doc["first_plan"] = first_plan_run(args.first_plan)

@@ -278,12 +278,12 @@ def test_bounded_diagnostic_timing():
     assert len(t.samples) == 5 and len(calls) == 5 + rule.warmup
 
 
-def test_skip_from_needs_the_same_gpu(tmp_path):
-    f = tmp_path / "h100.json"
-    f.write_text(json.dumps({"versions": {"gpu": "NVIDIA H100 80GB HBM3"}, "rows": []}))
-    peers.check_same_gpu([f], "NVIDIA H100 80GB HBM3")
+def test_skip_from_needs_the_same_gpu():
+    docs = {"h100.json": {"versions": {"gpu": "NVIDIA H100 80GB HBM3"}, "rows": []}}
+    peers.check_same_gpu(docs, "NVIDIA H100 80GB HBM3")
+    peers.check_same_gpu({}, "NVIDIA H200")
     with pytest.raises(SystemExit, match="same GPU"):
-        peers.check_same_gpu([f], "NVIDIA H200")
+        peers.check_same_gpu(docs, "NVIDIA H200")
 
 
 def test_figure_writes_png(tmp_path):
