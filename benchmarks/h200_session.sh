@@ -78,6 +78,9 @@
 # host row's `plan_ms` ~1.7 s (11.1 s before the gather planner's NumPy pass), ditfastattn's
 # Wan 720p host requests on the device route after two timed plans (22.8 -> ~18.3 ms); on an
 # H100 `alt-720` (~4 min), then `peers-next wan720 40 benchmarks/results/h100-peers-720.json`.
+# Session 46: no machine. The step-pairs kernel (a q128 x kv64 plan two steps a stage) waits
+# for `pairs` (~6 min, any GPU: its kill criterion compares templates in one call); run it
+# before the peers' record parts, whose sparge gpu rows it would change.
 # First next time, on an H200: `s44` (the overflow default's GPU cases, then the Wan 480p
 # peers), then `peers-480-next results/tmp/<earlier files>` until the 13 families x 2 sources
 # are timed (h200-peers.json holds ff390cc's rows at the older n=5 request rule, which the
@@ -289,6 +292,18 @@ s44)
   # (`tiered` takes tests/gpu/test_precompile_gpu.py too: committed inputs after precompile.)
   run 300 test-gpu make test-gpu PYTEST_ARGS="-n 8 -rA -k 'overflow or traced or decided or tiered'"
   peers_next 280 270 80 wan480 12 ;;
+pairs)
+  # Session 46's step-pairs kernel (NOTES#kernel-steps, kill: not <= 0.97x q128 x kv64): its
+  # compiled checks (make test-gpu's host cases of mgpu_q128_kv64x2_s2_hm), then the device
+  # templates, the candidate named, on SpargeAttn's masks at Wan 480p (12 heads) and
+  # HunyuanVideo 720p (16 heads); ~6 min on a warm machine.
+  run 200 test-gpu-pairs make test-gpu PYTEST_ARGS="-n 4 -rA -k 'kv64x2'"
+  for g in "wan480 12" "hy720 16"; do
+    set -- $g
+    run 200 device-alt-pairs-$1 python3 benchmarks/peers.py --per-family 1 --heads $2 \
+        --grids $1 --mask-source gpu --check-rows 1024 --peers tessera,dense --device-alt \
+        --time-budget 180 --reserve 15 --families sparge --out $OUT/device-alt-pairs-$1.json
+  done ;;
 alt-720)
   # Session 45's open idea (NOTES#peers): the device route's templates at Wan 720p, 40 heads,
   # on the masks whose mean block is ~64 tokens (the traced rule takes q64x2 x kv64 there:

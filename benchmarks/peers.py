@@ -1143,9 +1143,10 @@ def _checked_kernel(case: "_CaseBase", f, call_args: tuple, args) -> dict:
 
 
 def _device_alternatives(case: "_CaseBase", blocks, args) -> dict:
-    """Each template the device route may run (its device list and gathering template), named
-    to the same call: plan + kernel of variant 0 (checked), the kernel rule; ``best``: the
-    fastest. What ``select.device``'s static rule would need to choose per mask."""
+    """Each template the device route may run (its device list, candidates and gathering
+    template), named to the same call: plan + kernel of variant 0 (checked), the kernel rule;
+    ``best``: the fastest. What ``select.device``'s static rule would need to choose per
+    mask."""
     import jax
     import tessera_jax as tj
     from tessera_jax.select import device as select_device
@@ -1153,6 +1154,7 @@ def _device_alternatives(case: "_CaseBase", blocks, args) -> dict:
     qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
     be = _shape_and_backend(case)[1]
     names = list(select_device.DEVICE_TEMPLATES.get(be, ()))
+    names += select_device.DEVICE_CANDIDATES.get(be, ())
     if be in select_device.GATHER_TEMPLATES:
         names.append(select_device.GATHER_TEMPLATES[be])
     qkv, out = (case.qj, case.kj, case.vj), {}

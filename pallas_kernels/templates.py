@@ -69,6 +69,11 @@ class MosaicConfig:
         kv_start + 8 j), so plans may hold gathered steps.
     gather_run: keys one copy loads (a multiple of 8 dividing tile_kv): plans for it hold
         chunks in runs of that many consecutive keys (policies gather / gather32 / gather64).
+    step_pairs: the kernel runs a unit's plan steps two at a time: steps 2i and 2i + 1 fill one
+        K/V stage of 2 x tile_kv keys (a TMA copy each) and share one S = Q K^T and one P V,
+        each half masked by its own step (an odd count leaves the last stage's second half
+        masked). A tile_kv=64 plan then runs 128-key matrix products, with no change to the
+        plan (tile_kv=64 only: a 256-key stage does not fit shared memory).
     """
 
     schedule_barrier: bool = True
@@ -78,11 +83,13 @@ class MosaicConfig:
     mask_mode: str = "cond"
     gather: bool = False
     gather_run: int = 8
+    step_pairs: bool = False
 
     MASK_MODES = ("cond", "always")
 
     def __post_init__(self):
-        for name in ("schedule_barrier", "wg_skip", "paired", "pair_pingpong", "gather"):
+        for name in ("schedule_barrier", "wg_skip", "paired", "pair_pingpong", "gather",
+                     "step_pairs"):
             _check_bool("MosaicConfig", name, getattr(self, name))
         _check_choice("MosaicConfig", "mask_mode", self.mask_mode, self.MASK_MODES)
         _check_int("MosaicConfig", "gather_run", self.gather_run, 8)
@@ -95,6 +102,9 @@ class MosaicConfig:
         if self.wg_skip and self.paired:
             raise ValueError("MosaicConfig.wg_skip needs two warpgroups on one unit; paired "
                              "gives each warpgroup a unit of its own")
+        if self.step_pairs and (self.paired or self.wg_skip or self.gather):
+            raise ValueError("MosaicConfig.step_pairs runs one 128-row unit's steps two at a "
+                             "time: not with paired, wg_skip or gather")
 
     def row_group(self, tile_q: int) -> int:
         """Rows of a tile the kernel computes as one: a warpgroup's 64 with ``wg_skip`` (it
@@ -121,6 +131,9 @@ class MosaicConfig:
                              f"tile_kv={tile_kv}")
         if self.paired and tile_q != 64:
             raise ValueError("MosaicConfig.paired (two 64-row units per CTA) needs tile_q=64")
+        if self.step_pairs and tile_kv != 64:
+            raise ValueError(f"MosaicConfig.step_pairs needs tile_kv=64 (two steps fill a "
+                             f"128-key stage), got {tile_kv}")
         if tile_q == 64 and not self.paired:
             raise ValueError("tile_q=64 needs MosaicConfig.paired=True: the kernel runs two "
                              "consumer warpgroups (the one-warpgroup kernel was deleted)")
@@ -324,6 +337,12 @@ _MOSAIC = (
              kernel=MosaicConfig(), **_MGPU),
     Template("mgpu_q128_kv64_s2_hm", tile_q=128, tile_kv=64, unit_order="head_major",
              kernel=MosaicConfig(), **_MGPU),
+    # The same plans (64-key steps) run two steps a stage: 128-key matrix products (full steps
+    # 0.97 of cuDNN's rate at kv128 against ~0.80 at kv64 on the H200) for K/V blocks of 64
+    # tokens, which 128-key tiles would straddle. Not yet timed on a GPU
+    # (benchmarks/NOTES.md#kernel-steps, step pairs).
+    Template("mgpu_q128_kv64x2_s2_hm", tile_q=128, tile_kv=64, unit_order="head_major",
+             kernel=MosaicConfig(step_pairs=True), **_MGPU),
     # Paired tile_q 64: one CTA of the tile_q=128 shape (two consumer WGs, register split) runs
     # two neighbouring 64-row units at once, each warpgroup its own unit with its own K/V ring
     # (~164 KB of SMEM at D=128). Planned with ``pack`` (partial edge cubes share a unit).

@@ -645,3 +645,38 @@ def test_one_custom_vjp_in_the_tree():
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if re.search(r"jax\.custom_vjp\s*[,)(]|@custom_vjp|custom_vjp\(", line)]
     assert [u.split(":")[0] for u in uses] == ["tessera_jax/runtime/core.py"], uses
+
+
+@needs_interp
+def test_step_pairs_device_route_forward_and_gradients(monkeypatch):
+    """The step-pairs template on the device route (traced blocks of SpargeAttn's shape: 128-row
+    query blocks, 64-key blocks, ragged last blocks, odd and even step counts, an empty query
+    block, GQA): the forward runs two kv64 plan steps a stage, dq and dk/dv the kv64 plan's
+    own kernels; out and every gradient against the float64 oracle (the exact fallback gives
+    zeros, so only the kernels can pass)."""
+    from tessera_jax.validation import check_qkv
+    rng = np.random.default_rng(_seed("step_pairs"))
+    Lq, Lkv, Hq, Hkv, D = 328, 300, 2, 1, 64
+    qb = np.r_[np.arange(0, Lq, 128), Lq]
+    kb = np.r_[np.arange(0, Lkv, 64), Lkv]
+    blocks = rng.random((Hq, len(qb) - 1, len(kb) - 1)) < 0.55
+    blocks[0, 1] = False
+    blocks[1, 1, :3] = True                      # odd and even counts across units
+    mask = tj.BlockMask(qb, kb, blocks)
+    q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, "bfloat16", 23)
+    do, _ = cotangents(1, Lq, Hq, D, jnp.bfloat16, 23, False)
+    want = oracle(q, k, v, mask, do)
+    t = device_route.dispatch.get_template("mgpu_q128_kv64x2_s2_hm")
+    dev = tj.BlockMask(qb, kb, jnp.asarray(blocks))
+    monkeypatch.setattr(core, "exact_backward",
+                        lambda q, k, v, *a, **kw: (jnp.zeros_like(q), jnp.zeros_like(k),
+                                                   jnp.zeros_like(v)))
+
+    def fn(q, k, v, m):
+        return device_route.attention(q, k, v, m, check_qkv(q, k, v), "mosaic_gpu", t,
+                                      D ** -0.5, False)
+
+    out = jax.jit(fn)(q, k, v, dev)
+    err = np.linalg.norm(np.asarray(out, np.float64) - want[0]) / np.linalg.norm(want[0])
+    assert err < 2e-2, err
+    assert_grads(grads(fn, q, k, v, dev, do), want[2:], 2e-2)

@@ -440,6 +440,7 @@ def test_end_to_end_token_mask_triton_template():
     ("mgpu_q128_kv128_s2_hm", 4, 2, True),        # GQA, steps shared by the heads
     ("mgpu_q64x2pp_kv64_s2_hm", 2, 2, False),     # paired units, per head
     ("mgpu_q128_kv64_s2_skip", 2, 1, False),      # warpgroup skipping (rectangles bound bits)
+    ("mgpu_q128_kv64x2_s2_hm", 2, 1, True),       # step pairs: a bitmap step in either half
 ])
 def test_mosaic_bitmap_templates(template, Hq, Hkv, shared):
     """The Mosaic GPU consumer's bitmap branch (row words loaded from GMEM in the fragment's row
@@ -462,7 +463,7 @@ def test_mosaic_bitmap_templates(template, Hq, Hkv, shared):
 
 # --- planned end to end: random token-level bounds through every kernel ----------------------
 KERNEL_TEMPLATES = ["mgpu_q128_kv128_s2_hm", "mgpu_q64x2pp_kv64_s2_hm", "mgpu_q128_kv64_s2_skip",
-                    "triton_q128_kv64_w8_s3_pf_hm", "xla_64x128"]
+                    "mgpu_q128_kv64x2_s2_hm", "triton_q128_kv64_w8_s3_pf_hm", "xla_64x128"]
 
 
 @st.composite

@@ -214,3 +214,21 @@ def test_static_bounds_of_mixed_blocks_take_the_cheapest_price():
     # The price is a property of the bounds alone: the selection (traced) does not enter.
     m = tj.BlockMask(nat, nat, jnp.zeros((1, len(nat) - 1, len(nat) - 1), bool))
     assert D.choose(m, shape, "mosaic_gpu", rule=never)[0].name == "mgpu_q64x2_kv64_s2_hm"
+
+
+def test_candidate_templates_run_when_named_and_are_never_chosen():
+    """A device candidate (``DEVICE_CANDIDATES``: the step-pairs kernel, not yet timed on a
+    GPU) is device-capable and runs when a caller names it, with the plan of its tiles' bitmap
+    capacity; the rule keeps the device list's q128 x kv64 for SpargeAttn's static bounds
+    (128-row query blocks, 64-key blocks) and its own order for traced ones."""
+    L = 4096
+    shape = _shape(L, L)
+    qb, kb = np.arange(0, L + 1, 128), np.arange(0, L + 1, 64)
+    m = tj.BlockMask(qb, kb, jnp.ones((1, len(qb) - 1, len(kb) - 1), bool))
+    for name in D.DEVICE_CANDIDATES["mosaic_gpu"]:
+        t = T.get(name)
+        assert name not in D.DEVICE_TEMPLATES["mosaic_gpu"] and D.device_capable(t)
+        assert D.choose(m, shape, "mosaic_gpu", t) == (t, 0)
+    assert D.choose(m, shape, "mosaic_gpu")[0].name == "mgpu_q128_kv64_s2_hm"
+    traced = tj.BlockMask(jnp.asarray(qb), jnp.asarray(kb), m.blocks)
+    assert D.choose(traced, shape, "mosaic_gpu")[0].name in D.DEVICE_TEMPLATES["mosaic_gpu"]

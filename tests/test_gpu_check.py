@@ -13,9 +13,14 @@ def test_cases_cover_every_gpu_template_and_the_device_routes():
     names = {c[1].get("template") for c in got if c[2] == "host"}
     assert names == {t.name for b in ("mosaic_gpu", "triton") for t in templates.for_backend(b)
                      if t.supports(128, np.dtype("bfloat16")) or t.supports(64, np.dtype("bfloat16"))}
-    assert {(c[1].get("backend"), c[2]) for c in got if c[2] != "host"} == {
+    assert {(c[1].get("backend"), c[2]) for c in got
+            if c[2] != "host" and "template" not in c[1]} == {
         (b, r) for b in ("mosaic_gpu", "triton")
         for r in ("device", "perhead", "traced", "decided", "tiered", "overflow")}
+    # The device rule's candidates, named on the device route (the rule never chooses them).
+    from tessera_jax.select import device as select_device
+    assert {c[1]["template"] for c in got if c[2] == "device" and "template" in c[1]} == {
+        n for b in ("mosaic_gpu", "triton") for n in select_device.DEVICE_CANDIDATES.get(b, ())}
     assert [c[0] for c in got if gpu_check._refines(c[2], c[1])] == [
         "mosaic_gpu-traced-refine-D128", "triton-traced-refine-D128"]
     assert gpu_check.cases([]) == []

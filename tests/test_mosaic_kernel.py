@@ -97,6 +97,7 @@ def _seed(*key) -> int:
 @pytest.mark.parametrize("template,dtype,D,Hq,Hkv,per_head", [
     ("mgpu_q128_kv64_s2_hm", jnp.bfloat16, 64, 4, 2, True),     # GQA, per-head, variable blocks
     ("mgpu_q128_kv128_s2_hm", jnp.float16, 128, 2, 1, False),   # MQA, shared mask
+    ("mgpu_q128_kv64x2_s2_hm", jnp.bfloat16, 128, 4, 2, True),  # step pairs: grid steps a half
 ])
 def test_planned_variable_blocks(template, dtype, D, Hq, Hkv, per_head):
     rng = np.random.default_rng(_seed(template, D))
@@ -107,16 +108,36 @@ def test_planned_variable_blocks(template, dtype, D, Hq, Hkv, per_head):
     assert st["partial_tiles"] > 0            # the masked path ran
 
 
-def test_full_and_partial_steps_aligned():
-    """128 x 64 blocks give full steps (no masking) next to partial ones; batch 2."""
+@pytest.mark.parametrize("template", ["mgpu_q128_kv64_s2_hm", "mgpu_q128_kv64x2_s2_hm"])
+def test_full_and_partial_steps_aligned(template):
+    """128 x 64 blocks give full steps (no masking) next to partial ones; batch 2 (step pairs:
+    units of 1-3 steps, so full pairs, a pair with a partial step and odd counts' lone
+    steps)."""
     rng = np.random.default_rng(7)
     Lq, Lkv = 256, 172                     # the last key block has 44 keys: partial steps
     blocks = rng.random((2, 2, 3)) < 0.6
     blocks[:, :, 0] = blocks[:, :, 2] = True
     mask = tj.BlockMask.uniform(Lq, Lkv, 128, 64, blocks)
-    plan = _run_planned(mask, 2, Lq, Lkv, 2, 2, 64, jnp.bfloat16, "mgpu_q128_kv64_s2_hm", seed=3)
+    plan = _run_planned(mask, 2, Lq, Lkv, 2, 2, 64, jnp.bfloat16, template, seed=3)
     st = plan.stats()
     assert st["full_tiles"] > 0 and st["partial_tiles"] > 0
+    counts = plan.units[:, plan_abi.UNIT_STEP_CNT]
+    assert (counts % 2 == 1).any() and (counts % 2 == 0).any()
+
+
+def test_step_pairs_all_full_odd_counts():
+    """An all-full plan (mask mode "none" picked) on the step-pairs kernel: an odd count's last
+    stage copies its step twice and must mask the copy (the kernel runs "cond"); a unit of one
+    step and one of three, 64-key blocks at any 64-aligned start."""
+    t = templates.get("mgpu_q128_kv64x2_s2_hm")
+    Lq, Lkv = 256, 256
+    blocks = np.zeros((1, 2, 4), bool)
+    blocks[0, 0, [1]] = True
+    blocks[0, 1, [0, 2, 3]] = True
+    mask = tj.BlockMask.uniform(Lq, Lkv, 128, 64, blocks)
+    plan = _run_planned(mask, 1, Lq, Lkv, 1, 1, 64, jnp.float16, t.name, seed=11)
+    assert contract.forward_mask_mode(plan, t, 1, True) == "none"
+    assert sorted(plan.units[:, plan_abi.UNIT_STEP_CNT].tolist()) == [1, 3]
 
 
 def _hand_plan(token_mask, Hq, tile_q, tile_kv, seed):
@@ -406,6 +427,9 @@ def test_backend_runner_takes_traced_plan_arrays(attention_calls, monkeypatch):
     ("mgpu_q64x2_kv64_s2_hm", None, None),
     ("mgpu_q64x2pp_kv64_s2_hm", None, None),
     ("mgpu_q64x2pp_kv64_s2_hm", None, "none"),
+    ("mgpu_q128_kv64x2_s2_hm", None, None),
+    ("mgpu_q128_kv64x2_s2_hm", None, "none"),
+    ("mgpu_q128_kv64x2_s2_hm", MosaicConfig(step_pairs=True, mask_mode="always"), None),
 ])
 def test_lowers_for_cuda(base, kernel, mask_mode):
     """The real (non-interpreted) kernel passes Mosaic GPU lowering and layout inference
@@ -431,10 +455,11 @@ def test_lowers_for_cuda(base, kernel, mask_mode):
 
 
 def test_templates_and_kernel_configs():
-    """The Mosaic templates are the H200 ranking table's candidates and the gathering one
-    (not profiled yet); their configs fit SMEM."""
+    """The Mosaic templates are the H200 ranking table's candidates, the step-pairs one and the
+    gathering ones; their configs fit SMEM."""
     names = [t.name for t in templates.for_backend("mosaic_gpu")]
-    assert names == ["mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm",
+    assert names == ["mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q128_kv64x2_s2_hm",
+                     "mgpu_q64x2_kv64_s2_hm",
                      "mgpu_q128_kv64_s2_skip", "mgpu_q64x2pp_kv64_s2_hm",
                      "mgpu_q128_kv128_s2_gather", "mgpu_q128_kv128_s2_gather_skip_nopp"]
     for t in templates.for_backend("mosaic_gpu"):
@@ -447,6 +472,8 @@ def test_templates_and_kernel_configs():
         assert (cfg.tile_q, cfg.tile_kv, cfg.stages) == (t.tile_q, t.tile_kv, t.stages)
         assert cfg.variant is t.kernel and cfg.mask_mode == "cond"
         assert cfg.wg_skip == t.name.endswith("_skip")
+        assert cfg.step_pairs == ("kv64x2" in t.name)
+        assert cfg.stage_kv == (128 if cfg.step_pairs else t.tile_kv)
         assert cfg.paired == (t.tile_q == 64) and t.q_align == t.kv_align == 8
         assert t.unit_order == ("interleaved" if t.name.endswith("_skip") else "head_major")
         assert t.policy == ("pack" if t.tile_q == 64 or cfg.wg_skip else "merge")
@@ -458,6 +485,7 @@ def test_templates_and_kernel_configs():
     pingpong = {t.name: mosaic_kernel.KernelConfig.from_template(t).pingpong
                 for t in templates.for_backend("mosaic_gpu")}
     assert pingpong == {"mgpu_q128_kv128_s2_hm": True, "mgpu_q128_kv64_s2_hm": True,
+                        "mgpu_q128_kv64x2_s2_hm": True,
                         "mgpu_q64x2_kv64_s2_hm": False, "mgpu_q128_kv64_s2_skip": False,
                         "mgpu_q64x2pp_kv64_s2_hm": True, "mgpu_q128_kv128_s2_gather": True,
                         "mgpu_q128_kv128_s2_gather_skip_nopp": False}
@@ -486,6 +514,14 @@ def test_kernel_config_validates():
     with pytest.raises(TypeError, match="variant"):
         K(128, 64, 2, variant="paired")
     assert K(64, 64, 2, MosaicConfig(paired=True), "none").rings == 2
+    with pytest.raises(ValueError, match="step_pairs needs tile_kv=64"):
+        K(128, 128, 2, MosaicConfig(step_pairs=True))
+    for other in (dict(paired=True), dict(wg_skip=True), dict(gather=True)):
+        with pytest.raises(ValueError, match="step_pairs"):
+            MosaicConfig(step_pairs=True, **other)
+    with pytest.raises(TypeError, match="step_pairs"):
+        MosaicConfig(step_pairs=1)
+    assert K(128, 64, 2, MosaicConfig(step_pairs=True)).stage_kv == 128
 
 
 # --- grid steps (abi STEP_CUTS_A / STEP_CUTS_B: a tile computed once for several blocks) -----
@@ -518,7 +554,9 @@ def _variant(base, name, **kernel):
     ("mgpu_q128_kv64_s2_hm", jnp.bfloat16, 64, 4, 2, False),       # GQA, per head
     ("mgpu_q64x2_kv64_s2_hm", jnp.float16, 64, 2, 1, False),       # paired units
     ("mgpu_q64x2pp_kv64_s2_hm", jnp.bfloat16, 128, 2, 2, False),   # paired, ping-pong
+    ("mgpu_q128_kv64x2_s2_hm", jnp.float16, 64, 2, 1, False),      # step pairs
     ("always", jnp.bfloat16, 128, 2, 1, False),                    # mask mode "always"
+    ("pairs_always", jnp.bfloat16, 64, 2, 2, True),                # step pairs, "always"
 ])
 def test_grid_steps(template, dtype, D, Hq, Hkv, shared):
     """Every kept template (and mask mode "always") on hand plans mixing grid steps (random
@@ -528,6 +566,8 @@ def test_grid_steps(template, dtype, D, Hq, Hkv, shared):
     a unit with no steps, rows no unit owns, padding units."""
     if template == "always":
         template = _variant("mgpu_q128_kv64_s2_hm", "grid_always_test", mask_mode="always")
+    elif template == "pairs_always":
+        template = _variant("mgpu_q128_kv64x2_s2_hm", "pairs_always_test", mask_mode="always")
     seen = collections.Counter()
     for n in range(2):                       # two plans: every kind of step between them
         seed = _seed("grid", getattr(template, "name", template), D, n)

@@ -159,7 +159,7 @@ def load_gathered(views, smems, bars, consumed, starts, run: int, slot, wait):
 
 
 def gather_produce(streams, steps, words, num_steps: int, tile: int, run: int, stages: int,
-                   load, drain_slot):
+                   load, drain_slot, step_pairs: bool = False):
     """The producer loop of a gathering kernel (forward, dq, dk/dv): ``streams`` holds per
     ring (b, head, step_ptr, step_count) of its unit; step i of each ring's unit by
     ``load(b, head, starts, slot, wait)`` (``starts``: its copies' first rows,
@@ -168,27 +168,39 @@ def gather_produce(streams, steps, words, num_steps: int, tile: int, run: int, s
     dependent GMEM reads of a gathered step's starts stay off the path from a released slot to
     its next copies: with one slot per ring they cost 0.94 -> 0.75 of cuDNN's rate,
     benchmarks/NOTES.md#gathered-steps); then ``drain_slot(slot)`` on each ring's last
-    ``stages`` slots, so every barrier phase is waited for before the barriers go away."""
+    ``stages`` slots, so every barrier phase is waited for before the barriers go away.
+    ``step_pairs``: stage i holds steps 2i and 2i + 1 (``MosaicConfig.step_pairs``), one copy of
+    ``tile`` keys each from its kv_start; an odd count's last stage copies its step twice (the
+    consumers mask the second)."""
     def slot(g, ring):
         return lax.rem(g, jnp.array(stages, g.dtype)) + ring * stages
 
+    def stages_of(cnt):
+        return (cnt + 1) // 2 if step_pairs else cnt
+
     def next_starts(ptr, cnt, i):
         # Clamped: past a unit's last step the read is of a real row, and unused.
+        last = ptr + jnp.maximum(cnt - 1, 0)
+        if step_pairs:
+            return tuple(steps[jnp.minimum(jnp.minimum(ptr + 2 * i + d, last), num_steps - 1),
+                               abi.STEP_KV_START] for d in (0, 1))
         return copy_starts(steps, words, jnp.minimum(
             ptr + jnp.minimum(i, jnp.maximum(cnt - 1, 0)), num_steps - 1), tile, run)
 
     def body(i, carry):
         out = []
         for ring, ((b, head, ptr, cnt), starts) in enumerate(zip(streams, carry)):
-            pl.when(i < cnt)(functools.partial(load, b, head, starts, slot(i, ring),
-                                               i >= stages))
+            pl.when(i < stages_of(cnt))(functools.partial(load, b, head, starts, slot(i, ring),
+                                                          i >= stages))
             out.append(next_starts(ptr, cnt, i + 1))
         return tuple(out)
 
-    total = functools.reduce(jnp.maximum, [cnt for _, _, _, cnt in streams])
+    total = functools.reduce(jnp.maximum, [stages_of(cnt) for _, _, _, cnt in streams])
     lax.fori_loop(0, total, body, tuple(next_starts(ptr, cnt, jnp.int32(0))
                                         for _, _, ptr, cnt in streams))
     for ring, (_, _, _, cnt) in enumerate(streams):
-        @pl.loop(jnp.maximum(cnt - stages, 0), cnt)
+        n = stages_of(cnt)
+
+        @pl.loop(jnp.maximum(n - stages, 0), n)
         def _(g, ring=ring):
             drain_slot(slot(g, ring))

@@ -15,7 +15,9 @@ step). A ``lax.switch`` on STEP_CUTS_B picks the mask (``_step_mask``, decoding 
 per-key bias (0 / -inf) and a per-row penalty that the softmax applies, the cells of the
 grid for a grid step (``_grid_mask``: row and key vectors of the fragment's
 layouts, one and, compare and select per element), a bit per entry for a bitmap step
-(``_bitmap_mask``: row words loaded from GMEM, and-ed with each key's bit). Plan
+(``_bitmap_mask``: row words loaded from GMEM, and-ed with each key's bit). With
+``step_pairs`` a stage holds two consecutive steps of a 64-key plan (``_pair_step``: one
+128-key S and P V, each half masked by its own step, ``_pair_mask``). Plan
 starts must be multiples of 8 (TMA fills the 8-row tiled, swizzled SMEM layout). On CPU,
 ``interpret=`` runs it under the Mosaic GPU interpreter, with P @ V as a plain dot (the
 interpreter lacks run_state and wgmma with a register operand).
@@ -72,6 +74,16 @@ class KernelConfig(CompiledConfig):
         return self.variant.wg_skip
 
     @property
+    def step_pairs(self) -> bool:
+        """Two plan steps a K/V stage (``MosaicConfig.step_pairs``)."""
+        return self.variant.step_pairs
+
+    @property
+    def stage_kv(self) -> int:
+        """Keys of one K/V ring slot: tile_kv, or two steps' with ``step_pairs``."""
+        return 2 * self.tile_kv if self.step_pairs else self.tile_kv
+
+    @property
     def rings(self) -> int:
         """K/V rings: one per unit the CTA runs at once."""
         return 2 if self.paired else 1
@@ -92,7 +104,7 @@ def smem_bytes(cfg: KernelConfig, head_dim: int, direct: bool = False) -> int:
     kernels)."""
     rows = CONSUMERS * WG_ROWS
     return 2 * ((2 if direct else 1) * rows * head_dim
-                + 2 * cfg.rings * cfg.stages * cfg.tile_kv * head_dim) + 4 * rows + 2900
+                + 2 * cfg.rings * cfg.stages * cfg.stage_kv * head_dim) + 4 * rows + 2900
 
 
 class _Ctx(NamedTuple):
@@ -139,7 +151,8 @@ class _Wg(NamedTuple):
     lse_smem: Any
     base: Any                  # ring position of the unit's first step
     ptr: Any                   # the unit's first step in ``steps``
-    cnt: Any                   # the unit's step count
+    cnt: Any                   # the unit's K/V stages (its steps; with step_pairs half, up)
+    nsteps: Any                # the unit's step count
 
 
 def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret=False,
@@ -154,6 +167,9 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
     B, _, Hq, D = q.shape
     _, _, Hkv, _ = k.shape
     U = units.shape[0]
+    if cfg.step_pairs and cfg.mask_mode == "none":
+        # Full steps still leave an odd count's last stage half empty: masked by the cond.
+        cfg = dataclasses.replace(cfg, mask_mode="cond")
     dtype = q.dtype
     nwg = CONSUMERS
     static = dict(cfg=cfg, batch=B, num_units=U, head_dim=D, group=Hq // Hkv, dtype=dtype,
@@ -166,8 +182,8 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
         swizzle = plgpu.SwizzleTransform(128)
         slots = cfg.rings * cfg.stages
         qo = plgpu.SMEM((nwg, WG_ROWS, D), dtype, transforms=(tiling, swizzle))
-        kbuf = plgpu.SMEM((slots, cfg.tile_kv, D), dtype, transforms=(tiling, swizzle))
-        vbuf = plgpu.SMEM((slots, cfg.tile_kv, D), dtype, transforms=(tiling, swizzle))
+        kbuf = plgpu.SMEM((slots, cfg.stage_kv, D), dtype, transforms=(tiling, swizzle))
+        vbuf = plgpu.SMEM((slots, cfg.stage_kv, D), dtype, transforms=(tiling, swizzle))
         lse = plgpu.SMEM((nwg, WG_ROWS), jnp.float32)
 
         def scoped(bufs, bars, consumed, schedule_barrier):
@@ -181,8 +197,9 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
                      schedule_barrier=schedule_barrier, **static)
             _kernel(c)
 
-        # A gathering producer arrives once per copy (gather_run keys each).
-        copies = cfg.tile_kv // cfg.variant.gather_run if cfg.variant.gather else 1
+        # A gathering producer arrives once per copy (gather_run keys each), a step-pairs one
+        # once per step.
+        copies = cfg.stage_kv // _copy_run(cfg)
         pl.run_scoped(
             scoped,
             (qo, kbuf, vbuf, lse, *direct_rows),
@@ -211,6 +228,14 @@ def forward(q, k, v, units, steps, *, cfg: KernelConfig, scale: float, interpret
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
     )(q, k, v, units, steps, steps.reshape(-1))
+
+
+def _copy_run(cfg: KernelConfig) -> int:
+    """Keys of one TMA copy into a K/V stage: gather_run (gathering), tile_kv (step pairs:
+    a step each), else the whole stage."""
+    if cfg.variant.gather:
+        return cfg.variant.gather_run
+    return cfg.tile_kv
 
 
 def _kernel(c: _Ctx):
@@ -269,8 +294,9 @@ def _consumer(c: _Ctx, wg):
 def _consumer_unit(c: _Ctx, wg, ring, row0, qo_smem, lse_smem, j, base):
     """One warpgroup's unit: load its Q rows, run the K/V steps, store O and LSE."""
     paired = c.cfg.paired
-    u, b, head, q_start, ptr, cnt, valid = _unit_of(c, ring)
-    w = _Wg(wg, ring, row0, qo_smem, lse_smem, base, ptr, cnt)
+    u, b, head, q_start, ptr, nsteps, valid = _unit_of(c, ring)
+    cnt = (nsteps + 1) // 2 if c.cfg.step_pairs else nsteps        # K/V stages
+    w = _Wg(wg, ring, row0, qo_smem, lse_smem, base, ptr, cnt, nsteps)
     # Plan starts are multiples of 8 (templates' q_align/kv_align): tell the layout
     # inference, which must prove TMA starts divisible by the 8-row SMEM tiling.
     q_row = pl.multiple_of(q_start + row0, ALIGN)
@@ -289,7 +315,8 @@ def _consumer_unit(c: _Ctx, wg, ring, row0, qo_smem, lse_smem, j, base):
     pl.when(wg == 1)(schedule)
     # The carry's last four scalars are unused: the kernel as measured.
     first = (jnp.int32(0),) * 4
-    body = functools.partial(_step, c, w, c.cfg.mask_mode, c.cfg.wg_skip)
+    body = (functools.partial(_pair_step, c, w, c.cfg.mask_mode) if c.cfg.step_pairs
+            else functools.partial(_step, c, w, c.cfg.mask_mode, c.cfg.wg_skip))
     acc, m_i, l_i = lax.fori_loop(0, cnt, body, (acc, m_i, l_i, first))[:3]
     if paired and c.cfg.pingpong:
         # Ping-pong over two units: each computed step takes two passes of the
@@ -353,6 +380,85 @@ def _step(c: _Ctx, w: _Wg, mode, wg_skip, i, carry):
     else:
         state = _compute_step(c, w, mode, i, slot, rect, state)
     return (*state, cur)
+
+
+def _pair_step(c: _Ctx, w: _Wg, mode, i, carry):
+    """One K/V stage of a step-pairs kernel: plan steps 2i and 2i + 1 (the second absent at
+    an odd count's end), one S = Q K^T and one P V over both tiles (mode "cond" or
+    "always")."""
+    acc, m_i, l_i, cur = carry
+    slot = _slot(c, w.base + i, w.ring)
+    ra = _rect(c, w, 2 * i, cuts=True)
+    rb = _rect(c, w, 2 * i + 1, cuts=True)       # clamped: read, unused without has_b
+    has_b = 2 * i + 1 < w.nsteps
+    state = _compute_step(c, w, mode, i, slot, None, (acc, m_i, l_i), pair=(ra, rb, has_b))
+    return (*state, cur)
+
+
+def _pair_full(c: _Ctx, ra: _Rect, rb: _Rect, has_b):
+    """Whether both steps of a stage are full for this warpgroup."""
+    def full(r):
+        return step_masks.rows_full(r.q_lo, r.q_hi, r.kv_lo, r.kv_hi, r.cuts_b, WG_ROWS,
+                                    c.cfg.tile_kv)
+    return full(ra) & has_b & full(rb)
+
+
+def _pair_mask(c: _Ctx, w: _Wg, ra: _Rect, rb: _Rect, has_b, zero_rows, x):
+    """(scores, row penalty) of a step-pairs stage: keys [0, tile_kv) are step a's, the rest
+    step b's. Two plain steps over the same rows (or a alone): a per-key bias and a row
+    penalty, as a plain step's (``_step_mask``); otherwise each half by its step's kind
+    (``_half_mask``: -inf off its selection), the two combined by max (their keys are
+    disjoint)."""
+    T = c.cfg.tile_kv
+
+    def plain(x):
+        cols = iota(2 * T, 0)
+        keep = ((cols >= ra.kv_lo) & (cols < ra.kv_hi)) | (
+            (cols >= T + rb.kv_lo) & (cols < T + rb.kv_hi) & has_b)
+        col_bias = jnp.where(keep, 0.0, -jnp.inf)
+        rows = iota(WG_ROWS, 1)
+        row_pen = jnp.where((rows >= ra.q_lo) & (rows < ra.q_hi), 0.0, jnp.inf)
+        return x + bcast(col_bias, x.shape, 1), row_pen
+
+    def each(x):
+        return jnp.maximum(_half_mask(c, w, ra, 0, True, x),
+                           _half_mask(c, w, rb, T, has_b, x)), zero_rows
+
+    same_rows = (rb.q_lo == ra.q_lo) & (rb.q_hi == ra.q_hi)
+    simple = (ra.cuts_b == 0) & (~has_b | ((rb.cuts_b == 0) & same_rows))
+    return lax.cond(simple, plain, each, x)
+
+
+def _half_mask(c: _Ctx, w: _Wg, r: _Rect, off: int, on, x):
+    """Scores ``x`` [64, 2 x tile_kv] with -inf off step ``r``'s selection, the step's keys
+    at stage columns off .. off + tile_kv (plain: its rectangle; grid and bitmap: their
+    decoders, whose keys outside [0, tile_kv) select nothing); all -inf unless ``on``."""
+    T = c.cfg.tile_kv
+
+    def cols():
+        return iota(2 * T, 0) - off
+
+    def plain(x):
+        rows = iota(WG_ROWS, 1)
+        k = cols()
+        row_in = jnp.where((rows >= r.q_lo) & (rows < r.q_hi), 1, 0).astype(jnp.int32)
+        col_in = jnp.where((k >= r.kv_lo) & (k < r.kv_hi), 1, 0).astype(jnp.int32)
+        keep = (bcast(row_in, x.shape, 0) & bcast(col_in, x.shape, 1)) != 0
+        return jnp.where(keep, x, -jnp.inf)
+
+    def grid(x):
+        return grid_mask(c.steps[r.s, plan_abi.STEP_CUTS_A], r.cuts_b, r.q_lo, r.q_hi,
+                         r.kv_lo, r.kv_hi, lambda: iota(WG_ROWS, 1), cols, w.row0, x)
+
+    def bitmap(x):
+        return bitmap_mask(c.words, c.steps[r.s, plan_abi.STEP_CUTS_A], w.row0, c.cfg.tile_q,
+                           T, cols(), x)
+
+    def none(x):
+        return x + bcast(jnp.where(iota(2 * T, 0) < 0, 0.0, -jnp.inf), x.shape, 1)
+
+    kind = jnp.where(on, step_masks.step_kind(r.cuts_b), 3)
+    return lax.switch(kind, [plain, grid, bitmap, none], x)
 
 
 def _end_softmax_barriers(c: _Ctx, slot):
@@ -430,17 +536,22 @@ def _pv(c: _Ctx, w: _Wg, i, slot, p16, acc_ref):
     _wait_next_k(c, w, i)
 
 
-def _compute_step(c: _Ctx, w: _Wg, mode, i, slot, rect, state):
-    """S = Q K^T on the step's K/V tile, its mask, the online softmax update and O += P V."""
+def _compute_step(c: _Ctx, w: _Wg, mode, i, slot, rect, state, pair=None):
+    """S = Q K^T on the step's K/V tile (``pair``: (rect a, rect b, has_b), the two steps of
+    a step-pairs stage, ``rect`` unused), its mask, the online softmax update and O += P V."""
     acc, m_i, l_i = state
     qk = pl.run_scoped(functools.partial(_qk, c, w, slot),
-                       plgpu.ACC((WG_ROWS, c.cfg.tile_kv), jnp.float32))
+                       plgpu.ACC((WG_ROWS, c.cfg.stage_kv), jnp.float32))
     plgpu.barrier_arrive(c.k_consumed.at[slot])
     if mode != "none":
         zero_rows = plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32),
                                       plgpu.Layout.WGMMA.reduce(1))
-        mask = functools.partial(_step_mask, c, w, rect, zero_rows)
-    if mode == "cond":
+        mask = (functools.partial(_pair_mask, c, w, *pair, zero_rows) if pair is not None
+                else functools.partial(_step_mask, c, w, rect, zero_rows))
+    if mode == "cond" and pair is not None:
+        full = _pair_full(c, *pair)
+        qk, row_pen = lax.cond(full, lambda x: (x, zero_rows), mask, qk)
+    elif mode == "cond":
         q_lo, q_hi, kv_lo, kv_hi = rect[:4]
         # Full for this warpgroup: a plain step whose rectangle covers its 64 rows, all keys.
         full = step_masks.rows_full(q_lo, q_hi, kv_lo, kv_hi, rect.cuts_b, WG_ROWS,
@@ -533,7 +644,7 @@ def _store(c: _Ctx, w: _Wg, u, b, valid, acc, m_i, l_i, head, q_row):
 # --- TMA producer ------------------------------------------------------------------------------
 def _producer(c: _Ctx):
     plgpu.set_max_registers(40, action="decrease")
-    if c.cfg.variant.gather:
+    if c.cfg.variant.gather or c.cfg.step_pairs:
         _gather_producer(c)
         return
     if c.cfg.paired:
@@ -567,8 +678,8 @@ def _producer(c: _Ctx):
 
 
 def _gather_producer(c: _Ctx):
-    """The producer of a gathering kernel: each unit's (paired: both units', in turn) steps in
-    order (``common.gather_produce``)."""
+    """The producer of a gathering or step-pairs kernel: each unit's (paired: both units', in
+    turn) stages in order (``common.gather_produce``)."""
     streams = []
     for ring in range(c.cfg.rings):
         _, b, head, _, ptr, cnt, _ = _unit_of(c, ring)
@@ -577,14 +688,14 @@ def _gather_producer(c: _Ctx):
     def load(b, kv_head, starts, slot, wait):
         load_gathered(rows_of((c.k, c.v), b, kv_head), (c.k_smem, c.v_smem),
                       (c.k_bar, c.v_bar), (c.k_consumed, c.v_consumed), starts,
-                      c.cfg.variant.gather_run, slot, wait)
+                      _copy_run(c.cfg), slot, wait)
 
     def drain(slot):
         plgpu.barrier_wait(c.k_consumed.at[slot])
         plgpu.barrier_wait(c.v_consumed.at[slot])
 
-    gather_produce(streams, c.steps, c.words, c.num_steps, c.cfg.tile_kv,
-                   c.cfg.variant.gather_run, c.cfg.stages, load, drain)
+    gather_produce(streams, c.steps, c.words, c.num_steps, c.cfg.tile_kv, _copy_run(c.cfg),
+                   c.cfg.stages, load, drain, step_pairs=c.cfg.step_pairs)
 
 
 def _load(c: _Ctx, ring, b, kv_head, ptr, i, g):

@@ -42,8 +42,8 @@ from tessera_jax.mask import BlockMask
 from tessera_jax.planning import device as _device
 from tessera_jax.validation import AttnShape
 
-__all__ = ["DEVICE_TEMPLATES", "GATHER_TEMPLATES", "DEVICE_GATHER", "BITMAP_BUDGET_BYTES",
-           "STEP_COST", "TRACED_SMALL_MEAN", "PRICE_DENSITY", "price",
+__all__ = ["DEVICE_TEMPLATES", "DEVICE_CANDIDATES", "GATHER_TEMPLATES", "DEVICE_GATHER",
+           "BITMAP_BUDGET_BYTES", "STEP_COST", "TRACED_SMALL_MEAN", "PRICE_DENSITY", "price",
            "Const", "DeviceFeatures", "static_parts", "device_capable", "bitmap_pairs",
            "capacity", "decided_on_device", "irregular_kv", "small_blocks", "DeviceRule",
            "DEFAULT_RULE", "choose_template", "choose"]
@@ -56,6 +56,13 @@ DEVICE_TEMPLATES = types.MappingProxyType({
     "triton": ("triton_q128_kv128_w8_s3_pf_hm", "triton_q128_kv64_w8_s3_pf_hm",
                "triton_q64_kv64_w4_s2"),
     "xla": ("xla_64x64", "xla_128x128", "xla_64x128", "xla_128x64"),
+})
+
+#: Per backend, templates a device plan may run when a caller names them but the rule does not
+#: choose yet (not timed on a GPU against the device list): ``peers.py --device-alt`` times
+#: them beside it. The step-pairs kernel runs the q128 x kv64 device plan two steps a stage.
+DEVICE_CANDIDATES = types.MappingProxyType({
+    "mosaic_gpu": ("mgpu_q128_kv64x2_s2_hm",),
 })
 
 #: Per backend, its gathering template (``planning.device_gather`` plans it on the device: 8-key

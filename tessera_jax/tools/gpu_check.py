@@ -423,6 +423,7 @@ def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
     out = []
     import tessera_jax as tj
     from tessera_jax.runtime import host_plans
+    from tessera_jax.select import device as select_device
     for b in backends:
         for t in templates.for_backend(b):
             kw = dict(template=t.name)
@@ -441,6 +442,9 @@ def cases(backends=None) -> list[tuple[str, dict, str, int, int, int]]:
             out.append((f"{b}-{route}-gather-D128",
                         dict(backend=b, options=tj.Options(device_gather="irregular")),
                         route, 128, 4, 2))
+        # The rule's candidates (``select.device.DEVICE_CANDIDATES``) named on the device route.
+        for name in select_device.DEVICE_CANDIDATES.get(b, ()):
+            out.append((f"{name}-device-D128", dict(template=name), "device", 128, 4, 2))
         out.append((f"{b}-traced-D128", dict(backend=b), "traced", 128, 4, 2))
         out.append((f"{b}-tiered-D128", dict(backend=b), "tiered", 128, 4, 2))
         # Static bounds past the bitmap budget: the plan decides its fit on the device.
