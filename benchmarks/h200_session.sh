@@ -297,12 +297,13 @@ pairs)
   # compiled checks (make test-gpu's host cases of mgpu_q128_kv64x2_s2_hm), then the device
   # templates, the candidate named, on SpargeAttn's masks at Wan 480p (12 heads) and
   # HunyuanVideo 720p (16 heads); ~6 min on a warm machine.
-  run 200 test-gpu-pairs make test-gpu PYTEST_ARGS="-n 4 -rA -k 'kv64x2'"
-  for g in "wan480 12" "hy720 16"; do
+  run 150 test-gpu-pairs make test-gpu PYTEST_ARGS="-n 3 -rA -k 'kv64x2'"
+  for g in "wan480 12 170" "hy720 16 230"; do
     set -- $g
-    run 200 device-alt-pairs-$1 python3 benchmarks/peers.py --per-family 1 --heads $2 \
+    run $3 device-alt-pairs-$1 python3 benchmarks/peers.py --per-family 1 --heads $2 \
         --grids $1 --mask-source gpu --check-rows 1024 --peers tessera,dense --device-alt \
-        --time-budget 180 --reserve 15 --families sparge --out $OUT/device-alt-pairs-$1.json
+        --time-budget $(($3 - 20)) --reserve 15 --families sparge \
+        --out $OUT/device-alt-pairs-$1.json
   done ;;
 alt-720)
   # Session 45's open idea (NOTES#peers): the device route's templates at Wan 720p, 40 heads,

@@ -1201,10 +1201,11 @@ def _gather_alternatives(case: "_CaseBase", blocks, args) -> dict:
         a, b = out.get(f"{kind}_never", {}), out.get(f"{kind}_{on}", {})
         if a.get("kernel_ms") and b.get("kernel_ms"):
             out[f"{kind}_gather_speedup"] = a["kernel_ms"] / b["kernel_ms"]
-    # Each device-list template named on the traced bounds (the rule's choice aside): what a
-    # tiered request with new bounds would run with another template.
+    # Each device-list template and candidate named on the traced bounds (the rule's choice
+    # aside): what a tiered request with new bounds would run with another template.
     be = _shape_and_backend(case)[1]
-    for name in select_device.DEVICE_TEMPLATES.get(be, ()):
+    for name in (*select_device.DEVICE_TEMPLATES.get(be, ()),
+                 *select_device.DEVICE_CANDIDATES.get(be, ())):
         f = jax.jit(lambda q, k, v, b, qq, kk, t=name: tj.sparse_attention(
             q, k, v, tj.BlockMask(qq, kk, b), template=t))
         out[f"traced_{name}"] = _checked_kernel(case, f, (*qkv, blocks[0], qbj, kbj), args)
