@@ -295,14 +295,15 @@ s44)
 pairs)
   # Session 46's step-pairs kernel (NOTES#kernel-steps, kill: not <= 0.97x q128 x kv64): its
   # compiled checks (make test-gpu's host cases of mgpu_q128_kv64x2_s2_hm), then the device
-  # templates, the candidate named, on SpargeAttn's masks at Wan 480p (12 heads) and
-  # HunyuanVideo 720p (16 heads); ~6 min on a warm machine.
-  run 150 test-gpu-pairs make test-gpu PYTEST_ARGS="-n 3 -rA -k 'kv64x2'"
-  for g in "wan480 12 170" "hy720 16 230"; do
+  # templates, the candidate named, on SpargeAttn's masks at Wan 480p (12 heads, and NATTEN's,
+  # whose kv64 device plan computes 1.36x the selection against kv128's 1.63x) and HunyuanVideo 720p
+  # (16 heads); ~9.5 min on a warm machine.
+  run 140 test-gpu-pairs make test-gpu PYTEST_ARGS="-n 3 -rA -k 'kv64x2'"
+  for g in "wan480 12 230 sparge,natten" "hy720 16 200 sparge"; do
     set -- $g
     run $3 device-alt-pairs-$1 python3 benchmarks/peers.py --per-family 1 --heads $2 \
         --grids $1 --mask-source gpu --check-rows 1024 --peers tessera,dense --device-alt \
-        --time-budget $(($3 - 20)) --reserve 15 --families sparge \
+        --time-budget $(($3 - 20)) --reserve 15 --families $4 \
         --out $OUT/device-alt-pairs-$1.json
   done ;;
 alt-720)
