@@ -79,8 +79,9 @@
 # Wan 720p host requests on the device route after two timed plans (22.8 -> ~18.3 ms); on an
 # H100 `alt-720` (~4 min), then `peers-next wan720 40 benchmarks/results/h100-peers-720.json`.
 # Session 46: no machine. The step-pairs kernel (a q128 x kv64 plan two steps a stage) waits
-# for `pairs` (~6 min, any GPU: its kill criterion compares templates in one call); run it
-# before the peers' record parts, whose sparge gpu rows it would change.
+# for `pairs` (~9.5 min, any GPU: its kill criterion compares templates in one call), then
+# `pairs-kernels` (the same A/B on host plans of kernels.py's masks); run them before the
+# peers' record parts, whose sparge gpu rows they would change.
 # First next time, on an H200: `s44` (the overflow default's GPU cases, then the Wan 480p
 # peers), then `peers-480-next results/tmp/<earlier files>` until the 13 families x 2 sources
 # are timed (h200-peers.json holds ff390cc's rows at the older n=5 request rule, which the
@@ -306,6 +307,13 @@ pairs)
         --time-budget $(($3 - 20)) --reserve 15 --families $4 \
         --out $OUT/device-alt-pairs-$1.json
   done ;;
+pairs-kernels)
+  # The step-pairs kernel against q128 x kv64 (same host plans) and q128 x kv128 on
+  # kernels.py's Wan 480p masks (random 128-blocks at 0.05-0.5, cubes, sliding tiles, radial
+  # frames, clusters), each checked first: where else it would replace kv64 (the host table).
+  run 560 kernels-pairs python3 benchmarks/kernels.py --templates \
+      mgpu_q128_kv64_s2_hm,mgpu_q128_kv64x2_s2_hm,mgpu_q128_kv128_s2_hm --triton 0 \
+      --check-timed-only --budget-s 520 --out $OUT/kernels-pairs.json ;;
 alt-720)
   # Session 45's open idea (NOTES#peers): the device route's templates at Wan 720p, 40 heads,
   # on the masks whose mean block is ~64 tokens (the traced rule takes q64x2 x kv64 there:
