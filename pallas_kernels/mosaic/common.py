@@ -184,8 +184,8 @@ def gather_produce(streams, steps, words, num_steps: int, tile: int, run: int, s
         if step_pairs:
             return tuple(steps[jnp.minimum(jnp.minimum(ptr + 2 * i + d, last), num_steps - 1),
                                abi.STEP_KV_START] for d in (0, 1))
-        return copy_starts(steps, words, jnp.minimum(
-            ptr + jnp.minimum(i, jnp.maximum(cnt - 1, 0)), num_steps - 1), tile, run)
+        return copy_starts(steps, words, jnp.minimum(jnp.minimum(ptr + i, last), num_steps - 1),
+                           tile, run)
 
     def body(i, carry):
         out = []
