@@ -318,7 +318,8 @@ alt-720)
   # Session 45's open idea (NOTES#peers): the device route's templates at Wan 720p, 40 heads,
   # on the masks whose mean block is ~64 tokens (the traced rule takes q64x2 x kv64 there:
   # ditfastattn 15.40 ms against the host plan's q128 x kv128 12.35, radial 68.6 against 61.5,
-  # natten 30.2 against 35.5), every device-list template named; ~4 min on a warm machine.
+  # natten 30.2 against 35.5), every device-list template and candidate named (the step-pairs
+  # kernel: predicted radial ~57-60 ms, ditfastattn ~12-12.5, NOTES#kernel-steps); ~5 min.
   run 330 device-alt python3 benchmarks/peers.py --per-family 1 --heads 40 --grids wan720 \
       --mask-source gpu --check-rows 1024 --peers tessera,dense --device-alt --time-budget 300 \
       --reserve 20 --families ditfastattn,radial,natten --out $OUT/device-alt-720.json ;;
