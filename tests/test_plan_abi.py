@@ -261,7 +261,8 @@ def test_every_planner_plan_passes_check_plan():
 
 # --- the template table ---------------------------------------------------------------------
 KEPT = {
-    "mosaic_gpu": ["mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q64x2_kv64_s2_hm",
+    "mosaic_gpu": ["mgpu_q128_kv128_s2_hm", "mgpu_q128_kv64_s2_hm", "mgpu_q128_kv64x2_s2_hm",
+                   "mgpu_q64x2_kv64_s2_hm",
                    "mgpu_q128_kv64_s2_skip", "mgpu_q64x2pp_kv64_s2_hm",
                    "mgpu_q128_kv128_s2_gather", "mgpu_q128_kv128_s2_gather_skip_nopp"],
     "triton": ["triton_q128_kv64_w8_s3_pf_hm", "triton_q128_kv128_w8_s3_pf_hm",
