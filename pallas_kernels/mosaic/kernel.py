@@ -151,7 +151,7 @@ class _Wg(NamedTuple):
     lse_smem: Any
     base: Any                  # ring position of the unit's first step
     ptr: Any                   # the unit's first step in ``steps``
-    cnt: Any                   # the unit's K/V stages (its steps; with step_pairs half, up)
+    cnt: Any                   # the unit's K/V stages: its steps (step_pairs: half, rounded up)
     nsteps: Any                # the unit's step count
 
 
