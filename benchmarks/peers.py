@@ -1163,10 +1163,66 @@ def _device_alternatives(case: "_CaseBase", blocks, args) -> dict:
             lambda q, k, v, b, t=name: tj.sparse_attention(q, k, v, tj.BlockMask(qb, kb, b),
                                                            template=t)),
             (*qkv, blocks[0]), args)
+        if out[name].get("status") in OK_STATES:
+            out[name]["plan_counts"] = _device_plan_counts(case, blocks[0], name)
     timed = {n: r["kernel_ms"] for n, r in out.items() if r.get("kernel_ms")}
     if timed:
         out["best"] = min(timed, key=timed.get)
     return out
+
+
+def _device_plan_counts(case: "_CaseBase", blocks, name: str) -> dict:
+    """What template ``name``'s device forward plan of ``blocks`` computes, counted on the
+    device (the kernel times of ``device_alt`` over these give a template's time per
+    computed tile, ``select.device.STEP_COST``): steps by kind (plain full / plain partial /
+    grid / bitmap / gathered), computed over selected interactions, units with an odd step
+    count (a step-pairs kernel's half-empty last stage)."""
+    import jax
+    import jax.numpy as jnp
+    import tessera_jax as tj
+    from pallas_kernels import abi
+    from tessera_jax.runtime import device_route, dispatch
+    from tessera_jax.select import device as select_device
+    from tessera_jax.validation import check_qkv
+    try:
+        mask = case.mask
+        qb, kb = np.asarray(mask.q_bounds), np.asarray(mask.kv_bounds)
+        t = dispatch.get_template(name)
+        shape = check_qkv(case.qj, case.kj, case.vj)
+        dev = tj.BlockMask(qb, kb, blocks)
+        consts = select_device.static_parts(dev)
+        t, cap = device_route._choose(consts, dev, shape, t.backend, t,
+                                      tj.Options().device_rule)
+        if t is None:
+            return {"status": "exact path"}
+
+        def counts(b):
+            fwd = device_route.device_plans(
+                case.qj, case.kj, qb, kb, b, consts=consts, t=t, capacity=cap,
+                decide=device_route.decides(consts, b.shape, shape, t, cap),
+                budget=tj.Options().bitmap_budget_bytes).fwd
+            u, st = fwd.units, fwd.steps
+            cnt = u[:, abi.UNIT_STEP_CNT]
+            used = jnp.arange(st.shape[0]) < jnp.max(u[:, abi.UNIT_STEP_PTR] + cnt)
+            # Step rows by kind counted once (a shared mask's query heads visit the same
+            # rows); ``steps`` counts every unit's visits.
+            cb, rect = st[:, abi.STEP_CUTS_B], st[:, abi.STEP_RECT]
+            kinds = {"full": (cb == 0) & (rect == abi.full_rect(t.tile_q, t.tile_kv)),
+                     "partial": (cb == 0) & (rect != abi.full_rect(t.tile_q, t.tile_kv)),
+                     "bitmap": cb == abi.BITMAP_FLAG, "gathered": abi.is_gather(cb)}
+            kinds["grid"] = ~(kinds["full"] | kinds["partial"] | kinds["bitmap"]
+                              | kinds["gathered"])
+            return ({k: jnp.sum(v & used) for k, v in kinds.items()}, jnp.sum(cnt),
+                    jnp.mean((cnt % 2 == 1).astype(jnp.float32)))
+
+        kinds, steps, odd = jax.device_get(jax.jit(counts)(blocks))
+        sel = float((np.diff(qb)[None, :, None] * np.diff(kb)[None, None, :]
+                     * np.asarray(mask.blocks)).sum()) * shape.num_q_heads / mask.shape[0]
+        return {"steps": int(steps), "step_rows_by_kind": {k: int(v) for k, v in kinds.items()},
+                "computed_over_selected": float(steps) * t.tile_q * t.tile_kv / max(sel, 1.0),
+                "odd_units": float(odd), "tiles": [t.tile_q, t.tile_kv]}
+    except Exception as e:  # noqa: BLE001
+        return {"status": "failed", "why": _tail(e, 300)}
 
 
 def _gather_alternatives(case: "_CaseBase", blocks, args) -> dict:

@@ -755,3 +755,10 @@ def test_device_alternatives_time_every_device_template():
         assert res[n]["status"] == "ok" and res[n]["rel_err"] < peers.RTOL, res[n]
     assert res["best"] in names
     assert min(res[n]["kernel_ms"] for n in names) == res[res["best"]]["kernel_ms"]
+    # Each template's device plan counted: its steps cover the selection at least once.
+    sel = (np.diff(qb)[None, :, None] * np.diff(kb)[None, None, :] * mask.blocks).sum()
+    for n in names:
+        pc = res[n]["plan_counts"]
+        assert pc["computed_over_selected"] >= 1.0, (n, pc)
+        assert pc["steps"] * pc["tiles"][0] * pc["tiles"][1] >= sel, (n, pc)
+        assert sum(pc["step_rows_by_kind"].values()) >= 1 and 0 <= pc["odd_units"] <= 1
