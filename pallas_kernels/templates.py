@@ -73,7 +73,8 @@ class MosaicConfig:
         K/V stage of 2 x tile_kv keys (a TMA copy each) and share one S = Q K^T and one P V,
         each half masked by its own step (an odd count leaves the last stage's second half
         masked). A tile_kv=64 plan then runs 128-key matrix products, with no change to the
-        plan (tile_kv=64 only: a 256-key stage does not fit shared memory).
+        plan (tile_kv=64 only: a 256-key stage does not fit shared memory); dq likewise, dk/dv
+        runs the transposed plan's kernel unchanged.
     """
 
     schedule_barrier: bool = True

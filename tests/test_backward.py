@@ -458,10 +458,12 @@ needs_interp = pytest.mark.skipif(INTERPRET is None, reason="no Mosaic GPU inter
 
 
 @needs_interp
-def test_mosaic_backward_host_plan():
-    """dq over a 128 x 64 forward plan and dk/dv over the 128 x 64 transposed plan (paired
-    units off: ``test_mosaic_paired_dkv`` runs those), both with grid and bitmap steps; f16,
-    GQA, per-head mask, empty rows, lse cotangent."""
+@pytest.mark.parametrize("template", ["mgpu_q128_kv64_s2_hm", "mgpu_q128_kv64x2_s2_hm"])
+def test_mosaic_backward_host_plan(template):
+    """dq over a 128 x 64 forward plan (step pairs: two steps a stage, each half masked by its
+    own kind) and dk/dv over the 128 x 64 transposed plan (paired units off:
+    ``test_mosaic_paired_dkv`` runs those), both with grid and bitmap steps; f16, GQA,
+    per-head mask, empty rows, lse cotangent."""
     opts = tj.Options(paired_dkv_policy=None)
     rng = np.random.default_rng(_seed("mosaic"))
     Lq, Lkv, Hq, Hkv, D = 136, 90, 2, 1, 64
@@ -469,7 +471,7 @@ def test_mosaic_backward_host_plan():
     q, k, v = random_qkv(1, Lq, Lkv, Hq, Hkv, D, "float16", 12)
     do, dlse = cotangents(1, Lq, Hq, D, jnp.float16, 12, True)
     want = oracle(q, k, v, mask, do, dlse)
-    p = tj.plan(mask, q.shape, k.shape, q.dtype, template="mgpu_q128_kv64_s2_hm")
+    p = tj.plan(mask, q.shape, k.shape, q.dtype, template=template)
     tp = host_plans.dkv_plan(p, options=opts)
     assert (tp.tile_q, tp.tile_kv) == (128, 64) and all(_steps_kinds(p, tp))
     got = grads(lambda q, k, v, m, return_lse: run(p, q, k, v, D ** -0.5, return_lse, opts),

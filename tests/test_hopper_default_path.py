@@ -67,6 +67,25 @@ def test_default_forward_and_backward_lower_no_triton_kernel(hopper):
     assert text.count(MOSAIC_CALL) >= 4           # forward, row dots, dq, dk/dv
 
 
+@pytest.mark.parametrize("device", [False, True])
+def test_step_pairs_forward_and_backward_lower(hopper, device):
+    """The step-pairs template named, on the host route (a static mask's plan) and on the device
+    route (its blocks traced): the forward and dq with two steps a stage, dk/dv and the row
+    dots pass Mosaic GPU's lowering and layout inference."""
+    mask, opts = _static_mask(), tj.Options(interpret=False)
+    t = "mgpu_q128_kv64x2_s2_hm"
+    if device:
+        f = _grads(lambda q, k, v: tj.sparse_attention(
+            q, k, v, tj.BlockMask(mask.q_bounds, mask.kv_bounds, jnp.asarray(mask.blocks)),
+            template=t, options=opts))
+    else:
+        f = _grads(lambda q, k, v: tj.sparse_attention(q, k, v, mask, template=t,
+                                                       options=opts))
+    text = lower_for_h200(f, _sds(B, L, H, D), _sds(B, L, H, D), _sds(B, L, H, D))
+    _assert_hopper_path(text)
+    assert text.count(MOSAIC_CALL) >= 4           # forward, row dots, dq, dk/dv
+
+
 BUILDERS = {
     "vsa": lambda q, k: dm.vsa_mask(q, k, dm.VSA(block=64, topk=3)).blocks,
     "sparge_topk": lambda q, k: dm.sparge_mask(q, k, dm.Sparge(topk=0.5)).blocks,

@@ -74,21 +74,23 @@ def smem_bytes(kernel: str, tile_kv: int, head_dim: int, rings: int = 1,
 
 
 # --- shared pieces ---------------------------------------------------------------------------
-def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x, gather=False):
+def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x, gather=False,
+            off: int = 0, on=None):
     """Scores ``x`` [64, tile_kv] of this warpgroup's rows (tile rows row0 .. row0 + 63) with
     -inf where step ``s`` selects nothing (``abi.step_mask``): every kind as one test
     ``row_bits[r] & col_bit[c] != 0`` of a row vector and a column vector (a plain step: 1
     inside its rectangle; a grid step: its cell row / 1 << key segment, ``abi.grid_mask``; a
     bitmap step: its row words / 1 << c % 32 per word column), and with ``gather`` a gathered
     step as a key bias plus a row bias (0 / -inf, ``common.gather_vectors``). Mode "cond"
-    skips full steps."""
+    skips full steps. ``off``: the step's keys are columns off .. off + tile_kv of a wider
+    ``x`` (a step-pairs stage; -inf on the other columns), ``on``: all -inf unless it holds."""
     if mode == "none":
         return x
     rect = steps[s, abi.STEP_RECT]
     cuts_b = steps[s, abi.STEP_CUTS_B]
     q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(rect)
     q_lo, q_hi = q_lo - row0, q_hi - row0
-    rows, cols = iota(WG_ROWS, 1), iota(tile_kv, 0)
+    rows, cols = iota(WG_ROWS, 1), iota(x.shape[1], 0) - off
     one, zero = jnp.int32(1), jnp.int32(0)
 
     def plain(x):
@@ -113,6 +115,10 @@ def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x, gath
     if gather:
         branches.append(gathered)
         kind = jnp.where(abi.is_gather(cuts_b), 3, kind)
+    if on is not None:
+        # Off: every column -inf (cols >= -off always).
+        branches.append(lambda x: x + bcast(jnp.where(cols < -off, 0.0, -jnp.inf), x.shape, 1))
+        kind = jnp.where(on, kind, len(branches) - 1)
     masked = lambda x: lax.switch(kind, branches, x)      # noqa: E731
     if mode == "cond":
         full = step_masks.rows_full(q_lo, q_hi, kv_lo, kv_hi, cuts_b, WG_ROWS, tile_kv)
@@ -120,6 +126,28 @@ def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x, gath
             full = full | (cuts_b == abi.GATHER_FULL_FLAG)
         return lax.cond(full, lambda x: x, masked, x)
     return masked(x)
+
+
+def _masked_pair(c, sa, sb, has_b, row0, x):
+    """Scores ``x`` [64, 2 x tile_kv] of a step-pairs stage (steps ``sa`` and ``sb``, the
+    second absent unless ``has_b``) masked by each half's step, combined by max (their keys
+    are disjoint); mode "cond" skips a stage whose two steps are both full."""
+    if c.mode == "none":
+        return x
+
+    def masked(x):
+        return jnp.maximum(
+            _masked(c.steps, c.words, sa, row0, c.tile_q, c.tile_kv, "always", x),
+            _masked(c.steps, c.words, sb, row0, c.tile_q, c.tile_kv, "always", x,
+                    off=c.tile_kv, on=has_b))
+    if c.mode != "cond":
+        return masked(x)
+
+    def full(s):
+        q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(c.steps[s, abi.STEP_RECT])
+        return step_masks.rows_full(q_lo - row0, q_hi - row0, kv_lo, kv_hi,
+                                    c.steps[s, abi.STEP_CUTS_B], WG_ROWS, c.tile_kv)
+    return lax.cond(full(sa) & has_b & full(sb), lambda x: x, masked, x)
 
 
 def _skipping(c, s, row0, compute, skip, state):
@@ -182,6 +210,7 @@ _SHARED_FIELDS = [
 _Dq = NamedTuple("_Dq", [
     ("tile_q", int),
     ("tile_kv", int),
+    ("step_pairs", bool),  # two plan steps a K/V stage (``MosaicConfig.step_pairs``)
     ("gather_run", int),  # keys a copy of a gathered stage loads (0: steps are runs of keys)
     ("stages", int),      # K/V ring slots per ring
     ("dq", Any),
@@ -278,11 +307,12 @@ def _dq_consumer(c: _Dq, wg):
         plgpu.barrier_wait(bar.at[wg])
     lse2 = plgpu.load(c.lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
     delta = plgpu.load(c.delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-    shape = (WG_ROWS, c.tile_kv)
+    shape = (WG_ROWS, 2 * c.tile_kv if c.step_pairs else c.tile_kv)
 
     def step(i, acc):
         slot = _slot(i, ring, c.stages)
-        s_row = jnp.minimum(ptr + i, c.num_steps - 1)
+        first = 2 * i if c.step_pairs else i
+        s_row = jnp.minimum(ptr + first, c.num_steps - 1)
         plgpu.barrier_wait(c.k_bar.at[slot])
         plgpu.barrier_wait(c.v_bar.at[slot])
 
@@ -290,8 +320,12 @@ def _dq_consumer(c: _Dq, wg):
             s = _mma(q_smem, c.k_smem.at[slot], shape)
             dp = _mma(do_smem, c.v_smem.at[slot], shape)
             plgpu.barrier_arrive(c.v_consumed.at[slot])
-            s = _masked(c.steps, c.words, s_row, row0, c.tile_q, c.tile_kv, c.mode, s,
-                        gather=c.gather_run > 0)
+            if c.step_pairs:
+                s = _masked_pair(c, s_row, jnp.minimum(s_row + 1, c.num_steps - 1),
+                                 first + 1 < cnt, row0, s)
+            else:
+                s = _masked(c.steps, c.words, s_row, row0, c.tile_q, c.tile_kv, c.mode, s,
+                            gather=c.gather_run > 0)
             p = jnp.exp2(s * c.qk_scale - bcast(lse2, shape, 0))
             ds = p * (dp - bcast(delta, shape, 0))
             acc = _mma_acc(acc, ds.astype(c.dtype), c.k_smem.at[slot], c.interpret)
@@ -306,7 +340,7 @@ def _dq_consumer(c: _Dq, wg):
         return _skipping(c, s_row, row0, compute, skip, acc)
 
     acc = plgpu.layout_cast(jnp.full((WG_ROWS, c.head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
-    acc = lax.fori_loop(0, cnt, step, acc)
+    acc = lax.fori_loop(0, (cnt + 1) // 2 if c.step_pairs else cnt, step, acc)
     dq = (acc * c.scale).astype(c.dtype)
     if not c.direct:
         q_smem[...] = dq                                   # Q is read no more: dQ goes there
@@ -326,7 +360,7 @@ def _dq_consumer(c: _Dq, wg):
 
 
 def _dq_producer(c: _Dq):
-    if c.gather_run:
+    if c.gather_run or c.step_pairs:
         _dq_gather_producer(c)
         return
 
@@ -351,53 +385,65 @@ def _dq_producer(c: _Dq):
 
 
 def _dq_gather_producer(c: _Dq):
-    """The dq producer of a gathering plan: each ring's unit's K/V stages by runs of
-    ``gather_run`` keys (``common.load_gathered``; ``_gather_produce``)."""
+    """The dq producer of a gathering plan (each ring's unit's K/V stages by runs of
+    ``gather_run`` keys) or of step pairs (a copy of each step's tile_kv keys):
+    ``common.load_gathered``, ``_gather_produce``."""
+    run = c.tile_kv if c.step_pairs else c.gather_run
+
     def load(b, head, starts, slot, wait):
         load_gathered(rows_of((c.k, c.v), b, lax.div(head, jnp.array(c.group, head.dtype))),
                       (c.k_smem, c.v_smem), (c.k_bar, c.v_bar), (c.k_consumed, c.v_consumed),
-                      starts, c.gather_run, slot, wait)
+                      starts, run, slot, wait)
 
     def drain(slot):
         plgpu.barrier_wait(c.k_consumed.at[slot])
         plgpu.barrier_wait(c.v_consumed.at[slot])
 
-    _gather_produce(c, c.tile_kv, c.stages, load, drain)
+    _gather_produce(c, c.tile_kv, c.stages, load, drain, run, c.step_pairs)
 
 
-def _gather_produce(c, tile: int, stages: int, load, drain):
-    """The producer warpgroup of a gathering plan (both kernels): ``common.gather_produce``
-    over each ring's unit (two when paired)."""
+def _gather_produce(c, tile: int, stages: int, load, drain, run: int | None = None,
+                    step_pairs: bool = False):
+    """The producer warpgroup of a gathering plan (both kernels) or of step pairs:
+    ``common.gather_produce`` over each ring's unit (two when paired)."""
     plgpu.set_max_registers(40, action="decrease")
     streams = []
     for ring in range(2 if c.paired else 1):
         _, b, head, _, ptr, cnt, _ = _unit(c, ring)
         streams.append((b, head, ptr, cnt))
-    gather_produce(streams, c.steps, c.words, c.num_steps, tile, c.gather_run, stages, load,
-                   drain)
+    gather_produce(streams, c.steps, c.words, c.num_steps, tile,
+                   c.gather_run if run is None else run, stages, load, drain,
+                   step_pairs=step_pairs)
 
 
 def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paired, mode,
             scale, interpret, gather_run: int = 0, stages: int = STAGES, wg_skip: bool = False,
-            direct: bool = False):
+            direct: bool = False, step_pairs: bool = False):
     """dQ per unit [B, U, tile_q, D] over the forward plan; ``gather_run``: keys a copy loads
     on gathered steps (0: a plan without them, one copy a stage); ``stages``: K/V ring slots
     per ring (a gathering producer's; the other keeps STAGES); ``wg_skip``: a warpgroup skips
     the steps whose rectangle misses its rows (tile_q 128); ``direct``: dQ [B, Lqp, Hq, D],
     each unit's owned rows stored in place (``common.store_owned``; a plan whose units own
-    every row)."""
+    every row); ``step_pairs``: two plan steps a K/V stage (``MosaicConfig.step_pairs``: the
+    forward's 128-key products for a plan of 64-key steps)."""
     if wg_skip and paired:
         raise ValueError("dq_call: wg_skip needs two warpgroups on one unit (not paired)")
+    if step_pairs and (paired or wg_skip or gather_run or tile_kv != 64):
+        raise ValueError("dq_call: step_pairs runs a 128-row unit's 64-key steps (not paired, "
+                         "wg_skip or gathering)")
     if not gather_run and stages != STAGES:
         raise ValueError(f"dq_call: stages={stages} needs a gathering producer (gather_run)")
+    if mode == "none" and step_pairs:
+        mode = "cond"          # an odd count's last stage masks its second half
     B, _, Hq, D = q.shape
     Hkv = k.shape[2]
     U = units.shape[0]
     dtype = q.dtype
     rings = 2 if paired else 1
     slots = rings * stages
-    static = dict(tile_q=tile_q, tile_kv=tile_kv, gather_run=gather_run, stages=stages,
-                  paired=paired, wg_skip=wg_skip, mode=mode, num_units=U,
+    stage_kv = 2 * tile_kv if step_pairs else tile_kv
+    static = dict(tile_q=tile_q, tile_kv=tile_kv, step_pairs=step_pairs, gather_run=gather_run,
+                  stages=stages, paired=paired, wg_skip=wg_skip, mode=mode, num_units=U,
                   num_steps=steps.shape[0], group=Hq // Hkv, head_dim=D, dtype=dtype,
                   qk_scale=float(scale) * LOG2E, scale=float(scale), interpret=interpret)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -419,13 +465,13 @@ def dq_call(q, k, v, do, lse_u, delta_u, units, steps, *, tile_q, tile_kv, paire
              plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
              plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
              plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
-             plgpu.SMEM((slots, tile_kv, D), dtype, transforms=tr),
-             plgpu.SMEM((slots, tile_kv, D), dtype, transforms=tr),
+             plgpu.SMEM((slots, stage_kv, D), dtype, transforms=tr),
+             plgpu.SMEM((slots, stage_kv, D), dtype, transforms=tr),
              *((plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype),) if direct else ())),
             (plgpu.Barrier(num_barriers=CONSUMERS),) * 4,
-            # A gathering producer arrives once per copy.
-            (plgpu.Barrier(num_arrivals=tile_kv // gather_run if gather_run else 1,
-                           num_barriers=slots),) * 2,
+            # A gathering producer arrives once per copy (step pairs: one per step).
+            (plgpu.Barrier(num_arrivals=(tile_kv // gather_run if gather_run
+                                         else 2 if step_pairs else 1), num_barriers=slots),) * 2,
             # A slot is free once every warpgroup reading it is done with it.
             (plgpu.Barrier(num_arrivals=1 if paired else CONSUMERS, num_barriers=slots),) * 2,
             collective_axes="wg",

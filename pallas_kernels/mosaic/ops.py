@@ -89,13 +89,15 @@ def run_dq(q, k, v, do, lse, delta, plan, template, scale, interpret, mode):
                scale=scale, mask_mode=mode, interpret=contract.mosaic_interpret(interpret),
                gather_run=contract.gathers(t),
                stages=t.stages if contract.gathers(t) else _backward.STAGES,
-               wg_skip=bool(t.kernel.wg_skip), direct=_dq_direct(plan, t, q.shape[-1]))
+               wg_skip=bool(t.kernel.wg_skip), direct=_dq_direct(plan, t, q.shape[-1]),
+               step_pairs=bool(t.kernel.step_pairs))
 
 
 def _dq_direct(plan: abi.PassPlan, t: Template, head_dim: int) -> bool:
     """Whether dq stores rows in place (``_in_place``)."""
     stages = t.stages if contract.gathers(t) else _backward.STAGES
-    return _in_place(plan, _backward.smem_bytes("dq", t.tile_kv, head_dim,
+    stage_kv = 2 * t.tile_kv if t.kernel.step_pairs else t.tile_kv
+    return _in_place(plan, _backward.smem_bytes("dq", stage_kv, head_dim,
                                                 2 if t.kernel.paired else 1, stages,
                                                 direct=True))
 
@@ -103,10 +105,10 @@ def _dq_direct(plan: abi.PassPlan, t: Template, head_dim: int) -> bool:
 @functools.partial(jax.jit, static_argnames=("tile_q", "tile_kv", "paired", "q_len_padded",
                                              "kv_len_padded", "scale", "mask_mode",
                                              "interpret", "gather_run", "stages", "wg_skip",
-                                             "direct"))
+                                             "direct", "step_pairs"))
 def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_q, tile_kv,
         paired, q_len_padded, kv_len_padded, scale, mask_mode, interpret, gather_run, stages,
-        wg_skip, direct):
+        wg_skip, direct, step_pairs):
     lse_u = rows_.unit_rows(rows_.pad_rows(lse * contract.LOG2E, q_len_padded, jnp.inf), units,
                             tile_q, unit_index)
     delta_u = rows_.unit_rows(rows_.pad_rows(delta, q_len_padded, 0.0), units, tile_q,
@@ -116,7 +118,7 @@ def _dq(q, k, v, do, lse, delta, units, steps, unit_index, row_index_t, *, tile_
         contract.pad(v, kv_len_padded), contract.pad(do.astype(q.dtype), q_len_padded),
         lse_u, delta_u, units, steps, tile_q=tile_q, tile_kv=tile_kv, paired=paired,
         mode=mask_mode, scale=scale, interpret=interpret, gather_run=gather_run, stages=stages,
-        wg_skip=wg_skip, direct=direct)
+        wg_skip=wg_skip, direct=direct, step_pairs=step_pairs)
     if direct:
         return contract.unpad(dq_u, q.shape)
     return contract.gather_dq(dq_u, units, row_index_t, q.shape, tile_q)
