@@ -80,8 +80,9 @@
 # H100 `alt-720` (~4 min), then `peers-next wan720 40 benchmarks/results/h100-peers-720.json`.
 # Session 46: no machine. The step-pairs kernel (a q128 x kv64 plan two steps a stage) waits
 # for `pairs` (~9.5 min, any GPU: its kill criterion compares templates in one call), then
-# `pairs-kernels` (the same A/B on host plans of kernels.py's masks); run them before the
-# peers' record parts, whose sparge gpu rows they would change.
+# `pairs-bwd` (forward + backward, dq with step pairs too) and `pairs-kernels` (kernels.py's
+# host plans) where time allows; run them before the peers' record parts, whose sparge gpu
+# rows they would change.
 # First next time, on an H200: `s44` (the overflow default's GPU cases, then the Wan 480p
 # peers), then `peers-480-next results/tmp/<earlier files>` until the 13 families x 2 sources
 # are timed (h200-peers.json holds ff390cc's rows at the older n=5 request rule, which the
@@ -307,6 +308,12 @@ pairs)
         --time-budget $(($3 - 20)) --reserve 15 --families $4 \
         --out $OUT/device-alt-pairs-$1.json
   done ;;
+pairs-bwd)
+  # The step-pairs kernel's forward and forward + backward (dq two steps a stage too) on the
+  # device route against q128 x kv64 and q128 x kv128, outputs and gradients compared with
+  # kv64's: SpargeAttn and NATTEN at Wan 480p, SpargeAttn at HunyuanVideo 720p; ~5 min.
+  run 540 step-pairs python3 benchmarks/spikes/step_pairs.py --budget-s 480 \
+      --out $OUT/step-pairs.json ;;
 pairs-kernels)
   # The step-pairs kernel against q128 x kv64 (same host plans) and q128 x kv128 on
   # kernels.py's Wan 480p masks (random 128-blocks at 0.05-0.5, cubes, sliding tiles, radial
