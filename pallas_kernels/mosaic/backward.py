@@ -6,8 +6,8 @@ Modelled on jax's ``ops/gpu/attention_mgpu.py`` backward (separate ``kernel_dq``
 ``stages``-deep SMEM ring to two compute warpgroups of 64 rows each, wgmma for the five matrix
 products, exp2 with the row's lse), with the K/V tiles (dq) or query tiles (dk/dv) a unit
 visits and how many read from the plan's ``steps`` at run time, and each step masked as the
-forward masks it (``_masked``: a plain step's rectangle, a grid step's cells, a bitmap step's
-bits; a full step unmasked with mask mode "cond").
+forward masks it (``common.masked_step``: a plain step's rectangle, a grid step's cells, a
+bitmap step's bits; a full step unmasked with mask mode "cond").
 
 * ``dq`` runs the forward plan's template shape: tile_q = 128 (two warpgroups on the two
   64-row halves of one unit, one K/V ring) or, for ``paired`` templates, tile_q = 64 (each
@@ -38,11 +38,10 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import abi
-from pallas_kernels import step_masks
 from pallas_kernels.contract import LOG2E
-from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask,
-                                          gather_produce, gather_vectors, grid_mask, iota,
-                                          load_gathered, owned_rows, rows_of, store_owned)
+from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, gather_produce,
+                                          load_gathered, masked_pair, masked_step, owned_rows,
+                                          rows_of, store_owned)
 
 __all__ = ["dq_call", "dkv_call", "DKV_TILES", "DKV_PAIRED_TILES", "STAGES",
            "smem_bytes"]
@@ -74,82 +73,6 @@ def smem_bytes(kernel: str, tile_kv: int, head_dim: int, rings: int = 1,
 
 
 # --- shared pieces ---------------------------------------------------------------------------
-def _masked(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x, gather=False,
-            off: int = 0, on=None):
-    """Scores ``x`` [64, tile_kv] of this warpgroup's rows (tile rows row0 .. row0 + 63) with
-    -inf where step ``s`` selects nothing (``abi.step_mask``): every kind as one test
-    ``row_bits[r] & col_bit[c] != 0`` of a row vector and a column vector (a plain step: 1
-    inside its rectangle; a grid step: its cell row / 1 << key segment, ``abi.grid_mask``; a
-    bitmap step: its row words / 1 << c % 32 per word column), and with ``gather`` a gathered
-    step as a key bias plus a row bias (0 / -inf, ``common.gather_vectors``). Mode "cond"
-    skips full steps. ``off``: the step's keys are columns off .. off + tile_kv of a wider
-    ``x`` (a step-pairs stage; -inf on the other columns), ``on``: all -inf unless it holds."""
-    if mode == "none":
-        return x
-    rect = steps[s, abi.STEP_RECT]
-    cuts_b = steps[s, abi.STEP_CUTS_B]
-    q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(rect)
-    q_lo, q_hi = q_lo - row0, q_hi - row0
-    rows, cols = iota(WG_ROWS, 1), iota(x.shape[1], 0) - off
-    one, zero = jnp.int32(1), jnp.int32(0)
-
-    def plain(x):
-        rb = jnp.where((rows >= q_lo) & (rows < q_hi), one, zero)
-        cb = jnp.where((cols >= kv_lo) & (cols < kv_hi), one, zero)
-        return jnp.where((bcast(rb, x.shape, 0) & bcast(cb, x.shape, 1)) != 0, x, -jnp.inf)
-
-    def grid(x):
-        return grid_mask(steps[s, abi.STEP_CUTS_A], cuts_b, q_lo, q_hi, kv_lo, kv_hi,
-                         lambda: rows, lambda: cols, row0, x)
-
-    def bitmap(x):
-        return bitmap_mask(words, steps[s, abi.STEP_CUTS_A], row0, tile_q, tile_kv, cols, x)
-
-    def gathered(x):
-        keys, rws = gather_vectors(words, steps[s, abi.STEP_CUTS_A], row0, tile_kv)
-        x = x + bcast(jnp.where(keys, 0.0, -jnp.inf), x.shape, 1)
-        return x + bcast(jnp.where(rws, 0.0, -jnp.inf), x.shape, 0)
-
-    kind = step_masks.step_kind(cuts_b)
-    branches = [plain, grid, bitmap]
-    if gather:
-        branches.append(gathered)
-        kind = jnp.where(abi.is_gather(cuts_b), 3, kind)
-    if on is not None:
-        # Off: every column -inf (cols >= -off always).
-        branches.append(lambda x: x + bcast(jnp.where(cols < -off, 0.0, -jnp.inf), x.shape, 1))
-        kind = jnp.where(on, kind, len(branches) - 1)
-    masked = lambda x: lax.switch(kind, branches, x)      # noqa: E731
-    if mode == "cond":
-        full = step_masks.rows_full(q_lo, q_hi, kv_lo, kv_hi, cuts_b, WG_ROWS, tile_kv)
-        if gather:
-            full = full | (cuts_b == abi.GATHER_FULL_FLAG)
-        return lax.cond(full, lambda x: x, masked, x)
-    return masked(x)
-
-
-def _masked_pair(c, sa, sb, has_b, row0, x):
-    """Scores ``x`` [64, 2 x tile_kv] of a step-pairs stage (steps ``sa`` and ``sb``, the
-    second absent unless ``has_b``) masked by each half's step, combined by max (their keys
-    are disjoint); mode "cond" skips a stage whose two steps are both full."""
-    if c.mode == "none":
-        return x
-
-    def masked(x):
-        return jnp.maximum(
-            _masked(c.steps, c.words, sa, row0, c.tile_q, c.tile_kv, "always", x),
-            _masked(c.steps, c.words, sb, row0, c.tile_q, c.tile_kv, "always", x,
-                    off=c.tile_kv, on=has_b))
-    if c.mode != "cond":
-        return masked(x)
-
-    def full(s):
-        q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(c.steps[s, abi.STEP_RECT])
-        return step_masks.rows_full(q_lo - row0, q_hi - row0, kv_lo, kv_hi,
-                                    c.steps[s, abi.STEP_CUTS_B], WG_ROWS, c.tile_kv)
-    return lax.cond(full(sa) & has_b & full(sb), lambda x: x, masked, x)
-
-
 def _skipping(c, s, row0, compute, skip, state):
     """``compute(state)`` for step ``s``, or with ``c.wg_skip`` ``skip(state)`` (only the
     slot's releases: the data barriers were waited for, so releases keep the ring's phases)
@@ -321,11 +244,12 @@ def _dq_consumer(c: _Dq, wg):
             dp = _mma(do_smem, c.v_smem.at[slot], shape)
             plgpu.barrier_arrive(c.v_consumed.at[slot])
             if c.step_pairs:
-                s = _masked_pair(c, s_row, jnp.minimum(s_row + 1, c.num_steps - 1),
-                                 first + 1 < cnt, row0, s)
+                s = masked_pair(c.steps, c.words, s_row,
+                                jnp.minimum(s_row + 1, c.num_steps - 1), first + 1 < cnt,
+                                row0, c.tile_q, c.tile_kv, c.mode, s)
             else:
-                s = _masked(c.steps, c.words, s_row, row0, c.tile_q, c.tile_kv, c.mode, s,
-                            gather=c.gather_run > 0)
+                s = masked_step(c.steps, c.words, s_row, row0, c.tile_q, c.tile_kv, c.mode, s,
+                                gather=c.gather_run > 0)
             p = jnp.exp2(s * c.qk_scale - bcast(lse2, shape, 0))
             ds = p * (dp - bcast(delta, shape, 0))
             acc = _mma_acc(acc, ds.astype(c.dtype), c.k_smem.at[slot], c.interpret)
@@ -529,7 +453,7 @@ def _dkv_consumer(c: _Dkv, wg):
             dk, dv = carry
             q_s, do_s = c.q_smem.at[slot], c.do_smem.at[slot]
             st = _mma(k_smem, q_s, shape)                           # S^T [keys, queries]
-            st = _masked(c.steps, c.words, s_row, row0, tile_q, tile_kv, c.mode, st,
+            st = masked_step(c.steps, c.words, s_row, row0, tile_q, tile_kv, c.mode, st,
                          gather=c.gather_run > 0)
             lse2 = plgpu.load(c.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
             pt = jnp.exp2(st * c.qk_scale - bcast(lse2, shape, 1))

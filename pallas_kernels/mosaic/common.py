@@ -1,6 +1,6 @@
-"""Constants, register-layout helpers, the grid / bitmap / gathered step masks and the gathered
-stage loads shared by the Mosaic GPU kernels (``kernel``: the forward, ``backward``: dq and
-dk/dv)."""
+"""Constants, register-layout helpers, the grid / bitmap / gathered step masks (one step's,
+``masked_step``, and a step-pairs stage's, ``masked_pair``) and the gathered stage loads shared
+by the Mosaic GPU kernels (``kernel``: the forward, ``backward``: dq and dk/dv)."""
 
 from __future__ import annotations
 
@@ -104,6 +104,83 @@ def gather_vectors(words, off, row0, tile_kv: int):
                                       iota_, iota_.shape, n) != 0
 
     return bits_on(kw, iota(tile_kv, 0), tile_kv), bits_on(rw, iota(WG_ROWS, 1), WG_ROWS)
+
+
+def masked_step(steps, words, s, row0, tile_q: int, tile_kv: int, mode: str, x,
+                gather=False, off: int = 0, on=None):
+    """Scores ``x`` [64, tile_kv] of this warpgroup's rows (tile rows row0 .. row0 + 63) with
+    -inf where step ``s`` selects nothing (``abi.step_mask``): every kind as one test
+    ``row_bits[r] & col_bit[c] != 0`` of a row vector and a column vector (a plain step: 1
+    inside its rectangle; a grid step: its cell row / 1 << key segment, ``abi.grid_mask``; a
+    bitmap step: its row words / 1 << c % 32 per word column), and with ``gather`` a gathered
+    step as a key bias plus a row bias (0 / -inf, ``gather_vectors``). Mode "cond"
+    skips full steps. ``off``: the step's keys are columns off .. off + tile_kv of a wider
+    ``x`` (a step-pairs stage; -inf on the other columns), ``on``: all -inf unless it holds."""
+    if mode == "none":
+        return x
+    rect = steps[s, abi.STEP_RECT]
+    cuts_b = steps[s, abi.STEP_CUTS_B]
+    q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(rect)
+    q_lo, q_hi = q_lo - row0, q_hi - row0
+    rows, cols = iota(WG_ROWS, 1), iota(x.shape[1], 0) - off
+    one, zero = jnp.int32(1), jnp.int32(0)
+
+    def plain(x):
+        rb = jnp.where((rows >= q_lo) & (rows < q_hi), one, zero)
+        cb = jnp.where((cols >= kv_lo) & (cols < kv_hi), one, zero)
+        return jnp.where((bcast(rb, x.shape, 0) & bcast(cb, x.shape, 1)) != 0, x, -jnp.inf)
+
+    def grid(x):
+        return grid_mask(steps[s, abi.STEP_CUTS_A], cuts_b, q_lo, q_hi, kv_lo, kv_hi,
+                         lambda: rows, lambda: cols, row0, x)
+
+    def bitmap(x):
+        return bitmap_mask(words, steps[s, abi.STEP_CUTS_A], row0, tile_q, tile_kv, cols, x)
+
+    def gathered(x):
+        keys, rws = gather_vectors(words, steps[s, abi.STEP_CUTS_A], row0, tile_kv)
+        x = x + bcast(jnp.where(keys, 0.0, -jnp.inf), x.shape, 1)
+        return x + bcast(jnp.where(rws, 0.0, -jnp.inf), x.shape, 0)
+
+    kind = step_masks.step_kind(cuts_b)
+    branches = [plain, grid, bitmap]
+    if gather:
+        branches.append(gathered)
+        kind = jnp.where(abi.is_gather(cuts_b), 3, kind)
+    if on is not None:
+        # Off: every column -inf (cols >= -off always).
+        branches.append(lambda x: x + bcast(jnp.where(cols < -off, 0.0, -jnp.inf), x.shape, 1))
+        kind = jnp.where(on, kind, len(branches) - 1)
+    masked = lambda x: lax.switch(kind, branches, x)      # noqa: E731
+    if mode == "cond":
+        full = step_masks.rows_full(q_lo, q_hi, kv_lo, kv_hi, cuts_b, WG_ROWS, tile_kv)
+        if gather:
+            full = full | (cuts_b == abi.GATHER_FULL_FLAG)
+        return lax.cond(full, lambda x: x, masked, x)
+    return masked(x)
+
+
+def masked_pair(steps, words, sa, sb, has_b, row0, tile_q: int, tile_kv: int, mode: str, x):
+    """Scores ``x`` [64, 2 x tile_kv] of a step-pairs stage (``MosaicConfig.step_pairs``:
+    steps ``sa`` and ``sb``, the second absent unless ``has_b``) masked by each half's step
+    (``masked_step``), combined by max (their keys are disjoint); mode "cond" skips a stage
+    whose two steps are both full."""
+    if mode == "none":
+        return x
+
+    def masked(x):
+        return jnp.maximum(
+            masked_step(steps, words, sa, row0, tile_q, tile_kv, "always", x),
+            masked_step(steps, words, sb, row0, tile_q, tile_kv, "always", x, off=tile_kv,
+                        on=has_b))
+    if mode != "cond":
+        return masked(x)
+
+    def full(s):
+        q_lo, q_hi, kv_lo, kv_hi = abi.unpack_rect(steps[s, abi.STEP_RECT])
+        return step_masks.rows_full(q_lo - row0, q_hi - row0, kv_lo, kv_hi,
+                                    steps[s, abi.STEP_CUTS_B], WG_ROWS, tile_kv)
+    return lax.cond(full(sa) & has_b & full(sb), lambda x: x, masked, x)
 
 
 def copy_starts(steps, words, s, tile_kv: int, run: int):

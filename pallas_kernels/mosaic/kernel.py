@@ -46,7 +46,8 @@ from pallas_kernels import step_masks
 from pallas_kernels.contract import LN2, LOG2E, MASK_MODES
 from pallas_kernels.mosaic.common import (ALIGN, CONSUMERS, WG_ROWS, bcast, bitmap_mask,
                                           gather_produce, gather_vectors, grid_mask, iota,
-                                          load_gathered, owned_rows, rows_of, store_owned)
+                                          load_gathered, masked_pair, owned_rows, rows_of,
+                                          store_owned)
 from pallas_kernels.templates import CompiledConfig, MosaicConfig
 
 __all__ = ["KernelConfig", "forward", "smem_bytes", "MASK_MODES", "MAX_SMEM"]
@@ -407,8 +408,7 @@ def _pair_mask(c: _Ctx, w: _Wg, ra: _Rect, rb: _Rect, has_b, zero_rows, x):
     """(scores, row penalty) of a step-pairs stage: keys [0, tile_kv) are step a's, the rest
     step b's. Two plain steps over the same rows (or a alone): a per-key bias and a row
     penalty, as a plain step's (``_step_mask``); otherwise each half by its step's kind
-    (``_half_mask``: -inf off its selection), the two combined by max (their keys are
-    disjoint)."""
+    (``common.masked_pair``, dq's mask too)."""
     T = c.cfg.tile_kv
 
     def plain(x):
@@ -421,44 +421,12 @@ def _pair_mask(c: _Ctx, w: _Wg, ra: _Rect, rb: _Rect, has_b, zero_rows, x):
         return x + bcast(col_bias, x.shape, 1), row_pen
 
     def each(x):
-        return jnp.maximum(_half_mask(c, w, ra, 0, True, x),
-                           _half_mask(c, w, rb, T, has_b, x)), zero_rows
+        return masked_pair(c.steps, c.words, ra.s, rb.s, has_b, w.row0, c.cfg.tile_q, T,
+                           "always", x), zero_rows
 
     same_rows = (rb.q_lo == ra.q_lo) & (rb.q_hi == ra.q_hi)
     simple = (ra.cuts_b == 0) & (~has_b | ((rb.cuts_b == 0) & same_rows))
     return lax.cond(simple, plain, each, x)
-
-
-def _half_mask(c: _Ctx, w: _Wg, r: _Rect, off: int, on, x):
-    """Scores ``x`` [64, 2 x tile_kv] with -inf off step ``r``'s selection, the step's keys
-    at stage columns off .. off + tile_kv (plain: its rectangle; grid and bitmap: their
-    decoders, whose keys outside [0, tile_kv) select nothing); all -inf unless ``on``."""
-    T = c.cfg.tile_kv
-
-    def cols():
-        return iota(2 * T, 0) - off
-
-    def plain(x):
-        rows = iota(WG_ROWS, 1)
-        k = cols()
-        row_in = jnp.where((rows >= r.q_lo) & (rows < r.q_hi), 1, 0).astype(jnp.int32)
-        col_in = jnp.where((k >= r.kv_lo) & (k < r.kv_hi), 1, 0).astype(jnp.int32)
-        keep = (bcast(row_in, x.shape, 0) & bcast(col_in, x.shape, 1)) != 0
-        return jnp.where(keep, x, -jnp.inf)
-
-    def grid(x):
-        return grid_mask(c.steps[r.s, plan_abi.STEP_CUTS_A], r.cuts_b, r.q_lo, r.q_hi,
-                         r.kv_lo, r.kv_hi, lambda: iota(WG_ROWS, 1), cols, w.row0, x)
-
-    def bitmap(x):
-        return bitmap_mask(c.words, c.steps[r.s, plan_abi.STEP_CUTS_A], w.row0, c.cfg.tile_q,
-                           T, cols(), x)
-
-    def none(x):
-        return x + bcast(jnp.where(iota(2 * T, 0) < 0, 0.0, -jnp.inf), x.shape, 1)
-
-    kind = jnp.where(on, step_masks.step_kind(r.cuts_b), 3)
-    return lax.switch(kind, [plain, grid, bitmap, none], x)
 
 
 def _end_softmax_barriers(c: _Ctx, slot):
